@@ -1,0 +1,22 @@
+"""kvpool: KV-cache memory pools, allocators and a fused FP8 K/V write for LLM serving engines."""
+
+from kvpool.kernels import (
+    FusedPathUnavailable,
+    fused_eligibility,
+    fused_fp8_set_kv_buffer,
+    quantize,
+    reference_set_kv_buffer,
+)
+from kvpool.pools import MHATokenToKVPool, PathStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FusedPathUnavailable",
+    "MHATokenToKVPool",
+    "PathStats",
+    "fused_eligibility",
+    "fused_fp8_set_kv_buffer",
+    "quantize",
+    "reference_set_kv_buffer",
+]

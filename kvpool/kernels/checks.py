@@ -1,0 +1,203 @@
+"""Argument checks shared by every write path (SPEC section 3.2).
+
+Everything here reads tensor metadata only, so it costs no host-device synchronisation and is
+traceable by torch.compile. The checks that must read device memory (slot range, scale values) are
+separate functions, run only in ``validate`` mode.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Union
+
+import torch
+
+from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8
+
+Scale = Union[None, float, torch.Tensor]
+
+# A float scale is used as float32(scale). It must round to a positive, finite, normal float32:
+# GPUs flush float32 subnormals to zero in division (Triton compiles with FTZ), so a subnormal scale
+# would not divide the same way on every path. Values at or above the midpoint between FLT_MAX and
+# 2**128 round to inf. Comparing the double against the bounds avoids a float32 round trip.
+F32_MIN_NORMAL = 2.0**-126
+F32_ROUNDS_TO_INF = (2.0 - 2.0**-24) * 2.0**127
+
+
+class ArgNames(NamedTuple):
+    """What the caller calls each argument, so errors name the argument the caller wrote."""
+
+    k: str
+    v: str
+    loc: str
+    k_scale: str = "k_scale"
+    v_scale: str = "v_scale"
+
+
+POOL_NAMES = ArgNames("cache_k", "cache_v", "loc")
+FUNCTION_NAMES = ArgNames("k", "v", "cache_loc")
+
+
+def _device_str(t: torch.Tensor) -> str:
+    return str(t.device)
+
+
+def check_rows(t: object, name: str, heads: int, dim: int, device: torch.device) -> torch.Tensor:
+    """``t`` must be a [T, heads, dim] floating tensor on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D [T, {heads}, {dim}], got shape {tuple(t.shape)}")
+    _, h, d = t.shape
+    if h != heads:
+        raise ValueError(f"{name} must have {heads} heads (shape[1]), got {h} (shape {tuple(t.shape)})")
+    if d != dim:
+        raise ValueError(f"{name} must have head dim {dim} (shape[2]), got {d} (shape {tuple(t.shape)})")
+    if t.dtype not in INPUT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {_device_str(t)}")
+    return t
+
+
+def check_loc(loc: object, name: str, tokens: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(loc, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
+    if loc.dtype not in LOC_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {loc.dtype}")
+    if loc.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [T], got shape {tuple(loc.shape)}")
+    if loc.shape[0] != tokens:
+        raise ValueError(f"{name} must have T={tokens} entries (one per token), got {loc.shape[0]}")
+    if loc.device != device:
+        raise ValueError(f"{name} must be on {device}, got {_device_str(loc)}")
+    return loc
+
+
+def check_scale(scale: object, name: str, heads: int, device: torch.device) -> Scale:
+    """Return the scale in canonical form: None, a Python float, or a tensor on ``device`` with one
+    element (per tensor) or ``heads`` elements (per head, shape [H] or [H, 1])."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if not scale.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {scale.dtype}")
+        if scale.device != device:
+            raise ValueError(f"{name} must be on {device}, got {_device_str(scale)}")
+        shape = tuple(scale.shape)
+        if scale.numel() != 1 and shape not in ((heads,), (heads, 1)):
+            raise ValueError(
+                f"{name} must have one element (per tensor) or shape [{heads}] or [{heads}, 1] "
+                f"(per head), got shape {shape}"
+            )
+        return scale
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(
+                f"{name} must be None, a positive float or a floating-point tensor, "
+                f"got {type(scale).__name__}"
+            )
+        scale = float(scale)
+    if not (F32_MIN_NORMAL <= scale < F32_ROUNDS_TO_INF):
+        raise ValueError(
+            f"{name} must be a positive finite float that is a normal float32 "
+            f"(2**-126 <= scale < 3.4e38), got {scale!r}"
+        )
+    return scale
+
+
+def check_cache(cache: object, name: str) -> torch.Tensor:
+    """A caller-owned cache for the public write functions: [slots, H, D] of a cache dtype."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() != 3:
+        raise ValueError(f"{name} must be 3-D [slots, H, D], got shape {tuple(cache.shape)}")
+    if cache.dtype not in CACHE_DTYPES:
+        hint = " (pass the FP8 view, not its uint8 storage)" if cache.dtype == torch.uint8 else ""
+        raise ValueError(
+            f"{name} must be float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32, "
+            f"got {cache.dtype}{hint}"
+        )
+    return cache
+
+
+def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache = check_cache(k_cache, "k_cache")
+    v_cache = check_cache(v_cache, "v_cache")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    if v_cache.shape[0] != k_cache.shape[0]:
+        raise ValueError(
+            f"v_cache must have k_cache's {k_cache.shape[0]} slots (shape[0]), got {v_cache.shape[0]}"
+        )
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache must be on k_cache's device {k_cache.device}, got {v_cache.device}")
+    return k_cache, v_cache
+
+
+class CheckedWrite(NamedTuple):
+    tokens: int
+    k_scale: Scale
+    v_scale: Scale
+
+
+def check_write(
+    k: object,
+    v: object,
+    loc: object,
+    k_scale: object,
+    v_scale: object,
+    *,
+    cache_dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    v_heads: int,
+    v_head_dim: int,
+    device: torch.device,
+    names: ArgNames,
+) -> CheckedWrite:
+    """All metadata checks of one write. Raises before anything is written."""
+    k = check_rows(k, names.k, heads, head_dim, device)
+    v = check_rows(v, names.v, v_heads, v_head_dim, device)
+    tokens = k.shape[0]
+    if v.shape[0] != tokens:
+        raise ValueError(f"{names.v} must have T={tokens} tokens like {names.k}, got {v.shape[0]}")
+    check_loc(loc, names.loc, tokens, device)
+    if is_fp8(cache_dtype):
+        k_scale = check_scale(k_scale, names.k_scale, heads, device)
+        v_scale = check_scale(v_scale, names.v_scale, v_heads, device)
+    else:
+        # A 16-bit or fp32 cache stores inputs as they are; a checkpoint's KV scales do not apply.
+        k_scale = v_scale = None
+    return CheckedWrite(tokens, k_scale, v_scale)  # type: ignore[arg-type]
+
+
+# --- checks that read device memory (validate mode only) -------------------------------------------
+
+
+def check_loc_in_range(loc: torch.Tensor, name: str, capacity: int) -> None:
+    """Raise IndexError naming the first slot >= capacity (one synchronisation)."""
+    if loc.numel() == 0:
+        return
+    bad = loc >= capacity
+    if bool(bad.any()):
+        pos = int(torch.argmax(bad.to(torch.uint8)))
+        raise IndexError(
+            f"{name}[{pos}] = {int(loc[pos])} is out of range: slots are 0..{capacity - 1} "
+            f"(negative entries mean padding)"
+        )
+
+
+def check_scale_values(scale: Scale, name: str) -> None:
+    """A scale tensor's values must be positive, finite and normal in float32, as a float scale
+    must be (one synchronisation)."""
+    if not isinstance(scale, torch.Tensor):
+        return
+    values = scale.detach().reshape(-1).to(torch.float32)
+    ok = (values >= F32_MIN_NORMAL) & torch.isfinite(values)
+    if not bool(ok.all()):
+        pos = int(torch.argmin(ok.to(torch.uint8)))
+        raise ValueError(
+            f"{name} must hold positive finite normal float32 values, got {float(values[pos])!r} at index {pos}"
+        )
+

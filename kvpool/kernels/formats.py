@@ -1,0 +1,60 @@
+"""Element formats a KV cache can hold, and the facts about each that the write paths need.
+
+The FP8 constants are the format definitions (OCP FP8: e4m3fn has no infinities and one NaN
+mantissa pattern; e5m2 is IEEE-like); they are written out here once so the kernel, the reference
+path and the error messages agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How an FP8 format is laid out: what the saturating round-to-nearest-even encoder needs."""
+
+    dtype: torch.dtype
+    exp_bias: int
+    mant_bits: int
+    max_finite: float
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** (1 - self.exp_bias)
+
+    def __post_init__(self) -> None:
+        if self.max_finite != torch.finfo(self.dtype).max:
+            raise ValueError(f"{self.dtype}: max_finite {self.max_finite} disagrees with torch.finfo")
+
+
+FP8_FORMATS: dict[torch.dtype, Fp8Format] = {
+    torch.float8_e4m3fn: Fp8Format(torch.float8_e4m3fn, exp_bias=7, mant_bits=3, max_finite=448.0),
+    torch.float8_e5m2: Fp8Format(torch.float8_e5m2, exp_bias=15, mant_bits=2, max_finite=57344.0),
+}
+
+#: Element types a cache (pool) may hold.
+CACHE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+)
+
+#: Element types that may be written into a cache.
+INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+LOC_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_FORMATS
+
+
+def store_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The element type the buffers are allocated with: FP8 lives in uint8 storage (as SGLang does,
+    because ``index_put_`` was long missing for FP8 on CUDA); other types are stored as themselves."""
+    return torch.uint8 if is_fp8(dtype) else dtype

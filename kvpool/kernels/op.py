@@ -1,0 +1,95 @@
+"""The K/V write as a PyTorch custom operator, ``torch.ops.kvpool.store_kv`` (SPEC 4.4).
+
+Compiled model code sees one opaque op that declares the two caches it mutates, so
+``torch.compile(fullgraph=True)`` traces through ``set_kv_buffer`` without a graph break, keeps the
+write in place (no copy of the cache), and at run time the op launches the fused Triton kernel on
+CUDA or runs the reference path elsewhere. Eager calls skip the dispatcher: ``set_kv_buffer`` only
+routes through the op while ``torch.compile`` is tracing, because the dispatcher costs several
+microseconds of host time per call and eager decode is launch-bound.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvpool.kernels import reference, store_kv
+from kvpool.kernels.checks import Scale
+from kvpool.kernels.formats import store_dtype_for
+from kvpool.kernels.gate import fused_eligibility
+
+
+@torch.library.custom_op("kvpool::store_kv", mutates_args=("k_cache", "v_cache"))
+def store_kv_custom_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    k_scale_value: Optional[float],
+    v_scale_value: Optional[float],
+    cache_dtype: torch.dtype,
+    fused: str,
+) -> None:
+    """Checked-by-the-caller write into caches given in storage dtype (uint8 for FP8).
+
+    A scale is either a tensor (``k_scale``) or a float (``k_scale_value``) or neither.
+    ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``.
+    """
+    if k.shape[0] == 0:
+        return
+    ks: Scale = k_scale if k_scale is not None else k_scale_value
+    vs: Scale = v_scale if v_scale is not None else v_scale_value
+    if fused != "never":
+        ok, reason = fused_eligibility(
+            device=k_cache.device, cache_dtype=cache_dtype, k_dtype=k.dtype, v_dtype=v.dtype,
+            head_dim=k_cache.shape[2], v_head_dim=v_cache.shape[2],
+            k_cache_stride_d=k_cache.stride(2), v_cache_stride_d=v_cache.stride(2),
+            k_scale=ks, v_scale=vs, triton_available=store_kv.TRITON_AVAILABLE,
+            interpreter=store_kv.INTERPRETER and fused == "always",
+        )  # fmt: skip
+        if ok:
+            store_kv.launch_store_kv(
+                k, v, k_cache, v_cache, loc,
+                store_kv.contiguous_scale(ks), store_kv.contiguous_scale(vs), cache_dtype,
+            )  # fmt: skip
+            return
+        if fused == "always":
+            raise store_kv.FusedPathUnavailable(f"fused='always' but {reason}")
+    reference.write_reference(k, v, _logical(k_cache, cache_dtype), _logical(v_cache, cache_dtype), loc, ks, vs)
+
+
+@store_kv_custom_op.register_fake
+def _store_kv_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, cache_dtype, fused):
+    return None
+
+
+def _logical(store: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return store if store.dtype == dtype else store.view(dtype)
+
+
+def store_kv_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: Scale,
+    v_scale: Scale,
+    cache_dtype: torch.dtype,
+    fused: str = "auto",
+) -> None:
+    """Call ``torch.ops.kvpool.store_kv`` with a checked write (caches in storage dtype)."""
+    if k_store.dtype != store_dtype_for(cache_dtype):
+        raise ValueError(f"k_store must have storage dtype {store_dtype_for(cache_dtype)}, got {k_store.dtype}")
+    torch.ops.kvpool.store_kv(
+        k, v, k_store, v_store, loc,
+        k_scale if isinstance(k_scale, torch.Tensor) else None,
+        v_scale if isinstance(v_scale, torch.Tensor) else None,
+        None if isinstance(k_scale, torch.Tensor) else k_scale,
+        None if isinstance(v_scale, torch.Tensor) else v_scale,
+        cache_dtype, fused,
+    )  # fmt: skip

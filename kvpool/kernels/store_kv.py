@@ -1,0 +1,323 @@
+"""Launcher of the fused K/V write: picks the tile from a small table, binds arguments, launches.
+
+Public entry point: :func:`fused_fp8_set_kv_buffer` (checks, gate, launch). The pool calls the
+unchecked :func:`launch_store_kv` after doing its own checks once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_cache_pair, check_write
+from kvpool.kernels.checks import check_loc_in_range, check_scale_values
+from kvpool.kernels.formats import store_dtype_for
+from kvpool.kernels.gate import fused_eligibility
+
+try:
+    import triton
+
+    from kvpool.kernels import store_kv_kernel as _k
+
+    TRITON_AVAILABLE = True
+    # TRITON_INTERPRET=1 must be set before the kernel module is imported; the decorator then
+    # returns an interpreted function that runs on CPU tensors.
+    INTERPRETER = type(_k._store_kv_kernel).__name__ == "InterpretedFunction"
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    _k = None
+    TRITON_AVAILABLE = False
+    INTERPRETER = False
+
+
+class FusedPathUnavailable(RuntimeError):
+    """Raised when the fused kernel was demanded (``fused="always"``) but the gate refused."""
+
+
+# --- tile table --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Work per program: about ``elems`` input elements of one tensor (K or V), ``num_warps`` warps."""
+
+    elems: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.elems < 1 or self.elems & (self.elems - 1):
+            raise ValueError(f"elems must be a positive power of two, got {self.elems}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+#: Tile per head_dim (rounded up to a power of two). Measured on an H200 with
+#: benchmarks/tune_tiles.py; see BENCHMARKS.md ("Tile table") for the sweep behind each entry.
+TILE_TABLE: dict[int, TileConfig] = {
+    64: TileConfig(elems=4096, num_warps=4),
+    128: TileConfig(elems=4096, num_warps=4),
+    256: TileConfig(elems=4096, num_warps=4),
+}
+DEFAULT_TILE = TileConfig(elems=4096, num_warps=4)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_t: int
+    block_h: int
+    block_d: int
+    block_hv: int
+    block_dv: int
+    k_head_blocks: int
+    v_head_blocks: int
+    num_warps: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None) -> LaunchPlan:
+    """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x BLOCK_D of K (or
+    of V), about ``tile.elems`` elements; BLOCK_T is shared by K and V."""
+    block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
+    cfg = tile or TILE_TABLE.get(max(block_d, block_dv), DEFAULT_TILE)
+    block_h = min(_pow2(heads), max(1, cfg.elems // block_d))
+    block_hv = min(_pow2(v_heads), max(1, cfg.elems // block_dv))
+    row = max(block_h * block_d, block_hv * block_dv)
+    block_t = max(1, cfg.elems // row)
+    return LaunchPlan(
+        block_t=block_t,
+        block_h=block_h,
+        block_d=block_d,
+        block_hv=block_hv,
+        block_dv=block_dv,
+        k_head_blocks=-(-heads // block_h),
+        v_head_blocks=-(-v_heads // block_hv),
+        num_warps=cfg.num_warps,
+    )
+
+
+# --- conversion mode ---------------------------------------------------------------------------------
+
+_OUT_KIND = {
+    torch.float8_e4m3fn: 0,
+    torch.float8_e5m2: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.float32: 4,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _native_cast_ok(device_type: str, index: int | None) -> bool:
+    """Whether Triton's own fp32->fp8/bf16 conversion is exact here: NVIDIA sm_89+ (cvt.rn.satfinite).
+    Elsewhere (interpreter, AMD, older NVIDIA) the kernel encodes with integer operations."""
+    if INTERPRETER or device_type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("KVPOOL_SOFT_CAST") == "1":
+        return False
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def soft_cast_for(device: torch.device) -> bool:
+    return not _native_cast_ok(device.type, device.index)
+
+
+# --- launch ------------------------------------------------------------------------------------------
+
+
+def _scale_args(scale: Scale, heads: int) -> tuple[int, object, float, int]:
+    """(kind, pointer, value, stride) for one tensor's scale."""
+    if scale is None:
+        return 0, None, 1.0, 0
+    if type(scale) is float:
+        return 1, None, scale, 0
+    return 2, scale, 1.0, (1 if scale.numel() == heads and heads != 1 else 0)  # type: ignore[union-attr]
+
+
+class PreparedLaunch:
+    """Everything about a launch that is fixed for a cache geometry, computed once; ``__call__``
+    binds the per-call tensors and launches. The pool keeps one; the public function builds one per
+    geometry (cached)."""
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        v_heads: int,
+        v_head_dim: int,
+        cache_dtype: torch.dtype,
+        k_cache_strides: tuple[int, int, int],
+        v_cache_strides: tuple[int, int, int],
+        capacity: int,
+        soft_cast: bool,
+        tile: TileConfig | None = None,
+    ) -> None:
+        plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
+        self.plan = plan
+        self.heads, self.v_heads = heads, v_heads
+        self.capacity = capacity
+        self.cache_strides = (*k_cache_strides, *v_cache_strides)
+        self.block_t = plan.block_t
+        self.grid_y = plan.k_head_blocks + plan.v_head_blocks
+        base = dict(
+            H=heads, D=head_dim, HV=v_heads, DV=v_head_dim,
+            BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
+            BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+            OUT_KIND=_OUT_KIND[cache_dtype], SOFT_CAST=soft_cast, num_warps=plan.num_warps,
+        )  # fmt: skip
+        # One keyword dict per (K scale kind, V scale kind), so a call builds no dict.
+        self.constexprs = {
+            (a, b): {**base, "K_SCALE_KIND": a, "V_SCALE_KIND": b} for a in range(3) for b in range(3)
+        }
+
+    def __call__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_store: torch.Tensor,
+        v_store: torch.Tensor,
+        loc: torch.Tensor,
+        k_scale: Scale,
+        v_scale: Scale,
+    ) -> None:
+        tokens = k.shape[0]
+        if tokens == 0:
+            return
+        ks_kind, ks_ptr, ks_val, ks_stride = _scale_args(k_scale, self.heads)
+        vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
+        kst = k.stride()
+        vst = v.stride()
+        _k._store_kv_kernel[(-(-tokens // self.block_t), self.grid_y)](
+            k, v, k_store, v_store, loc,
+            ks_ptr, vs_ptr, ks_val, vs_val, ks_stride, vs_stride,
+            tokens, self.capacity,
+            kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
+            *self.cache_strides,
+            **self.constexprs[(ks_kind, vs_kind)],
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile):
+    return PreparedLaunch(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile)
+
+
+def launch_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: Scale,
+    v_scale: Scale,
+    cache_dtype: torch.dtype,
+    *,
+    soft_cast: bool | None = None,
+    tile: TileConfig | None = None,
+) -> None:
+    """Launch the fused write. Arguments must already be checked; ``k_store``/``v_store`` are the
+    caches in storage dtype (uint8 for FP8) and ``cache_dtype`` the logical element type.
+    A per-head scale tensor must be contiguous. Allocates nothing and never synchronises."""
+    if k.shape[0] == 0:
+        return
+    if soft_cast is None:
+        soft_cast = soft_cast_for(k_store.device)
+    launch = _prepared(
+        k_store.shape[1], k_store.shape[2], v_store.shape[1], v_store.shape[2], cache_dtype,
+        tuple(k_store.stride()), tuple(v_store.stride()), k_store.shape[0], soft_cast, tile,
+    )  # fmt: skip
+    launch(k, v, k_store, v_store, loc, k_scale, v_scale)
+
+
+def storage_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernel addresses it: FP8 as its uint8 bytes (a view, never a copy)."""
+    store = store_dtype_for(cache.dtype)
+    return cache if store == cache.dtype else cache.view(store)
+
+
+def fused_fp8_set_kv_buffer(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_loc: torch.Tensor,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    *,
+    validate: bool = False,
+) -> None:
+    """Write K/V rows into caller-owned caches with the fused Triton kernel, in one launch.
+
+    ``cache[cache_loc[t]] = q(x[t], scale)`` for K and V, where for FP8 caches q divides by the scale
+    in correctly rounded float32, saturates to the format's finite range and rounds to nearest even
+    (NaN stays NaN); for 16-bit/fp32 caches q is the plain cast and scales are ignored. Bit-identical
+    to :func:`kvpool.reference_set_kv_buffer`. No allocation, no synchronisation, CUDA-graph safe (a
+    tensor scale is read on the device when the kernel runs).
+
+    Parameters
+    ----------
+    k, v : Tensor [T, H, D] and [T, Hv, Dv], bfloat16/float16/float32, any strides (slices of a
+        fused QKV projection need no copy). Never modified.
+    k_cache, v_cache : Tensor [slots, H, D] and [slots, Hv, Dv], float8_e4m3fn, float8_e5m2,
+        bfloat16, float16 or float32, head_dim contiguous.
+    cache_loc : Tensor [T], int32 or int64. Negative entries write nothing; entries >= slots are
+        never written (``validate=True`` raises IndexError for them instead).
+    k_scale, v_scale : None, a positive float, or a float32 tensor with 1 (per tensor) or H (per
+        head, shape [H] or [H, 1]) elements.
+    validate : also check slot range and scale values, at the cost of one synchronisation.
+
+    Raises
+    ------
+    TypeError, ValueError, IndexError
+        Malformed arguments (naming the argument, expected and actual value); nothing is written.
+    FusedPathUnavailable
+        The kernel cannot take this write (no CUDA device, unsupported scale dtype, ...); the message
+        gives the gate's reason. :func:`kvpool.reference_set_kv_buffer` takes every write.
+
+    Examples
+    --------
+    >>> k_cache = torch.zeros(4096, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    >>> v_cache = torch.zeros_like(k_cache)
+    >>> qkv = torch.randn(7, 48, 128, dtype=torch.bfloat16, device="cuda")
+    >>> k, v = qkv[:, 32:40], qkv[:, 40:48]            # strided views, no copy
+    >>> loc = torch.tensor([3, 4, 5, -1, 9, 10, 11], device="cuda")
+    >>> fused_fp8_set_kv_buffer(k, v, k_cache, v_cache, loc, k_scale=0.05, v_scale=0.05)
+    """
+    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
+    checked = check_write(
+        k, v, cache_loc, k_scale, v_scale,
+        cache_dtype=k_cache.dtype, heads=k_cache.shape[1], head_dim=k_cache.shape[2],
+        v_heads=v_cache.shape[1], v_head_dim=v_cache.shape[2], device=k_cache.device,
+        names=FUNCTION_NAMES,
+    )  # fmt: skip
+    ok, reason = fused_eligibility(
+        device=k_cache.device, cache_dtype=k_cache.dtype, k_dtype=k.dtype, v_dtype=v.dtype,
+        head_dim=k_cache.shape[2], v_head_dim=v_cache.shape[2],
+        k_cache_stride_d=k_cache.stride(2), v_cache_stride_d=v_cache.stride(2),
+        k_scale=checked.k_scale, v_scale=checked.v_scale,
+        triton_available=TRITON_AVAILABLE, interpreter=INTERPRETER,
+    )  # fmt: skip
+    if not ok:
+        raise FusedPathUnavailable(f"the fused kernel cannot take this write: {reason}")
+    if validate:
+        check_loc_in_range(cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
+        check_scale_values(checked.k_scale, "k_scale")
+        check_scale_values(checked.v_scale, "v_scale")
+    launch_store_kv(
+        k, v, storage_view(k_cache), storage_view(v_cache), cache_loc,
+        contiguous_scale(checked.k_scale), contiguous_scale(checked.v_scale), k_cache.dtype,
+    )  # fmt: skip
+
+
+def contiguous_scale(scale: Scale) -> Scale:
+    # A [H, 1] or [H] scale tensor is read with stride 1; a non-contiguous one (rare) is copied here,
+    # outside the pool's hot path. One-element tensors are read at offset 0 whatever their shape.
+    if isinstance(scale, torch.Tensor) and scale.numel() > 1 and not scale.is_contiguous():
+        return scale.contiguous()
+    return scale

@@ -1,0 +1,232 @@
+"""The fused K/V cache write, as Triton device code only (the launcher is ``store_kv.py``).
+
+One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
+rounded float32, saturate to the format's finite range, round to nearest even, and scatter each row
+to its slot. Grid: axis 0 walks token blocks; axis 1 walks head blocks of K and then of V, so K and V
+(which may differ in head count and head dim) share the launch.
+
+Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
+
+* native (``SOFT_CAST=False``): Triton's ``.to(float8e4nv / float8e5 / bfloat16)``; on sm_89+ this is
+  ``cvt.rn.satfinite``, one instruction per pair of elements.
+* soft (``SOFT_CAST=True``): round-to-nearest-even written with integer operations on the float32 bit
+  pattern. Bit-exact everywhere, including Triton's CPU interpreter, whose own float->fp8 and
+  float->bf16 conversions are wrong (ties away from zero, truncation; see shared/FACTS.md) and which
+  also mangles bf16 subnormals when widening them, and GPUs
+  that have no FP8 conversion instruction.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Output kinds (compile-time). Kept as plain ints so the launcher can pass them as constexpr.
+OUT_E4M3 = tl.constexpr(0)
+OUT_E5M2 = tl.constexpr(1)
+OUT_BF16 = tl.constexpr(2)
+OUT_FP16 = tl.constexpr(3)
+OUT_FP32 = tl.constexpr(4)
+
+# Scale kinds (compile-time).
+SCALE_NONE = tl.constexpr(0)
+SCALE_VALUE = tl.constexpr(1)  # a float32 kernel argument (baked into a CUDA graph)
+SCALE_TENSOR = tl.constexpr(2)  # read from device memory at run time; stride 0 = per tensor, 1 = per head
+
+
+@triton.jit
+def _fp8_bits_soft(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINITE: tl.constexpr):
+    """float32 -> FP8 code (int32 in [0, 255]): saturate finite and infinite values, keep NaN,
+    round to nearest even, keep the sign of zero."""
+    is_nan = y != y
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.where(is_nan, 0.0, tl.abs(y))
+    a = tl.minimum(a, MAX_FINITE)  # +inf saturates too; RNE of a value <= MAX_FINITE stays <= it
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range: round the 23-bit mantissa to MANT_BITS, ties to even; a carry moves into the
+    # exponent field, which is exactly the rounding up to the next binade. Then rebias the exponent.
+    SHIFT: tl.constexpr = 23 - MANT_BITS
+    rounded = bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)
+    normal = (rounded >> SHIFT) - ((127 - EXP_BIAS) << MANT_BITS)
+    # Subnormal range: the code is a / 2**(1 - EXP_BIAS - MANT_BITS) rounded to an integer. Scaling
+    # by a power of two is exact, and adding 2**23 makes the float32 adder round to an integer (ties
+    # to even); the integer then sits in the low mantissa bits. A result of 2**MANT_BITS is the code
+    # of the smallest normal, so the two ranges meet without a seam.
+    SUB_SCALE: tl.constexpr = 2.0 ** (EXP_BIAS + MANT_BITS - 1)
+    MIN_NORMAL: tl.constexpr = 2.0 ** (1 - EXP_BIAS)
+    sub = (a * SUB_SCALE + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(a < MIN_NORMAL, sub, normal)
+    code = tl.where(is_nan, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def _bf16_bits_soft(y):
+    """float32 -> bfloat16 bits (uint32 in [0, 65535]), round to nearest even, NaN kept (quieted)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    return tl.where(y != y, quiet_nan, rounded)
+
+
+@triton.jit
+def _to_float32(x, SOFT_CAST: tl.constexpr):
+    """Widen an input tile to float32. The interpreter mangles bf16 subnormals when widening, so
+    the soft mode places the 16 bits in the high half of a float32 pattern itself (exact)."""
+    if SOFT_CAST and x.dtype == tl.bfloat16:
+        wide = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return wide.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise."""
+    if OUT_KIND == OUT_E4M3:
+        if SOFT_CAST:
+            out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
+        else:
+            sat = tl.where(x != x, x, tl.minimum(tl.maximum(x, -448.0), 448.0))
+            out = sat.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    elif OUT_KIND == OUT_E5M2:
+        if SOFT_CAST:
+            out = _fp8_bits_soft(x, 2, 15, 57344.0).to(tl.uint8)
+        else:
+            sat = tl.where(x != x, x, tl.minimum(tl.maximum(x, -57344.0), 57344.0))
+            out = sat.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    elif OUT_KIND == OUT_BF16:
+        if SOFT_CAST:
+            out = _bf16_bits_soft(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = x.to(tl.bfloat16)
+    elif OUT_KIND == OUT_FP16:
+        out = x.to(tl.float16)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def _store_head_block(
+    src_ptr,  # [T, H, D] input rows, any strides
+    dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
+    scale_ptr,  # [1] or [H] float32, or None
+    scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
+    scale_stride,  # 0 for a per-tensor scale tensor, 1 for per-head
+    offs_t,  # [BLOCK_T] int64 token indices
+    slot,  # [BLOCK_T] int64 destination rows
+    row_ok,  # [BLOCK_T] token exists and its slot is in range
+    head_block,
+    stride_st,
+    stride_sh,
+    stride_sd,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_KIND: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+):
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None, None] & (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+
+    src = (
+        src_ptr
+        + offs_t[:, None, None] * stride_st
+        + offs_h[None, :, None] * stride_sh
+        + offs_d[None, None, :] * stride_sd
+    )
+    raw = tl.load(src, mask=mask, other=0.0)
+    if (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16) or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16):
+        out = raw  # same type in and out: store the bits as they are (NaN payloads included)
+    else:
+        x = _to_float32(raw, SOFT_CAST)
+        if SCALE_KIND == SCALE_VALUE:
+            x = tl.div_rn(x, scale_value)
+        elif SCALE_KIND == SCALE_TENSOR:
+            s = tl.load(scale_ptr + offs_h * scale_stride, mask=offs_h < H, other=1.0).to(tl.float32)
+            x = tl.div_rn(x, s[None, :, None])
+        out = _convert(x, OUT_KIND, SOFT_CAST)
+
+    dst = (
+        dst_ptr
+        + slot[:, None, None] * stride_ct
+        + offs_h[None, :, None] * stride_ch
+        + offs_d[None, None, :] * stride_cd
+    )
+    tl.store(dst, out, mask=mask)
+
+
+# T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
+# scheduler slices loc out of a larger buffer; a scale tensor may be one element of a stacked
+# per-layer tensor). Not specializing on them keeps one compiled variant per pool configuration, so
+# the warmup at pool construction covers the first real call.
+@triton.jit(do_not_specialize=["T", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "k_scale_stride", "v_scale_stride"])
+def _store_kv_kernel(
+    k_ptr,  # [T, H, D] bf16/fp16/fp32, any strides
+    v_ptr,  # [T, HV, DV]
+    k_cache_ptr,  # [capacity, H, D] cache, uint8 storage for FP8
+    v_cache_ptr,  # [capacity, HV, DV]
+    loc_ptr,  # [T] int32/int64 slot per token; < 0 or >= capacity: skipped
+    k_scale_ptr,  # [1] or [H] float32, or None
+    v_scale_ptr,  # [1] or [HV] float32, or None
+    k_scale_value,
+    v_scale_value,
+    k_scale_stride,
+    v_scale_stride,
+    T,
+    capacity,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kct,
+    stride_kch,
+    stride_kcd,
+    stride_vct,
+    stride_vch,
+    stride_vcd,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HV: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    K_SCALE_KIND: tl.constexpr,
+    V_SCALE_KIND: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+):
+    # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = offs_t < T
+    slot = tl.load(loc_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
+    row_ok = in_range & (slot >= 0) & (slot < capacity)
+
+    K_HEAD_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    hb = tl.program_id(1)
+    if hb < K_HEAD_BLOCKS:
+        _store_head_block(
+            k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
+            offs_t, slot, row_ok, hb,
+            stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
+            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST,
+        )  # fmt: skip
+    else:
+        _store_head_block(
+            v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
+            offs_t, slot, row_ok, hb - K_HEAD_BLOCKS,
+            stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
+            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST,
+        )  # fmt: skip
