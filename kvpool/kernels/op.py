@@ -16,7 +16,6 @@ import torch
 
 from kvpool.kernels import reference, store_kv
 from kvpool.kernels.checks import Scale
-from kvpool.kernels.formats import store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
 
 
@@ -31,16 +30,20 @@ def store_kv_custom_op(
     v_scale: Optional[torch.Tensor],
     k_scale_value: Optional[float],
     v_scale_value: Optional[float],
-    cache_dtype: torch.dtype,
     fused: str,
 ) -> None:
-    """Checked-by-the-caller write into caches given in storage dtype (uint8 for FP8).
+    """Checked-by-the-caller write into caches given in their logical dtype (FP8 or 16/32-bit).
+
+    The caches are the tensors the model reads (the pool's ``dtype`` views), not the uint8 storage:
+    a compiled graph that mutated one and read the other would hold two inputs aliasing one
+    storage with different dtypes, which AOTAutograd rejects.
 
     A scale is either a tensor (``k_scale``) or a float (``k_scale_value``) or neither.
     ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``.
     """
     if k.shape[0] == 0:
         return
+    cache_dtype = k_cache.dtype
     ks: Scale = k_scale if k_scale is not None else k_scale_value
     vs: Scale = v_scale if v_scale is not None else v_scale_value
     if fused != "never":
@@ -53,43 +56,36 @@ def store_kv_custom_op(
         )  # fmt: skip
         if ok:
             store_kv.launch_store_kv(
-                k, v, k_cache, v_cache, loc,
+                k, v, store_kv.storage_view(k_cache), store_kv.storage_view(v_cache), loc,
                 store_kv.contiguous_scale(ks), store_kv.contiguous_scale(vs), cache_dtype,
             )  # fmt: skip
             return
         if fused == "always":
             raise store_kv.FusedPathUnavailable(f"fused='always' but {reason}")
-    reference.write_reference(k, v, _logical(k_cache, cache_dtype), _logical(v_cache, cache_dtype), loc, ks, vs)
+    reference.write_reference(k, v, k_cache, v_cache, loc, ks, vs)
 
 
 @store_kv_custom_op.register_fake
-def _store_kv_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, cache_dtype, fused):
+def _store_kv_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused):
     return None
-
-
-def _logical(store: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return store if store.dtype == dtype else store.view(dtype)
 
 
 def store_kv_op(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_store: torch.Tensor,
-    v_store: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     loc: torch.Tensor,
     k_scale: Scale,
     v_scale: Scale,
-    cache_dtype: torch.dtype,
     fused: str = "auto",
 ) -> None:
-    """Call ``torch.ops.kvpool.store_kv`` with a checked write (caches in storage dtype)."""
-    if k_store.dtype != store_dtype_for(cache_dtype):
-        raise ValueError(f"k_store must have storage dtype {store_dtype_for(cache_dtype)}, got {k_store.dtype}")
+    """Call ``torch.ops.kvpool.store_kv`` for a checked write (caches in their logical dtype)."""
     torch.ops.kvpool.store_kv(
-        k, v, k_store, v_store, loc,
+        k, v, k_cache, v_cache, loc,
         k_scale if isinstance(k_scale, torch.Tensor) else None,
         v_scale if isinstance(v_scale, torch.Tensor) else None,
         None if isinstance(k_scale, torch.Tensor) else k_scale,
         None if isinstance(v_scale, torch.Tensor) else v_scale,
-        cache_dtype, fused,
+        fused,
     )  # fmt: skip

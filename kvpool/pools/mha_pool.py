@@ -311,8 +311,8 @@ class MHATokenToKVPool:
             v_heads=self.head_num, v_head_dim=self.v_head_dim, device=self.device, names=POOL_NAMES,
         )  # fmt: skip
         store_kv_op(
-            cache_k, cache_v, self.k_buffer[i], self.v_buffer[i], loc,
-            checked.k_scale, checked.v_scale, self.dtype, self.fused_mode,
+            cache_k, cache_v, self._k_views[i], self._v_views[i], loc,
+            checked.k_scale, checked.v_scale, self.fused_mode,
         )  # fmt: skip
 
     def _count_reference(self, reason: str) -> None:

@@ -1,0 +1,44 @@
+"""Assertion helpers shared by the tests: byte-for-byte comparison that explains a mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of a tensor, as an integer tensor of the same element size."""
+    return t.contiguous().view(_INT_VIEW[t.element_size()])
+
+
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
+    """Equal bit patterns everywhere, except that where both are NaN any NaN pattern is accepted.
+
+    On failure, reports the mismatch count, the first bad index and both values there."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(
+            f"{what}: shape/dtype differ: {tuple(actual.shape)} {actual.dtype} vs "
+            f"{tuple(expected.shape)} {expected.dtype}"
+        )
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    differ = bits(a) != bits(e)
+    if a.dtype.is_floating_point:
+        both_nan = torch.isnan(a.float()) & torch.isnan(e.float())
+        differ &= ~both_nan
+    count = int(differ.sum())
+    if count:
+        first = tuple(int(i) for i in differ.nonzero()[0])
+        av, ev = a[first], e[first]
+        ab, eb = int(bits(a)[first]), int(bits(e)[first])
+        raise AssertionError(
+            f"{what}: {count} of {differ.numel()} elements differ; first at {first}: "
+            f"actual {float(av)!r} (bits {ab:#x}) vs expected {float(ev)!r} (bits {eb:#x})"
+        )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a cache with a pattern no write produces by accident (0xFF bytes: NaN for FP8 and
+    the floating types), so unwritten or wrongly written rows show up."""
+    t.view(_INT_VIEW[t.element_size()]).fill_(-1)
+    return t

@@ -1,0 +1,212 @@
+"""The fused Triton kernel against the reference path, byte for byte.
+
+Without CUDA the kernel runs through Triton's interpreter on CPU tensors (its soft-cast mode, since
+the interpreter's own FP8/bf16 conversions are wrong); with CUDA the same tests run the compiled
+kernel. Shapes stay small: the interpreter costs about a millisecond per program.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvassert import assert_same_bytes, bits, poison_
+from kvpool import fused_fp8_set_kv_buffer, reference_set_kv_buffer
+from kvpool.kernels.store_kv import TileConfig, launch_store_kv, plan_launch, storage_view
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+CACHE_DTYPES = FP8 + [torch.bfloat16, torch.float16, torch.float32]
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _name(x) -> str:
+    return str(x).replace("torch.", "")
+
+
+def _rows(t, h, d, dtype, seed, spread=True):
+    """Random rows with a wide magnitude range (overflow, normals, subnormals) and a few specials."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, d, generator=g)
+    if spread:
+        x = x * torch.exp2(torch.randint(-20, 12, (t, h, d), generator=g).float())
+    flat = x.view(-1)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 448.0, 464.0, -57344.0])
+    n = min(flat.numel(), specials.numel())
+    flat[:n] = specials[:n]
+    return x.to(dtype).to(DEVICE)
+
+
+def _scale(kind, heads, seed=0):
+    if kind == "none":
+        return None
+    if kind == "float":
+        return 0.37
+    if kind == "tensor":
+        return torch.tensor([3.3], device=DEVICE)
+    if kind == "tensor0d":
+        return torch.tensor(0.1, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    per_head = (torch.rand(heads, generator=g) * 4 + 0.05).to(DEVICE)
+    return per_head if kind == "per_head" else per_head.reshape(heads, 1)
+
+
+def _caches(slots, h, d, hv, dv, dtype):
+    k = poison_(torch.empty(slots, h, d, dtype=dtype, device=DEVICE))
+    v = poison_(torch.empty(slots, hv, dv, dtype=dtype, device=DEVICE))
+    return k, v
+
+
+def _both_paths(k, v, loc, k_scale, v_scale, slots, cache_dtype, **launch):
+    """Run the kernel and the reference on identically poisoned caches; return both results."""
+    h, d, hv, dv = k.shape[1], k.shape[2], v.shape[1], v.shape[2]
+    kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
+    kr, vr = _caches(slots, h, d, hv, dv, cache_dtype)
+    if launch:
+        launch_store_kv(k, v, storage_view(kf), storage_view(vf), loc, k_scale, v_scale, cache_dtype, **launch)
+    else:
+        fused_fp8_set_kv_buffer(k, v, kf, vf, loc, k_scale, v_scale)
+    reference_set_kv_buffer(k, v, kr, vr, loc, k_scale, v_scale)
+    return (kf, vf), (kr, vr)
+
+
+def _loc(t, slots, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.randperm(slots, generator=g)[:t].to(dtype)
+    if t >= 4:
+        loc[1] = -1  # padding token
+        loc[3] = slots + 5  # out of range: never written
+    return loc.to(DEVICE)
+
+
+@pytest.mark.parametrize("scale_kind", ["none", "float", "tensor", "tensor0d", "per_head", "per_head_col"])
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=_name)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=_name)
+def test_matches_reference_odd_shape(cache_dtype, in_dtype, scale_kind):
+    t, h, d, slots = 7, 3, 96, 19
+    k, v = _rows(t, h, d, in_dtype, 1), _rows(t, h, d, in_dtype, 2)
+    ks, vs = _scale(scale_kind, h, 3), _scale(scale_kind, h, 4)
+    (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 5), ks, vs, slots, cache_dtype)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64], ids=_name)
+@pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
+def test_k_and_v_differ_in_heads_and_dims(cache_dtype, loc_dtype):
+    t, slots = 9, 30
+    k, v = _rows(t, 2, 32, torch.bfloat16, 6), _rows(t, 5, 24, torch.bfloat16, 7)
+    (kf, vf), (kr, vr) = _both_paths(
+        k, v, _loc(t, slots, loc_dtype, 8), 0.3, _scale("per_head", 5), slots, cache_dtype
+    )
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+# Tiles far smaller than a row force several head blocks per tensor and partial token blocks, so
+# every mask in the kernel is exercised.
+@pytest.mark.parametrize("elems", [16, 64, 256, 4096])
+@pytest.mark.parametrize("h,d,hv,dv", [(3, 96, 3, 96), (4, 16, 2, 40), (1, 8, 1, 8)])
+def test_tile_shapes(elems, h, d, hv, dv):
+    t, slots = 13, 40
+    tile = TileConfig(elems=elems, num_warps=4)
+    plan = plan_launch(h, d, hv, dv, tile)
+    assert plan.block_t >= 1 and plan.block_h * plan.k_head_blocks >= h
+    k, v = _rows(t, h, d, torch.float16, 9), _rows(t, hv, dv, torch.float16, 10)
+    (kf, vf), (kr, vr) = _both_paths(
+        k, v, _loc(t, slots, torch.int32, 11), 0.7, 1.9, slots, torch.float8_e4m3fn, tile=tile
+    )
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+@pytest.mark.parametrize("scale", [None, 0.37, 2.0**-7], ids=["none", "0.37", "pow2"])
+@pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=_name)
+def test_every_bf16_bit_pattern(cache_dtype, scale):
+    """All 65,536 bf16 values: every exponent, both zeros, subnormals, infinities, NaNs."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = every.reshape(512, 1, 128).to(DEVICE)
+    loc = torch.arange(512, device=DEVICE)
+    (kf, _), (kr, _) = _both_paths(k, k, loc, scale, scale, 512, cache_dtype)
+    assert_same_bytes(kf, kr, "k_cache")
+
+
+def test_every_fp16_bit_pattern_into_e5m2():
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    k = every.reshape(256, 2, 128).to(DEVICE)
+    loc = torch.arange(256, device=DEVICE)
+    (kf, _), (kr, _) = _both_paths(k, k, loc, 3.3, None, 256, torch.float8_e5m2)
+    assert_same_bytes(kf, kr, "k_cache")
+
+
+def test_strided_inputs_need_no_copy():
+    """K and V sliced out of a fused QKV projection, and a view whose head_dim is not contiguous."""
+    t, hq, h, d, slots = 6, 4, 2, 64, 16
+    qkv = _rows(t, hq + 2 * h, d, torch.bfloat16, 12)
+    k, v = qkv[:, hq : hq + h], qkv[:, hq + h :]
+    assert not k.is_contiguous() and not v.is_contiguous()
+    (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 13), 0.25, 0.5, slots, torch.float8_e4m3fn)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+    dhn = _rows(t, d, h, torch.float32, 14)  # [T, D, H] storage: head_dim stride is H
+    kt = dhn.transpose(1, 2)
+    (kf, _), (kr, _) = _both_paths(kt, kt, _loc(t, slots, torch.int64, 15), None, None, slots, torch.float8_e5m2)
+    assert_same_bytes(kf, kr, "k_cache (transposed input)")
+
+
+def test_out_of_range_and_negative_slots_touch_nothing_outside():
+    """The caches are a window into a larger poisoned tensor; slots outside the window (negative,
+    >= slots, huge) must leave every guard row untouched, on both paths."""
+    t, h, d, slots, guard = 8, 2, 16, 10, 4
+    loc = torch.tensor([0, -1, slots, slots + guard, 2**31 + 3, -(2**40), 9, 5], device=DEVICE)
+    k = _rows(t, h, d, torch.bfloat16, 16, spread=False)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        backing = poison_(torch.empty(slots + 2 * guard, h, d, dtype=torch.float8_e4m3fn, device=DEVICE))
+        backing_v = poison_(torch.empty_like(backing))
+        before = bits(backing).clone()
+        write(k, k, backing[guard : guard + slots], backing_v[guard : guard + slots], loc, 0.5, 0.5)
+        after = bits(backing)
+        assert torch.equal(after[:guard], before[:guard]), f"{write.__name__} wrote below the cache"
+        assert torch.equal(after[guard + slots :], before[guard + slots :]), f"{write.__name__} wrote past the cache"
+        written = {0, 9, 5}
+        for row in range(slots):
+            changed = not torch.equal(after[guard + row], before[guard + row])
+            assert changed == (row in written), f"{write.__name__}: row {row} changed={changed}"
+
+
+def test_inputs_and_scales_are_never_modified():
+    t, h, d = 5, 2, 32
+    k, v = _rows(t, h, d, torch.float32, 17), _rows(t, h, d, torch.float32, 18)
+    ks = torch.tensor([0.3], device=DEVICE)
+    loc = _loc(t, 12, torch.int64, 19)
+    snapshot = [bits(x).clone() for x in (k, v, ks, loc)]
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        kc, vc = _caches(12, h, d, h, d, torch.float8_e4m3fn)
+        write(k, v, kc, vc, loc, ks, 0.9)
+        for x, s in zip((k, v, ks, loc), snapshot):
+            assert torch.equal(bits(x), s), f"{write.__name__} modified an input"
+
+
+def test_zero_tokens_is_a_no_op():
+    kc, vc = _caches(8, 2, 16, 2, 16, torch.float8_e4m3fn)
+    before = bits(kc).clone(), bits(vc).clone()
+    empty = torch.empty(0, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    loc = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        assert write(empty, empty, kc, vc, loc, 0.5, 0.5) is None
+    assert torch.equal(bits(kc), before[0]) and torch.equal(bits(vc), before[1])
+
+
+def test_duplicate_slots_take_one_of_the_rows():
+    """Which token wins a shared slot is unspecified; the slot must still hold one of them."""
+    h, d = 2, 16
+    k = _rows(4, h, d, torch.bfloat16, 20, spread=False)
+    loc = torch.tensor([3, 3, 7, 3], device=DEVICE)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        kc, vc = _caches(10, h, d, h, d, torch.float8_e4m3fn)
+        write(k, k, kc, vc, loc, 0.5, 0.5)
+        full = torch.zeros(10, h, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+        reference_set_kv_buffer(k, k, full, full.clone(), torch.arange(4, device=DEVICE), 0.5, 0.5)
+        candidates = [bits(full[i]) for i in (0, 1, 3)]
+        assert any(torch.equal(bits(kc[3]), c) for c in candidates)
+        assert torch.equal(bits(kc[7]), bits(full[2]))
