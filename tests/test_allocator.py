@@ -1,0 +1,749 @@
+"""Slot allocators: example-based regressions, then hypothesis state machines against a plain-Python
+model (no slot handed out twice, slot 0 never handed out, counts agree, a failed alloc changes nothing,
+backup/restore round-trips, free groups, check_integrity passes)."""
+
+from __future__ import annotations
+
+import doctest
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvpool.pools.allocator as allocator_module
+from kvpool.pools.allocator import (
+    AllocatorState,
+    IntegrityError,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+
+T = torch.tensor
+
+
+def snapshot(a) -> tuple:
+    """Everything an allocator knows, as plain Python values (to prove that a call changed nothing)."""
+    return (
+        a._free.tolist(), a._release.tolist(), a._owned.nonzero().flatten().tolist(), a._live.tolist(),
+        a._page_free.tolist(), [p.tolist() for p in a._pending], a._in_group,
+    )  # fmt: skip
+
+
+def ext(a, prefix, seq, last_loc):
+    """alloc_extend with the CPU copies and the token count derived from the lists."""
+    pre, sq = T(prefix, dtype=torch.int64), T(seq, dtype=torch.int64)
+    return a.alloc_extend(pre, pre.clone(), sq, sq.clone(), T(last_loc, dtype=torch.int64), int((sq - pre).sum()))
+
+
+def dec(a, seq, last_loc):
+    sq = T(seq, dtype=torch.int64)
+    return a.alloc_decode(sq, sq.clone(), T(last_loc, dtype=torch.int64))
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(allocator_module).failed == 0
+
+
+# --- TokenToKVPoolAllocator ------------------------------------------------------------------------
+
+
+def test_token_alloc_hands_out_one_to_size_in_order_and_never_slot_0():
+    a = TokenToKVPoolAllocator(6)
+    got = a.alloc(4)
+    assert got.dtype == torch.int64 and got.device.type == "cpu"
+    assert got.tolist() == [1, 2, 3, 4]
+    assert a.alloc(2).tolist() == [5, 6]
+    assert a.available_size() == 0
+    assert a.alloc(1) is None
+    assert a.alloc(0).tolist() == []
+    a.check_integrity()
+
+
+def test_token_alloc_failure_changes_nothing():
+    a = TokenToKVPoolAllocator(5, need_sort=True)
+    a.alloc(3)
+    a.free(T([2]))
+    before = snapshot(a)
+    assert a.alloc(4) is None  # 2 free + 1 released = 3 < 4
+    assert snapshot(a) == before
+    assert a.alloc(3).tolist() == [2, 4, 5]  # merged and sorted once it fits
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "2", None])
+def test_token_alloc_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="need_size must be a non-negative int, got"):
+        TokenToKVPoolAllocator(4).alloc(bad)
+
+
+def test_token_free_and_reuse_fifo():
+    a = TokenToKVPoolAllocator(4)
+    a.alloc(4)
+    a.free(T([3, 1]))
+    assert a.available_size() == 2
+    assert sorted(a.alloc(2).tolist()) == [1, 3]
+    a.free([2])  # a list works too
+    assert a.alloc(1).tolist() == [2]
+    a.check_integrity()
+
+
+def test_token_returned_tensor_does_not_alias_the_free_list():
+    a = TokenToKVPoolAllocator(4)
+    got = a.alloc(2)
+    got += 100
+    assert a.alloc(2).tolist() == [3, 4]
+    a.check_integrity()
+
+
+def test_token_need_sort_keeps_frees_aside_until_needed():
+    a = TokenToKVPoolAllocator(4, need_sort=True)
+    a.alloc(3)
+    a.free(T([3, 1]))
+    assert a.available_size() == 3
+    assert a.alloc(1).tolist() == [4]  # the free list still has 4; released 1 and 3 wait
+    assert a.alloc(2).tolist() == [1, 3]  # merged, sorted
+    a.check_integrity()
+
+
+def test_token_free_group_applies_at_end():
+    a = TokenToKVPoolAllocator(4)
+    a.alloc(4)
+    a.free_group_begin()
+    a.free(T([1]))
+    a.free(T([4, 2]))
+    assert a.available_size() == 0
+    a.check_integrity()  # pending frees are accounted for
+    a.free_group_end()
+    assert a.available_size() == 3
+    assert sorted(a.alloc(3).tolist()) == [1, 2, 4]
+    a.check_integrity()
+
+
+def test_token_double_free_inside_a_group_is_caught():
+    a = TokenToKVPoolAllocator(4, validate=True)
+    a.alloc(2)
+    a.free_group_begin()
+    a.free(T([1]))
+    with pytest.raises(ValueError, match="slot 1 at position 0, which was already freed"):
+        a.free(T([1]))
+    a.free_group_end()
+    assert a.available_size() == 3
+
+
+def test_token_backup_restore_round_trip_and_twice():
+    a = TokenToKVPoolAllocator(6)
+    a.alloc(2)
+    state = a.backup_state()
+    assert isinstance(state, AllocatorState)
+    before = snapshot(a)
+    first = a.alloc(3)
+    a.free(T([1]))
+    a.restore_state(state)
+    assert snapshot(a) == before
+    assert a.alloc(3).tolist() == first.tolist()
+    a.restore_state(state)  # a state can be restored again
+    assert snapshot(a) == before
+    a.check_integrity()
+
+
+def test_token_backup_restore_refused_inside_a_group_and_from_another_allocator():
+    a = TokenToKVPoolAllocator(6)
+    a.free_group_begin()
+    with pytest.raises(RuntimeError, match="free_group_end"):
+        a.backup_state()
+    a.free_group_end()
+    with pytest.raises(ValueError, match="state must come from an allocator with page_size=1, num_pages=6"):
+        a.restore_state(TokenToKVPoolAllocator(7).backup_state())
+    with pytest.raises(ValueError, match="state must be an AllocatorState"):
+        a.restore_state((a._free, a._release))
+
+
+def test_token_clear_resets_everything():
+    a = TokenToKVPoolAllocator(5)
+    a.alloc(3)
+    a.free_group_begin()
+    a.free(T([1]))
+    a.clear()
+    assert a.available_size() == 5 and not a._in_group
+    assert a.alloc(5).tolist() == [1, 2, 3, 4, 5]
+    a.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "indices, message",
+    [
+        ([0], "slot 0 at position 0, which is the padding slot 0"),
+        ([2, 7], "slot 7 at position 1, which is outside the handed-out range 1..6"),
+        ([-3], "slot -3 at position 0, which is outside"),
+        ([5], "slot 5 at position 0, which was never allocated"),
+        ([1], "slot 1 at position 0, which was already freed"),
+        ([2, 3, 2], "slot 2 more than once"),
+    ],
+    ids=["slot0", "out-of-range", "negative", "never-allocated", "double-free", "twice-in-one-call"],
+)
+def test_token_validate_raises_on_bad_free_and_changes_nothing(indices, message):
+    a = TokenToKVPoolAllocator(6, validate=True)
+    a.alloc(4)
+    a.free(T([1]))
+    before = snapshot(a)
+    with pytest.raises(ValueError, match=message):
+        a.free(T(indices))
+    assert snapshot(a) == before
+
+
+def test_validate_from_environment(monkeypatch):
+    monkeypatch.setenv("KVPOOL_VALIDATE", "1")
+    a = TokenToKVPoolAllocator(4)
+    assert a.validate
+    with pytest.raises(ValueError, match="padding slot"):
+        a.free(T([0]))
+
+
+def test_token_without_validate_bad_frees_are_dropped_never_duplicated(caplog):
+    a = TokenToKVPoolAllocator(4)
+    a.alloc(3)
+    a.free(T([1]))
+    a.free(T([0, 1, 2, 2, 9, -1, 4]))  # only 2 is valid: 0 padding, 1 already free, 9/-1 range, 4 never
+    assert a.rejected_frees == 6
+    assert "dropped 6 entries" in caplog.text
+    assert a.available_size() == 3
+    got = a.alloc(3).tolist()
+    assert sorted(got) == [1, 2, 4]
+    a.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "indices, message",
+    [
+        (T([1.0]), "free_index must be an integer tensor, got torch.float32"),
+        (T([[1]]), r"free_index must be 1-D, got shape \(1, 1\)"),
+        (3, "free_index must be a tensor or a sequence of ints, got int"),
+        ([1, 2.0], "free_index must hold ints"),
+    ],
+)
+def test_free_rejects_malformed_input(indices, message):
+    with pytest.raises(ValueError, match=message):
+        TokenToKVPoolAllocator(4).free(indices)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"size": 0}, "size must be a positive int, got 0"),
+        ({"size": 4, "dtype": "fp8"}, "dtype must be a torch.dtype or None, got 'fp8'"),
+    ],
+)
+def test_token_constructor_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TokenToKVPoolAllocator(**kwargs)
+
+
+def test_sglang_keywords_and_getters():
+    pool = object()
+    a = TokenToKVPoolAllocator(8, dtype=torch.float8_e4m3fn, device="cpu", kvcache=pool, need_sort=True)
+    assert a.get_kvcache() is pool and a.size_full == 8 and a.page_size == 1 and a.dtype == torch.float8_e4m3fn
+    with pytest.raises(NotImplementedError):
+        a.alloc_extend()
+    with pytest.raises(NotImplementedError):
+        a.alloc_decode()
+
+
+def test_check_integrity_reports_corruption_with_counts():
+    a = TokenToKVPoolAllocator(8)
+    a.alloc(3)
+    a._free = torch.cat((a._free, T([4, 2])))  # 4 is already listed; 2 is handed out
+    with pytest.raises(IntegrityError) as info:
+        a.check_integrity()
+    text = str(info.value)
+    assert "1 pages listed free more than once (first: 4)" in text
+    assert "1 pages are both listed free and hold owned slots" in text
+    assert "expected num_pages = 8" in text
+
+
+# --- PagedTokenToKVPoolAllocator ------------------------------------------------------------------
+
+
+def test_paged_alloc_whole_pages_skipping_page_0():
+    a = PagedTokenToKVPoolAllocator(18, page_size=4)  # 4 pages; 2 slots left over are never used
+    assert a.num_pages == 4 and a.available_size() == 16
+    assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert a.alloc(12) is None
+    assert a.alloc(8).tolist() == list(range(12, 20))
+    a.check_integrity()
+
+
+def test_paged_alloc_size_must_be_whole_pages():
+    with pytest.raises(ValueError, match="need_size must be a multiple of page_size = 4, got 6"):
+        PagedTokenToKVPoolAllocator(16, 4).alloc(6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((16, 0), "page_size must be a positive int, got 0"),
+        ((3, 4), "size must be at least page_size = 4 \\(one page\\), got 3"),
+    ],
+)
+def test_paged_constructor_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        PagedTokenToKVPoolAllocator(*args)
+
+
+def test_paged_alloc_extend_fills_partial_page_then_full_pages_then_a_partial_one():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    assert ext(a, [0], [3], [-1]).tolist() == [4, 5, 6]  # page 1
+    # request 0: positions 3..12 = 1 slot on page 1, pages 2 and 3 full, 1 slot on page 4
+    # request 1 (new): 4 tokens = exactly page 5; request 2: nothing new
+    out = ext(a, [3, 0, 0], [13, 4, 0], [6, -1, -1])
+    assert out.tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23]
+    assert a.available_size() == (16 - 5) * 4  # pages 6..16 free
+    a.check_integrity()
+
+
+def test_paged_alloc_extend_with_aligned_prefix_takes_a_fresh_page():
+    a = PagedTokenToKVPoolAllocator(32, 4)
+    ext(a, [0], [4], [-1])  # page 1 full
+    assert ext(a, [4], [6], [7]).tolist() == [8, 9]
+
+
+def test_paged_alloc_decode_continues_or_starts_pages():
+    a = PagedTokenToKVPoolAllocator(32, 4, validate=True)
+    ext(a, [0, 0], [3, 4], [-1, -1])  # request 0 on page 1 (4,5,6), request 1 fills page 2
+    assert dec(a, [4, 5], [6, 11]).tolist() == [7, 12]  # request 1 starts page 3
+    assert dec(a, [5, 6], [7, 12]).tolist() == [16, 13]  # request 0 starts page 4
+    a.check_integrity()
+
+
+def test_paged_extend_and_decode_return_none_when_pages_run_out():
+    a = PagedTokenToKVPoolAllocator(12, 4)  # 3 pages
+    ext(a, [0], [5], [-1])  # pages 1 and 2 (slots 4..8)
+    before = snapshot(a)
+    assert ext(a, [0, 0], [1, 1], [-1, -1]) is None  # two fresh pages wanted, one free
+    assert snapshot(a) == before
+    assert ext(a, [5], [9], [8]).tolist() == [9, 10, 11, 12]  # 3 on page 2, then page 3
+    assert dec(a, [10], [12]).tolist() == [13]
+    before = snapshot(a)
+    assert dec(a, [11, 1], [13, -1]) is None  # the second request needs a page; none is free
+    assert snapshot(a) == before
+
+
+def test_paged_decode_none_changes_nothing():
+    a = PagedTokenToKVPoolAllocator(8, 4)  # 2 pages
+    ext(a, [0, 0], [4, 4], [-1, -1])  # both pages full
+    before = snapshot(a)
+    assert dec(a, [5], [7]) is None
+    assert snapshot(a) == before
+
+
+def test_paged_page_returns_only_when_all_handed_out_slots_are_freed():
+    """SGLang releases a page when any of its slots is freed; that hands a live slot to another
+    request. Here the page comes back only with its last slot."""
+    a = PagedTokenToKVPoolAllocator(8, 4)  # 2 pages
+    slots = ext(a, [0], [3], [-1])  # slots 4, 5, 6 of page 1
+    a.free(slots[2:])  # roll back the last token
+    assert a.available_size() == 4  # page 1 still held
+    assert a.alloc(8) is None
+    other = a.alloc(4)
+    assert other.tolist() == [8, 9, 10, 11]
+    assert dec(a, [3], [5]).tolist() == [6]  # the request re-takes its own slot
+    a.free(slots[:2])
+    assert a.available_size() == 0
+    a.free(T([6]))
+    assert a.available_size() == 4
+    a.check_integrity()
+
+
+def test_paged_bad_free_without_validate_never_releases_a_live_page():
+    a = PagedTokenToKVPoolAllocator(8, 4)
+    s = ext(a, [0], [2], [-1])  # slots 4, 5
+    a.free(T([4, 4, 4]))  # a double free counted once; slot 5 is still live
+    assert a.rejected_frees == 2 and a.available_size() == 4
+    a.free(T([6, 1]))  # 6 was never handed out (reserved for the request's page), 1 is on page 0
+    assert a.available_size() == 4
+    a.free(s[1:])
+    assert a.available_size() == 8
+    a.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "indices, message",
+    [
+        ([2], "slot 2 at position 0, which is on the reserved page 0 \\(slots 0..3\\)"),
+        ([6], "slot 6 at position 0, which was never allocated"),
+        ([12], "slot 12 at position 0, which is outside the handed-out range 4..11"),
+    ],
+)
+def test_paged_validate_bad_frees(indices, message):
+    a = PagedTokenToKVPoolAllocator(8, 4, validate=True)
+    ext(a, [0], [2], [-1])
+    with pytest.raises(ValueError, match=message):
+        a.free(T(indices))
+
+
+@pytest.mark.parametrize(
+    "prefix, seq, last_loc, message",
+    [
+        ([2], [3], [4], "last_loc\\[0\\] must be a slot at offset 1 of its page .*got 4"),
+        ([2], [3], [9], "last_loc\\[0\\] must be on a page this allocator has handed out, got slot 9"),
+        ([1], [3], [4], "would continue on slot 5, which is already handed out"),
+    ],
+)
+def test_paged_validate_checks_last_loc(prefix, seq, last_loc, message):
+    a = PagedTokenToKVPoolAllocator(16, 4, validate=True)
+    ext(a, [0], [2], [-1])  # slots 4, 5
+    before = snapshot(a)
+    with pytest.raises(ValueError, match=message):
+        ext(a, prefix, seq, last_loc)
+    assert snapshot(a) == before
+
+
+def test_paged_alloc_extend_argument_errors():
+    a = PagedTokenToKVPoolAllocator(16, 4)
+    one = T([1])
+    with pytest.raises(ValueError, match="extend_num_tokens must be sum\\(seq_lens - prefix_lens\\) = 2, got 3"):
+        a.alloc_extend(one, one, 3 * one, 3 * one, -one, 3)
+    with pytest.raises(ValueError, match="seq_lens_cpu must be >= prefix_lens_cpu, got 1 < 3 for request 0"):
+        a.alloc_extend(3 * one, 3 * one, one, one, -one, -2)
+    with pytest.raises(ValueError, match="seq_lens_cpu must have 1 entries"):
+        a.alloc_extend(one, one, T([2, 2]), T([2, 2]), -one, 2)
+    with pytest.raises(ValueError, match="last_loc must be a 1-D integer tensor"):
+        a.alloc_extend(one, one, one, one, T([1.0]), 0)
+    with pytest.raises(ValueError, match="seq_lens_cpu must be >= 1"):
+        a.alloc_decode(0 * one, 0 * one, one)
+    with pytest.raises(ValueError, match="prefix_lens_cpu must be a tensor, got list"):
+        a.alloc_extend(one, [1], one, one, one, 0)
+
+
+def test_paged_validate_compares_device_and_cpu_lengths():
+    a = PagedTokenToKVPoolAllocator(16, 4, validate=True)
+    with pytest.raises(ValueError, match="seq_lens must equal seq_lens_cpu"):
+        a.alloc_decode(T([2]), T([1]), T([3]))
+
+
+def test_paged_empty_batches():
+    a = PagedTokenToKVPoolAllocator(16, 4)
+    empty = T([], dtype=torch.int64)
+    assert ext(a, [], [], []).tolist() == []
+    assert a.alloc_decode(empty, empty, empty).tolist() == []
+    assert a.available_size() == 16
+
+
+def test_paged_need_sort_and_group():
+    a = PagedTokenToKVPoolAllocator(16, 4, need_sort=True)
+    s = a.alloc(16)
+    a.free_group_begin()
+    a.free(s[12:])  # page 4
+    a.free(s[:4])  # page 1
+    assert a.available_size() == 0
+    a.free_group_end()
+    assert a.available_size() == 8
+    assert a.alloc(8).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]  # sorted on merge
+    a.check_integrity()
+
+
+# --- state machines --------------------------------------------------------------------------------
+
+
+class TokenAllocatorMachine(RuleBasedStateMachine):
+    """TokenToKVPoolAllocator against a model: the set of free slots and the groups handed out."""
+
+    @initialize(
+        size=st.integers(1, 24), need_sort=st.booleans(), validate=st.booleans()
+    )
+    def setup(self, size, need_sort, validate):
+        self.a = TokenToKVPoolAllocator(size, need_sort=need_sort, validate=validate)
+        self.size = size
+        self.free = set(range(1, size + 1))  # available now
+        self.owned: set[int] = set()
+        self.pending: set[int] = set()  # freed inside the open group
+        self.in_group = False
+        self.saved: list[tuple[AllocatorState, tuple]] = []
+
+    def model(self) -> tuple:
+        return (frozenset(self.free), frozenset(self.owned), frozenset(self.pending))
+
+    @rule(n=st.integers(0, 26))
+    def alloc(self, n):
+        before = snapshot(self.a)
+        got = self.a.alloc(n)
+        if n > len(self.free):
+            assert got is None
+            assert snapshot(self.a) == before
+            return
+        slots = got.tolist()
+        assert len(slots) == n and len(set(slots)) == n
+        assert set(slots) <= self.free, f"handed out {set(slots) - self.free}, which are not free"
+        assert 0 not in slots
+        self.free -= set(slots)
+        self.owned |= set(slots)
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data(), as_list=st.booleans())
+    def free_some(self, data, as_list):
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.owned)), min_size=1, max_size=6, unique=True))
+        self.a.free(chosen if as_list else T(chosen))
+        self.owned -= set(chosen)
+        (self.pending if self.in_group else self.free).update(chosen)
+
+    @rule(data=st.data())
+    def bad_free(self, data):
+        not_owned = sorted(set(range(-2, self.size + 3)) - self.owned)
+        bad = data.draw(st.sampled_from(not_owned))
+        batch = [bad] + (sorted(self.owned)[:1] if self.owned else [])
+        before = snapshot(self.a)
+        if self.a.validate:
+            with pytest.raises(ValueError, match=f"got slot {bad} at position 0"):
+                self.a.free(T(batch))
+            assert snapshot(self.a) == before
+        else:
+            self.a.free(T(batch))  # the bad entry is dropped, the good one freed
+            for s in batch[1:]:
+                self.owned.discard(s)
+                (self.pending if self.in_group else self.free).add(s)
+
+    @precondition(lambda self: not self.in_group)
+    @rule()
+    def group_begin(self):
+        self.a.free_group_begin()
+        self.in_group = True
+
+    @precondition(lambda self: self.in_group)
+    @rule()
+    def group_end(self):
+        self.a.free_group_end()
+        self.in_group = False
+        self.free |= self.pending
+        self.pending = set()
+
+    @precondition(lambda self: not self.in_group)
+    @rule()
+    def backup(self):
+        self.saved.append((self.a.backup_state(), self.model()))
+
+    @precondition(lambda self: self.saved and not self.in_group)
+    @rule(data=st.data())
+    def restore(self, data):
+        state, model = data.draw(st.sampled_from(self.saved))
+        self.a.restore_state(state)
+        free, owned, pending = model
+        self.free, self.owned, self.pending = set(free), set(owned), set(pending)
+
+    @rule()
+    def clear(self):
+        self.a.clear()
+        self.free, self.owned, self.pending, self.in_group = set(range(1, self.size + 1)), set(), set(), False
+
+    @invariant()
+    def counts_agree_and_integrity_holds(self):
+        assert self.a.available_size() == len(self.free)
+        assert set(self.a._owned.nonzero().flatten().tolist()) == self.owned
+        self.a.check_integrity()
+
+
+class PagedAllocatorMachine(RuleBasedStateMachine):
+    """PagedTokenToKVPoolAllocator against a model of requests (slot lists in token order), loose
+    owned slots, and free pages; alloc_extend/alloc_decode outputs are checked position by position."""
+
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]), pages=st.integers(1, 8), spare=st.integers(0, 3),
+        need_sort=st.booleans(), validate=st.booleans(),
+    )  # fmt: skip
+    def setup(self, page_size, pages, spare, need_sort, validate):
+        spare = spare % page_size
+        self.p = page_size
+        self.n = pages
+        self.a = PagedTokenToKVPoolAllocator(pages * page_size + spare, page_size, need_sort=need_sort, validate=validate)
+        self.requests: dict[int, list[int]] = {}
+        self.loose: set[int] = set()  # owned slots no request continues from
+        self.pending: set[int] = set()  # pages released inside the open group
+        self.in_group = False
+        self.next_rid = 0
+        self.saved: list[tuple[AllocatorState, tuple]] = []
+
+    # model helpers
+    def owned(self) -> set[int]:
+        out = set(self.loose)
+        for slots in self.requests.values():
+            out.update(slots)
+        return out
+
+    def free_pages(self) -> set[int]:
+        held = {s // self.p for s in self.owned()}
+        return set(range(1, self.n + 1)) - held - self.pending
+
+    def after_free(self, held_before: set[int]) -> None:
+        released = held_before - {s // self.p for s in self.owned()}
+        if self.in_group:
+            self.pending |= released
+
+    def check_new_slots(self, out: list[int], requests: list[tuple[int, int, int, int]]) -> None:
+        """requests: (prefix_len, seq_len, last_loc, first output index) per request."""
+        free_before = self.free_pages()
+        owned = self.owned()
+        assert len(set(out)) == len(out), "a slot handed out twice in one call"
+        fresh_pages_by_request = []
+        for pre, seq, last, start in requests:
+            fresh: set[int] = set()
+            held_end = -(-pre // self.p) * self.p
+            for k, pos in enumerate(range(pre, seq)):
+                s = out[start + k]
+                assert s not in owned and s >= self.p, f"slot {s} is owned or on page 0"
+                assert s % self.p == pos % self.p, f"position {pos} landed at page offset {s % self.p}"
+                if pos < held_end:
+                    assert s == last + 1 + k
+                else:
+                    assert s // self.p in free_before, f"page {s // self.p} was not free"
+                    fresh.add(s // self.p)
+                    if pos % self.p:
+                        assert s == out[start + k - 1] + 1, "a page's slots must be consecutive"
+            assert len(fresh) == -(-seq // self.p) - -(-pre // self.p)
+            fresh_pages_by_request.append(fresh)
+        all_fresh = [pg for f in fresh_pages_by_request for pg in f]
+        assert len(all_fresh) == len(set(all_fresh)), "two requests got the same fresh page"
+
+    def state(self) -> tuple:
+        return ({r: list(s) for r, s in self.requests.items()}, set(self.loose), set(self.pending))
+
+    # rules
+    @rule(data=st.data(), width=st.integers(0, 3))
+    def extend(self, data, width):
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.requests)), unique=True, max_size=width)) if self.requests else []
+        batch = [(r, len(self.requests[r])) for r in rids]
+        batch += [(None, 0)] * data.draw(st.integers(0, 2))
+        grows = [data.draw(st.integers(0, 2 * self.p + 1)) for _ in batch]
+        prefix = [pre for _, pre in batch]
+        seq = [pre + g for (_, pre), g in zip(batch, grows)]
+        last = [self.requests[r][-1] if r is not None and self.requests[r] else -1 for r, _ in batch]
+        need = sum(-(-s // self.p) - -(-q // self.p) for q, s in zip(prefix, seq))
+        before = snapshot(self.a)
+        got = ext(self.a, prefix, seq, last)
+        if need > len(self.free_pages()):
+            assert got is None
+            assert snapshot(self.a) == before
+            return
+        out = got.tolist()
+        assert len(out) == sum(grows)
+        starts = [sum(grows[:i]) for i in range(len(batch))]
+        self.check_new_slots(out, [(q, s, l, st_) for q, s, l, st_ in zip(prefix, seq, last, starts)])
+        for (r, _), g, start in zip(batch, grows, starts):
+            if r is None:
+                r = self.next_rid
+                self.next_rid += 1
+                self.requests[r] = []
+            self.requests[r] += out[start : start + g]
+
+    @precondition(lambda self: any(self.requests.values()))
+    @rule(data=st.data())
+    def decode(self, data):
+        live = sorted(r for r, s in self.requests.items() if s)
+        rids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4))
+        seq = [len(self.requests[r]) + 1 for r in rids]
+        last = [self.requests[r][-1] for r in rids]
+        need = sum(1 for s in seq if (s - 1) % self.p == 0)
+        before = snapshot(self.a)
+        got = dec(self.a, seq, last)
+        if need > len(self.free_pages()):
+            assert got is None
+            assert snapshot(self.a) == before
+            return
+        out = got.tolist()
+        self.check_new_slots(out, [(s - 1, s, l, i) for i, (s, l) in enumerate(zip(seq, last))])
+        for r, s in zip(rids, out):
+            self.requests[r].append(s)
+
+    @rule(k=st.integers(0, 3))
+    def alloc_pages(self, k):
+        free = self.free_pages()
+        before = snapshot(self.a)
+        got = self.a.alloc(k * self.p)
+        if k > len(free):
+            assert got is None
+            assert snapshot(self.a) == before
+            return
+        slots = got.tolist()
+        assert {s // self.p for s in slots} <= free and len(set(slots)) == len(slots) == k * self.p
+        self.loose |= set(slots)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), how=st.sampled_from(["whole", "suffix", "scattered"]))
+    def free_request(self, data, how):
+        r = data.draw(st.sampled_from(sorted(self.requests)))
+        slots = self.requests[r]
+        held_before = {s // self.p for s in self.owned()}
+        if how == "whole" or not slots:
+            chosen = list(slots)
+            del self.requests[r]
+        elif how == "suffix":
+            k = data.draw(st.integers(1, len(slots)))
+            chosen = slots[-k:]
+            self.requests[r] = slots[:-k]
+        else:
+            chosen = data.draw(st.lists(st.sampled_from(slots), unique=True, min_size=1))
+            self.loose |= set(slots) - set(chosen)
+            del self.requests[r]
+        self.a.free(T(chosen, dtype=torch.int64))
+        self.after_free(held_before)
+
+    @precondition(lambda self: self.loose)
+    @rule(data=st.data())
+    def free_loose(self, data):
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.loose)), unique=True, min_size=1))
+        held_before = {s // self.p for s in self.owned()}
+        self.a.free(chosen)
+        self.loose -= set(chosen)
+        self.after_free(held_before)
+
+    @rule(data=st.data())
+    def bad_free(self, data):
+        owned = self.owned()
+        bad = data.draw(st.sampled_from(sorted(set(range(-1, (self.n + 2) * self.p)) - owned)))
+        before = snapshot(self.a)
+        if self.a.validate:
+            with pytest.raises(ValueError, match=f"got slot {bad} at position 0"):
+                self.a.free(T([bad]))
+        else:
+            self.a.free(T([bad, bad]))
+        assert snapshot(self.a) == before
+
+    @precondition(lambda self: not self.in_group)
+    @rule()
+    def group_begin(self):
+        self.a.free_group_begin()
+        self.in_group = True
+
+    @precondition(lambda self: self.in_group)
+    @rule()
+    def group_end(self):
+        self.a.free_group_end()
+        self.in_group = False
+        self.pending = set()
+
+    @precondition(lambda self: not self.in_group)
+    @rule()
+    def backup(self):
+        self.saved.append((self.a.backup_state(), self.state()))
+
+    @precondition(lambda self: self.saved and not self.in_group)
+    @rule(data=st.data())
+    def restore(self, data):
+        state, (requests, loose, pending) = data.draw(st.sampled_from(self.saved))
+        self.a.restore_state(state)
+        self.requests = {r: list(s) for r, s in requests.items()}
+        self.loose, self.pending = set(loose), set(pending)
+
+    @rule()
+    def clear(self):
+        self.a.clear()
+        self.requests, self.loose, self.pending, self.in_group = {}, set(), set(), False
+
+    @invariant()
+    def counts_agree_and_integrity_holds(self):
+        assert self.a.available_size() == len(self.free_pages()) * self.p
+        assert set(self.a._owned.nonzero().flatten().tolist()) == self.owned()
+        self.a.check_integrity()
+
+
+TestTokenAllocatorMachine = TokenAllocatorMachine.TestCase
+TestPagedAllocatorMachine = PagedAllocatorMachine.TestCase
+TestPagedAllocatorMachine.settings = settings(TestPagedAllocatorMachine.settings, stateful_step_count=40)
