@@ -1,0 +1,138 @@
+"""``ReqToTokenPool``: the request table a scheduler keeps beside the slot allocators (SPEC 5).
+
+Row ``r`` of ``req_to_token`` lists, for the request holding row ``r``, the KV-cache slot of each of
+its tokens in order; attention backends read it as their page table. Rows are handed out and taken
+back on the host (a Python free list), so every check here is cheap and always on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from kvpool.pools.allocator import IntegrityError
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class ReqToTokenPool:
+    """Rows of token-slot indices, one row per running request.
+
+    Parameters
+    ----------
+    size : rows (the most requests running at once).
+    max_context_len : columns (the most tokens one request holds).
+    device : where ``req_to_token`` lives (the pool's device, for the attention backend).
+    enable_memory_saver : accepted for SGLang call sites; not used.
+
+    Attributes
+    ----------
+    req_to_token : Tensor [size, max_context_len] int32, zero-initialised.
+
+    Unlike the slot allocators, bad frees (a row freed twice, out of range, listed twice) always
+    raise ``ValueError``: the free list is on the host, so the check costs no synchronisation.
+
+    Examples
+    --------
+    >>> table = ReqToTokenPool(4, max_context_len=16, device="cpu")
+    >>> rows = table.alloc(2)
+    >>> rows
+    [0, 1]
+    >>> table.write((rows[1], slice(0, 3)), torch.tensor([7, 8, 9], dtype=torch.int32))
+    >>> table.req_to_token[1, :4].tolist()
+    [7, 8, 9, 0]
+    >>> table.free(rows)
+    >>> table.available_size()
+    4
+    """
+
+    def __init__(
+        self, size: int, max_context_len: int, device: str | torch.device, enable_memory_saver: bool = False
+    ) -> None:
+        self.size = _positive_int(size, "size")
+        self.max_context_len = _positive_int(max_context_len, "max_context_len")
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self.clear()
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> Optional[list[int]]:
+        """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free."""
+        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
+        if need_size > len(self.free_slots):
+            return None
+        rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        for r in rows:
+            self._is_free[r] = False
+        return rows
+
+    def free(self, free_index: Union[int, Sequence[int], torch.Tensor]) -> None:
+        """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor).
+
+        Raises
+        ------
+        ValueError
+            If a row is out of range, not handed out (double free), or listed twice; nothing is freed.
+        """
+        rows = _as_rows(free_index)
+        seen: set[int] = set()
+        for pos, r in enumerate(rows):
+            if not 0 <= r < self.size:
+                raise ValueError(f"free_index must hold rows in 0..{self.size - 1}, got {r} at position {pos}")
+            if self._is_free[r] or r in seen:
+                why = "which is listed twice" if r in seen else "which is already free"
+                raise ValueError(
+                    f"free_index must hold rows that are handed out, once each, got row {r} at position {pos}, "
+                    f"{why} (a double free)"
+                )
+            seen.add(r)
+        for r in rows:
+            self._is_free[r] = True
+        self.free_slots.extend(rows)
+
+    def write(self, indices: Any, values: Any) -> None:
+        """``req_to_token[indices] = values`` (SGLang's signature; any tensor indexing works)."""
+        self.req_to_token[indices] = values
+
+    def clear(self) -> None:
+        """Every row free (contents are left as they are; rows are rewritten before they are read)."""
+        self.free_slots: list[int] = list(range(self.size))
+        self._is_free = [True] * self.size
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` (with counts) if the free list and the free flags disagree."""
+        problems = []
+        out_of_range = [r for r in self.free_slots if not (isinstance(r, int) and 0 <= r < self.size)]
+        if out_of_range:
+            problems.append(f"{len(out_of_range)} free rows outside 0..{self.size - 1} (first: {out_of_range[0]!r})")
+        if len(set(self.free_slots)) != len(self.free_slots):
+            problems.append(f"{len(self.free_slots) - len(set(self.free_slots))} rows listed free more than once")
+        flagged = sum(self._is_free)
+        if set(self.free_slots) != {r for r in range(self.size) if self._is_free[r]}:
+            problems.append(f"{len(self.free_slots)} rows listed free but {flagged} flagged free")
+        if problems:
+            raise IntegrityError("ReqToTokenPool integrity check failed: " + "; ".join(problems))
+
+
+def _as_rows(free_index: object) -> list[int]:
+    if isinstance(free_index, torch.Tensor):
+        if free_index.dtype.is_floating_point or free_index.dtype.is_complex or free_index.dtype == torch.bool:
+            raise ValueError(f"free_index must be an integer tensor, got {free_index.dtype}")
+        if free_index.dim() > 1:
+            raise ValueError(f"free_index must be 0-D or 1-D, got shape {tuple(free_index.shape)}")
+        return [int(r) for r in free_index.reshape(-1).tolist()]
+    if isinstance(free_index, bool):
+        raise ValueError(f"free_index must be an int or a sequence of ints, got {free_index!r}")
+    if isinstance(free_index, int):
+        return [free_index]
+    if isinstance(free_index, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in free_index):
+        return list(free_index)
+    raise ValueError(f"free_index must be an int or a sequence of ints, got {free_index!r}")

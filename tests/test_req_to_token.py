@@ -1,0 +1,159 @@
+"""ReqToTokenPool: example-based regressions and a state machine against a plain-Python model."""
+
+from __future__ import annotations
+
+import doctest
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvpool.pools.req_to_token as req_to_token_module
+from kvpool.pools.allocator import IntegrityError
+from kvpool.pools.req_to_token import ReqToTokenPool
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(req_to_token_module).failed == 0
+
+
+def test_table_shape_dtype_device_and_zeroed():
+    t = ReqToTokenPool(3, 10, "cpu")
+    assert t.req_to_token.shape == (3, 10) and t.req_to_token.dtype == torch.int32
+    assert t.req_to_token.device.type == "cpu" and not t.req_to_token.any()
+    assert (t.size, t.max_context_len, t.available_size()) == (3, 10, 3)
+
+
+def test_alloc_in_order_then_none_when_short():
+    t = ReqToTokenPool(3, 4, "cpu")
+    assert t.alloc(2) == [0, 1]
+    assert t.alloc(2) is None
+    assert t.available_size() == 1
+    assert t.alloc(0) == []
+    assert t.alloc(1) == [2]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
+def test_alloc_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="need_size must be a non-negative int"):
+        ReqToTokenPool(3, 4, "cpu").alloc(bad)
+
+
+def test_free_int_list_and_tensor():
+    t = ReqToTokenPool(4, 4, "cpu")
+    t.alloc(4)
+    t.free(2)
+    t.free([0, 3])
+    t.free(torch.tensor([1]))
+    assert sorted(t.alloc(4)) == [0, 1, 2, 3]
+    t.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        (1, "row 1 at position 0, which is already free"),
+        ([0, 0], "row 0 at position 1, which is listed twice"),
+        (5, "rows in 0..3, got 5 at position 0"),
+        (-1, "rows in 0..3, got -1"),
+        (1.0, "free_index must be an int or a sequence of ints, got 1.0"),
+        (torch.tensor([0.0]), "free_index must be an integer tensor, got torch.float32"),
+    ],
+)
+def test_bad_free_raises_and_changes_nothing(index, message):
+    t = ReqToTokenPool(4, 4, "cpu")
+    t.alloc(1)  # row 0 handed out, 1..3 free
+    before = (list(t.free_slots), list(t._is_free))
+    with pytest.raises(ValueError, match=message):
+        t.free(index)
+    assert (t.free_slots, t._is_free) == before
+
+
+def test_write_is_plain_indexing():
+    t = ReqToTokenPool(2, 6, "cpu")
+    r = t.alloc(1)[0]
+    t.write((r, slice(0, 3)), torch.tensor([4, 5, 6], dtype=torch.int32))
+    t.write((torch.tensor([r]), torch.tensor([5])), torch.tensor([9], dtype=torch.int32))
+    assert t.req_to_token[r].tolist() == [4, 5, 6, 0, 0, 9]
+
+
+def test_clear_and_sglang_keyword():
+    t = ReqToTokenPool(3, 4, "cpu", enable_memory_saver=False)
+    t.alloc(3)
+    t.clear()
+    assert t.available_size() == 3 and t.alloc(3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("args, message", [((0, 4), "size must be a positive int, got 0"),
+                                           ((2, 0), "max_context_len must be a positive int, got 0")])
+def test_constructor_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        ReqToTokenPool(*args, "cpu")
+
+
+def test_check_integrity_reports_corruption():
+    t = ReqToTokenPool(4, 4, "cpu")
+    t.alloc(2)
+    t.free_slots.append(2)
+    with pytest.raises(IntegrityError, match="1 rows listed free more than once"):
+        t.check_integrity()
+
+
+class ReqTableMachine(RuleBasedStateMachine):
+    @initialize(size=st.integers(1, 12))
+    def setup(self, size):
+        self.t = ReqToTokenPool(size, 5, "cpu")
+        self.size = size
+        self.free: set[int] = set(range(size))
+        self.rows: dict[int, list[int]] = {}  # row -> what was written into it
+
+    @rule(n=st.integers(0, 14))
+    def alloc(self, n):
+        before = list(self.t.free_slots)
+        got = self.t.alloc(n)
+        if n > len(self.free):
+            assert got is None and self.t.free_slots == before
+            return
+        assert len(got) == len(set(got)) == n and set(got) <= self.free
+        self.free -= set(got)
+        for r in got:
+            values = [(r * 7 + i) % 100 for i in range(5)]
+            self.t.write(r, torch.tensor(values, dtype=torch.int32))
+            self.rows[r] = values
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data(), form=st.sampled_from(["int", "list", "tensor"]))
+    def free(self, data, form):
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.rows)), unique=True, min_size=1, max_size=3))
+        if form == "int":
+            chosen = chosen[:1]
+        arg = chosen[0] if form == "int" else (chosen if form == "list" else torch.tensor(chosen))
+        self.t.free(arg)
+        for r in chosen:
+            del self.rows[r]
+            self.free.add(r)
+
+    @rule(data=st.data())
+    def bad_free(self, data):
+        bad = data.draw(st.sampled_from(sorted(set(range(-1, self.size + 1)) - set(self.rows))))
+        before = (list(self.t.free_slots), list(self.t._is_free))
+        with pytest.raises(ValueError):
+            self.t.free([bad])
+        assert (self.t.free_slots, self.t._is_free) == before
+
+    @rule()
+    def clear(self):
+        self.t.clear()
+        self.free, self.rows = set(range(self.size)), {}
+
+    @invariant()
+    def agrees(self):
+        assert self.t.available_size() == len(self.free)
+        assert set(self.t.free_slots) == self.free
+        for r, values in self.rows.items():
+            assert self.t.req_to_token[r].tolist() == values
+        self.t.check_integrity()
+
+
+TestReqTableMachine = ReqTableMachine.TestCase
