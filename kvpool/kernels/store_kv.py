@@ -193,9 +193,13 @@ class PreparedLaunch:
         vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
         kst = k.stride()
         vst = v.stride()
+        # Without a scale tensor the pointer argument is never dereferenced (the branch that reads it
+        # is compiled out); loc stands in for it, so every call passes a real pointer and the
+        # argument's type never depends on the scale.
         _k._store_kv_kernel[(-(-tokens // self.block_t), self.grid_y)](
             k, v, k_store, v_store, loc,
-            ks_ptr, vs_ptr, ks_val, vs_val, ks_stride, vs_stride,
+            loc if ks_ptr is None else ks_ptr, loc if vs_ptr is None else vs_ptr,
+            ks_val, vs_val, ks_stride, vs_stride,
             tokens, self.capacity,
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides,

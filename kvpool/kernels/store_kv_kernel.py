@@ -111,7 +111,7 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
 def _store_head_block(
     src_ptr,  # [T, H, D] input rows, any strides
     dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
-    scale_ptr,  # [1] or [H] float32, or None
+    scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND == SCALE_TENSOR
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
     scale_stride,  # 0 for a per-tensor scale tensor, 1 for per-head
     offs_t,  # [BLOCK_T] int64 token indices
@@ -174,8 +174,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [capacity, H, D] cache, uint8 storage for FP8
     v_cache_ptr,  # [capacity, HV, DV]
     loc_ptr,  # [T] int32/int64 slot per token; < 0 or >= capacity: skipped
-    k_scale_ptr,  # [1] or [H] float32, or None
-    v_scale_ptr,  # [1] or [HV] float32, or None
+    k_scale_ptr,  # [1] or [H] float32 (any pointer when K_SCALE_KIND != SCALE_TENSOR)
+    v_scale_ptr,  # [1] or [HV] float32
     k_scale_value,
     v_scale_value,
     k_scale_stride,

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call of the device tool:
+#   bash scripts/gpu_check.sh [tests] [first_call] [tune] [bench] [quick]   (default: tests first_call bench)
+# Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stages="${*:-tests first_call bench}"
+status=0
+
+step() {  # step NAME CMD...: run, log, remember failures, keep going
+  local name="$1"; shift
+  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name exit $rc" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee -a "$LOG"
+
+for stage in $stages; do
+  case "$stage" in
+    tests)
+      # The GPU suite plus the device-agnostic suites, which run the compiled kernel on CUDA here.
+      step tests python3 -m pytest -q -p no:cacheprovider -n 8 --durations=15 \
+        tests/test_gpu.py tests/test_kernel.py tests/test_pool.py tests/test_gate.py tests/test_compile.py ;;
+    first_call) step first_call python3 benchmarks/first_call.py ;;
+    tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
+    bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
+    quick) step bench_quick python3 benchmarks/bench_set_kv.py --quick --out "$OUT" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
