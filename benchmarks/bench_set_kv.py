@@ -1,12 +1,16 @@
 """The K/V write on a GPU: kvpool's fused path against the alternatives, in one process.
 
 For each model shape and token count it times (a) ``MHATokenToKVPool.set_kv_buffer`` on the fused
-path, (b) kvpool's reference path, (c) SGLang's eager fallback, (d) ``torch.compile`` of an FP8
-``index_copy_`` write, (e) a straightforward Triton port of the seed kernel, and (f) measures the
-device-to-device copy ceiling. Reports median microseconds (device time per call from
-``triton.testing.do_bench``, which flushes L2 before each call; wall time per call back to back;
-and per layer write inside a replayed CUDA graph for decode sizes), GB/s by SPEC section 6, and the
-fraction of the copy ceiling. Writes JSON, a Markdown table and a PNG plot.
+path (and the same kernel built with div.rn instead of the reciprocal-and-FMA division), (b)
+kvpool's reference path, (c) SGLang's eager fallback, (d) ``torch.compile`` of an FP8 ``index_copy_``
+write, (e) a straightforward Triton port of the seed kernel, and (f) measures the device-to-device
+copy ceiling (a 2 GiB copy) and a copy of the same number of bytes as each write.
+
+Device time is measured inside replayed CUDA graphs (benchmarks/timing.py) with L2 flushed before
+every call, so host launch cost never leaks into it; GB/s by SPEC section 6 from that time. Decode
+sizes also report the time per layer write in a graph of 64 writes cycling over 8 layers (no
+flush), and the wall time per call issued eagerly back to back (host-bound). Medians throughout.
+Writes JSON, a Markdown table and a PNG plot.
 
 Usage (on a GPU): python benchmarks/bench_set_kv.py --out DIR [--quick]
 """
@@ -24,10 +28,10 @@ from datetime import datetime, timezone
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
+from timing import flush_buffer, graph_us  # noqa: E402
 
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
 
@@ -42,7 +46,14 @@ DECODE_MAX = 256
 SLOTS = 1 << 20
 LAYERS = 8  # graph replays cycle through layers, as a model's step does
 GRAPH_WRITES = 64
-METHODS = ["kvpool fused", "kvpool reference", "SGLang fallback", "torch.compile index_copy_", "straightforward Triton"]
+METHODS = [
+    "kvpool fused",
+    "kvpool fused (div.rn)",
+    "kvpool reference",
+    "SGLang fallback",
+    "torch.compile index_copy_",
+    "straightforward Triton",
+]
 FP8 = torch.float8_e4m3fn
 
 
@@ -50,17 +61,13 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def median_ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_ceiling_gbps() -> float:
-    n = 2 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+def copy_gbps(nbytes: int, flush=None) -> float:
+    """Device-to-device copy of ``nbytes``, counted as read + write (2 x nbytes)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    us = graph_us(lambda i: dst.copy_(src), calls=4 if nbytes > (256 << 20) else 10, flush=flush)
     del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
+    return 2 * nbytes / (us * 1e-6) / 1e9
 
 
 def wall_us_per_call(fn, n: int = 400) -> float:
@@ -78,39 +85,18 @@ def wall_us_per_call(fn, n: int = 400) -> float:
     return statistics.median(runs)
 
 
-def graph_us_per_call(fn) -> float:
-    """Per layer write inside a CUDA graph of GRAPH_WRITES writes cycling over LAYERS layers."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i % LAYERS)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_WRITES):
-            fn(i % LAYERS)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(50):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / GRAPH_WRITES
-
-
 def bytes_moved(t: int, h: int, d: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
     return t * (h * d + h * d) * (in_size + pool_size) + t * loc_size
 
 
-def bench_shape(name: str, h: int, d: int, tokens: list[int], ceiling: float, records: list) -> None:
+def bench_shape(name: str, h: int, d: int, tokens: list[int], ceiling: float, records: list, flush) -> None:
     pool = MHATokenToKVPool(SLOTS, 1, FP8, h, d, LAYERS, "cuda")
+    from kvpool.kernels import store_kv
+
+    divrn = store_kv.PreparedLaunch(
+        h, d, h, d, FP8, tuple(pool.k_buffer[0].stride()), tuple(pool.v_buffer[0].stride()),
+        SLOTS + 1, soft_cast=False, fast_div=False,
+    )  # fmt: skip
     kviews = [pool.get_key_buffer(i) for i in range(LAYERS)]
     vviews = [pool.get_value_buffer(i) for i in range(LAYERS)]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -123,6 +109,7 @@ def bench_shape(name: str, h: int, d: int, tokens: list[int], ceiling: float, re
         loc = torch.randperm(SLOTS, device="cuda", generator=gen)[:t] + 1
         fns = {
             "kvpool fused": lambda i: pool.set_kv_buffer(None, loc, xk, xv, scale, scale, layer_id_override=i),
+            "kvpool fused (div.rn)": lambda i: divrn(xk, xv, pool.k_buffer[i], pool.v_buffer[i], loc, scale, scale),
             "kvpool reference": lambda i: reference_set_kv_buffer(xk, xv, kviews[i], vviews[i], loc, scale, scale),
             "SGLang fallback": lambda i: peers.sglang_fallback(
                 xk_s, xv_s, pool.k_buffer[i], pool.v_buffer[i], loc, one, one, FP8
@@ -135,19 +122,22 @@ def bench_shape(name: str, h: int, d: int, tokens: list[int], ceiling: float, re
             ),
         }
         nbytes = bytes_moved(t, h, d)
-        row = []
+        same = copy_gbps(nbytes // 2, flush)
+        records.append({"model": name, "H": h, "D": d, "T": t, "method": "same-bytes copy", "bytes": nbytes,
+                        "gbps": same, "ceiling_frac": same / ceiling})  # fmt: skip
+        row = [f"same-bytes copy={same:.0f}GB/s"]
         for method, fn in fns.items():
             rec = {"model": name, "H": h, "D": d, "T": t, "method": method, "bytes": nbytes}
             try:
                 fn(0)
                 torch.cuda.synchronize()
-                ms = median_ms(lambda: fn(0))
-                rec["device_us"] = ms * 1e3
-                rec["gbps"] = nbytes / (ms * 1e-3) / 1e9
+                us = graph_us(lambda i: fn(i % LAYERS), calls=10, flush=flush)
+                rec["device_us"] = us
+                rec["gbps"] = nbytes / (us * 1e-6) / 1e9
                 rec["ceiling_frac"] = rec["gbps"] / ceiling
                 if t <= DECODE_MAX:
                     rec["wall_us"] = wall_us_per_call(fn)
-                    rec["graph_us"] = graph_us_per_call(fn)
+                    rec["graph_us"] = graph_us(lambda i: fn(i % LAYERS), calls=GRAPH_WRITES)
             except Exception as exc:  # a peer failing must not stop the run; it is reported
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
             records.append(rec)
@@ -175,8 +165,11 @@ def host_overhead(records: dict) -> None:
     consts = launch.constexprs[(2, 2)]
     grid = (1, launch.grid_y)
     kernel = store_kv._k._store_kv_kernel
+    compiled = kernel[grid](*args, **consts)
+    const_args = launch.constexpr_args[(2, 2)]
     calls = {
         "direct kernel launch": lambda: kernel[grid](*args, **consts),
+        "compiled kernel launch": lambda: compiled[grid](*args, *const_args),
         "PreparedLaunch": lambda: launch(x, x, kb, vb, loc, scale, scale),
         "set_kv_buffer": lambda: pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0),
         "set_kv_buffer (float scale)": lambda: pool.set_kv_buffer(None, loc, x, x, 0.37, 0.37, layer_id_override=0),
@@ -194,7 +187,8 @@ def host_overhead(records: dict) -> None:
             runs.append((time.perf_counter() - t0) / n * 1e6)
             torch.cuda.synchronize()
         records[name] = statistics.median(runs)
-    records["overhead_us"] = records["set_kv_buffer"] - records["direct kernel launch"]
+    records["set_kv_buffer minus direct kernel launch"] = records["set_kv_buffer"] - records["direct kernel launch"]
+    records["set_kv_buffer minus compiled kernel launch"] = records["set_kv_buffer"] - records["compiled kernel launch"]
     log("  host us/call: " + ", ".join(f"{k}={v:.2f}" for k, v in records.items()))
 
 
@@ -207,15 +201,15 @@ def markdown(meta: dict, records: list, host: dict) -> str:
         f"Copy ceiling (device-to-device copy, read + write): **{meta['ceiling_gbps']:.0f} GB/s**  ",
         "Pool: FP8 e4m3fn, 1M slots, random slots; inputs bf16 [T, H, D]; per-tensor float32 scale tensor; int64 loc.",
         "",
-        "### Throughput (GB/s by SPEC section 6, fraction of the copy ceiling; do_bench median, L2 flushed)",
+        "### Throughput: GB/s by SPEC section 6 (percent of the copy ceiling); device time in CUDA-graph replays, L2 flushed before each call",
         "",
-        "| model | T | " + " | ".join(METHODS) + " | fused / straightforward | fused / compile |",
-        "|---|---:|" + "---:|" * len(METHODS) + "---:|---:|",
+        "| model | T | same-bytes copy | " + " | ".join(METHODS) + " | fused / straightforward | fused / compile |",
+        "|---|---:|---:|" + "---:|" * len(METHODS) + "---:|---:|",
     ]
     for model in MODELS:
         for t in TOKENS:
             cells = []
-            for m in METHODS:
+            for m in ["same-bytes copy"] + METHODS:
                 r = by.get((model, t, m))
                 if r is None:
                     cells.append("")
@@ -232,7 +226,7 @@ def markdown(meta: dict, records: list, host: dict) -> str:
                 out.append(f"| {model} | {t} | " + " | ".join(cells) + f" | {r1} | {r2} |")
     out += [
         "",
-        "### Decode sizes: microseconds per layer write (device time eager / wall time back to back / CUDA-graph replay)",
+        "### Decode sizes: microseconds per layer write (device, L2 cold / wall time of eager calls back to back / per write in a graph of 64 writes)",
         "",
         "| model | T | " + " | ".join(METHODS) + " |",
         "|---|---:|" + "---:|" * len(METHODS),
@@ -250,7 +244,7 @@ def markdown(meta: dict, records: list, host: dict) -> str:
                     cells.append(f"{r['device_us']:.1f} / {r['wall_us']:.1f} / {r['graph_us']:.2f}")
             out.append(f"| {model} | {t} | " + " | ".join(cells) + " |")
     if host:
-        out += ["", "### Host time per eager call (T=1, H=1, D=128; median of 7 x 3000 calls)", ""]
+        out += ["", "### Host time per eager call (T=1, H=1, D=128, tensor scales; median of 7 x 3000 calls)", ""]
         out += [f"- {k}: {v:.2f} us" for k, v in host.items()]
     errors = [r for r in records if "error" in r]
     if errors:
@@ -270,6 +264,9 @@ def plot(records: list, ceiling: float, path: str) -> None:
             pts = sorted((r["T"], r["gbps"]) for r in records if r["model"] == model and r["method"] == m and "gbps" in r)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
+        pts = sorted((r["T"], r["gbps"]) for r in records if r["model"] == model and r["method"] == "same-bytes copy")
+        if pts:
+            ax.plot(*zip(*pts), color="k", linestyle=":", marker=".", label="copy of the same bytes")
         ax.axhline(ceiling, color="k", linestyle="--", label=f"copy ceiling {ceiling:.0f} GB/s")
         ax.axhline(0.9 * ceiling, color="gray", linestyle=":", label="90% of ceiling")
         ax.set_xscale("log", base=2)
@@ -300,19 +297,22 @@ def main() -> int:
         "command": "python benchmarks/bench_set_kv.py" + (" --quick" if args.quick else ""),
     }
     log(f"[bench] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}")
-    ceiling = copy_ceiling_gbps()
+    flush = flush_buffer()
+    ceiling = copy_gbps(2 << 30)
     meta["ceiling_gbps"] = ceiling
     log(f"[bench] copy ceiling {ceiling:.0f} GB/s")
     records: list = []
     for i, (name, (h, d)) in enumerate(MODELS.items()):
         log(f"[bench] shape {i + 1}/{len(MODELS)}: {name}")
-        bench_shape(name, h, d, tokens, ceiling, records)
+        bench_shape(name, h, d, tokens, ceiling, records, flush)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:  # partial results survive a timeout
+            json.dump({"meta": meta, "records": records, "partial": True}, f, indent=1)
     host: dict = {}
     try:
         host_overhead(host)
     except Exception as exc:
         log(f"[bench] host overhead failed: {exc}")
-    meta["ceiling_gbps_end"] = copy_ceiling_gbps()
+    meta["ceiling_gbps_end"] = copy_gbps(2 << 30)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "records": records, "host_us": host}, f, indent=1)
     md = markdown(meta, records, host)

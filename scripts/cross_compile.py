@@ -51,7 +51,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     const = dict(
         H=heads, D=head_dim, HV=heads, DV=head_dim, BLOCK_T=plan.block_t, BLOCK_H=plan.block_h,
         BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
-        K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft,
+        K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -74,6 +74,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         info["st_v4"] = len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx))
         info["cvt_satfinite"] = ptx.count("cvt.rn.satfinite")
         info["div_rn"] = ptx.count("div.rn.f32")
+        info["fma_rn"] = ptx.count("fma.rn.f32")
     return info
 
 

@@ -9,10 +9,12 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
-from kvpool.kernels import store_kv
+from kvpool.kernels import store_kv, store_kv_kernel
 from kvpool.kernels.store_kv import launch_store_kv, storage_view
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +74,10 @@ def _compare(k, v, loc, ks, vs, slots, cache_dtype, what, **launch):
 @pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
 def test_grid_matches_reference(cache_dtype, h, d):
     slots = 5000
-    for t, in_dtype, scale_kind in itertools.product([0, 1, 7, 128, 4096], INPUTS, ["none", "float", "tensor", "per_head"]):
+    # bf16 inputs with every scale kind; fp16/fp32 inputs with per-head scales (fewer compiled variants)
+    combos = [(torch.bfloat16, kind) for kind in ("none", "float", "tensor", "per_head")]
+    combos += [(torch.float16, "per_head"), (torch.float32, "per_head")]
+    for t, (in_dtype, scale_kind) in itertools.product([0, 1, 7, 128, 4096], combos):
         k, v = _qkv_slices(t, h, d, in_dtype, seed=t * 31 + h * 7 + d)
         loc = torch.randperm(slots, device=DEV)[:t]
         if t > 3:
@@ -95,51 +100,94 @@ EDGES = [0.0, -0.0, 448.0, 449.0, 464.0, 465.0, 480.0, -448.0, -465.0, 57344.0, 
          1e-40, -1e-40, 65504.0, 3.0e38]  # fmt: skip
 
 
-@pytest.mark.parametrize("soft", [False, True], ids=["native", "soft"])
+# The kernel's code paths: hardware cast with the reciprocal-and-FMA division (the default on
+# sm_89+), hardware cast with div.rn, and the integer encoder with div.rn (interpreter, AMD, sm_80).
+VARIANTS = {
+    "native-fastdiv": dict(soft_cast=False, fast_div=True),
+    "native-divrn": dict(soft_cast=False, fast_div=False),
+    "soft-divrn": dict(soft_cast=True, fast_div=False),
+}
+SCALES = (None, 0.37, 2.0**-7, 3.3, 1e-30, 1e30)  # the last two take div.rn even in fast-div builds
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("in_dtype", INPUTS, ids=_name)
 @pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
-def test_edge_values(cache_dtype, in_dtype, soft):
+def test_edge_values(cache_dtype, in_dtype, variant):
     x = torch.tensor(EDGES, device=DEV).to(in_dtype).reshape(-1, 1, 1).expand(-1, 2, 64)
     loc = torch.arange(x.shape[0], device=DEV)
-    for scale in (None, 0.37, 2.0**-7, torch.tensor([3.3], device=DEV)):
-        _compare(x, x, loc, scale, scale, x.shape[0], cache_dtype, f"edges scale={scale}", soft_cast=soft)
+    for scale in SCALES + (torch.tensor([3.3], device=DEV), torch.tensor([0.01, 7.5], device=DEV)):
+        _compare(x, x, loc, scale, scale, x.shape[0], cache_dtype, f"edges scale={scale}", **VARIANTS[variant])
 
 
-@pytest.mark.parametrize("soft", [False, True], ids=["native", "soft"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=_name)
-def test_every_bf16_and_fp16_bit_pattern(cache_dtype, soft):
+def test_every_bf16_and_fp16_bit_pattern(cache_dtype, variant):
     every = torch.arange(65536, dtype=torch.int32, device=DEV).to(torch.int16)
     loc = torch.arange(512, device=DEV)
     for in_dtype in (torch.bfloat16, torch.float16):
         x = every.view(in_dtype).reshape(512, 1, 128)
-        for scale in (None, 0.37, 2.0**-7, torch.tensor([3.3], device=DEV)):
-            _compare(x, x, loc, scale, None, 512, cache_dtype, f"{in_dtype} patterns scale={scale}", soft_cast=soft)
+        for scale in SCALES + (torch.tensor([3.3], device=DEV),):
+            _compare(x, x, loc, scale, None, 512, cache_dtype, f"{in_dtype} patterns scale={scale}", **VARIANTS[variant])
 
 
-@pytest.mark.parametrize("soft", [False, True], ids=["native", "soft"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=_name)
-def test_random_float32_bit_patterns(cache_dtype, soft):
+def test_random_float32_bit_patterns(cache_dtype, variant):
     """4M random float32 bit patterns: every exponent, NaN payloads, subnormals."""
     g = _gen(7)
     raw = torch.randint(-(2**31), 2**31, (4096, 8, 128), device=DEV, generator=g, dtype=torch.int64)
     x = raw.to(torch.int32).view(torch.float32)
     loc = torch.randperm(4096, device=DEV, generator=g)
-    for scale in (None, 0.37, torch.tensor([1e-3], device=DEV)):
-        _compare(x, x, loc, scale, scale, 4096, cache_dtype, f"fp32 patterns scale={scale}", soft_cast=soft)
+    for scale in (None, 0.37, 1e-30, torch.tensor([1e-3], device=DEV), torch.logspace(-6, 6, 8, device=DEV)):
+        _compare(x, x, loc, scale, scale, 4096, cache_dtype, f"fp32 patterns scale={scale}", **VARIANTS[variant])
 
 
-def test_native_and_soft_cast_agree_on_the_device():
-    """The integer encoder (used by the interpreter in CI) equals the hardware conversion."""
+@triton.jit
+def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    s = tl.load(s_ptr + offs)
+    tl.store(out_ptr + offs, store_kv_kernel._divide(x, s, s, FAST))
+
+
+def test_fast_division_is_correctly_rounded_where_fp8_can_see_it():
+    """The reciprocal-and-FMA division against IEEE division (torch on the device), on 64M random
+    (x, s) pairs: x any finite float32, s log-uniform over the range the fast path accepts. Every
+    quotient of magnitude >= 2**-20 (FP8 can represent down to 2**-16) must match bit for bit;
+    smaller ones must stay small enough to round to an FP8 zero."""
+    g = _gen(11)
+    block = 1024
+    for _ in range(4):
+        n = 16 * 2**20
+        x = torch.randint(-(2**31), 2**31, (n,), device=DEV, generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        x = torch.where(torch.isfinite(x), x, torch.ones_like(x))
+        mant = torch.rand(n, device=DEV, generator=g) + 1.0
+        s = mant * torch.exp2(torch.randint(-64, 64, (n,), device=DEV, generator=g).float())
+        # one scale per program, as the kernel sees a per-tensor or per-head scale
+        s = s.view(-1, block)[:, :1].expand(-1, block).contiguous().view(-1)
+        out = torch.empty_like(x)
+        _divide_probe[(n // block,)](x, s, out, BLOCK=block, FAST=True)
+        ieee = x / s
+        visible = ieee.abs() >= 2.0**-20
+        assert_same_bytes(torch.where(visible, out, 0.0), torch.where(visible, ieee, 0.0), "fast division")
+        assert (out[~visible].abs() < 2.0**-19).all()
+
+
+def test_all_variants_agree_on_the_device():
+    """The integer encoder and div.rn (the interpreter's path in CI) equal the hardware conversion
+    and the reciprocal-and-FMA division, on 8M values."""
     g = _gen(3)
     x = _wide_rows(8192, 8, 128, torch.bfloat16, 3)
     loc = torch.randperm(8192, device=DEV, generator=g)
     for cache_dtype in FP8:
-        out = []
-        for soft in (False, True):
+        out = {}
+        for name, variant in VARIANTS.items():
             kc = poison_(torch.empty(8192, 8, 128, dtype=cache_dtype, device=DEV))
-            launch_store_kv(x, x, storage_view(kc), storage_view(kc.clone()), loc, 0.37, None, cache_dtype, soft_cast=soft)
-            out.append(kc)
-        assert_same_bytes(out[0], out[1], f"{cache_dtype} native vs soft")
+            launch_store_kv(x, x, storage_view(kc), storage_view(kc.clone()), loc, 0.37, None, cache_dtype, **variant)
+            out[name] = kc
+        for name in VARIANTS:
+            assert_same_bytes(out[name], out["soft-divrn"], f"{cache_dtype} {name} vs soft-divrn")
 
 
 def test_out_of_range_and_negative_slots_leave_guard_rows_untouched():

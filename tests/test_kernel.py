@@ -210,3 +210,11 @@ def test_duplicate_slots_take_one_of_the_rows():
         candidates = [bits(full[i]) for i in (0, 1, 3)]
         assert any(torch.equal(bits(kc[3]), c) for c in candidates)
         assert torch.equal(bits(kc[7]), bits(full[2]))
+
+
+def test_direct_launch_knows_the_kernel_signature():
+    """Direct launches pass the compile-time arguments positionally after the runtime ones."""
+    from kvpool.kernels import store_kv
+
+    names = list(store_kv._k._store_kv_kernel.arg_names)
+    assert tuple(names[-len(store_kv._CONSTEXPR_NAMES) :]) == store_kv._CONSTEXPR_NAMES

@@ -7,6 +7,7 @@ unchecked :func:`launch_store_kv` after doing its own checks once.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,17 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
     TRITON_AVAILABLE = False
     INTERPRETER = False
+
+
+logger = logging.getLogger("kvpool")
+
+# Launch already compiled variants directly (see PreparedLaunch.__call__); KVPOOL_FAST_LAUNCH=0
+# turns it off. Disabled for the process if the installed Triton's launcher disagrees.
+_fast_launch_enabled = TRITON_AVAILABLE and not INTERPRETER and os.environ.get("KVPOOL_FAST_LAUNCH", "1") != "0"
+_CONSTEXPR_NAMES = (
+    "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV",
+    "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV",
+)  # fmt: skip
 
 
 class FusedPathUnavailable(RuntimeError):
@@ -128,6 +140,12 @@ def soft_cast_for(device: torch.device) -> bool:
     return not _native_cast_ok(device.type, device.index)
 
 
+def fast_div_default(soft_cast: bool) -> bool:
+    """Reciprocal-and-FMA division on compiled GPUs; div.rn under the interpreter (no fused FMA)
+    and wherever the soft cast is used. ``KVPOOL_FAST_DIV=0`` forces div.rn (for comparison)."""
+    return not soft_cast and not INTERPRETER and os.environ.get("KVPOOL_FAST_DIV", "1") != "0"
+
+
 # --- launch ------------------------------------------------------------------------------------------
 
 
@@ -157,8 +175,13 @@ class PreparedLaunch:
         capacity: int,
         soft_cast: bool,
         tile: TileConfig | None = None,
+        fast_div: bool | None = None,
     ) -> None:
         plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
+        # Scales apply to FP8 caches only; a 16-bit or fp32 cache stores the inputs as they are.
+        self.scales_apply = _OUT_KIND[cache_dtype] <= 1
+        if fast_div is None:
+            fast_div = fast_div_default(soft_cast)
         self.plan = plan
         self.heads, self.v_heads = heads, v_heads
         self.capacity = capacity
@@ -169,12 +192,16 @@ class PreparedLaunch:
             H=heads, D=head_dim, HV=v_heads, DV=v_head_dim,
             BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
             BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
-            OUT_KIND=_OUT_KIND[cache_dtype], SOFT_CAST=soft_cast, num_warps=plan.num_warps,
+            OUT_KIND=_OUT_KIND[cache_dtype], SOFT_CAST=soft_cast, FAST_DIV=fast_div,
+            num_warps=plan.num_warps,
         )  # fmt: skip
         # One keyword dict per (K scale kind, V scale kind), so a call builds no dict.
         self.constexprs = {
             (a, b): {**base, "K_SCALE_KIND": a, "V_SCALE_KIND": b} for a in range(3) for b in range(3)
         }
+        # The same values positionally, in the kernel's parameter order, for direct launches.
+        self.constexpr_args = {kinds: tuple(d[n] for n in _CONSTEXPR_NAMES) for kinds, d in self.constexprs.items()}
+        self._compiled: dict[tuple, object] = {}
 
     def __call__(
         self,
@@ -189,27 +216,66 @@ class PreparedLaunch:
         tokens = k.shape[0]
         if tokens == 0:
             return
+        if not self.scales_apply:
+            k_scale = v_scale = None
         ks_kind, ks_ptr, ks_val, ks_stride = _scale_args(k_scale, self.heads)
         vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
         kst = k.stride()
         vst = v.stride()
+        grid = (-(-tokens // self.block_t), self.grid_y)
         # Without a scale tensor the pointer argument is never dereferenced (the branch that reads it
         # is compiled out); loc stands in for it, so every call passes a real pointer and the
         # argument's type never depends on the scale.
-        _k._store_kv_kernel[(-(-tokens // self.block_t), self.grid_y)](
+        args = (
             k, v, k_store, v_store, loc,
             loc if ks_ptr is None else ks_ptr, loc if vs_ptr is None else vs_ptr,
             ks_val, vs_val, ks_stride, vs_stride,
             tokens, self.capacity,
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides,
-            **self.constexprs[(ks_kind, vs_kind)],
         )  # fmt: skip
+        kinds = (ks_kind, vs_kind)
+        if not _fast_launch_enabled:
+            _k._store_kv_kernel[grid](*args, **self.constexprs[kinds])
+            return
+        # Everything Triton specializes a compiled variant on, for the arguments that vary between
+        # calls: dtypes, exact strides (covers "== 1" and "divisible by 16"), 16-byte alignment of
+        # the row pointers (caches: fixed per pool), the device, and the scale kinds and dtypes.
+        key = (
+            kinds, k.dtype, v.dtype, loc.dtype, kst, vst,
+            k.data_ptr() & 15, v.data_ptr() & 15, k_store.data_ptr() & 15, v_store.data_ptr() & 15,
+            None if ks_ptr is None else ks_ptr.dtype, None if vs_ptr is None else vs_ptr.dtype,
+            k_store.dtype, k.get_device(),
+        )  # fmt: skip
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            # Triton's JIT path: specializes, compiles if needed, launches, and hands back the
+            # compiled kernel, which later calls with the same key launch directly.
+            compiled = _k._store_kv_kernel[grid](*args, **self.constexprs[kinds])
+            if compiled is not None:
+                self._compiled[key] = compiled
+            return
+        _launch_compiled(compiled, grid, args, self.constexpr_args[kinds], self.constexprs[kinds])
+
+
+def _launch_compiled(compiled, grid, args: tuple, const_args: tuple, const_kwargs: dict) -> None:
+    """Launch an already compiled variant without Triton's per-call specialization and cache-key
+    work (most of a launch's host time). If this Triton's launcher takes its arguments differently,
+    turn the shortcut off for the process and launch through the JIT path instead."""
+    global _fast_launch_enabled
+    try:
+        compiled[grid](*args, *const_args)
+    except (TypeError, SystemError) as exc:
+        _fast_launch_enabled = False
+        logger.warning("kvpool: direct launch of compiled kernels unavailable (%s); using triton's JIT launch", exc)
+        _k._store_kv_kernel[grid](*args, **const_kwargs)
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile):
-    return PreparedLaunch(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile)
+def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div):
+    return PreparedLaunch(
+        heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div
+    )
 
 
 def launch_store_kv(
@@ -224,6 +290,7 @@ def launch_store_kv(
     *,
     soft_cast: bool | None = None,
     tile: TileConfig | None = None,
+    fast_div: bool | None = None,
 ) -> None:
     """Launch the fused write. Arguments must already be checked; ``k_store``/``v_store`` are the
     caches in storage dtype (uint8 for FP8) and ``cache_dtype`` the logical element type.
@@ -234,7 +301,7 @@ def launch_store_kv(
         soft_cast = soft_cast_for(k_store.device)
     launch = _prepared(
         k_store.shape[1], k_store.shape[2], v_store.shape[1], v_store.shape[2], cache_dtype,
-        tuple(k_store.stride()), tuple(v_store.stride()), k_store.shape[0], soft_cast, tile,
+        tuple(k_store.stride()), tuple(v_store.stride()), k_store.shape[0], soft_cast, tile, fast_div,
     )  # fmt: skip
     launch(k, v, k_store, v_store, loc, k_scale, v_scale)
 

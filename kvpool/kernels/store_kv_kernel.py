@@ -106,6 +106,46 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
         out = x
     return out
 
+# Scales inside [2**-64, 2**64] take the reciprocal-and-correction division below; others use div.rn.
+# In that range every quotient that can round to a nonzero FP8 value is computed without underflow.
+DIV_SCALE_LO = tl.constexpr(2.0**-64)
+DIV_SCALE_HI = tl.constexpr(2.0**64)
+
+
+@triton.jit
+def _div_by_reciprocal(x, s, r):
+    """x / s correctly rounded in float32, given r = RN(1/s) (Markstein's correction).
+
+    q0 = RN(x * r) is within one ulp of x / s; the residual x - q0 * s is exact in an FMA, and
+    RN(q0 + residual * r) is the correctly rounded quotient when nothing over- or underflows. Where
+    the residual is zero q0 is exact (and keeps the sign of a zero x); where q0 is inf or NaN the
+    residual is meaningless and q0 is already the IEEE result, or one that saturates the same way.
+    """
+    q0 = x * r
+    rem = tl.fma(-q0, s, x)
+    q1 = tl.fma(rem, r, q0)
+    keep = (rem == 0.0) | (q0 != q0) | (tl.abs(q0) == float("inf"))
+    return tl.where(keep, q0, q1)
+
+
+@triton.jit
+def _divide(x, s, s_vec, FAST_DIV: tl.constexpr):
+    """x / s, correctly rounded float32. ``s`` broadcasts over ``x``; ``s_vec`` holds the same
+    scale(s) as a 1-D vector, used to decide (uniformly per program) which division runs.
+
+    ``FAST_DIV`` hoists the reciprocal out of the per-element work: one multiply and two FMAs
+    per element instead of div.rn's sequence with its slow-path branch. The interpreter keeps
+    div.rn (its FMA is not fused: numpy rounds the product first)."""
+    if FAST_DIV:
+        in_range = (s_vec >= DIV_SCALE_LO) & (s_vec <= DIV_SCALE_HI)
+        if tl.min(in_range.to(tl.int32), axis=0) == 1:
+            x = _div_by_reciprocal(x, s, tl.div_rn(1.0, s))
+        else:
+            x = tl.div_rn(x, s)
+    else:
+        x = tl.div_rn(x, s)
+    return x
+
 
 @triton.jit
 def _store_head_block(
@@ -131,6 +171,7 @@ def _store_head_block(
     SCALE_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr,
     SOFT_CAST: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,16 +183,17 @@ def _store_head_block(
         + offs_h[None, :, None] * stride_sh
         + offs_d[None, None, :] * stride_sd
     )
-    raw = tl.load(src, mask=mask, other=0.0)
+    # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
+    raw = tl.load(src, mask=mask, other=1.0)
     if (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16) or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16):
         out = raw  # same type in and out: store the bits as they are (NaN payloads included)
     else:
         x = _to_float32(raw, SOFT_CAST)
         if SCALE_KIND == SCALE_VALUE:
-            x = tl.div_rn(x, scale_value)
+            x = _divide(x, scale_value, tl.full([1], scale_value, tl.float32), FAST_DIV)
         elif SCALE_KIND == SCALE_TENSOR:
             s = tl.load(scale_ptr + offs_h * scale_stride, mask=offs_h < H, other=1.0).to(tl.float32)
-            x = tl.div_rn(x, s[None, :, None])
+            x = _divide(x, s[None, :, None], s, FAST_DIV)
         out = _convert(x, OUT_KIND, SOFT_CAST)
 
     dst = (
@@ -207,6 +249,7 @@ def _store_kv_kernel(
     V_SCALE_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr,
     SOFT_CAST: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -221,12 +264,12 @@ def _store_kv_kernel(
             k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
             offs_t, slot, row_ok, hb,
             stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
-            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST,
+            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip
     else:
         _store_head_block(
             v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
             offs_t, slot, row_ok, hb - K_HEAD_BLOCKS,
             stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
-            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST,
+            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip
