@@ -553,7 +553,8 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         spare = spare % page_size
         self.p = page_size
         self.n = pages
-        self.a = PagedTokenToKVPoolAllocator(pages * page_size + spare, page_size, need_sort=need_sort, validate=validate)
+        size = pages * page_size + spare
+        self.a = PagedTokenToKVPoolAllocator(size, page_size, need_sort=need_sort, validate=validate)
         self.requests: dict[int, list[int]] = {}
         self.loose: set[int] = set()  # owned slots no request continues from
         self.pending: set[int] = set()  # pages released inside the open group
@@ -608,7 +609,9 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
     # rules
     @rule(data=st.data(), width=st.integers(0, 3))
     def extend(self, data, width):
-        rids = data.draw(st.lists(st.sampled_from(sorted(self.requests)), unique=True, max_size=width)) if self.requests else []
+        rids = []
+        if self.requests:
+            rids = data.draw(st.lists(st.sampled_from(sorted(self.requests)), unique=True, max_size=width))
         batch = [(r, len(self.requests[r])) for r in rids]
         batch += [(None, 0)] * data.draw(st.integers(0, 2))
         grows = [data.draw(st.integers(0, 2 * self.p + 1)) for _ in batch]

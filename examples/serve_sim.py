@@ -1,0 +1,632 @@
+"""Serve a stream of requests through kvpool: a scheduler and a model runner, simulated.
+
+The scheduler admits requests as they arrive (seeded prompt and output lengths), reserves their
+KV-cache slots with a ``PagedTokenToKVPoolAllocator`` (``--page-size 1``: ``TokenToKVPoolAllocator``),
+records them in a ``ReqToTokenPool``, prefills long prompts in chunks, decodes one token per request
+per step, retracts requests when decode runs out of pages, and frees requests when they finish. The
+model runner writes each step's K/V for every layer with ``pool.set_kv_buffer`` into an FP8 pool
+with per-tensor float32 scales, as an attention layer would. K/V values are a deterministic function
+of (request, position, layer), so before a request's slots are freed its K/V is regenerated,
+quantized with ``kvpool.quantize`` and compared byte for byte with the pool.
+
+    python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
+    python examples/serve_sim.py --page-size 1      # token allocator
+    python examples/serve_sim.py --corrupt          # flip one stored byte: the check must fail
+
+Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from kvpool import MHATokenToKVPool, quantize
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvpool.pools.req_to_token import ReqToTokenPool
+from kvpool.pools.sizing import KVGeometry
+
+DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+# Per-tensor scales as a checkpoint would carry them. K values stay in range after the divide; some V
+# values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding and the clamp are exercised.
+K_SCALE, V_SCALE = 0.04, 0.03
+# Admission keeps free pages for this fraction of the running requests' remaining output tokens;
+# when the guess is short, decode retracts requests (as SGLang does with its new_token_ratio).
+NEW_TOKEN_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation run. Lengths are inclusive ranges; arrivals are every ``arrival_every`` steps
+    on average (exponential gaps)."""
+
+    requests: int = 64
+    layers: int = 4
+    heads: int = 4
+    head_dim: int = 64
+    page_size: int = 16
+    kv_budget_mib: float = 4.0
+    max_running: int = 16
+    chunk_size: int = 256
+    prompt_len: tuple[int, int] = (8, 256)
+    output_len: tuple[int, int] = (8, 128)
+    arrival_every: float = 2.0
+    dtype: str = "fp8_e4m3"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    seed: int = 0
+    max_steps: Optional[int] = None
+    # Every tensor here is small (a step's tokens), so intra-op threads cost more in hand-offs than
+    # they save: on a 2-vCPU CI machine two threads made the CPU run 10-20x slower. None: torch's choice.
+    cpu_threads: Optional[int] = 1
+    validate: bool = False
+    corrupt: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if not self.kv_budget_mib > 0:
+            raise ValueError(f"kv_budget_mib must be > 0, got {self.kv_budget_mib}")
+        if not self.arrival_every >= 0:
+            raise ValueError(f"arrival_every must be >= 0, got {self.arrival_every}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be a positive int or None, got {self.max_steps}")
+
+    @property
+    def max_context_len(self) -> int:
+        return self.prompt_len[1] + self.output_len[1]
+
+
+@dataclass
+class Request:
+    """A request's progress. Its sequence has ``prompt_len + output_len`` tokens; the K/V of
+    positions ``0..kv_len-1`` is in the pool at ``req_to_token[row, :kv_len]``."""
+
+    rid: int
+    prompt_len: int
+    output_len: int
+    arrival: int
+    row: Optional[int] = None
+    kv_len: int = 0
+    generated: int = 0
+    prefill_target: int = 0  # kv_len at which (re-)prefill ends and one token is produced
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < self.prefill_target
+
+    @property
+    def final_kv_len(self) -> int:
+        return self.prompt_len + self.output_len - 1  # the last output token's K/V is never written
+
+
+@dataclass
+class Batch:
+    """One forward step: prefill chunks first, then one decode token per decoding request."""
+
+    prefill: list[tuple[Request, int, int]]  # (request, from position, to position)
+    decode: list[Request]
+    loc: torch.Tensor  # [T] int64 slots
+    rids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(end - start for _, start, end in self.prefill)
+
+
+@dataclass
+class Mismatch:
+    rid: int
+    position: int
+    layer: int
+    which: str  # "K" or "V"
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    pool_size: int
+    bytes_per_token: int
+    served: int = 0
+    steps: int = 0
+    forward_steps: int = 0  # steps that ran a batch (the others waited for arrivals or made room)
+    retractions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    peak_slots: int = 0
+    peak_running: int = 0
+    verified_requests: int = 0
+    verified_tokens: int = 0
+    mismatched_tokens: int = 0
+    first_mismatch: Optional[Mismatch] = None
+    integrity_error: Optional[str] = None
+    leaked_slots: int = 0
+    fused_calls: int = 0
+    reference_calls: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    device: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched_tokens == 0 and self.integrity_error is None and self.leaked_slots == 0
+
+
+# --- K/V values the "model" produces ------------------------------------------------------------
+
+_M31 = 2_147_483_647  # integer hashing modulo a prime keeps every intermediate below 2**62
+
+
+def kv_values(rids: torch.Tensor, positions: torch.Tensor, layer: int, heads: int, head_dim: int) -> torch.Tensor:
+    """K and V of tokens (rid, position) at ``layer``: Tensor [T, 2, heads, head_dim] bfloat16.
+
+    Pure integer arithmetic, then multiples of 1/256 in [-16, 16), so the same values come out on
+    every device and for any batch shape; the check regenerates them.
+    """
+    lanes = torch.arange(2 * heads * head_dim, dtype=torch.int64, device=rids.device)
+    key = (rids * 65_537 + positions) * 131 + layer
+    h = (key[:, None] * 4_099 + lanes) % _M31
+    for _ in range(2):
+        h = (h * 48_271) % _M31
+        h = h ^ (h >> 11)
+    values = ((h % 8_192) - 4_096).to(torch.float32) * (1.0 / 256.0)
+    return values.to(torch.bfloat16).view(-1, 2, heads, head_dim)
+
+
+# --- the scheduler --------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Admission, slot allocation, retraction and freeing, in the shape of SGLang's scheduler."""
+
+    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool) -> None:
+        self.cfg = cfg
+        self.device = pool.device
+        self.page_size = cfg.page_size
+        self.allocator: Union[TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator]
+        if cfg.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, self.device, pool, validate=cfg.validate)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                pool.size, cfg.page_size, pool.dtype, self.device, pool, validate=cfg.validate
+            )
+        self.capacity = self.allocator.available_size()
+        self.table = ReqToTokenPool(cfg.max_running, cfg.max_context_len, self.device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.retractions = 0
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def decode_reserve(self, r: Request, kv_len: int) -> int:
+        """Pages request ``r`` is expected to add while decoding from ``kv_len`` tokens: a fraction
+        of its remaining output (SGLang's new_token_ratio idea)."""
+        expected = math.ceil(NEW_TOKEN_RATIO * (r.output_len - r.generated))
+        return self.pages_for(kv_len + expected) - self.pages_for(kv_len)
+
+    def schedule(self) -> Optional[Batch]:
+        """Pick this step's work, reserve its slots and record them in the request table."""
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill(decode)
+        if not prefill and not decode:
+            return None
+        loc = torch.cat((self._alloc_prefill(prefill), self._alloc_decode(decode)))
+        segments = prefill + [(r, r.kv_len, r.kv_len + 1) for r in decode]
+        starts = torch.tensor([s for _, s, _ in segments], dtype=torch.int64, device=self.device)
+        counts = torch.tensor([e - s for _, s, e in segments], dtype=torch.int64, device=self.device)
+        rids = torch.tensor([r.rid for r, _, _ in segments], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([r.row for r, _, _ in segments], dtype=torch.int64, device=self.device)
+        tokens = loc.shape[0]
+
+        def per_token(per_segment: torch.Tensor) -> torch.Tensor:
+            return torch.repeat_interleave(per_segment, counts, output_size=tokens)
+
+        offsets = torch.arange(tokens, device=self.device) - per_token(torch.cumsum(counts, 0) - counts)
+        positions = per_token(starts) + offsets
+        self.table.write((per_token(rows), positions), loc.to(torch.int32))
+        return Batch(prefill, decode, loc, per_token(rids), positions)
+
+    def _schedule_decode(self) -> list[Request]:
+        """Decoding requests, minus those retracted to make room for the rest (newest first)."""
+        decode = [r for r in self.running if not r.prefilling]
+        while decode:
+            need = sum(1 for r in decode if r.kv_len % self.page_size == 0)
+            if need * self.page_size <= self.allocator.available_size():
+                return decode
+            self.retract(decode.pop())
+        return decode
+
+    def _schedule_prefill(self, decode: list[Request]) -> list[tuple[Request, int, int]]:
+        """Continue chunked prefills, then admit waiting requests, within the token budget and the
+        free pages, keeping pages back for the running requests' expected decode."""
+        budget = self.cfg.chunk_size
+        free_pages = self.allocator.available_size() // self.page_size
+        free_pages -= sum(1 for r in decode if r.kv_len % self.page_size == 0)
+        plan: list[tuple[Request, int, int]] = []
+        for r in [r for r in self.running if r.prefilling]:
+            end = min(r.prefill_target, r.kv_len + budget)
+            pages = self.pages_for(end) - self.pages_for(r.kv_len)
+            if end > r.kv_len and pages <= free_pages:
+                plan.append((r, r.kv_len, end))
+                budget -= end - r.kv_len
+                free_pages -= pages
+        reserved = sum(self.decode_reserve(r, max(r.kv_len, r.prefill_target)) for r in self.running)
+        while self.waiting and budget > 0 and self.table.available_size() > 0:
+            r = self.waiting[0]
+            target = r.prompt_len + r.generated  # a retracted request re-prefills its outputs too
+            end = min(target, budget)
+            if self.pages_for(end) > free_pages - reserved:
+                break
+            self.waiting.popleft()
+            r.row = self.table.alloc(1)[0]  # type: ignore[index]
+            r.prefill_target = target
+            self.running.append(r)
+            plan.append((r, 0, end))
+            budget -= end
+            free_pages -= self.pages_for(end)
+            reserved += self.decode_reserve(r, target)
+        return plan
+
+    def _alloc_prefill(self, plan: list[tuple[Request, int, int]]) -> torch.Tensor:
+        total = sum(end - start for _, start, end in plan)
+        if isinstance(self.allocator, TokenToKVPoolAllocator):
+            out = self.allocator.alloc(total)
+        else:
+            prefix = torch.tensor([s for _, s, _ in plan], dtype=torch.int64)
+            seq = torch.tensor([e for _, _, e in plan], dtype=torch.int64)
+            last_loc = self._last_loc([r for r, _, _ in plan], prefix)
+            out = self.allocator.alloc_extend(
+                prefix.to(self.device), prefix, seq.to(self.device), seq, last_loc, total
+            )
+        if out is None:  # the plan was sized from available_size(), so this is a bug
+            raise RuntimeError(f"allocator refused a prefill of {total} tokens it said it had room for")
+        return out
+
+    def _alloc_decode(self, decode: list[Request]) -> torch.Tensor:
+        if isinstance(self.allocator, TokenToKVPoolAllocator):
+            out = self.allocator.alloc(len(decode))
+        else:
+            held = torch.tensor([r.kv_len for r in decode], dtype=torch.int64)
+            out = self.allocator.alloc_decode((held + 1).to(self.device), held + 1, self._last_loc(decode, held))
+        if out is None:
+            raise RuntimeError(f"allocator refused {len(decode)} decode slots it said it had room for")
+        return out
+
+    def _last_loc(self, requests: list[Request], held: torch.Tensor) -> torch.Tensor:
+        """Slot of each request's last token in the pool (-1 if it holds none), from the table."""
+        rows = torch.tensor([r.row for r in requests], dtype=torch.int64, device=self.device)
+        held = held.to(self.device)
+        last = self.table.req_to_token[rows, (held - 1).clamp(min=0)].to(torch.int64)
+        return torch.where(held > 0, last, torch.full_like(last, -1))
+
+    def advance(self, batch: Batch) -> list[Request]:
+        """Record what the forward step produced; return the requests that finished."""
+        for r, _, end in batch.prefill:
+            r.kv_len = end
+            if not r.prefilling:
+                r.generated += 1  # the prefill's last position yields the next token
+        for r in batch.decode:
+            r.kv_len += 1
+            r.generated += 1
+        return [r for r in self.running if not r.prefilling and r.generated >= r.output_len]
+
+    def slots_of(self, r: Request) -> torch.Tensor:
+        return self.table.req_to_token[r.row, : r.kv_len].to(torch.int64)
+
+    def release(self, r: Request) -> None:
+        self.allocator.free(self.slots_of(r))
+        self.table.free(r.row)  # type: ignore[arg-type]
+        self.running.remove(r)
+        r.row = None
+
+    def retract(self, r: Request) -> None:
+        """Give back a request's slots and queue it again; it re-prefills prompt + outputs so far."""
+        self.release(r)
+        r.kv_len = 0
+        self.waiting.appendleft(r)
+        self.retractions += 1
+
+    def slots_in_use(self) -> int:
+        return self.capacity - self.allocator.available_size()
+
+
+# --- the model runner -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    layer_id: int
+
+
+class ModelRunner:
+    """Writes each layer's K/V for a batch, as every attention layer's ``forward`` would."""
+
+    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.layers = [Layer(i) for i in range(cfg.layers)]
+        self.k_scale = torch.tensor([K_SCALE], dtype=torch.float32, device=pool.device)
+        self.v_scale = torch.tensor([V_SCALE], dtype=torch.float32, device=pool.device)
+
+    def forward(self, batch: Batch) -> None:
+        for layer in self.layers:
+            kv = kv_values(batch.rids, batch.positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
+            # K and V are strided views of one projection output, as with a fused QKV matmul.
+            self.pool.set_kv_buffer(layer, batch.loc, kv[:, 0], kv[:, 1], self.k_scale, self.v_scale)
+
+    def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
+        """Tokens of ``r`` whose stored K or V differs from what was written, and the first one."""
+        n = slots.shape[0]
+        rids = torch.full((n,), r.rid, dtype=torch.int64, device=self.pool.device)
+        positions = torch.arange(n, dtype=torch.int64, device=self.pool.device)
+        bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
+        first: Optional[Mismatch] = None
+        for layer in self.layers:
+            kv = kv_values(rids, positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
+            k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
+            for which, x, buf, scale in (("K", kv[:, 0], k_buf, self.k_scale), ("V", kv[:, 1], v_buf, self.v_scale)):
+                expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
+                stored = buf.view(torch.uint8)[slots]
+                bad = (stored != expected).flatten(1).any(dim=1)
+                if first is None and bool(bad.any()):
+                    first = Mismatch(r.rid, int(bad.nonzero()[0]), layer.layer_id, which)
+                bad_any |= bad
+        return int(bad_any.sum()), first
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
+
+class Checker:
+    """Verifies requests against what was written and tallies the outcome in a ``SimResult``.
+
+    With ``corrupt``, it first flips one stored byte of the first request it checks (its V, last
+    layer, middle token), as a stray write would, to show that the check fails.
+    """
+
+    def __init__(self, runner: ModelRunner, result: SimResult, corrupt: bool) -> None:
+        self.runner, self.result, self.corrupt_pending = runner, result, corrupt
+
+    def check(self, r: Request, slots: torch.Tensor) -> None:
+        if self.corrupt_pending and slots.numel():
+            last_layer = self.runner.layers[-1].layer_id
+            buf = self.runner.pool.get_value_buffer(last_layer).view(torch.uint8)
+            buf[slots[slots.numel() // 2], 0, 0] ^= 0x5A
+            self.corrupt_pending = False
+        bad, first = self.runner.verify(r, slots)
+        res = self.result
+        res.verified_requests += 1
+        res.verified_tokens += slots.numel()
+        res.mismatched_tokens += bad
+        if res.first_mismatch is None:
+            res.first_mismatch = first
+
+
+def make_requests(cfg: SimConfig) -> list[Request]:
+    rng = random.Random(cfg.seed)
+    out, t = [], 0.0
+    for rid in range(cfg.requests):
+        out.append(Request(rid, rng.randint(*cfg.prompt_len), rng.randint(*cfg.output_len), int(t)))
+        t += rng.expovariate(1.0 / cfg.arrival_every) if cfg.arrival_every > 0 else 0.0
+    return out
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.last = total, enabled, 0.0
+        self.start = time.perf_counter()
+
+    def update(self, done: int, step: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 0.1):
+            return
+        self.last = now
+        width = 30
+        filled = width * done // max(self.total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(f"\rserve_sim [{bar}] {done}/{self.total} requests, step {step}, {now - self.start:.1f} s")
+        sys.stderr.flush()
+
+    def close(self, done: int, step: int) -> None:
+        if self.enabled:
+            self.update(done, step, force=True)
+            sys.stderr.write("\n")
+
+
+def run(cfg: SimConfig) -> SimResult:
+    """Run the simulation and return what happened; ``result.ok`` says whether every check passed."""
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: SimConfig) -> SimResult:
+    dtype = DTYPES[cfg.dtype]
+    geometry = KVGeometry(cfg.heads, cfg.head_dim, cfg.layers, dtype)
+    size = geometry.max_pool_size(int(cfg.kv_budget_mib * 2**20), cfg.page_size)
+    longest = cfg.max_context_len
+    if -(-longest // cfg.page_size) + 1 > size // cfg.page_size:
+        raise ValueError(
+            f"kv_budget_mib must hold the longest request ({longest} tokens) plus a page, "
+            f"got {cfg.kv_budget_mib} MiB = {size} slots"
+        )
+    pool = MHATokenToKVPool(size, cfg.page_size, dtype, cfg.heads, cfg.head_dim, cfg.layers, cfg.device)
+    sched = Scheduler(cfg, pool)
+    runner = ModelRunner(cfg, pool)
+    result = SimResult(cfg, size, geometry.bytes_per_token, device=str(pool.device))
+    arrivals = deque(make_requests(cfg))
+    progress = Progress(cfg.requests, cfg.progress)
+    checker = Checker(runner, result, corrupt=cfg.corrupt)
+
+    start = time.perf_counter()
+    step = 0
+    while arrivals or sched.waiting or sched.running:
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            break
+        while arrivals and arrivals[0].arrival <= step:
+            sched.waiting.append(arrivals.popleft())
+        batch = sched.schedule()
+        step += 1
+        if batch is None:
+            if sched.running:  # every running request waits for pages: make room
+                sched.retract(sched.running[-1])
+            elif not sched.waiting and arrivals:  # idle until the next arrival
+                step = max(step, arrivals[0].arrival)
+            continue
+        result.peak_slots = max(result.peak_slots, sched.slots_in_use())
+        result.peak_running = max(result.peak_running, len(sched.running))
+        runner.forward(batch)
+        result.forward_steps += 1
+        result.prefill_tokens += batch.prefill_tokens
+        result.decode_tokens += len(batch.decode)
+
+        finished = sched.advance(batch)
+        sched.allocator.free_group_begin()  # as SGLang frees a step's finished requests together
+        for r in finished:
+            checker.check(r, sched.slots_of(r))  # before the slots can be handed out again
+            sched.release(r)
+        sched.allocator.free_group_end()
+        result.served += len(finished)
+        progress.update(result.served, step)
+    progress.close(result.served, step)
+
+    for r in sched.running:  # stopped by --max-steps: check what is still live
+        checker.check(r, sched.slots_of(r))
+    result.wall_s = time.perf_counter() - start
+    result.steps = step
+    result.retractions = sched.retractions
+    result.fused_calls = pool.stats.fused_calls
+    result.reference_calls = pool.stats.reference_calls
+    result.reasons = dict(pool.stats.reasons)
+    try:
+        sched.allocator.check_integrity()
+        sched.table.check_integrity()
+    except RuntimeError as e:
+        result.integrity_error = str(e)
+    if not sched.running:
+        result.leaked_slots = sched.slots_in_use()
+    return result
+
+
+def format_summary(res: SimResult) -> str:
+    cfg = res.config
+    allocator = "TokenToKVPoolAllocator"
+    if cfg.page_size > 1:
+        allocator = f"PagedTokenToKVPoolAllocator(page_size={cfg.page_size})"
+    written = res.prefill_tokens + res.decode_tokens
+    lines = [
+        f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {cfg.heads} KV heads x {cfg.head_dim}, "
+        f"{DTYPES[cfg.dtype]} pool on {res.device}, {allocator}, seed {cfg.seed}",
+        f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {cfg.kv_budget_mib:g} MiB budget), "
+        f"{cfg.max_running} request rows",
+        f"  served          {res.served}/{cfg.requests} requests in {res.steps} steps "
+        f"({res.retractions} retractions, peak {res.peak_running} running)",
+        f"  tokens written  {written} ({res.prefill_tokens} prefill + {res.decode_tokens} decode) "
+        f"x {cfg.layers} layers x K,V",
+        f"  peak slot use   {res.peak_slots}/{res.pool_size} ({100.0 * res.peak_slots / res.pool_size:.1f}%)",
+        f"  write path      fused {res.fused_calls} calls, reference {res.reference_calls} calls",
+    ]
+    for reason, count in sorted(res.reasons.items(), key=lambda kv: -kv[1]):
+        lines.append(f"                  reference because {reason} ({count} calls)")
+    rate = written / res.wall_s if res.wall_s > 0 else float("inf")
+    lines.append(f"  wall time       {res.wall_s:.2f} s ({rate:,.0f} tokens/s)")
+    check = (
+        f"{res.verified_requests} requests, {res.verified_tokens} tokens x {cfg.layers} layers x K,V "
+        f"byte-equal to kvpool.quantize"
+    )
+    if res.mismatched_tokens:
+        m = res.first_mismatch
+        where = f"; first: request {m.rid} position {m.position} layer {m.layer} {m.which}" if m else ""
+        lines.append(f"  check           FAILED: {res.mismatched_tokens} tokens differ{where}")
+    else:
+        lines.append(f"  check           OK: {check}")
+    if res.integrity_error:
+        lines.append(f"  allocators      FAILED: {res.integrity_error}")
+    elif res.leaked_slots:
+        lines.append(f"  allocators      FAILED: {res.leaked_slots} slots still held after every request finished")
+    else:
+        lines.append("  allocators      OK: integrity checks pass, no slot leaked")
+    lines.append("PASS" if res.ok else "FAIL")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
+    d = SimConfig()
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=d.requests, help="requests in the stream")
+    p.add_argument("--layers", type=int, default=d.layers, help="attention layers")
+    p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="K and V head dim")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="1 selects the token allocator")
+    p.add_argument("--kv-budget-mib", type=float, default=d.kv_budget_mib, help="KV-cache memory; sizes the pool")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="request table rows")
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=d.prompt_len, metavar=("MIN", "MAX"), help="uniform")
+    p.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"), help="uniform")
+    p.add_argument("--arrival-every", type=float, default=d.arrival_every, help="mean steps between arrivals")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="pool element type")
+    p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds lengths and arrivals")
+    p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop early (live requests are checked)")
+    p.add_argument("--validate", action="store_true", help="allocators raise on bad frees and bad last_loc")
+    p.add_argument("--corrupt", action="store_true", help="flip one stored byte: the check must fail (exit 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+    a = p.parse_args(argv)
+    return SimConfig(
+        requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
+        kv_budget_mib=a.kv_budget_mib, max_running=a.max_running, chunk_size=a.chunk_size,
+        prompt_len=tuple(a.prompt_len), output_len=tuple(a.output_len), arrival_every=a.arrival_every,
+        dtype=a.dtype, device=a.device, seed=a.seed, max_steps=a.max_steps, validate=a.validate,
+        cpu_threads=a.cpu_threads or None,
+        corrupt=a.corrupt, progress=not a.no_progress and sys.stderr.isatty(),
+    )  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        result = run(cfg)
+    except ValueError as e:
+        print(f"serve_sim: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(result))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The main job, examples/serve_sim.py, run in-process at a small size: it must verify every
+request, and it must fail when a stored byte is corrupted."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parents[1] / "examples" / "serve_sim.py"
+_spec = importlib.util.spec_from_file_location("serve_sim", _PATH)
+serve_sim = importlib.util.module_from_spec(_spec)
+sys.modules["serve_sim"] = serve_sim  # dataclasses resolve annotations through sys.modules
+_spec.loader.exec_module(serve_sim)
+
+# Small, with memory pressure: 256 B/token, ~200 slots for requests of up to 104 tokens.
+SMALL = serve_sim.SimConfig(
+    requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
+    chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
+)  # fmt: skip
+SMALL_ARGS = [
+    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
+    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
+    "--device", "cpu", "--seed", "3", "--no-progress",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [16, 4, 1], ids=["paged16", "paged4", "token"])
+def test_small_run_serves_and_verifies_everything(page_size):
+    res = serve_sim.run(replace(SMALL, page_size=page_size, validate=True))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.served == res.verified_requests == 12
+    assert res.mismatched_tokens == 0 and res.leaked_slots == 0 and res.integrity_error is None
+    assert res.prefill_tokens > 0 and res.decode_tokens > 0
+    assert 0 < res.peak_slots <= res.pool_size
+    assert res.fused_calls + res.reference_calls == res.forward_steps * SMALL.layers
+    if not torch.cuda.is_available():
+        assert res.fused_calls == 0 and any("cpu" in reason for reason in res.reasons)
+
+
+def test_memory_pressure_retracts_and_still_verifies():
+    res = serve_sim.run(replace(SMALL, requests=20, arrival_every=0.0, chunk_size=128, max_running=12))
+    assert res.retractions > 0, "the small pool should force retractions"
+    assert res.ok and res.served == 20
+
+
+def test_a_corrupted_byte_fails_the_check():
+    res = serve_sim.run(replace(SMALL, corrupt=True))
+    assert not res.ok
+    assert res.mismatched_tokens == 1
+    assert res.first_mismatch is not None and res.first_mismatch.which == "V"
+    assert res.first_mismatch.layer == SMALL.layers - 1
+    assert "FAILED: 1 tokens differ" in serve_sim.format_summary(res)
+
+
+def test_stopping_early_checks_the_live_requests():
+    res = serve_sim.run(replace(SMALL, max_steps=10))
+    assert res.steps == 10 and res.served < 12
+    assert res.verified_requests > res.served  # the live ones were checked too
+    assert res.ok
+
+
+def test_main_exit_codes_and_summary(capsys):
+    assert serve_sim.main(SMALL_ARGS) == 0
+    out = capsys.readouterr().out
+    assert "served          12/12 requests" in out and "check           OK" in out and out.rstrip().endswith("PASS")
+    assert serve_sim.main([*SMALL_ARGS, "--corrupt"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAIL")
+    assert serve_sim.main([*SMALL_ARGS, "--kv-budget-mib", "0.01"]) == 2
+    assert "kv_budget_mib must hold the longest request" in capsys.readouterr().err
+
+
+def test_kv_values_do_not_depend_on_the_batch():
+    rids = torch.tensor([5, 5, 9, 1])
+    positions = torch.tensor([0, 7, 3, 100])
+    together = serve_sim.kv_values(rids, positions, 2, 3, 16)
+    alone = torch.cat([serve_sim.kv_values(rids[i : i + 1], positions[i : i + 1], 2, 3, 16) for i in range(4)])
+    assert together.dtype == torch.bfloat16 and together.shape == (4, 2, 3, 16)
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+    assert not torch.equal(together[0], together[1])  # positions differ, values differ
+    assert not torch.equal(serve_sim.kv_values(rids, positions, 3, 3, 16), together)  # so do layers
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"requests": 0}, "requests must be a positive int, got 0"),
+        ({"prompt_len": (5, 2)}, r"prompt_len must be a range \(lo, hi\) with 1 <= lo <= hi, got \(5, 2\)"),
+        ({"dtype": "int8"}, "dtype must be one of fp8_e4m3, .*got 'int8'"),
+        ({"kv_budget_mib": 0}, "kv_budget_mib must be > 0, got 0"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        replace(SMALL, **kwargs)
