@@ -120,6 +120,19 @@ def test_token_free_group_applies_at_end():
     a.check_integrity()
 
 
+def test_token_free_group_begin_twice_keeps_pending_frees():
+    a = TokenToKVPoolAllocator(4)
+    a.alloc(4)
+    a.free_group_begin()
+    a.free(T([1]))
+    a.free_group_begin()
+    a.free(T([2]))
+    a.free_group_end()
+    assert a.available_size() == 2
+    a.free_group_end()  # outside a group: nothing to do
+    a.check_integrity()
+
+
 def test_token_double_free_inside_a_group_is_caught():
     a = TokenToKVPoolAllocator(4, validate=True)
     a.alloc(2)

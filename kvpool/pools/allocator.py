@@ -193,9 +193,9 @@ class _PageAllocator:
             self._give_back(emptied)
 
     def free_group_begin(self) -> None:
-        """Start batching frees: pages freed from now on become available at ``free_group_end()``."""
+        """Start batching frees: pages freed from now on become available at ``free_group_end()``.
+        Calling it again inside a group keeps the group (and its pending frees) open."""
         self._in_group = True
-        self._pending = []
 
     def free_group_end(self) -> None:
         """Make the pages freed since ``free_group_begin()`` available, in one concatenation."""
