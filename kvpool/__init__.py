@@ -7,14 +7,33 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
-from kvpool.pools import MHATokenToKVPool, PathStats
+from kvpool.pools import (
+    AllocatorState,
+    IntegrityError,
+    KVGeometry,
+    MHATokenToKVPool,
+    PagedTokenToKVPoolAllocator,
+    PathStats,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    kv_bytes_per_token,
+    max_pool_size,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorState",
     "FusedPathUnavailable",
+    "IntegrityError",
+    "KVGeometry",
     "MHATokenToKVPool",
+    "PagedTokenToKVPoolAllocator",
     "PathStats",
+    "ReqToTokenPool",
+    "TokenToKVPoolAllocator",
+    "kv_bytes_per_token",
+    "max_pool_size",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",
     "quantize",

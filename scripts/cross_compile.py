@@ -45,7 +45,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
         "loc_ptr": f"*{loc_type}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
         "k_scale_value": "fp32", "v_scale_value": "fp32", "k_scale_stride": "i32", "v_scale_stride": "i32",
-        "T": "i32", "capacity": "i32",
+        "T": "i32", "capacity": "i32", "stride_loc": "i32",
     }  # fmt: skip
     strides = [n for n in names if n.startswith("stride_")]
     const = dict(

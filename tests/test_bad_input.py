@@ -518,21 +518,12 @@ FLT_MAX = float(np.finfo(np.float32).max)  # 3.4028234663852886e38
 FLT_MAX_SPELLED = 3.4028235e38  # > FLT_MAX as a double, == FLT_MAX once rounded to float32
 assert FLT_MAX_SPELLED > FLT_MAX and float(np.float32(FLT_MAX_SPELLED)) == FLT_MAX
 
-SCALE_BOUNDARY_BUG = (
-    "BUG: a Python float scale in (FLT_MAX, FLT_MAX + ulp/2), e.g. 3.4028235e38, passes the scale check "
-    "but the write then crashes (reference: RuntimeError 'value cannot be converted to type float without "
-    "overflow'; interpreter: InterpreterError 'Cannot bitcast data-type of size 64 to data-type of size "
-    "32'), and with it as v_scale the K rows are already written"
-)
-
-
 def _boundary_params():
     out = []
     for value, vid in ((FLT_MAX, "flt_max_exact"), (FLT_MAX_SPELLED, "3.4028235e38")):
         for which in ("k_scale", "v_scale"):
             for t in TARGETS:
-                marks = [pytest.mark.xfail(strict=True, reason=SCALE_BOUNDARY_BUG)] if value != FLT_MAX else []
-                out.append(pytest.param(value, which, t, id=f"{vid}-{which}-{t}", marks=marks))
+                out.append(pytest.param(value, which, t, id=f"{vid}-{which}-{t}"))
     return out
 
 

@@ -302,15 +302,11 @@ def test_quantize_equals_oracle(ex):
     assert_bytes_unchanged(snap, ex.k_base, "quantize input")
 
 
-STRIDED_LOC_BUG = (
-    "BUG: the fused kernel ignores cache_loc's stride: with loc = base[::2] it reads base[t] instead of "
-    "base[2t], so tokens land in the wrong rows (or are dropped) while the reference path is right"
-)
 
 
 @pytest.mark.parametrize("writer", [
     pytest.param("reference", id="reference"),
-    pytest.param("fused_interp", id="fused_interp", marks=pytest.mark.xfail(strict=True, reason=STRIDED_LOC_BUG)),
+    pytest.param("fused_interp", id="fused_interp"),
 ])
 @pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64], ids=str)
 def test_strided_loc_is_read_with_its_stride(writer, loc_dtype):
@@ -332,7 +328,7 @@ def test_strided_loc_is_read_with_its_stride(writer, loc_dtype):
 
 @pytest.mark.parametrize("mode", [
     pytest.param("never", id="never"),
-    pytest.param("always", id="always", marks=pytest.mark.xfail(strict=True, reason=STRIDED_LOC_BUG)),
+    pytest.param("always", id="always"),
 ])
 def test_pool_strided_loc_is_read_with_its_stride(mode):
     skip_fused_without_interpreter(mode)

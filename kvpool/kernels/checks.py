@@ -16,12 +16,12 @@ from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp
 
 Scale = Union[None, float, torch.Tensor]
 
-# A float scale is used as float32(scale). It must round to a positive, finite, normal float32:
-# GPUs flush float32 subnormals to zero in division (Triton compiles with FTZ), so a subnormal scale
-# would not divide the same way on every path. Values at or above the midpoint between FLT_MAX and
-# 2**128 round to inf. Comparing the double against the bounds avoids a float32 round trip.
+# A float scale is used as float32(scale). It must lie in float32's positive normal range: GPUs may
+# flush float32 subnormals to zero in division, so a subnormal scale would not divide the same way on
+# every path; and values above FLT_MAX (even those that would round down to it) overflow torch's
+# float32 conversion. Comparing the double against the bounds avoids a float32 round trip.
 F32_MIN_NORMAL = 2.0**-126
-F32_ROUNDS_TO_INF = (2.0 - 2.0**-24) * 2.0**127
+F32_MAX = (2.0 - 2.0**-23) * 2.0**127
 
 
 class ArgNames(NamedTuple):
@@ -98,10 +98,10 @@ def check_scale(scale: object, name: str, heads: int, device: torch.device) -> S
                 f"got {type(scale).__name__}"
             )
         scale = float(scale)
-    if not (F32_MIN_NORMAL <= scale < F32_ROUNDS_TO_INF):
+    if not (F32_MIN_NORMAL <= scale <= F32_MAX):
         raise ValueError(
             f"{name} must be a positive finite float that is a normal float32 "
-            f"(2**-126 <= scale < 3.4e38), got {scale!r}"
+            f"(2**-126 <= scale <= 3.4028234663852886e38), got {scale!r}"
         )
     return scale
 

@@ -222,7 +222,7 @@ class PreparedLaunch:
         vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
         kst = k.stride()
         vst = v.stride()
-        grid = (-(-tokens // self.block_t), self.grid_y)
+        grid = (-(-tokens // self.block_t), self.grid_y, 1)
         # Without a scale tensor the pointer argument is never dereferenced (the branch that reads it
         # is compiled out); loc stands in for it, so every call passes a real pointer and the
         # argument's type never depends on the scale.
@@ -230,7 +230,7 @@ class PreparedLaunch:
             k, v, k_store, v_store, loc,
             loc if ks_ptr is None else ks_ptr, loc if vs_ptr is None else vs_ptr,
             ks_val, vs_val, ks_stride, vs_stride,
-            tokens, self.capacity,
+            tokens, self.capacity, loc.stride(0),
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides,
         )  # fmt: skip
@@ -242,7 +242,7 @@ class PreparedLaunch:
         # calls: dtypes, exact strides (covers "== 1" and "divisible by 16"), 16-byte alignment of
         # the row pointers (caches: fixed per pool), the device, and the scale kinds and dtypes.
         key = (
-            kinds, k.dtype, v.dtype, loc.dtype, kst, vst,
+            kinds, k.dtype, v.dtype, loc.dtype, loc.stride(0), kst, vst,
             k.data_ptr() & 15, v.data_ptr() & 15, k_store.data_ptr() & 15, v_store.data_ptr() & 15,
             None if ks_ptr is None else ks_ptr.dtype, None if vs_ptr is None else vs_ptr.dtype,
             k_store.dtype, k.get_device(),
@@ -265,7 +265,7 @@ def _launch_compiled(compiled, grid, args: tuple, const_args: tuple, const_kwarg
     global _fast_launch_enabled
     try:
         compiled[grid](*args, *const_args)
-    except (TypeError, SystemError) as exc:
+    except (TypeError, SystemError, IndexError, AttributeError) as exc:
         _fast_launch_enabled = False
         logger.warning("kvpool: direct launch of compiled kernels unavailable (%s); using triton's JIT launch", exc)
         _k._store_kv_kernel[grid](*args, **const_kwargs)

@@ -224,6 +224,7 @@ def _store_kv_kernel(
     v_scale_stride,
     T,
     capacity,
+    stride_loc,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -254,7 +255,7 @@ def _store_kv_kernel(
     # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = offs_t < T
-    slot = tl.load(loc_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
+    slot = tl.load(loc_ptr + offs_t * stride_loc, mask=in_range, other=-1).to(tl.int64)
     row_ok = in_range & (slot >= 0) & (slot < capacity)
 
     K_HEAD_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H

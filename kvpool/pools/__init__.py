@@ -1,5 +1,24 @@
 """Pools (the K/V buffers) and the allocators a scheduler uses to hand out their slots."""
 
+from kvpool.pools.allocator import (
+    AllocatorState,
+    IntegrityError,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
 from kvpool.pools.mha_pool import MHATokenToKVPool, PathStats
+from kvpool.pools.req_to_token import ReqToTokenPool
+from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
 
-__all__ = ["MHATokenToKVPool", "PathStats"]
+__all__ = [
+    "AllocatorState",
+    "IntegrityError",
+    "KVGeometry",
+    "MHATokenToKVPool",
+    "PagedTokenToKVPoolAllocator",
+    "PathStats",
+    "ReqToTokenPool",
+    "TokenToKVPoolAllocator",
+    "kv_bytes_per_token",
+    "max_pool_size",
+]

@@ -11,7 +11,7 @@ import torch
 
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels import reference, store_kv
-from kvpool.kernels.checks import F32_MIN_NORMAL, F32_ROUNDS_TO_INF, POOL_NAMES, Scale
+from kvpool.kernels.checks import F32_MIN_NORMAL, F32_MAX, POOL_NAMES, Scale
 from kvpool.kernels.checks import check_loc_in_range, check_scale_values, check_write
 from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
@@ -394,7 +394,7 @@ def _fast_scale_kind(scale: object, device: torch.device) -> int:
     if scale is None:
         return 0
     if type(scale) is float:
-        return 1 if F32_MIN_NORMAL <= scale < F32_ROUNDS_TO_INF else -1
+        return 1 if F32_MIN_NORMAL <= scale <= F32_MAX else -1
     if type(scale) is torch.Tensor and scale.dtype is torch.float32 and scale.device == device and scale.numel() == 1:
         return 2
     return -1
