@@ -272,6 +272,23 @@ def test_fused_call_allocates_nothing_and_never_synchronises():
     assert pool.stats.fused_calls == 4 * len(calls) and pool.stats.reference_calls == 0
 
 
+def test_reference_path_never_synchronises():
+    pool = _pool(fused="never")
+    x = _wide_rows(300, 8, 128, torch.bfloat16, 6)
+    loc = torch.randperm(4096, device=DEV)[:300]
+    loc[:5] = -1
+    scale = torch.tensor([0.37], device=DEV)
+    pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
+        pool.set_kv_buffer(None, torch.full_like(loc, -1), x, x, scale, 0.5, layer_id_override=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pool.stats.reference_calls == 3
+
+
 def _compiled_variants() -> int:
     """Number of compiled variants of the kernel in Triton's in-process cache."""
     kernel = store_kv._k._store_kv_kernel

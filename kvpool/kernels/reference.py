@@ -71,9 +71,11 @@ def scatter_rows(cache: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> 
     slots = loc.to(torch.int64)
     valid = (slots >= 0) & (slots < capacity)
     any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.uint8))  # index of the first valid token (0 if none)
-    fallback_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    fallback_row = torch.where(any_valid, src[first], dst[0])
+    # Index of the first valid token (0 if none), as a 1-element tensor: indexing with a 0-dim
+    # tensor would turn it into a Python int, a synchronisation.
+    first = torch.argmax(valid.to(torch.uint8)).view(1)
+    fallback_slot = torch.where(any_valid, slots.index_select(0, first), 0)
+    fallback_row = torch.where(any_valid, src.index_select(0, first), dst[:1])
     target = torch.where(valid, slots, fallback_slot)
     values = torch.where(valid.view(-1, *([1] * (src.dim() - 1))), src, fallback_row)
     dst.index_put_((target,), values)

@@ -66,14 +66,15 @@ class TileConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
-#: Tile per head_dim (rounded up to a power of two). Measured on an H200 with
-#: benchmarks/tune_tiles.py; see BENCHMARKS.md ("Tile table") for the sweep behind each entry.
+#: Tile per head_dim (rounded up to a power of two), chosen by benchmarks/tune_tiles.py on an H200
+#: (2026-11-29): the tile with the lowest geometric mean of time / best time over 1, 256 and 16k
+#: tokens for the geometries of that head_dim. BENCHMARKS.md ("Tile table") has the sweep.
 TILE_TABLE: dict[int, TileConfig] = {
-    64: TileConfig(elems=4096, num_warps=4),
-    128: TileConfig(elems=4096, num_warps=4),
-    256: TileConfig(elems=4096, num_warps=4),
+    64: TileConfig(elems=1024, num_warps=2),  # geomean time / best = 1.027
+    128: TileConfig(elems=2048, num_warps=4),  # geomean time / best = 1.052
+    256: TileConfig(elems=2048, num_warps=4),  # geomean time / best = 1.046
 }
-DEFAULT_TILE = TileConfig(elems=4096, num_warps=4)
+DEFAULT_TILE = TileConfig(elems=2048, num_warps=4)  # head_dim > 256: not swept; 256's choice
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,12 @@ class PreparedLaunch:
         soft_cast: bool,
         tile: TileConfig | None = None,
         fast_div: bool | None = None,
+        caches_aligned: bool = False,
     ) -> None:
         plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
+        # A pool's buffers are fresh allocations (16-byte aligned, fixed strides): their alignment
+        # then needs no check per call.
+        self.caches_aligned = caches_aligned
         # Scales apply to FP8 caches only; a 16-bit or fp32 cache stores the inputs as they are.
         self.scales_apply = _OUT_KIND[cache_dtype] <= 1
         if fast_div is None:
@@ -243,10 +248,12 @@ class PreparedLaunch:
         # the row pointers (caches: fixed per pool), the device, and the scale kinds and dtypes.
         key = (
             kinds, k.dtype, v.dtype, loc.dtype, loc.stride(0), kst, vst,
-            k.data_ptr() & 15, v.data_ptr() & 15, k_store.data_ptr() & 15, v_store.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15,
             None if ks_ptr is None else ks_ptr.dtype, None if vs_ptr is None else vs_ptr.dtype,
             k_store.dtype, k.get_device(),
         )  # fmt: skip
+        if not self.caches_aligned:
+            key += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
         compiled = self._compiled.get(key)
         if compiled is None:
             # Triton's JIT path: specializes, compiles if needed, launches, and hands back the

@@ -156,6 +156,7 @@ def _store_head_block(
     scale_stride,  # 0 for a per-tensor scale tensor, 1 for per-head
     offs_t,  # [BLOCK_T] int64 token indices
     slot,  # [BLOCK_T] int64 destination rows
+    token_ok,  # [BLOCK_T] token exists (t < T)
     row_ok,  # [BLOCK_T] token exists and its slot is in range
     head_block,
     stride_st,
@@ -175,7 +176,11 @@ def _store_head_block(
 ):
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None, None] & (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+    in_row = (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+    # Rows are loaded whether or not their slot is valid, so the load does not wait for loc's:
+    # two dependent memory round trips would dominate a decode-sized write.
+    load_mask = token_ok[:, None, None] & in_row
+    mask = row_ok[:, None, None] & in_row
 
     src = (
         src_ptr
@@ -184,7 +189,7 @@ def _store_head_block(
         + offs_d[None, None, :] * stride_sd
     )
     # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
-    raw = tl.load(src, mask=mask, other=1.0)
+    raw = tl.load(src, mask=load_mask, other=1.0)
     if (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16) or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16):
         out = raw  # same type in and out: store the bits as they are (NaN payloads included)
     else:
@@ -263,14 +268,14 @@ def _store_kv_kernel(
     if hb < K_HEAD_BLOCKS:
         _store_head_block(
             k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
-            offs_t, slot, row_ok, hb,
+            offs_t, slot, in_range, row_ok, hb,
             stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
             H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip
     else:
         _store_head_block(
             v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
-            offs_t, slot, row_ok, hb - K_HEAD_BLOCKS,
+            offs_t, slot, in_range, row_ok, hb - K_HEAD_BLOCKS,
             stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
             HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip

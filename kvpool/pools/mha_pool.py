@@ -145,7 +145,7 @@ class MHATokenToKVPool:
             self._launch = store_kv.PreparedLaunch(
                 self.head_num, self.head_dim, self.head_num, self.v_head_dim, dtype,
                 tuple(self.k_buffer[0].stride()), tuple(self.v_buffer[0].stride()), rows,
-                store_kv.soft_cast_for(self.device),
+                store_kv.soft_cast_for(self.device), caches_aligned=True,
             )  # fmt: skip
         if self.fused_mode == "always" and not self._kernel_device_ok:
             raise store_kv.FusedPathUnavailable(f"fused='always' but {self._device_reason}")
