@@ -172,7 +172,33 @@ def check_write(
     return CheckedWrite(tokens, k_scale, v_scale)  # type: ignore[arg-type]
 
 
+def check_caller_write(
+    k: object,
+    v: object,
+    k_cache: object,
+    v_cache: object,
+    cache_loc: object,
+    k_scale: object,
+    v_scale: object,
+) -> CheckedWrite:
+    """The metadata checks of the public write functions, on caches the caller owns."""
+    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
+    return check_write(
+        k, v, cache_loc, k_scale, v_scale,
+        cache_dtype=k_cache.dtype, heads=k_cache.shape[1], head_dim=k_cache.shape[2],
+        v_heads=v_cache.shape[1], v_head_dim=v_cache.shape[2], device=k_cache.device,
+        names=FUNCTION_NAMES,
+    )  # fmt: skip
+
+
 # --- checks that read device memory (validate mode only) -------------------------------------------
+
+
+def check_values(checked: CheckedWrite, loc: torch.Tensor, loc_name: str, capacity: int) -> None:
+    """Everything ``validate`` adds: slot range and scale values (synchronises)."""
+    check_loc_in_range(loc, loc_name, capacity)
+    check_scale_values(checked.k_scale, "k_scale")
+    check_scale_values(checked.v_scale, "v_scale")
 
 
 def check_loc_in_range(loc: torch.Tensor, name: str, capacity: int) -> None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_cache_pair, check_write
-from kvpool.kernels.checks import check_loc_in_range, check_scale_values
+from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
 from kvpool.kernels.formats import FP8_FORMATS, is_fp8
 
 
@@ -134,17 +133,9 @@ def reference_set_kv_buffer(
     >>> k = torch.randn(3, 2, 8, dtype=torch.bfloat16)
     >>> reference_set_kv_buffer(k, k, k_cache, v_cache, torch.tensor([5, -1, 9]), k_scale=0.5)
     """
-    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
-    checked = check_write(
-        k, v, cache_loc, k_scale, v_scale,
-        cache_dtype=k_cache.dtype, heads=k_cache.shape[1], head_dim=k_cache.shape[2],
-        v_heads=v_cache.shape[1], v_head_dim=v_cache.shape[2], device=k_cache.device,
-        names=FUNCTION_NAMES,
-    )  # fmt: skip
+    checked = check_caller_write(k, v, k_cache, v_cache, cache_loc, k_scale, v_scale)
     if validate:
-        check_loc_in_range(cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
-        check_scale_values(checked.k_scale, "k_scale")
-        check_scale_values(checked.v_scale, "v_scale")
+        check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
     if checked.tokens == 0:
         return
     write_reference(k, v, k_cache, v_cache, cache_loc, checked.k_scale, checked.v_scale)

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_cache_pair, check_write
-from kvpool.kernels.checks import check_loc_in_range, check_scale_values
+from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
 from kvpool.kernels.formats import store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
 
@@ -367,13 +366,7 @@ def fused_fp8_set_kv_buffer(
     >>> loc = torch.tensor([3, 4, 5, -1, 9, 10, 11], device="cuda")
     >>> fused_fp8_set_kv_buffer(k, v, k_cache, v_cache, loc, k_scale=0.05, v_scale=0.05)
     """
-    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
-    checked = check_write(
-        k, v, cache_loc, k_scale, v_scale,
-        cache_dtype=k_cache.dtype, heads=k_cache.shape[1], head_dim=k_cache.shape[2],
-        v_heads=v_cache.shape[1], v_head_dim=v_cache.shape[2], device=k_cache.device,
-        names=FUNCTION_NAMES,
-    )  # fmt: skip
+    checked = check_caller_write(k, v, k_cache, v_cache, cache_loc, k_scale, v_scale)
     ok, reason = fused_eligibility(
         device=k_cache.device, cache_dtype=k_cache.dtype, k_dtype=k.dtype, v_dtype=v.dtype,
         head_dim=k_cache.shape[2], v_head_dim=v_cache.shape[2],
@@ -384,9 +377,7 @@ def fused_fp8_set_kv_buffer(
     if not ok:
         raise FusedPathUnavailable(f"the fused kernel cannot take this write: {reason}")
     if validate:
-        check_loc_in_range(cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
-        check_scale_values(checked.k_scale, "k_scale")
-        check_scale_values(checked.v_scale, "v_scale")
+        check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
     launch_store_kv(
         k, v, storage_view(k_cache), storage_view(v_cache), cache_loc,
         contiguous_scale(checked.k_scale), contiguous_scale(checked.v_scale), k_cache.dtype,
