@@ -218,3 +218,17 @@ def test_direct_launch_knows_the_kernel_signature():
 
     names = list(store_kv._k._store_kv_kernel.arg_names)
     assert tuple(names[-len(store_kv._CONSTEXPR_NAMES) :]) == store_kv._CONSTEXPR_NAMES
+
+
+@pytest.mark.parametrize("write", [fused_fp8_set_kv_buffer, reference_set_kv_buffer], ids=lambda f: f.__name__)
+def test_public_functions_follow_kvpool_validate(write, monkeypatch):
+    kc, vc = _caches(8, 1, 16, 1, 16, torch.float8_e4m3fn)
+    before = bits(kc).clone()
+    x = torch.ones(2, 1, 16, device=DEVICE)
+    loc = torch.tensor([1, 8], device=DEVICE)
+    monkeypatch.setenv("KVPOOL_VALIDATE", "1")
+    with pytest.raises(IndexError, match=r"cache_loc\[1\] = 8 is out of range"):
+        write(x, x, kc, vc, loc)
+    assert torch.equal(bits(kc), before)
+    write(x, x, kc, vc, loc, validate=False)  # an explicit argument wins over the environment
+    assert not torch.equal(bits(kc), before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpool.config import validate_enabled
 from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
 from kvpool.kernels.formats import FP8_FORMATS, is_fp8
 
@@ -103,7 +104,7 @@ def reference_set_kv_buffer(
     k_scale: Scale = None,
     v_scale: Scale = None,
     *,
-    validate: bool = False,
+    validate: bool | None = None,
 ) -> None:
     """Write K/V rows into caller-owned caches with plain PyTorch (the definition of the write).
 
@@ -119,6 +120,7 @@ def reference_set_kv_buffer(
     k_scale, v_scale : None, a positive float, or a float tensor with 1 or H elements (FP8 caches
         only; ignored for 16-bit caches).
     validate : also check slot range and scale values, at the cost of one synchronisation.
+        None (the default) follows ``KVPOOL_VALIDATE``.
 
     Raises
     ------
@@ -134,7 +136,7 @@ def reference_set_kv_buffer(
     >>> reference_set_kv_buffer(k, k, k_cache, v_cache, torch.tensor([5, -1, 9]), k_scale=0.5)
     """
     checked = check_caller_write(k, v, k_cache, v_cache, cache_loc, k_scale, v_scale)
-    if validate:
+    if validate_enabled(False) if validate is None else validate:
         check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
     if checked.tokens == 0:
         return

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.config import validate_enabled
 from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
 from kvpool.kernels.formats import store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
@@ -327,7 +328,7 @@ def fused_fp8_set_kv_buffer(
     k_scale: Scale = None,
     v_scale: Scale = None,
     *,
-    validate: bool = False,
+    validate: bool | None = None,
 ) -> None:
     """Write K/V rows into caller-owned caches with the fused Triton kernel, in one launch.
 
@@ -348,6 +349,7 @@ def fused_fp8_set_kv_buffer(
     k_scale, v_scale : None, a positive float, or a float32 tensor with 1 (per tensor) or H (per
         head, shape [H] or [H, 1]) elements.
     validate : also check slot range and scale values, at the cost of one synchronisation.
+        None (the default) follows ``KVPOOL_VALIDATE``.
 
     Raises
     ------
@@ -376,7 +378,7 @@ def fused_fp8_set_kv_buffer(
     )  # fmt: skip
     if not ok:
         raise FusedPathUnavailable(f"the fused kernel cannot take this write: {reason}")
-    if validate:
+    if validate_enabled(False) if validate is None else validate:
         check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
     launch_store_kv(
         k, v, storage_view(k_cache), storage_view(v_cache), cache_loc,

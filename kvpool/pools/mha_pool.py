@@ -58,7 +58,9 @@ class MHATokenToKVPool:
         ``torch.float16`` or ``torch.float32``.
     head_num, head_dim : KV heads on this rank and the K head dim.
     layer_num : layers held by this rank (pipeline parallelism: consecutive global ids).
-    device : where the buffers live. ``"cpu"`` works (reference path only).
+    device : where the buffers live. ``"cpu"`` works (reference path only). On CUDA, writes launch
+        on the current device, so a pool on ``cuda:i`` is written while ``cuda:i`` is current, as in
+        an engine process that calls ``torch.cuda.set_device(rank)`` once.
     v_head_dim : V head dim (default ``head_dim``).
     start_layer, end_layer : global id of the first and last layer held, both included;
         ``end_layer`` defaults to ``start_layer + layer_num - 1``.
@@ -357,6 +359,14 @@ class MHATokenToKVPool:
         start = time.perf_counter()
         dev = self.device
         variants = self.warmup_variants()
+        with torch.cuda.device(dev):
+            self._warmup_variants(variants)
+        torch.cuda.synchronize(dev)
+        self.warmup_seconds = time.perf_counter() - start
+        logger.info("kvpool: warmed %d fused-kernel variants in %.2f s", len(variants), self.warmup_seconds)
+
+    def _warmup_variants(self, variants: list[tuple[torch.dtype, torch.dtype, str]]) -> None:
+        dev = self.device
         for in_dtype, loc_dtype, scale_kind in variants:
             k = torch.zeros((1, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
             v = torch.zeros((1, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
@@ -367,9 +377,6 @@ class MHATokenToKVPool:
             elif scale_kind == "tensor":
                 scale = torch.ones(1, dtype=torch.float32, device=dev)
             self._launch(k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale)
-        torch.cuda.synchronize(dev)
-        self.warmup_seconds = time.perf_counter() - start
-        logger.info("kvpool: warmed %d fused-kernel variants in %.2f s", len(variants), self.warmup_seconds)
 
 
 
