@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvassert import assert_same_bytes, bits, poison_
-from kvpool import fused_fp8_set_kv_buffer, reference_set_kv_buffer
+from kvpool import fused_fp8_set_kv_buffer, quantize, reference_set_kv_buffer
 from kvpool.kernels.store_kv import TileConfig, launch_store_kv, plan_launch, storage_view
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,3 +232,31 @@ def test_public_functions_follow_kvpool_validate(write, monkeypatch):
     assert torch.equal(bits(kc), before)
     write(x, x, kc, vc, loc, validate=False)  # an explicit argument wins over the environment
     assert not torch.equal(bits(kc), before)
+
+
+def test_head_major_cache_beyond_int32_offsets():
+    """A caller's head-major cache [H, slots, D] viewed as [slots, H, D] has head stride slots * D;
+    with (H - 1) * slots * D >= 2**31 the head offset must not wrap (it did, writing before the
+    buffer). 3 GiB of lazily zeroed memory; only the written rows are touched."""
+    if DEVICE == "cuda" and torch.cuda.mem_get_info()[0] < (4 << 30):
+        pytest.skip("needs 3 GiB of device memory")
+    h, slots, d = 3, 2**26, 16
+    backing = torch.zeros(h, slots, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    k_cache = backing.transpose(0, 1)  # [slots, H, D], stride (16, 2**30, 1)
+    k = _rows(2, h, d, torch.bfloat16, 21, spread=False)
+    loc = torch.tensor([5, slots - 1], device=DEVICE)
+    fused_fp8_set_kv_buffer(k, k, k_cache, k_cache, loc, 0.5, 0.5)
+    expected = quantize(k, torch.float8_e4m3fn, 0.5)
+    for t, slot in enumerate([5, slots - 1]):
+        assert_same_bytes(backing[:, slot], expected[t], f"slot {slot}")
+
+
+def test_non_contiguous_per_head_scale_needs_no_copy():
+    t, h, d, slots = 5, 3, 32, 12
+    k = _rows(t, h, d, torch.bfloat16, 22)
+    wide = (torch.rand(h, 4, device=DEVICE) * 3 + 0.1)
+    for scale in (wide[:, 1], wide[:, 2:3]):  # [H] with stride 4, [H, 1] with stride (4, 1)
+        assert not scale.is_contiguous()
+        (kf, vf), (kr, vr) = _both_paths(k, k, _loc(t, slots, torch.int64, 23), scale, scale, slots, torch.float8_e4m3fn)
+        assert_same_bytes(kf, kr, "k_cache")
+        assert_same_bytes(vf, vr, "v_cache")

@@ -57,7 +57,7 @@ def store_kv_custom_op(
         if ok:
             store_kv.launch_store_kv(
                 k, v, store_kv.storage_view(k_cache), store_kv.storage_view(v_cache), loc,
-                store_kv.contiguous_scale(ks), store_kv.contiguous_scale(vs), cache_dtype,
+                ks, vs, cache_dtype,
             )  # fmt: skip
             return
         if fused == "always":

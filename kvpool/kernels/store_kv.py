@@ -156,7 +156,8 @@ def _scale_args(scale: Scale, heads: int) -> tuple[int, object, float, int]:
         return 0, None, 1.0, 0
     if type(scale) is float:
         return 1, None, scale, 0
-    return 2, scale, 1.0, (1 if scale.numel() == heads and heads != 1 else 0)  # type: ignore[union-attr]
+    # per head ([H] or [H, 1]): read with its own stride along heads, so no copy is ever needed
+    return 2, scale, 1.0, (scale.stride(0) if scale.numel() == heads and heads != 1 else 0)  # type: ignore[union-attr]
 
 
 class PreparedLaunch:
@@ -245,12 +246,13 @@ class PreparedLaunch:
             return
         # Everything Triton specializes a compiled variant on, for the arguments that vary between
         # calls: dtypes, exact strides (covers "== 1" and "divisible by 16"), 16-byte alignment of
-        # the row pointers (caches: fixed per pool), the device, and the scale kinds and dtypes.
+        # the row pointers (caches: fixed per pool), and the scale kinds and dtypes; plus the current
+        # device, which is where Triton loaded the compiled module and where it launches.
         key = (
             kinds, k.dtype, v.dtype, loc.dtype, loc.stride(0), kst, vst,
             k.data_ptr() & 15, v.data_ptr() & 15,
             None if ks_ptr is None else ks_ptr.dtype, None if vs_ptr is None else vs_ptr.dtype,
-            k_store.dtype, k.get_device(),
+            k_store.dtype, torch.cuda.current_device(),
         )  # fmt: skip
         if not self.caches_aligned:
             key += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
@@ -301,7 +303,7 @@ def launch_store_kv(
 ) -> None:
     """Launch the fused write. Arguments must already be checked; ``k_store``/``v_store`` are the
     caches in storage dtype (uint8 for FP8) and ``cache_dtype`` the logical element type.
-    A per-head scale tensor must be contiguous. Allocates nothing and never synchronises."""
+    Allocates nothing and never synchronises."""
     if k.shape[0] == 0:
         return
     if soft_cast is None:
@@ -382,13 +384,5 @@ def fused_fp8_set_kv_buffer(
         check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
     launch_store_kv(
         k, v, storage_view(k_cache), storage_view(v_cache), cache_loc,
-        contiguous_scale(checked.k_scale), contiguous_scale(checked.v_scale), k_cache.dtype,
+        checked.k_scale, checked.v_scale, k_cache.dtype,
     )  # fmt: skip
-
-
-def contiguous_scale(scale: Scale) -> Scale:
-    # A [H, 1] or [H] scale tensor is read with stride 1; a non-contiguous one (rare) is copied here,
-    # outside the pool's hot path. One-element tensors are read at offset 0 whatever their shape.
-    if isinstance(scale, torch.Tensor) and scale.numel() > 1 and not scale.is_contiguous():
-        return scale.contiguous()
-    return scale

@@ -153,7 +153,7 @@ def _store_head_block(
     dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
     scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND == SCALE_TENSOR
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
-    scale_stride,  # 0 for a per-tensor scale tensor, 1 for per-head
+    scale_stride,  # 0 for a per-tensor scale tensor, the stride along heads for per-head
     offs_t,  # [BLOCK_T] int64 token indices
     slot,  # [BLOCK_T] int64 destination rows
     token_ok,  # [BLOCK_T] token exists (t < T)
@@ -174,8 +174,10 @@ def _store_head_block(
     SOFT_CAST: tl.constexpr,
     FAST_DIV: tl.constexpr,
 ):
-    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    # int64 like offs_t and slot: a caller's head-major cache viewed as [slots, H, D] has a head
+    # stride of slots * D, and (H - 1) * slots * D passes 2**31 on a 2 GiB cache.
+    offs_h = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     in_row = (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
     # Rows are loaded whether or not their slot is valid, so the load does not wait for loc's:
     # two dependent memory round trips would dominate a decode-sized write.

@@ -263,7 +263,7 @@ class MHATokenToKVPool:
                 self.stats.fused_calls += 1
                 self._launch(
                     cache_k, cache_v, self.k_buffer[i], self.v_buffer[i], loc,
-                    store_kv.contiguous_scale(k_scale), store_kv.contiguous_scale(v_scale),
+                    k_scale, v_scale,
                 )  # fmt: skip
                 return
             if self.fused_mode == "always":
