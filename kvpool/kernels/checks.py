@@ -12,6 +12,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from kvpool.config import validate_enabled
 from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8
 
 Scale = Union[None, float, torch.Tensor]
@@ -194,11 +195,17 @@ def check_caller_write(
 # --- checks that read device memory (validate mode only) -------------------------------------------
 
 
-def check_values(checked: CheckedWrite, loc: torch.Tensor, loc_name: str, capacity: int) -> None:
+def check_values(loc: torch.Tensor, loc_name: str, capacity: int, k_scale: Scale, v_scale: Scale) -> None:
     """Everything ``validate`` adds: slot range and scale values (synchronises)."""
     check_loc_in_range(loc, loc_name, capacity)
-    check_scale_values(checked.k_scale, "k_scale")
-    check_scale_values(checked.v_scale, "v_scale")
+    check_scale_values(k_scale, "k_scale")
+    check_scale_values(v_scale, "v_scale")
+
+
+def check_caller_values(checked: CheckedWrite, cache_loc: torch.Tensor, capacity: int, validate: bool | None) -> None:
+    """``check_values`` for the public write functions when ``validate`` (None: ``KVPOOL_VALIDATE``)."""
+    if validate_enabled(False) if validate is None else validate:
+        check_values(cache_loc, FUNCTION_NAMES.loc, capacity, checked.k_scale, checked.v_scale)
 
 
 def check_loc_in_range(loc: torch.Tensor, name: str, capacity: int) -> None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.config import validate_enabled
-from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
+from kvpool.kernels.checks import Scale, check_caller_values, check_caller_write
 from kvpool.kernels.formats import FP8_FORMATS, is_fp8
 
 
@@ -136,8 +135,7 @@ def reference_set_kv_buffer(
     >>> reference_set_kv_buffer(k, k, k_cache, v_cache, torch.tensor([5, -1, 9]), k_scale=0.5)
     """
     checked = check_caller_write(k, v, k_cache, v_cache, cache_loc, k_scale, v_scale)
-    if validate_enabled(False) if validate is None else validate:
-        check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
+    check_caller_values(checked, cache_loc, k_cache.shape[0], validate)
     if checked.tokens == 0:
         return
     write_reference(k, v, k_cache, v_cache, cache_loc, checked.k_scale, checked.v_scale)

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.config import validate_enabled
-from kvpool.kernels.checks import FUNCTION_NAMES, Scale, check_caller_write, check_values
+from kvpool.kernels.checks import Scale, check_caller_values, check_caller_write
 from kvpool.kernels.formats import store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
 
@@ -380,8 +379,7 @@ def fused_fp8_set_kv_buffer(
     )  # fmt: skip
     if not ok:
         raise FusedPathUnavailable(f"the fused kernel cannot take this write: {reason}")
-    if validate_enabled(False) if validate is None else validate:
-        check_values(checked, cache_loc, FUNCTION_NAMES.loc, k_cache.shape[0])
+    check_caller_values(checked, cache_loc, k_cache.shape[0], validate)
     launch_store_kv(
         k, v, storage_view(k_cache), storage_view(v_cache), cache_loc,
         checked.k_scale, checked.v_scale, k_cache.dtype,

@@ -12,7 +12,7 @@ import torch
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels import reference, store_kv
 from kvpool.kernels.checks import F32_MIN_NORMAL, F32_MAX, POOL_NAMES, Scale
-from kvpool.kernels.checks import CheckedWrite, check_values, check_write
+from kvpool.kernels.checks import check_values, check_write
 from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
 
@@ -246,7 +246,7 @@ class MHATokenToKVPool:
         elif not self._scales_apply:
             k_scale = v_scale = None
         if self.validate:
-            check_values(CheckedWrite(0, k_scale, v_scale), loc, POOL_NAMES.loc, self.size + self.page_size)
+            check_values(loc, POOL_NAMES.loc, self.size + self.page_size, k_scale, v_scale)
         if cache_k.shape[0] == 0:
             return
         if self.fused_mode != "never":
