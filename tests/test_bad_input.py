@@ -20,19 +20,10 @@ import pytest
 import torch
 
 import kvpool
+from kvassert import INTERPRETER, skip_fused_without_interpreter
 from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
-
-# The fused kernel takes CPU tensors only through Triton's interpreter (conftest switches it on when
-# there is no CUDA device); elsewhere the fused cases of this CPU suite are skipped, not failed.
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="fused kernel on CPU tensors needs TRITON_INTERPRET=1")
-
-
-def skip_fused_without_interpreter(name: str) -> None:
-    if not INTERPRETER and ("fused" in name or "always" in name):
-        pytest.skip("fused kernel on CPU tensors needs TRITON_INTERPRET=1")
 
 
 # The base call: T=5 tokens, K [5, 2, 8], V [5, 3, 6] (H != Hv, D != Dv so every number is distinct).

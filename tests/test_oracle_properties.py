@@ -23,19 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpool
+from kvassert import INTERPRETER, needs_interpreter, skip_fused_without_interpreter
 from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_cache, q_codes
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
-
-# The fused kernel takes CPU tensors only through Triton's interpreter (conftest switches it on when
-# there is no CUDA device); elsewhere the fused cases of this CPU suite are skipped, not failed.
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="fused kernel on CPU tensors needs TRITON_INTERPRET=1")
-
-
-def skip_fused_without_interpreter(name: str) -> None:
-    if not INTERPRETER and ("fused" in name or "always" in name):
-        pytest.skip("fused kernel on CPU tensors needs TRITON_INTERPRET=1")
 
 
 CACHE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
