@@ -75,6 +75,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         info["cvt_satfinite"] = ptx.count("cvt.rn.satfinite")
         info["div_rn"] = ptx.count("div.rn.f32")
         info["fma_rn"] = ptx.count("fma.rn.f32")
+        info["max_nan"] = ptx.count("max.NaN.f32")
     return info
 
 
@@ -83,7 +84,7 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="every output kind, input type and scale kind")
     args = parser.parse_args()
     if args.full:
-        variants = itertools.product(TARGETS, [(3, 96), (8, 128)], range(5), ["bf16", "fp16", "fp32"], range(3))
+        variants = itertools.product(TARGETS, [(3, 96), (8, 128)], range(5), ["bf16", "fp16", "fp32"], range(4))
         variants = [(t, h, d, o, i, s, s) for t, (h, d), o, i, s in variants]
     else:
         variants = [
@@ -91,6 +92,7 @@ def main() -> int:
             ("sm90", 1, 256, 1, "fp16", 1, 0),
             ("sm90", 3, 96, 2, "fp32", 0, 0),
             ("sm100", 8, 128, 0, "bf16", 2, 1),
+            ("sm90", 3, 96, 0, "bf16", 3, 3),
             ("sm80", 3, 96, 0, "bf16", 2, 2),
             ("sm80", 1, 128, 2, "fp32", 0, 0),
             ("gfx942", 8, 128, 0, "bf16", 2, 2),

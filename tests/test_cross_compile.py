@@ -28,7 +28,7 @@ def compiled() -> list[dict]:
 
 def test_every_target_compiles(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 8
+    assert len(compiled) == 9
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
@@ -38,5 +38,9 @@ def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
     # for scales outside the range where the FMA correction is exact.
     assert fp8["ld_v4"] > 0 and fp8["st_v4"] > 0
     assert fp8["cvt_satfinite"] > 0 and fp8["fma_rn"] > fp8["div_rn"] > 0
+    # The cast saturates by itself (no clamp); the division clamps its input with NaN-keeping min/max.
+    assert fp8["max_nan"] > 0
+    [e5m2] = [v for v in compiled if v["target"] == "sm90" and v["out_kind"] == 1]
+    assert e5m2["cvt_satfinite"] > 0
     [soft] = [v for v in compiled if v["target"] == "sm80" and v["out_kind"] == 0]
     assert soft["soft"] and soft["cvt_satfinite"] == 0, "no FP8 conversion instruction before sm_89"

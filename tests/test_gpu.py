@@ -147,31 +147,34 @@ def test_random_float32_bit_patterns(cache_dtype, variant):
 def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs)
-    s = tl.load(s_ptr + offs)
-    tl.store(out_ptr + offs, store_kv_kernel._divide(x, s, s, FAST))
+    s = tl.load(s_ptr + tl.program_id(0))  # one scale per program, as the kernel reads a scale
+    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, FAST))
 
 
 def test_fast_division_is_correctly_rounded_where_fp8_can_see_it():
     """The reciprocal-and-FMA division against IEEE division (torch on the device), on 64M random
-    (x, s) pairs: x any finite float32, s log-uniform over the range the fast path accepts. Every
-    quotient of magnitude >= 2**-20 (FP8 can represent down to 2**-16) must match bit for bit;
-    smaller ones must stay small enough to round to an FP8 zero."""
+    (x, s) pairs: x any finite float32, s log-uniform over 2**-64..2**64 (the fast path takes
+    2**-40..2**40, div.rn the rest). Quotients of magnitude 2**-20..2**17 (FP8 represents
+    2**-16..57344) must match bit for bit; larger ones must stay above 2**17 (both saturate),
+    smaller ones below 2**-19 (both round to zero); the sign always agrees, zeros included."""
     g = _gen(11)
     block = 1024
     for _ in range(4):
         n = 16 * 2**20
         x = torch.randint(-(2**31), 2**31, (n,), device=DEV, generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
         x = torch.where(torch.isfinite(x), x, torch.ones_like(x))
-        mant = torch.rand(n, device=DEV, generator=g) + 1.0
-        s = mant * torch.exp2(torch.randint(-64, 64, (n,), device=DEV, generator=g).float())
-        # one scale per program, as the kernel sees a per-tensor or per-head scale
-        s = s.view(-1, block)[:, :1].expand(-1, block).contiguous().view(-1)
+        x[:4096] = torch.tensor([0.0, -0.0, 2.0**64, -(2.0**70)], device=DEV).repeat(1024)
+        mant = torch.rand(n // block, device=DEV, generator=g) + 1.0
+        s = mant * torch.exp2(torch.randint(-64, 64, (n // block,), device=DEV, generator=g).float())
         out = torch.empty_like(x)
         _divide_probe[(n // block,)](x, s, out, BLOCK=block, FAST=True)
-        ieee = x / s
-        visible = ieee.abs() >= 2.0**-20
+        ieee = x / s.repeat_interleave(block)
+        mag = ieee.abs()
+        visible = (mag >= 2.0**-20) & (mag <= 2.0**17)
         assert_same_bytes(torch.where(visible, out, 0.0), torch.where(visible, ieee, 0.0), "fast division")
-        assert (out[~visible].abs() < 2.0**-19).all()
+        assert (out.abs()[mag > 2.0**17] > 2.0**17).all(), "a saturating quotient came out in range"
+        assert (out.abs()[mag < 2.0**-20] < 2.0**-19).all(), "a vanishing quotient came out visible"
+        assert torch.equal(torch.signbit(out), torch.signbit(ieee)), "sign differs"
 
 
 def test_all_variants_agree_on_the_device():

@@ -12,7 +12,14 @@ import torch
 
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import fused_fp8_set_kv_buffer, quantize, reference_set_kv_buffer
-from kvpool.kernels.store_kv import TileConfig, launch_store_kv, plan_launch, storage_view
+from kvpool.kernels.store_kv import (
+    PreparedLaunch,
+    TileConfig,
+    launch_store_kv,
+    plan_flat_launch,
+    plan_launch,
+    storage_view,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -111,11 +118,56 @@ def test_tile_shapes(elems, h, d, hv, dv):
     t, slots = 13, 40
     tile = TileConfig(elems=elems, num_warps=4)
     plan = plan_launch(h, d, hv, dv, tile)
-    assert plan.block_t >= 1 and plan.block_h * plan.k_head_blocks >= h
+    assert plan.block_t >= 1 and plan.k_blocks * plan.block_h * plan.block_d >= h * d
     k, v = _rows(t, h, d, torch.float16, 9), _rows(t, hv, dv, torch.float16, 10)
     (kf, vf), (kr, vr) = _both_paths(
         k, v, _loc(t, slots, torch.int32, 11), 0.7, 1.9, slots, torch.float8_e4m3fn, tile=tile
     )
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+def test_flat_plans_only_where_the_per_head_plan_pads():
+    assert plan_flat_launch(8, 128, 8, 128) is None and plan_flat_launch(1, 256, 1, 256) is None
+    assert plan_launch(3, 96, 3, 96).lane_use < 0.6
+    flat = plan_flat_launch(3, 96, 3, 96)
+    assert (flat.heads, flat.head_dim, flat.block_h, flat.block_d) == (1, 288, 1, 64)
+    assert flat.lane_use >= 0.9 and flat.grid_y == 10
+    assert plan_flat_launch(6, 64, 6, 64).block_d == 128  # 384 = 3 x 128
+    assert plan_flat_launch(1, 80, 1, 80).block_d == 16
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as ``x`` [T, H, D] in another memory layout."""
+    t, h, d = x.shape
+    if layout == "qkv_slice":  # heads contiguous within a row, rows further apart
+        wide = torch.zeros(t, 2 * h + 1, d, dtype=x.dtype, device=x.device)
+        wide[:, h : 2 * h] = x
+        return wide[:, h : 2 * h]
+    if layout == "head_dim_strided":  # [T, D, H] transposed: heads not contiguous
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x
+
+
+# Geometries with a flat plan: K and V rows of equal and of different lengths, one head, and rows
+# that split into whole blocks. Calls whose inputs or scales rule the flat plan out take the
+# per-head plan; both must match the reference.
+@pytest.mark.parametrize("layout", ["contiguous", "qkv_slice", "head_dim_strided"])
+@pytest.mark.parametrize("h,d,hv,dv", [(3, 96, 3, 96), (3, 40, 5, 24), (1, 80, 1, 80), (6, 64, 6, 64)])
+@pytest.mark.parametrize("scale_kind", ["tensor", "per_head"])
+def test_flat_and_per_head_plans_match_reference(h, d, hv, dv, layout, scale_kind):
+    t, slots = 9, 23
+    k = _layout(_rows(t, h, d, torch.bfloat16, 21), layout)
+    v = _layout(_rows(t, hv, dv, torch.bfloat16, 22), layout)
+    ks, vs = _scale(scale_kind, h, 23), _scale(scale_kind, hv, 24)
+    cache_dtype = torch.float8_e4m3fn
+    kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
+    launch = PreparedLaunch(h, d, hv, dv, cache_dtype, kf.stride(), vf.stride(), slots, soft_cast=DEVICE == "cpu")
+    kinds = (2 if scale_kind == "tensor" else 3,) * 2
+    # one head per row is contiguous in any layout
+    expect_flat = scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)
+    assert (launch.variant_for(k.stride(), v.stride(), kinds) is launch.flat) == expect_flat
+    (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 25), ks, vs, slots, cache_dtype)
     assert_same_bytes(kf, kr, "k_cache")
     assert_same_bytes(vf, vr, "v_cache")
 

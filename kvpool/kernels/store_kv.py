@@ -78,18 +78,46 @@ DEFAULT_TILE = TileConfig(elems=2048, num_warps=4)  # head_dim > 256: not swept;
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """Block shapes of one compiled variant. ``heads``/``head_dim`` (and V's) are the geometry the
+    kernel sees: the cache's own, or, for a flat plan, one "head" holding a token's whole row."""
+
+    heads: int
+    head_dim: int
+    v_heads: int
+    v_head_dim: int
     block_t: int
     block_h: int
     block_d: int
     block_hv: int
     block_dv: int
-    k_head_blocks: int
-    v_head_blocks: int
     num_warps: int
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.heads // self.block_h) * -(-self.head_dim // self.block_d)
+
+    @property
+    def v_blocks(self) -> int:
+        return -(-self.v_heads // self.block_hv) * -(-self.v_head_dim // self.block_dv)
+
+    @property
+    def grid_y(self) -> int:
+        return self.k_blocks + self.v_blocks
+
+    @property
+    def lane_use(self) -> float:
+        """Fraction of a program's lanes that carry an element (the rest are masked off)."""
+        work = self.heads * self.head_dim + self.v_heads * self.v_head_dim
+        lanes = self.k_blocks * self.block_h * self.block_d + self.v_blocks * self.block_hv * self.block_dv
+        return work / lanes
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _tile_for(head_dim: int, v_head_dim: int, tile: TileConfig | None) -> TileConfig:
+    return tile or TILE_TABLE.get(max(_pow2(head_dim), _pow2(v_head_dim)), DEFAULT_TILE)
 
 
 @functools.lru_cache(maxsize=256)
@@ -97,21 +125,49 @@ def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: 
     """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x BLOCK_D of K (or
     of V), about ``tile.elems`` elements; BLOCK_T is shared by K and V."""
     block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
-    cfg = tile or TILE_TABLE.get(max(block_d, block_dv), DEFAULT_TILE)
+    cfg = _tile_for(head_dim, v_head_dim, tile)
     block_h = min(_pow2(heads), max(1, cfg.elems // block_d))
     block_hv = min(_pow2(v_heads), max(1, cfg.elems // block_dv))
     row = max(block_h * block_d, block_hv * block_dv)
-    block_t = max(1, cfg.elems // row)
     return LaunchPlan(
-        block_t=block_t,
-        block_h=block_h,
-        block_d=block_d,
-        block_hv=block_hv,
-        block_dv=block_dv,
-        k_head_blocks=-(-heads // block_h),
-        v_head_blocks=-(-v_heads // block_hv),
-        num_warps=cfg.num_warps,
-    )
+        heads, head_dim, v_heads, v_head_dim,
+        block_t=max(1, cfg.elems // row), block_h=block_h, block_d=block_d,
+        block_hv=block_hv, block_dv=block_dv, num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+#: A flat plan is used when the per-head plan leaves more than this fraction of lanes idle.
+FLAT_LANE_USE = 0.9
+
+
+def _row_block(n: int) -> int:
+    """The largest power of two whose blocks cover ``n`` elements with at least FLAT_LANE_USE of
+    their lanes in use (there is always one: 1 divides everything)."""
+    b = _pow2(n)
+    while n / (-(-n // b) * b) < FLAT_LANE_USE:
+        b //= 2
+    return b
+
+
+@functools.lru_cache(maxsize=256)
+def plan_flat_launch(
+    heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None
+) -> LaunchPlan | None:
+    """A plan that treats each token's H x D row as one run of elements, cut into power-of-two
+    blocks, for geometries the per-head plan pads badly (H=3, D=96 fills 56% of a [4, 128] block;
+    its 288-element rows fill 90% of five 64-element blocks). Valid only when heads are contiguous
+    within a row (head stride = D x element stride) in the inputs and the cache, and with per-tensor
+    scales. None when the per-head plan already uses FLAT_LANE_USE of its lanes."""
+    if plan_launch(heads, head_dim, v_heads, v_head_dim, tile).lane_use >= FLAT_LANE_USE:
+        return None
+    cfg = _tile_for(head_dim, v_head_dim, tile)
+    row, v_row = heads * head_dim, v_heads * v_head_dim
+    block_d, block_dv = _row_block(row), _row_block(v_row)
+    return LaunchPlan(
+        1, row, 1, v_row,
+        block_t=max(1, cfg.elems // max(block_d, block_dv)), block_h=1, block_d=block_d,
+        block_hv=1, block_dv=block_dv, num_warps=cfg.num_warps,
+    )  # fmt: skip
 
 
 # --- conversion mode ---------------------------------------------------------------------------------
@@ -150,19 +206,45 @@ def fast_div_default(soft_cast: bool) -> bool:
 
 
 def _scale_args(scale: Scale, heads: int) -> tuple[int, object, float, int]:
-    """(kind, pointer, value, stride) for one tensor's scale."""
+    """(kind, pointer, value, stride) for one tensor's scale; kinds as in store_kv_kernel."""
     if scale is None:
         return 0, None, 1.0, 0
     if type(scale) is float:
         return 1, None, scale, 0
+    if scale.numel() == 1:  # type: ignore[union-attr]
+        return 2, scale, 1.0, 0
     # per head ([H] or [H, 1]): read with its own stride along heads, so no copy is ever needed
-    return 2, scale, 1.0, (scale.stride(0) if scale.numel() == heads and heads != 1 else 0)  # type: ignore[union-attr]
+    return 3, scale, 1.0, scale.stride(0)  # type: ignore[union-attr]
+
+
+class _Variant:
+    """The constexpr arguments of one plan, per (K scale kind, V scale kind), built once so a call
+    builds no dict: as keywords for Triton's JIT launch and positionally for direct launches."""
+
+    def __init__(self, plan: LaunchPlan, out_kind: int, soft_cast: bool, fast_div: bool) -> None:
+        self.plan = plan
+        self.block_t = plan.block_t
+        self.grid_y = plan.grid_y
+        base = dict(
+            H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim,
+            BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
+            BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+            OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div, num_warps=plan.num_warps,
+        )  # fmt: skip
+        self.constexprs = {
+            (a, b): {**base, "K_SCALE_KIND": a, "V_SCALE_KIND": b} for a in range(4) for b in range(4)
+        }
+        self.constexpr_args = {kinds: tuple(d[n] for n in _CONSTEXPR_NAMES) for kinds, d in self.constexprs.items()}
 
 
 class PreparedLaunch:
     """Everything about a launch that is fixed for a cache geometry, computed once; ``__call__``
     binds the per-call tensors and launches. The pool keeps one; the public function builds one per
-    geometry (cached)."""
+    geometry (cached).
+
+    Two plans: the per-head one, and for geometries it pads badly a flat one (``plan_flat_launch``),
+    taken by every call whose inputs keep heads contiguous within a row and whose scales are not
+    per head. A QKV slice and a plain [T, H, D] tensor both do."""
 
     def __init__(
         self,
@@ -178,8 +260,8 @@ class PreparedLaunch:
         tile: TileConfig | None = None,
         fast_div: bool | None = None,
         caches_aligned: bool = False,
+        flat: bool = True,
     ) -> None:
-        plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
         # A pool's buffers are fresh allocations (16-byte aligned, fixed strides): their alignment
         # then needs no check per call.
         self.caches_aligned = caches_aligned
@@ -187,26 +269,30 @@ class PreparedLaunch:
         self.scales_apply = _OUT_KIND[cache_dtype] <= 1
         if fast_div is None:
             fast_div = fast_div_default(soft_cast)
-        self.plan = plan
-        self.heads, self.v_heads = heads, v_heads
+        self.heads, self.head_dim, self.v_heads, self.v_head_dim = heads, head_dim, v_heads, v_head_dim
         self.capacity = capacity
         self.cache_strides = (*k_cache_strides, *v_cache_strides)
-        self.block_t = plan.block_t
-        self.grid_y = plan.k_head_blocks + plan.v_head_blocks
-        base = dict(
-            H=heads, D=head_dim, HV=v_heads, DV=v_head_dim,
-            BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
-            BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
-            OUT_KIND=_OUT_KIND[cache_dtype], SOFT_CAST=soft_cast, FAST_DIV=fast_div,
-            num_warps=plan.num_warps,
-        )  # fmt: skip
-        # One keyword dict per (K scale kind, V scale kind), so a call builds no dict.
-        self.constexprs = {
-            (a, b): {**base, "K_SCALE_KIND": a, "V_SCALE_KIND": b} for a in range(3) for b in range(3)
-        }
-        # The same values positionally, in the kernel's parameter order, for direct launches.
-        self.constexpr_args = {kinds: tuple(d[n] for n in _CONSTEXPR_NAMES) for kinds, d in self.constexprs.items()}
+        out_kind = _OUT_KIND[cache_dtype]
+        self.per_head = _Variant(plan_launch(heads, head_dim, v_heads, v_head_dim, tile), out_kind, soft_cast, fast_div)
+        flat_plan = plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile) if flat else None
+        if flat_plan is not None and not (
+            _heads_contiguous(heads, head_dim, k_cache_strides) and _heads_contiguous(v_heads, v_head_dim, v_cache_strides)
+        ):
+            flat_plan = None
+        self.flat = None if flat_plan is None else _Variant(flat_plan, out_kind, soft_cast, fast_div)
         self._compiled: dict[tuple, object] = {}
+
+    def variant_for(self, kst: tuple, vst: tuple, kinds: tuple[int, int]) -> _Variant:
+        """The plan a call with these input strides and scale kinds takes."""
+        if (
+            self.flat is not None
+            and kinds[0] != 3
+            and kinds[1] != 3
+            and _heads_contiguous(self.heads, self.head_dim, kst)
+            and _heads_contiguous(self.v_heads, self.v_head_dim, vst)
+        ):
+            return self.flat
+        return self.per_head
 
     def __call__(
         self,
@@ -227,10 +313,13 @@ class PreparedLaunch:
         vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
         kst = k.stride()
         vst = v.stride()
-        grid = (-(-tokens // self.block_t), self.grid_y, 1)
+        kinds = (ks_kind, vs_kind)
+        variant = self.per_head if self.flat is None else self.variant_for(kst, vst, kinds)
+        grid = (-(-tokens // variant.block_t), variant.grid_y, 1)
         # Without a scale tensor the pointer argument is never dereferenced (the branch that reads it
         # is compiled out); loc stands in for it, so every call passes a real pointer and the
-        # argument's type never depends on the scale.
+        # argument's type never depends on the scale. A flat plan sees one head per row, so the
+        # head strides it is passed are never used.
         args = (
             k, v, k_store, v_store, loc,
             loc if ks_ptr is None else ks_ptr, loc if vs_ptr is None else vs_ptr,
@@ -239,14 +328,14 @@ class PreparedLaunch:
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides,
         )  # fmt: skip
-        kinds = (ks_kind, vs_kind)
         if not _fast_launch_enabled:
-            _k._store_kv_kernel[grid](*args, **self.constexprs[kinds])
+            _k._store_kv_kernel[grid](*args, **variant.constexprs[kinds])
             return
         # Everything Triton specializes a compiled variant on, for the arguments that vary between
         # calls: dtypes, exact strides (covers "== 1" and "divisible by 16"), 16-byte alignment of
         # the row pointers (caches: fixed per pool), and the scale kinds and dtypes; plus the current
-        # device, which is where Triton loaded the compiled module and where it launches.
+        # device, which is where Triton loaded the compiled module and where it launches. The plan
+        # follows from the strides and the scale kinds.
         key = (
             kinds, k.dtype, v.dtype, loc.dtype, loc.stride(0), kst, vst,
             k.data_ptr() & 15, v.data_ptr() & 15,
@@ -259,11 +348,17 @@ class PreparedLaunch:
         if compiled is None:
             # Triton's JIT path: specializes, compiles if needed, launches, and hands back the
             # compiled kernel, which later calls with the same key launch directly.
-            compiled = _k._store_kv_kernel[grid](*args, **self.constexprs[kinds])
+            compiled = _k._store_kv_kernel[grid](*args, **variant.constexprs[kinds])
             if compiled is not None:
                 self._compiled[key] = compiled
             return
-        _launch_compiled(compiled, grid, args, self.constexpr_args[kinds], self.constexprs[kinds])
+        _launch_compiled(compiled, grid, args, variant.constexpr_args[kinds], variant.constexprs[kinds])
+
+
+def _heads_contiguous(heads: int, head_dim: int, strides: tuple) -> bool:
+    """Whether a [rows, heads, head_dim] tensor with these strides lays each row's heads end to end
+    (so its H x D elements are one run with the head_dim stride)."""
+    return heads == 1 or strides[1] == head_dim * strides[2]
 
 
 def _launch_compiled(compiled, grid, args: tuple, const_args: tuple, const_kwargs: dict) -> None:
@@ -280,9 +375,10 @@ def _launch_compiled(compiled, grid, args: tuple, const_args: tuple, const_kwarg
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div):
+def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div, flat):
     return PreparedLaunch(
-        heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div
+        heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, soft_cast, tile, fast_div,
+        flat=flat,
     )
 
 
@@ -299,9 +395,11 @@ def launch_store_kv(
     soft_cast: bool | None = None,
     tile: TileConfig | None = None,
     fast_div: bool | None = None,
+    flat: bool = True,
 ) -> None:
     """Launch the fused write. Arguments must already be checked; ``k_store``/``v_store`` are the
     caches in storage dtype (uint8 for FP8) and ``cache_dtype`` the logical element type.
+    ``flat=False`` keeps the per-head plan even where a flat one exists (for tests and benchmarks).
     Allocates nothing and never synchronises."""
     if k.shape[0] == 0:
         return
@@ -309,7 +407,7 @@ def launch_store_kv(
         soft_cast = soft_cast_for(k_store.device)
     launch = _prepared(
         k_store.shape[1], k_store.shape[2], v_store.shape[1], v_store.shape[2], cache_dtype,
-        tuple(k_store.stride()), tuple(v_store.stride()), k_store.shape[0], soft_cast, tile, fast_div,
+        tuple(k_store.stride()), tuple(v_store.stride()), k_store.shape[0], soft_cast, tile, fast_div, flat,
     )  # fmt: skip
     launch(k, v, k_store, v_store, loc, k_scale, v_scale)
 

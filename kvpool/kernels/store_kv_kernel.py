@@ -2,8 +2,14 @@
 
 One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
 rounded float32, saturate to the format's finite range, round to nearest even, and scatter each row
-to its slot. Grid: axis 0 walks token blocks; axis 1 walks head blocks of K and then of V, so K and V
-(which may differ in head count and head dim) share the launch.
+to its slot. Grid: axis 0 walks token blocks; axis 1 walks the blocks of K and then of V, so K and V
+(which may differ in head count and head dim) share the launch. A block is BLOCK_H heads x BLOCK_D
+elements of head_dim; the launcher's flat plans pass a whole row as one "head" cut into several
+head_dim blocks, for geometries whose heads pad badly to powers of two.
+
+The per-element work is kept small on purpose: on an H200 a write of 16k+ tokens was limited by
+instructions, not memory, until the division lost its selects and the cast its clamp (see
+``_div_by_reciprocal`` and ``_convert``).
 
 Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
 
@@ -31,7 +37,8 @@ OUT_FP32 = tl.constexpr(4)
 # Scale kinds (compile-time).
 SCALE_NONE = tl.constexpr(0)
 SCALE_VALUE = tl.constexpr(1)  # a float32 kernel argument (baked into a CUDA graph)
-SCALE_TENSOR = tl.constexpr(2)  # read from device memory at run time; stride 0 = per tensor, 1 = per head
+SCALE_TENSOR = tl.constexpr(2)  # one element in device memory, read when the kernel runs
+SCALE_HEAD = tl.constexpr(3)  # one element per head in device memory (any stride along heads)
 
 
 @triton.jit
@@ -82,19 +89,22 @@ def _to_float32(x, SOFT_CAST: tl.constexpr):
 
 @triton.jit
 def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
-    """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise."""
+    """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise.
+
+    The native FP8 casts need no clamp: on sm_89+ Triton emits ``cvt.rn.satfinite``, which rounds to
+    nearest even, sends finite overflow and +-inf to +-fmax and NaN to NaN, exactly section 3.1's
+    q(). (tests/test_gpu.py checks every bf16/fp16 pattern and 4M float32 patterns against the
+    reference; tests/test_cross_compile.py checks the instruction is there.)"""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
         else:
-            sat = tl.where(x != x, x, tl.minimum(tl.maximum(x, -448.0), 448.0))
-            out = sat.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            out = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif OUT_KIND == OUT_E5M2:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 2, 15, 57344.0).to(tl.uint8)
         else:
-            sat = tl.where(x != x, x, tl.minimum(tl.maximum(x, -57344.0), 57344.0))
-            out = sat.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            out = x.to(tl.float8e5).to(tl.uint8, bitcast=True)
     elif OUT_KIND == OUT_BF16:
         if SOFT_CAST:
             out = _bf16_bits_soft(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -106,39 +116,39 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
         out = x
     return out
 
-# Scales inside [2**-64, 2**64] take the reciprocal-and-correction division below; others use div.rn.
-# In that range every quotient that can round to a nonzero FP8 value is computed without underflow.
-DIV_SCALE_LO = tl.constexpr(2.0**-64)
-DIV_SCALE_HI = tl.constexpr(2.0**64)
+
+# The reciprocal-and-FMA division below is taken for scales in [2**-40, 2**40]; others use div.rn.
+# Inputs are first clamped to +-2**64: in that range x * (1/s) cannot overflow, and every input the
+# clamp changes still divides to >= 2**24, which saturates both FP8 formats as the exact quotient does.
+DIV_SCALE_LO = tl.constexpr(2.0**-40)
+DIV_SCALE_HI = tl.constexpr(2.0**40)
+DIV_X_LIMIT = tl.constexpr(2.0**64)
 
 
 @triton.jit
 def _div_by_reciprocal(x, s, r):
-    """x / s correctly rounded in float32, given r = RN(1/s) (Markstein's correction).
+    """x / s as FP8 sees it, given r = RN(1/s) for a scale s in [2**-40, 2**40].
 
-    q0 = RN(x * r) is within one ulp of x / s; the residual x - q0 * s is exact in an FMA, and
-    RN(q0 + residual * r) is the correctly rounded quotient when nothing over- or underflows. Where
-    the residual is zero q0 is exact (and keeps the sign of a zero x); where q0 is inf or NaN the
-    residual is meaningless and q0 is already the IEEE result, or one that saturates the same way.
-    """
+    Markstein's correction: q0 = RN(x * r) is within one ulp of x / s, the residual
+    e = q0 * s - x is exact in an FMA, and RN(q0 - e * r) is the correctly rounded quotient when
+    nothing over- or underflows. The clamp of x to +-2**64 rules out overflow (infinities included;
+    NaN passes through both min and max); underflow only touches quotients below 2**-100, which
+    round to a (signed) FP8 zero either way. The residual is negated through the FMA, not formed as
+    x - q0 * s: for x = -0 that keeps the result -0 (x - q0 * s would give +0 and lose the sign).
+    Four operations per element, no selects."""
+    x = tl.minimum(tl.maximum(x, -DIV_X_LIMIT, propagate_nan=tl.PropagateNan.ALL), DIV_X_LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     q0 = x * r
-    rem = tl.fma(-q0, s, x)
-    q1 = tl.fma(rem, r, q0)
-    keep = (rem == 0.0) | (q0 != q0) | (tl.abs(q0) == float("inf"))
-    return tl.where(keep, q0, q1)
+    e = tl.fma(q0, s, -x)
+    return tl.fma(e, -r, q0)
 
 
 @triton.jit
-def _divide(x, s, s_vec, FAST_DIV: tl.constexpr):
-    """x / s, correctly rounded float32. ``s`` broadcasts over ``x``; ``s_vec`` holds the same
-    scale(s) as a 1-D vector, used to decide (uniformly per program) which division runs.
-
-    ``FAST_DIV`` hoists the reciprocal out of the per-element work: one multiply and two FMAs
-    per element instead of div.rn's sequence with its slow-path branch. The interpreter keeps
-    div.rn (its FMA is not fused: numpy rounds the product first)."""
+def _divide_scalar(x, s, FAST_DIV: tl.constexpr):
+    """x / s for one scale s (a scalar), correctly rounded where FP8 can see it. The range check is
+    one uniform branch per program."""
     if FAST_DIV:
-        in_range = (s_vec >= DIV_SCALE_LO) & (s_vec <= DIV_SCALE_HI)
-        if tl.min(in_range.to(tl.int32), axis=0) == 1:
+        if (s >= DIV_SCALE_LO) & (s <= DIV_SCALE_HI):
             x = _div_by_reciprocal(x, s, tl.div_rn(1.0, s))
         else:
             x = tl.div_rn(x, s)
@@ -148,17 +158,34 @@ def _divide(x, s, s_vec, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
+def _divide_per_head(x, s, FAST_DIV: tl.constexpr):
+    """x [BLOCK_T, BLOCK_H, BLOCK_D] / s [BLOCK_H] (one scale per head). The fast division runs
+    when every scale of the block is in range (a reduction over the block's heads, once)."""
+    if FAST_DIV:
+        in_range = ((s >= DIV_SCALE_LO) & (s <= DIV_SCALE_HI)).to(tl.int32)
+        if tl.min(in_range, axis=0) == 1:
+            x = _div_by_reciprocal(x, s[None, :, None], tl.div_rn(1.0, s)[None, :, None])
+        else:
+            x = tl.div_rn(x, s[None, :, None])
+    else:
+        x = tl.div_rn(x, s[None, :, None])
+    return x
+
+
+@triton.jit
 def _store_head_block(
     src_ptr,  # [T, H, D] input rows, any strides
     dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
-    scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND == SCALE_TENSOR
+    loc_ptr,  # [T] slots
+    scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND is SCALE_TENSOR or SCALE_HEAD
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
-    scale_stride,  # 0 for a per-tensor scale tensor, the stride along heads for per-head
+    scale_stride,  # the per-head scale's stride along heads (SCALE_HEAD)
     offs_t,  # [BLOCK_T] int64 token indices
-    slot,  # [BLOCK_T] int64 destination rows
     token_ok,  # [BLOCK_T] token exists (t < T)
-    row_ok,  # [BLOCK_T] token exists and its slot is in range
     head_block,
+    d_block,
+    capacity,
+    stride_loc,
     stride_st,
     stride_sh,
     stride_sd,
@@ -177,13 +204,12 @@ def _store_head_block(
     # int64 like offs_t and slot: a caller's head-major cache viewed as [slots, H, D] has a head
     # stride of slots * D, and (H - 1) * slots * D passes 2**31 on a 2 GiB cache.
     offs_h = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_d = (d_block * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
     in_row = (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
-    # Rows are loaded whether or not their slot is valid, so the load does not wait for loc's:
-    # two dependent memory round trips would dominate a decode-sized write.
-    load_mask = token_ok[:, None, None] & in_row
-    mask = row_ok[:, None, None] & in_row
 
+    # Issue every load before anything waits on one: the rows (masked by token only, not by slot
+    # validity), then the slots, then the scale. A decode-sized write is one memory round trip
+    # followed by the stores; making the row load wait for loc would add a second round trip.
     src = (
         src_ptr
         + offs_t[:, None, None] * stride_st
@@ -191,25 +217,30 @@ def _store_head_block(
         + offs_d[None, None, :] * stride_sd
     )
     # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
-    raw = tl.load(src, mask=load_mask, other=1.0)
+    raw = tl.load(src, mask=token_ok[:, None, None] & in_row, other=1.0)
+    slot = tl.load(loc_ptr + offs_t * stride_loc, mask=token_ok, other=-1).to(tl.int64)
+
     if (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16) or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16):
         out = raw  # same type in and out: store the bits as they are (NaN payloads included)
     else:
         x = _to_float32(raw, SOFT_CAST)
         if SCALE_KIND == SCALE_VALUE:
-            x = _divide(x, scale_value, tl.full([1], scale_value, tl.float32), FAST_DIV)
+            x = _divide_scalar(x, scale_value, FAST_DIV)
         elif SCALE_KIND == SCALE_TENSOR:
+            x = _divide_scalar(x, tl.load(scale_ptr).to(tl.float32), FAST_DIV)
+        elif SCALE_KIND == SCALE_HEAD:
             s = tl.load(scale_ptr + offs_h * scale_stride, mask=offs_h < H, other=1.0).to(tl.float32)
-            x = _divide(x, s[None, :, None], s, FAST_DIV)
+            x = _divide_per_head(x, s, FAST_DIV)
         out = _convert(x, OUT_KIND, SOFT_CAST)
 
+    row_ok = token_ok & (slot >= 0) & (slot < capacity)
     dst = (
         dst_ptr
         + slot[:, None, None] * stride_ct
         + offs_h[None, :, None] * stride_ch
         + offs_d[None, None, :] * stride_cd
     )
-    tl.store(dst, out, mask=mask)
+    tl.store(dst, out, mask=row_ok[:, None, None] & in_row)
 
 
 # T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
@@ -261,23 +292,26 @@ def _store_kv_kernel(
 ):
     # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = offs_t < T
-    slot = tl.load(loc_ptr + offs_t * stride_loc, mask=in_range, other=-1).to(tl.int64)
-    row_ok = in_range & (slot >= 0) & (slot < capacity)
+    token_ok = offs_t < T
 
-    K_HEAD_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
-    hb = tl.program_id(1)
-    if hb < K_HEAD_BLOCKS:
+    # Axis 1: K's blocks, then V's; each tensor's blocks walk head_dim blocks within head blocks
+    # (one head_dim block per head, except in flat plans, where a "head" is a whole row).
+    K_D_BLOCKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+    V_D_BLOCKS: tl.constexpr = (DV + BLOCK_DV - 1) // BLOCK_DV
+    K_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H * K_D_BLOCKS
+    b = tl.program_id(1)
+    if b < K_BLOCKS:
         _store_head_block(
-            k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
-            offs_t, slot, in_range, row_ok, hb,
+            k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
+            offs_t, token_ok, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity, stride_loc,
             stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
             H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip
     else:
+        b -= K_BLOCKS
         _store_head_block(
-            v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
-            offs_t, slot, in_range, row_ok, hb - K_HEAD_BLOCKS,
+            v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
+            offs_t, token_ok, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity, stride_loc,
             stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
             HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
         )  # fmt: skip
