@@ -183,11 +183,12 @@ def host_overhead(records: dict) -> None:
     kb, vb = pool.k_buffer[0], pool.v_buffer[0]
     kst, vst = x.stride(), x.stride()
     args = (x, x, kb, vb, loc, scale, scale, 1.0, 1.0, 0, 0, 1, launch.capacity, 1, *kst, *vst, *launch.cache_strides)
-    consts = launch.constexprs[(2, 2)]
-    grid = (1, launch.grid_y, 1)
+    variant = launch.variant_for(x.stride(), x.stride(), (2, 2))
+    consts = variant.constexprs[(2, 2)]
+    grid = (1, variant.grid_y, 1)
     kernel = store_kv._k._store_kv_kernel
     compiled = kernel[grid](*args, **consts)
-    const_args = launch.constexpr_args[(2, 2)]
+    const_args = variant.constexpr_args[(2, 2)]
     calls = {
         "direct kernel launch": lambda: kernel[grid](*args, **consts),
         "compiled kernel launch": lambda: compiled[grid](*args, *const_args),
