@@ -65,13 +65,14 @@ class TileConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
-#: Tile per head_dim (rounded up to a power of two), chosen by benchmarks/tune_tiles.py on an H200
-#: (2026-11-29): the tile with the lowest geometric mean of time / best time over 1, 256 and 16k
-#: tokens for the geometries of that head_dim. BENCHMARKS.md ("Tile table") has the sweep.
+#: Tile per head_dim (rounded up to a power of two), chosen by benchmarks/tune_tiles.py from a sweep on
+#: an H200 (2026-11-29, benchmarks/results/h200-2026-11-29-tune2.json): the lowest geometric mean of
+#: time / best time over 1, 256 and 16k tokens for the geometries of that head_dim ("score"); ties
+#: within 1% go to the tile fastest at 16k tokens. BENCHMARKS.md ("Tile table") has the sweep.
 TILE_TABLE: dict[int, TileConfig] = {
-    64: TileConfig(elems=1024, num_warps=2),  # geomean time / best = 1.027
-    128: TileConfig(elems=2048, num_warps=4),  # geomean time / best = 1.052
-    256: TileConfig(elems=2048, num_warps=4),  # geomean time / best = 1.046
+    64: TileConfig(elems=1024, num_warps=2),  # score 1.030, at 16k tokens 1.010
+    128: TileConfig(elems=1024, num_warps=2),  # score 1.043, at 16k tokens 1.031
+    256: TileConfig(elems=2048, num_warps=4),  # score 1.013, at 16k tokens 1.000
 }
 DEFAULT_TILE = TileConfig(elems=2048, num_warps=4)  # head_dim > 256: not swept; 256's choice
 
