@@ -13,6 +13,7 @@ import torch
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import fused_fp8_set_kv_buffer, quantize, reference_set_kv_buffer
 from kvpool.kernels.store_kv import (
+    TILE_TABLE,
     PreparedLaunch,
     TileConfig,
     launch_store_kv,
@@ -135,6 +136,24 @@ def test_flat_plans_only_where_the_per_head_plan_pads():
     assert flat.lane_use >= 0.9 and flat.grid_y == 10
     assert plan_flat_launch(6, 64, 6, 64).block_d == 128  # 384 = 3 x 128
     assert plan_flat_launch(1, 80, 1, 80).block_d == 16
+    # A row longer than the tile is cut into several blocks of at most the tile's elements.
+    for h, d in [(48, 80), (100, 80), (104, 72)]:
+        long = plan_flat_launch(h, d, h, d)
+        assert long.block_d <= TILE_TABLE[128].elems and long.lane_use >= 0.9, (h, d, long)
+
+
+def test_flat_plan_with_rows_longer_than_the_tile():
+    t, slots, h, d = 5, 11, 5, 24  # 120-element rows, 32-element tile: four blocks per row
+    tile = TileConfig(elems=32, num_warps=1)
+    plan = plan_flat_launch(h, d, h, d, tile)
+    assert plan.block_d == 32 and plan.k_blocks == 4
+    k, v = _rows(t, h, d, torch.bfloat16, 31), _rows(t, h, d, torch.bfloat16, 32)
+    (kf, vf), (kr, vr) = _both_paths(
+        k, v, _loc(t, slots, torch.int64, 33), torch.tensor([0.3], device=DEVICE), 2.5, slots,
+        torch.float8_e4m3fn, tile=tile,
+    )  # fmt: skip
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
 
 
 def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:

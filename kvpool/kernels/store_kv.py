@@ -141,10 +141,11 @@ def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: 
 FLAT_LANE_USE = 0.9
 
 
-def _row_block(n: int) -> int:
-    """The largest power of two whose blocks cover ``n`` elements with at least FLAT_LANE_USE of
-    their lanes in use (there is always one: 1 divides everything)."""
-    b = _pow2(n)
+def _row_block(n: int, cap: int) -> int:
+    """The largest power of two, at most ``cap``, whose blocks cover ``n`` elements with at least
+    FLAT_LANE_USE of their lanes in use (there is always one: 1 divides everything; halving a block
+    never lowers the share of lanes in use)."""
+    b = min(_pow2(n), cap)
     while n / (-(-n // b) * b) < FLAT_LANE_USE:
         b //= 2
     return b
@@ -163,7 +164,8 @@ def plan_flat_launch(
         return None
     cfg = _tile_for(head_dim, v_head_dim, tile)
     row, v_row = heads * head_dim, v_heads * v_head_dim
-    block_d, block_dv = _row_block(row), _row_block(v_row)
+    # A block holds at most the tile's elements: a long row (H=48, D=80: 3840) is cut into several.
+    block_d, block_dv = _row_block(row, cfg.elems), _row_block(v_row, cfg.elems)
     return LaunchPlan(
         1, row, 1, v_row,
         block_t=max(1, cfg.elems // max(block_d, block_dv)), block_h=1, block_d=block_d,

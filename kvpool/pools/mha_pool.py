@@ -67,7 +67,9 @@ class MHATokenToKVPool:
     fused : ``"auto"`` (fused kernel when the gate allows, else reference), ``"always"`` (raise
         ``FusedPathUnavailable`` with the gate's reason instead of falling back), ``"never"``.
         ``KVPOOL_FUSED`` overrides it.
-    warmup : on CUDA, compile every kernel variant the pool will meet at construction.
+    warmup : on CUDA, compile at construction the kernel variants of contiguous (or QKV-sliced)
+        inputs for every input dtype, loc dtype and scale kind (None, float, one-element tensor).
+        Per-head scale tensors and unusual input strides compile on their first call.
     validate : check slot range and scale values on every write (one synchronisation each);
         ``KVPOOL_VALIDATE=1`` turns it on too.
 
