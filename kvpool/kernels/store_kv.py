@@ -208,7 +208,7 @@ def fast_div_default(soft_cast: bool) -> bool:
 # --- launch ------------------------------------------------------------------------------------------
 
 
-def _scale_args(scale: Scale, heads: int) -> tuple[int, object, float, int]:
+def _scale_args(scale: Scale) -> tuple[int, object, float, int]:
     """(kind, pointer, value, stride) for one tensor's scale; kinds as in store_kv_kernel."""
     if scale is None:
         return 0, None, 1.0, 0
@@ -312,8 +312,8 @@ class PreparedLaunch:
             return
         if not self.scales_apply:
             k_scale = v_scale = None
-        ks_kind, ks_ptr, ks_val, ks_stride = _scale_args(k_scale, self.heads)
-        vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale, self.v_heads)
+        ks_kind, ks_ptr, ks_val, ks_stride = _scale_args(k_scale)
+        vs_kind, vs_ptr, vs_val, vs_stride = _scale_args(v_scale)
         kst = k.stride()
         vst = v.stride()
         kinds = (ks_kind, vs_kind)
