@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from kvpool.args import non_negative_int, positive_int, resolve_device
 from kvpool.config import validate_enabled
 
 logger = logging.getLogger("kvpool")
@@ -60,18 +61,6 @@ class AllocatorState:
     page_free: torch.Tensor  # [num_pages + 1] bool
 
 
-def _non_negative_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
     return (x + d - 1) // d
 
@@ -89,16 +78,14 @@ class _PageAllocator:
         need_sort: bool,
         validate: bool,
     ) -> None:
-        self.size = _positive_int(size, "size")
-        self.page_size = _positive_int(page_size, "page_size")
+        self.size = positive_int(size, "size")
+        self.page_size = positive_int(page_size, "page_size")
         if size < page_size:
             raise ValueError(f"size must be at least page_size = {page_size} (one page), got {size}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         self.dtype = dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self._kvcache = kvcache
         self.need_sort = bool(need_sort)
         self.validate = validate_enabled(validate)
@@ -143,7 +130,7 @@ class _PageAllocator:
         -------
         Tensor [need_size] int64 on ``device`` (a new tensor), or None when fewer are free.
         """
-        n = _non_negative_int(need_size, "need_size")
+        n = non_negative_int(need_size, "need_size")
         p = self.page_size
         if n % p:
             raise ValueError(f"need_size must be a multiple of page_size = {p}, got {n}")
@@ -427,7 +414,7 @@ class TokenToKVPoolAllocator(_PageAllocator):
         -------
         Tensor [need_size] int64 on ``device``, or None.
         """
-        n = _non_negative_int(need_size, "need_size")
+        n = non_negative_int(need_size, "need_size")
         slots = self._take_pages(n)
         if slots is None:
             return None

@@ -9,6 +9,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from kvpool.args import positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels import reference, store_kv
 from kvpool.kernels.checks import F32_MIN_NORMAL, F32_MAX, POOL_NAMES, Scale
@@ -34,12 +35,6 @@ class PathStats:
     fused_calls: int = 0
     reference_calls: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # reason -> reference calls
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class MHATokenToKVPool:
@@ -100,16 +95,16 @@ class MHATokenToKVPool:
         warmup: bool = True,
         validate: bool = False,
     ) -> None:
-        self.size = _positive_int(size, "size")
-        self.page_size = _positive_int(page_size, "page_size")
+        self.size = positive_int(size, "size")
+        self.page_size = positive_int(page_size, "page_size")
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))}, got {dtype}")
         self.dtype = dtype
         self.store_dtype = store_dtype_for(dtype)
-        self.head_num = _positive_int(head_num, "head_num")
-        self.head_dim = _positive_int(head_dim, "head_dim")
-        self.v_head_dim = self.head_dim if v_head_dim is None else _positive_int(v_head_dim, "v_head_dim")
-        self.layer_num = _positive_int(layer_num, "layer_num")
+        self.head_num = positive_int(head_num, "head_num")
+        self.head_dim = positive_int(head_dim, "head_dim")
+        self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
+        self.layer_num = positive_int(layer_num, "layer_num")
         if isinstance(start_layer, bool) or not isinstance(start_layer, int) or start_layer < 0:
             raise ValueError(f"start_layer must be a non-negative int, got {start_layer!r}")
         self.start_layer = start_layer
@@ -119,9 +114,7 @@ class MHATokenToKVPool:
                 f"end_layer must be start_layer + layer_num - 1 = {last} (both ends included), got {end_layer!r}"
             )
         self.end_layer = last
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.fused_mode: FusedMode = fused_mode(fused)
         self.validate = validate_enabled(validate)
         self.stats = PathStats()

@@ -11,13 +11,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from kvpool.args import positive_int
 from kvpool.pools.allocator import IntegrityError
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class ReqToTokenPool:
@@ -54,8 +49,8 @@ class ReqToTokenPool:
     def __init__(
         self, size: int, max_context_len: int, device: str | torch.device, enable_memory_saver: bool = False
     ) -> None:
-        self.size = _positive_int(size, "size")
-        self.max_context_len = _positive_int(max_context_len, "max_context_len")
+        self.size = positive_int(size, "size")
+        self.max_context_len = positive_int(max_context_len, "max_context_len")
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self.clear()

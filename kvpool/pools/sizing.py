@@ -12,13 +12,8 @@ from typing import Optional
 
 import torch
 
+from kvpool.args import positive_int
 from kvpool.kernels.formats import CACHE_DTYPES, store_dtype_for
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -48,15 +43,15 @@ class KVGeometry:
     v_head_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _positive_int(self.head_num, "head_num")
-        _positive_int(self.head_dim, "head_dim")
-        _positive_int(self.layer_num, "layer_num")
+        positive_int(self.head_num, "head_num")
+        positive_int(self.head_dim, "head_dim")
+        positive_int(self.layer_num, "layer_num")
         if self.dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))}, got {self.dtype}")
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         else:
-            _positive_int(self.v_head_dim, "v_head_dim")
+            positive_int(self.v_head_dim, "v_head_dim")
 
     @property
     def bytes_per_token(self) -> int:
@@ -66,8 +61,8 @@ class KVGeometry:
 
     def pool_bytes(self, size: int, page_size: int = 1) -> int:
         """Bytes an ``MHATokenToKVPool(size, page_size, ...)`` of this geometry allocates."""
-        _positive_int(size, "size")
-        _positive_int(page_size, "page_size")
+        positive_int(size, "size")
+        positive_int(page_size, "page_size")
         return (size + page_size) * self.bytes_per_token
 
     def max_pool_size(self, budget_bytes: int, page_size: int = 1) -> int:
@@ -119,8 +114,8 @@ def max_pool_size(budget_bytes: int, bytes_per_token: int, page_size: int = 1) -
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
-    _positive_int(bytes_per_token, "bytes_per_token")
-    _positive_int(page_size, "page_size")
+    positive_int(bytes_per_token, "bytes_per_token")
+    positive_int(page_size, "page_size")
     rows = budget_bytes // bytes_per_token
     size = (rows - page_size) // page_size * page_size
     if size < page_size:
