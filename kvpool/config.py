@@ -1,17 +1,31 @@
-"""Settings read from the environment, in one place.
+"""Every setting kvpool reads from the environment, in one place.
 
-``KVPOOL_FUSED``: ``auto`` | ``always`` | ``never``; overrides the pool's ``fused`` argument.
+``KVPOOL_FUSED``: ``auto`` | ``always`` | ``never``; overrides a pool's ``fused`` argument.
 ``KVPOOL_VALIDATE``: ``1`` turns on the checks that cost a synchronisation (pools and allocators).
-Both are read when an object is constructed, never on the hot path.
+``KVPOOL_DIRECT_LAUNCH``, ``KVPOOL_FAST_DIV``, ``KVPOOL_SOFT_CAST``: debug switches of the fused
+kernel's launcher (see :class:`KernelOptions`); the defaults are what production should run.
+
+Each is read when an object is constructed (a pool, an allocator, a launcher), never on the hot path.
+Nothing else in the package reads ``os.environ``.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 FusedMode = Literal["auto", "always", "never"]
 FUSED_MODES: tuple[str, ...] = ("auto", "always", "never")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def fused_mode(requested: str) -> FusedMode:
@@ -25,7 +39,32 @@ def fused_mode(requested: str) -> FusedMode:
 
 def validate_enabled(requested: bool) -> bool:
     """``validate`` is on when requested or when ``KVPOOL_VALIDATE=1``."""
-    env = os.environ.get("KVPOOL_VALIDATE", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"KVPOOL_VALIDATE must be 0 or 1, got {env!r}")
-    return bool(requested) or env == "1"
+    return bool(requested) or _flag("KVPOOL_VALIDATE", False)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How the fused write's launcher builds and launches the kernel.
+
+    direct_launch : after a variant's first launch through Triton's JIT, launch the compiled kernel
+        directly (skips Triton's per-call specialisation, most of a launch's host time). A launcher
+        whose direct launch fails goes back to the JIT path for itself and logs why.
+    fast_div : divide by the scale with a correctly rounded reciprocal and two FMAs where that is
+        exact (compiled NVIDIA kernels); ``False`` uses ``div.rn`` for every element.
+    soft_cast : encode FP8/bf16 with integer operations even where the GPU converts natively
+        (bit-identical either way; for comparison and for GPUs without the conversion).
+    """
+
+    direct_launch: bool = True
+    fast_div: bool = True
+    soft_cast: bool = False
+
+    @classmethod
+    def from_env(cls) -> "KernelOptions":
+        """``KVPOOL_DIRECT_LAUNCH`` (default 1), ``KVPOOL_FAST_DIV`` (default 1), ``KVPOOL_SOFT_CAST``
+        (default 0); each 0 or 1."""
+        return cls(
+            direct_launch=_flag("KVPOOL_DIRECT_LAUNCH", True),
+            fast_div=_flag("KVPOOL_FAST_DIV", True),
+            soft_cast=_flag("KVPOOL_SOFT_CAST", False),
+        )

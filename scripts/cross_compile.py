@@ -36,7 +36,7 @@ TARGETS = {
 }
 
 
-def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64"):
+def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False):
     target, soft = TARGETS[target_name]
     names = list(K._store_kv_kernel.arg_names)
     plan = plan_launch(heads, head_dim, heads, head_dim)
@@ -44,14 +44,17 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         "k_ptr": f"*{in_type}", "v_ptr": f"*{in_type}",
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
         "loc_ptr": f"*{loc_type}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+        "commit_ptr": f"*{loc_type}", "k_amax_ptr": "*fp32", "v_amax_ptr": "*fp32",
         "k_scale_value": "fp32", "v_scale_value": "fp32", "k_scale_stride": "i32", "v_scale_stride": "i32",
-        "T": "i32", "capacity": "i32", "stride_loc": "i32",
+        "T": "i32", "capacity": "i32", "width": "i32", "stride_loc": "i32", "stride_loc_row": "i32",
+        "stride_commit": "i32",
     }  # fmt: skip
-    strides = [n for n in names if n.startswith("stride_")]
+    strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
     const = dict(
         H=heads, D=head_dim, HV=heads, DV=head_dim, BLOCK_T=plan.block_t, BLOCK_H=plan.block_h,
         BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
+        PREFIX=prefix, OBSERVE=observe,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -67,7 +70,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     )
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
-            "k_kind": k_kind, "v_kind": v_kind, "soft": soft}  # fmt: skip
+            "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe}  # fmt: skip
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
@@ -76,6 +79,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         info["div_rn"] = ptx.count("div.rn.f32")
         info["fma_rn"] = ptx.count("fma.rn.f32")
         info["max_nan"] = ptx.count("max.NaN.f32")
+        info["atom_max"] = len(re.findall(r"atom\.global(?:\.\w+)*\.max", ptx)) + len(re.findall(r"red\.global(?:\.\w+)*\.max", ptx))
     return info
 
 
@@ -97,6 +101,8 @@ def main() -> int:
             ("sm80", 1, 128, 2, "fp32", 0, 0),
             ("gfx942", 8, 128, 0, "bf16", 2, 2),
             ("gfx942", 3, 96, 1, "fp16", 1, 1),
+            ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", True, False),
+            ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, True),
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)

@@ -28,11 +28,14 @@ def compiled() -> list[dict]:
 
 def test_every_target_compiles(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 9
+    assert len(compiled) == 11
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
-    [fp8] = [v for v in compiled if v["target"] == "sm90" and v["D"] == 128 and v["out_kind"] == 0]
+    [fp8] = [
+        v for v in compiled
+        if v["target"] == "sm90" and v["D"] == 128 and v["out_kind"] == 0 and not (v["prefix"] or v["observe"])
+    ]  # fmt: skip
     # 16-byte loads of bf16 rows and 16-byte stores of FP8 rows; cvt.rn.satfinite for the cast;
     # the reciprocal-and-FMA division per element, with div.rn left for the reciprocal itself and
     # for scales outside the range where the FMA correction is exact.
@@ -44,3 +47,13 @@ def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
     assert e5m2["cvt_satfinite"] > 0
     [soft] = [v for v in compiled if v["target"] == "sm80" and v["out_kind"] == 0]
     assert soft["soft"] and soft["cvt_satfinite"] == 0, "no FP8 conversion instruction before sm_89"
+
+
+def test_prefix_and_observe_variants_keep_the_fast_write(compiled):
+    """The verify write (PREFIX) and the calibrating write (OBSERVE) are the same vectorised write;
+    only the observing one carries an atomic max, and the plain one has none."""
+    by = {(v["prefix"], v["observe"]): v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["out_kind"] == 0}
+    for v in by.values():
+        assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["cvt_satfinite"] > 0
+    assert by[(False, True)]["atom_max"] > 0
+    assert by[(False, False)]["atom_max"] == 0 and by[(True, False)]["atom_max"] == 0

@@ -15,7 +15,8 @@ import triton.language as tl
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
 from kvpool.kernels import store_kv, store_kv_kernel
-from kvpool.kernels.store_kv import launch_store_kv, storage_view
+from kvpool.config import KernelOptions
+from kvpool.kernels.store_kv import launch_store_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +62,7 @@ def _compare(k, v, loc, ks, vs, slots, cache_dtype, what, **launch):
     vf = poison_(torch.empty(slots, hv, dv, dtype=cache_dtype, device=DEV))
     kr, vr = kf.clone(), vf.clone()
     if launch:
-        launch_store_kv(k, v, storage_view(kf), storage_view(vf), loc, ks, vs, cache_dtype, **launch)
+        launch_store_kv(k, v, kf, vf, loc, ks, vs, **launch)
     else:
         fused_fp8_set_kv_buffer(k, v, kf, vf, loc, ks, vs)
     reference_set_kv_buffer(k, v, kr, vr, loc, ks, vs)
@@ -103,9 +104,9 @@ EDGES = [0.0, -0.0, 448.0, 449.0, 464.0, 465.0, 480.0, -448.0, -465.0, 57344.0, 
 # The kernel's code paths: hardware cast with the reciprocal-and-FMA division (the default on
 # sm_89+), hardware cast with div.rn, and the integer encoder with div.rn (interpreter, AMD, sm_80).
 VARIANTS = {
-    "native-fastdiv": dict(soft_cast=False, fast_div=True),
-    "native-divrn": dict(soft_cast=False, fast_div=False),
-    "soft-divrn": dict(soft_cast=True, fast_div=False),
+    "native-fastdiv": dict(options=KernelOptions(soft_cast=False, fast_div=True)),
+    "native-divrn": dict(options=KernelOptions(soft_cast=False, fast_div=False)),
+    "soft-divrn": dict(options=KernelOptions(soft_cast=True, fast_div=False)),
 }
 SCALES = (None, 0.37, 2.0**-7, 3.3, 1e-30, 1e30)  # the last two take div.rn even in fast-div builds
 
@@ -187,7 +188,7 @@ def test_all_variants_agree_on_the_device():
         out = {}
         for name, variant in VARIANTS.items():
             kc = poison_(torch.empty(8192, 8, 128, dtype=cache_dtype, device=DEV))
-            launch_store_kv(x, x, storage_view(kc), storage_view(kc.clone()), loc, 0.37, None, cache_dtype, **variant)
+            launch_store_kv(x, x, kc, kc.clone(), loc, 0.37, None, **variant)
             out[name] = kc
         for name in VARIANTS:
             assert_same_bytes(out[name], out["soft-divrn"], f"{cache_dtype} {name} vs soft-divrn")

@@ -19,7 +19,6 @@ from kvpool.kernels.store_kv import (
     launch_store_kv,
     plan_flat_launch,
     plan_launch,
-    storage_view,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +70,7 @@ def _both_paths(k, v, loc, k_scale, v_scale, slots, cache_dtype, **launch):
     kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
     kr, vr = _caches(slots, h, d, hv, dv, cache_dtype)
     if launch:
-        launch_store_kv(k, v, storage_view(kf), storage_view(vf), loc, k_scale, v_scale, cache_dtype, **launch)
+        launch_store_kv(k, v, kf, vf, loc, k_scale, v_scale, **launch)
     else:
         fused_fp8_set_kv_buffer(k, v, kf, vf, loc, k_scale, v_scale)
     reference_set_kv_buffer(k, v, kr, vr, loc, k_scale, v_scale)
@@ -181,7 +180,7 @@ def test_flat_and_per_head_plans_match_reference(h, d, hv, dv, layout, scale_kin
     ks, vs = _scale(scale_kind, h, 23), _scale(scale_kind, hv, 24)
     cache_dtype = torch.float8_e4m3fn
     kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
-    launch = PreparedLaunch(h, d, hv, dv, cache_dtype, kf.stride(), vf.stride(), slots, soft_cast=DEVICE == "cpu")
+    launch = PreparedLaunch(h, d, hv, dv, cache_dtype, kf.stride(), vf.stride(), slots, torch.device(DEVICE))
     kinds = (2 if scale_kind == "tensor" else 3,) * 2
     # one head per row is contiguous in any layout
     expect_flat = scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)

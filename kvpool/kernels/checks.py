@@ -8,12 +8,20 @@ separate functions, run only in ``validate`` mode.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
-from kvpool.config import validate_enabled
-from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8
+from kvpool.kernels.formats import (
+    CACHE_DTYPES,
+    INPUT_DTYPES,
+    LOC_DTYPES,
+    SCALE_HEAD,
+    SCALE_NONE,
+    SCALE_TENSOR,
+    SCALE_VALUE,
+    is_fp8,
+)
 
 Scale = Union[None, float, torch.Tensor]
 
@@ -119,6 +127,10 @@ def check_cache(cache: object, name: str) -> torch.Tensor:
             f"{name} must be float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32, "
             f"got {cache.dtype}{hint}"
         )
+    if cache.requires_grad:
+        # The fused path writes through the data pointer and the reference path writes in place;
+        # neither may touch a tensor autograd tracks, so both refuse it here, identically.
+        raise ValueError(f"{name} must not require grad (a cache is written in place), got requires_grad=True")
     return cache
 
 
@@ -136,41 +148,115 @@ def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, to
     return k_cache, v_cache
 
 
+class Geometry(NamedTuple):
+    """What a write is checked against: the caches' element type, head counts, head dims, device."""
+
+    cache_dtype: torch.dtype
+    heads: int
+    head_dim: int
+    v_heads: int
+    v_head_dim: int
+    device: torch.device
+
+
+class WriteKey(NamedTuple):
+    """A checked write's inputs classified into the kernel's constants: the one key the verdict memo,
+    the gate's per-call part and the launch cache all use. Hot paths build the same tuple directly
+    (a plain tuple with these fields in this order compares and hashes equal)."""
+
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
+    loc_dtype: torch.dtype
+    k_scale_kind: int  # SCALE_NONE / SCALE_VALUE / SCALE_TENSOR / SCALE_HEAD
+    v_scale_kind: int
+    k_scale_dtype: Optional[torch.dtype]  # tensor scales only, else None
+    v_scale_dtype: Optional[torch.dtype]
+    prefix: bool  # loc is [bs, width] with commit_lens (the speculative-decoding verify write)
+
+
 class CheckedWrite(NamedTuple):
-    tokens: int
+    key: tuple  # a WriteKey
     k_scale: Scale
     v_scale: Scale
 
 
+def scale_kind(scale: Scale) -> tuple[int, Optional[torch.dtype]]:
+    """(kind, tensor dtype) of a checked scale."""
+    if scale is None:
+        return SCALE_NONE, None
+    if isinstance(scale, torch.Tensor):
+        return (SCALE_TENSOR if scale.numel() == 1 else SCALE_HEAD), scale.dtype
+    return SCALE_VALUE, None
+
+
+def write_key(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_scale: Scale, v_scale: Scale) -> WriteKey:
+    """The key of a write whose arguments are already checked and canonical."""
+    (ka, kd), (va, vd) = scale_kind(k_scale), scale_kind(v_scale)
+    return WriteKey(k.dtype, v.dtype, loc.dtype, ka, va, kd, vd, loc.dim() == 2)
+
+
 def check_write(
+    g: Geometry,
     k: object,
     v: object,
     loc: object,
     k_scale: object,
     v_scale: object,
-    *,
-    cache_dtype: torch.dtype,
-    heads: int,
-    head_dim: int,
-    v_heads: int,
-    v_head_dim: int,
-    device: torch.device,
     names: ArgNames,
+    commit_lens: object = None,
 ) -> CheckedWrite:
-    """All metadata checks of one write. Raises before anything is written."""
-    k = check_rows(k, names.k, heads, head_dim, device)
-    v = check_rows(v, names.v, v_heads, v_head_dim, device)
+    """All metadata checks of one write; raises before anything is written. With ``commit_lens``
+    the write is a prefix-valid one: ``loc`` is [bs, width] and T = bs * width."""
+    k = check_rows(k, names.k, g.heads, g.head_dim, g.device)
+    v = check_rows(v, names.v, g.v_heads, g.v_head_dim, g.device)
     tokens = k.shape[0]
     if v.shape[0] != tokens:
         raise ValueError(f"{names.v} must have T={tokens} tokens like {names.k}, got {v.shape[0]}")
-    check_loc(loc, names.loc, tokens, device)
-    if is_fp8(cache_dtype):
-        k_scale = check_scale(k_scale, names.k_scale, heads, device)
-        v_scale = check_scale(v_scale, names.v_scale, v_heads, device)
+    if commit_lens is None:
+        check_loc(loc, names.loc, tokens, g.device)
+    else:
+        check_loc_2d(loc, names.loc, tokens, g.device)
+        check_commit_lens(commit_lens, loc.shape[0], g.device)  # type: ignore[union-attr]
+    if is_fp8(g.cache_dtype):
+        k_scale = check_scale(k_scale, names.k_scale, g.heads, g.device)
+        v_scale = check_scale(v_scale, names.v_scale, g.v_heads, g.device)
     else:
         # A 16-bit or fp32 cache stores inputs as they are; a checkpoint's KV scales do not apply.
         k_scale = v_scale = None
-    return CheckedWrite(tokens, k_scale, v_scale)  # type: ignore[arg-type]
+    return CheckedWrite(write_key(k, v, loc, k_scale, v_scale), k_scale, v_scale)  # type: ignore[arg-type]
+
+
+def check_loc_2d(loc: object, name: str, tokens: int, device: torch.device) -> torch.Tensor:
+    """A prefix-valid write's slots: [bs, width] int32/int64 with bs * width == T."""
+    if not isinstance(loc, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
+    if loc.dtype not in LOC_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {loc.dtype}")
+    if loc.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [bs, width], got shape {tuple(loc.shape)}")
+    if loc.shape[0] * loc.shape[1] != tokens:
+        raise ValueError(
+            f"{name} must have bs * width = T = {tokens} entries (one per token), "
+            f"got shape {tuple(loc.shape)}"
+        )
+    if loc.device != device:
+        raise ValueError(f"{name} must be on {device}, got {_device_str(loc)}")
+    return loc
+
+
+def check_commit_lens(commit_lens: object, bs: int, device: torch.device) -> torch.Tensor:
+    """How many leading tokens of each row to write: [bs] int32/int64 on the device."""
+    if not isinstance(commit_lens, torch.Tensor):
+        raise TypeError(f"commit_lens must be a torch.Tensor, got {type(commit_lens).__name__}")
+    if commit_lens.dtype not in LOC_DTYPES:
+        raise ValueError(f"commit_lens must be int32 or int64, got {commit_lens.dtype}")
+    if commit_lens.dim() != 1 or commit_lens.shape[0] != bs:
+        raise ValueError(
+            f"commit_lens must be 1-D [bs] with bs = {bs} (one per row of loc), got shape {tuple(commit_lens.shape)}"
+        )
+    if commit_lens.device != device:
+        raise ValueError(f"commit_lens must be on {device}, got {_device_str(commit_lens)}")
+    return commit_lens
 
 
 def check_caller_write(
@@ -181,15 +267,11 @@ def check_caller_write(
     cache_loc: object,
     k_scale: object,
     v_scale: object,
-) -> CheckedWrite:
+) -> tuple[torch.Tensor, torch.Tensor, CheckedWrite]:
     """The metadata checks of the public write functions, on caches the caller owns."""
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
-    return check_write(
-        k, v, cache_loc, k_scale, v_scale,
-        cache_dtype=k_cache.dtype, heads=k_cache.shape[1], head_dim=k_cache.shape[2],
-        v_heads=v_cache.shape[1], v_head_dim=v_cache.shape[2], device=k_cache.device,
-        names=FUNCTION_NAMES,
-    )  # fmt: skip
+    g = Geometry(k_cache.dtype, k_cache.shape[1], k_cache.shape[2], v_cache.shape[1], v_cache.shape[2], k_cache.device)
+    return k_cache, v_cache, check_write(g, k, v, cache_loc, k_scale, v_scale, FUNCTION_NAMES)
 
 
 # --- checks that read device memory (validate mode only) -------------------------------------------
@@ -200,12 +282,6 @@ def check_values(loc: torch.Tensor, loc_name: str, capacity: int, k_scale: Scale
     check_loc_in_range(loc, loc_name, capacity)
     check_scale_values(k_scale, "k_scale")
     check_scale_values(v_scale, "v_scale")
-
-
-def check_caller_values(checked: CheckedWrite, cache_loc: torch.Tensor, capacity: int, validate: bool | None) -> None:
-    """``check_values`` for the public write functions when ``validate`` (None: ``KVPOOL_VALIDATE``)."""
-    if validate_enabled(False) if validate is None else validate:
-        check_values(cache_loc, FUNCTION_NAMES.loc, capacity, checked.k_scale, checked.v_scale)
 
 
 def check_loc_in_range(loc: torch.Tensor, name: str, capacity: int) -> None:

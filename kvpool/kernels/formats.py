@@ -1,8 +1,9 @@
 """Element formats a KV cache can hold, and the facts about each that the write paths need.
 
 The FP8 constants are the format definitions (OCP FP8: e4m3fn has no infinities and one NaN
-mantissa pattern; e5m2 is IEEE-like); they are written out here once so the kernel, the reference
-path and the error messages agree.
+mantissa pattern; e5m2 is IEEE-like). The kind numbers below are the fused kernel's compile-time
+constants: the kernel, its launcher, the gate and the reference path all read them from here, so a
+write is classified once, in these terms.
 """
 
 from __future__ import annotations
@@ -48,6 +49,38 @@ CACHE_DTYPES: tuple[torch.dtype, ...] = (
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 LOC_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+#: How the kernel produces a cache element, per cache dtype (a compile-time constant of the kernel).
+OUT_KIND: dict[torch.dtype, int] = {
+    torch.float8_e4m3fn: 0,
+    torch.float8_e5m2: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.float32: 4,
+}
+
+#: Scale kinds (compile-time constants of the kernel): no scale; a Python float passed by value
+#: (baked into a CUDA graph); a one-element tensor read on the device when the kernel runs; one
+#: element per head, read with its own stride.
+SCALE_NONE, SCALE_VALUE, SCALE_TENSOR, SCALE_HEAD = 0, 1, 2, 3
+
+#: The bits a NaN is stored as whenever a write converts between element types: the format's
+#: positive NaN with every exponent and mantissa bit set. Hardware and torch disagree about NaN
+#: payloads and signs (torch's own CPU conversions differ between its scalar and vector code), so
+#: both write paths store this pattern explicitly. A write whose input already has the cache's
+#: type copies the bits as they are, NaN payloads included.
+NAN_BITS: dict[torch.dtype, int] = {
+    torch.float8_e4m3fn: 0x7F,
+    torch.float8_e5m2: 0x7F,
+    torch.bfloat16: 0x7FFF,
+    torch.float16: 0x7FFF,
+    torch.float32: 0x7FFFFFFF,
+}
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type of the same width, for handling values as bit patterns."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels import reference, store_kv
-from kvpool.kernels.checks import Scale
-from kvpool.kernels.gate import fused_eligibility
+from kvpool.kernels.checks import Scale, write_key
+from kvpool.kernels.store_kv import storage_view
+from kvpool.kernels.write import writer_for
 
 
 @torch.library.custom_op("kvpool::store_kv", mutates_args=("k_cache", "v_cache"))
@@ -39,30 +39,14 @@ def store_kv_custom_op(
     storage with different dtypes, which AOTAutograd rejects.
 
     A scale is either a tensor (``k_scale``) or a float (``k_scale_value``) or neither.
-    ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``.
+    ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``. The decision and the write are
+    the writer's, as for every other path.
     """
-    if k.shape[0] == 0:
-        return
-    cache_dtype = k_cache.dtype
     ks: Scale = k_scale if k_scale is not None else k_scale_value
     vs: Scale = v_scale if v_scale is not None else v_scale_value
-    if fused != "never":
-        ok, reason = fused_eligibility(
-            device=k_cache.device, cache_dtype=cache_dtype, k_dtype=k.dtype, v_dtype=v.dtype,
-            head_dim=k_cache.shape[2], v_head_dim=v_cache.shape[2],
-            k_cache_stride_d=k_cache.stride(2), v_cache_stride_d=v_cache.stride(2),
-            k_scale=ks, v_scale=vs, triton_available=store_kv.TRITON_AVAILABLE,
-            interpreter=store_kv.INTERPRETER and fused == "always",
-        )  # fmt: skip
-        if ok:
-            store_kv.launch_store_kv(
-                k, v, store_kv.storage_view(k_cache), store_kv.storage_view(v_cache), loc,
-                ks, vs, cache_dtype,
-            )  # fmt: skip
-            return
-        if fused == "always":
-            raise store_kv.FusedPathUnavailable(f"fused='always' but {reason}")
-    reference.write_reference(k, v, k_cache, v_cache, loc, ks, vs)
+    writer_for(k_cache, v_cache, fused).write(
+        write_key(k, v, loc, ks, vs), k, v, storage_view(k_cache), storage_view(v_cache), loc, ks, vs
+    )
 
 
 @store_kv_custom_op.register_fake

@@ -1,16 +1,19 @@
-"""The reference write path: plain PyTorch, any device, and the definition of SPEC section 3.1.
+"""The reference write path: plain PyTorch, any device, and the definition of the write.
 
 ``quantize`` is the per-element function q(x, s); ``scatter_rows`` writes rows to slots while skipping
 negative and out-of-range slots without reading ``loc`` on the host (no synchronisation);
-``reference_set_kv_buffer`` is the public function with the fused kernel's signature.
+``write_reference`` is the whole write on checked arguments, as the writer's reference path runs it.
+The public function of the same signature as the fused one lives in ``kvpool.kernels.write``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from kvpool.kernels.checks import Scale, check_caller_values, check_caller_write
-from kvpool.kernels.formats import FP8_FORMATS, is_fp8
+from kvpool.kernels.checks import Scale
+from kvpool.kernels.formats import FP8_FORMATS, NAN_BITS, bits_dtype, is_fp8
 
 
 def _scale_tensor(scale: Scale, heads: int, device: torch.device) -> torch.Tensor | None:
@@ -29,32 +32,42 @@ def _scale_tensor(scale: Scale, heads: int, device: torch.device) -> torch.Tenso
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale = None) -> torch.Tensor:
-    """q(x, s) of SPEC 3.1: the values a write stores, as a new tensor of ``dtype``.
+    """q(x, s): the values a write stores, as a new tensor of ``dtype``.
 
     For FP8: float32 division by the scale (IEEE, correctly rounded), saturation to the format's
-    largest finite value (infinities too), round to nearest even; NaN stays NaN. The explicit clamp
-    makes the result independent of the torch version (torch <= 2.11 turns overflow into NaN).
+    largest finite value (infinities too), round to nearest even. The explicit clamp makes the
+    result independent of the torch version (torch <= 2.11 turns overflow into NaN).
     For 16-bit and fp32 caches: the plain cast; the scale is not used.
+    NaN: whenever the element type changes, a NaN is stored as ``formats.NAN_BITS[dtype]`` (the
+    format's positive all-ones NaN), whatever its sign and payload; an input that already has the
+    cache's type is copied bit for bit.
 
     Parameters
     ----------
     x : Tensor [T, H, D], bfloat16, float16 or float32. Never modified.
     dtype : the cache element type.
-    scale : None, a float, or a tensor with 1 or H elements.
+    scale : None, a float, or a tensor with 1 or H elements (FP8 only).
     """
-    if not is_fp8(dtype):
-        return x.to(dtype)
+    x = x.detach()
+    if x.dtype == dtype:
+        return x.clone()
     y = x.to(torch.float32)
-    s = _scale_tensor(scale, x.shape[1], x.device)
-    if s is not None:
-        y = y / s  # out of place: inputs are never modified (SGLang's fallback divides in place)
-    fmax = FP8_FORMATS[dtype].max_finite
-    return y.clamp(-fmax, fmax).to(dtype)
+    if is_fp8(dtype):
+        s = _scale_tensor(scale, x.shape[1], x.device)
+        if s is not None:
+            y = y / s  # out of place: inputs are never modified (SGLang's fallback divides in place)
+        fmax = FP8_FORMATS[dtype].max_finite
+        q = y.clamp(-fmax, fmax).to(dtype)
+    else:
+        q = y.to(dtype)
+    bits = torch.where(torch.isnan(y), NAN_BITS[dtype], q.view(bits_dtype(dtype)))
+    return bits.view(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    # FP8 tensors are handled as uint8 so that where/index_put_ work on every device and torch version.
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+    # Rows move as integers of the same width: FP8 has no where/index_put_ on every device and torch
+    # version, and integer copies keep NaN payloads exactly.
+    return t.view(bits_dtype(t.dtype))
 
 
 def scatter_rows(cache: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
@@ -80,62 +93,45 @@ def scatter_rows(cache: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> 
     dst.index_put_((target,), values)
 
 
+def prefix_slots(loc_2d: torch.Tensor, commit_lens: torch.Tensor) -> torch.Tensor:
+    """A verify write's slots as a plain write's: ``loc_2d[i, j]`` where ``j < commit_lens[i]``, else
+    -1 (write nothing), flattened to [bs * width]. No synchronisation."""
+    col = torch.arange(loc_2d.shape[1], device=loc_2d.device)
+    committed = col[None, :] < commit_lens.to(torch.int64)[:, None]
+    return torch.where(committed, loc_2d.to(torch.int64), -1).reshape(-1)
+
+
+def observe_amax(x: torch.Tensor, loc: torch.Tensor, capacity: int, amax: torch.Tensor) -> None:
+    """Fold the largest finite |x| per head over the tokens a write stores (slot in range) into
+    ``amax`` [H] (float32, in place). NaN and +-inf are left out."""
+    slots = loc.to(torch.int64)
+    written = ((slots >= 0) & (slots < capacity))[:, None, None]
+    mag = x.detach().to(torch.float32).abs()
+    head_max = torch.where(written & torch.isfinite(mag), mag, 0.0).amax(dim=(0, 2))
+    torch.maximum(amax, head_max, out=amax)
+
+
 def write_reference(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
     loc: torch.Tensor,
     k_scale: Scale,
     v_scale: Scale,
+    cache_dtype: torch.dtype,
+    commit_lens: Optional[torch.Tensor] = None,
+    amax: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
-    """Unchecked reference write (arguments already checked). Caches carry their logical dtype."""
-    scatter_rows(k_cache, loc, quantize(k, k_cache.dtype, k_scale))
-    scatter_rows(v_cache, loc, quantize(v, v_cache.dtype, v_scale))
-
-
-def reference_set_kv_buffer(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_loc: torch.Tensor,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
-    *,
-    validate: bool | None = None,
-) -> None:
-    """Write K/V rows into caller-owned caches with plain PyTorch (the definition of the write).
-
-    Same signature and semantics as :func:`kvpool.fused_fp8_set_kv_buffer`; runs on any device.
-
-    Parameters
-    ----------
-    k, v : Tensor [T, H, D] and [T, Hv, Dv], bfloat16/float16/float32, any strides. Never modified.
-    k_cache, v_cache : Tensor [slots, H, D] and [slots, Hv, Dv], float8_e4m3fn, float8_e5m2,
-        bfloat16, float16 or float32.
-    cache_loc : Tensor [T], int32 or int64. Negative entries are padding and write nothing; entries
-        >= slots are never written (``validate=True`` raises IndexError for them instead).
-    k_scale, v_scale : None, a positive float, or a float tensor with 1 or H elements (FP8 caches
-        only; ignored for 16-bit caches).
-    validate : also check slot range and scale values, at the cost of one synchronisation.
-        None (the default) follows ``KVPOOL_VALIDATE``.
-
-    Raises
-    ------
-    TypeError, ValueError, IndexError
-        On malformed arguments, naming the argument, the expected and the actual value; nothing is
-        written.
-
-    Examples
-    --------
-    >>> k_cache = torch.zeros(16, 2, 8, dtype=torch.float8_e4m3fn)
-    >>> v_cache = torch.zeros_like(k_cache)
-    >>> k = torch.randn(3, 2, 8, dtype=torch.bfloat16)
-    >>> reference_set_kv_buffer(k, k, k_cache, v_cache, torch.tensor([5, -1, 9]), k_scale=0.5)
-    """
-    checked = check_caller_write(k, v, k_cache, v_cache, cache_loc, k_scale, v_scale)
-    check_caller_values(checked, cache_loc, k_cache.shape[0], validate)
-    if checked.tokens == 0:
+    """The reference write on checked arguments: caches in their storage dtype (uint8 for FP8),
+    ``cache_dtype`` the logical one; ``commit_lens`` with a [bs, width] ``loc`` (verify write);
+    ``amax`` = (K maxima [H], V maxima [Hv]) to fold the write's |x| into."""
+    if k.shape[0] == 0:
         return
-    write_reference(k, v, k_cache, v_cache, cache_loc, checked.k_scale, checked.v_scale)
+    if commit_lens is not None:
+        loc = prefix_slots(loc, commit_lens)
+    if amax is not None:
+        observe_amax(k, loc, k_store.shape[0], amax[0])
+        observe_amax(v, loc, v_store.shape[0], amax[1])
+    scatter_rows(k_store, loc, _bits(quantize(k, cache_dtype, k_scale)))
+    scatter_rows(v_store, loc, _bits(quantize(v, cache_dtype, v_scale)))

@@ -17,33 +17,44 @@ Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
   ``cvt.rn.satfinite``, one instruction per pair of elements.
 * soft (``SOFT_CAST=True``): round-to-nearest-even written with integer operations on the float32 bit
   pattern. Bit-exact everywhere, including Triton's CPU interpreter, whose own float->fp8 and
-  float->bf16 conversions are wrong (ties away from zero, truncation; see shared/FACTS.md) and which
-  also mangles bf16 subnormals when widening them, and GPUs
-  that have no FP8 conversion instruction.
+  float->bf16 conversions are wrong (ties away from zero, truncation) and which also mangles bf16
+  subnormals when widening them, and GPUs that have no FP8 conversion instruction.
+
+A NaN is stored as ``formats.NAN_BITS`` of the cache type whenever the write converts (the native
+FP8 conversion produces that pattern itself; the other conversions select it explicitly).
+
+With ``PREFIX`` the launch is a speculative-decoding verify write: ``loc`` is [bs, width] and token
+``i * width + j`` is written only when ``j < commit_lens[i]`` (read on the device).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-# Output kinds (compile-time). Kept as plain ints so the launcher can pass them as constexpr.
-OUT_E4M3 = tl.constexpr(0)
-OUT_E5M2 = tl.constexpr(1)
-OUT_BF16 = tl.constexpr(2)
-OUT_FP16 = tl.constexpr(3)
-OUT_FP32 = tl.constexpr(4)
+from kvpool.kernels import formats
 
-# Scale kinds (compile-time).
-SCALE_NONE = tl.constexpr(0)
-SCALE_VALUE = tl.constexpr(1)  # a float32 kernel argument (baked into a CUDA graph)
-SCALE_TENSOR = tl.constexpr(2)  # one element in device memory, read when the kernel runs
-SCALE_HEAD = tl.constexpr(3)  # one element per head in device memory (any stride along heads)
+# Output and scale kinds: the compile-time constants the launcher passes (defined in formats.py).
+OUT_E4M3 = tl.constexpr(formats.OUT_KIND[torch.float8_e4m3fn])
+OUT_E5M2 = tl.constexpr(formats.OUT_KIND[torch.float8_e5m2])
+OUT_BF16 = tl.constexpr(formats.OUT_KIND[torch.bfloat16])
+OUT_FP16 = tl.constexpr(formats.OUT_KIND[torch.float16])
+OUT_FP32 = tl.constexpr(formats.OUT_KIND[torch.float32])
+SCALE_NONE = tl.constexpr(formats.SCALE_NONE)
+SCALE_VALUE = tl.constexpr(formats.SCALE_VALUE)
+SCALE_TENSOR = tl.constexpr(formats.SCALE_TENSOR)
+SCALE_HEAD = tl.constexpr(formats.SCALE_HEAD)
+FP8_NAN = tl.constexpr(formats.NAN_BITS[torch.float8_e4m3fn])
+assert formats.NAN_BITS[torch.float8_e5m2] == formats.NAN_BITS[torch.float8_e4m3fn]
+HALF_NAN = tl.constexpr(formats.NAN_BITS[torch.bfloat16])
+assert formats.NAN_BITS[torch.float16] == formats.NAN_BITS[torch.bfloat16]
+F32_NAN = tl.constexpr(formats.NAN_BITS[torch.float32])
 
 
 @triton.jit
 def _fp8_bits_soft(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINITE: tl.constexpr):
-    """float32 -> FP8 code (int32 in [0, 255]): saturate finite and infinite values, keep NaN,
+    """float32 -> FP8 code (int32 in [0, 255]): saturate finite and infinite values, NaN to FP8_NAN,
     round to nearest even, keep the sign of zero."""
     is_nan = y != y
     sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
@@ -62,18 +73,16 @@ def _fp8_bits_soft(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINIT
     SUB_SCALE: tl.constexpr = 2.0 ** (EXP_BIAS + MANT_BITS - 1)
     MIN_NORMAL: tl.constexpr = 2.0 ** (1 - EXP_BIAS)
     sub = (a * SUB_SCALE + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(a < MIN_NORMAL, sub, normal)
-    code = tl.where(is_nan, 0x7F, code)
-    return code | sign
+    code = tl.where(a < MIN_NORMAL, sub, normal) | sign
+    return tl.where(is_nan, FP8_NAN, code)
 
 
 @triton.jit
 def _bf16_bits_soft(y):
-    """float32 -> bfloat16 bits (uint32 in [0, 65535]), round to nearest even, NaN kept (quieted)."""
+    """float32 -> bfloat16 bits (uint32 in [0, 65535]), round to nearest even, NaN to HALF_NAN."""
     bits = y.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    quiet_nan = (bits >> 16) | 0x40
-    return tl.where(y != y, quiet_nan, rounded)
+    return tl.where(y != y, HALF_NAN, rounded)
 
 
 @triton.jit
@@ -91,10 +100,13 @@ def _to_float32(x, SOFT_CAST: tl.constexpr):
 def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise.
 
-    The native FP8 casts need no clamp: on sm_89+ Triton emits ``cvt.rn.satfinite``, which rounds to
-    nearest even, sends finite overflow and +-inf to +-fmax and NaN to NaN, exactly section 3.1's
-    q(). (tests/test_gpu.py checks every bf16/fp16 pattern and 4M float32 patterns against the
-    reference; tests/test_cross_compile.py checks the instruction is there.)"""
+    The native FP8 casts need no clamp and no NaN select: on sm_89+ Triton emits
+    ``cvt.rn.satfinite``, which rounds to nearest even, sends finite overflow and +-inf to +-fmax and
+    every NaN to 0x7F (FP8_NAN), exactly the write's definition. (tests/test_gpu.py checks every
+    bf16/fp16 pattern and 4M float32 patterns against the reference, NaN bits included;
+    tests/test_cross_compile.py checks the instruction is there.) The 16- and 32-bit outputs select
+    their NaN pattern explicitly: hardware and interpreter disagree on NaN payloads, and these are
+    not the hot path."""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
@@ -109,11 +121,13 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
         if SOFT_CAST:
             out = _bf16_bits_soft(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
-            out = x.to(tl.bfloat16)
+            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            out = tl.where(x != x, HALF_NAN, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif OUT_KIND == OUT_FP16:
-        out = x.to(tl.float16)
+        bits = x.to(tl.float16).to(tl.int16, bitcast=True)
+        out = tl.where(x != x, HALF_NAN, bits).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        out = x
+        out = tl.where(x != x, F32_NAN, x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     return out
 
 
@@ -181,16 +195,18 @@ def _divide_per_head(x, s, FAST_DIV: tl.constexpr):
 def _store_head_block(
     src_ptr,  # [T, H, D] input rows, any strides
     dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
-    loc_ptr,  # [T] slots
+    loc_ptr,  # [T] (or [bs, width]) slots
     scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND is SCALE_TENSOR or SCALE_HEAD
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
     scale_stride,  # the per-head scale's stride along heads (SCALE_HEAD)
     offs_t,  # [BLOCK_T] int64 token indices
     token_ok,  # [BLOCK_T] token exists (t < T)
+    loc_off,  # [BLOCK_T] int64 offset of each token's slot in loc
+    write_ok,  # [BLOCK_T] the token may be written (PREFIX: committed; else token_ok)
+    amax_ptr,  # [H] float32 running max of |x| per head (OBSERVE only)
     head_block,
     d_block,
     capacity,
-    stride_loc,
     stride_st,
     stride_sh,
     stride_sd,
@@ -205,6 +221,7 @@ def _store_head_block(
     OUT_KIND: tl.constexpr,
     SOFT_CAST: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    OBSERVE: tl.constexpr,
 ):
     # int64 like offs_t and slot: a caller's head-major cache viewed as [slots, H, D] has a head
     # stride of slots * D, and (H - 1) * slots * D passes 2**31 on a 2 GiB cache.
@@ -223,9 +240,13 @@ def _store_head_block(
     )
     # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
     raw = tl.load(src, mask=token_ok[:, None, None] & in_row, other=1.0)
-    slot = tl.load(loc_ptr + offs_t * stride_loc, mask=token_ok, other=-1).to(tl.int64)
+    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1).to(tl.int64)
 
-    if (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16) or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16):
+    if (
+        (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16)
+        or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16)
+        or (OUT_KIND == OUT_FP32 and raw.dtype == tl.float32)
+    ):
         out = raw  # same type in and out: store the bits as they are (NaN payloads included)
     else:
         x = _to_float32(raw, SOFT_CAST)
@@ -238,7 +259,14 @@ def _store_head_block(
             x = _divide_per_head(x, s, FAST_DIV)
         out = _convert(x, OUT_KIND, SOFT_CAST)
 
-    row_ok = token_ok & (slot >= 0) & (slot < capacity)
+    row_ok = write_ok & (slot >= 0) & (slot < capacity)
+    if OBSERVE:
+        # Calibration: fold the largest finite |x| of each head over the tokens this call writes
+        # into the running maximum (a max is exact in any order; NaN and +-inf are left out).
+        mag = tl.abs(_to_float32(raw, SOFT_CAST))
+        keep = row_ok[:, None, None] & in_row & (mag < float("inf"))
+        head_max = tl.max(tl.max(tl.where(keep, mag, 0.0), axis=2), axis=0)
+        tl.atomic_max(amax_ptr + offs_h, head_max, mask=offs_h < H)
     dst = (
         dst_ptr
         + slot[:, None, None] * stride_ct
@@ -250,9 +278,14 @@ def _store_head_block(
 
 # T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
 # scheduler slices loc out of a larger buffer; a scale tensor may be one element of a stacked
-# per-layer tensor). Not specializing on them keeps one compiled variant per pool configuration, so
-# the warmup at pool construction covers the first real call.
-@triton.jit(do_not_specialize=["T", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "k_scale_stride", "v_scale_stride"])
+# per-layer tensor); so do a verify write's width and commit_lens. Not specializing on them keeps one
+# compiled variant per pool configuration, so the warmup at pool construction covers the first call.
+@triton.jit(
+    do_not_specialize=[
+        "T", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "k_scale_stride", "v_scale_stride",
+        "commit_ptr", "width", "stride_loc_row", "stride_commit", "k_amax_ptr", "v_amax_ptr",
+    ]
+)  # fmt: skip
 def _store_kv_kernel(
     k_ptr,  # [T, H, D] bf16/fp16/fp32, any strides
     v_ptr,  # [T, HV, DV]
@@ -261,13 +294,19 @@ def _store_kv_kernel(
     loc_ptr,  # [T] int32/int64 slot per token; < 0 or >= capacity: skipped
     k_scale_ptr,  # [1] or [H] float32 (any pointer when K_SCALE_KIND != SCALE_TENSOR)
     v_scale_ptr,  # [1] or [HV] float32
+    commit_ptr,  # [bs] int32/int64 tokens to write per row of loc (PREFIX only; else any pointer)
+    k_amax_ptr,  # [H] float32 running max |k| per head (OBSERVE only; else any pointer)
+    v_amax_ptr,  # [HV] float32
     k_scale_value,
     v_scale_value,
     k_scale_stride,
     v_scale_stride,
     T,
     capacity,
-    stride_loc,
+    width,  # PREFIX: loc is [T // width, width]
+    stride_loc,  # loc's stride along tokens (along width, PREFIX)
+    stride_loc_row,  # PREFIX: loc's stride along rows
+    stride_commit,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -294,10 +333,22 @@ def _store_kv_kernel(
     OUT_KIND: tl.constexpr,
     SOFT_CAST: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    PREFIX: tl.constexpr,
+    OBSERVE: tl.constexpr,
 ):
     # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = offs_t < T
+    if PREFIX:
+        row = offs_t // width
+        col = offs_t - row * width
+        loc_off = row * stride_loc_row + col * stride_loc
+        # Rows and slots still load under token_ok alone; only the store waits for commit_lens.
+        committed = tl.load(commit_ptr + row * stride_commit, mask=token_ok, other=0)
+        write_ok = token_ok & (col < committed)
+    else:
+        loc_off = offs_t * stride_loc
+        write_ok = token_ok
 
     # Axis 1: K's blocks, then V's; each tensor's blocks walk head_dim blocks within head blocks
     # (one head_dim block per head, except in flat plans, where a "head" is a whole row).
@@ -308,15 +359,15 @@ def _store_kv_kernel(
     if b < K_BLOCKS:
         _store_head_block(
             k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
-            offs_t, token_ok, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity, stride_loc,
+            offs_t, token_ok, loc_off, write_ok, k_amax_ptr, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity,
             stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
-            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
+            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE,
         )  # fmt: skip
     else:
         b -= K_BLOCKS
         _store_head_block(
             v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
-            offs_t, token_ok, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity, stride_loc,
+            offs_t, token_ok, loc_off, write_ok, v_amax_ptr, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity,
             stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
-            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
+            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE,
         )  # fmt: skip

@@ -6,7 +6,8 @@ from kvpool.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvpool.pools.mha_pool import MHATokenToKVPool, PathStats
+from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.kernels.write import PathStats
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
 

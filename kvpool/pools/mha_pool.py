@@ -4,37 +4,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
 
 from kvpool.args import positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
-from kvpool.kernels import reference, store_kv
-from kvpool.kernels.checks import F32_MIN_NORMAL, F32_MAX, POOL_NAMES, Scale
-from kvpool.kernels.checks import check_values, check_write
+from kvpool.kernels.checks import POOL_NAMES, Geometry, Scale, check_write
 from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
-from kvpool.kernels.gate import fused_eligibility
+from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
 
 logger = logging.getLogger("kvpool")
 
 
 class HasLayerId(Protocol):
     layer_id: int
-
-
-@dataclass
-class PathStats:
-    """How many eager ``set_kv_buffer`` calls took each path, and why the fallbacks happened.
-
-    Calls made from ``torch.compile``d code are not counted (counting would put Python side effects
-    into the compiled graph).
-    """
-
-    fused_calls: int = 0
-    reference_calls: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)  # reason -> reference calls
 
 
 class MHATokenToKVPool:
@@ -117,7 +101,6 @@ class MHATokenToKVPool:
         self.device = resolve_device(device)
         self.fused_mode: FusedMode = fused_mode(fused)
         self.validate = validate_enabled(validate)
-        self.stats = PathStats()
 
         rows = self.size + self.page_size
         self.k_buffer = [
@@ -132,22 +115,17 @@ class MHATokenToKVPool:
         self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
         self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
 
-        self._scales_apply = fp8
-        # The gate's verdict on what is fixed at construction (device, dtype, layout), and a memo
-        # of its verdicts for the common call signatures (input dtypes, scale kinds).
-        self._kernel_device_ok, self._device_reason = self._device_gate()
-        self._verdicts: dict[tuple[torch.dtype, torch.dtype, int], tuple[bool, str]] = {}
-        self._launch: Optional[store_kv.PreparedLaunch] = None
-        if self._kernel_device_ok:
-            self._launch = store_kv.PreparedLaunch(
-                self.head_num, self.head_dim, self.head_num, self.v_head_dim, dtype,
-                tuple(self.k_buffer[0].stride()), tuple(self.v_buffer[0].stride()), rows,
-                store_kv.soft_cast_for(self.device), caches_aligned=True,
-            )  # fmt: skip
-        if self.fused_mode == "always" and not self._kernel_device_ok:
-            raise store_kv.FusedPathUnavailable(f"fused='always' but {self._device_reason}")
+        # The write decision for these buffers (every layer shares the geometry and strides).
+        self._writer = KVWriter(
+            Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
+            tuple(self.k_buffer[0].stride()), tuple(self.v_buffer[0].stride()), rows, self.fused_mode,
+            caches_aligned=True, validate=self.validate,
+        )  # fmt: skip
+        self.stats: PathStats = self._writer.stats
+        if self.fused_mode == "always" and not self._writer.cache_ok:
+            raise FusedPathUnavailable(f"fused='always' but {self._writer.cache_reason}")
         self.warmup_seconds: Optional[float] = None
-        if warmup and self.fused_mode != "never" and self._kernel_device_ok and self.device.type == "cuda":
+        if warmup and self._writer.launch is not None and self.device.type == "cuda":
             self._warmup()
 
     # --- getters (SGLang names) ------------------------------------------------------------------
@@ -217,81 +195,19 @@ class MHATokenToKVPool:
         No host-device synchronisation (unless ``validate``), no device allocation on the fused path,
         safe to capture in a CUDA graph and to call from ``torch.compile(fullgraph=True)`` code.
         """
-        if layer_id_override is not None:
-            layer_id = layer_id_override
-        else:
-            layer_id = _layer_id_of(layer)
-        i = layer_id - self.start_layer if type(layer_id) is int else -1
-        if not 0 <= i < self.layer_num:
-            i = self._layer_index(layer_id)  # raises with the reason
+        i = self._write_index(layer, layer_id_override)
         if torch.compiler.is_compiling():
             self._write_compiled(i, loc, cache_k, cache_v, k_scale, v_scale)
             return
-        kinds = self._fast_kinds(loc, cache_k, cache_v, k_scale, v_scale)
-        if kinds is None:
-            # Anything off the common path (per-head or non-float32 scale tensors, numpy scalars,
-            # other devices, bad shapes, ...) goes through the full checks, which raise on bad input.
-            checked = check_write(
-                cache_k, cache_v, loc, k_scale, v_scale,
-                cache_dtype=self.dtype, heads=self.head_num, head_dim=self.head_dim,
-                v_heads=self.head_num, v_head_dim=self.v_head_dim, device=self.device,
-                names=POOL_NAMES,
-            )  # fmt: skip
-            k_scale, v_scale = checked.k_scale, checked.v_scale
-        elif not self._scales_apply:
-            k_scale = v_scale = None
-        if self.validate:
-            check_values(loc, POOL_NAMES.loc, self.size + self.page_size, k_scale, v_scale)
-        if cache_k.shape[0] == 0:
-            return
-        if self.fused_mode != "never":
-            if kinds is not None:
-                verdict = self._verdicts.get((cache_k.dtype, cache_v.dtype, kinds))
-                if verdict is None:
-                    verdict = self._verdicts[(cache_k.dtype, cache_v.dtype, kinds)] = self._gate(
-                        cache_k, cache_v, k_scale, v_scale
-                    )
-            else:
-                verdict = self._gate(cache_k, cache_v, k_scale, v_scale)
-            ok, reason = verdict
-            if ok:
-                self.stats.fused_calls += 1
-                self._launch(
-                    cache_k, cache_v, self.k_buffer[i], self.v_buffer[i], loc,
-                    k_scale, v_scale,
-                )  # fmt: skip
-                return
-            if self.fused_mode == "always":
-                raise store_kv.FusedPathUnavailable(f"fused='always' but {reason}")
-        else:
-            reason = "fused='never'"
-        self._count_reference(reason)
-        reference.write_reference(
-            cache_k, cache_v, self._k_views[i], self._v_views[i], loc, k_scale, v_scale
-        )
+        self._writer.store(self.k_buffer[i], self.v_buffer[i], loc, cache_k, cache_v, k_scale, v_scale, POOL_NAMES)
 
-    def _fast_kinds(self, loc: object, k: object, v: object, k_scale: object, v_scale: object) -> Optional[int]:
-        """Accept the common case with a few comparisons: plain tensors of the pool's geometry on
-        its device, and scales that are None, a float in range, or a one-element float32 tensor on
-        the device. Returns a small int naming the scale kinds, or None to run the full checks.
-        Accepts a strict subset of what ``check_write`` accepts."""
-        if type(loc) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return None
-        if loc.dim() != 1:
-            return None
-        tokens = loc.shape[0]
-        if k.shape != (tokens, self.head_num, self.head_dim) or v.shape != (tokens, self.head_num, self.v_head_dim):
-            return None
-        if k.dtype not in _INPUT_DTYPES or v.dtype not in _INPUT_DTYPES or loc.dtype not in _LOC_DTYPES:
-            return None
-        dev = self.device
-        if k.device != dev or v.device != dev or loc.device != dev:
-            return None
-        ka = _fast_scale_kind(k_scale, dev)
-        va = _fast_scale_kind(v_scale, dev)
-        if ka < 0 or va < 0:
-            return None
-        return ka * 3 + va
+    def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
+        """Index into this pool's buffers of the layer a write names (raises for any other id)."""
+        layer_id = _layer_id_of(layer) if layer_id_override is None else layer_id_override
+        i = layer_id - self.start_layer if type(layer_id) is int else -1
+        if not 0 <= i < self.layer_num:
+            i = self._layer_index(layer_id)  # raises with the reason
+        return i
 
     def _write_compiled(
         self, i: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale: Scale, v_scale: Scale
@@ -300,45 +216,10 @@ class MHATokenToKVPool:
         declares the caches it mutates. Validate-mode checks read device memory and are skipped."""
         from kvpool.kernels.op import store_kv_op
 
-        checked = check_write(
-            cache_k, cache_v, loc, k_scale, v_scale,
-            cache_dtype=self.dtype, heads=self.head_num, head_dim=self.head_dim,
-            v_heads=self.head_num, v_head_dim=self.v_head_dim, device=self.device, names=POOL_NAMES,
-        )  # fmt: skip
+        checked = check_write(self._writer.geometry, cache_k, cache_v, loc, k_scale, v_scale, POOL_NAMES)
         store_kv_op(
             cache_k, cache_v, self._k_views[i], self._v_views[i], loc,
             checked.k_scale, checked.v_scale, self.fused_mode,
-        )  # fmt: skip
-
-    def _count_reference(self, reason: str) -> None:
-        self.stats.reference_calls += 1
-        seen = self.stats.reasons.get(reason)
-        if seen is None:
-            logger.info("kvpool: set_kv_buffer takes the reference path: %s", reason)
-            self.stats.reasons[reason] = 1
-        else:
-            self.stats.reasons[reason] = seen + 1
-
-    def _device_gate(self) -> tuple[bool, str]:
-        """The gate's verdict on everything fixed at construction (device, dtype, layout)."""
-        return fused_eligibility(
-            device=self.device, cache_dtype=self.dtype, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16,
-            head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-            k_cache_stride_d=self.k_buffer[0].stride(2), v_cache_stride_d=self.v_buffer[0].stride(2),
-            k_scale=None, v_scale=None,
-            triton_available=store_kv.TRITON_AVAILABLE,
-            interpreter=store_kv.INTERPRETER and self.fused_mode == "always",
-        )  # fmt: skip
-
-    def _gate(self, k: torch.Tensor, v: torch.Tensor, k_scale: Scale, v_scale: Scale) -> tuple[bool, str]:
-        if not self._kernel_device_ok:
-            return False, self._device_reason
-        return fused_eligibility(
-            device=self.device, cache_dtype=self.dtype, k_dtype=k.dtype, v_dtype=v.dtype,
-            head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-            k_cache_stride_d=self.k_buffer[0].stride(2), v_cache_stride_d=self.v_buffer[0].stride(2),
-            k_scale=k_scale, v_scale=v_scale,
-            triton_available=store_kv.TRITON_AVAILABLE, interpreter=store_kv.INTERPRETER,
         )  # fmt: skip
 
     # --- warmup ----------------------------------------------------------------------------------
@@ -371,12 +252,8 @@ class MHATokenToKVPool:
                 scale = 1.0
             elif scale_kind == "tensor":
                 scale = torch.ones(1, dtype=torch.float32, device=dev)
-            self._launch(k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale)
-
-
-
-_INPUT_DTYPES = frozenset(INPUT_DTYPES)
-_LOC_DTYPES = frozenset(LOC_DTYPES)
+            key, scale, _ = check_write(self._writer.geometry, k, v, loc, scale, scale, POOL_NAMES)
+            self._writer.launch(key, k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale)
 
 
 def _layer_id_of(layer: object) -> object:
@@ -386,15 +263,3 @@ def _layer_id_of(layer: object) -> object:
         return layer.layer_id  # type: ignore[attr-defined]
     except AttributeError:
         raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
-
-
-def _fast_scale_kind(scale: object, device: torch.device) -> int:
-    """0: None, 1: a float that is a valid scale, 2: a one-element float32 tensor on ``device``;
-    -1: anything else (left to the full checks)."""
-    if scale is None:
-        return 0
-    if type(scale) is float:
-        return 1 if F32_MIN_NORMAL <= scale <= F32_MAX else -1
-    if type(scale) is torch.Tensor and scale.dtype is torch.float32 and scale.device == device and scale.numel() == 1:
-        return 2
-    return -1
