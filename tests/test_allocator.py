@@ -618,7 +618,16 @@ def test_without_host_checks_disagreeing_lengths_never_raise_from_the_device_ops
         a.check_integrity()
 
 
-# --- issue 11: the base class and SGLang's attribute names -------------------------------------------
+# --- issue 11: the base class, SGLang's attribute names, CPU copies ----------------------------------
+
+
+def test_base_class_is_exported_and_both_allocators_derive_from_it():
+    import kvpool
+    import kvpool.pools
+
+    assert kvpool.BaseTokenToKVPoolAllocator is kvpool.pools.BaseTokenToKVPoolAllocator is BaseTokenToKVPoolAllocator
+    assert issubclass(TokenToKVPoolAllocator, BaseTokenToKVPoolAllocator)
+    assert issubclass(PagedTokenToKVPoolAllocator, BaseTokenToKVPoolAllocator)
 
 
 def test_a_subclass_that_overrides_clear_constructs_as_in_sglang():
@@ -648,6 +657,16 @@ def test_a_subclass_that_overrides_clear_constructs_as_in_sglang():
     a.check_integrity()
 
 
+def test_base_class_methods_left_to_subclasses_raise_not_implemented():
+    a = BaseTokenToKVPoolAllocator(8, 2)
+    for call in (a.alloc_extend, a.alloc_decode, lambda: a.get_cpu_copy(T([2])), lambda: a.load_cpu_copy(None, T([2]))):
+        with pytest.raises(NotImplementedError):
+            call()
+    assert a.alloc(4).tolist() == [2, 3, 4, 5]
+    line = a.debug_print()
+    assert isinstance(line, str) and "4 slots available" in line and "2 pages held" in line
+
+
 def test_sglang_attribute_names_keep_sglangs_meaning():
     a = PagedTokenToKVPoolAllocator(16, 4, need_sort=True)
     assert a.free_pages.tolist() == [1, 2, 3, 4] and a.release_pages.tolist() == []  # page ids
@@ -666,6 +685,40 @@ def test_sglang_attribute_names_keep_sglangs_meaning():
     t = TokenToKVPoolAllocator(3)
     t.alloc(1)
     assert t.free_pages.tolist() == [2, 3]  # page size 1: page ids are slot ids
+
+
+class FakeKVCache:
+    def __init__(self):
+        self.calls = []
+
+    def get_cpu_copy(self, indices):
+        self.calls.append(("get", indices.tolist()))
+        return [f"rows {indices.tolist()}"]
+
+    def load_cpu_copy(self, kv_cache_cpu, indices):
+        self.calls.append(("load", kv_cache_cpu, indices.tolist()))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda kv: TokenToKVPoolAllocator(8, kvcache=kv), lambda kv: PagedTokenToKVPoolAllocator(8, 2, kvcache=kv)],
+    ids=["token", "paged"],
+)
+def test_cpu_copies_delegate_to_the_kvcache(make):
+    kv = FakeKVCache()
+    a = make(kv)
+    idx = a.alloc(2)
+    copy = a.get_cpu_copy(idx)
+    assert copy == [f"rows {idx.tolist()}"]
+    assert a.load_cpu_copy(copy, idx, mamba_indices=None) is None
+    assert kv.calls == [("get", idx.tolist()), ("load", copy, idx.tolist())]
+    with pytest.raises(ValueError, match="mamba_indices must be None"):
+        a.get_cpu_copy(idx, mamba_indices=T([0]))
+    no_pool = make(None)
+    with pytest.raises(ValueError, match="get_cpu_copy copies rows of the pool .* with kvcache=.*got kvcache=None"):
+        no_pool.get_cpu_copy(idx)
+    with pytest.raises(ValueError, match="load_cpu_copy"):
+        make(object()).load_cpu_copy(copy, idx)
 
 
 # --- state machines --------------------------------------------------------------------------------

@@ -66,7 +66,9 @@ Where kvpool deliberately differs from SGLang's allocators
 8. ``alloc`` returns a new tensor (SGLang's token allocator returns a view of its free list).
 9. ``BaseTokenToKVPoolAllocator`` is the complete page allocator, and its constructor builds the
    state itself rather than relying on a subclass's ``clear()``; SGLang's is abstract.
-10. ``alloc_extend``/``alloc_decode`` are PyTorch ops on the device rather than Triton kernels; the
+10. ``get_cpu_copy``/``load_cpu_copy`` accept ``mamba_indices`` only as None: kvpool's pools hold no
+    mamba state.
+11. ``alloc_extend``/``alloc_decode`` are PyTorch ops on the device rather than Triton kernels; the
     slots they return are the same.
 """
 
@@ -74,7 +76,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -135,7 +137,7 @@ class BaseTokenToKVPoolAllocator:
     page_size : slots per page (the pool's ``page_size``).
     dtype : the pool's element type; kept for SGLang compatibility, not used.
     device : where the bookkeeping and the returned indices live (the pool's device, usually).
-    kvcache : the pool these slots index (``get_kvcache()`` returns it).
+    kvcache : the pool these slots index (``get_kvcache()``; ``get_cpu_copy`` reads it).
     need_sort : keep freed pages aside and merge them, sorted, only when an allocation needs them
         (hands out low pages first, for locality).
     validate : check calls against the bookkeeping and raise ``ValueError`` on a bad free instead of
@@ -193,6 +195,16 @@ class BaseTokenToKVPoolAllocator:
         """Slots that ``alloc`` can hand out now (pages pending in a free group excluded)."""
         return (self.free_pages.numel() + self.release_pages.numel()) * self.page_size
 
+    def debug_print(self) -> str:
+        """One line on the free lists and holdings, for logs (reads the device once)."""
+        held = int((self._live[1:] > 0).sum())
+        pending = sum(t.numel() for t in self.free_group)
+        return (
+            f"{type(self).__name__}: {self.available_size()} slots available ({self.free_pages.numel()} free "
+            f"+ {self.release_pages.numel()} released pages), {held} pages held, {pending} pages pending in a "
+            f"free group, {self.rejected_frees} frees rejected"
+        )
+
     def clear(self) -> None:
         """Every page free, nothing held, no free group open."""
         self._reset()
@@ -232,6 +244,14 @@ class BaseTokenToKVPoolAllocator:
         raise NotImplementedError(
             f"alloc_decode is for PagedTokenToKVPoolAllocator; {type(self).__name__} hands out slots with alloc(n)"
         )
+
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement get_cpu_copy")
+
+    def load_cpu_copy(
+        self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None
+    ) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_cpu_copy")
 
     def free(self, free_index: Indices) -> None:
         """Give slots back. A page returns to the free list once all its handed-out slots are freed.
@@ -435,6 +455,16 @@ class BaseTokenToKVPoolAllocator:
             self.rejected_frees += dropped
         return accepted
 
+    def _kvcache_method(self, name: str, mamba_indices: Optional[torch.Tensor]) -> Callable[..., Any]:
+        if mamba_indices is not None:
+            raise ValueError(f"mamba_indices must be None (kvpool's pools hold no mamba state), got {mamba_indices!r}")
+        method = getattr(self._kvcache, name, None)
+        if method is None:
+            raise ValueError(
+                f"{name} copies rows of the pool this allocator indexes: construct "
+                f"{type(self).__name__} with kvcache=<a pool with {name}>, got kvcache={self._kvcache!r}"
+            )
+        return method
 
 
 class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -466,6 +496,16 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         validate: bool = False,
     ) -> None:
         super().__init__(size, 1, dtype, device, kvcache, need_sort, validate=validate)
+
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None) -> Any:
+        """``kvcache.get_cpu_copy(indices)``: the K/V rows of ``indices`` of every layer, in host memory."""
+        return self._kvcache_method("get_cpu_copy", mamba_indices)(indices)
+
+    def load_cpu_copy(
+        self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None
+    ) -> Any:
+        """``kvcache.load_cpu_copy(kv_cache_cpu, indices)``: rows from ``get_cpu_copy`` back into ``indices``."""
+        return self._kvcache_method("load_cpu_copy", mamba_indices)(kv_cache_cpu, indices)
 
 
 class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -508,6 +548,16 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         validate: bool = False,
     ) -> None:
         super().__init__(size, page_size, dtype, device, kvcache, need_sort, validate=validate)
+
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None) -> Any:
+        """``kvcache.get_cpu_copy(indices)``: the K/V rows of ``indices`` of every layer, in host memory."""
+        return self._kvcache_method("get_cpu_copy", mamba_indices)(indices)
+
+    def load_cpu_copy(
+        self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None
+    ) -> Any:
+        """``kvcache.load_cpu_copy(kv_cache_cpu, indices)``: rows from ``get_cpu_copy`` back into ``indices``."""
+        return self._kvcache_method("load_cpu_copy", mamba_indices)(kv_cache_cpu, indices)
 
     def alloc_extend(
         self,
