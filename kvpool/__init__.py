@@ -9,6 +9,7 @@ from kvpool.kernels import (
 )
 from kvpool.pools import (
     AllocatorState,
+    BaseTokenToKVPoolAllocator,
     IntegrityError,
     KVGeometry,
     MHATokenToKVPool,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllocatorState",
+    "BaseTokenToKVPoolAllocator",
     "FusedPathUnavailable",
     "IntegrityError",
     "KVGeometry",

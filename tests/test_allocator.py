@@ -5,6 +5,7 @@ backup/restore round-trips, free groups, check_integrity passes)."""
 from __future__ import annotations
 
 import doctest
+from typing import Optional
 
 import hypothesis.strategies as st
 import pytest
@@ -15,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import kvpool.pools.allocator as allocator_module
 from kvpool.pools.allocator import (
     AllocatorState,
+    BaseTokenToKVPoolAllocator,
     IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -25,10 +27,15 @@ T = torch.tensor
 
 def snapshot(a) -> tuple:
     """Everything an allocator knows, as plain Python values (to prove that a call changed nothing)."""
+    s = a.backup_state()
     return (
-        a._free.tolist(), a._release.tolist(), a._owned.nonzero().flatten().tolist(), a._live.tolist(),
-        a._page_free.tolist(), [p.tolist() for p in a._pending], a._in_group,
+        s.free_pages.tolist(), s.release_pages.tolist(), [p for t in s.free_group for p in t.tolist()],
+        s.owners.tolist(), s.live.tolist(), s.page_free.tolist(), int(s.unrecorded), a.is_not_in_free_group,
     )  # fmt: skip
+
+
+def held_slots(a) -> set[int]:
+    return set(a.backup_state().owners.nonzero().flatten().tolist())
 
 
 def ext(a, prefix, seq, last_loc):
@@ -160,16 +167,58 @@ def test_token_backup_restore_round_trip_and_twice():
     a.check_integrity()
 
 
-def test_token_backup_restore_refused_inside_a_group_and_from_another_allocator():
+def test_restore_refuses_a_state_of_another_allocator():
     a = TokenToKVPoolAllocator(6)
-    a.free_group_begin()
-    with pytest.raises(RuntimeError, match="free_group_end"):
-        a.backup_state()
-    a.free_group_end()
     with pytest.raises(ValueError, match="state must come from an allocator with page_size=1, num_pages=6"):
         a.restore_state(TokenToKVPoolAllocator(7).backup_state())
     with pytest.raises(ValueError, match="state must be an AllocatorState"):
-        a.restore_state((a._free, a._release))
+        a.restore_state((a.free_pages, a.release_pages))
+
+
+def test_backup_inside_a_group_and_restore_inside_it_keeps_the_pending_frees():
+    a = PagedTokenToKVPoolAllocator(16, 4)
+    s = a.alloc(12)
+    a.free_group_begin()
+    a.free(s[:4])  # page 1 pending
+    state = a.backup_state()
+    assert [t.tolist() for t in state.free_group] == [[1]]
+    before = snapshot(a)
+    a.free(s[4:8])  # page 2 pending too
+    a.alloc(4)
+    a.restore_state(state)  # still inside the group: page 1 pending again, page 2 held again
+    assert snapshot(a) == before
+    a.free_group_end()
+    assert a.available_size() == 8 and sorted(a.free_pages.tolist()) == [1, 4]
+    a.check_integrity()
+
+
+def test_restore_outside_a_group_makes_the_snapshots_pending_pages_available():
+    """A snapshot taken inside a group and restored after free_group_end() must not strand the pages
+    the group freed: they become available at once."""
+    a = PagedTokenToKVPoolAllocator(16, 4)
+    s = a.alloc(8)
+    a.free_group_begin()
+    a.free(s[:4])
+    state = a.backup_state()
+    a.free_group_end()
+    a.alloc(4)  # takes page 3 (1 was appended after it)
+    a.restore_state(state)
+    assert a.is_not_in_free_group and a.free_group == []
+    assert a.available_size() == 12
+    a.check_integrity()
+
+
+def test_restore_undoes_frees_made_inside_a_group_since_the_backup():
+    a = TokenToKVPoolAllocator(4)
+    a.alloc(2)
+    state = a.backup_state()
+    a.free_group_begin()
+    a.free(T([1]))
+    a.restore_state(state)  # slot 1 held again; the group stays open, with nothing pending
+    assert not a.is_not_in_free_group and a.free_group == []
+    a.free_group_end()
+    assert a.available_size() == 2 and held_slots(a) == {1, 2}
+    a.check_integrity()
 
 
 def test_token_clear_resets_everything():
@@ -178,7 +227,7 @@ def test_token_clear_resets_everything():
     a.free_group_begin()
     a.free(T([1]))
     a.clear()
-    assert a.available_size() == 5 and not a._in_group
+    assert a.available_size() == 5 and a.is_not_in_free_group and a.free_group == []
     assert a.alloc(5).tolist() == [1, 2, 3, 4, 5]
     a.check_integrity()
 
@@ -265,7 +314,7 @@ def test_sglang_keywords_and_getters():
 def test_check_integrity_reports_corruption_with_counts():
     a = TokenToKVPoolAllocator(8)
     a.alloc(3)
-    a._free = torch.cat((a._free, T([4, 2])))  # 4 is already listed; 2 is handed out
+    a.free_pages = torch.cat((a.free_pages, T([4, 2])))  # 4 is already listed; 2 is handed out
     with pytest.raises(IntegrityError) as info:
         a.check_integrity()
     text = str(info.value)
@@ -455,6 +504,223 @@ def test_paged_need_sort_and_group():
     a.check_integrity()
 
 
+# --- issue 10: errors change nothing, batches are checked as a whole, double ownership shows --------
+
+
+def test_validate_rejects_two_requests_continuing_onto_one_slot():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    assert ext(a, [0], [3], [-1]).tolist() == [4, 5, 6]
+    before = snapshot(a)
+    with pytest.raises(ValueError, match="requests 0 and 1 would both continue on slot 7"):
+        dec(a, [4, 4], [6, 6])
+    assert snapshot(a) == before
+    a.check_integrity()
+
+
+def test_validate_rejects_two_requests_extending_onto_one_page():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    ext(a, [0], [2], [-1])  # slots 4, 5
+    before = snapshot(a)
+    with pytest.raises(ValueError, match="requests 0 and 1 would both continue on slot 6"):
+        ext(a, [2, 2], [3, 4], [5, 5])
+    assert snapshot(a) == before
+
+
+def test_validate_rejects_a_last_loc_that_is_not_held_on_a_held_page():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    ext(a, [0], [2], [-1])  # slots 4, 5 on page 1; 6, 7 not handed out
+    with pytest.raises(ValueError, match="last_loc\\[0\\] must be the request's last slot, .* slot 6, which is not"):
+        dec(a, [4], [6])
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("op", ["extend", "decode"])
+def test_device_and_cpu_lengths_disagreeing_raise_and_change_nothing(validate, op):
+    """Without validate this took a page, then failed in repeat_interleave: the page leaked."""
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)
+    ext(a, [0], [3], [-1])
+    before = snapshot(a)
+    with pytest.raises(ValueError, match="seq_lens must equal seq_lens_cpu, got seq_lens\\[0\\] = 9 and .* = 5"):
+        if op == "extend":
+            a.alloc_extend(T([3]), T([3]), T([9]), T([5]), T([6]), 2)
+        else:
+            a.alloc_decode(T([9]), T([5]), T([6]))
+    assert snapshot(a) == before
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda a: dec(a, [4], [10**6]), IndexError, "alloc_decode: last_loc\\[0\\] must be a slot in 4..67.*1000000"),
+        (lambda a: dec(a, [4, 2], [6, -1]), IndexError, "last_loc\\[1\\] must be a slot in 4..67"),
+        (lambda a: ext(a, [3], [5], [2]), IndexError, "alloc_extend: last_loc\\[0\\] must be a slot in 4..67"),
+        (lambda a: ext(a, [3], [5], [5]), ValueError, "last_loc\\[0\\] must be a slot at offset 2 of its page"),
+        (lambda a: a.alloc_extend(T([3]), T([2]), T([5]), T([5]), T([6]), 3), ValueError, "prefix_lens must equal"),
+        (lambda a: a.free(torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, "free_index must be on the"),
+    ],
+    ids=["decode-far", "decode-negative", "extend-page-0", "extend-offset", "prefix-lens", "free-meta"],
+)
+def test_bad_arguments_are_named_and_change_nothing(validate, call, error, message):
+    """A last_loc outside the slots used to raise an IndexError that did not name it, after nothing or
+    something had changed; a meta tensor given to free raised NotImplementedError."""
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)  # 16 pages, slots 4..67
+    ext(a, [0], [3], [-1])
+    before = snapshot(a)
+    with pytest.raises(error, match=message):
+        call(a)
+    assert snapshot(a) == before
+    a.check_integrity()
+
+
+def test_check_integrity_catches_a_slot_owned_twice_after_the_page_is_reallocated():
+    """A wrong last_loc without validate continued onto free page 3; once alloc handed that page out
+    again, slot 15 had two holders and check_integrity used to pass."""
+    a = PagedTokenToKVPoolAllocator(16, 4)  # pages 1..4
+    ext(a, [0], [3], [-1])  # slots 4, 5, 6
+    assert dec(a, [4], [14]).tolist() == [15]  # wrong: page 3 is free
+    with pytest.raises(IntegrityError, match="1 pages are both listed free and hold owned slots"):
+        a.check_integrity()
+    assert 15 in a.alloc(12).tolist()  # pages 2, 3, 4
+    with pytest.raises(IntegrityError, match="1 slots owned more than once.*first: slot 15, 2 owners"):
+        a.check_integrity()
+    a.free(T([15]))  # one holder gives it back; the other still holds it, and so its page
+    assert 15 in held_slots(a) and a.available_size() == 0
+    a.check_integrity()
+
+
+def test_without_host_checks_a_far_last_loc_is_not_recorded_but_reported(monkeypatch):
+    """What a GPU allocator does without validate (it cannot read last_loc without a sync): the slot
+    is returned, never used as an index into the bookkeeping, and check_integrity reports it."""
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    monkeypatch.setattr(a, "_cheap_device_checks", False)
+    ext(a, [0], [3], [-1])
+    state = a.backup_state()
+    assert dec(a, [4, 2], [10**6, 5]).tolist() == [10**6 + 1, 6]
+    assert held_slots(a) == {4, 5, 6}
+    with pytest.raises(IntegrityError, match="1 slots were handed out outside the range 4..67"):
+        a.check_integrity()
+    a.restore_state(state)
+    a.check_integrity()
+
+
+def test_without_host_checks_disagreeing_lengths_never_raise_from_the_device_ops(monkeypatch):
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    monkeypatch.setattr(a, "_cheap_device_checks", False)
+    ext(a, [0], [3], [-1])
+    out = a.alloc_extend(T([3, 0]), T([3, 0]), T([2, 40]), T([9, 1]), T([6, -1]), 7)
+    assert out.numel() == 7  # wrong slots, as the lengths are wrong, but no error and no stray index
+    with pytest.raises(IntegrityError, match="1 pages are neither free nor holding an owned slot"):
+        a.check_integrity()  # the CPU lengths asked for 2 pages; the device ones used 1
+    assert a.alloc_decode(T([0, 0]), T([1, 1]), T([-1, -1])).tolist() == [0, 0]
+    with pytest.raises(IntegrityError, match="2 slots were handed out outside the range"):
+        a.check_integrity()
+
+
+# --- issue 11: the base class, SGLang's attribute names, CPU copies ----------------------------------
+
+
+def test_base_class_is_exported_and_both_allocators_derive_from_it():
+    import kvpool
+    import kvpool.pools
+
+    assert kvpool.BaseTokenToKVPoolAllocator is kvpool.pools.BaseTokenToKVPoolAllocator is BaseTokenToKVPoolAllocator
+    assert issubclass(TokenToKVPoolAllocator, BaseTokenToKVPoolAllocator)
+    assert issubclass(PagedTokenToKVPoolAllocator, BaseTokenToKVPoolAllocator)
+
+
+def test_a_subclass_that_overrides_clear_constructs_as_in_sglang():
+    """SGLang's subclasses call super().__init__(size, page_size, dtype, device, kvcache, need_sort),
+    set their own fields, then call their clear(); the base must not call it before those exist."""
+
+    class Tracked(BaseTokenToKVPoolAllocator):
+        def __init__(self, size: int) -> None:
+            super().__init__(size, 1, torch.bfloat16, "cpu", None, False)
+            self.handed_out: list[int] = []
+            self.clear()
+
+        def clear(self) -> None:
+            super().clear()
+            self.handed_out.clear()
+
+        def alloc(self, need_size: int):
+            out = super().alloc(need_size)
+            if out is not None:
+                self.handed_out += out.tolist()
+            return out
+
+    a = Tracked(4)
+    assert a.alloc(2).tolist() == [1, 2] and a.handed_out == [1, 2]
+    a.clear()
+    assert a.handed_out == [] and a.available_size() == 4
+    a.check_integrity()
+
+
+def test_base_class_methods_left_to_subclasses_raise_not_implemented():
+    a = BaseTokenToKVPoolAllocator(8, 2)
+    for call in (a.alloc_extend, a.alloc_decode, lambda: a.get_cpu_copy(T([2])), lambda: a.load_cpu_copy(None, T([2]))):
+        with pytest.raises(NotImplementedError):
+            call()
+    assert a.alloc(4).tolist() == [2, 3, 4, 5]
+    line = a.debug_print()
+    assert isinstance(line, str) and "4 slots available" in line and "2 pages held" in line
+
+
+def test_sglang_attribute_names_keep_sglangs_meaning():
+    a = PagedTokenToKVPoolAllocator(16, 4, need_sort=True)
+    assert a.free_pages.tolist() == [1, 2, 3, 4] and a.release_pages.tolist() == []  # page ids
+    assert a.is_not_in_free_group and a.free_group == []
+    s = a.alloc(12)
+    a.free(s[4:8])
+    assert a.free_pages.tolist() == [4] and a.release_pages.tolist() == [2]  # need_sort: set aside
+    a.free_group_begin()
+    assert not a.is_not_in_free_group
+    a.free(s[:4])
+    assert [t.tolist() for t in a.free_group] == [[1]] and a.available_size() == 8
+    a.free_group_end()
+    assert a.release_pages.tolist() == [2, 1]
+    a.merge_and_sort_free()
+    assert a.free_pages.tolist() == [1, 2, 4] and a.release_pages.tolist() == []
+    t = TokenToKVPoolAllocator(3)
+    t.alloc(1)
+    assert t.free_pages.tolist() == [2, 3]  # page size 1: page ids are slot ids
+
+
+class FakeKVCache:
+    def __init__(self):
+        self.calls = []
+
+    def get_cpu_copy(self, indices):
+        self.calls.append(("get", indices.tolist()))
+        return [f"rows {indices.tolist()}"]
+
+    def load_cpu_copy(self, kv_cache_cpu, indices):
+        self.calls.append(("load", kv_cache_cpu, indices.tolist()))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda kv: TokenToKVPoolAllocator(8, kvcache=kv), lambda kv: PagedTokenToKVPoolAllocator(8, 2, kvcache=kv)],
+    ids=["token", "paged"],
+)
+def test_cpu_copies_delegate_to_the_kvcache(make):
+    kv = FakeKVCache()
+    a = make(kv)
+    idx = a.alloc(2)
+    copy = a.get_cpu_copy(idx)
+    assert copy == [f"rows {idx.tolist()}"]
+    assert a.load_cpu_copy(copy, idx, mamba_indices=None) is None
+    assert kv.calls == [("get", idx.tolist()), ("load", copy, idx.tolist())]
+    with pytest.raises(ValueError, match="mamba_indices must be None"):
+        a.get_cpu_copy(idx, mamba_indices=T([0]))
+    no_pool = make(None)
+    with pytest.raises(ValueError, match="get_cpu_copy copies rows of the pool .* with kvcache=.*got kvcache=None"):
+        no_pool.get_cpu_copy(idx)
+    with pytest.raises(ValueError, match="load_cpu_copy"):
+        make(object()).load_cpu_copy(copy, idx)
+
+
 # --- state machines --------------------------------------------------------------------------------
 
 
@@ -529,18 +795,24 @@ class TokenAllocatorMachine(RuleBasedStateMachine):
         self.free |= self.pending
         self.pending = set()
 
-    @precondition(lambda self: not self.in_group)
     @rule()
     def backup(self):
         self.saved.append((self.a.backup_state(), self.model()))
 
-    @precondition(lambda self: self.saved and not self.in_group)
+    @precondition(lambda self: self.saved)
     @rule(data=st.data())
     def restore(self, data):
+        """Inside or outside a group, either way round: the snapshot's pending frees stay pending only
+        if a group is open now."""
         state, model = data.draw(st.sampled_from(self.saved))
         self.a.restore_state(state)
         free, owned, pending = model
-        self.free, self.owned, self.pending = set(free), set(owned), set(pending)
+        self.free, self.owned = set(free), set(owned)
+        if self.in_group:
+            self.pending = set(pending)
+        else:
+            self.free |= pending
+            self.pending = set()
 
     @rule()
     def clear(self):
@@ -550,7 +822,7 @@ class TokenAllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def counts_agree_and_integrity_holds(self):
         assert self.a.available_size() == len(self.free)
-        assert set(self.a._owned.nonzero().flatten().tolist()) == self.owned
+        assert held_slots(self.a) == self.owned
         self.a.check_integrity()
 
 
@@ -560,14 +832,18 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
 
     @initialize(
         page_size=st.sampled_from([1, 2, 4]), pages=st.integers(1, 8), spare=st.integers(0, 3),
-        need_sort=st.booleans(), validate=st.booleans(),
+        need_sort=st.booleans(), validate=st.booleans(), host_checks=st.booleans(),
     )  # fmt: skip
-    def setup(self, page_size, pages, spare, need_sort, validate):
+    def setup(self, page_size, pages, spare, need_sort, validate, host_checks):
         spare = spare % page_size
         self.p = page_size
         self.n = pages
         size = pages * page_size + spare
         self.a = PagedTokenToKVPoolAllocator(size, page_size, need_sort=need_sort, validate=validate)
+        # host_checks=False runs the allocator as on a GPU, where device arguments are not read
+        # without validate, so that the masking of stray slots is exercised here too.
+        self.a._cheap_device_checks = host_checks
+        self.arg_checks = validate or host_checks
         self.requests: dict[int, list[int]] = {}
         self.loose: set[int] = set()  # owned slots no request continues from
         self.pending: set[int] = set()  # pages released inside the open group
@@ -735,18 +1011,118 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         self.in_group = False
         self.pending = set()
 
-    @precondition(lambda self: not self.in_group)
     @rule()
     def backup(self):
         self.saved.append((self.a.backup_state(), self.state()))
 
-    @precondition(lambda self: self.saved and not self.in_group)
+    @precondition(lambda self: self.saved)
     @rule(data=st.data())
     def restore(self, data):
         state, (requests, loose, pending) = data.draw(st.sampled_from(self.saved))
         self.a.restore_state(state)
         self.requests = {r: list(s) for r, s in requests.items()}
-        self.loose, self.pending = set(loose), set(pending)
+        self.loose = set(loose)
+        self.pending = set(pending) if self.in_group else set()
+
+    # misuse: each call is undone with restore_state, after checking what it did
+
+    def continuing(self, data, rem: Optional[int] = None, besides: Optional[int] = None) -> Optional[int]:
+        """A request (not ``besides``) whose last page is partial (``rem`` tokens on it, if given);
+        one is started if there is none and a page is free."""
+        partial = sorted(
+            r for r, s in self.requests.items() if len(s) % self.p and r != besides and rem in (None, len(s) % self.p)
+        )
+        if partial:
+            return data.draw(st.sampled_from(partial))
+        if self.p == 1 or not self.free_pages():
+            return None
+        n = rem if rem is not None else data.draw(st.integers(1, self.p - 1))
+        out = ext(self.a, [0], [n], [-1]).tolist()
+        self.check_new_slots(out, [(0, n, -1, 0)])
+        self.requests[self.next_rid] = out
+        self.next_rid += 1
+        return self.next_rid - 1
+
+    def damaged(self, new_slots: list[int]) -> bool:
+        """Whether check_integrity must fail once ``new_slots`` gained a holder: one is outside the
+        recorded range, already held (or listed twice), or on a page that is not held."""
+        owned, n_slots = self.owned(), (self.n + 1) * self.p
+        held_pages = {s // self.p for s in owned}
+        return len(set(new_slots)) < len(new_slots) or any(
+            not self.p <= s < n_slots or s in owned or s // self.p not in held_pages for s in new_slots
+        )
+
+    def undo(self, state: AllocatorState, before: tuple, new_slots: list[int]) -> None:
+        if self.damaged(new_slots):
+            with pytest.raises(IntegrityError):
+                self.a.check_integrity()
+        else:
+            self.a.check_integrity()
+        self.a.restore_state(state)
+        assert snapshot(self.a) == before
+
+    @rule(data=st.data(), kind=st.sampled_from(["other-request", "other-page", "misaligned", "outside"]))
+    def wrong_last_loc(self, data, kind):
+        """alloc_decode with a last_loc that is not the request's last slot. Another request's last
+        slot passes even validate (the allocator does not know which request holds a page); the two
+        collide when that request continues."""
+        p, n_slots = self.p, (self.n + 1) * self.p
+        r = self.continuing(data)
+        if r is None:
+            return
+        slots = self.requests[r]
+        rem, own = len(slots) % p, slots[-1]
+        if kind == "other-request":
+            other = self.continuing(data, rem=rem, besides=r)
+            if other is None:
+                return
+            wrong = self.requests[other][-1]
+        elif kind == "other-page":
+            wrong = data.draw(st.integers(1, self.n)) * p + rem - 1
+        elif kind == "misaligned":
+            wrong = data.draw(st.integers(p, n_slots - 1).filter(lambda s: (s + 1) % p != rem))
+        else:
+            wrong = data.draw(st.sampled_from([-1, 0, p - 1, n_slots, n_slots + rem, 10**6]))
+        owned = self.owned()
+        if kind == "other-page" and wrong == own:
+            return  # that is the right last_loc
+        state, before = self.a.backup_state(), snapshot(self.a)
+        error = None
+        if self.arg_checks and kind in ("misaligned", "outside"):
+            error = IndexError if kind == "outside" else ValueError
+        elif self.a.validate and (wrong not in owned or wrong + 1 in owned):
+            error = ValueError  # not the holder's last slot (or its page is not held), or runs onto a held slot
+        if error is not None:
+            with pytest.raises(error, match="last_loc\\[0\\]|request 0"):
+                dec(self.a, [len(slots) + 1], [wrong])
+            assert snapshot(self.a) == before
+            return
+        assert dec(self.a, [len(slots) + 1], [wrong]).tolist() == [wrong + 1]
+        self.undo(state, before, [wrong + 1])
+
+    @rule(data=st.data(), op=st.sampled_from(["decode", "extend"]))
+    def batch_sharing_a_page(self, data, op):
+        """One request listed twice in a batch: both entries continue onto the same slots."""
+        r = self.continuing(data)
+        if r is None:
+            return
+        slots = self.requests[r]
+        n, own = len(slots), slots[-1]
+        grows = [1, 1] if op == "decode" else [data.draw(st.integers(1, 2 * self.p)) for _ in range(2)]
+        state, before = self.a.backup_state(), snapshot(self.a)
+        if self.a.validate:
+            with pytest.raises(ValueError, match="requests 0 and 1 would both continue on slot"):
+                ext(self.a, [n, n], [n + g for g in grows], [own, own])
+            assert snapshot(self.a) == before
+            return
+        need = sum(-(-(n + g) // self.p) - -(-n // self.p) for g in grows)
+        got = ext(self.a, [n, n], [n + g for g in grows], [own, own])
+        if need > len(self.free_pages()):
+            assert got is None
+            assert snapshot(self.a) == before
+            return
+        assert got.tolist()[0] == got.tolist()[grows[0]] == own + 1
+        self.undo(state, before, got.tolist())
 
     @rule()
     def clear(self):
@@ -756,7 +1132,7 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def counts_agree_and_integrity_holds(self):
         assert self.a.available_size() == len(self.free_pages()) * self.p
-        assert set(self.a._owned.nonzero().flatten().tolist()) == self.owned()
+        assert held_slots(self.a) == self.owned()
         self.a.check_integrity()
 
 

@@ -2,6 +2,7 @@
 
 from kvpool.pools.allocator import (
     AllocatorState,
+    BaseTokenToKVPoolAllocator,
     IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -13,6 +14,7 @@ from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
 
 __all__ = [
     "AllocatorState",
+    "BaseTokenToKVPoolAllocator",
     "IntegrityError",
     "KVGeometry",
     "MHATokenToKVPool",

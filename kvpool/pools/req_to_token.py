@@ -1,4 +1,4 @@
-"""``ReqToTokenPool``: the request table a scheduler keeps beside the slot allocators (SPEC 5).
+"""``ReqToTokenPool``: the request table a scheduler keeps beside the slot allocators.
 
 Row ``r`` of ``req_to_token`` lists, for the request holding row ``r``, the KV-cache slot of each of
 its tokens in order; attention backends read it as their page table. Rows are handed out and taken
@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.args import positive_int
+from kvpool.args import non_negative_int, positive_int
 from kvpool.pools.allocator import IntegrityError
 
 
@@ -60,8 +60,7 @@ class ReqToTokenPool:
 
     def alloc(self, need_size: int) -> Optional[list[int]]:
         """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free."""
-        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
-            raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
+        non_negative_int(need_size, "need_size")
         if need_size > len(self.free_slots):
             return None
         rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]

@@ -1,0 +1,299 @@
+"""What the slot allocators check, kept apart from how they allocate.
+
+Checks come in three kinds, by what they cost:
+
+1. Arguments on the host (types, shapes, dtypes, devices, the CPU lengths, ``extend_num_tokens``,
+   ``free_index``): always, before anything changes.
+2. Device arguments against each other (device lengths equal to their CPU copies; each
+   continuing request's ``last_loc`` inside the slot range, at the page offset its prefix length
+   implies): always on a CPU allocator, where the values are already on the host; under ``validate``
+   on other devices, where reading them costs a synchronisation.
+3. Arguments against the bookkeeping (a continuation starts after a held slot, on a held page,
+   onto slots nobody holds, and no two requests of one batch continue onto the same slot; a free
+   names held slots, once each): under ``validate``.
+
+``integrity_problems`` checks a snapshot (``AllocatorState``) against itself; each allocator's
+``check_integrity()`` raises ``IntegrityError`` with what it found.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from kvpool.pools.allocator import AllocatorState
+
+Indices = Union[torch.Tensor, Sequence[int]]
+
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+class IntegrityError(RuntimeError):
+    """An allocator's or request table's bookkeeping is inconsistent (raised by ``check_integrity``)."""
+
+
+def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return (x + d - 1) // d
+
+
+# --- 1. arguments on the host ------------------------------------------------------------------------
+
+
+def lens_vector(t: object, name: str, bs: Optional[int] = None) -> int:
+    """A 1-D integer tensor on the CPU with ``bs`` entries (any count if None); returns its length."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if bs is not None and t.shape[0] != bs:
+        raise ValueError(f"{name} must have {bs} entries (one per request), got {t.shape[0]}")
+    return t.shape[0]
+
+
+def device_vector(t: object, name: str, bs: int, device: torch.device) -> None:
+    """A 1-D integer tensor on the allocator's ``device`` with ``bs`` entries."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} {t.dtype}")
+    if t.shape[0] != bs:
+        raise ValueError(f"{name} must have {bs} entries (one per request), got {t.shape[0]}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the allocator's device {device}, got {t.device}")
+
+
+def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: object) -> int:
+    """CPU lengths of ``alloc_extend``: ``0 <= prefix_lens <= seq_lens``, and ``extend_num_tokens``
+    their difference's sum; returns that sum."""
+    if pre_c.numel() and bool((pre_c < 0).any()):
+        raise ValueError(f"prefix_lens_cpu must be >= 0, got {pre_c.tolist()}")
+    short = (seq_c < pre_c).nonzero().flatten()
+    if short.numel():
+        i = int(short[0])
+        raise ValueError(
+            f"seq_lens_cpu must be >= prefix_lens_cpu, got {int(seq_c[i])} < {int(pre_c[i])} for request {i}"
+        )
+    total = int((seq_c - pre_c).sum())
+    if isinstance(extend_num_tokens, bool) or not isinstance(extend_num_tokens, int):
+        raise ValueError(f"extend_num_tokens must be an int, got {extend_num_tokens!r}")
+    if extend_num_tokens != total:
+        raise ValueError(f"extend_num_tokens must be sum(seq_lens - prefix_lens) = {total}, got {extend_num_tokens}")
+    return total
+
+
+def decode_lengths(seq_c: torch.Tensor) -> None:
+    if seq_c.numel() and bool((seq_c < 1).any()):
+        raise ValueError(f"seq_lens_cpu must be >= 1 (they count the new token), got {seq_c.tolist()}")
+
+
+def free_index_slots(free_index: object, device: torch.device) -> torch.Tensor:
+    """``free_index`` (a 1-D integer tensor on ``device`` or the CPU, or a sequence of ints) as an
+    int64 tensor on ``device``."""
+    if isinstance(free_index, torch.Tensor):
+        if free_index.dtype not in INT_DTYPES:
+            raise ValueError(f"free_index must be an integer tensor, got {free_index.dtype}")
+        if free_index.dim() > 1:
+            raise ValueError(f"free_index must be 1-D, got shape {tuple(free_index.shape)}")
+        if free_index.device != device and free_index.device.type != "cpu":
+            where = "the CPU" if device.type == "cpu" else f"the allocator's device {device} or the CPU"
+            raise ValueError(f"free_index must be on {where}, got {free_index.device}")
+        return free_index.reshape(-1).to(device=device, dtype=torch.int64)
+    if isinstance(free_index, (int, bool)) or not isinstance(free_index, Sequence):
+        raise ValueError(f"free_index must be a tensor or a sequence of ints, got {type(free_index).__name__}")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in free_index):
+        raise ValueError(f"free_index must hold ints, got {list(free_index)!r}")
+    return torch.tensor(list(free_index), dtype=torch.int64, device=device)
+
+
+# --- 2. device arguments against each other (host copies) --------------------------------------------
+
+
+def same_as_cpu(values: torch.Tensor, cpu: torch.Tensor, name: str) -> None:
+    """``values`` (the device tensor ``name``, read to the host) equal ``name``_cpu."""
+    if not torch.equal(values, cpu.to(torch.int64)):
+        i = int((values != cpu).nonzero()[0])
+        raise ValueError(
+            f"{name} must equal {name}_cpu, got {name}[{i}] = {int(values[i])} and {name}_cpu[{i}] = {int(cpu[i])}"
+        )
+
+
+def last_loc_arguments(
+    what: str, last: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, page_size: int, num_slots: int
+) -> None:
+    """Each request that continues a partial page names, in ``last_loc``, a slot in the handed-out range
+    ``page_size..num_slots-1`` at the page offset its prefix length implies (host tensors)."""
+    p = page_size
+    continues = (pre % p != 0) & (seq > pre)
+    outside = (continues & ((last < p) | (last >= num_slots))).nonzero().flatten()
+    if outside.numel():
+        i = int(outside[0])
+        raise IndexError(
+            f"{what}: last_loc[{i}] must be a slot in {p}..{num_slots - 1}, since request {i} continues "
+            f"a partial page (prefix length {int(pre[i])}, page_size {p}), got {int(last[i])}"
+        )
+    misplaced = (continues & ((last + 1) % p != pre % p)).nonzero().flatten()
+    if misplaced.numel():
+        i = int(misplaced[0])
+        raise ValueError(
+            f"{what}: last_loc[{i}] must be a slot at offset {int(pre[i] % p) - 1} of its page "
+            f"(prefix length {int(pre[i])}, page_size {p}), got {int(last[i])}"
+        )
+
+
+# --- 3. arguments against the bookkeeping (validate) --------------------------------------------------
+
+
+def continuations_against_state(
+    what: str,
+    last: torch.Tensor,
+    pre: torch.Tensor,
+    seq: torch.Tensor,
+    owners_at: torch.Tensor,
+    page_free_at: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Host tensors, after ``last_loc_arguments`` passed: ``owners_at [B, page_size]`` holds the owner
+    counts of slots ``last_loc[i] .. last_loc[i] + page_size - 1``, ``page_free_at [B]`` whether
+    ``last_loc[i]``'s page is free. A request continuing its page must start after a held slot on a held
+    page, onto slots nobody holds, and no two requests may continue onto the same slot."""
+    p = page_size
+    n_cont = (torch.minimum(seq, ceil_div(pre, p) * p) - pre).clamp(min=0)  # slots continuing the page
+    continues = n_cont > 0
+    bad = (continues & page_free_at).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        s = int(last[i])
+        raise ValueError(
+            f"{what}: last_loc[{i}] must be on a page this allocator has handed out, got slot {s} "
+            f"(page {s // p}, which is not held)"
+        )
+    bad = (continues & (owners_at[:, 0] == 0)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"{what}: last_loc[{i}] must be the request's last slot, which is handed out, got slot "
+            f"{int(last[i])}, which is not handed out"
+        )
+    new = torch.arange(p - 1)[None, :] < n_cont[:, None]  # [B, p - 1]: which following slots it takes
+    taken = (new & (owners_at[:, 1:] > 0)).nonzero()
+    if taken.numel():
+        i, j = int(taken[0, 0]), int(taken[0, 1])
+        raise ValueError(
+            f"{what}: request {i} would continue on slot {int(last[i]) + 1 + j}, which is already handed out; "
+            f"last_loc[{i}] must be the request's last slot, got {int(last[i])}"
+        )
+    slots = (last[:, None] + 1 + torch.arange(p - 1)[None, :])[new]
+    reqs = torch.arange(last.numel())[:, None].expand_as(new)[new]
+    ordered, order = torch.sort(slots, stable=True)
+    twice = (ordered[1:] == ordered[:-1]).nonzero().flatten()
+    if twice.numel():
+        k = int(twice[0])
+        i, j = int(reqs[order[k]]), int(reqs[order[k + 1]])
+        raise ValueError(
+            f"{what}: requests {i} and {j} would both continue on slot {int(ordered[k])}; each request's "
+            f"last_loc must be its own last slot, got last_loc[{i}] = {int(last[i])} and "
+            f"last_loc[{j}] = {int(last[j])}"
+        )
+
+
+def bad_free(slot: int, position: int, page_size: int, num_slots: int, freed_before: Optional[bool]) -> ValueError:
+    """The error for freeing ``slot`` (at ``position`` of ``free_index``), which is not held;
+    ``freed_before`` tells a double free from a never-allocated slot (None: unknown)."""
+    p = page_size
+    if slot == 0:
+        why = "which is the padding slot 0, never handed out"
+    elif 0 < slot < p:
+        why = f"which is on the reserved page 0 (slots 0..{p - 1}), never handed out"
+    elif slot < 0 or slot >= num_slots:
+        why = f"which is outside the handed-out range {p}..{num_slots - 1}"
+    elif freed_before:
+        why = "which was already freed (a double free)"
+    else:
+        why = "which was never allocated"
+    return ValueError(
+        f"free_index must hold slots that are handed out and not yet freed, got slot {slot} at position "
+        f"{position}, {why}"
+    )
+
+
+def listed_twice(slots: torch.Tensor) -> Optional[int]:
+    """A slot that ``slots`` lists more than once, or None."""
+    ordered = torch.sort(slots).values
+    dups = ordered[1:][ordered[1:] == ordered[:-1]]
+    return int(dups[0]) if dups.numel() else None
+
+
+# --- integrity ----------------------------------------------------------------------------------------
+
+
+def integrity_problems(state: AllocatorState) -> list[str]:
+    """Every inconsistency of a snapshot with itself, with counts (reads it to the host)."""
+    p, n = state.page_size, state.num_pages
+    free = state.free_pages.cpu()
+    release = state.release_pages.cpu()
+    pending = torch.cat([t.cpu() for t in state.free_group]) if state.free_group else free[:0]
+    owners = state.owners.cpu()
+    live = state.live.cpu()
+    page_free = state.page_free.cpu()
+    listed = torch.cat((free, release, pending))
+    problems: list[str] = []
+
+    out_of_range = listed[(listed < 1) | (listed > n)]
+    if out_of_range.numel():
+        problems.append(f"{out_of_range.numel()} listed free pages outside 1..{n} (first: {int(out_of_range[0])})")
+    uniq, counts = torch.unique(listed, return_counts=True)
+    dups = uniq[counts > 1]
+    if dups.numel():
+        problems.append(f"{dups.numel()} pages listed free more than once (first: {int(dups[0])})")
+    in_lists = torch.zeros(n + 1, dtype=torch.bool)
+    in_lists[listed.clamp(0, n)] = True
+    mismatch = (in_lists != page_free).nonzero().flatten()
+    if mismatch.numel():
+        problems.append(
+            f"{mismatch.numel()} pages whose free flag disagrees with the free lists (first: {int(mismatch[0])})"
+        )
+    negative = (owners < 0).nonzero().flatten()
+    if negative.numel():
+        problems.append(f"{negative.numel()} slots with a negative owner count (first: slot {int(negative[0])})")
+    shared = (owners > 1).nonzero().flatten()
+    if shared.numel():
+        s = int(shared[0])
+        problems.append(
+            f"{shared.numel()} slots owned more than once, handed out again while held "
+            f"(first: slot {s}, {int(owners[s])} owners)"
+        )
+    owned_per_page = owners.view(n + 1, p).sum(dim=1, dtype=torch.int32)
+    bad_live = (owned_per_page != live).nonzero().flatten()
+    if bad_live.numel():
+        i = int(bad_live[0])
+        problems.append(
+            f"{bad_live.numel()} pages whose live count disagrees with their owned slots "
+            f"(first: page {i}, live {int(live[i])}, owned {int(owned_per_page[i])})"
+        )
+    if live[0] != 0 or bool(page_free[0]) or bool(owners[:p].any()):
+        problems.append("reserved page 0 is handed out or listed free")
+    holding = live[1:] > 0
+    held = int(holding.sum())
+    both = int((holding & in_lists[1:]).sum())
+    if both:
+        problems.append(f"{both} pages are both listed free and hold owned slots")
+    neither = int((~holding & ~in_lists[1:]).sum())
+    if neither:
+        problems.append(f"{neither} pages are neither free nor holding an owned slot (leaked)")
+    total = free.numel() + release.numel() + pending.numel() + held
+    if total != n:
+        problems.append(
+            f"{free.numel()} free + {release.numel()} released + {pending.numel()} pending "
+            f"+ {held} held pages = {total}, expected num_pages = {n}"
+        )
+    unrecorded = int(state.unrecorded)
+    if unrecorded:
+        problems.append(
+            f"{unrecorded} slots were handed out outside the range {p}..{(n + 1) * p - 1} and could not be "
+            f"recorded (a last_loc outside it, unchecked without validate)"
+        )
+    return problems
