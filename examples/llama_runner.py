@@ -823,7 +823,7 @@ def _agreement_line(a: Agreement) -> str:
             f"requests entirely; first divergence request {rid} step {step}"
         )
         if a.divergence_gap is not None:
-            tokens += f" (reference's top two {100 * a.divergence_gap:.2g}% of max|logit| apart)"
+            tokens += f" (the reference's logits for the two tokens {100 * a.divergence_gap:.2g}% of max|logit| apart)"
     logits = f"max rel logit error {a.max_rel_logit_err:.1e}, mean KL {a.mean_kl:.1e} over {a.compared_steps} steps"
     return f"{tokens}; {logits}"
 
