@@ -77,6 +77,8 @@ except ImportError as e:
     raise ImportError(
         "llama_runner needs Hugging Face transformers as its model and reference: pip install -e '.[model]'"
     ) from e
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"llama_runner needs transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'")
 
 DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,

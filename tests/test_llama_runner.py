@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 from kvpool import MHATokenToKVPool  # noqa: E402
 
