@@ -465,7 +465,7 @@ class Scheduler:
             last_index=(first + n - 1).to(dev), kv_slots=slots,
         )  # fmt: skip
 
-    def advance(self, batch: ForwardBatch, logits: torch.Tensor, keep_logits: bool) -> list[Request]:
+    def advance(self, batch: ForwardBatch, logits: torch.Tensor, keep_logits: bool) -> None:
         """Take each request's greedy next token from ``logits`` [B, vocab]; free the finished ones."""
         next_tokens = logits.argmax(dim=-1).tolist()
         host_logits = logits.float().cpu() if keep_logits else None
@@ -485,7 +485,6 @@ class Scheduler:
             r.row = None
         self.allocator.free_group_end()
         self.finished.extend(done)
-        return done
 
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
