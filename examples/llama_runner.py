@@ -78,7 +78,9 @@ except ImportError as e:
         "llama_runner needs Hugging Face transformers as its model and reference: pip install -e '.[model]'"
     ) from e
 if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"llama_runner needs transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'")
+    raise ImportError(
+        f"llama_runner needs transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'"
+    )
 
 DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -701,12 +703,13 @@ def compare(run: Sequence[Generation], ref: Sequence[Generation]) -> Agreement:
         agreeing += same
         total += n
         identical += same == n
+        if same < n and first is None:
+            first = (rid, same)
+            if b.logits is not None:
+                lb = b.logits[same]
+                gap = float((lb[b.tokens[same]] - lb[a.tokens[same]]) / lb.abs().max())
         if a.logits is None or b.logits is None:
             continue
-        lb = b.logits[same] if same < n else None
-        if lb is not None and first is None:
-            first = (rid, same)
-            gap = float((lb[b.tokens[same]] - lb[a.tokens[same]]) / lb.abs().max())
         cmp = min(same + 1, n)  # the diverging step's logits still come from the same prefix
         la, lb = a.logits[:cmp].double(), b.logits[:cmp].double()
         err = (la - lb).abs().amax(dim=-1) / lb.abs().amax(dim=-1)
@@ -724,7 +727,7 @@ class PoolRun:
     scales: str  # "1.0" or "calibrated" for FP8; "-" for pools that ignore scales
     result: ServeResult
     vs_hf: Agreement  # against HF's plain generate
-    vs_rounded: Optional[Agreement]  # against HF through a RoundingCache (None for an fp32 pool)
+    vs_rounded: Optional[Agreement]  # against HF through a RoundingCache (None: pool dtype = model dtype)
 
     @property
     def label(self) -> str:
