@@ -208,13 +208,16 @@ def bench_batch(model: Any, args: argparse.Namespace, device: torch.device, batc
         "context_at_start": args.prompt_len + 1 + args.warmup,
         "prefill_s": bench.prefill_s,
         "step_ms_median": 1e3 * median,
-        "step_ms_p10": 1e3 * statistics.quantiles(times, n=10)[0],
-        "step_ms_p90": 1e3 * statistics.quantiles(times, n=10)[-1],
+        "step_ms_p10": 1e3 * statistics.quantiles(times, n=10, method="inclusive")[0],
+        "step_ms_p90": 1e3 * statistics.quantiles(times, n=10, method="inclusive")[-1],
         "steps_per_s": 1.0 / median,
         "tokens_per_s": batch / median,
     }
     rec.update(host_share(bench, args.steps))
-    rec.update(profile_share(bench, args.profile_steps))
+    try:  # the timings above stand even if the profiler fails
+        rec.update(profile_share(bench, args.profile_steps))
+    except Exception:
+        rec["profile_error"] = traceback.format_exc()
     stats = bench.pool.stats
     rec.update(fused_calls=stats.fused_calls, reference_calls=stats.reference_calls, reasons=dict(stats.reasons))
     return rec
@@ -243,7 +246,7 @@ def markdown(meta: dict, records: list) -> str:
         lines.append(
             f"| {r['batch']} | {r['steps_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} "
             f"({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}) | {_pct(r['set_kv_host_share'])} "
-            f"| {r['set_kv_host_us_per_call']:.1f} | {_pct(r['set_kv_host_share_profiled'])} "
+            f"| {r['set_kv_host_us_per_call']:.1f} | {_pct(r.get('set_kv_host_share_profiled'))} "
             f"| {_pct(r.get('write_kernel_share_of_wall'))} | {_pct(r.get('write_kernel_share_of_gpu_time'))} "
             f"| {_pct(r.get('gpu_busy_share'))} | {r['fused_calls']} / {r['reference_calls']} |"
         )
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if rec["reference_calls"] and device.type == "cuda":
                 log(f"[bench] batch {batch}: {rec['reference_calls']} writes took the reference path: {rec['reasons']}")
+                status = 1
+            if "profile_error" in rec:
+                log(f"[bench] batch {batch}: profiling failed:\n{rec['profile_error']}")
                 status = 1
         except Exception:
             rec = {"batch": batch, "error": traceback.format_exc()}
