@@ -1,0 +1,923 @@
+"""Serve prompts with a Llama model whose KV cache lives in kvpool, and check it against transformers.
+
+A model runner and a scheduler in the shape of a serving engine's, around a Hugging Face
+``LlamaForCausalLM`` (by default a small seeded random-init model built locally; GQA, fewer KV heads
+than query heads):
+
+- The scheduler keeps a ``ReqToTokenPool`` and a ``PagedTokenToKVPoolAllocator`` (page size > 1) and
+  batches continuously: it admits waiting prompts while request rows and pages allow, prefills them
+  in one ragged batch, otherwise decodes every running request by one token; requests ask for
+  different numbers of tokens, finish at different steps, and give their slots back.
+- The model runner calls the HF modules for everything but attention: embedding, RMSNorms, the Q/K/V/O
+  projections, rotary embedding (``model.model.rotary_emb`` and ``apply_rotary_pos_emb``), MLP and LM
+  head. Each layer writes the step's K/V with ``pool.set_kv_buffer`` (the fused Triton kernel on a
+  GPU) and attends over each request's rows read back from the pool through ``req_to_token``
+  (FP8 rows multiplied back by the layer's scale) with ``torch.nn.functional.scaled_dot_product_attention``.
+
+It then compares, for each pool dtype, every generated token and next-token distribution with HF's
+own greedy ``generate`` of each prompt alone: with an fp32 model and an fp32 pool the tokens must be
+identical and the logits within ``LOGIT_RTOL`` (else the run exits 1); with a bf16 pool it reports
+whether the tokens agree; with an FP8 pool it reports token agreement and the mean KL divergence of
+the next-token distributions from HF's, with scale 1.0 and, when the pool offers
+``calibrated_scales``, with scales calibrated on the same prompts.
+
+A 16-bit or FP8 pool changes the model's numbers, so on a random-init model (whose top two logits
+are often close) its greedy tokens can part from HF's at a near-tie. To check such a pool exactly as
+well, each one is also compared with HF generating through a cache that rounds the K/V it stores the
+way the pool does (SPEC 3.1: divide by the scale, saturate, cast; multiply back on reading): there the
+tokens should be identical, and the logits agree to ~1e-6 except where one K/V element falls on the
+other side of a rounding boundary.
+
+    python examples/llama_runner.py                          # GPU if there is one, else CPU
+    python examples/llama_runner.py --config tiny --dtypes fp32 bf16
+    python examples/llama_runner.py --config 8b-4layer --device cuda --prompts 16 --batch 8
+
+Exit status: 0 when the fp32 check passes (or was not requested) and the allocators are consistent,
+1 otherwise, 2 on bad arguments.
+
+Needs ``transformers`` (the ``model`` extra: ``pip install -e ".[model]"``).
+
+Not done here, and what it needs: DeepSeek-V3 (MLA). kvpool has no MLA pool yet. With an
+``MLATokenToKVPool`` (one latent row ``[kv_lora_rank + qk_rope_head_dim]`` per token and layer), a
+second runner would build a tiny ``DeepseekV3ForCausalLM`` the same way and, per layer, call HF's
+``DeepseekV3Attention`` pieces: the query path (``q_a_proj``/``q_a_layernorm``/``q_b_proj``, or
+``q_proj``), ``kv_a_proj_with_mqa`` split into the latent and the shared rope key,
+``kv_a_layernorm`` on the latent, RoPE on the rope parts (interleaved when ``rope_interleave``), then
+write latent and rope key with ``set_mla_kv_buffer`` (no concatenation), read the request's rows back
+(``get_mla_kv_buffer``) and expand them with ``attn.expand_kv`` (``kv_b_proj``) into per-head keys and
+values, attending with ``attn.scaling`` (which carries YaRN's mscale). HF caches exactly that latent
+and rope key, so the fp32 comparison would hold to the same tolerance; the MoE and dense MLPs are
+called as modules like Llama's. The checks (tokens, logits, KL per pool dtype) carry over unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvpool import MHATokenToKVPool
+from kvpool.args import positive_int
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
+from kvpool.pools.req_to_token import ReqToTokenPool
+
+try:
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+except ImportError as e:
+    raise ImportError(
+        "llama_runner needs Hugging Face transformers as its model and reference: pip install -e '.[model]'"
+    ) from e
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(
+        f"llama_runner needs transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'"
+    )
+
+DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+MODEL_DTYPES = ("fp32", "bf16", "fp16")
+#: fp32 model + fp32 pool: the largest allowed max|logits - HF| / max|HF logits| of any step.
+LOGIT_RTOL = 1e-4
+#: SDPA's memory-efficient CUDA kernel wants the mask's last dim a multiple of 16; padding keys are masked.
+KV_LEN_MULTIPLE = 16
+
+Scales = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_scale, v_scale), float32 on the device
+
+
+def unit_scales(layers: int, device: str | torch.device) -> Scales:
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    return [(one, one)] * layers
+
+
+# --- configuration --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-architecture model (head_dim = hidden // heads)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
+            positive_int(getattr(self, name), name)
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden must be a multiple of heads = {self.heads}, got {self.hidden}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads must divide heads = {self.heads}, got {self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def describe(self) -> str:
+        return (
+            f"{self.layers} layers, hidden {self.hidden}, {self.heads} query / {self.kv_heads} KV heads x "
+            f"{self.head_dim}, intermediate {self.intermediate}, vocab {self.vocab}"
+        )
+
+
+SHAPES = {
+    "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128),
+    "small": ModelShape(layers=4, hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=512),
+    # Llama-3-8B's dimensions (and rope theta) with 4 of its 32 layers.
+    "8b-4layer": ModelShape(
+        layers=4, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, rope_theta=500000.0
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: the model, the prompts, the scheduler's limits and the pool dtypes to compare.
+
+    ``prompt_len`` and ``new_tokens`` are inclusive ranges; each prompt draws its own (prompt lengths
+    distinct where the range allows). ``batch`` is the most requests running at once (request table
+    rows); prompts beyond it wait for a finished request's row and pages.
+    """
+
+    shape: ModelShape = SHAPES["small"]
+    model_dtype: str = "fp32"
+    pool_dtypes: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3")
+    prompts: int = 8
+    batch: int = 4
+    prompt_len: tuple[int, int] = (3, 40)
+    new_tokens: tuple[int, int] = (2, 12)
+    page_size: int = 16
+    seed: int = 0
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    calibrate: bool = True
+    # Small matmuls on a 2-core CPU run faster on one thread (as in serve_sim). None: torch's choice.
+    cpu_threads: Optional[int] = 1
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "batch", "page_size"):
+            positive_int(getattr(self, name), name)
+        for name in ("prompt_len", "new_tokens"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"model_dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.model_dtype!r}")
+        if not self.pool_dtypes:
+            raise ValueError("pool_dtypes must name at least one pool dtype, got none")
+        for d in self.pool_dtypes:
+            if d not in DTYPES:
+                raise ValueError(f"pool dtype must be one of {', '.join(DTYPES)}, got {d!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
+
+    @property
+    def max_context_len(self) -> int:
+        return self.prompt_len[1] + self.new_tokens[1]
+
+
+# --- the model, the prompts and the references ----------------------------------------------------
+
+
+def build_model(shape: ModelShape, dtype: torch.dtype, device: str | torch.device, seed: int) -> LlamaForCausalLM:
+    """A seeded random-init ``LlamaForCausalLM`` of ``shape``, built on ``device`` in ``dtype``.
+
+    Weights are drawn with std ``1/sqrt(hidden)``, so projections keep unit-scale activations:
+    attention is far from uniform and next-token distributions are far from flat, which makes the
+    comparison with HF sensitive to a wrong row (Llama's default 0.02 is that value at hidden 2500).
+    No token is an end-of-sequence token, so every request generates exactly what it asks for.
+    """
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=8192,
+        rope_theta=shape.rope_theta,
+        initializer_range=shape.hidden**-0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+def kv_geometry(model: LlamaForCausalLM) -> tuple[int, int, int]:
+    """(KV heads, head_dim, layers) of an HF Llama model: what its KV pool must hold."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_key_value_heads, head_dim, c.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    new_tokens: int
+
+
+def make_prompts(cfg: RunConfig) -> list[Prompt]:
+    """Seeded random token ids; prompt lengths distinct where the range allows, output lengths drawn
+    independently (so requests finish at different steps)."""
+    rng = random.Random(cfg.seed)
+    lo, hi = cfg.prompt_len
+    if hi - lo + 1 >= cfg.prompts:
+        lengths = rng.sample(range(lo, hi + 1), cfg.prompts)
+    else:
+        lengths = [rng.randint(lo, hi) for _ in range(cfg.prompts)]
+    return [
+        Prompt([rng.randrange(cfg.shape.vocab) for _ in range(n)], rng.randint(*cfg.new_tokens)) for n in lengths
+    ]
+
+
+@dataclass
+class Generation:
+    """What one request generated: its tokens and, when kept, the logits each came from."""
+
+    tokens: list[int]
+    logits: Optional[torch.Tensor] = None  # [len(tokens), vocab] float32 on the CPU
+
+
+def round_like_pool(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, L, D] as a pool of ``dtype`` stores it and the runner reads it back, written out
+    from SPEC 3.1 (not through kvpool): FP8 divides by the scale (per tensor or per head), saturates,
+    casts, and multiplies back; 16-bit and fp32 pools cast."""
+    if dtype.itemsize == 1:
+        fmax = torch.finfo(dtype).max
+        s = scale.reshape(-1, 1, 1)
+        return (torch.clamp(x.float() / s, -fmax, fmax).to(dtype).float() * s).to(x.dtype)
+    return x.to(dtype).to(x.dtype)
+
+
+class RoundingCache(DynamicCache):
+    """HF's dynamic cache, storing every K/V rounded as a pool of ``dtype`` with ``scales`` would.
+    HF's attention attends over what ``update`` returns, prefill included, as the runner does."""
+
+    def __init__(self, dtype: torch.dtype, scales: Scales, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.pool_dtype = dtype
+        self.scales = scales
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[no-untyped-def]
+        k_scale, v_scale = self.scales[layer_idx]
+        key_states = round_like_pool(key_states, self.pool_dtype, k_scale)
+        value_states = round_like_pool(value_states, self.pool_dtype, v_scale)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@torch.no_grad()
+def hf_reference(
+    model: LlamaForCausalLM, prompts: Sequence[Prompt], pool_dtype: Optional[torch.dtype] = None,
+    scales: Optional[Scales] = None,
+) -> list[Generation]:  # fmt: skip
+    """HF's greedy ``generate`` of each prompt alone (no padding), with its raw logits per step;
+    with ``pool_dtype``, through a ``RoundingCache`` of that dtype and ``scales``."""
+    device = model.device
+    # transformers 5.x renamed generate's cache argument; take whichever this version has.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p.tokens], dtype=torch.int64, device=device)
+        extra = {}
+        if pool_dtype is not None:
+            extra[cache_arg] = RoundingCache(pool_dtype, scales or unit_scales(len(model.model.layers), device),
+                                             config=model.config)  # fmt: skip
+        res = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=p.new_tokens,
+            min_new_tokens=p.new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **extra,
+        )
+        tokens = res.sequences[0, len(p.tokens) :].tolist()
+        logits = torch.stack([s[0] for s in res.logits]).float().cpu()
+        out.append(Generation(tokens, logits))
+    return out
+
+
+# --- the scheduler ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    row: Optional[int] = None
+    kv_len: int = 0  # tokens whose K/V is in the pool, at req_to_token[row, :kv_len]
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def final_kv_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens - 1  # the last token's K/V is never written
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class ForwardBatch:
+    """One forward step. Tokens are ragged (no padding), request after request; the attention
+    metadata pads per request: ``B`` requests, at most ``Tq`` new tokens and ``L`` keys each.
+    Padded query rows see key 0 only (a row with every key masked would be NaN) and are dropped."""
+
+    requests: list[Request]
+    is_prefill: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    loc: torch.Tensor  # [T] int64: the slots this step's K/V go to
+    q_index: torch.Tensor  # [B, Tq] int64: token of each padded query row (padding: the request's first)
+    q_positions: torch.Tensor  # [B, Tq] int64: position of each query row (padding: 0)
+    token_mask: torch.Tensor  # [B, Tq] bool: real query rows (row-major order = token order)
+    last_index: torch.Tensor  # [B] int64: each request's last token (its logits)
+    kv_slots: torch.Tensor  # [B, L] int64: slots of each request's keys from req_to_token (padding: 0)
+
+
+class Scheduler:
+    """Admission, slot allocation and freeing, as a serving engine's scheduler does them.
+
+    A request is admitted only when the free pages cover its whole length plus what the running
+    requests will still add, so decode never runs out of pages (serve_sim shows retraction instead).
+    A step prefills the newly admitted requests if there are any, else decodes all running ones.
+    """
+
+    def __init__(self, pool: MHATokenToKVPool, max_running: int, max_context_len: int) -> None:
+        self.device = pool.device
+        self.page_size = pool.page_size
+        self.allocator = PagedTokenToKVPoolAllocator(pool.size, pool.page_size, pool.dtype, pool.device, pool)
+        self.capacity = self.allocator.available_size()
+        self.table = ReqToTokenPool(max_running, max_context_len, pool.device)
+        self.max_context_len = max_context_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.peak_running = 0
+
+    def pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def add(self, r: Request) -> None:
+        if r.final_kv_len > self.max_context_len:
+            raise ValueError(f"request {r.rid} needs {r.final_kv_len} tokens, more than max_context_len")
+        if self.pages(r.final_kv_len) * self.page_size > self.capacity:
+            raise ValueError(f"request {r.rid} needs {r.final_kv_len} slots, the pool has {self.capacity}")
+        self.waiting.append(r)
+
+    def schedule(self) -> Optional[ForwardBatch]:
+        """This step's batch, its slots reserved and recorded in the request table; None when idle."""
+        admitted = self._admit()
+        if admitted:
+            return self._prefill(admitted)
+        if self.running:
+            return self._decode(list(self.running))
+        return None
+
+    def _admit(self) -> list[Request]:
+        free = self.allocator.available_size() // self.page_size
+        free -= sum(self.pages(r.final_kv_len) - self.pages(r.kv_len) for r in self.running)
+        out = []
+        while self.waiting and self.table.available_size() > 0:
+            need = self.pages(self.waiting[0].final_kv_len)
+            if need > free:
+                break
+            r = self.waiting.popleft()
+            r.row = self.table.alloc(1)[0]  # type: ignore[index]
+            self.running.append(r)
+            out.append(r)
+            free -= need
+        self.peak_running = max(self.peak_running, len(self.running))
+        return out
+
+    def _prefill(self, reqs: list[Request]) -> ForwardBatch:
+        lens = torch.tensor([len(r.prompt) for r in reqs], dtype=torch.int64)
+        zeros = torch.zeros_like(lens)
+        total = int(lens.sum())
+        loc = self.allocator.alloc_extend(
+            zeros.to(self.device), zeros, lens.to(self.device), lens, torch.full_like(lens, -1).to(self.device), total
+        )
+        if loc is None:  # admission counted the pages, so this is a bug
+            raise RuntimeError(f"allocator refused a prefill of {total} tokens it said it had room for")
+        ids = [t for r in reqs for t in r.prompt]
+        return self._batch(reqs, ids, [0] * len(reqs), lens.tolist(), loc, is_prefill=True)
+
+    def _decode(self, reqs: list[Request]) -> ForwardBatch:
+        held = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        last_loc = self.table.req_to_token[rows, held.to(self.device) - 1].to(torch.int64)
+        loc = self.allocator.alloc_decode((held + 1).to(self.device), held + 1, last_loc)
+        if loc is None:
+            raise RuntimeError(f"allocator refused {len(reqs)} decode slots it said it had room for")
+        ids = [r.output[-1] for r in reqs]
+        return self._batch(reqs, ids, held.tolist(), [1] * len(reqs), loc, is_prefill=False)
+
+    def _batch(
+        self, reqs: list[Request], ids: list[int], starts: list[int], counts: list[int], loc: torch.Tensor,
+        is_prefill: bool,
+    ) -> ForwardBatch:  # fmt: skip
+        """Record ``loc`` in the table and build the step's inputs and attention metadata."""
+        dev = self.device
+        b, tq = len(reqs), max(counts)
+        positions = torch.tensor([s + j for s, n in zip(starts, counts) for j in range(n)], dtype=torch.int64)
+        row_of_token = torch.tensor([r.row for r, n in zip(reqs, counts) for _ in range(n)], dtype=torch.int64)
+        self.table.write((row_of_token.to(dev), positions.to(dev)), loc.to(torch.int32))
+
+        first = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
+        n = torch.tensor(counts, dtype=torch.int64)
+        j = torch.arange(tq, dtype=torch.int64)
+        token_mask = j[None, :] < n[:, None]
+        q_index = first[:, None] + torch.where(token_mask, j[None, :], 0)
+        q_positions = torch.where(token_mask, torch.tensor(starts)[:, None] + j[None, :], 0)
+        seq_lens = torch.tensor(starts, dtype=torch.int64) + n
+        kv_len = -(-int(seq_lens.max()) // KV_LEN_MULTIPLE) * KV_LEN_MULTIPLE
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
+        width = min(kv_len, self.max_context_len)
+        slots = self.table.req_to_token[rows, :width].to(torch.int64)
+        cols = torch.arange(width, device=dev)
+        slots = torch.where(cols[None, :] < seq_lens.to(dev)[:, None], slots, 0)
+        slots = F.pad(slots, (0, kv_len - slots.shape[1]))  # slot 0: the padding slot
+        return ForwardBatch(
+            requests=reqs, is_prefill=is_prefill,
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev), positions=positions.to(dev), loc=loc,
+            q_index=q_index.to(dev), q_positions=q_positions.to(dev), token_mask=token_mask.to(dev),
+            last_index=(first + n - 1).to(dev), kv_slots=slots,
+        )  # fmt: skip
+
+    def advance(self, batch: ForwardBatch, logits: torch.Tensor, keep_logits: bool) -> None:
+        """Take each request's greedy next token from ``logits`` [B, vocab]; free the finished ones."""
+        next_tokens = logits.argmax(dim=-1).tolist()
+        host_logits = logits.float().cpu() if keep_logits else None
+        done = []
+        for i, (r, tok) in enumerate(zip(batch.requests, next_tokens)):
+            r.kv_len += len(r.prompt) if batch.is_prefill else 1
+            r.output.append(tok)
+            if host_logits is not None:
+                r.logits.append(host_logits[i])
+            if r.done:
+                done.append(r)
+        self.allocator.free_group_begin()  # a step's finished requests are freed together, as SGLang does
+        for r in done:
+            self.allocator.free(self.table.req_to_token[r.row, : r.kv_len].to(torch.int64))
+            self.table.free(r.row)  # type: ignore[arg-type]
+            self.running.remove(r)
+            r.row = None
+        self.allocator.free_group_end()
+        self.finished.extend(done)
+
+    def slots_in_use(self) -> int:
+        return self.capacity - self.allocator.available_size()
+
+
+# --- the model runner ------------------------------------------------------------------------------
+
+
+def read_rows(buf: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``slots`` ([B, L]) of a pool buffer ``[rows, H, D]`` as ``dtype``: ``[B, L, H, D]``. FP8
+    rows are gathered as bytes (FP8 indexing is not implemented on every device) and multiplied by
+    ``scale`` (per tensor, or per head ``[H]``) in float32; 16-bit and fp32 rows are cast."""
+    if buf.element_size() == 1:
+        rows = buf.view(torch.uint8)[slots].view(buf.dtype).to(torch.float32)
+        return (rows * scale.reshape(-1, 1)).to(dtype)
+    return buf[slots].to(dtype)
+
+
+class PooledAttention:
+    """One attention layer: HF's projections and RoPE, K/V written to and read from the pool."""
+
+    def __init__(self, attn: torch.nn.Module, layer_id: int, pool: MHATokenToKVPool) -> None:
+        self.attn = attn
+        self.layer_id = layer_id  # what set_kv_buffer reads from its ``layer`` argument
+        self.pool = pool
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor,
+        k_scale: torch.Tensor, v_scale: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [T, hidden] (normed), cos/sin [T, head_dim]; returns the attention output [T, hidden]."""
+        attn, t = self.attn, x.shape[0]
+        q = attn.q_proj(x).view(t, -1, attn.head_dim)
+        k = attn.k_proj(x).view(t, -1, attn.head_dim)
+        v = attn.v_proj(x).view(t, -1, attn.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # heads on dim 1
+        self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
+        k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
+        keys = read_rows(k_buf, batch.kv_slots, k_scale, q.dtype)
+        values = read_rows(v_buf, batch.kv_slots, v_scale, q.dtype)
+        return attn.o_proj(grouped_attention(q, keys, values, batch, mask, attn.scaling))
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ragged queries ``q`` [T, Hq, D] over padded keys/values [B, L, Hkv, D].
+
+    GQA without repeating K/V: the G = Hq/Hkv query heads that share a KV head (query head h uses
+    KV head h // G, as HF's ``repeat_kv``) become G x Tq query rows of that KV head. ``mask``
+    [B, 1, G*Tq, L] (from ``attention_mask``). Returns [T, Hq * D] in token order.
+    """
+    b, l, hkv, d = keys.shape
+    hq = q.shape[1]
+    g, tq = hq // hkv, batch.q_index.shape[1]
+    qp = q[batch.q_index].view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+    out = F.scaled_dot_product_attention(
+        qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [B, Hkv, G*Tq, D]
+    out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq * d)
+    return out[batch.token_mask]
+
+
+def attention_mask(batch: ForwardBatch, groups: int) -> torch.Tensor:
+    """[B, 1, G*Tq, L] bool: query row (g, j) of a request sees keys 0..position(j) (causal; the
+    request's own keys only, since position < its length)."""
+    b, tq = batch.q_positions.shape
+    keys = torch.arange(batch.kv_slots.shape[1], device=batch.kv_slots.device)
+    base = keys[None, None, :] <= batch.q_positions[:, :, None]  # [B, Tq, L]
+    return base[:, None].expand(b, groups, tq, keys.shape[0]).reshape(b, 1, groups * tq, keys.shape[0])
+
+
+class LlamaRunner:
+    """Runs a ``LlamaForCausalLM``'s forward over a ``ForwardBatch`` with its KV cache in ``pool``.
+
+    Parameters
+    ----------
+    model : an HF ``LlamaForCausalLM`` (its modules are called; its own attention is not).
+    pool : an ``MHATokenToKVPool`` with the model's KV heads, head_dim and layers (ids 0..layers-1).
+    scales : per layer ``(k_scale, v_scale)`` float32 tensors on the pool's device (one element, or one
+        per KV head), index = layer id - pool.start_layer; default 1.0. Used by FP8 pools only.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, pool: MHATokenToKVPool, scales: Optional[Scales] = None) -> None:
+        c = model.config
+        want = kv_geometry(model)
+        got = (pool.head_num, pool.head_dim, pool.layer_num)
+        if want != got:
+            raise ValueError(f"pool must have (KV heads, head_dim, layers) = {want} to hold this model, got {got}")
+        self.model = model
+        self.pool = pool
+        self.groups = c.num_attention_heads // c.num_key_value_heads
+        self.layers = [
+            PooledAttention(layer.self_attn, pool.start_layer + i, pool) for i, layer in enumerate(model.model.layers)
+        ]
+        self.scales = scales if scales is not None else unit_scales(c.num_hidden_layers, pool.device)
+        if len(self.scales) != c.num_hidden_layers:
+            raise ValueError(
+                f"scales must have one (k_scale, v_scale) per layer ({c.num_hidden_layers}), got {len(self.scales)}"
+            )
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last token: [B, vocab] in the model's dtype."""
+        m = self.model.model
+        x = m.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = m.rotary_emb(x, batch.positions[None])
+        cos, sin = cos[0], sin[0]
+        mask = attention_mask(batch, self.groups)
+        for layer, attn, (k_scale, v_scale) in zip(m.layers, self.layers, self.scales):
+            x = x + attn(layer.input_layernorm(x), cos, sin, batch, mask, k_scale, v_scale)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(m.norm(x[batch.last_index]))
+
+
+# --- serving and comparing -------------------------------------------------------------------------
+
+
+@dataclass
+class ServeResult:
+    generations: list[Generation]  # by request id
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    peak_running: int = 0
+    wall_s: float = 0.0
+    fused_calls: int = 0
+    reference_calls: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    integrity_error: Optional[str] = None
+    leaked_slots: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+    @property
+    def allocators_ok(self) -> bool:
+        return self.integrity_error is None and self.leaked_slots == 0
+
+
+def serve(
+    model: LlamaForCausalLM,
+    pool: MHATokenToKVPool,
+    prompts: Sequence[Prompt],
+    max_running: int,
+    scales: Optional[Scales] = None,
+    keep_logits: bool = True,
+) -> ServeResult:
+    """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once.
+    The result's path counts are the ``set_kv_buffer`` calls of this run."""
+    max_context = max(len(p.tokens) + p.new_tokens for p in prompts)
+    sched = Scheduler(pool, max_running, max_context)
+    runner = LlamaRunner(model, pool, scales)
+    for rid, p in enumerate(prompts):
+        sched.add(Request(rid, list(p.tokens), p.new_tokens))
+    stats = pool.stats
+    fused0, ref0, reasons0 = stats.fused_calls, stats.reference_calls, dict(stats.reasons)
+    res = ServeResult(generations=[])
+    start = time.perf_counter()
+    while (batch := sched.schedule()) is not None:
+        sched.advance(batch, runner.forward(batch), keep_logits)
+        if batch.is_prefill:
+            res.prefill_steps += 1
+        else:
+            res.decode_steps += 1
+    res.wall_s = time.perf_counter() - start
+    done = sorted(sched.finished, key=lambda r: r.rid)
+    res.generations = [Generation(r.output, torch.stack(r.logits) if keep_logits else None) for r in done]
+    res.peak_running = sched.peak_running
+    res.fused_calls = stats.fused_calls - fused0
+    res.reference_calls = stats.reference_calls - ref0
+    res.reasons = {k: v - reasons0.get(k, 0) for k, v in stats.reasons.items() if v != reasons0.get(k, 0)}
+    try:
+        sched.allocator.check_integrity()
+        sched.table.check_integrity()
+    except RuntimeError as e:
+        res.integrity_error = str(e)
+    res.leaked_slots = sched.slots_in_use()
+    return res
+
+
+@dataclass
+class Agreement:
+    """How a run's generations compare with a reference's. A token agrees when it and every token
+    before it in its request equal the reference's; logits are compared only where the prefix so far
+    is identical (after a divergence the two continue from different text)."""
+
+    tokens_agreeing: int
+    tokens_total: int
+    requests_identical: int
+    requests: int
+    compared_steps: int
+    max_rel_logit_err: float  # max over compared steps of max|a - b| / max|b|, b = the reference's
+    mean_kl: float  # mean over compared steps of KL(reference || run) of the next-token distributions
+    first_divergence: Optional[tuple[int, int]] = None  # (request id, step)
+    # At the first divergence: the reference's logit of its token minus its logit of the run's token,
+    # over max|logit| (small: the reference itself nearly chose the run's token).
+    divergence_gap: Optional[float] = None
+
+    @property
+    def identical(self) -> bool:
+        return self.tokens_agreeing == self.tokens_total
+
+
+def compare(run: Sequence[Generation], ref: Sequence[Generation]) -> Agreement:
+    """Tokens and (where both kept them) logits of ``run`` against ``ref``, request by request."""
+    agreeing = total = identical = steps = 0
+    max_rel, kl_sum = 0.0, 0.0
+    first: Optional[tuple[int, int]] = None
+    gap: Optional[float] = None
+    for rid, (a, b) in enumerate(zip(run, ref, strict=True)):
+        n = len(b.tokens)
+        same = next((i for i in range(n) if a.tokens[i] != b.tokens[i]), n)
+        agreeing += same
+        total += n
+        identical += same == n
+        if same < n and first is None:
+            first = (rid, same)
+            if b.logits is not None:
+                lb = b.logits[same]
+                gap = float((lb[b.tokens[same]] - lb[a.tokens[same]]) / lb.abs().max())
+        if a.logits is None or b.logits is None:
+            continue
+        cmp = min(same + 1, n)  # the diverging step's logits still come from the same prefix
+        la, lb = a.logits[:cmp].double(), b.logits[:cmp].double()
+        err = (la - lb).abs().amax(dim=-1) / lb.abs().amax(dim=-1)
+        max_rel = max(max_rel, float(err.max()))
+        lpa, lpb = F.log_softmax(la, dim=-1), F.log_softmax(lb, dim=-1)
+        kl_sum += float((lpb.exp() * (lpb - lpa)).sum())
+        steps += cmp
+    mean_kl = kl_sum / steps if steps else float("nan")
+    return Agreement(agreeing, total, identical, len(ref), steps, max_rel, mean_kl, first, gap)
+
+
+@dataclass
+class PoolRun:
+    dtype: str
+    scales: str  # "1.0" or "calibrated" for FP8; "-" for pools that ignore scales
+    result: ServeResult
+    vs_hf: Agreement  # against HF's plain generate
+    vs_rounded: Optional[Agreement]  # against HF through a RoundingCache (None: pool dtype = model dtype)
+
+    @property
+    def label(self) -> str:
+        return self.dtype if self.scales == "-" else f"{self.dtype}, scale {self.scales}"
+
+
+@dataclass
+class Report:
+    config: RunConfig
+    device: str
+    transformers_version: str
+    runs: list[PoolRun]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp32_check(self) -> Optional[bool]:
+        """fp32 model and fp32 pool: identical tokens and logits within LOGIT_RTOL (None: not run)."""
+        runs = [r for r in self.runs if r.dtype == "fp32"]
+        if self.config.model_dtype != "fp32" or not runs:
+            return None
+        return all(r.vs_hf.identical and r.vs_hf.max_rel_logit_err <= LOGIT_RTOL for r in runs)
+
+    @property
+    def ok(self) -> bool:
+        return self.fp32_check is not False and all(r.result.allocators_ok for r in self.runs)
+
+
+def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MHATokenToKVPool:
+    """A pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest)."""
+    heads, head_dim, layers = kv_geometry(model)
+    pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
+    return MHATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, heads, head_dim, layers, cfg.device)
+
+
+def calibrate(cfg: RunConfig, model: LlamaForCausalLM, pool: MHATokenToKVPool, prompts: Sequence[Prompt]) -> Scales:
+    """Per-layer scales from the K/V amax the pool observes while it serves ``prompts`` at scale 1.0.
+
+    Uses the pool's ``reset_amax``/``observe_amax``/``calibrated_scales``, which ``MHATokenToKVPool``
+    may not have yet: callers check ``hasattr(pool, "calibrated_scales")`` first.
+    """
+    pool.reset_amax()  # type: ignore[attr-defined]
+    pool.observe_amax(True)  # type: ignore[attr-defined]
+    try:
+        serve(model, pool, prompts, cfg.batch, keep_logits=False)
+    finally:
+        pool.observe_amax(False)  # type: ignore[attr-defined]
+    return [(k, v) for k, v in pool.calibrated_scales(margin=1.0, per_head=False)]  # type: ignore[attr-defined]
+
+
+def run(cfg: RunConfig) -> Report:
+    """Build the model, serve the prompts on a pool of each dtype, compare each run with HF."""
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads is not None and torch.device(cfg.device).type == "cpu":
+        torch.set_num_threads(cfg.cpu_threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: RunConfig) -> Report:
+    model = build_model(cfg.shape, DTYPES[cfg.model_dtype], cfg.device, cfg.seed)
+    prompts = make_prompts(cfg)
+    hf = hf_reference(model, prompts)
+    report = Report(cfg, str(model.device), transformers.__version__, [])
+
+    def record(name: str, pool: MHATokenToKVPool, scales: Optional[Scales], label: str) -> None:
+        dtype = DTYPES[name]
+        res = serve(model, pool, prompts, cfg.batch, scales=scales)
+        rounded = None
+        if dtype != DTYPES[cfg.model_dtype]:
+            rounded = compare(res.generations, hf_reference(model, prompts, dtype, scales))
+        report.runs.append(PoolRun(name, label, res, compare(res.generations, hf), rounded))
+
+    for name in cfg.pool_dtypes:
+        pool = make_pool(cfg, model, DTYPES[name])
+        fp8 = DTYPES[name].itemsize == 1
+        record(name, pool, None, "1.0" if fp8 else "-")
+        if not (fp8 and cfg.calibrate):
+            continue
+        if hasattr(pool, "calibrated_scales"):
+            record(name, pool, calibrate(cfg, model, pool, prompts), "calibrated")
+        else:
+            note = "FP8 with calibrated scales: not run (MHATokenToKVPool has no calibrated_scales yet)"
+            if note not in report.notes:
+                report.notes.append(note)
+    return report
+
+
+def _agreement_line(a: Agreement) -> str:
+    if a.identical:
+        tokens = f"tokens identical ({a.tokens_total}/{a.tokens_total})"
+    else:
+        rid, step = a.first_divergence or (-1, -1)
+        tokens = (
+            f"tokens DIFFER: {a.tokens_agreeing}/{a.tokens_total} agree, {a.requests_identical}/{a.requests} "
+            f"requests entirely; first divergence request {rid} step {step}"
+        )
+        if a.divergence_gap is not None:
+            tokens += f" (the reference's logits for the two tokens {100 * a.divergence_gap:.2g}% of max|logit| apart)"
+    logits = f"max rel logit error {a.max_rel_logit_err:.1e}, mean KL {a.mean_kl:.1e} over {a.compared_steps} steps"
+    return f"{tokens}; {logits}"
+
+
+def format_summary(rep: Report) -> str:
+    cfg = rep.config
+    lo, hi = cfg.prompt_len
+    lines = [
+        f"kvpool llama_runner: LlamaForCausalLM ({cfg.shape.describe()}), {cfg.model_dtype} weights, "
+        f"seed {cfg.seed}, on {rep.device}",
+        f"  requests    {cfg.prompts} prompts of {lo}-{hi} tokens asking {cfg.new_tokens[0]}-{cfg.new_tokens[1]} "
+        f"new tokens, at most {cfg.batch} running; PagedTokenToKVPoolAllocator(page_size={cfg.page_size})",
+        f"  reference   transformers {rep.transformers_version}: generate(do_sample=False) of each prompt alone; "
+        f"'rounded': through a cache that rounds K/V as the pool does",
+    ]
+    for r in rep.runs:
+        s = r.result
+        lines.append(f"  pool {r.label}")
+        lines.append(f"    vs HF       {_agreement_line(r.vs_hf)}")
+        if r.vs_rounded is not None:
+            lines.append(f"    vs rounded  {_agreement_line(r.vs_rounded)}")
+        lines.append(
+            f"    served      {s.prefill_steps} prefill + {s.decode_steps} decode steps, peak {s.peak_running} "
+            f"running, {s.generated_tokens / s.wall_s:,.0f} tokens/s; set_kv_buffer fused {s.fused_calls}, "
+            f"reference {s.reference_calls}"
+        )
+        for reason, count in sorted(s.reasons.items(), key=lambda kv: -kv[1]):
+            lines.append(f"                reference because {reason} ({count} calls)")
+        if not s.allocators_ok:
+            problem = s.integrity_error or f"{s.leaked_slots} slots still held after every request finished"
+            lines.append(f"    allocators  FAILED: {problem}")
+    for note in rep.notes:
+        lines.append(f"  note        {note}")
+    if all(r.result.allocators_ok for r in rep.runs):
+        lines.append("  allocators  OK: integrity checks pass; every slot and row given back")
+    check = rep.fp32_check
+    if check is None:
+        lines.append("  fp32 check  not run (needs --model-dtype fp32 and an fp32 pool)")
+    else:
+        bound = f"fp32 pool's tokens identical to HF and logits within {LOGIT_RTOL:g} (relative)"
+        lines.append(f"  fp32 check  {'PASS' if check else 'FAILED'}: {bound}")
+    lines.append("PASS" if rep.ok else "FAIL")
+    return "\n".join(lines)
+
+
+def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+    d = RunConfig()
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--config", choices=sorted(SHAPES), default="small", help="model shape preset")
+    p.add_argument("--llama3-8b-shape", action="store_true", help="same as --config 8b-4layer")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim = hidden / heads)")
+    p.add_argument("--heads", type=int, help="override the preset's query heads")
+    p.add_argument("--kv-heads", type=int, help="override the preset's KV heads")
+    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
+    p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=d.model_dtype, help="weights and activations")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(d.pool_dtypes), help="pool dtypes")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="prompts to serve")
+    p.add_argument("--batch", type=int, default=d.batch, help="most requests running at once")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=d.prompt_len, metavar=("MIN", "MAX"))
+    p.add_argument("--new-tokens", type=int, nargs=2, default=d.new_tokens, metavar=("MIN", "MAX"))
+    p.add_argument("--page-size", type=int, default=d.page_size, help="slots per page")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the weights and the prompts")
+    p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated-scale FP8 runs")
+    p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads on a CPU (0: torch's choice)")
+    a = p.parse_args(argv)
+    preset = SHAPES["8b-4layer" if a.llama3_8b_shape else a.config]
+    names = ("layers", "hidden", "heads", "kv_heads", "vocab")
+    overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    return RunConfig(
+        shape=replace(preset, **overrides), model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
+        prompts=a.prompts, batch=a.batch, prompt_len=tuple(a.prompt_len), new_tokens=tuple(a.new_tokens),
+        page_size=a.page_size, seed=a.seed, device=a.device, calibrate=not a.no_calibrate,
+        cpu_threads=a.cpu_threads or None,
+    )  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        cfg = config_from_args(argv)
+        report = run(cfg)
+    except ValueError as e:
+        print(f"llama_runner: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
