@@ -137,6 +137,7 @@ class KVWriter:
         k_scale: object,
         v_scale: object,
         names: ArgNames,
+        amax: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:
         """Check, classify and perform one write given raw arguments (the pool's eager path).
 
@@ -144,7 +145,7 @@ class KVWriter:
         range, or a one-element float32 tensor on the device; a key decided before, hence checked
         before) is recognised with a few comparisons; anything else goes through the full checks,
         which raise on bad input before anything is written. ``validate`` adds the checks that read
-        device memory."""
+        device memory. ``amax`` as for :meth:`write`."""
         g = self.geometry
         decision = None
         if type(loc) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
@@ -176,7 +177,7 @@ class KVWriter:
             decision = self.decide(key)
         if self.validate:
             check_values(loc, names.loc, self.capacity, k_scale, v_scale)  # type: ignore[arg-type]
-        self._perform(decision, key, k, v, k_store, v_store, loc, k_scale, v_scale, None, None)  # type: ignore
+        self._perform(decision, key, k, v, k_store, v_store, loc, k_scale, v_scale, None, amax)  # type: ignore
 
     def write(
         self,

@@ -1,33 +1,29 @@
-"""``MHATokenToKVPool``: per-layer K/V buffers and the write every attention layer calls (SPEC 2-4)."""
+"""``MHATokenToKVPool``: per-layer K/V buffers and the writes every attention layer calls."""
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import Optional, Protocol
+import functools
+from typing import Callable, Optional
 
 import torch
 
-from kvpool.args import positive_int, resolve_device
-from kvpool.config import FusedMode, fused_mode, validate_enabled
-from kvpool.kernels.checks import POOL_NAMES, Geometry, Scale, check_write
-from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
-from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
+from kvpool.args import positive_int
+from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
+from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, is_fp8
+from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
-logger = logging.getLogger("kvpool")
-
-
-class HasLayerId(Protocol):
-    layer_id: int
+PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
 
 
-class MHATokenToKVPool:
+class MHATokenToKVPool(KVCache):
     """K/V cache buffers for the attention layers ``[start_layer, end_layer]`` of one rank.
 
     Each layer owns a K buffer ``[size + page_size, head_num, head_dim]`` and a V buffer
     ``[size + page_size, head_num, v_head_dim]``, zeroed. Slot 0 is the padding slot: padded tokens of
     a CUDA-graph batch may write there, and no allocator hands it out. FP8 buffers are stored as uint8
     (``store_dtype``); the getters return ``dtype`` views of the same memory.
+
+    The positional order of the arguments is SGLang's, so SGLang call sites carry over.
 
     Parameters
     ----------
@@ -40,17 +36,23 @@ class MHATokenToKVPool:
     device : where the buffers live. ``"cpu"`` works (reference path only). On CUDA, writes launch
         on the current device, so a pool on ``cuda:i`` is written while ``cuda:i`` is current, as in
         an engine process that calls ``torch.cuda.set_device(rank)`` once.
+    enable_memory_saver : SGLang's; must be False (kvpool has no memory saver).
     v_head_dim : V head dim (default ``head_dim``).
+    swa_head_num, swa_head_dim, swa_v_head_dim : SGLang's sliding-window geometry; when given they
+        replace ``head_num``, ``head_dim`` and ``v_head_dim``, as in SGLang.
     start_layer, end_layer : global id of the first and last layer held, both included;
-        ``end_layer`` defaults to ``start_layer + layer_num - 1``.
+        ``start_layer`` defaults to 0 and ``end_layer`` to ``start_layer + layer_num - 1``.
+    enable_alt_stream, enable_kv_cache_copy : SGLang's; accepted, no effect (kvpool writes K and V
+        in one launch, and ``move_kv_cache`` is always available).
     fused : ``"auto"`` (fused kernel when the gate allows, else reference), ``"always"`` (raise
         ``FusedPathUnavailable`` with the gate's reason instead of falling back), ``"never"``.
         ``KVPOOL_FUSED`` overrides it.
     warmup : on CUDA, compile at construction the kernel variants of contiguous (or QKV-sliced)
         inputs for every input dtype, loc dtype and scale kind (None, float, one-element tensor).
-        Per-head scale tensors and unusual input strides compile on their first call.
+        Per-head scale tensors, verify writes and unusual input strides compile on their first call.
     validate : check slot range and scale values on every write (one synchronisation each);
         ``KVPOOL_VALIDATE=1`` turns it on too.
+    observe_amax : start observing per-head maxima for calibration (see ``observe_amax()``).
 
     Examples
     --------
@@ -71,38 +73,32 @@ class MHATokenToKVPool:
         head_dim: int,
         layer_num: int,
         device: str | torch.device,
-        *,
+        enable_memory_saver: bool = False,
         v_head_dim: Optional[int] = None,
-        start_layer: int = 0,
+        swa_head_num: Optional[int] = None,
+        swa_head_dim: Optional[int] = None,
+        swa_v_head_dim: Optional[int] = None,
+        start_layer: Optional[int] = None,
         end_layer: Optional[int] = None,
+        enable_alt_stream: bool = True,
+        enable_kv_cache_copy: bool = False,
+        *,
         fused: str = "auto",
         warmup: bool = True,
         validate: bool = False,
+        observe_amax: bool = False,
     ) -> None:
-        self.size = positive_int(size, "size")
-        self.page_size = positive_int(page_size, "page_size")
-        if dtype not in CACHE_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))}, got {dtype}")
-        self.dtype = dtype
-        self.store_dtype = store_dtype_for(dtype)
-        self.head_num = positive_int(head_num, "head_num")
-        self.head_dim = positive_int(head_dim, "head_dim")
-        self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
-        self.layer_num = positive_int(layer_num, "layer_num")
-        if isinstance(start_layer, bool) or not isinstance(start_layer, int) or start_layer < 0:
-            raise ValueError(f"start_layer must be a non-negative int, got {start_layer!r}")
-        self.start_layer = start_layer
-        last = start_layer + layer_num - 1
-        if end_layer is not None and end_layer != last:
-            raise ValueError(
-                f"end_layer must be start_layer + layer_num - 1 = {last} (both ends included), got {end_layer!r}"
-            )
-        self.end_layer = last
-        self.device = resolve_device(device)
-        self.fused_mode: FusedMode = fused_mode(fused)
-        self.validate = validate_enabled(validate)
+        check_sglang_keywords(enable_memory_saver, enable_alt_stream, enable_kv_cache_copy)
+        super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer, fused, validate)
+        self.head_num = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
+        self.head_dim = positive_int(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
+        v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
+        self.v_head_dim = self.head_dim if v_dim is None else positive_int(v_dim, "v_head_dim")
+        #: Elements of one slot's K row and V row (SGLang's names).
+        self.row_dim = self.head_num * self.head_dim
+        self.v_row_dim = self.head_num * self.v_head_dim
 
-        rows = self.size + self.page_size
+        rows = self.rows
         self.k_buffer = [
             torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
             for _ in range(self.layer_num)
@@ -114,42 +110,37 @@ class MHATokenToKVPool:
         fp8 = is_fp8(dtype)
         self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
         self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
-
-        # The write decision for these buffers (every layer shares the geometry and strides).
-        self._writer = KVWriter(
+        self._init_writer(
             Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
-            tuple(self.k_buffer[0].stride()), tuple(self.v_buffer[0].stride()), rows, self.fused_mode,
-            caches_aligned=True, validate=self.validate,
+            self.k_buffer[0].stride(), self.v_buffer[0].stride(),
         )  # fmt: skip
-        self.stats: PathStats = self._writer.stats
-        if self.fused_mode == "always" and not self._writer.cache_ok:
-            raise FusedPathUnavailable(f"fused='always' but {self._writer.cache_reason}")
-        self.warmup_seconds: Optional[float] = None
-        if warmup and self._writer.launch is not None and self.device.type == "cuda":
+        if observe_amax:
+            self.observe_amax(True)  # warms the observing variants
+        elif warmup:
             self._warmup()
 
     # --- getters (SGLang names) ------------------------------------------------------------------
 
-    def _layer_index(self, layer_id: object) -> int:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        if not self.start_layer <= layer_id <= self.end_layer:
-            raise IndexError(
-                f"layer_id {layer_id} is outside this pool's layers [{self.start_layer}, {self.end_layer}]"
-            )
-        return layer_id - self.start_layer
-
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """K buffer of global layer ``layer_id``: ``[size + page_size, head_num, head_dim]`` of
         ``dtype`` (a view of the storage, never a copy)."""
-        return self._k_views[self._layer_index(layer_id)]
+        i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
+        return self._k_views[i]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """V buffer of global layer ``layer_id``: ``[size + page_size, head_num, v_head_dim]``."""
-        return self._v_views[self._layer_index(layer_id)]
+        i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
+        return self._v_views[i]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K buffer, V buffer) of global layer ``layer_id``."""
         i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
         return self._k_views[i], self._v_views[i]
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
@@ -158,7 +149,7 @@ class MHATokenToKVPool:
         v = sum(b.numel() * b.element_size() for b in self.v_buffer)
         return k, v
 
-    # --- the write -------------------------------------------------------------------------------
+    # --- writes ----------------------------------------------------------------------------------
 
     def set_kv_buffer(
         self,
@@ -171,7 +162,7 @@ class MHATokenToKVPool:
         layer_id_override: Optional[int] = None,
     ) -> None:
         """Write one layer's K/V rows for T tokens: row ``loc[t]`` of the layer's buffers becomes
-        ``q(cache_k[t], k_scale)`` and ``q(cache_v[t], v_scale)`` (SPEC 3.1).
+        ``q(cache_k[t], k_scale)`` and ``q(cache_v[t], v_scale)`` (docs/contract.md, "The write").
 
         Parameters
         ----------
@@ -199,15 +190,56 @@ class MHATokenToKVPool:
         if torch.compiler.is_compiling():
             self._write_compiled(i, loc, cache_k, cache_v, k_scale, v_scale)
             return
-        self._writer.store(self.k_buffer[i], self.v_buffer[i], loc, cache_k, cache_v, k_scale, v_scale, POOL_NAMES)
+        self._writer.store(
+            self.k_buffer[i], self.v_buffer[i], loc, cache_k, cache_v, k_scale, v_scale, POOL_NAMES,
+            self._amax_views[i] if self._observing else None,  # type: ignore[index]
+        )  # fmt: skip
 
-    def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
-        """Index into this pool's buffers of the layer a write names (raises for any other id)."""
-        layer_id = _layer_id_of(layer) if layer_id_override is None else layer_id_override
-        i = layer_id - self.start_layer if type(layer_id) is int else -1
-        if not 0 <= i < self.layer_num:
-            i = self._layer_index(layer_id)  # raises with the reason
-        return i
+    def set_kv_buffer_prefix_valid(
+        self,
+        layer: Optional[HasLayerId],
+        loc_2d: torch.Tensor,
+        commit_lens: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: Scale = None,
+        v_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """The speculative-decoding verify write: of each request's ``width`` draft tokens, write
+        only the first ``commit_lens[i]`` (the accepted prefix); the others write nothing.
+
+        Token ``(i, j)`` (input row ``i * width + j``) is written to slot ``loc_2d[i, j]`` exactly as
+        :meth:`set_kv_buffer` writes a token, iff ``j < commit_lens[i]``. On the fused path this is
+        one launch that reads ``commit_lens`` on the device: no synchronisation, CUDA-graph safe.
+
+        Parameters
+        ----------
+        layer, layer_id_override : as for :meth:`set_kv_buffer`.
+        loc_2d : Tensor [bs, width], int32/int64, on the pool's device (any strides).
+        commit_lens : Tensor [bs], int32/int64, on the pool's device. Values <= 0 write nothing for
+            that request; values >= width write all its tokens (``validate`` requires 0..width).
+        cache_k, cache_v : Tensor [bs * width, head_num, head_dim] / [bs * width, head_num, v_head_dim].
+        k_scale, v_scale : as for :meth:`set_kv_buffer`.
+
+        Raises
+        ------
+        TypeError, ValueError, IndexError
+            On malformed arguments, before anything is written; under ``validate`` also for a
+            committed slot out of range or a ``commit_lens`` value outside ``0..width``.
+        """
+        i = self._write_index(layer, layer_id_override)
+        key, k_scale, v_scale = check_write(
+            self._writer.geometry, cache_k, cache_v, loc_2d, k_scale, v_scale, PREFIX_NAMES, commit_lens
+        )
+        if self.validate:
+            _check_prefix_values(loc_2d, commit_lens, self.rows)
+            check_scale_values(k_scale, "k_scale")
+            check_scale_values(v_scale, "v_scale")
+        self._writer.write(
+            key, cache_k, cache_v, self.k_buffer[i], self.v_buffer[i], loc_2d, k_scale, v_scale,
+            commit_lens, self._amax_for(i),
+        )  # fmt: skip
 
     def _write_compiled(
         self, i: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale: Scale, v_scale: Scale
@@ -219,47 +251,45 @@ class MHATokenToKVPool:
         checked = check_write(self._writer.geometry, cache_k, cache_v, loc, k_scale, v_scale, POOL_NAMES)
         store_kv_op(
             cache_k, cache_v, self._k_views[i], self._v_views[i], loc,
-            checked.k_scale, checked.v_scale, self.fused_mode,
+            checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
 
     # --- warmup ----------------------------------------------------------------------------------
 
-    def warmup_variants(self) -> list[tuple[torch.dtype, torch.dtype, str]]:
-        """(input dtype, loc dtype, scale kind) combinations compiled at construction."""
-        scales = ("none", "float", "tensor") if is_fp8(self.dtype) else ("none",)
-        return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in scales]
+    def warmup_variants(self) -> list[tuple[torch.dtype, torch.dtype, Scale]]:
+        """(input dtype, loc dtype, scale) combinations compiled at construction."""
+        return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in self._warmup_scales()]
 
-    def _warmup(self) -> None:
-        """Compile and run each kernel variant once, writing zeros to the padding slot 0 only (the
-        buffers are still zero, so nothing changes)."""
-        start = time.perf_counter()
+    def _warmup_calls(self) -> list[Callable[[], None]]:
+        return [functools.partial(self._warmup_write, *variant) for variant in self.warmup_variants()]
+
+    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
         dev = self.device
-        variants = self.warmup_variants()
-        with torch.cuda.device(dev):
-            self._warmup_variants(variants)
-        torch.cuda.synchronize(dev)
-        self.warmup_seconds = time.perf_counter() - start
-        logger.info("kvpool: warmed %d fused-kernel variants in %.2f s", len(variants), self.warmup_seconds)
+        k = torch.zeros((1, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
+        v = torch.zeros((1, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
+        loc = torch.zeros(1, dtype=loc_dtype, device=dev)
+        key, scale, _ = check_write(self._writer.geometry, k, v, loc, scale, scale, POOL_NAMES)
+        self._writer.launch(key, k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale, None, self._amax_for(0))  # type: ignore[misc]
 
-    def _warmup_variants(self, variants: list[tuple[torch.dtype, torch.dtype, str]]) -> None:
-        dev = self.device
-        for in_dtype, loc_dtype, scale_kind in variants:
-            k = torch.zeros((1, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
-            v = torch.zeros((1, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
-            loc = torch.zeros(1, dtype=loc_dtype, device=dev)
-            scale: Scale = None
-            if scale_kind == "float":
-                scale = 1.0
-            elif scale_kind == "tensor":
-                scale = torch.ones(1, dtype=torch.float32, device=dev)
-            key, scale, _ = check_write(self._writer.geometry, k, v, loc, scale, scale, POOL_NAMES)
-            self._writer.launch(key, k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale)
+    def _amax_heads(self) -> tuple[int, int]:
+        return self.head_num, self.head_num
 
 
-def _layer_id_of(layer: object) -> object:
-    if layer is None:
-        raise TypeError("set_kv_buffer needs a layer with .layer_id or layer_id_override, got neither")
-    try:
-        return layer.layer_id  # type: ignore[attr-defined]
-    except AttributeError:
-        raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
+def _check_prefix_values(loc_2d: torch.Tensor, commit_lens: torch.Tensor, rows: int) -> None:
+    """Validate mode: every commit length in 0..width and every committed slot < rows (one sync)."""
+    width = loc_2d.shape[1]
+    lens = commit_lens.to(torch.int64)
+    bad = (lens < 0) | (lens > width)
+    if bool(bad.any()):
+        pos = int(torch.argmax(bad.to(torch.uint8)))
+        raise ValueError(f"commit_lens[{pos}] must be in 0..{width} (the width of loc_2d), got {int(lens[pos])}")
+    committed = torch.arange(width, device=loc_2d.device)[None, :] < lens[:, None]
+    slots = torch.where(committed, loc_2d.to(torch.int64), -1)
+    over = slots >= rows
+    if bool(over.any()):
+        flat = int(torch.argmax(over.reshape(-1).to(torch.uint8)))
+        r, c = divmod(flat, width)
+        raise IndexError(
+            f"loc_2d[{r}, {c}] = {int(slots[r, c])} is out of range: slots are 0..{rows - 1} "
+            f"(negative entries mean padding)"
+        )

@@ -1,0 +1,248 @@
+"""``KVCache``: what every kvpool pool shares (slots and pages, the layers a rank holds, the write
+decision and its statistics, warmup, and KV-scale calibration). A concrete pool adds its buffers,
+its getters and its write methods; see ``mha_pool.py`` and ``mla_pool.py``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from kvpool.args import non_negative_int, positive_int, resolve_device
+from kvpool.config import FusedMode, fused_mode, validate_enabled
+from kvpool.kernels.checks import F32_MIN_NORMAL, Geometry, Scale
+from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, is_fp8, store_dtype_for
+from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
+
+logger = logging.getLogger("kvpool")
+
+
+class HasLayerId(Protocol):
+    layer_id: int
+
+
+#: Keywords of SGLang's pool constructors that kvpool accepts for call-site compatibility, and the
+#: values it can honour (anything else raises, naming the keyword).
+def check_sglang_keywords(enable_memory_saver: object, enable_alt_stream: object, enable_kv_cache_copy: object) -> None:
+    """``enable_memory_saver=True`` asks for SGLang's torch_memory_saver (pausing and releasing the
+    cache's memory), which kvpool does not have. ``enable_alt_stream`` (SGLang overlaps its separate
+    K and V copies on a second stream; kvpool writes both in one launch) and ``enable_kv_cache_copy``
+    (SGLang builds its move tables only on request; kvpool's ``move_kv_cache`` is always available)
+    are accepted either way."""
+    if enable_memory_saver not in (False, None):
+        raise ValueError(
+            f"enable_memory_saver must be False: kvpool has no memory saver (pausing and releasing the "
+            f"KV cache's memory), got {enable_memory_saver!r}"
+        )
+    for name, value in (("enable_alt_stream", enable_alt_stream), ("enable_kv_cache_copy", enable_kv_cache_copy)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+class KVCache:
+    """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, then
+    ``_init_writer`` with the geometry the write kernel sees, and finally ``_finish_init``.
+
+    Attributes (SGLang names): ``size``, ``page_size``, ``dtype``, ``store_dtype``, ``layer_num``,
+    ``start_layer``, ``end_layer``, ``device``, ``layer_transfer_counter``; kvpool's own:
+    ``fused_mode``, ``validate``, ``stats`` (a ``PathStats``), ``warmup_seconds``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_num: int,
+        device: str | torch.device,
+        start_layer: Optional[int],
+        end_layer: Optional[int],
+        fused: str,
+        validate: bool,
+    ) -> None:
+        self.size = positive_int(size, "size")
+        self.page_size = positive_int(page_size, "page_size")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))}, got {dtype}")
+        self.dtype = dtype
+        self.store_dtype = store_dtype_for(dtype)
+        self.layer_num = positive_int(layer_num, "layer_num")
+        self.start_layer = 0 if start_layer is None else non_negative_int(start_layer, "start_layer")
+        last = self.start_layer + layer_num - 1
+        if end_layer is not None and end_layer != last:
+            raise ValueError(
+                f"end_layer must be start_layer + layer_num - 1 = {last} (both ends included), got {end_layer!r}"
+            )
+        self.end_layer = last
+        self.device = resolve_device(device)
+        self.fused_mode: FusedMode = fused_mode(fused)
+        self.validate = validate_enabled(validate)
+        #: SGLang's hook for the host tier: an object with ``wait_until(layer_index)`` that the getters
+        #: call before returning a layer's buffer (see ``register_layer_transfer_counter``).
+        self.layer_transfer_counter = None
+        self.warmup_seconds: Optional[float] = None
+        self._amax: Optional[torch.Tensor] = None  # [layer_num, 2, max heads] float32, once observed
+        self._amax_views: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self._observing = False
+
+    @property
+    def rows(self) -> int:
+        """Rows per layer buffer: ``size + page_size`` (slot 0 and the rest of page 0 are padding)."""
+        return self.size + self.page_size
+
+    def _init_writer(self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> None:
+        """The write decision for these buffers (every layer shares the geometry and strides)."""
+        self._writer = KVWriter(
+            geometry, tuple(k_strides), tuple(v_strides), self.rows, self.fused_mode,
+            caches_aligned=True, validate=self.validate,
+        )  # fmt: skip
+        self.stats: PathStats = self._writer.stats
+        if self.fused_mode == "always" and not self._writer.cache_ok:
+            raise FusedPathUnavailable(f"fused='always' but {self._writer.cache_reason}")
+
+    # --- layers ----------------------------------------------------------------------------------
+
+    def _layer_index(self, layer_id: object) -> int:
+        """Index into this pool's buffers of global layer ``layer_id`` (raises for any other id)."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        if not self.start_layer <= layer_id <= self.end_layer:
+            raise IndexError(
+                f"layer_id {layer_id} is outside this pool's layers [{self.start_layer}, {self.end_layer}]"
+            )
+        return layer_id - self.start_layer
+
+    def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
+        """Index of the layer a write names: ``layer_id_override`` or ``layer.layer_id``."""
+        layer_id = _layer_id_of(layer) if layer_id_override is None else layer_id_override
+        i = layer_id - self.start_layer if type(layer_id) is int else -1
+        if not 0 <= i < self.layer_num:
+            i = self._layer_index(layer_id)  # raises with the reason
+        return i
+
+    def register_layer_transfer_counter(self, layer_transfer_counter: object) -> None:
+        """Make the buffer getters call ``layer_transfer_counter.wait_until(layer_index)`` first (the
+        host tier's per-layer loads: a stream wait, never a host sync). None removes it."""
+        self.layer_transfer_counter = layer_transfer_counter
+
+    # --- warmup ----------------------------------------------------------------------------------
+
+    def _warmup_calls(self) -> list[Callable[[], None]]:
+        """Calls that compile and run every kernel variant a first real write would meet, writing
+        zeros to the padding slot 0 only. Subclasses list them."""
+        raise NotImplementedError
+
+    def _warmup(self) -> None:
+        """Compile each variant once on the pool's device (the buffers are still zero there, so
+        writing zeros to slot 0 changes nothing)."""
+        if self._writer.launch is None or self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        calls = self._warmup_calls()
+        with torch.cuda.device(self.device):
+            for call in calls:
+                call()
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - start
+        logger.info("kvpool: warmed %d fused-kernel variants in %.2f s", len(calls), self.warmup_seconds)
+
+    # --- calibration -----------------------------------------------------------------------------
+
+    def _amax_heads(self) -> tuple[int, int]:
+        """(K heads, V heads) whose maxima the writes observe."""
+        raise NotImplementedError
+
+    def observe_amax(self, enabled: bool = True) -> None:
+        """Make every write also fold the per-layer, per-head maximum of the finite |k| and |v| it
+        stores into a device buffer (``kv_amax``), in the same launch, with no synchronisation
+        (CUDA-graph safe; a graph captured while observing keeps observing on replay). NaN and
+        +-inf are left out: they store NaN or saturate whatever the scale. The maxima accumulate
+        until ``reset_amax()``; ``observe_amax(False)`` stops observing (writes then take the
+        variant with no observation code at all). On CUDA, turning it on compiles the observing
+        variants at once, as construction does for the plain ones."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be a bool, got {enabled!r}")
+        if enabled and self._amax is None:
+            kh, vh = self._amax_heads()
+            self._amax = torch.zeros((self.layer_num, 2, max(kh, vh)), dtype=torch.float32, device=self.device)
+            self._amax_views = [(a[0, :kh], a[1, :vh]) for a in self._amax]
+        was = self._observing
+        self._observing = enabled
+        if enabled and not was:
+            self._warmup()
+
+    @property
+    def kv_amax(self) -> Optional[torch.Tensor]:
+        """[layer_num, 2, heads] float32: the observed max |k| (index 0) and |v| (index 1) per local
+        layer and head (V's heads first when V has fewer); None before ``observe_amax`` was called."""
+        return self._amax
+
+    def reset_amax(self) -> None:
+        """Set the observed maxima back to zero (in place: a captured CUDA graph keeps its buffer)."""
+        if self._amax is not None:
+            self._amax.zero_()
+
+    def calibrated_scales(
+        self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """KV scales from the observed maxima: one ``(k_scale, v_scale)`` per layer this pool holds
+        (list index = ``layer_id - start_layer``), ready to pass to ``set_kv_buffer``.
+
+        Each scale is ``float32(amax * (margin / fmax))``, computed in float64 and rounded once, and
+        never below 2**-126 (the smallest valid scale: a layer or head never observed, or all zeros,
+        gets it, and any nonzero value then saturates). ``fmax`` is the largest finite value of
+        ``dtype`` (default: the pool's own, which must then be FP8; pass an FP8 dtype to calibrate a
+        16-bit pool for a later FP8 deployment).
+
+        Parameters
+        ----------
+        margin : > 0; values above 1 leave headroom for inputs larger than any observed.
+        per_head : one scale per head ([head_num] tensors) instead of one per tensor ([1]).
+        dtype : the FP8 format the scales are for.
+
+        Returns
+        -------
+        list of (Tensor, Tensor), float32 on the pool's device, shape [1] or [heads].
+        """
+        target = self.dtype if dtype is None else dtype
+        if target not in FP8_FORMATS:
+            raise ValueError(
+                f"dtype must be an FP8 format (torch.float8_e4m3fn or torch.float8_e5m2) for calibrated scales, "
+                f"got {target}" + (" (the pool's own dtype; pass dtype=...)" if dtype is None else "")
+            )
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (0 < margin < math.inf):
+            raise ValueError(f"margin must be a positive finite number, got {margin!r}")
+        if not isinstance(per_head, bool):
+            raise ValueError(f"per_head must be a bool, got {per_head!r}")
+        if self._amax is None:
+            raise ValueError("calibrated_scales needs observed maxima: call observe_amax(True) and write first")
+        factor = float(margin) / FP8_FORMATS[target].max_finite
+        kh, vh = self._amax_heads()
+        k_amax, v_amax = self._amax[:, 0, :kh], self._amax[:, 1, :vh]
+        if not per_head:
+            k_amax, v_amax = k_amax.amax(dim=1, keepdim=True), v_amax.amax(dim=1, keepdim=True)
+        k_scale = (k_amax.double() * factor).float().clamp_min(F32_MIN_NORMAL)
+        v_scale = (v_amax.double() * factor).float().clamp_min(F32_MIN_NORMAL)
+        return [(k_scale[i], v_scale[i]) for i in range(self.layer_num)]
+
+    def _amax_for(self, i: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self._amax_views[i] if self._observing else None  # type: ignore[index]
+
+    def _warmup_scales(self) -> tuple[Scale, ...]:
+        """The scale kinds warmup compiles: none, float and one-element tensor (FP8 pools), none
+        otherwise."""
+        if not is_fp8(self.dtype):
+            return (None,)
+        return (None, 1.0, torch.ones(1, dtype=torch.float32, device=self.device))
+
+
+def _layer_id_of(layer: object) -> object:
+    if layer is None:
+        raise TypeError("a write needs a layer with .layer_id or layer_id_override, got neither")
+    try:
+        return layer.layer_id  # type: ignore[attr-defined]
+    except AttributeError:
+        raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
