@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvpool.kernels import store_kv_kernel as K  # noqa: E402
-from kvpool.kernels.store_kv import plan_launch  # noqa: E402
+from kvpool.kernels.store_kv import plan_flat_launch, plan_launch  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
 TARGETS = {
@@ -36,10 +36,13 @@ TARGETS = {
 }
 
 
-def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False):
+def compile_variant(
+    target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False,
+    i64=True, flat=False,
+):  # fmt: skip
     target, soft = TARGETS[target_name]
     names = list(K._store_kv_kernel.arg_names)
-    plan = plan_launch(heads, head_dim, heads, head_dim)
+    plan = (plan_flat_launch if flat else plan_launch)(heads, head_dim, heads, head_dim)
     sig = {
         "k_ptr": f"*{in_type}", "v_ptr": f"*{in_type}",
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
@@ -51,10 +54,11 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     }  # fmt: skip
     strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
     const = dict(
-        H=heads, D=head_dim, HV=heads, DV=head_dim, BLOCK_T=plan.block_t, BLOCK_H=plan.block_h,
-        BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+        H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim, BLOCK_T=plan.block_t,
+        BLOCK_H=plan.block_h, BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+        BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
-        PREFIX=prefix, OBSERVE=observe,
+        PREFIX=prefix, OBSERVE=observe, I64=i64,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -70,7 +74,8 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     )
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
-            "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe}  # fmt: skip
+            "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe,
+            "i64": i64, "flat": flat}  # fmt: skip
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
@@ -79,6 +84,7 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         info["div_rn"] = ptx.count("div.rn.f32")
         info["fma_rn"] = ptx.count("fma.rn.f32")
         info["max_nan"] = ptx.count("max.NaN.f32")
+        info["mul_wide"] = ptx.count("mul.wide.s32") + ptx.count("mul.lo.s64")
         info["atom_max"] = len(re.findall(r"atom\.global(?:\.\w+)*\.max", ptx)) + len(re.findall(r"red\.global(?:\.\w+)*\.max", ptx))
     return info
 
@@ -103,6 +109,8 @@ def main() -> int:
             ("gfx942", 3, 96, 1, "fp16", 1, 1),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", True, False),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, True),
+            ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, False, False),
+            ("sm90", 3, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)
