@@ -106,7 +106,7 @@ FULL = Plan(
     "full", "cuda", tokens=(1, 32, 128, 256, 4096, 8192, 16384, 32768), large_min=8192, decode_max=256,
     calib_tokens=(1, 256, 16384), prefix_models=tuple(list(MODELS)[:2]), prefix_bs=(1, 2, 4, 8, 16, 32, 64),
     prefix_width=16, move_slots=(1, 16, 256), slots=1 << 20, layers=8, move_layers=32, move_pool_slots=1 << 17,
-    cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=3000, host_runs=7, budget_s=480,
+    cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=3000, host_runs=7, budget_s=330,
 )  # fmt: skip
 QUICK = Plan(
     "quick", "cuda", tokens=(1, 256, 8192, 16384), large_min=8192, decode_max=256,
@@ -510,7 +510,9 @@ def bench_moves(run: Run) -> None:
             moves["records"].append(rec)
             line.append(f"{method}=" + (f"{rec['device_us']:.1f} us" if "device_us" in rec else "error"))
         log(f"  move {n} slots x {plan.move_layers} layers (cold device time): " + ", ".join(line))
-    del pool
+    del pool, kb, vb
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the write section's pools need the room
 
 
 # --- run ---------------------------------------------------------------------------------------------
