@@ -149,12 +149,19 @@ def per_token_triton(k, v, k_cache, v_cache, loc, k_scale, v_scale):
     for x, name in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _row_major(x, name)
     row, v_row = h * d, v.shape[1] * v.shape[2]
+    block, v_block = triton.next_power_of_2(row), triton.next_power_of_2(v_row)
     _per_token_kernel[(t,)](
         k, v, k_cache, v_cache, loc, k_scale, v_scale,
         k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        ROW=row, V_ROW=v_row, BLOCK=triton.next_power_of_2(row), V_BLOCK=triton.next_power_of_2(v_row),
-        FMAX=torch.finfo(k_cache.dtype).max,
+        ROW=row, V_ROW=v_row, BLOCK=block, V_BLOCK=v_block, FMAX=torch.finfo(k_cache.dtype).max,
+        num_warps=per_token_warps(max(block, v_block)),
     )  # fmt: skip
+
+
+def per_token_warps(block: int) -> int:
+    """Warps for a row of ``block`` elements: the rule of Triton's layer-norm tutorial, which is where
+    a user writing this kernel would take it from (about 256 elements per warp, 1 to 8 warps)."""
+    return min(max(block // 256, 1), 8)
 
 
 def per_layer_move(k_buffers, v_buffers, tgt, src):
