@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
-#   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick]
-# [sim] (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
+#   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick] [sim] [llama]
+# (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
+# "tests" runs the whole suite on the GPU: the gpu-marked tests and every device-agnostic test with
+# CUDA tensors.
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,10 +33,10 @@ for stage in $stages; do
   case "$stage" in
     tests)
       # The GPU suite plus the device-agnostic suites, which run the compiled kernel on CUDA here.
-      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 \
-        tests/test_gpu.py tests/test_kernel.py tests/test_pool.py tests/test_gate.py tests/test_compile.py ;;
+      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 -rfEs tests/ ;;
     first_call) step first_call python3 benchmarks/first_call.py ;;
     sim) step sim python3 examples/serve_sim.py ;;
+    llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
