@@ -92,8 +92,9 @@ class RowTable:
     """A list of buffers that one launch addresses: buffer b is ``rows x row_bytes[b]`` bytes, row r at
     ``base[b] + r * row_stride[b]`` (bytes). All buffers of a table share ``rows`` and ``device``.
 
-    Build tables once (``RowTable.of`` copies the address table to the device, one synchronisation),
-    off the hot path; a table keeps its buffers alive, and is only valid while they are not resized.
+    Build tables off the hot path, and not while a CUDA graph is being captured: ``RowTable.of``
+    copies the address table to the device (one synchronisation, or none with ``non_blocking``). A
+    table keeps its buffers alive; it is valid as long as they are not resized or re-pointed.
 
     Attributes
     ----------
@@ -147,7 +148,11 @@ class RowTable:
 
     @classmethod
     def of(
-        cls, buffers: Sequence[torch.Tensor], *, table_device: Optional[str | torch.device] = None
+        cls,
+        buffers: Sequence[torch.Tensor],
+        *,
+        table_device: Optional[str | torch.device] = None,
+        non_blocking: bool = False,
     ) -> "RowTable":
         """A table of ``buffers``: each ``[rows, ...]`` with its row (dims 1..) contiguous, any dtype.
 
@@ -156,6 +161,10 @@ class RowTable:
         buffers : non-empty sequence of Tensor, same ``rows`` (dim 0) and device.
         table_device : where the address table (and the kernel) lives. Default: the buffers' device;
             for pinned host buffers, the current CUDA device when CUDA is available.
+        non_blocking : copy the address table to a CUDA device through pinned memory on the current
+            stream, without synchronising; the table is then ready for work on that stream (or on
+            streams that wait for it). Default: a plain copy, which synchronises once (tables built
+            at construction and used on several streams).
 
         Raises
         ------
@@ -194,7 +203,12 @@ class RowTable:
         pinned = device.type == "cpu" and torch.cuda.is_available() and all(t.is_pinned() for t in buffers)
         tdev = _table_device(device, pinned, table_device)
         host = torch.tensor([addrs, strides, row_bytes], dtype=torch.int64)
-        table = host.to(tdev) if tdev.type != "cpu" else host
+        if tdev.type == "cpu":
+            table = host
+        elif non_blocking:
+            table = host.pin_memory().to(tdev, non_blocking=True)
+        else:
+            table = host.to(tdev)
         return cls(tuple(buffers), rows, tuple(row_bytes), device, table, tuple(addrs), tuple(strides), pinned)
 
     def __len__(self) -> int:
