@@ -77,6 +77,10 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**7 else f"{nbytes:,} bytes"
+
+
 def _register_pinned(t: torch.Tensor) -> None:
     """Page-lock ``t`` in place (cudaHostRegister): exact size, unlike the caching host allocator,
     which rounds pinned blocks up to powers of two. Unregistered when ``t`` is collected."""
@@ -181,7 +185,7 @@ class MHATokenToKVPoolHost:
         self.end_layer = device_pool.start_layer + device_pool.layer_num - 1
         self.head_num, self.head_dim, self.v_head_dim = device_pool.head_num, device_pool.head_dim, device_pool.v_head_dim
         self.dtype, self.store_dtype = device_pool.dtype, device_pool.store_dtype
-        esz = torch.empty(0, dtype=self.store_dtype).element_size()
+        esz = self.store_dtype.itemsize
         self.k_row_bytes = self.head_num * self.head_dim * esz
         self.v_row_bytes = self.head_num * self.v_head_dim * esz
         self.size_per_token = self.layer_num * (self.k_row_bytes + self.v_row_bytes)
@@ -207,10 +211,9 @@ class MHATokenToKVPoolHost:
         reserve = min(HOST_RESERVE_BYTES, available // 4)
         if requested > available - reserve:
             raise ValueError(
-                f"host memory: the host pool needs {requested / 1e9:.2f} GB ({self.size} slots x "
-                f"{self.size_per_token} B) but only {max(0, available - reserve) / 1e9:.2f} GB is available "
-                f"({available / 1e9:.2f} GB free, {reserve / 1e9:.2f} GB kept back); lower host_size or "
-                f"host_to_device_ratio"
+                f"host memory: the host pool needs {_gb(requested)} ({self.size} slots x {self.size_per_token} B) "
+                f"but only {_gb(max(0, available - reserve))} is available ({_gb(available)} free, "
+                f"{_gb(reserve)} kept back); lower host_size or host_to_device_ratio"
             )
 
         cuda = device_pool.device.type == "cuda"
