@@ -26,7 +26,10 @@ waiting for the compute stream's work so far (a stream wait); loads record one e
 ``layer_transfer_counter``, which the device pool's getters wait on once registered with
 ``device_pool.register_layer_transfer_counter``. Nothing waits on the host. Transfers that touch the
 same host pages are ordered (a load waits for the backup that wrote its pages, a backup for the
-loads still reading them). With a CPU device pool all of it is plain, synchronous CPU copies.
+loads still reading them), and a backup waits for the loads enqueued before it. Device slots stay
+the caller's to order: hand slots a backup reads to other work only after its event (or
+``wait_for_backups()``), and read loaded slots through the getters with the counter registered (or
+after ``wait_for_loads()``). With a CPU device pool all of it is plain, synchronous CPU copies.
 """
 
 from __future__ import annotations
@@ -230,7 +233,9 @@ class MHATokenToKVPoolHost:
         # Row tables: the host buffers per layer (K0, V0, K1, V1, ...), matching the device pool's.
         k_layers, v_layers = self._layer_views(self.k_buffer), self._layer_views(self.v_buffer)
         host_bufs = [t for pair in zip(k_layers, v_layers) for t in pair]
-        self._host_rows = rows.RowTable.of(host_bufs, table_device=device_pool.device if self.pin_memory else None)
+        self._host_rows = rows.RowTable.of(
+            host_bufs, table_device=device_pool.device if self.pin_memory else None, pinned=self.pin_memory or None
+        )
         self._host_layer_rows = [self._host_rows.select(2 * i, 2 * i + 2) for i in range(self.layer_num)]
         self._device_rows = kv_rows(device_pool)
         self._device_layer_rows = [self._device_rows.select(2 * i, 2 * i + 2) for i in range(self.layer_num)]
@@ -372,6 +377,8 @@ class MHATokenToKVPoolHost:
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
         self._check_device_pool(device_pool)
+        if io_backend == "kernel" and device_pool.device.type == "cuda" and not self.pin_memory:
+            raise ValueError("io_backend='kernel' reads host memory from the GPU and needs pin_memory=True; got pin_memory=False (use 'direct')")
         slots = self._host_slots(host_indices, "host_indices")
         d_idx = self._device_indices(device_pool, device_indices, slots.shape[0])
         if self.validate and slots.shape[0]:
@@ -413,6 +420,7 @@ class MHATokenToKVPoolHost:
         compute = torch.cuda.current_stream(device_pool.device)  # before the context makes `stream` current
         with torch.cuda.device(device_pool.device), torch.cuda.stream(stream):
             stream.wait_stream(compute)  # the rows' K/V writes come first
+            stream.wait_stream(self.load_stream)  # and loads enqueued before (they may write these rows)
             self._wait_pages(stream, self._page_read, pages)  # loads still reading these pages
             h_dev = self._host_index_tensor(slots, device_pool.device) if io_backend == "kernel" else None
             self._run(io_backend, "backup", table, None, slots, d_idx, h_dev)
