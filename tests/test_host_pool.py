@@ -547,3 +547,41 @@ def test_kernel_backend_runs_the_kernel(monkeypatch, layout):
     for layer in range(3):
         for which in "kv":
             assert torch.equal(dev_rows(other, layer, which)[10:18], dev_rows(pool, layer, which)[d])
+
+
+# --- pinned host buffers (cudaHostRegister mocked: the arithmetic of the registered range) ----------
+
+
+class FakeCudart:
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert flags == 3  # portable | mapped
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+
+@pytest.mark.parametrize("k_shape, v_shape", [((3, 5, 2, 8), (3, 5, 2, 4)), ((2, 1000, 8, 128), (2, 1000, 8, 64))])
+def test_pinned_buffers_register_whole_pages_of_their_own(monkeypatch, k_shape, v_shape):
+    import os
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    page = os.sysconf("SC_PAGE_SIZE")
+    k, v, handle = host_pool._host_buffers(k_shape, v_shape, torch.uint8, True)
+    assert k.shape == k_shape and v.shape == v_shape and k.is_contiguous() and v.is_contiguous()
+    [(ptr, size)] = fake.registered.items()
+    assert ptr % page == 0 and size % page == 0
+    raw = handle.raw
+    assert raw.data_ptr() <= ptr and ptr + size <= raw.data_ptr() + raw.numel()  # inside the allocation
+    for t in (k, v):
+        assert t.data_ptr() % page == 0 and ptr <= t.data_ptr() and t.data_ptr() + t.numel() <= ptr + size
+    assert k.data_ptr() + k.numel() <= v.data_ptr()  # no overlap
+    del handle
+    assert not fake.registered  # unregistered with its handle; k and v stay valid host memory
+    assert k.sum() >= 0 and v.sum() >= 0

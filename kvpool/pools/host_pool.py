@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,21 +83,45 @@ def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**7 else f"{nbytes:,} bytes"
 
 
-def _register_pinned(t: torch.Tensor) -> None:
-    """Page-lock ``t`` in place (cudaHostRegister): exact size, unlike the caching host allocator,
-    which rounds pinned blocks up to powers of two. Unregistered when ``t`` is collected."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 1e9:.2f} GB of host memory failed with cudaError {err}")
-    # Views keep their base tensor alive, so the memory stays registered while any view is in use.
-    weakref.finalize(t, _unregister_pinned, t.data_ptr())
+class _PinnedRegion:
+    """Whole pages of host memory page-locked in place with cudaHostRegister, unregistered when this
+    object (held by the host pool) is collected; it holds the allocation until then."""
+
+    def __init__(self, raw: torch.Tensor, ptr: int, nbytes: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {_gb(nbytes)} of host memory failed with cudaError {err}")
+        self.raw, self.ptr, self.nbytes = raw, ptr, nbytes
+
+    def __del__(self) -> None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        except Exception:  # interpreter shutdown: CUDA may be gone already
+            pass
 
 
-def _unregister_pinned(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+def _host_buffers(
+    k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+) -> tuple[torch.Tensor, torch.Tensor, Optional[_PinnedRegion]]:
+    """The K and V host buffers. Pinned ones are page-locked in place (exact size, where the caching
+    host allocator would round a block up to a power of two): one allocation with a page of slack
+    at each end, so that the registered range is whole pages that no other allocation shares
+    (registering a page twice fails). The region stays registered while the returned handle lives;
+    views kept past it are plain host memory."""
+    if not pin:
+        return torch.empty(k_shape, dtype=dtype), torch.empty(v_shape, dtype=dtype), None
+    page = os.sysconf("SC_PAGE_SIZE")
+    k_bytes = math.prod(k_shape) * dtype.itemsize
+    v_bytes = math.prod(v_shape) * dtype.itemsize
+    k_span = -(-k_bytes // page) * page
+    span = k_span + -(-v_bytes // page) * page
+    raw = torch.empty(span + 2 * page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    region = raw[start : start + span]
+    handle = _PinnedRegion(raw, region.data_ptr(), span)
+    k = region[:k_bytes].view(dtype).view(k_shape)
+    v = region[k_span : k_span + v_bytes].view(dtype).view(v_shape)
+    return k, v, handle
 
 
 @dataclass
@@ -222,11 +245,10 @@ class MHATokenToKVPoolHost:
         cuda = device_pool.device.type == "cuda"
         self.pin_memory = bool(pin_memory) and cuda
         lead = (self.layer_num, self.size) if layout == "layer_first" else (self.size, self.layer_num)
-        self.k_buffer = torch.empty((*lead, self.head_num, self.head_dim), dtype=self.store_dtype)
-        self.v_buffer = torch.empty((*lead, self.head_num, self.v_head_dim), dtype=self.store_dtype)
-        if self.pin_memory:
-            _register_pinned(self.k_buffer)
-            _register_pinned(self.v_buffer)
+        self.k_buffer, self.v_buffer, self._pinned = _host_buffers(
+            (*lead, self.head_num, self.head_dim), (*lead, self.head_num, self.v_head_dim), self.store_dtype,
+            self.pin_memory,
+        )  # fmt: skip
         self._k_flat = self.k_buffer.view(-1).view(torch.uint8)
         self._v_flat = self.v_buffer.view(-1).view(torch.uint8)
 
@@ -362,7 +384,7 @@ class MHATokenToKVPoolHost:
         if indices.shape[0] != n:
             raise ValueError(f"device_indices must have as many entries as host_indices ({n}), got {indices.shape[0]}")
         # Checked eagerly where the data is on the CPU; on the GPU only under validate (one sync).
-        if dev.type == "cpu" or self.validate or device_pool.validate:
+        if dev.type == "cpu" or self.validate or getattr(device_pool, "validate", False):
             rows.check_in_range([(indices, device_pool.size + device_pool.page_size, "device_indices")])
         return indices
 
