@@ -119,7 +119,7 @@ class RowTable:
 
     __slots__ = (
         "buffers", "rows", "row_bytes", "device", "table", "table_device", "align", "pinned",
-        "_addrs", "_strides", "_alias", "__weakref__",
+        "distinct_row_bytes", "_addrs", "_strides", "_alias", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -137,6 +137,7 @@ class RowTable:
         self.buffers = buffers
         self.rows = rows
         self.row_bytes = row_bytes
+        self.distinct_row_bytes = tuple(sorted(set(row_bytes)))  # what a launch plan depends on
         self.device = device
         self.table = table
         self.table_device = table.device
@@ -471,7 +472,7 @@ def launch_copy_rows(
     if tile is None:
         tile = FEW_PROGRAMS_TILE if max_programs is not None and max_programs <= FEW_PROGRAMS else SM_TILE
     cap = max_programs if max_programs is not None else _sm_count(device) * PROGRAMS_PER_SM
-    plan = plan_copy(n, len(dst), tuple(sorted(set(dst.row_bytes))), min(dst.align, src.align), one_pass, cap, tile)
+    plan = plan_copy(n, len(dst), dst.distinct_row_bytes, min(dst.align, src.align), one_pass, cap, tile)
     args = (
         dst.table, src.table, dst_index, src_index, n, dst.rows, src.rows,
         dst_index.stride(0), src_index.stride(0), dst.table.stride(0), src.table.stride(0),
@@ -613,10 +614,10 @@ def copy_rows(
     >>> pool = RowTable.of([k_cache, v_cache])                  # [slots, H, D] each
     >>> copy_rows(pool, torch.tensor([7, 8]), pool, torch.tensor([3, 4]))   # rows 3, 4 -> 7, 8
     """
-    _copy(dst, dst_index, src, src_index, max_programs, validate, ("dst_index", "src_index"))
+    checked_copy(dst, dst_index, src, src_index, max_programs, validate, ("dst_index", "src_index"))
 
 
-def _copy(
+def checked_copy(
     dst: RowTable,
     dst_index: torch.Tensor,
     src: RowTable,
@@ -625,6 +626,8 @@ def _copy(
     validate: bool,
     names: tuple[str, str],
 ) -> None:
+    """:func:`copy_rows` with the callers' own names for the index arguments in its errors (a pool's
+    ``tgt_loc``/``src_loc``, a host pool's ``host_indices``/``device_indices``)."""
     device = _compute_device(dst, src)
     n = check_pairs(dst_index, src_index, device, names)
     if max_programs is not None:
