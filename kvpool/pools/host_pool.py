@@ -179,6 +179,16 @@ class MHATokenToKVPoolHost:
     ``device_pool.size * host_to_device_ratio``, rounded down to whole pages; ``size_per_token`` is
     ``layer_num * head_num * (head_dim + v_head_dim)`` bytes of the storage dtype.
 
+    Attributes
+    ----------
+    size, page_num, page_size, layout, layer_num, start_layer, end_layer, head_num, head_dim,
+    v_head_dim : as the names say (layers use the device pool's global ids).
+    dtype : the device pool's element type; ``store_dtype`` what the buffers hold (uint8 for FP8;
+        SGLang's host pool calls that one ``dtype``).
+    k_buffer, v_buffer : the host buffers (see the module docstring for their shapes).
+    load_stream, backup_stream : the transfer streams (None on a CPU pool).
+    layer_transfer_counter : per-layer load events, for ``register_layer_transfer_counter``.
+
     Raises
     ------
     ValueError
