@@ -38,18 +38,14 @@ import torch
 from kvpool.args import positive_int
 
 try:
-    import triton.language as tl
-
     from kvpool.kernels import copy_rows_kernel as _k
 
     TRITON_AVAILABLE = True
     INTERPRETER = type(_k._copy_rows_kernel).__name__ == "InterpretedFunction"
-    _ELEM_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
     TRITON_AVAILABLE = False
     INTERPRETER = False
-    _ELEM_TYPES = {}
 
 #: Most pairs a copy between aliasing tables does in one launch: the program of a column chunk holds
 #: all pairs' bytes of that chunk, at least one 16-byte vector each, within a 4096-element tile.
@@ -479,7 +475,7 @@ def launch_copy_rows(
         len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
     consts = dict(
-        ELEM=_ELEM_TYPES[plan.elem_bytes], ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
         BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
         num_warps=plan.num_warps,
     )  # fmt: skip
