@@ -7,12 +7,18 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
+# Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
+# kvpool.kernels.copy_rows stays the module.
+from kvpool.kernels.copy_rows import RowTable, copy_rows
 from kvpool.pools import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
     IntegrityError,
+    KVCpuCopy,
     KVGeometry,
+    LayerTransferCounter,
     MHATokenToKVPool,
+    MHATokenToKVPoolHost,
     PagedTokenToKVPoolAllocator,
     PathStats,
     ReqToTokenPool,
@@ -28,14 +34,19 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "FusedPathUnavailable",
     "IntegrityError",
+    "KVCpuCopy",
     "KVGeometry",
+    "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
+    "RowTable",
     "TokenToKVPoolAllocator",
     "kv_bytes_per_token",
     "max_pool_size",
+    "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",
     "quantize",

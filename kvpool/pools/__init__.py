@@ -7,8 +7,11 @@ from kvpool.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.layer_transfer import LayerTransferCounter
 from kvpool.kernels.write import PathStats
+from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
 
@@ -16,8 +19,11 @@ __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
     "IntegrityError",
+    "KVCpuCopy",
     "KVGeometry",
+    "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
