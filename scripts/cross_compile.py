@@ -5,7 +5,9 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 (the interpreter would not notice a construct the compiler rejects) and that the Hopper build keeps
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
-Usage: python scripts/cross_compile.py [--full]   (TRITON_INTERPRET must not be set)
+Usage: python scripts/cross_compile.py [--full | --copy-rows]   (TRITON_INTERPRET must not be set)
+``--copy-rows`` compiles the row-copy kernel (copy_rows_kernel.py) instead, for the plans the
+launcher makes, and counts its vector accesses and barriers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvpool.kernels import copy_rows_kernel as CK  # noqa: E402
 from kvpool.kernels import store_kv_kernel as K  # noqa: E402
+from kvpool.kernels.copy_rows import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
 from kvpool.kernels.store_kv import plan_launch  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
@@ -79,10 +83,68 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     return info
 
 
+_COPY_ELEM = {1: "u8", 2: "i16", 4: "i32"}
+_COPY_TL = {1: "uint8", 2: "int16", 4: "int32"}
+
+
+def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_programs=False, index_type="i64"):
+    """Compile the copy kernel as the launcher would launch it for this geometry."""
+    import triton.language as tl
+
+    target, _ = TARGETS[target_name]
+    tile = FEW_PROGRAMS_TILE if few_programs else SM_TILE
+    plan = plan_copy(n_pairs, 2, tuple(sorted(set(row_bytes))), align, one_pass, 8 if few_programs else 1056, tile)
+    names = list(CK._copy_rows_kernel.arg_names)
+    sig = {"dst_table_ptr": "*i64", "src_table_ptr": "*i64", "dst_index_ptr": f"*{index_type}", "src_index_ptr": f"*{index_type}"}
+    for n in names[4:]:
+        if n.isupper():
+            break
+        sig[n] = "i32"
+    const = dict(
+        ELEM=getattr(tl, _COPY_TL[plan.elem_bytes]), ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
+    )  # fmt: skip
+    sig.update({n: "constexpr" for n in const})
+    src = ASTSource(fn=CK._copy_rows_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
+    info = {"kernel": "copy_rows", "target": target_name, "row_bytes": list(row_bytes), "align": align,
+            "pairs": n_pairs, "one_pass": one_pass, "few_programs": few_programs, "block_p": plan.block_p,
+            "block_w": plan.block_w, "elem": _COPY_ELEM[plan.elem_bytes], "num_warps": plan.num_warps}  # fmt: skip
+    ptx = compiled.asm.get("ptx")
+    if ptx is not None:
+        for width in ("v4", "v2"):
+            info[f"ld_{width}"] = len(re.findall(rf"ld\.global(?:\.\w+)*\.{width}", ptx))
+            info[f"st_{width}"] = len(re.findall(rf"st\.global(?:\.\w+)*\.{width}", ptx))
+        info["ld"] = len(re.findall(r"ld\.global", ptx))
+        info["st"] = len(re.findall(r"st\.global", ptx))
+        info["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
+    return info
+
+
+COPY_VARIANTS = [
+    # (target, row bytes (K, V), align, pairs, one pass, few programs)
+    ("sm90", (1024, 1024), 16, 100_000, False, False),  # Llama-3-8B FP8 rows, device-to-device
+    ("sm90", (1024, 1024), 16, 8192, False, True),  # the host tier's grid of a few programs
+    ("sm90", (1024, 1024), 16, 256, True, False),  # a speculative-decoding move (aliasing)
+    ("sm90", (1024, 1024), 16, 1, True, False),
+    ("sm90", (288, 192), 16, 7, False, False),  # H=3, D=96 FP8 with Dv=64: rows of two lengths
+    ("sm90", (24, 24), 8, 64, False, False),  # 8-byte aligned rows: 8-byte vectors
+    ("sm90", (6, 6), 2, 64, False, False),
+    ("sm100", (1024, 1024), 16, 256, True, False),
+    ("sm80", (512, 512), 16, 4096, False, False),
+    ("gfx942", (1024, 1024), 16, 256, True, False),
+]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--full", action="store_true", help="every output kind, input type and scale kind")
+    parser.add_argument("--copy-rows", action="store_true", help="the row-copy kernel's variants instead")
     args = parser.parse_args()
+    if args.copy_rows:
+        for v in COPY_VARIANTS:
+            print(json.dumps(compile_copy_rows(*v)), flush=True)
+        return 0
     if args.full:
         variants = itertools.product(TARGETS, [(3, 96), (8, 128)], range(5), ["bf16", "fp16", "fp32"], range(4))
         variants = [(t, h, d, o, i, s, s) for t, (h, d), o, i, s in variants]

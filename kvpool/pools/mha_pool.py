@@ -16,6 +16,8 @@ from kvpool.kernels.checks import F32_MIN_NORMAL, F32_MAX, POOL_NAMES, Scale
 from kvpool.kernels.checks import check_values, check_write
 from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.gate import fused_eligibility
+from kvpool.pools import kv_moves
+from kvpool.pools.layer_transfer import LayerTransferCounter
 
 logger = logging.getLogger("kvpool")
 
@@ -131,6 +133,7 @@ class MHATokenToKVPool:
         fp8 = is_fp8(dtype)
         self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
         self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
+        self._kv_rows = kv_moves.pool_row_table(self)  # moves, CPU copies, host tier: one launch for all layers
 
         self._scales_apply = fp8
         # The gate's verdict on what is fixed at construction (device, dtype, layout), and a memo
@@ -163,15 +166,24 @@ class MHATokenToKVPool:
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """K buffer of global layer ``layer_id``: ``[size + page_size, head_num, head_dim]`` of
-        ``dtype`` (a view of the storage, never a copy)."""
-        return self._k_views[self._layer_index(layer_id)]
+        ``dtype`` (a view of the storage, never a copy). With a layer-transfer counter registered,
+        the current stream first waits for that layer's load (a stream wait, not a host sync)."""
+        i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
+        return self._k_views[i]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """V buffer of global layer ``layer_id``: ``[size + page_size, head_num, v_head_dim]``."""
-        return self._v_views[self._layer_index(layer_id)]
+        i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
+        return self._v_views[i]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
         return self._k_views[i], self._v_views[i]
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
@@ -373,6 +385,39 @@ class MHATokenToKVPool:
                 scale = torch.ones(1, dtype=torch.float32, device=dev)
             self._launch(k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale)
 
+    # --- moves, CPU copies, host tier (kvpool/pools/kv_moves.py, kvpool/pools/host_pool.py) ----------
+
+    #: Set by ``register_layer_transfer_counter``; the getters wait on it when it is not None.
+    layer_transfer_counter: Optional[LayerTransferCounter] = None
+
+    def register_layer_transfer_counter(self, counter: Optional[LayerTransferCounter]) -> None:
+        """Make ``get_key_buffer``/``get_value_buffer``/``get_kv_buffer(layer_id)`` call
+        ``counter.wait_until(layer_id - start_layer)`` first, as SGLang's pool does: with a host
+        pool's ``layer_transfer_counter`` the current stream waits for that layer's load event (a
+        stream wait, never a host sync; inside a CUDA graph an external-event wait). None removes it."""
+        self.layer_transfer_counter = counter
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """For every layer, K and V row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]``
+        (bytes, never re-quantised), as if every source were read before any target is written:
+        chains, cycles and ``tgt_loc == src_loc`` are defined; a target named twice gets one of its
+        sources. ``tgt_loc``, ``src_loc``: Tensor [n], int32/int64, on the pool's device. Negative
+        slots are padding; slots >= ``size + page_size`` are never read or written (IndexError under
+        ``validate``). On CUDA one launch moves every layer (up to 1024 pairs; more go through a
+        staging buffer); no synchronisation; CUDA-graph safe."""
+        kv_moves.move_kv_cache(self, tgt_loc, src_loc)
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
+        """The K/V rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
+        a :class:`~kvpool.pools.kv_moves.KVCpuCopy` (``k`` [layer_num, n, H, D], ``v`` [layer_num, n,
+        H, Dv], store dtype). Waits for the current stream (the copy is complete on return)."""
+        return kv_moves.get_cpu_copy(self, indices)
+
+    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
+        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
+        byte. A copy of another geometry, dtype or length raises before anything is written. No
+        synchronisation."""
+        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
 
 
 _INPUT_DTYPES = frozenset(INPUT_DTYPES)
