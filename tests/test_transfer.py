@@ -31,6 +31,7 @@ from kvpool.transfer.handshake import (
     make_header,
 )
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
+from kvassert import needs_interpreter
 from transfer_ranks import Case, Side, run_cases, with_side
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,6 +242,19 @@ def test_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
     multi = outcomes[1]["fp8_many_chunks_page1_to_page16"]["transfers"][0]
     assert multi["tokens"] == 37 and multi["nbytes"] == 37 * 768 and multi["chunks"] > 5, multi
     assert outcomes[0]["e5m2_no_tokens"]["transfers"][0]["chunks"] == 0
+
+
+KERNEL_CASES = [  # the Triton kernel (interpreted) on the staging bands and head-sliced pool tables
+    Case("kernel_fp8_many_chunks", **_pair(SMALL_CHUNKS, P16), tokens=21),
+    Case("kernel_bf16_odd_geometry", **_pair(ODD, with_side(ODD, page_size=16, size=64)), tokens=5),
+    Case("kernel_heads_2_to_4_of_4", **_pair(BASE, Side(heads=2, head_start=2, total_heads=4, chunk_bytes=4 * 384)), tokens=9),
+]
+
+
+@needs_interpreter
+def test_two_ranks_through_the_copy_kernel(tmp_path):
+    outcomes = run_cases(KERNEL_CASES, world=2, out=tmp_path, kernel=True)
+    _check_outcomes(KERNEL_CASES, outcomes, world=2)
 
 
 # --- three ranks: tensor-parallel re-sharding --------------------------------------------------------------

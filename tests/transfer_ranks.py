@@ -205,9 +205,16 @@ def _spoil(loc: torch.Tensor, how: Optional[str], side: Side, case: Case):
 # --- the rank's loop ------------------------------------------------------------------------------------
 
 
-def run_rank_cases(rank: int, world: int, port: int, out: str, backend: str, cases: list[Case]) -> None:
-    """Body of one spawned rank: init the group, run every case, write the outcomes."""
+def run_rank_cases(rank: int, world: int, port: int, out: str, backend: str, cases: list[Case], kernel: bool = False) -> None:
+    """Body of one spawned rank: init the group, run every case, write the outcomes. ``kernel``: copy
+    rows of CPU pools with the Triton kernel through its interpreter instead of the torch path."""
     torch.set_num_threads(1)
+    if kernel:
+        from kvpool.kernels import copy_rows
+
+        if not copy_rows.INTERPRETER:
+            raise RuntimeError("kernel=True needs TRITON_INTERPRET=1")
+        copy_rows._kernel_on_cpu = True
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = "cpu"
     kwargs = {}
@@ -302,9 +309,11 @@ def spawn(fn: Callable, world: int, args: tuple, timeout: float) -> None:
                 p.kill()
 
 
-def run_cases(cases: list[Case], world: int, out: Path, backend: str = "gloo", timeout: float = 120) -> list[dict]:
+def run_cases(
+    cases: list[Case], world: int, out: Path, backend: str = "gloo", timeout: float = 120, kernel: bool = False
+) -> list[dict]:
     """Run ``cases`` in ``world`` ranks; per rank, case name -> outcome."""
-    spawn(run_rank_cases, world, (world, free_port(), str(out), backend, cases), timeout)
+    spawn(run_rank_cases, world, (world, free_port(), str(out), backend, cases, kernel), timeout)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 

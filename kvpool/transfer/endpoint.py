@@ -43,6 +43,7 @@ order they were started, so both ranks must start them in the same order. Not th
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from typing import Optional, Union
@@ -73,6 +74,11 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 DEFAULT_CHUNK_BYTES_CUDA = 64 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
+
+# Gather/scatter programs per SM on CUDA (copy_rows' own default is 8). The link, not HBM, bounds a
+# transfer, and NCCL's kernel must find room on the SMs next to the gather of the next chunk, so the
+# copies take a lighter grid. A guess to confirm: benchmarks/bench_transfer.py sweeps it.
+DEFAULT_PROGRAMS_PER_SM = 2
 
 Loc = Union[torch.Tensor, np.ndarray]
 
@@ -187,6 +193,11 @@ class _Endpoint:
             self._header_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
             self._header_host_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
             self._header_host_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+            if max_programs is None:
+                self.max_programs = DEFAULT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
+        # The tables of the pool's own heads are built now; other head ranges on first use.
+        with self._on_side():
+            self._tables_for(0, pool.head_num)
 
     # --- one transfer --------------------------------------------------------------------------------
 
@@ -295,9 +306,19 @@ class _Endpoint:
         self._header_event.synchronize()
         return Header.decode(self._header_host_in)
 
+    def _on_side(self) -> contextlib.AbstractContextManager:
+        """Current device and stream for the data movement (nothing on CPU)."""
+        if not self._cuda:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._side))
+        return stack
+
     def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
         """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V) and of the two
-        staging halves, in the wire order; built once per head range."""
+        staging halves, in the wire order; built once per head range, on the side stream (the
+        address tables are copied there without a synchronisation, ready for the work that follows)."""
         key = (lo, hi)
         cached = self._tables.get(key)
         if cached is not None:
@@ -312,8 +333,9 @@ class _Endpoint:
         for half in range(2):
             base = self._stage[half * self.chunk_bytes :][: capacity * layout.token_bytes]
             rows = base.view(capacity, layout.token_bytes)
-            halves.append(RowTable.of([rows[:, o : o + n] for o, n in zip(layout.offsets, layout.row_bytes)]))
-        entry = (layout, RowTable.of(pool_buffers), (halves[0], halves[1]))
+            bands = [rows[:, o : o + n] for o, n in zip(layout.offsets, layout.row_bytes)]
+            halves.append(RowTable.of(bands, non_blocking=self._cuda))
+        entry = (layout, RowTable.of(pool_buffers, non_blocking=self._cuda), (halves[0], halves[1]))
         self._tables[key] = entry
         return entry
 
@@ -321,27 +343,26 @@ class _Endpoint:
         return self._stage[half * self.chunk_bytes :][:nbytes]
 
     def _move(self, agreed: Agreement, loc: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> KVTransfer:
-        layout, pool_table, stages = self._tables_for(agreed.head_lo - self.head_start, agreed.head_hi - self.head_start)
-        plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
         role = "sender" if self._role == SENDER else "receiver"
         heads = (agreed.head_lo, agreed.head_hi)
-        nbytes = agreed.tokens * layout.token_bytes
-        if not plan:
+        if agreed.tokens == 0:
             return KVTransfer(role, peer, 0, heads, 0, 0, self.device)
-        if not self._cuda:
-            self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
-            return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
-        with torch.cuda.device(self.device):
-            compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        with self._on_side():
+            layout, pool_table, stages = self._tables_for(agreed.head_lo - self.head_start, agreed.head_hi - self.head_start)
+            plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
+            nbytes = agreed.tokens * layout.token_bytes
+            if not self._cuda:
+                self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
+                return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
             pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
-            with torch.cuda.stream(self._side):
-                index = self._index[: loc.shape[0]]
-                # The pinned block stays reserved until this copy has run (the caching host allocator
-                # records the stream), so the host may drop it now.
-                index.copy_(pinned, non_blocking=True)
-                self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
-                done = torch.cuda.Event()
-                done.record()
+            index = self._index[: loc.shape[0]]
+            # The pinned block stays reserved until this copy has run (the caching host allocator
+            # records the stream), so the host may drop it now.
+            index.copy_(pinned, non_blocking=True)
+            self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
+            done = torch.cuda.Event()
+            done.record()
         return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
 
     def _pipeline(self, plan, index, layout, pool_table, stages, peer, group, compute) -> None:  # noqa: ANN001
@@ -373,7 +394,8 @@ class KVSender(_Endpoint):
         tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
     chunk_bytes : bytes per staging half (default 64 MiB on CUDA, 4 MiB on CPU; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
-    max_programs : cap on the programs of a gather launch (None: the kernel's default).
+    max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
+        ``DEFAULT_PROGRAMS_PER_SM`` per SM, leaving room for the transport's kernel).
 
     Examples
     --------
