@@ -284,9 +284,15 @@ def test_three_ranks_reshard_heads_between_tp_sizes(tmp_path):
 # --- the example ---------------------------------------------------------------------------------------------
 
 
-def test_disagg_sim_example_checks_every_byte():
+def _disagg_sim(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--requests", "10", "--device", "cpu"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--device", "cpu", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def test_disagg_sim_example_checks_every_byte():
+    run = _disagg_sim("--requests", "10")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASS" in run.stdout and "GB/s" in run.stdout, run.stdout
+    bad = _disagg_sim("--requests", "3", "--corrupt")
+    assert bad.returncode == 1 and "FAILED: 1 tokens differ on arrival" in bad.stdout, bad.stdout + bad.stderr
