@@ -32,7 +32,7 @@ from kvpool.transfer.handshake import (
 )
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
 from kvassert import needs_interpreter
-from transfer_ranks import Case, Side, run_cases, with_side
+from transfer_ranks import Case, Side, check_outcomes, run_cases, with_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,35 +210,9 @@ TWO_RANK_CASES = [
 ]
 
 
-def _check_outcomes(cases, outcomes, world):
-    problems = []
-    for case in cases:
-        ranks = sorted({r for t in case.transfers for r in t})
-        got = {r: outcomes[r][case.name] for r in ranks}
-        for r, o in got.items():
-            if o["outcome"] == "failure":
-                problems.append(f"{case.name}: rank {r} failed:\n{o['detail']}")
-        if case.expect is None:
-            for r, o in got.items():
-                if o["outcome"] != "ok":
-                    problems.append(f"{case.name}: rank {r}: expected success, got {o}")
-        else:
-            kind, text = case.expect
-            first = got[ranks[0]]
-            for r, o in got.items():
-                if o["outcome"] != "raised" or o["type"] != kind or text not in o["message"]:
-                    problems.append(f"{case.name}: rank {r}: expected {kind} containing {text!r}, got {o}")
-                elif o != first:
-                    problems.append(f"{case.name}: ranks differ: {first} vs rank {r}: {o}")
-        for r in set(range(world)) - set(ranks):
-            if outcomes[r][case.name]["outcome"] != "idle":
-                problems.append(f"{case.name}: rank {r} should be idle, got {outcomes[r][case.name]}")
-    assert not problems, "\n".join(problems)
-
-
 def test_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
     outcomes = run_cases(TWO_RANK_CASES, world=2, out=tmp_path)
-    _check_outcomes(TWO_RANK_CASES, outcomes, world=2)
+    check_outcomes(TWO_RANK_CASES, outcomes, world=2)
     multi = outcomes[1]["fp8_many_chunks_page1_to_page16"]["transfers"][0]
     assert multi["tokens"] == 37 and multi["nbytes"] == 37 * 768 and multi["chunks"] > 5, multi
     assert outcomes[0]["e5m2_no_tokens"]["transfers"][0]["chunks"] == 0
@@ -254,7 +228,7 @@ KERNEL_CASES = [  # the Triton kernel (interpreted) on the staging bands and hea
 @needs_interpreter
 def test_two_ranks_through_the_copy_kernel(tmp_path):
     outcomes = run_cases(KERNEL_CASES, world=2, out=tmp_path, kernel=True)
-    _check_outcomes(KERNEL_CASES, outcomes, world=2)
+    check_outcomes(KERNEL_CASES, outcomes, world=2)
 
 
 # --- three ranks: tensor-parallel re-sharding --------------------------------------------------------------
@@ -275,7 +249,7 @@ RESHARD_CASES = [
 
 def test_three_ranks_reshard_heads_between_tp_sizes(tmp_path):
     outcomes = run_cases(RESHARD_CASES, world=3, out=tmp_path)
-    _check_outcomes(RESHARD_CASES, outcomes, world=3)
+    check_outcomes(RESHARD_CASES, outcomes, world=3)
     sent = outcomes[0]["tp1_to_tp2"]["transfers"]
     assert [t["heads"] for t in sent] == [[0, 2], [2, 4]]
     assert outcomes[2]["partial_overlap_heads_1_to_3"]["transfers"][0]["heads"] == [1, 2]

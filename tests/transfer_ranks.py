@@ -286,6 +286,34 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
     }
 
 
+def check_outcomes(cases: list[Case], outcomes: list[dict], world: int) -> None:
+    """Every case did what it expects on every rank of its transfers (the same exception and message
+    on each, when it expects one), and ranks outside them stayed idle."""
+    problems = []
+    for case in cases:
+        ranks = sorted({r for t in case.transfers for r in t})
+        got = {r: outcomes[r][case.name] for r in ranks}
+        for r, o in got.items():
+            if o["outcome"] == "failure":
+                problems.append(f"{case.name}: rank {r} failed:\n{o['detail']}")
+        if case.expect is None:
+            for r, o in got.items():
+                if o["outcome"] != "ok":
+                    problems.append(f"{case.name}: rank {r}: expected success, got {o}")
+        else:
+            kind, text = case.expect
+            first = got[ranks[0]]
+            for r, o in got.items():
+                if o["outcome"] != "raised" or o["type"] != kind or text not in o["message"]:
+                    problems.append(f"{case.name}: rank {r}: expected {kind} containing {text!r}, got {o}")
+                elif o != first:
+                    problems.append(f"{case.name}: ranks differ: {first} vs rank {r}: {o}")
+        for r in set(range(world)) - set(ranks):
+            if outcomes[r][case.name]["outcome"] != "idle":
+                problems.append(f"{case.name}: rank {r} should be idle, got {outcomes[r][case.name]}")
+    assert not problems, "\n".join(problems)
+
+
 # --- spawning -------------------------------------------------------------------------------------------
 
 

@@ -195,6 +195,15 @@ class _Endpoint:
             self._header_host_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
             if max_programs is None:
                 self.max_programs = DEFAULT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
+            # These buffers were allocated on the caller's stream: the endpoint's streams start after
+            # what is queued there (the memory may have just been freed by work still pending), and
+            # freeing them waits for the side stream, whose last work in each transfer waits for
+            # the transport too (so an endpoint dropped with a transfer in flight is safe).
+            caller = torch.cuda.current_stream(dev)
+            self._side.wait_stream(caller)
+            self._handshake.wait_stream(caller)
+            for t in (self._stage, self._arange, self._index):
+                t.record_stream(self._side)
         # The tables of the pool's own heads are built now; other head ranges on first use.
         with self._on_side():
             self._tables_for(0, pool.head_num)
