@@ -200,7 +200,7 @@ class Rank:
         return {"bad_bytes_rank0": bad, "bad_bytes_rank1": int(theirs.item()), "chunks": chunks}
 
     def kernels(self) -> list[dict]:
-        """Gather (pool -> staging) and scatter (staging -> pool) of one 64 MiB chunk on rank 0 alone."""
+        """Gather (pool -> staging) and scatter (staging -> pool) of one default-sized chunk on rank 0 alone."""
         out = []
         if self.rank == 0 and DEVICE_TYPE == "cuda":
             layout, pool_table, stages = self.sender._tables_for(0, HEADS)
@@ -389,7 +389,7 @@ def markdown(res: dict) -> str:
             cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
             lines.append(f"| {c} | {g} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |")
     if res["kernels"]:
-        lines += ["", "## Copy kernels alone (one 64 MiB chunk, random rows, one GPU)", "", "| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
+        lines += ["", f"## Copy kernels alone (one {m.get('default_chunk_bytes', 0) >> 20} MiB chunk, random rows, one GPU)", "", "| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
         for q in res["kernels"]:
             lines.append(f"| {q['kernel']} | {q['programs_per_sm']} | {q['us']:.1f} | {q['gbps']:.0f} |")
     if res["errors"]:

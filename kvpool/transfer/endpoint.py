@@ -67,11 +67,14 @@ from kvpool.transfer.handshake import (
 )
 from kvpool.transfer.wire import TokenLayout, chunk_plan
 
-# Staging per half. On CUDA the middle chunks of a large transfer are this big: large enough that the
-# transport's per-message cost is paid a few times per request (NCCL send/recv of one buffer reaches
-# ~95% of its 1 GiB bandwidth from about 256 MiB, ~45% at 16 MiB on NVLink; pipelined messages pay
-# less than a lone one), small enough to keep two halves resident. benchmarks/bench_transfer.py sweeps it.
-DEFAULT_CHUNK_BYTES_CUDA = 64 << 20
+# Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
+# buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
+# 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
+# overhead that back-to-back messages hide). 128 MiB chunks pay it 8 times for an 8k-token Llama-3-8B
+# FP8 request (512 MiB), while the chunk ramp (wire.chunk_plan) starts and ends with 8 MiB chunks, so
+# the pipeline's fill and drain (one gather, one scatter) take some microseconds, not a 128 MiB copy. Two halves: 256 MiB of device memory per endpoint. benchmarks/bench_transfer.py
+# sweeps 16-256 MiB.
+DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
@@ -401,7 +404,7 @@ class KVSender(_Endpoint):
         pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
         the heads both sides hold, so a sender holding all heads serves receivers that each hold a
         tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
-    chunk_bytes : bytes per staging half (default 64 MiB on CUDA, 4 MiB on CPU; at least one token).
+    chunk_bytes : bytes per staging half (default 128 MiB on CUDA, 4 MiB on CPU; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
         ``DEFAULT_PROGRAMS_PER_SM`` per SM, leaving room for the transport's kernel).
