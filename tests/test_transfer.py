@@ -164,6 +164,46 @@ def test_send_without_process_group_raises_at_once():
         KVSender(_pool()).send(torch.arange(3), 1)
 
 
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group in this process: enough for the checks made before any handshake."""
+    import torch.distributed as dist
+
+    from transfer_ranks import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "peer, error, text",
+    [
+        (0, ValueError, "dst must be another rank of the process group [0], got 0 (this rank is 0)"),
+        (3, ValueError, "dst must be another rank of the process group [0], got 3"),
+        (True, TypeError, "dst must be an int (a global rank), got bool"),
+        ("1", TypeError, "dst must be an int (a global rank), got str"),
+    ],
+)
+def test_a_peer_that_cannot_be_told_raises_at_once(world_of_one, peer, error, text):
+    with pytest.raises(error) as info:
+        KVSender(_pool()).send(torch.arange(3), peer)
+    assert text in str(info.value)
+
+
+def test_send_kv_keeps_one_endpoint_per_pool_and_settings():
+    from kvpool.transfer.endpoint import _endpoint
+
+    pool = _pool()
+    a = _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=None)
+    assert _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=None) is a
+    assert _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=4096) is not a
+    assert _endpoint(KVReceiver, pool, None, head_start=0, total_heads=None, chunk_bytes=None) is not a
+    assert _endpoint(KVSender, _pool(), None, head_start=0, total_heads=None, chunk_bytes=None) is not a
+
+
 # --- two ranks over gloo -------------------------------------------------------------------------------------
 
 BASE = Side()  # fp8 e4m3, 3 layers x 4 heads x 32, 200 slots, page 1: 768 bytes a token

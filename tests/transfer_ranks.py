@@ -171,8 +171,8 @@ def case_loc(case: Case, idx: int, t: int, role: str, side: Side) -> torch.Tenso
     g = torch.Generator().manual_seed(1_000 * idx + 10 * (0 if case.same_slots else t) + (role != "sender"))
     pages = torch.randperm(side.rows // side.page_size, generator=g)
     slots = (pages[:, None] * side.page_size + torch.arange(side.page_size)).flatten()[:n]
-    if n >= 2:
-        slots[1] = side.rows - 1 if side.rows - 1 not in slots[2:].tolist() else slots[1]
+    if n >= 2 and side.rows - 1 not in slots.tolist():
+        slots[1] = side.rows - 1
     if case.duplicates and role == "sender" and n >= 4:
         slots[n // 2 :] = slots[: n - n // 2].clone()
     return slots
