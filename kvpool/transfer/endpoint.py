@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
 from typing import Optional, Union
 
 import numpy as np
@@ -517,17 +516,17 @@ class KVReceiver(_Endpoint):
 
 # --- functions with one endpoint per pool ---------------------------------------------------------------
 
-_ENDPOINTS: "weakref.WeakKeyDictionary[MHATokenToKVPool, dict[tuple, _Endpoint]]" = weakref.WeakKeyDictionary()
-
-
 def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> _Endpoint:
+    """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
+    it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
+    endpoint refers to its pool)."""
     if not isinstance(pool, MHATokenToKVPool):
         raise TypeError(f"pool must be an MHATokenToKVPool, got {type(pool).__name__}")
-    per_pool = _ENDPOINTS.setdefault(pool, {})
+    kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
     key = (cls, group, tuple(sorted(options.items())))
-    ep = per_pool.get(key)
+    ep = kept.get(key)
     if ep is None:
-        ep = per_pool[key] = cls(pool, group, **options)
+        ep = kept[key] = cls(pool, group, **options)
     return ep
 
 
