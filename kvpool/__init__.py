@@ -7,11 +7,17 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
+# Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
+# kvpool.kernels.copy_rows stays the module.
+from kvpool.kernels.copy_rows import RowTable, copy_rows
 from kvpool.pools import (
     AllocatorState,
     IntegrityError,
+    KVCpuCopy,
     KVGeometry,
+    LayerTransferCounter,
     MHATokenToKVPool,
+    MHATokenToKVPoolHost,
     PagedTokenToKVPoolAllocator,
     PathStats,
     ReqToTokenPool,
@@ -27,11 +33,15 @@ __all__ = [
     "AllocatorState",
     "FusedPathUnavailable",
     "IntegrityError",
+    "KVCpuCopy",
     "KVGeometry",
+    "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
+    "RowTable",
     "TokenToKVPoolAllocator",
     "KVPoll",
     "KVReceiver",
@@ -39,6 +49,7 @@ __all__ = [
     "KVTransfer",
     "kv_bytes_per_token",
     "max_pool_size",
+    "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",
     "quantize",

@@ -153,6 +153,7 @@ class RowTable:
         *,
         table_device: Optional[str | torch.device] = None,
         non_blocking: bool = False,
+        pinned: Optional[bool] = None,
     ) -> "RowTable":
         """A table of ``buffers``: each ``[rows, ...]`` with its row (dims 1..) contiguous, any dtype.
 
@@ -165,6 +166,8 @@ class RowTable:
             stream, without synchronising; the table is then ready for work on that stream (or on
             streams that wait for it). Default: a plain copy, which synchronises once (tables built
             at construction and used on several streams).
+        pinned : whether host buffers are page-locked. None asks torch (``is_pinned``); True vouches
+            for memory page-locked outside torch's allocator (``cudaHostRegister``).
 
         Raises
         ------
@@ -200,7 +203,10 @@ class RowTable:
             row_bytes.append(nbytes)
             addrs.append(t.data_ptr())
             strides.append(t.stride(0) * t.element_size())
-        pinned = device.type == "cpu" and torch.cuda.is_available() and all(t.is_pinned() for t in buffers)
+        if device.type != "cpu" or not torch.cuda.is_available():
+            pinned = False
+        elif pinned is None:
+            pinned = all(t.is_pinned() for t in buffers)
         tdev = _table_device(device, pinned, table_device)
         host = torch.tensor([addrs, strides, row_bytes], dtype=torch.int64)
         if tdev.type == "cpu":
