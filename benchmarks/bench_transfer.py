@@ -156,8 +156,10 @@ class Rank:
         t = self.buf[:nbytes]
         return self.pingpong(lambda: dist.send(t, self.peer), lambda: dist.recv(t, self.peer), n, rounds)
 
-    def transfer(self, kinds: tuple[str, str], tokens: int, n: int, rounds: int, seed: int,
-                 sender: Optional[KVSender] = None, receiver: Optional[KVReceiver] = None) -> tuple[float, dict]:  # fmt: skip
+    def transfer(
+        self, kinds: tuple[str, str], tokens: int, n: int, rounds: int, seed: int,
+        sender: Optional[KVSender] = None, receiver: Optional[KVReceiver] = None,
+    ) -> tuple[float, dict]:  # fmt: skip
         """Rank 0 sends ``tokens`` slots of kind ``kinds[0]`` to rank 1's slots of kind ``kinds[1]``,
         which sends them back into other slots of rank 0; returns (one-way seconds, check)."""
         sender, receiver = sender or self.sender, receiver or self.receiver
@@ -208,7 +210,8 @@ class Rank:
             idx = slots("p1", count, 99)[:count].to(self.dev)
             arange = torch.arange(count, device=self.dev)
             for per_sm in (1, 2, 4, 8):
-                for name, args in (("gather", (stages[0], arange, pool_table, idx)), ("scatter", (pool_table, idx, stages[0], arange))):
+                gather, scatter = (stages[0], arange, pool_table, idx), (pool_table, idx, stages[0], arange)
+                for name, args in (("gather", gather), ("scatter", scatter)):
                     run = lambda: copy_rows(*args, max_programs=per_sm * self.sms)  # noqa: E731
                     run()
                     ms = []
@@ -240,7 +243,8 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))  # fmt: skip
-    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": [], "errors": []}
+    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": []}
+    results["errors"] = []
     path = os.path.join(out_dir, "bench_transfer.json")
 
     def save() -> None:
@@ -289,7 +293,9 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
             s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, seed=500 + per_token)
             bare_bytes = per_token * TOKEN_BYTES or 8
             bare = r.nccl(bare_bytes, 20, rounds)
-            results["latency"].append(dict(transfer=label, transfer_us=s * 1e6, bare_bytes=bare_bytes, bare_us=bare * 1e6, **check))
+            results["latency"].append(
+                dict(transfer=label, transfer_us=s * 1e6, bare_bytes=bare_bytes, bare_us=bare * 1e6, **check)
+            )
         save()
 
         results["kernels"] = r.kernels()
@@ -360,11 +366,13 @@ def markdown(res: dict) -> str:
         "",
         f"{', '.join(m['gpus'])}; torch {m['torch']}, triton {m['triton']}, NCCL {m['nccl']}, "
         f"NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
-        f"Defaults: chunk {m.get('default_chunk_bytes', 0) >> 20} MiB, {m.get('default_max_programs')} programs per copy launch.",
+        f"Defaults: chunk {m.get('default_chunk_bytes', 0) >> 20} MiB, "
+        f"{m.get('default_max_programs')} programs per copy launch.",
         "",
         "## Requests against the NCCL ceiling (contiguous send/recv of the same bytes, same run)",
         "",
-        "| request | pages (sender -> receiver) | MiB | kvpool GB/s | ceiling GB/s | % of ceiling | target 90% | chunks | bytes wrong |",
+        "| request | pages (sender -> receiver) | MiB | kvpool GB/s | ceiling GB/s | % of ceiling | target 90% "
+        "| chunks | bytes wrong |",
         "|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for q in res["requests"]:
@@ -381,7 +389,8 @@ def markdown(res: dict) -> str:
     for q in res["ceiling"]:
         lines.append(f"| {q['bytes']} | {q['us']:.1f} | {q['gbps']:.1f} |")
     if res["sweep"]:
-        lines += ["", "## Sweep (page 1 -> page 1): % of ceiling", "", "| chunk MiB | programs/SM | ramp | 8k | 32k |", "|---:|---:|---|---:|---:|"]
+        lines += ["", "## Sweep (page 1 -> page 1): % of ceiling", ""]
+        lines += ["| chunk MiB | programs/SM | ramp | 8k | 32k |", "|---:|---:|---|---:|---:|"]
         rows: dict = {}
         for q in res["sweep"]:
             rows.setdefault((q["chunk_mib"], q["programs_per_sm"], q["ramp"]), {})[q["request"]] = q
@@ -389,7 +398,9 @@ def markdown(res: dict) -> str:
             cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
             lines.append(f"| {c} | {g} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |")
     if res["kernels"]:
-        lines += ["", f"## Copy kernels alone (one {m.get('default_chunk_bytes', 0) >> 20} MiB chunk, random rows, one GPU)", "", "| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
+        chunk_mib = m.get("default_chunk_bytes", 0) >> 20
+        lines += ["", f"## Copy kernels alone (one {chunk_mib} MiB chunk, random rows, one GPU)", ""]
+        lines += ["| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
         for q in res["kernels"]:
             lines.append(f"| {q['kernel']} | {q['programs_per_sm']} | {q['us']:.1f} | {q['gbps']:.0f} |")
     if res["errors"]:

@@ -219,7 +219,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
                 bad, first = runner.verify(r, slots)  # every transferred byte: all positions, layers, K and V
                 stats["arrival_bad_tokens"] += bad
                 if first is not None and not stats["first_bad"]:
-                    stats["first_bad"] = f"on arrival: request {first.rid} position {first.position} layer {first.layer} {first.which}"
+                    stats["first_bad"] = f"on arrival: {describe(first)}"
                 r.kv_len, r.generated = r.prompt_len, 1
                 sched.running.append(r)
         batch = sched.schedule()  # decode (and re-prefill of requests it had to retract)
@@ -235,7 +235,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
             stats["finished"] += 1
             stats["finish_bad_tokens"] += bad
             if first is not None and not stats["first_bad"]:
-                stats["first_bad"] = f"at finish: request {first.rid} position {first.position} layer {first.layer} {first.which}"
+                stats["first_bad"] = f"at finish: {describe(first)}"
             sched.release(r)
     stats["steps"] = step
     stats["retractions"] = sched.retractions
@@ -244,6 +244,10 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
     stats["bytes_per_token"] = bytes_per_token
     stats["device"] = str(device)
     return stats
+
+
+def describe(m) -> str:  # noqa: ANN001 - serve_sim.Mismatch
+    return f"request {m.rid} position {m.position} layer {m.layer} {m.which}"
 
 
 def rank_main(rank: int, cfg: DisaggConfig, device_type: str, port: int, results) -> None:  # noqa: ANN001

@@ -52,7 +52,8 @@ GPU_CASES = [
     Case("bf16_odd_geometry", **_pair(ODD, with_side(ODD, page_size=16, size=64)), tokens=7),
     Case("fp32_one_token", **_pair(with_side(BASE, dtype="fp32"), with_side(BASE, dtype="fp32")), tokens=1),
     Case("no_tokens", **_pair(BASE, BASE), tokens=0),
-    Case("fp16_int32_loc_repeats", **_pair(with_side(BASE, dtype="fp16"), with_side(BASE, dtype="fp16")), loc_dtype="int32", duplicates=True),
+    Case("fp16_int32_loc_repeats", **_pair(with_side(BASE, dtype="fp16"), with_side(BASE, dtype="fp16")),
+         loc_dtype="int32", duplicates=True),  # fmt: skip
     Case("llama_4k_tokens_page1_to_page16", **_pair(LLAMA, LLAMA_P16), tokens=4096),
     Case("rank1_to_rank0", sides={0: P16, 1: SMALL_CHUNKS}, transfers=[(1, 0)], tokens=200),
     Case("both_ways_in_a_row", sides={0: SMALL_CHUNKS, 1: BASE}, transfers=[(0, 1), (1, 0), (0, 1)], tokens=100),
@@ -61,8 +62,10 @@ GPU_CASES = [
     Case("dtype", **_pair(BASE, with_side(BASE, dtype="bf16")), expect=("ValueError", "dtype mismatch")),
     Case("token_count", **_pair(BASE, BASE), recv_tokens=36, expect=("ValueError", "tokens mismatch")),
     Case("both_send", **_pair(BASE, BASE), tamper={1: "as_sender"}, expect=("ValueError", "role mismatch")),
-    Case("sender_slot_past_the_end", **_pair(BASE, BASE), tamper={0: "oob"}, expect=("IndexError", "the sender's loc[18] = 601")),
-    Case("receiver_negative_slot", **_pair(BASE, BASE), tamper={1: "neg"}, expect=("IndexError", "the receiver's loc[0] = -1")),
+    Case("sender_slot_past_the_end", **_pair(BASE, BASE), tamper={0: "oob"},
+         expect=("IndexError", "the sender's loc[18] = 601")),  # fmt: skip
+    Case("receiver_negative_slot", **_pair(BASE, BASE), tamper={1: "neg"},
+         expect=("IndexError", "the receiver's loc[0] = -1")),  # fmt: skip
     Case("receiver_cuda_loc", **_pair(BASE, BASE), tamper={1: "cuda"}, expect=("ValueError", "host indices")),
     Case("disjoint_heads", **_pair(LOW, HIGH), expect=("ValueError", "heads mismatch")),
     Case("still_in_step", **_pair(SMALL_CHUNKS, P16), tokens=301),
@@ -146,7 +149,8 @@ def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
         assert rep["completed_after_sync"] is True, rep
         assert rep["allocations"] == 0, f"rank {rank}: transfers allocated device memory: {rep}"
     got = reports[1]
-    assert got["seen"] == [17.0] * len(got["seen"]), f"the receiver's rows hold {got['seen']} (mean byte per buffer), expected 17"
+    seen = got["seen"]
+    assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
 
 
 def test_gpu_disagg_sim_example():

@@ -215,38 +215,59 @@ def _pair(sender: Side, receiver: Side, **kw) -> dict:
     return dict(sides={0: sender, 1: receiver}, transfers=[(0, 1)], **kw)
 
 
-def _mismatch(name, receiver: Side, text, **kw):
-    return Case(name, **_pair(BASE, receiver, expect=("ValueError", text), **kw))
+def _ok(name: str, sender: Side, receiver: Side, **kw) -> Case:
+    return Case(name, **_pair(sender, receiver), **kw)
+
+
+def _fails(name: str, error: str, text: str, sender: Side = BASE, receiver: Side = BASE, **kw) -> Case:
+    return Case(name, **_pair(sender, receiver), expect=(error, text), **kw)
+
+
+def _as(dtype: str, side: Side = BASE, **changes) -> Side:
+    return with_side(side, dtype=dtype, **changes)
 
 
 ODD = Side(dtype="bf16", layers=2, start_layer=5, heads=3, head_dim=96, v_head_dim=64, size=50, page_size=4)
+ODD_P16 = with_side(ODD, page_size=16, size=64)
+SENDER_HAS = "mismatch: the sender's pool has "
 TWO_RANK_CASES = [
-    Case("fp8_many_chunks_page1_to_page16", **_pair(SMALL_CHUNKS, P16)),
-    Case("bf16_odd_geometry_layers_5_6", **_pair(ODD, with_side(ODD, page_size=16, size=64)), tokens=7),
-    Case("fp32_one_token", **_pair(with_side(BASE, dtype="fp32"), with_side(BASE, dtype="fp32")), tokens=1),
-    Case("e5m2_no_tokens", **_pair(with_side(BASE, dtype="fp8_e5m2"), with_side(BASE, dtype="fp8_e5m2")), tokens=0),
-    Case("fp16_int32_loc_sender_repeats_slots", **_pair(with_side(BASE, dtype="fp16"), with_side(BASE, dtype="fp16", chunk_bytes=5 * 1536)), loc_dtype="int32", duplicates=True),
-    Case("numpy_loc", **_pair(BASE, BASE), loc_dtype="numpy"),
-    Case("whole_pool_every_slot", **_pair(with_side(BASE, size=63), with_side(SMALL_CHUNKS, size=63)), tokens=64),
+    _ok("fp8_many_chunks_page1_to_page16", SMALL_CHUNKS, P16),
+    _ok("bf16_odd_geometry_layers_5_6", ODD, ODD_P16, tokens=7),
+    _ok("fp32_one_token", _as("fp32"), _as("fp32"), tokens=1),
+    _ok("e5m2_no_tokens", _as("fp8_e5m2"), _as("fp8_e5m2"), tokens=0),
+    _ok("fp16_int32_loc_sender_repeats_slots", _as("fp16"), _as("fp16", chunk_bytes=5 * 1536),
+        loc_dtype="int32", duplicates=True),  # fmt: skip
+    _ok("numpy_loc", BASE, BASE, loc_dtype="numpy"),
+    _ok("whole_pool_every_slot", with_side(BASE, size=63), with_side(SMALL_CHUNKS, size=63), tokens=64),
     Case("rank1_sends_to_rank0", sides={0: P16, 1: SMALL_CHUNKS}, transfers=[(1, 0)]),
     Case("three_in_a_row_both_ways", sides={0: SMALL_CHUNKS, 1: BASE}, transfers=[(0, 1), (1, 0), (0, 1)]),
-    _mismatch("dtype", with_side(BASE, dtype="bf16"), "dtype mismatch: the sender's pool has dtype=torch.float8_e4m3fn, the receiver's has dtype=torch.bfloat16"),
-    _mismatch("layer_count", with_side(BASE, layers=2), "layers mismatch: the sender's pool has layers=[0, 2], the receiver's has layers=[0, 1]"),
-    _mismatch("start_layer", with_side(BASE, start_layer=1), "layers mismatch"),
-    _mismatch("head_dim", with_side(BASE, head_dim=64), "head_dim mismatch: the sender's pool has head_dim=32, the receiver's has head_dim=64"),
-    _mismatch("v_head_dim", with_side(BASE, v_head_dim=16), "v_head_dim mismatch"),
-    _mismatch("head_count", with_side(BASE, heads=2), "total_heads mismatch: the sender's pool has total_heads=4, the receiver's has total_heads=2"),
-    _mismatch("token_count", BASE, "tokens mismatch: the sender's pool has tokens=37, the receiver's has tokens=36", recv_tokens=36),
-    Case("both_send", **_pair(BASE, BASE), tamper={1: "as_sender"}, expect=("ValueError", "role mismatch: rank 0 is a sender and rank 1 is a sender")),
-    Case("both_receive", **_pair(BASE, BASE), tamper={0: "as_receiver"}, expect=("ValueError", "role mismatch")),
-    Case("sender_slot_past_the_end", **_pair(BASE, BASE), tamper={0: "oob"}, expect=("IndexError", "the sender's loc[18] = 201 is outside its pool's slots [0, 201)")),
-    Case("receiver_negative_slot", **_pair(BASE, P16), tamper={1: "neg"}, expect=("IndexError", "the receiver's loc[0] = -1 is outside its pool's slots [0, 272)")),
-    Case("receiver_float_loc", **_pair(BASE, BASE), tamper={1: "float"}, expect=("ValueError", "the receiver's loc must be int32 or int64, got torch.float32")),
-    Case("sender_2d_loc", **_pair(BASE, BASE), tamper={0: "2d"}, expect=("ValueError", "the sender's loc must be 1-D [T], got shape (1, 37)")),
-    Case("sender_list_loc", **_pair(BASE, BASE), tamper={0: "list"}, expect=("TypeError", "got list")),
-    Case("receiver_device_loc", **_pair(BASE, BASE), tamper={1: "cuda"}, expect=("ValueError", "host indices")),
-    Case("bad_slot_reported_before_geometry", **_pair(BASE, with_side(BASE, dtype="bf16")), tamper={0: "oob"}, expect=("IndexError", "the sender's loc[18]")),
-    Case("still_in_step_after_the_errors", **_pair(SMALL_CHUNKS, P16)),
+    _fails("dtype", "ValueError", "dtype " + SENDER_HAS + "dtype=torch.float8_e4m3fn, the receiver's has "
+           "dtype=torch.bfloat16", receiver=_as("bf16")),  # fmt: skip
+    _fails("layer_count", "ValueError", "layers " + SENDER_HAS + "layers=[0, 2], the receiver's has layers=[0, 1]",
+           receiver=with_side(BASE, layers=2)),  # fmt: skip
+    _fails("start_layer", "ValueError", "layers mismatch", receiver=with_side(BASE, start_layer=1)),
+    _fails("head_dim", "ValueError", "head_dim " + SENDER_HAS + "head_dim=32, the receiver's has head_dim=64",
+           receiver=with_side(BASE, head_dim=64)),  # fmt: skip
+    _fails("v_head_dim", "ValueError", "v_head_dim mismatch", receiver=with_side(BASE, v_head_dim=16)),
+    _fails("head_count", "ValueError", "total_heads " + SENDER_HAS + "total_heads=4, the receiver's has "
+           "total_heads=2", receiver=with_side(BASE, heads=2)),  # fmt: skip
+    _fails("token_count", "ValueError", "tokens " + SENDER_HAS + "tokens=37, the receiver's has tokens=36",
+           recv_tokens=36),  # fmt: skip
+    _fails("both_send", "ValueError", "role mismatch: rank 0 is a sender and rank 1 is a sender",
+           tamper={1: "as_sender"}),  # fmt: skip
+    _fails("both_receive", "ValueError", "role mismatch", tamper={0: "as_receiver"}),
+    _fails("sender_slot_past_the_end", "IndexError", "the sender's loc[18] = 201 is outside its pool's slots [0, 201)",
+           tamper={0: "oob"}),  # fmt: skip
+    _fails("receiver_negative_slot", "IndexError", "the receiver's loc[0] = -1 is outside its pool's slots [0, 272)",
+           receiver=P16, tamper={1: "neg"}),  # fmt: skip
+    _fails("receiver_float_loc", "ValueError", "the receiver's loc must be int32 or int64, got torch.float32",
+           tamper={1: "float"}),  # fmt: skip
+    _fails("sender_2d_loc", "ValueError", "the sender's loc must be 1-D [T], got shape (1, 37)", tamper={0: "2d"}),
+    _fails("sender_list_loc", "TypeError", "got list", tamper={0: "list"}),
+    _fails("receiver_device_loc", "ValueError", "host indices", tamper={1: "cuda"}),
+    _fails("bad_slot_reported_before_geometry", "IndexError", "the sender's loc[18]", receiver=_as("bf16"),
+           tamper={0: "oob"}),  # fmt: skip
+    _ok("still_in_step_after_the_errors", SMALL_CHUNKS, P16),
 ]
 
 
@@ -259,9 +280,9 @@ def test_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
 
 
 KERNEL_CASES = [  # the Triton kernel (interpreted) on the staging bands and head-sliced pool tables
-    Case("kernel_fp8_many_chunks", **_pair(SMALL_CHUNKS, P16), tokens=21),
-    Case("kernel_bf16_odd_geometry", **_pair(ODD, with_side(ODD, page_size=16, size=64)), tokens=5),
-    Case("kernel_heads_2_to_4_of_4", **_pair(BASE, Side(heads=2, head_start=2, total_heads=4, chunk_bytes=4 * 384)), tokens=9),
+    _ok("kernel_fp8_many_chunks", SMALL_CHUNKS, P16, tokens=21),
+    _ok("kernel_bf16_odd_geometry", ODD, ODD_P16, tokens=5),
+    _ok("kernel_heads_2_to_4_of_4", BASE, Side(heads=2, head_start=2, total_heads=4, chunk_bytes=4 * 384), tokens=9),
 ]
 
 
@@ -276,14 +297,19 @@ def test_two_ranks_through_the_copy_kernel(tmp_path):
 FULL = Side(heads=4, total_heads=4, chunk_bytes=6 * 768)
 LOW = Side(heads=2, head_start=0, total_heads=4, page_size=16, size=256)
 HIGH = Side(heads=2, head_start=2, total_heads=4, chunk_bytes=3 * 384)
+TP2 = {1: LOW, 2: HIGH}
 RESHARD_CASES = [
-    Case("tp1_to_tp2", sides={0: FULL, 1: LOW, 2: HIGH}, transfers=[(0, 1), (0, 2)]),
-    Case("tp2_to_tp1_same_slots", sides={0: with_side(FULL, page_size=16, size=256), 1: LOW, 2: HIGH}, transfers=[(1, 0), (2, 0)], same_slots=True),
-    Case("partial_overlap_heads_1_to_3", sides={0: Side(heads=3, head_start=1, total_heads=4), 2: Side(heads=2, head_start=0, total_heads=4)}, transfers=[(0, 2)]),
+    Case("tp1_to_tp2", sides={0: FULL, **TP2}, transfers=[(0, 1), (0, 2)]),
+    Case("tp2_to_tp1_same_slots", sides={0: with_side(FULL, page_size=16, size=256), **TP2},
+         transfers=[(1, 0), (2, 0)], same_slots=True),  # fmt: skip
+    Case("partial_overlap_heads_1_to_3", transfers=[(0, 2)],
+         sides={0: Side(heads=3, head_start=1, total_heads=4), 2: Side(heads=2, head_start=0, total_heads=4)}),  # fmt: skip
     Case("subgroup_0_2", sides={0: LOW, 2: with_side(FULL, chunk_bytes=None)}, transfers=[(0, 2)], group=(0, 2)),
-    Case("disjoint_heads", sides={1: LOW, 2: HIGH}, transfers=[(1, 2)], expect=("ValueError", "heads mismatch: the sender's pool has heads=[0, 2], the receiver's has heads=[2, 4]")),
-    Case("model_head_count", sides={0: FULL, 2: with_side(HIGH, total_heads=8)}, transfers=[(0, 2)], expect=("ValueError", "total_heads mismatch")),
-    Case("tp1_to_tp2_again", sides={0: FULL, 1: LOW, 2: HIGH}, transfers=[(0, 2), (0, 1)]),
+    Case("disjoint_heads", sides=TP2, transfers=[(1, 2)],
+         expect=("ValueError", "heads " + SENDER_HAS + "heads=[0, 2], the receiver's has heads=[2, 4]")),  # fmt: skip
+    Case("model_head_count", sides={0: FULL, 2: with_side(HIGH, total_heads=8)}, transfers=[(0, 2)],
+         expect=("ValueError", "total_heads mismatch")),  # fmt: skip
+    Case("tp1_to_tp2_again", sides={0: FULL, **TP2}, transfers=[(0, 2), (0, 1)]),
 ]
 
 

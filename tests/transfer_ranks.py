@@ -80,7 +80,9 @@ class Case:
 # --- pattern --------------------------------------------------------------------------------------------
 
 
-def pattern(slots: torch.Tensor, head_lo: int, head_hi: int, head_bytes: int, layer: int, kv: int, salt: int) -> torch.Tensor:
+def pattern(
+    slots: torch.Tensor, head_lo: int, head_hi: int, head_bytes: int, layer: int, kv: int, salt: int
+) -> torch.Tensor:
     """uint8 [len(slots), (head_hi - head_lo) * head_bytes]: the bytes a pool with ``salt`` holds at
     those slots for global heads [head_lo, head_hi) of ``layer`` (kv 0: K, 1: V)."""
     s = slots.to(torch.int64)[:, None]
@@ -122,7 +124,8 @@ def initial_bytes(side: Side, salt: int, device) -> list[torch.Tensor]:
     out = []
     for i in range(side.layers):
         for kv, dim in enumerate((side.head_dim, side.v_head_dim or side.head_dim)):
-            out.append(pattern(rows, side.head_start, side.head_start + side.heads, dim * esize, side.start_layer + i, kv, salt))
+            heads = side.head_start, side.head_start + side.heads
+            out.append(pattern(rows, *heads, dim * esize, side.start_layer + i, kv, salt))
     return out
 
 
@@ -205,7 +208,9 @@ def _spoil(loc: torch.Tensor, how: Optional[str], side: Side, case: Case):
 # --- the rank's loop ------------------------------------------------------------------------------------
 
 
-def run_rank_cases(rank: int, world: int, port: int, out: str, backend: str, cases: list[Case], kernel: bool = False) -> None:
+def run_rank_cases(
+    rank: int, world: int, port: int, out: str, backend: str, cases: list[Case], kernel: bool = False
+) -> None:
     """Body of one spawned rank: init the group, run every case, write the outcomes. ``kernel``: copy
     rows of CPU pools with the Triton kernel through its interpreter instead of the torch path."""
     torch.set_num_threads(1)
@@ -282,7 +287,10 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
         return {"outcome": "raised", "type": type(error).__name__, "message": str(error)}
     return {
         "outcome": "ok",
-        "transfers": [dict(role=h.role, peer=h.peer, tokens=h.tokens, heads=list(h.heads), nbytes=h.nbytes, chunks=h.chunks) for h in handles],
+        "transfers": [
+            dict(role=h.role, peer=h.peer, tokens=h.tokens, heads=list(h.heads), nbytes=h.nbytes, chunks=h.chunks)
+            for h in handles
+        ],
     }
 
 

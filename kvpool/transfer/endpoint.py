@@ -71,8 +71,8 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 # 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
 # overhead that back-to-back messages hide). 128 MiB chunks pay it 8 times for an 8k-token Llama-3-8B
 # FP8 request (512 MiB), while the chunk ramp (wire.chunk_plan) starts and ends with 8 MiB chunks, so
-# the pipeline's fill and drain (one gather, one scatter) take some microseconds, not a 128 MiB copy. Two halves: 256 MiB of device memory per endpoint. benchmarks/bench_transfer.py
-# sweeps 16-256 MiB.
+# the pipeline's fill and drain (one gather, one scatter) take some microseconds, not a 128 MiB copy.
+# Two halves: 256 MiB of device memory per endpoint. benchmarks/bench_transfer.py sweeps 16-256 MiB.
 DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
@@ -196,7 +196,8 @@ class _Endpoint:
             self._header_host_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
             self._header_host_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
             if max_programs is None:
-                self.max_programs = DEFAULT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                self.max_programs = DEFAULT_PROGRAMS_PER_SM * sms
             # These buffers were allocated on the caller's stream: the endpoint's streams start after
             # what is queued there (the memory may have just been freed by work still pending), and
             # freeing them waits for the side stream, whose last work in each transfer waits for
@@ -237,7 +238,9 @@ class _Endpoint:
         """This rank's global rank, after checking ``peer``; raises here (the peer cannot be told)."""
         name = "dst" if self._role == SENDER else "src"
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first (kvpool starts no processes)")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first (kvpool starts no processes)"
+            )
         if isinstance(peer, bool) or not isinstance(peer, int):
             raise TypeError(f"{name} must be an int (a global rank), got {type(peer).__name__}")
         rank = dist.get_rank()
@@ -245,7 +248,9 @@ class _Endpoint:
         if rank not in ranks:
             raise ValueError(f"this rank ({rank}) is not in the process group (ranks {ranks})")
         if peer not in ranks or peer == rank:
-            raise ValueError(f"{name} must be another rank of the process group {ranks}, got {peer} (this rank is {rank})")
+            raise ValueError(
+                f"{name} must be another rank of the process group {ranks}, got {peer} (this rank is {rank})"
+            )
         return rank
 
     def _check_backend(self, group: Optional[dist.ProcessGroup]) -> None:
@@ -270,7 +275,9 @@ class _Endpoint:
         tail = "; nothing moved"
         if isinstance(loc, np.ndarray):
             if loc.dtype not in (np.int32, np.int64):
-                return None, ValueError(f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}")
+                return None, ValueError(
+                    f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}"
+                )
             loc = torch.from_numpy(loc)
         if not isinstance(loc, torch.Tensor):
             return None, TypeError(
@@ -360,7 +367,8 @@ class _Endpoint:
             return KVTransfer(role, peer, 0, heads, 0, 0, self.device)
         compute = torch.cuda.current_stream(self.device) if self._cuda else None
         with self._on_side():
-            layout, pool_table, stages = self._tables_for(agreed.head_lo - self.head_start, agreed.head_hi - self.head_start)
+            lo, hi = agreed.head_lo - self.head_start, agreed.head_hi - self.head_start  # local head numbers
+            layout, pool_table, stages = self._tables_for(lo, hi)
             plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
             nbytes = agreed.tokens * layout.token_bytes
             if not self._cuda:
@@ -376,11 +384,25 @@ class _Endpoint:
             done.record()
         return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
 
-    def _pipeline(self, plan, index, layout, pool_table, stages, peer, group, compute) -> None:  # noqa: ANN001
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
+        """Move the rows of ``plan``'s chunks (``index``: this side's slots, on the pool's device);
+        ``compute``: the caller's stream on CUDA, None on CPU."""
         raise NotImplementedError
 
 
-def _send_recv(out: torch.Tensor, into: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup], first_send: bool) -> None:
+def _send_recv(
+    out: torch.Tensor, into: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup], first_send: bool
+) -> None:
     """Send ``out`` to and receive ``into`` from ``peer``, in the order given; waits for both (a
     stream wait on NCCL, a host wait on gloo)."""
     if first_send:
@@ -444,7 +466,17 @@ class KVSender(_Endpoint):
         """
         return self._start(loc, dst)
 
-    def _pipeline(self, plan, index, layout, pool_table, stages, peer, group, compute) -> None:  # noqa: ANN001
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
         if compute is not None:
             torch.cuda.current_stream().wait_stream(compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
@@ -452,7 +484,8 @@ class KVSender(_Endpoint):
             half = k & 1
             if in_flight[half] is not None:
                 in_flight[half].wait()  # type: ignore[union-attr]
-            copy_rows(stages[half], self._arange[:count], pool_table, index[start : start + count], max_programs=self.max_programs)
+            rows = index[start : start + count]
+            copy_rows(stages[half], self._arange[:count], pool_table, rows, max_programs=self.max_programs)
             in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
         for work in in_flight:
             if work is not None:
@@ -495,7 +528,17 @@ class KVReceiver(_Endpoint):
         """
         return self._start(loc, src)
 
-    def _pipeline(self, plan, index, layout, pool_table, stages, peer, group, compute) -> None:  # noqa: ANN001
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
         works: dict[int, dist.Work] = {}
 
         def post(k: int) -> None:
@@ -509,7 +552,8 @@ class KVReceiver(_Endpoint):
             torch.cuda.current_stream().wait_stream(compute)
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
-            copy_rows(pool_table, index[start : start + count], stages[k & 1], self._arange[:count], max_programs=self.max_programs)
+            rows = index[start : start + count]
+            copy_rows(pool_table, rows, stages[k & 1], self._arange[:count], max_programs=self.max_programs)
             if k + 2 < len(plan):
                 post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
 

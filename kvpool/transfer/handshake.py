@@ -14,10 +14,14 @@ message, so the peer can raise that exact message too.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
 from kvpool.kernels.formats import CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from kvpool.pools.mha_pool import MHATokenToKVPool
 
 HEADER_BYTES = 1024
 _FIELD_SLOTS = 32
@@ -176,7 +180,7 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
 
 
 def make_header(
-    role: int, rank: int, pool: object, head_start: int, total_heads: int, tokens: int, chunk_bytes: int
+    role: int, rank: int, pool: "MHATokenToKVPool", head_start: int, total_heads: int, tokens: int, chunk_bytes: int
 ) -> Header:
     """The header describing ``pool`` (an ``MHATokenToKVPool``) for a transfer of ``tokens`` slots."""
     return Header(
@@ -185,16 +189,16 @@ def make_header(
         role=role,
         rank=rank,
         error_kind=0,
-        dtype=dtype_code(pool.dtype),  # type: ignore[attr-defined]
-        start_layer=pool.start_layer,  # type: ignore[attr-defined]
-        layer_num=pool.layer_num,  # type: ignore[attr-defined]
+        dtype=dtype_code(pool.dtype),
+        start_layer=pool.start_layer,
+        layer_num=pool.layer_num,
         head_start=head_start,
-        head_num=pool.head_num,  # type: ignore[attr-defined]
+        head_num=pool.head_num,
         total_heads=total_heads,
-        head_dim=pool.head_dim,  # type: ignore[attr-defined]
-        v_head_dim=pool.v_head_dim,  # type: ignore[attr-defined]
+        head_dim=pool.head_dim,
+        v_head_dim=pool.v_head_dim,
         tokens=tokens,
         chunk_bytes=chunk_bytes,
-        page_size=pool.page_size,  # type: ignore[attr-defined]
+        page_size=pool.page_size,
     )
 
