@@ -30,9 +30,13 @@ host with it. ``KVTransfer.wait()`` makes the caller's current stream wait for t
 wait, not a host wait); ``is_completed()`` queries an event.
 
 Memory. Each endpoint allocates, once, a staging buffer of two halves of ``chunk_bytes``, an index
-buffer of one int64 per pool row, and small tables; a transfer allocates no device memory. ``loc`` is
-host indices (a CPU tensor or a NumPy array, as a scheduler holds them): they are checked on the host,
-so a bad slot is reported without reading device memory, and uploaded from pinned host memory.
+buffer of one int64 per pool row, and small tables (those of a head range other than the pool's own on
+that range's first transfer); a transfer allocates no device memory. ``loc`` is host indices (a CPU
+tensor or a NumPy array, as a scheduler holds them): they are checked on the host, so a bad slot is
+reported without reading device memory, and uploaded from a pinned copy that torch's caching host
+allocator keeps until the upload has run (a fresh block per transfer would make the host wait for the
+previous upload, which may sit behind the compute stream; the allocator only allocates when no cached
+block is free, e.g. on the first transfers).
 
 CPU pools (gloo). The same pipeline runs on the host: ``send``/``recv`` return when the data has moved
 and the handle is already complete.
