@@ -34,9 +34,9 @@ buffer of one int64 per pool row, and small tables (those of a head range other 
 that range's first transfer); a transfer allocates no device memory. ``loc`` is host indices (a CPU
 tensor or a NumPy array, as a scheduler holds them): they are checked on the host, so a bad slot is
 reported without reading device memory, and uploaded from a pinned copy that torch's caching host
-allocator keeps until the upload has run (a fresh block per transfer would make the host wait for the
-previous upload, which may sit behind the compute stream; the allocator only allocates when no cached
-block is free, e.g. on the first transfers).
+allocator keeps until the upload has run. (One pinned buffer reused by every transfer would make the
+host wait for the previous upload, which may sit behind the compute stream; the caching allocator
+only allocates when none of its blocks is free, e.g. on the first transfers.)
 
 CPU pools (gloo). The same pipeline runs on the host: ``send``/``recv`` return when the data has moved
 and the handle is already complete.
