@@ -37,7 +37,6 @@ import sys
 import time
 from datetime import datetime, timezone
 
-import numpy as np
 import torch
 import triton
 

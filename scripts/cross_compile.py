@@ -84,13 +84,10 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
 
 
 _COPY_ELEM = {1: "u8", 2: "i16", 4: "i32"}
-_COPY_TL = {1: "uint8", 2: "int16", 4: "int32"}
 
 
 def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_programs=False, index_type="i64"):
     """Compile the copy kernel as the launcher would launch it for this geometry."""
-    import triton.language as tl
-
     target, _ = TARGETS[target_name]
     tile = FEW_PROGRAMS_TILE if few_programs else SM_TILE
     plan = plan_copy(n_pairs, 2, tuple(sorted(set(row_bytes))), align, one_pass, 8 if few_programs else 1056, tile)
@@ -101,7 +98,7 @@ def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_prog
             break
         sig[n] = "i32"
     const = dict(
-        ELEM=getattr(tl, _COPY_TL[plan.elem_bytes]), ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
         BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
     )  # fmt: skip
     sig.update({n: "constexpr" for n in const})

@@ -130,7 +130,7 @@ def test_kernel_backend_grid_is_capped(monkeypatch):
     real = C.launch_copy_rows
 
     def spy(dst, di, src, si, **kw):
-        plan = C.plan_copy(di.shape[0], len(dst), tuple(sorted(set(dst.row_bytes))), min(dst.align, src.align),
+        plan = C.plan_copy(di.shape[0], len(dst), dst.distinct_row_bytes, min(dst.align, src.align),
                            kw.get("one_pass", False), kw["max_programs"], C.FEW_PROGRAMS_TILE)  # fmt: skip
         programs.append(plan.programs)
         return real(dst, di, src, si, **kw)

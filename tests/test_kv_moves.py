@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvassert import assert_same_bytes, needs_interpreter
+from kvassert import assert_same_bytes
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C

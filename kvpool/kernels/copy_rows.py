@@ -38,18 +38,14 @@ import torch
 from kvpool.args import positive_int
 
 try:
-    import triton.language as tl
-
     from kvpool.kernels import copy_rows_kernel as _k
 
     TRITON_AVAILABLE = True
     INTERPRETER = type(_k._copy_rows_kernel).__name__ == "InterpretedFunction"
-    _ELEM_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
     TRITON_AVAILABLE = False
     INTERPRETER = False
-    _ELEM_TYPES = {}
 
 #: Most pairs a copy between aliasing tables does in one launch: the program of a column chunk holds
 #: all pairs' bytes of that chunk, at least one 16-byte vector each, within a 4096-element tile.
@@ -119,7 +115,7 @@ class RowTable:
 
     __slots__ = (
         "buffers", "rows", "row_bytes", "device", "table", "table_device", "align", "pinned",
-        "_addrs", "_strides", "_alias", "__weakref__",
+        "distinct_row_bytes", "_addrs", "_strides", "_alias", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -137,6 +133,7 @@ class RowTable:
         self.buffers = buffers
         self.rows = rows
         self.row_bytes = row_bytes
+        self.distinct_row_bytes = tuple(sorted(set(row_bytes)))  # what a launch plan depends on
         self.device = device
         self.table = table
         self.table_device = table.device
@@ -471,14 +468,14 @@ def launch_copy_rows(
     if tile is None:
         tile = FEW_PROGRAMS_TILE if max_programs is not None and max_programs <= FEW_PROGRAMS else SM_TILE
     cap = max_programs if max_programs is not None else _sm_count(device) * PROGRAMS_PER_SM
-    plan = plan_copy(n, len(dst), tuple(sorted(set(dst.row_bytes))), min(dst.align, src.align), one_pass, cap, tile)
+    plan = plan_copy(n, len(dst), dst.distinct_row_bytes, min(dst.align, src.align), one_pass, cap, tile)
     args = (
         dst.table, src.table, dst_index, src_index, n, dst.rows, src.rows,
         dst_index.stride(0), src_index.stride(0), dst.table.stride(0), src.table.stride(0),
         len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
     consts = dict(
-        ELEM=_ELEM_TYPES[plan.elem_bytes], ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
         BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
         num_warps=plan.num_warps,
     )  # fmt: skip
@@ -613,10 +610,10 @@ def copy_rows(
     >>> pool = RowTable.of([k_cache, v_cache])                  # [slots, H, D] each
     >>> copy_rows(pool, torch.tensor([7, 8]), pool, torch.tensor([3, 4]))   # rows 3, 4 -> 7, 8
     """
-    _copy(dst, dst_index, src, src_index, max_programs, validate, ("dst_index", "src_index"))
+    checked_copy(dst, dst_index, src, src_index, max_programs, validate, ("dst_index", "src_index"))
 
 
-def _copy(
+def checked_copy(
     dst: RowTable,
     dst_index: torch.Tensor,
     src: RowTable,
@@ -625,6 +622,8 @@ def _copy(
     validate: bool,
     names: tuple[str, str],
 ) -> None:
+    """:func:`copy_rows` with the callers' own names for the index arguments in its errors (a pool's
+    ``tgt_loc``/``src_loc``, a host pool's ``host_indices``/``device_indices``)."""
     device = _compute_device(dst, src)
     n = check_pairs(dst_index, src_index, device, names)
     if max_programs is not None:

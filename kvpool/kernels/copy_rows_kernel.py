@@ -26,6 +26,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_pointers(base, index, stride, ELEM_BYTES: tl.constexpr, ALIGN: tl.constexpr):
+    """Row starts ``base + index * stride`` (bytes) as pointers to the element moved. The compiler
+    cannot know the alignment of an address read from memory; the launcher guarantees ALIGN divides
+    every base, stride and row size, and the hint lets it issue ALIGN-byte vector accesses."""
+    addr = base + index * stride
+    if ELEM_BYTES == 4:
+        ptr = addr.to(tl.pointer_type(tl.int32))
+    elif ELEM_BYTES == 2:
+        ptr = addr.to(tl.pointer_type(tl.int16))
+    else:
+        ptr = addr.to(tl.pointer_type(tl.uint8))
+    return tl.multiple_of(ptr, [ALIGN])
+
+
+@triton.jit
 def _copy_rows_kernel(
     dst_table_ptr,  # int64 [3, dst_table_stride]: row 0 base address, row 1 row stride (bytes), row 2 row bytes
     src_table_ptr,  # int64 [3, src_table_stride]: same, for the source buffers
@@ -41,8 +56,7 @@ def _copy_rows_kernel(
     buffers,
     chunks,
     n_tasks,
-    ELEM: tl.constexpr,  # element type moved: tl.int32 (4-byte aligned tables), tl.int16 or tl.uint8
-    ELEM_BYTES: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,  # size of the element moved: 4 (int32) on 4-byte aligned tables, else 2 or 1
     ALIGN: tl.constexpr,  # bytes dividing every base address, row stride and row size (<= 16)
     BLOCK_P: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -74,11 +88,8 @@ def _copy_rows_kernel(
             d_stride = tl.load(dst_table_ptr + dst_table_stride + b)
             s_base = tl.load(src_table_ptr + b)
             s_stride = tl.load(src_table_ptr + src_table_stride + b)
-            # Row starts as typed pointers ([BLOCK_P]). The compiler cannot know the alignment of an
-            # address read from memory; the launcher guarantees ALIGN divides every base, stride
-            # and row size, and the hint lets the compiler issue ALIGN-byte vector accesses.
-            d_row = tl.multiple_of((d_base + di * d_stride).to(tl.pointer_type(ELEM)), [ALIGN])
-            s_row = tl.multiple_of((s_base + si * s_stride).to(tl.pointer_type(ELEM)), [ALIGN])
+            d_row = _row_pointers(d_base, di, d_stride, ELEM_BYTES, ALIGN)  # [BLOCK_P]
+            s_row = _row_pointers(s_base, si, s_stride, ELEM_BYTES, ALIGN)
 
             cols = col0 + tl.arange(0, BLOCK_W)
             mask = ok[:, None]

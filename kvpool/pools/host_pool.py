@@ -179,6 +179,16 @@ class MHATokenToKVPoolHost:
     ``device_pool.size * host_to_device_ratio``, rounded down to whole pages; ``size_per_token`` is
     ``layer_num * head_num * (head_dim + v_head_dim)`` bytes of the storage dtype.
 
+    Attributes
+    ----------
+    size, page_num, page_size, layout, layer_num, start_layer, end_layer, head_num, head_dim,
+    v_head_dim : as the names say (layers use the device pool's global ids).
+    dtype : the device pool's element type; ``store_dtype`` what the buffers hold (uint8 for FP8;
+        SGLang's host pool calls that one ``dtype``).
+    k_buffer, v_buffer : the host buffers (see the module docstring for their shapes).
+    load_stream, backup_stream : the transfer streams (None on a CPU pool).
+    layer_transfer_counter : per-layer load events, for ``register_layer_transfer_counter``.
+
     Raises
     ------
     ValueError
@@ -585,10 +595,10 @@ class MHATokenToKVPoolHost:
             h_idx = h_dev if h_dev is not None else torch.from_numpy(slots)
             cap = self.kernel_programs
             if direction == "backup":
-                rows._copy(self._host_rows, h_idx, table, d_idx, cap, False, ("host_indices", "device_indices"))
+                rows.checked_copy(self._host_rows, h_idx, table, d_idx, cap, False, ("host_indices", "device_indices"))
                 return
             for layer in layers:  # type: ignore[union-attr]
-                rows._copy(
+                rows.checked_copy(
                     layer_tables[layer], d_idx, self._host_layer_rows[layer], h_idx, cap, False,  # type: ignore[index]
                     ("device_indices", "host_indices"),
                 )  # fmt: skip
@@ -680,7 +690,7 @@ class MHATokenToKVPoolHost:
                 with _on(st.aux):
                     if cuda and k >= 2:
                         st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
-                    rows._copy(s_table, pos, d_table, dev, None, False, ("positions", "device_indices"))
+                    rows.checked_copy(s_table, pos, d_table, dev, None, False, ("positions", "device_indices"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                 if cuda:
@@ -697,7 +707,7 @@ class MHATokenToKVPoolHost:
                 with _on(st.aux):
                     if cuda:
                         st.aux.wait_event(st.copies_done[h])
-                    rows._copy(d_table, dev, s_table, pos, None, False, ("device_indices", "positions"))
+                    rows.checked_copy(d_table, dev, s_table, pos, None, False, ("device_indices", "positions"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                     last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer

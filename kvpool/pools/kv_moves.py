@@ -36,9 +36,9 @@ def kv_rows(pool: "MHATokenToKVPool") -> rows.RowTable:
 
 def move_kv_cache(pool: "MHATokenToKVPool", tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """For every layer, K and V row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]``, as if
-    all sources were read before any target is written (SPEC 3.3). See ``MHATokenToKVPool.move_kv_cache``."""
+    all sources were read before any target is written. See ``MHATokenToKVPool.move_kv_cache``."""
     table = kv_rows(pool)
-    rows._copy(table, tgt_loc, table, src_loc, None, pool.validate, ("tgt_loc", "src_loc"))
+    rows.checked_copy(table, tgt_loc, table, src_loc, None, pool.validate, ("tgt_loc", "src_loc"))
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def get_cpu_copy(pool: "MHATokenToKVPool", indices: torch.Tensor) -> KVCpuCopy:
             _interleaved(k, v), table_device=pool.device if pinned else None, non_blocking=pinned
         )
         positions = torch.arange(n, dtype=torch.int64, device=pool.device)
-        rows._copy(host, positions, kv_rows(pool), indices, None, False, ("positions", "indices"))
+        rows.checked_copy(host, positions, kv_rows(pool), indices, None, False, ("positions", "indices"))
         if pinned:
             torch.cuda.current_stream(pool.device).synchronize()
     return KVCpuCopy(k, v, pool.dtype, pool.start_layer)
@@ -137,4 +137,4 @@ def load_cpu_copy(pool: "MHATokenToKVPool", kv_cache_cpu: KVCpuCopy, indices: to
     v = copy.v.to(pool.device, non_blocking=True) if cuda else copy.v
     staged = rows.RowTable.of(_interleaved(k, v), non_blocking=cuda)
     positions = torch.arange(n, dtype=torch.int64, device=pool.device)
-    rows._copy(kv_rows(pool), indices, staged, positions, None, False, ("indices", "positions"))
+    rows.checked_copy(kv_rows(pool), indices, staged, positions, None, False, ("indices", "positions"))
