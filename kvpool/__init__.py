@@ -26,6 +26,7 @@ from kvpool.pools import (
     kv_bytes_per_token,
     max_pool_size,
 )
+from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
 
 __version__ = "0.1.0"
 
@@ -44,11 +45,17 @@ __all__ = [
     "ReqToTokenPool",
     "RowTable",
     "TokenToKVPoolAllocator",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTransfer",
     "kv_bytes_per_token",
     "max_pool_size",
     "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",
     "quantize",
+    "recv_kv",
     "reference_set_kv_buffer",
+    "send_kv",
 ]
