@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
-#   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick] [sim] [llama]
-# (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
-# "tests" runs the whole suite on the GPU: the gpu-marked tests and every device-agnostic test with
-# CUDA tensors.
+#   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune | tune_write] [bench] [quick]
+#                             [host] [mla] [sim] [llama] [llama_bench]
+# (default: tests transfer first_call bench host mla sim llama_bench). tune_write rewrites TILE_TABLE
+# from the sweep (copy in $OUT). "tests" runs the whole suite on the GPU: the gpu-marked tests and
+# every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
+# runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
+# Every step has a time limit (STEP_LIMIT seconds, default 420) so one hang cannot eat the call.
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +14,16 @@ OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-stages="${*:-tests first_call bench}"
+# NVLink multicast stays off on shared multi-GPU hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stages="${*:-tests transfer first_call bench host mla sim llama_bench}"
+STEP_LIMIT="${STEP_LIMIT:-420}"
 status=0
 
 step() {  # step NAME CMD...: run, log, remember failures, keep going
   local name="$1"; shift
   echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  "$@" 2>&1 | tee -a "$LOG"
+  timeout "$STEP_LIMIT" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "=== $name exit $rc" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || status=1
@@ -33,7 +39,15 @@ for stage in $stages; do
   case "$stage" in
     tests)
       # The GPU suite plus the device-agnostic suites, which run the compiled kernel on CUDA here.
-      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 -rfEs tests/ ;;
+      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 -rfEs tests/ \
+        --deselect tests/test_gpu_transfer.py ;;
+    transfer)
+      step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py
+      step disagg python3 examples/disagg_sim.py
+      step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
+    host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
+    mla) step mla_bench python3 benchmarks/bench_mla.py --out "$OUT" ;;
+    llama_bench) step llama_bench python3 benchmarks/bench_llama_runner.py --out "$OUT" ;;
     first_call) step first_call python3 benchmarks/first_call.py ;;
     sim) step sim python3 examples/serve_sim.py ;;
     llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;

@@ -74,7 +74,13 @@ def test_backup_and_load_move_exact_bytes(layout, backend, page_size):
     gen = torch.Generator().manual_seed(page_size)
     pool = make_pool(page_size=page_size, v_head_dim=64)
     host = MHATokenToKVPoolHost(pool, 2.0, 0, page_size, layout, staging_bytes=8 << 20)
-    assert host.k_buffer.is_pinned() and host.v_buffer.is_pinned()
+    # Page-locked in place with cudaHostRegister (torch's is_pinned() answers only for its own
+    # pinned allocator on some versions): both buffers lie inside the registered region.
+    region = host._pinned
+    assert host.pin_memory and region is not None
+    for buf in (host.k_buffer, host.v_buffer):
+        start = buf.data_ptr()
+        assert region.ptr <= start and start + buf.numel() * buf.element_size() <= region.ptr + region.nbytes
     h = host_pages(host, tokens, gen)
     d = device_pages(pool, tokens, page_size, gen)
     event = host.backup_from_device_all_layer(pool, h, d, backend)

@@ -102,11 +102,15 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         for _ in range(2):  # the pair's communicator, pinned host blocks, compiled kernels
             move(loc, 1 - rank).wait()
         torch.cuda.synchronize()
-        # Cycles per second, measured, so that the busy stream really is busy for about SLEEP_S.
-        t = time.perf_counter()
-        torch.cuda._sleep(10_000_000)
+        # Cycles per second, measured (after one untimed call: the first launch loads the kernel),
+        # so that the busy stream really is busy for about SLEEP_S.
+        torch.cuda._sleep(1000)
         torch.cuda.synchronize()
-        cycles = int(SLEEP_S * 10_000_000 / (time.perf_counter() - t))
+        t = time.perf_counter()
+        torch.cuda._sleep(50_000_000)
+        torch.cuda.synchronize()
+        cycles = int(SLEEP_S * 50_000_000 / (time.perf_counter() - t))
+        report["cycles"] = cycles
         dist.barrier()
         torch.cuda.synchronize()
 
