@@ -20,10 +20,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvassert import bits, needs_interpreter, poison_
+from kvassert import INTERPRETER, bits, poison_
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+#: The fused path runs on CUDA, or on the CPU under Triton's interpreter.
+fused_runs = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETER, reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 CACHE_DTYPES = FP8 + [torch.bfloat16, torch.float16, torch.float32]
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -95,7 +98,7 @@ def _scales(cache_dtype: torch.dtype, kind: str):
     return torch.tensor([0.5, 3.0], device=DEVICE)  # per head (FP8 only; 16-bit caches ignore it)
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("write", WRITES, ids=_name)
 @pytest.mark.parametrize("scale_kind", ["none", "float", "per_head"])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=_name)
@@ -116,7 +119,7 @@ def test_public_functions_store_pinned_nan_bits(in_dtype, cache_dtype, scale_kin
     _check_rows(vc, loc, in_dtype, expected, f"{_name(in_dtype)} -> {_name(cache_dtype)} v_cache")
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=_name)
 @pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=_name)
 def test_both_paths_store_the_same_nan_bits(in_dtype, cache_dtype):
@@ -133,7 +136,7 @@ def test_both_paths_store_the_same_nan_bits(in_dtype, cache_dtype):
     ][:4]
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("fused", ["always", "never"])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=_name)
 def test_pools_store_pinned_nan_bits(cache_dtype, fused):
@@ -153,7 +156,7 @@ def test_pools_store_pinned_nan_bits(cache_dtype, fused):
         _check_rows(v, loc, in_dtype, expected, f"{_name(in_dtype)} -> {_name(cache_dtype)} pool V fused={fused}")
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("write", WRITES, ids=_name)
 def test_the_issue_examples(write):
     """fp32 NaN 0x7FC00000 into a bf16 cache; fp16 -NaN into an fp16 cache (keeps its sign and
@@ -177,7 +180,7 @@ def test_nan_bits_table_is_the_pinned_one():
     assert NAN_BITS == EXPECTED_NAN_BITS
 
 
-@needs_interpreter
+@fused_runs
 def test_finite_values_around_nans_are_unaffected():
     """A row mixing NaNs with finite values and infinities: only the NaN elements take the
     canonical pattern (both paths agree byte for byte, and with the plain cast elsewhere)."""
@@ -228,7 +231,7 @@ def _grad_inputs(in_dtype: torch.dtype):
     return leaf, v, scale
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32], ids=_name)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=_name)
 def test_inputs_requiring_grad_write_like_their_detached_values(in_dtype, cache_dtype):
@@ -247,7 +250,7 @@ def test_inputs_requiring_grad_write_like_their_detached_values(in_dtype, cache_
     assert k.grad is None and scale.grad is None
 
 
-@needs_interpreter
+@fused_runs
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e5m2, torch.float16], ids=_name)
 def test_pool_inputs_requiring_grad_write_identically_on_both_paths(cache_dtype):
     k, v, scale = _grad_inputs(torch.float32)
