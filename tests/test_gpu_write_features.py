@@ -130,6 +130,23 @@ def test_verify_write_matches_reference_and_the_plain_write(cache_dtype, scale_k
     assert fused.stats.fused_calls == len(cases) and fused.stats.reference_calls == 0
 
 
+def test_verify_writes_alternating_commit_lens_dtypes_on_one_pool():
+    """The same loc_2d and inputs with commit_lens int32, then int64, then back: each call is a
+    direct launch after the first of its kind, and must launch the variant compiled for its
+    commit_lens type (an int64 [3, 1] read as int32 is [3, 0])."""
+    pool, ref = _pool(), _pool(fused="never")
+    bs, width = 32, 4
+    loc_2d = torch.randperm(ROWS, device=DEV)[: bs * width].reshape(bs, width)
+    g = _gen(8)
+    for step, dtype in enumerate([torch.int32, torch.int64, torch.int32, torch.int64, torch.int64, torch.int32]):
+        commit = torch.randint(0, width + 1, (bs,), device=DEV, generator=g).to(dtype)
+        x = _rows(bs * width, H, D, torch.bfloat16, 200 + step)
+        for p in (pool, ref):
+            p.set_kv_buffer_prefix_valid(None, loc_2d, commit, x, x, 0.5, 0.5, layer_id_override=0)
+        torch.cuda.synchronize()
+        _assert_pools_equal(pool, ref, f"step {step}: commit_lens {_name(dtype)}", layers=(0,))
+
+
 def test_verify_write_in_a_cuda_graph_reads_commit_lens_on_replay():
     pool, ref = _pool(), _pool(fused="never")
     bs, width = 16, 4

@@ -33,17 +33,28 @@ from kvpool.kernels.store_kv import PreparedLaunch, storage_view
 DEVICE = "cpu"
 
 
-class FakeCompiled:
-    """Stands in for the compiled kernel Triton's JIT launch returns: ``compiled[grid](*args)``."""
+def _pointer_types(args) -> tuple:
+    return tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
 
-    def __init__(self, real, fail: bool) -> None:
+
+class FakeCompiled:
+    """Stands in for the compiled kernel Triton's JIT launch returns: ``compiled[grid](*args)``.
+
+    Like a real compiled variant it is typed: it was built for the element types of the pointer
+    arguments of the launch that compiled it, and a direct launch with other types would read
+    memory as the wrong type. Such launches are recorded in ``mistyped``."""
+
+    def __init__(self, real, fail: bool, pointer_types: tuple) -> None:
         self.real, self.fail, self.calls = real, fail, 0
+        self.pointer_types, self.mistyped = pointer_types, []
 
     def __getitem__(self, grid):
         def run(*args):
             self.calls += 1
             if self.fail:
                 raise TypeError("this launcher takes its arguments differently")
+            if _pointer_types(args) != self.pointer_types:
+                self.mistyped.append(_pointer_types(args))
             return self.real[grid](*args)  # constexprs positionally, as a direct launch passes them
 
         return run
@@ -60,7 +71,7 @@ class JitLaunch:
         def launch(*args, **kwargs):
             self.launches += 1
             self.real[grid](*args, **kwargs)
-            compiled = FakeCompiled(self.real, self.fail_next)
+            compiled = FakeCompiled(self.real, self.fail_next, _pointer_types(args))
             self.handed.append(compiled)
             return compiled
 
@@ -74,7 +85,9 @@ def jit(monkeypatch):
     jit = JitLaunch(store_kv._k._store_kv_kernel)
     monkeypatch.setattr(store_kv._k, "_store_kv_kernel", jit)
     monkeypatch.setattr(store_kv, "_current_device", lambda: 0)  # no CUDA device to ask
-    return jit
+    yield jit
+    mistyped = [c.mistyped for c in jit.handed if c.mistyped]
+    assert not mistyped, f"a compiled variant was launched directly with other pointer types: {mistyped}"
 
 
 def _launcher(h=2, d=16, slots=12) -> tuple[PreparedLaunch, torch.Tensor, torch.Tensor]:
@@ -265,3 +278,23 @@ def test_only_config_reads_the_environment():
         if names:
             readers[str(path.relative_to(package))] = names
     assert readers == {"config.py": {"environ"}}
+
+
+@pytest.mark.parametrize("first, second", [(torch.int32, torch.int64), (torch.int64, torch.int32)], ids=["i32-i64", "i64-i32"])
+def test_verify_writes_with_commit_lens_of_another_dtype_get_their_own_variant(jit, first, second):
+    """commit_lens may be int32 or int64 whatever loc's type is; the compiled variant is typed by
+    it, so a verify write whose commit_lens type differs from an earlier call's (all else equal)
+    must not be launched directly on the earlier call's variant (it would read the lengths as the
+    wrong integer type: int64 [3, 1] read as int32 is [3, 0])."""
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    ref = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="never")
+    pool._writer.launch.direct = True
+    loc = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    x = torch.randn(6, 2, 8) * 10
+    for step, dtype in enumerate([first, second, first, second]):
+        commit = torch.tensor([[3, 1], [1, 2], [0, 3], [2, 0]][step], dtype=dtype)
+        for p in (pool, ref):
+            p.set_kv_buffer_prefix_valid(None, loc, commit, x * (step + 1), x, layer_id_override=0)
+        for a, b in zip(pool.get_kv_buffer(0), ref.get_kv_buffer(0)):
+            assert_same_bytes(a, b, f"step {step} (commit_lens {dtype})")
+    assert jit.launches == 2, "one JIT launch per commit_lens type, then direct launches"

@@ -300,11 +300,16 @@ class PreparedLaunch:
         ckey = None
         if self.direct:
             # Everything Triton specializes a compiled variant on that varies between calls: the key
-            # (dtypes, scale kinds and dtypes, prefix), observation, exact input and loc strides
-            # (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers (the
-            # caches': fixed for a pool), and the current device, where Triton loaded the compiled
-            # module and where it launches. The plan follows from strides, kinds and observation.
-            ckey = (key, amax is None, kst, vst, loc.stride(), k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
+            # (dtypes, scale kinds and dtypes, prefix), observation, the type of commit_lens (a
+            # pointer's element type, which the key does not hold: int32 or int64 whatever loc's),
+            # exact input and loc strides (covers "== 1" and "divisible by 16"), 16-byte alignment
+            # of the row pointers (the caches': fixed for a pool), and the current device, where
+            # Triton loaded the compiled module and where it launches. The plan follows from
+            # strides, kinds and observation.
+            ckey = (
+                key, amax is None, None if commit_lens is None else commit_lens.dtype, kst, vst, loc.stride(),
+                k.data_ptr() & 15, v.data_ptr() & 15, _current_device(),
+            )  # fmt: skip
             if not self.caches_aligned:
                 ckey += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
             entry = self._compiled.get(ckey)
