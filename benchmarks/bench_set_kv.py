@@ -252,7 +252,7 @@ def host_overhead(run: Run) -> None:
             pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0)
 
         key = write_key(x, x, loc, scale, scale)
-        ka, va, prefix = key[3], key[4], key[7]
+        ka, va, prefix = key[3], key[4], key[7] is not None
         variant = launch.per_head if launch.flat is None else launch.variant_for(x.stride(), x.stride(), (ka, va))
         kwargs, positional = variant.constexprs((ka, va, prefix, False, False))  # no observation, 32-bit offsets
         jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, x.stride(), x.stride(), ())

@@ -171,7 +171,13 @@ class WriteKey(NamedTuple):
     v_scale_kind: int
     k_scale_dtype: Optional[torch.dtype]  # tensor scales only, else None
     v_scale_dtype: Optional[torch.dtype]
-    prefix: bool  # loc is [bs, width] with commit_lens (the speculative-decoding verify write)
+    # The verify write (loc [bs, width] with commit_lens): commit_lens's dtype; None for a plain write.
+    # A dtype rather than a flag: the compiled kernel reads commit_lens as that type.
+    commit_dtype: Optional[torch.dtype]
+
+
+#: ``check_write``'s ``commit_lens`` when the write is a plain one ([T] ``loc``, no commit lengths).
+PLAIN_WRITE = object()
 
 
 class CheckedWrite(NamedTuple):
@@ -189,10 +195,17 @@ def scale_kind(scale: Scale) -> tuple[int, Optional[torch.dtype]]:
     return SCALE_VALUE, None
 
 
-def write_key(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_scale: Scale, v_scale: Scale) -> WriteKey:
+def write_key(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: Scale,
+    v_scale: Scale,
+    commit_lens: Optional[torch.Tensor] = None,
+) -> WriteKey:
     """The key of a write whose arguments are already checked and canonical."""
     (ka, kd), (va, vd) = scale_kind(k_scale), scale_kind(v_scale)
-    return WriteKey(k.dtype, v.dtype, loc.dtype, ka, va, kd, vd, loc.dim() == 2)
+    return WriteKey(k.dtype, v.dtype, loc.dtype, ka, va, kd, vd, None if commit_lens is None else commit_lens.dtype)
 
 
 def check_write(
@@ -203,27 +216,30 @@ def check_write(
     k_scale: object,
     v_scale: object,
     names: ArgNames,
-    commit_lens: object = None,
+    commit_lens: object = PLAIN_WRITE,
 ) -> CheckedWrite:
     """All metadata checks of one write; raises before anything is written. With ``commit_lens``
-    the write is a prefix-valid one: ``loc`` is [bs, width] and T = bs * width."""
+    the write is a prefix-valid one: ``loc`` is [bs, width] and T = bs * width. (The default is a
+    marker, not None, so that a verify write passed ``commit_lens=None`` is told so, rather than
+    checked as a plain write whose ``loc`` is not 1-D.)"""
     k = check_rows(k, names.k, g.heads, g.head_dim, g.device)
     v = check_rows(v, names.v, g.v_heads, g.v_head_dim, g.device)
     tokens = k.shape[0]
     if v.shape[0] != tokens:
         raise ValueError(f"{names.v} must have T={tokens} tokens like {names.k}, got {v.shape[0]}")
-    if commit_lens is None:
+    if commit_lens is PLAIN_WRITE:
         check_loc(loc, names.loc, tokens, g.device)
     else:
         check_loc_2d(loc, names.loc, tokens, g.device)
-        check_commit_lens(commit_lens, loc.shape[0], g.device)  # type: ignore[union-attr]
+        check_commit_lens(commit_lens, loc.shape[0], g.device, names.loc)  # type: ignore[union-attr]
     if is_fp8(g.cache_dtype):
         k_scale = check_scale(k_scale, names.k_scale, g.heads, g.device)
         v_scale = check_scale(v_scale, names.v_scale, g.v_heads, g.device)
     else:
         # A 16-bit or fp32 cache stores inputs as they are; a checkpoint's KV scales do not apply.
         k_scale = v_scale = None
-    return CheckedWrite(write_key(k, v, loc, k_scale, v_scale), k_scale, v_scale)  # type: ignore[arg-type]
+    commit = None if commit_lens is PLAIN_WRITE else commit_lens
+    return CheckedWrite(write_key(k, v, loc, k_scale, v_scale, commit), k_scale, v_scale)  # type: ignore[arg-type]
 
 
 def check_loc_2d(loc: object, name: str, tokens: int, device: torch.device) -> torch.Tensor:
@@ -244,7 +260,7 @@ def check_loc_2d(loc: object, name: str, tokens: int, device: torch.device) -> t
     return loc
 
 
-def check_commit_lens(commit_lens: object, bs: int, device: torch.device) -> torch.Tensor:
+def check_commit_lens(commit_lens: object, bs: int, device: torch.device, loc_name: str = "loc_2d") -> torch.Tensor:
     """How many leading tokens of each row to write: [bs] int32/int64 on the device."""
     if not isinstance(commit_lens, torch.Tensor):
         raise TypeError(f"commit_lens must be a torch.Tensor, got {type(commit_lens).__name__}")
@@ -252,7 +268,7 @@ def check_commit_lens(commit_lens: object, bs: int, device: torch.device) -> tor
         raise ValueError(f"commit_lens must be int32 or int64, got {commit_lens.dtype}")
     if commit_lens.dim() != 1 or commit_lens.shape[0] != bs:
         raise ValueError(
-            f"commit_lens must be 1-D [bs] with bs = {bs} (one per row of loc), got shape {tuple(commit_lens.shape)}"
+            f"commit_lens must be 1-D [bs] with bs = {bs} (one per row of {loc_name}), got shape {tuple(commit_lens.shape)}"
         )
     if commit_lens.device != device:
         raise ValueError(f"commit_lens must be on {device}, got {_device_str(commit_lens)}")

@@ -340,7 +340,7 @@ class PreparedLaunch:
         commit_lens: Optional[torch.Tensor] = None,
         amax: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:
-        """Launch one checked write. ``key`` is its ``WriteKey`` (scale kinds at 3 and 4, prefix at 7);
+        """Launch one checked write. ``key`` is its ``WriteKey`` (scale kinds at 3 and 4, commit_lens's dtype at 7);
         ``commit_lens`` goes with a prefix key ([bs, width] ``loc``); ``amax`` = (K maxima [H], V maxima
         [Hv]) float32 tensors to fold the write's |x| into (calibration)."""
         tokens = k.shape[0]
@@ -362,7 +362,7 @@ class PreparedLaunch:
         ckey = None
         if self.direct:
             # Everything Triton specializes a compiled variant on that varies between calls: the key
-            # (dtypes, scale kinds and dtypes, prefix), observation, exact input and loc strides
+            # (dtypes, scale kinds and dtypes, commit_lens's dtype), observation, exact input and loc strides
             # (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers (the
             # caches': fixed for a pool), and the current device, where Triton loaded the compiled
             # module and where it launches. The plan follows from strides, kinds and observation.
@@ -385,7 +385,7 @@ class PreparedLaunch:
                     logger.warning(
                         "kvpool: direct launch of the compiled kernel failed (%s); this launcher uses Triton's JIT launch", exc
                     )
-        ka, va, prefix = key[3], key[4], key[7]
+        ka, va, prefix = key[3], key[4], key[7] is not None
         observe = amax is not None
         variant = self.per_head if self.flat is None else self.variant_for(kst, vst, (ka, va), observe)
         kwargs, positional = variant.constexprs((ka, va, prefix, observe, i64))
@@ -403,7 +403,7 @@ class PreparedLaunch:
         depends on the variant. A flat plan sees one head per row, so the head strides it gets are
         never used."""
         ka, va = key[3], key[4]
-        if key[7]:  # prefix: loc is [bs, width]
+        if key[7] is not None:  # a verify write: loc is [bs, width], commit_lens of dtype key[7]
             width, stride_loc, stride_row, commit, stride_commit = (
                 loc.shape[1], loc.stride(1), loc.stride(0), commit_lens, commit_lens.stride(0)
             )

@@ -165,11 +165,11 @@ class KVWriter:
                     if ka >= 0 and va >= 0:
                         key = (
                             k.dtype, v.dtype, loc.dtype, ka, va,
-                            _F32 if ka == SCALE_TENSOR else None, _F32 if va == SCALE_TENSOR else None, False,
+                            _F32 if ka == SCALE_TENSOR else None, _F32 if va == SCALE_TENSOR else None, None,
                         )  # fmt: skip
                         decision = self._decisions.get(key)
                 else:
-                    key = (k.dtype, v.dtype, loc.dtype, SCALE_NONE, SCALE_NONE, None, None, False)
+                    key = (k.dtype, v.dtype, loc.dtype, SCALE_NONE, SCALE_NONE, None, None, None)
                     k_scale = v_scale = None
                     decision = self._decisions.get(key)
         if decision is None:

@@ -1,0 +1,300 @@
+"""The launcher's direct launch and its fallback, and the environment switches (``KernelOptions``).
+
+After a variant's first launch through Triton's JIT, a ``PreparedLaunch`` launches the compiled
+kernel object directly. If that direct launch fails (a Triton whose compiled-kernel launcher takes
+its arguments differently), that launcher, and only that one, goes back to the JIT launch for good,
+logs one warning, and the write still happens.
+
+On the CPU there is no compiled kernel, so the JIT launch is wrapped here: it runs the real
+(interpreted) kernel and hands back a stand-in for the compiled kernel that either launches the
+real kernel with the direct launch's positional arguments or raises as a mismatched launcher would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvpool
+from kvassert import assert_same_bytes, bits, needs_interpreter, poison_
+from kvpool import MHATokenToKVPool, reference_set_kv_buffer
+from kvpool.config import KernelOptions
+from kvpool.kernels import store_kv
+from kvpool.kernels.checks import write_key
+from kvpool.kernels.store_kv import PreparedLaunch, storage_view
+
+DEVICE = "cpu"
+
+
+def _pointer_types(args) -> tuple:
+    return tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+
+
+class FakeCompiled:
+    """Stands in for the compiled kernel Triton's JIT launch returns: ``compiled[grid](*args)``.
+
+    Like a real compiled variant it is typed: it was built for the element types of the pointer
+    arguments of the launch that compiled it, and a direct launch with other types would read
+    memory as the wrong type. Such launches are recorded in ``mistyped``."""
+
+    def __init__(self, real, fail: bool, pointer_types: tuple) -> None:
+        self.real, self.fail, self.calls = real, fail, 0
+        self.pointer_types, self.mistyped = pointer_types, []
+
+    def __getitem__(self, grid):
+        def run(*args):
+            self.calls += 1
+            if self.fail:
+                raise TypeError("this launcher takes its arguments differently")
+            if _pointer_types(args) != self.pointer_types:
+                self.mistyped.append(_pointer_types(args))
+            return self.real[grid](*args)  # constexprs positionally, as a direct launch passes them
+
+        return run
+
+
+class JitLaunch:
+    """Stands in for the kernel object: each JIT launch runs the real kernel, then hands back a
+    FakeCompiled (failing when ``fail_next`` is set)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.fail_next, self.launches, self.handed = real, False, 0, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            self.real[grid](*args, **kwargs)
+            compiled = FakeCompiled(self.real, self.fail_next, _pointer_types(args))
+            self.handed.append(compiled)
+            return compiled
+
+        return launch
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    if not store_kv.INTERPRETER:
+        pytest.skip("fakes the compiled kernel around Triton's interpreter")
+    jit = JitLaunch(store_kv._k._store_kv_kernel)
+    monkeypatch.setattr(store_kv._k, "_store_kv_kernel", jit)
+    monkeypatch.setattr(store_kv, "_current_device", lambda: 0)  # no CUDA device to ask
+    yield jit
+    mistyped = [c.mistyped for c in jit.handed if c.mistyped]
+    assert not mistyped, f"a compiled variant was launched directly with other pointer types: {mistyped}"
+
+
+def _launcher(h=2, d=16, slots=12) -> tuple[PreparedLaunch, torch.Tensor, torch.Tensor]:
+    kc = poison_(torch.empty(slots, h, d, dtype=torch.float8_e4m3fn))
+    vc = poison_(torch.empty(slots, h, d, dtype=torch.float8_e4m3fn))
+    launch = PreparedLaunch(h, d, h, d, kc.dtype, kc.stride(), vc.stride(), slots, torch.device(DEVICE))
+    launch.direct = True  # as on a GPU; the interpreter turns it off
+    return launch, kc, vc
+
+
+def _write(launch, kc, vc, seed, scale=0.5):
+    """One write through ``launch``, and the same write on fresh caches by the reference path."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(5, kc.shape[1], kc.shape[2], generator=g) * 100
+    loc = torch.randperm(kc.shape[0], generator=g)[:5]
+    loc[2] = -1
+    launch(write_key(k, k, loc, scale, scale), k, k, storage_view(kc), storage_view(vc), loc, scale, scale)
+    ek, ev = poison_(torch.empty_like(kc)), poison_(torch.empty_like(vc))
+    reference_set_kv_buffer(k, k, ek, ev, loc, scale, scale)
+    return loc, ek, ev
+
+
+def _assert_rows(kc, expected, loc, what):
+    rows = [int(s) for s in loc if s >= 0]
+    assert_same_bytes(kc[rows], expected[rows], what)
+
+
+def test_failed_direct_launch_falls_back_for_that_launcher_only(jit, caplog):
+    a, ka, va = _launcher()
+    b, kb, vb = _launcher(h=1, d=32)
+    jit.fail_next = True
+    loc, ek, _ = _write(a, ka, va, seed=1)  # JIT launch; A keeps a compiled kernel that will fail
+    _assert_rows(ka, ek, loc, "A, first write")
+    jit.fail_next = False
+    loc, ek, _ = _write(b, kb, vb, seed=2)  # JIT launch; B keeps a working one
+    _assert_rows(kb, ek, loc, "B, first write")
+    assert jit.launches == 2 and len(a._compiled) == len(b._compiled) == 1
+    failing, working = jit.handed
+
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
+        loc, ek, ev = _write(a, ka, va, seed=3, scale=2.0)  # direct launch fails -> JIT launch
+    assert failing.calls == 1 and jit.launches == 3
+    _assert_rows(ka, ek, loc, "A, the write whose direct launch failed")
+    _assert_rows(va, ev, loc, "A (V), the write whose direct launch failed")
+    warnings = [r for r in caplog.records if r.name == "kvpool" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "direct launch of the compiled kernel failed" in warnings[0].getMessage()
+    assert "takes its arguments differently" in warnings[0].getMessage()
+    assert a.direct is False and not a._compiled
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
+        loc, ek, _ = _write(a, ka, va, seed=4)  # A no longer tries the direct launch
+        loc_b, ek_b, _ = _write(b, kb, vb, seed=5)  # B still launches directly
+    assert failing.calls == 1 and jit.launches == 4
+    _assert_rows(ka, ek, loc, "A after the fallback")
+    assert b.direct is True and working.calls == 1, "the other launcher must keep launching directly"
+    _assert_rows(kb, ek_b, loc_b, "B, direct launch")
+    assert not caplog.records, "one warning per launcher, not one per call"
+
+
+def test_direct_launch_writes_what_the_jit_launch_writes(jit):
+    """The direct launch's positional arguments (runtime ones, then the constexprs) reach the kernel
+    in signature order: a write through the compiled stand-in equals the reference, for several
+    scale kinds (each its own compiled variant)."""
+    launch, kc, vc = _launcher(h=3, d=24)
+    for scale in (None, 0.37, torch.tensor([1.5]), torch.tensor([0.2, 3.0, 9.0])):
+        _write(launch, kc, vc, seed=6, scale=scale)  # JIT launch, keeps the compiled stand-in
+        launches = jit.launches
+        loc, ek, ev = _write(launch, kc, vc, seed=7, scale=scale)  # direct launch
+        assert jit.launches == launches, f"scale {scale}: the second call did not launch directly"
+        _assert_rows(kc, ek, loc, f"direct launch, scale {scale}")
+        _assert_rows(vc, ev, loc, f"direct launch (V), scale {scale}")
+    assert sum(c.calls for c in jit.handed) == 4
+
+
+def test_pool_write_still_happens_when_its_direct_launch_fails(jit, caplog):
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    other = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    pool._writer.launch.direct = other._writer.launch.direct = True
+    x = torch.randn(3, 2, 8) * 10
+    loc = torch.tensor([1, 2, 3])
+    jit.fail_next = True
+    pool.set_kv_buffer(None, loc, x, x, layer_id_override=0)
+    jit.fail_next = False
+    other.set_kv_buffer(None, loc, x, x, layer_id_override=0)
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
+        pool.set_kv_buffer(None, loc, x * 3, x * 3, layer_id_override=0)
+        other.set_kv_buffer(None, loc, x * 3, x * 3, layer_id_override=0)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    expected = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="never")
+    expected.set_kv_buffer(None, loc, x * 3, x * 3, layer_id_override=0)
+    for p in (pool, other):
+        for a, b in zip(p.get_kv_buffer(0), expected.get_kv_buffer(0)):
+            assert_same_bytes(a, b, "after the failed direct launch")
+        assert p.stats.fused_calls == 2
+    assert pool._writer.launch.direct is False and other._writer.launch.direct is True
+
+
+# --- KernelOptions and the environment -----------------------------------------------------------
+
+SWITCHES = {"KVPOOL_DIRECT_LAUNCH": "direct_launch", "KVPOOL_FAST_DIV": "fast_div", "KVPOOL_SOFT_CAST": "soft_cast"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (*SWITCHES, "KVPOOL_FUSED", "KVPOOL_VALIDATE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_kernel_options_defaults(clean_env):
+    assert KernelOptions.from_env() == KernelOptions() == KernelOptions(direct_launch=True, fast_div=True, soft_cast=False)
+    for name in SWITCHES:
+        clean_env.setenv(name, "")  # empty means unset
+    assert KernelOptions.from_env() == KernelOptions()
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_kernel_options_read_each_switch(clean_env, name, value):
+    clean_env.setenv(name, value)
+    options = KernelOptions.from_env()
+    field = SWITCHES[name]
+    assert getattr(options, field) is (value == "1")
+    others = {f: getattr(KernelOptions(), f) for f in SWITCHES.values() if f != field}
+    assert {f: getattr(options, f) for f in others} == others
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1", "01", "on"])
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_kernel_options_reject_bad_values_naming_the_variable(clean_env, name, value):
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name} must be 0 or 1, got {re.escape(repr(value))}$"):
+        KernelOptions.from_env()
+
+
+def test_kernel_options_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().fast_div = False  # type: ignore[misc]
+
+
+@needs_interpreter
+def test_a_bad_switch_fails_when_a_launcher_is_built(clean_env):
+    """The switches are read when a pool's launcher is constructed, not on the hot path."""
+    clean_env.setenv("KVPOOL_SOFT_CAST", "maybe")
+    with pytest.raises(ValueError, match=r"KVPOOL_SOFT_CAST must be 0 or 1, got 'maybe'"):
+        MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, 8, 1, DEVICE, fused="always", warmup=False)
+    clean_env.setenv("KVPOOL_SOFT_CAST", "1")
+    pool = MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, 8, 1, DEVICE, fused="always", warmup=False)
+    assert pool._writer.launch.soft_cast
+    clean_env.setenv("KVPOOL_SOFT_CAST", "maybe")  # read once: later writes do not look again
+    x = torch.ones(1, 1, 8)
+    pool.set_kv_buffer(None, torch.tensor([1]), x, x, layer_id_override=0)
+    assert (bits(pool.get_key_buffer(0)[1]) == 0x38).all()  # 1.0 in e4m3fn
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("KVPOOL_FUSED", "sometimes", r"KVPOOL_FUSED must be one of auto, always, never, got 'sometimes'"),
+        ("KVPOOL_VALIDATE", "yes", r"KVPOOL_VALIDATE must be 0 or 1, got 'yes'"),
+    ],
+)
+def test_pool_switches_reject_bad_values_naming_the_variable(clean_env, name, value, message):
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 1, DEVICE)
+
+
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def test_only_config_reads_the_environment():
+    """No module of kvpool but kvpool/config.py touches the process environment (code only:
+    names in comments and strings do not count)."""
+    package = Path(kvpool.__file__).parent
+    files = sorted(package.rglob("*.py"))
+    assert len(files) > 10
+    readers = {}
+    for path in files:
+        source = path.read_text()
+        names = {
+            tok.string
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.NAME and tok.string in ENV_NAMES
+        }
+        if names:
+            readers[str(path.relative_to(package))] = names
+    assert readers == {"config.py": {"environ"}}
+
+
+@pytest.mark.parametrize("first, second", [(torch.int32, torch.int64), (torch.int64, torch.int32)], ids=["i32-i64", "i64-i32"])
+def test_verify_writes_with_commit_lens_of_another_dtype_get_their_own_variant(jit, first, second):
+    """commit_lens may be int32 or int64 whatever loc's type is; the compiled variant is typed by
+    it, so a verify write whose commit_lens type differs from an earlier call's (all else equal)
+    must not be launched directly on the earlier call's variant (it would read the lengths as the
+    wrong integer type: int64 [3, 1] read as int32 is [3, 0])."""
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    ref = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="never")
+    pool._writer.launch.direct = True
+    loc = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    x = torch.randn(6, 2, 8) * 10
+    for step, dtype in enumerate([first, second, first, second]):
+        commit = torch.tensor([[3, 1], [1, 2], [0, 3], [2, 0]][step], dtype=dtype)
+        for p in (pool, ref):
+            p.set_kv_buffer_prefix_valid(None, loc, commit, x * (step + 1), x, layer_id_override=0)
+        for a, b in zip(pool.get_kv_buffer(0), ref.get_kv_buffer(0)):
+            assert_same_bytes(a, b, f"step {step} (commit_lens {dtype})")
+    assert jit.launches == 2, "one JIT launch per commit_lens type, then direct launches"
