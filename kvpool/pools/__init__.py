@@ -8,9 +8,10 @@ from kvpool.pools.allocator import (
     TokenToKVPoolAllocator,
 )
 from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats
 from kvpool.pools.req_to_token import ReqToTokenPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
+from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
 
 __all__ = [
     "AllocatorState",
@@ -18,10 +19,12 @@ __all__ = [
     "IntegrityError",
     "KVGeometry",
     "MHATokenToKVPool",
+    "MLATokenToKVPool",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
     "kv_bytes_per_token",
     "max_pool_size",
+    "mla_kv_bytes_per_token",
 ]
