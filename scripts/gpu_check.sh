@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
 #   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick]
-# [sim] (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
+# [sim] [sim_mla] [bench_mla] (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,9 +32,12 @@ for stage in $stages; do
     tests)
       # The GPU suite plus the device-agnostic suites, which run the compiled kernel on CUDA here.
       step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 \
-        tests/test_gpu.py tests/test_kernel.py tests/test_pool.py tests/test_gate.py tests/test_compile.py ;;
+        tests/test_gpu.py tests/test_kernel.py tests/test_pool.py tests/test_gate.py tests/test_compile.py \
+        tests/test_gpu_mla.py tests/test_mla_pool.py ;;
     first_call) step first_call python3 benchmarks/first_call.py ;;
     sim) step sim python3 examples/serve_sim.py ;;
+    sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
+    bench_mla) step bench_mla python3 benchmarks/bench_mla.py --out "$OUT" ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
