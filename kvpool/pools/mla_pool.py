@@ -38,7 +38,9 @@ class MLATokenToKVPool(KVCache):
     hands it out. FP8 buffers are stored as uint8 (``store_dtype``); the getters return ``dtype``
     views of the same memory.
 
-    The positional order of the arguments is SGLang's, so SGLang call sites carry over.
+    The positional order of the arguments is SGLang's, so SGLang call sites carry over. Not provided
+    yet for MLA pools: ``move_kv_cache``, ``get_cpu_copy``/``load_cpu_copy``, a host tier and
+    transfers between ranks.
 
     Parameters
     ----------
