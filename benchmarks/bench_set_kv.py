@@ -1,352 +1,611 @@
-"""The K/V write on a GPU: kvpool's fused path against the alternatives, in one process.
+"""The K/V write on a GPU: kvpool against the alternatives, in one process, in one command.
 
-For each model shape and token count it times (a) ``MHATokenToKVPool.set_kv_buffer`` on the fused
-path (and the same kernel built with div.rn instead of the reciprocal-and-FMA division), (b)
-kvpool's reference path, (c) SGLang's eager fallback, (d) ``torch.compile`` of an FP8 ``index_copy_``
-write, (e) a straightforward Triton port of the seed kernel, and (f) measures the device-to-device
-copy ceiling (a 2 GiB copy) and a copy of the same number of bytes as each write.
+Sections (each written to bench.json and bench.md as soon as it is done, so a run cut short still
+leaves a report):
 
-Device time is measured inside replayed CUDA graphs (benchmarks/timing.py) with L2 flushed before
-every call, so host launch cost never leaks into it; GB/s by SPEC section 6 from that time. Decode
-sizes also report the time per layer write in a graph of 64 writes cycling over 8 layers (no
-flush), and the wall time per call issued eagerly back to back (host-bound). Medians throughout.
-Writes JSON, a Markdown table and a PNG plot.
+1. Copy ceiling: a 2 GiB device-to-device ``copy_`` (start and end of the run).
+2. Host time of one eager write (issue 10): T=1, H=1, D=128. A hand launch of the compiled variant the
+   pool itself launches (taken from the pool's launcher after one call, with the arguments the
+   launcher builds), Triton's JIT launch of the same kernel, the pool's ``PreparedLaunch``, and
+   ``set_kv_buffer``, with tensor and with float scales; calls interleaved, median of runs of
+   thousands of calls each.
+3. The write, per model shape and token count: kvpool's fused ``set_kv_buffer``, the same kernel with
+   ``div.rn``, kvpool's reference path, SGLang's eager fallback, ``torch.compile`` of an FP8
+   ``index_copy_`` write, the seed's design ported to Triton (a program per token and head), and the
+   one-program-per-token Triton kernel of issue 15; plus a copy kernel moving the same bytes, timed
+   the same way. Each method's first call is checked against kvpool's bytes and never timed.
+4. Calibration cost (issue 15): the same write with ``observe_amax(True)``, for a few token counts.
+5. Speculative-decoding verify write (issue 11): ``set_kv_buffer_prefix_valid`` at bs x width 16
+   against a plain ``set_kv_buffer`` of the same bs x 16 tokens and against masking ``loc`` with
+   ``torch.where`` before a plain write.
+6. ``move_kv_cache`` (issue 11) of 1, 16, 256 slots across 32 layers against a per-layer index-copy
+   loop; skipped, with the reason, when the pool has no ``move_kv_cache``.
 
-Usage (on a GPU): python benchmarks/bench_set_kv.py --out DIR [--quick]
+How it times (benchmarks/timing.py): device time is the median of CUDA-graph replays, so host launch
+cost never enters it; "cold" means a 96 MB L2 flush before every call, its own time subtracted
+(how a layer's write meets the cache in a forward pass). Decode sizes and the small sections also
+report the time per call in a graph of 64 calls cycling over the layers without a flush, and the
+wall time per call of eager calls back to back (host-bound). GB/s counts SPEC section 6 bytes.
+Inputs are random (never zeros), slots random and distinct. A method that fails is reported and the
+run goes on. The targets of issues 10 and 15 are evaluated from the figures in ``bench_report.py``.
+
+Usage (on a GPU):  python benchmarks/bench_set_kv.py --out DIR [--quick]
+       (anywhere): python benchmarks/bench_set_kv.py --out DIR --dry-run
+The dry run executes every section on the CPU with tiny sizes (Triton kernels in the interpreter) and
+reports figures that measure nothing; it checks the script, not the kernels' speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-import torch
-import triton
+# A dry run executes the Triton kernels through the interpreter, which must be switched on before any
+# @triton.jit function is defined (in peers.py and in kvpool), hence before those imports.
+if "--dry-run" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_report  # noqa: E402
 import peers  # noqa: E402
-from timing import flush_buffer, graph_us  # noqa: E402
+from timing import DryClock, GpuClock  # noqa: E402
 
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
+from kvpool.config import KernelOptions  # noqa: E402
+from kvpool.kernels import store_kv  # noqa: E402
+from kvpool.kernels.checks import write_key  # noqa: E402
 
-MODELS = {  # name: (KV heads per rank, head_dim)
-    "Llama-3-8B (H=8, D=128)": (8, 128),
-    "Llama-3-70B TP8 (H=1, D=128)": (1, 128),
-    "Qwen3.5-397B TP8 (H=1, D=256)": (1, 256),
-    "odd (H=3, D=96)": (3, 96),
-}
-TOKENS = [1, 32, 128, 256, 4096, 8192, 16384, 32768]
-DECODE_MAX = 256
-SLOTS = 1 << 20
-LAYERS = 8  # graph replays cycle through layers, as a model's step does
-GRAPH_WRITES = 64
-METHODS = [
-    "kvpool fused",
-    "kvpool fused (div.rn)",
-    "kvpool reference",
-    "SGLang fallback",
-    "torch.compile index_copy_",
-    "straightforward Triton",
-]
 FP8 = torch.float8_e4m3fn
+MODELS = bench_report.MODELS
+M = bench_report.Method
+SCALE = 0.37
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures and how many calls each measurement takes."""
+
+    name: str
+    device: str
+    tokens: tuple[int, ...]  # token counts of the main table
+    large_min: int  # the large-write targets apply from this token count
+    decode_max: int  # token counts up to this are decode sizes (graph-of-64 and eager wall times too)
+    calib_tokens: tuple[int, ...]
+    prefix_models: tuple[str, ...]
+    prefix_bs: tuple[int, ...]
+    prefix_width: int
+    move_slots: tuple[int, ...]
+    slots: int  # per layer, main table and prefix-valid pools
+    layers: int  # layers written in turn (graph replays cycle over them, as a model's step does)
+    move_layers: int
+    move_pool_slots: int
+    cold_calls: int  # calls per graph when L2 is flushed before each
+    graph_calls: int  # calls per graph without flushes
+    wall_calls: int
+    wall_runs: int
+    host_calls: int
+    host_runs: int
+    budget_s: float  # past this, remaining measurements are skipped (and reported as skipped)
+
+
+FULL = Plan(
+    "full", "cuda", tokens=(1, 32, 128, 256, 4096, 8192, 16384, 32768), large_min=8192, decode_max=256,
+    calib_tokens=(1, 256, 16384), prefix_models=tuple(list(MODELS)[:2]), prefix_bs=(1, 2, 4, 8, 16, 32, 64),
+    prefix_width=16, move_slots=(1, 16, 256), slots=1 << 20, layers=8, move_layers=32, move_pool_slots=1 << 17,
+    cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=3000, host_runs=7, budget_s=330,
+)  # fmt: skip
+QUICK = Plan(
+    "quick", "cuda", tokens=(1, 256, 8192, 16384), large_min=8192, decode_max=256,
+    calib_tokens=(1, 16384), prefix_models=tuple(list(MODELS)[:1]), prefix_bs=(1, 64),
+    prefix_width=16, move_slots=(1, 256), slots=1 << 20, layers=8, move_layers=32, move_pool_slots=1 << 17,
+    cold_calls=10, graph_calls=64, wall_calls=200, wall_runs=3, host_calls=2000, host_runs=5, budget_s=110,
+)  # fmt: skip
+DRY = Plan(
+    "dry-run", "cpu", tokens=(1, 5, 24), large_min=24, decode_max=5,
+    calib_tokens=(1, 24), prefix_models=tuple(list(MODELS)[:1]), prefix_bs=(1, 3),
+    prefix_width=4, move_slots=(1, 3), slots=1 << 10, layers=2, move_layers=32, move_pool_slots=64,
+    cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=5, host_runs=2, budget_s=1e9,
+)  # fmt: skip
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def copy_ceiling_gbps() -> float:
-    """The device-to-device copy ceiling: a 2 GiB ``copy_`` timed eagerly with CUDA events (read +
-    write counted). Eager on purpose: inside a CUDA graph a D2D memcpy becomes a memcpy node that
-    ran markedly slower on the H200 (2.7 TB/s against 4.2 TB/s)."""
-    n = 2 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(12):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del src, dst
-    return 2 * n / (statistics.median(times[2:]) * 1e-3) / 1e9
-
-
-def same_bytes_copy_gbps(nbytes: int, flush) -> float:
-    """A copy kernel moving the same bytes as a write (nbytes/2 read, nbytes/2 written), timed like
-    the writes (graph replay, L2 flushed): what any kernel of that size can reach."""
-    n = max(1, nbytes // 8)
-    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_us(lambda i: torch.bitwise_not(src, out=dst), calls=10, flush=flush)
-    del src, dst
-    return 8 * n / (us * 1e-6) / 1e9
-
-
-def wall_us_per_call(fn, n: int = 400) -> float:
-    """Host-inclusive time per call with calls issued back to back (what an eager decode pays)."""
-    for i in range(10):
-        fn(i % LAYERS)
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for i in range(n):
-            fn(i % LAYERS)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(runs)
-
-
 def bytes_moved(t: int, h: int, d: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
+    """SPEC section 6: T x (H x D + Hv x Dv) x (input + pool element size) + T x loc element size."""
     return t * (h * d + h * d) * (in_size + pool_size) + t * loc_size
 
 
-def bench_shape(name: str, h: int, d: int, tokens: list[int], ceiling: float, records: list, flush) -> None:
-    pool = MHATokenToKVPool(SLOTS, 1, FP8, h, d, LAYERS, "cuda")
-    from kvpool.kernels import store_kv
+def short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
 
+
+class Run:
+    """State of one run: plan, clock, results, the time budget, and checkpoints to disk."""
+
+    def __init__(self, plan: Plan, clock, out: str, meta: dict) -> None:
+        self.plan = plan
+        self.clock = clock
+        self.out = out
+        self.start = time.perf_counter()
+        self.result: dict = {
+            "meta": meta, "plan": asdict(plan), "records": [], "host": {}, "prefix": [], "moves": {},
+            "sections_s": {}, "skipped": [], "partial": True,
+        }  # fmt: skip
+        self.dev = torch.device(plan.device)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self, what: str) -> bool:
+        if self.elapsed() <= self.plan.budget_s:
+            return False
+        self.result["skipped"].append(f"{what}: time budget of {self.plan.budget_s:.0f} s spent")
+        return True
+
+    def section(self, name: str, fn) -> None:
+        """Run one section; a failure is reported, never fatal; results are written either way."""
+        t0 = time.perf_counter()
+        log(f"[bench] {name} (at {self.elapsed():.0f} s)")
+        try:
+            fn()
+        except Exception as exc:  # a broken section must not lose the others
+            self.result.setdefault("section_errors", {})[name] = short_error(exc)
+            log(f"[bench] {name} failed: {short_error(exc)}")
+        self.result["sections_s"][name] = round(time.perf_counter() - t0, 1)
+        self.checkpoint()
+
+    def checkpoint(self, final: bool = False) -> None:
+        self.result["partial"] = not final
+        self.result["meta"]["elapsed_s"] = round(self.elapsed(), 1)
+        self.result["targets"] = bench_report.targets(self.result)
+        with open(os.path.join(self.out, "bench.json"), "w") as f:
+            json.dump(self.result, f, indent=1, default=str)
+        with open(os.path.join(self.out, "bench.md"), "w") as f:
+            f.write(bench_report.markdown(self.result))
+
+    def randn(self, *shape: int, scale: float = 60.0, gen=None) -> torch.Tensor:
+        return (torch.randn(*shape, device=self.dev, generator=gen) * scale).to(torch.bfloat16)
+
+    def slots(self, n: int, rows: int, gen) -> torch.Tensor:
+        """n distinct random slots in 1..rows-1 (slot 0 is the padding slot)."""
+        return torch.randperm(rows - 1, device=self.dev, generator=gen)[:n] + 1
+
+
+def kvpool_pool(slots: int, h: int, d: int, layers: int, dev: torch.device) -> MHATokenToKVPool:
+    """A pool whose writes must take the fused kernel (``fused="always"`` raises rather than time the
+    reference path by mistake; on the CPU it runs the kernel in the interpreter). No warmup: every
+    variant a measurement uses is compiled by its untimed first call."""
+    return MHATokenToKVPool(slots, 1, FP8, h, d, layers, dev, fused="always", warmup=False)
+
+
+# --- 1. copy ceiling ---------------------------------------------------------------------------------
+
+
+def copy_ceiling(run: Run, key: str) -> None:
+    gbps = run.clock.copy_ceiling_gbps()
+    run.result["meta"][key] = gbps
+    log(f"  copy ceiling {gbps:.0f} GB/s")
+
+
+def same_bytes_copy_gbps(run: Run, nbytes: int) -> float:
+    """A copy kernel moving the same bytes as a write (nbytes/2 read, nbytes/2 written), timed like
+    the writes (graph replay, L2 flushed): what any kernel of that size can reach."""
+    n = max(1, nbytes // 8)
+    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=run.dev)
+    dst = torch.empty_like(src)
+    us = run.clock.device_us(lambda i: torch.bitwise_not(src, out=dst), run.plan.cold_calls, cold=True)
+    return 8 * n / (us * 1e-6) / 1e9
+
+
+# --- 2. host time of one eager write -----------------------------------------------------------------
+
+
+def compiled_variant_of(launch: store_kv.PreparedLaunch, call) -> tuple:
+    """Make one call through the pool and return what its launcher cached for it: (write key,
+    compiled kernel, positional constexprs, block_t, grid_y). Raises when the launcher does not
+    launch compiled variants directly (interpreter, KVPOOL_DIRECT_LAUNCH=0, or a failed direct launch)."""
+    before = set(launch._compiled)
+    call()
+    call()  # the first goes through Triton's JIT and caches the variant; the second launches it directly
+    new = [k for k in launch._compiled if k not in before]
+    if not launch.direct or len(new) != 1:
+        raise RuntimeError(
+            f"the pool's launcher cached {len(new)} new compiled variants for one call (direct launch "
+            f"{'on' if launch.direct else 'off'}); a hand launch needs exactly one"
+        )
+    compiled, positional, block_t, grid_y = launch._compiled[new[0]]
+    return new[0][0], compiled, positional, block_t, grid_y
+
+
+def host_overhead(run: Run) -> None:
+    """Issue 10: host microseconds of one eager call, T=1, H=1, D=128."""
+    plan, dev = run.plan, run.dev
+    h, d = 1, 128
+    pool = kvpool_pool(4096, h, d, 1, dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = run.randn(1, h, d, gen=gen)
+    loc = torch.tensor([5], device=dev)
+    kb, vb = pool.k_buffer[0], pool.v_buffer[0]
+    launch = pool._writer.launch
+    kernel = store_kv._k._store_kv_kernel
+    calls: dict = {}
+    notes: list = []
+    for label, scale in (("tensor scales", torch.tensor([SCALE], device=dev)), ("float scales", SCALE)):
+
+        def pool_call(scale=scale):
+            pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0)
+
+        key = write_key(x, x, loc, scale, scale)
+        ka, va, prefix = key[3], key[4], key[7]
+        variant = launch.per_head if launch.flat is None else launch.variant_for(x.stride(), x.stride(), (ka, va))
+        kwargs, positional = variant.constexprs((ka, va, prefix, False))
+        jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, x.stride(), x.stride(), ())
+        if len(jit_args) + len(positional) != len(kernel.arg_names):
+            raise RuntimeError(f"launcher builds {len(jit_args)} + {len(positional)} arguments, kernel takes {len(kernel.arg_names)}")
+        grid = (-(-1 // variant.block_t), variant.grid_y, 1)
+        calls[f"Triton JIT launch ({label})"] = lambda a=jit_args, g=grid, kw=kwargs: kernel[g](*a, **kw)
+        calls[f"PreparedLaunch ({label})"] = lambda s=scale, k=key: launch(k, x, x, kb, vb, loc, s, s)
+        calls[f"set_kv_buffer ({label})"] = pool_call
+        try:
+            ckey, compiled, cpos, block_t, grid_y = compiled_variant_of(launch, pool_call)
+            if tuple(ckey) != tuple(key) or cpos != positional or (block_t, grid_y) != (variant.block_t, variant.grid_y):
+                notes.append(f"{label}: the pool's cached variant differs from the one rebuilt here; hand launch uses the pool's")
+            hand_args = launch._args(ckey, x, x, kb, vb, loc, scale, scale, None, None, x.stride(), x.stride(), cpos)
+            hgrid = (-(-1 // block_t), grid_y, 1)
+            calls[f"hand launch ({label})"] = lambda c=compiled, a=hand_args, g=hgrid: c[g](*a)
+        except Exception as exc:
+            notes.append(f"hand launch ({label}) unavailable: {short_error(exc)}")
+    times = interleaved_host_us(run, calls)
+    host = {"calls": plan.host_calls, "runs": plan.host_runs, "us": {}, "runs_us": times, "notes": notes}
+    for name, runs in times.items():
+        host["us"][name] = statistics.median(runs) if runs else None
+    for label in ("tensor scales", "float scales"):
+        s, hand = host["us"].get(f"set_kv_buffer ({label})"), host["us"].get(f"hand launch ({label})")
+        if s is not None and hand is not None:
+            host["us"][f"set_kv_buffer minus hand launch ({label})"] = s - hand
+    run.result["host"] = host
+    log("  host us/call: " + ", ".join(f"{k}={v:.2f}" for k, v in host["us"].items() if v is not None))
+    for n in notes:
+        log(f"  note: {n}")
+
+
+def interleaved_host_us(run: Run, calls: dict) -> dict:
+    """Host microseconds per call: ``host_runs`` rounds, each timing ``host_calls`` back-to-back calls
+    of every function in turn (interleaving spreads host noise over all of them alike). A function
+    that raises is dropped and reported."""
+    plan, clock = run.plan, run.clock
+    alive = {}
+    for name, fn in calls.items():
+        try:
+            for _ in range(50 if not clock.dry else 1):
+                fn()
+            alive[name] = fn
+        except Exception as exc:
+            run.result.setdefault("errors", []).append(f"host: {name}: {short_error(exc)}")
+    clock.sync()
+    times: dict = {name: [] for name in alive}
+    for _ in range(plan.host_runs):
+        for name, fn in alive.items():
+            clock.sync()
+            t0 = time.perf_counter()
+            for _ in range(plan.host_calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / plan.host_calls * 1e6)
+    clock.sync()
+    return times
+
+
+# --- 3/4/5. the write --------------------------------------------------------------------------------
+
+
+def measure(run: Run, rec: dict, fn, t: int, nbytes: int | None, decode: bool) -> None:
+    """Cold device time (and GB/s), and for decode sizes the graph-of-N and eager wall times, into rec;
+    a failure goes into rec["error"]."""
+    plan, clock = run.plan, run.clock
+    layers = plan.layers
+    try:
+        us = clock.device_us(lambda i: fn(i % layers), plan.cold_calls, cold=True)
+        rec["device_us"] = us
+        if nbytes is not None:
+            rec["gbps"] = nbytes / (us * 1e-6) / 1e9
+        if decode:
+            rec["graph_us"] = clock.device_us(lambda i: fn(i % layers), plan.graph_calls, cold=False)
+            rec["wall_us"] = clock.wall_us(lambda i: fn(i % layers), plan.wall_calls, plan.wall_runs)
+    except Exception as exc:  # a failing peer is reported, never fatal
+        rec["error"] = short_error(exc)
+
+
+def first_call(run: Run, rec: dict, fn, check=None) -> bool:
+    """The untimed first call (compilation, lazy allocation) and the agreement check."""
+    try:
+        fn(0)
+        run.clock.sync()
+        if check is not None:
+            rec["mismatch_frac"] = check()
+        return True
+    except Exception as exc:
+        rec["error"] = short_error(exc)
+        return False
+
+
+def bench_shape(run: Run, name: str, h: int, d: int) -> None:
+    plan, dev = run.plan, run.dev
+    pool = kvpool_pool(plan.slots, h, d, plan.layers, dev)
+    rows = pool.rows
+    kb, vb = pool.k_buffer, pool.v_buffer
+    kv = [pool.get_kv_buffer(i) for i in range(plan.layers)]
     divrn = store_kv.PreparedLaunch(
-        h, d, h, d, FP8, tuple(pool.k_buffer[0].stride()), tuple(pool.v_buffer[0].stride()),
-        SLOTS + 1, soft_cast=False, fast_div=False,
+        h, d, h, d, FP8, tuple(kb[0].stride()), tuple(vb[0].stride()), rows, dev,
+        options=KernelOptions(fast_div=False), caches_aligned=True,
     )  # fmt: skip
-    kviews = [pool.get_key_buffer(i) for i in range(LAYERS)]
-    vviews = [pool.get_value_buffer(i) for i in range(LAYERS)]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    scale = torch.tensor([0.37], device="cuda")
-    one = torch.tensor([1.0], device="cuda")  # SGLang divides its inputs in place: 1.0 keeps them unchanged
-    for t in tokens:
-        xk = (torch.randn(t, h, d, device="cuda", generator=gen) * 60).to(torch.bfloat16)
-        xv = (torch.randn(t, h, d, device="cuda", generator=gen) * 60).to(torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    scale = torch.tensor([SCALE], device=dev)
+    one = torch.tensor([1.0], device=dev)  # SGLang divides its inputs in place: 1.0 keeps them unchanged
+    records = run.result["records"]
+    for t in plan.tokens:
+        if run.over_budget(f"{name} T={t}"):
+            continue
+        xk, xv = run.randn(t, h, d, gen=gen), run.randn(t, h, d, gen=gen)
         xk_s, xv_s = xk.clone(), xv.clone()
-        loc = torch.randperm(SLOTS, device="cuda", generator=gen)[:t] + 1
+        loc = run.slots(t, rows, gen)
+        key = write_key(xk, xv, loc, scale, scale)
         fns = {
-            "kvpool fused": lambda i: pool.set_kv_buffer(None, loc, xk, xv, scale, scale, layer_id_override=i),
-            "kvpool fused (div.rn)": lambda i: divrn(xk, xv, pool.k_buffer[i], pool.v_buffer[i], loc, scale, scale),
-            "kvpool reference": lambda i: reference_set_kv_buffer(xk, xv, kviews[i], vviews[i], loc, scale, scale),
-            "SGLang fallback": lambda i: peers.sglang_fallback(
-                xk_s, xv_s, pool.k_buffer[i], pool.v_buffer[i], loc, one, one, FP8
-            ),
-            "torch.compile index_copy_": lambda i: peers.compiled_index_copy(
-                xk, xv, kviews[i], vviews[i], loc, scale, scale
-            ),
-            "straightforward Triton": lambda i: peers.straightforward_triton(
-                xk, xv, pool.k_buffer[i], pool.v_buffer[i], loc, scale, scale, FP8
-            ),
+            M.KVPOOL: lambda i: pool.set_kv_buffer(None, loc, xk, xv, scale, scale, layer_id_override=i),
+            M.DIVRN: lambda i: divrn(key, xk, xv, kb[i], vb[i], loc, scale, scale),
+            M.REFERENCE: lambda i: reference_set_kv_buffer(xk, xv, kv[i][0], kv[i][1], loc, scale, scale),
+            M.SGLANG: lambda i: peers.sglang_fallback(xk_s, xv_s, kb[i], vb[i], loc, one, one, FP8),
+            M.COMPILE: lambda i: peers.compiled_index_copy(xk, xv, kv[i][0], kv[i][1], loc, scale, scale),
+            M.PER_HEAD: lambda i: peers.straightforward_triton(xk, xv, kb[i], vb[i], loc, scale, scale, FP8),
+            M.PER_TOKEN: lambda i: peers.per_token_triton(xk, xv, kv[i][0], kv[i][1], loc, scale, scale),
         }
         nbytes = bytes_moved(t, h, d)
-        same = same_bytes_copy_gbps(nbytes, flush)
-        records.append({"model": name, "H": h, "D": d, "T": t, "method": "same-bytes copy", "bytes": nbytes,
-                        "gbps": same, "ceiling_frac": same / ceiling})  # fmt: skip
-        row = [f"same-bytes copy={same:.0f}GB/s"]
+        decode = t <= plan.decode_max
+        base = {"model": name, "H": h, "D": d, "T": t, "bytes": nbytes}
+        try:
+            records.append({**base, "method": M.COPY, "gbps": same_bytes_copy_gbps(run, nbytes)})
+        except Exception as exc:
+            records.append({**base, "method": M.COPY, "error": short_error(exc)})
+        expected: list = []  # kvpool's bytes at loc in layer 0, after its first call
+
+        def mismatch() -> float:
+            got = torch.cat([kb[0][loc].reshape(-1), vb[0][loc].reshape(-1)])
+            return (got != expected[0]).float().mean().item()
+
+        row = []
         for method, fn in fns.items():
-            rec = {"model": name, "H": h, "D": d, "T": t, "method": method, "bytes": nbytes}
-            try:
-                fn(0)
-                torch.cuda.synchronize()
-                us = graph_us(lambda i: fn(i % LAYERS), calls=10, flush=flush)
-                rec["device_us"] = us
-                rec["gbps"] = nbytes / (us * 1e-6) / 1e9
-                rec["ceiling_frac"] = rec["gbps"] / ceiling
-                if t <= DECODE_MAX:
-                    rec["wall_us"] = wall_us_per_call(fn)
-                    rec["graph_us"] = graph_us(lambda i: fn(i % LAYERS), calls=GRAPH_WRITES)
-            except Exception as exc:  # a peer failing must not stop the run; it is reported
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec = {**base, "method": method}
+            check = mismatch if expected and method not in (M.KVPOOL, M.SGLANG) else None
+            if first_call(run, rec, fn, check):
+                if method == M.KVPOOL:
+                    expected.append(torch.cat([kb[0][loc].reshape(-1), vb[0][loc].reshape(-1)]))
+                measure(run, rec, fn, t, nbytes, decode)
             records.append(rec)
-            row.append(f"{method}={rec.get('gbps', float('nan')):.0f}GB/s")
-        log(f"  {name} T={t}: " + ", ".join(row))
-        del xk, xv, xk_s, xv_s, loc
-    del pool, kviews, vviews
-    torch.cuda.empty_cache()
+            row.append(f"{method}=" + (f"{rec['gbps']:.0f}" if "gbps" in rec else "error"))
+        if t in plan.calib_tokens:
+            records.append(calibration(run, pool, fns[M.KVPOOL], base, t, nbytes, decode))
+            row.append(f"{M.OBSERVE}=" + (f"{records[-1]['gbps']:.0f}" if "gbps" in records[-1] else "error"))
+        log(f"  {name} T={t} (GB/s, {run.elapsed():.0f} s): " + ", ".join(row))
+        del xk, xv, xk_s, xv_s, loc, fns
+    if name in plan.prefix_models:
+        prefix_valid(run, pool, name, h, d, gen, scale)
+    del pool, kb, vb, kv
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def host_overhead(records: dict) -> None:
-    """Host time of an eager set_kv_buffer call against launching the same compiled kernel
-    directly with prepared arguments (Triton's normal launch path, no checks, no gate)."""
-    from kvpool.kernels import store_kv
-
-    h, d = 1, 128
-    pool = MHATokenToKVPool(4096, 1, FP8, h, d, 1, "cuda")
-    x = torch.randn(1, h, d, device="cuda").to(torch.bfloat16)
-    loc = torch.tensor([5], device="cuda")
-    scale = torch.tensor([0.37], device="cuda")
-    launch = pool._launch
-    kb, vb = pool.k_buffer[0], pool.v_buffer[0]
-    kst, vst = x.stride(), x.stride()
-    args = (x, x, kb, vb, loc, scale, scale, 1.0, 1.0, 0, 0, 1, launch.capacity, 1, *kst, *vst, *launch.cache_strides)
-    variant = launch.variant_for(x.stride(), x.stride(), (2, 2))
-    consts = variant.constexprs[(2, 2)]
-    grid = (1, variant.grid_y, 1)
-    kernel = store_kv._k._store_kv_kernel
-    compiled = kernel[grid](*args, **consts)
-    const_args = variant.constexpr_args[(2, 2)]
-    calls = {
-        "direct kernel launch": lambda: kernel[grid](*args, **consts),
-        "compiled kernel launch": lambda: compiled[grid](*args, *const_args),
-        "PreparedLaunch": lambda: launch(x, x, kb, vb, loc, scale, scale),
-        "set_kv_buffer": lambda: pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0),
-        "set_kv_buffer (float scale)": lambda: pool.set_kv_buffer(None, loc, x, x, 0.37, 0.37, layer_id_override=0),
-    }
-    n = 3000
-    for name, fn in calls.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            runs.append((time.perf_counter() - t0) / n * 1e6)
-            torch.cuda.synchronize()
-        records[name] = statistics.median(runs)
-    records["set_kv_buffer minus direct kernel launch"] = records["set_kv_buffer"] - records["direct kernel launch"]
-    records["set_kv_buffer minus compiled kernel launch"] = records["set_kv_buffer"] - records["compiled kernel launch"]
-    log("  host us/call: " + ", ".join(f"{k}={v:.2f}" for k, v in records.items()))
+def calibration(run: Run, pool: MHATokenToKVPool, write, base: dict, t: int, nbytes: int, decode: bool) -> dict:
+    """Issue 15: the same write while the pool observes per-head maxima (same pool, inputs and slots)."""
+    rec = {**base, "method": M.OBSERVE}
+    try:
+        pool.observe_amax(True)  # the first time, this compiles the observing variants
+        if first_call(run, rec, write):
+            measure(run, rec, write, t, nbytes, decode)
+            if pool.kv_amax is None or not bool(pool.kv_amax.amax() > 0):
+                rec["error"] = "observe_amax(True) but no maximum was observed"
+    except Exception as exc:
+        rec["error"] = short_error(exc)
+    finally:
+        pool.observe_amax(False)
+    return rec
 
 
-def markdown(meta: dict, records: list, host: dict) -> str:
-    by = {(r["model"], r["T"], r["method"]): r for r in records}
-    out = [
-        f"Date: {meta['date']}  ",
-        f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}  ",
-        f"Command: `{meta['command']}`  ",
-        f"Copy ceiling (2 GiB device-to-device copy_, read + write, eager events): **{meta['ceiling_gbps']:.0f} GB/s** "
-        f"(start of run; {meta.get('ceiling_gbps_end', float('nan')):.0f} GB/s at the end)  ",
-        "Same-bytes copy: an elementwise int32 copy kernel moving the same bytes as the write, timed the same way.  ",
-        "Pool: FP8 e4m3fn, 1M slots, random slots; inputs bf16 [T, H, D]; per-tensor float32 scale tensor; int64 loc.",
-        "",
-        "### Throughput: GB/s by SPEC section 6 (percent of the copy ceiling); device time in CUDA-graph replays, L2 flushed before each call",
-        "",
-        "| model | T | same-bytes copy | " + " | ".join(METHODS) + " | fused / straightforward | fused / compile |",
-        "|---|---:|---:|" + "---:|" * len(METHODS) + "---:|---:|",
-    ]
-    for model in MODELS:
-        for t in TOKENS:
-            cells = []
-            for m in ["same-bytes copy"] + METHODS:
-                r = by.get((model, t, m))
-                if r is None:
-                    cells.append("")
-                elif "error" in r:
-                    cells.append("error")
-                else:
-                    cells.append(f"{r['gbps']:.0f} ({100 * r['ceiling_frac']:.0f}%)")
-            ours = by.get((model, t, "kvpool fused"), {}).get("gbps")
-            sf = by.get((model, t, "straightforward Triton"), {}).get("gbps")
-            tc = by.get((model, t, "torch.compile index_copy_"), {}).get("gbps")
-            r1 = f"{ours / sf:.2f}x" if ours and sf else ""
-            r2 = f"{ours / tc:.2f}x" if ours and tc else ""
-            if any(cells):
-                out.append(f"| {model} | {t} | " + " | ".join(cells) + f" | {r1} | {r2} |")
-    out += [
-        "",
-        "### Decode sizes: microseconds per layer write (device, L2 cold / wall time of eager calls back to back / per write in a graph of 64 writes)",
-        "",
-        "| model | T | " + " | ".join(METHODS) + " |",
-        "|---|---:|" + "---:|" * len(METHODS),
-    ]
-    for model in MODELS:
-        for t in TOKENS:
-            if t > DECODE_MAX:
-                continue
-            cells = []
-            for m in METHODS:
-                r = by.get((model, t, m))
-                if r is None or "error" in r:
-                    cells.append("error" if r else "")
-                else:
-                    cells.append(f"{r['device_us']:.1f} / {r['wall_us']:.1f} / {r['graph_us']:.2f}")
-            out.append(f"| {model} | {t} | " + " | ".join(cells) + " |")
-    if host:
-        out += ["", "### Host time per eager call (T=1, H=1, D=128, tensor scales; median of 7 x 3000 calls)", ""]
-        out += [f"- {k}: {v:.2f} us" for k, v in host.items()]
-    errors = [r for r in records if "error" in r]
-    if errors:
-        out += ["", "### Errors", ""] + [f"- {r['model']} T={r['T']} {r['method']}: {r['error']}" for r in errors]
-    return "\n".join(out) + "\n"
+def prefix_valid(run: Run, pool: MHATokenToKVPool, name: str, h: int, d: int, gen, scale) -> None:
+    """Issue 11: the verify write at bs x width, against a plain write of the same tokens and against
+    masking loc first. Graph device times (cold, and per call in a graph of 64), eager wall times."""
+    plan, dev = run.plan, run.dev
+    width = plan.prefix_width
+    for bs in plan.prefix_bs:
+        if run.over_budget(f"prefix-valid {name} bs={bs}"):
+            continue
+        t = bs * width
+        xk, xv = run.randn(t, h, d, gen=gen), run.randn(t, h, d, gen=gen)
+        loc_2d = run.slots(t, pool.rows, gen).view(bs, width)
+        commit = torch.randint(0, width + 1, (bs,), device=dev, generator=gen)
+        committed = int(commit.sum().item())
+        fns = {
+            M.PREFIX: lambda i: pool.set_kv_buffer_prefix_valid(None, loc_2d, commit, xk, xv, scale, scale, layer_id_override=i),
+            M.PREFIX_PLAIN: lambda i: pool.set_kv_buffer(None, loc_2d.view(-1), xk, xv, scale, scale, layer_id_override=i),
+            M.PREFIX_MASKED: lambda i: peers.masked_loc_write(pool, i, loc_2d, commit, xk, xv, scale, scale),
+        }
+        line = []
+        for method, fn in fns.items():
+            rec = {"model": name, "H": h, "D": d, "bs": bs, "width": width, "committed": committed, "method": method}
+            if first_call(run, rec, fn):
+                measure(run, rec, fn, t, None, decode=True)
+            run.result["prefix"].append(rec)
+            line.append(f"{method}=" + (f"{rec['graph_us']:.2f}" if "graph_us" in rec else "error"))
+        log(f"  prefix-valid {name} bs={bs} width={width} (us per call in a graph): " + ", ".join(line))
 
 
-def plot(records: list, ceiling: float, path: str) -> None:
-    import matplotlib
+def bench_write(run: Run) -> None:
+    for i, (name, (h, d)) in enumerate(MODELS.items()):
+        log(f"[bench] shape {i + 1}/{len(MODELS)}: {name}")
+        try:
+            bench_shape(run, name, h, d)
+        except Exception as exc:  # e.g. the pool does not fit: the other shapes still run
+            run.result.setdefault("errors", []).append(f"{name}: {short_error(exc)}")
+            log(f"  {name} failed: {short_error(exc)}")
+        run.checkpoint()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MODELS), figsize=(5 * len(MODELS), 4.5), sharey=True)
-    for ax, model in zip(axes, MODELS):
-        for m in METHODS:
-            pts = sorted((r["T"], r["gbps"]) for r in records if r["model"] == model and r["method"] == m and "gbps" in r)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
-        pts = sorted((r["T"], r["gbps"]) for r in records if r["model"] == model and r["method"] == "same-bytes copy")
-        if pts:
-            ax.plot(*zip(*pts), color="k", linestyle=":", marker=".", label="copy of the same bytes")
-        ax.axhline(ceiling, color="k", linestyle="--", label=f"copy ceiling {ceiling:.0f} GB/s")
-        ax.axhline(0.9 * ceiling, color="gray", linestyle=":", label="90% of ceiling")
-        ax.set_xscale("log", base=2)
-        ax.set_title(model)
-        ax.set_xlabel("tokens per write")
-    axes[0].set_ylabel("GB/s (SPEC 6 bytes)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+# --- 6. moves ----------------------------------------------------------------------------------------
+
+
+def bench_moves(run: Run) -> None:
+    """Issue 11: move_kv_cache across all layers of a 32-layer pool (Llama-3-8B geometry)."""
+    plan, dev = run.plan, run.dev
+    h, d = MODELS[bench_report.MOVE_MODEL]
+    pool = kvpool_pool(plan.move_pool_slots, h, d, plan.move_layers, dev)
+    gen = torch.Generator(device=dev).manual_seed(2)
+    for buf in (*pool.k_buffer, *pool.v_buffer):  # never move zeros
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=dev, generator=gen))
+    has_move = callable(getattr(pool, "move_kv_cache", None))
+    moves: dict = {"model": bench_report.MOVE_MODEL, "layers": plan.move_layers, "records": []}
+    if not has_move:
+        moves["kvpool_skipped"] = (
+            "MHATokenToKVPool has no move_kv_cache in this checkout (it is being written on branch "
+            "copyrows); only the per-layer loop was timed"
+        )
+        log(f"  {moves['kvpool_skipped']}")
+    run.result["moves"] = moves
+    kb, vb = pool.k_buffer, pool.v_buffer
+    row_bytes = h * d * kb[0].element_size()
+    for n in plan.move_slots:
+        if run.over_budget(f"moves n={n}"):
+            continue
+        picked = run.slots(2 * n, pool.rows, gen)
+        src, tgt = picked[:n], picked[n:]
+        fns = {M.MOVE_LOOP: lambda i: peers.per_layer_move(kb, vb, tgt, src)}
+        if has_move:
+            fns = {M.MOVE: lambda i: pool.move_kv_cache(tgt, src), **fns}
+        nbytes = 2 * n * plan.move_layers * 2 * row_bytes  # K and V rows of every layer, read + written
+        line = []
+        for method, fn in fns.items():
+            rec = {"slots": n, "bytes": nbytes, "method": method}
+            for buf in (kb[0], vb[-1]):  # fresh targets, so the check sees this method's copy
+                buf[tgt] = torch.randint(0, 256, buf[tgt].shape, dtype=torch.uint8, device=dev, generator=gen)
+
+            def check() -> float:
+                return max((kb[0][tgt] != kb[0][src]).float().mean().item(), (vb[-1][tgt] != vb[-1][src]).float().mean().item())
+
+            if first_call(run, rec, fn, check):
+                # Moves happen once per step, so the cold time is the one that counts; graph and wall too.
+                measure(run, rec, fn, n, nbytes, decode=True)
+            moves["records"].append(rec)
+            line.append(f"{method}=" + (f"{rec['device_us']:.1f} us" if "device_us" in rec else "error"))
+        log(f"  move {n} slots x {plan.move_layers} layers (cold device time): " + ", ".join(line))
+    del pool, kb, vb
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the write section's pools need the room
+
+
+# --- run ---------------------------------------------------------------------------------------------
+
+
+def source_digest() -> str:
+    """sha256 (first 12 hex digits) of every kvpool/*.py and benchmarks/*.py file: identifies the code
+    measured even where the run's copy of the tree has no .git."""
+    h = hashlib.sha256()
+    for top in ("kvpool", "benchmarks"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(ROOT, top))):
+            dirnames.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, ROOT).encode())
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown (no git repository here)"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--quick", action="store_true", help="two token counts per shape")
+    parser.add_argument("--out", default="bench_out", help="directory for bench.json, bench.md, bench.png")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer sizes and calls (under 2 minutes on an H200)")
+    mode.add_argument("--dry-run", action="store_true", help="every section on the CPU, tiny sizes, no real timing")
+    parser.add_argument("--commit", help="the commit measured, where the tree has no .git (default: git rev-parse)")
+    parser.add_argument("--budget-s", type=float, help="skip what remains after this many seconds (default: the plan's)")
+    parser.add_argument(
+        "--sections", default="host,write,moves", help="comma-separated subset of host,write,moves (default: all)"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        log("no CUDA device: this benchmark runs on a GPU only")
+    plan = DRY if args.dry_run else QUICK if args.quick else FULL
+    if args.budget_s is not None:
+        plan = Plan(**{**asdict(plan), "budget_s": args.budget_s})
+    sections = set(args.sections.split(","))
+    if not sections <= {"host", "write", "moves"}:
+        parser.error(f"--sections takes host, write, moves; got {args.sections}")
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: this benchmark runs on a GPU (use --dry-run to check the script on the CPU)")
         return 2
     os.makedirs(args.out, exist_ok=True)
-    tokens = [1, 16384] if args.quick else TOKENS
+    command = "python benchmarks/bench_set_kv.py --out DIR" + " --quick" * args.quick + " --dry-run" * args.dry_run
+    command += "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("commit", args.commit), ("budget_s", args.budget_s)) if v)
+    command += f" --sections {args.sections}" if args.sections != "host,write,moves" else ""
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "command": "python benchmarks/bench_set_kv.py" + (" --quick" if args.quick else ""),
+        "commit": args.commit or git_commit(),
+        "source_sha256": source_digest(),
+        "command": command,
+        "plan": plan.name,
+        "dry_run": plan.name == "dry-run",
     }
-    log(f"[bench] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}")
-    flush = flush_buffer()
-    ceiling = copy_ceiling_gbps()
-    meta["ceiling_gbps"] = ceiling
-    log(f"[bench] copy ceiling {ceiling:.0f} GB/s")
-    records: list = []
-    for i, (name, (h, d)) in enumerate(MODELS.items()):
-        log(f"[bench] shape {i + 1}/{len(MODELS)}: {name}")
-        bench_shape(name, h, d, tokens, ceiling, records, flush)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:  # partial results survive a timeout
-            json.dump({"meta": meta, "records": records, "partial": True}, f, indent=1)
-    host: dict = {}
+    log(f"[bench] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, plan {plan.name}")
+    clock = DryClock() if args.dry_run else GpuClock()
+    run = Run(plan, clock, args.out, meta)
+    run.section("copy ceiling", lambda: copy_ceiling(run, "ceiling_gbps"))
+    if "host" in sections:
+        run.section("host time", lambda: host_overhead(run))
+    # Moves before the long write section: should the time budget run out, issue 11 is still measured.
+    if "moves" in sections:
+        run.section("moves", lambda: bench_moves(run))
+    if "write" in sections:
+        run.section("write", lambda: bench_write(run))
+    run.section("copy ceiling (end)", lambda: copy_ceiling(run, "ceiling_gbps_end"))
+    run.checkpoint(final=True)
     try:
-        host_overhead(host)
+        import matplotlib  # noqa: F401
+
+        bench_report.plot(run.result, os.path.join(args.out, "bench.png"))
+    except ImportError:
+        log("[bench] matplotlib not installed: no plot")
     except Exception as exc:
-        log(f"[bench] host overhead failed: {exc}")
-    meta["ceiling_gbps_end"] = copy_ceiling_gbps()
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "records": records, "host_us": host}, f, indent=1)
-    md = markdown(meta, records, host)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(md)
-    try:
-        plot(records, ceiling, os.path.join(args.out, "bench.png"))
-    except Exception as exc:
-        log(f"[bench] plot failed: {exc}")
-    print(md)
+        log(f"[bench] plot failed: {short_error(exc)}")
+    with open(os.path.join(args.out, "bench.md")) as f:
+        print(f.read())
+    log(f"[bench] done in {run.elapsed():.0f} s: {args.out}/bench.json, {args.out}/bench.md")
     return 0
 
 

@@ -7,6 +7,15 @@
   cache, the best a model runner gets from the compiler without a custom kernel.
 * ``straightforward_triton``: the seed's design ported plainly: one program per (token, head), K and V
   on a third grid axis, ``/`` for the division and a cast.
+* ``per_token_triton``: what a competent user writes in twenty lines (issue 15): one program per token
+  over its whole H x D row, K then V, Triton's ``/`` (approximate on NVIDIA GPUs), a clamp, the cast
+  on store, and the scatter.
+* ``per_layer_move``: SGLang-style ``move_kv_cache``: an index copy per layer, K then V.
+* ``masked_loc_write``: a verify write without a prefix-valid kernel: mask the uncommitted slots to -1
+  with ``torch.where``, then a plain ``set_kv_buffer`` of every draft token.
+
+The two Triton ports are not exact by SPEC section 3.1 (approximate division; a clamp turns NaN into
+-fmax), so they do less work per element than kvpool's write.
 """
 
 from __future__ import annotations
@@ -92,3 +101,79 @@ def straightforward_triton(k, v, k_store, v_store, loc, k_scale, v_scale, dtype)
         D=d, BLOCK_D=triton.next_power_of_2(d), FMAX=torch.finfo(dtype).max,
         FP8_E4M3=dtype == torch.float8_e4m3fn,
     )  # fmt: skip
+
+
+@triton.jit
+def _per_token_kernel(
+    k_ptr,  # [T, H * D] input rows (heads contiguous within a row)
+    v_ptr,  # [T, H * Dv]
+    k_cache_ptr,  # [slots, H * D] FP8
+    v_cache_ptr,  # [slots, H * Dv] FP8
+    loc_ptr,  # [T] slot per token
+    k_scale_ptr,  # [1] float32
+    v_scale_ptr,  # [1] float32
+    stride_k,
+    stride_v,
+    stride_kc,
+    stride_vc,
+    ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    V_BLOCK: tl.constexpr,
+    FMAX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    k = tl.load(k_ptr + t * stride_k + offs, mask=offs < ROW).to(tl.float32) / tl.load(k_scale_ptr)
+    k = tl.minimum(tl.maximum(k, -FMAX), FMAX)
+    tl.store(k_cache_ptr + slot * stride_kc + offs, k.to(k_cache_ptr.dtype.element_ty), mask=offs < ROW)
+    offs_v = tl.arange(0, V_BLOCK)
+    v = tl.load(v_ptr + t * stride_v + offs_v, mask=offs_v < V_ROW).to(tl.float32) / tl.load(v_scale_ptr)
+    v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+    tl.store(v_cache_ptr + slot * stride_vc + offs_v, v.to(v_cache_ptr.dtype.element_ty), mask=offs_v < V_ROW)
+
+
+def _row_major(x: torch.Tensor, name: str) -> None:
+    t, h, d = x.shape
+    if x.stride(2) != 1 or (h > 1 and x.stride(1) != d):
+        raise ValueError(f"{name} must keep each token's H x D row contiguous, got strides {tuple(x.stride())}")
+
+
+def per_token_triton(k, v, k_cache, v_cache, loc, k_scale, v_scale):
+    """k [T, H, D], v [T, H, Dv] with contiguous rows; k_cache/v_cache FP8 [slots, H, D]; one-element
+    float32 scale tensors. One program per token."""
+    t, h, d = k.shape
+    if t == 0:
+        return
+    for x, name in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _row_major(x, name)
+    row, v_row = h * d, v.shape[1] * v.shape[2]
+    block, v_block = triton.next_power_of_2(row), triton.next_power_of_2(v_row)
+    _per_token_kernel[(t,)](
+        k, v, k_cache, v_cache, loc, k_scale, v_scale,
+        k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
+        ROW=row, V_ROW=v_row, BLOCK=block, V_BLOCK=v_block, FMAX=torch.finfo(k_cache.dtype).max,
+        num_warps=per_token_warps(max(block, v_block)),
+    )  # fmt: skip
+
+
+def per_token_warps(block: int) -> int:
+    """Warps for a row of ``block`` elements: the rule of Triton's layer-norm tutorial, which is where
+    a user writing this kernel would take it from (about 256 elements per warp, 1 to 8 warps)."""
+    return min(max(block // 256, 1), 8)
+
+
+def per_layer_move(k_buffers, v_buffers, tgt, src):
+    """For every layer, rows ``tgt`` of K and V become rows ``src`` (an index copy each)."""
+    for k_buf, v_buf in zip(k_buffers, v_buffers):
+        k_buf[tgt] = k_buf[src]
+        v_buf[tgt] = v_buf[src]
+
+
+def masked_loc_write(pool, layer_id, loc_2d, commit_lens, k, v, k_scale, v_scale):
+    """The verify write with a plain ``set_kv_buffer``: uncommitted slots become -1 (written nowhere)."""
+    width = loc_2d.shape[1]
+    cols = torch.arange(width, device=loc_2d.device)
+    loc = torch.where(cols[None, :] < commit_lens[:, None], loc_2d, -1).reshape(-1)
+    pool.set_kv_buffer(None, loc, k, v, k_scale, v_scale, layer_id_override=layer_id)

@@ -4,11 +4,17 @@
 the median replay time per call. With ``flush`` (a buffer larger than L2), every call is preceded
 by a memset of it and the time of a flush-only graph is subtracted: the call then runs with a cold
 L2, as a layer's write does in a real forward pass.
+
+``GpuClock`` bundles that with the other two measurements the benchmarks take (host-inclusive wall
+time of eager calls issued back to back, and the device-to-device copy ceiling); ``DryClock`` has the
+same interface on the CPU, runs each function a couple of times and returns wall times that measure
+nothing, so a dry run exercises every code path of a benchmark except the timing itself.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -64,3 +70,84 @@ def graph_us(fn, calls: int, flush: torch.Tensor | None = None, reps: int = 25) 
 
         total -= _replay_ms(_capture(flush_only), reps)
     return total * 1e3 / calls
+
+
+class GpuClock:
+    """The measurements of the benchmarks, on the current CUDA device. Medians throughout."""
+
+    dry = False
+
+    def __init__(self) -> None:
+        self.flush = flush_buffer()
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def device_us(self, fn, calls: int, cold: bool) -> float:
+        """Device microseconds per ``fn(i)``, replayed in a CUDA graph of ``calls`` calls; ``cold``:
+        L2 flushed before each call (flush time subtracted)."""
+        return graph_us(fn, calls, self.flush if cold else None)
+
+    def wall_us(self, fn, calls: int, runs: int, warm: int = 10) -> float:
+        """Host-inclusive microseconds per ``fn(i)`` issued eagerly back to back: the median over
+        ``runs`` runs of ``calls`` calls, each run ended by a synchronisation (what an eager decode
+        pays, host launch cost included)."""
+        for i in range(warm):
+            fn(i)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+        return statistics.median(times)
+
+    def copy_ceiling_gbps(self) -> float:
+        """The device-to-device copy ceiling: a 2 GiB ``copy_`` timed eagerly with CUDA events (read +
+        write counted). Eager on purpose: inside a CUDA graph a D2D memcpy becomes a memcpy node that
+        ran markedly slower on the H200 (2.7 TB/s against 4.2 TB/s)."""
+        n = 2 << 30
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(12):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del src, dst
+        return 2 * n / (statistics.median(times[2:]) * 1e-3) / 1e9
+
+
+class DryClock:
+    """``GpuClock``'s interface on the CPU for dry runs: every function runs (twice at most), every
+    figure returned is a host wall time that means nothing."""
+
+    dry = True
+
+    def sync(self) -> None:
+        pass
+
+    def device_us(self, fn, calls: int, cold: bool) -> float:
+        return self._run(fn, min(calls, 2))
+
+    def wall_us(self, fn, calls: int, runs: int, warm: int = 10) -> float:
+        return self._run(fn, min(calls, 2))
+
+    def copy_ceiling_gbps(self) -> float:
+        src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return 2 * src.numel() / (time.perf_counter() - t0) / 1e9
+
+    @staticmethod
+    def _run(fn, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter() - t0) / n * 1e6

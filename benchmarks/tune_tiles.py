@@ -29,8 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import flush_buffer, graph_us  # noqa: E402
 
+from kvpool.config import KernelOptions  # noqa: E402
 from kvpool.kernels import store_kv  # noqa: E402
-from kvpool.kernels.store_kv import PreparedLaunch, TileConfig, plan_launch  # noqa: E402
+from kvpool.kernels.checks import write_key  # noqa: E402
+from kvpool.kernels.store_kv import PreparedLaunch, TileConfig  # noqa: E402
 
 GEOMETRIES = [(8, 64), (8, 128), (1, 128), (3, 96), (1, 256)]
 CANDIDATES = [TileConfig(e, w) for e in (512, 1024, 2048, 4096, 8192) for w in (2, 4, 8)]
@@ -63,13 +65,14 @@ def main() -> int:
             x = (torch.randn(t, h, d, device="cuda") * 60).to(torch.bfloat16)
             loc = torch.randperm(SLOTS, device="cuda")[:t]
             nbytes = t * 2 * h * d * 3 + t * 8
+            key = write_key(x, x, loc, scale, scale)
             line = []
             for tile in CANDIDATES:
-                launch = PreparedLaunch(h, d, h, d, fp8, caches[0].stride(), caches[0].stride(), SLOTS,
-                                        soft_cast=False, tile=tile)  # fmt: skip
-                fn = lambda i: launch(x, x, caches[2 * (i % LAYERS)], caches[2 * (i % LAYERS) + 1], loc, scale, scale)  # noqa: E731
+                launch = PreparedLaunch(h, d, h, d, fp8, caches[0].stride(), caches[0].stride(), SLOTS, x.device,
+                                        options=KernelOptions(soft_cast=False), tile=tile, caches_aligned=True)  # fmt: skip
+                fn = lambda i: launch(key, x, x, caches[2 * (i % LAYERS)], caches[2 * (i % LAYERS) + 1], loc, scale, scale)  # noqa: E731
                 us = graph_us(fn, calls=10 if cold else 64, flush=flush if cold else None)
-                plan = plan_launch(h, d, h, d, tile)
+                plan = launch.variant_for(x.stride(), x.stride(), (key[3], key[4])).plan  # flat for H=3 D=96
                 results.append(dict(H=h, D=d, T=t, elems=tile.elems, warps=tile.num_warps, block_t=plan.block_t,
                                     block_h=plan.block_h, us=us, gbps=nbytes / (us * 1e-6) / 1e9))  # fmt: skip
                 line.append(f"{tile.elems}/{tile.num_warps}:{us:.2f}")
@@ -137,7 +140,6 @@ def finish(table: dict, args) -> int:
     if not args.from_json:  # on the device: the edited file comes back with the results
         shutil.copy(path, os.path.join(args.out, "store_kv.py"))
     print(f"wrote TILE_TABLE to {path}", flush=True)
-    return 0
     return 0
 
 

@@ -16,6 +16,7 @@ the whole latent row.
     python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
     python examples/serve_sim.py --page-size 1      # token allocator
     python examples/serve_sim.py --corrupt          # flip one stored byte: the check must fail
+    python examples/serve_sim.py --host-tier        # park retracted requests' KV in host memory
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -34,6 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvpool import MHATokenToKVPool, MLATokenToKVPool, quantize
+from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry
@@ -85,6 +87,12 @@ class SimConfig:
     validate: bool = False
     corrupt: bool = False
     progress: bool = False
+    # --host-tier: a retracted request's KV goes to a host pool and is loaded back, layer by layer,
+    # when it resumes (instead of being recomputed).
+    host_tier: bool = False
+    host_ratio: float = 2.0
+    host_layout: str = "page_first"
+    host_io_backend: str = "kernel"
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -107,6 +115,10 @@ class SimConfig:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive int or None, got {self.max_steps}")
+        if self.host_layout not in LAYOUTS:
+            raise ValueError(f"host_layout must be one of {', '.join(LAYOUTS)}, got {self.host_layout!r}")
+        if self.host_io_backend not in IO_BACKENDS:
+            raise ValueError(f"host_io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.host_io_backend!r}")
 
     @property
     def max_context_len(self) -> int:
@@ -183,10 +195,21 @@ class SimResult:
     reasons: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     device: str = ""
+    # --host-tier
+    parked: int = 0  # retractions whose KV went to the host tier
+    reloaded: int = 0
+    host_full: int = 0  # retractions recomputed because the host tier had no room
+    host_bytes: int = 0  # backed up + loaded
+    host_seconds: float = 0.0
+    reloaded_tokens: int = 0
+    reload_mismatches: int = 0
 
     @property
     def ok(self) -> bool:
-        return self.mismatched_tokens == 0 and self.integrity_error is None and self.leaked_slots == 0
+        return (
+            self.mismatched_tokens == 0 and self.integrity_error is None and self.leaked_slots == 0
+            and self.reload_mismatches == 0
+        )  # fmt: skip
 
 
 # --- K/V values the "model" produces ------------------------------------------------------------
@@ -232,6 +255,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions = 0
+        self.host: Optional["HostParking"] = None  # --host-tier
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -292,15 +316,18 @@ class Scheduler:
         while self.waiting and budget > 0 and self.table.available_size() > 0:
             r = self.waiting[0]
             target = r.prompt_len + r.generated  # a retracted request re-prefills its outputs too
-            end = min(target, budget)
+            start = self.host.parked_len(r) if self.host is not None else 0  # --host-tier: reloaded, not recomputed
+            end = min(target, start + budget)
             if self.pages_for(end) > free_pages - reserved:
                 break
             self.waiting.popleft()
             r.row = self.table.alloc(1)[0]  # type: ignore[index]
             r.prefill_target = target
             self.running.append(r)
-            plan.append((r, 0, end))
-            budget -= end
+            if start:
+                self._resume(r, start)
+            plan.append((r, start, end))
+            budget -= end - start
             free_pages -= self.pages_for(end)
             reserved += self.decode_reserve(r, target)
         return plan
@@ -358,7 +385,10 @@ class Scheduler:
         r.row = None
 
     def retract(self, r: Request) -> None:
-        """Give back a request's slots and queue it again; it re-prefills prompt + outputs so far."""
+        """Give back a request's slots and queue it again; it re-prefills prompt + outputs so far
+        (with --host-tier its KV is parked in host memory first and loaded back when it resumes)."""
+        if self.host is not None:
+            self.host.park(r, self.slots_of(r))
         self.release(r)
         r.kv_len = 0
         self.waiting.appendleft(r)
@@ -366,6 +396,15 @@ class Scheduler:
 
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
+
+    def _resume(self, r: Request, parked: int) -> None:
+        """--host-tier: slots for a parked request's first ``parked`` positions, recorded in the
+        request table and filled from the host tier (its prefill then continues from there)."""
+        slots = self._alloc_prefill([(r, 0, parked)])
+        rows = torch.full((parked,), r.row, dtype=torch.int64, device=self.device)  # type: ignore[arg-type]
+        self.table.write((rows, torch.arange(parked, device=self.device)), slots.to(torch.int32))
+        self.host.resume(r, slots)  # type: ignore[union-attr]
+        r.kv_len = parked
 
 
 # --- the model runner -----------------------------------------------------------------------------
@@ -451,6 +490,73 @@ class MLAModelRunner(ModelRunner):
                 first = Mismatch(r.rid, int(bad.nonzero()[0]), layer.layer_id, "latent")
             bad_any |= bad
         return int(bad_any.sum()), first
+
+
+# --- --host-tier: parking retracted requests in host memory ---------------------------------------
+
+
+class HostParking:
+    """Retracted requests' K/V in an ``MHATokenToKVPoolHost``: all layers are backed up when the
+    request is retracted, and loaded back layer by layer (the pool's getters wait for each layer's
+    event) when it resumes; the reloaded rows are then checked byte for byte. A request whose KV does
+    not fit in the host tier is recomputed as without it.
+
+    On CUDA the transfers run on the host pool's streams; this simulation synchronises around each
+    one only to time it (the library itself never does)."""
+
+    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, runner: "ModelRunner", result: SimResult) -> None:
+        self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
+        self.host = MHATokenToKVPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
+        self.bytes_per_token = self.host.size_per_token
+        self.parked: dict[int, tuple[torch.Tensor, int]] = {}  # rid -> (host slots, tokens)
+
+    def parked_len(self, r: Request) -> int:
+        entry = self.parked.get(r.rid)
+        return 0 if entry is None else entry[1]
+
+    def _padded(self, slots: torch.Tensor, n: int) -> torch.Tensor:
+        # Host transfers move whole pages; positions past the request's tokens are padding (-1).
+        pad = torch.full((n - slots.shape[0],), -1, dtype=slots.dtype, device=slots.device)
+        return torch.cat((slots, pad))
+
+    def _timed(self, fn) -> None:
+        cuda = self.pool.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.pool.device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(self.pool.device)
+        self.result.host_seconds += time.perf_counter() - start
+
+    def park(self, r: Request, slots: torch.Tensor) -> None:
+        n = slots.shape[0]
+        if n == 0:
+            return
+        host_slots = self.host.alloc(-(-n // self.host.page_size) * self.host.page_size)
+        if host_slots is None:
+            self.result.host_full += 1
+            return
+        device = self._padded(slots, host_slots.shape[0])
+        backend = self.cfg.host_io_backend
+        self._timed(lambda: self.host.backup_from_device_all_layer(self.pool, host_slots, device, backend))
+        self.host.wait_for_backups()  # the slots are freed next: later writes wait for the backup
+        self.parked[r.rid] = (host_slots, n)
+        self.result.parked += 1
+        self.result.host_bytes += n * self.bytes_per_token
+
+    def resume(self, r: Request, slots: torch.Tensor) -> None:
+        host_slots, n = self.parked.pop(r.rid)
+        device = self._padded(slots, host_slots.shape[0])
+        backend = self.cfg.host_io_backend
+        self._timed(lambda: self.host.load_to_device_all_layer(self.pool, host_slots, device, backend))
+        self.host.free(host_slots)  # a later backup into these pages waits for this load
+        self.result.reloaded += 1
+        self.result.reloaded_tokens += n
+        self.result.host_bytes += n * self.bytes_per_token
+        bad, _ = self.runner.verify(r, slots)  # reads through the getters: waits for each layer
+        self.result.reload_mismatches += bad
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -552,6 +658,8 @@ def _run(cfg: SimConfig) -> SimResult:
     arrivals = deque(make_requests(cfg))
     progress = Progress(cfg.requests, cfg.progress)
     checker = Checker(runner, result, corrupt=cfg.corrupt)
+    if cfg.host_tier:
+        sched.host = HostParking(cfg, pool, runner, result)
 
     start = time.perf_counter()
     step = 0
@@ -646,6 +754,17 @@ def format_summary(res: SimResult) -> str:
         lines.append(f"  allocators      FAILED: {res.leaked_slots} slots still held after every request finished")
     else:
         lines.append("  allocators      OK: integrity checks pass, no slot leaked")
+    if cfg.host_tier:
+        rate = res.host_bytes / res.host_seconds / 1e9 if res.host_seconds > 0 else 0.0
+        lines.append(
+            f"  host tier       {res.parked} parked, {res.reloaded} reloaded ({cfg.host_layout}, {cfg.host_io_backend}), "
+            f"{res.host_full} recomputed for lack of host room; {res.host_bytes / 1e6:.2f} MB moved in "
+            f"{res.host_seconds * 1e3:.1f} ms ({rate:.2f} GB/s)"
+        )
+        if res.reload_mismatches:
+            lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
+        else:
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x K,V matches")
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
 
@@ -676,6 +795,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--validate", action="store_true", help="allocators raise on bad frees and bad last_loc")
     p.add_argument("--corrupt", action="store_true", help="flip one stored byte: the check must fail (exit 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+    p.add_argument("--host-tier", action="store_true", help="park retracted requests' KV in host memory")
+    p.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host slots per device slot")
+    p.add_argument("--host-layout", choices=LAYOUTS, default=d.host_layout, help="host memory layout")
+    p.add_argument("--host-io-backend", choices=IO_BACKENDS, default=d.host_io_backend, help="host transfer backend")
     a = p.parse_args(argv)
     return SimConfig(
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
@@ -684,6 +807,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         dtype=a.dtype, model=a.model, device=a.device, seed=a.seed, max_steps=a.max_steps, validate=a.validate,
         cpu_threads=a.cpu_threads or None,
         corrupt=a.corrupt, progress=not a.no_progress and sys.stderr.isatty(),
+        host_tier=a.host_tier, host_ratio=a.host_ratio, host_layout=a.host_layout, host_io_backend=a.host_io_backend,
     )  # fmt: skip
 
 

@@ -7,12 +7,18 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
+# Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
+# kvpool.kernels.copy_rows stays the module.
+from kvpool.kernels.copy_rows import RowTable, copy_rows
 from kvpool.pools import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
     IntegrityError,
+    KVCpuCopy,
     KVGeometry,
+    LayerTransferCounter,
     MHATokenToKVPool,
+    MHATokenToKVPoolHost,
     MLATokenToKVPool,
     PagedTokenToKVPoolAllocator,
     PathStats,
@@ -22,6 +28,7 @@ from kvpool.pools import (
     max_pool_size,
     mla_kv_bytes_per_token,
 )
+from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
 
 __version__ = "0.1.0"
 
@@ -30,18 +37,29 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "FusedPathUnavailable",
     "IntegrityError",
+    "KVCpuCopy",
     "KVGeometry",
+    "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
+    "RowTable",
     "TokenToKVPoolAllocator",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTransfer",
     "kv_bytes_per_token",
     "max_pool_size",
     "mla_kv_bytes_per_token",
+    "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",
     "quantize",
+    "recv_kv",
     "reference_set_kv_buffer",
+    "send_kv",
 ]

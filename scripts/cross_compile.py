@@ -5,7 +5,9 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 (the interpreter would not notice a construct the compiler rejects) and that the Hopper build keeps
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
-Usage: python scripts/cross_compile.py [--full]   (TRITON_INTERPRET must not be set)
+Usage: python scripts/cross_compile.py [--full | --copy-rows]   (TRITON_INTERPRET must not be set)
+``--copy-rows`` compiles the row-copy kernel (copy_rows_kernel.py) instead, for the plans the
+launcher makes, and counts its vector accesses and barriers.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvpool.kernels import copy_rows_kernel as CK  # noqa: E402
 from kvpool.kernels import store_kv_kernel as K  # noqa: E402
-from kvpool.kernels.store_kv import plan_launch  # noqa: E402
+from kvpool.kernels.copy_rows import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
+from kvpool.kernels.store_kv import plan_flat_launch, plan_launch  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
 TARGETS = {
@@ -36,10 +40,13 @@ TARGETS = {
 }
 
 
-def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False):
+def compile_variant(
+    target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False,
+    i64=True, flat=False,
+):  # fmt: skip
     target, soft = TARGETS[target_name]
     names = list(K._store_kv_kernel.arg_names)
-    plan = plan_launch(heads, head_dim, heads, head_dim)
+    plan = (plan_flat_launch if flat else plan_launch)(heads, head_dim, heads, head_dim)
     sig = {
         "k_ptr": f"*{in_type}", "v_ptr": f"*{in_type}",
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
@@ -51,10 +58,11 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     }  # fmt: skip
     strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
     const = dict(
-        H=heads, D=head_dim, HV=heads, DV=head_dim, BLOCK_T=plan.block_t, BLOCK_H=plan.block_h,
-        BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+        H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim, BLOCK_T=plan.block_t,
+        BLOCK_H=plan.block_h, BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+        BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
-        PREFIX=prefix, OBSERVE=observe,
+        PREFIX=prefix, OBSERVE=observe, I64=i64,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -70,7 +78,8 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
     )
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
-            "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe}  # fmt: skip
+            "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe,
+            "i64": i64, "flat": flat}  # fmt: skip
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
@@ -79,14 +88,70 @@ def compile_variant(target_name, heads, head_dim, out_kind, in_type, k_kind, v_k
         info["div_rn"] = ptx.count("div.rn.f32")
         info["fma_rn"] = ptx.count("fma.rn.f32")
         info["max_nan"] = ptx.count("max.NaN.f32")
+        info["mul_wide"] = ptx.count("mul.wide.s32") + ptx.count("mul.lo.s64")
         info["atom_max"] = len(re.findall(r"atom\.global(?:\.\w+)*\.max", ptx)) + len(re.findall(r"red\.global(?:\.\w+)*\.max", ptx))
     return info
+
+
+_COPY_ELEM = {1: "u8", 2: "i16", 4: "i32"}
+
+
+def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_programs=False, index_type="i64"):
+    """Compile the copy kernel as the launcher would launch it for this geometry."""
+    target, _ = TARGETS[target_name]
+    tile = FEW_PROGRAMS_TILE if few_programs else SM_TILE
+    plan = plan_copy(n_pairs, 2, tuple(sorted(set(row_bytes))), align, one_pass, 8 if few_programs else 1056, tile)
+    names = list(CK._copy_rows_kernel.arg_names)
+    sig = {"dst_table_ptr": "*i64", "src_table_ptr": "*i64", "dst_index_ptr": f"*{index_type}", "src_index_ptr": f"*{index_type}"}
+    for n in names[4:]:
+        if n.isupper():
+            break
+        sig[n] = "i32"
+    const = dict(
+        ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
+    )  # fmt: skip
+    sig.update({n: "constexpr" for n in const})
+    src = ASTSource(fn=CK._copy_rows_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
+    info = {"kernel": "copy_rows", "target": target_name, "row_bytes": list(row_bytes), "align": align,
+            "pairs": n_pairs, "one_pass": one_pass, "few_programs": few_programs, "block_p": plan.block_p,
+            "block_w": plan.block_w, "elem": _COPY_ELEM[plan.elem_bytes], "num_warps": plan.num_warps}  # fmt: skip
+    ptx = compiled.asm.get("ptx")
+    if ptx is not None:
+        for width in ("v4", "v2"):
+            info[f"ld_{width}"] = len(re.findall(rf"ld\.global(?:\.\w+)*\.{width}", ptx))
+            info[f"st_{width}"] = len(re.findall(rf"st\.global(?:\.\w+)*\.{width}", ptx))
+        info["ld"] = len(re.findall(r"ld\.global", ptx))
+        info["st"] = len(re.findall(r"st\.global", ptx))
+        info["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
+    return info
+
+
+COPY_VARIANTS = [
+    # (target, row bytes (K, V), align, pairs, one pass, few programs)
+    ("sm90", (1024, 1024), 16, 100_000, False, False),  # Llama-3-8B FP8 rows, device-to-device
+    ("sm90", (1024, 1024), 16, 8192, False, True),  # the host tier's grid of a few programs
+    ("sm90", (1024, 1024), 16, 256, True, False),  # a speculative-decoding move (aliasing)
+    ("sm90", (1024, 1024), 16, 1, True, False),
+    ("sm90", (288, 192), 16, 7, False, False),  # H=3, D=96 FP8 with Dv=64: rows of two lengths
+    ("sm90", (24, 24), 8, 64, False, False),  # 8-byte aligned rows: 8-byte vectors
+    ("sm90", (6, 6), 2, 64, False, False),
+    ("sm100", (1024, 1024), 16, 256, True, False),
+    ("sm80", (512, 512), 16, 4096, False, False),
+    ("gfx942", (1024, 1024), 16, 256, True, False),
+]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--full", action="store_true", help="every output kind, input type and scale kind")
+    parser.add_argument("--copy-rows", action="store_true", help="the row-copy kernel's variants instead")
     args = parser.parse_args()
+    if args.copy_rows:
+        for v in COPY_VARIANTS:
+            print(json.dumps(compile_copy_rows(*v)), flush=True)
+        return 0
     if args.full:
         variants = itertools.product(TARGETS, [(3, 96), (8, 128)], range(5), ["bf16", "fp16", "fp32"], range(4))
         variants = [(t, h, d, o, i, s, s) for t, (h, d), o, i, s in variants]
@@ -103,6 +168,8 @@ def main() -> int:
             ("gfx942", 3, 96, 1, "fp16", 1, 1),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", True, False),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, True),
+            ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, False, False),
+            ("sm90", 3, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)

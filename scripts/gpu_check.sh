@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
-#   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick]
-# [sim] [sim_mla] [bench_mla] (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
+#   bash scripts/gpu_check.sh [tests] [first_call] [tune | tune_write] [bench] [quick] [sim] [llama]
+# [sim_mla] [bench_mla] (default: tests first_call bench). tune_write rewrites TILE_TABLE from the sweep (copy in $OUT).
+# "tests" runs the whole suite on the GPU: the gpu-marked tests and every device-agnostic test with
+# CUDA tensors.
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +33,10 @@ for stage in $stages; do
   case "$stage" in
     tests)
       # The GPU suite plus the device-agnostic suites, which run the compiled kernel on CUDA here.
-      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 \
-        tests/test_gpu.py tests/test_kernel.py tests/test_pool.py tests/test_gate.py tests/test_compile.py \
-        tests/test_gpu_mla.py tests/test_mla_pool.py ;;
+      step tests python3 -m pytest -q -p no:cacheprovider -n 16 --durations=15 -rfEs tests/ ;;
     first_call) step first_call python3 benchmarks/first_call.py ;;
     sim) step sim python3 examples/serve_sim.py ;;
+    llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     bench_mla) step bench_mla python3 benchmarks/bench_mla.py --out "$OUT" ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;

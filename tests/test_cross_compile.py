@@ -28,13 +28,14 @@ def compiled() -> list[dict]:
 
 def test_every_target_compiles(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 11
+    assert len(compiled) == 13
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
     [fp8] = [
         v for v in compiled
-        if v["target"] == "sm90" and v["D"] == 128 and v["out_kind"] == 0 and not (v["prefix"] or v["observe"])
+        if v["target"] == "sm90" and v["D"] == 128 and v["out_kind"] == 0
+        and not (v["prefix"] or v["observe"]) and v["i64"]
     ]  # fmt: skip
     # 16-byte loads of bf16 rows and 16-byte stores of FP8 rows; cvt.rn.satfinite for the cast;
     # the reciprocal-and-FMA division per element, with div.rn left for the reciprocal itself and
@@ -52,8 +53,23 @@ def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
 def test_prefix_and_observe_variants_keep_the_fast_write(compiled):
     """The verify write (PREFIX) and the calibrating write (OBSERVE) are the same vectorised write;
     only the observing one carries an atomic max, and the plain one has none."""
-    by = {(v["prefix"], v["observe"]): v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["out_kind"] == 0}
+    by = {
+        (v["prefix"], v["observe"]): v
+        for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["out_kind"] == 0 and v["i64"]
+    }  # fmt: skip
     for v in by.values():
         assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["cvt_satfinite"] > 0
     assert by[(False, True)]["atom_max"] > 0
     assert by[(False, False)]["atom_max"] == 0 and by[(True, False)]["atom_max"] == 0
+
+
+def test_32_bit_offsets_and_two_piece_rows_compile_to_the_fast_write(compiled):
+    """The 32-bit-offset variant does less 64-bit address arithmetic than the 64-bit one; the odd
+    shape's flat plan (288 = 256 + 32 per row, 32-bit offsets) keeps 16-byte loads and the
+    hardware cast."""
+    [wide] = [v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["i64"] and not (v["prefix"] or v["observe"]) and v["out_kind"] == 0]
+    [narrow] = [v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and not v["i64"]]
+    assert narrow["mul_wide"] < wide["mul_wide"], (narrow, wide)
+    assert narrow["ld_v4"] > 0 and narrow["st_v4"] > 0 and narrow["cvt_satfinite"] > 0
+    [odd] = [v for v in compiled if v["target"] == "sm90" and v["flat"]]
+    assert odd["ld_v4"] > 0 and odd["cvt_satfinite"] > 0

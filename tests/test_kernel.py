@@ -118,7 +118,7 @@ def test_tile_shapes(elems, h, d, hv, dv):
     t, slots = 13, 40
     tile = TileConfig(elems=elems, num_warps=4)
     plan = plan_launch(h, d, hv, dv, tile)
-    assert plan.block_t >= 1 and plan.k_blocks * plan.block_h * plan.block_d >= h * d
+    assert plan.block_t >= 1 and plan.k_blocks * plan.block_h * (plan.block_d + plan.block_d2) >= h * d
     k, v = _rows(t, h, d, torch.float16, 9), _rows(t, hv, dv, torch.float16, 10)
     (kf, vf), (kr, vr) = _both_paths(
         k, v, _loc(t, slots, torch.int32, 11), 0.7, 1.9, slots, torch.float8_e4m3fn, tile=tile
@@ -129,23 +129,29 @@ def test_tile_shapes(elems, h, d, hv, dv):
 
 def test_flat_plans_only_where_the_per_head_plan_pads():
     assert plan_flat_launch(8, 128, 8, 128) is None and plan_flat_launch(1, 256, 1, 256) is None
-    assert plan_launch(3, 96, 3, 96).lane_use < 0.6
+    # A head_dim that pads badly is cut into two power-of-two pieces: no flat plan needed.
+    for d, pieces in [(96, (64, 32)), (80, (64, 16)), (72, (64, 8)), (120, (128, 0))]:
+        plan = plan_launch(1, d, 1, d)
+        assert (plan.block_d, plan.block_d2) == pieces and plan_flat_launch(1, d, 1, d) is None, (d, plan)
+    # Heads that pad badly (3 of 4 head slots) take a flat plan: the whole row in one program.
+    assert plan_launch(3, 96, 3, 96).lane_use == 0.75
     flat = plan_flat_launch(3, 96, 3, 96)
-    assert (flat.heads, flat.head_dim, flat.block_h, flat.block_d) == (1, 288, 1, 64)
-    assert flat.lane_use >= 0.9 and flat.grid_y == 10
-    assert plan_flat_launch(6, 64, 6, 64).block_d == 128  # 384 = 3 x 128
-    assert plan_flat_launch(1, 80, 1, 80).block_d == 16
+    assert (flat.heads, flat.head_dim, flat.block_h, flat.block_d, flat.block_d2) == (1, 288, 1, 256, 32)
+    assert flat.lane_use == 1.0 and flat.grid_y == 2 and flat.block_t == 2
+    six = plan_flat_launch(6, 64, 6, 64)
+    assert (six.block_d, six.block_d2, six.k_blocks) == (256, 128, 1)  # 384 = 256 + 128
     # A row longer than the tile is cut into several blocks of at most the tile's elements.
-    for h, d in [(48, 80), (100, 80), (104, 72)]:
+    for h, d in [(12, 128), (9, 128), (20, 64)]:
         long = plan_flat_launch(h, d, h, d)
-        assert long.block_d <= TILE_TABLE[128].elems and long.lane_use >= 0.9, (h, d, long)
+        assert long.block_d2 == 0 and long.block_d <= TILE_TABLE[128].elems and long.lane_use >= 0.9, (h, d, long)
+        assert long.k_blocks > 1
 
 
 def test_flat_plan_with_rows_longer_than_the_tile():
-    t, slots, h, d = 5, 11, 5, 24  # 120-element rows, 32-element tile: four blocks per row
+    t, slots, h, d = 5, 11, 3, 16  # 48-element rows, 32-element tile: three blocks of 16 per row
     tile = TileConfig(elems=32, num_warps=1)
     plan = plan_flat_launch(h, d, h, d, tile)
-    assert plan.block_d == 32 and plan.k_blocks == 4
+    assert plan.block_d == 16 and plan.block_d2 == 0 and plan.k_blocks == 3
     k, v = _rows(t, h, d, torch.bfloat16, 31), _rows(t, h, d, torch.bfloat16, 32)
     (kf, vf), (kr, vr) = _both_paths(
         k, v, _loc(t, slots, torch.int64, 33), torch.tensor([0.3], device=DEVICE), 2.5, slots,
@@ -182,8 +188,12 @@ def test_flat_and_per_head_plans_match_reference(h, d, hv, dv, layout, scale_kin
     kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
     launch = PreparedLaunch(h, d, hv, dv, cache_dtype, kf.stride(), vf.stride(), slots, torch.device(DEVICE))
     kinds = (2 if scale_kind == "tensor" else 3,) * 2
-    # one head per row is contiguous in any layout
-    expect_flat = scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)
+    # one head per row is contiguous in any layout; a geometry whose per-head plan fills its lanes
+    # (one head of 80 = 64 + 16) has no flat plan
+    expect_flat = (
+        launch.flat is not None and scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)
+    )
+    assert (launch.flat is None) == ((h, d, hv, dv) == (1, 80, 1, 80))
     assert (launch.variant_for(k.stride(), v.stride(), kinds) is launch.flat) == expect_flat
     (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 25), ks, vs, slots, cache_dtype)
     assert_same_bytes(kf, kr, "k_cache")

@@ -100,9 +100,11 @@ def test_config_rejects_bad_values(kwargs, message):
 
 
 def test_fused_kernel_path_verifies_too(monkeypatch):
-    """The same run with every write on the fused Triton kernel (the interpreter on CPU CI)."""
+    """The same run with every write on the fused Triton kernel (compiled on a GPU, the interpreter
+    on CPU CI)."""
     monkeypatch.setenv("KVPOOL_FUSED", "always")
-    res = serve_sim.run(replace(SMALL, requests=6, output_len=(2, 8)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = serve_sim.run(replace(SMALL, requests=6, output_len=(2, 8), device=device))
     assert res.ok, serve_sim.format_summary(res)
     assert res.reference_calls == 0 and res.fused_calls == res.forward_steps * SMALL.layers
 

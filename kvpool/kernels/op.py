@@ -19,7 +19,7 @@ from kvpool.kernels.store_kv import storage_view
 from kvpool.kernels.write import writer_for
 
 
-@torch.library.custom_op("kvpool::store_kv", mutates_args=("k_cache", "v_cache", "k_amax", "v_amax"))
+@torch.library.custom_op("kvpool::store_kv", mutates_args=("k_cache", "v_cache"))
 def store_kv_custom_op(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -31,8 +31,6 @@ def store_kv_custom_op(
     k_scale_value: Optional[float],
     v_scale_value: Optional[float],
     fused: str,
-    k_amax: Optional[torch.Tensor] = None,
-    v_amax: Optional[torch.Tensor] = None,
 ) -> None:
     """Checked-by-the-caller write into caches given in their logical dtype (FP8 or 16/32-bit).
 
@@ -41,21 +39,50 @@ def store_kv_custom_op(
     storage with different dtypes, which AOTAutograd rejects.
 
     A scale is either a tensor (``k_scale``) or a float (``k_scale_value``) or neither.
-    ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``. ``k_amax``/``v_amax``: the
-    layer's observed maxima while the pool observes (calibration), else None. The decision and the
-    write are the writer's, as for every other path.
+    ``fused`` is the pool's mode: ``auto``, ``always`` or ``never``. The decision and the write are
+    the writer's, as for every other path.
     """
-    ks: Scale = k_scale if k_scale is not None else k_scale_value
-    vs: Scale = v_scale if v_scale is not None else v_scale_value
-    amax = None if k_amax is None or v_amax is None else (k_amax, v_amax)
-    writer_for(k_cache, v_cache, fused).write(
-        write_key(k, v, loc, ks, vs), k, v, storage_view(k_cache), storage_view(v_cache), loc, ks, vs, None, amax
-    )
+    _write(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused, None)
 
 
 @store_kv_custom_op.register_fake
-def _store_kv_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused, k_amax=None, v_amax=None):
+def _store_kv_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused):
     return None
+
+
+# The same write while the pool observes maxima (calibration): a second op, because mutated
+# arguments must not be optional (torch 2.11's dispatcher drops trailing None arguments before
+# bumping the version counters of the mutated ones).
+@torch.library.custom_op("kvpool::store_kv_observed", mutates_args=("k_cache", "v_cache", "k_amax", "v_amax"))
+def store_kv_observed_custom_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    k_scale_value: Optional[float],
+    v_scale_value: Optional[float],
+    fused: str,
+    k_amax: torch.Tensor,
+    v_amax: torch.Tensor,
+) -> None:
+    """``store_kv`` that also folds the write's per-head max |k| and |v| into ``k_amax``/``v_amax``."""
+    _write(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused, (k_amax, v_amax))
+
+
+@store_kv_observed_custom_op.register_fake
+def _store_kv_observed_fake(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused, k_amax, v_amax):
+    return None
+
+
+def _write(k, v, k_cache, v_cache, loc, k_scale, v_scale, k_scale_value, v_scale_value, fused, amax) -> None:
+    ks: Scale = k_scale if k_scale is not None else k_scale_value
+    vs: Scale = v_scale if v_scale is not None else v_scale_value
+    writer_for(k_cache, v_cache, fused).write(
+        write_key(k, v, loc, ks, vs), k, v, storage_view(k_cache), storage_view(v_cache), loc, ks, vs, None, amax
+    )
 
 
 def store_kv_op(
@@ -69,14 +96,17 @@ def store_kv_op(
     fused: str = "auto",
     amax: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
-    """Call ``torch.ops.kvpool.store_kv`` for a checked write (caches in their logical dtype)."""
-    torch.ops.kvpool.store_kv(
+    """Call ``torch.ops.kvpool.store_kv`` (or ``store_kv_observed`` with ``amax``) for a checked write
+    (caches in their logical dtype)."""
+    args = (
         k, v, k_cache, v_cache, loc,
         k_scale if isinstance(k_scale, torch.Tensor) else None,
         v_scale if isinstance(v_scale, torch.Tensor) else None,
         None if isinstance(k_scale, torch.Tensor) else k_scale,
         None if isinstance(v_scale, torch.Tensor) else v_scale,
         fused,
-        None if amax is None else amax[0],
-        None if amax is None else amax[1],
     )  # fmt: skip
+    if amax is None:
+        torch.ops.kvpool.store_kv(*args)
+    else:
+        torch.ops.kvpool.store_kv_observed(*args, *amax)

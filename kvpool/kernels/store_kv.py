@@ -39,8 +39,8 @@ logger = logging.getLogger("kvpool")
 
 # The kernel's constexpr parameters in signature order (a direct launch passes them positionally).
 _CONSTEXPR_NAMES = (
-    "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV",
-    "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE",
+    "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV", "BLOCK_D2", "BLOCK_DV2",
+    "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64",
 )  # fmt: skip
 
 
@@ -76,7 +76,9 @@ DEFAULT_TILE = TileConfig(elems=2048, num_warps=4)  # head_dim > 256: not swept;
 @dataclass(frozen=True)
 class LaunchPlan:
     """Block shapes of one compiled variant. ``heads``/``head_dim`` (and V's) are the geometry the
-    kernel sees: the cache's own, or, for a flat plan, one "head" holding a token's whole row."""
+    kernel sees: the cache's own, or, for a flat plan, one "head" holding a token's whole row.
+    ``block_d2 > 0`` means head_dim is covered by two power-of-two pieces in one program,
+    ``block_d + block_d2 >= head_dim`` (so there is one head_dim block per head)."""
 
     heads: int
     head_dim: int
@@ -88,14 +90,18 @@ class LaunchPlan:
     block_hv: int
     block_dv: int
     num_warps: int
+    block_d2: int = 0
+    block_dv2: int = 0
 
     @property
     def k_blocks(self) -> int:
-        return -(-self.heads // self.block_h) * -(-self.head_dim // self.block_d)
+        d_blocks = 1 if self.block_d2 else -(-self.head_dim // self.block_d)
+        return -(-self.heads // self.block_h) * d_blocks
 
     @property
     def v_blocks(self) -> int:
-        return -(-self.v_heads // self.block_hv) * -(-self.v_head_dim // self.block_dv)
+        d_blocks = 1 if self.block_dv2 else -(-self.v_head_dim // self.block_dv)
+        return -(-self.v_heads // self.block_hv) * d_blocks
 
     @property
     def grid_y(self) -> int:
@@ -105,7 +111,10 @@ class LaunchPlan:
     def lane_use(self) -> float:
         """Fraction of a program's lanes that carry an element (the rest are masked off)."""
         work = self.heads * self.head_dim + self.v_heads * self.v_head_dim
-        lanes = self.k_blocks * self.block_h * self.block_d + self.v_blocks * self.block_hv * self.block_dv
+        lanes = (
+            self.k_blocks * self.block_h * (self.block_d + self.block_d2)
+            + self.v_blocks * self.block_hv * (self.block_dv + self.block_dv2)
+        )
         return work / lanes
 
 
@@ -113,28 +122,47 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _floor_pow2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def _tile_for(head_dim: int, v_head_dim: int, tile: TileConfig | None) -> TileConfig:
     return tile or TILE_TABLE.get(max(_pow2(head_dim), _pow2(v_head_dim)), DEFAULT_TILE)
 
 
+#: A block shape is acceptable when this fraction of its lanes carry an element; below it, a
+#: head_dim is cut into two power-of-two pieces, and heads that pad badly take a flat plan.
+FLAT_LANE_USE = 0.9
+
+
+def _pieces(n: int) -> tuple[int, int]:
+    """One power-of-two block covering ``n`` elements, or two (the largest power of two below ``n``,
+    then the rest rounded up) when that fills more lanes and one block would leave more than
+    1 - FLAT_LANE_USE of them idle: 96 = 64 + 32, 288 = 256 + 32, 72 = 64 + 8."""
+    one = _pow2(n)
+    if n / one >= FLAT_LANE_USE or n < 2:
+        return one, 0
+    first = one // 2
+    second = _pow2(n - first)
+    return (first, second) if first + second < one else (one, 0)
+
+
 @functools.lru_cache(maxsize=256)
 def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None) -> LaunchPlan:
-    """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x BLOCK_D of K (or
-    of V), about ``tile.elems`` elements; BLOCK_T is shared by K and V."""
-    block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
+    """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x one head_dim
+    block (one or two power-of-two pieces) of K, or of V: about ``tile.elems`` elements; BLOCK_T is
+    shared by K and V."""
     cfg = _tile_for(head_dim, v_head_dim, tile)
-    block_h = min(_pow2(heads), max(1, cfg.elems // block_d))
-    block_hv = min(_pow2(v_heads), max(1, cfg.elems // block_dv))
-    row = max(block_h * block_d, block_hv * block_dv)
+    block_d, block_d2 = _pieces(head_dim)
+    block_dv, block_dv2 = _pieces(v_head_dim)
+    block_h = min(_pow2(heads), _floor_pow2(max(1, cfg.elems // (block_d + block_d2))))
+    block_hv = min(_pow2(v_heads), _floor_pow2(max(1, cfg.elems // (block_dv + block_dv2))))
+    row = max(block_h * (block_d + block_d2), block_hv * (block_dv + block_dv2))
     return LaunchPlan(
         heads, head_dim, v_heads, v_head_dim,
-        block_t=max(1, cfg.elems // row), block_h=block_h, block_d=block_d,
-        block_hv=block_hv, block_dv=block_dv, num_warps=cfg.num_warps,
+        block_t=_floor_pow2(max(1, cfg.elems // row)), block_h=block_h, block_d=block_d,
+        block_hv=block_hv, block_dv=block_dv, num_warps=cfg.num_warps, block_d2=block_d2, block_dv2=block_dv2,
     )  # fmt: skip
-
-
-#: A flat plan is used when the per-head plan leaves more than this fraction of lanes idle.
-FLAT_LANE_USE = 0.9
 
 
 def _row_block(n: int, cap: int) -> int:
@@ -147,25 +175,38 @@ def _row_block(n: int, cap: int) -> int:
     return b
 
 
+def _row_pieces(n: int, cap: int) -> tuple[int, int]:
+    """How a flat plan covers a row of ``n`` elements: one or two pieces in one program when the row
+    fits the tile (288 = 256 + 32), else several blocks of at most ``cap`` (``_row_block``)."""
+    if n <= cap:
+        first, second = _pieces(n)
+        if n / (first + second) >= FLAT_LANE_USE:
+            return first, second
+    return _row_block(n, cap), 0
+
+
 @functools.lru_cache(maxsize=256)
 def plan_flat_launch(
     heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None
 ) -> LaunchPlan | None:
-    """A plan that treats each token's H x D row as one run of elements, cut into power-of-two
-    blocks, for geometries the per-head plan pads badly (H=3, D=96 fills 56% of a [4, 128] block;
-    its 288-element rows fill 90% of five 64-element blocks). Valid only when heads are contiguous
-    within a row (head stride = D x element stride) in the inputs and the cache, and with per-tensor
-    scales. None when the per-head plan already uses FLAT_LANE_USE of its lanes."""
+    """A plan that treats each token's H x D row as one run of elements, for geometries whose heads
+    the per-head plan pads badly (H=3, D=96: three heads fill 3 of 4 head slots). A row that fits
+    the tile is one program's one or two power-of-two pieces (288 = 256 + 32: every lane busy,
+    the whole row in one program); a longer row is cut into blocks of at most the tile. Valid only
+    when heads are contiguous within a row (head stride = D x element stride) in the inputs and the
+    cache, and with per-tensor scales. None when the per-head plan already uses FLAT_LANE_USE of
+    its lanes."""
     if plan_launch(heads, head_dim, v_heads, v_head_dim, tile).lane_use >= FLAT_LANE_USE:
         return None
     cfg = _tile_for(head_dim, v_head_dim, tile)
     row, v_row = heads * head_dim, v_heads * v_head_dim
-    # A block holds at most the tile's elements: a long row (H=48, D=80: 3840) is cut into several.
-    block_d, block_dv = _row_block(row, cfg.elems), _row_block(v_row, cfg.elems)
+    block_d, block_d2 = _row_pieces(row, cfg.elems)
+    block_dv, block_dv2 = _row_pieces(v_row, cfg.elems)
     return LaunchPlan(
         1, row, 1, v_row,
-        block_t=max(1, cfg.elems // max(block_d, block_dv)), block_h=1, block_d=block_d,
-        block_hv=1, block_dv=block_dv, num_warps=cfg.num_warps,
+        block_t=_floor_pow2(max(1, cfg.elems // max(block_d + block_d2, block_dv + block_dv2))), block_h=1,
+        block_d=block_d, block_hv=1, block_dv=block_dv, num_warps=cfg.num_warps,
+        block_d2=block_d2, block_dv2=block_dv2,
     )  # fmt: skip
 
 
@@ -196,17 +237,20 @@ class _Variant:
         self._base = dict(
             H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim,
             BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
-            BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
+            BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv, BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
             OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div,
         )  # fmt: skip
         self._by_flags: dict[tuple, tuple[dict, tuple]] = {}
 
-    def constexprs(self, flags: tuple[int, int, bool, bool]) -> tuple[dict, tuple]:
-        """(keywords with num_warps, positional tuple) for (K scale kind, V scale kind, prefix, observe)."""
+    def constexprs(self, flags: tuple[int, int, bool, bool, bool]) -> tuple[dict, tuple]:
+        """(keywords with num_warps, positional tuple) for (K scale kind, V scale kind, prefix,
+        observe, 64-bit offsets)."""
         got = self._by_flags.get(flags)
         if got is None:
-            ka, va, prefix, observe = flags
-            kw = {**self._base, "K_SCALE_KIND": ka, "V_SCALE_KIND": va, "PREFIX": prefix, "OBSERVE": observe}
+            ka, va, prefix, observe, i64 = flags
+            kw = {
+                **self._base, "K_SCALE_KIND": ka, "V_SCALE_KIND": va, "PREFIX": prefix, "OBSERVE": observe, "I64": i64,
+            }  # fmt: skip
             got = self._by_flags[flags] = ({**kw, "num_warps": self.plan.num_warps}, tuple(kw[n] for n in _CONSTEXPR_NAMES))
         return got
 
@@ -252,6 +296,13 @@ class PreparedLaunch:
         self.heads, self.head_dim, self.v_heads, self.v_head_dim = heads, head_dim, v_heads, v_head_dim
         self.capacity = capacity
         self.cache_strides = (*k_cache_strides, *v_cache_strides)
+        # 32-bit offsets need every offset of the launch below 2**31: the caches' (fixed here) and
+        # the inputs' and loc's (checked per call, from T and the strides).
+        cache_span = max(
+            _span(capacity, heads, head_dim, k_cache_strides), _span(capacity, v_heads, v_head_dim, v_cache_strides)
+        )
+        self._i32_ok = cache_span < _I32_LIMIT
+        self._head_spans = (heads - 1, head_dim - 1, v_heads - 1, v_head_dim - 1)
         out_kind = OUT_KIND[cache_dtype]
         plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
         self.per_head = _Variant(plan, out_kind, self.soft_cast, self.fast_div)
@@ -297,6 +348,17 @@ class PreparedLaunch:
             return
         kst = k.stride()
         vst = v.stride()
+        if self._i32_ok:
+            h, d, hv, dv = self._head_spans
+            t = tokens - 1
+            lst = loc.stride()
+            i64 = (
+                t * kst[0] + h * kst[1] + d * kst[2] >= _I32_LIMIT
+                or t * vst[0] + hv * vst[1] + dv * vst[2] >= _I32_LIMIT
+                or t * sum(lst) >= _I32_LIMIT  # a [bs, width] loc too: each index is at most t
+            )
+        else:
+            i64 = True
         ckey = None
         if self.direct:
             # Everything Triton specializes a compiled variant on that varies between calls: the key
@@ -304,7 +366,7 @@ class PreparedLaunch:
             # (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers (the
             # caches': fixed for a pool), and the current device, where Triton loaded the compiled
             # module and where it launches. The plan follows from strides, kinds and observation.
-            ckey = (key, amax is None, kst, vst, loc.stride(), k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
+            ckey = (key, amax is None, i64, kst, vst, loc.stride(), k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
             if not self.caches_aligned:
                 ckey += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
             entry = self._compiled.get(ckey)
@@ -326,7 +388,7 @@ class PreparedLaunch:
         ka, va, prefix = key[3], key[4], key[7]
         observe = amax is not None
         variant = self.per_head if self.flat is None else self.variant_for(kst, vst, (ka, va), observe)
-        kwargs, positional = variant.constexprs((ka, va, prefix, observe))
+        kwargs, positional = variant.constexprs((ka, va, prefix, observe, i64))
         args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, ())
         # Triton's JIT path: specializes, compiles if needed, launches, and hands back the compiled
         # kernel, which later calls with the same specialization launch directly.
@@ -358,6 +420,14 @@ class PreparedLaunch:
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides, *tail,
         )  # fmt: skip
+
+
+_I32_LIMIT = 2**31
+
+
+def _span(rows: int, heads: int, head_dim: int, strides: tuple) -> int:
+    """The largest element offset into a [rows, heads, head_dim] tensor with these strides."""
+    return (rows - 1) * strides[0] + (heads - 1) * strides[1] + (head_dim - 1) * strides[2]
 
 
 def _current_device() -> int:

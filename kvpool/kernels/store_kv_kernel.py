@@ -192,6 +192,34 @@ def _divide_per_head(x, s, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
+def _quantize_tile(raw, scale, SCALE_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr, FAST_DIV: tl.constexpr):
+    """A loaded [BLOCK_T, BLOCK_H, BLOCK_D] tile -> the values stored. ``scale`` is the scalar
+    (SCALE_VALUE, SCALE_TENSOR) or the [BLOCK_H] per-head scales (SCALE_HEAD); unused otherwise."""
+    if (
+        (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16)
+        or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16)
+        or (OUT_KIND == OUT_FP32 and raw.dtype == tl.float32)
+    ):
+        out = raw  # same type in and out: store the bits as they are (NaN payloads included)
+    else:
+        x = _to_float32(raw, SOFT_CAST)
+        if SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR:
+            x = _divide_scalar(x, scale, FAST_DIV)
+        elif SCALE_KIND == SCALE_HEAD:
+            x = _divide_per_head(x, scale, FAST_DIV)
+        out = _convert(x, OUT_KIND, SOFT_CAST)
+    return out
+
+
+@triton.jit
+def _head_max(raw, keep, SOFT_CAST: tl.constexpr):
+    """[BLOCK_H] largest finite |x| per head over the lanes in ``keep`` (calibration)."""
+    mag = tl.abs(_to_float32(raw, SOFT_CAST))
+    keep = keep & (mag < float("inf"))  # NaN compares false too
+    return tl.max(tl.max(tl.where(keep, mag, 0.0), axis=2), axis=0)
+
+
+@triton.jit
 def _store_head_block(
     src_ptr,  # [T, H, D] input rows, any strides
     dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
@@ -199,9 +227,9 @@ def _store_head_block(
     scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND is SCALE_TENSOR or SCALE_HEAD
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
     scale_stride,  # the per-head scale's stride along heads (SCALE_HEAD)
-    offs_t,  # [BLOCK_T] int64 token indices
+    offs_t,  # [BLOCK_T] token indices (int64, or int32 when I64 is off)
     token_ok,  # [BLOCK_T] token exists (t < T)
-    loc_off,  # [BLOCK_T] int64 offset of each token's slot in loc
+    loc_off,  # [BLOCK_T] offset of each token's slot in loc
     write_ok,  # [BLOCK_T] the token may be written (PREFIX: committed; else token_ok)
     amax_ptr,  # [H] float32 running max of |x| per head (OBSERVE only)
     head_block,
@@ -217,63 +245,74 @@ def _store_head_block(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     SCALE_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr,
     SOFT_CAST: tl.constexpr,
     FAST_DIV: tl.constexpr,
     OBSERVE: tl.constexpr,
+    I64: tl.constexpr,
 ):
-    # int64 like offs_t and slot: a caller's head-major cache viewed as [slots, H, D] has a head
-    # stride of slots * D, and (H - 1) * slots * D passes 2**31 on a 2 GiB cache.
-    offs_h = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-    offs_d = (d_block * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    in_row = (offs_h < H)[None, :, None] & (offs_d < D)[None, None, :]
+    """Write BLOCK_T tokens x BLOCK_H heads x one head_dim block of one tensor (K or V). With
+    BLOCK_D2 > 0 the head_dim is covered by two power-of-two pieces, [0, BLOCK_D) and
+    [BLOCK_D, BLOCK_D + BLOCK_D2), in the same program (a row of 288 = 256 + 32 elements keeps every
+    lane busy and stays in one program)."""
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    if I64:
+        # A caller's head-major cache viewed as [slots, H, D] has a head stride of slots * D, and
+        # (H - 1) * slots * D passes 2**31 on a 2 GiB cache; the launcher takes 32-bit offsets only
+        # when every offset of every tensor of the launch fits.
+        offs_h = offs_h.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+    head_ok = offs_h < H
+    in_row = head_ok[None, :, None] & (offs_d < D)[None, None, :]
+    row_src = src_ptr + offs_t[:, None, None] * stride_st + offs_h[None, :, None] * stride_sh
 
     # Issue every load before anything waits on one: the rows (masked by token only, not by slot
     # validity), then the slots, then the scale. A decode-sized write is one memory round trip
     # followed by the stores; making the row load wait for loc would add a second round trip.
-    src = (
-        src_ptr
-        + offs_t[:, None, None] * stride_st
-        + offs_h[None, :, None] * stride_sh
-        + offs_d[None, None, :] * stride_sd
-    )
     # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
-    raw = tl.load(src, mask=token_ok[:, None, None] & in_row, other=1.0)
-    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1).to(tl.int64)
-
-    if (
-        (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16)
-        or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16)
-        or (OUT_KIND == OUT_FP32 and raw.dtype == tl.float32)
-    ):
-        out = raw  # same type in and out: store the bits as they are (NaN payloads included)
+    raw = tl.load(row_src + offs_d[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row, other=1.0)
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        if I64:
+            offs_d2 = offs_d2.to(tl.int64)
+        in_row2 = head_ok[None, :, None] & (offs_d2 < D)[None, None, :]
+        raw2 = tl.load(row_src + offs_d2[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row2, other=1.0)
+    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1)
+    if SCALE_KIND == SCALE_VALUE:
+        scale = scale_value
+    elif SCALE_KIND == SCALE_TENSOR:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    elif SCALE_KIND == SCALE_HEAD:
+        scale = tl.load(scale_ptr + offs_h * scale_stride, mask=head_ok, other=1.0).to(tl.float32)
     else:
-        x = _to_float32(raw, SOFT_CAST)
-        if SCALE_KIND == SCALE_VALUE:
-            x = _divide_scalar(x, scale_value, FAST_DIV)
-        elif SCALE_KIND == SCALE_TENSOR:
-            x = _divide_scalar(x, tl.load(scale_ptr).to(tl.float32), FAST_DIV)
-        elif SCALE_KIND == SCALE_HEAD:
-            s = tl.load(scale_ptr + offs_h * scale_stride, mask=offs_h < H, other=1.0).to(tl.float32)
-            x = _divide_per_head(x, s, FAST_DIV)
-        out = _convert(x, OUT_KIND, SOFT_CAST)
+        scale = 1.0
 
+    # The range check runs on the slot as loaded (int32 or int64); only then may it be narrowed.
     row_ok = write_ok & (slot >= 0) & (slot < capacity)
+    slot = slot.to(tl.int64) if I64 else slot.to(tl.int32)
+    row_dst = dst_ptr + slot[:, None, None] * stride_ct + offs_h[None, :, None] * stride_ch
+    store_ok = row_ok[:, None, None]
+    tl.store(
+        row_dst + offs_d[None, None, :] * stride_cd,
+        _quantize_tile(raw, scale, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV),
+        mask=store_ok & in_row,
+    )
+    if BLOCK_D2 > 0:
+        tl.store(
+            row_dst + offs_d2[None, None, :] * stride_cd,
+            _quantize_tile(raw2, scale, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV),
+            mask=store_ok & in_row2,
+        )
     if OBSERVE:
         # Calibration: fold the largest finite |x| of each head over the tokens this call writes
-        # into the running maximum (a max is exact in any order; NaN and +-inf are left out).
-        mag = tl.abs(_to_float32(raw, SOFT_CAST))
-        keep = row_ok[:, None, None] & in_row & (mag < float("inf"))
-        head_max = tl.max(tl.max(tl.where(keep, mag, 0.0), axis=2), axis=0)
-        tl.atomic_max(amax_ptr + offs_h, head_max, mask=offs_h < H)
-    dst = (
-        dst_ptr
-        + slot[:, None, None] * stride_ct
-        + offs_h[None, :, None] * stride_ch
-        + offs_d[None, None, :] * stride_cd
-    )
-    tl.store(dst, out, mask=row_ok[:, None, None] & in_row)
+        # into the running maximum (a max is exact in any order).
+        head_max = _head_max(raw, store_ok & in_row, SOFT_CAST)
+        if BLOCK_D2 > 0:
+            head_max = tl.maximum(head_max, _head_max(raw2, store_ok & in_row2, SOFT_CAST))
+        tl.atomic_max(amax_ptr + offs_h, head_max, mask=head_ok)
 
 
 # T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
@@ -328,6 +367,8 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV2: tl.constexpr,
     K_SCALE_KIND: tl.constexpr,
     V_SCALE_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr,
@@ -335,9 +376,14 @@ def _store_kv_kernel(
     FAST_DIV: tl.constexpr,
     PREFIX: tl.constexpr,
     OBSERVE: tl.constexpr,
+    I64: tl.constexpr,
 ):
-    # Widen before multiplying by strides: T * stride and slot * stride overflow int32 on big pools.
-    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # 64-bit offsets unless every offset of the launch fits in 32 bits (the launcher checks the
+    # inputs' and caches' extents); 64-bit arithmetic costs decode-sized writes measurable time.
+    if I64:
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    else:
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = offs_t < T
     if PREFIX:
         row = offs_t // width
@@ -352,8 +398,9 @@ def _store_kv_kernel(
 
     # Axis 1: K's blocks, then V's; each tensor's blocks walk head_dim blocks within head blocks
     # (one head_dim block per head, except in flat plans, where a "head" is a whole row).
-    K_D_BLOCKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
-    V_D_BLOCKS: tl.constexpr = (DV + BLOCK_DV - 1) // BLOCK_DV
+    # (With a second piece, BLOCK_D + BLOCK_D2 >= D: one head_dim block per head.)
+    K_D_BLOCKS: tl.constexpr = (D - BLOCK_D2 + BLOCK_D - 1) // BLOCK_D
+    V_D_BLOCKS: tl.constexpr = (DV - BLOCK_DV2 + BLOCK_DV - 1) // BLOCK_DV
     K_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H * K_D_BLOCKS
     b = tl.program_id(1)
     if b < K_BLOCKS:
@@ -361,7 +408,7 @@ def _store_kv_kernel(
             k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
             offs_t, token_ok, loc_off, write_ok, k_amax_ptr, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity,
             stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
-            H, D, BLOCK_H, BLOCK_D, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE,
+            H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
         )  # fmt: skip
     else:
         b -= K_BLOCKS
@@ -369,5 +416,5 @@ def _store_kv_kernel(
             v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
             offs_t, token_ok, loc_off, write_ok, v_amax_ptr, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity,
             stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
-            HV, DV, BLOCK_HV, BLOCK_DV, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE,
+            HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
         )  # fmt: skip

@@ -7,9 +7,12 @@ from kvpool.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.layer_transfer import LayerTransferCounter
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats
+from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
 
@@ -17,8 +20,11 @@ __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
     "IntegrityError",
+    "KVCpuCopy",
     "KVGeometry",
+    "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
     "PagedTokenToKVPoolAllocator",
     "PathStats",

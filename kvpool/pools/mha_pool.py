@@ -10,6 +10,7 @@ import torch
 from kvpool.args import positive_int
 from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
 from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, is_fp8
+from kvpool.pools import kv_moves
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
@@ -110,6 +111,7 @@ class MHATokenToKVPool(KVCache):
         fp8 = is_fp8(dtype)
         self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
         self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
+        self._kv_rows = kv_moves.pool_row_table(self)  # moves, CPU copies, host tier: one launch for all layers
         self._init_writer(
             Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
             self.k_buffer[0].stride(), self.v_buffer[0].stride(),
@@ -123,7 +125,8 @@ class MHATokenToKVPool(KVCache):
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """K buffer of global layer ``layer_id``: ``[size + page_size, head_num, head_dim]`` of
-        ``dtype`` (a view of the storage, never a copy)."""
+        ``dtype`` (a view of the storage, never a copy). With a layer-transfer counter registered,
+        the current stream first waits for that layer's load (a stream wait, not a host sync)."""
         i = self._layer_index(layer_id)
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(i)
@@ -253,6 +256,30 @@ class MHATokenToKVPool(KVCache):
             cache_k, cache_v, self._k_views[i], self._v_views[i], loc,
             checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
+
+    # --- moves and CPU copies (kvpool/pools/kv_moves.py) -------------------------------------------
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """For every layer, K and V row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]``
+        (bytes, never re-quantised), as if every source were read before any target is written:
+        chains, cycles and ``tgt_loc == src_loc`` are defined; a target named twice gets one of its
+        sources. ``tgt_loc``, ``src_loc``: Tensor [n], int32/int64, on the pool's device. Negative
+        slots are padding; slots >= ``size + page_size`` are never read or written (IndexError under
+        ``validate``). On CUDA one launch moves every layer (up to 1024 pairs; more go through a
+        staging buffer); no synchronisation; CUDA-graph safe."""
+        kv_moves.move_kv_cache(self, tgt_loc, src_loc)
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
+        """The K/V rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
+        a :class:`~kvpool.pools.kv_moves.KVCpuCopy` (``k`` [layer_num, n, H, D], ``v`` [layer_num, n,
+        H, Dv], store dtype). Waits for the current stream (the copy is complete on return)."""
+        return kv_moves.get_cpu_copy(self, indices)
+
+    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
+        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
+        byte. A copy of another geometry, dtype or length raises before anything is written. No
+        synchronisation."""
+        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
 
     # --- warmup ----------------------------------------------------------------------------------
 

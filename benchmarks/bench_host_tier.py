@@ -1,0 +1,444 @@
+"""The host tier on a GPU: KV backup and load between an FP8 device pool and pinned host memory.
+
+Shapes: Llama-3-8B with an FP8 KV cache (32 layers, 8 KV heads, head_dim 128: 64 KiB per token over
+all layers), 8k and 32k tokens, host and device pages in random order, page sizes 1, 16 and 64, both
+host layouts, both backends (``kernel``: copy_rows on a grid of 8 programs; ``direct``: the copy
+engine). Against the copy-engine ceiling measured in the same run: one 1 GiB pinned copy each way,
+and both directions at once on two streams.
+
+Measured (medians of wall time from the call to completion, ``torch.cuda.synchronize`` around each
+repetition, so the host's enqueue cost counts, as it does for a scheduler):
+
+1. backup (all layers) and load (all layers, layer by layer) GB/s per case; the targets: the better
+   backend >= 95% of the ceiling in each direction, the kernel backend >= 90%;
+2. backup and load at once (two streams) >= 90 GB/s together;
+3. a per-layer load of 32 layers overlapped with 32 layers of a stand-in attention (a bf16 matmul per
+   layer sized to take as long as that layer's load, reading the loaded rows through the getters with
+   the layer-transfer counter registered): finishes within 1.1x of max(load alone, compute alone);
+4. copy_rows device-to-device (gather of 32k tokens over 64 buffers) against a 2 GiB device copy.
+
+``--sweep`` also times the kernel backend's alternative tiles and grids (8k tokens) for the tile
+table in ``kvpool/kernels/copy_rows.py``. Direct-backend cases that would need more than
+``--max-copies`` copy-engine calls (one per run of host slots per K/V, per layer for layer_first)
+are reported as skipped.
+
+Usage (on a GPU): python benchmarks/bench_host_tier.py --out DIR [--quick] [--sweep]
+Writes DIR/host_tier.json and DIR/host_tier.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import triton
+
+from kvpool import MHATokenToKVPool
+from kvpool.kernels import copy_rows as C
+from kvpool.pools import host_copy
+from kvpool.pools.host_pool import MHATokenToKVPoolHost
+
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM  # FP8: 64 KiB per token, K and V of every layer
+TOKENS = [8192, 32768]
+PAGE_SIZES = [1, 16, 64]
+LAYOUTS = ["layer_first", "page_first"]
+BACKENDS = ["kernel", "direct"]
+DEVICE_SLOTS = 36864  # holds 32k tokens plus room
+FP8 = torch.float8_e4m3fn
+SWEEP_TILES = [C.CopyTile(8192, 8), C.CopyTile(16384, 16), C.CopyTile(32768, 32), C.CopyTile(4096, 4)]
+SWEEP_PROGRAMS = [8, 16]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def wall_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median milliseconds from the call to the completion of everything it enqueued."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# --- ceilings ---------------------------------------------------------------------------------------
+
+
+def copy_engine_ceiling(reps: int) -> dict:
+    """One 1 GiB pinned copy each way, and both at once on two streams (bytes counted once each)."""
+    n = 1 << 30
+    host_a = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    h2d = wall_ms(lambda: dev_a.copy_(host_a, non_blocking=True), reps)
+    d2h = wall_ms(lambda: host_b.copy_(dev_b, non_blocking=True), reps)
+
+    def both():
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            dev_a.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_b, non_blocking=True)
+
+    bidir = wall_ms(both, reps)
+    out = {"h2d_gbps": gbps(n, h2d), "d2h_gbps": gbps(n, d2h), "bidir_gbps": gbps(2 * n, bidir)}
+    del host_a, host_b, dev_a, dev_b
+    return out
+
+
+def device_copy_ceiling(reps: int) -> float:
+    n = 2 << 30
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = wall_ms(lambda: dst.copy_(src), reps)
+    del src, dst
+    return gbps(2 * n, ms)  # read + write
+
+
+# --- fixtures ---------------------------------------------------------------------------------------
+
+
+def make_device_pool(page_size: int) -> MHATokenToKVPool:
+    pool = MHATokenToKVPool(DEVICE_SLOTS, page_size, FP8, HEADS, HEAD_DIM, LAYERS, "cuda", warmup=False)
+    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    for b in pool.k_buffer + pool.v_buffer:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device="cuda", generator=gen))  # never time zeros
+    return pool
+
+
+def random_device_pages(tokens: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    pages = torch.randperm(DEVICE_SLOTS // page_size - 1, generator=gen)[: tokens // page_size] + 1
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1).to("cuda")
+
+
+def random_host_pages(host: MHATokenToKVPoolHost, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    slots = host.alloc(tokens)
+    pages = slots.view(-1, host.page_size)
+    return pages[torch.randperm(pages.shape[0], generator=gen)].reshape(-1)
+
+
+def direct_copies(host: MHATokenToKVPoolHost, slots: torch.Tensor, direction: str) -> int:
+    """Copy-engine calls the direct backend makes for this transfer (its host-side cost)."""
+    runs = host_copy.runs(slots.numpy())[0].shape[0]
+    if host.layout == "page_first" and direction == "load":
+        return 2 * runs  # all layers travel together
+    return 2 * runs * (LAYERS if host.layout == "layer_first" else 1)
+
+
+# --- the measurements -------------------------------------------------------------------------------
+
+
+def bench_transfers(args, ceiling: dict, records: list) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for page_size in PAGE_SIZES:
+        pool = make_device_pool(page_size)
+        for layout in LAYOUTS:
+            host = MHATokenToKVPoolHost(pool, 1.0, 0, page_size, layout)
+            host.k_buffer.fill_(0x3C)  # touch every host page once before timing
+            host.v_buffer.fill_(0xC3)
+            for tokens in args.tokens:
+                h = random_host_pages(host, tokens, gen)
+                d = random_device_pages(tokens, page_size, gen)
+                nbytes = tokens * TOKEN_BYTES
+                for backend in BACKENDS:
+                    for direction in ("backup", "load"):
+                        rec = dict(tokens=tokens, page_size=page_size, layout=layout, backend=backend,
+                                   direction=direction, bytes=nbytes)  # fmt: skip
+                        copies = direct_copies(host, h, direction) if backend == "direct" else 0
+                        if copies > args.max_copies:
+                            rec["skipped"] = f"{copies} copy-engine calls"
+                            records.append(rec)
+                            log(f"  {tokens:>6} tok page {page_size:>2} {layout:<11} {backend:<6} {direction:<6} skipped ({copies} copies)")
+                            continue
+                        if direction == "backup":
+                            fn = lambda: host.backup_from_device_all_layer(pool, h, d, backend)  # noqa: E731
+                        else:
+                            fn = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
+                        ms = wall_ms(fn, args.reps)
+                        ceil = ceiling["d2h_gbps"] if direction == "backup" else ceiling["h2d_gbps"]
+                        rec.update(ms=ms, gbps=gbps(nbytes, ms), of_ceiling=gbps(nbytes, ms) / ceil, copies=copies)
+                        records.append(rec)
+                        log(f"  {tokens:>6} tok page {page_size:>2} {layout:<11} {backend:<6} {direction:<6} "
+                            f"{ms:8.2f} ms {rec['gbps']:6.1f} GB/s ({100 * rec['of_ceiling']:5.1f}%)")  # fmt: skip
+                host.free(h)
+            del host
+        del pool
+        torch.cuda.empty_cache()
+
+
+def bench_sweep(args, ceiling: dict, records: list) -> None:
+    gen = torch.Generator().manual_seed(1)
+    default_tile, default_programs = C.FEW_PROGRAMS_TILE, None
+    for page_size in (1, 16):
+        pool = make_device_pool(page_size)
+        for layout in LAYOUTS:
+            host = MHATokenToKVPoolHost(pool, 1.0, 0, page_size, layout)
+            default_programs = host.kernel_programs
+            h = random_host_pages(host, 8192, gen)
+            d = random_device_pages(8192, page_size, gen)
+            for tile in SWEEP_TILES:
+                for programs in SWEEP_PROGRAMS:
+                    C.FEW_PROGRAMS_TILE = tile
+                    host.kernel_programs = programs
+                    try:
+                        for direction in ("backup", "load"):
+                            if direction == "backup":
+                                fn = lambda: host.backup_from_device_all_layer(pool, h, d, "kernel")  # noqa: E731
+                            else:
+                                fn = lambda: host.load_to_device_all_layer(pool, h, d, "kernel")  # noqa: E731
+                            ms = wall_ms(fn, args.reps)
+                            nbytes = 8192 * TOKEN_BYTES
+                            ceil = ceiling["d2h_gbps"] if direction == "backup" else ceiling["h2d_gbps"]
+                            rec = dict(page_size=page_size, layout=layout, direction=direction, tile_elems=tile.elems,
+                                       num_warps=tile.num_warps, programs=programs, gbps=gbps(nbytes, ms),
+                                       of_ceiling=gbps(nbytes, ms) / ceil)  # fmt: skip
+                            records.append(rec)
+                            log(f"  sweep page {page_size:>2} {layout:<11} {direction:<6} tile {tile.elems:>5}/{tile.num_warps:>2}w "
+                                f"{programs:>2} programs: {rec['gbps']:6.1f} GB/s ({100 * rec['of_ceiling']:5.1f}%)")  # fmt: skip
+                    finally:
+                        C.FEW_PROGRAMS_TILE = default_tile
+                        host.kernel_programs = default_programs
+            del host
+        del pool
+        torch.cuda.empty_cache()
+
+
+def bench_bidirectional(args, ceiling: dict, records: list) -> None:
+    gen = torch.Generator().manual_seed(2)
+    tokens = 8192
+    pool = make_device_pool(16)
+    for layout in LAYOUTS:
+        host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout)
+        h_out, h_in = random_host_pages(host, tokens, gen), random_host_pages(host, tokens, gen)
+        d_out, d_in = random_device_pages(tokens, 16, gen), random_device_pages(tokens, 16, gen)
+        host.backup_from_device_all_layer(pool, h_in, d_in, "kernel")  # something to load
+        for backend in BACKENDS:
+
+            def both():
+                host.backup_from_device_all_layer(pool, h_out, d_out, backend)  # enqueued first: runs alongside
+                host.load_to_device_all_layer(pool, h_in, d_in, backend)
+
+            ms = wall_ms(both, args.reps)
+            rate = gbps(2 * tokens * TOKEN_BYTES, ms)
+            records.append(dict(layout=layout, backend=backend, tokens=tokens, ms=ms, gbps=rate,
+                                of_ceiling=rate / ceiling["bidir_gbps"]))  # fmt: skip
+            log(f"  both ways {layout:<11} {backend:<6} {ms:8.2f} ms {rate:6.1f} GB/s together")
+        del host
+    del pool
+    torch.cuda.empty_cache()
+
+
+def bench_overlap(args, records: list) -> None:
+    """Per-layer loads of 32 layers against 32 layers of a stand-in attention that reads each
+    layer's loaded rows through the getters (waiting for that layer's event) and runs a matmul."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = 8192
+    pool = make_device_pool(16)
+    for layout, backend in (("layer_first", "kernel"), ("layer_first", "direct"), ("page_first", "kernel")):
+        host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout)
+        h = random_host_pages(host, tokens, gen)
+        d = random_device_pages(tokens, 16, gen)
+        host.backup_from_device_all_layer(pool, h, d, "kernel")
+        load = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
+        t_load = wall_ms(load, args.reps)
+        # A matmul per layer taking about as long as that layer's load (the hardest case to hide).
+        x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+        one = wall_ms(lambda: torch.mm(x, w), args.reps)
+        reps_per_layer = max(1, round(t_load / LAYERS / one))
+        kbuf = torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda")
+        pool.register_layer_transfer_counter(host.layer_transfer_counter)
+
+        def compute():
+            y = x
+            for layer in range(LAYERS):
+                k, _ = pool.get_kv_buffer(layer)  # waits for this layer's load, on the GPU
+                torch.index_select(k.view(torch.uint8), 0, d, out=kbuf)
+                for _ in range(reps_per_layer):
+                    y = torch.mm(x, w)
+            return y
+
+        t_comp = wall_ms(compute, args.reps)
+
+        def both():
+            load()
+            compute()
+
+        t_both = wall_ms(both, args.reps)
+        pool.register_layer_transfer_counter(None)
+        ratio = t_both / max(t_load, t_comp)
+        records.append(dict(layout=layout, backend=backend, tokens=tokens, load_ms=t_load, compute_ms=t_comp,
+                            overlapped_ms=t_both, ratio=ratio, matmuls_per_layer=reps_per_layer))  # fmt: skip
+        log(f"  overlap {layout:<11} {backend:<6} load {t_load:7.2f} ms, compute {t_comp:7.2f} ms, "
+            f"both {t_both:7.2f} ms: {ratio:.3f}x of the longer")  # fmt: skip
+        host.free(h)
+        del host
+    del pool
+    torch.cuda.empty_cache()
+
+
+def bench_device_gather(args, device_ceiling: float, records: list) -> None:
+    tokens = 32768
+    pool = make_device_pool(1)
+    staging = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda") for _ in range(2 * LAYERS)]
+    table = C.RowTable.of(staging)
+    d = random_device_pages(tokens, 1, torch.Generator().manual_seed(4))
+    pos = torch.arange(tokens, device="cuda")
+    ms = wall_ms(lambda: C.copy_rows(table, pos, pool._kv_rows, d), args.reps)
+    rate = gbps(2 * tokens * TOKEN_BYTES, ms)  # read + write, as the ceiling
+    records.append(dict(tokens=tokens, buffers=2 * LAYERS, ms=ms, gbps=rate, of_ceiling=rate / device_ceiling))
+    log(f"  device gather {tokens} tokens x {2 * LAYERS} buffers: {ms:.3f} ms, {rate:.0f} GB/s "
+        f"({100 * rate / device_ceiling:.1f}% of a device copy)")  # fmt: skip
+
+
+# --- report -----------------------------------------------------------------------------------------
+
+
+def verdicts(res: dict) -> list[str]:
+    out = []
+    rows = [r for r in res["transfers"] if "gbps" in r]
+    keys = sorted({(r["tokens"], r["page_size"], r["layout"], r["direction"]) for r in res["transfers"]})
+    best_ok = kernel_ok = True
+    for key in keys:
+        case = [r for r in rows if (r["tokens"], r["page_size"], r["layout"], r["direction"]) == key]
+        best = max((r["of_ceiling"] for r in case), default=0.0)
+        kern = max((r["of_ceiling"] for r in case if r["backend"] == "kernel"), default=0.0)
+        best_ok &= best >= 0.95
+        kernel_ok &= kern >= 0.90
+    out.append(f"better backend >= 95% of the ceiling in every case: {'MET' if best_ok else 'NOT MET'}")
+    out.append(f"kernel backend (8 programs) >= 90% in every case: {'MET' if kernel_ok else 'NOT MET'}")
+    both = max((r["gbps"] for r in res["bidirectional"]), default=0.0)
+    out.append(f"backup and load at once >= 90 GB/s: best {both:.1f} GB/s, {'MET' if both >= 90 else 'NOT MET'}")
+    ratio = min((r["ratio"] for r in res["overlap"]), default=float("inf"))
+    out.append(f"overlapped per-layer load within 1.1x: best {ratio:.3f}x, {'MET' if ratio <= 1.1 else 'NOT MET'}")
+    return out
+
+
+def markdown(res: dict) -> str:
+    m, c = res["meta"], res["ceiling"]
+    lines = [
+        f"# Host tier on {m['gpu']} ({m['date']})",
+        "",
+        f"torch {m['torch']}, triton {m['triton']}; Llama-3-8B FP8 KV (32 layers, H=8, D=128, 64 KiB/token); "
+        "random host and device pages; wall time from the call to completion, medians.",
+        "",
+        f"Copy-engine ceiling (1 GiB pinned): host-to-device {c['h2d_gbps']:.1f} GB/s, device-to-host "
+        f"{c['d2h_gbps']:.1f} GB/s, both at once {c['bidir_gbps']:.1f} GB/s. Device copy {res['device_ceiling_gbps']:.0f} GB/s.",
+        "",
+        "## Targets",
+        "",
+        *[f"- {v}" for v in verdicts(res)],
+        "",
+        "## Backup (device to host) and load (host to device, layer by layer), GB/s (% of the ceiling)",
+        "",
+        "| tokens | page | layout | direction | kernel | direct |",
+        "|---:|---:|---|---|---:|---:|",
+    ]
+    keys = sorted({(r["tokens"], r["page_size"], r["layout"], r["direction"]) for r in res["transfers"]})
+    for key in keys:
+        cells = []
+        for backend in BACKENDS:
+            found = [r for r in res["transfers"] if (r["tokens"], r["page_size"], r["layout"], r["direction"]) == key and r["backend"] == backend]
+            if not found:
+                cells.append("-")
+                continue
+            r = found[0]
+            cells.append(f"skipped ({r['skipped']})" if "skipped" in r else f"{r['gbps']:.1f} ({100 * r['of_ceiling']:.0f}%)")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {cells[0]} | {cells[1]} |")
+    lines += ["", "## Both directions at once (8k tokens each way, page 16)", "", "| layout | backend | GB/s together |", "|---|---|---:|"]
+    for r in res["bidirectional"]:
+        lines.append(f"| {r['layout']} | {r['backend']} | {r['gbps']:.1f} |")
+    lines += ["", "## Per-layer load overlapped with a stand-in attention (8k tokens, 32 layers)", "",
+              "| layout | backend | load ms | compute ms | both ms | ratio |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in res["overlap"]:
+        lines.append(f"| {r['layout']} | {r['backend']} | {r['load_ms']:.2f} | {r['compute_ms']:.2f} | {r['overlapped_ms']:.2f} | {r['ratio']:.3f} |")
+    for r in res["device_gather"]:
+        lines += ["", f"copy_rows device gather, {r['tokens']} tokens x {r['buffers']} buffers: {r['gbps']:.0f} GB/s "
+                  f"({100 * r['of_ceiling']:.1f}% of a device copy)"]  # fmt: skip
+    if res.get("sweep"):
+        lines += ["", "## Kernel backend tiles (8k tokens), GB/s", "", "| page | layout | direction | tile/warps | programs | GB/s | % |",
+                  "|---:|---|---|---|---:|---:|---:|"]  # fmt: skip
+        for r in res["sweep"]:
+            lines.append(f"| {r['page_size']} | {r['layout']} | {r['direction']} | {r['tile_elems']}/{r['num_warps']} | "
+                         f"{r['programs']} | {r['gbps']:.1f} | {100 * r['of_ceiling']:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--quick", action="store_true", help="8k tokens only, 3 repetitions")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel backend's alternative tiles")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--max-copies", type=int, default=40_000, help="skip direct cases needing more copy calls")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_host_tier.py needs a CUDA device", file=sys.stderr)
+        return 2
+    args.tokens = [8192] if args.quick else TOKENS
+    args.reps = args.reps or (3 if args.quick else 5)
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        sms=torch.cuda.get_device_properties(0).multi_processor_count,
+    )  # fmt: skip
+    log(f"host tier benchmark on {meta['gpu']}")
+    ceiling = copy_engine_ceiling(args.reps)
+    device_ceiling = device_copy_ceiling(args.reps)
+    log(f"ceiling: h2d {ceiling['h2d_gbps']:.1f} GB/s, d2h {ceiling['d2h_gbps']:.1f} GB/s, both {ceiling['bidir_gbps']:.1f} GB/s; "
+        f"device copy {device_ceiling:.0f} GB/s")  # fmt: skip
+    res = dict(meta=meta, ceiling=ceiling, device_ceiling_gbps=device_ceiling, transfers=[], bidirectional=[],
+               overlap=[], device_gather=[], sweep=[])  # fmt: skip
+    stages = [
+        ("transfers", lambda: bench_transfers(args, ceiling, res["transfers"])),
+        ("bidirectional", lambda: bench_bidirectional(args, ceiling, res["bidirectional"])),
+        ("overlap", lambda: bench_overlap(args, res["overlap"])),
+        ("device_gather", lambda: bench_device_gather(args, device_ceiling, res["device_gather"])),
+    ]
+    if args.sweep:
+        stages.append(("sweep", lambda: bench_sweep(args, ceiling, res["sweep"])))
+    status = 0
+    for name, stage in stages:
+        log(f"== {name}")
+        started = time.perf_counter()
+        try:
+            stage()
+            log(f"== {name} done in {time.perf_counter() - started:.1f} s")
+        except Exception as exc:  # keep the other stages' results; report the failure
+            log(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            status = 1
+        with open(os.path.join(args.out, "host_tier.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    text = markdown(res)
+    with open(os.path.join(args.out, "host_tier.md"), "w") as f:
+        f.write(text)
+    log(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""KV transfer between two GPUs: kvpool.transfer against NCCL send/recv of one contiguous buffer.
+
+Starts one process per GPU (rank r on cuda:r, NCCL, ``NCCL_NVLS_ENABLE=0`` unless set). Each rank holds
+a Llama-3-8B FP8 pool (32 layers x 8 KV heads x 128: 64 KiB a token) filled with a byte pattern, so
+nothing is timed on zeros and every transfer is checked byte for byte afterwards.
+
+Everything is timed as a ping-pong, which needs no clock shared by the two processes: rank 0 sends
+and then receives, rank 1 receives and then sends the same rows back, ``n`` times in a row between two
+synchronisations; one-way time = round time / (2 n). The reported value is the median over rounds
+(the first round, a warm-up, is dropped). A kvpool transfer includes its handshake.
+
+1. Ceiling: NCCL send/recv of one contiguous buffer of the same bytes, measured in this run.
+2. Requests: 8k and 32k tokens, slots random single rows ("page 1") or random whole pages of 16
+   ("page 16"), and page 1 on one side with page 16 on the other; default settings; % of ceiling.
+3. Sweep: staging chunk size x gather/scatter grid (programs per SM), and the chunk ramp off.
+4. Latency: a 1-token transfer beside a bare 1-token (64 KiB) NCCL send; a 0-token transfer (the
+   handshake alone) beside a bare 8-byte send.
+5. The gather and scatter kernels alone on one GPU (what the pipeline's fill and drain cost).
+
+Usage (two GPUs): python benchmarks/bench_transfer.py --out DIR [--quick]
+Writes DIR/bench_transfer.json (partial results survive a failure) and DIR/bench_transfer.md.
+``--cpu-smoke`` runs the same script on CPU pools over gloo with tiny requests: it checks the script,
+its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+from kvpool.kernels.copy_rows import copy_rows
+from kvpool.transfer import endpoint as endpoint_module
+from kvpool.transfer import wire
+
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+DTYPE = torch.float8_e4m3fn
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM  # 65536
+REQUESTS = {"8k": 8192, "32k": 32768}
+PAGE = 16
+SIZE = 2 * 32768 + 1024 - PAGE  # two 32k requests fit side by side (rank 0 receives into other slots)
+ROWS = SIZE + PAGE
+TARGET = 0.90
+
+
+# --cpu-smoke: CPU pools over gloo, tiny requests (set in each rank by configure()).
+DEVICE_TYPE = "cuda"
+
+
+def configure(smoke: bool) -> None:
+    global DEVICE_TYPE, REQUESTS, SIZE, ROWS
+    if smoke:
+        DEVICE_TYPE = "cpu"
+        REQUESTS = {"8k": 40, "32k": 160}
+        SIZE = 2 * 160 + 64 - PAGE
+        ROWS = SIZE + PAGE
+
+
+def sync() -> None:
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- pool contents and slots ---------------------------------------------------------------------------
+
+
+def pattern(slots: torch.Tensor, row_bytes: int, buffer: int, salt: int) -> torch.Tensor:
+    """uint8 [len(slots), row_bytes]: what buffer ``buffer`` of a pool with ``salt`` holds at ``slots``."""
+    s = slots.to(torch.int64)[:, None]
+    c = torch.arange(row_bytes, dtype=torch.int64, device=slots.device)[None, :]
+    x = (s * 1_000_003 + c * 7_919 + buffer * 104_729 + salt * 15_485_863) & 0x7FFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0x5BD1E995) & 0x7FFFFFFF
+    x = x ^ (x >> 15)
+    return (x & 0xFF).to(torch.uint8)
+
+
+def byte_buffers(pool: MHATokenToKVPool) -> list[torch.Tensor]:
+    return [b.view(b.shape[0], -1) for kv in zip(pool.k_buffer, pool.v_buffer) for b in kv]
+
+
+def fill(pool: MHATokenToKVPool, salt: int, slots: Optional[torch.Tensor] = None) -> None:
+    """Write the pattern into ``slots`` (all rows by default) of every buffer."""
+    for i, buf in enumerate(byte_buffers(pool)):
+        rows = torch.arange(buf.shape[0], device=buf.device) if slots is None else slots.to(buf.device)
+        for start in range(0, rows.numel(), 16384):
+            part = rows[start : start + 16384]
+            buf[part] = pattern(part, buf.shape[1], i, salt)
+
+
+def slots(kind: str, n: int, seed: int) -> torch.Tensor:
+    """``2 n`` distinct slots (slot 0, the padding slot, excluded): random rows for page 1, random
+    whole pages of 16 for page 16. The first ``n`` and the last ``n`` are disjoint sets."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "p1":
+        return torch.randperm(ROWS - 1, generator=g)[: 2 * n] + 1
+    pages = torch.randperm(ROWS // PAGE - 1, generator=g)[: -(-2 * n // PAGE)] + 1
+    return (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[: 2 * n]
+
+
+# --- one rank ---------------------------------------------------------------------------------------------
+
+
+class Rank:
+    def __init__(self, rank: int, quick: bool) -> None:
+        self.rank, self.peer, self.quick = rank, 1 - rank, quick
+        self.dev = torch.device("cuda", rank) if DEVICE_TYPE == "cuda" else torch.device("cpu")
+        self.sms = torch.cuda.get_device_properties(self.dev).multi_processor_count if DEVICE_TYPE == "cuda" else 1
+        self.pool = MHATokenToKVPool(SIZE, PAGE, DTYPE, HEADS, HEAD_DIM, LAYERS, self.dev, warmup=False)
+        fill(self.pool, salt=rank + 1)
+        self.buf = torch.randint(0, 256, (REQUESTS["32k"] * TOKEN_BYTES,), dtype=torch.uint8, device=self.dev)
+        self.sender = KVSender(self.pool)
+        self.receiver = KVReceiver(self.pool)
+        sync()
+
+    # timing
+
+    def pingpong(self, out: Callable[[], None], back: Callable[[], None], n: int, rounds: int) -> float:
+        """Median one-way seconds: rank 0 runs ``out`` then ``back``, rank 1 the mirror, ``n`` times a round."""
+        times = []
+        for r in range(rounds + 1):
+            sync()
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            for _ in range(n):
+                if self.rank == 0:
+                    out()
+                    back()
+                else:
+                    back()
+                    out()
+            sync()
+            if r:
+                times.append((time.perf_counter() - start) / (2 * n))
+        return statistics.median(times)
+
+    def nccl(self, nbytes: int, n: int, rounds: int) -> float:
+        t = self.buf[:nbytes]
+        if nbytes % 8 == 0:
+            t = t.view(torch.int64)  # 2 GiB of uint8 would be 2**31 elements, past int32 counts
+        return self.pingpong(lambda: dist.send(t, self.peer), lambda: dist.recv(t, self.peer), n, rounds)
+
+    def transfer(
+        self, kinds: tuple[str, str], tokens: int, n: int, rounds: int, seed: int,
+        sender: Optional[KVSender] = None, receiver: Optional[KVReceiver] = None,
+    ) -> tuple[float, dict]:  # fmt: skip
+        """Rank 0 sends ``tokens`` slots of kind ``kinds[0]`` to rank 1's slots of kind ``kinds[1]``,
+        which sends them back into other slots of rank 0; returns (one-way seconds, check)."""
+        sender, receiver = sender or self.sender, receiver or self.receiver
+        s0 = slots(kinds[0], tokens, seed)
+        s1 = slots(kinds[1], tokens, seed + 1)
+        if self.rank == 0:
+            loc_out, loc_back = s0[:tokens], s0[tokens:]
+        else:
+            loc_out = loc_back = s1[:tokens]  # receives into these rows, sends them back
+        info: dict = {}
+
+        def out() -> None:
+            h = sender.send(loc_out, self.peer)
+            h.wait()
+            info["chunks"] = h.chunks
+
+        def back() -> None:
+            receiver.recv(loc_back, self.peer).wait()
+
+        seconds = self.pingpong(out, back, n, rounds)
+        return seconds, self.check(s0[:tokens], loc_back, info.get("chunks", 0))
+
+    def check(self, sent: torch.Tensor, landed: torch.Tensor, chunks: int) -> dict:
+        """Bytes at ``landed`` must be rank 0's original rows at ``sent`` (rank 1: after one leg;
+        rank 0: after the round trip). Rank 0 then restores its landing rows."""
+        sync()
+        bad = 0
+        sent_d, landed_d = sent.to(self.dev), landed.to(self.dev)
+        for i, buf in enumerate(byte_buffers(self.pool)):
+            for start in range(0, sent_d.numel(), 16384):
+                got = buf[landed_d[start : start + 16384]]
+                bad += int((got != pattern(sent_d[start : start + 16384], buf.shape[1], i, salt=1)).sum())
+        if self.rank == 0:
+            fill(self.pool, salt=1, slots=landed)
+        theirs = torch.tensor([bad], dtype=torch.int64, device=self.dev)
+        if self.rank == 1:
+            dist.send(theirs, 0)
+            return {}
+        dist.recv(theirs, 1)
+        return {"bad_bytes_rank0": bad, "bad_bytes_rank1": int(theirs.item()), "chunks": chunks}
+
+    def kernels(self) -> list[dict]:
+        """Gather (pool -> staging) and scatter (staging -> pool) of one default-sized chunk on rank 0 alone."""
+        out = []
+        if self.rank == 0 and DEVICE_TYPE == "cuda":
+            layout, pool_table, stages = self.sender._tables_for(0, HEADS)
+            count = self.sender.chunk_bytes // layout.token_bytes
+            idx = slots("p1", count, 99)[:count].to(self.dev)
+            arange = torch.arange(count, device=self.dev)
+            for per_sm in (1, 2, 4, 8):
+                gather, scatter = (stages[0], arange, pool_table, idx), (pool_table, idx, stages[0], arange)
+                for name, args in (("gather", gather), ("scatter", scatter)):
+                    run = lambda: copy_rows(*args, max_programs=per_sm * self.sms)  # noqa: E731
+                    run()
+                    ms = []
+                    for _ in range(20):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        run()
+                        b.record()
+                        b.synchronize()
+                        ms.append(a.elapsed_time(b))
+                    t = statistics.median(ms) / 1e3
+                    out.append(dict(kernel=name, programs_per_sm=per_sm, bytes=count * layout.token_bytes,
+                                    us=t * 1e6, gbps=count * layout.token_bytes / t / 1e9))  # fmt: skip
+            fill(self.pool, salt=1)  # the scatter wrote staging bytes into the pool
+        sync()
+        dist.barrier()
+        return out
+
+
+def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> None:
+    configure(smoke)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=300), device_id=dev)  # fmt: skip
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))  # fmt: skip
+    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": []}
+    results["errors"] = []
+    path = os.path.join(out_dir, "bench_transfer.json")
+
+    def save() -> None:
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+
+    try:
+        r = Rank(rank, quick)
+        results["meta"]["sms"] = r.sms
+        results["meta"]["default_chunk_bytes"] = r.sender.chunk_bytes
+        results["meta"]["default_max_programs"] = r.sender.max_programs
+        rounds = 3 if quick else 7
+        r.nccl(1 << 20, 2, 1)  # warm the pair's communicator
+        r.transfer(("p1", "p1"), 16, 2, 1, seed=1)
+        log(f"[rank {rank}] warm")
+
+        ceiling = {}
+        sizes = sorted({1 << 20, 16 << 20, 256 << 20, 1 << 30} | {t * TOKEN_BYTES for t in REQUESTS.values()})
+        if smoke:
+            sizes = sorted({1 << 20} | {t * TOKEN_BYTES for t in REQUESTS.values()})
+        for nbytes in sizes:
+            n = 3 if nbytes >= 256 << 20 else 10
+            s = r.nccl(nbytes, n, rounds)
+            ceiling[nbytes] = s
+            results["ceiling"].append(dict(bytes=nbytes, us=s * 1e6, gbps=nbytes / s / 1e9))
+        save()
+
+        configs = [(("p1", "p1"), "8k"), (("p16", "p16"), "8k"), (("p1", "p16"), "8k"),
+                   (("p1", "p1"), "32k"), (("p16", "p16"), "32k"), (("p16", "p1"), "32k")]  # fmt: skip
+        if quick:
+            configs = [c for c in configs if c[0][0] == c[0][1]]
+        for i, (kinds, req) in enumerate(configs):
+            tokens = REQUESTS[req]
+            s, check = r.transfer(kinds, tokens, 3, rounds, seed=100 + 10 * i)
+            nbytes = tokens * TOKEN_BYTES
+            results["requests"].append(dict(
+                request=req, tokens=tokens, pages=f"{kinds[0][1:]} -> {kinds[1][1:]}", bytes=nbytes,
+                us=s * 1e6, gbps=nbytes / s / 1e9, ceiling_gbps=nbytes / ceiling[nbytes] / 1e9,
+                fraction=ceiling[nbytes] / s, **check,
+            ))  # fmt: skip
+            log(f"[rank {rank}] {req} {kinds}: {nbytes / s / 1e9:.0f} GB/s ({ceiling[nbytes] / s:.1%} of ceiling)")
+            save()
+
+        for per_token, label in ((1, "1 token"), (0, "0 tokens (handshake only)")):
+            s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, seed=500 + per_token)
+            bare_bytes = per_token * TOKEN_BYTES or 8
+            bare = r.nccl(bare_bytes, 20, rounds)
+            results["latency"].append(
+                dict(transfer=label, transfer_us=s * 1e6, bare_bytes=bare_bytes, bare_us=bare * 1e6, **check)
+            )
+        save()
+
+        results["kernels"] = r.kernels()
+        save()
+
+        chunk_sizes = (32, 64, 128) if quick else (16, 32, 64, 128, 256)
+        grids = (2,) if quick else (1, 2, 8)
+        sweep = [(c, g, True) for c in chunk_sizes for g in grids] + [(64, 2, False), (128, 2, False)]
+        if smoke:
+            sweep = [(1, 2, True), (1, 2, False)]
+        for chunk_mib, per_sm, ramp in sweep:
+            del r.sender, r.receiver
+            torch.cuda.empty_cache()
+            r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=per_sm * r.sms)
+            r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=per_sm * r.sms)
+            wire.RAMP_STEPS = 2 if ramp else 0  # both ranks alike: their chunk plans must agree
+            for req in ("8k", "32k"):
+                tokens = REQUESTS[req]
+                s, check = r.transfer(("p1", "p1"), tokens, 2, 3, seed=700)
+                nbytes = tokens * TOKEN_BYTES
+                results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs_per_sm=per_sm, ramp=ramp,
+                                             gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
+            log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {per_sm}/SM, ramp {ramp}: done")
+            save()
+        wire.RAMP_STEPS = 2
+    except Exception:  # noqa: BLE001 - keep what was measured; the other rank fails by timeout
+        results["errors"].append(traceback.format_exc())
+        log(traceback.format_exc())
+        save()
+        raise
+    finally:
+        save()
+        if rank == 0:
+            try:
+                with open(os.path.join(out_dir, "bench_transfer.md"), "w") as f:
+                    f.write(markdown(results))
+            except Exception:  # noqa: BLE001 - never hide the run's own error behind this one
+                log(traceback.format_exc())
+        dist.destroy_process_group()
+
+
+def meta(rank: int) -> dict:
+    import triton
+
+    try:
+        nccl = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception:  # noqa: BLE001 - a CPU build has none
+        nccl = "none"
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] or ["cpu (smoke run)"],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+        "model": f"Llama-3-8B FP8: {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, {TOKEN_BYTES} B/token",
+        "rank": rank,
+        "default_programs_per_sm": endpoint_module.DEFAULT_PROGRAMS_PER_SM,
+    }
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    lines = [
+        f"# kvpool transfer between two GPUs ({m['date']})",
+        "",
+        f"{', '.join(m['gpus'])}; torch {m['torch']}, triton {m['triton']}, NCCL {m['nccl']}, "
+        f"NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
+        f"Defaults: chunk {m.get('default_chunk_bytes', 0) >> 20} MiB, "
+        f"{m.get('default_max_programs')} programs per copy launch.",
+        "",
+        "## Requests against the NCCL ceiling (contiguous send/recv of the same bytes, same run)",
+        "",
+        "| request | pages (sender -> receiver) | MiB | kvpool GB/s | ceiling GB/s | % of ceiling | target 90% "
+        "| chunks | bytes wrong |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for q in res["requests"]:
+        wrong = q.get("bad_bytes_rank0", "?"), q.get("bad_bytes_rank1", "?")
+        lines.append(
+            f"| {q['request']} | {q['pages']} | {q['bytes'] >> 20} | {q['gbps']:.1f} | {q['ceiling_gbps']:.1f} | "
+            f"{100 * q['fraction']:.1f}% | {'met' if q['fraction'] >= TARGET else 'MISSED'} | {q.get('chunks', '?')} | "
+            f"{wrong[0]} / {wrong[1]} |"
+        )
+    lines += ["", "## Latency", "", "| kvpool transfer | one-way us | bare NCCL send | one-way us |", "|---|---:|---|---:|"]
+    for q in res["latency"]:
+        lines.append(f"| {q['transfer']} | {q['transfer_us']:.1f} | {q['bare_bytes']} B | {q['bare_us']:.1f} |")
+    lines += ["", "## NCCL ceiling curve", "", "| bytes | one-way us | GB/s |", "|---:|---:|---:|"]
+    for q in res["ceiling"]:
+        lines.append(f"| {q['bytes']} | {q['us']:.1f} | {q['gbps']:.1f} |")
+    if res["sweep"]:
+        lines += ["", "## Sweep (page 1 -> page 1): % of ceiling", ""]
+        lines += ["| chunk MiB | programs/SM | ramp | 8k | 32k |", "|---:|---:|---|---:|---:|"]
+        rows: dict = {}
+        for q in res["sweep"]:
+            rows.setdefault((q["chunk_mib"], q["programs_per_sm"], q["ramp"]), {})[q["request"]] = q
+        for (c, g, ramp), v in rows.items():
+            cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
+            lines.append(f"| {c} | {g} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |")
+    if res["kernels"]:
+        chunk_mib = m.get("default_chunk_bytes", 0) >> 20
+        lines += ["", f"## Copy kernels alone (one {chunk_mib} MiB chunk, random rows, one GPU)", ""]
+        lines += ["| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
+        for q in res["kernels"]:
+            lines.append(f"| {q['kernel']} | {q['programs_per_sm']} | {q['us']:.1f} | {q['gbps']:.0f} |")
+    if res["errors"]:
+        lines += ["", "## Errors", "", "```", *res["errors"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds")
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU pools over gloo, tiny requests: checks the script")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2 and not args.cpu_smoke:
+        log(f"this benchmark needs two GPUs, found {torch.cuda.device_count()}")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out), nprocs=2, start_method="spawn")
+    with open(os.path.join(args.out, "bench_transfer.md")) as f:
+        print(f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""KV transfer between ranks (SPEC 8): a request's K/V rows of every layer move from one rank's pool
+to another's over torch.distributed, after a handshake that makes both ranks agree or both raise.
+
+``KVSender``/``KVReceiver`` are bound to a pool and a process group and keep their staging buffers;
+``send_kv``/``recv_kv`` are the same with one endpoint kept per pool. See
+:mod:`kvpool.transfer.endpoint` for how a transfer runs.
+"""
+
+from kvpool.transfer.endpoint import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
+
+__all__ = ["KVPoll", "KVReceiver", "KVSender", "KVTransfer", "recv_kv", "send_kv"]

@@ -1,0 +1,614 @@
+"""Sender and receiver of a request's KV rows between two ranks' pools over torch.distributed.
+
+How a transfer runs (both ranks, in this order):
+
+1. **Own checks.** Each rank checks its own arguments. A problem that leaves the peer unknown (no
+   process group, a peer rank that is not in the group or is this rank, a backend that cannot carry
+   the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` of the wrong
+   type or shape, a slot outside the pool) is recorded in this rank's header instead of raised.
+2. **Handshake.** The ranks swap 1 KiB headers (:mod:`kvpool.transfer.handshake`): pool geometry,
+   token count, the heads each holds, staging size, and any problem from step 1. Both ranks apply the
+   same symmetric :func:`~kvpool.transfer.handshake.agree` to the two headers, so either both raise the
+   same exception with the same message (a ``ValueError`` naming the mismatched field, or the
+   ``IndexError``/``TypeError``/``ValueError`` one rank found in its own arguments) before any KV byte
+   moves, or both move the same rows in the same chunks. The lower rank sends its header first and the
+   higher rank receives first, so even two senders (or two receivers) facing each other cannot
+   deadlock: they learn of it from the headers.
+3. **Pipeline.** The sender gathers the rows of a chunk from every layer into a staging half with one
+   :func:`~kvpool.kernels.copy_rows.copy_rows` launch (a table of layer-buffer pointers), sends it, and
+   gathers the next chunk into the other half while the first is in flight. The receiver receives into
+   one half while it scatters the other into its pool. Chunk sizes follow
+   :func:`~kvpool.transfer.wire.chunk_plan`.
+
+Streams (CUDA). The handshake runs on a stream of its own that does not wait for the caller's (compute)
+stream; the host waits for the handshake only, i.e. for the peer to answer (and, between the same two
+ranks, for the transfer before this one to drain through the transport, since messages between a pair
+are ordered). The data moves on a side stream: the sender's gathers wait for the work queued on the
+caller's current stream when ``send`` is called, so they read what was written before; the receiver's
+scatters likewise wait before overwriting its slots. Nothing synchronises the caller's stream or the
+host with it. ``KVTransfer.wait()`` makes the caller's current stream wait for the transfer (a stream
+wait, not a host wait); ``is_completed()`` queries an event.
+
+Memory. Each endpoint allocates, once, a staging buffer of two halves of ``chunk_bytes``, an index
+buffer of one int64 per pool row, and small tables (those of a head range other than the pool's own on
+that range's first transfer); a transfer allocates no device memory. ``loc`` is host indices (a CPU
+tensor or a NumPy array, as a scheduler holds them): they are checked on the host, so a bad slot is
+reported without reading device memory, and uploaded from a pinned copy that torch's caching host
+allocator keeps until the upload has run. (One pinned buffer reused by every transfer would make the
+host wait for the previous upload, which may sit behind the compute stream; the caching allocator
+only allocates when none of its blocks is free, e.g. on the first transfers.)
+
+CPU pools (gloo). The same pipeline runs on the host: ``send``/``recv`` return when the data has moved
+and the handle is already complete.
+
+One endpoint runs one transfer at a time; transfers between the same two ranks are matched in the
+order they were started, so both ranks must start them in the same order. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvpool.args import positive_int
+from kvpool.kernels.copy_rows import RowTable, copy_rows
+from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.transfer.handshake import (
+    HEADER_BYTES,
+    RECEIVER,
+    SENDER,
+    Agreement,
+    Header,
+    Refusal,
+    agree,
+    make_header,
+)
+from kvpool.transfer.wire import TokenLayout, chunk_plan
+
+# Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
+# buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
+# 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
+# overhead that back-to-back messages hide). 128 MiB chunks pay it 8 times for an 8k-token Llama-3-8B
+# FP8 request (512 MiB), while the chunk ramp (wire.chunk_plan) starts and ends with 8 MiB chunks, so
+# the pipeline's fill and drain (one gather, one scatter) take some microseconds, not a 128 MiB copy.
+# Two halves: 256 MiB of device memory per endpoint. benchmarks/bench_transfer.py sweeps 16-256 MiB.
+DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
+# gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
+DEFAULT_CHUNK_BYTES_CPU = 4 << 20
+
+# Gather/scatter programs per SM on CUDA (copy_rows' own default is 8). The link, not HBM, bounds a
+# transfer, and NCCL's kernel must find room on the SMs next to the gather of the next chunk, so the
+# copies take a lighter grid. A guess to confirm: benchmarks/bench_transfer.py sweeps it.
+DEFAULT_PROGRAMS_PER_SM = 2
+
+Loc = Union[torch.Tensor, np.ndarray]
+
+
+class KVPoll(enum.IntEnum):
+    """State of a transfer, numbered as SGLang's ``KVPoll`` so scheduler code comparing against those
+    values carries over. A transfer that starts has passed its handshake, so only these two occur."""
+
+    Transferring = 3
+    Success = 4
+
+
+class KVTransfer:
+    """Handle of one started transfer (returned by ``send``/``recv``, ``send_kv``/``recv_kv``).
+
+    Attributes
+    ----------
+    role : ``"sender"`` or ``"receiver"``.
+    peer : global rank of the other side.
+    tokens : slots moved.
+    heads : ``(lo, hi)``, the global KV heads moved.
+    nbytes : KV bytes moved (all layers, K and V, the moved heads only).
+    chunks : messages the rows travelled in.
+    """
+
+    def __init__(
+        self, role: str, peer: int, tokens: int, heads: tuple[int, int], nbytes: int, chunks: int,
+        device: torch.device, done: Optional[torch.cuda.Event] = None,
+    ) -> None:  # fmt: skip
+        self.role, self.peer, self.tokens, self.heads = role, peer, tokens, heads
+        self.nbytes, self.chunks = nbytes, chunks
+        self._device, self._done = device, done
+
+    def is_completed(self) -> bool:
+        """True once every row has moved (sender: read and sent; receiver: written into the pool).
+        Never blocks."""
+        return self._done is None or self._done.query()
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Success if self.is_completed() else KVPoll.Transferring
+
+    def wait(self) -> None:
+        """Make the caller's current stream wait for the transfer (no host wait on CUDA). Afterwards,
+        work queued on that stream may reuse the sender's slots or read the receiver's."""
+        if self._done is not None:
+            with torch.cuda.device(self._device):
+                torch.cuda.current_stream().wait_event(self._done)
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "in flight"
+        return (
+            f"KVTransfer({self.role}, peer={self.peer}, tokens={self.tokens}, heads={self.heads}, "
+            f"nbytes={self.nbytes}, chunks={self.chunks}, {state})"
+        )
+
+
+class _Endpoint:
+    """What a sender and a receiver share: the pool's tables, staging, streams and the handshake."""
+
+    _role: int = 0
+
+    def __init__(
+        self,
+        pool: MHATokenToKVPool,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        head_start: int = 0,
+        total_heads: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+        max_programs: Optional[int] = None,
+    ) -> None:
+        if not isinstance(pool, MHATokenToKVPool):
+            raise TypeError(f"pool must be an MHATokenToKVPool, got {type(pool).__name__}")
+        self.pool = pool
+        self.group = group
+        if isinstance(head_start, bool) or not isinstance(head_start, int) or head_start < 0:
+            raise ValueError(f"head_start must be a non-negative int, got {head_start!r}")
+        self.head_start = head_start
+        self.total_heads = pool.head_num if total_heads is None else positive_int(total_heads, "total_heads")
+        if head_start + pool.head_num > self.total_heads:
+            raise ValueError(
+                f"the pool's heads [head_start, head_start + head_num) = [{head_start}, {head_start + pool.head_num}) "
+                f"must lie within total_heads={self.total_heads}"
+                + ("; pass total_heads (the model's KV heads)" if total_heads is None else "")
+            )
+        self.device = pool.device
+        self._cuda = self.device.type == "cuda"
+        self._element_size = pool.k_buffer[0].element_size()
+        self._rows = pool.size + pool.page_size
+        full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
+        one_head = TokenLayout.of(pool.layer_num, 1, pool.head_dim, pool.v_head_dim, self._element_size)
+        if chunk_bytes is None:
+            chunk_bytes = max(DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU, full.token_bytes)
+        self.chunk_bytes = positive_int(chunk_bytes, "chunk_bytes")
+        if self.chunk_bytes < full.token_bytes:
+            raise ValueError(
+                f"chunk_bytes must hold at least one token of this pool ({full.token_bytes} bytes: "
+                f"{pool.layer_num} layers x K,V x {pool.head_num} heads), got {chunk_bytes}"
+            )
+        self.max_programs = None if max_programs is None else positive_int(max_programs, "max_programs")
+
+        dev = self.device
+        self._stage = torch.empty(2 * self.chunk_bytes, dtype=torch.uint8, device=dev)
+        self._arange = torch.arange(min(self._rows, self.chunk_bytes // one_head.token_bytes), device=dev)
+        self._tables: dict[tuple[int, int], tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]] = {}
+        if self._cuda:
+            self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
+            self._side = torch.cuda.Stream(device=dev)
+            self._handshake = torch.cuda.Stream(device=dev)
+            self._header_event = torch.cuda.Event()
+            self._header_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
+            self._header_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
+            self._header_host_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._header_host_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+            if max_programs is None:
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                self.max_programs = DEFAULT_PROGRAMS_PER_SM * sms
+            # These buffers were allocated on the caller's stream: the endpoint's streams start after
+            # what is queued there (the memory may have just been freed by work still pending), and
+            # freeing them waits for the side stream, whose last work in each transfer waits for
+            # the transport too (so an endpoint dropped with a transfer in flight is safe).
+            caller = torch.cuda.current_stream(dev)
+            self._side.wait_stream(caller)
+            self._handshake.wait_stream(caller)
+            for t in (self._stage, self._arange, self._index):
+                t.record_stream(self._side)
+        # The tables of the pool's own heads are built now; other head ranges on first use.
+        with self._on_side():
+            self._tables_for(0, pool.head_num)
+
+    # --- one transfer --------------------------------------------------------------------------------
+
+    def _start(self, loc: Loc, peer: int) -> KVTransfer:
+        group = self.group
+        rank = self._check_peer(peer, group)
+        self._check_backend(group)
+        sender, receiver = (rank, peer) if self._role == SENDER else (peer, rank)
+        where = f"kvpool transfer rank {sender} -> rank {receiver}"
+        loc_host, problem = self._check_loc(loc, where)
+        tokens = 0 if loc_host is None else loc_host.shape[0]
+        mine = make_header(self._role, rank, self.pool, self.head_start, self.total_heads, tokens, self.chunk_bytes)
+        if problem is not None:
+            mine = mine.with_error(problem)
+        encoded = mine.encode()
+        theirs = self._exchange(encoded, peer, group)
+        # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
+        verdict = agree(Header.decode(encoded), theirs)
+        if isinstance(verdict, Refusal):
+            raise verdict.exception()
+        if loc_host is None:  # unreachable: a rank with a loc problem refuses through the verdict
+            raise RuntimeError(f"{where}: the handshake agreed although this rank's loc was rejected")
+        return self._move(verdict, loc_host, peer, group)
+
+    def _check_peer(self, peer: object, group: Optional[dist.ProcessGroup]) -> int:
+        """This rank's global rank, after checking ``peer``; raises here (the peer cannot be told)."""
+        name = "dst" if self._role == SENDER else "src"
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first (kvpool starts no processes)"
+            )
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise TypeError(f"{name} must be an int (a global rank), got {type(peer).__name__}")
+        rank = dist.get_rank()
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        if rank not in ranks:
+            raise ValueError(f"this rank ({rank}) is not in the process group (ranks {ranks})")
+        if peer not in ranks or peer == rank:
+            raise ValueError(
+                f"{name} must be another rank of the process group {ranks}, got {peer} (this rank is {rank})"
+            )
+        return rank
+
+    def _check_backend(self, group: Optional[dist.ProcessGroup]) -> None:
+        backend = str(dist.get_backend(group))
+        if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
+            per_device = dict(part.split(":", 1) for part in backend.split(","))
+            chosen = per_device.get(self.device.type)
+        else:
+            chosen = backend
+        ok = chosen is not None and not (
+            (chosen == "nccl" and self.device.type != "cuda") or (chosen == "gloo" and self.device.type != "cpu")
+        )
+        if not ok:
+            raise ValueError(
+                f"the process group's backend ({backend}) cannot carry tensors of the pool's device "
+                f"{self.device}: use NCCL for CUDA pools and gloo for CPU pools"
+            )
+
+    def _check_loc(self, loc: object, where: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
+        """``loc`` as a CPU int64 tensor, or the problem to report to both ranks."""
+        role = "sender" if self._role == SENDER else "receiver"
+        tail = "; nothing moved"
+        if isinstance(loc, np.ndarray):
+            if loc.dtype not in (np.int32, np.int64):
+                return None, ValueError(
+                    f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}"
+                )
+            loc = torch.from_numpy(loc)
+        if not isinstance(loc, torch.Tensor):
+            return None, TypeError(
+                f"{where}: the {role}'s loc must be a CPU torch.Tensor or a numpy array, got {type(loc).__name__}{tail}"
+            )
+        if loc.dtype not in (torch.int32, torch.int64):
+            return None, ValueError(f"{where}: the {role}'s loc must be int32 or int64, got {loc.dtype}{tail}")
+        if loc.dim() != 1:
+            return None, ValueError(f"{where}: the {role}'s loc must be 1-D [T], got shape {tuple(loc.shape)}{tail}")
+        if loc.device.type != "cpu":
+            return None, ValueError(
+                f"{where}: the {role}'s loc must be host indices (a CPU tensor), got a tensor on {loc.device}: "
+                f"reading device indices to check them would synchronise the device; pass loc.cpu(){tail}"
+            )
+        n = loc.shape[0]
+        if n > self._rows:
+            return None, ValueError(
+                f"{where}: the {role}'s loc has {n} slots, more than its pool's {self._rows} rows{tail}"
+            )
+        loc64 = loc.to(torch.int64)
+        bad = (loc64 < 0) | (loc64 >= self._rows)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            return None, IndexError(
+                f"{where}: the {role}'s loc[{i}] = {int(loc64[i])} is outside its pool's slots "
+                f"[0, {self._rows}){tail}"
+            )
+        return loc64, None
+
+    def _exchange(self, encoded: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> Header:
+        """Swap headers with ``peer``: the lower rank sends first, the higher receives first."""
+        first_send = dist.get_rank() < peer
+        if not self._cuda:
+            theirs = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            _send_recv(encoded, theirs, peer, group, first_send)
+            return Header.decode(theirs)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._handshake):
+            self._header_host_out.copy_(encoded)
+            self._header_out.copy_(self._header_host_out, non_blocking=True)
+            _send_recv(self._header_out, self._header_in, peer, group, first_send)
+            self._header_host_in.copy_(self._header_in, non_blocking=True)
+            self._header_event.record()
+        # The host waits for the handshake stream only, which never waits for the compute stream.
+        self._header_event.synchronize()
+        return Header.decode(self._header_host_in)
+
+    def _on_side(self) -> contextlib.AbstractContextManager:
+        """Current device and stream for the data movement (nothing on CPU)."""
+        if not self._cuda:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._side))
+        return stack
+
+    def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
+        """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V) and of the two
+        staging halves, in the wire order; built once per head range, on the side stream (the
+        address tables are copied there without a synchronisation, ready for the work that follows)."""
+        key = (lo, hi)
+        cached = self._tables.get(key)
+        if cached is not None:
+            return cached
+        pool = self.pool
+        layout = TokenLayout.of(pool.layer_num, hi - lo, pool.head_dim, pool.v_head_dim, self._element_size)
+        pool_buffers = []
+        for k, v in zip(pool.k_buffer, pool.v_buffer):
+            pool_buffers += [k[:, lo:hi], v[:, lo:hi]]
+        capacity = self.chunk_bytes // layout.token_bytes
+        halves = []
+        for half in range(2):
+            base = self._stage[half * self.chunk_bytes :][: capacity * layout.token_bytes]
+            rows = base.view(capacity, layout.token_bytes)
+            bands = [rows[:, o : o + n] for o, n in zip(layout.offsets, layout.row_bytes)]
+            halves.append(RowTable.of(bands, non_blocking=self._cuda))
+        entry = (layout, RowTable.of(pool_buffers, non_blocking=self._cuda), (halves[0], halves[1]))
+        self._tables[key] = entry
+        return entry
+
+    def _staged(self, half: int, nbytes: int) -> torch.Tensor:
+        return self._stage[half * self.chunk_bytes :][:nbytes]
+
+    def _move(self, agreed: Agreement, loc: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> KVTransfer:
+        role = "sender" if self._role == SENDER else "receiver"
+        heads = (agreed.head_lo, agreed.head_hi)
+        if agreed.tokens == 0:
+            return KVTransfer(role, peer, 0, heads, 0, 0, self.device)
+        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        with self._on_side():
+            lo, hi = agreed.head_lo - self.head_start, agreed.head_hi - self.head_start  # local head numbers
+            layout, pool_table, stages = self._tables_for(lo, hi)
+            plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
+            nbytes = agreed.tokens * layout.token_bytes
+            if not self._cuda:
+                self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
+                return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
+            pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
+            index = self._index[: loc.shape[0]]
+            # The pinned block stays reserved until this copy has run (the caching host allocator
+            # records the stream), so the host may drop it now.
+            index.copy_(pinned, non_blocking=True)
+            self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
+            done = torch.cuda.Event()
+            done.record()
+        return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
+
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
+        """Move the rows of ``plan``'s chunks (``index``: this side's slots, on the pool's device);
+        ``compute``: the caller's stream on CUDA, None on CPU."""
+        raise NotImplementedError
+
+
+def _send_recv(
+    out: torch.Tensor, into: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup], first_send: bool
+) -> None:
+    """Send ``out`` to and receive ``into`` from ``peer``, in the order given; waits for both (a
+    stream wait on NCCL, a host wait on gloo)."""
+    if first_send:
+        works = [dist.isend(out, peer, group=group), dist.irecv(into, peer, group=group)]
+    else:
+        works = [dist.irecv(into, peer, group=group), dist.isend(out, peer, group=group)]
+    for w in works:
+        w.wait()
+
+
+class KVSender(_Endpoint):
+    """Sends requests' KV rows from ``pool`` to receivers on other ranks of ``group``.
+
+    Parameters
+    ----------
+    pool : MHATokenToKVPool
+        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo).
+    group : the process group (default: the world group). The caller initialises torch.distributed.
+    head_start, total_heads : the pool holds the global KV heads ``[head_start, head_start +
+        pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
+        the heads both sides hold, so a sender holding all heads serves receivers that each hold a
+        tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
+    chunk_bytes : bytes per staging half (default 128 MiB on CUDA, 4 MiB on CPU; at least one token).
+        The smaller of the two sides' values bounds the chunks of a transfer.
+    max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
+        ``DEFAULT_PROGRAMS_PER_SM`` per SM, leaving room for the transport's kernel).
+
+    Examples
+    --------
+    Prefill rank 0 sends a finished request to decode rank 1 (both called ``init_process_group``)::
+
+        sender = KVSender(pool)                           # once
+        handle = sender.send(loc_cpu, dst=1)              # loc_cpu: the request's slots, host int tensor
+        handle.wait()                                     # before the slots are freed and reused
+    """
+
+    _role = SENDER
+
+    def send(self, loc: Loc, dst: int) -> KVTransfer:
+        """Send, for every layer, the K and V rows ``loc`` of the pool to rank ``dst``, which calls
+        ``recv`` with its own slots (as many as ``loc`` has).
+
+        Parameters
+        ----------
+        loc : CPU tensor or numpy array [T], int32/int64: the request's slots in this pool.
+        dst : global rank of the receiver.
+
+        Returns
+        -------
+        KVTransfer. On CUDA the rows are still moving; call ``wait()`` before the caller's stream
+        overwrites or frees the slots. On CPU it is complete.
+
+        Raises
+        ------
+        ValueError, IndexError, TypeError
+            After the handshake, on both ranks alike, if the two pools or token counts disagree or
+            either side's ``loc`` is bad; nothing has moved.
+        ValueError, TypeError, RuntimeError
+            At once, on this rank only, if ``dst`` or the process group cannot be used (the peer's
+            handshake then fails by the group's timeout).
+        """
+        return self._start(loc, dst)
+
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
+        if compute is not None:
+            torch.cuda.current_stream().wait_stream(compute)  # gathers read what was written before send
+        in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
+        for k, (start, count) in enumerate(plan):
+            half = k & 1
+            if in_flight[half] is not None:
+                in_flight[half].wait()  # type: ignore[union-attr]
+            rows = index[start : start + count]
+            copy_rows(stages[half], self._arange[:count], pool_table, rows, max_programs=self.max_programs)
+            in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
+        for work in in_flight:
+            if work is not None:
+                work.wait()
+
+
+class KVReceiver(_Endpoint):
+    """Receives requests' KV rows into ``pool`` from senders on other ranks of ``group``.
+
+    Parameters are as for :class:`KVSender`.
+
+    Examples
+    --------
+    Decode rank 1 takes the request rank 0 sends::
+
+        receiver = KVReceiver(pool)                       # once
+        handle = receiver.recv(loc_cpu, src=0)            # loc_cpu: slots allocated for the request
+        handle.wait()                                     # before attention reads them
+    """
+
+    _role = RECEIVER
+
+    def recv(self, loc: Loc, src: int) -> KVTransfer:
+        """Receive, for every layer, K and V rows from rank ``src`` into rows ``loc`` of the pool.
+
+        Parameters
+        ----------
+        loc : CPU tensor or numpy array [T], int32/int64: this pool's slots for the request, in the
+            order of the sender's ``loc`` (token ``t`` lands in ``loc[t]``). If a slot appears twice,
+            which token it ends up holding is unspecified.
+        src : global rank of the sender.
+
+        Returns
+        -------
+        KVTransfer. On CUDA call ``wait()`` before the caller's stream reads the slots.
+
+        Raises
+        ------
+        As :meth:`KVSender.send`.
+        """
+        return self._start(loc, src)
+
+    def _pipeline(
+        self,
+        plan: list[tuple[int, int]],
+        index: torch.Tensor,
+        layout: TokenLayout,
+        pool_table: RowTable,
+        stages: tuple[RowTable, RowTable],
+        peer: int,
+        group: Optional[dist.ProcessGroup],
+        compute: Optional[torch.cuda.Stream],
+    ) -> None:
+        works: dict[int, dist.Work] = {}
+
+        def post(k: int) -> None:
+            works[k] = dist.irecv(self._staged(k & 1, plan[k][1] * layout.token_bytes), peer, group=group)
+
+        for k in range(min(2, len(plan))):
+            post(k)
+        if compute is not None:
+            # Scatters overwrite slots that work queued before recv may still read; the first two
+            # chunks are already on their way meanwhile.
+            torch.cuda.current_stream().wait_stream(compute)
+        for k, (start, count) in enumerate(plan):
+            works.pop(k).wait()
+            rows = index[start : start + count]
+            copy_rows(pool_table, rows, stages[k & 1], self._arange[:count], max_programs=self.max_programs)
+            if k + 2 < len(plan):
+                post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
+
+
+# --- functions with one endpoint per pool ---------------------------------------------------------------
+
+def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> _Endpoint:
+    """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
+    it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
+    endpoint refers to its pool)."""
+    if not isinstance(pool, MHATokenToKVPool):
+        raise TypeError(f"pool must be an MHATokenToKVPool, got {type(pool).__name__}")
+    kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
+    key = (cls, group, tuple(sorted(options.items())))
+    ep = kept.get(key)
+    if ep is None:
+        ep = kept[key] = cls(pool, group, **options)
+    return ep
+
+
+def send_kv(
+    pool: MHATokenToKVPool,
+    loc: Loc,
+    dst: int,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    head_start: int = 0,
+    total_heads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+) -> KVTransfer:
+    """Send the K/V rows ``loc`` of every layer of ``pool`` to rank ``dst``: ``KVSender(pool, group,
+    ...).send(loc, dst)`` with one sender kept per pool and settings (its staging is allocated once).
+
+    >>> handle = send_kv(pool, loc_cpu, dst=1)   # doctest: +SKIP
+    >>> handle.wait()                            # doctest: +SKIP
+    """
+    ep = _endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
+    return ep.send(loc, dst)  # type: ignore[attr-defined]
+
+
+def recv_kv(
+    pool: MHATokenToKVPool,
+    loc: Loc,
+    src: int,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    head_start: int = 0,
+    total_heads: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+) -> KVTransfer:
+    """Receive K/V rows from rank ``src`` into rows ``loc`` of every layer of ``pool``: ``KVReceiver(
+    pool, group, ...).recv(loc, src)`` with one receiver kept per pool and settings."""
+    ep = _endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
+    return ep.recv(loc, src)  # type: ignore[attr-defined]

@@ -1,0 +1,83 @@
+"""What travels between the ranks: the byte layout of one token's rows, and the chunk plan.
+
+A chunk of ``count`` tokens is ``count * token_bytes`` contiguous bytes of the staging buffer, token
+after token; one token is its K row then its V row for every layer in order, each restricted to the
+agreed heads. The staging buffer is addressed as one :class:`RowTable` per half whose buffer ``b`` is a
+column band of the token rows (row stride ``token_bytes``), so a chunk of any size is the first
+``count`` rows of the same table, and its bytes are one contiguous prefix of the half that NCCL or gloo
+sends as one message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Chunks start small and grow (and shrink again towards the end): the first chunk's gather and the
+# last chunk's scatter cannot overlap any transfer, so keeping them small shortens the pipeline's
+# fill and drain, while the middle chunks are as large as the staging allows so that the per-message
+# cost of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which
+# keeps the gather of the next chunk (HBM-bound, several times faster than the link) shorter than
+# the send of the current one.
+RAMP = 4
+RAMP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Byte layout of one token on the wire: ``row_bytes[b]`` bytes at ``offsets[b]`` for buffer
+    ``b`` in the order K(layer 0), V(layer 0), K(layer 1), ..."""
+
+    row_bytes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    token_bytes: int
+
+    @classmethod
+    def of(cls, layer_num: int, heads: int, head_dim: int, v_head_dim: int, element_size: int) -> "TokenLayout":
+        k, v = heads * head_dim * element_size, heads * v_head_dim * element_size
+        row_bytes = (k, v) * layer_num
+        offsets, at = [], 0
+        for rb in row_bytes:
+            offsets.append(at)
+            at += rb
+        return cls(row_bytes, tuple(offsets), at)
+
+
+def chunk_plan(tokens: int, capacity: int) -> list[tuple[int, int]]:
+    """``(start, count)`` of each chunk: counts sum to ``tokens``, each in ``[1, capacity]``.
+
+    Sizes ramp up from about ``capacity / RAMP**RAMP_STEPS`` by a factor of ``RAMP`` at both ends,
+    and are ``capacity`` in the middle. A pure function of its arguments: both ranks compute the
+    same plan from the agreed token count and capacity.
+
+    >>> [c for _, c in chunk_plan(100, 32)]
+    [2, 8, 32, 16, 32, 8, 2]
+    """
+    if tokens < 0 or capacity < 1:
+        raise ValueError(f"tokens must be >= 0 and capacity >= 1, got tokens={tokens}, capacity={capacity}")
+    front: list[int] = []
+    back: list[int] = []
+    middle: list[int] = []
+    left = tokens
+    size = max(1, capacity // RAMP**RAMP_STEPS)
+    while left:
+        if left <= size:  # one middle chunk
+            middle = [left]
+            break
+        if left <= 2 * size:  # two middle chunks of about equal size
+            middle = [left - left // 2, left // 2]
+            break
+        front.append(size)
+        back.append(size)
+        left -= 2 * size
+        size = min(capacity, size * RAMP)
+    if len(middle) == 1 and front and RAMP * middle[0] < front[-1]:
+        # A sliver between two large chunks: share the three chunks' tokens out evenly instead.
+        q, r = divmod(front.pop() + middle[0] + back.pop(), 3)
+        front.append(q + (r > 0))
+        middle = [q + (r > 1)]
+        back.append(q)
+    plan, start = [], 0
+    for count in front + middle + back[::-1]:
+        plan.append((start, count))
+        start += count
+    return plan

@@ -1,0 +1,225 @@
+"""copy_rows, move_kv_cache and the CPU copies on a real GPU: the compiled kernel against the
+reference path (run on CPU copies of the same bytes), pinned host tables in both directions, unaligned
+tables, staged moves, CUDA-graph capture and replay, and no host synchronisation where none is
+promised (``torch.cuda.set_sync_debug_mode("error")``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from kvassert import assert_same_bytes
+
+from kvpool import MHATokenToKVPool
+from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import RowTable, copy_rows
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Any synchronising torch call inside raises."""
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+def random_bytes(shape, gen, pin=False) -> torch.Tensor:
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    if pin:
+        return t.pin_memory()
+    return t.to(DEV)
+
+
+def reference(dst_bufs, di, src_bufs, si, same: bool) -> list[torch.Tensor]:
+    """The expected destination buffers: the reference path on CPU copies."""
+    d = [b.cpu().clone() for b in dst_bufs]
+    s = d if same else [b.cpu().clone() for b in src_bufs]
+    dt, st = RowTable.of(d), RowTable.of(s)
+    C.copy_rows_reference(dt, di.cpu(), st, si.cpu())
+    return d
+
+
+def pairs(n: int, rows: int, gen, *, unique_dst: bool = True, bad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    dst = torch.randperm(rows, generator=gen)[:n] if unique_dst else torch.randint(0, rows, (n,), generator=gen)
+    src = torch.randperm(rows, generator=gen)[:n]
+    if bad and n >= 4:
+        dst[1], src[2], dst[3] = -1, rows + 3, rows  # padding and out-of-range pairs are skipped
+    return dst, src
+
+
+SHAPES = [(8, 128), (8, 64), (1, 576)]  # 1 KiB, 512 B and 576 B rows
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1024, 1025, 5000, 100_000])
+@pytest.mark.parametrize("same", [False, True], ids=["two-tables", "aliasing"])
+def test_kernel_matches_reference(n, same):
+    gen = torch.Generator().manual_seed(n)
+    rows = max(2 * n, 64) + 16
+    dst_bufs = [random_bytes((rows, *s), gen) for s in SHAPES]
+    src_bufs = dst_bufs if same else [random_bytes((rows, *s), gen) for s in SHAPES]
+    di, si = pairs(n, rows, gen)
+    expected = reference(dst_bufs, di, src_bufs, si, same)
+    dt = RowTable.of(dst_bufs)
+    st = dt if same else RowTable.of(src_bufs)
+    copy_rows(dt, di.to(DEV), st, si.to(DEV, torch.int32))
+    for b, (got, want) in enumerate(zip(dst_bufs, expected)):
+        assert_same_bytes(got.cpu(), want, f"buffer {b}")
+
+
+@pytest.mark.parametrize(
+    "shape, dtype", [((3,), torch.float16), ((3, 2), torch.float32), ((7,), torch.uint8)], ids=["align2", "align8", "align1"]
+)
+def test_unaligned_rows(shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    rows, esz = 300, torch.empty(0, dtype=dtype).element_size()
+    nbytes = esz * int(torch.tensor(shape).prod())
+
+    def make():
+        raw = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=gen).to(DEV)
+        return raw.view(dtype).view(rows, *shape)
+
+    bufs, src = [make() for _ in range(2)], [make() for _ in range(2)]
+    assert RowTable.of(bufs).align == {2: 2, 4: 8, 1: 1}[esz]
+    di, si = pairs(200, rows, gen)
+    expected = reference(bufs, di, src, si, False)
+    copy_rows(RowTable.of(bufs), di.to(DEV), RowTable.of(src), si.to(DEV))
+    for got, want in zip(bufs, expected):
+        assert_same_bytes(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("direction", ["device-to-host", "host-to-device"])
+def test_pinned_host_tables(direction):
+    gen = torch.Generator().manual_seed(2)
+    rows, n = 9000, 8192
+    host = [random_bytes((rows, *s), gen, pin=True) for s in SHAPES[:2]]
+    dev = [random_bytes((rows, *s), gen) for s in SHAPES[:2]]
+    ht, dt = RowTable.of(host), RowTable.of(dev)
+    assert ht.pinned and ht.table.device.type == "cuda" and ht.device.type == "cpu"
+    di, si = pairs(n, rows, gen)
+    if direction == "device-to-host":
+        expected = reference(host, di, dev, si, False)
+        copy_rows(ht, di.to(DEV), dt, si.to(DEV), max_programs=8)
+        torch.cuda.synchronize()
+        got = host
+    else:
+        expected = reference(dev, di, host, si, False)
+        copy_rows(dt, di.to(DEV), ht, si.to(DEV), max_programs=8)
+        got = dev
+    for a, b in zip(got, expected):
+        assert_same_bytes(a.cpu(), b)
+
+
+def test_pageable_host_tables_are_refused():
+    host = RowTable.of([torch.zeros(4, 16, dtype=torch.uint8)])  # pageable: a CPU table
+    dev = RowTable.of([torch.zeros(4, 16, dtype=torch.uint8, device=DEV)])
+    with pytest.raises(ValueError, match="pageable host memory"):
+        copy_rows(dev, torch.tensor([0], device=DEV), host, torch.tensor([1], device=DEV))
+
+
+def test_copies_do_not_synchronise():
+    gen = torch.Generator().manual_seed(3)
+    bufs = [random_bytes((4096, 8, 128), gen) for _ in range(4)]
+    host = [random_bytes((4096, 8, 128), gen, pin=True) for _ in range(4)]
+    t, ht = RowTable.of(bufs), RowTable.of(host)
+    idx = torch.randperm(4096, device=DEV)[:2000]
+    copy_rows(t, idx, t, idx.flip(0))  # compile outside the check
+    copy_rows(t, idx[:100], t, idx[100:200])
+    copy_rows(ht, idx, t, idx, max_programs=8)
+    with no_sync():
+        copy_rows(t, idx, t, idx.flip(0))  # staged (aliasing, > 1024 pairs)
+        copy_rows(t, idx[:100], t, idx[100:200])  # one pass
+        copy_rows(ht, idx, t, idx, max_programs=8)
+        RowTable.of(bufs, non_blocking=True)
+
+
+def _pool(dtype=torch.float8_e4m3fn, layers=4, v_head_dim=None, seed=0) -> MHATokenToKVPool:
+    pool = MHATokenToKVPool(4096, 16, dtype, 8, 128, layers, DEV, v_head_dim=v_head_dim, warmup=False)
+    gen = torch.Generator().manual_seed(seed)
+    for b in pool.k_buffer + pool.v_buffer:
+        raw = b.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen).to(DEV))
+    return pool
+
+
+def _cpu_twin(pool: MHATokenToKVPool) -> MHATokenToKVPool:
+    twin = MHATokenToKVPool(pool.size, pool.page_size, pool.dtype, pool.head_num, pool.head_dim, pool.layer_num, "cpu",
+                            v_head_dim=pool.v_head_dim)  # fmt: skip
+    for a, b in zip(twin.k_buffer + twin.v_buffer, pool.k_buffer + pool.v_buffer):
+        a.copy_(b.cpu())
+    return twin
+
+
+def _assert_twins(pool, twin):
+    for i, (a, b) in enumerate(zip(pool.k_buffer + pool.v_buffer, twin.k_buffer + twin.v_buffer)):
+        assert_same_bytes(a.cpu().view(torch.uint8), b.view(torch.uint8), f"buffer {i}")
+
+
+@pytest.mark.parametrize("n", [1, 64, 256, 3000])
+def test_move_kv_cache_matches_cpu(n):
+    pool = _pool(v_head_dim=64)
+    twin = _cpu_twin(pool)
+    gen = torch.Generator().manual_seed(n)
+    base = torch.randperm(4000, generator=gen)[: n + 1] + 1
+    tgt, src = base[:-1], base[1:]  # a chain: each target is the next pair's source
+    pool.move_kv_cache(tgt.to(DEV), src.to(DEV))
+    twin.move_kv_cache(tgt, src)
+    _assert_twins(pool, twin)
+
+
+@pytest.mark.parametrize("n", [200, 2000], ids=["one-pass", "staged"])
+def test_move_kv_cache_in_a_cuda_graph(n):
+    pool = _pool()
+    twin = _cpu_twin(pool)
+    tgt = torch.zeros(n, dtype=torch.int64, device=DEV)
+    src = torch.zeros(n, dtype=torch.int64, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pool.move_kv_cache(tgt, src)  # compiles; moves slot 0 onto itself
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.move_kv_cache(tgt, src)
+    gen = torch.Generator().manual_seed(n)
+    for _ in range(3):
+        perm = torch.randperm(4000, generator=gen)[:n] + 1
+        cycle_src = torch.roll(perm, 1)  # a cycle through every pair
+        tgt.copy_(perm.to(DEV))
+        src.copy_(cycle_src.to(DEV))
+        graph.replay()
+        twin.move_kv_cache(perm, cycle_src)
+        torch.cuda.synchronize()
+        _assert_twins(pool, twin)
+
+
+def test_move_kv_cache_does_not_synchronise():
+    pool = _pool()
+    tgt = torch.arange(1, 257, device=DEV)
+    pool.move_kv_cache(tgt, tgt + 1)
+    with no_sync():
+        pool.move_kv_cache(tgt, tgt + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_cpu_copy_round_trip(dtype):
+    pool = _pool(dtype, v_head_dim=64)
+    slots = torch.randperm(4000, device=DEV)[:777] + 1
+    copy = pool.get_cpu_copy(slots)
+    assert copy.k.is_pinned() and copy.k.device.type == "cpu"
+    for layer in range(pool.layer_num):
+        assert_same_bytes(copy.k[layer], pool.k_buffer[layer][slots].cpu(), f"K {layer}")
+        assert_same_bytes(copy.v[layer], pool.v_buffer[layer][slots].cpu(), f"V {layer}")
+    targets = torch.randperm(4000, device=DEV)[:777] + 1
+    with no_sync():
+        pool.load_cpu_copy(copy, targets)
+    for layer in range(pool.layer_num):
+        assert_same_bytes(pool.k_buffer[layer][targets].cpu(), copy.k[layer], f"reloaded K {layer}")
+        assert_same_bytes(pool.v_buffer[layer][targets].cpu(), copy.v[layer], f"reloaded V {layer}")

@@ -1,0 +1,161 @@
+"""KV transfer between two GPUs over NCCL (SPEC 8): skipped without two CUDA devices.
+
+One process per GPU (rank r on cuda:r). The case battery of the CPU suite runs here too (bytes exact,
+nothing else changed, the same error on both ranks), plus what only a GPU shows: ``send``/``recv``
+return while the caller's stream is still busy (no synchronisation of the compute stream), the
+transfer still sees the writes queued on that stream before it and is seen by the work queued after
+``wait()``, and repeated transfers allocate no device memory. ``NCCL_NVLS_ENABLE=0`` is set (no NVLink
+multicast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from transfer_ranks import Case, Side, check_outcomes, free_port, run_cases, spawn, with_side
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = Side(size=600)  # fp8 e4m3, 3 layers x 4 heads x 32: 768 bytes a token
+SMALL_CHUNKS = with_side(BASE, chunk_bytes=8 * 768)
+P16 = with_side(BASE, size=640, page_size=16)
+ODD = Side(dtype="bf16", layers=2, start_layer=5, heads=3, head_dim=96, v_head_dim=64, size=50, page_size=4)
+# Llama-3-8B geometry (32 layers, 8 KV heads x 128, FP8: 64 KiB a token), 8 MiB chunks.
+LLAMA = Side(layers=32, heads=8, head_dim=128, size=5000, chunk_bytes=8 << 20)
+LLAMA_P16 = with_side(LLAMA, size=5120, page_size=16, chunk_bytes=None)
+HIGH = Side(heads=2, head_start=2, total_heads=4, size=600, chunk_bytes=3 * 384)
+LOW = Side(heads=2, head_start=0, total_heads=4, size=640, page_size=16)
+
+
+def _pair(sender, receiver, **kw):
+    return dict(sides={0: sender, 1: receiver}, transfers=[(0, 1)], **kw)
+
+
+GPU_CASES = [
+    Case("fp8_many_chunks_page1_to_page16", **_pair(SMALL_CHUNKS, P16), tokens=301),
+    Case("bf16_odd_geometry", **_pair(ODD, with_side(ODD, page_size=16, size=64)), tokens=7),
+    Case("fp32_one_token", **_pair(with_side(BASE, dtype="fp32"), with_side(BASE, dtype="fp32")), tokens=1),
+    Case("no_tokens", **_pair(BASE, BASE), tokens=0),
+    Case("fp16_int32_loc_repeats", **_pair(with_side(BASE, dtype="fp16"), with_side(BASE, dtype="fp16")),
+         loc_dtype="int32", duplicates=True),  # fmt: skip
+    Case("llama_4k_tokens_page1_to_page16", **_pair(LLAMA, LLAMA_P16), tokens=4096),
+    Case("rank1_to_rank0", sides={0: P16, 1: SMALL_CHUNKS}, transfers=[(1, 0)], tokens=200),
+    Case("both_ways_in_a_row", sides={0: SMALL_CHUNKS, 1: BASE}, transfers=[(0, 1), (1, 0), (0, 1)], tokens=100),
+    Case("all_heads_to_upper_half", **_pair(BASE, HIGH), tokens=50),
+    Case("lower_half_to_all_heads", **_pair(LOW, BASE), tokens=50),
+    Case("dtype", **_pair(BASE, with_side(BASE, dtype="bf16")), expect=("ValueError", "dtype mismatch")),
+    Case("token_count", **_pair(BASE, BASE), recv_tokens=36, expect=("ValueError", "tokens mismatch")),
+    Case("both_send", **_pair(BASE, BASE), tamper={1: "as_sender"}, expect=("ValueError", "role mismatch")),
+    Case("sender_slot_past_the_end", **_pair(BASE, BASE), tamper={0: "oob"},
+         expect=("IndexError", "the sender's loc[18] = 601")),  # fmt: skip
+    Case("receiver_negative_slot", **_pair(BASE, BASE), tamper={1: "neg"},
+         expect=("IndexError", "the receiver's loc[0] = -1")),  # fmt: skip
+    Case("receiver_cuda_loc", **_pair(BASE, BASE), tamper={1: "cuda"}, expect=("ValueError", "host indices")),
+    Case("disjoint_heads", **_pair(LOW, HIGH), expect=("ValueError", "heads mismatch")),
+    Case("still_in_step", **_pair(SMALL_CHUNKS, P16), tokens=301),
+]
+
+
+def test_gpu_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
+    outcomes = run_cases(GPU_CASES, world=2, out=tmp_path, backend="nccl", timeout=300)
+    check_outcomes(GPU_CASES, outcomes, world=2)
+    llama = outcomes[1]["llama_4k_tokens_page1_to_page16"]["transfers"][0]
+    assert llama["nbytes"] == 4096 * 65536 and llama["chunks"] > 20, llama
+
+
+# --- streams and memory ------------------------------------------------------------------------------------
+
+SLEEP_S = 0.3
+
+
+def _stream_rank(rank: int, port: int, out: str) -> None:
+    from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60), device_id=dev)  # fmt: skip
+    report: dict = {}
+    try:
+        pool = MHATokenToKVPool(4096, 1, torch.float8_e4m3fn, 8, 128, 4, dev, warmup=False)
+        n = 1000
+        g = torch.Generator().manual_seed(7 + rank)
+        loc = torch.randperm(4097, generator=g)[:n]
+        ep = KVSender(pool, chunk_bytes=1 << 20) if rank == 0 else KVReceiver(pool, chunk_bytes=1 << 20)
+        move = ep.send if rank == 0 else ep.recv
+        for _ in range(2):  # the pair's communicator, pinned host blocks, compiled kernels
+            move(loc, 1 - rank).wait()
+        torch.cuda.synchronize()
+        # Cycles per second, measured, so that the busy stream really is busy for about SLEEP_S.
+        t = time.perf_counter()
+        torch.cuda._sleep(10_000_000)
+        torch.cuda.synchronize()
+        cycles = int(SLEEP_S * 10_000_000 / (time.perf_counter() - t))
+        dist.barrier()
+        torch.cuda.synchronize()
+
+        value = 17 + rank  # the sender's bytes; the receiver must end up with 17 everywhere
+        loc_dev = loc.to(dev)  # device indices for the writes below: no host copy behind the busy stream
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)  # the compute stream is busy ...
+        if rank == 0:
+            for b in pool.k_buffer + pool.v_buffer:  # ... and then writes what the transfer must carry
+                b.index_fill_(0, loc_dev, value)
+        start = time.perf_counter()
+        h = move(loc, 1 - rank)
+        report["call_s"] = time.perf_counter() - start
+        report["completed_right_after"] = h.is_completed()
+        h.wait()
+        if rank == 1:  # work queued after wait() sees the rows
+            seen = torch.stack([b.index_select(0, loc_dev).float().mean() for b in pool.k_buffer + pool.v_buffer])
+        torch.cuda.synchronize()
+        report["completed_after_sync"] = h.is_completed()
+        if rank == 1:
+            report["seen"] = seen.tolist()
+        stats0 = torch.cuda.memory_stats(dev)
+        for _ in range(3):
+            move(loc, 1 - rank).wait()
+        torch.cuda.synchronize()
+        stats1 = torch.cuda.memory_stats(dev)
+        report["allocations"] = stats1["allocation.all.allocated"] - stats0["allocation.all.allocated"]
+        report["sleep_s"] = SLEEP_S
+    finally:
+        Path(out, f"stream{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
+    spawn(_stream_rank, 2, (free_port(), str(tmp_path)), timeout=240)
+    reports = [json.loads(Path(tmp_path, f"stream{r}.json").read_text()) for r in range(2)]
+    for rank, rep in enumerate(reports):
+        assert rep["call_s"] < 0.5 * rep["sleep_s"], f"rank {rank}: the call waited for the busy stream: {rep}"
+        assert rep["completed_right_after"] is False, f"rank {rank}: done before its stream could run: {rep}"
+        assert rep["completed_after_sync"] is True, rep
+        assert rep["allocations"] == 0, f"rank {rank}: transfers allocated device memory: {rep}"
+    got = reports[1]
+    seen = got["seen"]
+    assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
+
+
+def test_gpu_disagg_sim_example():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--device", "cuda", "--requests", "24"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASS" in run.stdout and "nccl" in run.stdout, run.stdout

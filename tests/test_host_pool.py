@@ -1,0 +1,587 @@
+"""MHATokenToKVPoolHost on CPU pools (the whole host tier's logic, both backends, both layouts):
+sizing, page allocation, transfers against a model of the bytes (including a hypothesis state
+machine), storage-tier pages, bad input, the direct backend's copy plan, and the kernel backend
+through Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvassert import needs_interpreter
+
+from kvpool import MHATokenToKVPool
+from kvpool.kernels import copy_rows as C
+from kvpool.pools import host_copy, host_pool
+from kvpool.pools.host_pool import MHATokenToKVPoolHost
+
+LAYOUTS = ["layer_first", "page_first"]
+BACKENDS = ["kernel", "direct"]
+# H=3, D=8, Dv=4 in FP8: 24- and 12-byte rows; 3 layers.
+GEOM = dict(head_num=3, head_dim=8, v_head_dim=4, layer_num=3)
+
+
+def make_device_pool(size=40, page_size=4, dtype=torch.float8_e4m3fn, seed=0, validate=False, **over):
+    g = {**GEOM, **over}
+    pool = MHATokenToKVPool(
+        size, page_size, dtype, g["head_num"], g["head_dim"], g["layer_num"], "cpu",
+        v_head_dim=g["v_head_dim"], start_layer=g.get("start_layer", 0), validate=validate,
+    )  # fmt: skip
+    randomize(pool.k_buffer + pool.v_buffer, seed)
+    return pool
+
+
+def randomize(buffers, seed):
+    g = torch.Generator().manual_seed(seed)
+    for b in buffers:
+        raw = b.view(torch.uint8).view(-1)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def make_host(pool, layout="layer_first", page_size=4, ratio=2.0, seed=1, **kw):
+    host = MHATokenToKVPoolHost(pool, ratio, 0, page_size, layout, **kw)
+    randomize([host.k_buffer, host.v_buffer], seed)
+    return host
+
+
+def host_rows(host: MHATokenToKVPoolHost, layer: int, which: str) -> torch.Tensor:
+    """[size, row bytes] uint8 view of one layer's K or V on the host."""
+    buf = host.k_buffer if which == "k" else host.v_buffer
+    view = buf[layer] if host.layout == "layer_first" else buf[:, layer]
+    return view.reshape(host.size, -1).view(torch.uint8)
+
+
+def dev_rows(pool, layer: int, which: str) -> torch.Tensor:
+    buf = pool.k_buffer[layer] if which == "k" else pool.v_buffer[layer]
+    return buf.reshape(buf.shape[0], -1).view(torch.uint8)
+
+
+def snapshot(pool, host):
+    return [b.view(torch.uint8).clone() for b in pool.k_buffer + pool.v_buffer + [host.k_buffer, host.v_buffer]]
+
+
+def unchanged(pool, host, before):
+    return all(torch.equal(a, b) for a, b in zip(before, snapshot(pool, host)))
+
+
+@pytest.fixture(params=["reference", "interpreter"])
+def kernel_mode(request, monkeypatch):
+    if request.param == "interpreter":
+        if not C.INTERPRETER:
+            pytest.skip("kernel on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(C, "_kernel_on_cpu", True)
+    return request.param
+
+
+# --- sizing and allocation --------------------------------------------------------------------------
+
+
+def test_size_from_ratio_rounds_down_to_pages():
+    pool = make_device_pool(size=40)
+    host = MHATokenToKVPoolHost(pool, 1.7, 0, 16, "page_first")
+    assert host.size == 64 and host.page_num == 4  # 40 * 1.7 = 68 -> 4 pages of 16
+    assert host.size_per_token == host.get_size_per_token() == 3 * 3 * (8 + 4)
+    assert host.k_buffer.shape == (64, 3, 3, 8) and host.v_buffer.shape == (64, 3, 3, 4)
+    assert host.k_buffer.dtype == torch.uint8 and host.dtype == torch.float8_e4m3fn and not host.pin_memory
+
+
+def test_size_from_gigabytes():
+    pool = make_device_pool()
+    host = MHATokenToKVPoolHost(pool, 99.0, 1e-5, 4, "layer_first")  # 10 kB / 108 B = 92 -> 92 slots
+    assert host.size == 92 and host.k_buffer.shape == (3, 92, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(host_to_device_ratio=0.0), "host_to_device_ratio must be a positive number"),
+        (dict(host_to_device_ratio=0.01), "at least one page of 4 slots, got 0 slots"),
+        (dict(layout="page_head"), "layout must be one of layer_first, page_first, got 'page_head'"),
+        (dict(device="cuda"), "device must be cpu"),
+        (dict(page_size=0), "page_size must be a positive int, got 0"),
+        (dict(host_size=float("nan")), "host_size must be a number of GB"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    args = dict(host_to_device_ratio=2.0, host_size=0, page_size=4, layout="layer_first")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        MHATokenToKVPoolHost(make_device_pool(), **args)
+
+
+def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
+    pool = make_device_pool()
+    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 10_000)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated host memory"))
+    with pytest.raises(ValueError, match=r"host memory: the host pool needs 8,640 bytes \(80 slots x 108 B\) but only 7,500 bytes"):
+        MHATokenToKVPoolHost(pool, 2.0, 0, 4, "layer_first")
+
+
+def test_device_pool_must_be_a_pool():
+    with pytest.raises(TypeError, match="device_pool must be an MHATokenToKVPool"):
+        MHATokenToKVPoolHost(object(), 2.0, 0, 4, "layer_first")
+
+
+def test_alloc_free_pages():
+    host = make_host(make_device_pool(), ratio=0.5)  # 20 slots, 5 pages
+    assert host.available_size() == 20
+    a = host.alloc(8)
+    assert a.dtype == torch.int64 and a.tolist() == list(range(8))
+    b = host.alloc(12)
+    assert host.available_size() == 0 and host.alloc(4) is None and host.available_size() == 0
+    assert host.free(torch.cat((a[4:], a[:4]))) == 8  # pages in any order
+    c = host.alloc(8)
+    assert sorted(c.tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="multiple of page_size 4, got 6"):
+        host.alloc(6)
+    host.free(b[:4])
+    with pytest.raises(ValueError, match=r"page 2 \(slots 8..\) is not allocated \(double free\?\)"):
+        host.free(b[:4])
+    host.clear()
+    assert host.available_size() == 20
+
+
+@pytest.mark.parametrize(
+    "indices, exc, match",
+    [
+        (torch.tensor([0, 1, 2]), ValueError, "whole pages of 4 slots, got 3 entries"),
+        (torch.tensor([1, 2, 3, 4]), ValueError, r"whole pages .*: entries 0..3 are \[1, 2, 3, 4\]"),
+        (torch.tensor([0, 1, 3, 2]), ValueError, "whole pages"),
+        (torch.tensor([80, 81, 82, 83]), IndexError, r"indices\[0\] = 80 is out of range: host slots are 0..79"),
+        (torch.tensor([0.0, 1, 2, 3]), ValueError, "indices must be int32 or int64, got torch.float32"),
+        (torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), ValueError, "each page once"),
+    ],
+)
+def test_free_rejects_bad_indices(indices, exc, match):
+    host = make_host(make_device_pool())
+    host.alloc(80)
+    with pytest.raises(exc, match=match):
+        host.free(indices)
+    assert host.available_size() == 0
+
+
+# --- transfers --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 150], ids=["one-chunk", "chunks"])
+def test_backup_then_load_moves_exact_bytes(kernel_mode, layout, backend, staging_bytes):
+    if kernel_mode == "interpreter" and (backend == "direct" or staging_bytes != 1 << 20):
+        pytest.skip("the interpreter runs the kernel backend once per layout")
+    pool = make_device_pool(seed=3)
+    host = make_host(pool, layout, staging_bytes=staging_bytes)
+    h = host.alloc(12)
+    h = torch.cat((h[8:], h[:8]))  # pages out of order: runs of one and two pages
+    d = torch.tensor([5, 6, 7, 8, 30, 2, 3, 31, 0, 43, 17, 16])
+    before_pool = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    host_before = [host.k_buffer.clone(), host.v_buffer.clone()]
+    assert host.backup_from_device_all_layer(pool, h, d, backend) is None
+    assert all(torch.equal(a, b) for a, b in zip(before_pool, pool.k_buffer + pool.v_buffer))
+    named = torch.zeros(host.size, dtype=torch.bool)
+    named[h] = True
+    for layer in range(3):
+        for which in "kv":
+            got = host_rows(host, layer, which)
+            assert torch.equal(got[h], dev_rows(pool, layer, which)[d])
+            ref = host_before[0] if which == "k" else host_before[1]
+            ref_rows = (ref[layer] if layout == "layer_first" else ref[:, layer]).reshape(host.size, -1).view(torch.uint8)
+            assert torch.equal(got[~named], ref_rows[~named]), "host rows not named changed"
+    # Load into a fresh pool, one layer, then every layer, into other slots.
+    other = make_device_pool(seed=4)
+    untouched = [b.clone() for b in other.k_buffer + other.v_buffer]
+    t = torch.tensor([1, 2, 3, 4, 9, 10, 11, 12, 20, 21, 22, 23], dtype=torch.int32)
+    host.load_to_device_per_layer(other, h, t, 1, backend)
+    for layer in range(3):
+        for which in "kv":
+            got = dev_rows(other, layer, which)
+            base = untouched[layer if which == "k" else 3 + layer]
+            base = base.reshape(base.shape[0], -1).view(torch.uint8)
+            if layer == 1:
+                assert torch.equal(got[t.long()], dev_rows(pool, layer, which)[d])
+                mask = torch.ones(got.shape[0], dtype=torch.bool)
+                mask[t.long()] = False
+                assert torch.equal(got[mask], base[mask])
+            else:
+                assert torch.equal(got, base), f"layer {layer} {which} changed by a load of layer 1"
+    host.load_to_device_all_layer(other, h, t, backend)
+    for layer in range(3):
+        for which in "kv":
+            assert torch.equal(dev_rows(other, layer, which)[t.long()], dev_rows(pool, layer, which)[d])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backends_are_bit_identical(layout):
+    pool = make_device_pool(seed=8, dtype=torch.bfloat16)
+    hosts = {b: make_host(pool, layout, seed=9, staging_bytes=200) for b in BACKENDS}
+    d = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])  # a device row backed up twice is fine
+    for backend, host in hosts.items():
+        h = host.alloc(8)
+        host.backup_from_device_all_layer(pool, h, d, backend)
+    assert torch.equal(hosts["kernel"].k_buffer.view(torch.uint8), hosts["direct"].k_buffer.view(torch.uint8))
+    assert torch.equal(hosts["kernel"].v_buffer.view(torch.uint8), hosts["direct"].v_buffer.view(torch.uint8))
+
+
+def test_start_layer_and_global_layer_ids():
+    pool = make_device_pool(start_layer=10)
+    host = make_host(pool)
+    h = host.alloc(4)
+    host.backup_from_device_all_layer(pool, h, torch.tensor([1, 2, 3, 4]), "kernel")
+    other = make_device_pool(start_layer=10, seed=5)
+    host.load_to_device_per_layer(other, h, torch.tensor([5, 6, 7, 8]), 12, "direct")
+    assert torch.equal(dev_rows(other, 2, "k")[5:9], dev_rows(pool, 2, "k")[1:5])
+    with pytest.raises(IndexError, match=r"layer_id 3 is outside the pool's layers \[10, 12\]"):
+        host.load_to_device_per_layer(other, h, torch.tensor([5, 6, 7, 8]), 3, "direct")
+
+
+def test_empty_transfers_are_no_ops():
+    pool = make_device_pool()
+    host = make_host(pool)
+    before = snapshot(pool, host)
+    e = torch.empty(0, dtype=torch.int64)
+    host.backup_from_device_all_layer(pool, e, e, "kernel")
+    host.load_to_device_all_layer(pool, e, e, "direct")
+    assert unchanged(pool, host, before)
+
+
+def _bad_transfer(case):
+    pool = make_device_pool()
+    host = make_host(pool)
+    h = host.alloc(8)
+    d = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    backend = "kernel"
+    target = pool
+    if case == "counts":
+        d = d[:4]
+        match = (ValueError, r"device_indices must have as many entries as host_indices \(8\), got 4")
+    elif case == "not-whole-pages":
+        h, d = h[:6], d[:6]
+        match = (ValueError, "host_indices must hold whole pages of 4 slots, got 6 entries")
+    elif case == "misaligned":
+        h = h + 1
+        match = (ValueError, "host_indices must be whole pages")
+    elif case == "host-out-of-range":
+        h = torch.arange(80, 88)
+        match = (IndexError, r"host_indices\[0\] = 80 is out of range: host slots are 0..79")
+    elif case == "host-dtype":
+        h = h.float()
+        match = (ValueError, "host_indices must be int32 or int64, got torch.float32")
+    elif case == "host-device":
+        h = h.to("meta")
+        match = (ValueError, "host_indices must be on cpu")
+    elif case == "device-dtype":
+        d = d.to(torch.int16)
+        match = (ValueError, "device_indices must be int32 or int64, got torch.int16")
+    elif case == "device-device":
+        d = d.to("meta")
+        match = (ValueError, "device_indices must be on cpu, got meta")
+    elif case == "device-out-of-range":
+        d = torch.tensor([1, 2, 3, 4, 5, 6, 7, 44])
+        match = (IndexError, r"device_indices\[7\] = 44 is out of range: rows are 0..43")
+    elif case == "geometry":
+        target = make_device_pool(head_dim=16)
+        match = (ValueError, "device_pool must have head_dim=8 like the pool this host pool was built for, got 16")
+    elif case == "layers":
+        target = make_device_pool(layer_num=2)
+        match = (ValueError, "device_pool must have layer_num=3")
+    elif case == "dtype":
+        target = make_device_pool(dtype=torch.float8_e5m2)
+        match = (ValueError, "device_pool must have dtype=torch.float8_e4m3fn")
+    elif case == "backend":
+        backend = "dma"
+        match = (ValueError, "io_backend must be one of kernel, direct, got 'dma'")
+    else:
+        raise AssertionError(case)
+    return pool, host, target, h, d, backend, match
+
+
+BAD_TRANSFERS = [
+    "counts", "not-whole-pages", "misaligned", "host-out-of-range", "host-dtype", "host-device", "device-dtype",
+    "device-device", "device-out-of-range", "geometry", "layers", "dtype", "backend",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+@pytest.mark.parametrize("case", BAD_TRANSFERS)
+def test_bad_transfers_raise_before_copying(case, direction):
+    pool, host, target, h, d, backend, (exc, match) = _bad_transfer(case)
+    before = snapshot(target, host)
+    with pytest.raises(exc, match=match):
+        if direction == "backup":
+            host.backup_from_device_all_layer(target, h, d, backend)
+        else:
+            host.load_to_device_per_layer(target, h, d, 0, backend)
+    assert unchanged(target, host, before)
+
+
+def test_validate_checks_host_pages_are_allocated():
+    pool = make_device_pool()
+    host = make_host(pool, validate=True)
+    with pytest.raises(ValueError, match="host_indices must be allocated host slots: page 0 is free"):
+        host.backup_from_device_all_layer(pool, torch.arange(4), torch.arange(4), "kernel")
+
+
+# --- pages for a storage tier -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_data_pages_round_trip(layout):
+    pool = make_device_pool()
+    host = make_host(pool, layout)
+    page = host.get_data_page(8)
+    k, v = host.get_data_page(8, flat=False)
+    assert page.dtype == torch.uint8 and page.shape == (4 * 3 * 3 * 12,)
+    if layout == "layer_first":
+        assert k.shape == (3, 4, 3, 8) and torch.equal(k, host.k_buffer[:, 8:12])
+    else:
+        assert k.shape == (4, 3, 3, 8) and torch.equal(k, host.k_buffer[8:12])
+    assert torch.equal(page, torch.cat((k.reshape(-1), v.reshape(-1))))
+    before = [host.k_buffer.clone(), host.v_buffer.clone()]
+    host.set_from_flat_data_page(16, page)
+    k2, v2 = host.get_data_page(16, flat=False)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    # Nothing outside page 16 moved.
+    mask = torch.ones(host.size, dtype=torch.bool)
+    mask[16:20] = False
+    for buf, old in zip((host.k_buffer, host.v_buffer), before):
+        if layout == "layer_first":
+            assert torch.equal(buf[:, mask], old[:, mask])
+        else:
+            assert torch.equal(buf[mask], old[mask])
+    dummy = host.get_dummy_flat_data_page()
+    assert dummy.shape == page.shape and not dummy.any()
+
+
+@pytest.mark.parametrize(
+    "index, page, exc, match",
+    [
+        (6, None, IndexError, "first slot of a page .* got 6"),
+        (80, None, IndexError, "got 80"),
+        (1.0, None, TypeError, "index must be an int"),
+        (8, torch.zeros(10, dtype=torch.uint8), ValueError, r"1-D with 432 elements"),
+        (8, torch.zeros(432, dtype=torch.float16), ValueError, "data_page must be torch.uint8, got torch.float16"),
+    ],
+)
+def test_bad_data_pages(index, page, exc, match):
+    host = make_host(make_device_pool())
+    before = [host.k_buffer.clone(), host.v_buffer.clone()]
+    with pytest.raises(exc, match=match):
+        if page is None:
+            host.get_data_page(index)
+        else:
+            host.set_from_flat_data_page(index, page)
+    assert torch.equal(before[0], host.k_buffer) and torch.equal(before[1], host.v_buffer)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_buffer_meta_points_at_the_pages(layout):
+    host = make_host(make_device_pool(), layout)
+    ptrs, sizes = host.get_page_buffer_meta(torch.tensor([12, 13, 14, 15, 4, 5, 6, 7]))
+    if layout == "page_first":
+        assert ptrs == [
+            host.k_buffer[12].data_ptr(), host.v_buffer[12].data_ptr(), host.k_buffer[4].data_ptr(), host.v_buffer[4].data_ptr()
+        ]  # fmt: skip
+        assert sizes == [4 * 3 * 24, 4 * 3 * 12] * 2
+    else:
+        expect = []
+        for s in (12, 4):
+            for layer in range(3):
+                expect += [host.k_buffer[layer, s].data_ptr(), host.v_buffer[layer, s].data_ptr()]
+        assert ptrs == expect and sizes == [4 * 24, 4 * 12] * 6
+
+
+# --- the direct backend's copy plan -----------------------------------------------------------------
+
+
+def test_runs():
+    pos, first, length = host_copy.runs(np.array([4, 5, 6, 9, 10, 2]))
+    assert pos.tolist() == [0, 3, 5] and first.tolist() == [4, 9, 2] and length.tolist() == [3, 2, 1]
+    assert all(x.shape == (0,) for x in host_copy.runs(np.zeros(0, dtype=np.int64)))
+
+
+@given(
+    slots=st.lists(st.integers(0, 15), min_size=1, max_size=10, unique=True),
+    layout=st.sampled_from(LAYOUTS),
+    layer=st.one_of(st.none(), st.integers(0, 2)),
+)
+def test_segments_cover_exactly_the_rows(slots, layout, layer):
+    """Every byte the plan copies is the byte a row-by-row copy would copy, and nothing else."""
+    size, layers, row, staging = 16, 3, 5, 12
+    seg = host_copy.segments(layout, np.array(slots), row, size, layers, staging, layer)
+    got = {}
+    for h, s, n in seg.tolist():
+        for i in range(n):
+            got[h + i] = s + i
+    want = {}
+    for p, slot in enumerate(slots):
+        for lay in ([layer] if layer is not None else range(layers)):
+            if layout == "layer_first":
+                h0 = (lay * size + slot) * row
+            else:
+                h0 = (slot * layers + lay) * row
+            if layer is not None:
+                s0 = p * row
+            elif layout == "layer_first":
+                s0 = (lay * staging + p) * row
+            else:
+                s0 = (p * layers + lay) * row
+            for i in range(row):
+                want[h0 + i] = s0 + i
+    assert got == want
+
+
+def test_segments_merge_runs():
+    seg = host_copy.segments("page_first", np.arange(8, 16), 24, 64, 3, 8)
+    assert seg.tolist() == [[8 * 3 * 24, 0, 8 * 3 * 24]]  # one copy for two consecutive pages
+    seg = host_copy.segments("layer_first", np.arange(8, 16), 24, 64, 3, 8)
+    assert seg.shape == (3, 3)  # one per layer
+
+
+# --- a state machine against a model of the bytes ---------------------------------------------------
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """Random backups, loads (one layer or all), frees and allocations; before each step every
+    device row is refilled with fresh bytes, so a load that writes the wrong row or misses one shows.
+    The model is the full byte contents of both pools."""
+
+    @initialize(layout=st.sampled_from(LAYOUTS), staging=st.sampled_from([100, 1 << 20]), seed=st.integers(0, 99))
+    def setup(self, layout, staging, seed):
+        self.pool = make_device_pool(size=24, page_size=2, seed=seed, layer_num=2)
+        self.host = make_host(self.pool, layout, page_size=2, ratio=1.0, seed=seed + 1, staging_bytes=staging)
+        self.rows = self.pool.size + self.pool.page_size
+        self.held: list[torch.Tensor] = []  # allocated host pages, a tensor per allocation
+        self.model_host = [host_rows(self.host, l, w).clone() for l in range(2) for w in "kv"]
+        self.seed = seed
+
+    def _model_dev(self):
+        return [dev_rows(self.pool, l, w).clone() for l in range(2) for w in "kv"]
+
+    def _poison_device(self, data):
+        self.seed += 1
+        randomize(self.pool.k_buffer + self.pool.v_buffer, self.seed)
+        return self._model_dev()
+
+    @rule(pages=st.integers(1, 4))
+    def alloc(self, pages):
+        got = self.host.alloc(pages * 2)
+        if pages * 2 > self.host.available_size() + (0 if got is None else pages * 2):
+            assert got is None
+        if got is not None:
+            self.held.append(got)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data):
+        i = data.draw(st.integers(0, len(self.held) - 1))
+        self.host.free(self.held.pop(i))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), backend=st.sampled_from(BACKENDS))
+    def backup(self, data, backend):
+        h = data.draw(st.sampled_from(self.held))
+        d = data.draw(st.lists(st.integers(0, self.rows - 1), min_size=h.shape[0], max_size=h.shape[0]))
+        model_dev = self._poison_device(data)
+        self.host.backup_from_device_all_layer(self.pool, h, torch.tensor(d), backend)
+        for i, rows in enumerate(model_dev):
+            self.model_host[i][h] = rows[torch.tensor(d)]
+        self.check(model_dev)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), backend=st.sampled_from(BACKENDS), layer=st.one_of(st.none(), st.integers(0, 1)))
+    def load(self, data, backend, layer):
+        h = data.draw(st.sampled_from(self.held))
+        d = data.draw(st.permutations(range(self.rows)))[: h.shape[0]]
+        model_dev = self._poison_device(data)
+        d_t = torch.tensor(d, dtype=torch.int32)
+        if layer is None:
+            self.host.load_to_device_all_layer(self.pool, h, d_t, backend)
+        else:
+            self.host.load_to_device_per_layer(self.pool, h, d_t, layer, backend)
+        for i in range(len(model_dev)):
+            if layer is None or i // 2 == layer:
+                model_dev[i][d_t.long()] = self.model_host[i][h]
+        self.check(model_dev)
+
+    def check(self, model_dev):
+        for i, rows in enumerate(model_dev):
+            assert torch.equal(dev_rows(self.pool, i // 2, "kv"[i % 2]), rows), f"device buffer {i}"
+        for i, rows in enumerate(self.model_host):
+            assert torch.equal(host_rows(self.host, i // 2, "kv"[i % 2]), rows), f"host buffer {i}"
+
+    @invariant()
+    def accounting(self):
+        if hasattr(self, "host"):
+            held = sum(t.shape[0] for t in self.held)
+            assert self.host.available_size() + held == self.host.size
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+
+
+# --- the kernel backend through the interpreter -----------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_backend_runs_the_kernel(monkeypatch, layout):
+    """With the kernel enabled on CPU tables, the host pool's kernel backend launches copy_rows's
+    kernel (counted) and matches the direct backend."""
+    monkeypatch.setattr(C, "_kernel_on_cpu", True)
+    launches = []
+    real = C.launch_copy_rows
+    monkeypatch.setattr(C, "launch_copy_rows", lambda *a, **k: launches.append(k.get("max_programs")) or real(*a, **k))
+    pool = make_device_pool(seed=12)
+    host = make_host(pool, layout, kernel_programs=2)
+    h = host.alloc(8)
+    d = torch.tensor([9, 8, 7, 6, 1, 2, 3, 4])
+    host.backup_from_device_all_layer(pool, h, d, "kernel")
+    assert launches == [2]
+    other = make_device_pool(seed=13)
+    host.load_to_device_all_layer(other, h, torch.arange(10, 18), "kernel")
+    assert launches == [2, 2, 2, 2]  # one per layer
+    for layer in range(3):
+        for which in "kv":
+            assert torch.equal(dev_rows(other, layer, which)[10:18], dev_rows(pool, layer, which)[d])
+
+
+# --- pinned host buffers (cudaHostRegister mocked: the arithmetic of the registered range) ----------
+
+
+class FakeCudart:
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert flags == 3  # portable | mapped
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+
+@pytest.mark.parametrize("k_shape, v_shape", [((3, 5, 2, 8), (3, 5, 2, 4)), ((2, 1000, 8, 128), (2, 1000, 8, 64))])
+def test_pinned_buffers_register_whole_pages_of_their_own(monkeypatch, k_shape, v_shape):
+    import os
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    page = os.sysconf("SC_PAGE_SIZE")
+    k, v, handle = host_pool._host_buffers(k_shape, v_shape, torch.uint8, True)
+    assert k.shape == k_shape and v.shape == v_shape and k.is_contiguous() and v.is_contiguous()
+    [(ptr, size)] = fake.registered.items()
+    assert ptr % page == 0 and size % page == 0
+    raw = handle.raw
+    assert raw.data_ptr() <= ptr and ptr + size <= raw.data_ptr() + raw.numel()  # inside the allocation
+    for t in (k, v):
+        assert t.data_ptr() % page == 0 and ptr <= t.data_ptr() and t.data_ptr() + t.numel() <= ptr + size
+    assert k.data_ptr() + k.numel() <= v.data_ptr()  # no overlap
+    del handle
+    assert not fake.registered  # unregistered with its handle; k and v stay valid host memory
+    assert k.sum() >= 0 and v.sum() >= 0

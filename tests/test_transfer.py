@@ -1,0 +1,338 @@
+"""KV transfer between ranks (SPEC 8) on CPU pools over gloo, plus the pure parts in-process.
+
+The spawned tests run many cases per process group (startup dominates): every byte of every moved
+row, nothing else in either pool changed, the same error on both ranks for every mismatch and bad
+argument, and the pair still in step afterwards. Re-sharding between tensor-parallel sizes runs on
+three ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+from kvpool.transfer.handshake import (
+    HEADER_BYTES,
+    MESSAGE_BYTES,
+    RECEIVER,
+    SENDER,
+    Agreement,
+    Header,
+    Refusal,
+    agree,
+    make_header,
+)
+from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
+from kvassert import needs_interpreter
+from transfer_ranks import Case, Side, check_outcomes, run_cases, with_side
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- the chunk plan ---------------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 5000), st.integers(1, 700))
+def test_chunk_plan_covers_tokens_in_bounded_growing_chunks(tokens, capacity):
+    plan = chunk_plan(tokens, capacity)
+    starts = [s for s, _ in plan]
+    counts = [c for _, c in plan]
+    assert sum(counts) == tokens
+    assert starts == [sum(counts[:i]) for i in range(len(counts))]
+    assert all(1 <= c <= capacity for c in counts)
+    # each chunk's gather must fit under the previous chunk's send: bounded growth
+    assert all(b <= RAMP * a for a, b in zip(counts, counts[1:]))
+    assert plan == chunk_plan(tokens, capacity)
+
+
+def test_chunk_plan_shape_for_an_8k_request():
+    counts = [c for _, c in chunk_plan(8192, 1024)]
+    assert counts == [64, 256, 1024, 1024, 1024, 704, 704, 1024, 1024, 1024, 256, 64]
+
+
+def test_chunk_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="capacity"):
+        chunk_plan(10, 0)
+
+
+def test_token_layout():
+    lay = TokenLayout.of(layer_num=2, heads=3, head_dim=4, v_head_dim=2, element_size=2)
+    assert lay.row_bytes == (24, 12, 24, 12)
+    assert lay.offsets == (0, 24, 36, 60)
+    assert lay.token_bytes == 72
+
+
+# --- the handshake ---------------------------------------------------------------------------------------
+
+
+def _pool(**kw):
+    args = dict(size=64, page_size=1, dtype=torch.float8_e4m3fn, head_num=4, head_dim=32, layer_num=3, device="cpu")
+    args.update(kw)
+    return MHATokenToKVPool(**args)
+
+
+def _header(role, rank, pool=None, head_start=0, total_heads=4, tokens=10, chunk_bytes=4096):
+    return make_header(role, rank, pool or _pool(), head_start, total_heads, tokens, chunk_bytes)
+
+
+def test_header_round_trips_with_a_cut_message():
+    h = _header(SENDER, 3).with_error(IndexError("slot é " + "x" * 2000))
+    data = h.encode()
+    assert data.dtype == torch.uint8 and data.shape == (HEADER_BYTES,)
+    back = Header.decode(data)
+    assert back.error_kind == h.error_kind and back.tokens == 10 and back.rank == 3
+    assert back.message == h.message.encode()[:MESSAGE_BYTES].decode()
+
+
+def test_agree_moves_the_common_heads_in_the_smaller_chunks():
+    s = _header(SENDER, 0, chunk_bytes=8192)
+    r = _header(RECEIVER, 1, pool=_pool(head_num=2), head_start=2, chunk_bytes=4096)
+    assert agree(s, r) == agree(r, s) == Agreement(tokens=10, head_lo=2, head_hi=4, chunk_bytes=4096)
+
+
+MISMATCHES = [  # (field named in the message, how the receiver differs)
+    ("dtype", dict(pool=_pool(dtype=torch.bfloat16))),
+    ("layers", dict(pool=_pool(layer_num=2))),
+    ("layers", dict(pool=_pool(start_layer=1))),
+    ("total_heads", dict(total_heads=8)),
+    ("head_dim", dict(pool=_pool(head_dim=64))),
+    ("v_head_dim", dict(pool=_pool(v_head_dim=16))),
+    ("heads", dict(pool=_pool(head_num=2), head_start=2)),  # against a sender holding heads [0, 2)
+    ("tokens", dict(tokens=11)),
+]
+
+
+@pytest.mark.parametrize("field, receiver", MISMATCHES, ids=[f for f, _ in MISMATCHES])
+def test_agree_names_the_mismatched_field_whichever_header_comes_first(field, receiver):
+    sender_pool = _pool(head_num=2) if field == "heads" else _pool()
+    s = _header(SENDER, 0, pool=sender_pool)
+    r = _header(RECEIVER, 1, **receiver)
+    verdict = agree(s, r)
+    assert verdict == agree(r, s)
+    assert isinstance(verdict, Refusal) and verdict.error is ValueError
+    assert f"{field} mismatch" in verdict.message and "rank 0 -> rank 1" in verdict.message
+
+
+def test_agree_reports_roles_and_own_problems_before_geometry():
+    both_send = agree(_header(SENDER, 0), _header(SENDER, 1, pool=_pool(dtype=torch.bfloat16)))
+    assert isinstance(both_send, Refusal) and "role mismatch" in both_send.message
+    bad_sender = _header(SENDER, 2).with_error(IndexError("sender slot"))
+    bad_receiver = _header(RECEIVER, 1, pool=_pool(dtype=torch.bfloat16)).with_error(TypeError("receiver loc"))
+    assert agree(bad_sender, bad_receiver) == agree(bad_receiver, bad_sender) == Refusal(IndexError, "sender slot")
+    assert agree(_header(SENDER, 2), bad_receiver) == Refusal(TypeError, "receiver loc")
+
+
+def test_agree_rejects_a_foreign_header():
+    junk = Header.decode(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
+    verdict = agree(_header(SENDER, 0), junk)
+    assert isinstance(verdict, Refusal) and "protocol mismatch" in verdict.message
+
+
+# --- endpoint construction (no process group needed) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(head_start=-1), ValueError, "head_start must be a non-negative int"),
+        (dict(head_start=2), ValueError, "pass total_heads"),
+        (dict(head_start=2, total_heads=5), ValueError, "within total_heads=5"),
+        (dict(total_heads=0), ValueError, "total_heads must be a positive int"),
+        (dict(chunk_bytes=100), ValueError, "chunk_bytes must hold at least one token of this pool (768 bytes"),
+        (dict(max_programs=0), ValueError, "max_programs must be a positive int"),
+    ],
+)
+def test_endpoint_rejects_bad_settings(kwargs, error, text):
+    with pytest.raises(error, match=text.replace("(", r"\(").replace("[", r"\[")):
+        KVSender(_pool(), **kwargs)
+
+
+def test_endpoint_rejects_a_non_pool():
+    with pytest.raises(TypeError, match="pool must be an MHATokenToKVPool, got Tensor"):
+        KVReceiver(torch.zeros(3))
+
+
+def test_send_without_process_group_raises_at_once():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        KVSender(_pool()).send(torch.arange(3), 1)
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group in this process: enough for the checks made before any handshake."""
+    import torch.distributed as dist
+
+    from transfer_ranks import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "peer, error, text",
+    [
+        (0, ValueError, "dst must be another rank of the process group [0], got 0 (this rank is 0)"),
+        (3, ValueError, "dst must be another rank of the process group [0], got 3"),
+        (True, TypeError, "dst must be an int (a global rank), got bool"),
+        ("1", TypeError, "dst must be an int (a global rank), got str"),
+    ],
+)
+def test_a_peer_that_cannot_be_told_raises_at_once(world_of_one, peer, error, text):
+    with pytest.raises(error) as info:
+        KVSender(_pool()).send(torch.arange(3), peer)
+    assert text in str(info.value)
+
+
+def test_send_kv_keeps_one_endpoint_per_pool_and_settings():
+    from kvpool.transfer.endpoint import _endpoint
+
+    pool = _pool()
+    a = _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=None)
+    assert _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=None) is a
+    assert _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=4096) is not a
+    assert _endpoint(KVReceiver, pool, None, head_start=0, total_heads=None, chunk_bytes=None) is not a
+    assert _endpoint(KVSender, _pool(), None, head_start=0, total_heads=None, chunk_bytes=None) is not a
+
+
+# --- two ranks over gloo -------------------------------------------------------------------------------------
+
+BASE = Side()  # fp8 e4m3, 3 layers x 4 heads x 32, 200 slots, page 1: 768 bytes a token
+SMALL_CHUNKS = with_side(BASE, chunk_bytes=8 * 768)  # 8 tokens a chunk: many chunks, ramp at both ends
+P16 = with_side(BASE, size=256, page_size=16)
+
+
+def _pair(sender: Side, receiver: Side, **kw) -> dict:
+    return dict(sides={0: sender, 1: receiver}, transfers=[(0, 1)], **kw)
+
+
+def _ok(name: str, sender: Side, receiver: Side, **kw) -> Case:
+    return Case(name, **_pair(sender, receiver), **kw)
+
+
+def _fails(name: str, error: str, text: str, sender: Side = BASE, receiver: Side = BASE, **kw) -> Case:
+    return Case(name, **_pair(sender, receiver), expect=(error, text), **kw)
+
+
+def _as(dtype: str, side: Side = BASE, **changes) -> Side:
+    return with_side(side, dtype=dtype, **changes)
+
+
+ODD = Side(dtype="bf16", layers=2, start_layer=5, heads=3, head_dim=96, v_head_dim=64, size=50, page_size=4)
+ODD_P16 = with_side(ODD, page_size=16, size=64)
+SENDER_HAS = "mismatch: the sender's pool has "
+TWO_RANK_CASES = [
+    _ok("fp8_many_chunks_page1_to_page16", SMALL_CHUNKS, P16),
+    _ok("bf16_odd_geometry_layers_5_6", ODD, ODD_P16, tokens=7),
+    _ok("fp32_one_token", _as("fp32"), _as("fp32"), tokens=1),
+    _ok("e5m2_no_tokens", _as("fp8_e5m2"), _as("fp8_e5m2"), tokens=0),
+    _ok("fp16_int32_loc_sender_repeats_slots", _as("fp16"), _as("fp16", chunk_bytes=5 * 1536),
+        loc_dtype="int32", duplicates=True),  # fmt: skip
+    _ok("numpy_loc", BASE, BASE, loc_dtype="numpy"),
+    _ok("whole_pool_every_slot", with_side(BASE, size=63), with_side(SMALL_CHUNKS, size=63), tokens=64),
+    Case("rank1_sends_to_rank0", sides={0: P16, 1: SMALL_CHUNKS}, transfers=[(1, 0)]),
+    Case("three_in_a_row_both_ways", sides={0: SMALL_CHUNKS, 1: BASE}, transfers=[(0, 1), (1, 0), (0, 1)]),
+    _fails("dtype", "ValueError", "dtype " + SENDER_HAS + "dtype=torch.float8_e4m3fn, the receiver's has "
+           "dtype=torch.bfloat16", receiver=_as("bf16")),  # fmt: skip
+    _fails("layer_count", "ValueError", "layers " + SENDER_HAS + "layers=[0, 2], the receiver's has layers=[0, 1]",
+           receiver=with_side(BASE, layers=2)),  # fmt: skip
+    _fails("start_layer", "ValueError", "layers mismatch", receiver=with_side(BASE, start_layer=1)),
+    _fails("head_dim", "ValueError", "head_dim " + SENDER_HAS + "head_dim=32, the receiver's has head_dim=64",
+           receiver=with_side(BASE, head_dim=64)),  # fmt: skip
+    _fails("v_head_dim", "ValueError", "v_head_dim mismatch", receiver=with_side(BASE, v_head_dim=16)),
+    _fails("head_count", "ValueError", "total_heads " + SENDER_HAS + "total_heads=4, the receiver's has "
+           "total_heads=2", receiver=with_side(BASE, heads=2)),  # fmt: skip
+    _fails("token_count", "ValueError", "tokens " + SENDER_HAS + "tokens=37, the receiver's has tokens=36",
+           recv_tokens=36),  # fmt: skip
+    _fails("both_send", "ValueError", "role mismatch: rank 0 is a sender and rank 1 is a sender",
+           tamper={1: "as_sender"}),  # fmt: skip
+    _fails("both_receive", "ValueError", "role mismatch", tamper={0: "as_receiver"}),
+    _fails("sender_slot_past_the_end", "IndexError", "the sender's loc[18] = 201 is outside its pool's slots [0, 201)",
+           tamper={0: "oob"}),  # fmt: skip
+    _fails("receiver_negative_slot", "IndexError", "the receiver's loc[0] = -1 is outside its pool's slots [0, 272)",
+           receiver=P16, tamper={1: "neg"}),  # fmt: skip
+    _fails("receiver_float_loc", "ValueError", "the receiver's loc must be int32 or int64, got torch.float32",
+           tamper={1: "float"}),  # fmt: skip
+    _fails("sender_2d_loc", "ValueError", "the sender's loc must be 1-D [T], got shape (1, 37)", tamper={0: "2d"}),
+    _fails("sender_list_loc", "TypeError", "got list", tamper={0: "list"}),
+    _fails("receiver_device_loc", "ValueError", "host indices", tamper={1: "cuda"}),
+    _fails("bad_slot_reported_before_geometry", "IndexError", "the sender's loc[18]", receiver=_as("bf16"),
+           tamper={0: "oob"}),  # fmt: skip
+    _ok("still_in_step_after_the_errors", SMALL_CHUNKS, P16),
+]
+
+
+def test_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
+    outcomes = run_cases(TWO_RANK_CASES, world=2, out=tmp_path)
+    check_outcomes(TWO_RANK_CASES, outcomes, world=2)
+    multi = outcomes[1]["fp8_many_chunks_page1_to_page16"]["transfers"][0]
+    assert multi["tokens"] == 37 and multi["nbytes"] == 37 * 768 and multi["chunks"] > 5, multi
+    assert outcomes[0]["e5m2_no_tokens"]["transfers"][0]["chunks"] == 0
+
+
+KERNEL_CASES = [  # the Triton kernel (interpreted) on the staging bands and head-sliced pool tables
+    _ok("kernel_fp8_many_chunks", SMALL_CHUNKS, P16, tokens=21),
+    _ok("kernel_bf16_odd_geometry", ODD, ODD_P16, tokens=5),
+    _ok("kernel_heads_2_to_4_of_4", BASE, Side(heads=2, head_start=2, total_heads=4, chunk_bytes=4 * 384), tokens=9),
+]
+
+
+@needs_interpreter
+def test_two_ranks_through_the_copy_kernel(tmp_path):
+    outcomes = run_cases(KERNEL_CASES, world=2, out=tmp_path, kernel=True)
+    check_outcomes(KERNEL_CASES, outcomes, world=2)
+
+
+# --- three ranks: tensor-parallel re-sharding --------------------------------------------------------------
+
+FULL = Side(heads=4, total_heads=4, chunk_bytes=6 * 768)
+LOW = Side(heads=2, head_start=0, total_heads=4, page_size=16, size=256)
+HIGH = Side(heads=2, head_start=2, total_heads=4, chunk_bytes=3 * 384)
+TP2 = {1: LOW, 2: HIGH}
+RESHARD_CASES = [
+    Case("tp1_to_tp2", sides={0: FULL, **TP2}, transfers=[(0, 1), (0, 2)]),
+    Case("tp2_to_tp1_same_slots", sides={0: with_side(FULL, page_size=16, size=256), **TP2},
+         transfers=[(1, 0), (2, 0)], same_slots=True),  # fmt: skip
+    Case("partial_overlap_heads_1_to_3", transfers=[(0, 2)],
+         sides={0: Side(heads=3, head_start=1, total_heads=4), 2: Side(heads=2, head_start=0, total_heads=4)}),  # fmt: skip
+    Case("subgroup_0_2", sides={0: LOW, 2: with_side(FULL, chunk_bytes=None)}, transfers=[(0, 2)], group=(0, 2)),
+    Case("disjoint_heads", sides=TP2, transfers=[(1, 2)],
+         expect=("ValueError", "heads " + SENDER_HAS + "heads=[0, 2], the receiver's has heads=[2, 4]")),  # fmt: skip
+    Case("model_head_count", sides={0: FULL, 2: with_side(HIGH, total_heads=8)}, transfers=[(0, 2)],
+         expect=("ValueError", "total_heads mismatch")),  # fmt: skip
+    Case("tp1_to_tp2_again", sides={0: FULL, **TP2}, transfers=[(0, 2), (0, 1)]),
+]
+
+
+def test_three_ranks_reshard_heads_between_tp_sizes(tmp_path):
+    outcomes = run_cases(RESHARD_CASES, world=3, out=tmp_path)
+    check_outcomes(RESHARD_CASES, outcomes, world=3)
+    sent = outcomes[0]["tp1_to_tp2"]["transfers"]
+    assert [t["heads"] for t in sent] == [[0, 2], [2, 4]]
+    assert outcomes[2]["partial_overlap_heads_1_to_3"]["transfers"][0]["heads"] == [1, 2]
+
+
+# --- the example ---------------------------------------------------------------------------------------------
+
+
+def _disagg_sim(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--device", "cpu", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def test_disagg_sim_example_checks_every_byte():
+    run = _disagg_sim("--requests", "10")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASS" in run.stdout and "GB/s" in run.stdout, run.stdout
+    bad = _disagg_sim("--requests", "3", "--corrupt")
+    assert bad.returncode == 1 and "FAILED: 1 tokens differ on arrival" in bad.stdout, bad.stdout + bad.stderr

@@ -1,0 +1,358 @@
+"""Multi-process harness for the transfer tests: spawn ranks, run a list of cases in each, report back.
+
+A *case* names each rank's pool (a :class:`Side`), the transfers to run in order (``(src, dst)``
+pairs) and what must happen: every transfer completes and the pools hold exactly the expected bytes,
+or every rank of the transfer raises the same exception. Pools are filled with a byte pattern that is
+a function of (salt, slot, global head, byte, layer, K/V), so every rank can simulate, from the case
+alone, what every pool holds after the transfers (:func:`simulate`), and checks its whole pool (moved
+rows and everything else) byte for byte against that. Each rank writes its outcomes to
+``out/rank{r}.json``; :func:`run_cases` collects them, and the test compares the ranks' outcomes.
+
+Used by tests/test_transfer.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One rank's pool and endpoint settings."""
+
+    dtype: str = "fp8_e4m3"
+    layers: int = 3
+    start_layer: int = 0
+    heads: int = 4
+    head_start: int = 0
+    total_heads: Optional[int] = None
+    head_dim: int = 32
+    v_head_dim: Optional[int] = None
+    size: int = 200
+    page_size: int = 1
+    chunk_bytes: Optional[int] = None
+
+    @property
+    def rows(self) -> int:
+        return self.size + self.page_size
+
+
+@dataclass(frozen=True)
+class Case:
+    """``sides``: rank -> Side; ``transfers``: (src, dst) in order; ``tokens``: slots per transfer
+    (``recv_tokens`` overrides the receiver's count); ``tamper``: rank -> how that rank spoils its
+    call ("oob", "neg", "float", "2d", "list", "cuda", "as_sender", "as_receiver");
+    ``expect``: None (success) or (exception name, substring both ranks' messages contain)."""
+
+    name: str
+    sides: dict[int, Side]
+    transfers: list[tuple[int, int]]
+    tokens: int = 37
+    recv_tokens: Optional[int] = None
+    tamper: dict[int, str] = field(default_factory=dict)
+    expect: Optional[tuple[str, str]] = None
+    loc_dtype: str = "int64"  # "int32", "numpy"
+    duplicates: bool = False  # the sender's loc repeats slots
+    same_slots: bool = False  # a rank uses the same slots in every transfer of the case
+    group: Optional[tuple[int, ...]] = None  # run in dist.new_group(group) instead of the world group
+
+
+# --- pattern --------------------------------------------------------------------------------------------
+
+
+def pattern(
+    slots: torch.Tensor, head_lo: int, head_hi: int, head_bytes: int, layer: int, kv: int, salt: int
+) -> torch.Tensor:
+    """uint8 [len(slots), (head_hi - head_lo) * head_bytes]: the bytes a pool with ``salt`` holds at
+    those slots for global heads [head_lo, head_hi) of ``layer`` (kv 0: K, 1: V)."""
+    s = slots.to(torch.int64)[:, None]
+    c = torch.arange(head_lo * head_bytes, head_hi * head_bytes, dtype=torch.int64, device=slots.device)[None, :]
+    x = (s * 1_000_003 + c * 7_919 + layer * 104_729 + kv * 1_299_709 + salt * 15_485_863) & 0x7FFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0x5BD1E995) & 0x7FFFFFFF
+    x = x ^ (x >> 15)
+    return (x & 0xFF).to(torch.uint8)
+
+
+def make_pool(side: Side, device: str):
+    from kvpool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        side.size, side.page_size, DTYPES[side.dtype], side.heads, side.head_dim, side.layers, device,
+        v_head_dim=side.v_head_dim, start_layer=side.start_layer, warmup=False,
+    )  # fmt: skip
+
+
+def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(buf.shape[0], -1).view(torch.uint8)
+
+
+def buffers(pool) -> list[torch.Tensor]:
+    """The pool's buffers as uint8 [rows, row_bytes], in the order K0, V0, K1, V1, ..."""
+    return [_byte_rows(b) for kv in zip(pool.k_buffer, pool.v_buffer) for b in kv]
+
+
+def fill(pool, side: Side, salt: int) -> None:
+    for buf, data in zip(buffers(pool), initial_bytes(side, salt, pool.device)):
+        buf.copy_(data)
+
+
+def initial_bytes(side: Side, salt: int, device) -> list[torch.Tensor]:
+    """A pool's buffers as filled by :func:`fill`: uint8 [rows, heads * head_bytes] per (layer, K/V)."""
+    rows = torch.arange(side.rows, device=device)
+    esize = torch.empty(0, dtype=DTYPES[side.dtype]).element_size()
+    out = []
+    for i in range(side.layers):
+        for kv, dim in enumerate((side.head_dim, side.v_head_dim or side.head_dim)):
+            heads = side.head_start, side.head_start + side.heads
+            out.append(pattern(rows, *heads, dim * esize, side.start_layer + i, kv, salt))
+    return out
+
+
+def simulate(case: Case, idx: int, device) -> dict[int, list[torch.Tensor]]:
+    """Every pool of the case after its transfers, moved with plain indexing (all rows of a transfer
+    read before any is written)."""
+    state = {r: initial_bytes(side, case_salt(idx, r), device) for r, side in case.sides.items()}
+    if case.expect is not None:
+        return state
+    for t, (src, dst) in enumerate(case.transfers):
+        s, d = case.sides[src], case.sides[dst]
+        lo, hi = max(s.head_start, d.head_start), min(s.head_start + s.heads, d.head_start + d.heads)
+        s_loc = case_loc(case, idx, t, "sender", s).to(device)
+        d_loc = case_loc(case, idx, t, "receiver", d).to(device)
+        for j, (sb, db) in enumerate(zip(state[src], state[dst])):
+            hb = sb.shape[1] // s.heads
+            rows = sb[s_loc, (lo - s.head_start) * hb : (hi - s.head_start) * hb]
+            db[d_loc, (lo - d.head_start) * hb : (hi - d.head_start) * hb] = rows
+    return state
+
+
+def case_salt(idx: int, rank: int) -> int:
+    return 100 * idx + rank + 1
+
+
+def compare_pool(pool, expected: list[torch.Tensor], what: str) -> None:
+    for j, (actual, e) in enumerate(zip(buffers(pool), expected)):
+        differ = actual != e
+        if bool(differ.any()):
+            bad = differ.nonzero()
+            row, col = int(bad[0, 0]), int(bad[0, 1])
+            raise AssertionError(
+                f"{what}: layer {pool.start_layer + j // 2} {'KV'[j % 2]}: {int(differ.sum())} bytes differ in "
+                f"{int(differ.any(dim=1).sum())} rows; first at row {row} byte {col}: "
+                f"{int(actual[row, col])} vs expected {int(e[row, col])}"
+            )
+
+
+# --- per-case slots --------------------------------------------------------------------------------------
+
+
+def case_loc(case: Case, idx: int, t: int, role: str, side: Side) -> torch.Tensor:
+    """Deterministic slots of transfer ``t`` of case ``idx`` for ``role``: whole pages in random order
+    (the first ``tokens`` slots of them), always including the last row when there is room."""
+    n = case.tokens if role == "sender" or case.recv_tokens is None else case.recv_tokens
+    g = torch.Generator().manual_seed(1_000 * idx + 10 * (0 if case.same_slots else t) + (role != "sender"))
+    pages = torch.randperm(side.rows // side.page_size, generator=g)
+    slots = (pages[:, None] * side.page_size + torch.arange(side.page_size)).flatten()[:n]
+    if n >= 2 and side.rows - 1 not in slots.tolist():
+        slots[1] = side.rows - 1
+    if case.duplicates and role == "sender" and n >= 4:
+        slots[n // 2 :] = slots[: n - n // 2].clone()
+    return slots
+
+
+def _spoil(loc: torch.Tensor, how: Optional[str], side: Side, case: Case):
+    if how == "oob":
+        loc = loc.clone()
+        loc[len(loc) // 2] = side.rows
+        return loc
+    if how == "neg":
+        loc = loc.clone()
+        loc[0] = -1
+        return loc
+    if how == "float":
+        return loc.float()
+    if how == "2d":
+        return loc.view(1, -1)
+    if how == "list":
+        return loc.tolist()
+    if how == "cuda":
+        return loc.to("cuda") if torch.cuda.is_available() else loc.to("meta")
+    if case.loc_dtype == "int32":
+        return loc.to(torch.int32)
+    if case.loc_dtype == "numpy":
+        return loc.numpy()
+    return loc
+
+
+# --- the rank's loop ------------------------------------------------------------------------------------
+
+
+def run_rank_cases(
+    rank: int, world: int, port: int, out: str, backend: str, cases: list[Case], kernel: bool = False
+) -> None:
+    """Body of one spawned rank: init the group, run every case, write the outcomes. ``kernel``: copy
+    rows of CPU pools with the Triton kernel through its interpreter instead of the torch path."""
+    torch.set_num_threads(1)
+    if kernel:
+        from kvpool.kernels import copy_rows
+
+        if not copy_rows.INTERPRETER:
+            raise RuntimeError("kernel=True needs TRITON_INTERPRET=1")
+        copy_rows._kernel_on_cpu = True
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = "cpu"
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=30), **kwargs,
+    )  # fmt: skip
+    outcomes = {}
+    try:
+        for idx, case in enumerate(cases):
+            outcomes[case.name] = _run_case(rank, idx, case, device)
+            dist.barrier()  # cases start together, so a failed case cannot shift the next one
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(outcomes, indent=1))
+        dist.destroy_process_group()
+
+
+def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
+    from kvpool import KVReceiver, KVSender
+
+    group = dist.new_group(list(case.group)) if case.group else None  # collective: every rank calls it
+    side = case.sides.get(rank)
+    if side is None or not any(rank in t for t in case.transfers):
+        return {"outcome": "idle"}
+    salt = case_salt(idx, rank)
+    pool = make_pool(side, device)
+    fill(pool, side, salt)
+    opts = dict(group=group, head_start=side.head_start, total_heads=side.total_heads, chunk_bytes=side.chunk_bytes)
+    sender = receiver = None
+    handles = []
+    try:
+        for t, (src, dst) in enumerate(case.transfers):
+            if rank not in (src, dst):
+                continue
+            role = "sender" if rank == src else "receiver"
+            how = case.tamper.get(rank)
+            if how == "as_sender":
+                role = "sender"
+            elif how == "as_receiver":
+                role = "receiver"
+            peer = dst if rank == src else src
+            loc = _spoil(case_loc(case, idx, t, role, side), how, side, case)
+            if role == "sender":
+                sender = sender or KVSender(pool, **opts)
+                handles.append(sender.send(loc, peer))
+            else:
+                receiver = receiver or KVReceiver(pool, **opts)
+                handles.append(receiver.recv(loc, peer))
+            handles[-1].wait()  # the caller's stream waits before it uses (or sends on) the rows
+        error = None
+    except Exception as e:  # noqa: BLE001 - the outcome is compared across ranks by the test
+        error = e
+    try:
+        if error is not None and not isinstance(error, (ValueError, IndexError, TypeError)):
+            raise error
+        expected = simulate(case, idx, pool.device)[rank]
+        compare_pool(pool, expected, f"rank {rank} pool after case {case.name}")
+    except Exception as e:  # noqa: BLE001
+        return {"outcome": "failure", "detail": "".join(traceback.format_exception(e))[-3000:]}
+    if error is not None:
+        return {"outcome": "raised", "type": type(error).__name__, "message": str(error)}
+    return {
+        "outcome": "ok",
+        "transfers": [
+            dict(role=h.role, peer=h.peer, tokens=h.tokens, heads=list(h.heads), nbytes=h.nbytes, chunks=h.chunks)
+            for h in handles
+        ],
+    }
+
+
+def check_outcomes(cases: list[Case], outcomes: list[dict], world: int) -> None:
+    """Every case did what it expects on every rank of its transfers (the same exception and message
+    on each, when it expects one), and ranks outside them stayed idle."""
+    problems = []
+    for case in cases:
+        ranks = sorted({r for t in case.transfers for r in t})
+        got = {r: outcomes[r][case.name] for r in ranks}
+        for r, o in got.items():
+            if o["outcome"] == "failure":
+                problems.append(f"{case.name}: rank {r} failed:\n{o['detail']}")
+        if case.expect is None:
+            for r, o in got.items():
+                if o["outcome"] != "ok":
+                    problems.append(f"{case.name}: rank {r}: expected success, got {o}")
+        else:
+            kind, text = case.expect
+            first = got[ranks[0]]
+            for r, o in got.items():
+                if o["outcome"] != "raised" or o["type"] != kind or text not in o["message"]:
+                    problems.append(f"{case.name}: rank {r}: expected {kind} containing {text!r}, got {o}")
+                elif o != first:
+                    problems.append(f"{case.name}: ranks differ: {first} vs rank {r}: {o}")
+        for r in set(range(world)) - set(ranks):
+            if outcomes[r][case.name]["outcome"] != "idle":
+                problems.append(f"{case.name}: rank {r} should be idle, got {outcomes[r][case.name]}")
+    assert not problems, "\n".join(problems)
+
+
+# --- spawning -------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn: Callable, world: int, args: tuple, timeout: float) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes; kill them all after ``timeout`` s."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks still running after {timeout:.0f} s (a hang?)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def run_cases(
+    cases: list[Case], world: int, out: Path, backend: str = "gloo", timeout: float = 120, kernel: bool = False
+) -> list[dict]:
+    """Run ``cases`` in ``world`` ranks; per rank, case name -> outcome."""
+    spawn(run_rank_cases, world, (world, free_port(), str(out), backend, cases, kernel), timeout)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def with_side(side: Side, **changes) -> Side:
+    return replace(side, **changes)
+
