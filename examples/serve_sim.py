@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvpool import MHATokenToKVPool, MLATokenToKVPool, quantize
-from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost
+from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry
@@ -506,7 +506,8 @@ class HostParking:
 
     def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, runner: "ModelRunner", result: SimResult) -> None:
         self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
-        self.host = MHATokenToKVPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
+        self.host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
         pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
         self.bytes_per_token = self.host.size_per_token
         self.parked: dict[int, tuple[torch.Tensor, int]] = {}  # rid -> (host slots, tokens)
@@ -764,7 +765,7 @@ def format_summary(res: SimResult) -> str:
         if res.reload_mismatches:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
-            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x K,V matches")
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
 

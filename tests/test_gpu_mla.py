@@ -294,3 +294,71 @@ def test_mla_reduce_overhead_compile_matches_eager():
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
         _same_pools(compiled_pool, eager_pool, f"step {i}")
+
+
+# --- moves, CPU copies and the host tier on the device -------------------------------------------------
+
+
+def _random_pool(slots: int, page_size: int, seed: int, layers: int = 3) -> MLATokenToKVPool:
+    pool = MLATokenToKVPool(slots, page_size, torch.float8_e4m3fn, R, ROPE, layers, DEV, warmup=False)
+    g = _gen(seed)
+    for b in pool.kv_buffer:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=DEV, generator=g))
+    return pool
+
+
+def test_mla_moves_and_cpu_copies_on_the_device():
+    pool = _random_pool(5000, 1, 1)
+    for n in (7, 1000, 3000):  # one pass up to 1024 pairs; more go through a staging buffer
+        perm = torch.randperm(pool.rows, device=DEV, generator=_gen(n))[:n]
+        tgt, src = perm, perm.roll(1)  # an n-cycle: every source is also a target
+        expected = []
+        for b in pool.kv_buffer:
+            e = b.clone()
+            e[tgt] = b[src]  # sources read before any target is written
+            expected.append(e)
+        pool.move_kv_cache(tgt, src)
+        for layer, (b, e) in enumerate(zip(pool.kv_buffer, expected)):
+            assert_same_bytes(b, e, f"move of {n} rows, layer {layer}")
+    small = torch.tensor([3, 4, 5], device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.move_kv_cache(small, small.flip(0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    slots = torch.randperm(pool.rows, device=DEV, generator=_gen(9))[:300]
+    copy = pool.get_cpu_copy(slots)
+    assert copy.k.is_pinned() and copy.k.shape == (3, 300, 1, R) and copy.v.shape == (3, 300, 1, ROPE)
+    rows = [b[slots].cpu() for b in pool.kv_buffer]
+    for layer in range(3):
+        assert_same_bytes(torch.cat((copy.k[layer], copy.v[layer]), dim=2), rows[layer], f"CPU copy layer {layer}")
+    targets = torch.randperm(pool.rows, device=DEV, generator=_gen(10))[:300]
+    pool.load_cpu_copy(copy, targets)
+    torch.cuda.synchronize()
+    for layer in range(3):
+        assert_same_bytes(pool.kv_buffer[layer][targets].cpu(), rows[layer], f"reloaded layer {layer}")
+
+
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_mla_host_tier_on_the_device(layout, backend):
+    from kvpool import MLATokenToKVPoolHost
+
+    pool = _random_pool(4096, 16, 2, layers=4)
+    host = MLATokenToKVPoolHost(pool, 2.0, 0, 16, layout, staging_bytes=1 << 20)
+    assert host.k_buffer.is_pinned() and host.v_buffer.is_pinned()
+    h = host.alloc(1024)
+    d = torch.randperm(pool.rows, device=DEV, generator=_gen(3))[:1024]
+    host.backup_from_device_all_layer(pool, h, d, backend).synchronize()
+    other = _random_pool(4096, 16, 4, layers=4)
+    before = [b.cpu() for b in other.kv_buffer]
+    other.register_layer_transfer_counter(host.layer_transfer_counter)
+    t = torch.randperm(other.rows, device=DEV, generator=_gen(5))[:1024]
+    host.load_to_device_all_layer(other, h, t, backend)
+    untouched = torch.ones(other.rows, dtype=torch.bool)
+    untouched[t.cpu()] = False
+    for layer in range(4):
+        got = other.get_key_buffer(layer).view(torch.uint8)[t]  # the getter waits for the layer's load
+        assert_same_bytes(got.cpu(), pool.kv_buffer[layer][d].cpu(), f"{layout}/{backend} layer {layer}")
+        assert torch.equal(other.kv_buffer[layer].cpu()[untouched], before[layer][untouched])

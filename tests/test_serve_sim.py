@@ -146,3 +146,13 @@ def test_mla_fused_kernel_path_verifies_too(monkeypatch):
     res = serve_sim.run(replace(SMALL_MLA, requests=4, output_len=(2, 6), prompt_len=(4, 40)))
     assert res.ok, serve_sim.format_summary(res)
     assert res.reference_calls == 0 and res.fused_calls == res.forward_steps * SMALL.layers
+
+
+def test_mla_host_tier_parks_and_reloads_latent_rows():
+    """--model deepseek-v3 --host-tier: retracted requests' latent rows go to an MLATokenToKVPoolHost
+    and come back byte for byte."""
+    res = serve_sim.run(replace(SMALL_MLA, requests=20, arrival_every=0.0, chunk_size=128, max_running=12,
+                                host_tier=True, validate=True))  # fmt: skip
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.retractions > 0 and res.parked > 0 and res.reloaded > 0 and res.reload_mismatches == 0
+    assert "reloaded tokens x 2 layers x latent matches" in serve_sim.format_summary(res)

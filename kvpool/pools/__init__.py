@@ -7,7 +7,7 @@ from kvpool.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.pools.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.kv_moves import KVCpuCopy
 from kvpool.pools.layer_transfer import LayerTransferCounter
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -26,6 +26,7 @@ __all__ = [
     "MHATokenToKVPool",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
+    "MLATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",

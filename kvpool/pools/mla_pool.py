@@ -11,6 +11,11 @@ the rotary columns ``buf[:, :, kv_lora_rank:]``; its K input is the latent part 
 rotary part, both quantized with the one ``k_scale``. Both entry points (``set_kv_buffer`` with the
 whole row, ``set_mla_kv_buffer`` with the two parts) are one launch of the same kernel, with the same
 semantics, errors, gate, statistics, modes, warmup and compiled use as ``MHATokenToKVPool``.
+
+The same two-part view serves the row copies: CPU copies, the host tier (``MLATokenToKVPoolHost``)
+and transfers between ranks see one head whose K part is the latent columns and whose V part the
+rotary columns (``head_num``, ``head_dim``, ``v_head_dim``, ``k_buffer``, ``v_buffer`` below), and
+move them byte for byte. Moves inside the pool copy whole rows (``move_kv_cache``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Callable, Optional
 import torch
 
 from kvpool.args import positive_int
+from kvpool.kernels import copy_rows as rows
 from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_loc_in_range, check_rows, check_write
 from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, bits_dtype, is_fp8
+from kvpool.pools import kv_moves
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 #: Argument names for errors: the latent row's two halves share ``k_scale`` (``v_scale`` is ignored).
@@ -38,9 +45,7 @@ class MLATokenToKVPool(KVCache):
     hands it out. FP8 buffers are stored as uint8 (``store_dtype``); the getters return ``dtype``
     views of the same memory.
 
-    The positional order of the arguments is SGLang's, so SGLang call sites carry over. Not provided
-    yet for MLA pools: ``move_kv_cache``, ``get_cpu_copy``/``load_cpu_copy``, a host tier and
-    transfers between ranks.
+    The positional order of the arguments is SGLang's, so SGLang call sites carry over.
 
     Parameters
     ----------
@@ -60,6 +65,18 @@ class MLATokenToKVPool(KVCache):
     override_kv_cache_dim : SGLang's; None or ``kv_lora_rank + qk_rope_head_dim`` (the row width
         is not configurable here).
     fused, warmup, validate, observe_amax : as for ``MHATokenToKVPool``.
+
+    Attributes
+    ----------
+    kv_lora_rank, qk_rope_head_dim, kv_cache_dim : the row's parts and its width (SGLang's names).
+    kv_buffer : per layer, the storage (``store_dtype``) of the layer's rows (SGLang's name).
+    head_num, head_dim, v_head_dim : 1, ``kv_lora_rank``, ``qk_rope_head_dim``: the row as the write
+        kernel and the row copies see it, one head with a K part (the latent columns) and a V part
+        (the rotary columns). SGLang's MLA pool has none of these names; note that ``head_dim`` is
+        not the row width, and that ``get_value_buffer`` (the latent columns, SGLang's meaning) is
+        the K part here.
+    k_buffer, v_buffer : per layer, the storage views of the latent and of the rotary columns of
+        ``kv_buffer`` (the K and V parts above).
 
     Examples
     --------
@@ -122,6 +139,13 @@ class MLATokenToKVPool(KVCache):
         self._rope_store = [b[:, :, r:] for b in self.kv_buffer]
         self._nope_views = [v[:, :, :r] for v in self._kv_views]
         self._rope_views = [v[:, :, r:] for v in self._kv_views]
+        self.head_num, self.head_dim, self.v_head_dim = 1, self.kv_lora_rank, self.qk_rope_head_dim
+        self.k_buffer, self.v_buffer = self._nope_store, self._rope_store
+        # Row tables (one synchronisation each on CUDA, here and never again): the two parts of every
+        # layer for CPU copies and the host tier; whole rows for moves inside the pool, where the
+        # parts' tables would overlap (copy_rows accepts overlap only of a buffer with itself).
+        self._kv_rows = kv_moves.pool_row_table(self)
+        self._row_table = rows.RowTable.of(self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
             self._nope_store[0].stride(), self._rope_store[0].stride(),
@@ -310,6 +334,32 @@ class MLATokenToKVPool(KVCache):
             nope, rope, self._nope_views[i], self._rope_views[i], loc,
             checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
+
+    # --- moves and CPU copies ---------------------------------------------------------------------
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """For every layer, row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]`` (never
+        re-quantised), as if every source were read before any target is written, exactly as
+        ``MHATokenToKVPool.move_kv_cache``: chains, cycles and ``tgt_loc == src_loc`` are defined,
+        negative slots are padding, slots >= ``size + page_size`` are never read or written
+        (IndexError under ``validate``); one launch for every layer on CUDA (up to 1024 pairs), no
+        synchronisation, CUDA-graph safe."""
+        table = self._row_table
+        rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
+        """The latent rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
+        a :class:`~kvpool.pools.kv_moves.KVCpuCopy` whose ``k`` [layer_num, n, 1, kv_lora_rank] holds
+        the latent parts and ``v`` [layer_num, n, 1, qk_rope_head_dim] the rotary parts (store dtype).
+        Waits for the current stream (the copy is complete on return); an index outside the buffer
+        raises IndexError."""
+        return kv_moves.get_cpu_copy(self, indices)
+
+    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
+        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
+        byte. A copy of another geometry, dtype or length raises before anything is written. No
+        synchronisation."""
+        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
 
     # --- warmup ----------------------------------------------------------------------------------
 
