@@ -20,11 +20,17 @@ and measures the device-to-device copy ceiling and a copy of the same bytes as e
 ``bench_set_kv.py``). Device time: CUDA-graph replays with L2 flushed before each call
 (``benchmarks/timing.py``). Decode sizes also report the time per write in a graph of 64 writes
 cycling over 8 layers (no flush) and the wall time of eager calls back to back. GB/s by SPEC
-section 6. After each method's timing its rows are compared byte for byte with ``kvpool.quantize``
-("exact"). Every method runs in its own ``try``: a failure is recorded and reported, and the run goes
-on. Writes ``bench_mla.json`` and ``bench_mla.md`` under ``--out``.
+section 6. Each method's first call is untimed and its rows are compared byte for byte with
+``kvpool.quantize`` ("exact"), again after the timed replays. Every method runs in its own ``try``: a
+failure is recorded and reported, and the run goes on; past the time budget the remaining token
+counts are skipped (and listed). Writes ``bench_mla.json`` and ``bench_mla.md`` under ``--out`` after
+every token count, so a run cut short still leaves a report.
 
-Usage (on a GPU): python benchmarks/bench_mla.py --out DIR [--quick]
+Usage (on a GPU):  python benchmarks/bench_mla.py --out DIR [--quick] [--budget-s S]
+       (anywhere): python benchmarks/bench_mla.py --out DIR --dry-run
+The dry run executes everything on the CPU with tiny sizes (Triton kernels in the interpreter, whose
+FP8 conversion is known to be wrong, so the straightforward port reads "inexact" there) and reports
+figures that measure nothing; it checks the script, not the kernels' speed.
 """
 
 from __future__ import annotations
@@ -33,17 +39,22 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-import torch
-import triton
-import triton.language as tl
+# A dry run executes the Triton kernels through the interpreter, which must be switched on before any
+# @triton.jit function is defined (here and in kvpool), hence before those imports.
+if "--dry-run" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import flush_buffer, graph_us  # noqa: E402
+from timing import DryClock, GpuClock  # noqa: E402
 
 from kvpool import MLATokenToKVPool, quantize, reference_set_kv_buffer  # noqa: E402
 from kvpool.kernels import store_kv  # noqa: E402
@@ -52,12 +63,32 @@ from kvpool.kernels.formats import OUT_KIND  # noqa: E402
 from kvpool.kernels.store_kv import LaunchPlan, PreparedLaunch, plan_launch, storage_view  # noqa: E402
 
 R, ROPE, W = 512, 64, 576  # DeepSeek-V3 / R1, Kimi K2
-TOKENS = [1, 32, 128, 256, 4096, 8192, 16384, 32768]
-DECODE_MAX = 256
-SLOTS = 1 << 20
-LAYERS = 8
-GRAPH_WRITES = 64
 FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures and how many calls each measurement takes."""
+
+    name: str
+    device: str
+    tokens: tuple[int, ...]
+    decode_max: int  # token counts up to this also get a graph of graph_writes writes and eager wall times
+    slots: int  # per layer
+    layers: int  # written in turn (graph replays cycle over them, as a model's step does)
+    cold_calls: int
+    graph_writes: int
+    wall_calls: int
+    wall_runs: int
+    budget_s: float  # past this, the remaining token counts are skipped (and reported as skipped)
+
+
+FULL = Plan("full", "cuda", tokens=(1, 32, 128, 256, 4096, 8192, 16384, 32768), decode_max=256, slots=1 << 20,
+            layers=8, cold_calls=10, graph_writes=64, wall_calls=400, wall_runs=5, budget_s=300)  # fmt: skip
+QUICK = Plan("quick", "cuda", tokens=(1, 256, 16384), decode_max=256, slots=1 << 20, layers=8, cold_calls=10,
+             graph_writes=64, wall_calls=200, wall_runs=3, budget_s=120)  # fmt: skip
+DRY = Plan("dry-run", "cpu", tokens=(1, 5, 24), decode_max=5, slots=1 << 10, layers=2, cold_calls=10,
+           graph_writes=64, wall_calls=400, wall_runs=5, budget_s=1e9)  # fmt: skip
 OURS = ["kvpool set_mla_kv_buffer", "kvpool set_kv_buffer"]
 PROPOSALS = {  # name: (block_d of the latent part, block_t, num_warps); the rotary part: one 64-block
     "kvpool kernel, 64-column blocks (proposal)": (64, 32, 4),
@@ -72,50 +103,18 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-# --- the copy ceiling and the same-bytes copy (as bench_set_kv.py measures them) ----------------
+# --- the same-bytes copy (as bench_set_kv.py measures it) ---------------------------------------
 
 
-def copy_ceiling_gbps() -> float:
-    """A 2 GiB device-to-device ``copy_`` timed eagerly with events, read + write counted."""
-    n = 2 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(12):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del src, dst
-    return 2 * n / (statistics.median(times[2:]) * 1e-3) / 1e9
-
-
-def same_bytes_copy_gbps(nbytes: int, flush) -> float:
+def same_bytes_copy_gbps(nbytes: int, clock, dev: torch.device, calls: int) -> float:
     """An elementwise copy kernel moving the write's bytes (half read, half written), timed like the
     writes (graph replay, L2 flushed)."""
     n = max(1, nbytes // 8)
-    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
     dst = torch.empty_like(src)
-    us = graph_us(lambda i: torch.bitwise_not(src, out=dst), calls=10, flush=flush)
+    us = clock.device_us(lambda i: torch.bitwise_not(src, out=dst), calls, cold=True)
     del src, dst
     return 8 * n / (us * 1e-6) / 1e9
-
-
-def wall_us_per_call(fn, n: int = 400) -> float:
-    """Host-inclusive time per call with calls issued back to back (what an eager decode pays)."""
-    for i in range(10):
-        fn(i % LAYERS)
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for i in range(n):
-            fn(i % LAYERS)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(runs)
 
 
 def bytes_moved(t: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
@@ -187,7 +186,7 @@ def proposal_launch(block_d: int, block_t: int, num_warps: int, nope_store: torc
     blocks, so its programs are closer in size to the rotary part's. Built from the launcher's own
     pieces (a private hook: this is a measurement for the kernel's owner, not a pool path)."""
     launch = PreparedLaunch(
-        1, R, 1, ROPE, FP8, tuple(nope_store.stride()), tuple(rope_store.stride()), SLOTS + 1,
+        1, R, 1, ROPE, FP8, tuple(nope_store.stride()), tuple(rope_store.stride()), nope_store.shape[0],
         nope_store.device, caches_aligned=True, flat=False,
     )  # fmt: skip
     plan = LaunchPlan(1, R, 1, ROPE, block_t=block_t, block_h=1, block_d=block_d, block_hv=1, block_dv=ROPE,
@@ -196,23 +195,30 @@ def proposal_launch(block_d: int, block_t: int, num_warps: int, nope_store: torc
     return launch
 
 
+def short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
+
+
 # --- one token count ------------------------------------------------------------------------------
 
 
-def bench_tokens(t: int, pool: MLATokenToKVPool, proposals: dict, ceiling: float, records: list, flush) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(t)
-    caches = [pool.get_key_buffer(i) for i in range(LAYERS)]  # FP8 [slots + 1, 1, 576] views
+def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: dict, ceiling: float,
+                 records: list) -> None:  # fmt: skip
+    dev = pool.device
+    layers = plan.layers
+    gen = torch.Generator(device=dev).manual_seed(t)
+    caches = [pool.get_key_buffer(i) for i in range(layers)]  # FP8 [slots + 1, 1, 576] views
     stores = [storage_view(c) for c in caches]  # uint8
     nope_views = [c[:, :, :R] for c in caches]
     rope_views = [c[:, :, R:] for c in caches]
     nope_stores = [s[:, :, :R] for s in stores]
     rope_stores = [s[:, :, R:] for s in stores]
-    projection = (torch.randn(t, W, device="cuda", generator=gen) * 60).to(torch.bfloat16)  # kv_a_proj output
-    nope = (torch.randn(t, 1, R, device="cuda", generator=gen) * 60).to(torch.bfloat16)  # normalised latent
+    projection = (torch.randn(t, W, device=dev, generator=gen) * 60).to(torch.bfloat16)  # kv_a_proj output
+    nope = (torch.randn(t, 1, R, device=dev, generator=gen) * 60).to(torch.bfloat16)  # normalised latent
     rope = projection[:, R:].unsqueeze(1)  # [T, 1, 64], token stride 576
     row = torch.cat((nope, rope), dim=2)  # [T, 1, 576] contiguous
-    loc = torch.randperm(SLOTS, device="cuda", generator=gen)[:t] + 1
-    scale = torch.tensor([0.37], device="cuda")
+    loc = torch.randperm(plan.slots, device=dev, generator=gen)[:t] + 1
+    scale = torch.tensor([0.37], device=dev)
     expected = quantize(row, FP8, scale).view(torch.uint8)
     key = write_key(nope, rope, loc, scale, scale)
     fns = {
@@ -227,26 +233,27 @@ def bench_tokens(t: int, pool: MLATokenToKVPool, proposals: dict, ceiling: float
             key, nope, rope, nope_stores[i], rope_stores[i], loc, scale, scale
         )  # fmt: skip
     nbytes = bytes_moved(t)
-    same = same_bytes_copy_gbps(nbytes, flush)
+    same = same_bytes_copy_gbps(nbytes, clock, dev, plan.cold_calls)
     records.append({"T": t, "method": "same-bytes copy", "bytes": nbytes, "gbps": same, "ceiling_frac": same / ceiling})
     row_log = [f"same-bytes copy={same:.0f}GB/s"]
     for method, fn in fns.items():
         rec: dict = {"T": t, "method": method, "bytes": nbytes}
         try:
-            fn(0)  # every method rewrites all of loc's rows: its output is what the check sees
-            torch.cuda.synchronize()
+            fn(0)  # untimed; every method rewrites all of loc's rows, so its output is what is checked
+            clock.sync()
             rec["exact"] = bool(torch.equal(stores[0][loc], expected))
-            us = graph_us(lambda i: fn(i % LAYERS), calls=10, flush=flush)
+            us = clock.device_us(lambda i: fn(i % layers), plan.cold_calls, cold=True)
             rec["device_us"] = us
             rec["gbps"] = nbytes / (us * 1e-6) / 1e9
             rec["ceiling_frac"] = rec["gbps"] / ceiling
             rec["same_bytes_frac"] = rec["gbps"] / same
-            if t <= DECODE_MAX:
-                rec["wall_us"] = wall_us_per_call(fn)
-                rec["graph_us"] = graph_us(lambda i: fn(i % LAYERS), calls=GRAPH_WRITES)
-            rec["exact_after"] = bool(torch.equal(stores[LAYERS - 1][loc], expected))
+            if t <= plan.decode_max:
+                rec["wall_us"] = clock.wall_us(fn, plan.wall_calls, plan.wall_runs)
+                rec["graph_us"] = clock.device_us(lambda i: fn(i % layers), plan.graph_writes, cold=False)
+            clock.sync()
+            rec["exact_after"] = bool(torch.equal(stores[layers - 1][loc], expected))
         except Exception as exc:  # a method failing must not stop the run; it is reported
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            rec["error"] = short_error(exc)
         records.append(rec)
         row_log.append(f"{method}={rec.get('gbps', float('nan')):.0f}GB/s")
     log(f"  T={t}: " + ", ".join(row_log))
@@ -255,7 +262,7 @@ def bench_tokens(t: int, pool: MLATokenToKVPool, proposals: dict, ceiling: float
 # --- the report -----------------------------------------------------------------------------------
 
 
-def targets(by: dict, tokens: list) -> list[str]:
+def targets(by: dict, tokens: list, decode_max: int) -> list[str]:
     """The issue's targets, per entry point and token count: >= 90% of the same-bytes copy at >= 8k
     tokens, >= 1.5x torch.compile at >= 4k, and at decode sizes no slower than the straightforward
     port as a CUDA-graph replay."""
@@ -274,7 +281,7 @@ def targets(by: dict, tokens: list) -> list[str]:
                 if "gbps" in c:
                     ratio = r["gbps"] / c["gbps"]
                     checks.append(f"{ratio:.2f}x torch.compile (target 1.5x): {'met' if ratio >= 1.5 else 'MISSED'}")
-            if t <= DECODE_MAX:
+            if t <= decode_max:
                 p = by.get((t, PEER_TRITON), {})
                 if "graph_us" in p and "graph_us" in r:
                     ok = r["graph_us"] <= p["graph_us"]
@@ -285,17 +292,24 @@ def targets(by: dict, tokens: list) -> list[str]:
     return out
 
 
-def markdown(meta: dict, records: list, tokens: list) -> str:
+def markdown(result: dict) -> str:
+    meta, plan, records = result["meta"], result["plan"], result["records"]
+    tokens, decode_max = list(plan["tokens"]), plan["decode_max"]
     by = {(r["T"], r["method"]): r for r in records}
-    out = [
+    out = []
+    if meta.get("dry_run"):
+        out += ["**Dry run on the CPU: the figures measure nothing; it checks the script.**", ""]
+    out += [
         f"Date: {meta['date']}  ",
         f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}  ",
         f"Command: `{meta['command']}`  ",
         f"Copy ceiling (2 GiB device-to-device copy_, read + write, eager events): **{meta['ceiling_gbps']:.0f} GB/s** "
         f"(start of run; {meta.get('ceiling_gbps_end', float('nan')):.0f} GB/s at the end)  ",
-        f"Pool: MLATokenToKVPool, FP8 e4m3fn, DeepSeek-V3 rows (512 + 64), {SLOTS} slots x {LAYERS} layers, random "
-        "slots; bf16 inputs; per-tensor float32 scale tensor; int64 loc.  ",
-        f"kvpool's launch plan for the row: {meta['plan']}",
+        f"Pool: MLATokenToKVPool, FP8 e4m3fn, DeepSeek-V3 rows (512 + 64), {plan['slots']} slots x {plan['layers']} "
+        "layers, random slots; bf16 inputs (latent part contiguous, rotary part a slice of the 576-wide projection "
+        "output); per-tensor float32 scale tensor; int64 loc.  ",
+        f"kvpool's launch plan for the row: {meta['plan']}  ",
+        f"Elapsed: {meta.get('elapsed_s', float('nan')):.0f} s",
         "",
         "### Throughput: GB/s by SPEC section 6 (percent of the same-bytes copy); CUDA-graph replays, L2 flushed before each call",
         "",
@@ -320,13 +334,13 @@ def markdown(meta: dict, records: list, tokens: list) -> str:
     out += [
         "",
         "### Decode sizes: microseconds per write (device with L2 cold / wall time of eager calls back to back / "
-        f"per write in a graph of {GRAPH_WRITES} writes)",
+        f"per write in a graph of {plan['graph_writes']} writes)",
         "",
         "| T | " + " | ".join(METHODS) + " |",
         "|---:|" + "---:|" * len(METHODS),
     ]
     for t in tokens:
-        if t > DECODE_MAX or (t, "same-bytes copy") not in by:
+        if t > decode_max or (t, "same-bytes copy") not in by:
             continue
         cells = []
         for m in METHODS:
@@ -336,62 +350,90 @@ def markdown(meta: dict, records: list, tokens: list) -> str:
             else:
                 cells.append(f"{r['device_us']:.1f} / {r['wall_us']:.1f} / {r['graph_us']:.2f}")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
-    out += ["", "### Targets", ""] + (targets(by, tokens) or ["- (no results)"])
-    errors = [r for r in records if "error" in r]
-    if errors:
-        out += ["", "### Errors", ""] + [f"- T={r['T']} {r['method']}: {r['error']}" for r in errors]
+    out += ["", "### Targets", ""] + (targets(by, tokens, decode_max) or ["- (no results)"])
+    problems = [f"- T={r['T']} {r['method']}: {r['error']}" for r in records if "error" in r]
+    problems += [f"- {name}: {err}" for name, err in result.get("errors", {}).items()]
+    problems += [f"- skipped: {what}" for what in result.get("skipped", [])]
+    if problems:
+        out += ["", "### Errors and skips", ""] + problems
     return "\n".join(out) + "\n"
+
+
+def write_report(out_dir: str, result: dict, final: bool = False) -> None:
+    result["partial"] = not final
+    with open(os.path.join(out_dir, "bench_mla.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "bench_mla.md"), "w") as f:
+        f.write(markdown(result))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--quick", action="store_true", help="two token counts")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="three token counts")
+    mode.add_argument("--dry-run", action="store_true", help="everything on the CPU, tiny sizes, no real timing")
+    parser.add_argument("--budget-s", type=float, help="skip the token counts left after this many seconds")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        log("no CUDA device: this benchmark runs on a GPU only")
+    plan = DRY if args.dry_run else QUICK if args.quick else FULL
+    if args.budget_s is not None:
+        plan = Plan(**{**asdict(plan), "budget_s": args.budget_s})
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: this benchmark runs on a GPU (use --dry-run to check the script on the CPU)")
         return 2
     os.makedirs(args.out, exist_ok=True)
-    tokens = [1, 16384] if args.quick else TOKENS
-    plan = plan_launch(1, R, 1, ROPE)
+    start = time.perf_counter()
+    launch_plan = plan_launch(1, R, 1, ROPE)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "command": "python benchmarks/bench_mla.py" + (" --quick" if args.quick else ""),
-        "plan": f"BLOCK_T={plan.block_t}, latent block {plan.block_d}, rotary block {plan.block_dv}, "
-        f"{plan.grid_y} programs per token block, {plan.num_warps} warps",
+        "command": "python benchmarks/bench_mla.py --out DIR" + " --quick" * args.quick + " --dry-run" * args.dry_run
+        + (f" --budget-s {args.budget_s:g}" if args.budget_s is not None else ""),
+        "dry_run": args.dry_run,
+        "plan": f"BLOCK_T={launch_plan.block_t}, latent block {launch_plan.block_d}, rotary block "
+        f"{launch_plan.block_dv}, {launch_plan.grid_y} programs per token block, {launch_plan.num_warps} warps",
     }
+    result: dict = {"meta": meta, "plan": asdict(plan), "records": [], "errors": {}, "skipped": []}
     log(f"[bench_mla] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; plan: {meta['plan']}")
-    flush = flush_buffer()
-    ceiling = copy_ceiling_gbps()
-    meta["ceiling_gbps"] = ceiling
+    clock = DryClock() if args.dry_run else GpuClock()
+    ceiling = meta["ceiling_gbps"] = clock.copy_ceiling_gbps()
     log(f"[bench_mla] copy ceiling {ceiling:.0f} GB/s")
-    pool = MLATokenToKVPool(SLOTS, 1, FP8, R, ROPE, LAYERS, "cuda")
-    log(f"[bench_mla] pool warmed in {pool.warmup_seconds:.2f} s")
+    # fused="always": a write that the gate refused would raise rather than time the reference path by
+    # mistake (on the CPU it runs the kernel in the interpreter).
+    pool = MLATokenToKVPool(plan.slots, 1, FP8, R, ROPE, plan.layers, plan.device, fused="always")
+    if pool.warmup_seconds is not None:
+        log(f"[bench_mla] pool warmed in {pool.warmup_seconds:.2f} s")
     proposals: dict = {}
     for name, (block_d, block_t, warps) in PROPOSALS.items():
         try:
             store = storage_view(pool.get_key_buffer(0))
             proposals[name] = proposal_launch(block_d, block_t, warps, store[:, :, :R], store[:, :, R:])
         except Exception as exc:
-            log(f"[bench_mla] {name} unavailable: {type(exc).__name__}: {exc}")
-    records: list = []
-    for t in tokens:
-        bench_tokens(t, pool, proposals, ceiling, records, flush)
-        with open(os.path.join(args.out, "bench_mla.json"), "w") as f:  # partial results survive a timeout
-            json.dump({"meta": meta, "records": records, "partial": True}, f, indent=1)
-    meta["ceiling_gbps_end"] = copy_ceiling_gbps()
+            result["errors"][name] = short_error(exc)
+            log(f"[bench_mla] {name} unavailable: {short_error(exc)}")
+    for t in plan.tokens:
+        if time.perf_counter() - start > plan.budget_s:
+            result["skipped"].append(f"T={t}: time budget of {plan.budget_s:.0f} s spent")
+            continue
+        try:
+            bench_tokens(t, plan, clock, pool, proposals, ceiling, result["records"])
+        except Exception as exc:  # inputs or the copy for this T failed: report, go on
+            result["errors"][f"T={t}"] = short_error(exc)
+            log(f"[bench_mla] T={t} failed: {short_error(exc)}")
+        meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+        write_report(args.out, result)
+    try:
+        meta["ceiling_gbps_end"] = clock.copy_ceiling_gbps()
+    except Exception as exc:
+        result["errors"]["ceiling at the end"] = short_error(exc)
     meta["stats"] = {"fused_calls": pool.stats.fused_calls, "reference_calls": pool.stats.reference_calls,
                      "reasons": dict(pool.stats.reasons)}  # fmt: skip
-    with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
-    md = markdown(meta, records, tokens)
-    with open(os.path.join(args.out, "bench_mla.md"), "w") as f:
-        f.write(md)
-    print(md)
+    meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+    write_report(args.out, result, final=True)
+    print(markdown(result))
     return 0
 
 
