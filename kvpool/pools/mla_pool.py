@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from kvpool.args import positive_int
-from kvpool.kernels import copy_rows as rows
+from kvpool.kernels import copy_rows
 from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_loc_in_range, check_rows, check_write
 from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, bits_dtype, is_fp8
 from kvpool.pools import kv_moves
@@ -145,7 +145,7 @@ class MLATokenToKVPool(KVCache):
         # layer for CPU copies and the host tier; whole rows for moves inside the pool, where the
         # parts' tables would overlap (copy_rows accepts overlap only of a buffer with itself).
         self._kv_rows = kv_moves.pool_row_table(self)
-        self._row_table = rows.RowTable.of(self.kv_buffer)
+        self._row_table = copy_rows.RowTable.of(self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
             self._nope_store[0].stride(), self._rope_store[0].stride(),
@@ -232,10 +232,10 @@ class MLATokenToKVPool(KVCache):
         bits = bits_dtype(self.dtype)
         out = []
         for part in (self._nope_views[i], self._rope_views[i]):
-            rows = part.view(bits).index_select(0, index)
-            rows.masked_fill_(invalid, 0)
-            rows = rows.view(self.dtype)
-            out.append(rows if dst_dtype is None or dst_dtype == self.dtype else rows.to(dst_dtype))
+            gathered = part.view(bits).index_select(0, index)
+            gathered.masked_fill_(invalid, 0)
+            gathered = gathered.view(self.dtype)
+            out.append(gathered if dst_dtype is None or dst_dtype == self.dtype else gathered.to(dst_dtype))
         return out[0], out[1]
 
     # --- writes ----------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ class MLATokenToKVPool(KVCache):
         (IndexError under ``validate``); one launch for every layer on CUDA (up to 1024 pairs), no
         synchronisation, CUDA-graph safe."""
         table = self._row_table
-        rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
+        copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
 
     def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
         """The latent rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
