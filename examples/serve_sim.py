@@ -7,9 +7,13 @@ per step, retracts requests when decode runs out of pages, and frees requests wh
 model runner writes each step's K/V for every layer with ``pool.set_kv_buffer`` into an FP8 pool
 with per-tensor float32 scales, as an attention layer would. K/V values are a deterministic function
 of (request, position, layer), so before a request's slots are freed its K/V is regenerated,
-quantized with ``kvpool.quantize`` and compared byte for byte with the pool.
+quantized with ``kvpool.quantize`` and compared byte for byte with the pool. With ``--model
+deepseek-v3`` the pool is an ``MLATokenToKVPool`` with DeepSeek-V3's latent rows (512 latent + 64
+rotary values per token and layer), written through both of its entry points, and the check covers
+the whole latent row.
 
     python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
+    python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
     python examples/serve_sim.py --page-size 1      # token allocator
     python examples/serve_sim.py --corrupt          # flip one stored byte: the check must fail
     python examples/serve_sim.py --host-tier        # park retracted requests' KV in host memory
@@ -30,8 +34,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvpool import MHATokenToKVPool, quantize
-from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost
+from kvpool import MHATokenToKVPool, MLATokenToKVPool, quantize
+from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry
@@ -46,6 +50,11 @@ DTYPES = {
 # Per-tensor scales as a checkpoint would carry them. K values stay in range after the divide; some V
 # values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding and the clamp are exercised.
 K_SCALE, V_SCALE = 0.04, 0.03
+#: Models whose KV cache is one latent row per token and layer (MLA): (kv_lora_rank, qk_rope_head_dim).
+MLA_MODELS = {"deepseek-v3": (512, 64)}
+MODELS = ("mha", *MLA_MODELS)
+# A latent row is quantized with one scale; V's, so that some values saturate here too.
+LATENT_SCALE = V_SCALE
 # Admission keeps free pages for this fraction of the running requests' remaining output tokens;
 # when the guess is short, decode retracts requests (as SGLang does with its new_token_ratio).
 NEW_TOKEN_RATIO = 0.5
@@ -68,6 +77,7 @@ class SimConfig:
     output_len: tuple[int, int] = (8, 128)
     arrival_every: float = 2.0
     dtype: str = "fp8_e4m3"
+    model: str = "mha"  # "mha": heads x head_dim K and V; an MLA_MODELS name: its latent rows
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
     max_steps: Optional[int] = None
@@ -99,6 +109,8 @@ class SimConfig:
             raise ValueError(f"arrival_every must be >= 0, got {self.arrival_every}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -156,7 +168,7 @@ class Mismatch:
     rid: int
     position: int
     layer: int
-    which: str  # "K" or "V"
+    which: str  # "K", "V" or "latent"
 
 
 @dataclass
@@ -439,6 +451,47 @@ class ModelRunner:
         return int(bad_any.sum()), first
 
 
+class MLAModelRunner(ModelRunner):
+    """Writes each layer's latent rows as an MLA attention layer would: the latent and rotary parts
+    (two column ranges of one projection output) through ``set_mla_kv_buffer`` on even layers, the
+    whole row through ``set_kv_buffer`` on odd ones, so both entry points serve every run."""
+
+    def __init__(self, cfg: SimConfig, pool: MLATokenToKVPool) -> None:
+        super().__init__(cfg, pool)
+        self.pool: MLATokenToKVPool = pool
+        self.scale = torch.tensor([LATENT_SCALE], dtype=torch.float32, device=pool.device)
+
+    def latent(self, rids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """The latent rows of tokens (rid, position) at ``layer``: [T, 1, kv_cache_dim] bfloat16."""
+        return kv_values(rids, positions, layer, 1, self.pool.kv_cache_dim)[:, 0]
+
+    def forward(self, batch: Batch) -> None:
+        r = self.pool.kv_lora_rank
+        for layer in self.layers:
+            row = self.latent(batch.rids, batch.positions, layer.layer_id)
+            if layer.layer_id % 2 == 0:
+                self.pool.set_mla_kv_buffer(layer, batch.loc, row[:, :, :r], row[:, :, r:], self.scale)
+            else:
+                self.pool.set_kv_buffer(layer, batch.loc, row, None, self.scale)
+
+    def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
+        """Tokens of ``r`` whose stored latent row differs from what was written, and the first one."""
+        n = slots.shape[0]
+        rids = torch.full((n,), r.rid, dtype=torch.int64, device=self.pool.device)
+        positions = torch.arange(n, dtype=torch.int64, device=self.pool.device)
+        bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
+        first: Optional[Mismatch] = None
+        for layer in self.layers:
+            row = self.latent(rids, positions, layer.layer_id)
+            expected = quantize(row, self.pool.dtype, self.scale).contiguous().view(torch.uint8)
+            stored = self.pool.get_key_buffer(layer.layer_id).view(torch.uint8)[slots]
+            bad = (stored != expected).flatten(1).any(dim=1)
+            if first is None and bool(bad.any()):
+                first = Mismatch(r.rid, int(bad.nonzero()[0]), layer.layer_id, "latent")
+            bad_any |= bad
+        return int(bad_any.sum()), first
+
+
 # --- --host-tier: parking retracted requests in host memory ---------------------------------------
 
 
@@ -453,7 +506,8 @@ class HostParking:
 
     def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, runner: "ModelRunner", result: SimResult) -> None:
         self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
-        self.host = MHATokenToKVPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
+        self.host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
         pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
         self.bytes_per_token = self.host.size_per_token
         self.parked: dict[int, tuple[torch.Tensor, int]] = {}  # rid -> (host slots, tokens)
@@ -580,7 +634,11 @@ def run(cfg: SimConfig) -> SimResult:
 
 def _run(cfg: SimConfig) -> SimResult:
     dtype = DTYPES[cfg.dtype]
-    geometry = KVGeometry(cfg.heads, cfg.head_dim, cfg.layers, dtype)
+    mla = MLA_MODELS.get(cfg.model)
+    if mla is None:
+        geometry = KVGeometry(cfg.heads, cfg.head_dim, cfg.layers, dtype)
+    else:
+        geometry = KVGeometry.mla(*mla, cfg.layers, dtype)
     size = geometry.max_pool_size(int(cfg.kv_budget_mib * 2**20), cfg.page_size)
     longest = cfg.max_context_len
     if -(-longest // cfg.page_size) + 1 > size // cfg.page_size:
@@ -588,9 +646,15 @@ def _run(cfg: SimConfig) -> SimResult:
             f"kv_budget_mib must hold the longest request ({longest} tokens) plus a page, "
             f"got {cfg.kv_budget_mib} MiB = {size} slots"
         )
-    pool = MHATokenToKVPool(size, cfg.page_size, dtype, cfg.heads, cfg.head_dim, cfg.layers, cfg.device)
+    runner: ModelRunner
+    if mla is None:
+        pool = MHATokenToKVPool(size, cfg.page_size, dtype, cfg.heads, cfg.head_dim, cfg.layers, cfg.device)
+        runner = ModelRunner(cfg, pool)
+    else:
+        mla_pool = MLATokenToKVPool(size, cfg.page_size, dtype, *mla, cfg.layers, cfg.device)
+        pool = mla_pool  # type: ignore[assignment]
+        runner = MLAModelRunner(cfg, mla_pool)
     sched = Scheduler(cfg, pool)
-    runner = ModelRunner(cfg, pool)
     result = SimResult(cfg, size, geometry.bytes_per_token, device=str(pool.device))
     arrivals = deque(make_requests(cfg))
     progress = Progress(cfg.requests, cfg.progress)
@@ -654,15 +718,20 @@ def format_summary(res: SimResult) -> str:
     if cfg.page_size > 1:
         allocator = f"PagedTokenToKVPoolAllocator(page_size={cfg.page_size})"
     written = res.prefill_tokens + res.decode_tokens
+    if cfg.model in MLA_MODELS:
+        rank, rope = MLA_MODELS[cfg.model]
+        shape, parts = f"{cfg.model} MLA latent rows ({rank} + {rope})", "latent"
+    else:
+        shape, parts = f"{cfg.heads} KV heads x {cfg.head_dim}", "K,V"
     lines = [
-        f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {cfg.heads} KV heads x {cfg.head_dim}, "
+        f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {shape}, "
         f"{DTYPES[cfg.dtype]} pool on {res.device}, {allocator}, seed {cfg.seed}",
         f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {cfg.kv_budget_mib:g} MiB budget), "
         f"{cfg.max_running} request rows",
         f"  served          {res.served}/{cfg.requests} requests in {res.steps} steps "
         f"({res.retractions} retractions, peak {res.peak_running} running)",
         f"  tokens written  {written} ({res.prefill_tokens} prefill + {res.decode_tokens} decode) "
-        f"x {cfg.layers} layers x K,V",
+        f"x {cfg.layers} layers x {parts}",
         f"  peak slot use   {res.peak_slots}/{res.pool_size} ({100.0 * res.peak_slots / res.pool_size:.1f}%)",
         f"  write path      fused {res.fused_calls} calls, reference {res.reference_calls} calls",
     ]
@@ -671,7 +740,7 @@ def format_summary(res: SimResult) -> str:
     rate = written / res.wall_s if res.wall_s > 0 else float("inf")
     lines.append(f"  wall time       {res.wall_s:.2f} s ({rate:,.0f} tokens/s)")
     check = (
-        f"{res.verified_requests} requests, {res.verified_tokens} tokens x {cfg.layers} layers x K,V "
+        f"{res.verified_requests} requests, {res.verified_tokens} tokens x {cfg.layers} layers x {parts} "
         f"byte-equal to kvpool.quantize"
     )
     if res.mismatched_tokens:
@@ -696,7 +765,7 @@ def format_summary(res: SimResult) -> str:
         if res.reload_mismatches:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
-            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x K,V matches")
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
 
@@ -718,6 +787,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"), help="uniform")
     p.add_argument("--arrival-every", type=float, default=d.arrival_every, help="mean steps between arrivals")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="pool element type")
+    p.add_argument("--model", choices=MODELS, default=d.model,
+                   help="mha: --heads x --head-dim K and V; deepseek-v3: MLA pool of latent rows (512 + 64)")
     p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds lengths and arrivals")
     p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch intra-op threads (0: torch's default)")
@@ -734,7 +805,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
         kv_budget_mib=a.kv_budget_mib, max_running=a.max_running, chunk_size=a.chunk_size,
         prompt_len=tuple(a.prompt_len), output_len=tuple(a.output_len), arrival_every=a.arrival_every,
-        dtype=a.dtype, device=a.device, seed=a.seed, max_steps=a.max_steps, validate=a.validate,
+        dtype=a.dtype, model=a.model, device=a.device, seed=a.seed, max_steps=a.max_steps, validate=a.validate,
         cpu_threads=a.cpu_threads or None,
         corrupt=a.corrupt, progress=not a.no_progress and sys.stderr.isatty(),
         host_tier=a.host_tier, host_ratio=a.host_ratio, host_layout=a.host_layout, host_io_backend=a.host_io_backend,

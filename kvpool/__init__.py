@@ -19,12 +19,15 @@ from kvpool.pools import (
     LayerTransferCounter,
     MHATokenToKVPool,
     MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
     PagedTokenToKVPoolAllocator,
     PathStats,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
     kv_bytes_per_token,
     max_pool_size,
+    mla_kv_bytes_per_token,
 )
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
 
@@ -40,6 +43,8 @@ __all__ = [
     "LayerTransferCounter",
     "MHATokenToKVPool",
     "MHATokenToKVPoolHost",
+    "MLATokenToKVPool",
+    "MLATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
@@ -51,6 +56,7 @@ __all__ = [
     "KVTransfer",
     "kv_bytes_per_token",
     "max_pool_size",
+    "mla_kv_bytes_per_token",
     "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",

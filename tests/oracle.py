@@ -317,6 +317,27 @@ def expected_cache(
     return after
 
 
+def expected_latent_cache(
+    before: np.ndarray,
+    parts: Sequence[torch.Tensor],
+    loc: Sequence[int],
+    cache_dtype: torch.dtype,
+    scale=None,
+) -> np.ndarray:
+    """Codes of an MLA layer buffer [slots, 1, sum of part widths] after a write of the latent rows
+    whose consecutive column ranges are ``parts`` (each [T, 1, width]; one part: the whole row),
+    every part quantized with the one ``scale``; rows not named by ``loc`` untouched."""
+    rows = np.concatenate([q_codes(p, cache_dtype, scale) for p in parts], axis=2)
+    after = np.array(before, dtype=np.int64, copy=True)
+    slots = after.shape[0]
+    valid = [int(l) for l in loc if 0 <= int(l) < slots]
+    assert len(valid) == len(set(valid)), "oracle cannot decide between duplicate slots"
+    for t, slot in enumerate(int(l) for l in loc):
+        if 0 <= slot < slots:
+            after[slot] = rows[t]
+    return after
+
+
 # ----------------------------------------------------------------------------------------------
 # The assertion helper.
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvassert import assert_same_bytes
-from kvpool import MHATokenToKVPool
+from kvpool import MHATokenToKVPool, MLATokenToKVPool
 from kvpool.kernels import op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,3 +132,98 @@ def test_opcheck_fp8_caches(cache_dtype, scales):
     for t, b in zip(tensors, before):
         changed = not torch.equal(t.view(torch.uint8), b.view(torch.uint8)) if t.element_size() == 1 else not torch.equal(t, b)
         assert changed == (id(t) in declared), "the op must mutate k_cache and v_cache and nothing else"
+
+
+# --- MLA: the one op writes the two column views of one latent buffer ---------------------------
+
+MLA_R, MLA_ROPE = 16, 8
+
+
+def _mla_step(pool: MLATokenToKVPool, layers: list[Layer], entry: str):
+    """A toy MLA forward pass: per layer, project a latent row, write it (whole or as its two
+    parts), gather the batch's rows back and read the cache."""
+
+    def step(x: torch.Tensor, loc: torch.Tensor, k_scale) -> torch.Tensor:
+        total = x.new_zeros(())
+        for layer in layers:
+            row = x * (layer.layer_id + 1)
+            if entry == "row":
+                pool.set_kv_buffer(layer, loc, row, None, k_scale)
+            else:
+                pool.set_mla_kv_buffer(layer, loc, row[:, :, :MLA_R], row[:, :, MLA_R:], k_scale)
+            nope, rope = pool.get_mla_kv_buffer(layer, loc, dst_dtype=torch.float32)
+            total = total + nope.sum() + rope.sum() + pool.get_value_buffer(layer.layer_id)[loc.clamp(min=0)].float().sum()
+        return total
+
+    return step
+
+
+def _mla_pools(dtype):
+    make = lambda: MLATokenToKVPool(64, 1, dtype, MLA_R, MLA_ROPE, 2, DEVICE)  # noqa: E731
+    return make(), make()
+
+
+# Scale kinds and dtypes reach the same op as the MHA cases above; these cover the two entry points.
+@pytest.mark.parametrize(
+    "entry, dtype, scale_kind",
+    [("row", torch.float8_e4m3fn, "tensor"), ("parts", torch.float8_e4m3fn, "float"), ("parts", torch.bfloat16, "none")],
+    ids=["row-fp8-tensor", "parts-fp8-float", "parts-bf16-none"],
+)
+def test_mla_fullgraph_compile_writes_the_same_bytes_as_eager(entry, dtype, scale_kind):
+    torch._dynamo.reset()
+    compiled_pool, eager_pool = _mla_pools(dtype)
+    layers = [Layer(0), Layer(1)]
+    ks = _scales(scale_kind)[0]
+    x = torch.randn(5, 1, MLA_R + MLA_ROPE, device=DEVICE) * 30
+    loc = torch.tensor([1, 9, -1, 33, 64], device=DEVICE)
+    step = torch.compile(_mla_step(compiled_pool, layers, entry), fullgraph=True, backend="aot_eager")
+    out = step(x, loc, ks)
+    expected = _mla_step(eager_pool, layers, entry)(x, loc, ks)
+    for a, b in zip(compiled_pool.kv_buffer, eager_pool.kv_buffer):
+        assert_same_bytes(a, b, "latent buffer")
+    assert torch.equal(out, expected)
+    assert bool(compiled_pool.get_key_buffer(1).view(torch.uint8)[9].any()), "the compiled write wrote"
+
+
+def test_mla_inductor_keeps_the_write_in_place():
+    """Both entry points in one graph: the generated code hands the op two views of the layer's
+    buffer (no clone or copy of the cache)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled_pool, eager_pool = _mla_pools(torch.float8_e4m3fn)
+    ks = torch.tensor([0.37], device=DEVICE)
+
+    def step(pool):
+        # No arithmetic of its own, so Inductor generates no kernel to compile (the CPU suite's
+        # time); test_inductor_keeps_the_write_in_place covers reads after writes.
+        def fn(x, loc):
+            pool.set_kv_buffer(Layer(0), loc, x, None, ks)
+            pool.set_mla_kv_buffer(Layer(1), loc, x[:, :, :MLA_R], x[:, :, MLA_R:], 2.0)
+
+        return fn
+
+    x = torch.randn(5, 1, MLA_R + MLA_ROPE, device=DEVICE) * 30
+    loc = torch.tensor([1, 9, -1, 33, 64], device=DEVICE)
+    _, sources = run_and_get_code(torch.compile(step(compiled_pool), fullgraph=True), x, loc)
+    code = "\n".join(sources)
+    assert code.count("torch.ops.kvpool.store_kv.default(") == 2
+    assert ".clone(" not in code and "aten.copy_" not in code and "copy_(" not in code
+    step(eager_pool)(x, loc)
+    for a, b in zip(compiled_pool.kv_buffer, eager_pool.kv_buffer):
+        assert_same_bytes(a, b, "latent buffer")
+
+
+@pytest.mark.parametrize("scales", ["tensor", "value", "none"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_opcheck_with_caches_that_are_two_views_of_one_buffer(cache_dtype, scales):
+    """The MLA pool passes the op two column ranges of one buffer as its two caches."""
+    buf = torch.zeros(10, 1, 12, dtype=cache_dtype, device=DEVICE)
+    k = torch.randn(4, 1, 8, device=DEVICE)
+    v = torch.randn(4, 1, 4, device=DEVICE, dtype=torch.bfloat16)
+    loc = torch.tensor([1, -1, 3, 12], device=DEVICE)
+    st = torch.tensor([0.5], device=DEVICE) if scales == "tensor" else None
+    sv = 0.25 if scales == "value" else None
+    args = (k, v, buf[:, :, :8], buf[:, :, 8:], loc, st, st, sv, sv, "auto")
+    utils = ALL_OPCHECKS if cache_dtype.itemsize > 1 else ALL_OPCHECKS[1:]  # see test_opcheck_fp8_caches
+    torch.library.opcheck(torch.ops.kvpool.store_kv.default, args, test_utils=utils)

@@ -58,6 +58,10 @@ GPU_CASES = [
     Case("rank1_to_rank0", sides={0: P16, 1: SMALL_CHUNKS}, transfers=[(1, 0)], tokens=200),
     Case("both_ways_in_a_row", sides={0: SMALL_CHUNKS, 1: BASE}, transfers=[(0, 1), (1, 0), (0, 1)], tokens=100),
     Case("all_heads_to_upper_half", **_pair(BASE, HIGH), tokens=50),
+    Case("mla_deepseek_rows_2k_tokens_page1_to_page16",  # MLA pools: latent (K) and rotary (V) parts, one head
+         **_pair(Side(mla=True, layers=4, heads=1, head_dim=512, v_head_dim=64, size=3000, chunk_bytes=1 << 20),
+                 Side(mla=True, layers=4, heads=1, head_dim=512, v_head_dim=64, size=3008, page_size=16)),
+         tokens=2048),  # fmt: skip
     Case("lower_half_to_all_heads", **_pair(LOW, BASE), tokens=50),
     Case("dtype", **_pair(BASE, with_side(BASE, dtype="bf16")), expect=("ValueError", "dtype mismatch")),
     Case("token_count", **_pair(BASE, BASE), recv_tokens=36, expect=("ValueError", "tokens mismatch")),

@@ -107,3 +107,52 @@ def test_fused_kernel_path_verifies_too(monkeypatch):
     res = serve_sim.run(replace(SMALL, requests=6, output_len=(2, 8), device=device))
     assert res.ok, serve_sim.format_summary(res)
     assert res.reference_calls == 0 and res.fused_calls == res.forward_steps * SMALL.layers
+
+
+# --- --model deepseek-v3: the MLA pool ------------------------------------------------------------
+
+# 1152 B/token (2 layers x 576 FP8 bytes): ~220 slots, as much pressure as SMALL.
+SMALL_MLA = replace(SMALL, model="deepseek-v3", kv_budget_mib=0.25)
+
+
+@pytest.mark.parametrize("page_size", [16, 1], ids=["paged16", "token"])
+def test_mla_run_serves_and_verifies_the_latent_rows(page_size):
+    res = serve_sim.run(replace(SMALL_MLA, page_size=page_size, validate=True))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.served == res.verified_requests == 12 and res.verified_tokens > 0
+    assert res.bytes_per_token == 2 * 576
+    assert res.fused_calls + res.reference_calls == res.forward_steps * SMALL.layers
+    summary = serve_sim.format_summary(res)
+    assert "deepseek-v3 MLA latent rows (512 + 64)" in summary and "x 2 layers x latent byte-equal" in summary
+
+
+def test_mla_a_corrupted_latent_byte_fails_the_check():
+    res = serve_sim.run(replace(SMALL_MLA, corrupt=True))
+    assert not res.ok and res.mismatched_tokens == 1
+    assert res.first_mismatch is not None and res.first_mismatch.which == "latent"
+    assert res.first_mismatch.layer == SMALL.layers - 1
+
+
+def test_mla_main_and_model_choice(capsys):
+    assert serve_sim.main([*SMALL_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    with pytest.raises(ValueError, match="model must be one of mha, deepseek-v3, got 'llama'"):
+        replace(SMALL, model="llama")
+
+
+def test_mla_fused_kernel_path_verifies_too(monkeypatch):
+    """Both MLA entry points on the fused Triton kernel (the interpreter on CPU CI)."""
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    res = serve_sim.run(replace(SMALL_MLA, requests=4, output_len=(2, 6), prompt_len=(4, 40)))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.reference_calls == 0 and res.fused_calls == res.forward_steps * SMALL.layers
+
+
+def test_mla_host_tier_parks_and_reloads_latent_rows():
+    """--model deepseek-v3 --host-tier: retracted requests' latent rows go to an MLATokenToKVPoolHost
+    and come back byte for byte."""
+    res = serve_sim.run(replace(SMALL_MLA, requests=20, arrival_every=0.0, chunk_size=128, max_running=12,
+                                host_tier=True, validate=True))  # fmt: skip
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.retractions > 0 and res.parked > 0 and res.reloaded > 0 and res.reload_mismatches == 0
+    assert "reloaded tokens x 2 layers x latent matches" in serve_sim.format_summary(res)

@@ -1,5 +1,5 @@
 """Sizing helper: bytes per token and the largest pool that fits a budget, checked against the
-bytes an MHATokenToKVPool actually allocates."""
+bytes an MHATokenToKVPool and an MLATokenToKVPool actually allocate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given
 
 import kvpool.pools.sizing as sizing_module
 from kvpool.pools.mha_pool import MHATokenToKVPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
+from kvpool.pools.mla_pool import MLATokenToKVPool
+from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
 
@@ -99,3 +100,45 @@ def test_max_pool_size_is_the_largest_that_fits(budget, bpt, page_size):
         return
     assert size >= page_size and size % page_size == 0
     assert (size + page_size) * bpt <= budget < (size + 2 * page_size) * bpt
+
+
+# --- MLA: one latent row per token and layer ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_bytes_per_token(dtype):
+    # DeepSeek-V3: 512 latent + 64 rotary values, 61 layers
+    g = KVGeometry.mla(512, 64, 61, dtype)
+    assert (g.head_num, g.head_dim, g.v_head_dim, g.kv_lora_rank, g.qk_rope_head_dim) == (1, 576, 0, 512, 64)
+    assert g.is_mla and not KVGeometry(1, 576, 61, dtype).is_mla
+    assert g.bytes_per_token == mla_kv_bytes_per_token(512, 64, 61, dtype) == 61 * 576 * dtype.itemsize
+    assert KVGeometry(1, 576, 61, dtype).bytes_per_token == 2 * g.bytes_per_token  # MHA would keep a V too
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_pool_built_at_the_computed_size_fits_exactly(dtype, page_size):
+    g = KVGeometry.mla(kv_lora_rank=40, qk_rope_head_dim=24, layer_num=3, dtype=dtype)
+    budget = 1_000_003
+    size = g.max_pool_size(budget, page_size)
+    pool = MLATokenToKVPool(size, page_size, dtype, 40, 24, 3, "cpu", warmup=False)
+    assert pool.get_kv_size_bytes() == g.pool_bytes(size, page_size) <= budget
+    assert g.pool_bytes(size + page_size, page_size) > budget
+    assert size % page_size == 0
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: KVGeometry.mla(0, 64, 2, torch.bfloat16), "kv_lora_rank must be a positive int, got 0"),
+        (lambda: KVGeometry.mla(512, -1, 2, torch.bfloat16), "qk_rope_head_dim must be a positive int, got -1"),
+        (lambda: KVGeometry.mla(512, 64, 0, torch.bfloat16), "layer_num must be a positive int, got 0"),
+        (lambda: KVGeometry(2, 576, 2, torch.bfloat16, 0, kv_lora_rank=512), "head_num must be 1 for an MLA geometry"),
+        (lambda: KVGeometry(1, 576, 2, torch.bfloat16, 0, kv_lora_rank=576), "kv_lora_rank must be less than head_dim"),
+        (lambda: KVGeometry(1, 576, 2, torch.bfloat16, 64, kv_lora_rank=512), "v_head_dim must be 0 for an MLA geometry"),
+        (lambda: KVGeometry(1, 576, 2, torch.bfloat16, 0), "v_head_dim must be a positive int, got 0"),
+    ],
+)
+def test_mla_geometry_rejects_bad_values(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

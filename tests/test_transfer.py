@@ -155,7 +155,7 @@ def test_endpoint_rejects_bad_settings(kwargs, error, text):
 
 
 def test_endpoint_rejects_a_non_pool():
-    with pytest.raises(TypeError, match="pool must be an MHATokenToKVPool, got Tensor"):
+    with pytest.raises(TypeError, match="pool must be an MHATokenToKVPool or MLATokenToKVPool, got Tensor"):
         KVReceiver(torch.zeros(3))
 
 
@@ -230,6 +230,12 @@ def _as(dtype: str, side: Side = BASE, **changes) -> Side:
 ODD = Side(dtype="bf16", layers=2, start_layer=5, heads=3, head_dim=96, v_head_dim=64, size=50, page_size=4)
 ODD_P16 = with_side(ODD, page_size=16, size=64)
 SENDER_HAS = "mismatch: the sender's pool has "
+# MLA pools (DeepSeek-V3's 512 + 64 rows; an odd 40 + 24 one): one head, the latent part as K, the
+# rotary part as V.
+MLA = Side(mla=True, layers=2, heads=1, head_dim=512, v_head_dim=64, size=100)
+MLA_SMALL_CHUNKS = with_side(MLA, chunk_bytes=8 * 2 * 576)
+MLA_P16 = with_side(MLA, size=112, page_size=16)
+MLA_ODD = Side(mla=True, dtype="bf16", layers=2, start_layer=5, heads=1, head_dim=40, v_head_dim=24, size=50)
 TWO_RANK_CASES = [
     _ok("fp8_many_chunks_page1_to_page16", SMALL_CHUNKS, P16),
     _ok("bf16_odd_geometry_layers_5_6", ODD, ODD_P16, tokens=7),
@@ -265,6 +271,10 @@ TWO_RANK_CASES = [
     _fails("sender_2d_loc", "ValueError", "the sender's loc must be 1-D [T], got shape (1, 37)", tamper={0: "2d"}),
     _fails("sender_list_loc", "TypeError", "got list", tamper={0: "list"}),
     _fails("receiver_device_loc", "ValueError", "host indices", tamper={1: "cuda"}),
+    _ok("mla_fp8_deepseek_rows_many_chunks_page1_to_page16", MLA_SMALL_CHUNKS, MLA_P16),
+    _ok("mla_bf16_odd_rows_layers_5_6", MLA_ODD, with_side(MLA_ODD, page_size=4, size=60), tokens=9),
+    _fails("mla_kv_lora_rank", "ValueError", "head_dim " + SENDER_HAS + "head_dim=512, the receiver's has head_dim=256",
+           sender=MLA, receiver=with_side(MLA, head_dim=256)),  # fmt: skip
     _fails("bad_slot_reported_before_geometry", "IndexError", "the sender's loc[18]", receiver=_as("bf16"),
            tamper={0: "oob"}),  # fmt: skip
     _ok("still_in_step_after_the_errors", SMALL_CHUNKS, P16),
@@ -282,6 +292,7 @@ def test_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
 KERNEL_CASES = [  # the Triton kernel (interpreted) on the staging bands and head-sliced pool tables
     _ok("kernel_fp8_many_chunks", SMALL_CHUNKS, P16, tokens=21),
     _ok("kernel_bf16_odd_geometry", ODD, ODD_P16, tokens=5),
+    _ok("kernel_mla_fp8_rows", MLA_SMALL_CHUNKS, MLA_P16, tokens=11),
     _ok("kernel_heads_2_to_4_of_4", BASE, Side(heads=2, head_start=2, total_heads=4, chunk_bytes=4 * 384), tokens=9),
 ]
 

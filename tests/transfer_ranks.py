@@ -51,6 +51,7 @@ class Side:
     size: int = 200
     page_size: int = 1
     chunk_bytes: Optional[int] = None
+    mla: bool = False  # an MLATokenToKVPool: heads 1, head_dim = kv_lora_rank, v_head_dim = qk_rope_head_dim
 
     @property
     def rows(self) -> int:
@@ -95,8 +96,14 @@ def pattern(
 
 
 def make_pool(side: Side, device: str):
-    from kvpool import MHATokenToKVPool
+    from kvpool import MHATokenToKVPool, MLATokenToKVPool
 
+    if side.mla:
+        assert side.heads == 1 and side.v_head_dim is not None, "an MLA side has one head and a rotary part"
+        return MLATokenToKVPool(
+            side.size, side.page_size, DTYPES[side.dtype], side.head_dim, side.v_head_dim, side.layers, device,
+            start_layer=side.start_layer, warmup=False,
+        )  # fmt: skip
     return MHATokenToKVPool(
         side.size, side.page_size, DTYPES[side.dtype], side.heads, side.head_dim, side.layers, device,
         v_head_dim=side.v_head_dim, start_layer=side.start_layer, warmup=False,

@@ -7,13 +7,14 @@ from kvpool.pools.allocator import (
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.pools.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.kv_moves import KVCpuCopy
 from kvpool.pools.layer_transfer import LayerTransferCounter
+from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.req_to_token import ReqToTokenPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size
+from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
 
 __all__ = [
     "AllocatorState",
@@ -24,10 +25,13 @@ __all__ = [
     "LayerTransferCounter",
     "MHATokenToKVPool",
     "MHATokenToKVPoolHost",
+    "MLATokenToKVPool",
+    "MLATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
     "kv_bytes_per_token",
     "max_pool_size",
+    "mla_kv_bytes_per_token",
 ]

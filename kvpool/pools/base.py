@@ -26,7 +26,9 @@ class HasLayerId(Protocol):
 
 #: Keywords of SGLang's pool constructors that kvpool accepts for call-site compatibility, and the
 #: values it can honour (anything else raises, naming the keyword).
-def check_sglang_keywords(enable_memory_saver: object, enable_alt_stream: object, enable_kv_cache_copy: object) -> None:
+def check_sglang_keywords(
+    enable_memory_saver: object, enable_alt_stream: object = True, enable_kv_cache_copy: object = False
+) -> None:
     """``enable_memory_saver=True`` asks for SGLang's torch_memory_saver (pausing and releasing the
     cache's memory), which kvpool does not have. ``enable_alt_stream`` (SGLang overlaps its separate
     K and V copies on a second stream; kvpool writes both in one launch) and ``enable_kv_cache_copy``

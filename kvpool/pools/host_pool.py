@@ -220,7 +220,10 @@ class MHATokenToKVPoolHost:
     ) -> None:
         for name in _GEOMETRY + ("k_buffer", "v_buffer", "size", "page_size"):
             if not hasattr(device_pool, name):
-                raise TypeError(f"device_pool must be an MHATokenToKVPool, got {type(device_pool).__name__} (no .{name})")
+                raise TypeError(
+                    f"device_pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(device_pool).__name__} "
+                    f"(no .{name})"
+                )
         self.device_pool = device_pool
         self.page_size = positive_int(page_size, "page_size")
         if layout not in LAYOUTS:
@@ -824,3 +827,40 @@ class MHATokenToKVPoolHost:
                     ptrs += [kb + (layer * self.size + s) * self.k_row_bytes, vb + (layer * self.size + s) * self.v_row_bytes]
                     sizes += [k_size, v_size]
         return ptrs, sizes
+
+
+class MLATokenToKVPoolHost(MHATokenToKVPoolHost):
+    """Host-memory KV pages for a device ``MLATokenToKVPool``, with SGLang's name and the same API
+    and behaviour as :class:`MHATokenToKVPoolHost`.
+
+    A latent row travels as the device pool presents it to row copies: a K part (its
+    ``kv_lora_rank`` latent columns) and a V part (its ``qk_rope_head_dim`` rotary columns), so
+    ``k_buffer`` holds the latent parts and ``v_buffer`` the rotary parts, each in the layout's order
+    ([layer_num, size, 1, kv_lora_rank] and [layer_num, size, 1, qk_rope_head_dim] for
+    ``"layer_first"``), and a flat data page is the page's latent parts, then its rotary parts.
+    ``size_per_token`` is ``layer_num * (kv_lora_rank + qk_rope_head_dim)`` bytes of the storage dtype.
+    """
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size: float,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        *,
+        validate: bool = False,
+        kernel_programs: int = KERNEL_PROGRAMS,
+        staging_bytes: int = STAGING_BYTES,
+    ) -> None:
+        from kvpool.pools.mla_pool import MLATokenToKVPool
+
+        if not isinstance(device_pool, MLATokenToKVPool):
+            raise TypeError(f"device_pool must be an MLATokenToKVPool, got {type(device_pool).__name__}")
+        super().__init__(
+            device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+            validate=validate, kernel_programs=kernel_programs, staging_bytes=staging_bytes,
+        )  # fmt: skip
+        self.kv_lora_rank, self.qk_rope_head_dim = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim

@@ -1,5 +1,7 @@
 """Moving a pool's KV rows: between slots (``move_kv_cache``) and to host memory and back
-(``get_cpu_copy`` / ``load_cpu_copy``). ``MHATokenToKVPool`` exposes these as thin methods.
+(``get_cpu_copy`` / ``load_cpu_copy``). ``MHATokenToKVPool`` exposes these as thin methods;
+``MLATokenToKVPool`` its CPU copies too, its rows seen as a K part (the latent columns) and a V part
+(the rotary columns).
 
 Every path copies bytes (FP8 stays FP8, bit for bit) through :func:`kvpool.kernels.copy_rows.copy_rows`
 over the pool's row table: the K and V buffers of every layer, interleaved (``K0, V0, K1, V1, ...``),

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from kvpool.args import positive_int
 from kvpool.kernels.copy_rows import RowTable, copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.transfer.handshake import (
     HEADER_BYTES,
     RECEIVER,
@@ -69,6 +70,10 @@ from kvpool.transfer.handshake import (
     make_header,
 )
 from kvpool.transfer.wire import TokenLayout, chunk_plan
+
+#: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
+#: parts, one head.
+_POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
 # Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
 # buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
@@ -156,8 +161,8 @@ class _Endpoint:
         chunk_bytes: Optional[int] = None,
         max_programs: Optional[int] = None,
     ) -> None:
-        if not isinstance(pool, MHATokenToKVPool):
-            raise TypeError(f"pool must be an MHATokenToKVPool, got {type(pool).__name__}")
+        if not isinstance(pool, _POOLS):
+            raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
         self.pool = pool
         self.group = group
         if isinstance(head_start, bool) or not isinstance(head_start, int) or head_start < 0:
@@ -422,7 +427,7 @@ class KVSender(_Endpoint):
 
     Parameters
     ----------
-    pool : MHATokenToKVPool
+    pool : MHATokenToKVPool or MLATokenToKVPool
         The pool the rows are read from (CUDA with an NCCL group, CPU with gloo).
     group : the process group (default: the world group). The caller initialises torch.distributed.
     head_start, total_heads : the pool holds the global KV heads ``[head_start, head_start +
@@ -568,8 +573,8 @@ def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGro
     """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
     it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
     endpoint refers to its pool)."""
-    if not isinstance(pool, MHATokenToKVPool):
-        raise TypeError(f"pool must be an MHATokenToKVPool, got {type(pool).__name__}")
+    if not isinstance(pool, _POOLS):
+        raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
     kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
     key = (cls, group, tuple(sorted(options.items())))
     ep = kept.get(key)

@@ -1,0 +1,769 @@
+"""MLATokenToKVPool: construction, getters, both write entry points against the independent oracle
+(reference path, and the kernel through Triton's interpreter on CPU or compiled on CUDA), the gather,
+bad input with nothing written, calibration, and the row copies (moves, CPU copies, the host tier).
+
+Every write lands in poisoned buffers, so a row written wrongly, or a row that should not have been
+written, shows up; FP8 is compared code for code (the oracle's) or byte for byte (fused against
+reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvpool
+from kvassert import assert_same_bytes, bits
+from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvpool.kernels import copy_rows, store_kv
+from kvpool.pools import host_pool
+from kvpool.kernels.store_kv import plan_flat_launch, plan_launch
+from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_latent_cache
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_HERE = DEVICE == "cuda" or store_kv.INTERPRETER
+CACHE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+MODES = ["never", "always"] if KERNEL_HERE else ["never"]
+# Small geometries keep the interpreter quick; DeepSeek's 512 + 64 is in every grid too.
+R, ROPE = 40, 24
+SIZE, START, LAYERS = 11, 3, 2  # rows 0..11 (page_size 1); global layers 3 and 4
+
+
+@dataclasses.dataclass
+class Layer:
+    layer_id: Any
+
+
+def make_pool(dtype, mode="never", r=R, rope=ROPE, size=SIZE, page_size=1, **kw) -> MLATokenToKVPool:
+    with mock.patch.dict(os.environ):
+        os.environ.pop("KVPOOL_FUSED", None)
+        os.environ.pop("KVPOOL_VALIDATE", None)
+        kw.setdefault("warmup", False)
+        return MLATokenToKVPool(size, page_size, dtype, r, rope, LAYERS, DEVICE, start_layer=START, fused=mode, **kw)
+
+
+def poison_pool(pool: MLATokenToKVPool, poison: int = 0xA5) -> list[torch.Tensor]:
+    """Fill every layer with its own byte pattern; return copies of the poisoned buffers."""
+    for i, b in enumerate(pool.kv_buffer):
+        b.view(torch.uint8).fill_(poison ^ (17 * i))
+    return [b.clone() for b in pool.kv_buffer]
+
+
+def values(rng: np.random.Generator, shape: tuple, dtype: torch.dtype, centre: float = 0.0,
+           specials: bool = True) -> torch.Tensor:
+    """Magnitudes from subnormal to overflow around 2**centre, both signs, a few inf/NaN/zeros."""
+    n = int(np.prod(shape))
+    vals = rng.uniform(1.0, 2.0, n) * np.exp2(rng.integers(-24, 12, n) + centre) * rng.choice([-1.0, 1.0], n)
+    if specials and n:
+        idx = rng.choice(n, size=max(1, n // 40))
+        vals[idx] = rng.choice([np.inf, -np.inf, np.nan, 0.0, -0.0, 448.0, 57344.0 * 2], size=idx.size)
+    return torch.from_numpy(vals.reshape(shape)).to(dtype)
+
+
+def layout(x: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, 1, W] in another memory layout; returns (view, the tensor owning its memory)."""
+    t, _, w = x.shape
+    if how == "contiguous":
+        base = x.clone()
+        return base, base
+    if how == "projection_slice":  # columns of a wider projection output: token stride W + 7
+        base = torch.full((t, 1, w + 7), 3.0, dtype=x.dtype)
+        base[:, :, 2 : 2 + w] = x
+        return base[:, :, 2 : 2 + w], base
+    if how == "head_of_many":  # one head of [T, 3, W]: token stride 3W, head stride W
+        base = torch.full((t, 3, w), -5.0, dtype=x.dtype)
+        base[:, 1:2] = x
+        return base[:, 1:2], base
+    if how == "tokens_last":  # stored [W, T]
+        base = x[:, 0].t().contiguous()
+        return base.t().unsqueeze(1), base
+    if how == "d_strided":  # every other element along the row
+        base = torch.full((t, 1, 2 * w), 9.0, dtype=x.dtype)
+        base[:, :, ::2] = x
+        return base[:, :, ::2], base
+    raise AssertionError(how)
+
+
+LAYOUTS = ["contiguous", "projection_slice", "head_of_many", "tokens_last", "d_strided"]
+
+
+def on_device(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction and getters.
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_buffers_shapes_dtypes_and_views(dtype):
+    pool = make_pool(dtype, r=512, rope=64, size=100, page_size=4)
+    assert (pool.start_layer, pool.end_layer, pool.layer_num) == (3, 4, 2)
+    assert (pool.kv_lora_rank, pool.qk_rope_head_dim, pool.kv_cache_dim) == (512, 64, 576)
+    assert pool.store_dtype == (torch.uint8 if dtype.itemsize == 1 else dtype)
+    for layer_id in (3, 4):
+        k, v = pool.get_kv_buffer(layer_id)
+        assert k.shape == (104, 1, 576) and v.shape == (104, 1, 512)
+        assert k.dtype == dtype and v.dtype == dtype
+        assert not bits(k).any(), "buffers start zeroed"
+        assert pool.get_key_buffer(layer_id) is k and pool.get_value_buffer(layer_id) is v
+        # views of the one storage: the value buffer is the first kv_lora_rank columns of each row
+        assert k.data_ptr() == v.data_ptr() == pool.kv_buffer[layer_id - 3].data_ptr()
+        assert v.stride() == k.stride() == (576, 576, 1)
+        pool.get_key_buffer(layer_id).view(torch.uint8)[7, 0, 3] = 0x11
+        assert pool.get_value_buffer(layer_id).view(torch.uint8)[7, 0, 3] == 0x11, "a getter returned a copy"
+    assert pool.get_kv_size_bytes() == 2 * 104 * 576 * dtype.itemsize
+
+
+def test_sglang_positional_order_and_keywords():
+    # SGLang: (size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
+    #          enable_memory_saver, start_layer, end_layer, use_nsa, override_kv_cache_dim)
+    pool = MLATokenToKVPool(16, 2, torch.bfloat16, 32, 8, 3, "cpu", False, 5, 7, False, 40, warmup=False)
+    assert (pool.size, pool.page_size, pool.start_layer, pool.end_layer, pool.kv_cache_dim) == (16, 2, 5, 7, 40)
+    with pytest.raises(ValueError, match="enable_memory_saver must be False: kvpool has no memory saver"):
+        MLATokenToKVPool(16, 1, torch.bfloat16, 32, 8, 1, "cpu", enable_memory_saver=True)
+    with pytest.raises(ValueError, match="use_nsa must be False: kvpool has no NSA .*got True"):
+        MLATokenToKVPool(16, 1, torch.bfloat16, 32, 8, 1, "cpu", use_nsa=True)
+    with pytest.raises(ValueError, match=r"override_kv_cache_dim must be None or kv_lora_rank \+ qk_rope_head_dim = 40, got 656"):
+        MLATokenToKVPool(16, 1, torch.bfloat16, 32, 8, 1, "cpu", override_kv_cache_dim=656)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(size=0), "size must be a positive int, got 0"),
+        (dict(page_size=-1), "page_size must be a positive int, got -1"),
+        (dict(dtype=torch.int8), "dtype must be one of"),
+        (dict(kv_lora_rank=0), "kv_lora_rank must be a positive int, got 0"),
+        (dict(qk_rope_head_dim=6.5), "qk_rope_head_dim must be a positive int, got 6.5"),
+        (dict(layer_num=True), "layer_num must be a positive int, got True"),
+        (dict(end_layer=9), r"end_layer must be start_layer \+ layer_num - 1 = 1"),
+        (dict(start_layer=-2), "start_layer must be a non-negative int, got -2"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs, message):
+    args = dict(size=8, page_size=1, dtype=torch.float8_e4m3fn, kv_lora_rank=16, qk_rope_head_dim=8,
+                layer_num=2, device=DEVICE)  # fmt: skip
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        MLATokenToKVPool(**args, warmup=False)
+
+
+@pytest.mark.parametrize("layer_id", [-1, 0, 2, 5, 100])
+def test_layer_ids_outside_the_rank_raise_and_never_wrap(layer_id):
+    pool = make_pool(torch.float8_e4m3fn)
+    before = [b.clone() for b in pool.kv_buffer]
+    msg = rf"layer_id {layer_id} is outside this pool's layers \[3, 4\]"
+    x = torch.ones(1, 1, R + ROPE, device=DEVICE)
+    loc = torch.tensor([1], device=DEVICE)
+    for call in (
+        lambda: pool.get_key_buffer(layer_id),
+        lambda: pool.get_value_buffer(layer_id),
+        lambda: pool.get_kv_buffer(layer_id),
+        lambda: pool.set_kv_buffer(Layer(layer_id), loc, x, None),
+        lambda: pool.set_mla_kv_buffer(None, loc, x[:, :, :R], x[:, :, R:], layer_id_override=layer_id),
+        lambda: pool.get_mla_kv_buffer(Layer(layer_id), loc),
+    ):
+        with pytest.raises(IndexError, match=msg):
+            call()
+    for a, b in zip(pool.kv_buffer, before):
+        assert torch.equal(a, b)
+
+
+def test_layer_object_and_override():
+    pool = make_pool(torch.bfloat16)
+    x = torch.full((1, 1, R + ROPE), 2.0, device=DEVICE)
+    pool.set_kv_buffer(Layer(4), torch.tensor([3], device=DEVICE), x, None)
+    assert pool.get_key_buffer(4)[3].eq(2).all() and not pool.get_key_buffer(3).any()
+    pool.set_mla_kv_buffer(Layer(4), torch.tensor([5], device=DEVICE), x[:, :, :R], x[:, :, R:], layer_id_override=3)
+    assert pool.get_key_buffer(3)[5].eq(2).all(), "layer_id_override wins over layer.layer_id"
+    with pytest.raises(TypeError, match="layer_id_override"):
+        pool.set_mla_kv_buffer(None, torch.tensor([4], device=DEVICE), x[:, :, :R], x[:, :, R:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Writes against the oracle.
+
+
+@dataclasses.dataclass
+class MLAExample:
+    T: int
+    r: int
+    rope: int
+    cache_dtype: torch.dtype
+    entry: str  # "row" (set_kv_buffer) or "parts" (set_mla_kv_buffer)
+    parts: list  # the input tensors (one for "row", two for "parts"), as views
+    bases: list  # the tensors owning their memory
+    loc: torch.Tensor
+    k_scale: object
+    poison: int
+
+    def __repr__(self) -> str:
+        s = self.k_scale
+        sc = f"tensor{tuple(s.shape)}:{s.dtype}={s.reshape(-1).tolist()}" if isinstance(s, torch.Tensor) else repr(s)
+        parts = ", ".join(f"{tuple(p.shape)} {p.dtype} strides {p.stride()}" for p in self.parts)
+        return (f"MLAExample(T={self.T}, r={self.r}, rope={self.rope}, cache={self.cache_dtype}, {self.entry}: "
+                f"[{parts}], loc={self.loc.tolist()} ({self.loc.dtype}), k_scale={sc}, poison=0x{self.poison:02x})")
+
+
+@st.composite
+def mla_examples(draw, dims=((512, 64), (40, 24), (16, 8), (96, 32)), scale_dtypes=(torch.float32,)):
+    T = draw(st.sampled_from([0, 1, 2, 3, 7, 8]))
+    r, rope = draw(st.sampled_from(dims))
+    cache_dtype = draw(st.sampled_from(CACHE_DTYPES))
+    entry = draw(st.sampled_from(["row", "parts"]))
+    kind = draw(st.sampled_from(["none", "float", "tensor"]))
+    value = draw(st.sampled_from([1.0, 0.5, 0.37, 3.3, 1e-3, 1e3, 448.0 / 3]))
+    if kind == "none":
+        k_scale = None
+    elif kind == "float":
+        k_scale = value
+    else:
+        shape = draw(st.sampled_from([(), (1,), (1, 1)]))
+        k_scale = torch.tensor(value, dtype=torch.float64).to(draw(st.sampled_from(scale_dtypes))).reshape(shape)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    centre = round(float(np.log2(value))) if k_scale is not None else 0
+    if entry == "row":
+        x, base = layout(values(rng, (T, 1, r + rope), draw(st.sampled_from(INPUT_DTYPES)), centre),
+                         draw(st.sampled_from(LAYOUTS)))
+        parts, bases = [x], [base]
+    else:
+        nope, nb = layout(values(rng, (T, 1, r), draw(st.sampled_from(INPUT_DTYPES)), centre),
+                          draw(st.sampled_from(LAYOUTS)))
+        rope_x, rb = layout(values(rng, (T, 1, rope), draw(st.sampled_from(INPUT_DTYPES)), centre),
+                            draw(st.sampled_from(LAYOUTS)))
+        parts, bases = [nope, rope_x], [nb, rb]
+    slots = SIZE + 1
+    loc_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    big = 2**31 - 1 if loc_dtype == torch.int32 else 2**40
+    free = list(draw(st.permutations(range(slots))))
+    loc = []
+    for _ in range(T):
+        kind = draw(st.sampled_from(["valid", "valid", "valid", "negative", "out_of_range"]))
+        if kind == "valid":
+            loc.append(free.pop())
+        elif kind == "negative":
+            loc.append(draw(st.sampled_from([-1, -slots, -big])))
+        else:
+            loc.append(draw(st.sampled_from([slots, slots + 1, big])))
+    poison = draw(st.sampled_from([0xFF, 0xA5]))
+    return MLAExample(T, r, rope, cache_dtype, entry, parts, bases, torch.tensor(loc, dtype=loc_dtype),
+                      k_scale, poison)
+
+
+def run_pool_example(ex: MLAExample, mode: str, layer_id: int = 4, via_override: bool = False) -> MLATokenToKVPool:
+    """Write ``ex`` into a fresh poisoned pool and check everything against the oracle."""
+    pool = make_pool(ex.cache_dtype, mode, ex.r, ex.rope)
+    before = poison_pool(pool, ex.poison)
+    parts = [on_device(p) for p in ex.parts]
+    bases_dev = [on_device(b) for b in ex.bases]
+    if DEVICE != "cpu":  # rebuild the views on the device with the same strides
+        parts = [b.as_strided(p.shape, p.stride(), p.storage_offset()) for p, b in zip(ex.parts, bases_dev)]
+    snapshot = [b.clone() for b in bases_dev] + [ex.loc.clone()]
+    loc, scale = on_device(ex.loc), on_device(ex.k_scale)
+    stats_before = pool.stats.fused_calls, pool.stats.reference_calls
+    layer, override = (None, layer_id) if via_override else (Layer(layer_id), None)
+    if ex.entry == "row":
+        ret = pool.set_kv_buffer(layer, loc, parts[0], None, scale, None, layer_id_override=override)
+    else:
+        ret = pool.set_mla_kv_buffer(layer, loc, parts[0], parts[1], scale, layer_id_override=override)
+    assert ret is None
+    for a, b in zip(bases_dev + [loc], snapshot):
+        assert_bytes_unchanged(b, a, f"an input changed; {ex!r}")
+    i = layer_id - START
+    fmt = FORMAT_OF[ex.cache_dtype]
+    expected = expected_latent_cache(codes_of(before[i].view(ex.cache_dtype)), [p.cpu() for p in parts],
+                                     ex.loc.tolist(), ex.cache_dtype, ex.k_scale)
+    got = pool.get_key_buffer(layer_id)
+    assert_codes_equal(got, expected, fmt, f"pool[{mode}] {ex.entry}; {ex!r}")
+    named = {int(s) for s in ex.loc.tolist() if 0 <= int(s) < pool.rows}
+    for slot in range(pool.rows):
+        if slot not in named:
+            assert_bytes_unchanged(before[i][slot], pool.kv_buffer[i][slot], f"untouched row {slot}; {ex!r}")
+    assert_bytes_unchanged(before[1 - i], pool.kv_buffer[1 - i], f"the other layer; {ex!r}")
+    if ex.T:
+        fused = mode == "always"
+        assert (pool.stats.fused_calls, pool.stats.reference_calls) == (
+            stats_before[0] + fused, stats_before[1] + (not fused)
+        ), pool.stats
+    return pool
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(ex=mla_examples(scale_dtypes=(torch.float32, torch.bfloat16, torch.float64)), via_override=st.booleans())
+def test_reference_pool_write_equals_oracle(ex, via_override):
+    run_pool_example(ex, "never", via_override=via_override)
+
+
+@pytest.mark.skipif(not KERNEL_HERE, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+@settings(max_examples=20, suppress_health_check=[HealthCheck.too_slow])
+@given(ex=mla_examples(), layer_id=st.sampled_from([3, 4]))
+def test_fused_pool_write_equals_oracle(ex, layer_id):
+    run_pool_example(ex, "always", layer_id)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("entry", ["row", "parts"])
+def test_deepseek_geometry_equals_oracle(entry, mode):
+    """DeepSeek-V3's 512 + 64 with the realistic inputs: the row sliced out of a wider projection,
+    the parts as the two column ranges of one row (no copy), and a per-tensor scale tensor."""
+    rng = np.random.default_rng(7)
+    row, base = layout(values(rng, (7, 1, 576), torch.bfloat16, centre=-1), "projection_slice")
+    parts = [row] if entry == "row" else [row[:, :, :512], row[:, :, 512:]]
+    loc = torch.tensor([1, 11, -1, 12, 5, 0, 2**31 - 1], dtype=torch.int32)
+    ex = MLAExample(7, 512, 64, torch.float8_e4m3fn, entry, parts, [base], loc, torch.tensor([0.37]), 0xFF)
+    run_pool_example(ex, mode)
+
+
+@pytest.mark.skipif(not KERNEL_HERE, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_fused_and_reference_pools_are_bit_identical(dtype):
+    """Byte for byte, NaN patterns included (the oracle accepts any NaN code; the two paths must
+    store the same one): both entry points, float and tensor scales, on poisoned buffers."""
+    pools = {mode: make_pool(dtype, mode, 512, 64) for mode in ("always", "never")}
+    rng = np.random.default_rng(3)
+    row = values(rng, (6, 1, 576), torch.bfloat16, centre=2).to(DEVICE)
+    nope = values(rng, (6, 1, 512), torch.float32, centre=2).to(DEVICE)
+    rope = values(rng, (6, 3, 64), torch.float16, centre=2).to(DEVICE)[:, 1:2]
+    loc = torch.tensor([1, 7, -1, 12, 11, 0], device=DEVICE)
+    for pool in pools.values():
+        poison_pool(pool, 0xFF)
+        pool.set_kv_buffer(None, loc, row, None, 0.61, layer_id_override=3)
+        pool.set_mla_kv_buffer(Layer(4), loc.flip(0), nope, rope, torch.tensor([2.5], device=DEVICE))
+    assert pools["always"].stats.fused_calls == 2 and pools["never"].stats.reference_calls == 2
+    for a, b in zip(pools["always"].kv_buffer, pools["never"].kv_buffer):
+        assert_same_bytes(a, b, f"{dtype} layer buffer")
+
+
+def test_both_entry_points_write_the_same_bytes():
+    """set_mla_kv_buffer(nope, rope) == set_kv_buffer(concat(nope, rope)), byte for byte."""
+    rng = np.random.default_rng(5)
+    nope = values(rng, (5, 1, R), torch.bfloat16).to(DEVICE)
+    rope = values(rng, (5, 1, ROPE), torch.bfloat16).to(DEVICE)
+    loc = torch.tensor([4, 2, 9, -3, 11], device=DEVICE)
+    a, b = make_pool(torch.float8_e5m2), make_pool(torch.float8_e5m2)
+    a.set_mla_kv_buffer(Layer(3), loc, nope, rope, 0.25)
+    b.set_kv_buffer(Layer(3), loc, torch.cat((nope, rope), dim=2), None, 0.25)
+    assert_same_bytes(a.get_key_buffer(3), b.get_key_buffer(3), "latent rows")
+
+
+def test_cache_v_and_v_scale_are_ignored_and_16_bit_pools_ignore_k_scale():
+    x = torch.tensor([[[1.5, -2.0, 3.0, 0.25]]], device=DEVICE)
+    pool = MLATokenToKVPool(8, 1, torch.float8_e4m3fn, 3, 1, 1, DEVICE, warmup=False)
+    pool.set_kv_buffer(None, torch.tensor([2], device=DEVICE), x, "not a tensor", 0.5, -7.0, layer_id_override=0)
+    assert_same_bytes(pool.get_key_buffer(0)[2], kvpool.quantize(x, torch.float8_e4m3fn, 0.5)[0], "row 2")
+    bf16 = MLATokenToKVPool(8, 1, torch.bfloat16, 3, 1, 1, DEVICE, warmup=False)
+    bf16.set_mla_kv_buffer(None, torch.tensor([2], device=DEVICE), x[:, :, :3], x[:, :, 3:], -5.0, layer_id_override=0)
+    assert torch.equal(bf16.get_key_buffer(0)[2], x[0].to(torch.bfloat16))
+
+
+def test_auto_mode_on_cpu_takes_the_reference_path_and_says_why():
+    if DEVICE != "cpu":
+        pytest.skip("CPU routing")
+    pool = make_pool(torch.float8_e4m3fn, "auto")
+    x = torch.ones(2, 1, R + ROPE)
+    pool.set_kv_buffer(Layer(3), torch.tensor([1, 2]), x, None)
+    pool.set_mla_kv_buffer(Layer(3), torch.tensor([1, 2]), x[:, :, :R], x[:, :, R:])
+    assert pool.stats.reference_calls == 2 and pool.stats.fused_calls == 0
+    assert any("device is cpu" in reason for reason in pool.stats.reasons)
+
+
+def test_kernel_plan_for_the_deepseek_row():
+    """The kernel's per-head plan covers the 512 latent and 64 rotary columns with no idle lanes:
+    one program per 4 tokens for each part (grid axis 1 has two entries), no flat plan."""
+    plan = plan_launch(1, 512, 1, 64)
+    assert plan.lane_use == 1.0 and plan.grid_y == 2
+    assert (plan.block_t, plan.block_d, plan.block_dv) == (4, 512, 64)
+    assert plan_flat_launch(1, 512, 1, 64) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The gather.
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+def test_get_mla_kv_buffer_gathers_the_stored_bytes(dtype):
+    pool = make_pool(dtype)
+    poison_pool(pool, 0x7F)  # FP8: NaN codes, returned as they are
+    rng = np.random.default_rng(11)
+    x = values(rng, (4, 1, R + ROPE), torch.float32).to(DEVICE)
+    pool.set_kv_buffer(Layer(4), torch.tensor([2, 9, 5, 1], device=DEVICE), x, None, 0.5)
+    buf = pool.get_key_buffer(4)
+    for loc_dtype in (torch.int32, torch.int64):
+        loc = torch.tensor([9, -1, 2, 12, 2**30, 0, -(2**31)], dtype=loc_dtype, device=DEVICE)
+        nope, rope = pool.get_mla_kv_buffer(Layer(4), loc)
+        assert nope.shape == (7, 1, R) and rope.shape == (7, 1, ROPE)
+        assert nope.dtype == rope.dtype == dtype and nope.is_contiguous() and rope.is_contiguous()
+        for t, slot in enumerate([9, None, 2, None, None, 0, None]):
+            if slot is None:  # outside the buffer: a row of zero bytes, nothing read out of bounds
+                assert not bits(nope[t]).any() and not bits(rope[t]).any()
+            else:
+                assert_same_bytes(nope[t], buf[slot, :, :R], f"nope slot {slot}")
+                assert_same_bytes(rope[t], buf[slot, :, R:], f"rope slot {slot}")
+        as_f32 = pool.get_mla_kv_buffer(Layer(4), loc, dst_dtype=torch.float32)
+        assert_same_bytes(as_f32[0], nope.to(torch.float32), "cast nope")
+        assert_same_bytes(as_f32[1], rope.to(torch.float32), "cast rope")
+    empty = pool.get_mla_kv_buffer(Layer(3), torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert empty[0].shape == (0, 1, R) and empty[1].shape == (0, 1, ROPE)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda p, loc: p.get_mla_kv_buffer(None, loc), TypeError, "layer must have a .layer_id attribute, got NoneType"),
+        (lambda p, loc: p.get_mla_kv_buffer(Layer(3), loc.tolist()), TypeError, "loc must be a torch.Tensor, got list"),
+        (lambda p, loc: p.get_mla_kv_buffer(Layer(3), loc.float()), ValueError, "loc must be int32 or int64, got torch.float32"),
+        (lambda p, loc: p.get_mla_kv_buffer(Layer(3), loc[None]), ValueError, r"loc must be 1-D \[T\], got shape \(1, 3\)"),
+        (lambda p, loc: p.get_mla_kv_buffer(Layer(3), loc.to("meta")), ValueError, "loc must be on .*, got meta"),
+        (lambda p, loc: p.get_mla_kv_buffer(Layer(3), loc, torch.int32), ValueError,
+         "dst_dtype must be None or a floating torch.dtype, got torch.int32"),
+    ],
+)
+def test_get_mla_kv_buffer_rejects_bad_arguments(call, error, message):
+    pool = make_pool(torch.float8_e4m3fn)
+    with pytest.raises(error, match=message):
+        call(pool, torch.tensor([1, 2, 3], device=DEVICE))
+
+
+def test_get_mla_kv_buffer_under_validate_raises_for_slots_past_the_end():
+    pool = make_pool(torch.float8_e4m3fn, validate=True)
+    with pytest.raises(IndexError, match=r"loc\[1\] = 12 is out of range: slots are 0..11"):
+        pool.get_mla_kv_buffer(Layer(3), torch.tensor([1, 12, -1], device=DEVICE))
+    nope, _ = pool.get_mla_kv_buffer(Layer(3), torch.tensor([1, -1], device=DEVICE))  # padding is fine
+    assert nope.shape == (2, 1, R)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: a clear error, and nothing written.
+
+T = 5
+BASE_LOC = [1, 5, -1, 7, 10]
+
+
+def _base(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(T, 1, R + ROPE, generator=g).to(dtype).to(DEVICE)
+    return dict(row=row, nope=row[:, :, :R], rope=row[:, :, R:], loc=torch.tensor(BASE_LOC, device=DEVICE),
+                k_scale=0.5, layer=Layer(4), override=None)  # fmt: skip
+
+
+def _row(a):
+    return lambda p: p.set_kv_buffer(a["layer"], a["loc"], a["row"], None, a["k_scale"], None, a["override"])
+
+
+def _parts(a):
+    return lambda p: p.set_mla_kv_buffer(a["layer"], a["loc"], a["nope"], a["rope"], a["k_scale"], a["override"])
+
+
+META = torch.device("meta")
+# (id, entry, changes to the base arguments, exception, message)
+BAD = [
+    ("row-not-tensor", _row, dict(row=[[1.0]]), TypeError, "cache_k must be a torch.Tensor, got list"),
+    ("row-2d", _row, dict(row=torch.ones(T, R + ROPE)), ValueError, r"cache_k must be 3-D \[T, 1, 64\], got shape \(5, 64\)"),
+    ("row-heads", _row, dict(row=torch.ones(T, 2, R + ROPE)), ValueError, r"cache_k must have 1 heads \(shape\[1\]\), got 2"),
+    ("row-width", _row, dict(row=torch.ones(T, 1, R + ROPE - 1)), ValueError, r"cache_k must have head dim 64 \(shape\[2\]\), got 63"),
+    ("row-int", _row, dict(row=torch.ones(T, 1, R + ROPE, dtype=torch.int32)), ValueError,
+     "cache_k must be bfloat16, float16 or float32, got torch.int32"),
+    ("row-float64", _row, dict(row=torch.ones(T, 1, R + ROPE, dtype=torch.float64)), ValueError,
+     "cache_k must be bfloat16, float16 or float32, got torch.float64"),
+    ("row-meta", _row, dict(row=torch.ones(T, 1, R + ROPE, device=META)), ValueError, "cache_k must be on .*, got meta"),
+    ("row-loc-float", _row, dict(loc=torch.ones(T)), ValueError, "loc must be int32 or int64, got torch.float32"),
+    ("row-loc-2d", _row, dict(loc=torch.ones(T, 1, dtype=torch.int64)), ValueError, r"loc must be 1-D \[T\], got shape \(5, 1\)"),
+    ("row-loc-short", _row, dict(loc=torch.ones(4, dtype=torch.int64)), ValueError,
+     r"loc must have T=5 entries \(one per token\), got 4"),
+    ("row-loc-meta", _row, dict(loc=torch.ones(T, dtype=torch.int64, device=META)), ValueError, "loc must be on .*, got meta"),
+    ("row-loc-list", _row, dict(loc=BASE_LOC), TypeError, "loc must be a torch.Tensor, got list"),
+    ("row-scale-zero", _row, dict(k_scale=0.0), ValueError, "k_scale must be a positive finite float .*got 0.0"),
+    ("row-scale-inf", _row, dict(k_scale=float("inf")), ValueError, "k_scale must be a positive finite float .*got inf"),
+    ("row-scale-subnormal", _row, dict(k_scale=1e-40), ValueError, "k_scale must be a positive finite float .*got 1e-40"),
+    ("row-scale-str", _row, dict(k_scale="0.5"), TypeError, "k_scale must be None, a positive float or a floating-point tensor, got str"),
+    ("row-scale-bool", _row, dict(k_scale=True), TypeError, "k_scale must be None, a positive float .*got bool"),
+    ("row-scale-int-tensor", _row, dict(k_scale=torch.ones(1, dtype=torch.int32)), ValueError,
+     "k_scale must be a floating-point tensor, got torch.int32"),
+    ("row-scale-shape", _row, dict(k_scale=torch.ones(2)), ValueError,
+     r"k_scale must have one element \(per tensor\) or shape \[1\] or \[1, 1\] \(per head\), got shape \(2,\)"),
+    ("row-scale-meta", _row, dict(k_scale=torch.ones(1, device=META)), ValueError, "k_scale must be on .*, got meta"),
+    ("row-layer-range", _row, dict(layer=Layer(5)), IndexError, r"layer_id 5 is outside this pool's layers \[3, 4\]"),
+    ("row-layer-none", _row, dict(layer=None), TypeError, "a write needs a layer with .layer_id or layer_id_override"),
+    ("row-layer-str", _row, dict(layer=Layer("4")), TypeError, "layer_id must be an int, got str"),
+    ("parts-nope-not-tensor", _parts, dict(nope=None), TypeError, "cache_k_nope must be a torch.Tensor, got NoneType"),
+    ("parts-nope-width", _parts, dict(nope=torch.ones(T, 1, R + 1)), ValueError,
+     r"cache_k_nope must have head dim 40 \(shape\[2\]\), got 41"),
+    ("parts-rope-width", _parts, dict(rope=torch.ones(T, 1, R + ROPE)), ValueError,
+     r"cache_k_rope must have head dim 24 \(shape\[2\]\), got 64"),
+    ("parts-rope-heads", _parts, dict(rope=torch.ones(T, 2, ROPE)), ValueError, r"cache_k_rope must have 1 heads"),
+    ("parts-rope-tokens", _parts, dict(rope=torch.ones(T - 1, 1, ROPE)), ValueError,
+     "cache_k_rope must have T=5 tokens like cache_k_nope, got 4"),
+    ("parts-rope-int", _parts, dict(rope=torch.ones(T, 1, ROPE, dtype=torch.int16)), ValueError,
+     "cache_k_rope must be bfloat16, float16 or float32, got torch.int16"),
+    ("parts-rope-meta", _parts, dict(rope=torch.ones(T, 1, ROPE, device=META)), ValueError, "cache_k_rope must be on .*, got meta"),
+    ("parts-loc-long", _parts, dict(loc=torch.ones(6, dtype=torch.int32)), ValueError,
+     r"loc must have T=5 entries \(one per token\), got 6"),
+    ("parts-scale-negative", _parts, dict(k_scale=-2.0), ValueError, "k_scale must be a positive finite float .*got -2.0"),
+    ("parts-scale-shape", _parts, dict(k_scale=torch.ones(1, 2)), ValueError, r"k_scale must have one element .*got shape \(1, 2\)"),
+]
+
+
+def _move(changes: dict) -> dict:
+    """Put new tensors on the test device, except those meant to be on another device."""
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device != META else v) for k, v in changes.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_raises_before_anything_is_written(case, mode):
+    _, entry, changes, error, message = case
+    pool = make_pool(torch.float8_e4m3fn, mode)
+    before = poison_pool(pool)
+    args = _base()
+    if mode == "never":  # the base call is valid and writes (once is enough: the interpreter is slow)
+        entry(args)(pool)
+        assert any(not torch.equal(a, b) for a, b in zip(pool.kv_buffer, before)), "the base call must write"
+        before = [b.clone() for b in pool.kv_buffer]
+    with pytest.raises(error, match=message):
+        entry({**args, **_move(changes)})(pool)
+    for a, b in zip(pool.kv_buffer, before):
+        assert_bytes_unchanged(b, a, "pool buffer after a rejected write")
+
+
+@pytest.mark.parametrize("entry", [_row, _parts], ids=["row", "parts"])
+@pytest.mark.parametrize("mode", MODES)
+def test_validate_rejects_slots_past_the_end_and_bad_scale_values(mode, entry):
+    pool = make_pool(torch.float8_e4m3fn, mode, validate=True)
+    before = poison_pool(pool)
+    args = _base()
+    bad_loc = torch.tensor([1, 5, -1, 12, 10], device=DEVICE)
+    with pytest.raises(IndexError, match=re.escape("loc[3] = 12 is out of range: slots are 0..11")):
+        entry({**args, "loc": bad_loc})(pool)
+    with pytest.raises(ValueError, match="k_scale must hold positive finite normal float32 values, got 0.0 at index 0"):
+        entry({**args, "k_scale": torch.zeros(1, device=DEVICE)})(pool)
+    for a, b in zip(pool.kv_buffer, before):
+        assert_bytes_unchanged(b, a, "pool buffer after a rejected write")
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration: one scale for the whole row.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_observed_maxima_and_calibrated_scales(mode):
+    pool = make_pool(torch.float8_e4m3fn, mode, observe_amax=True)
+    assert pool.kv_amax.shape == (LAYERS, 2, 1)
+    row = torch.zeros(4, 1, R + ROPE)
+    row[0, 0, 3] = -100.0  # latent part
+    row[1, 0, R + 2] = 300.0  # rotary part
+    row[2, 0, 5] = float("nan")  # left out
+    row[2, 0, R] = float("-inf")  # left out
+    row[3] = 1e6  # a padding token: not written, not observed
+    loc = torch.tensor([1, 2, 3, -1], device=DEVICE)
+    pool.set_kv_buffer(Layer(3), loc, row.to(DEVICE), None)
+    nope = torch.full((1, 1, R), -7.0, device=DEVICE)
+    rope = torch.full((1, 1, ROPE), 2.0, device=DEVICE)
+    pool.set_mla_kv_buffer(Layer(4), torch.tensor([5], device=DEVICE), nope, rope, 0.5)
+    assert pool.kv_amax.cpu().tolist() == [[[100.0], [300.0]], [[7.0], [2.0]]]
+    scales = pool.calibrated_scales()
+    assert len(scales) == LAYERS
+    for (k, v), amax in zip(scales, (300.0, 7.0)):
+        assert k is v and k.shape == (1,) and k.dtype == torch.float32
+        assert k.item() == np.float32(amax / 448.0)
+    assert [k.item() for k, _ in pool.calibrated_scales(per_head=True)] == [k.item() for k, _ in scales]
+    assert pool.calibrated_scales(margin=2.0, dtype=torch.float8_e5m2)[0][0].item() == np.float32(600.0 / 57344.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# With the allocators.
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_allocators_hand_out_slots_of_an_mla_pool(page_size):
+    pool = make_pool(torch.float8_e4m3fn, size=16, page_size=page_size)
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, DEVICE, kvcache=pool)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(pool.size, page_size, pool.dtype, DEVICE, kvcache=pool)
+    assert allocator.get_kvcache() is pool
+    loc = allocator.alloc(8)
+    assert loc is not None and int(loc.min()) >= 1 and int(loc.max()) < pool.rows
+    rng = np.random.default_rng(2)
+    nope = values(rng, (8, 1, R), torch.bfloat16, specials=False).to(DEVICE)
+    rope = values(rng, (8, 1, ROPE), torch.bfloat16, specials=False).to(DEVICE)
+    pool.set_mla_kv_buffer(Layer(3), loc, nope, rope, 0.1)
+    got_nope, got_rope = pool.get_mla_kv_buffer(Layer(3), loc)
+    assert_same_bytes(got_nope, kvpool.quantize(nope, torch.float8_e4m3fn, 0.1), "nope")
+    assert_same_bytes(got_rope, kvpool.quantize(rope, torch.float8_e4m3fn, 0.1), "rope")
+    allocator.free(loc)
+    allocator.check_integrity()
+
+
+# ----------------------------------------------------------------------------------------------
+# Moves, CPU copies and the host tier: bytes, through the row-copy kernel (interpreter) or its
+# reference; the pool's rows are seen as a latent (K) part and a rotary (V) part.
+
+
+@pytest.fixture(params=["reference", "kernel"])
+def copy_path(request, monkeypatch):
+    if request.param == "kernel":
+        if not copy_rows.INTERPRETER:
+            pytest.skip("the row-copy kernel on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
+    return request.param
+
+
+def random_pool(dtype=torch.float8_e4m3fn, seed=0, **kw) -> MLATokenToKVPool:
+    """A CPU pool whose every byte is random (NaN patterns included): every row is distinguishable."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop("KVPOOL_FUSED", None)
+        os.environ.pop("KVPOOL_VALIDATE", None)
+        pool = MLATokenToKVPool(kw.pop("size", 30), kw.pop("page_size", 2), dtype, R, ROPE, 3, "cpu",
+                                warmup=False, **kw)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    for b in pool.kv_buffer:
+        raw = b.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+def latent_bytes(pool: MLATokenToKVPool) -> list[torch.Tensor]:
+    return [b.view(torch.uint8).reshape(b.shape[0], -1).clone() for b in pool.kv_buffer]
+
+
+def test_the_row_copy_view_of_the_pool():
+    pool = random_pool()
+    assert (pool.head_num, pool.head_dim, pool.v_head_dim) == (1, R, ROPE)
+    for layer, (k, v, whole) in enumerate(zip(pool.k_buffer, pool.v_buffer, pool.kv_buffer)):
+        assert k.data_ptr() == whole.data_ptr() and v.data_ptr() == whole[:, :, R:].data_ptr()
+        assert torch.equal(torch.cat((k, v), dim=2), whole), f"layer {layer}: the parts are the row"
+
+
+MLA_MOVES = {
+    "cycle": ([1, 2, 3], [2, 3, 1]),
+    "chain": ([4, 5, 6, 7], [5, 6, 7, 8]),
+    "swap-and-same": ([1, 2, 9], [2, 1, 9]),
+    "skips": ([-1, 40, 5, 6], [3, 4, 99, -2]),
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_MOVES))
+def test_move_kv_cache_moves_whole_rows_as_if_read_first(copy_path, name):
+    pool = random_pool(seed=len(name))
+    tgt, src = MLA_MOVES[name]
+    before = latent_bytes(pool)
+    pool.move_kv_cache(torch.tensor(tgt), torch.tensor(src, dtype=torch.int32))
+    after = latent_bytes(pool)
+    rows = pool.rows
+    moved = {t: s for t, s in zip(tgt, src) if 0 <= t < rows and 0 <= s < rows}
+    for layer in range(3):
+        for r in range(rows):
+            want = before[layer][moved.get(r, r)]
+            assert torch.equal(after[layer][r], want), f"{name}: layer {layer} row {r}"
+
+
+def test_move_kv_cache_through_staging(copy_path, monkeypatch):
+    monkeypatch.setattr(copy_rows, "ONE_PASS_MAX_PAIRS", 4)
+    pool = random_pool(seed=9)
+    before = latent_bytes(pool)
+    tgt, src = list(range(8)), [1, 2, 3, 4, 5, 6, 7, 0]  # an 8-cycle: more pairs than one pass takes
+    pool.move_kv_cache(torch.tensor(tgt), torch.tensor(src))
+    for layer, b in enumerate(latent_bytes(pool)):
+        assert torch.equal(b[:8], before[layer][src]) and torch.equal(b[8:], before[layer][8:])
+
+
+def test_move_kv_cache_rejects_bad_input_before_writing():
+    pool = random_pool(validate=True)
+    before = latent_bytes(pool)
+    with pytest.raises(IndexError, match=r"src_loc\[1\] = 32 is out of range: rows are 0..31"):
+        pool.move_kv_cache(torch.tensor([1, 2]), torch.tensor([3, 32]))
+    with pytest.raises(ValueError, match=r"src_loc must have as many entries as tgt_loc \(2\), got 1"):
+        pool.move_kv_cache(torch.tensor([1, 2]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="tgt_loc must be int32 or int64, got torch.float32"):
+        pool.move_kv_cache(torch.tensor([1.0]), torch.tensor([3]))
+    for a, b in zip(before, latent_bytes(pool)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+def test_cpu_copy_round_trip_is_exact(copy_path, dtype):
+    pool = random_pool(dtype, seed=4)
+    slots = torch.tensor([7, 3, 8, 31, 0])
+    copy = pool.get_cpu_copy(slots)
+    assert len(copy) == 5 and copy.dtype == dtype and copy.start_layer == 0
+    assert copy.k.shape == (3, 5, 1, R) and copy.v.shape == (3, 5, 1, ROPE)
+    for layer in range(3):
+        assert_same_bytes(torch.cat((copy.k[layer], copy.v[layer]), dim=2), pool.kv_buffer[layer][slots], f"layer {layer}")
+    originals = [b[slots].clone() for b in pool.kv_buffer]
+    before = latent_bytes(pool)
+    targets = torch.tensor([20, 21, 22, 23, 24], dtype=torch.int32)
+    pool.load_cpu_copy(copy, targets)
+    untouched = torch.ones(pool.rows, dtype=torch.bool)
+    untouched[targets.long()] = False
+    for layer, b in enumerate(latent_bytes(pool)):
+        assert torch.equal(b[targets.long()], originals[layer].view(torch.uint8).reshape(5, -1))
+        assert torch.equal(b[untouched], before[layer][untouched])
+    with pytest.raises(ValueError, match=r"kv_cache_cpu.k must have shape \(3, 4, 1, 40\)"):
+        pool.load_cpu_copy(copy, targets[:4])
+    with pytest.raises(IndexError, match=r"indices\[1\] = 32 is out of range: slots are 0..31"):
+        pool.get_cpu_copy(torch.tensor([1, 32]))
+
+
+def test_allocator_cpu_copies_go_through_the_mla_pool():
+    pool = random_pool(seed=5)
+    allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, "cpu", kvcache=pool)
+    slots = allocator.alloc(4)
+    copy = allocator.get_cpu_copy(slots)
+    originals = [b[slots].clone() for b in pool.kv_buffer]
+    for b in pool.kv_buffer:
+        b[slots] = 0
+    allocator.load_cpu_copy(copy, slots)
+    for b, o in zip(pool.kv_buffer, originals):
+        assert torch.equal(b[slots], o)
+
+
+@pytest.mark.parametrize("backend", host_pool.IO_BACKENDS)
+@pytest.mark.parametrize("layout", host_pool.LAYOUTS)
+def test_host_tier_parks_and_reloads_latent_rows(copy_path, layout, backend):
+    if copy_path == "kernel" and backend == "direct":
+        pytest.skip("the direct backend's device side is the same row copy; the interpreter runs the kernel backend")
+    pool = random_pool(seed=6, page_size=4, size=40)
+    host = MLATokenToKVPoolHost(pool, 2.0, 0, 4, layout, staging_bytes=3000)  # a few rows per staging chunk
+    assert host.size == 80 and host.size_per_token == 3 * (R + ROPE)
+    assert (host.kv_lora_rank, host.qk_rope_head_dim) == (R, ROPE)
+    h = host.alloc(8)
+    h = torch.cat((h[4:], h[:4]))  # pages out of order
+    d = torch.tensor([5, 6, 7, 8, 30, 2, 3, 43])
+    before = latent_bytes(pool)
+    host.backup_from_device_all_layer(pool, h, d, backend)
+    other = random_pool(seed=7, page_size=4, size=40)
+    untouched = latent_bytes(other)
+    t = torch.tensor([1, 2, 3, 4, 9, 10, 11, 12])
+    host.load_to_device_per_layer(other, h, t, 1, backend)
+    got = latent_bytes(other)
+    assert torch.equal(got[1][t], before[1][d]) and torch.equal(got[0], untouched[0]) and torch.equal(got[2], untouched[2])
+    host.load_to_device_all_layer(other, h, t, backend)
+    for layer, b in enumerate(latent_bytes(other)):
+        assert torch.equal(b[t], before[layer][d]), f"layer {layer}"
+        mask = torch.ones(other.rows, dtype=torch.bool)
+        mask[t] = False
+        assert torch.equal(b[mask], untouched[layer][mask])
+    # a page for a storage tier: the latent parts of every layer, then the rotary parts
+    page = host.get_data_page(int(h[0]))
+    assert page.numel() == 4 * 3 * (R + ROPE)
+    host.set_from_flat_data_page(int(h[4]), page)
+    assert torch.equal(host.get_data_page(int(h[4])), page)
+
+
+def test_host_tier_takes_only_an_mla_pool():
+    mha = kvpool.MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, R, 1, "cpu", v_head_dim=ROPE, warmup=False)
+    with pytest.raises(TypeError, match="device_pool must be an MLATokenToKVPool, got MHATokenToKVPool"):
+        MLATokenToKVPoolHost(mha, 2.0, 0, 1, "layer_first")
