@@ -229,8 +229,8 @@ def compiled_variant_of(launch: store_kv.PreparedLaunch, call) -> tuple:
             f"the pool's launcher cached {len(new)} new compiled variants for one call (direct launch "
             f"{'on' if launch.direct else 'off'}); a hand launch needs exactly one"
         )
-    compiled, positional, block_t, grid_y = launch._compiled[new[0]]
-    return new[0][0], compiled, positional, block_t, grid_y
+    entry = launch._compiled[new[0]]
+    return new[0][0], entry.compiled, entry.positional, entry.block_t, entry.grid_y
 
 
 def host_overhead(run: Run) -> None:

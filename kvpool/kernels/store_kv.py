@@ -348,33 +348,36 @@ class PreparedLaunch:
             return
         kst = k.stride()
         vst = v.stride()
-        if self._i32_ok:
-            h, d, hv, dv = self._head_spans
-            t = tokens - 1
-            lst = loc.stride()
-            i64 = (
-                t * kst[0] + h * kst[1] + d * kst[2] >= _I32_LIMIT
-                or t * vst[0] + hv * vst[1] + dv * vst[2] >= _I32_LIMIT
-                or t * sum(lst) >= _I32_LIMIT  # a [bs, width] loc too: each index is at most t
-            )
-        else:
-            i64 = True
+        lst = loc.stride()
         ckey = None
         if self.direct:
             # Everything Triton specializes a compiled variant on that varies between calls: the key
-            # (dtypes, scale kinds and dtypes, commit_lens's dtype), observation, exact input and loc strides
-            # (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers (the
-            # caches': fixed for a pool), and the current device, where Triton loaded the compiled
-            # module and where it launches. The plan follows from strides, kinds and observation.
-            ckey = (key, amax is None, i64, kst, vst, loc.stride(), k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
+            # (dtypes, scale kinds and dtypes, commit_lens's dtype), observation, exact input and loc
+            # strides (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers
+            # (the caches': fixed for a pool), and the current device, where Triton loaded the
+            # compiled module and where it launches. The plan follows from strides, kinds and
+            # observation; the offset width from these and T (an entry holds the largest T its
+            # variant takes).
+            ckey = (key, amax is None, kst, vst, lst, k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
             if not self.caches_aligned:
                 ckey += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
             entry = self._compiled.get(ckey)
-            if entry is not None:
-                compiled, positional, block_t, grid_y = entry
-                args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, positional)
+            if entry is not None and tokens <= entry.max_tokens:
+                ka, va = key[3], key[4]
+                if key[7] is None:
+                    head = (
+                        k, v, k_store, v_store, loc,
+                        k_scale if ka >= SCALE_TENSOR else loc, v_scale if va >= SCALE_TENSOR else loc,
+                        loc, *((loc, loc) if amax is None else amax),
+                        k_scale if ka == SCALE_VALUE else 1.0, v_scale if va == SCALE_VALUE else 1.0,
+                        k_scale.stride(0) if ka == SCALE_HEAD else 0, v_scale.stride(0) if va == SCALE_HEAD else 0,
+                        tokens,
+                    )  # fmt: skip
+                    args = head + entry.tail
+                else:
+                    args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, entry.positional)
                 try:
-                    compiled[(-(-tokens // block_t), grid_y, 1)](*args)
+                    entry.compiled[(-(-tokens // entry.block_t), entry.grid_y, 1)](*args)
                     return
                 except (TypeError, SystemError, IndexError, AttributeError) as exc:
                     # This Triton's compiled-kernel launcher takes its arguments differently (it
@@ -387,14 +390,37 @@ class PreparedLaunch:
                     )
         ka, va, prefix = key[3], key[4], key[7] is not None
         observe = amax is not None
+        max_tokens = self._max_tokens_i32(kst, vst, lst)
+        i64 = tokens > max_tokens
         variant = self.per_head if self.flat is None else self.variant_for(kst, vst, (ka, va), observe)
         kwargs, positional = variant.constexprs((ka, va, prefix, observe, i64))
         args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, ())
         # Triton's JIT path: specializes, compiles if needed, launches, and hands back the compiled
-        # kernel, which later calls with the same specialization launch directly.
+        # kernel, which later calls with the same specialization launch directly. Only the 32-bit
+        # variant is kept for direct launches (a write too large for it is rare and takes this path).
         compiled = _k._store_kv_kernel[(-(-tokens // variant.block_t), variant.grid_y, 1)](*args, **kwargs)
-        if ckey is not None and self.direct and compiled is not None:
-            self._compiled[ckey] = (compiled, positional, variant.block_t, variant.grid_y)
+        if ckey is not None and self.direct and compiled is not None and not i64:
+            self._compiled[ckey] = _Compiled(compiled, positional, variant.block_t, variant.grid_y, max_tokens, args[15:] + positional)
+
+    def _max_tokens_i32(self, kst: tuple, vst: tuple, lst: tuple) -> int:
+        """The largest T for which every offset of a launch with these strides fits in 32 bits (0 when
+        the caches themselves do not)."""
+        if not self._i32_ok:
+            return 0
+        h, d, hv, dv = self._head_spans
+        limit = _I32_LIMIT - 1
+        bounds = [
+            (limit - h * kst[1] - d * kst[2], kst[0]),
+            (limit - hv * vst[1] - dv * vst[2], vst[0]),
+            (limit, sum(lst)),  # a [bs, width] loc too: each of its indices is at most T - 1
+        ]
+        most = _I32_LIMIT
+        for room, step in bounds:
+            if room < 0:
+                return 0
+            if step > 0:
+                most = min(most, room // step + 1)
+        return most
 
     def _args(self, key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, tail) -> tuple:
         """The kernel's runtime arguments in signature order, then ``tail`` (the constexprs of a
@@ -420,6 +446,20 @@ class PreparedLaunch:
             kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
             *self.cache_strides, *tail,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A compiled variant ready for direct launches: the kernel, its constexprs (positional), its
+    grid shape, the largest T it takes (32-bit offsets), and, for plain writes, every argument after
+    T (fixed by the specialization key: sizes, strides, constexprs)."""
+
+    compiled: object
+    positional: tuple
+    block_t: int
+    grid_y: int
+    max_tokens: int
+    tail: tuple
 
 
 _I32_LIMIT = 2**31
