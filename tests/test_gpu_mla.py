@@ -347,7 +347,11 @@ def test_mla_host_tier_on_the_device(layout, backend):
 
     pool = _random_pool(4096, 16, 2, layers=4)
     host = MLATokenToKVPoolHost(pool, 2.0, 0, 16, layout, staging_bytes=1 << 20)
-    assert host.k_buffer.is_pinned() and host.v_buffer.is_pinned()
+    # page-locked in place with cudaHostRegister (torch 2.11's is_pinned() ignores such memory)
+    region = host._pinned
+    assert host.pin_memory and region is not None
+    for buf in (host.k_buffer, host.v_buffer):
+        assert region.ptr <= buf.data_ptr() and buf.data_ptr() + buf.numel() * buf.element_size() <= region.ptr + region.nbytes
     h = host.alloc(1024)
     d = torch.randperm(pool.rows, device=DEV, generator=_gen(3))[:1024]
     host.backup_from_device_all_layer(pool, h, d, backend).synchronize()

@@ -151,6 +151,9 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
 def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
     spawn(_stream_rank, 2, (free_port(), str(tmp_path)), timeout=240)
     reports = [json.loads(Path(tmp_path, f"stream{r}.json").read_text()) for r in range(2)]
+    print("stream reports:", reports)
+    seen = reports[1]["seen"]
+    assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
     for rank, rep in enumerate(reports):
         assert rep["call_s"] < 0.5 * rep["sleep_s"], f"rank {rank}: the call waited for the busy stream: {rep}"
         assert rep["completed_right_after"] is False, f"rank {rank}: done before its stream could run: {rep}"

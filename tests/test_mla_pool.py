@@ -270,7 +270,9 @@ def run_pool_example(ex: MLAExample, mode: str, layer_id: int = 4, via_override:
     parts = [on_device(p) for p in ex.parts]
     bases_dev = [on_device(b) for b in ex.bases]
     if DEVICE != "cpu":  # rebuild the views on the device with the same strides
-        parts = [b.as_strided(p.shape, p.stride(), p.storage_offset()) for p, b in zip(ex.parts, bases_dev)]
+        # one base per part, or one base that every part is a view of
+        bases_for = bases_dev if len(bases_dev) == len(ex.parts) else bases_dev * len(ex.parts)
+        parts = [b.as_strided(p.shape, p.stride(), p.storage_offset()) for p, b in zip(ex.parts, bases_for)]
     snapshot = [b.clone() for b in bases_dev] + [ex.loc.clone()]
     loc, scale = on_device(ex.loc), on_device(ex.k_scale)
     stats_before = pool.stats.fused_calls, pool.stats.reference_calls

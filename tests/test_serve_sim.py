@@ -141,9 +141,10 @@ def test_mla_main_and_model_choice(capsys):
 
 
 def test_mla_fused_kernel_path_verifies_too(monkeypatch):
-    """Both MLA entry points on the fused Triton kernel (the interpreter on CPU CI)."""
+    """Both MLA entry points on the fused Triton kernel (compiled on a GPU, the interpreter on CPU CI)."""
     monkeypatch.setenv("KVPOOL_FUSED", "always")
-    res = serve_sim.run(replace(SMALL_MLA, requests=4, output_len=(2, 6), prompt_len=(4, 40)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = serve_sim.run(replace(SMALL_MLA, requests=4, output_len=(2, 6), prompt_len=(4, 40), device=device))
     assert res.ok, serve_sim.format_summary(res)
     assert res.reference_calls == 0 and res.fused_calls == res.forward_steps * SMALL.layers
 
