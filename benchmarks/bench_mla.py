@@ -248,7 +248,7 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
             rec["ceiling_frac"] = rec["gbps"] / ceiling
             rec["same_bytes_frac"] = rec["gbps"] / same
             if t <= plan.decode_max:
-                rec["wall_us"] = clock.wall_us(fn, plan.wall_calls, plan.wall_runs)
+                rec["wall_us"] = clock.wall_us(lambda i: fn(i % layers), plan.wall_calls, plan.wall_runs)
                 rec["graph_us"] = clock.device_us(lambda i: fn(i % layers), plan.graph_writes, cold=False)
             clock.sync()
             rec["exact_after"] = bool(torch.equal(stores[layers - 1][loc], expected))

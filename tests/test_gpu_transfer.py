@@ -129,6 +129,7 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         h = move(loc, 1 - rank)
         report["call_s"] = time.perf_counter() - start
         report["completed_right_after"] = h.is_completed()
+        report["handle"] = {"tokens": h.tokens, "chunks": h.chunks, "has_event": h._done is not None}
         h.wait()
         if rank == 1:  # work queued after wait() sees the rows
             seen = torch.stack([b.index_select(0, loc_dev).float().mean() for b in pool.k_buffer + pool.v_buffer])
