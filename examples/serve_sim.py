@@ -93,6 +93,13 @@ class SimConfig:
     host_ratio: float = 2.0
     host_layout: str = "page_first"
     host_io_backend: str = "kernel"
+    # --cpu-park: a retracted request's KV goes to host memory with pool.get_cpu_copy and comes back
+    # with pool.load_cpu_copy (SGLang's retraction path) instead of being recomputed.
+    cpu_park: bool = False
+    # --spec-decode K: decode drafts K tokens per request and step, writes the accepted prefix (a
+    # random 1..K) with set_kv_buffer_prefix_valid into draft slots laid out in reverse, compacts the
+    # accepted tokens into order with move_kv_cache, and frees the rejected slots. 0: plain decode.
+    spec_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -119,6 +126,12 @@ class SimConfig:
             raise ValueError(f"host_layout must be one of {', '.join(LAYOUTS)}, got {self.host_layout!r}")
         if self.host_io_backend not in IO_BACKENDS:
             raise ValueError(f"host_io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.host_io_backend!r}")
+        if self.host_tier and self.cpu_park:
+            raise ValueError("host_tier and cpu_park are two ways to park a retracted request: choose one")
+        if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
+            raise ValueError(f"spec_k must be a non-negative int, got {self.spec_k!r}")
+        if self.spec_k and self.model != "mha":
+            raise ValueError(f"spec_k needs the MHA pool's set_kv_buffer_prefix_valid, got model {self.model!r}")
 
     @property
     def max_context_len(self) -> int:
@@ -203,6 +216,13 @@ class SimResult:
     host_seconds: float = 0.0
     reloaded_tokens: int = 0
     reload_mismatches: int = 0
+    # --cpu-park (parked/reloaded/reloaded_tokens/reload_mismatches above count these too)
+    cpu_bytes: int = 0
+    # --spec-decode
+    spec_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    moved_slots: int = 0
 
     @property
     def ok(self) -> bool:
@@ -255,7 +275,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions = 0
-        self.host: Optional["HostParking"] = None  # --host-tier
+        self.host: Optional[Union["HostParking", "CpuParking"]] = None  # --host-tier / --cpu-park
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -266,9 +286,10 @@ class Scheduler:
         expected = math.ceil(NEW_TOKEN_RATIO * (r.output_len - r.generated))
         return self.pages_for(kv_len + expected) - self.pages_for(kv_len)
 
-    def schedule(self) -> Optional[Batch]:
-        """Pick this step's work, reserve its slots and record them in the request table."""
-        decode = self._schedule_decode()
+    def schedule(self, with_decode: bool = True) -> Optional[Batch]:
+        """Pick this step's work, reserve its slots and record them in the request table
+        (``with_decode=False``: prefill only; --spec-decode decodes separately)."""
+        decode = self._schedule_decode() if with_decode else []
         prefill = self._schedule_prefill(decode)
         if not prefill and not decode:
             return None
@@ -364,8 +385,8 @@ class Scheduler:
         last = self.table.req_to_token[rows, (held - 1).clamp(min=0)].to(torch.int64)
         return torch.where(held > 0, last, torch.full_like(last, -1))
 
-    def advance(self, batch: Batch) -> list[Request]:
-        """Record what the forward step produced; return the requests that finished."""
+    def advance(self, batch: Batch) -> None:
+        """Record what the forward step produced."""
         for r, _, end in batch.prefill:
             r.kv_len = end
             if not r.prefilling:
@@ -373,6 +394,8 @@ class Scheduler:
         for r in batch.decode:
             r.kv_len += 1
             r.generated += 1
+
+    def finished(self) -> list[Request]:
         return [r for r in self.running if not r.prefilling and r.generated >= r.output_len]
 
     def slots_of(self, r: Request) -> torch.Tensor:
@@ -560,6 +583,100 @@ class HostParking:
         self.result.reload_mismatches += bad
 
 
+# --- --cpu-park: parking retracted requests with get_cpu_copy / load_cpu_copy ----------------------
+
+
+class CpuParking:
+    """Retracted requests' K/V copied to host memory with ``pool.get_cpu_copy`` (all layers, exact
+    bytes) and written back into the request's new slots with ``pool.load_cpu_copy`` when it resumes,
+    as SGLang parks a retracted request; the reloaded rows are then checked byte for byte."""
+
+    def __init__(self, pool: MHATokenToKVPool, runner: "ModelRunner", result: SimResult) -> None:
+        self.pool, self.runner, self.result = pool, runner, result
+        self.parked: dict[int, tuple[object, int]] = {}  # rid -> (KVCpuCopy, tokens)
+
+    def parked_len(self, r: Request) -> int:
+        entry = self.parked.get(r.rid)
+        return 0 if entry is None else entry[1]
+
+    def _bytes(self, copy: object) -> int:
+        return sum(t.numel() * t.element_size() for t in (copy.k, copy.v))  # type: ignore[attr-defined]
+
+    def park(self, r: Request, slots: torch.Tensor) -> None:
+        if slots.shape[0] == 0:
+            return
+        copy = self.pool.get_cpu_copy(slots)
+        self.parked[r.rid] = (copy, slots.shape[0])
+        self.result.parked += 1
+        self.result.cpu_bytes += self._bytes(copy)
+
+    def resume(self, r: Request, slots: torch.Tensor) -> None:
+        copy, n = self.parked.pop(r.rid)
+        self.pool.load_cpu_copy(copy, slots)
+        self.result.reloaded += 1
+        self.result.reloaded_tokens += n
+        self.result.cpu_bytes += self._bytes(copy)
+        bad, _ = self.runner.verify(r, slots)
+        self.result.reload_mismatches += bad
+
+
+# --- --spec-decode: speculative decoding's verify write and compaction --------------------------
+
+
+class SpecDecode:
+    """Each step, every decoding request drafts K tokens (positions kv_len .. kv_len + K - 1) into K
+    fresh slots, of which a random prefix of 1..K is accepted (never more than the request still
+    produces). The drafts are laid out in reverse slot order (as a tree-shaped draft scatters them),
+    the verify write stores only the accepted prefix with ``set_kv_buffer_prefix_valid``, and
+    ``move_kv_cache`` then compacts the accepted tokens into position order (sources and targets
+    overlap: the move must read every source before writing). Rejected slots are freed."""
+
+    def __init__(self, cfg: SimConfig, sched: "Scheduler", runner: "ModelRunner", result: SimResult) -> None:
+        self.cfg, self.sched, self.runner, self.result = cfg, sched, runner, result
+        self.rng = random.Random(cfg.seed + 1)
+
+    def step(self) -> int:
+        """Decode every decoding request by its accepted drafts; returns the tokens accepted."""
+        sched, k = self.sched, self.cfg.spec_k
+        decode = [r for r in sched.running if not r.prefilling]
+        while decode:  # every request needs room for all K drafts
+            pages = sum(sched.pages_for(r.kv_len + k) - sched.pages_for(r.kv_len) for r in decode)
+            if pages * sched.page_size <= sched.allocator.available_size():
+                break
+            sched.retract(decode.pop())
+        if not decode:
+            return 0
+        bs, dev = len(decode), sched.device
+        slots = sched._alloc_prefill([(r, r.kv_len, r.kv_len + k) for r in decode]).view(bs, k)
+        start = torch.tensor([r.kv_len for r in decode], dtype=torch.int64, device=dev)
+        positions = start[:, None] + torch.arange(k, device=dev)
+        rows = torch.tensor([r.row for r in decode], dtype=torch.int64, device=dev)
+        sched.table.write((rows[:, None].expand(bs, k).reshape(-1), positions.reshape(-1)), slots.reshape(-1).to(torch.int32))
+        accepted = [min(self.rng.randint(1, k), r.output_len - r.generated) for r in decode]
+        commit = torch.tensor(accepted, dtype=torch.int32, device=dev)
+        drafts = slots.flip(1)  # draft j of request i sits in slot slots[i, k - 1 - j]
+        rids = torch.tensor([r.rid for r in decode], dtype=torch.int64, device=dev)[:, None].expand(bs, k)
+        runner = self.runner
+        for layer in runner.layers:
+            kv = kv_values(rids.reshape(-1), positions.reshape(-1), layer.layer_id, self.cfg.heads, self.cfg.head_dim)
+            runner.pool.set_kv_buffer_prefix_valid(
+                layer, drafts, commit, kv[:, 0], kv[:, 1], runner.k_scale, runner.v_scale
+            )  # fmt: skip
+        # Accepted draft j moves from drafts[i, j] to slots[i, j], its position's slot in the table.
+        keep = torch.arange(k, device=dev)[None, :] < commit[:, None]
+        runner.pool.move_kv_cache(slots[keep], drafts[keep])
+        sched.allocator.free(slots[~keep])
+        for r, a in zip(decode, accepted):
+            r.kv_len += a
+            r.generated += a
+        total = sum(accepted)
+        self.result.spec_steps += 1
+        self.result.drafted_tokens += bs * k
+        self.result.accepted_tokens += total
+        self.result.moved_slots += total
+        return total
+
+
 # --- the loop -------------------------------------------------------------------------------------
 
 
@@ -661,6 +778,9 @@ def _run(cfg: SimConfig) -> SimResult:
     checker = Checker(runner, result, corrupt=cfg.corrupt)
     if cfg.host_tier:
         sched.host = HostParking(cfg, pool, runner, result)
+    elif cfg.cpu_park:
+        sched.host = CpuParking(pool, runner, result)
+    spec = SpecDecode(cfg, sched, runner, result) if cfg.spec_k else None
 
     start = time.perf_counter()
     step = 0
@@ -669,9 +789,10 @@ def _run(cfg: SimConfig) -> SimResult:
             break
         while arrivals and arrivals[0].arrival <= step:
             sched.waiting.append(arrivals.popleft())
-        batch = sched.schedule()
+        accepted = spec.step() if spec is not None else 0
+        batch = sched.schedule(with_decode=spec is None)
         step += 1
-        if batch is None:
+        if batch is None and not accepted:
             if sched.running:  # every running request waits for pages: make room
                 sched.retract(sched.running[-1])
             elif not sched.waiting and arrivals:  # idle until the next arrival
@@ -679,12 +800,15 @@ def _run(cfg: SimConfig) -> SimResult:
             continue
         result.peak_slots = max(result.peak_slots, sched.slots_in_use())
         result.peak_running = max(result.peak_running, len(sched.running))
-        runner.forward(batch)
+        result.decode_tokens += accepted
+        if batch is not None:
+            runner.forward(batch)
+            result.prefill_tokens += batch.prefill_tokens
+            result.decode_tokens += len(batch.decode)
+            sched.advance(batch)
         result.forward_steps += 1
-        result.prefill_tokens += batch.prefill_tokens
-        result.decode_tokens += len(batch.decode)
 
-        finished = sched.advance(batch)
+        finished = sched.finished()
         sched.allocator.free_group_begin()  # as SGLang frees a step's finished requests together
         for r in finished:
             checker.check(r, sched.slots_of(r))  # before the slots can be handed out again
@@ -766,6 +890,22 @@ def format_summary(res: SimResult) -> str:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
             lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
+    if cfg.cpu_park:
+        lines.append(
+            f"  cpu park        {res.parked} parked with get_cpu_copy, {res.reloaded} reloaded with load_cpu_copy; "
+            f"{res.cpu_bytes / 1e6:.2f} MB copied"
+        )
+        if res.reload_mismatches:
+            lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
+        else:
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
+    if cfg.spec_k:
+        rate = res.accepted_tokens / res.drafted_tokens if res.drafted_tokens else 0.0
+        lines.append(
+            f"  spec decode     {res.spec_steps} steps of {cfg.spec_k} drafts: {res.accepted_tokens}/{res.drafted_tokens} "
+            f"accepted ({100 * rate:.0f}%), written with set_kv_buffer_prefix_valid, {res.moved_slots} slots compacted "
+            f"with move_kv_cache"
+        )
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
 
@@ -800,6 +940,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host slots per device slot")
     p.add_argument("--host-layout", choices=LAYOUTS, default=d.host_layout, help="host memory layout")
     p.add_argument("--host-io-backend", choices=IO_BACKENDS, default=d.host_io_backend, help="host transfer backend")
+    p.add_argument("--cpu-park", action="store_true", help="park retracted requests with get_cpu_copy/load_cpu_copy")
+    p.add_argument("--spec-decode", type=int, default=d.spec_k, metavar="K",
+                   help="speculative decoding: K drafts per request and step (0: off)")
     a = p.parse_args(argv)
     return SimConfig(
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
@@ -809,6 +952,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         cpu_threads=a.cpu_threads or None,
         corrupt=a.corrupt, progress=not a.no_progress and sys.stderr.isatty(),
         host_tier=a.host_tier, host_ratio=a.host_ratio, host_layout=a.host_layout, host_io_backend=a.host_io_backend,
+        cpu_park=a.cpu_park, spec_k=a.spec_decode,
     )  # fmt: skip
 
 

@@ -157,3 +157,66 @@ def test_mla_host_tier_parks_and_reloads_latent_rows():
     assert res.ok, serve_sim.format_summary(res)
     assert res.retractions > 0 and res.parked > 0 and res.reloaded > 0 and res.reload_mismatches == 0
     assert "reloaded tokens x 2 layers x latent matches" in serve_sim.format_summary(res)
+
+
+# --- --spec-decode and --cpu-park: the main job exercises the verify write, moves and CPU copies ---
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_spec_decode_verifies_every_accepted_token(page_size):
+    """Drafts written with set_kv_buffer_prefix_valid in reverse slot order, compacted with
+    move_kv_cache, rejected slots freed: every accepted token's bytes check out at the end."""
+    res = serve_sim.run(replace(SMALL, spec_k=4, page_size=page_size, validate=True))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.spec_steps > 0 and 0 < res.accepted_tokens < res.drafted_tokens
+    assert res.moved_slots == res.accepted_tokens and res.retractions > 0
+
+
+def test_spec_decode_check_fails_without_the_compaction(monkeypatch):
+    """The move is what puts accepted drafts at their positions' slots: skip it and the check fails."""
+    monkeypatch.setattr(serve_sim.MHATokenToKVPool, "move_kv_cache", lambda self, tgt, src: None)
+    res = serve_sim.run(replace(SMALL, spec_k=4))
+    assert not res.ok and res.mismatched_tokens > 0
+
+
+def test_spec_decode_on_the_fused_kernel(monkeypatch):
+    """Verify writes and moves on the fused kernels (compiled on a GPU, the interpreter on CPU CI)."""
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = serve_sim.run(replace(SMALL, requests=5, output_len=(2, 10), spec_k=3, device=device))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.reference_calls == 0 and res.accepted_tokens > 0
+
+
+def test_cpu_park_reloads_retracted_requests_byte_for_byte():
+    res = serve_sim.run(replace(SMALL, cpu_park=True, arrival_every=0.0))
+    assert res.ok, serve_sim.format_summary(res)
+    assert res.parked > 0 and res.reloaded == res.parked and res.reload_mismatches == 0
+    assert res.cpu_bytes > 0
+
+
+def test_cpu_park_check_catches_a_corrupted_copy(monkeypatch):
+    """A byte flipped in the host copy must show up in the reload check."""
+    real = serve_sim.MHATokenToKVPool.get_cpu_copy
+
+    def corrupt(self, indices):
+        copy = real(self, indices)
+        copy.k.view(-1)[0] ^= 0x55
+        return copy
+
+    monkeypatch.setattr(serve_sim.MHATokenToKVPool, "get_cpu_copy", corrupt)
+    res = serve_sim.run(replace(SMALL, cpu_park=True, arrival_every=0.0))
+    assert not res.ok and res.reload_mismatches > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(spec_k=-1), "spec_k must be a non-negative int"),
+        (dict(spec_k=2, model="deepseek-v3"), "spec_k needs the MHA pool"),
+        (dict(cpu_park=True, host_tier=True), "choose one"),
+    ],
+)
+def test_spec_and_park_options_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        replace(SMALL, **kwargs)
