@@ -17,6 +17,8 @@ the whole latent row.
     python examples/serve_sim.py --page-size 1      # token allocator
     python examples/serve_sim.py --corrupt          # flip one stored byte: the check must fail
     python examples/serve_sim.py --host-tier        # park retracted requests' KV in host memory
+    python examples/serve_sim.py --cpu-park         # ... with pool.get_cpu_copy / load_cpu_copy
+    python examples/serve_sim.py --spec-decode 4    # speculative decoding: verify writes + moves
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
