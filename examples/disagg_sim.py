@@ -135,7 +135,8 @@ def prefill_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
         if batch is not None:
             runner.forward(batch)
             stats["prefill_tokens"] += batch.prefill_tokens
-            for r in sched.advance(batch):
+            sched.advance(batch)
+            for r in sched.finished():
                 sched.running.remove(r)  # keeps its slots and table row until the KV has left
                 outbox.append(r)
         elif sched.running and not outbox:
@@ -230,7 +231,8 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
             continue
         runner.forward(batch)
         stats["decode_tokens"] += len(batch.decode)
-        for r in sched.advance(batch):
+        sched.advance(batch)
+        for r in sched.finished():
             bad, first = runner.verify(r, sched.slots_of(r))
             stats["finished"] += 1
             stats["finish_bad_tokens"] += bad
