@@ -4,6 +4,7 @@ its getters and its write methods; see ``mha_pool.py`` and ``mla_pool.py``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -14,8 +15,10 @@ import torch
 from kvpool.args import non_negative_int, positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels.checks import F32_MIN_NORMAL, Geometry, Scale
-from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, is_fp8, store_dtype_for
+from kvpool.kernels import copy_rows
+from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
+from kvpool.pools import kv_moves
 
 logger = logging.getLogger("kvpool")
 
@@ -45,8 +48,10 @@ def check_sglang_keywords(
 
 
 class KVCache:
-    """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, then
-    ``_init_writer`` with the geometry the write kernel sees, and finally ``_finish_init``.
+    """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, set
+    ``_move_rows`` (the row table ``move_kv_cache`` copies over) and ``k_buffer``/``v_buffer`` (the
+    storage views the CPU copies and the host tier address), call ``_init_writer`` with the geometry
+    the write kernel sees, and define ``_warmup_write`` and ``_amax_heads``.
 
     Attributes (SGLang names): ``size``, ``page_size``, ``dtype``, ``store_dtype``, ``layer_num``,
     ``start_layer``, ``end_layer``, ``device``, ``layer_transfer_counter``; kvpool's own:
@@ -130,11 +135,45 @@ class KVCache:
         host tier's per-layer loads: a stream wait, never a host sync). None removes it."""
         self.layer_transfer_counter = layer_transfer_counter
 
+    # --- moves and CPU copies (kvpool/pools/kv_moves.py) -------------------------------------------
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """For every layer, row ``tgt_loc[i]`` (K and V; an MLA pool's whole latent row) becomes a
+        byte copy of row ``src_loc[i]`` (bytes, never re-quantised), as if every source were read
+        before any target is written: chains, cycles and ``tgt_loc == src_loc`` are defined; a target
+        named twice gets one of its sources. ``tgt_loc``, ``src_loc``: Tensor [n], int32/int64, on the
+        pool's device. Negative slots are padding; slots >= ``size + page_size`` are never read or
+        written (IndexError under ``validate``). On CUDA one launch moves every layer (up to 1024
+        pairs; more go through a staging buffer); no synchronisation; CUDA-graph safe."""
+        table = self._move_rows
+        copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
+        """The rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as a
+        :class:`~kvpool.pools.kv_moves.KVCpuCopy`: ``k`` [layer_num, n, H, D] and ``v`` [layer_num, n,
+        H, Dv] in the store dtype (an MLA pool: the latent parts [.., 1, kv_lora_rank] and the rotary
+        parts [.., 1, qk_rope_head_dim]). Waits for the current stream (the copy is complete on
+        return); an index outside the buffers raises IndexError."""
+        return kv_moves.get_cpu_copy(self, indices)
+
+    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
+        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
+        byte. A copy of another geometry, dtype or length raises before anything is written. No
+        synchronisation."""
+        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
+
     # --- warmup ----------------------------------------------------------------------------------
+
+    def warmup_variants(self) -> list[tuple[torch.dtype, torch.dtype, Scale]]:
+        """(input dtype, loc dtype, scale) combinations compiled at construction."""
+        return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in self._warmup_scales()]
 
     def _warmup_calls(self) -> list[Callable[[], None]]:
         """Calls that compile and run every kernel variant a first real write would meet, writing
-        zeros to the padding slot 0 only. Subclasses list them."""
+        zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write)."""
+        return [functools.partial(self._warmup_write, *variant) for variant in self.warmup_variants()]
+
+    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
         raise NotImplementedError
 
     def _warmup(self) -> None:

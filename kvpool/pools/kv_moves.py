@@ -36,13 +36,6 @@ def kv_rows(pool: "MHATokenToKVPool") -> rows.RowTable:
     return table
 
 
-def move_kv_cache(pool: "MHATokenToKVPool", tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-    """For every layer, K and V row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]``, as if
-    all sources were read before any target is written. See ``MHATokenToKVPool.move_kv_cache``."""
-    table = kv_rows(pool)
-    rows.checked_copy(table, tgt_loc, table, src_loc, None, pool.validate, ("tgt_loc", "src_loc"))
-
-
 @dataclass(frozen=True)
 class KVCpuCopy:
     """A request's K and V rows of every layer of a pool, in host memory, as ``get_cpu_copy`` returns

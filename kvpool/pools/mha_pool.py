@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from kvpool.args import positive_int
 from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
-from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, is_fp8
+from kvpool.kernels.formats import is_fp8
 from kvpool.pools import kv_moves
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
@@ -112,6 +111,7 @@ class MHATokenToKVPool(KVCache):
         self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
         self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
         self._kv_rows = kv_moves.pool_row_table(self)  # moves, CPU copies, host tier: one launch for all layers
+        self._move_rows = self._kv_rows
         self._init_writer(
             Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
             self.k_buffer[0].stride(), self.v_buffer[0].stride(),
@@ -257,38 +257,7 @@ class MHATokenToKVPool(KVCache):
             checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
 
-    # --- moves and CPU copies (kvpool/pools/kv_moves.py) -------------------------------------------
-
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """For every layer, K and V row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]``
-        (bytes, never re-quantised), as if every source were read before any target is written:
-        chains, cycles and ``tgt_loc == src_loc`` are defined; a target named twice gets one of its
-        sources. ``tgt_loc``, ``src_loc``: Tensor [n], int32/int64, on the pool's device. Negative
-        slots are padding; slots >= ``size + page_size`` are never read or written (IndexError under
-        ``validate``). On CUDA one launch moves every layer (up to 1024 pairs; more go through a
-        staging buffer); no synchronisation; CUDA-graph safe."""
-        kv_moves.move_kv_cache(self, tgt_loc, src_loc)
-
-    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
-        """The K/V rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
-        a :class:`~kvpool.pools.kv_moves.KVCpuCopy` (``k`` [layer_num, n, H, D], ``v`` [layer_num, n,
-        H, Dv], store dtype). Waits for the current stream (the copy is complete on return)."""
-        return kv_moves.get_cpu_copy(self, indices)
-
-    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
-        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
-        byte. A copy of another geometry, dtype or length raises before anything is written. No
-        synchronisation."""
-        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
-
     # --- warmup ----------------------------------------------------------------------------------
-
-    def warmup_variants(self) -> list[tuple[torch.dtype, torch.dtype, Scale]]:
-        """(input dtype, loc dtype, scale) combinations compiled at construction."""
-        return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in self._warmup_scales()]
-
-    def _warmup_calls(self) -> list[Callable[[], None]]:
-        return [functools.partial(self._warmup_write, *variant) for variant in self.warmup_variants()]
 
     def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
         dev = self.device

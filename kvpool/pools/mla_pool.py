@@ -20,15 +20,14 @@ move them byte for byte. Moves inside the pool copy whole rows (``move_kv_cache`
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from kvpool.args import positive_int
 from kvpool.kernels import copy_rows
 from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_loc_in_range, check_rows, check_write
-from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES, bits_dtype, is_fp8
+from kvpool.kernels.formats import LOC_DTYPES, bits_dtype, is_fp8
 from kvpool.pools import kv_moves
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
@@ -145,7 +144,8 @@ class MLATokenToKVPool(KVCache):
         # layer for CPU copies and the host tier; whole rows for moves inside the pool, where the
         # parts' tables would overlap (copy_rows accepts overlap only of a buffer with itself).
         self._kv_rows = kv_moves.pool_row_table(self)
-        self._row_table = copy_rows.RowTable.of(self.kv_buffer)
+        # Whole rows for moves: copy_rows refuses the two part-views as one table (their rows interleave).
+        self._move_rows = copy_rows.RowTable.of(self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
             self._nope_store[0].stride(), self._rope_store[0].stride(),
@@ -335,40 +335,7 @@ class MLATokenToKVPool(KVCache):
             checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
 
-    # --- moves and CPU copies ---------------------------------------------------------------------
-
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        """For every layer, row ``tgt_loc[i]`` becomes a byte copy of row ``src_loc[i]`` (never
-        re-quantised), as if every source were read before any target is written, exactly as
-        ``MHATokenToKVPool.move_kv_cache``: chains, cycles and ``tgt_loc == src_loc`` are defined,
-        negative slots are padding, slots >= ``size + page_size`` are never read or written
-        (IndexError under ``validate``); one launch for every layer on CUDA (up to 1024 pairs), no
-        synchronisation, CUDA-graph safe."""
-        table = self._row_table
-        copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
-
-    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
-        """The latent rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as
-        a :class:`~kvpool.pools.kv_moves.KVCpuCopy` whose ``k`` [layer_num, n, 1, kv_lora_rank] holds
-        the latent parts and ``v`` [layer_num, n, 1, qk_rope_head_dim] the rotary parts (store dtype).
-        Waits for the current stream (the copy is complete on return); an index outside the buffer
-        raises IndexError."""
-        return kv_moves.get_cpu_copy(self, indices)
-
-    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
-        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
-        byte. A copy of another geometry, dtype or length raises before anything is written. No
-        synchronisation."""
-        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
-
     # --- warmup ----------------------------------------------------------------------------------
-
-    def warmup_variants(self) -> list[tuple[torch.dtype, torch.dtype, Scale]]:
-        """(input dtype, loc dtype, scale) combinations compiled at construction."""
-        return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in self._warmup_scales()]
-
-    def _warmup_calls(self) -> list[Callable[[], None]]:
-        return [functools.partial(self._warmup_write, *variant) for variant in self.warmup_variants()]
 
     def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
         # A contiguous [1, 1, kv_cache_dim] row split in two: its parts have the strides (all
