@@ -25,7 +25,8 @@ How it times (benchmarks/timing.py): device time is the median of CUDA-graph rep
 cost never enters it; "cold" means a 96 MB L2 flush before every call, its own time subtracted
 (how a layer's write meets the cache in a forward pass). Decode sizes and the small sections also
 report the time per call in a graph of 64 calls cycling over the layers without a flush, and the
-wall time per call of eager calls back to back (host-bound). GB/s counts SPEC section 6 bytes.
+wall time per call of eager calls back to back (host-bound). GB/s counts the bytes docs/contract.md
+("How performance is measured") defines.
 Inputs are random (never zeros), slots random and distinct. A method that fails is reported and the
 run goes on. The targets of issues 10 and 15 are evaluated from the figures in ``bench_report.py``.
 
@@ -127,7 +128,8 @@ def log(msg: str) -> None:
 
 
 def bytes_moved(t: int, h: int, d: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
-    """SPEC section 6: T x (H x D + Hv x Dv) x (input + pool element size) + T x loc element size."""
+    """Bytes a write moves (docs/contract.md, "How performance is measured"): T x (H x D + Hv x Dv) x
+    (input + pool element size) + T x loc element size."""
     return t * (h * d + h * d) * (in_size + pool_size) + t * loc_size
 
 

@@ -14,8 +14,9 @@
 * ``masked_loc_write``: a verify write without a prefix-valid kernel: mask the uncommitted slots to -1
   with ``torch.where``, then a plain ``set_kv_buffer`` of every draft token.
 
-The two Triton ports are not exact by SPEC section 3.1 (approximate division; a clamp turns NaN into
--fmax), so they do less work per element than kvpool's write.
+The two Triton ports are not exact by the write's definition (docs/contract.md, "The write":
+approximate division; a clamp turns NaN into -fmax), so they do less work per element than kvpool's
+write.
 """
 
 from __future__ import annotations
