@@ -11,7 +11,7 @@ leaves a report):
    thousands of calls each.
 3. The write, per model shape and token count: kvpool's fused ``set_kv_buffer``, the same kernel with
    ``div.rn``, kvpool's reference path, SGLang's eager fallback, ``torch.compile`` of an FP8
-   ``index_copy_`` write, the seed's design ported to Triton (a program per token and head), and the
+   ``index_copy_`` write, the textbook design ported to Triton (a program per token and head), and the
    one-program-per-token Triton kernel of issue 15; plus a copy kernel moving the same bytes, timed
    the same way. Each method's first call is checked against kvpool's bytes and never timed.
 4. Calibration cost (issue 15): the same write with ``observe_amax(True)``, for a few token counts.
