@@ -19,9 +19,10 @@ per-tensor float32 scale tensor and int64 ``loc``. For each token count it times
 and measures the device-to-device copy ceiling and a copy of the same bytes as each write (both as in
 ``bench_set_kv.py``). Device time: CUDA-graph replays with L2 flushed before each call
 (``benchmarks/timing.py``). Decode sizes also report the time per write in a graph of 64 writes
-cycling over 8 layers (no flush) and the wall time of eager calls back to back. GB/s by SPEC
-section 6. Each method's first call is untimed and its rows are compared byte for byte with
-``kvpool.quantize`` ("exact"), again after the timed replays. Every method runs in its own ``try``: a
+cycling over 8 layers (no flush) and the wall time of eager calls back to back. GB/s of the bytes
+docs/contract.md ("How performance is measured") defines. Each method's first call is untimed and
+its rows are compared byte for byte with ``kvpool.quantize`` ("exact"), again after the timed
+replays. Every method runs in its own ``try``: a
 failure is recorded and reported, and the run goes on; past the time budget the remaining token
 counts are skipped (and listed). Writes ``bench_mla.json`` and ``bench_mla.md`` under ``--out`` after
 every token count, so a run cut short still leaves a report.
@@ -118,7 +119,8 @@ def same_bytes_copy_gbps(nbytes: int, clock, dev: torch.device, calls: int) -> f
 
 
 def bytes_moved(t: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
-    """SPEC section 6 with H = Hv = 1, D = 512, Dv = 64."""
+    """Bytes a write moves (docs/contract.md, "How performance is measured") with H = Hv = 1, D = 512,
+    Dv = 64."""
     return t * (R + ROPE) * (in_size + pool_size) + t * loc_size
 
 
@@ -311,7 +313,8 @@ def markdown(result: dict) -> str:
         f"kvpool's launch plan for the row: {meta['plan']}  ",
         f"Elapsed: {meta.get('elapsed_s', float('nan')):.0f} s",
         "",
-        "### Throughput: GB/s by SPEC section 6 (percent of the same-bytes copy); CUDA-graph replays, L2 flushed before each call",
+        "### Throughput: GB/s of T x 576 x (input + cache element size) + T x loc element size bytes "
+        "(percent of the same-bytes copy); CUDA-graph replays, L2 flushed before each call",
         "",
         "| T | same-bytes copy (share of the ceiling) | " + " | ".join(METHODS) + " |",
         "|---:|---:|" + "---:|" * len(METHODS),

@@ -183,7 +183,8 @@ def markdown(result: dict) -> str:
         "its inputs in place, gets 1.0); int64 loc. Device time: median of CUDA-graph replays; *cold*: 96 MB L2 flush "
         f"before each call, its time subtracted ({plan.get('cold_calls')} calls per graph); *graph*: per call in a graph of "
         f"{plan.get('graph_calls')} calls cycling over the layers, no flush; *wall*: eager calls back to back, median of "
-        f"{plan.get('wall_runs')} runs of {plan.get('wall_calls')}, host time included. GB/s counts SPEC section 6 bytes "
+        f"{plan.get('wall_runs')} runs of {plan.get('wall_calls')}, host time included. GB/s counts "
+        "T x (H x D + Hv x Dv) x (input + cache element size) + T x loc element size bytes (docs/contract.md) "
         "from the cold time. First calls are never timed.",
         "",
     ]
@@ -385,7 +386,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(model)
         ax.set_xlabel("tokens per write")
-    axes[0].set_ylabel("GB/s (SPEC 6 bytes)")
+    axes[0].set_ylabel("GB/s (bytes as in docs/contract.md)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

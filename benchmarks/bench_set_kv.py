@@ -11,7 +11,7 @@ leaves a report):
    thousands of calls each.
 3. The write, per model shape and token count: kvpool's fused ``set_kv_buffer``, the same kernel with
    ``div.rn``, kvpool's reference path, SGLang's eager fallback, ``torch.compile`` of an FP8
-   ``index_copy_`` write, the seed's design ported to Triton (a program per token and head), and the
+   ``index_copy_`` write, the textbook design ported to Triton (a program per token and head), and the
    one-program-per-token Triton kernel of issue 15; plus a copy kernel moving the same bytes, timed
    the same way. Each method's first call is checked against kvpool's bytes and never timed.
 4. Calibration cost (issue 15): the same write with ``observe_amax(True)``, for a few token counts.
@@ -25,7 +25,8 @@ How it times (benchmarks/timing.py): device time is the median of CUDA-graph rep
 cost never enters it; "cold" means a 96 MB L2 flush before every call, its own time subtracted
 (how a layer's write meets the cache in a forward pass). Decode sizes and the small sections also
 report the time per call in a graph of 64 calls cycling over the layers without a flush, and the
-wall time per call of eager calls back to back (host-bound). GB/s counts SPEC section 6 bytes.
+wall time per call of eager calls back to back (host-bound). GB/s counts the bytes docs/contract.md
+("How performance is measured") defines.
 Inputs are random (never zeros), slots random and distinct. A method that fails is reported and the
 run goes on. The targets of issues 10 and 15 are evaluated from the figures in ``bench_report.py``.
 
@@ -127,7 +128,8 @@ def log(msg: str) -> None:
 
 
 def bytes_moved(t: int, h: int, d: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
-    """SPEC section 6: T x (H x D + Hv x Dv) x (input + pool element size) + T x loc element size."""
+    """Bytes a write moves (docs/contract.md, "How performance is measured"): T x (H x D + Hv x Dv) x
+    (input + pool element size) + T x loc element size."""
     return t * (h * d + h * d) * (in_size + pool_size) + t * loc_size
 
 

@@ -5,7 +5,7 @@
   caller's K/V).
 * ``compiled_index_copy``: ``torch.compile`` of divide, clamp, cast, and ``index_copy_`` into an FP8
   cache, the best a model runner gets from the compiler without a custom kernel.
-* ``straightforward_triton``: the seed's design ported plainly: one program per (token, head), K and V
+* ``straightforward_triton``: the textbook design ported plainly: one program per (token, head), K and V
   on a third grid axis, ``/`` for the division and a cast.
 * ``per_token_triton``: what a competent user writes in twenty lines (issue 15): one program per token
   over its whole H x D row, K then V, Triton's ``/`` (approximate on NVIDIA GPUs), a clamp, the cast
@@ -14,8 +14,9 @@
 * ``masked_loc_write``: a verify write without a prefix-valid kernel: mask the uncommitted slots to -1
   with ``torch.where``, then a plain ``set_kv_buffer`` of every draft token.
 
-The two Triton ports are not exact by SPEC section 3.1 (approximate division; a clamp turns NaN into
--fmax), so they do less work per element than kvpool's write.
+The two Triton ports are not exact by the write's definition (docs/contract.md, "The write":
+approximate division; a clamp turns NaN into -fmax), so they do less work per element than kvpool's
+write.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ the next-token distributions from HF's, with scale 1.0 and, when the pool offers
 A 16-bit or FP8 pool changes the model's numbers, so on a random-init model (whose top two logits
 are often close) its greedy tokens can part from HF's at a near-tie. To check such a pool exactly as
 well, each one is also compared with HF generating through a cache that rounds the K/V it stores the
-way the pool does (SPEC 3.1: divide by the scale, saturate, cast; multiply back on reading): there the
-tokens should be identical, and the logits agree to ~1e-6 except where one K/V element falls on the
-other side of a rounding boundary.
+way the pool does (docs/contract.md, "The write": divide by the scale, saturate, cast; multiply back
+on reading): there the tokens should be identical, and the logits agree to ~1e-6 except where one
+K/V element falls on the other side of a rounding boundary.
 
     python examples/llama_runner.py                          # GPU if there is one, else CPU
     python examples/llama_runner.py --config tiny --dtypes fp32 bf16
@@ -260,8 +260,8 @@ class Generation:
 
 def round_like_pool(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """``x`` [B, H, L, D] as a pool of ``dtype`` stores it and the runner reads it back, written out
-    from SPEC 3.1 (not through kvpool): FP8 divides by the scale (per tensor or per head), saturates,
-    casts, and multiplies back; 16-bit and fp32 pools cast."""
+    from docs/contract.md, "The write" (not through kvpool): FP8 divides by the scale (per tensor or
+    per head), saturates, casts, and multiplies back; 16-bit and fp32 pools cast."""
     if dtype.itemsize == 1:
         fmax = torch.finfo(dtype).max
         s = scale.reshape(-1, 1, 1)

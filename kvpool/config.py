@@ -5,8 +5,10 @@
 ``KVPOOL_DIRECT_LAUNCH``, ``KVPOOL_FAST_DIV``, ``KVPOOL_SOFT_CAST``: debug switches of the fused
 kernel's launcher (see :class:`KernelOptions`); the defaults are what production should run.
 
-Each is read when an object is constructed (a pool, an allocator, a launcher), never on the hot path.
-Nothing else in the package reads ``os.environ``.
+Each is read when an object is built (a pool, an allocator, a host pool, a kernel launcher; the
+public write functions build their launcher on the first call for a cache geometry), with one
+exception: ``fused_fp8_set_kv_buffer`` and ``reference_set_kv_buffer`` called with ``validate=None``
+read ``KVPOOL_VALIDATE`` on every call. Nothing else in the package reads ``os.environ``.
 """
 
 from __future__ import annotations

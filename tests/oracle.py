@@ -1,4 +1,5 @@
-"""An independent oracle for the K/V write of SPEC 3.1, written from the format definitions.
+"""An independent oracle for the K/V write (docs/contract.md, "The write"), written from the format
+definitions.
 
 Nothing here calls kvpool, and nothing here uses torch's float->fp8 or float->16-bit conversions: the
 encoders work on float32 bit patterns with integer arithmetic (vectorised, NumPy), and a second,

@@ -1,4 +1,5 @@
-"""SPEC 3.2: bad input raises a clear error (argument, expected value, actual value) and writes nothing.
+"""Bad input raises a clear error (argument, expected value, actual value) and writes nothing
+(docs/contract.md, "Bad input").
 
 Every case runs against ``reference_set_kv_buffer``, ``fused_fp8_set_kv_buffer`` (Triton interpreter on
 CPU) and ``MHATokenToKVPool.set_kv_buffer``. The base call is valid and names real slots, so a write
@@ -307,7 +308,8 @@ def test_base_call_is_valid_and_writes():
 @pytest.mark.parametrize("getter", ["get_key_buffer", "get_value_buffer", "get_kv_buffer"])
 @pytest.mark.parametrize("lid", [0, 3, 7, -1, -3, 100])
 def test_getters_reject_layer_ids_outside_the_pool(getter, lid):
-    """SPEC 2: a layer id outside [start_layer, end_layer] is an error, never a wrapped list index."""
+    """A layer id outside [start_layer, end_layer] is an error, never a wrapped list index
+    (docs/contract.md, "Pools")."""
     pool = PoolTarget("never").pool
     with pytest.raises(IndexError) as info:
         getattr(pool, getter)(lid)
@@ -471,8 +473,8 @@ def test_pool_out_of_range_slots_skipped_other_layers_untouched(target_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# 16-bit caches ignore scales (SPEC 3.1), while SPEC 3.2 lists bad scales as errors. Either reading
-# is accepted here as long as it is one of them: a clear error with nothing written, or the plain cast.
+# 16-bit caches ignore scales, unchecked (docs/contract.md, "The write"). The test also accepts the
+# stricter reading, a clear error naming the scale with nothing written; anything else fails.
 
 IGNORED_SCALES = [("neg_float", -1.0), ("nan_float", math.nan), ("int_tensor", torch.tensor([1])),
                   ("wrong_shape", torch.ones(7)), ("meta_tensor", torch.ones(1, device=META))]
@@ -500,7 +502,8 @@ def test_16bit_cache_with_bad_scale_errors_cleanly_or_casts(case, target_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# Float scales at the top of the float32 range. float32(s) is what divides (SPEC 3.1), so a Python
+# Float scales at the top of the float32 range. float32(s) is what divides (docs/contract.md, "The
+# write"), so a Python
 # float between FLT_MAX and FLT_MAX + half an ulp (3.4028235e38, the usual spelling of FLT_MAX) is
 # a finite, normal float32 scale. Accepted: it must write q(x, FLT_MAX). Rejected: a ValueError that
 # names the argument, before anything is written. Either reading passes; a crash half-way does not.
@@ -581,7 +584,7 @@ def test_bad_input_rejected_when_T_is_0(case, target_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# The fused path refuses what its gate refuses (SPEC 4.3), before writing.
+# The fused path refuses what its gate refuses (docs/contract.md, "The gate"), before writing.
 
 
 @pytest.mark.parametrize("target_name", ["fused_interp", "pool_always"])

@@ -1,4 +1,5 @@
-"""set_kv_buffer inside torch.compile(fullgraph=True), and the custom op under opcheck (SPEC 4.4)."""
+"""set_kv_buffer inside torch.compile(fullgraph=True), and the custom op under opcheck (docs/contract.md,
+"Compiled callers and CUDA graphs")."""
 
 from __future__ import annotations
 

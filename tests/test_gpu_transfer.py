@@ -1,4 +1,5 @@
-"""KV transfer between two GPUs over NCCL (SPEC 8): skipped without two CUDA devices.
+"""KV transfer between two GPUs over NCCL (docs/contract.md, "KV transfer between ranks"): skipped
+without two CUDA devices.
 
 One process per GPU (rank r on cuda:r). The case battery of the CPU suite runs here too (bytes exact,
 nothing else changed, the same error on both ranks), plus what only a GPU shows: ``send``/``recv``

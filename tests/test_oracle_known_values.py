@@ -314,8 +314,9 @@ def test_write_functions_match_literals(cache_dtype, in_dtype, scale_case, write
 
 # ----------------------------------------------------------------------------------------------
 # Non-power-of-two scales: the division is IEEE float32 division, rounded once to float32 and then
-# rounded again to FP8 (SPEC 3.1). These inputs sit where that matters: multiplying by a float32
-# reciprocal, or rounding the exact quotient directly to FP8, gives a different byte.
+# rounded again to FP8 (docs/contract.md, "The write"). These inputs sit where that matters:
+# multiplying by a float32 reciprocal, or rounding the exact quotient directly to FP8, gives a
+# different byte.
 # float32(0.1) = 13421773 * 2**-27, float32(0.37) = 12415139 * 2**-25, float32(3.3) = 13841203 * 2**-22.
 
 # (id, float32 input, scale, cache dtype, expected byte, what goes wrong otherwise)

@@ -1,4 +1,5 @@
-"""Properties of the K/V write (SPEC 3.1) against the independent oracle in ``oracle.py``.
+"""Properties of the K/V write (docs/contract.md, "The write") against the independent oracle in
+``oracle.py``.
 
 For random shapes, input and cache dtypes, scales, magnitudes (subnormal to overflow, inf and NaN),
 strided inputs and slot lists (int32/int64 with padding, valid and out-of-range entries):
@@ -337,7 +338,8 @@ def test_pool_strided_loc_is_read_with_its_stride(mode):
 
 
 def test_duplicate_slots_write_one_of_the_tokens():
-    """SPEC 3.1: which token wins a duplicated slot is unspecified, but the row is one of them, whole."""
+    """Which token wins a duplicated slot is unspecified (docs/contract.md, "The write"); with one head
+    and one block per row, as here, the row is one of them, whole."""
     k = torch.tensor([[[1.0, 2.0, 3.0]], [[-5.0, 0.25, 100.0]], [[7.0, 7.0, 7.0]]])
     loc = torch.tensor([2, 2, 0])
     writers = [kvpool.reference_set_kv_buffer] + ([kvpool.fused_fp8_set_kv_buffer] if INTERPRETER else [])
@@ -426,8 +428,8 @@ def test_pool_write_equals_oracle(ex, mode, start_layer, which, via_override):
 @pytest.mark.parametrize("mode", ["never", "auto", "always"])
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 def test_pool_buffers_start_zeroed_and_getters_are_views(dtype, mode, monkeypatch):
-    """SPEC 2: buffers start zeroed (warmup writes nothing visible but may touch slot 0 only);
-    every getter returns the ``dtype`` view of the storage, not a copy."""
+    """Buffers start zeroed (docs/contract.md, "Pools"; warmup writes nothing visible but may touch
+    slot 0 only); every getter returns the ``dtype`` view of the storage, not a copy."""
     skip_fused_without_interpreter(mode)
     monkeypatch.delenv("KVPOOL_FUSED", raising=False)
     pool = kvpool.MHATokenToKVPool(6, 2, dtype, 3, 5, 2, "cpu", v_head_dim=7, start_layer=2, fused=mode)

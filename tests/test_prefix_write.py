@@ -1,4 +1,5 @@
-"""The speculative-decoding verify write, ``MHATokenToKVPool.set_kv_buffer_prefix_valid`` (SPEC 3.3).
+"""The speculative-decoding verify write, ``MHATokenToKVPool.set_kv_buffer_prefix_valid``
+(docs/contract.md, "The verify write").
 
 Token ``(i, j)`` (input row ``i * width + j``) is written to slot ``loc_2d[i, j]`` exactly as
 ``set_kv_buffer`` writes a token iff ``j < commit_lens[i]``; the rest write nothing. Every case runs

@@ -1,4 +1,5 @@
-"""KV transfer between ranks (SPEC 8) on CPU pools over gloo, plus the pure parts in-process.
+"""KV transfer between ranks (docs/contract.md, "KV transfer between ranks") on CPU pools over gloo,
+plus the pure parts in-process.
 
 The spawned tests run many cases per process group (startup dominates): every byte of every moved
 row, nothing else in either pool changed, the same error on both ranks for every mismatch and bad

@@ -1,4 +1,4 @@
-"""Argument checks shared by every write path (SPEC section 3.2).
+"""Argument checks shared by every write path (docs/contract.md, "Bad input").
 
 Everything here reads tensor metadata only, so it costs no host-device synchronisation and is
 traceable by torch.compile. The checks that must read device memory (slot range, scale values) are

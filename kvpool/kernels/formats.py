@@ -1,9 +1,11 @@
 """Element formats a KV cache can hold, and the facts about each that the write paths need.
 
 The FP8 constants are the format definitions (OCP FP8: e4m3fn has no infinities and one NaN
-mantissa pattern; e5m2 is IEEE-like). The kind numbers below are the fused kernel's compile-time
-constants: the kernel, its launcher, the gate and the reference path all read them from here, so a
-write is classified once, in these terms.
+mantissa pattern; e5m2 is IEEE-like). The kind numbers below (``OUT_KIND``, ``SCALE_*``) are the
+fused kernel's compile-time constants: the kernel, its launcher, the argument checks and the gate read
+them from here, so a write is classified once, in these terms. ``NAN_BITS`` is read by the kernel and
+by the reference path alike. (The kernel's integer FP8 encoder spells each format's exponent bias,
+mantissa width and largest finite value as literals, which match ``FP8_FORMATS``.)
 """
 
 from __future__ import annotations

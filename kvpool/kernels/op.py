@@ -1,4 +1,5 @@
-"""The K/V write as a PyTorch custom operator, ``torch.ops.kvpool.store_kv`` (SPEC 4.4).
+"""The K/V write as a PyTorch custom operator, ``torch.ops.kvpool.store_kv`` (docs/contract.md,
+"Compiled callers and CUDA graphs").
 
 Compiled model code sees one opaque op that declares the two caches it mutates, so
 ``torch.compile(fullgraph=True)`` traces through ``set_kv_buffer`` without a graph break, keeps the

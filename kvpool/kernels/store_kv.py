@@ -1,9 +1,12 @@
 """Launcher of the fused K/V write: picks the tile from a small table, binds arguments, launches.
 
-Nothing here checks arguments or decides whether the kernel may run: the writer
-(``kvpool.kernels.write``) does both, once, and then calls a :class:`PreparedLaunch` with the write's
-key. :func:`launch_store_kv` is the same launch for tests and benchmarks that want a particular
-variant (tile, division, encoder) on caches they own.
+Nothing here checks arguments or decides whether the kernel may run: ``kvpool.kernels.checks``
+checks and classifies a write into its key, and the writer (``kvpool.kernels.write.KVWriter``) asks
+the gate once per key and then calls its :class:`PreparedLaunch` (one per cache geometry) for every
+fused write, whichever entry point the write came through (a pool's eager write, the custom operator,
+the public functions). A pool's warmup calls the same ``PreparedLaunch`` directly with checked keys.
+:func:`launch_store_kv` builds one for a chosen variant (tile, division, encoder) on caches the caller
+owns, unchecked, for the tests; the benchmarks build ``PreparedLaunch`` objects themselves.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The one place a K/V write is decided: checked inputs -> gate -> fused launch / reference / raise.
 
-Every write path reaches :meth:`KVWriter.write`: the pool's eager ``set_kv_buffer`` calls it
-directly (no dispatcher on the hot path), the custom operator's implementation calls it for compiled
-callers, and so do the public functions :func:`fused_fp8_set_kv_buffer` and
-:func:`reference_set_kv_buffer` (docs, one check, one call). A write is classified once, by
+Every write path reaches the writer: the pools' eager writes call :meth:`KVWriter.store`, which
+classifies raw arguments (no dispatcher on the hot path); the verify write, the custom operator's
+implementation (for compiled callers) and the public functions :func:`fused_fp8_set_kv_buffer` and
+:func:`reference_set_kv_buffer` (docs, one check, one call) call :meth:`KVWriter.write` with checked
+arguments. Both end in the same decision and launch. A write is classified once, by
 :meth:`KVWriter.store` or the argument checks, into a key in the kernel's own constants
 (``checks.WriteKey``); that key indexes the verdict memo here and the launch cache of the launcher.
 """

@@ -125,7 +125,9 @@ class KVTransfer:
 
     def is_completed(self) -> bool:
         """True once every row has moved (sender: read and sent; receiver: written into the pool).
-        Never blocks."""
+        Never blocks. Known limitation (torch 2.11 with NCCL): on the sender this can turn True
+        before the NCCL sends have finished; the receiver's handle is the reliable signal
+        (docs/contract.md, "KV transfer between ranks")."""
         return self._done is None or self._done.query()
 
     def poll(self) -> KVPoll:
