@@ -157,3 +157,9 @@ class ReqTableMachine(RuleBasedStateMachine):
 
 
 TestReqTableMachine = ReqTableMachine.TestCase
+
+
+def test_memory_saver_is_refused_as_the_pools_refuse_it():
+    with pytest.raises(ValueError, match="enable_memory_saver must be False"):
+        ReqToTokenPool(4, 8, "cpu", enable_memory_saver=True)
+    assert ReqToTokenPool(4, 8, "cpu", enable_memory_saver=False).available_size() == 4

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.args import non_negative_int, positive_int
+from kvpool.args import non_negative_int, positive_int, resolve_device
 from kvpool.pools.allocator import IntegrityError
 
 
@@ -23,7 +23,7 @@ class ReqToTokenPool:
     size : rows (the most requests running at once).
     max_context_len : columns (the most tokens one request holds).
     device : where ``req_to_token`` lives (the pool's device, for the attention backend).
-    enable_memory_saver : accepted for SGLang call sites; not used.
+    enable_memory_saver : SGLang's; must be False, as for the pools (kvpool has no memory saver).
 
     Attributes
     ----------
@@ -49,9 +49,13 @@ class ReqToTokenPool:
     def __init__(
         self, size: int, max_context_len: int, device: str | torch.device, enable_memory_saver: bool = False
     ) -> None:
+        if enable_memory_saver not in (False, None):
+            raise ValueError(
+                f"enable_memory_saver must be False: kvpool has no memory saver, got {enable_memory_saver!r}"
+            )
         self.size = positive_int(size, "size")
         self.max_context_len = positive_int(max_context_len, "max_context_len")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self.clear()
 
