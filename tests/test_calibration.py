@@ -478,3 +478,11 @@ def test_fullgraph_compile_observes_like_eager():
         pool.observe_amax(True)
     run(4, "observation on again")
     assert compiled_pool.kv_amax.any(), "the compiled function did not observe after observe_amax(True)"
+
+
+def test_calibrated_scales_stay_finite_for_an_absurd_margin():
+    """A margin that would overflow float32 gives FLT_MAX, a scale set_kv_buffer accepts."""
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 1, 8, 1, "cpu", fused="never", observe_amax=True)
+    pool.set_kv_buffer(None, torch.tensor([1]), torch.full((1, 1, 8), 3.0e38), torch.full((1, 1, 8), 3.0e38), layer_id_override=0)
+    (k, v), = pool.calibrated_scales(margin=1e300)
+    assert float(k) == torch.finfo(torch.float32).max and float(v) == torch.finfo(torch.float32).max

@@ -14,7 +14,7 @@ import torch
 
 from kvpool.args import non_negative_int, positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
-from kvpool.kernels.checks import F32_MIN_NORMAL, Geometry, Scale
+from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 from kvpool.kernels import copy_rows
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
@@ -177,8 +177,9 @@ class KVCache:
         raise NotImplementedError
 
     def _warmup(self) -> None:
-        """Compile each variant once on the pool's device (the buffers are still zero there, so
-        writing zeros to slot 0 changes nothing)."""
+        """Compile each variant once on the pool's device. Each call writes zeros to slot 0 of the
+        first layer: the padding slot, which no allocator hands out (at construction the buffers
+        are still zero there, so nothing changes at all)."""
         if self._writer.launch is None or self.device.type != "cuda":
             return
         start = time.perf_counter()
@@ -203,7 +204,8 @@ class KVCache:
         +-inf are left out: they store NaN or saturate whatever the scale. The maxima accumulate
         until ``reset_amax()``; ``observe_amax(False)`` stops observing (writes then take the
         variant with no observation code at all). On CUDA, turning it on compiles the observing
-        variants at once, as construction does for the plain ones."""
+        variants at once, as construction does for the plain ones (unless the pool was built with
+        ``warmup=False``)."""
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled must be a bool, got {enabled!r}")
         if enabled and self._amax is None:
@@ -212,7 +214,7 @@ class KVCache:
             self._amax_views = [(a[0, :kh], a[1, :vh]) for a in self._amax]
         was = self._observing
         self._observing = enabled
-        if enabled and not was:
+        if enabled and not was and getattr(self, "_warm", True):
             self._warmup()
 
     @property
@@ -232,8 +234,8 @@ class KVCache:
         """KV scales from the observed maxima: one ``(k_scale, v_scale)`` per layer this pool holds
         (list index = ``layer_id - start_layer``), ready to pass to ``set_kv_buffer``.
 
-        Each scale is ``float32(amax * (margin / fmax))``, computed in float64 and rounded once, and
-        never below 2**-126 (the smallest valid scale: a layer or head never observed, or all zeros,
+        Each scale is ``float32(amax * (margin / fmax))``, computed in float64 and rounded once, at
+        most FLT_MAX and never below 2**-126 (the smallest valid scale: a layer or head never observed, or all zeros,
         gets it, and any nonzero value then saturates). ``fmax`` is the largest finite value of
         ``dtype`` (default: the pool's own, which must then be FP8; pass an FP8 dtype to calibrate a
         16-bit pool for a later FP8 deployment).
@@ -265,8 +267,10 @@ class KVCache:
         k_amax, v_amax = self._amax[:, 0, :kh], self._amax[:, 1, :vh]
         if not per_head:
             k_amax, v_amax = k_amax.amax(dim=1, keepdim=True), v_amax.amax(dim=1, keepdim=True)
-        k_scale = (k_amax.double() * factor).float().clamp_min(F32_MIN_NORMAL)
-        v_scale = (v_amax.double() * factor).float().clamp_min(F32_MIN_NORMAL)
+        # Clamped to [2**-126, FLT_MAX], the range set_kv_buffer accepts (an absurd margin would
+        # otherwise overflow to inf).
+        k_scale = (k_amax.double() * factor).float().clamp(F32_MIN_NORMAL, F32_MAX)
+        v_scale = (v_amax.double() * factor).float().clamp(F32_MIN_NORMAL, F32_MAX)
         return [(k_scale[i], v_scale[i]) for i in range(self.layer_num)]
 
     def _amax_for(self, i: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

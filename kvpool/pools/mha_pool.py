@@ -116,8 +116,9 @@ class MHATokenToKVPool(KVCache):
             Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
             self.k_buffer[0].stride(), self.v_buffer[0].stride(),
         )  # fmt: skip
+        self._warm = bool(warmup)
         if observe_amax:
-            self.observe_amax(True)  # warms the observing variants
+            self.observe_amax(True)  # warms the observing variants (with warmup)
         elif warmup:
             self._warmup()
 

@@ -150,8 +150,9 @@ class MLATokenToKVPool(KVCache):
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
             self._nope_store[0].stride(), self._rope_store[0].stride(),
         )  # fmt: skip
+        self._warm = bool(warmup)
         if observe_amax:
-            self.observe_amax(True)  # warms the observing variants
+            self.observe_amax(True)  # warms the observing variants (with warmup)
         elif warmup:
             self._warmup()
 
