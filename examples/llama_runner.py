@@ -37,9 +37,10 @@ Exit status: 0 when the fp32 check passes (or was not requested) and the allocat
 
 Needs ``transformers`` (the ``model`` extra: ``pip install -e ".[model]"``).
 
-The scheduler, the request table, the references and the checks do not depend on the model family:
-what does is an ``Architecture`` (build the model, make its pool, run its forward over a
-``ForwardBatch``), passed to ``serve``, ``calibrate`` and ``run``; ``LLAMA`` is this runner's.
+The scheduler, the request table, the references and the checks are shared with
+``examples/deepseek_runner.py`` (DeepSeek-V3's multi-head latent attention on an ``MLATokenToKVPool``):
+what differs between the two model families is an ``Architecture`` (build the model, make its pool,
+run its forward over a ``ForwardBatch``), passed to ``serve``, ``calibrate`` and ``run``.
 """
 
 from __future__ import annotations
@@ -537,20 +538,22 @@ class PooledAttention:
 def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of ragged queries ``q`` [T, Hq, D] over padded keys/values [B, L, Hkv, D].
+    """Attention of ragged queries ``q`` [T, Hq, D] over padded keys [B, L, Hkv, D] and values
+    [B, L, Hkv, Dv].
 
     GQA without repeating K/V: the G = Hq/Hkv query heads that share a KV head (query head h uses
     KV head h // G, as HF's ``repeat_kv``) become G x Tq query rows of that KV head. ``mask``
-    [B, 1, G*Tq, L] (from ``attention_mask``). Returns [T, Hq * D] in token order.
+    [B, 1, G*Tq, L] (from ``attention_mask``). Returns [T, Hq * Dv] in token order.
     """
     b, l, hkv, d = keys.shape
+    dv = values.shape[-1]
     hq = q.shape[1]
     g, tq = hq // hkv, batch.q_index.shape[1]
     qp = q[batch.q_index].view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
     out = F.scaled_dot_product_attention(
         qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # [B, Hkv, G*Tq, D]
-    out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq * d)
+    )  # [B, Hkv, G*Tq, Dv]
+    out = out.view(b, hkv, g, tq, dv).permute(0, 3, 1, 2, 4).reshape(b, tq, hq * dv)
     return out[batch.token_mask]
 
 
