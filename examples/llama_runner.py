@@ -37,17 +37,10 @@ Exit status: 0 when the fp32 check passes (or was not requested) and the allocat
 
 Needs ``transformers`` (the ``model`` extra: ``pip install -e ".[model]"``).
 
-Not done here, and what it needs: DeepSeek-V3 (MLA). kvpool has no MLA pool yet. With an
-``MLATokenToKVPool`` (one latent row ``[kv_lora_rank + qk_rope_head_dim]`` per token and layer), a
-second runner would build a tiny ``DeepseekV3ForCausalLM`` the same way and, per layer, call HF's
-``DeepseekV3Attention`` pieces: the query path (``q_a_proj``/``q_a_layernorm``/``q_b_proj``, or
-``q_proj``), ``kv_a_proj_with_mqa`` split into the latent and the shared rope key,
-``kv_a_layernorm`` on the latent, RoPE on the rope parts (interleaved when ``rope_interleave``), then
-write latent and rope key with ``set_mla_kv_buffer`` (no concatenation), read the request's rows back
-(``get_mla_kv_buffer``) and expand them with ``attn.expand_kv`` (``kv_b_proj``) into per-head keys and
-values, attending with ``attn.scaling`` (which carries YaRN's mscale). HF caches exactly that latent
-and rope key, so the fp32 comparison would hold to the same tolerance; the MoE and dense MLPs are
-called as modules like Llama's. The checks (tokens, logits, KL per pool dtype) carry over unchanged.
+The scheduler, the request table, the references and the checks are shared with
+``examples/deepseek_runner.py`` (DeepSeek-V3's multi-head latent attention on an ``MLATokenToKVPool``):
+what differs between the two model families is an ``Architecture`` (build the model, make its pool,
+run its forward over a ``ForwardBatch``), passed to ``serve``, ``calibrate`` and ``run``.
 """
 
 from __future__ import annotations
@@ -59,7 +52,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,11 +60,12 @@ import torch.nn.functional as F
 from kvpool import MHATokenToKVPool
 from kvpool.args import positive_int
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
+from kvpool.pools.base import KVCache
 from kvpool.pools.req_to_token import ReqToTokenPool
 
 try:
     import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 except ImportError as e:
     raise ImportError(
@@ -104,6 +98,15 @@ def unit_scales(layers: int, device: str | torch.device) -> Scales:
 
 
 # --- configuration --------------------------------------------------------------------------------
+
+
+class Shape(Protocol):
+    """What the shared code reads from a model family's shape (``ModelShape`` is Llama's)."""
+
+    layers: int
+    vocab: int
+
+    def describe(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class RunConfig:
     rows); prompts beyond it wait for a finished request's row and pages.
     """
 
-    shape: ModelShape = SHAPES["small"]
+    shape: Shape = SHAPES["small"]
     model_dtype: str = "fp32"
     pool_dtypes: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3")
     prompts: int = 8
@@ -271,7 +274,9 @@ def round_like_pool(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) ->
 
 class RoundingCache(DynamicCache):
     """HF's dynamic cache, storing every K/V rounded as a pool of ``dtype`` with ``scales`` would.
-    HF's attention attends over what ``update`` returns, prefill included, as the runner does."""
+    HF's attention attends over what ``update`` returns, prefill included, as the runner does.
+    (DeepSeek-V3's attention hands ``update`` its latent as K and its rotary key as V; an MLA pool
+    rounds both with the one ``k_scale``, so its scales are pairs ``(s, s)``.)"""
 
     def __init__(self, dtype: torch.dtype, scales: Scales, **kwargs: object) -> None:
         super().__init__(**kwargs)
@@ -287,7 +292,7 @@ class RoundingCache(DynamicCache):
 
 @torch.no_grad()
 def hf_reference(
-    model: LlamaForCausalLM, prompts: Sequence[Prompt], pool_dtype: Optional[torch.dtype] = None,
+    model: PreTrainedModel, prompts: Sequence[Prompt], pool_dtype: Optional[torch.dtype] = None,
     scales: Optional[Scales] = None,
 ) -> list[Generation]:  # fmt: skip
     """HF's greedy ``generate`` of each prompt alone (no padding), with its raw logits per step;
@@ -366,7 +371,7 @@ class Scheduler:
     A step prefills the newly admitted requests if there are any, else decodes all running ones.
     """
 
-    def __init__(self, pool: MHATokenToKVPool, max_running: int, max_context_len: int) -> None:
+    def __init__(self, pool: KVCache, max_running: int, max_context_len: int) -> None:
         self.device = pool.device
         self.page_size = pool.page_size
         self.allocator = PagedTokenToKVPoolAllocator(pool.size, pool.page_size, pool.dtype, pool.device, pool)
@@ -533,20 +538,22 @@ class PooledAttention:
 def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of ragged queries ``q`` [T, Hq, D] over padded keys/values [B, L, Hkv, D].
+    """Attention of ragged queries ``q`` [T, Hq, D] over padded keys [B, L, Hkv, D] and values
+    [B, L, Hkv, Dv].
 
     GQA without repeating K/V: the G = Hq/Hkv query heads that share a KV head (query head h uses
     KV head h // G, as HF's ``repeat_kv``) become G x Tq query rows of that KV head. ``mask``
-    [B, 1, G*Tq, L] (from ``attention_mask``). Returns [T, Hq * D] in token order.
+    [B, 1, G*Tq, L] (from ``attention_mask``). Returns [T, Hq * Dv] in token order.
     """
     b, l, hkv, d = keys.shape
+    dv = values.shape[-1]
     hq = q.shape[1]
     g, tq = hq // hkv, batch.q_index.shape[1]
     qp = q[batch.q_index].view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
     out = F.scaled_dot_product_attention(
         qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # [B, Hkv, G*Tq, D]
-    out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq * d)
+    )  # [B, Hkv, G*Tq, Dv]
+    out = out.view(b, hkv, g, tq, dv).permute(0, 3, 1, 2, 4).reshape(b, tq, hq * dv)
     return out[batch.token_mask]
 
 
@@ -602,6 +609,29 @@ class LlamaRunner:
         return self.model.lm_head(m.norm(x[batch.last_index]))
 
 
+class Architecture:
+    """What ``serve``, ``calibrate`` and ``run`` need from a model family: build the seeded model of
+    a ``RunConfig``, make a pool for it, and make the model runner (``forward(batch) -> logits
+    [B, vocab]``) over that pool. This one is Llama's (``LLAMA``); examples/deepseek_runner.py has
+    DeepSeek-V3's. The methods look the module's functions up when called, so a test can replace
+    ``make_pool`` in the module."""
+
+    program = "llama_runner"
+    model_name = "LlamaForCausalLM"
+
+    def build_model(self, cfg: RunConfig) -> PreTrainedModel:
+        return build_model(cfg.shape, DTYPES[cfg.model_dtype], cfg.device, cfg.seed)  # type: ignore[arg-type]
+
+    def make_pool(self, cfg: RunConfig, model: PreTrainedModel, dtype: torch.dtype) -> KVCache:
+        return make_pool(cfg, model, dtype)  # type: ignore[arg-type]
+
+    def runner(self, model: PreTrainedModel, pool: KVCache, scales: Optional[Scales]) -> LlamaRunner:
+        return LlamaRunner(model, pool, scales)  # type: ignore[arg-type]
+
+
+LLAMA = Architecture()
+
+
 # --- serving and comparing -------------------------------------------------------------------------
 
 
@@ -628,18 +658,19 @@ class ServeResult:
 
 
 def serve(
-    model: LlamaForCausalLM,
-    pool: MHATokenToKVPool,
+    model: PreTrainedModel,
+    pool: KVCache,
     prompts: Sequence[Prompt],
     max_running: int,
     scales: Optional[Scales] = None,
     keep_logits: bool = True,
+    arch: Architecture = LLAMA,
 ) -> ServeResult:
-    """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once.
-    The result's path counts are the ``set_kv_buffer`` calls of this run."""
+    """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once,
+    with ``arch``'s model runner. The result's path counts are the pool writes of this run."""
     max_context = max(len(p.tokens) + p.new_tokens for p in prompts)
     sched = Scheduler(pool, max_running, max_context)
-    runner = LlamaRunner(model, pool, scales)
+    runner = arch.runner(model, pool, scales)
     for rid, p in enumerate(prompts):
         sched.add(Request(rid, list(p.tokens), p.new_tokens))
     stats = pool.stats
@@ -741,6 +772,8 @@ class Report:
     transformers_version: str
     runs: list[PoolRun]
     notes: list[str] = field(default_factory=list)
+    program: str = LLAMA.program
+    model_name: str = LLAMA.model_name
 
     @property
     def fp32_check(self) -> Optional[bool]:
@@ -762,56 +795,59 @@ def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MH
     return MHATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, heads, head_dim, layers, cfg.device)
 
 
-def calibrate(cfg: RunConfig, model: LlamaForCausalLM, pool: MHATokenToKVPool, prompts: Sequence[Prompt]) -> Scales:
+def calibrate(
+    cfg: RunConfig, model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], arch: Architecture = LLAMA
+) -> Scales:
     """Per-layer scales from the K/V amax the pool observes while it serves ``prompts`` at scale 1.0.
 
-    Uses the pool's ``reset_amax``/``observe_amax``/``calibrated_scales``, which ``MHATokenToKVPool``
-    may not have yet: callers check ``hasattr(pool, "calibrated_scales")`` first.
+    Uses the pool's ``reset_amax``/``observe_amax``/``calibrated_scales``, which a pool may not
+    have: callers check ``hasattr(pool, "calibrated_scales")`` first.
     """
     pool.reset_amax()  # type: ignore[attr-defined]
     pool.observe_amax(True)  # type: ignore[attr-defined]
     try:
-        serve(model, pool, prompts, cfg.batch, keep_logits=False)
+        serve(model, pool, prompts, cfg.batch, keep_logits=False, arch=arch)
     finally:
         pool.observe_amax(False)  # type: ignore[attr-defined]
     return [(k, v) for k, v in pool.calibrated_scales(margin=1.0, per_head=False)]  # type: ignore[attr-defined]
 
 
-def run(cfg: RunConfig) -> Report:
-    """Build the model, serve the prompts on a pool of each dtype, compare each run with HF."""
+def run(cfg: RunConfig, arch: Architecture = LLAMA) -> Report:
+    """Build ``arch``'s model, serve the prompts on a pool of each dtype, compare each run with HF."""
     threads = torch.get_num_threads()
     if cfg.cpu_threads is not None and torch.device(cfg.device).type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     try:
-        return _run(cfg)
+        return _run(cfg, arch)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: RunConfig) -> Report:
-    model = build_model(cfg.shape, DTYPES[cfg.model_dtype], cfg.device, cfg.seed)
+def _run(cfg: RunConfig, arch: Architecture) -> Report:
+    model = arch.build_model(cfg)
     prompts = make_prompts(cfg)
     hf = hf_reference(model, prompts)
-    report = Report(cfg, str(model.device), transformers.__version__, [])
+    report = Report(cfg, str(model.device), transformers.__version__, [], program=arch.program,
+                    model_name=arch.model_name)  # fmt: skip
 
-    def record(name: str, pool: MHATokenToKVPool, scales: Optional[Scales], label: str) -> None:
+    def record(name: str, pool: KVCache, scales: Optional[Scales], label: str) -> None:
         dtype = DTYPES[name]
-        res = serve(model, pool, prompts, cfg.batch, scales=scales)
+        res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch)
         rounded = None
         if dtype != DTYPES[cfg.model_dtype]:
             rounded = compare(res.generations, hf_reference(model, prompts, dtype, scales))
         report.runs.append(PoolRun(name, label, res, compare(res.generations, hf), rounded))
 
     for name in cfg.pool_dtypes:
-        pool = make_pool(cfg, model, DTYPES[name])
+        pool = arch.make_pool(cfg, model, DTYPES[name])
         fp8 = DTYPES[name].itemsize == 1
         record(name, pool, None, "1.0" if fp8 else "-")
         if not (fp8 and cfg.calibrate):
             continue
         if hasattr(pool, "calibrated_scales"):
-            record(name, pool, calibrate(cfg, model, pool, prompts), "calibrated")
+            record(name, pool, calibrate(cfg, model, pool, prompts, arch), "calibrated")
         else:
-            note = "FP8 with calibrated scales: not run (MHATokenToKVPool has no calibrated_scales yet)"
+            note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
             if note not in report.notes:
                 report.notes.append(note)
     return report
@@ -836,7 +872,7 @@ def format_summary(rep: Report) -> str:
     cfg = rep.config
     lo, hi = cfg.prompt_len
     lines = [
-        f"kvpool llama_runner: LlamaForCausalLM ({cfg.shape.describe()}), {cfg.model_dtype} weights, "
+        f"kvpool {rep.program}: {rep.model_name} ({cfg.shape.describe()}), {cfg.model_dtype} weights, "
         f"seed {cfg.seed}, on {rep.device}",
         f"  requests    {cfg.prompts} prompts of {lo}-{hi} tokens asking {cfg.new_tokens[0]}-{cfg.new_tokens[1]} "
         f"new tokens, at most {cfg.batch} running; PagedTokenToKVPoolAllocator(page_size={cfg.page_size})",
@@ -851,7 +887,7 @@ def format_summary(rep: Report) -> str:
             lines.append(f"    vs rounded  {_agreement_line(r.vs_rounded)}")
         lines.append(
             f"    served      {s.prefill_steps} prefill + {s.decode_steps} decode steps, peak {s.peak_running} "
-            f"running, {s.generated_tokens / s.wall_s:,.0f} tokens/s; set_kv_buffer fused {s.fused_calls}, "
+            f"running, {s.generated_tokens / s.wall_s:,.0f} tokens/s; KV writes fused {s.fused_calls}, "
             f"reference {s.reference_calls}"
         )
         for reason, count in sorted(s.reasons.items(), key=lambda kv: -kv[1]):
@@ -873,18 +909,9 @@ def format_summary(rep: Report) -> str:
     return "\n".join(lines)
 
 
-def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every model family's runner takes (the model shape's are its own)."""
     d = RunConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--config", choices=sorted(SHAPES), default="small", help="model shape preset")
-    p.add_argument("--llama3-8b-shape", action="store_true", help="same as --config 8b-4layer")
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim = hidden / heads)")
-    p.add_argument("--heads", type=int, help="override the preset's query heads")
-    p.add_argument("--kv-heads", type=int, help="override the preset's KV heads")
-    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=d.model_dtype, help="weights and activations")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(d.pool_dtypes), help="pool dtypes")
     p.add_argument("--prompts", type=int, default=d.prompts, help="prompts to serve")
@@ -896,27 +923,55 @@ def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
     p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
     p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated-scale FP8 runs")
     p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads on a CPU (0: torch's choice)")
-    a = p.parse_args(argv)
-    preset = SHAPES["8b-4layer" if a.llama3_8b_shape else a.config]
-    names = ("layers", "hidden", "heads", "kv_heads", "vocab")
-    overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+
+
+def run_config(a: argparse.Namespace, shape: Shape) -> RunConfig:
+    """The ``RunConfig`` of parsed ``add_run_arguments`` options and a model shape."""
     return RunConfig(
-        shape=replace(preset, **overrides), model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
+        shape=shape, model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
         prompts=a.prompts, batch=a.batch, prompt_len=tuple(a.prompt_len), new_tokens=tuple(a.new_tokens),
         page_size=a.page_size, seed=a.seed, device=a.device, calibrate=not a.no_calibrate,
         cpu_threads=a.cpu_threads or None,
     )  # fmt: skip
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--config", choices=sorted(SHAPES), default="small", help="model shape preset")
+    p.add_argument("--llama3-8b-shape", action="store_true", help="same as --config 8b-4layer")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim = hidden / heads)")
+    p.add_argument("--heads", type=int, help="override the preset's query heads")
+    p.add_argument("--kv-heads", type=int, help="override the preset's KV heads")
+    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
+    add_run_arguments(p)
+    a = p.parse_args(argv)
+    preset = SHAPES["8b-4layer" if a.llama3_8b_shape else a.config]
+    names = ("layers", "hidden", "heads", "kv_heads", "vocab")
+    overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    return run_config(a, replace(preset, **overrides))
+
+
+def run_main(
+    argv: Optional[Sequence[str]], parse: Callable[[Optional[Sequence[str]]], tuple[RunConfig, Architecture]],
+    program: str,
+) -> int:  # fmt: skip
+    """Parse ``argv`` into a config and an architecture, run, print the summary; the exit status
+    (see the module docstring). Errors in the arguments are reported as ``program``'s."""
     try:
-        cfg = config_from_args(argv)
-        report = run(cfg)
+        cfg, arch = parse(argv)
+        report = run(cfg, arch)
     except ValueError as e:
-        print(f"llama_runner: {e}", file=sys.stderr)
+        print(f"{program}: {e}", file=sys.stderr)
         return 2
     print(format_summary(report))
     return 0 if report.ok else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_main(argv, lambda a: (config_from_args(a), LLAMA), LLAMA.program)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
 #   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune | tune_write] [bench] [quick]
-#                             [host] [mla] [sim] [sim_mla] [llama] [llama_bench]
+#                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
 # (default: tests transfer first_call bench host mla sim llama_bench). tune_write rewrites TILE_TABLE
 # from the sweep (copy in $OUT). "tests" runs the whole suite on the GPU: the gpu-marked tests and
 # every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
@@ -51,6 +51,7 @@ for stage in $stages; do
     first_call) step first_call python3 benchmarks/first_call.py ;;
     sim) step sim python3 examples/serve_sim.py ;;
     llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;
+    deepseek) step deepseek python3 examples/deepseek_runner.py --config v3-mla --device cuda ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
