@@ -245,13 +245,17 @@ class BaseTokenToKVPoolAllocator:
             f"alloc_decode is for PagedTokenToKVPoolAllocator; {type(self).__name__} hands out slots with alloc(n)"
         )
 
-    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not implement get_cpu_copy")
+    def get_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement get_cpu_copy; TokenToKVPoolAllocator and "
+            "PagedTokenToKVPoolAllocator delegate it to their kvcache"
+        )
 
-    def load_cpu_copy(
-        self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None
-    ) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not implement load_cpu_copy")
+    def load_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement load_cpu_copy; TokenToKVPoolAllocator and "
+            "PagedTokenToKVPoolAllocator delegate it to their kvcache"
+        )
 
     def free(self, free_index: Indices) -> None:
         """Give slots back. A page returns to the free list once all its handed-out slots are freed.
