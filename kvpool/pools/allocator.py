@@ -49,10 +49,12 @@ Where kvpool deliberately differs from SGLang's allocators
    free list; SGLang appends whatever it is given.
 3. Errors are ``ValueError`` (``IndexError`` for a ``last_loc`` outside the slot range), raised
    before anything changes, where SGLang asserts under ``SGLANG_DEBUG_MEMORY_POOL`` or not at all;
-   ``alloc(n)`` on the paged allocator raises when ``n`` is not a multiple of ``page_size``.
+   ``alloc(n)`` on the paged allocator raises when ``n`` is not a multiple of ``page_size``. kvpool
+   does not read ``SGLANG_DEBUG_MEMORY_POOL``; ``validate`` (or ``KVPOOL_VALIDATE=1``) is its
+   counterpart.
 4. ``validate`` also checks ``last_loc`` against the bookkeeping and the requests of one batch against
    each other; on a CPU allocator, device lengths and ``last_loc``'s range and page offset are
-   always checked.
+   always checked (so a ``last_loc`` in page 0 raises there, where SGLang continues from it).
 5. Free order: both allocators append freed pages to ``free_pages`` (oldest free first); SGLang's
    paged allocator puts them in front. With ``need_sort`` the release list is merged only when an
    allocation needs it; SGLang's paged ``alloc_extend`` merges by an estimate.
@@ -71,6 +73,8 @@ Where kvpool deliberately differs from SGLang's allocators
     mamba state.
 11. ``alloc_extend``/``alloc_decode`` are PyTorch ops on the device rather than Triton kernels; the
     slots they return are the same.
+12. ``debug_print()`` returns a one-line summary; SGLang's base allocator returns ``""``.
+13. ``alloc_extend_naive`` checks its arguments (``ValueError``) before writing; SGLang's checks nothing.
 """
 
 from __future__ import annotations
