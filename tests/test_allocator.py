@@ -20,6 +20,7 @@ from kvpool.pools.allocator import (
     IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
+    alloc_extend_naive,
 )
 
 T = torch.tensor
@@ -369,6 +370,65 @@ def test_paged_alloc_extend_with_aligned_prefix_takes_a_fresh_page():
     assert ext(a, [4], [6], [7]).tolist() == [8, 9]
 
 
+def naive(prefix, seq, last_loc, free_pages, page_size=4):
+    """alloc_extend_naive on lists: the slots it writes into a fresh out_indices."""
+    pre, sq = T(prefix, dtype=torch.int64), T(seq, dtype=torch.int64)
+    out = torch.full((int((sq - pre).sum()),), -7, dtype=torch.int64)
+    assert alloc_extend_naive(pre, sq, T(last_loc, dtype=torch.int64), T(free_pages, dtype=torch.int64), out,
+                              page_size, "cpu") is None  # fmt: skip
+    return out.tolist()
+
+
+def test_alloc_extend_naive_continues_the_partial_page_then_takes_free_pages_in_request_order():
+    # request 0 (position 5 in slot 9, on page 2): slots 10, 11, then page 7 whole, then 3 slots of page 3
+    # request 1 (new, 3 tokens): the next free page, 5; request 2: nothing new
+    assert naive([6, 0, 4], [15, 3, 4], [9, -1, 19], [7, 3, 5, 8]) == [10, 11, 28, 29, 30, 31, 12, 13, 14, 20, 21, 22]
+    assert naive([3], [4], [14], []) == [15]  # fills its page: no fresh page needed
+    assert naive([8], [8], [35], []) == []
+    assert naive([], [], [], [2]) == []
+
+
+def test_alloc_extend_naive_gives_the_slots_alloc_extend_hands_out():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    ext(a, [0, 0], [3, 6], [-1, -1])  # request 0 on page 1 (4..6), request 1 on pages 2, 3 (8..13)
+    cases = ([3, 6, 0], [13, 7, 5], [6, 13, -1])
+    free = a.free_pages.clone()
+    assert naive(*cases, free.tolist()) == ext(a, *cases).tolist()
+    assert a.free_pages.tolist() == free[5:].tolist()  # the allocator took the pages naive used
+
+
+def test_alloc_extend_naive_writes_int32_out_indices_and_leaves_its_inputs_alone():
+    pre, sq, last, free = T([2]), T([9]), T([5]), T([4, 6])
+    before = [t.clone() for t in (pre, sq, last, free)]
+    out = torch.zeros(7, dtype=torch.int32)
+    alloc_extend_naive(pre.int(), sq.int(), last.int(), free.int(), out, 4, torch.device("cpu"))
+    assert out.tolist() == [6, 7, 16, 17, 18, 19, 24]
+    assert all(torch.equal(x, y) for x, y in zip(before, (pre, sq, last, free)))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (dict(out=torch.zeros(4, dtype=torch.int64)), "out_indices must have sum\\(seq_lens - prefix_lens\\) = 3 entries, got 4"),
+        (dict(free=torch.tensor([], dtype=torch.int64)), "free_pages must hold the 1 pages this extension takes, got 0"),
+        (dict(pre=T([5]), out=torch.zeros(0, dtype=torch.int64)), "prefix_lens\\[0\\] must be in 0..seq_lens\\[0\\] = 3, got 5"),
+        (dict(seq=T([3, 3])), "seq_lens must have 1 entries"),
+        (dict(last=T([1.0])), "last_loc must be a 1-D integer tensor"),
+        (dict(free=T([[2]])), "free_pages must be a 1-D integer tensor"),
+        (dict(out=[0, 0, 0]), "out_indices must be a tensor"),
+        (dict(out=torch.zeros(3, dtype=torch.int64, device="meta")), "out_indices must be on .*cpu, got meta"),
+        (dict(page_size=0), "page_size must be a positive int, got 0"),
+    ],
+)
+def test_alloc_extend_naive_refuses_bad_arguments_before_writing(args, match):
+    a = dict(pre=T([0]), seq=T([3]), last=T([-1]), free=T([2]), out=torch.full((3,), -7), page_size=4)
+    a.update(args)
+    with pytest.raises(ValueError, match=match):
+        alloc_extend_naive(a["pre"], a["seq"], a["last"], a["free"], a["out"], a["page_size"], "cpu")
+    if "out" not in args:
+        assert a["out"].tolist() == [-7, -7, -7]  # nothing written
+
+
 def test_paged_alloc_decode_continues_or_starts_pages():
     a = PagedTokenToKVPoolAllocator(32, 4, validate=True)
     ext(a, [0, 0], [3, 4], [-1, -1])  # request 0 on page 1 (4,5,6), request 1 fills page 2
@@ -659,7 +719,9 @@ def test_a_subclass_that_overrides_clear_constructs_as_in_sglang():
 
 def test_base_class_methods_left_to_subclasses_raise_not_implemented():
     a = BaseTokenToKVPoolAllocator(8, 2)
-    for call in (a.alloc_extend, a.alloc_decode, lambda: a.get_cpu_copy(T([2])), lambda: a.load_cpu_copy(None, T([2]))):
+    calls = (a.alloc_extend, a.alloc_decode, a.get_cpu_copy, a.load_cpu_copy,  # SGLang's base takes any arguments
+             lambda: a.get_cpu_copy(T([2])), lambda: a.load_cpu_copy(None, T([2]), mamba_indices=None))
+    for call in calls:
         with pytest.raises(NotImplementedError):
             call()
     assert a.alloc(4).tolist() == [2, 3, 4, 5]

@@ -6,6 +6,7 @@ from kvpool.pools.allocator import (
     IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
+    alloc_extend_naive,
 )
 from kvpool.pools.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.kv_moves import KVCpuCopy
@@ -31,6 +32,7 @@ __all__ = [
     "PathStats",
     "ReqToTokenPool",
     "TokenToKVPoolAllocator",
+    "alloc_extend_naive",
     "kv_bytes_per_token",
     "max_pool_size",
     "mla_kv_bytes_per_token",

@@ -3,7 +3,8 @@
 ``BaseTokenToKVPoolAllocator`` hands out whole pages of ``page_size`` slots and takes slots back.
 ``TokenToKVPoolAllocator`` is that with pages of one slot; ``PagedTokenToKVPoolAllocator`` adds
 ``alloc_extend``/``alloc_decode``, which continue each request's last partial page. Page 0 (slot 0,
-the padding slot, among its slots) is never handed out.
+the padding slot, among its slots) is never handed out. ``alloc_extend_naive`` is ``alloc_extend``'s
+slot computation on its own, under SGLang's name for it.
 
 Bookkeeping, in tensors on ``device`` as in SGLang:
 
@@ -48,10 +49,12 @@ Where kvpool deliberately differs from SGLang's allocators
    free list; SGLang appends whatever it is given.
 3. Errors are ``ValueError`` (``IndexError`` for a ``last_loc`` outside the slot range), raised
    before anything changes, where SGLang asserts under ``SGLANG_DEBUG_MEMORY_POOL`` or not at all;
-   ``alloc(n)`` on the paged allocator raises when ``n`` is not a multiple of ``page_size``.
+   ``alloc(n)`` on the paged allocator raises when ``n`` is not a multiple of ``page_size``. kvpool
+   does not read ``SGLANG_DEBUG_MEMORY_POOL``; ``validate`` (or ``KVPOOL_VALIDATE=1``) is its
+   counterpart.
 4. ``validate`` also checks ``last_loc`` against the bookkeeping and the requests of one batch against
    each other; on a CPU allocator, device lengths and ``last_loc``'s range and page offset are
-   always checked.
+   always checked (so a ``last_loc`` in page 0 raises there, where SGLang continues from it).
 5. Free order: both allocators append freed pages to ``free_pages`` (oldest free first); SGLang's
    paged allocator puts them in front. With ``need_sort`` the release list is merged only when an
    allocation needs it; SGLang's paged ``alloc_extend`` merges by an estimate.
@@ -70,6 +73,8 @@ Where kvpool deliberately differs from SGLang's allocators
     mamba state.
 11. ``alloc_extend``/``alloc_decode`` are PyTorch ops on the device rather than Triton kernels; the
     slots they return are the same.
+12. ``debug_print()`` returns a one-line summary; SGLang's base allocator returns ``""``.
+13. ``alloc_extend_naive`` checks its arguments (``ValueError``) before writing; SGLang's checks nothing.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ __all__ = [
     "IntegrityError",
     "PagedTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
+    "alloc_extend_naive",
 ]
 
 logger = logging.getLogger("kvpool")
@@ -245,13 +251,17 @@ class BaseTokenToKVPoolAllocator:
             f"alloc_decode is for PagedTokenToKVPoolAllocator; {type(self).__name__} hands out slots with alloc(n)"
         )
 
-    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not implement get_cpu_copy")
+    def get_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement get_cpu_copy; TokenToKVPoolAllocator and "
+            "PagedTokenToKVPoolAllocator delegate it to their kvcache"
+        )
 
-    def load_cpu_copy(
-        self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Optional[torch.Tensor] = None
-    ) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not implement load_cpu_copy")
+    def load_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement load_cpu_copy; TokenToKVPoolAllocator and "
+            "PagedTokenToKVPoolAllocator delegate it to their kvcache"
+        )
 
     def free(self, free_index: Indices) -> None:
         """Give slots back. A page returns to the free list once all its handed-out slots are freed.
@@ -618,7 +628,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             return None
         if total == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        out = self._extend_slots(take.pages, pre, seq, last, total)
+        out = _extend_slots(take.pages, pre, seq, last, total, p)
         self._hand_out(take, out, inside_range=False)
         return out
 
@@ -667,32 +677,6 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self._hand_out(take, out, inside_range=False)
         return out
 
-    def _extend_slots(
-        self, pages: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, last: torch.Tensor, total: int
-    ) -> torch.Tensor:
-        """The ``total`` slots of an extension, fresh pages taken from ``pages`` in request order.
-
-        Every index is clamped into its tensor, so device lengths that disagree with the CPU ones
-        (unchecked on a GPU without validate) give wrong slots, never an error or an out-of-bounds
-        read; the request of each output token comes from ``searchsorted`` rather than
-        ``repeat_interleave``, which fails (a device assert on CUDA) when the lengths disagree.
-        """
-        p = self.page_size
-        ext = seq - pre
-        held = ceil_div(pre, p)  # pages each request holds already (the last one maybe partial)
-        new_pages = ceil_div(seq, p) - held
-        first_page = torch.cumsum(new_pages, 0) - new_pages  # index into `pages` per request
-        ends = torch.cumsum(ext, 0)
-        t = torch.arange(total, device=self.device)
-        req = torch.searchsorted(ends, t, right=True).clamp_(max=pre.numel() - 1)
-        k = t - (ends - ext)[req]  # offset in the request's extension
-        pos = pre[req] + k  # token position in its sequence
-        out = last[req] + 1 + k
-        if pages.numel():
-            rank = (first_page[req] + pos // p - held[req]).clamp(0, pages.numel() - 1)
-            out = torch.where(pos < held[req] * p, out, pages[rank] * p + pos % p)
-        return out
-
     def _check_batch(
         self,
         what: str,
@@ -728,3 +712,93 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             checks.continuations_against_state(
                 what, last, pre, seq, owners_at.view(bs, p), page_free_at.bool(), p
             )
+
+
+def _extend_slots(
+    pages: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, last: torch.Tensor, total: int, page_size: int
+) -> torch.Tensor:
+    """The ``total`` slots of an extension (``total >= 1``), fresh pages taken from ``pages`` in
+    request order, on ``pre``'s device.
+
+    Every index is clamped into its tensor, so device lengths that disagree with the CPU ones
+    (unchecked on a GPU without validate) give wrong slots, never an error or an out-of-bounds
+    read; the request of each output token comes from ``searchsorted`` rather than
+    ``repeat_interleave``, which fails (a device assert on CUDA) when the lengths disagree.
+    """
+    p = page_size
+    ext = seq - pre
+    held = ceil_div(pre, p)  # pages each request holds already (the last one maybe partial)
+    new_pages = ceil_div(seq, p) - held
+    first_page = torch.cumsum(new_pages, 0) - new_pages  # index into `pages` per request
+    ends = torch.cumsum(ext, 0)
+    t = torch.arange(total, device=pre.device)
+    req = torch.searchsorted(ends, t, right=True).clamp_(max=pre.numel() - 1)
+    k = t - (ends - ext)[req]  # offset in the request's extension
+    pos = pre[req] + k  # token position in its sequence
+    out = last[req] + 1 + k
+    if pages.numel():
+        rank = (first_page[req] + pos // p - held[req]).clamp(0, pages.numel() - 1)
+        out = torch.where(pos < held[req] * p, out, pages[rank] * p + pos % p)
+    return out
+
+
+def alloc_extend_naive(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    out_indices: torch.Tensor,
+    page_size: int,
+    device: str | torch.device,
+) -> None:
+    """SGLang's plain-PyTorch ``alloc_extend`` step, on its own: write into ``out_indices`` the slots
+    that extend each request from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens, taking fresh pages
+    from the front of ``free_pages`` in request order.
+
+    Request i's new tokens first fill its last partial page (slots ``last_loc[i] + 1``, ...), then
+    whole fresh pages, then the first slots of one more fresh page, exactly as
+    ``PagedTokenToKVPoolAllocator.alloc_extend`` hands them out. Nothing else changes: the caller
+    removes the ``sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))`` pages it used from
+    its free list. It reads the lengths to the host (one synchronisation on a GPU).
+
+    Parameters
+    ----------
+    prefix_lens, seq_lens, last_loc : Tensor [B], integer, on ``device``.
+    free_pages : Tensor [F], integer page ids, on ``device``.
+    out_indices : Tensor [sum(seq_lens - prefix_lens)], integer, on ``device``; written in place.
+    page_size : slots per page.
+    device : where the tensors live.
+
+    Raises
+    ------
+    ValueError
+        Before writing anything, where SGLang's helper checks nothing: tensors that are not 1-D
+        integer tensors on ``device``, lengths that differ, ``prefix_lens`` negative or above
+        ``seq_lens``, ``out_indices`` of another length, or too few ``free_pages``.
+    """
+    p = positive_int(page_size, "page_size")
+    dev = resolve_device(device)
+    bs = prefix_lens.shape[0] if isinstance(prefix_lens, torch.Tensor) and prefix_lens.dim() == 1 else 0
+    for t, name in ((prefix_lens, "prefix_lens"), (seq_lens, "seq_lens"), (last_loc, "last_loc")):
+        checks.device_vector(t, name, bs, dev)
+    for t, name in ((free_pages, "free_pages"), (out_indices, "out_indices")):
+        n = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 1 else 0  # any length
+        checks.device_vector(t, name, n, dev)
+    pre_c, seq_c = prefix_lens.to("cpu", torch.int64), seq_lens.to("cpu", torch.int64)
+    bad = ((pre_c < 0) | (seq_c < pre_c)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"prefix_lens[{i}] must be in 0..seq_lens[{i}] = {int(seq_c[i])}, got {int(pre_c[i])}"
+        )
+    total = int((seq_c - pre_c).sum())
+    if out_indices.shape[0] != total:
+        raise ValueError(f"out_indices must have sum(seq_lens - prefix_lens) = {total} entries, got {out_indices.shape[0]}")
+    needed = int((ceil_div(seq_c, p) - ceil_div(pre_c, p)).sum())
+    if needed > free_pages.shape[0]:
+        raise ValueError(f"free_pages must hold the {needed} pages this extension takes, got {free_pages.shape[0]}")
+    if total == 0:
+        return
+    pre, seq = prefix_lens.to(torch.int64), seq_lens.to(torch.int64)
+    out = _extend_slots(free_pages[:needed].to(torch.int64), pre, seq, last_loc.to(torch.int64), total, p)
+    out_indices.copy_(out)
