@@ -105,7 +105,9 @@ def test_the_pool_rows_are_what_hf_caches():
     batch = sched.schedule()
     deepseek_runner.DeepseekV3Runner(model, pool).forward(batch)
     with torch.no_grad():
-        cache = model(torch.tensor([tokens]), use_cache=True).cache
+        out = model(torch.tensor([tokens]), use_cache=True)
+    # transformers renamed the output's cache (past_key_values up to 5.17, cache in 5.24)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
     for i, layer in enumerate(cache.layers):
         hf = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [L, kv_lora_rank + qk_rope_head_dim]
         rows = pool.get_key_buffer(i)[batch.loc, 0]
