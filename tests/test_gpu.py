@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvassert import assert_same_bytes, bits, poison_
+from kvassert import assert_same_bytes, bits, compiled_variants, poison_
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
-from kvpool.kernels import store_kv, store_kv_kernel
+from kvpool.kernels import store_kv_kernel
 from kvpool.config import KernelOptions
 from kvpool.kernels.store_kv import launch_store_kv
 
@@ -293,19 +293,11 @@ def test_reference_path_never_synchronises():
     assert pool.stats.reference_calls == 3
 
 
-def _compiled_variants() -> int:
-    """Number of compiled variants of the kernel in Triton's in-process cache."""
-    kernel = store_kv._k._store_kv_kernel
-    caches = getattr(kernel, "device_caches", None)
-    if caches is None:
-        pytest.skip("this Triton version keeps its kernel cache elsewhere")
-    return sum(len(entry[0]) for entry in caches.values())
-
 
 def test_warmup_compiles_what_the_first_calls_need():
     pool = _pool(dtype=torch.float8_e5m2)  # a geometry/format no other test has compiled
     assert pool.warmup_seconds is not None
-    compiled = _compiled_variants()
+    compiled = compiled_variants()
     qkv = _wide_rows(7, 48, 128, torch.bfloat16, 8)
     for in_dtype, loc_dtype, scale in itertools.product(
         INPUTS, (torch.int32, torch.int64), (None, 0.25, torch.tensor([0.5], device=DEV))
@@ -314,7 +306,7 @@ def test_warmup_compiles_what_the_first_calls_need():
         loc = torch.arange(1, 8, device=DEV, dtype=loc_dtype)
         pool.set_kv_buffer(None, loc, x[:, 32:40], x[:, 40:48], scale, scale, layer_id_override=1)
         pool.set_kv_buffer(None, loc[:1], x[:1, 32:40], x[:1, 40:48], scale, scale, layer_id_override=0)
-    assert _compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
+    assert compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
 
 
 def test_auto_mode_routes_by_the_gate():

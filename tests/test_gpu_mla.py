@@ -9,10 +9,9 @@ import itertools
 import pytest
 import torch
 
-from kvassert import assert_same_bytes, bits, poison_
+from kvassert import assert_same_bytes, bits, compiled_variants, poison_
 from kvpool import MLATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels import store_kv
 from kvpool.kernels.store_kv import launch_store_kv
 from oracle import FORMAT_OF, assert_codes_equal, codes_of, expected_latent_cache
 
@@ -146,18 +145,11 @@ def test_kernel_variants_on_the_two_views_of_one_buffer(cache_dtype, variant):
         assert_same_bytes(window, expected, f"window, scale={s}")
 
 
-def _compiled_variants() -> int:
-    kernel = store_kv._k._store_kv_kernel
-    caches = getattr(kernel, "device_caches", None)
-    if caches is None:
-        pytest.skip("this Triton version keeps its kernel cache elsewhere")
-    return sum(len(entry[0]) for entry in caches.values())
-
 
 def test_mla_warmup_compiles_what_the_first_calls_need():
     pool = MLATokenToKVPool(4096, 1, torch.float8_e5m2, R, ROPE, 2, DEV)
     assert pool.warmup_seconds is not None
-    compiled = _compiled_variants()
+    compiled = compiled_variants()
     for in_dtype, loc_dtype, s in itertools.product(
         INPUTS, (torch.int32, torch.int64), (None, 0.25, torch.tensor([0.5], device=DEV))
     ):
@@ -169,7 +161,7 @@ def test_mla_warmup_compiles_what_the_first_calls_need():
         pool.set_mla_kv_buffer(None, loc, nope, row.contiguous()[:, :, R:], s, layer_id_override=0)
         pool.set_mla_kv_buffer(None, loc[:1], nope[:1], torch.zeros(1, 1, ROPE, dtype=in_dtype, device=DEV), s,
                                layer_id_override=1)  # fmt: skip
-    assert _compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
+    assert compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
     assert pool.stats.fused_calls == 4 * 3 * 2 * 3 and pool.stats.reference_calls == 0
 
 
