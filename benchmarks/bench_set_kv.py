@@ -257,7 +257,7 @@ def host_overhead(run: Run) -> None:
         ka, va, prefix = key[3], key[4], key[7] is not None
         variant = launch.per_head if launch.flat is None else launch.variant_for(x.stride(), x.stride(), (ka, va))
         kwargs, positional = variant.constexprs((ka, va, prefix, False, False))  # no observation, 32-bit offsets
-        jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, x.stride(), x.stride(), ())
+        jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, variant, x.stride(), x.stride(), ())
         if len(jit_args) + len(positional) != len(kernel.arg_names):
             raise RuntimeError(f"launcher builds {len(jit_args)} + {len(positional)} arguments, kernel takes {len(kernel.arg_names)}")
         grid = (-(-1 // variant.block_t), variant.grid_y, 1)
@@ -268,7 +268,7 @@ def host_overhead(run: Run) -> None:
             ckey, compiled, cpos, block_t, grid_y = compiled_variant_of(launch, pool_call)
             if tuple(ckey) != tuple(key) or cpos != positional or (block_t, grid_y) != (variant.block_t, variant.grid_y):
                 notes.append(f"{label}: the pool's cached variant differs from the one rebuilt here; hand launch uses the pool's")
-            hand_args = launch._args(ckey, x, x, kb, vb, loc, scale, scale, None, None, x.stride(), x.stride(), cpos)
+            hand_args = launch._args(ckey, x, x, kb, vb, loc, scale, scale, None, None, variant, x.stride(), x.stride(), cpos)
             hgrid = (-(-1 // block_t), grid_y, 1)
             calls[f"hand launch ({label})"] = lambda c=compiled, a=hand_args, g=hgrid: c[g](*a)
         except Exception as exc:

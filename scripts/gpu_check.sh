@@ -2,6 +2,7 @@
 # Everything that needs the GPU, in one call of the device tool:
 #   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune | tune_write] [bench] [quick]
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
+#                             [probe] [trace] [ncu]  (plan probe, transfer timeline, counters)
 # (default: tests transfer first_call bench host mla sim llama_bench). tune_write rewrites TILE_TABLE
 # from the sweep (copy in $OUT). "tests" runs the whole suite on the GPU: the gpu-marked tests and
 # every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
@@ -56,6 +57,12 @@ for stage in $stages; do
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
+    probe) step probe python3 benchmarks/probe_plans.py --out "$OUT" ;;
+    trace) step trace python3 benchmarks/trace_transfer.py --out "$OUT" ;;
+    ncu)
+      step ncu ncu --clock-control none --kernel-name regex:_store_kv_kernel --csv --page raw \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,lts__t_sectors_op_write.sum,launch__registers_per_thread,launch__grid_size \
+        python3 benchmarks/ncu_write.py ;;
     quick) step bench_quick python3 benchmarks/bench_set_kv.py --quick --out "$OUT" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

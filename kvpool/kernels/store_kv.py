@@ -95,6 +95,9 @@ class LaunchPlan:
     num_warps: int
     block_d2: int = 0
     block_dv2: int = 0
+    #: ``heads`` x ``head_dim`` is a view of each token's row (all its heads end to end) as runs of
+    #: ``head_dim`` elements, not the cache's own heads (flat and chunk plans).
+    row_view: bool = False
 
     @property
     def k_blocks(self) -> int:
@@ -209,7 +212,33 @@ def plan_flat_launch(
         1, row, 1, v_row,
         block_t=_floor_pow2(max(1, cfg.elems // max(block_d + block_d2, block_dv + block_dv2))), block_h=1,
         block_d=block_d, block_hv=1, block_dv=block_dv, num_warps=cfg.num_warps,
-        block_d2=block_d2, block_dv2=block_dv2,
+        block_d2=block_d2, block_dv2=block_dv2, row_view=True,
+    )  # fmt: skip
+
+
+def _pow2_dividing(n: int) -> int:
+    return n & -n
+
+
+def plan_chunk_launch(
+    heads: int, head_dim: int, v_heads: int, v_head_dim: int, chunk: int, elems: int, num_warps: int
+) -> LaunchPlan | None:
+    """A plan that views each token's row as runs of ``chunk`` elements (``row / chunk`` "heads" of
+    head_dim ``chunk``), so that no lane is masked whatever the head geometry: a program covers
+    BLOCK_T tokens x a power-of-two number of runs dividing the row (at most ``elems`` elements).
+    H=3 D=96 rows of 288 = 9 runs of 32; an MLA row's 512 latent + 64 rotary values = 16 + 2 runs
+    of 32. Same validity conditions as a flat plan. None when ``chunk`` does not divide both rows."""
+    row, v_row = heads * head_dim, v_heads * v_head_dim
+    if chunk < 1 or chunk & (chunk - 1) or row % chunk or v_row % chunk:
+        return None
+    runs, v_runs = row // chunk, v_row // chunk
+    cap = max(1, elems // chunk)
+    block_h = min(_pow2_dividing(runs), _floor_pow2(cap))
+    block_hv = min(_pow2_dividing(v_runs), _floor_pow2(cap))
+    span = max(block_h, block_hv) * chunk
+    return LaunchPlan(
+        runs, chunk, v_runs, chunk, block_t=_floor_pow2(max(1, elems // span)), block_h=block_h, block_d=chunk,
+        block_hv=block_hv, block_dv=chunk, num_warps=num_warps, row_view=True,
     )  # fmt: skip
 
 
@@ -233,10 +262,14 @@ class _Variant:
     first use so a call builds no dict: as keywords for Triton's JIT launch and positionally for
     direct launches."""
 
-    def __init__(self, plan: LaunchPlan, out_kind: int, soft_cast: bool, fast_div: bool) -> None:
+    def __init__(
+        self, plan: LaunchPlan, out_kind: int, soft_cast: bool, fast_div: bool, cache_strides: tuple[int, ...]
+    ) -> None:
         self.plan = plan
         self.block_t = plan.block_t
         self.grid_y = plan.grid_y
+        # The caches' strides as this plan addresses them (a row view runs its heads end to end).
+        self.cache_strides = self.view(cache_strides[:3], cache_strides[3:])
         self._base = dict(
             H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim,
             BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
@@ -244,6 +277,13 @@ class _Variant:
             OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div,
         )  # fmt: skip
         self._by_flags: dict[tuple, tuple[dict, tuple]] = {}
+
+    def view(self, kst: tuple, vst: tuple) -> tuple:
+        """K's and V's strides [tokens, heads, head_dim] as the plan sees them, concatenated."""
+        if not self.plan.row_view:
+            return (*kst, *vst)
+        p = self.plan
+        return (kst[0], p.head_dim * kst[2], kst[2], vst[0], p.v_head_dim * vst[2], vst[2])
 
     def constexprs(self, flags: tuple[int, int, bool, bool, bool]) -> tuple[dict, tuple]:
         """(keywords with num_warps, positional tuple) for (K scale kind, V scale kind, prefix,
@@ -287,6 +327,7 @@ class PreparedLaunch:
         tile: Optional[TileConfig] = None,
         caches_aligned: bool = False,
         flat: bool = True,
+        row_plan: Optional[LaunchPlan] = None,
     ) -> None:
         opts = KernelOptions.from_env() if options is None else options
         self.soft_cast = opts.soft_cast or not native_cast_ok(device)
@@ -308,13 +349,15 @@ class PreparedLaunch:
         self._head_spans = (heads - 1, head_dim - 1, v_heads - 1, v_head_dim - 1)
         out_kind = OUT_KIND[cache_dtype]
         plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
-        self.per_head = _Variant(plan, out_kind, self.soft_cast, self.fast_div)
-        flat_plan = plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile) if flat else None
+        self.per_head = _Variant(plan, out_kind, self.soft_cast, self.fast_div, self.cache_strides)
+        flat_plan = row_plan or (plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile) if flat else None)
         if flat_plan is not None and not (
             _heads_contiguous(heads, head_dim, k_cache_strides) and _heads_contiguous(v_heads, v_head_dim, v_cache_strides)
         ):
             flat_plan = None
-        self.flat = None if flat_plan is None else _Variant(flat_plan, out_kind, self.soft_cast, self.fast_div)
+        self.flat = (
+            None if flat_plan is None else _Variant(flat_plan, out_kind, self.soft_cast, self.fast_div, self.cache_strides)
+        )
         self._compiled: dict[tuple, object] = {}
 
     def variant_for(self, kst: tuple, vst: tuple, kinds: tuple[int, int], observe: bool = False) -> _Variant:
@@ -378,7 +421,8 @@ class PreparedLaunch:
                     )  # fmt: skip
                     args = head + entry.tail
                 else:
-                    args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, entry.positional)
+                    args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax,
+                                      entry.variant, kst, vst, entry.positional)  # fmt: skip
                 try:
                     entry.compiled[(-(-tokens // entry.block_t), entry.grid_y, 1)](*args)
                     return
@@ -397,13 +441,15 @@ class PreparedLaunch:
         i64 = tokens > max_tokens
         variant = self.per_head if self.flat is None else self.variant_for(kst, vst, (ka, va), observe)
         kwargs, positional = variant.constexprs((ka, va, prefix, observe, i64))
-        args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, ())
+        args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, variant, kst, vst, ())
         # Triton's JIT path: specializes, compiles if needed, launches, and hands back the compiled
         # kernel, which later calls with the same specialization launch directly. Only the 32-bit
         # variant is kept for direct launches (a write too large for it is rare and takes this path).
         compiled = _k._store_kv_kernel[(-(-tokens // variant.block_t), variant.grid_y, 1)](*args, **kwargs)
         if ckey is not None and self.direct and compiled is not None and not i64:
-            self._compiled[ckey] = _Compiled(compiled, positional, variant.block_t, variant.grid_y, max_tokens, args[15:] + positional)
+            self._compiled[ckey] = _Compiled(
+                compiled, positional, variant.block_t, variant.grid_y, max_tokens, args[15:] + positional, variant
+            )
 
     def _max_tokens_i32(self, kst: tuple, vst: tuple, lst: tuple) -> int:
         """The largest T for which every offset of a launch with these strides fits in 32 bits (0 when
@@ -425,12 +471,11 @@ class PreparedLaunch:
                 most = min(most, room // step + 1)
         return most
 
-    def _args(self, key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, kst, vst, tail) -> tuple:
+    def _args(self, key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, variant, kst, vst, tail) -> tuple:
         """The kernel's runtime arguments in signature order, then ``tail`` (the constexprs of a
         direct launch). Pointer arguments the variant never dereferences get ``loc`` (the branches
         that read them are compiled out), so every call passes a real pointer and no argument's type
-        depends on the variant. A flat plan sees one head per row, so the head strides it gets are
-        never used."""
+        depends on the variant. Strides are those of the variant's view of the rows."""
         ka, va = key[3], key[4]
         if key[7] is not None:  # a verify write: loc is [bs, width], commit_lens of dtype key[7]
             width, stride_loc, stride_row, commit, stride_commit = (
@@ -446,8 +491,7 @@ class PreparedLaunch:
             k_scale if ka == SCALE_VALUE else 1.0, v_scale if va == SCALE_VALUE else 1.0,
             k_scale.stride(0) if ka == SCALE_HEAD else 0, v_scale.stride(0) if va == SCALE_HEAD else 0,
             k.shape[0], self.capacity, width, stride_loc, stride_row, stride_commit,
-            kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
-            *self.cache_strides, *tail,
+            *variant.view(kst, vst), *variant.cache_strides, *tail,
         )  # fmt: skip
 
 
@@ -463,6 +507,7 @@ class _Compiled:
     grid_y: int
     max_tokens: int
     tail: tuple
+    variant: _Variant
 
 
 _I32_LIMIT = 2**31

@@ -1,0 +1,150 @@
+"""Time the fused write's launch plans side by side on one GPU, to choose the plan per geometry.
+
+For each geometry (the four of bench_set_kv.py and DeepSeek-V3's MLA row), it times the pool's
+current plan, the same plan writing a contiguous run of slots instead of random ones (what the
+scatter itself costs), every chunk plan (``store_kv.plan_chunk_launch``: the row viewed as runs of
+``chunk`` elements) of a small grid, and, as references, the same-bytes copy kernel of
+bench_set_kv.py and the one-program-per-token peer. Large writes: CUDA-graph replays with L2 flushed
+before each write; decode sizes: per write in a graph of 64 writes. At decode sizes it also times
+the current plan without a scale (no division), with ``div.rn`` alone, and the straightforward port.
+
+Usage (GPU): python benchmarks/probe_plans.py --out DIR [--geometries llama8b,odd]
+Writes DIR/probe_plans.json; prints one summary line per geometry and size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from timing import flush_buffer, graph_us  # noqa: E402
+
+from kvpool.config import KernelOptions  # noqa: E402
+from kvpool.kernels import store_kv  # noqa: E402
+from kvpool.kernels.checks import write_key  # noqa: E402
+from kvpool.kernels.store_kv import PreparedLaunch, plan_chunk_launch  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+SLOTS = 1 << 20
+LAYERS = 4
+GEOMETRIES = {  # name: (H, D, Hv, Dv, mla)
+    "llama8b": (8, 128, 8, 128, False),
+    "l70b_tp8": (1, 128, 1, 128, False),
+    "qwen_tp8": (1, 256, 1, 256, False),
+    "odd": (3, 96, 3, 96, False),
+    "mla": (1, 512, 1, 64, True),
+}
+LARGE = (8192, 16384, 32768)
+DECODE = (1, 32, 256)
+CHUNKS = (16, 32, 64, 128)
+TILES = ((1024, 2), (2048, 4), (4096, 4), (4096, 8))
+
+
+def nbytes(t: int, h: int, d: int, hv: int, dv: int) -> int:
+    return t * (h * d + hv * dv) * 3 + t * 8
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--geometries", default=",".join(GEOMETRIES))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    flush = flush_buffer()
+    scale = torch.tensor([0.37], device=dev)
+    results: list[dict] = []
+    t_start = time.perf_counter()
+
+    def save() -> None:
+        with open(os.path.join(a.out, "probe_plans.json"), "w") as f:
+            json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
+
+    for name in a.geometries.split(","):
+        h, d, hv, dv, mla = GEOMETRIES[name]
+        if mla:
+            bufs = [torch.zeros(SLOTS, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+            caches = [(b[:, :, :d], b[:, :, d:]) for b in bufs]
+        else:
+            caches = [(torch.zeros(SLOTS, h, d, dtype=torch.uint8, device=dev),
+                       torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
+        kc0, vc0 = caches[0]
+
+        def launcher(row_plan=None, options=KernelOptions(soft_cast=False)):
+            return PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
+                                  options=options, caches_aligned=True, row_plan=row_plan)  # fmt: skip
+
+        variants = {"current": launcher()}
+        for chunk in CHUNKS:
+            for elems, warps in TILES:
+                plan = plan_chunk_launch(h, d, hv, dv, chunk, elems, warps)
+                if plan is not None:
+                    variants[f"chunk{chunk}/e{elems}/w{warps}"] = launcher(plan)
+        for t in LARGE + DECODE:
+            cold = t in LARGE
+            calls = 10 if cold else 64
+            gen = torch.Generator(device=dev).manual_seed(t)
+            k = (torch.randn(t, h, d, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            v = (torch.randn(t, hv, dv, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            loc = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:t] + 1
+            contig = torch.arange(1, t + 1, device=dev)
+            nb = nbytes(t, h, d, hv, dv)
+            line: dict[str, float] = {}
+
+            def timed(label, fn):
+                try:
+                    us = graph_us(fn, calls, flush if cold else None)
+                except Exception as exc:  # a variant that fails to compile or launch is reported
+                    print(f"  {name} T={t} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    return
+                line[label] = us
+                results.append(dict(geometry=name, T=t, variant=label, us=us, gbps=nb / (us * 1e-6) / 1e9))
+
+            key = write_key(k, v, loc, scale, scale)
+            for label, launch in variants.items():
+                timed(label, lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], loc, scale, scale))
+            cur = variants["current"]
+            timed("current/contiguous", lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, scale))
+            n = max(1, nb // 8)
+            src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
+            dst = torch.empty_like(src)
+            timed("same-bytes copy", lambda i: torch.bitwise_not(src, out=dst))
+            if not mla:
+                fp8_caches = [(kc.view(FP8), vc.view(FP8)) for kc, vc in caches]
+                timed("peer/per-token", lambda i: peers.per_token_triton(k, v, *fp8_caches[i % LAYERS], loc, scale, scale))
+            if not cold:
+                key_none = write_key(k, v, loc, None, None)
+                timed("current/no-scale", lambda i: cur(key_none, k, v, *caches[i % LAYERS], loc, None, None))
+                slow = launcher(options=KernelOptions(soft_cast=False, fast_div=False))
+                timed("current/div.rn", lambda i: slow(key, k, v, *caches[i % LAYERS], loc, scale, scale))
+                if not mla and h == hv and d == dv:
+                    timed("peer/straightforward",
+                          lambda i: peers.straightforward_triton(k, v, *caches[i % LAYERS], loc, scale, scale, FP8))  # fmt: skip
+            copy_us = line.get("same-bytes copy")
+            chunk_best = min((u, lb) for lb, u in line.items() if lb.startswith("chunk")) if any(
+                lb.startswith("chunk") for lb in line) else (float("nan"), "-")  # fmt: skip
+            if cold:
+                print(f"{name} T={t}: copy {nb / copy_us / 1e3:.0f} GB/s | current {copy_us / line.get('current', float('nan')):.1%} "
+                      f"contig {copy_us / line.get('current/contiguous', float('nan')):.1%} | best chunk {chunk_best[1]} "
+                      f"{copy_us / chunk_best[0]:.1%} | per-token {copy_us / line.get('peer/per-token', float('nan')):.1%}",
+                      flush=True)  # fmt: skip
+            else:
+                print(f"{name} T={t}: us " + " ".join(f"{lb}={u:.2f}" for lb, u in sorted(line.items(), key=lambda x: x[1])[:8]),
+                      flush=True)  # fmt: skip
+            save()
+        del caches, variants
+        torch.cuda.empty_cache()
+    print(f"probe done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
