@@ -12,7 +12,7 @@ synchronisations; one-way time = round time / (2 n). The reported value is the m
 1. Ceiling: NCCL send/recv of one contiguous buffer of the same bytes, measured in this run.
 2. Requests: 8k and 32k tokens, slots random single rows ("page 1") or random whole pages of 16
    ("page 16"), and page 1 on one side with page 16 on the other; default settings; % of ceiling.
-3. Sweep: staging chunk size x gather/scatter grid (programs per SM), and the chunk ramp off.
+3. Sweep: staging chunk size x chunk ramp steps (wire.RAMP_STEPS), and the gather/scatter grid.
 4. Latency: a 1-token transfer beside a bare 1-token (64 KiB) NCCL send; a 0-token transfer (the
    handshake alone) beside a bare 8-byte send.
 5. The gather and scatter kernels alone on one GPU (what the pipeline's fill and drain cost).
@@ -303,17 +303,19 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
         results["kernels"] = r.kernels()
         save()
 
-        chunk_sizes = (32, 64, 128) if quick else (16, 32, 64, 128, 256)
-        grids = (2,) if quick else (1, 2, 8)
-        sweep = [(c, g, True) for c in chunk_sizes for g in grids] + [(64, 2, False), (128, 2, False)]
+        default_steps = wire.RAMP_STEPS
+        chunk_sizes = (64, 128) if quick else (64, 128, 256)
+        # (chunk MiB, programs per SM (0: one program per task), ramp steps)
+        sweep = [(c, 2, steps) for c in chunk_sizes for steps in (0, 1, 2)] + [(128, 8, 1), (128, 0, 1)]
         if smoke:
-            sweep = [(1, 2, True), (1, 2, False)]
+            sweep = [(1, 2, 2), (1, 0, 0)]
         for chunk_mib, per_sm, ramp in sweep:
             del r.sender, r.receiver
             torch.cuda.empty_cache()
-            r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=per_sm * r.sms)
-            r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=per_sm * r.sms)
-            wire.RAMP_STEPS = 2 if ramp else 0  # both ranks alike: their chunk plans must agree
+            programs = per_sm * r.sms if per_sm else 1 << 30
+            r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
+            r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
+            wire.RAMP_STEPS = ramp  # both ranks alike: their chunk plans must agree
             for req in ("8k", "32k"):
                 tokens = REQUESTS[req]
                 s, check = r.transfer(("p1", "p1"), tokens, 2, 3, seed=700)
@@ -322,7 +324,7 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
                                              gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
             log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {per_sm}/SM, ramp {ramp}: done")
             save()
-        wire.RAMP_STEPS = 2
+        wire.RAMP_STEPS = default_steps
     except Exception:  # noqa: BLE001 - keep what was measured; the other rank fails by timeout
         results["errors"].append(traceback.format_exc())
         log(traceback.format_exc())
@@ -392,13 +394,13 @@ def markdown(res: dict) -> str:
         lines.append(f"| {q['bytes']} | {q['us']:.1f} | {q['gbps']:.1f} |")
     if res["sweep"]:
         lines += ["", "## Sweep (page 1 -> page 1): % of ceiling", ""]
-        lines += ["| chunk MiB | programs/SM | ramp | 8k | 32k |", "|---:|---:|---|---:|---:|"]
+        lines += ["| chunk MiB | programs/SM (0: one per task) | ramp steps | 8k | 32k |", "|---:|---:|---:|---:|---:|"]
         rows: dict = {}
         for q in res["sweep"]:
             rows.setdefault((q["chunk_mib"], q["programs_per_sm"], q["ramp"]), {})[q["request"]] = q
         for (c, g, ramp), v in rows.items():
             cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
-            lines.append(f"| {c} | {g} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |")
+            lines.append(f"| {c} | {g} | {int(ramp)} | {cells[0]} | {cells[1]} |")
     if res["kernels"]:
         chunk_mib = m.get("default_chunk_bytes", 0) >> 20
         lines += ["", f"## Copy kernels alone (one {chunk_mib} MiB chunk, random rows, one GPU)", ""]

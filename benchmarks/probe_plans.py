@@ -29,7 +29,7 @@ from timing import flush_buffer, graph_us  # noqa: E402
 from kvpool.config import KernelOptions  # noqa: E402
 from kvpool.kernels import store_kv  # noqa: E402
 from kvpool.kernels.checks import write_key  # noqa: E402
-from kvpool.kernels.store_kv import PreparedLaunch, plan_chunk_launch  # noqa: E402
+from kvpool.kernels.store_kv import PreparedLaunch, TileConfig, plan_chunk_launch  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SLOTS = 1 << 20
@@ -51,12 +51,74 @@ def nbytes(t: int, h: int, d: int, hv: int, dv: int) -> int:
     return t * (h * d + hv * dv) * 3 + t * 8
 
 
+DECODE_SIZES = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+COLD_FROM = 512  # sizes from here on are timed with L2 flushed before each write (10 writes per graph)
+TILES_BY_SIZE = [TileConfig(e, w) for e, w in (
+    (128, 1), (128, 2), (128, 4), (128, 8), (256, 4), (512, 4), (512, 8),  # few elements per thread
+    (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8),  # large writes
+)]  # fmt: skip
+
+
+def decode_sweep(a, names) -> int:
+    """Tiles by write size: small tiles (one head block per program, few elements per thread) and
+    large ones, from 1 to 16k tokens, with the current tile and the straightforward port; graph
+    replays (per write in a graph of 64 writes below COLD_FROM tokens, L2 flushed above)."""
+    flush = flush_buffer()
+    dev = torch.device("cuda")
+    scale = torch.tensor([0.37], device=dev)
+    results: list[dict] = []
+    for name in names:
+        h, d, hv, dv, mla = GEOMETRIES[name]
+        if mla:
+            bufs = [torch.zeros(SLOTS, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+            caches = [(b[:, :, :d], b[:, :, d:]) for b in bufs]
+        else:
+            caches = [(torch.zeros(SLOTS, h, d, dtype=torch.uint8, device=dev),
+                       torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
+        kc0, vc0 = caches[0]
+
+        def launcher(tile=None):
+            return PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
+                                  options=KernelOptions(soft_cast=False), caches_aligned=True, tile=tile)  # fmt: skip
+
+        variants = {"current": launcher()}
+        for tile in TILES_BY_SIZE:
+            variants[f"tile{tile.elems}/w{tile.num_warps}"] = launcher(tile)
+        for t in DECODE_SIZES:
+            gen = torch.Generator(device=dev).manual_seed(t)
+            k = (torch.randn(t, h, d, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            v = (torch.randn(t, hv, dv, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            loc = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:t] + 1
+            key = write_key(k, v, loc, scale, scale)
+            line = {}
+            cold = t >= COLD_FROM
+            calls, fl = (10, flush) if cold else (64, None)
+            for label, launch in variants.items():
+                us = graph_us(lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], loc, scale, scale), calls, fl)
+                line[label] = us
+            if not mla and h == hv and d == dv:
+                line["peer/straightforward"] = graph_us(
+                    lambda i: peers.straightforward_triton(k, v, *caches[i % LAYERS], loc, scale, scale, FP8), calls, fl)
+            for label, us in line.items():
+                results.append(dict(geometry=name, T=t, variant=label, us=us))
+            print(f"{name} T={t}: " + " ".join(f"{lb}={u:.2f}" for lb, u in sorted(line.items(), key=lambda x: x[1])[:9]),
+                  flush=True)  # fmt: skip
+        with open(os.path.join(a.out, "probe_decode.json"), "w") as f:
+            json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
+        del caches, variants
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_out")
     p.add_argument("--geometries", default=",".join(GEOMETRIES))
+    p.add_argument("--decode", action="store_true", help="sweep small tiles at decode sizes only")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.decode:
+        return decode_sweep(a, a.geometries.split(","))
     dev = torch.device("cuda")
     flush = flush_buffer()
     scale = torch.tensor([0.37], device=dev)

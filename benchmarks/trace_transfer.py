@@ -137,6 +137,21 @@ def run(rank: int, port: int, out: str) -> None:
                 names[n.split("(")[0][:40]] = names.get(n.split("(")[0][:40], 0) + d
             print(f"[rank {rank}] stream {sid}: {len(evs)} ops, {first:.0f}..{last:.0f} us; "
                   + "; ".join(f"{k} {v:.0f} us" for k, v in sorted(names.items(), key=lambda x: -x[1])[:5]), flush=True)  # fmt: skip
+        # Host cost of the calls themselves: cProfile over three transfers (device work is async).
+        import cProfile
+        import io
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(3):
+            (ep.send(loc, 1) if rank == 0 else ep.recv(loc, 0)).wait()
+        prof_host.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof_host, stream=text).sort_stats("cumulative").print_stats(30)
+        report["host_profile"] = text.getvalue()
+        print(f"[rank {rank}] host profile of 3 transfers:\n" + "\n".join(text.getvalue().splitlines()[:45]), flush=True)
     finally:
         with open(os.path.join(out, f"trace_rank{rank}.json"), "w") as f:
             json.dump(report, f)

@@ -54,8 +54,9 @@ def test_chunk_plan_covers_tokens_in_bounded_growing_chunks(tokens, capacity):
 
 
 def test_chunk_plan_shape_for_an_8k_request():
+    # one ramp step of 4x at each end (wire.RAMP_STEPS), full chunks in the middle
     counts = [c for _, c in chunk_plan(8192, 1024)]
-    assert counts == [64, 256, 1024, 1024, 1024, 704, 704, 1024, 1024, 1024, 256, 64]
+    assert counts == [256, 1024, 1024, 1024, 768, 768, 1024, 1024, 1024, 256]
 
 
 def test_chunk_plan_rejects_bad_arguments():

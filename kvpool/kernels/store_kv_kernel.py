@@ -269,18 +269,11 @@ def _store_head_block(
     in_row = head_ok[None, :, None] & (offs_d < D)[None, None, :]
     row_src = src_ptr + offs_t[:, None, None] * stride_st + offs_h[None, :, None] * stride_sh
 
-    # Issue every load before anything waits on one: the rows (masked by token only, not by slot
-    # validity), then the slots, then the scale. A decode-sized write is one memory round trip
-    # followed by the stores; making the row load wait for loc would add a second round trip.
+    # Issue every load before anything waits on one: the scale and the slots first (the reciprocal
+    # of the scale can then be computed while the rows are in flight), then the rows (masked by
+    # token only, not by slot validity). A decode-sized write is one memory round trip followed by
+    # the stores; making the row load wait for loc would add a second round trip.
     # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
-    raw = tl.load(row_src + offs_d[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row, other=1.0)
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        if I64:
-            offs_d2 = offs_d2.to(tl.int64)
-        in_row2 = head_ok[None, :, None] & (offs_d2 < D)[None, None, :]
-        raw2 = tl.load(row_src + offs_d2[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row2, other=1.0)
-    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1)
     if SCALE_KIND == SCALE_VALUE:
         scale = scale_value
     elif SCALE_KIND == SCALE_TENSOR:
@@ -289,6 +282,14 @@ def _store_head_block(
         scale = tl.load(scale_ptr + offs_h * scale_stride, mask=head_ok, other=1.0).to(tl.float32)
     else:
         scale = 1.0
+    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1)
+    raw = tl.load(row_src + offs_d[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row, other=1.0)
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        if I64:
+            offs_d2 = offs_d2.to(tl.int64)
+        in_row2 = head_ok[None, :, None] & (offs_d2 < D)[None, None, :]
+        raw2 = tl.load(row_src + offs_d2[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row2, other=1.0)
 
     # The range check runs on the slot as loaded (int32 or int64); only then may it be narrowed.
     row_ok = write_ok & (slot >= 0) & (slot < capacity)

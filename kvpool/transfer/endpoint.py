@@ -7,12 +7,14 @@ How a transfer runs (both ranks, in this order):
    the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` of the wrong
    type or shape, a slot outside the pool) is recorded in this rank's header instead of raised.
 2. **Handshake.** The ranks swap 1 KiB headers (:mod:`kvpool.transfer.handshake`): pool geometry,
-   token count, the heads each holds, staging size, and any problem from step 1. Both ranks apply the
-   same symmetric :func:`~kvpool.transfer.handshake.agree` to the two headers, so either both raise the
-   same exception with the same message (a ``ValueError`` naming the mismatched field, or the
-   ``IndexError``/``TypeError``/``ValueError`` one rank found in its own arguments) before any KV byte
-   moves, or both move the same rows in the same chunks. The lower rank sends its header first and the
-   higher rank receives first, so even two senders (or two receivers) facing each other cannot
+   token count, the heads each holds, staging size, and any problem from step 1. They travel through
+   torch.distributed's key-value store (the one ``init_process_group`` set up), so the handshake costs
+   host round trips only: no device work, no stream, no wait for earlier transfers to drain. Both
+   ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree` to the two headers, so
+   either both raise the same exception with the same message (a ``ValueError`` naming the mismatched
+   field, or the ``IndexError``/``TypeError``/``ValueError`` one rank found in its own arguments)
+   before any KV byte moves, or both move the same rows in the same chunks. Each rank publishes its
+   header before reading the peer's, so two senders (or two receivers) facing each other cannot
    deadlock: they learn of it from the headers.
 3. **Pipeline.** The sender gathers the rows of a chunk from every layer into a staging half with one
    :func:`~kvpool.kernels.copy_rows.copy_rows` launch (a table of layer-buffer pointers), sends it, and
@@ -20,14 +22,12 @@ How a transfer runs (both ranks, in this order):
    one half while it scatters the other into its pool. Chunk sizes follow
    :func:`~kvpool.transfer.wire.chunk_plan`.
 
-Streams (CUDA). The handshake runs on a stream of its own that does not wait for the caller's (compute)
-stream; the host waits for the handshake only, i.e. for the peer to answer (and, between the same two
-ranks, for the transfer before this one to drain through the transport, since messages between a pair
-are ordered). The data moves on a side stream: the sender's gathers wait for the work queued on the
+Streams (CUDA). The data moves on a side stream: the sender's gathers wait for the work queued on the
 caller's current stream when ``send`` is called, so they read what was written before; the receiver's
-scatters likewise wait before overwriting its slots. Nothing synchronises the caller's stream or the
-host with it. ``KVTransfer.wait()`` makes the caller's current stream wait for the transfer (a stream
-wait, not a host wait); ``is_completed()`` queries an event.
+scatters likewise wait before overwriting its slots. The host waits for the peer's header only.
+Nothing synchronises the caller's stream or the host with the device. ``KVTransfer.wait()`` makes the
+caller's current stream wait for the transfer (a stream wait, not a host wait); ``is_completed()``
+queries an event.
 
 Memory. Each endpoint allocates, once, a staging buffer of two halves of ``chunk_bytes``, an index
 buffer of one int64 per pool row, and small tables (those of a head range other than the pool's own on
@@ -56,11 +56,10 @@ import torch
 import torch.distributed as dist
 
 from kvpool.args import positive_int
-from kvpool.kernels.copy_rows import RowTable, copy_rows
+from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.transfer.handshake import (
-    HEADER_BYTES,
     RECEIVER,
     SENDER,
     Agreement,
@@ -200,22 +199,15 @@ class _Endpoint:
         if self._cuda:
             self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
             self._side = torch.cuda.Stream(device=dev)
-            self._handshake = torch.cuda.Stream(device=dev)
-            self._header_event = torch.cuda.Event()
-            self._header_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
-            self._header_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
-            self._header_host_out = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
-            self._header_host_in = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
             if max_programs is None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 self.max_programs = DEFAULT_PROGRAMS_PER_SM * sms
-            # These buffers were allocated on the caller's stream: the endpoint's streams start after
-            # what is queued there (the memory may have just been freed by work still pending), and
+            # These buffers were allocated on the caller's stream: the side stream starts after what
+            # is queued there (the memory may have just been freed by work still pending), and
             # freeing them waits for the side stream, whose last work in each transfer waits for
             # the transport too (so an endpoint dropped with a transfer in flight is safe).
             caller = torch.cuda.current_stream(dev)
             self._side.wait_stream(caller)
-            self._handshake.wait_stream(caller)
             for t in (self._stage, self._arange, self._index):
                 t.record_stream(self._side)
         # The tables of the pool's own heads are built now; other head ranges on first use.
@@ -319,21 +311,21 @@ class _Endpoint:
         return loc64, None
 
     def _exchange(self, encoded: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> Header:
-        """Swap headers with ``peer``: the lower rank sends first, the higher receives first."""
-        first_send = dist.get_rank() < peer
-        if not self._cuda:
-            theirs = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-            _send_recv(encoded, theirs, peer, group, first_send)
-            return Header.decode(theirs)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._handshake):
-            self._header_host_out.copy_(encoded)
-            self._header_out.copy_(self._header_host_out, non_blocking=True)
-            _send_recv(self._header_out, self._header_in, peer, group, first_send)
-            self._header_host_in.copy_(self._header_in, non_blocking=True)
-            self._header_event.record()
-        # The host waits for the handshake stream only, which never waits for the compute stream.
-        self._header_event.synchronize()
-        return Header.decode(self._header_host_in)
+        """Swap headers with ``peer`` through torch.distributed's key-value store (host memory and a
+        socket: no device work, no stream, no synchronisation). Each rank publishes its header under
+        its own key and reads the peer's, which it then deletes; keys are numbered per pair of ranks
+        and group, in the order transfers between the two start (which both ranks share)."""
+        store = _default_store()
+        rank = dist.get_rank()
+        members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        pair = (min(rank, peer), max(rank, peer), members)
+        seq = _SEQUENCE[pair] = _SEQUENCE.get(pair, -1) + 1
+        prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{hash(members) & 0xFFFFFFFF:08x}/{seq}/"
+        store.set(prefix + str(rank), encoded.numpy().tobytes())
+        theirs = store.get(prefix + str(peer))  # waits for the peer (up to the store's timeout)
+        with contextlib.suppress(Exception):  # a store that cannot delete keeps 1 KiB per transfer
+            store.delete_key(prefix + str(peer))
+        return Header.decode(torch.frombuffer(bytearray(theirs), dtype=torch.uint8))
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         """Current device and stream for the data movement (nothing on CPU)."""
@@ -367,6 +359,16 @@ class _Endpoint:
         entry = (layout, RowTable.of(pool_buffers, non_blocking=self._cuda), (halves[0], halves[1]))
         self._tables[key] = entry
         return entry
+
+    def _copy(self, dst: RowTable, dst_index: torch.Tensor, src: RowTable, src_index: torch.Tensor) -> None:
+        """One gather or scatter of a chunk. The tables and indices are the endpoint's own, built and
+        checked once (slots on the host before the handshake), so on CUDA the kernel is launched
+        without ``copy_rows``' per-call checks: the host cost per chunk is what can leave the link
+        idle between chunks."""
+        if self._cuda:
+            launch_copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
+        else:
+            copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
 
     def _staged(self, half: int, nbytes: int) -> torch.Tensor:
         return self._stage[half * self.chunk_bytes :][:nbytes]
@@ -411,17 +413,16 @@ class _Endpoint:
         raise NotImplementedError
 
 
-def _send_recv(
-    out: torch.Tensor, into: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup], first_send: bool
-) -> None:
-    """Send ``out`` to and receive ``into`` from ``peer``, in the order given; waits for both (a
-    stream wait on NCCL, a host wait on gloo)."""
-    if first_send:
-        works = [dist.isend(out, peer, group=group), dist.irecv(into, peer, group=group)]
-    else:
-        works = [dist.irecv(into, peer, group=group), dist.isend(out, peer, group=group)]
-    for w in works:
-        w.wait()
+#: Transfers started so far per pair of ranks and group, in this process (the handshake's key numbers).
+_SEQUENCE: dict[tuple, int] = {}
+
+
+def _default_store() -> dist.Store:
+    """The key-value store torch.distributed was initialised with (every rank can reach it)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:  # pragma: no cover - present in every torch kvpool supports
+        raise RuntimeError("kvpool transfers need torch.distributed's default store, which this torch does not expose")
+    return getter()
 
 
 class KVSender(_Endpoint):
@@ -496,7 +497,7 @@ class KVSender(_Endpoint):
             if in_flight[half] is not None:
                 in_flight[half].wait()  # type: ignore[union-attr]
             rows = index[start : start + count]
-            copy_rows(stages[half], self._arange[:count], pool_table, rows, max_programs=self.max_programs)
+            self._copy(stages[half], self._arange[:count], pool_table, rows)
             in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
         for work in in_flight:
             if work is not None:
@@ -564,7 +565,7 @@ class KVReceiver(_Endpoint):
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]
-            copy_rows(pool_table, rows, stages[k & 1], self._arange[:count], max_programs=self.max_programs)
+            self._copy(pool_table, rows, stages[k & 1], self._arange[:count])
             if k + 2 < len(plan):
                 post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
 

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 # fill and drain, while the middle chunks are as large as the staging allows so that the per-message
 # cost of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which
 # keeps the gather of the next chunk (HBM-bound, several times faster than the link) shorter than
-# the send of the current one.
+# the send of the current one. One step, not more: a profile of an 8k-token transfer between two
+# H200s (benchmarks/trace_transfer.py) showed each chunk costing the host about 0.1-0.2 ms to issue
+# (gather launch, send), so chunks of a few MiB leave the link waiting for the host.
 RAMP = 4
-RAMP_STEPS = 2
+RAMP_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def chunk_plan(tokens: int, capacity: int) -> list[tuple[int, int]]:
     same plan from the agreed token count and capacity.
 
     >>> [c for _, c in chunk_plan(100, 32)]
-    [2, 8, 32, 16, 32, 8, 2]
+    [8, 32, 20, 32, 8]
     """
     if tokens < 0 or capacity < 1:
         raise ValueError(f"tokens must be >= 0 and capacity >= 1, got tokens={tokens}, capacity={capacity}")
