@@ -49,13 +49,22 @@ DTYPES = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-# Per-tensor scales as a checkpoint would carry them. K values stay in range after the divide; some V
-# values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding and the clamp are exercised.
+# Per-tensor scales as a checkpoint would carry them, for kv_values' base range [-16, 16). K values stay
+# in range after the divide; some V values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding
+# and the clamp are exercised. Each layer's scales are multiplied by its power of two below, which
+# leaves every stored byte as the base range would store it.
 K_SCALE, V_SCALE = 0.04, 0.03
+# log2 of each layer's K and V magnitude relative to the base range, cycling over layers. Real models'
+# K/V ranges differ from layer to layer and between K and V, and one scale for all (1.0 when a
+# checkpoint has none) fits none of them: layer 1's K reaches 1024, past e4m3's 448, and layer 0's V
+# stays below 2**-6, where e4m3 at scale 1.0 has only subnormals. Per-layer calibration (--calibrate)
+# is for exactly this.
+LAYER_LOG2_MAGNITUDE = ((0, -10), (6, -3), (-3, -6), (3, -1))
 #: Models whose KV cache is one latent row per token and layer (MLA): (kv_lora_rank, qk_rope_head_dim).
 MLA_MODELS = {"deepseek-v3": (512, 64)}
 MODELS = ("mha", *MLA_MODELS)
-# A latent row is quantized with one scale; V's, so that some values saturate here too.
+# A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
+# values are kv_values' K half, so each layer's latent scale follows K's magnitude).
 LATENT_SCALE = V_SCALE
 # Admission keeps free pages for this fraction of the running requests' remaining output tokens;
 # when the guess is short, decode retracts requests (as SGLang does with its new_token_ratio).
@@ -239,11 +248,18 @@ class SimResult:
 _M31 = 2_147_483_647  # integer hashing modulo a prime keeps every intermediate below 2**62
 
 
+def layer_magnitude(layer: int) -> tuple[float, float]:
+    """The powers of two that ``layer``'s K and V values (and their checkpoint scales) are scaled by."""
+    k_log2, v_log2 = LAYER_LOG2_MAGNITUDE[layer % len(LAYER_LOG2_MAGNITUDE)]
+    return 2.0**k_log2, 2.0**v_log2
+
+
 def kv_values(rids: torch.Tensor, positions: torch.Tensor, layer: int, heads: int, head_dim: int) -> torch.Tensor:
     """K and V of tokens (rid, position) at ``layer``: Tensor [T, 2, heads, head_dim] bfloat16.
 
-    Pure integer arithmetic, then multiples of 1/256 in [-16, 16), so the same values come out on
-    every device and for any batch shape; the check regenerates them.
+    Pure integer arithmetic, then multiples of 1/256 in [-16, 16) times the layer's power of two
+    (``layer_magnitude``; exact, so rounding to bfloat16 commutes with it), so the same values come
+    out on every device and for any batch shape; the check regenerates them.
     """
     lanes = torch.arange(2 * heads * head_dim, dtype=torch.int64, device=rids.device)
     key = (rids * 65_537 + positions) * 131 + layer
@@ -251,8 +267,24 @@ def kv_values(rids: torch.Tensor, positions: torch.Tensor, layer: int, heads: in
     for _ in range(2):
         h = (h * 48_271) % _M31
         h = h ^ (h >> 11)
-    values = ((h % 8_192) - 4_096).to(torch.float32) * (1.0 / 256.0)
-    return values.to(torch.bfloat16).view(-1, 2, heads, head_dim)
+    values = ((h % 8_192) - 4_096).to(torch.float32).view(-1, 2, heads * head_dim)
+    k_mag, v_mag = layer_magnitude(layer)
+    magnitude = torch.tensor([k_mag / 256.0, v_mag / 256.0], dtype=torch.float32, device=rids.device)
+    return (values * magnitude[:, None]).to(torch.bfloat16).view(-1, 2, heads, head_dim)
+
+
+Scales = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_scale, v_scale), float32 on the pool's device
+
+
+def checkpoint_scales(layers: int, device: torch.device, mla: bool = False) -> Scales:
+    """The scales a checkpoint would carry, per layer: K_SCALE and V_SCALE (an MLA row: LATENT_SCALE,
+    as (s, s)) times the layer's magnitude."""
+    out = []
+    for layer in range(layers):
+        k_mag, v_mag = layer_magnitude(layer)
+        k, v = (LATENT_SCALE * k_mag, LATENT_SCALE * k_mag) if mla else (K_SCALE * k_mag, V_SCALE * v_mag)
+        out.append(tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in (k, v)))
+    return out  # type: ignore[return-value]
 
 
 # --- the scheduler --------------------------------------------------------------------------------
@@ -441,20 +473,25 @@ class Layer:
 
 
 class ModelRunner:
-    """Writes each layer's K/V for a batch, as every attention layer's ``forward`` would."""
+    """Writes each layer's K/V for a batch, as every attention layer's ``forward`` would, with the
+    layer's ``scales`` (default: ``checkpoint_scales``)."""
 
-    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool) -> None:
+    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, scales: Optional[Scales] = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.layers = [Layer(i) for i in range(cfg.layers)]
-        self.k_scale = torch.tensor([K_SCALE], dtype=torch.float32, device=pool.device)
-        self.v_scale = torch.tensor([V_SCALE], dtype=torch.float32, device=pool.device)
+        if scales is None:
+            scales = checkpoint_scales(cfg.layers, pool.device, mla=isinstance(pool, MLATokenToKVPool))
+        if len(scales) != cfg.layers:
+            raise ValueError(f"scales must have one (k_scale, v_scale) per layer ({cfg.layers}), got {len(scales)}")
+        self.scales = scales
 
     def forward(self, batch: Batch) -> None:
         for layer in self.layers:
             kv = kv_values(batch.rids, batch.positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
+            k_scale, v_scale = self.scales[layer.layer_id]
             # K and V are strided views of one projection output, as with a fused QKV matmul.
-            self.pool.set_kv_buffer(layer, batch.loc, kv[:, 0], kv[:, 1], self.k_scale, self.v_scale)
+            self.pool.set_kv_buffer(layer, batch.loc, kv[:, 0], kv[:, 1], k_scale, v_scale)
 
     def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
         """Tokens of ``r`` whose stored K or V differs from what was written, and the first one."""
@@ -466,7 +503,8 @@ class ModelRunner:
         for layer in self.layers:
             kv = kv_values(rids, positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
             k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
-            for which, x, buf, scale in (("K", kv[:, 0], k_buf, self.k_scale), ("V", kv[:, 1], v_buf, self.v_scale)):
+            k_scale, v_scale = self.scales[layer.layer_id]
+            for which, x, buf, scale in (("K", kv[:, 0], k_buf, k_scale), ("V", kv[:, 1], v_buf, v_scale)):
                 expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
                 stored = buf.view(torch.uint8)[slots]
                 bad = (stored != expected).flatten(1).any(dim=1)
@@ -481,10 +519,9 @@ class MLAModelRunner(ModelRunner):
     (two column ranges of one projection output) through ``set_mla_kv_buffer`` on even layers, the
     whole row through ``set_kv_buffer`` on odd ones, so both entry points serve every run."""
 
-    def __init__(self, cfg: SimConfig, pool: MLATokenToKVPool) -> None:
-        super().__init__(cfg, pool)
+    def __init__(self, cfg: SimConfig, pool: MLATokenToKVPool, scales: Optional[Scales] = None) -> None:
+        super().__init__(cfg, pool, scales)  # type: ignore[arg-type]
         self.pool: MLATokenToKVPool = pool
-        self.scale = torch.tensor([LATENT_SCALE], dtype=torch.float32, device=pool.device)
 
     def latent(self, rids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """The latent rows of tokens (rid, position) at ``layer``: [T, 1, kv_cache_dim] bfloat16."""
@@ -494,10 +531,11 @@ class MLAModelRunner(ModelRunner):
         r = self.pool.kv_lora_rank
         for layer in self.layers:
             row = self.latent(batch.rids, batch.positions, layer.layer_id)
+            scale = self.scales[layer.layer_id][0]  # one scale per row: the pair's k_scale
             if layer.layer_id % 2 == 0:
-                self.pool.set_mla_kv_buffer(layer, batch.loc, row[:, :, :r], row[:, :, r:], self.scale)
+                self.pool.set_mla_kv_buffer(layer, batch.loc, row[:, :, :r], row[:, :, r:], scale)
             else:
-                self.pool.set_kv_buffer(layer, batch.loc, row, None, self.scale)
+                self.pool.set_kv_buffer(layer, batch.loc, row, None, scale)
 
     def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
         """Tokens of ``r`` whose stored latent row differs from what was written, and the first one."""
@@ -508,7 +546,7 @@ class MLAModelRunner(ModelRunner):
         first: Optional[Mismatch] = None
         for layer in self.layers:
             row = self.latent(rids, positions, layer.layer_id)
-            expected = quantize(row, self.pool.dtype, self.scale).contiguous().view(torch.uint8)
+            expected = quantize(row, self.pool.dtype, self.scales[layer.layer_id][0]).contiguous().view(torch.uint8)
             stored = self.pool.get_key_buffer(layer.layer_id).view(torch.uint8)[slots]
             bad = (stored != expected).flatten(1).any(dim=1)
             if first is None and bool(bad.any()):
@@ -661,9 +699,8 @@ class SpecDecode:
         runner = self.runner
         for layer in runner.layers:
             kv = kv_values(rids.reshape(-1), positions.reshape(-1), layer.layer_id, self.cfg.heads, self.cfg.head_dim)
-            runner.pool.set_kv_buffer_prefix_valid(
-                layer, drafts, commit, kv[:, 0], kv[:, 1], runner.k_scale, runner.v_scale
-            )  # fmt: skip
+            k_scale, v_scale = runner.scales[layer.layer_id]
+            runner.pool.set_kv_buffer_prefix_valid(layer, drafts, commit, kv[:, 0], kv[:, 1], k_scale, v_scale)
         # Accepted draft j moves from drafts[i, j] to slots[i, j], its position's slot in the table.
         keep = torch.arange(k, device=dev)[None, :] < commit[:, None]
         runner.pool.move_kv_cache(slots[keep], drafts[keep])
