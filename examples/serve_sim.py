@@ -5,12 +5,18 @@ KV-cache slots with a ``PagedTokenToKVPoolAllocator`` (``--page-size 1``: ``Toke
 records them in a ``ReqToTokenPool``, prefills long prompts in chunks, decodes one token per request
 per step, retracts requests when decode runs out of pages, and frees requests when they finish. The
 model runner writes each step's K/V for every layer with ``pool.set_kv_buffer`` into an FP8 pool
-with per-tensor float32 scales, as an attention layer would. K/V values are a deterministic function
-of (request, position, layer), so before a request's slots are freed its K/V is regenerated,
-quantized with ``kvpool.quantize`` and compared byte for byte with the pool. With ``--model
-deepseek-v3`` the pool is an ``MLATokenToKVPool`` with DeepSeek-V3's latent rows (512 latent + 64
-rotary values per token and layer), written through both of its entry points, and the check covers
-the whole latent row.
+with per-layer, per-tensor float32 scales, as an attention layer would. K/V values are a deterministic
+function of (request, position, layer), their range differing from layer to layer and between K and
+V, so before a request's slots are freed its K/V is regenerated, quantized with ``kvpool.quantize``
+and compared byte for byte with the pool. With ``--model deepseek-v3`` the pool is an
+``MLATokenToKVPool`` with DeepSeek-V3's latent rows (512 latent + 64 rotary values per token and
+layer), written through both of its entry points, and the check covers the whole latent row.
+
+With ``--calibrate`` a calibration pass comes first, on the same pool: the request stream of ``--seed
++ 1`` for ``--calibrate-steps`` steps, written with ``pool.observe_amax(True)``; the run then writes
+and checks with ``pool.calibrated_scales()`` instead of the checkpoint's scales, and the summary
+compares the quantisation error (relative RMS of the dequantised values against the bf16 input, per
+layer, on the run's first requests) with scale 1.0, the checkpoint's scales and the calibrated ones.
 
     python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
     python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
@@ -19,6 +25,7 @@ the whole latent row.
     python examples/serve_sim.py --host-tier        # park retracted requests' KV in host memory
     python examples/serve_sim.py --cpu-park         # ... with pool.get_cpu_copy / load_cpu_copy
     python examples/serve_sim.py --spec-decode 4    # speculative decoding: verify writes + moves
+    python examples/serve_sim.py --calibrate        # calibrated per-layer scales, and their error
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -31,7 +38,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -49,13 +56,22 @@ DTYPES = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-# Per-tensor scales as a checkpoint would carry them. K values stay in range after the divide; some V
-# values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding and the clamp are exercised.
+# Per-tensor scales as a checkpoint would carry them, for kv_values' base range [-16, 16). K values stay
+# in range after the divide; some V values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding
+# and the clamp are exercised. Each layer's scales are multiplied by its power of two below, which
+# leaves every stored byte as the base range would store it.
 K_SCALE, V_SCALE = 0.04, 0.03
+# log2 of each layer's K and V magnitude relative to the base range, cycling over layers. Real models'
+# K/V ranges differ from layer to layer and between K and V, and one scale for all (1.0 when a
+# checkpoint has none) fits none of them: layer 1's K reaches 1024, past e4m3's 448, and layer 0's V
+# stays below 2**-6, where e4m3 at scale 1.0 has only subnormals. Per-layer calibration (--calibrate)
+# is for exactly this.
+LAYER_LOG2_MAGNITUDE = ((0, -10), (6, -3), (-3, -6), (3, -1))
 #: Models whose KV cache is one latent row per token and layer (MLA): (kv_lora_rank, qk_rope_head_dim).
 MLA_MODELS = {"deepseek-v3": (512, 64)}
 MODELS = ("mha", *MLA_MODELS)
-# A latent row is quantized with one scale; V's, so that some values saturate here too.
+# A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
+# values are kv_values' K half, so each layer's latent scale follows K's magnitude).
 LATENT_SCALE = V_SCALE
 # Admission keeps free pages for this fraction of the running requests' remaining output tokens;
 # when the guess is short, decode retracts requests (as SGLang does with its new_token_ratio).
@@ -102,6 +118,12 @@ class SimConfig:
     # random 1..K) with set_kv_buffer_prefix_valid into draft slots laid out in reverse, compacts the
     # accepted tokens into order with move_kv_cache, and frees the rejected slots. 0: plain decode.
     spec_k: int = 0
+    # --calibrate: first a calibration pass on the same pool (the request stream of seed + 1, for
+    # calibrate_steps steps) with observe_amax on, then this run with pool.calibrated_scales()
+    # instead of the checkpoint's scales, and the quantisation error of both (and of scale 1.0).
+    calibrate: bool = False
+    calibrate_steps: int = 100
+    calibrate_per_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -134,6 +156,17 @@ class SimConfig:
             raise ValueError(f"spec_k must be a non-negative int, got {self.spec_k!r}")
         if self.spec_k and self.model != "mha":
             raise ValueError(f"spec_k needs the MHA pool's set_kv_buffer_prefix_valid, got model {self.model!r}")
+        steps = self.calibrate_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"calibrate_steps must be a positive int, got {self.calibrate_steps!r}")
+        if self.calibrate and DTYPES[self.dtype] not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                f"calibrate needs an FP8 dtype (fp8_e4m3 or fp8_e5m2; other pools store no scale), got {self.dtype!r}"
+            )
+        if self.calibrate_per_head and not self.calibrate:
+            raise ValueError(
+                "calibrate_per_head (the calibrated scales' shape) needs calibrate=True, got calibrate=False"
+            )
 
     @property
     def max_context_len(self) -> int:
@@ -225,13 +258,41 @@ class SimResult:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     moved_slots: int = 0
+    # --calibrate
+    calibration: Optional[Calibration] = None
 
     @property
     def ok(self) -> bool:
         return (
             self.mismatched_tokens == 0 and self.integrity_error is None and self.leaked_slots == 0
-            and self.reload_mismatches == 0
+            and self.reload_mismatches == 0 and (self.calibration is None or self.calibration.result.ok)
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantError:
+    """Relative RMS error of one layer's K, V or latent rows, quantised and dequantised with three scales."""
+
+    layer: int
+    part: str  # "K", "V" or "latent"
+    amax: float  # observed by the calibration pass
+    scale_one: float
+    checkpoint: float
+    calibrated: float
+    checkpoint_scale: torch.Tensor
+    calibrated_scale: torch.Tensor
+
+
+@dataclass
+class Calibration:
+    """--calibrate: the calibration pass, what it observed and the scales the run then used."""
+
+    result: SimResult  # the calibration pass, checked like any run
+    amax: torch.Tensor  # pool.kv_amax after the pass, on the CPU
+    scales: Scales  # pool.calibrated_scales(), on the pool's device: the run writes and checks with these
+    errors: list[QuantError] = field(default_factory=list)
+    sample_requests: int = 0
+    sample_tokens: int = 0
 
 
 # --- K/V values the "model" produces ------------------------------------------------------------
@@ -239,11 +300,18 @@ class SimResult:
 _M31 = 2_147_483_647  # integer hashing modulo a prime keeps every intermediate below 2**62
 
 
+def layer_magnitude(layer: int) -> tuple[float, float]:
+    """The powers of two that ``layer``'s K and V values (and their checkpoint scales) are scaled by."""
+    k_log2, v_log2 = LAYER_LOG2_MAGNITUDE[layer % len(LAYER_LOG2_MAGNITUDE)]
+    return 2.0**k_log2, 2.0**v_log2
+
+
 def kv_values(rids: torch.Tensor, positions: torch.Tensor, layer: int, heads: int, head_dim: int) -> torch.Tensor:
     """K and V of tokens (rid, position) at ``layer``: Tensor [T, 2, heads, head_dim] bfloat16.
 
-    Pure integer arithmetic, then multiples of 1/256 in [-16, 16), so the same values come out on
-    every device and for any batch shape; the check regenerates them.
+    Pure integer arithmetic, then multiples of 1/256 in [-16, 16) times the layer's power of two
+    (``layer_magnitude``; exact, so rounding to bfloat16 commutes with it), so the same values come
+    out on every device and for any batch shape; the check regenerates them.
     """
     lanes = torch.arange(2 * heads * head_dim, dtype=torch.int64, device=rids.device)
     key = (rids * 65_537 + positions) * 131 + layer
@@ -251,8 +319,24 @@ def kv_values(rids: torch.Tensor, positions: torch.Tensor, layer: int, heads: in
     for _ in range(2):
         h = (h * 48_271) % _M31
         h = h ^ (h >> 11)
-    values = ((h % 8_192) - 4_096).to(torch.float32) * (1.0 / 256.0)
-    return values.to(torch.bfloat16).view(-1, 2, heads, head_dim)
+    values = ((h % 8_192) - 4_096).to(torch.float32).view(-1, 2, heads * head_dim)
+    k_mag, v_mag = layer_magnitude(layer)
+    magnitude = torch.tensor([k_mag / 256.0, v_mag / 256.0], dtype=torch.float32, device=rids.device)
+    return (values * magnitude[:, None]).to(torch.bfloat16).view(-1, 2, heads, head_dim)
+
+
+Scales = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_scale, v_scale), float32 on the pool's device
+
+
+def checkpoint_scales(layers: int, device: torch.device, mla: bool = False) -> Scales:
+    """The scales a checkpoint would carry, per layer: K_SCALE and V_SCALE (an MLA row: LATENT_SCALE,
+    as (s, s)) times the layer's magnitude."""
+    out = []
+    for layer in range(layers):
+        k_mag, v_mag = layer_magnitude(layer)
+        k, v = (LATENT_SCALE * k_mag, LATENT_SCALE * k_mag) if mla else (K_SCALE * k_mag, V_SCALE * v_mag)
+        out.append(tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in (k, v)))
+    return out  # type: ignore[return-value]
 
 
 # --- the scheduler --------------------------------------------------------------------------------
@@ -441,20 +525,31 @@ class Layer:
 
 
 class ModelRunner:
-    """Writes each layer's K/V for a batch, as every attention layer's ``forward`` would."""
+    """Writes each layer's K/V for a batch, as every attention layer's ``forward`` would, with the
+    layer's ``scales`` (default: ``checkpoint_scales``)."""
 
-    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool) -> None:
+    def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, scales: Optional[Scales] = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.layers = [Layer(i) for i in range(cfg.layers)]
-        self.k_scale = torch.tensor([K_SCALE], dtype=torch.float32, device=pool.device)
-        self.v_scale = torch.tensor([V_SCALE], dtype=torch.float32, device=pool.device)
+        if scales is None:
+            scales = checkpoint_scales(cfg.layers, pool.device, mla=isinstance(pool, MLATokenToKVPool))
+        if len(scales) != cfg.layers:
+            raise ValueError(f"scales must have one (k_scale, v_scale) per layer ({cfg.layers}), got {len(scales)}")
+        self.scales = scales
 
     def forward(self, batch: Batch) -> None:
         for layer in self.layers:
             kv = kv_values(batch.rids, batch.positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
+            k_scale, v_scale = self.scales[layer.layer_id]
             # K and V are strided views of one projection output, as with a fused QKV matmul.
-            self.pool.set_kv_buffer(layer, batch.loc, kv[:, 0], kv[:, 1], self.k_scale, self.v_scale)
+            self.pool.set_kv_buffer(layer, batch.loc, kv[:, 0], kv[:, 1], k_scale, v_scale)
+
+    def parts(self, rids: torch.Tensor, positions: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """What a write of ``layer`` stores for tokens (rid, position): (name, values) for K and V,
+        quantised with the layer's k_scale and v_scale in that order."""
+        kv = kv_values(rids, positions, layer, self.cfg.heads, self.cfg.head_dim)
+        return [("K", kv[:, 0]), ("V", kv[:, 1])]
 
     def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
         """Tokens of ``r`` whose stored K or V differs from what was written, and the first one."""
@@ -466,7 +561,8 @@ class ModelRunner:
         for layer in self.layers:
             kv = kv_values(rids, positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
             k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
-            for which, x, buf, scale in (("K", kv[:, 0], k_buf, self.k_scale), ("V", kv[:, 1], v_buf, self.v_scale)):
+            k_scale, v_scale = self.scales[layer.layer_id]
+            for which, x, buf, scale in (("K", kv[:, 0], k_buf, k_scale), ("V", kv[:, 1], v_buf, v_scale)):
                 expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
                 stored = buf.view(torch.uint8)[slots]
                 bad = (stored != expected).flatten(1).any(dim=1)
@@ -481,23 +577,26 @@ class MLAModelRunner(ModelRunner):
     (two column ranges of one projection output) through ``set_mla_kv_buffer`` on even layers, the
     whole row through ``set_kv_buffer`` on odd ones, so both entry points serve every run."""
 
-    def __init__(self, cfg: SimConfig, pool: MLATokenToKVPool) -> None:
-        super().__init__(cfg, pool)
+    def __init__(self, cfg: SimConfig, pool: MLATokenToKVPool, scales: Optional[Scales] = None) -> None:
+        super().__init__(cfg, pool, scales)  # type: ignore[arg-type]
         self.pool: MLATokenToKVPool = pool
-        self.scale = torch.tensor([LATENT_SCALE], dtype=torch.float32, device=pool.device)
 
     def latent(self, rids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """The latent rows of tokens (rid, position) at ``layer``: [T, 1, kv_cache_dim] bfloat16."""
         return kv_values(rids, positions, layer, 1, self.pool.kv_cache_dim)[:, 0]
 
+    def parts(self, rids: torch.Tensor, positions: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
+        return [("latent", self.latent(rids, positions, layer))]
+
     def forward(self, batch: Batch) -> None:
         r = self.pool.kv_lora_rank
         for layer in self.layers:
             row = self.latent(batch.rids, batch.positions, layer.layer_id)
+            scale = self.scales[layer.layer_id][0]  # one scale per row: the pair's k_scale
             if layer.layer_id % 2 == 0:
-                self.pool.set_mla_kv_buffer(layer, batch.loc, row[:, :, :r], row[:, :, r:], self.scale)
+                self.pool.set_mla_kv_buffer(layer, batch.loc, row[:, :, :r], row[:, :, r:], scale)
             else:
-                self.pool.set_kv_buffer(layer, batch.loc, row, None, self.scale)
+                self.pool.set_kv_buffer(layer, batch.loc, row, None, scale)
 
     def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
         """Tokens of ``r`` whose stored latent row differs from what was written, and the first one."""
@@ -508,7 +607,7 @@ class MLAModelRunner(ModelRunner):
         first: Optional[Mismatch] = None
         for layer in self.layers:
             row = self.latent(rids, positions, layer.layer_id)
-            expected = quantize(row, self.pool.dtype, self.scale).contiguous().view(torch.uint8)
+            expected = quantize(row, self.pool.dtype, self.scales[layer.layer_id][0]).contiguous().view(torch.uint8)
             stored = self.pool.get_key_buffer(layer.layer_id).view(torch.uint8)[slots]
             bad = (stored != expected).flatten(1).any(dim=1)
             if first is None and bool(bad.any()):
@@ -661,9 +760,8 @@ class SpecDecode:
         runner = self.runner
         for layer in runner.layers:
             kv = kv_values(rids.reshape(-1), positions.reshape(-1), layer.layer_id, self.cfg.heads, self.cfg.head_dim)
-            runner.pool.set_kv_buffer_prefix_valid(
-                layer, drafts, commit, kv[:, 0], kv[:, 1], runner.k_scale, runner.v_scale
-            )  # fmt: skip
+            k_scale, v_scale = runner.scales[layer.layer_id]
+            runner.pool.set_kv_buffer_prefix_valid(layer, drafts, commit, kv[:, 0], kv[:, 1], k_scale, v_scale)
         # Accepted draft j moves from drafts[i, j] to slots[i, j], its position's slot in the table.
         keep = torch.arange(k, device=dev)[None, :] < commit[:, None]
         runner.pool.move_kv_cache(slots[keep], drafts[keep])
@@ -765,16 +863,87 @@ def _run(cfg: SimConfig) -> SimResult:
             f"kv_budget_mib must hold the longest request ({longest} tokens) plus a page, "
             f"got {cfg.kv_budget_mib} MiB = {size} slots"
         )
-    runner: ModelRunner
     if mla is None:
         pool = MHATokenToKVPool(size, cfg.page_size, dtype, cfg.heads, cfg.head_dim, cfg.layers, cfg.device)
-        runner = ModelRunner(cfg, pool)
     else:
-        mla_pool = MLATokenToKVPool(size, cfg.page_size, dtype, *mla, cfg.layers, cfg.device)
-        pool = mla_pool  # type: ignore[assignment]
-        runner = MLAModelRunner(cfg, mla_pool)
+        pool = MLATokenToKVPool(size, cfg.page_size, dtype, *mla, cfg.layers, cfg.device)  # type: ignore[assignment]
+    calibration = _calibrate(cfg, pool, geometry.bytes_per_token) if cfg.calibrate else None
+    runner = make_runner(cfg, pool, None if calibration is None else calibration.scales)
+    result = SimResult(cfg, size, geometry.bytes_per_token, device=str(pool.device), calibration=calibration)
+    _simulate(cfg, pool, runner, result)
+    if calibration is not None:
+        checkpoint = checkpoint_scales(cfg.layers, torch.device("cpu"), mla=mla is not None)
+        calibration.errors, calibration.sample_requests, calibration.sample_tokens = quantisation_errors(
+            runner, checkpoint, calibration.amax
+        )
+    return result
+
+
+#: --calibrate measures the quantisation error on every token of the run's first requests.
+SAMPLE_REQUESTS = 8
+
+
+def relative_rms_error(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> float:
+    """||s * q(x, s) - x|| / ||x|| in float64, q being ``kvpool.quantize`` (what a write stores).
+    ``x``: [T, H, D]; ``scale``: [1] or [H], on x's device."""
+    dequantised = quantize(x, dtype, scale).double() * scale.double().view(1, -1, 1)
+    exact = x.double()
+    return float((dequantised - exact).norm() / exact.norm())
+
+
+def quantisation_errors(
+    runner: ModelRunner, checkpoint: Scales, amax: torch.Tensor
+) -> tuple[list[QuantError], int, int]:
+    """--calibrate: the relative RMS error of every layer's K and V (an MLA pool: latent rows) over
+    every token of the run's first SAMPLE_REQUESTS requests, with scale 1.0, the ``checkpoint``
+    scales and ``runner``'s (the calibrated ones), on the CPU. Returns the rows, the requests and
+    the tokens sampled."""
+    cfg, dtype = runner.cfg, runner.pool.dtype
+    mla = isinstance(runner.pool, MLATokenToKVPool)
+    requests = make_requests(cfg)[:SAMPLE_REQUESTS]
+    rids = torch.cat([torch.full((r.final_kv_len,), r.rid, dtype=torch.int64) for r in requests])
+    positions = torch.cat([torch.arange(r.final_kv_len, dtype=torch.int64) for r in requests])
+    one = torch.ones(1, dtype=torch.float32)
+    rows = []
+    for layer in runner.layers:
+        i = layer.layer_id
+        for j, (part, x) in enumerate(runner.parts(rids, positions, i)):
+            ckpt, calibrated = checkpoint[i][j].cpu(), runner.scales[i][j].cpu()
+            observed = amax[i] if mla else amax[i, j]  # MLA: one scale covers the latent and rotary maxima
+            errors = [relative_rms_error(x, dtype, scale) for scale in (one, ckpt, calibrated)]
+            rows.append(QuantError(i, part, float(observed.max()), *errors, ckpt, calibrated))
+    return rows, len(requests), rids.numel()
+
+
+def make_runner(cfg: SimConfig, pool: MHATokenToKVPool, scales: Optional[Scales] = None) -> ModelRunner:
+    if isinstance(pool, MLATokenToKVPool):
+        return MLAModelRunner(cfg, pool, scales)
+    return ModelRunner(cfg, pool, scales)
+
+
+def _calibrate(cfg: SimConfig, pool: MHATokenToKVPool, bytes_per_token: int) -> Calibration:
+    """--calibrate: the request stream of seed + 1 (data the run itself never writes, as a
+    calibration set would be) for ``calibrate_steps`` steps on ``pool`` with observation on, written
+    with the checkpoint scales (observation records the inputs, whatever the scale); then the
+    calibrated scales. The pass's requests simply end with it: the run gets a new allocator."""
+    pass_cfg = replace(
+        cfg, seed=cfg.seed + 1, max_steps=cfg.calibrate_steps, calibrate=False, calibrate_per_head=False,
+        corrupt=False, progress=False,
+    )  # fmt: skip
+    result = SimResult(pass_cfg, pool.size, bytes_per_token, device=str(pool.device))
+    pool.observe_amax(True)
+    try:
+        _simulate(pass_cfg, pool, make_runner(pass_cfg, pool), result)
+        scales = pool.calibrated_scales(per_head=cfg.calibrate_per_head)
+    finally:
+        pool.observe_amax(False)  # the run's writes take the variant with no observation code
+    return Calibration(result, pool.kv_amax.cpu().clone(), scales)  # type: ignore[union-attr]
+
+
+def _simulate(cfg: SimConfig, pool: MHATokenToKVPool, runner: ModelRunner, result: SimResult) -> None:
+    """The scheduler loop over ``cfg``'s request stream on ``pool``, tallied in ``result``."""
+    stats_before = (pool.stats.fused_calls, pool.stats.reference_calls, dict(pool.stats.reasons))
     sched = Scheduler(cfg, pool)
-    result = SimResult(cfg, size, geometry.bytes_per_token, device=str(pool.device))
     arrivals = deque(make_requests(cfg))
     progress = Progress(cfg.requests, cfg.progress)
     checker = Checker(runner, result, corrupt=cfg.corrupt)
@@ -825,9 +994,11 @@ def _run(cfg: SimConfig) -> SimResult:
     result.wall_s = time.perf_counter() - start
     result.steps = step
     result.retractions = sched.retractions
-    result.fused_calls = pool.stats.fused_calls
-    result.reference_calls = pool.stats.reference_calls
-    result.reasons = dict(pool.stats.reasons)
+    # The pool's statistics also count a calibration pass's writes on the same pool.
+    fused, reference, reasons = stats_before
+    result.fused_calls = pool.stats.fused_calls - fused
+    result.reference_calls = pool.stats.reference_calls - reference
+    result.reasons = {k: n - reasons.get(k, 0) for k, n in pool.stats.reasons.items() if n > reasons.get(k, 0)}
     try:
         sched.allocator.check_integrity()
         sched.table.check_integrity()
@@ -835,7 +1006,6 @@ def _run(cfg: SimConfig) -> SimResult:
         result.integrity_error = str(e)
     if not sched.running:
         result.leaked_slots = sched.slots_in_use()
-    return result
 
 
 def format_summary(res: SimResult) -> str:
@@ -908,8 +1078,53 @@ def format_summary(res: SimResult) -> str:
             f"accepted ({100 * rate:.0f}%), written with set_kv_buffer_prefix_valid, {res.moved_slots} slots compacted "
             f"with move_kv_cache"
         )
+    if res.calibration is not None:
+        lines += format_calibration(res.calibration, parts)
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
+
+
+def _scale_text(scale: torch.Tensor) -> str:
+    lo, hi = float(scale.min()), float(scale.max())
+    return f"{lo:.4g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
+
+
+def format_calibration(cal: Calibration, parts: str) -> list[str]:
+    """--calibrate's lines: the calibration pass, the error table, and the means over layers."""
+    p = cal.result
+    cfg = p.config
+    check = "check OK"
+    if not p.ok:
+        allocators = p.integrity_error or (f"{p.leaked_slots} slots leaked" if p.leaked_slots else "OK")
+        check = f"check FAILED ({p.mismatched_tokens} tokens differ; allocators: {allocators})"
+    per_head = any(k.numel() > 1 for k, _ in cal.scales)
+    fmax = torch.finfo(DTYPES[cfg.dtype]).max
+    pad = " " * 18
+    lines = [
+        f"  calibration     seed {cfg.seed}, {p.steps} steps, {p.prefill_tokens + p.decode_tokens} tokens "
+        f"x {cfg.layers} layers x {parts} written with observe_amax on; {check}",
+        f"{pad}scales: calibrated_scales({'per_head=True' if per_head else ''}) = observed amax / {fmax:g} "
+        f"per layer{' and head' if per_head else ''}",
+        f"  quant. error    relative RMS of dequantised values against the bf16 input, {cal.sample_tokens} tokens "
+        f"(the run's first {cal.sample_requests} requests)",
+        f"{pad}layer  part         amax  scale 1.0  checkpoint (scale)     calibrated (scale)",
+    ]
+    for e in cal.errors:
+        checkpoint = f"({_scale_text(e.checkpoint_scale)})"
+        lines.append(
+            f"{pad}{e.layer:>5}  {e.part:<6} {e.amax:>10.4g}  {e.scale_one:>9.2%}  {e.checkpoint:>9.2%} "
+            f"{checkpoint:<11}  {e.calibrated:>9.2%} ({_scale_text(e.calibrated_scale)})"
+        )
+    means = []
+    for part in dict.fromkeys(e.part for e in cal.errors):
+        rows = [e for e in cal.errors if e.part == part]
+        one, ckpt, calibrated = (
+            sum(getattr(e, name) for e in rows) / len(rows) for name in ("scale_one", "checkpoint", "calibrated")
+        )
+        lines.append(f"{pad}{'mean':>5}  {part:<6} {'':>10}  {one:>9.2%}  {ckpt:>9.2%} {'':<11}  {calibrated:>9.2%}")
+        means.append(f"{part} {one:.2%} -> {calibrated:.2%}")
+    lines.append(f"  calibrated      {', '.join(means)} (mean relative RMS error over layers, scale 1.0 -> calibrated)")
+    return lines
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
@@ -945,6 +1160,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--cpu-park", action="store_true", help="park retracted requests with get_cpu_copy/load_cpu_copy")
     p.add_argument("--spec-decode", type=int, default=d.spec_k, metavar="K",
                    help="speculative decoding: K drafts per request and step (0: off)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibration pass with observe_amax first, then the run with the calibrated scales; "
+                        "prints the quantisation error with scale 1.0, the checkpoint's and the calibrated scales")
+    p.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps, metavar="N",
+                   help="steps of the calibration pass (the request stream of --seed + 1)")
+    p.add_argument("--calibrate-per-head", action="store_true", help="calibrated scales per KV head, not per tensor")
     a = p.parse_args(argv)
     return SimConfig(
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
@@ -955,6 +1176,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         corrupt=a.corrupt, progress=not a.no_progress and sys.stderr.isatty(),
         host_tier=a.host_tier, host_ratio=a.host_ratio, host_layout=a.host_layout, host_io_backend=a.host_io_backend,
         cpu_park=a.cpu_park, spec_k=a.spec_decode,
+        calibrate=a.calibrate, calibrate_steps=a.calibrate_steps, calibrate_per_head=a.calibrate_per_head,
     )  # fmt: skip
 
 
