@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call of the device tool:
 #   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune | tune_write] [bench] [quick]
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
-#                             [probe] [trace] [ncu]  (plan probe, transfer timeline, counters)
+#                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 # (default: tests transfer first_call bench host mla sim llama_bench). tune_write rewrites TILE_TABLE
 # from the sweep (copy in $OUT). "tests" runs the whole suite on the GPU: the gpu-marked tests and
 # every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
@@ -58,6 +58,11 @@ for stage in $stages; do
     tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
     probe) step probe python3 benchmarks/probe_plans.py --out "$OUT" ;;
+    tiles) step tiles python3 benchmarks/probe_plans.py --decode --out "$OUT" ;;
+    kernel_tests)  # the write's GPU tests alone (a quicker check than "tests")
+      step kernel_tests python3 -m pytest -q -p no:cacheprovider -n 16 -rfEs tests/test_gpu.py tests/test_gpu_mla.py \
+        tests/test_gpu_write_features.py tests/test_kernel.py tests/test_launcher.py tests/test_mla_pool.py ;;
+    sim_calibrate) step sim_calibrate python3 examples/serve_sim.py --calibrate ;;
     trace) step trace python3 benchmarks/trace_transfer.py --out "$OUT" ;;
     ncu)
       step ncu ncu --clock-control none --kernel-name regex:_store_kv_kernel --csv --page raw \
