@@ -255,7 +255,7 @@ def host_overhead(run: Run) -> None:
 
         key = write_key(x, x, loc, scale, scale)
         ka, va, prefix = key[3], key[4], key[7] is not None
-        variant = launch.per_head if launch.flat is None else launch.variant_for(x.stride(), x.stride(), (ka, va))
+        variant = launch.variant_for(x.stride(), x.stride(), (ka, va), tokens=x.shape[0])
         kwargs, positional = variant.constexprs((ka, va, prefix, False, False))  # no observation, 32-bit offsets
         jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, variant, x.stride(), x.stride(), ())
         if len(jit_args) + len(positional) != len(kernel.arg_names):

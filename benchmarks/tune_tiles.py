@@ -1,4 +1,7 @@
-"""Sweep the fused kernel's tile (elements per program x warps) per head_dim, to fill TILE_TABLE.
+"""Sweep the fused kernel's tile (elements per program x warps) per head_dim (a report).
+
+The launcher's TILE_TABLE is chosen by write size, not head_dim, from ``probe_plans.py --decode``;
+this sweep is kept to show how much a per-head_dim table would move.
 
 For each geometry it times every candidate tile at one decode token and 256 tokens (per write in a
 CUDA graph of 64 writes) and at 16k tokens (L2 flushed before each write), all as CUDA-graph
@@ -6,12 +9,10 @@ replays so host launch cost never enters. A tile's score for a head_dim block is
 over the geometries and sizes of that block, of its time over the best time there. The lowest score
 wins; tiles within 1% of it count as tied, and the tie goes to the one fastest at 16k tokens (tile
 choice moves large-write bandwidth by several percent, while decode-sized writes are dominated by
-fixed costs that no tile changes). With --write-table, the winners replace TILE_TABLE in
-kvpool/kernels/store_kv.py (and a copy of that file goes to --out), so the benchmark that follows in
-the same run measures the table chosen. --from-json recomputes the choice from a saved sweep.
+fixed costs that no tile changes).
 
-Usage (on a GPU): python benchmarks/tune_tiles.py --out DIR [--write-table]
-          (anywhere): python benchmarks/tune_tiles.py --from-json tune.json [--write-table]
+Usage (on a GPU): python benchmarks/tune_tiles.py --out DIR
+          (anywhere): python benchmarks/tune_tiles.py --from-json tune.json
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import argparse
 import json
 import math
 import os
-import re
-import shutil
 import sys
 
 import torch
@@ -30,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import flush_buffer, graph_us  # noqa: E402
 
 from kvpool.config import KernelOptions  # noqa: E402
-from kvpool.kernels import store_kv  # noqa: E402
 from kvpool.kernels.checks import write_key  # noqa: E402
 from kvpool.kernels.store_kv import PreparedLaunch, TileConfig  # noqa: E402
 
@@ -48,7 +46,6 @@ def block_d(d: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--write-table", action="store_true")
     parser.add_argument("--from-json", help="recompute the table from a saved sweep instead of sweeping")
     args = parser.parse_args()
     if args.from_json:
@@ -124,22 +121,7 @@ def table_json(table: dict) -> dict:
 
 
 def finish(table: dict, args) -> int:
-    if not args.write_table:
-        return 0
-    path = store_kv.__file__
-    src = open(path).read()
-    body = "".join(
-        f"    {bd}: TileConfig(elems={t.elems}, num_warps={t.num_warps}),  # score {s:.3f}, at 16k tokens {l:.3f}\n"
-        for bd, (t, s, l) in sorted(table.items())
-    )
-    new, n = re.subn(r"(TILE_TABLE: dict\[int, TileConfig\] = \{\n)(.*?)(\})", lambda m: m.group(1) + body + m.group(3), src, flags=re.S)
-    if n != 1:
-        print("could not find TILE_TABLE to rewrite", flush=True)
-        return 1
-    open(path, "w").write(new)
-    if not args.from_json:  # on the device: the edited file comes back with the results
-        shutil.copy(path, os.path.join(args.out, "store_kv.py"))
-    print(f"wrote TILE_TABLE to {path}", flush=True)
+    """The choice is printed by choose_table; nothing is written back into the package."""
     return 0
 
 

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
-#   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune | tune_write] [bench] [quick]
+#   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune] [bench] [quick]
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
-# (default: tests transfer first_call bench host mla sim llama_bench). tune_write rewrites TILE_TABLE
-# from the sweep (copy in $OUT). "tests" runs the whole suite on the GPU: the gpu-marked tests and
-# every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
+# (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
+# on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
 # Every step has a time limit (STEP_LIMIT seconds, default 420) so one hang cannot eat the call.
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
@@ -55,7 +54,6 @@ for stage in $stages; do
     deepseek) step deepseek python3 examples/deepseek_runner.py --config v3-mla --device cuda ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
-    tune_write) step tune_write python3 benchmarks/tune_tiles.py --out "$OUT" --write-table ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
     probe) step probe python3 benchmarks/probe_plans.py --out "$OUT" ;;
     tiles) step tiles python3 benchmarks/probe_plans.py --decode --out "$OUT" ;;

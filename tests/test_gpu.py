@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvassert import assert_same_bytes, bits, compiled_variants, poison_
+from kvpool.kernels.store_kv import SMALL_TOKENS
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
 from kvpool.kernels import store_kv_kernel
 from kvpool.config import KernelOptions
@@ -298,14 +299,15 @@ def test_warmup_compiles_what_the_first_calls_need():
     pool = _pool(dtype=torch.float8_e5m2)  # a geometry/format no other test has compiled
     assert pool.warmup_seconds is not None
     compiled = compiled_variants()
-    qkv = _wide_rows(7, 48, 128, torch.bfloat16, 8)
+    qkv = _wide_rows(SMALL_TOKENS + 1, 48, 128, torch.bfloat16, 8)  # large writes take another tile
     for in_dtype, loc_dtype, scale in itertools.product(
         INPUTS, (torch.int32, torch.int64), (None, 0.25, torch.tensor([0.5], device=DEV))
     ):
         x = qkv.to(in_dtype)
-        loc = torch.arange(1, 8, device=DEV, dtype=loc_dtype)
-        pool.set_kv_buffer(None, loc, x[:, 32:40], x[:, 40:48], scale, scale, layer_id_override=1)
+        loc = torch.arange(1, SMALL_TOKENS + 2, device=DEV, dtype=loc_dtype)
+        pool.set_kv_buffer(None, loc[:7], x[:7, 32:40], x[:7, 40:48], scale, scale, layer_id_override=1)
         pool.set_kv_buffer(None, loc[:1], x[:1, 32:40], x[:1, 40:48], scale, scale, layer_id_override=0)
+        pool.set_kv_buffer(None, loc, x[:, 32:40], x[:, 40:48], scale, scale, layer_id_override=0)
     assert compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
 
 

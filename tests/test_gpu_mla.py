@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvassert import assert_same_bytes, bits, compiled_variants, poison_
+from kvpool.kernels.store_kv import SMALL_TOKENS
 from kvpool import MLATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
 from kvpool.kernels.store_kv import launch_store_kv
@@ -161,8 +162,12 @@ def test_mla_warmup_compiles_what_the_first_calls_need():
         pool.set_mla_kv_buffer(None, loc, nope, row.contiguous()[:, :, R:], s, layer_id_override=0)
         pool.set_mla_kv_buffer(None, loc[:1], nope[:1], torch.zeros(1, 1, ROPE, dtype=in_dtype, device=DEV), s,
                                layer_id_override=1)  # fmt: skip
+        big = _projection_row(SMALL_TOKENS + 1, in_dtype, 2).contiguous()  # large writes take another tile
+        big_loc = torch.arange(1, SMALL_TOKENS + 2, device=DEV, dtype=loc_dtype)
+        pool.set_kv_buffer(None, big_loc, big, None, s, layer_id_override=1)
+        pool.set_mla_kv_buffer(None, big_loc, big[:, :, :R].contiguous(), big[:, :, R:], s, layer_id_override=0)
     assert compiled_variants() == compiled, "a first call compiled a variant the warmup missed"
-    assert pool.stats.fused_calls == 4 * 3 * 2 * 3 and pool.stats.reference_calls == 0
+    assert pool.stats.fused_calls == 6 * 3 * 2 * 3 and pool.stats.reference_calls == 0
 
 
 def test_mla_cuda_graph_replays_with_the_current_scale_and_slots():

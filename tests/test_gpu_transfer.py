@@ -126,10 +126,19 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         if rank == 0:
             for b in pool.k_buffer + pool.v_buffer:  # ... and then writes what the transfer must carry
                 b.index_fill_(0, loc_dev, value)
+        busy = torch.cuda.Event()
+        busy.record()  # completes when the sleep (and the sender's fill) has run
+        caller = torch.cuda.current_stream()
         start = time.perf_counter()
         h = move(loc, 1 - rank)
         report["call_s"] = time.perf_counter() - start
         report["completed_right_after"] = h.is_completed()
+        # Diagnostics: was the compute stream still busy when the handle was asked, and on which
+        # streams did the work go (the caller's stream must be unchanged by the call)?
+        report["compute_busy_right_after"] = not busy.query()
+        report["side_idle_right_after"] = ep._side.query()
+        report["caller_stream_unchanged"] = torch.cuda.current_stream() == caller
+        report["caller_is_side"] = caller == ep._side
         report["handle"] = {"tokens": h.tokens, "chunks": h.chunks, "has_event": h._done is not None}
         h.wait()
         if rank == 1:  # work queued after wait() sees the rows
@@ -158,6 +167,8 @@ def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
     assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
     for rank, rep in enumerate(reports):
         assert rep["call_s"] < 0.5 * rep["sleep_s"], f"rank {rank}: the call waited for the busy stream: {rep}"
+        assert rep["compute_busy_right_after"], f"rank {rank}: the compute stream was no longer busy: {rep}"
+        assert rep["caller_stream_unchanged"] and not rep["caller_is_side"], rep
         assert rep["completed_right_after"] is False, f"rank {rank}: done before its stream could run: {rep}"
         assert rep["completed_after_sync"] is True, rep
         assert rep["allocations"] == 0, f"rank {rank}: transfers allocated device memory: {rep}"

@@ -12,13 +12,17 @@ import torch
 
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import fused_fp8_set_kv_buffer, quantize, reference_set_kv_buffer
+from kvpool.kernels.checks import write_key
 from kvpool.kernels.store_kv import (
+    SMALL_TOKENS,
     TILE_TABLE,
     PreparedLaunch,
     TileConfig,
     launch_store_kv,
+    plan_chunk_launch,
     plan_flat_launch,
     plan_launch,
+    storage_view,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,14 +141,66 @@ def test_flat_plans_only_where_the_per_head_plan_pads():
     assert plan_launch(3, 96, 3, 96).lane_use == 0.75
     flat = plan_flat_launch(3, 96, 3, 96)
     assert (flat.heads, flat.head_dim, flat.block_h, flat.block_d, flat.block_d2) == (1, 288, 1, 256, 32)
-    assert flat.lane_use == 1.0 and flat.grid_y == 2 and flat.block_t == 2
+    assert flat.lane_use == 1.0 and flat.grid_y == 2 and flat.block_t == 4  # large tile: 2048 // 288 -> 4 rows
+    assert plan_flat_launch(3, 96, 3, 96, TILE_TABLE["small"]).block_t == 2
     six = plan_flat_launch(6, 64, 6, 64)
     assert (six.block_d, six.block_d2, six.k_blocks) == (256, 128, 1)  # 384 = 256 + 128
     # A row longer than the tile is cut into several blocks of at most the tile's elements.
+    small = TILE_TABLE["small"]
     for h, d in [(12, 128), (9, 128), (20, 64)]:
-        long = plan_flat_launch(h, d, h, d)
-        assert long.block_d2 == 0 and long.block_d <= TILE_TABLE[128].elems and long.lane_use >= 0.9, (h, d, long)
+        long = plan_flat_launch(h, d, h, d, small)
+        assert long.block_d2 == 0 and long.block_d <= small.elems and long.lane_use >= 0.9, (h, d, long)
         assert long.k_blocks > 1
+
+
+def test_writes_pick_the_tile_by_size_and_both_tiles_match_reference():
+    """Writes of at most SMALL_TOKENS tokens take the small tile, larger ones the large tile (both
+    per-head and flat plans); a write just past the boundary matches the reference."""
+    h, d = 3, 8  # rows of 24: the flat plan applies (3 of 4 head slots would be used)
+    kf, vf = _caches(4, h, d, h, d, torch.float8_e4m3fn)
+    launch = PreparedLaunch(h, d, h, d, torch.float8_e4m3fn, kf.stride(), vf.stride(), 4, torch.device(DEVICE))
+    st = (h * d, d, 1)
+    for kinds, flat in (((2, 2), True), ((3, 3), False)):  # tensor scales: flat; per-head scales: per-head
+        small = launch.variant_for(st, st, kinds, tokens=SMALL_TOKENS)
+        large = launch.variant_for(st, st, kinds, tokens=SMALL_TOKENS + 1)
+        assert small is (launch.small_flat if flat else launch.small_per_head)
+        assert large is (launch.flat if flat else launch.per_head)
+        assert small.plan.num_warps == TILE_TABLE["small"].num_warps and large.plan.block_t != small.plan.block_t
+    t, slots = SMALL_TOKENS + 1, 2 * SMALL_TOKENS + 8
+    k, v = _rows(t, h, d, torch.bfloat16, 41), _rows(t, h, d, torch.bfloat16, 42)
+    (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 43), 0.3, torch.tensor([2.5], device=DEVICE),
+                                     slots, torch.float8_e4m3fn)  # fmt: skip
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 32])
+@pytest.mark.parametrize("h,d,hv,dv,mla", [(3, 96, 3, 96, False), (2, 64, 2, 64, False), (1, 64, 1, 32, True)])
+def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
+    """Rows viewed as runs of ``chunk`` elements (benchmarks/probe_plans.py times these): same bytes
+    as the reference, on caches that are views of one row (MLA's latent and rotary parts) too."""
+    t, slots = 9, 23
+    plan = plan_chunk_launch(h, d, hv, dv, chunk, 64, 1)
+    assert plan is not None and plan.row_view and plan.lane_use == 1.0
+    k, v = _rows(t, h, d, torch.bfloat16, 51), _rows(t, hv, dv, torch.bfloat16, 52)
+    loc = _loc(t, slots, torch.int64, 53)
+    out = []
+    for _ in range(2):
+        if mla:
+            row = poison_(torch.empty(slots, 1, d + dv, dtype=torch.float8_e4m3fn, device=DEVICE))
+            out.append((row, row[:, :, :d], row[:, :, d:]))
+        else:
+            kc, vc = _caches(slots, h, d, hv, dv, torch.float8_e4m3fn)
+            out.append((None, kc, vc))
+    (_, kf, vf), (_, kr, vr) = out
+    launch = PreparedLaunch(h, d, hv, dv, torch.float8_e4m3fn, kf.stride(), vf.stride(), slots, torch.device(DEVICE),
+                            row_plan=plan)  # fmt: skip
+    scale = torch.tensor([0.37], device=DEVICE)
+    launch(write_key(k, v, loc, scale, scale), k, v, storage_view(kf), storage_view(vf), loc, scale, scale)
+    reference_set_kv_buffer(k, v, kr, vr, loc, scale, scale)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+    assert plan_chunk_launch(3, 96, 3, 96, 64, 64, 1) is None  # 288 is not a multiple of 64
 
 
 def test_flat_plan_with_rows_longer_than_the_tile():

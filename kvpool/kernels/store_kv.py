@@ -64,16 +64,21 @@ class TileConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
-#: Tile per head_dim (rounded up to a power of two), chosen by benchmarks/tune_tiles.py from a sweep on
-#: an H200 (benchmarks/results/h200-2026-11-29-tune2.json): the lowest geometric mean of time / best
-#: time over 1, 256 and 16k tokens for the geometries of that head_dim ("score"); ties within 1% go
-#: to the tile fastest at 16k tokens. BENCHMARKS.md ("Tile table") has the sweep.
-TILE_TABLE: dict[int, TileConfig] = {
-    64: TileConfig(elems=1024, num_warps=2),  # score 1.030, at 16k tokens 1.010
-    128: TileConfig(elems=1024, num_warps=2),  # score 1.043, at 16k tokens 1.031
-    256: TileConfig(elems=2048, num_warps=4),  # score 1.013, at 16k tokens 1.000
+#: Tile by write size: "small" for writes of at most SMALL_TOKENS tokens (decode steps, verify
+#: writes, short prefills), "large" above. Chosen from a sweep of 12 tiles from 1 to 16k tokens over
+#: five geometries (H=8 D=128, H=1 D=128, H=1 D=256, H=3 D=96 and DeepSeek-V3's latent row) on an H200
+#: (benchmarks/probe_plans.py --decode; BENCHMARKS.md, "Tiles by write size"): 1024 elements over 4
+#: warps was within 3.4% of the best tile at every size from 1 to 1024 tokens (geometric mean over the
+#: geometries), 2048 over 4 within 1.4% at 4k and 16k tokens, while no single tile came within 5% at
+#: both ends (few elements per thread shorten a decode write's dependent chain; large writes want
+#: more bytes per program). The previous table (per head_dim, one tile for all sizes: 1024/2 for
+#: head_dim <= 128) was 5-10% off the best at decode sizes.
+TILE_TABLE: dict[str, TileConfig] = {
+    "small": TileConfig(elems=1024, num_warps=4),
+    "large": TileConfig(elems=2048, num_warps=4),
 }
-DEFAULT_TILE = TileConfig(elems=2048, num_warps=4)  # head_dim > 256: not swept; 256's choice
+#: Writes of at most this many tokens take the small tile (between the sizes swept, 1024 and 4096).
+SMALL_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ def _floor_pow2(n: int) -> int:
 
 
 def _tile_for(head_dim: int, v_head_dim: int, tile: TileConfig | None) -> TileConfig:
-    return tile or TILE_TABLE.get(max(_pow2(head_dim), _pow2(v_head_dim)), DEFAULT_TILE)
+    return tile or TILE_TABLE["large"]
 
 
 #: A block shape is acceptable when this fraction of its lanes carry an element; below it, a
@@ -305,7 +310,9 @@ class PreparedLaunch:
     Two plans: the per-head one, and for geometries it pads badly a flat one (``plan_flat_launch``),
     taken by every call whose inputs keep heads contiguous within a row and whose scales are not
     per head (and that does not observe per-head maxima). A QKV slice and a plain [T, H, D] tensor
-    both qualify.
+    both qualify. Each plan comes in two tiles (``TILE_TABLE``): writes of at most SMALL_TOKENS
+    tokens take the small one (``small_per_head``, ``small_flat``), larger writes the large one
+    (``per_head``, ``flat``). An explicit ``tile`` is used for both.
 
     ``options`` are the launcher's debug switches (``KernelOptions``; default: from the environment).
     The soft encoder is used wherever the device has no exact native conversion, whatever
@@ -348,30 +355,38 @@ class PreparedLaunch:
         self._i32_ok = cache_span < _I32_LIMIT
         self._head_spans = (heads - 1, head_dim - 1, v_heads - 1, v_head_dim - 1)
         out_kind = OUT_KIND[cache_dtype]
-        plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
-        self.per_head = _Variant(plan, out_kind, self.soft_cast, self.fast_div, self.cache_strides)
-        flat_plan = row_plan or (plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile) if flat else None)
-        if flat_plan is not None and not (
+        flat_ok = flat and (
             _heads_contiguous(heads, head_dim, k_cache_strides) and _heads_contiguous(v_heads, v_head_dim, v_cache_strides)
-        ):
-            flat_plan = None
-        self.flat = (
-            None if flat_plan is None else _Variant(flat_plan, out_kind, self.soft_cast, self.fast_div, self.cache_strides)
+        )
+
+        def variants(tile_: TileConfig) -> tuple[_Variant, Optional[_Variant]]:
+            plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile_)
+            flat_plan = (row_plan or plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile_)) if flat_ok else None
+            make = lambda p: _Variant(p, out_kind, self.soft_cast, self.fast_div, self.cache_strides)  # noqa: E731
+            return make(plan), None if flat_plan is None else make(flat_plan)
+
+        self.per_head, self.flat = variants(tile or TILE_TABLE["large"])
+        self.small_per_head, self.small_flat = (
+            (self.per_head, self.flat) if tile is not None else variants(TILE_TABLE["small"])
         )
         self._compiled: dict[tuple, object] = {}
 
-    def variant_for(self, kst: tuple, vst: tuple, kinds: tuple[int, int], observe: bool = False) -> _Variant:
-        """The plan a call with these input strides and scale kinds takes."""
+    def variant_for(
+        self, kst: tuple, vst: tuple, kinds: tuple[int, int], observe: bool = False, tokens: int = SMALL_TOKENS + 1
+    ) -> _Variant:
+        """The plan a call with these input strides, scale kinds and token count takes."""
+        small = tokens <= SMALL_TOKENS
+        flat = self.small_flat if small else self.flat
         if (
-            self.flat is not None
+            flat is not None
             and kinds[0] != SCALE_HEAD
             and kinds[1] != SCALE_HEAD
             and not observe
             and _heads_contiguous(self.heads, self.head_dim, kst)
             and _heads_contiguous(self.v_heads, self.v_head_dim, vst)
         ):
-            return self.flat
-        return self.per_head
+            return flat
+        return self.small_per_head if small else self.per_head
 
     def __call__(
         self,
@@ -398,13 +413,17 @@ class PreparedLaunch:
         ckey = None
         if self.direct:
             # Everything Triton specializes a compiled variant on that varies between calls: the key
-            # (dtypes, scale kinds and dtypes, commit_lens's dtype), observation, exact input and loc
-            # strides (covers "== 1" and "divisible by 16"), 16-byte alignment of the row pointers
+            # (dtypes, scale kinds and dtypes, commit_lens's dtype), observation, the tile (small or
+            # large write), exact input and loc strides (covers "== 1" and "divisible by 16"),
+            # 16-byte alignment of the row pointers
             # (the caches': fixed for a pool), and the current device, where Triton loaded the
             # compiled module and where it launches. The plan follows from strides, kinds and
             # observation; the offset width from these and T (an entry holds the largest T its
             # variant takes).
-            ckey = (key, amax is None, kst, vst, lst, k.data_ptr() & 15, v.data_ptr() & 15, _current_device())
+            ckey = (
+                key, amax is None, tokens <= SMALL_TOKENS, kst, vst, lst, k.data_ptr() & 15, v.data_ptr() & 15,
+                _current_device(),
+            )  # fmt: skip
             if not self.caches_aligned:
                 ckey += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
             entry = self._compiled.get(ckey)
@@ -439,7 +458,7 @@ class PreparedLaunch:
         observe = amax is not None
         max_tokens = self._max_tokens_i32(kst, vst, lst)
         i64 = tokens > max_tokens
-        variant = self.per_head if self.flat is None else self.variant_for(kst, vst, (ka, va), observe)
+        variant = self.variant_for(kst, vst, (ka, va), observe, tokens)
         kwargs, positional = variant.constexprs((ka, va, prefix, observe, i64))
         args = self._args(key, k, v, k_store, v_store, loc, k_scale, v_scale, commit_lens, amax, variant, kst, vst, ())
         # Triton's JIT path: specializes, compiles if needed, launches, and hands back the compiled

@@ -17,6 +17,7 @@ from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 from kvpool.kernels import copy_rows
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
+from kvpool.kernels.store_kv import SMALL_TOKENS
 from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
 from kvpool.pools import kv_moves
 
@@ -170,11 +171,22 @@ class KVCache:
 
     def _warmup_calls(self) -> list[Callable[[], None]]:
         """Calls that compile and run every kernel variant a first real write would meet, writing
-        zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write)."""
-        return [functools.partial(self._warmup_write, *variant) for variant in self.warmup_variants()]
+        zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write):
+        one token, and SMALL_TOKENS + 1 tokens (all but the first skipped) for the large writes' tile."""
+        return [
+            functools.partial(self._warmup_write, *variant, tokens)
+            for variant in self.warmup_variants()
+            for tokens in (1, SMALL_TOKENS + 1)
+        ]
 
-    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
+    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
         raise NotImplementedError
+
+    def _warmup_loc(self, tokens: int, loc_dtype: torch.dtype) -> torch.Tensor:
+        """[tokens] slots: the padding slot 0, then -1 (written nowhere)."""
+        loc = torch.full((tokens,), -1, dtype=loc_dtype, device=self.device)
+        loc[0] = 0
+        return loc
 
     def _warmup(self) -> None:
         """Compile each variant once on the pool's device. Each call writes zeros to slot 0 of the

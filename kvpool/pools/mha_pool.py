@@ -260,11 +260,11 @@ class MHATokenToKVPool(KVCache):
 
     # --- warmup ----------------------------------------------------------------------------------
 
-    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
+    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
         dev = self.device
-        k = torch.zeros((1, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
-        v = torch.zeros((1, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
-        loc = torch.zeros(1, dtype=loc_dtype, device=dev)
+        k = torch.zeros((tokens, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
+        v = torch.zeros((tokens, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
+        loc = self._warmup_loc(tokens, loc_dtype)
         key, scale, _ = check_write(self._writer.geometry, k, v, loc, scale, scale, POOL_NAMES)
         self._writer.launch(key, k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale, None, self._amax_for(0))  # type: ignore[misc]
 

@@ -338,13 +338,13 @@ class MLATokenToKVPool(KVCache):
 
     # --- warmup ----------------------------------------------------------------------------------
 
-    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale) -> None:
-        # A contiguous [1, 1, kv_cache_dim] row split in two: its parts have the strides (all
+    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
+        # Contiguous [tokens, 1, kv_cache_dim] rows split in two: their parts have the strides (all
         # multiples of 16 for DeepSeek's 512 + 64) that Triton specializes on for both entry points.
         dev = self.device
-        row = torch.zeros((1, 1, self.kv_cache_dim), dtype=in_dtype, device=dev)
+        row = torch.zeros((tokens, 1, self.kv_cache_dim), dtype=in_dtype, device=dev)
         nope, rope = row.split(self._split, dim=2)
-        loc = torch.zeros(1, dtype=loc_dtype, device=dev)
+        loc = self._warmup_loc(tokens, loc_dtype)
         key, scale, _ = check_write(self._writer.geometry, nope, rope, loc, scale, scale, ROW_NAMES)
         self._writer.launch(  # type: ignore[misc]
             key, nope, rope, self._nope_store[0], self._rope_store[0], loc, scale, scale, None, self._amax_for(0)

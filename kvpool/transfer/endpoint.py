@@ -394,7 +394,7 @@ class _Endpoint:
             index.copy_(pinned, non_blocking=True)
             self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
             done = torch.cuda.Event()
-            done.record()
+            done.record(self._side)  # named, not "current": nothing a transport call does to the current stream matters
         return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
 
     def _pipeline(
@@ -490,7 +490,7 @@ class KVSender(_Endpoint):
         compute: Optional[torch.cuda.Stream],
     ) -> None:
         if compute is not None:
-            torch.cuda.current_stream().wait_stream(compute)  # gathers read what was written before send
+            self._side.wait_stream(compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
         for k, (start, count) in enumerate(plan):
             half = k & 1
@@ -561,7 +561,7 @@ class KVReceiver(_Endpoint):
         if compute is not None:
             # Scatters overwrite slots that work queued before recv may still read; the first two
             # chunks are already on their way meanwhile.
-            torch.cuda.current_stream().wait_stream(compute)
+            self._side.wait_stream(compute)
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]
