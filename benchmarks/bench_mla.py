@@ -193,7 +193,9 @@ def proposal_launch(block_d: int, block_t: int, num_warps: int, nope_store: torc
     )  # fmt: skip
     plan = LaunchPlan(1, R, 1, ROPE, block_t=block_t, block_h=1, block_d=block_d, block_hv=1, block_dv=ROPE,
                       num_warps=num_warps)  # fmt: skip
-    launch.per_head = store_kv._Variant(plan, OUT_KIND[FP8], launch.soft_cast, launch.fast_div, launch.cache_strides)
+    launch.per_head = launch.small_per_head = store_kv._Variant(
+        plan, OUT_KIND[FP8], launch.soft_cast, launch.fast_div, launch.cache_strides
+    )  # every write size takes the proposal
     return launch
 
 
