@@ -86,7 +86,27 @@ def test_gpu_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
 
 # --- streams and memory ------------------------------------------------------------------------------------
 
-SLEEP_S = 0.3
+def _gate_kernel():
+    """A kernel that spins until a pinned host flag becomes non-zero: it holds a stream busy for
+    exactly as long as the test wants (a timed sleep did not reliably outlast the checks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wait_for_flag(flag_ptr, max_polls):
+        polls = 0
+        while (tl.load(flag_ptr, volatile=True) == 0) & (polls < max_polls):
+            polls += 1
+
+    return _wait_for_flag
+
+
+# Each poll reads host memory over PCIe (about a microsecond): the gate gives up after a few seconds
+# rather than hang the test if the flag were never seen.
+MAX_POLLS = 4_000_000
+
+
+HOLD_S = 0.2  # how long the host keeps the compute stream held after the call returned
 
 
 def _stream_rank(rank: int, port: int, out: str) -> None:
@@ -97,6 +117,7 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60), device_id=dev)  # fmt: skip
     report: dict = {}
+    flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
     try:
         pool = MHATokenToKVPool(4096, 1, torch.float8_e4m3fn, 8, 128, 4, dev, warmup=False)
         n = 1000
@@ -106,28 +127,22 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         move = ep.send if rank == 0 else ep.recv
         for _ in range(2):  # the pair's communicator, pinned host blocks, compiled kernels
             move(loc, 1 - rank).wait()
+        gate = _gate_kernel()
+        gate[(1,)](flag, MAX_POLLS)  # compiled and loaded before the measured part (the flag is set: no wait)
         torch.cuda.synchronize()
-        # Cycles per second, measured (after one untimed call: the first launch loads the kernel),
-        # so that the busy stream really is busy for about SLEEP_S.
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.cuda._sleep(50_000_000)
-        torch.cuda.synchronize()
-        cycles = int(SLEEP_S * 50_000_000 / (time.perf_counter() - t))
-        report["cycles"] = cycles
         dist.barrier()
         torch.cuda.synchronize()
 
         value = 17 + rank  # the sender's bytes; the receiver must end up with 17 everywhere
         loc_dev = loc.to(dev)  # device indices for the writes below: no host copy behind the busy stream
         torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)  # the compute stream is busy ...
+        flag[0] = 0
+        gate[(1,)](flag, MAX_POLLS)  # the compute stream is busy until the host sets the flag ...
         if rank == 0:
             for b in pool.k_buffer + pool.v_buffer:  # ... and then writes what the transfer must carry
                 b.index_fill_(0, loc_dev, value)
         busy = torch.cuda.Event()
-        busy.record()  # completes when the sleep (and the sender's fill) has run
+        busy.record()  # completes when the gate (and the sender's fill) has run
         caller = torch.cuda.current_stream()
         start = time.perf_counter()
         h = move(loc, 1 - rank)
@@ -140,6 +155,10 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         report["caller_stream_unchanged"] = torch.cuda.current_stream() == caller
         report["caller_is_side"] = caller == ep._side
         report["handle"] = {"tokens": h.tokens, "chunks": h.chunks, "has_event": h._done is not None}
+        time.sleep(HOLD_S)  # nothing can have moved: the sender's gathers and the receiver's scatters wait
+        report["completed_while_held"] = h.is_completed()
+        report["compute_busy_while_held"] = not busy.query()
+        flag[0] = 1  # ... until now
         h.wait()
         if rank == 1:  # work queued after wait() sees the rows
             seen = torch.stack([b.index_select(0, loc_dev).float().mean() for b in pool.k_buffer + pool.v_buffer])
@@ -153,8 +172,8 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         torch.cuda.synchronize()
         stats1 = torch.cuda.memory_stats(dev)
         report["allocations"] = stats1["allocation.all.allocated"] - stats0["allocation.all.allocated"]
-        report["sleep_s"] = SLEEP_S
     finally:
+        flag[0] = 1  # never leave a stream spinning
         Path(out, f"stream{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
 
@@ -166,10 +185,11 @@ def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
     seen = reports[1]["seen"]
     assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
     for rank, rep in enumerate(reports):
-        assert rep["call_s"] < 0.5 * rep["sleep_s"], f"rank {rank}: the call waited for the busy stream: {rep}"
-        assert rep["compute_busy_right_after"], f"rank {rank}: the compute stream was no longer busy: {rep}"
+        assert rep["call_s"] < HOLD_S, f"rank {rank}: the call waited for the busy stream: {rep}"
+        assert rep["compute_busy_right_after"] and rep["compute_busy_while_held"], f"rank {rank}: gate not held: {rep}"
         assert rep["caller_stream_unchanged"] and not rep["caller_is_side"], rep
         assert rep["completed_right_after"] is False, f"rank {rank}: done before its stream could run: {rep}"
+        assert rep["completed_while_held"] is False, f"rank {rank}: done while its stream was held: {rep}"
         assert rep["completed_after_sync"] is True, rep
         assert rep["allocations"] == 0, f"rank {rank}: transfers allocated device memory: {rep}"
     got = reports[1]

@@ -348,9 +348,10 @@ def _jit_flags(pool) -> set:
     """(K scale kind, V scale kind, prefix, observe) of every variant the pool's launcher has
     launched through Triton's JIT (every compiled variant's first launch goes there)."""
     launch = pool._writer.launch
-    flags = set(launch.per_head._by_flags)
-    if launch.flat is not None:
-        flags |= set(launch.flat._by_flags)
+    flags: set = set()
+    for variant in (launch.per_head, launch.flat, launch.small_per_head, launch.small_flat):  # both tiles
+        if variant is not None:
+            flags |= set(variant._by_flags)
     return flags
 
 
