@@ -29,7 +29,14 @@ def run(rank, port, device_id):
     check("after_transfers", out)
     dist.barrier(); torch.cuda.synchronize()
     check("after_barrier", out)
-    ev = torch.cuda.Event(); torch.cuda._sleep(400_000_000); ev.record()
+    loc_dev = loc.to(dev); torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    t = time.perf_counter()
+    for b in pool.k_buffer + pool.v_buffer:
+        b.index_fill_(0, loc_dev, 17)
+    out["fill"] = {"host_s": round(time.perf_counter() - t, 4), "dtype": str(pool.k_buffer[0].dtype)}
+    ev = torch.cuda.Event(); ev.record()
+    out["fill"]["busy_after_fill"] = not ev.query()
     h = move(loc, 1 - rank)
     out["transfer_during_sleep"] = {"busy": not ev.query(), "done": h.is_completed()}
     h.wait(); torch.cuda.synchronize()
@@ -38,7 +45,7 @@ def run(rank, port, device_id):
 
 if __name__ == "__main__":
     import socket
-    for device_id in (True, False):
+    for device_id in (True,):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
         mp.spawn(run, args=(port, device_id), nprocs=2, join=True)
