@@ -139,8 +139,10 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         flag[0] = 0
         gate[(1,)](flag, MAX_POLLS)  # the compute stream is busy until the host sets the flag ...
         if rank == 0:
-            for b in pool.k_buffer + pool.v_buffer:  # ... and then writes what the transfer must carry
-                b.index_fill_(0, loc_dev, value)
+            # ... and then writes what the transfer must carry. (fill_, not index_fill_: index_fill_
+            # makes the host wait for the stream, which released the gate before the checks ran.)
+            for b in pool.k_buffer + pool.v_buffer:
+                b.fill_(value)
         busy = torch.cuda.Event()
         busy.record()  # completes when the gate (and the sender's fill) has run
         caller = torch.cuda.current_stream()
