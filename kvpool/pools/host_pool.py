@@ -296,7 +296,10 @@ class MHATokenToKVPoolHost:
         self.load_stream: Optional[torch.cuda.Stream] = None
         self.backup_stream: Optional[torch.cuda.Stream] = None
         if cuda:
-            self.load_stream = torch.cuda.Stream(device_pool.device)
+            # Loads gate the layers that wait for them: on a high-priority stream their few programs
+            # are scheduled as soon as an SM frees instead of queueing behind the model's kernels.
+            # Backups are off the forward pass's critical path and keep the default priority.
+            self.load_stream = torch.cuda.Stream(device_pool.device, priority=-1)
             self.backup_stream = torch.cuda.Stream(device_pool.device)
         self._staging: dict[str, _Staging] = {}
         # Ordering of transfers that touch the same host pages: per page, the sequence number of
