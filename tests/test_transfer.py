@@ -9,13 +9,17 @@ three ranks.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,7 +37,7 @@ from kvpool.transfer.handshake import (
 )
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
 from kvassert import needs_interpreter
-from transfer_ranks import Case, Side, check_outcomes, run_cases, with_side
+from transfer_ranks import Case, Side, check_outcomes, free_port, run_cases, spawn, with_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -349,3 +353,59 @@ def test_disagg_sim_example_checks_every_byte():
     assert "PASS" in run.stdout and "GB/s" in run.stdout, run.stdout
     bad = _disagg_sim("--requests", "3", "--corrupt")
     assert bad.returncode == 1 and "FAILED: 1 tokens differ on arrival" in bad.stdout, bad.stdout + bad.stderr
+
+
+# --- the handshake's timeout paths (the store) ----------------------------------------------------------
+
+
+def _late_peer_rank(rank: int, port: int, out: str) -> None:
+    """Rank 0 sends three times; rank 1 misses the first transfer (it starts its side only after rank
+    0's store wait has timed out, and once raises before any handshake), then both carry on."""
+    from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))  # fmt: skip
+    store = dist.distributed_c10d._get_default_store()
+    report: dict = {"errors": [], "moved": []}
+    try:
+        pool = MHATokenToKVPool(64, 1, torch.float8_e4m3fn, 2, 16, 2, "cpu", warmup=False)
+        for b in pool.k_buffer + pool.v_buffer:
+            b.fill_(10 + rank)
+        loc = torch.arange(1, 9)
+        ep = KVSender(pool) if rank == 0 else KVReceiver(pool)
+
+        def attempt():
+            try:
+                (ep.send(loc, 1) if rank == 0 else ep.recv(loc, 0)).wait()
+                report["moved"].append(True)
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                report["errors"].append(f"{type(exc).__name__}: {exc}")
+
+        if rank == 1:
+            time.sleep(3.5)  # rank 0's first send times out (2 s) and withdraws meanwhile
+            try:
+                ep.recv(loc, 1)  # its own rank: raises before any handshake
+            except ValueError as exc:
+                report["early"] = str(exc)
+        attempt()  # rank 0: times out; rank 1 (late): finds the withdrawn header
+        dist.barrier()
+        attempt()  # both in step again: moves
+        dist.barrier()
+        report["seen"] = pool.k_buffer[0][1:9].view(torch.uint8).float().mean().item()
+        name = dist.group.WORLD.group_name
+        keys = [f"kvpool/transfer/0-1/{name}/{seq}/{r}" for seq in range(3) for r in range(2)]
+        report["leftover"] = [k for k in keys if store.check([k])]
+    finally:
+        Path(out, f"late{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def test_a_late_peer_raises_once_and_the_pair_stays_in_step(tmp_path):
+    spawn(_late_peer_rank, 2, (free_port(), str(tmp_path)), timeout=60)
+    sender, receiver = (json.loads(Path(tmp_path, f"late{r}.json").read_text()) for r in range(2))
+    assert len(sender["errors"]) == 1 and "did not start its side" in sender["errors"][0], sender
+    assert len(receiver["errors"]) == 1 and "gave up waiting" in receiver["errors"][0], receiver
+    assert "another rank" in receiver["early"], receiver
+    assert sender["moved"] == receiver["moved"] == [True], (sender, receiver)
+    assert receiver["seen"] == 10.0, "the second transfer carried the sender's rows"
+    assert sender["leftover"] == receiver["leftover"] == [], "a handshake key was left in the store"

@@ -15,9 +15,11 @@ How a transfer runs (both ranks, in this order):
    field, or the ``IndexError``/``TypeError``/``ValueError`` one rank found in its own arguments)
    before any KV byte moves, or both move the same rows in the same chunks. Each rank publishes its
    header before reading the peer's, so two senders (or two receivers) facing each other cannot
-   deadlock: they learn of it from the headers.
+   deadlock: they learn of it from the headers. A rank whose peer does not start its side within the
+   store's timeout (``init_process_group``'s ``timeout``) withdraws its header and raises; the peer's
+   call for that transfer, whenever it comes, raises too, and the next transfers pair as before.
 3. **Pipeline.** The sender gathers the rows of a chunk from every layer into a staging half with one
-   :func:`~kvpool.kernels.copy_rows.copy_rows` launch (a table of layer-buffer pointers), sends it, and
+   launch of the row-copy kernel (:mod:`kvpool.kernels.copy_rows`, a table of layer-buffer pointers), sends it, and
    gathers the next chunk into the other half while the first is in flight. The receiver receives into
    one half while it scatters the other into its pool. Chunk sizes follow
    :func:`~kvpool.transfer.wire.chunk_plan`.
@@ -41,8 +43,11 @@ only allocates when none of its blocks is free, e.g. on the first transfers.)
 CPU pools (gloo). The same pipeline runs on the host: ``send``/``recv`` return when the data has moved
 and the handle is already complete.
 
-One endpoint runs one transfer at a time; transfers between the same two ranks are matched in the
-order they were started, so both ranks must start them in the same order. Not thread-safe.
+One endpoint runs one transfer at a time; transfers between the same two ranks over the same group
+are matched in the order they were started, so both ranks must start them in the same order (a rank
+whose call raises before the handshake, e.g. on an invalid peer, has started nothing: the peer's
+pending call pairs with its next one or, if the peer gave up waiting first, that next one raises). Every handshake goes through the default store, which lives
+in one process (rank 0's, for the usual TCP store). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from kvpool.args import positive_int
+from kvpool.kernels import copy_rows as copy_rows_module
 from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -77,17 +83,18 @@ _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 # Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
 # buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
 # 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
-# overhead that back-to-back messages hide). 128 MiB chunks pay it 8 times for an 8k-token Llama-3-8B
-# FP8 request (512 MiB), while the chunk ramp (wire.chunk_plan) starts and ends with 8 MiB chunks, so
-# the pipeline's fill and drain (one gather, one scatter) take some microseconds, not a 128 MiB copy.
-# Two halves: 256 MiB of device memory per endpoint. benchmarks/bench_transfer.py sweeps 16-256 MiB.
+# overhead that back-to-back messages hide). An 8k-token Llama-3-8B FP8 request (512 MiB) travels as
+# 32/128/96/96/128/32 MiB chunks (wire.chunk_plan: one ramp step at each end), so the pipeline's fill
+# and drain (one gather, one scatter) copy 32 MiB each, not 128. Two halves: 256 MiB of device memory
+# per endpoint. benchmarks/bench_transfer.py sweeps 64-256 MiB with 0-2 ramp steps: a few points apart.
 DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
 # Gather/scatter programs per SM on CUDA (copy_rows' own default is 8). The link, not HBM, bounds a
 # transfer, and NCCL's kernel must find room on the SMs next to the gather of the next chunk, so the
-# copies take a lighter grid. A guess to confirm: benchmarks/bench_transfer.py sweeps it.
+# copies take a lighter grid. benchmarks/bench_transfer.py sweeps it (2, 8 and one program per task
+# were within a few points of each other on two H200s).
 DEFAULT_PROGRAMS_PER_SM = 2
 
 Loc = Union[torch.Tensor, np.ndarray]
@@ -176,6 +183,7 @@ class _Endpoint:
             )
         self.device = pool.device
         self._cuda = self.device.type == "cuda"
+        self._kernel = self._cuda and copy_rows_module._use_kernel(self.device)
         self._element_size = pool.k_buffer[0].element_size()
         self._rows = pool.size + pool.page_size
         full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
@@ -310,19 +318,47 @@ class _Endpoint:
 
     def _exchange(self, encoded: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> Header:
         """Swap headers with ``peer`` through torch.distributed's key-value store (host memory and a
-        socket: no device work, no stream, no synchronisation). Each rank publishes its header under
-        its own key and reads the peer's, which it then deletes; keys are numbered per pair of ranks
-        and group, in the order transfers between the two start (which both ranks share)."""
+        socket: no device work, no stream, no synchronisation).
+
+        Keys are numbered per pair of ranks and group, in the order transfers between the two start.
+        Each rank publishes its header under its own key, waits for the peer's (up to the store's
+        timeout), claims it (``compare_set`` to TAKEN, so a peer that gave up cannot also count it
+        as unread) and deletes it. A rank whose wait times out withdraws its own header the same
+        atomic way, unless the peer has already claimed it; the withdrawn key stays as a tombstone,
+        and a peer that arrives later finds it, raises, and removes it. Both ranks thus spend the
+        same key number on every transfer either of them started, and a late peer can never pair
+        with a later transfer."""
         store = _default_store()
         rank = dist.get_rank()
-        members = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        pair = (min(rank, peer), max(rank, peer), members)
+        pg = group if group is not None else dist.group.WORLD
+        name = getattr(pg, "group_name", None) or ",".join(map(str, dist.get_process_group_ranks(pg)))
+        pair = (min(rank, peer), max(rank, peer), name)
         seq = _SEQUENCE[pair] = _SEQUENCE.get(pair, -1) + 1
-        prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{hash(members) & 0xFFFFFFFF:08x}/{seq}/"
-        store.set(prefix + str(rank), encoded.numpy().tobytes())
-        theirs = store.get(prefix + str(peer))  # waits for the peer (up to the store's timeout)
+        prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{name}/{seq}/"
+        mine, theirs_key = prefix + str(rank), prefix + str(peer)
+        header = encoded.numpy().tobytes()
+        store.set(mine, header)
+        try:
+            theirs = store.get(theirs_key)  # waits for the peer (up to the store's timeout)
+        except dist.DistStoreError:
+            if store.compare_set(mine, header, _WITHDRAWN) == _WITHDRAWN:
+                raise RuntimeError(
+                    f"kvpool transfer with rank {peer}: the peer did not start its side within the store's timeout "
+                    f"(transfer {seq} between the two ranks); this rank withdrew, and the peer's call for this "
+                    f"transfer will raise too; nothing moved"
+                ) from None
+            theirs = store.get(theirs_key)  # the peer took our header just in time: it has published its own
+        if theirs != _WITHDRAWN:
+            theirs = theirs if store.compare_set(theirs_key, theirs, _TAKEN) == _TAKEN else _WITHDRAWN
         with contextlib.suppress(Exception):  # a store that cannot delete keeps 1 KiB per transfer
-            store.delete_key(prefix + str(peer))
+            store.delete_key(theirs_key)
+        if theirs == _WITHDRAWN:
+            with contextlib.suppress(Exception):  # the peer will never read ours
+                store.delete_key(mine)
+            raise RuntimeError(
+                f"kvpool transfer with rank {peer}: the peer gave up waiting for this transfer (transfer {seq} "
+                f"between the two ranks) before this rank started it; nothing moved"
+            )
         return Header.decode(torch.frombuffer(bytearray(theirs), dtype=torch.uint8))
 
     def _on_side(self) -> contextlib.AbstractContextManager:
@@ -363,9 +399,9 @@ class _Endpoint:
         checked once (slots on the host before the handshake), so on CUDA the kernel is launched
         without ``copy_rows``' per-call checks: the host cost per chunk is what can leave the link
         idle between chunks."""
-        if self._cuda:
+        if self._kernel:
             launch_copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
-        else:
+        else:  # CPU pools, or no usable Triton (copy_rows then takes its PyTorch reference)
             copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
 
     def _staged(self, half: int, nbytes: int) -> torch.Tensor:
@@ -413,6 +449,9 @@ class _Endpoint:
 
 #: Transfers started so far per pair of ranks and group, in this process (the handshake's key numbers).
 _SEQUENCE: dict[tuple, int] = {}
+#: Values a header key can hold besides a header (headers are HEADER_BYTES long, these are shorter).
+_TAKEN = b"kvpool:taken"
+_WITHDRAWN = b"kvpool:withdrawn"
 
 
 def _default_store() -> dist.Store:
@@ -471,8 +510,11 @@ class KVSender(_Endpoint):
             After the handshake, on both ranks alike, if the two pools or token counts disagree or
             either side's ``loc`` is bad; nothing has moved.
         ValueError, TypeError, RuntimeError
-            At once, on this rank only, if ``dst`` or the process group cannot be used (the peer's
-            handshake then fails by the group's timeout).
+            At once, on this rank only, if ``dst`` or the process group cannot be used (nothing is
+            started: the peer's pending call pairs with this rank's next transfer with it).
+        RuntimeError
+            If the peer does not start its side within the store's timeout (this rank withdraws; the
+            peer's call for this transfer raises too when it comes).
         """
         return self._start(loc, dst)
 
