@@ -196,6 +196,7 @@ def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
     launch = PreparedLaunch(h, d, hv, dv, torch.float8_e4m3fn, kf.stride(), vf.stride(), slots, torch.device(DEVICE),
                             row_plan=plan)  # fmt: skip
     scale = torch.tensor([0.37], device=DEVICE)
+    assert launch.variant_for(k.stride(), v.stride(), (2, 2), tokens=t).plan is plan  # the chunk plan runs
     launch(write_key(k, v, loc, scale, scale), k, v, storage_view(kf), storage_view(vf), loc, scale, scale)
     reference_set_kv_buffer(k, v, kr, vr, loc, scale, scale)
     assert_same_bytes(kf, kr, "k_cache")

@@ -201,7 +201,9 @@ class KVCache:
                 call()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
-        logger.info("kvpool: warmed %d fused-kernel variants in %.2f s", len(calls), self.warmup_seconds)
+        logger.info(
+            "kvpool: warmed %d fused-kernel variants x 2 tiles in %.2f s", len(self.warmup_variants()), self.warmup_seconds
+        )
 
     # --- calibration -----------------------------------------------------------------------------
 
