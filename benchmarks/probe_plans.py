@@ -47,6 +47,15 @@ CHUNKS = (16, 32, 64, 128)
 TILES = ((1024, 2), (2048, 4), (4096, 4), (4096, 8))
 
 
+def make_caches(h: int, d: int, hv: int, dv: int, mla: bool, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LAYERS (K, V) uint8 caches; for an MLA row, the two parts are views of one [SLOTS, 1, d + dv] buffer."""
+    if mla:
+        bufs = [torch.zeros(SLOTS, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+        return [(b[:, :, :d], b[:, :, d:]) for b in bufs]
+    return [(torch.zeros(SLOTS, h, d, dtype=torch.uint8, device=dev),
+             torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
+
+
 def nbytes(t: int, h: int, d: int, hv: int, dv: int) -> int:
     return t * (h * d + hv * dv) * 3 + t * 8
 
@@ -69,12 +78,7 @@ def decode_sweep(a, names) -> int:
     results: list[dict] = []
     for name in names:
         h, d, hv, dv, mla = GEOMETRIES[name]
-        if mla:
-            bufs = [torch.zeros(SLOTS, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
-            caches = [(b[:, :, :d], b[:, :, d:]) for b in bufs]
-        else:
-            caches = [(torch.zeros(SLOTS, h, d, dtype=torch.uint8, device=dev),
-                       torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
+        caches = make_caches(h, d, hv, dv, mla, dev)
         kc0, vc0 = caches[0]
 
         def launcher(tile=None):
@@ -131,12 +135,7 @@ def main() -> int:
 
     for name in a.geometries.split(","):
         h, d, hv, dv, mla = GEOMETRIES[name]
-        if mla:
-            bufs = [torch.zeros(SLOTS, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
-            caches = [(b[:, :, :d], b[:, :, d:]) for b in bufs]
-        else:
-            caches = [(torch.zeros(SLOTS, h, d, dtype=torch.uint8, device=dev),
-                       torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
+        caches = make_caches(h, d, hv, dv, mla, dev)
         kc0, vc0 = caches[0]
 
         def launcher(row_plan=None, options=KernelOptions(soft_cast=False)):
