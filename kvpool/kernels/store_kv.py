@@ -137,10 +137,6 @@ def _floor_pow2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
-def _tile_for(head_dim: int, v_head_dim: int, tile: TileConfig | None) -> TileConfig:
-    return tile or TILE_TABLE["large"]
-
-
 #: A block shape is acceptable when this fraction of its lanes carry an element; below it, a
 #: head_dim is cut into two power-of-two pieces, and heads that pad badly take a flat plan.
 FLAT_LANE_USE = 0.9
@@ -163,7 +159,7 @@ def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: 
     """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x one head_dim
     block (one or two power-of-two pieces) of K, or of V: about ``tile.elems`` elements; BLOCK_T is
     shared by K and V."""
-    cfg = _tile_for(head_dim, v_head_dim, tile)
+    cfg = tile or TILE_TABLE["large"]
     block_d, block_d2 = _pieces(head_dim)
     block_dv, block_dv2 = _pieces(v_head_dim)
     block_h = min(_pow2(heads), _floor_pow2(max(1, cfg.elems // (block_d + block_d2))))
@@ -209,7 +205,7 @@ def plan_flat_launch(
     its lanes."""
     if plan_launch(heads, head_dim, v_heads, v_head_dim, tile).lane_use >= FLAT_LANE_USE:
         return None
-    cfg = _tile_for(head_dim, v_head_dim, tile)
+    cfg = tile or TILE_TABLE["large"]
     row, v_row = heads * head_dim, v_heads * v_head_dim
     block_d, block_d2 = _row_pieces(row, cfg.elems)
     block_dv, block_dv2 = _row_pieces(v_row, cfg.elems)

@@ -61,8 +61,7 @@ import torch
 import torch.distributed as dist
 
 from kvpool.args import positive_int
-from kvpool.kernels import copy_rows as copy_rows_module
-from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows import RowTable, _use_kernel, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.transfer.handshake import (
@@ -183,7 +182,7 @@ class _Endpoint:
             )
         self.device = pool.device
         self._cuda = self.device.type == "cuda"
-        self._kernel = self._cuda and copy_rows_module._use_kernel(self.device)
+        self._kernel = self._cuda and _use_kernel(self.device)
         self._element_size = pool.k_buffer[0].element_size()
         self._rows = pool.size + pool.page_size
         full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
