@@ -366,3 +366,14 @@ def test_partially_overlapping_tables_are_refused():
 def test_empty_copy_is_a_no_op():
     a, b = _tables()
     copy_rows(b, torch.empty(0, dtype=torch.int64), a, torch.empty(0, dtype=torch.int32))
+
+
+def test_reference_a_row_named_twice_gets_one_source_whole():
+    """index_put_ with a duplicated destination interleaved the duplicates' bytes on CPU (about half
+    of the runs of this case, before the fix): the row must be one source's bytes, never a mix."""
+    for _ in range(50):
+        buf = torch.randint(0, 256, (31, 2, 256), dtype=torch.uint8)
+        table = RowTable.of([buf])
+        sources = (buf[0].clone(), buf[1].clone())
+        copy_rows_reference(table, torch.zeros(9, dtype=torch.int64), table, torch.tensor([0, 0, 0, 0, 1, 0, 0, 0, 0]))
+        assert any(torch.equal(buf[0], s) for s in sources), "row 0 mixes the bytes of its two sources"

@@ -553,12 +553,24 @@ def copy_rows_reference(dst: RowTable, dst_index: torch.Tensor, src: RowTable, s
     first = torch.argmax(valid.to(torch.uint8)).view(1)
     target = torch.where(valid, di, torch.where(any_valid, di.index_select(0, first), 0)).to(dst.device)
     valid_d, any_valid_d, first_d = valid.to(dst.device), any_valid.to(dst.device), first.to(dst.device)
+    # index_put_ with a row named twice may interleave the duplicates' bytes (CPU threads split the
+    # work by element): every pair writing a row writes the bytes of the last pair naming it.
+    winner = _last_pair_per_target(target)
     for b, rb in enumerate(dst.row_bytes):
         s_bytes = byte_rows(src.buffers[b], rb)
         d_bytes = byte_rows(dst.buffers[b], rb)
         rows = s_bytes.index_select(0, src_safe).to(dst.device)  # every source read before any write
         fallback = torch.where(any_valid_d, rows.index_select(0, first_d), d_bytes[:1])
-        d_bytes.index_put_((target,), torch.where(valid_d[:, None], rows, fallback))
+        d_bytes.index_put_((target,), torch.where(valid_d[:, None], rows, fallback).index_select(0, winner))
+
+
+def _last_pair_per_target(target: torch.Tensor) -> torch.Tensor:
+    """[n] int64 -> [n]: for each pair, the position of the last pair with the same target (device
+    operations of fixed size: no synchronisation)."""
+    order = torch.sort(target, stable=True).indices
+    ordered = target.index_select(0, order)
+    last = order.index_select(0, torch.searchsorted(ordered, ordered, right=True) - 1)
+    return torch.empty_like(order).scatter_(0, order, last)
 
 
 # --- the public function ----------------------------------------------------------------------------
