@@ -234,17 +234,25 @@ def bench_bidirectional(args, ceiling: dict, records: list) -> None:
         h_out, h_in = random_host_pages(host, tokens, gen), random_host_pages(host, tokens, gen)
         d_out, d_in = random_device_pages(tokens, 16, gen), random_device_pages(tokens, 16, gen)
         host.backup_from_device_all_layer(pool, h_in, d_in, "kernel")  # something to load
-        for backend in BACKENDS:
+        default = host.kernel_programs
+        runs = [(backend, default, default) for backend in BACKENDS]
+        runs += [("kernel", b, ld) for b, ld in args.bidir_programs if (b, ld) != (default, default)]
+        for backend, backup_programs, load_programs in runs:
 
             def both():
+                host.kernel_programs = backup_programs  # read when a transfer is enqueued
                 host.backup_from_device_all_layer(pool, h_out, d_out, backend)  # enqueued first: runs alongside
+                host.kernel_programs = load_programs
                 host.load_to_device_all_layer(pool, h_in, d_in, backend)
 
             ms = wall_ms(both, args.reps)
+            host.kernel_programs = default
             rate = gbps(2 * tokens * TOKEN_BYTES, ms)
             records.append(dict(layout=layout, backend=backend, tokens=tokens, ms=ms, gbps=rate,
-                                of_ceiling=rate / ceiling["bidir_gbps"]))  # fmt: skip
-            log(f"  both ways {layout:<11} {backend:<6} {ms:8.2f} ms {rate:6.1f} GB/s together")
+                                of_ceiling=rate / ceiling["bidir_gbps"], backup_programs=backup_programs,
+                                load_programs=load_programs))  # fmt: skip
+            log(f"  both ways {layout:<11} {backend:<6} programs {backup_programs:>2}/{load_programs:>2} "
+                f"{ms:8.2f} ms {rate:6.1f} GB/s together")
         del host
     del pool
     torch.cuda.empty_cache()
@@ -367,9 +375,11 @@ def markdown(res: dict) -> str:
             r = found[0]
             cells.append(f"skipped ({r['skipped']})" if "skipped" in r else f"{r['gbps']:.1f} ({100 * r['of_ceiling']:.0f}%)")
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {cells[0]} | {cells[1]} |")
-    lines += ["", "## Both directions at once (8k tokens each way, page 16)", "", "| layout | backend | GB/s together |", "|---|---|---:|"]
+    lines += ["", "## Both directions at once (8k tokens each way, page 16)", "",
+              "| layout | backend | programs (backup / load) | GB/s together |", "|---|---|---|---:|"]  # fmt: skip
     for r in res["bidirectional"]:
-        lines.append(f"| {r['layout']} | {r['backend']} | {r['gbps']:.1f} |")
+        programs = f"{r['backup_programs']} / {r['load_programs']}" if r["backend"] == "kernel" and "load_programs" in r else ""
+        lines.append(f"| {r['layout']} | {r['backend']} | {programs} | {r['gbps']:.1f} |")
     lines += ["", "## Per-layer load overlapped with a stand-in attention (8k tokens, 32 layers)", "",
               "| layout | backend | load ms | compute ms | both ms | ratio |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in res["overlap"]:
@@ -393,7 +403,17 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel backend's alternative tiles")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--max-copies", type=int, default=40_000, help="skip direct cases needing more copy calls")
+    parser.add_argument("--bidir-programs", default="", metavar="B/L,...",
+                        help="also time both directions at once with these kernel grids (backup/load programs), e.g. 16/16,8/32")
+    parser.add_argument("--stages", default="transfers,bidirectional,overlap,device_gather",
+                        help="comma-separated stages to run (plus sweep with --sweep)")
     args = parser.parse_args()
+    try:
+        args.bidir_programs = [tuple(int(x) for x in item.split("/")) for item in args.bidir_programs.split(",") if item]
+        if any(len(p) != 2 or min(p) < 1 for p in args.bidir_programs):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--bidir-programs must look like 16/16,8/32, got {args.bidir_programs!r}")
     if not torch.cuda.is_available():
         print("bench_host_tier.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -418,6 +438,11 @@ def main() -> int:
         ("overlap", lambda: bench_overlap(args, res["overlap"])),
         ("device_gather", lambda: bench_device_gather(args, device_ceiling, res["device_gather"])),
     ]
+    wanted = set(args.stages.split(","))
+    unknown = wanted - {name for name, _ in stages}
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}")
+    stages = [(name, fn) for name, fn in stages if name in wanted]
     if args.sweep:
         stages.append(("sweep", lambda: bench_sweep(args, ceiling, res["sweep"])))
     status = 0

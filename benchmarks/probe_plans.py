@@ -8,6 +8,13 @@ bench_set_kv.py and the one-program-per-token peer. Large writes: CUDA-graph rep
 before each write; decode sizes: per write in a graph of 64 writes. At decode sizes it also times
 the current plan without a scale (no division), with ``div.rn`` alone, and the straightforward port.
 
+``--ladder`` climbs from the same-bytes copy to the write at large sizes, one feature per rung, on the
+write's own traffic (the inputs read as one contiguous bf16 run, one byte written per element to a
+contiguous output): a byte copy (the high byte of each element, no arithmetic), the FP8 cast alone,
+the cast after the reciprocal-and-FMA division, the cast after ``div.rn``, then the pool's plan
+writing contiguous slots and random ones. Where the ratio to the same-bytes copy drops shows what
+holds a geometry below it.
+
 Usage (GPU): python benchmarks/probe_plans.py --out DIR [--geometries llama8b,odd]
 Writes DIR/probe_plans.json; prints one summary line per geometry and size.
 """
@@ -21,6 +28,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
@@ -28,6 +37,7 @@ from timing import flush_buffer, graph_us  # noqa: E402
 
 from kvpool.config import KernelOptions  # noqa: E402
 from kvpool.kernels import store_kv  # noqa: E402
+from kvpool.kernels.store_kv_kernel import _div_by_reciprocal  # noqa: E402
 from kvpool.kernels.checks import write_key  # noqa: E402
 from kvpool.kernels.store_kv import PreparedLaunch, TileConfig, plan_chunk_launch  # noqa: E402
 
@@ -114,13 +124,82 @@ def decode_sweep(a, names) -> int:
     return 0
 
 
+@triton.jit
+def _ladder_kernel(src_ptr, dst_ptr, scale_ptr, n, RUNG: tl.constexpr, BLOCK: tl.constexpr):
+    """src [n] bf16 -> dst [n] uint8, contiguous. RUNG 0: high byte; 1: FP8 cast; 2: reciprocal
+    division + cast; 3: div.rn + cast."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(src_ptr + offs, mask=ok, other=1.0)
+    if RUNG == 0:
+        out = (x.to(tl.int16, bitcast=True) >> 8).to(tl.uint8)
+    else:
+        y = x.to(tl.float32)
+        if RUNG == 2:
+            s = tl.load(scale_ptr)
+            y = _div_by_reciprocal(y, s, tl.div_rn(1.0, s))
+        elif RUNG == 3:
+            y = tl.div_rn(y, tl.load(scale_ptr))
+        out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(dst_ptr + offs, out, mask=ok)
+
+
+LADDER_RUNGS = ("byte copy", "cast", "cast + reciprocal division", "cast + div.rn")
+
+
+def ladder(a, names) -> int:
+    """Same-bytes copy -> byte copy -> cast -> division -> the write (contiguous, random slots)."""
+    flush = flush_buffer()
+    dev = torch.device("cuda")
+    scale = torch.tensor([0.37], device=dev)
+    results: list[dict] = []
+    for name in names:
+        h, d, hv, dv, mla = GEOMETRIES[name]
+        caches = make_caches(h, d, hv, dv, mla, dev)
+        kc0, vc0 = caches[0]
+        cur = PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
+                             options=KernelOptions(soft_cast=False), caches_aligned=True)  # fmt: skip
+        for t in LARGE:
+            gen = torch.Generator(device=dev).manual_seed(t)
+            flat = (torch.randn(t * (h * d + hv * dv), device=dev, generator=gen) * 60).to(torch.bfloat16)
+            k = flat[: t * h * d].view(t, h, d)
+            v = flat[t * h * d :].view(t, hv, dv)
+            out = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
+            loc = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:t] + 1
+            contig = torch.arange(1, t + 1, device=dev)
+            nb = nbytes(t, h, d, hv, dv)
+            n = max(1, nb // 8)
+            src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
+            dst = torch.empty_like(src)
+            line = {"same-bytes copy": graph_us(lambda i: torch.bitwise_not(src, out=dst), 10, flush)}
+            numel, block = flat.numel(), 2048
+            for rung, label in enumerate(LADDER_RUNGS):
+                line[label] = graph_us(lambda i, rung=rung: _ladder_kernel[(triton.cdiv(numel, block),)](
+                    flat, out, scale, numel, RUNG=rung, BLOCK=block, num_warps=4), 10, flush)  # fmt: skip
+            key = write_key(k, v, loc, scale, scale)
+            line["write, contiguous slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, scale), 10, flush)
+            line["write, random slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
+            copy_us = line["same-bytes copy"]
+            for label, us in line.items():
+                results.append(dict(geometry=name, T=t, variant=label, us=us, of_copy=copy_us / us))
+            print(f"ladder {name} T={t}: " + " | ".join(f"{lb} {copy_us / us:.1%}" for lb, us in line.items()), flush=True)
+        with open(os.path.join(a.out, "probe_ladder.json"), "w") as f:
+            json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
+        del caches
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_out")
     p.add_argument("--geometries", default=",".join(GEOMETRIES))
     p.add_argument("--decode", action="store_true", help="sweep small tiles at decode sizes only")
+    p.add_argument("--ladder", action="store_true", help="copy -> cast -> division -> write, at large sizes only")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.ladder:
+        return ladder(a, a.geometries.split(","))
     if a.decode:
         return decode_sweep(a, a.geometries.split(","))
     dev = torch.device("cuda")

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune] [bench] [quick]
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
+#                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -45,6 +46,13 @@ for stage in $stages; do
       step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py
       step disagg python3 examples/disagg_sim.py
       step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
+    transfer_tests) step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py ;;
+    transfer_bench) step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
+    probe_host) step probe_host python3 benchmarks/probe_transfer_host.py --out "$OUT" ;;
+    ladder) step ladder python3 benchmarks/probe_plans.py --ladder --out "$OUT" ;;
+    host_bidir)
+      step host_bidir python3 benchmarks/bench_host_tier.py --quick --stages bidirectional \
+        --bidir-programs 8/16,16/16,16/32,32/32,32/64,64/64 --out "$OUT" ;;
     host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
     mla) step mla_bench python3 benchmarks/bench_mla.py --out "$OUT" ;;
     llama_bench) step llama_bench python3 benchmarks/bench_llama_runner.py --out "$OUT" ;;

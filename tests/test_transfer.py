@@ -409,3 +409,73 @@ def test_a_late_peer_raises_once_and_the_pair_stays_in_step(tmp_path):
     assert sender["moved"] == receiver["moved"] == [True], (sender, receiver)
     assert receiver["seen"] == 10.0, "the second transfer carried the sender's rows"
     assert sender["leftover"] == receiver["leftover"] == [], "a handshake key was left in the store"
+
+
+class _CountingStore:
+    """The default store, recording the name of every operation the handshake makes."""
+
+    def __init__(self, store) -> None:
+        self.store, self.ops = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            self.ops.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+
+def _predicted_rank(rank: int, port: int, out: str) -> None:
+    """Four transfers; rank 1 always arrives second. The second and third can be predicted from the
+    first (the third with another token count on both sides), the fourth cannot (token counts differ)."""
+    from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+    from kvpool.transfer import endpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))  # fmt: skip
+    counting = _CountingStore(dist.distributed_c10d._get_default_store())
+    endpoint._default_store = lambda: counting
+    report: dict = {"ops": [], "errors": [], "rows": []}
+    try:
+        pool = MHATokenToKVPool(64, 1, torch.float8_e4m3fn, 2, 16, 2, "cpu", warmup=False)
+        ep = KVSender(pool) if rank == 0 else KVReceiver(pool)
+        for i, (n_send, n_recv) in enumerate(((8, 8), (8, 8), (4, 4), (4, 5))):
+            n = n_send if rank == 0 else n_recv
+            loc = torch.arange(1 + 8 * i, 1 + 8 * i + n)
+            if rank == 0:
+                for b in pool.k_buffer + pool.v_buffer:
+                    b.view(torch.uint8)[loc] = 20 + i
+            dist.barrier()
+            if rank == 1:
+                time.sleep(0.3)  # the sender is waiting in the store by then
+            counting.ops.clear()
+            try:
+                (ep.send(loc, 1) if rank == 0 else ep.recv(loc, 0)).wait()
+            except ValueError as exc:
+                report["errors"].append((i, str(exc)))
+            report["ops"].append(list(counting.ops))
+            report["rows"].append(pool.v_buffer[1].view(torch.uint8)[loc].unique().tolist())
+        dist.barrier()
+        name = dist.group.WORLD.group_name
+        keys = [f"kvpool/transfer/0-1/{name}/{seq}/{r}" for seq in range(4) for r in range(2)]
+        report["leftover"] = [k for k in keys if counting.store.check([k])]
+    finally:
+        Path(out, f"predicted{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def test_a_predictable_header_is_read_and_claimed_in_one_round_trip(tmp_path):
+    spawn(_predicted_rank, 2, (free_port(), str(tmp_path)), timeout=60)
+    sender, receiver = (json.loads(Path(tmp_path, f"predicted{r}.json").read_text()) for r in range(2))
+    first, second, third, fourth = receiver["ops"]
+    assert first == ["set", "get", "compare_set", "delete_key"], first  # nothing to predict from yet
+    assert second == third == ["set", "compare_set", "delete_key"], (second, third)
+    assert fourth[:2] == ["set", "compare_set"] and "get" not in fourth, fourth  # a miss: the header was there
+    # The sender arrived first: its guess found no key, so it waited for the receiver's header.
+    assert sender["ops"][1] == ["set", "compare_set", "get", "compare_set", "delete_key"], sender["ops"]
+    assert receiver["rows"][:3] == [[20], [21], [22]], receiver["rows"]
+    assert [i for i, _ in sender["errors"]] == [i for i, _ in receiver["errors"]] == [3]
+    assert sender["errors"][0][1] == receiver["errors"][0][1] and "tokens mismatch" in sender["errors"][0][1]
+    assert sender["leftover"] == receiver["leftover"] == [], "a handshake key was left in the store"

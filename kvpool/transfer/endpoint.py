@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from dataclasses import replace
 from typing import Optional, Union
 
 import numpy as np
@@ -201,6 +202,7 @@ class _Endpoint:
         self._stage = torch.empty(2 * self.chunk_bytes, dtype=torch.uint8, device=dev)
         self._arange = torch.arange(min(self._rows, self.chunk_bytes // one_head.token_bytes), device=dev)
         self._tables: dict[tuple[int, int], tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]] = {}
+        self._peer_headers: dict[int, Header] = {}  # the last header each peer sent (the handshake's guess)
         if self._cuda:
             self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
             self._side = torch.cuda.Stream(device=dev)
@@ -233,14 +235,20 @@ class _Endpoint:
         if problem is not None:
             mine = mine.with_error(problem)
         encoded = mine.encode()
-        theirs = self._exchange(encoded, peer, group)
-        # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
-        verdict = agree(Header.decode(encoded), theirs)
-        if isinstance(verdict, Refusal):
-            raise verdict.exception()
-        if loc_host is None:  # unreachable: a rank with a loc problem refuses through the verdict
-            raise RuntimeError(f"{where}: the handshake agreed although this rank's loc was rejected")
-        return self._move(verdict, loc_host, peer, group)
+        theirs, spent_key = self._exchange(encoded, mine, peer, group)
+        try:
+            # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
+            verdict = agree(Header.decode(encoded), theirs)
+            if isinstance(verdict, Refusal):
+                raise verdict.exception()
+            if loc_host is None:  # unreachable: a rank with a loc problem refuses through the verdict
+                raise RuntimeError(f"{where}: the handshake agreed although this rank's loc was rejected")
+            return self._move(verdict, loc_host, peer, group)
+        finally:
+            # The peer's claimed key is removed once the data movement is queued: the store round
+            # trip then runs while the device works instead of before it.
+            with contextlib.suppress(Exception):  # a store that cannot delete keeps a few bytes per transfer
+                _default_store().delete_key(spent_key)
 
     def _check_peer(self, peer: object, group: Optional[dist.ProcessGroup]) -> int:
         """This rank's global rank, after checking ``peer``; raises here (the peer cannot be told)."""
@@ -315,18 +323,26 @@ class _Endpoint:
             )
         return loc64, None
 
-    def _exchange(self, encoded: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> Header:
+    def _exchange(
+        self, encoded: torch.Tensor, mine: Header, peer: int, group: Optional[dist.ProcessGroup]
+    ) -> tuple[Header, str]:
         """Swap headers with ``peer`` through torch.distributed's key-value store (host memory and a
-        socket: no device work, no stream, no synchronisation).
+        socket: no device work, no stream, no synchronisation). Returns the peer's header and the
+        store key it came under, which the caller deletes once it no longer needs the store.
 
         Keys are numbered per pair of ranks and group, in the order transfers between the two start.
         Each rank publishes its header under its own key, waits for the peer's (up to the store's
-        timeout), claims it (``compare_set`` to TAKEN, so a peer that gave up cannot also count it
-        as unread) and deletes it. A rank whose wait times out withdraws its own header the same
-        atomic way, unless the peer has already claimed it; the withdrawn key stays as a tombstone,
-        and a peer that arrives later finds it, raises, and removes it. Both ranks thus spend the
-        same key number on every transfer either of them started, and a late peer can never pair
-        with a later transfer."""
+        timeout) and claims it (``compare_set`` to TAKEN, so a peer that gave up cannot also count it
+        as unread). A rank whose wait times out withdraws its own header the same atomic way, unless
+        the peer has already claimed it; the withdrawn key stays as a tombstone, and a peer that
+        arrives later finds it, raises, and removes it. Both ranks thus spend the same key number on
+        every transfer either of them started, and a late peer can never pair with a later transfer.
+
+        The claim doubles as the read when the peer's header can be predicted: between the same
+        endpoints it is the previous transfer's with this transfer's token count and no error, so
+        one ``compare_set`` against that prediction reads and claims it (two store round trips for
+        the rank that arrives second, instead of three). A wrong prediction, or a peer not there
+        yet, costs that one round trip and the exchange continues as above."""
         store = _default_store()
         rank = dist.get_rank()
         pg = group if group is not None else dist.group.WORLD
@@ -334,31 +350,48 @@ class _Endpoint:
         pair = (min(rank, peer), max(rank, peer), name)
         seq = _SEQUENCE[pair] = _SEQUENCE.get(pair, -1) + 1
         prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{name}/{seq}/"
-        mine, theirs_key = prefix + str(rank), prefix + str(peer)
+        mine_key, theirs_key = prefix + str(rank), prefix + str(peer)
         header = encoded.numpy().tobytes()
-        store.set(mine, header)
-        try:
-            theirs = store.get(theirs_key)  # waits for the peer (up to the store's timeout)
-        except dist.DistStoreError:
-            if store.compare_set(mine, header, _WITHDRAWN) == _WITHDRAWN:
-                raise RuntimeError(
-                    f"kvpool transfer with rank {peer}: the peer did not start its side within the store's timeout "
-                    f"(transfer {seq} between the two ranks); this rank withdrew, and the peer's call for this "
-                    f"transfer will raise too; nothing moved"
-                ) from None
-            theirs = store.get(theirs_key)  # the peer took our header just in time: it has published its own
-        if theirs != _WITHDRAWN:
-            theirs = theirs if store.compare_set(theirs_key, theirs, _TAKEN) == _TAKEN else _WITHDRAWN
-        with contextlib.suppress(Exception):  # a store that cannot delete keeps 1 KiB per transfer
-            store.delete_key(theirs_key)
+        store.set(mine_key, header)
+        theirs: Optional[bytes] = None
+        last = self._peer_headers.get(peer)
+        if last is not None:
+            predicted = replace(last, tokens=mine.tokens, error_kind=0, message="").encode().numpy().tobytes()
+            found = store.compare_set(theirs_key, predicted, _TAKEN)
+            if found == _TAKEN:
+                theirs = predicted  # read and claimed in one round trip
+            elif found != predicted:  # (a missing key returns the expected value unchanged)
+                theirs = self._claim(store, theirs_key, found)
+        if theirs is None:
+            try:
+                found = store.get(theirs_key)  # waits for the peer (up to the store's timeout)
+            except dist.DistStoreError:
+                if store.compare_set(mine_key, header, _WITHDRAWN) == _WITHDRAWN:
+                    raise RuntimeError(
+                        f"kvpool transfer with rank {peer}: the peer did not start its side within the store's "
+                        f"timeout (transfer {seq} between the two ranks); this rank withdrew, and the peer's call "
+                        f"for this transfer will raise too; nothing moved"
+                    ) from None
+                found = store.get(theirs_key)  # the peer took our header just in time: it has published its own
+            theirs = self._claim(store, theirs_key, found)
         if theirs == _WITHDRAWN:
-            with contextlib.suppress(Exception):  # the peer will never read ours
-                store.delete_key(mine)
+            with contextlib.suppress(Exception):  # the peer will never read ours, nor we the tombstone
+                store.delete_key(mine_key)
+                store.delete_key(theirs_key)
             raise RuntimeError(
                 f"kvpool transfer with rank {peer}: the peer gave up waiting for this transfer (transfer {seq} "
                 f"between the two ranks) before this rank started it; nothing moved"
             )
-        return Header.decode(torch.frombuffer(bytearray(theirs), dtype=torch.uint8))
+        decoded = Header.decode(torch.frombuffer(bytearray(theirs), dtype=torch.uint8))
+        self._peer_headers[peer] = decoded
+        return decoded, theirs_key
+
+    @staticmethod
+    def _claim(store: dist.Store, key: str, found: bytes) -> bytes:
+        """Claim the peer's header ``found`` under ``key``: it, or WITHDRAWN if the peer withdrew first."""
+        if found == _WITHDRAWN:
+            return found
+        return found if store.compare_set(key, found, _TAKEN) == _TAKEN else _WITHDRAWN
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         """Current device and stream for the data movement (nothing on CPU)."""
