@@ -6,7 +6,8 @@ Two ranks (cuda:0 sends, cuda:1 receives, NCCL), Llama-3-8B FP8 pools as in benc
 * ``bare``: host microseconds of one ``dist.isend`` / ``dist.irecv`` call of 64 KiB (the call only,
   not the transfer), median of 200;
 * ``steps``: host microseconds spent in each step of ``send`` / ``recv`` (the header exchange, each
-  chunk's copy launch, each ``isend``/``irecv`` call), summed per transfer, and
+  chunk's copy launch, each ``isend``/``irecv`` call, ``Work.wait``, the checks, the pipeline),
+  summed per transfer, and
   the whole call, against the transfer's device time (barrier to completion, median of 5);
 * ``grid``: the transfer's time with the gather/scatter grid capped at 16, 32, 66 and 264 programs
   (the default is 2 per SM), against one contiguous NCCL send of the same bytes.
@@ -85,6 +86,13 @@ def install(clock: HostClock) -> None:
     dist.irecv = clock.wrap("irecv", dist.irecv)
     endpoint._Endpoint._exchange = clock.wrap("handshake", endpoint._Endpoint._exchange)
     endpoint._Endpoint._copy = clock.wrap("copy launch", endpoint._Endpoint._copy)
+    for name in ("_check_peer", "_check_backend", "_check_loc", "_move"):
+        setattr(endpoint._Endpoint, name, clock.wrap(name, getattr(endpoint._Endpoint, name)))
+    for cls in (KVSender, KVReceiver):
+        cls._pipeline = clock.wrap("_pipeline", cls._pipeline)
+    endpoint.KVTransfer.wait = clock.wrap("KVTransfer.wait", endpoint.KVTransfer.wait)
+    work = torch._C._distributed_c10d.Work
+    work.wait = clock.wrap("Work.wait", work.wait)
 
 
 def run(rank: int, port: int, out: str, tag: str) -> None:
