@@ -147,6 +147,46 @@ def _ladder_kernel(src_ptr, dst_ptr, scale_ptr, n, RUNG: tl.constexpr, BLOCK: tl
 LADDER_RUNGS = ("byte copy", "cast", "cast + reciprocal division", "cast + div.rn")
 
 
+@triton.jit
+def _flat_part(src_ptr, dst_ptr, loc_ptr, scale_ptr, T, capacity, ROW: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < T * ROW
+    t = e // ROW
+    col = e - t * ROW
+    s = tl.load(scale_ptr)
+    slot = tl.load(loc_ptr + t, mask=ok, other=-1)
+    x = tl.load(src_ptr + e, mask=ok, other=1.0).to(tl.float32)
+    y = _div_by_reciprocal(x, s, tl.div_rn(1.0, s))
+    keep = ok & (slot >= 0) & (slot < capacity)
+    tl.store(dst_ptr + slot * STRIDE + col, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=keep)
+
+
+@triton.jit
+def _flat_write_kernel(
+    k_ptr, v_ptr,  # [T, ROW_K] and [T, ROW_V] contiguous inputs (bf16)
+    kc_ptr, vc_ptr,  # caches (uint8): row r of K at kc_ptr + r * K_STRIDE, of V at vc_ptr + r * V_STRIDE
+    loc_ptr, scale_ptr, T, capacity,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, K_STRIDE: tl.constexpr, V_STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The write as a flat walk: axis 1 picks K or V, axis 0 a run of BLOCK elements of that tensor's
+    T x ROW inputs; each element finds its token (a division by a constant) and the token's slot."""
+    if tl.program_id(1) == 0:
+        _flat_part(k_ptr, kc_ptr, loc_ptr, scale_ptr, T, capacity, ROW_K, K_STRIDE, BLOCK)
+    elif tl.program_id(0) * BLOCK < T * ROW_V:
+        _flat_part(v_ptr, vc_ptr, loc_ptr, scale_ptr, T, capacity, ROW_V, V_STRIDE, BLOCK)
+
+
+def flat_write(k, v, kc, vc, loc, scale, block=2048, warps=4):
+    """Probe launcher for ``_flat_write_kernel`` (contiguous inputs; caches' rows contiguous)."""
+    t = k.shape[0]
+    row_k, row_v = k[0].numel(), v[0].numel()
+    blocks = triton.cdiv(t * max(row_k, row_v), block)
+    grid = (blocks, 2)
+    _flat_write_kernel[grid](k, v, kc, vc, loc, scale, t, kc.shape[0], ROW_K=row_k, ROW_V=row_v,
+                             K_STRIDE=kc.stride(0), V_STRIDE=vc.stride(0), BLOCK=block, num_warps=warps)  # fmt: skip
+
+
 def ladder(a, names) -> int:
     """Same-bytes copy -> byte copy -> cast -> division -> the write (contiguous, random slots)."""
     flush = flush_buffer()
@@ -179,10 +219,23 @@ def ladder(a, names) -> int:
             key = write_key(k, v, loc, scale, scale)
             line["write, contiguous slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, scale), 10, flush)
             line["write, random slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
+            for block, warps in ((1024, 4), (2048, 4), (4096, 8)):
+                line[f"flat write {block}/{warps}, random slots"] = graph_us(
+                    lambda i, b=block, w=warps: flat_write(k, v, *caches[i % LAYERS], loc, scale, b, w), 10, flush)
+            # The flat walk must write what the pool's plan writes.
+            kc, vc = caches[0]
+            kc.zero_(), vc.zero_()
+            cur(key, k, v, kc, vc, loc, scale, scale)
+            want = (kc[loc].clone(), vc[loc].clone())
+            kc.zero_(), vc.zero_()
+            flat_write(k, v, kc, vc, loc, scale)
+            line_ok = torch.equal(kc[loc], want[0]) and torch.equal(vc[loc], want[1])
             copy_us = line["same-bytes copy"]
             for label, us in line.items():
                 results.append(dict(geometry=name, T=t, variant=label, us=us, of_copy=copy_us / us))
-            print(f"ladder {name} T={t}: " + " | ".join(f"{lb} {copy_us / us:.1%}" for lb, us in line.items()), flush=True)
+            results.append(dict(geometry=name, T=t, variant="flat write bytes equal", ok=line_ok))
+            print(f"ladder {name} T={t}: " + " | ".join(f"{lb} {copy_us / us:.1%}" for lb, us in line.items())
+                  + f" | flat bytes equal: {line_ok}", flush=True)  # fmt: skip
         with open(os.path.join(a.out, "probe_ladder.json"), "w") as f:
             json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
         del caches
