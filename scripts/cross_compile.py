@@ -58,7 +58,7 @@ def compile_variant(
     }  # fmt: skip
     strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
     const = dict(
-        H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim, BLOCK_T=plan.block_t, BLOCK_TV=plan.v_block_t,
+        H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim, BLOCK_T=plan.block_t,
         BLOCK_H=plan.block_h, BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
         BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,

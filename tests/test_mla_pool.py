@@ -384,11 +384,10 @@ def test_auto_mode_on_cpu_takes_the_reference_path_and_says_why():
 
 def test_kernel_plan_for_the_deepseek_row():
     """The kernel's per-head plan covers the 512 latent and 64 rotary columns with no idle lanes:
-    one program per 4 tokens of latent values and per 32 tokens of rotary ones, so that each carries
-    a full tile (grid axis 1 has two entries; axis 0 steps by 4 tokens), no flat plan."""
+    one program per 4 tokens for each part (grid axis 1 has two entries), no flat plan."""
     plan = plan_launch(1, 512, 1, 64)
     assert plan.lane_use == 1.0 and plan.grid_y == 2
-    assert (plan.block_t, plan.v_block_t, plan.grid_t, plan.block_d, plan.block_dv) == (4, 32, 4, 512, 64)
+    assert (plan.block_t, plan.block_d, plan.block_dv) == (4, 512, 64)
     assert plan_flat_launch(1, 512, 1, 64) is None
 
 

@@ -42,7 +42,7 @@ logger = logging.getLogger("kvpool")
 
 # The kernel's constexpr parameters in signature order (a direct launch passes them positionally).
 _CONSTEXPR_NAMES = (
-    "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_TV", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV", "BLOCK_D2", "BLOCK_DV2",
+    "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV", "BLOCK_D2", "BLOCK_DV2",
     "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64",
 )  # fmt: skip
 
@@ -103,21 +103,6 @@ class LaunchPlan:
     #: ``heads`` x ``head_dim`` is a view of each token's row (all its heads end to end) as runs of
     #: ``head_dim`` elements, not the cache's own heads (flat and chunk plans).
     row_view: bool = False
-    #: V's token block when it differs from K's (0: ``block_t``); see ``v_block_t``.
-    block_tv: int = 0
-
-    @property
-    def v_block_t(self) -> int:
-        """Tokens per V program. A V row much shorter than K's takes more tokens per program, so
-        that its programs carry as much work as K's (an MLA row: 4 tokens of 512 latent values, 32
-        of 64 rotary ones, in the large tile)."""
-        return self.block_tv or self.block_t
-
-    @property
-    def grid_t(self) -> int:
-        """Tokens per step of the grid's first axis: the smaller token block (the other tensor's
-        programs past its last token exit at once)."""
-        return min(self.block_t, self.v_block_t)
 
     @property
     def k_blocks(self) -> int:
@@ -172,29 +157,19 @@ def _pieces(n: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None) -> LaunchPlan:
     """Block shapes for a geometry. A program covers BLOCK_T tokens x BLOCK_H heads x one head_dim
-    block (one or two power-of-two pieces) of K, or BLOCK_TV tokens x BLOCK_HV heads x one block of
-    V: about ``tile.elems`` elements each."""
+    block (one or two power-of-two pieces) of K, or of V: about ``tile.elems`` elements; BLOCK_T is
+    shared by K and V."""
     cfg = tile or TILE_TABLE["large"]
     block_d, block_d2 = _pieces(head_dim)
     block_dv, block_dv2 = _pieces(v_head_dim)
     block_h = min(_pow2(heads), _floor_pow2(max(1, cfg.elems // (block_d + block_d2))))
     block_hv = min(_pow2(v_heads), _floor_pow2(max(1, cfg.elems // (block_dv + block_dv2))))
-    block_t, block_tv = _token_blocks(cfg, block_h * (block_d + block_d2), block_hv * (block_dv + block_dv2))
+    row = max(block_h * (block_d + block_d2), block_hv * (block_dv + block_dv2))
     return LaunchPlan(
         heads, head_dim, v_heads, v_head_dim,
-        block_t=block_t, block_h=block_h, block_d=block_d,
+        block_t=_floor_pow2(max(1, cfg.elems // row)), block_h=block_h, block_d=block_d,
         block_hv=block_hv, block_dv=block_dv, num_warps=cfg.num_warps, block_d2=block_d2, block_dv2=block_dv2,
-        block_tv=block_tv,
     )  # fmt: skip
-
-
-def _token_blocks(cfg: TileConfig, row: int, v_row: int) -> tuple[int, int]:
-    """(K's, V's) tokens per program for a program span of ``row`` (``v_row``) elements per token:
-    as many as fill the tile. With equal spans the two are equal; an MLA row's V span of 64 against
-    K's 512 takes 8 times more tokens (measured on an H200: V programs of 256 elements held the
-    MLA write at 78-80% of a same-bytes copy, against 86-87% for a walk giving every program a full
-    tile; benchmarks/probe_plans.py --ladder)."""
-    return _floor_pow2(max(1, cfg.elems // row)), _floor_pow2(max(1, cfg.elems // v_row))
 
 
 def _row_block(n: int, cap: int) -> int:
@@ -234,12 +209,11 @@ def plan_flat_launch(
     row, v_row = heads * head_dim, v_heads * v_head_dim
     block_d, block_d2 = _row_pieces(row, cfg.elems)
     block_dv, block_dv2 = _row_pieces(v_row, cfg.elems)
-    block_t, block_tv = _token_blocks(cfg, block_d + block_d2, block_dv + block_dv2)
     return LaunchPlan(
         1, row, 1, v_row,
-        block_t=block_t, block_h=1,
+        block_t=_floor_pow2(max(1, cfg.elems // max(block_d + block_d2, block_dv + block_dv2))), block_h=1,
         block_d=block_d, block_hv=1, block_dv=block_dv, num_warps=cfg.num_warps,
-        block_d2=block_d2, block_dv2=block_dv2, row_view=True, block_tv=block_tv,
+        block_d2=block_d2, block_dv2=block_dv2, row_view=True,
     )  # fmt: skip
 
 
@@ -293,13 +267,13 @@ class _Variant:
         self, plan: LaunchPlan, out_kind: int, soft_cast: bool, fast_div: bool, cache_strides: tuple[int, ...]
     ) -> None:
         self.plan = plan
-        self.block_t = plan.grid_t  # tokens per step of the grid's first axis
+        self.block_t = plan.block_t
         self.grid_y = plan.grid_y
         # The caches' strides as this plan addresses them (a row view runs its heads end to end).
         self.cache_strides = self.view(cache_strides[:3], cache_strides[3:])
         self._base = dict(
             H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim,
-            BLOCK_T=plan.block_t, BLOCK_TV=plan.v_block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
+            BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
             BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv, BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
             OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div,
         )  # fmt: skip

@@ -316,31 +316,6 @@ def _store_head_block(
         tl.atomic_max(amax_ptr + offs_h, head_max, mask=head_ok)
 
 
-@triton.jit
-def _token_block(pid, T, width, stride_loc, stride_loc_row, commit_ptr, stride_commit,
-                 BLOCK: tl.constexpr, PREFIX: tl.constexpr, I64: tl.constexpr):  # fmt: skip
-    """Block ``pid`` of BLOCK tokens: (token indices, token exists, offset of its slot in loc, the
-    token may be written). 64-bit offsets unless every offset of the launch fits in 32 bits (the
-    launcher checks the inputs' and caches' extents); 64-bit arithmetic costs decode-sized writes
-    measurable time."""
-    if I64:
-        offs_t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    else:
-        offs_t = pid * BLOCK + tl.arange(0, BLOCK)
-    token_ok = offs_t < T
-    if PREFIX:
-        row = offs_t // width
-        col = offs_t - row * width
-        loc_off = row * stride_loc_row + col * stride_loc
-        # Rows and slots still load under token_ok alone; only the store waits for commit_lens.
-        committed = tl.load(commit_ptr + row * stride_commit, mask=token_ok, other=0)
-        write_ok = token_ok & (col < committed)
-    else:
-        loc_off = offs_t * stride_loc
-        write_ok = token_ok
-    return offs_t, token_ok, loc_off, write_ok
-
-
 # T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
 # scheduler slices loc out of a larger buffer; a scale tensor may be one element of a stacked
 # per-layer tensor); so do a verify write's width and commit_lens. Not specializing on them keeps one
@@ -389,7 +364,6 @@ def _store_kv_kernel(
     HV: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_TV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
@@ -405,37 +379,43 @@ def _store_kv_kernel(
     OBSERVE: tl.constexpr,
     I64: tl.constexpr,
 ):
+    # 64-bit offsets unless every offset of the launch fits in 32 bits (the launcher checks the
+    # inputs' and caches' extents); 64-bit arithmetic costs decode-sized writes measurable time.
+    if I64:
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    else:
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = offs_t < T
+    if PREFIX:
+        row = offs_t // width
+        col = offs_t - row * width
+        loc_off = row * stride_loc_row + col * stride_loc
+        # Rows and slots still load under token_ok alone; only the store waits for commit_lens.
+        committed = tl.load(commit_ptr + row * stride_commit, mask=token_ok, other=0)
+        write_ok = token_ok & (col < committed)
+    else:
+        loc_off = offs_t * stride_loc
+        write_ok = token_ok
+
     # Axis 1: K's blocks, then V's; each tensor's blocks walk head_dim blocks within head blocks
     # (one head_dim block per head, except in flat plans, where a "head" is a whole row).
     # (With a second piece, BLOCK_D + BLOCK_D2 >= D: one head_dim block per head.)
-    # Axis 0 walks token blocks of BLOCK_T tokens for K and BLOCK_TV for V: a V row much shorter
-    # than K's (an MLA row's 64 rotary values against 512 latent ones) gets as much work per
-    # program as K's. The grid covers the smaller block; programs past the end of the other exit.
     K_D_BLOCKS: tl.constexpr = (D - BLOCK_D2 + BLOCK_D - 1) // BLOCK_D
     V_D_BLOCKS: tl.constexpr = (DV - BLOCK_DV2 + BLOCK_DV - 1) // BLOCK_DV
     K_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H * K_D_BLOCKS
-    pid = tl.program_id(0)
     b = tl.program_id(1)
     if b < K_BLOCKS:
-        if pid * BLOCK_T < T:
-            offs_t, token_ok, loc_off, write_ok = _token_block(
-                pid, T, width, stride_loc, stride_loc_row, commit_ptr, stride_commit, BLOCK_T, PREFIX, I64
-            )  # fmt: skip
-            _store_head_block(
-                k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
-                offs_t, token_ok, loc_off, write_ok, k_amax_ptr, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity,
-                stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
-                H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
-            )  # fmt: skip
+        _store_head_block(
+            k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
+            offs_t, token_ok, loc_off, write_ok, k_amax_ptr, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity,
+            stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
+            H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        )  # fmt: skip
     else:
         b -= K_BLOCKS
-        if pid * BLOCK_TV < T:
-            offs_t, token_ok, loc_off, write_ok = _token_block(
-                pid, T, width, stride_loc, stride_loc_row, commit_ptr, stride_commit, BLOCK_TV, PREFIX, I64
-            )  # fmt: skip
-            _store_head_block(
-                v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
-                offs_t, token_ok, loc_off, write_ok, v_amax_ptr, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity,
-                stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
-                HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
-            )  # fmt: skip
+        _store_head_block(
+            v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
+            offs_t, token_ok, loc_off, write_ok, v_amax_ptr, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity,
+            stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
+            HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        )  # fmt: skip
