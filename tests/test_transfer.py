@@ -449,7 +449,7 @@ def _predicted_rank(rank: int, port: int, out: str) -> None:
                     b.view(torch.uint8)[loc] = 20 + i
             dist.barrier()
             if rank == 1:
-                time.sleep(0.3)  # the sender is waiting in the store by then
+                time.sleep(1.0)  # the sender is waiting in the store by then
             counting.ops.clear()
             try:
                 (ep.send(loc, 1) if rank == 0 else ep.recv(loc, 0)).wait()
