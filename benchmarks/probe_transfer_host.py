@@ -35,26 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool import KVReceiver, KVSender, MHATokenToKVPool
-from kvpool.transfer import endpoint
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_transfer import HEAD_DIM, HEADS, LAYERS, SIZE, TOKEN_BYTES, timed  # noqa: E402  (same pools, same clock)
 
-LAYERS, HEADS, HEAD_DIM = 32, 8, 128
-SIZE = 2 * 32768
-TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
+from kvpool.transfer import endpoint  # noqa: E402
+
 REQUESTS = {"8k": 8192, "32k": 32768}
-
-
-def timed(fn, reps: int = 5) -> float:
-    """Median seconds from a barrier to the end of ``fn``'s device work (first run not counted)."""
-    times = []
-    for _ in range(reps + 1):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
 
 
 class HostClock:
@@ -149,15 +136,14 @@ def run(rank: int, port: int, out: str, tag: str) -> None:
             report["steps"][name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             # 3. Copy grids, and the contiguous NCCL ceiling of the same bytes.
             flat = buf[:nbytes].view(torch.int64)
-            ceiling = timed(lambda: (dist.send(flat, 1) if rank == 0 else dist.recv(flat, 0)))
-            grid = {"nccl_us": ceiling * 1e6}
+            grid = {"nccl_us": timed(lambda: (dist.send(flat, 1) if rank == 0 else dist.recv(flat, 0)))}
             for programs in (16, 32, 66, 264):
                 e = KVSender(pool, max_programs=programs) if rank == 0 else KVReceiver(pool, max_programs=programs)
                 go = (lambda: e.send(loc, 1).wait()) if rank == 0 else (lambda: e.recv(loc, 0).wait())
                 go()
-                grid[f"{programs}_us"] = timed(go) * 1e6
+                grid[f"{programs}_us"] = timed(go)
                 del e
-            grid["default_us"] = timed(move) * 1e6
+            grid["default_us"] = timed(move)
             report["grid"][name] = grid
             if rank == 1:
                 s = report["steps"][name]
