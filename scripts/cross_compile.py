@@ -29,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvpool.kernels import copy_rows_kernel as CK  # noqa: E402
 from kvpool.kernels import store_kv_kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
-from kvpool.kernels.store_kv import plan_flat_launch, plan_launch  # noqa: E402
+from kvpool.kernels.store_kv import plan_flat_launch, plan_joined_launch, plan_launch  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
 TARGETS = {
@@ -42,11 +42,12 @@ TARGETS = {
 
 def compile_variant(
     target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False,
-    i64=True, flat=False,
+    i64=True, flat=False, joined=False, v_head_dim=None,
 ):  # fmt: skip
     target, soft = TARGETS[target_name]
     names = list(K._store_kv_kernel.arg_names)
-    plan = (plan_flat_launch if flat else plan_launch)(heads, head_dim, heads, head_dim)
+    v_head_dim = v_head_dim or head_dim
+    plan = (plan_joined_launch if joined else plan_flat_launch if flat else plan_launch)(heads, head_dim, heads, v_head_dim)
     sig = {
         "k_ptr": f"*{in_type}", "v_ptr": f"*{in_type}",
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
@@ -62,7 +63,7 @@ def compile_variant(
         BLOCK_H=plan.block_h, BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
         BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
-        PREFIX=prefix, OBSERVE=observe, I64=i64,
+        PREFIX=prefix, OBSERVE=observe, I64=i64, JOINED=plan.joined,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -79,7 +80,7 @@ def compile_variant(
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
             "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe,
-            "i64": i64, "flat": flat}  # fmt: skip
+            "i64": i64, "flat": flat, "joined": joined, "DV": v_head_dim}  # fmt: skip
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
@@ -170,6 +171,7 @@ def main() -> int:
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, True),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, False, False),
             ("sm90", 3, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
+            ("sm90", 1, 512, 0, "bf16", 2, 2, "i64", False, False, False, False, True, 64),  # the MLA pool's plan
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)

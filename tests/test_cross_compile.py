@@ -28,7 +28,7 @@ def compiled() -> list[dict]:
 
 def test_every_target_compiles(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 13
+    assert len(compiled) == 14
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
@@ -73,3 +73,11 @@ def test_32_bit_offsets_and_two_piece_rows_compile_to_the_fast_write(compiled):
     assert narrow["ld_v4"] > 0 and narrow["st_v4"] > 0 and narrow["cvt_satfinite"] > 0
     [odd] = [v for v in compiled if v["target"] == "sm90" and v["flat"]]
     assert odd["ld_v4"] > 0 and odd["cvt_satfinite"] > 0
+
+
+def test_joined_plan_compiles_to_the_fast_write(compiled):
+    """The MLA pool's joined plan (one program writes the 512 latent and 64 rotary values of its
+    tokens) keeps 16-byte loads and stores, the hardware cast and the FMA division for both parts."""
+    [mla] = [v for v in compiled if v["joined"]]
+    assert (mla["H"], mla["D"], mla["DV"]) == (1, 512, 64)
+    assert mla["ld_v4"] > 0 and mla["st_v4"] > 0 and mla["cvt_satfinite"] > 0 and mla["fma_rn"] > mla["div_rn"] > 0

@@ -122,12 +122,14 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["per-part", "joined"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
-def test_kernel_variants_on_the_two_views_of_one_buffer(cache_dtype, variant):
-    """The kernel's code paths on the MLA geometry (the pool takes the default one), launched on the
-    latent and rotary column views of one caller-owned buffer inside guard rows: equal to the
-    reference, and nothing outside the window or the named rows changes."""
+def test_kernel_variants_on_the_two_views_of_one_buffer(cache_dtype, variant, joined):
+    """The kernel's code paths on the MLA geometry (the pool takes the default division and encoder,
+    and the joined plan), launched on the latent and rotary column views of one caller-owned buffer
+    inside guard rows: equal to the reference, and nothing outside the window or the named rows
+    changes."""
     slots, guard, t = 3000, 16, 2048
     backing = poison_(torch.empty(slots + 2 * guard, 1, W, dtype=cache_dtype, device=DEV))
     before = bits(backing).clone()
@@ -137,7 +139,8 @@ def test_kernel_variants_on_the_two_views_of_one_buffer(cache_dtype, variant):
     loc[:64] = torch.randint(-(2**40), 2**40, (64,), device=DEV, generator=_gen(8))  # mostly out of range
     loc[64:80] = slots + torch.arange(16, device=DEV)
     for s in (0.37, 1e-30, torch.tensor([2.0**-5], device=DEV)):
-        launch_store_kv(nope, rope, window[:, :, :R], window[:, :, R:], loc, s, s, options=VARIANTS[variant])
+        launch_store_kv(nope, rope, window[:, :, :R], window[:, :, R:], loc, s, s, options=VARIANTS[variant],
+                        joined=joined)  # fmt: skip
         expected = poison_(torch.empty(slots, 1, W, dtype=cache_dtype, device=DEV))
         reference_set_kv_buffer(nope, rope, expected[:, :, :R], expected[:, :, R:], loc, s, s)
         torch.cuda.synchronize()

@@ -21,6 +21,7 @@ from kvpool.kernels.store_kv import (
     launch_store_kv,
     plan_chunk_launch,
     plan_flat_launch,
+    plan_joined_launch,
     plan_launch,
     storage_view,
 )
@@ -202,6 +203,38 @@ def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
     assert_same_bytes(kf, kr, "k_cache")
     assert_same_bytes(vf, vr, "v_cache")
     assert plan_chunk_launch(3, 96, 3, 96, 64, 64, 1) is None  # 288 is not a multiple of 64
+
+
+def test_joined_plans_only_where_each_row_is_one_block():
+    mla = plan_joined_launch(1, 512, 1, 64)
+    assert mla.joined and mla.grid_y == 1 and (mla.block_t, mla.block_d, mla.block_dv) == (4, 512, 64)
+    assert plan_joined_launch(8, 128, 8, 128).grid_y == 1  # 8 x 128 fits the 2048-element tile
+    assert plan_joined_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)) is None  # 2 head blocks each
+    assert plan_joined_launch(1, 512, 1, 64, TileConfig(elems=256, num_warps=4)).block_t == 1  # a row is one block
+    with pytest.raises(ValueError, match="one block per tensor"):
+        plan_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)).__class__(
+            8, 128, 8, 128, block_t=1, block_h=4, block_d=128, block_hv=4, block_dv=128, num_warps=4, joined=True
+        )
+
+
+# One program writes both tensors: different head counts, dims and second pieces (96 = 64 + 32),
+# every scale kind (K and V each their own), partial token blocks, padding and out-of-range slots.
+@pytest.mark.parametrize("scale_kind", ["none", "float", "tensor", "per_head"])
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64], ids=_name)
+@pytest.mark.parametrize("h,d,hv,dv", [(1, 64, 1, 16), (3, 96, 3, 96), (2, 32, 1, 40)])
+def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
+    t, slots = 11, 29
+    tile = TileConfig(elems=512, num_warps=2)
+    plan = plan_joined_launch(h, d, hv, dv, tile)
+    assert plan is not None and plan.block_t < t
+    k, v = _rows(t, h, d, torch.bfloat16, 61), _rows(t, hv, dv, torch.float32, 62)
+    ks, vs = _scale(scale_kind, h, 63), _scale(scale_kind, hv, 64)
+    for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        (kf, vf), (kr, vr) = _both_paths(
+            k, v, _loc(t, slots, loc_dtype, 65), ks, vs, slots, cache_dtype, tile=tile, joined=True, flat=False
+        )  # fmt: skip
+        assert_same_bytes(kf, kr, "k_cache")
+        assert_same_bytes(vf, vr, "v_cache")
 
 
 def test_flat_plan_with_rows_longer_than_the_tile():

@@ -383,12 +383,16 @@ def test_auto_mode_on_cpu_takes_the_reference_path_and_says_why():
 
 
 def test_kernel_plan_for_the_deepseek_row():
-    """The kernel's per-head plan covers the 512 latent and 64 rotary columns with no idle lanes:
-    one program per 4 tokens for each part (grid axis 1 has two entries), no flat plan."""
+    """The kernel's plan covers the 512 latent and 64 rotary columns with no idle lanes, no flat
+    plan; the pool takes the joined plan: one program per 4 tokens writes both parts of each row
+    (grid axis 1 has one entry), where the per-head plan alone would give each part its programs."""
     plan = plan_launch(1, 512, 1, 64)
     assert plan.lane_use == 1.0 and plan.grid_y == 2
     assert (plan.block_t, plan.block_d, plan.block_dv) == (4, 512, 64)
     assert plan_flat_launch(1, 512, 1, 64) is None
+    launch = make_pool(torch.float8_e4m3fn, "always")._writer.launch  # CUDA, or the interpreter on CPU
+    for variant in (launch.per_head, launch.small_per_head):
+        assert variant.plan.joined and variant.grid_y == 1 and (variant.plan.heads, variant.plan.head_dim) == (1, R)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,7 +43,7 @@ logger = logging.getLogger("kvpool")
 # The kernel's constexpr parameters in signature order (a direct launch passes them positionally).
 _CONSTEXPR_NAMES = (
     "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV", "BLOCK_D2", "BLOCK_DV2",
-    "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64",
+    "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64", "JOINED",
 )  # fmt: skip
 
 
@@ -103,6 +103,13 @@ class LaunchPlan:
     #: ``heads`` x ``head_dim`` is a view of each token's row (all its heads end to end) as runs of
     #: ``head_dim`` elements, not the cache's own heads (flat and chunk plans).
     row_view: bool = False
+    #: One program writes a token block's K rows and V rows (each one block): its loads are all
+    #: issued before its stores, and the grid has one program per token block.
+    joined: bool = False
+
+    def __post_init__(self) -> None:
+        if self.joined and (self.k_blocks, self.v_blocks) != (1, 1):
+            raise ValueError(f"a joined plan needs one block per tensor, got {self.k_blocks} K and {self.v_blocks} V blocks")
 
     @property
     def k_blocks(self) -> int:
@@ -116,7 +123,7 @@ class LaunchPlan:
 
     @property
     def grid_y(self) -> int:
-        return self.k_blocks + self.v_blocks
+        return 1 if self.joined else self.k_blocks + self.v_blocks
 
     @property
     def lane_use(self) -> float:
@@ -170,6 +177,21 @@ def plan_launch(heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: 
         block_t=_floor_pow2(max(1, cfg.elems // row)), block_h=block_h, block_d=block_d,
         block_hv=block_hv, block_dv=block_dv, num_warps=cfg.num_warps, block_d2=block_d2, block_dv2=block_dv2,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def plan_joined_launch(
+    heads: int, head_dim: int, v_heads: int, v_head_dim: int, tile: TileConfig | None = None
+) -> LaunchPlan | None:
+    """The per-head plan's blocks with K and V written by the same program, when each tensor's row
+    is one block (an MLA row: 512 latent values as K, 64 rotary ones as V). Each token's whole row
+    is then written by one program, and no program carries only the short part: the per-head plan
+    gives an MLA row's 64 rotary values programs of 4 x 64 elements beside the latent part's 4 x 512.
+    None when a row takes more than one block."""
+    plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile)
+    if (plan.k_blocks, plan.v_blocks) != (1, 1):
+        return None
+    return replace(plan, joined=True)
 
 
 def _row_block(n: int, cap: int) -> int:
@@ -275,7 +297,7 @@ class _Variant:
             H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim,
             BLOCK_T=plan.block_t, BLOCK_H=plan.block_h, BLOCK_D=plan.block_d,
             BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv, BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
-            OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div,
+            OUT_KIND=out_kind, SOFT_CAST=soft_cast, FAST_DIV=fast_div, JOINED=plan.joined,
         )  # fmt: skip
         self._by_flags: dict[tuple, tuple[dict, tuple]] = {}
 
@@ -310,6 +332,9 @@ class PreparedLaunch:
     tokens take the small one (``small_per_head``, ``small_flat``), larger writes the large one
     (``per_head``, ``flat``). An explicit ``tile`` is used for both.
 
+    With ``joined``, the per-head plans write K and V in the same program where each is one block
+    (``plan_joined_launch``).
+
     ``options`` are the launcher's debug switches (``KernelOptions``; default: from the environment).
     The soft encoder is used wherever the device has no exact native conversion, whatever
     ``options.soft_cast`` says; the fast division only where the native conversion runs."""
@@ -331,6 +356,7 @@ class PreparedLaunch:
         caches_aligned: bool = False,
         flat: bool = True,
         row_plan: Optional[LaunchPlan] = None,
+        joined: bool = False,
     ) -> None:
         opts = KernelOptions.from_env() if options is None else options
         self.soft_cast = opts.soft_cast or not native_cast_ok(device)
@@ -356,7 +382,8 @@ class PreparedLaunch:
         )
 
         def variants(tile_: TileConfig) -> tuple[_Variant, Optional[_Variant]]:
-            plan = plan_launch(heads, head_dim, v_heads, v_head_dim, tile_)
+            plan = plan_joined_launch(heads, head_dim, v_heads, v_head_dim, tile_) if joined else None
+            plan = plan or plan_launch(heads, head_dim, v_heads, v_head_dim, tile_)
             flat_plan = (row_plan or plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile_)) if flat_ok else None
             make = lambda p: _Variant(p, out_kind, self.soft_cast, self.fast_div, self.cache_strides)  # noqa: E731
             return make(plan), None if flat_plan is None else make(flat_plan)
@@ -551,10 +578,10 @@ def storage_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, device, options, tile, flat):
+def _prepared(heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, device, options, tile, flat, joined):
     return PreparedLaunch(
         heads, head_dim, v_heads, v_head_dim, cache_dtype, kst, vst, capacity, device,
-        options=options, tile=tile, flat=flat,
+        options=options, tile=tile, flat=flat, joined=joined,
     )  # fmt: skip
 
 
@@ -570,11 +597,13 @@ def launch_store_kv(
     options: Optional[KernelOptions] = None,
     tile: Optional[TileConfig] = None,
     flat: bool = True,
+    joined: bool = False,
 ) -> None:
     """Launch the fused write with a chosen variant, for tests and benchmarks. Arguments are not
     checked and the gate is not asked: they must already be valid (caches in their logical dtype).
     ``options`` picks division and encoder (default: from the environment); ``flat=False`` keeps
-    the per-head plan even where a flat one exists. Scales of a 16-bit or fp32 cache are ignored."""
+    the per-head plan even where a flat one exists; ``joined=True`` writes K and V from one program
+    where each is one block (``plan_joined_launch``). Scales of a 16-bit or fp32 cache are ignored."""
     if k.shape[0] == 0:
         return
     if OUT_KIND[k_cache.dtype] > OUT_KIND[torch.float8_e5m2]:
@@ -582,6 +611,6 @@ def launch_store_kv(
     launch = _prepared(
         k_cache.shape[1], k_cache.shape[2], v_cache.shape[1], v_cache.shape[2], k_cache.dtype,
         tuple(k_cache.stride()), tuple(v_cache.stride()), k_cache.shape[0], k_cache.device,
-        options or KernelOptions.from_env(), tile, flat,
+        options or KernelOptions.from_env(), tile, flat, joined,
     )  # fmt: skip
     launch(write_key(k, v, loc, k_scale, v_scale), k, v, storage_view(k_cache), storage_view(v_cache), loc, k_scale, v_scale)

@@ -220,24 +220,98 @@ def _head_max(raw, keep, SOFT_CAST: tl.constexpr):
 
 
 @triton.jit
-def _store_head_block(
+def _block_lanes(head_block, d_block, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_D2: tl.constexpr, I64: tl.constexpr):  # fmt: skip
+    """The heads and head_dim elements a block covers, and which of them exist: (offs_h, offs_d,
+    offs_d2, head_ok, in_row, in_row2). With BLOCK_D2 > 0 the head_dim is covered by two power-of-two
+    pieces, [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), in the same program (a row of 288 = 256 +
+    32 elements keeps every lane busy and stays in one program); without, the second piece's lanes
+    are the first's (unused)."""
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    if I64:
+        # A caller's head-major cache viewed as [slots, H, D] has a head stride of slots * D, and
+        # (H - 1) * slots * D passes 2**31 on a 2 GiB cache; the launcher takes 32-bit offsets only
+        # when every offset of every tensor of the launch fits.
+        offs_h = offs_h.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+    head_ok = offs_h < H
+    in_row = head_ok[None, :, None] & (offs_d < D)[None, None, :]
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        if I64:
+            offs_d2 = offs_d2.to(tl.int64)
+        in_row2 = head_ok[None, :, None] & (offs_d2 < D)[None, None, :]
+    else:
+        offs_d2 = offs_d
+        in_row2 = in_row
+    return offs_h, offs_d, offs_d2, head_ok, in_row, in_row2
+
+
+@triton.jit
+def _load_block(
     src_ptr,  # [T, H, D] input rows, any strides
-    dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
-    loc_ptr,  # [T] (or [bs, width]) slots
     scale_ptr,  # [1] or [H] float32; unused unless SCALE_KIND is SCALE_TENSOR or SCALE_HEAD
     scale_value,  # float32, used when SCALE_KIND == SCALE_VALUE
     scale_stride,  # the per-head scale's stride along heads (SCALE_HEAD)
     offs_t,  # [BLOCK_T] token indices (int64, or int32 when I64 is off)
     token_ok,  # [BLOCK_T] token exists (t < T)
-    loc_off,  # [BLOCK_T] offset of each token's slot in loc
-    write_ok,  # [BLOCK_T] the token may be written (PREFIX: committed; else token_ok)
-    amax_ptr,  # [H] float32 running max of |x| per head (OBSERVE only)
     head_block,
     d_block,
-    capacity,
     stride_st,
     stride_sh,
     stride_sd,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    SCALE_KIND: tl.constexpr,
+    I64: tl.constexpr,
+):
+    """Issue the loads of BLOCK_T tokens x BLOCK_H heads x one head_dim block of one tensor (K or V):
+    (scale, raw, raw2), raw2 the second head_dim piece (raw itself when there is none). The rows are
+    masked by token only, not by slot validity: a decode-sized write is then one memory round trip
+    (slots, scale and rows in flight together) followed by the stores. Masked lanes load 1.0, not
+    0.0: a zero dividend sends div.rn down its slow path."""
+    offs_h, offs_d, offs_d2, head_ok, in_row, in_row2 = _block_lanes(head_block, d_block, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, I64)
+    if SCALE_KIND == SCALE_VALUE:
+        scale = scale_value
+    elif SCALE_KIND == SCALE_TENSOR:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    elif SCALE_KIND == SCALE_HEAD:
+        scale = tl.load(scale_ptr + offs_h * scale_stride, mask=head_ok, other=1.0).to(tl.float32)
+    else:
+        scale = 1.0
+    row_src = src_ptr + offs_t[:, None, None] * stride_st + offs_h[None, :, None] * stride_sh
+    raw = tl.load(row_src + offs_d[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row, other=1.0)
+    if BLOCK_D2 > 0:
+        raw2 = tl.load(row_src + offs_d2[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row2, other=1.0)
+    else:
+        raw2 = raw
+    return scale, raw, raw2
+
+
+@triton.jit
+def _slot_ok(slot, write_ok, capacity, I64: tl.constexpr):
+    """(slot narrowed to the offset width, whether the token's row is written). Called after the
+    rows' loads are issued, so they do not wait for the slots. The range check runs on the slot as
+    loaded (int32 or int64); only then may it be narrowed."""
+    row_ok = write_ok & (slot >= 0) & (slot < capacity)
+    return (slot.to(tl.int64) if I64 else slot.to(tl.int32)), row_ok
+
+
+@triton.jit
+def _store_block(
+    dst_ptr,  # [capacity, H, D] cache (uint8 storage for FP8), any strides
+    amax_ptr,  # [H] float32 running max of |x| per head (OBSERVE only)
+    slot,  # [BLOCK_T] slot of each token (int64, or int32 when I64 is off)
+    row_ok,  # [BLOCK_T] the token's row is written (slot in range and the token may be written)
+    scale,
+    raw,
+    raw2,
+    head_block,
+    d_block,
     stride_ct,
     stride_ch,
     stride_cd,
@@ -253,47 +327,8 @@ def _store_head_block(
     OBSERVE: tl.constexpr,
     I64: tl.constexpr,
 ):
-    """Write BLOCK_T tokens x BLOCK_H heads x one head_dim block of one tensor (K or V). With
-    BLOCK_D2 > 0 the head_dim is covered by two power-of-two pieces, [0, BLOCK_D) and
-    [BLOCK_D, BLOCK_D + BLOCK_D2), in the same program (a row of 288 = 256 + 32 elements keeps every
-    lane busy and stays in one program)."""
-    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
-    if I64:
-        # A caller's head-major cache viewed as [slots, H, D] has a head stride of slots * D, and
-        # (H - 1) * slots * D passes 2**31 on a 2 GiB cache; the launcher takes 32-bit offsets only
-        # when every offset of every tensor of the launch fits.
-        offs_h = offs_h.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-    head_ok = offs_h < H
-    in_row = head_ok[None, :, None] & (offs_d < D)[None, None, :]
-    row_src = src_ptr + offs_t[:, None, None] * stride_st + offs_h[None, :, None] * stride_sh
-
-    # Issue every load before anything waits on one: the scale and the slots first (the reciprocal
-    # of the scale can then be computed while the rows are in flight), then the rows (masked by
-    # token only, not by slot validity). A decode-sized write is one memory round trip followed by
-    # the stores; making the row load wait for loc would add a second round trip.
-    # Masked lanes load 1.0, not 0.0: a zero dividend sends div.rn down its slow path.
-    if SCALE_KIND == SCALE_VALUE:
-        scale = scale_value
-    elif SCALE_KIND == SCALE_TENSOR:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    elif SCALE_KIND == SCALE_HEAD:
-        scale = tl.load(scale_ptr + offs_h * scale_stride, mask=head_ok, other=1.0).to(tl.float32)
-    else:
-        scale = 1.0
-    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1)
-    raw = tl.load(row_src + offs_d[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row, other=1.0)
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        if I64:
-            offs_d2 = offs_d2.to(tl.int64)
-        in_row2 = head_ok[None, :, None] & (offs_d2 < D)[None, None, :]
-        raw2 = tl.load(row_src + offs_d2[None, None, :] * stride_sd, mask=token_ok[:, None, None] & in_row2, other=1.0)
-
-    # The range check runs on the slot as loaded (int32 or int64); only then may it be narrowed.
-    row_ok = write_ok & (slot >= 0) & (slot < capacity)
-    slot = slot.to(tl.int64) if I64 else slot.to(tl.int32)
+    """Quantize a block loaded by ``_load_block`` and scatter each token's part of it to its slot."""
+    offs_h, offs_d, offs_d2, head_ok, in_row, in_row2 = _block_lanes(head_block, d_block, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, I64)
     row_dst = dst_ptr + slot[:, None, None] * stride_ct + offs_h[None, :, None] * stride_ch
     store_ok = row_ok[:, None, None]
     tl.store(
@@ -378,6 +413,7 @@ def _store_kv_kernel(
     PREFIX: tl.constexpr,
     OBSERVE: tl.constexpr,
     I64: tl.constexpr,
+    JOINED: tl.constexpr,
 ):
     # 64-bit offsets unless every offset of the launch fits in 32 bits (the launcher checks the
     # inputs' and caches' extents); 64-bit arithmetic costs decode-sized writes measurable time.
@@ -396,26 +432,56 @@ def _store_kv_kernel(
     else:
         loc_off = offs_t * stride_loc
         write_ok = token_ok
+    # Every load is issued before anything waits on one: the slots here, then the scale and rows of
+    # the block(s) this program writes.
+    slot = tl.load(loc_ptr + loc_off, mask=token_ok, other=-1)
 
     # Axis 1: K's blocks, then V's; each tensor's blocks walk head_dim blocks within head blocks
     # (one head_dim block per head, except in flat plans, where a "head" is a whole row).
     # (With a second piece, BLOCK_D + BLOCK_D2 >= D: one head_dim block per head.)
+    # JOINED plans have one block per tensor and one program per token block writing both.
     K_D_BLOCKS: tl.constexpr = (D - BLOCK_D2 + BLOCK_D - 1) // BLOCK_D
     V_D_BLOCKS: tl.constexpr = (DV - BLOCK_DV2 + BLOCK_DV - 1) // BLOCK_DV
     K_BLOCKS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H * K_D_BLOCKS
     b = tl.program_id(1)
-    if b < K_BLOCKS:
-        _store_head_block(
-            k_ptr, k_cache_ptr, loc_ptr, k_scale_ptr, k_scale_value, k_scale_stride,
-            offs_t, token_ok, loc_off, write_ok, k_amax_ptr, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity,
-            stride_kt, stride_kh, stride_kd, stride_kct, stride_kch, stride_kcd,
+    if JOINED:
+        k_scale, k_raw, k_raw2 = _load_block(
+            k_ptr, k_scale_ptr, k_scale_value, k_scale_stride, offs_t, token_ok, 0, 0,
+            stride_kt, stride_kh, stride_kd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, I64,
+        )  # fmt: skip
+        v_scale, v_raw, v_raw2 = _load_block(
+            v_ptr, v_scale_ptr, v_scale_value, v_scale_stride, offs_t, token_ok, 0, 0,
+            stride_vt, stride_vh, stride_vd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, I64,
+        )  # fmt: skip
+        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+        _store_block(
+            k_cache_ptr, k_amax_ptr, dst_slot, row_ok, k_scale, k_raw, k_raw2, 0, 0, stride_kct, stride_kch, stride_kcd,
+            H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        )  # fmt: skip
+        _store_block(
+            v_cache_ptr, v_amax_ptr, dst_slot, row_ok, v_scale, v_raw, v_raw2, 0, 0, stride_vct, stride_vch, stride_vcd,
+            HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        )  # fmt: skip
+    elif b < K_BLOCKS:
+        kh, kd = b // K_D_BLOCKS, b % K_D_BLOCKS
+        k_scale, k_raw, k_raw2 = _load_block(
+            k_ptr, k_scale_ptr, k_scale_value, k_scale_stride, offs_t, token_ok, kh, kd,
+            stride_kt, stride_kh, stride_kd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, I64,
+        )  # fmt: skip
+        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+        _store_block(
+            k_cache_ptr, k_amax_ptr, dst_slot, row_ok, k_scale, k_raw, k_raw2, kh, kd, stride_kct, stride_kch, stride_kcd,
             H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
         )  # fmt: skip
     else:
         b -= K_BLOCKS
-        _store_head_block(
-            v_ptr, v_cache_ptr, loc_ptr, v_scale_ptr, v_scale_value, v_scale_stride,
-            offs_t, token_ok, loc_off, write_ok, v_amax_ptr, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity,
-            stride_vt, stride_vh, stride_vd, stride_vct, stride_vch, stride_vcd,
+        vh, vd = b // V_D_BLOCKS, b % V_D_BLOCKS
+        v_scale, v_raw, v_raw2 = _load_block(
+            v_ptr, v_scale_ptr, v_scale_value, v_scale_stride, offs_t, token_ok, vh, vd,
+            stride_vt, stride_vh, stride_vd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, I64,
+        )  # fmt: skip
+        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+        _store_block(
+            v_cache_ptr, v_amax_ptr, dst_slot, row_ok, v_scale, v_raw, v_raw2, vh, vd, stride_vct, stride_vch, stride_vcd,
             HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
         )  # fmt: skip

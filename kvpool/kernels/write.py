@@ -72,6 +72,8 @@ class KVWriter:
     caches_aligned : the caches are fresh allocations (a pool's), so their 16-byte alignment needs
         no check per call.
     validate : :meth:`store` also checks slot range and scale values (one synchronisation).
+    joined : one program writes a token block's K and V rows where each is one block (the launcher's
+        ``plan_joined_launch``; an MLA pool's two parts of a row).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class KVWriter:
         options: Optional[KernelOptions] = None,
         caches_aligned: bool = False,
         validate: bool = False,
+        joined: bool = False,
     ) -> None:
         g = self.geometry = geometry
         self.mode = mode
@@ -99,7 +102,7 @@ class KVWriter:
         if self.cache_ok and mode != "never":
             self.launch = store_kv.PreparedLaunch(
                 g.heads, g.head_dim, g.v_heads, g.v_head_dim, g.cache_dtype, tuple(k_strides), tuple(v_strides),
-                capacity, g.device, options=options, caches_aligned=caches_aligned,
+                capacity, g.device, options=options, caches_aligned=caches_aligned, joined=joined,
             )  # fmt: skip
         self._decisions: dict[tuple, _Decision] = {}
         self.validate = validate

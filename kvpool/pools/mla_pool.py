@@ -148,7 +148,7 @@ class MLATokenToKVPool(KVCache):
         self._move_rows = copy_rows.RowTable.of(self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
-            self._nope_store[0].stride(), self._rope_store[0].stride(),
+            self._nope_store[0].stride(), self._rope_store[0].stride(), joined=True,
         )  # fmt: skip
         self._warm = bool(warmup)
         if observe_amax:
