@@ -13,8 +13,9 @@ per-tensor float32 scale tensor and int64 ``loc``. For each token count it times
   block, the latent part in whole blocks, the rotary part in the last one), with the divide, clamp
   and cast added inside so it does the same job; like the MHA benchmark's port it divides with
   Triton's approximate ``/`` and checks no slot, so it does less work than kvpool's exact write;
-* two alternative launch plans of kvpool's own kernel (64- and 128-column blocks for the latent part),
-  measured for the kernel's owner, not used by the pool;
+* two other launch plans of kvpool's own kernel, measured for the kernel's owner, not used by the
+  pool: the plan the pool took before the joined one (one program per part: the latent part's
+  programs and the rotary part's), and 64-column blocks for the latent part;
 
 and measures the device-to-device copy ceiling and a copy of the same bytes as each write (both as in
 ``bench_set_kv.py``). Device time: CUDA-graph replays with L2 flushed before each call
@@ -43,6 +44,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 from datetime import datetime, timezone
 
 # A dry run executes the Triton kernels through the interpreter, which must be switched on before any
@@ -61,7 +63,7 @@ from kvpool import MLATokenToKVPool, quantize, reference_set_kv_buffer  # noqa: 
 from kvpool.kernels import store_kv  # noqa: E402
 from kvpool.kernels.checks import write_key  # noqa: E402
 from kvpool.kernels.formats import OUT_KIND  # noqa: E402
-from kvpool.kernels.store_kv import LaunchPlan, PreparedLaunch, plan_launch, storage_view  # noqa: E402
+from kvpool.kernels.store_kv import LaunchPlan, PreparedLaunch, plan_joined_launch, storage_view  # noqa: E402
 
 R, ROPE, W = 512, 64, 576  # DeepSeek-V3 / R1, Kimi K2
 FP8 = torch.float8_e4m3fn
@@ -92,8 +94,9 @@ DRY = Plan("dry-run", "cpu", tokens=(1, 5, 24), decode_max=5, slots=1 << 10, lay
            graph_writes=64, wall_calls=400, wall_runs=5, budget_s=1e9)  # fmt: skip
 OURS = ["kvpool set_mla_kv_buffer", "kvpool set_kv_buffer"]
 PROPOSALS = {  # name: (block_d of the latent part, block_t, num_warps); the rotary part: one 64-block
+    # The pool's plan before the joined one (per-part programs, tiles by write size as the pool's).
+    "kvpool kernel, one program per part (previous plan)": None,
     "kvpool kernel, 64-column blocks (proposal)": (64, 32, 4),
-    "kvpool kernel, 128-column blocks (proposal)": (128, 16, 4),
 }
 PEER_COMPILE = "torch.compile cat-divide-cast-index_copy_"
 PEER_TRITON = "straightforward Triton (SGLang design)"
@@ -183,14 +186,19 @@ def sglang_design_write(nope, rope, buf_store, loc, scale):
     )  # fmt: skip
 
 
-def proposal_launch(block_d: int, block_t: int, num_warps: int, nope_store: torch.Tensor, rope_store: torch.Tensor):
-    """kvpool's kernel with another plan for the 512 + 64 row: the latent part in ``block_d``-column
-    blocks, so its programs are closer in size to the rotary part's. Built from the launcher's own
-    pieces (a private hook: this is a measurement for the kernel's owner, not a pool path)."""
+def proposal_launch(shape: Optional[tuple[int, int, int]], nope_store: torch.Tensor, rope_store: torch.Tensor):
+    """kvpool's kernel with another plan for the 512 + 64 row: ``shape`` = (block_d, block_t,
+    num_warps) puts the latent part in ``block_d``-column blocks, so its programs are closer in size
+    to the rotary part's; None is the per-head plan with one program per part. Built from the
+    launcher's own pieces (a private hook: this is a measurement for the kernel's owner, not a pool
+    path)."""
     launch = PreparedLaunch(
         1, R, 1, ROPE, FP8, tuple(nope_store.stride()), tuple(rope_store.stride()), nope_store.shape[0],
         nope_store.device, caches_aligned=True, flat=False,
     )  # fmt: skip
+    if shape is None:
+        return launch
+    block_d, block_t, num_warps = shape
     plan = LaunchPlan(1, R, 1, ROPE, block_t=block_t, block_h=1, block_d=block_d, block_hv=1, block_dv=ROPE,
                       num_warps=num_warps)  # fmt: skip
     launch.per_head = launch.small_per_head = store_kv._Variant(
@@ -388,7 +396,7 @@ def main() -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    launch_plan = plan_launch(1, R, 1, ROPE)
+    launch_plan = plan_joined_launch(1, R, 1, ROPE)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
@@ -412,10 +420,10 @@ def main() -> int:
     if pool.warmup_seconds is not None:
         log(f"[bench_mla] pool warmed in {pool.warmup_seconds:.2f} s")
     proposals: dict = {}
-    for name, (block_d, block_t, warps) in PROPOSALS.items():
+    for name, shape in PROPOSALS.items():
         try:
             store = storage_view(pool.get_key_buffer(0))
-            proposals[name] = proposal_launch(block_d, block_t, warps, store[:, :, :R], store[:, :, R:])
+            proposals[name] = proposal_launch(shape, store[:, :, :R], store[:, :, R:])
         except Exception as exc:
             result["errors"][name] = short_error(exc)
             log(f"[bench_mla] {name} unavailable: {short_error(exc)}")

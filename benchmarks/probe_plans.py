@@ -12,7 +12,8 @@ the current plan without a scale (no division), with ``div.rn`` alone, and the s
 write's own traffic (the inputs read as one contiguous bf16 run, one byte written per element to a
 contiguous output): a byte copy (the high byte of each element, no arithmetic), the FP8 cast alone,
 the cast after the reciprocal-and-FMA division, the cast after ``div.rn``, then the pool's plan
-writing contiguous slots and random ones. Where the ratio to the same-bytes copy drops shows what
+writing contiguous slots and random ones, and the joined plans (K and V from one program) at
+large and decode sizes. Where the ratio to the same-bytes copy drops shows what
 holds a geometry below it.
 
 Usage (GPU): python benchmarks/probe_plans.py --out DIR [--geometries llama8b,odd]
@@ -199,6 +200,25 @@ def ladder(a, names) -> int:
         kc0, vc0 = caches[0]
         cur = PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
                              options=KernelOptions(soft_cast=False), caches_aligned=True)  # fmt: skip
+        joined = {  # K and V written by one program (store_kv.plan_joined_launch), where each row is one block
+            label: PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
+                                  options=KernelOptions(soft_cast=False), caches_aligned=True, joined=True, tile=tile)
+            for label, tile in (("joined", None), ("joined 4096/8", TileConfig(4096, 8)), ("joined 1024/4", TileConfig(1024, 4)))
+            if store_kv.plan_joined_launch(h, d, hv, dv, tile) is not None
+        }  # fmt: skip
+        for t in DECODE:  # per write in a graph of 64 writes, L2 warm
+            gen = torch.Generator(device=dev).manual_seed(t)
+            k = (torch.randn(t, h, d, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            v = (torch.randn(t, hv, dv, device=dev, generator=gen) * 60).to(torch.bfloat16)
+            loc = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:t] + 1
+            key = write_key(k, v, loc, scale, scale)
+            line = {"write": graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, scale), 64, None)}
+            for label, launch in joined.items():
+                line[label] = graph_us(lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], loc, scale, scale), 64, None)
+            for label, us in line.items():
+                results.append(dict(geometry=name, T=t, variant=label, us=us))
+            print(f"ladder {name} T={t} (us per write, graph): " + " | ".join(f"{lb} {us:.3f}" for lb, us in line.items()),
+                  flush=True)  # fmt: skip
         for t in LARGE:
             gen = torch.Generator(device=dev).manual_seed(t)
             flat = (torch.randn(t * (h * d + hv * dv), device=dev, generator=gen) * 60).to(torch.bfloat16)
@@ -219,6 +239,9 @@ def ladder(a, names) -> int:
             key = write_key(k, v, loc, scale, scale)
             line["write, contiguous slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, scale), 10, flush)
             line["write, random slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
+            for label, launch in joined.items():
+                line[f"write {label}, random slots"] = graph_us(
+                    lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
             for block, warps in ((1024, 4), (2048, 4), (4096, 8)):
                 line[f"flat write {block}/{warps}, random slots"] = graph_us(
                     lambda i, b=block, w=warps: flat_write(k, v, *caches[i % LAYERS], loc, scale, b, w), 10, flush)
@@ -230,12 +253,16 @@ def ladder(a, names) -> int:
             kc.zero_(), vc.zero_()
             flat_write(k, v, kc, vc, loc, scale)
             line_ok = torch.equal(kc[loc], want[0]) and torch.equal(vc[loc], want[1])
+            for launch in joined.values():  # and so must the joined plans
+                kc.zero_(), vc.zero_()
+                launch(key, k, v, kc, vc, loc, scale, scale)
+                line_ok = line_ok and torch.equal(kc[loc], want[0]) and torch.equal(vc[loc], want[1])
             copy_us = line["same-bytes copy"]
             for label, us in line.items():
                 results.append(dict(geometry=name, T=t, variant=label, us=us, of_copy=copy_us / us))
             results.append(dict(geometry=name, T=t, variant="flat write bytes equal", ok=line_ok))
             print(f"ladder {name} T={t}: " + " | ".join(f"{lb} {copy_us / us:.1%}" for lb, us in line.items())
-                  + f" | flat bytes equal: {line_ok}", flush=True)  # fmt: skip
+                  + f" | flat and joined bytes equal: {line_ok}", flush=True)  # fmt: skip
         with open(os.path.join(a.out, "probe_ladder.json"), "w") as f:
             json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
         del caches
