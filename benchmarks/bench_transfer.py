@@ -12,7 +12,8 @@ synchronisations; one-way time = round time / (2 n). The reported value is the m
 1. Ceiling: NCCL send/recv of one contiguous buffer of the same bytes, measured in this run.
 2. Requests: 8k and 32k tokens, slots random single rows ("page 1") or random whole pages of 16
    ("page 16"), and page 1 on one side with page 16 on the other; default settings; % of ceiling.
-3. Sweep: staging chunk size x chunk ramp steps (wire.RAMP_STEPS), and the gather/scatter grid.
+3. Sweep: the grid of the gathers and scatters that run beside the transport (16 programs to one
+   per task), staging chunk size, chunk ramp steps (wire.RAMP_STEPS).
 4. Latency: a 1-token transfer beside a bare 1-token (64 KiB) NCCL send; a 0-token transfer (the
    handshake alone) beside a bare 8-byte send.
 5. The gather and scatter kernels alone on one GPU (what the pipeline's fill and drain cost).
@@ -304,15 +305,20 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
         save()
 
         default_steps = wire.RAMP_STEPS
-        chunk_sizes = (64, 128) if quick else (64, 128, 256)
-        # (chunk MiB, programs per SM (0: one program per task), ramp steps)
-        sweep = [(c, 2, steps) for c in chunk_sizes for steps in (0, 1, 2)] + [(128, 8, 1), (128, 0, 1)]
+        default_programs = endpoint_module.DEFAULT_PROGRAMS_PER_SM * r.sms
+        # (chunk MiB, programs of the copies beside the transport (0: one per task), ramp steps); the
+        # pipeline's fill and drain copies take the whole GPU in every configuration.
+        grids = (16, 32, 66, r.sms, default_programs, 0)
+        sweep = [(128, g, 1) for g in grids] + [(c, default_programs, 1) for c in (64, 256)]
+        sweep += [(128, default_programs, steps) for steps in (0, 2)]
+        if quick:
+            sweep = [(128, g, 1) for g in (32, default_programs)]
         if smoke:
             sweep = [(1, 2, 2), (1, 0, 0)]
-        for chunk_mib, per_sm, ramp in sweep:
+        for chunk_mib, grid, ramp in sweep:
             del r.sender, r.receiver
             torch.cuda.empty_cache()
-            programs = per_sm * r.sms if per_sm else 1 << 30
+            programs = grid or 1 << 30
             r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
             r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
             wire.RAMP_STEPS = ramp  # both ranks alike: their chunk plans must agree
@@ -320,9 +326,9 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
                 tokens = REQUESTS[req]
                 s, check = r.transfer(("p1", "p1"), tokens, 2, 3, seed=700)
                 nbytes = tokens * TOKEN_BYTES
-                results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs_per_sm=per_sm, ramp=ramp,
+                results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs=grid, ramp=ramp,
                                              gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
-            log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {per_sm}/SM, ramp {ramp}: done")
+            log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {grid} programs, ramp {ramp}: done")
             save()
         wire.RAMP_STEPS = default_steps
     except Exception:  # noqa: BLE001 - keep what was measured; the other rank fails by timeout
@@ -394,10 +400,11 @@ def markdown(res: dict) -> str:
         lines.append(f"| {q['bytes']} | {q['us']:.1f} | {q['gbps']:.1f} |")
     if res["sweep"]:
         lines += ["", "## Sweep (page 1 -> page 1): % of ceiling", ""]
-        lines += ["| chunk MiB | programs/SM (0: one per task) | ramp steps | 8k | 32k |", "|---:|---:|---:|---:|---:|"]
+        lines += ["| chunk MiB | programs per copy beside the transport (0: one per task) | ramp steps | 8k | 32k |",
+                  "|---:|---:|---:|---:|---:|"]  # fmt: skip
         rows: dict = {}
         for q in res["sweep"]:
-            rows.setdefault((q["chunk_mib"], q["programs_per_sm"], q["ramp"]), {})[q["request"]] = q
+            rows.setdefault((q["chunk_mib"], q["programs"], q["ramp"]), {})[q["request"]] = q
         for (c, g, ramp), v in rows.items():
             cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
             lines.append(f"| {c} | {g} | {int(ramp)} | {cells[0]} | {cells[1]} |")

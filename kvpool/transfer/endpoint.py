@@ -426,15 +426,20 @@ class _Endpoint:
         self._tables[key] = entry
         return entry
 
-    def _copy(self, dst: RowTable, dst_index: torch.Tensor, src: RowTable, src_index: torch.Tensor) -> None:
+    def _copy(
+        self, dst: RowTable, dst_index: torch.Tensor, src: RowTable, src_index: torch.Tensor, alone: bool = False
+    ) -> None:
         """One gather or scatter of a chunk. The tables and indices are the endpoint's own, built and
         checked once (slots on the host before the handshake), so on CUDA the kernel is launched
         without ``copy_rows``' per-call checks: the host cost per chunk is what can leave the link
-        idle between chunks."""
+        idle between chunks. ``alone``: no transport kernel runs beside this copy (the sender's
+        first gather, the receiver's last scatter: the pipeline's fill and drain), so it takes the
+        whole GPU instead of ``max_programs``."""
+        programs = None if alone else self.max_programs
         if self._kernel:
-            launch_copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
+            launch_copy_rows(dst, dst_index, src, src_index, max_programs=programs)
         else:  # CPU pools, or no usable Triton (copy_rows then takes its PyTorch reference)
-            copy_rows(dst, dst_index, src, src_index, max_programs=self.max_programs)
+            copy_rows(dst, dst_index, src, src_index, max_programs=programs)
 
     def _staged(self, half: int, nbytes: int) -> torch.Tensor:
         return self._stage[half * self.chunk_bytes :][:nbytes]
@@ -569,7 +574,7 @@ class KVSender(_Endpoint):
             if in_flight[half] is not None:
                 in_flight[half].wait()  # type: ignore[union-attr]
             rows = index[start : start + count]
-            self._copy(stages[half], self._arange[:count], pool_table, rows)
+            self._copy(stages[half], self._arange[:count], pool_table, rows, alone=k == 0)
             in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
         for work in in_flight:
             if work is not None:
@@ -637,7 +642,7 @@ class KVReceiver(_Endpoint):
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]
-            self._copy(pool_table, rows, stages[k & 1], self._arange[:count])
+            self._copy(pool_table, rows, stages[k & 1], self._arange[:count], alone=k == len(plan) - 1)
             if k + 2 < len(plan):
                 post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
 
