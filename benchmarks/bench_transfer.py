@@ -305,14 +305,14 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
         save()
 
         default_steps = wire.RAMP_STEPS
-        default_programs = endpoint_module.DEFAULT_PROGRAMS_PER_SM * r.sms
+        default_programs = endpoint_module.default_max_programs(r.sms)
         # (chunk MiB, programs of the copies beside the transport (0: one per task), ramp steps); the
         # pipeline's fill and drain copies take the whole GPU in every configuration.
-        grids = (16, 32, 66, r.sms, default_programs, 0)
+        grids = (16, default_programs, 66, r.sms, 2 * r.sms, 0)
         sweep = [(128, g, 1) for g in grids] + [(c, default_programs, 1) for c in (64, 256)]
         sweep += [(128, default_programs, steps) for steps in (0, 2)]
         if quick:
-            sweep = [(128, g, 1) for g in (32, default_programs)]
+            sweep = [(128, g, 1) for g in (default_programs, 2 * r.sms)]
         if smoke:
             sweep = [(1, 2, 2), (1, 0, 0)]
         for chunk_mib, grid, ramp in sweep:
@@ -365,7 +365,7 @@ def meta(rank: int) -> dict:
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
         "model": f"Llama-3-8B FP8: {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, {TOKEN_BYTES} B/token",
         "rank": rank,
-        "default_programs_per_sm": endpoint_module.DEFAULT_PROGRAMS_PER_SM,
+        "default_sms_per_program": endpoint_module.DEFAULT_SMS_PER_PROGRAM,
     }
 
 

@@ -91,11 +91,19 @@ DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
-# Gather/scatter programs per SM on CUDA (copy_rows' own default is 8). The link, not HBM, bounds a
-# transfer, and NCCL's kernel must find room on the SMs next to the gather of the next chunk, so the
-# copies take a lighter grid. benchmarks/bench_transfer.py sweeps it (2, 8 and one program per task
-# were within a few points of each other on two H200s).
-DEFAULT_PROGRAMS_PER_SM = 2
+# Programs of the gathers and scatters that run beside the transport on CUDA: one per this many SMs
+# (33 on an H200; copy_rows' own default is 8 per SM). The link, not HBM, bounds a transfer: a
+# 128 MiB chunk takes NVLink about 370 us and a full-grid gather about 100 us, and a full-grid copy
+# beside NCCL's kernel slows the transfer. benchmarks/bench_transfer.py sweeps the grid: on two
+# H200s 32k-token requests moved at 85.6% of the NCCL ceiling with 32 programs against 79.8% with
+# 264 (2 per SM) and 77-78% with 132 or one per task; 8k-token requests varied between 60% and 75%
+# across grids with no order. The pipeline's fill and drain copies take the whole GPU.
+DEFAULT_SMS_PER_PROGRAM = 4
+
+
+def default_max_programs(sms: int) -> int:
+    """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs."""
+    return max(1, sms // DEFAULT_SMS_PER_PROGRAM)
 
 Loc = Union[torch.Tensor, np.ndarray]
 
@@ -208,7 +216,7 @@ class _Endpoint:
             self._side = torch.cuda.Stream(device=dev)
             if max_programs is None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                self.max_programs = DEFAULT_PROGRAMS_PER_SM * sms
+                self.max_programs = default_max_programs(sms)
             # These buffers were allocated on the caller's stream: the side stream starts after what
             # is queued there (the memory may have just been freed by work still pending), and
             # freeing them waits for the side stream, whose last work in each transfer waits for
@@ -514,7 +522,8 @@ class KVSender(_Endpoint):
     chunk_bytes : bytes per staging half (default 128 MiB on CUDA, 4 MiB on CPU; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
-        ``DEFAULT_PROGRAMS_PER_SM`` per SM, leaving room for the transport's kernel).
+        one program per ``DEFAULT_SMS_PER_PROGRAM`` SMs, leaving room for the transport's kernel; the
+        pipeline's first gather and last scatter, which run alone, take the whole GPU).
 
     Examples
     --------
