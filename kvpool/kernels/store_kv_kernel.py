@@ -4,8 +4,8 @@ One launch writes K and V for every token: load a tile of rows, divide by the sc
 rounded float32, saturate to the format's finite range, round to nearest even, and scatter each row
 to its slot. Grid: axis 0 walks token blocks; axis 1 walks the blocks of K and then of V, so K and V
 (which may differ in head count and head dim) share the launch; with ``JOINED`` (each tensor's row is
-one block) one program loads a token block's K and V rows and then stores both. A block is BLOCK_H heads x BLOCK_D
-elements of head_dim; the launcher's flat plans pass a whole row as one "head" cut into several
+one block) one program loads a token block's K and V rows and then stores both. A block is BLOCK_H
+heads x BLOCK_D elements of head_dim; the launcher's flat plans pass a whole row as one "head" cut into several
 head_dim blocks, for geometries whose heads pad badly to powers of two.
 
 The per-element work is kept small on purpose: on an H200 a write of 16k+ tokens was limited by
