@@ -234,7 +234,42 @@ class Rank:
         return out
 
 
-def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> None:
+def parse_sweep(spec: str, sms: int) -> list[tuple[int, int, int]]:
+    """``CHUNK_MIB:PROGRAMS:RAMP,...`` -> sweep entries (PROGRAMS may be ``default``)."""
+    out = []
+    for item in spec.split(","):
+        chunk, programs, ramp = item.split(":")
+        grid = endpoint_module.default_max_programs(sms) if programs == "default" else int(programs)
+        out.append((int(chunk), grid, int(ramp)))
+    return out
+
+
+def sweep_phase(r: "Rank", rank: int, results: dict, save: Callable[[], None], ceiling: dict,
+                sweep: list[tuple[int, int, int]], rounds: int) -> None:  # fmt: skip
+    """Page 1 -> page 1 requests of both sizes under each (chunk MiB, copy grid beside the
+    transport (0: one program per task), ramp steps), ``rounds`` rounds of 2 transfers each."""
+    default_steps = wire.RAMP_STEPS
+    for chunk_mib, grid, ramp in sweep:
+        del r.sender, r.receiver
+        torch.cuda.empty_cache() if DEVICE_TYPE == "cuda" else None
+        programs = grid or 1 << 30
+        r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
+        r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
+        r.sender._alone_programs = r.receiver._alone_programs = None  # fill and drain as the default endpoint's
+        wire.RAMP_STEPS = ramp  # both ranks alike: their chunk plans must agree
+        for req in ("8k", "32k"):
+            tokens = REQUESTS[req]
+            s, check = r.transfer(("p1", "p1"), tokens, 2, rounds, seed=700)
+            nbytes = tokens * TOKEN_BYTES
+            results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs=grid, ramp=ramp,
+                                         gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
+        log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {grid} programs, ramp {ramp}: done")
+        save()
+    wire.RAMP_STEPS = default_steps
+
+
+def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,
+             sweep_rounds: int = 3) -> None:
     configure(smoke)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if DEVICE_TYPE == "cuda":
@@ -276,6 +311,8 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
             results["ceiling"].append(dict(bytes=nbytes, us=s * 1e6, gbps=nbytes / s / 1e9))
         save()
 
+        if only_sweep:
+            return sweep_phase(r, rank, results, save, ceiling, parse_sweep(only_sweep, r.sms), sweep_rounds)
         configs = [(("p1", "p1"), "8k"), (("p16", "p16"), "8k"), (("p1", "p16"), "8k"),
                    (("p1", "p1"), "32k"), (("p16", "p16"), "32k"), (("p16", "p1"), "32k")]  # fmt: skip
         if quick:
@@ -304,33 +341,18 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str) -> No
         results["kernels"] = r.kernels()
         save()
 
-        default_steps = wire.RAMP_STEPS
         default_programs = endpoint_module.default_max_programs(r.sms)
         # (chunk MiB, programs of the copies beside the transport (0: one per task), ramp steps); the
         # pipeline's fill and drain copies take the whole GPU in every configuration.
+        ramp = wire.RAMP_STEPS
         grids = (16, default_programs, 66, r.sms, 2 * r.sms, 0)
-        sweep = [(128, g, 1) for g in grids] + [(c, default_programs, 1) for c in (64, 256)]
-        sweep += [(128, default_programs, steps) for steps in (0, 2)]
+        sweep = [(128, g, ramp) for g in grids] + [(c, default_programs, ramp) for c in (64, 256)]
+        sweep += [(128, default_programs, steps) for steps in (0, 1, 2) if steps != ramp]
         if quick:
-            sweep = [(128, g, 1) for g in (default_programs, 2 * r.sms)]
+            sweep = [(128, g, ramp) for g in (default_programs, 2 * r.sms)]
         if smoke:
             sweep = [(1, 2, 2), (1, 0, 0)]
-        for chunk_mib, grid, ramp in sweep:
-            del r.sender, r.receiver
-            torch.cuda.empty_cache()
-            programs = grid or 1 << 30
-            r.sender = KVSender(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
-            r.receiver = KVReceiver(r.pool, chunk_bytes=chunk_mib << 20, max_programs=programs)
-            wire.RAMP_STEPS = ramp  # both ranks alike: their chunk plans must agree
-            for req in ("8k", "32k"):
-                tokens = REQUESTS[req]
-                s, check = r.transfer(("p1", "p1"), tokens, 2, 3, seed=700)
-                nbytes = tokens * TOKEN_BYTES
-                results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs=grid, ramp=ramp,
-                                             gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
-            log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {grid} programs, ramp {ramp}: done")
-            save()
-        wire.RAMP_STEPS = default_steps
+        sweep_phase(r, rank, results, save, ceiling, sweep, 3)
     except Exception:  # noqa: BLE001 - keep what was measured; the other rank fails by timeout
         results["errors"].append(traceback.format_exc())
         log(traceback.format_exc())
@@ -365,7 +387,7 @@ def meta(rank: int) -> dict:
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
         "model": f"Llama-3-8B FP8: {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, {TOKEN_BYTES} B/token",
         "rank": rank,
-        "default_sms_per_program": endpoint_module.DEFAULT_SMS_PER_PROGRAM,
+        "default_ramp_steps": wire.RAMP_STEPS,
     }
 
 
@@ -377,7 +399,8 @@ def markdown(res: dict) -> str:
         f"{', '.join(m['gpus'])}; torch {m['torch']}, triton {m['triton']}, NCCL {m['nccl']}, "
         f"NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
         f"Defaults: chunk {m.get('default_chunk_bytes', 0) >> 20} MiB, "
-        f"{m.get('default_max_programs')} programs per copy launch.",
+        f"{m.get('default_max_programs')} programs per copy beside the transport (the first gather and the "
+        f"last scatter of a transfer take the whole GPU).",
         "",
         "## Requests against the NCCL ceiling (contiguous send/recv of the same bytes, same run)",
         "",
@@ -430,13 +453,17 @@ def main() -> int:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU pools over gloo, tiny requests: checks the script")
+    parser.add_argument("--sweep", help="only the ceiling and this sweep: comma-separated CHUNK_MIB:PROGRAMS:RAMP "
+                        "(PROGRAMS 0: one per task), each timed over --sweep-rounds rounds")  # fmt: skip
+    parser.add_argument("--sweep-rounds", type=int, default=3)
     args = parser.parse_args()
     if torch.cuda.device_count() < 2 and not args.cpu_smoke:
         log(f"this benchmark needs two GPUs, found {torch.cuda.device_count()}")
         return 2
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out), nprocs=2, start_method="spawn")
+    mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out, args.sweep, args.sweep_rounds),
+                       nprocs=2, start_method="spawn")  # fmt: skip
     with open(os.path.join(args.out, "bench_transfer.md")) as f:
         print(f.read())
     return 0

@@ -202,11 +202,13 @@ def ladder(a, names) -> int:
                              options=KernelOptions(soft_cast=False), caches_aligned=True)  # fmt: skip
         joined = {  # K and V written by one program (store_kv.plan_joined_launch), where each row is one block
             label: PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
-                                  options=KernelOptions(soft_cast=False), caches_aligned=True, joined=True, tile=tile)
+                                  options=KernelOptions(soft_cast=False), caches_aligned=True, joined=True, tile=tile,
+                                  flat=False)
             for label, tile in (("joined", None), ("joined 4096/8", TileConfig(4096, 8)), ("joined 4096/4", TileConfig(4096, 4)),
                                 ("joined 2048/2", TileConfig(2048, 2)), ("joined 1024/4", TileConfig(1024, 4)),
                                 ("joined 512/4", TileConfig(512, 4)), ("joined 512/2", TileConfig(512, 2)))
-            if store_kv.plan_joined_launch(h, d, hv, dv, tile) is not None
+            if all(store_kv.plan_joined_launch(h, d, hv, dv, t) is not None
+                   for t in ((tile,) if tile else tuple(store_kv.TILE_TABLE.values())))
         }  # fmt: skip
         for t in DECODE:  # per write in a graph of 64 writes, L2 warm
             gen = torch.Generator(device=dev).manual_seed(t)

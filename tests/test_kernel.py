@@ -229,6 +229,8 @@ def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
     assert plan is not None and plan.block_t < t
     k, v = _rows(t, h, d, torch.bfloat16, 61), _rows(t, hv, dv, torch.float32, 62)
     ks, vs = _scale(scale_kind, h, 63), _scale(scale_kind, hv, 64)
+    if scale_kind in ("float", "tensor"):  # K and V scales differ, so a mix-up shows
+        vs = 1.9 if scale_kind == "float" else torch.tensor([0.21], device=DEVICE)
     for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
         (kf, vf), (kr, vr) = _both_paths(
             k, v, _loc(t, slots, loc_dtype, 65), ks, vs, slots, cache_dtype, tile=tile, joined=True, flat=False

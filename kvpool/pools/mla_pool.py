@@ -5,10 +5,12 @@ vector of ``kv_lora_rank`` values followed by ``qk_rope_head_dim`` rotary key va
 per-head K and V. The pool keeps one buffer per layer, ``[size + page_size, 1, kv_lora_rank +
 qk_rope_head_dim]``.
 
-The write reuses the K/V write unchanged: a row's two parts are two strided views of the same
-buffer, so the kernel's "K cache" is the latent columns ``buf[:, :, :kv_lora_rank]`` and its "V cache"
-the rotary columns ``buf[:, :, kv_lora_rank:]``; its K input is the latent part and its V input the
-rotary part, both quantized with the one ``k_scale``. Both entry points (``set_kv_buffer`` with the
+The write is the K/V write's kernel: a row's two parts are two strided views of the same buffer, so
+the kernel's "K cache" is the latent columns ``buf[:, :, :kv_lora_rank]`` and its "V cache" the
+rotary columns ``buf[:, :, kv_lora_rank:]``; its K input is the latent part and its V input the
+rotary part, both quantized with the one ``k_scale``. The pool asks for the joined plan, in which one
+program writes both parts of its tokens' rows (on an H200, 84-87% of a same-bytes copy at 8k-32k
+tokens against 72-77% with a program per part). Both entry points (``set_kv_buffer`` with the
 whole row, ``set_mla_kv_buffer`` with the two parts) are one launch of the same kernel, with the same
 semantics, errors, gate, statistics, modes, warmup and compiled use as ``MHATokenToKVPool``.
 

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from kvpool.args import positive_int
-from kvpool.kernels.copy_rows import RowTable, _use_kernel, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, _use_kernel, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.transfer.handshake import (
@@ -84,26 +84,24 @@ _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 # buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
 # 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
 # overhead that back-to-back messages hide). An 8k-token Llama-3-8B FP8 request (512 MiB) travels as
-# 32/128/96/96/128/32 MiB chunks (wire.chunk_plan: one ramp step at each end), so the pipeline's fill
-# and drain (one gather, one scatter) copy 32 MiB each, not 128. Two halves: 256 MiB of device memory
-# per endpoint. benchmarks/bench_transfer.py sweeps 64-256 MiB with 0-2 ramp steps: a few points apart.
+# four 128 MiB chunks (wire.chunk_plan, no ramp); the pipeline's fill and drain (one gather, one
+# scatter, on the whole GPU) cost about 100 us each. Two halves: 256 MiB of device memory per
+# endpoint. benchmarks/bench_transfer.py sweeps 64-256 MiB and 0-2 ramp steps.
 DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
-# Programs of the gathers and scatters that run beside the transport on CUDA: one per this many SMs
-# (33 on an H200; copy_rows' own default is 8 per SM). The link, not HBM, bounds a transfer: a
-# 128 MiB chunk takes NVLink about 370 us and a full-grid gather about 100 us, and a full-grid copy
-# beside NCCL's kernel slows the transfer. benchmarks/bench_transfer.py sweeps the grid: on two
-# H200s 32k-token requests moved at 85.6% of the NCCL ceiling with 32 programs against 79.8% with
-# 264 (2 per SM) and 77-78% with 132 or one per task; 8k-token requests varied between 60% and 75%
-# across grids with no order. The pipeline's fill and drain copies take the whole GPU.
-DEFAULT_SMS_PER_PROGRAM = 4
-
-
+# Programs of the gathers and scatters that run beside the transport on CUDA: copy_rows' few-programs
+# grid (FEW_PROGRAMS programs of 16 warps each; its own default is 8 programs of 4 warps per SM). The
+# link, not HBM, bounds a transfer: a 128 MiB chunk takes NVLink about 370 us and a full-grid gather
+# about 100 us, and a full-grid copy beside NCCL's kernel slows the transfer. benchmarks/
+# bench_transfer.py on two H200s, 11 rounds per setting, each setting twice: 32k-token requests at
+# 84-85% of the NCCL ceiling with 32 programs against 73-78% with 264 (2 per SM, the previous
+# default); 66 programs 84%; 33 programs, which take the small-grid tile, 81%. The pipeline's fill
+# and drain copies take the whole GPU.
 def default_max_programs(sms: int) -> int:
     """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs."""
-    return max(1, sms // DEFAULT_SMS_PER_PROGRAM)
+    return min(sms, FEW_PROGRAMS)
 
 Loc = Union[torch.Tensor, np.ndarray]
 
@@ -205,6 +203,9 @@ class _Endpoint:
                 f"{pool.layer_num} layers x K,V x {pool.head_num} heads), got {chunk_bytes}"
             )
         self.max_programs = None if max_programs is None else positive_int(max_programs, "max_programs")
+        # The pipeline's fill and drain copies run alone and take the whole GPU, unless the caller
+        # capped the grid (to leave SMs to its model on other streams).
+        self._alone_programs = self.max_programs
 
         dev = self.device
         self._stage = torch.empty(2 * self.chunk_bytes, dtype=torch.uint8, device=dev)
@@ -442,8 +443,8 @@ class _Endpoint:
         without ``copy_rows``' per-call checks: the host cost per chunk is what can leave the link
         idle between chunks. ``alone``: no transport kernel runs beside this copy (the sender's
         first gather, the receiver's last scatter: the pipeline's fill and drain), so it takes the
-        whole GPU instead of ``max_programs``."""
-        programs = None if alone else self.max_programs
+        whole GPU unless the caller set ``max_programs``."""
+        programs = self._alone_programs if alone else self.max_programs
         if self._kernel:
             launch_copy_rows(dst, dst_index, src, src_index, max_programs=programs)
         else:  # CPU pools, or no usable Triton (copy_rows then takes its PyTorch reference)
@@ -522,8 +523,9 @@ class KVSender(_Endpoint):
     chunk_bytes : bytes per staging half (default 128 MiB on CUDA, 4 MiB on CPU; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
-        one program per ``DEFAULT_SMS_PER_PROGRAM`` SMs, leaving room for the transport's kernel; the
-        pipeline's first gather and last scatter, which run alone, take the whole GPU).
+        ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the
+        pipeline's first gather and last scatter, which run alone, then take the whole GPU). A value
+        given here caps every gather and scatter.
 
     Examples
     --------

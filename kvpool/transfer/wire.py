@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Chunks start small and grow (and shrink again towards the end): the first chunk's gather and the
-# last chunk's scatter cannot overlap any transfer, so keeping them small shortens the pipeline's
+# Chunks can start small and grow (and shrink again towards the end): the first chunk's gather and
+# the last chunk's scatter cannot overlap any transfer, so small end chunks shorten the pipeline's
 # fill and drain, while the middle chunks are as large as the staging allows so that the per-message
 # cost of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which
 # keeps the gather of the next chunk (HBM-bound, several times faster than the link) shorter than
-# the send of the current one. One step, not more: a profile of an 8k-token transfer between two
-# H200s (benchmarks/trace_transfer.py) showed each chunk costing the host about 0.1-0.2 ms to issue
-# (gather launch, send), so chunks of a few MiB leave the link waiting for the host.
+# the send of the current one. No ramp by default: the fill and drain copies take the whole GPU
+# (kvpool.transfer.endpoint), so a 128 MiB one costs about 100 us on an H200, less than a small
+# chunk's message loses to the transport's per-message cost; benchmarks/bench_transfer.py measured
+# 8k-token requests between two H200s at 77% of the NCCL ceiling without a ramp step against 71-73%
+# with one (32k: 85% against 84-85%). Each chunk also costs the host about 0.1 ms to issue
+# (benchmarks/trace_transfer.py), so chunks of a few MiB would leave the link waiting for the host.
 RAMP = 4
-RAMP_STEPS = 1
+RAMP_STEPS = 0
 
 
 @dataclass(frozen=True)
