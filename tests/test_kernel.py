@@ -211,6 +211,11 @@ def test_joined_plans_only_where_each_row_is_one_block():
     assert plan_joined_launch(8, 128, 8, 128).grid_y == 1  # 8 x 128 fits the 2048-element tile
     assert plan_joined_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)) is None  # 2 head blocks each
     assert plan_joined_launch(1, 512, 1, 64, TileConfig(elems=256, num_warps=4)).block_t == 1  # a row is one block
+    # A joined launcher takes the small_joined tile for small writes (one MLA row per program).
+    row = (576, 576, 1)
+    launch = PreparedLaunch(1, 512, 1, 64, torch.float8_e4m3fn, row, row, 8, torch.device(DEVICE), joined=True)
+    assert launch.small_per_head.plan == plan_joined_launch(1, 512, 1, 64, TILE_TABLE["small_joined"])
+    assert (launch.small_per_head.plan.block_t, launch.per_head.plan.block_t) == (1, 4)
     with pytest.raises(ValueError, match="one block per tensor"):
         plan_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)).__class__(
             8, 128, 8, 128, block_t=1, block_h=4, block_d=128, block_hv=4, block_dv=128, num_warps=4, joined=True

@@ -73,9 +73,14 @@ class TileConfig:
 #: both ends (few elements per thread shorten a decode write's dependent chain; large writes want
 #: more bytes per program). The previous table (per head_dim, one tile for all sizes: 1024/2 for
 #: head_dim <= 128) was 5-10% off the best at decode sizes.
+#: A joined plan's program holds a token's K and V rows: for small writes it takes "small_joined",
+#: one 512 + 64 MLA row per program (benchmarks/probe_plans.py --ladder, H200: 1.28 / 1.37 / 1.55 us
+#: per write at 1 / 32 / 256 tokens against 1.33 / 1.41 / 1.61 with the small tile's two rows per
+#: program; at >= 8k tokens the large tile stayed best of 1024/4, 2048/2, 2048/4, 4096/4 and 4096/8).
 TILE_TABLE: dict[str, TileConfig] = {
     "small": TileConfig(elems=1024, num_warps=4),
     "large": TileConfig(elems=2048, num_warps=4),
+    "small_joined": TileConfig(elems=512, num_warps=4),
 }
 #: Writes of at most this many tokens take the small tile (between the sizes swept, 1024 and 4096).
 SMALL_TOKENS = 2048
@@ -333,7 +338,7 @@ class PreparedLaunch:
     (``per_head``, ``flat``). An explicit ``tile`` is used for both.
 
     With ``joined``, the per-head plans write K and V in the same program where each is one block
-    (``plan_joined_launch``).
+    (``plan_joined_launch``); small writes then take the ``small_joined`` tile.
 
     ``options`` are the launcher's debug switches (``KernelOptions``; default: from the environment).
     The soft encoder is used wherever the device has no exact native conversion, whatever
@@ -381,16 +386,16 @@ class PreparedLaunch:
             _heads_contiguous(heads, head_dim, k_cache_strides) and _heads_contiguous(v_heads, v_head_dim, v_cache_strides)
         )
 
-        def variants(tile_: TileConfig) -> tuple[_Variant, Optional[_Variant]]:
-            plan = plan_joined_launch(heads, head_dim, v_heads, v_head_dim, tile_) if joined else None
+        def variants(tile_: TileConfig, joined_tile: TileConfig) -> tuple[_Variant, Optional[_Variant]]:
+            plan = plan_joined_launch(heads, head_dim, v_heads, v_head_dim, joined_tile) if joined else None
             plan = plan or plan_launch(heads, head_dim, v_heads, v_head_dim, tile_)
             flat_plan = (row_plan or plan_flat_launch(heads, head_dim, v_heads, v_head_dim, tile_)) if flat_ok else None
             make = lambda p: _Variant(p, out_kind, self.soft_cast, self.fast_div, self.cache_strides)  # noqa: E731
             return make(plan), None if flat_plan is None else make(flat_plan)
 
-        self.per_head, self.flat = variants(tile or TILE_TABLE["large"])
+        self.per_head, self.flat = variants(tile or TILE_TABLE["large"], tile or TILE_TABLE["large"])
         self.small_per_head, self.small_flat = (
-            (self.per_head, self.flat) if tile is not None else variants(TILE_TABLE["small"])
+            (self.per_head, self.flat) if tile is not None else variants(TILE_TABLE["small"], TILE_TABLE["small_joined"])
         )
         self._compiled: dict[tuple, object] = {}
 
