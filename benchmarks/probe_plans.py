@@ -244,6 +244,9 @@ def ladder(a, names) -> int:
             line["write, contiguous slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, scale), 10, flush)
             line["write, random slots"] = graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
             for label, launch in joined.items():
+                if label == "joined":
+                    line["write joined, contiguous slots"] = graph_us(
+                        lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], contig, scale, scale), 10, flush)
                 line[f"write {label}, random slots"] = graph_us(
                     lambda i, launch=launch: launch(key, k, v, *caches[i % LAYERS], loc, scale, scale), 10, flush)
             for block, warps in ((1024, 4), (2048, 4), (4096, 8)):

@@ -6,8 +6,8 @@ warm-up it times, on the receiver, from a barrier to the end of the transfer (me
 * ``nccl 1 x 512 MiB``: one contiguous send of the request's bytes;
 * ``nccl 32 x 16 MiB`` / ``nccl 4 x 128 MiB``: the same bytes as back-to-back sends from one stream;
 * ``kvpool default``: ``KVSender.send`` / ``KVReceiver.recv`` with the default settings;
-* ``kvpool chunk C MiB, grid G``: other staging sizes and copy grids (G programs per SM; 0: one
-  program per task).
+* ``kvpool chunk C MiB, P programs beside NCCL``: other staging sizes and grids of the copies that
+  run beside the transport.
 
 Then it profiles one default transfer on both ranks after 50 ms of busy compute stream on the sender
 (torch.profiler, CUDA activity) and writes each rank's GPU timeline (kernel and memcpy name, stream,
@@ -86,9 +86,8 @@ def run(rank: int, port: int, out: str) -> None:
             report["times_us"][label] = timed(nccl(pieces))
         configs = [("kvpool default", None, None)]
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        for chunk in (32, 64, 128):
-            for grid in (0, 2):
-                configs.append((f"kvpool chunk {chunk} MiB, grid {grid}", chunk << 20, (1 << 30) if grid == 0 else grid * sms))
+        for chunk, programs in ((64, 32), (128, 66), (128, 2 * sms), (256, 32)):
+            configs.append((f"kvpool chunk {chunk} MiB, {programs} programs beside NCCL", chunk << 20, programs))
         for label, chunk_bytes, programs in configs:
             ep = KVSender(pool, chunk_bytes=chunk_bytes, max_programs=programs) if rank == 0 else KVReceiver(
                 pool, chunk_bytes=chunk_bytes, max_programs=programs)  # fmt: skip

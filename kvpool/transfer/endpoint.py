@@ -323,9 +323,12 @@ class _Endpoint:
                 f"{where}: the {role}'s loc has {n} slots, more than its pool's {self._rows} rows{tail}"
             )
         loc64 = loc.to(torch.int64)
-        bad = (loc64 < 0) | (loc64 >= self._rows)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
+        if n == 0:
+            return loc64, None
+        # One pass for the common case (every slot in range); the position only when one is not.
+        lo, hi = torch.aminmax(loc64)
+        if int(lo) < 0 or int(hi) >= self._rows:
+            i = int(((loc64 < 0) | (loc64 >= self._rows)).nonzero()[0, 0])
             return None, IndexError(
                 f"{where}: the {role}'s loc[{i}] = {int(loc64[i])} is outside its pool's slots "
                 f"[0, {self._rows}){tail}"
