@@ -234,22 +234,25 @@ class Rank:
         return out
 
 
-def parse_sweep(spec: str, sms: int) -> list[tuple[int, int, int]]:
-    """``CHUNK_MIB:PROGRAMS:RAMP,...`` -> sweep entries (PROGRAMS may be ``default``)."""
+def parse_sweep(spec: str, sms: int) -> list[tuple[int, int, int, int]]:
+    """``CHUNK_MIB:PROGRAMS:RAMP_STEPS[:RAMP],...`` -> sweep entries (PROGRAMS may be ``default``;
+    RAMP, the growth factor between chunks, defaults to wire.RAMP)."""
     out = []
     for item in spec.split(","):
-        chunk, programs, ramp = item.split(":")
+        chunk, programs, steps, *factor = item.split(":")
         grid = endpoint_module.default_max_programs(sms) if programs == "default" else int(programs)
-        out.append((int(chunk), grid, int(ramp)))
+        out.append((int(chunk), grid, int(steps), int(factor[0]) if factor else wire.RAMP))
     return out
 
 
 def sweep_phase(r: "Rank", rank: int, results: dict, save: Callable[[], None], ceiling: dict,
-                sweep: list[tuple[int, int, int]], rounds: int) -> None:  # fmt: skip
+                sweep: list[tuple], rounds: int) -> None:  # fmt: skip
     """Page 1 -> page 1 requests of both sizes under each (chunk MiB, copy grid beside the
-    transport (0: one program per task), ramp steps), ``rounds`` rounds of 2 transfers each."""
-    default_steps = wire.RAMP_STEPS
-    for chunk_mib, grid, ramp in sweep:
+    transport (0: one program per task), ramp steps[, ramp factor]), ``rounds`` rounds of 2
+    transfers each."""
+    default_steps, default_factor = wire.RAMP_STEPS, wire.RAMP
+    for chunk_mib, grid, ramp, *factor in sweep:
+        wire.RAMP = factor[0] if factor else default_factor
         del r.sender, r.receiver
         torch.cuda.empty_cache() if DEVICE_TYPE == "cuda" else None
         programs = grid or 1 << 30
@@ -262,10 +265,11 @@ def sweep_phase(r: "Rank", rank: int, results: dict, save: Callable[[], None], c
             s, check = r.transfer(("p1", "p1"), tokens, 2, rounds, seed=700)
             nbytes = tokens * TOKEN_BYTES
             results["sweep"].append(dict(request=req, chunk_mib=chunk_mib, programs=grid, ramp=ramp,
-                                         gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s, **check))  # fmt: skip
-        log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {grid} programs, ramp {ramp}: done")
+                                         ramp_factor=wire.RAMP, gbps=nbytes / s / 1e9, fraction=ceiling[nbytes] / s,
+                                         **check))  # fmt: skip
+        log(f"[rank {rank}] sweep chunk {chunk_mib} MiB, {grid} programs, ramp {ramp} x{wire.RAMP}: done")
         save()
-    wire.RAMP_STEPS = default_steps
+    wire.RAMP_STEPS, wire.RAMP = default_steps, default_factor
 
 
 def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,

@@ -59,13 +59,17 @@ def test_chunk_plan_covers_tokens_in_bounded_growing_chunks(tokens, capacity):
 
 
 def test_chunk_plan_shape_for_an_8k_request(monkeypatch):
-    # No ramp by default: full chunks, the remainder shared by the two in the middle.
-    assert [c for _, c in chunk_plan(8192, 1024)] == [1024] * 8
-    assert [c for _, c in chunk_plan(8000, 1024)] == [1024] * 3 + [928, 928] + [1024] * 3
-    # One ramp step of 4x at each end (wire.RAMP_STEPS), full chunks in the middle.
+    # The default ramp: three steps of 2x at each end (wire.RAMP, wire.RAMP_STEPS), full chunks in
+    # the middle; a Llama-3-8B FP8 request (64 KiB a token) with the default 512 MiB staging half.
+    assert [c for _, c in chunk_plan(8192, 8192)] == [1024, 2048, 2048, 2048, 1024]  # 64/128/128/128/64 MiB
+    assert [c for _, c in chunk_plan(32768, 8192)] == [1024, 2048, 4096, 6144, 6144, 6144, 4096, 2048, 1024]
+    # One ramp step of 4x; no ramp: full chunks, the remainder shared by the two in the middle.
+    monkeypatch.setattr(wire, "RAMP", 4)
     monkeypatch.setattr(wire, "RAMP_STEPS", 1)
     counts = [c for _, c in chunk_plan(8192, 1024)]
     assert counts == [256, 1024, 1024, 1024, 768, 768, 1024, 1024, 1024, 256]
+    monkeypatch.setattr(wire, "RAMP_STEPS", 0)
+    assert [c for _, c in chunk_plan(8000, 1024)] == [1024] * 3 + [928, 928] + [1024] * 3
 
 
 def test_chunk_plan_rejects_bad_arguments():

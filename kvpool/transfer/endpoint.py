@@ -81,13 +81,16 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
 # Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
-# buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB and 95% at
-# 256 MiB, i.e. each message carries a fixed cost of some tens of microseconds (part of it host
-# overhead that back-to-back messages hide). An 8k-token Llama-3-8B FP8 request (512 MiB) travels as
-# four 128 MiB chunks (wire.chunk_plan, no ramp); the pipeline's fill and drain (one gather, one
-# scatter, on the whole GPU) cost about 100 us each. Two halves: 256 MiB of device memory per
-# endpoint. benchmarks/bench_transfer.py sweeps 64-256 MiB and 0-2 ramp steps.
-DEFAULT_CHUNK_BYTES_CUDA = 128 << 20
+# buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB, 95% at
+# 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a profile of the benchmark's
+# ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages running at about 90% of the
+# 2 GiB message's rate, the largest single loss of a 32k-token request. With 512 MiB chunks (the
+# ramp of wire.chunk_plan: 64/128/256 MiB at each end) 32k-token Llama-3-8B FP8 requests moved at
+# 90.2-91.2% of the NCCL ceiling against 85.8-86.3% with 128 MiB chunks (bench_transfer.py --sweep,
+# 11 rounds, each setting twice); 8k-token ones (512 MiB: 64/128/128/128/64 MiB) at 79.4-79.6%
+# against 77.9-78.5%. The cost is memory: two halves, 1 GiB of device memory per endpoint (pass
+# chunk_bytes=128 << 20 for 256 MiB).
+DEFAULT_CHUNK_BYTES_CUDA = 512 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
@@ -523,7 +526,7 @@ class KVSender(_Endpoint):
         pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
         the heads both sides hold, so a sender holding all heads serves receivers that each hold a
         tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
-    chunk_bytes : bytes per staging half (default 128 MiB on CUDA, 4 MiB on CPU; at least one token).
+    chunk_bytes : bytes per staging half (default 512 MiB on CUDA, 4 MiB on CPU; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
         ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Chunks can start small and grow (and shrink again towards the end): the first chunk's gather and
-# the last chunk's scatter cannot overlap any transfer, so small end chunks shorten the pipeline's
-# fill and drain, while the middle chunks are as large as the staging allows so that the per-message
-# cost of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which
-# keeps the gather of the next chunk (HBM-bound, several times faster than the link) shorter than
-# the send of the current one. No ramp by default: the fill and drain copies take the whole GPU
-# (kvpool.transfer.endpoint), so a 128 MiB one costs about 100 us on an H200, less than a small
-# chunk's message loses to the transport's per-message cost; benchmarks/bench_transfer.py measured
-# 8k-token requests between two H200s at 77% of the NCCL ceiling without a ramp step against 71-73%
-# with one (32k: 85% against 84-85%). Each chunk also costs the host about 0.1 ms to issue
-# (benchmarks/trace_transfer.py), so chunks of a few MiB would leave the link waiting for the host.
-RAMP = 4
-RAMP_STEPS = 0
+# Chunks start small and grow (and shrink again towards the end): the first chunk's gather and the
+# last chunk's scatter cannot overlap any transfer, so small end chunks shorten the pipeline's fill
+# and drain, while the middle chunks are as large as the staging allows so that the per-message cost
+# of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which keeps
+# the gather of the next chunk (beside the transport, on a few SMs: about 120 us per 128 MiB on an
+# H200) shorter than the send of the current one (about 390 us per 128 MiB over NVLink); a factor of
+# 4 left the link waiting for the gather of a 512 MiB chunk after a 128 MiB one. With the default
+# 512 MiB staging half the ends are 64, 128 and 256 MiB. benchmarks/bench_transfer.py --sweep on two
+# H200s, 512 MiB chunks, 32k-token requests: 90.2-91.2% of the NCCL ceiling with 3 steps of 2,
+# 90.3-90.5% with 2 steps of 2, 88.3-89.2% with 1 step of 4. Each chunk also costs the host about
+# 0.1 ms to issue (benchmarks/trace_transfer.py), so chunks of a few MiB would leave the link
+# waiting for the host.
+RAMP = 2
+RAMP_STEPS = 3
 
 
 @dataclass(frozen=True)
