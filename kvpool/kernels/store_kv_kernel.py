@@ -352,6 +352,27 @@ def _store_block(
         tl.atomic_max(amax_ptr + offs_h, head_max, mask=head_ok)
 
 
+@triton.jit
+def _store_head_block(
+    src_ptr, dst_ptr, scale_ptr, scale_value, scale_stride, amax_ptr, slot, offs_t, token_ok, write_ok,
+    head_block, d_block, capacity, stride_st, stride_sh, stride_sd, stride_ct, stride_ch, stride_cd,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+    SCALE_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr, FAST_DIV: tl.constexpr,
+    OBSERVE: tl.constexpr, I64: tl.constexpr,
+):  # fmt: skip
+    """One block of one tensor (K or V): its loads, then its slots' range check, then its stores
+    (``slot`` as loaded; arguments as for ``_load_block`` and ``_store_block``)."""
+    scale, raw, raw2 = _load_block(
+        src_ptr, scale_ptr, scale_value, scale_stride, offs_t, token_ok, head_block, d_block,
+        stride_st, stride_sh, stride_sd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, SCALE_KIND, I64,
+    )  # fmt: skip
+    dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+    _store_block(
+        dst_ptr, amax_ptr, dst_slot, row_ok, scale, raw, raw2, head_block, d_block, stride_ct, stride_ch, stride_cd,
+        H, D, BLOCK_H, BLOCK_D, BLOCK_D2, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+    )  # fmt: skip
+
+
 # T (the token count), the loc pointer and the scale pointers/strides change from call to call (a
 # scheduler slices loc out of a larger buffer; a scale tensor may be one element of a stacked
 # per-layer tensor); so do a verify write's width and commit_lens. Not specializing on them keeps one
@@ -464,25 +485,17 @@ def _store_kv_kernel(
             HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
         )  # fmt: skip
     elif b < K_BLOCKS:
-        kh, kd = b // K_D_BLOCKS, b % K_D_BLOCKS
-        k_scale, k_raw, k_raw2 = _load_block(
-            k_ptr, k_scale_ptr, k_scale_value, k_scale_stride, offs_t, token_ok, kh, kd,
-            stride_kt, stride_kh, stride_kd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, I64,
-        )  # fmt: skip
-        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
-        _store_block(
-            k_cache_ptr, k_amax_ptr, dst_slot, row_ok, k_scale, k_raw, k_raw2, kh, kd, stride_kct, stride_kch, stride_kcd,
-            H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        _store_head_block(
+            k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride, k_amax_ptr, slot, offs_t, token_ok,
+            write_ok, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity, stride_kt, stride_kh, stride_kd, stride_kct,
+            stride_kch, stride_kcd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
+            OBSERVE, I64,
         )  # fmt: skip
     else:
         b -= K_BLOCKS
-        vh, vd = b // V_D_BLOCKS, b % V_D_BLOCKS
-        v_scale, v_raw, v_raw2 = _load_block(
-            v_ptr, v_scale_ptr, v_scale_value, v_scale_stride, offs_t, token_ok, vh, vd,
-            stride_vt, stride_vh, stride_vd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, I64,
-        )  # fmt: skip
-        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
-        _store_block(
-            v_cache_ptr, v_amax_ptr, dst_slot, row_ok, v_scale, v_raw, v_raw2, vh, vd, stride_vct, stride_vch, stride_vcd,
-            HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
+        _store_head_block(
+            v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride, v_amax_ptr, slot, offs_t, token_ok,
+            write_ok, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity, stride_vt, stride_vh, stride_vd, stride_vct,
+            stride_vch, stride_vcd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST,
+            FAST_DIV, OBSERVE, I64,
         )  # fmt: skip
