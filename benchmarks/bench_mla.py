@@ -397,6 +397,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     launch_plan = plan_joined_launch(1, R, 1, ROPE)
+    small_plan = plan_joined_launch(1, R, 1, ROPE, store_kv.TILE_TABLE["small_joined"])
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
@@ -406,8 +407,9 @@ def main() -> int:
         "command": "python benchmarks/bench_mla.py --out DIR" + " --quick" * args.quick + " --dry-run" * args.dry_run
         + (f" --budget-s {args.budget_s:g}" if args.budget_s is not None else ""),
         "dry_run": args.dry_run,
-        "plan": f"BLOCK_T={launch_plan.block_t}, latent block {launch_plan.block_d}, rotary block "
-        f"{launch_plan.block_dv}, {launch_plan.grid_y} programs per token block, {launch_plan.num_warps} warps",
+        "plan": f"joined (one program writes both parts of its tokens' rows), latent block {launch_plan.block_d}, "
+        f"rotary block {launch_plan.block_dv}: BLOCK_T={launch_plan.block_t} and {launch_plan.num_warps} warps above "
+        f"{store_kv.SMALL_TOKENS} tokens, BLOCK_T={small_plan.block_t} and {small_plan.num_warps} warps up to it",
     }
     result: dict = {"meta": meta, "plan": asdict(plan), "records": [], "errors": {}, "skipped": []}
     log(f"[bench_mla] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; plan: {meta['plan']}")

@@ -457,8 +457,9 @@ def main() -> int:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU pools over gloo, tiny requests: checks the script")
-    parser.add_argument("--sweep", help="only the ceiling and this sweep: comma-separated CHUNK_MIB:PROGRAMS:RAMP "
-                        "(PROGRAMS 0: one per task), each timed over --sweep-rounds rounds")  # fmt: skip
+    parser.add_argument("--sweep", help="only the ceiling and this sweep: comma-separated "
+                        "CHUNK_MIB:PROGRAMS:RAMP_STEPS[:RAMP_FACTOR] (PROGRAMS 0: one per task, 'default': the "
+                        "endpoint's), each timed over --sweep-rounds rounds")  # fmt: skip
     parser.add_argument("--sweep-rounds", type=int, default=3)
     args = parser.parse_args()
     if torch.cuda.device_count() < 2 and not args.cpu_smoke:

@@ -10,7 +10,8 @@ Two ranks (cuda:0 sends, cuda:1 receives, NCCL), Llama-3-8B FP8 pools as in benc
   summed per transfer, and
   the whole call, against the transfer's device time (barrier to completion, median of 5);
 * ``grid``: the transfer's time with the gather/scatter grid capped at 16, 32, 66 and 264 programs
-  (the default is 2 per SM), against one contiguous NCCL send of the same bytes.
+  (``max_programs``, which also caps the first gather and the last scatter), against one contiguous
+  NCCL send of the same bytes.
 
 If the host's time per chunk approaches the link's time per chunk, the device waits for the host.
 The whole run is made twice: with torch's defaults, and with the NCCL flight recorder off

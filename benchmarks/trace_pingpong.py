@@ -6,8 +6,9 @@ request's rows and receives them back; rank 1 receives and sends back, ``--legs`
 timed without the profiler and one with it (torch.profiler, CUDA activity plus the host spans of
 the ``send``/``recv`` calls). Each rank writes its GPU timeline (kernel and memcpy name, stream,
 start and duration in microseconds from the round's first event) and its host spans to
-``DIR/pingpong_rank{r}.json`` and prints, per leg, when the first and last transport kernels ran
-and how much of the leg the link was idle (no NCCL kernel running).
+``DIR/pingpong_rank{r}.json`` and prints the one-way time of both rounds and, over the profiled
+round, how long the transport's send/recv kernels ran against the span from the first to the last
+(the rest is time the link sat idle).
 
 Usage (two GPUs): python benchmarks/trace_pingpong.py --out DIR [--tokens 32768] [--legs 3]
 ``--cpu-smoke --tokens 64`` runs it on CPU pools over gloo (checks the script only).
@@ -97,7 +98,8 @@ def run(rank: int, port: int, out: str, tokens: int, legs: int, smoke: bool) -> 
         t0 = min(s for s, *_ in gpu + host) if gpu + host else 0
         report["gpu"] = sorted((round(s - t0, 1), round(d, 1), n, sid) for s, d, n, sid in gpu if "sleep" not in n)
         report["host"] = sorted((round(s - t0, 1), round(d, 1), n) for s, d, n in host)
-        nccl = [(s, s + d) for s, d, n, _ in report["gpu"] if n.startswith("ncclDevKernel")]
+        # Only the transport's kernels: the barrier before the round is an NCCL all-reduce.
+        nccl = [(s, s + d) for s, d, n, _ in report["gpu"] if n.startswith("ncclDevKernel_SendRecv")]
         busy, end = 0.0, None
         for s, e in nccl:
             if end is None or s >= end:

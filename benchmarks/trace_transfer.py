@@ -91,6 +91,7 @@ def run(rank: int, port: int, out: str) -> None:
         for label, chunk_bytes, programs in configs:
             ep = KVSender(pool, chunk_bytes=chunk_bytes, max_programs=programs) if rank == 0 else KVReceiver(
                 pool, chunk_bytes=chunk_bytes, max_programs=programs)  # fmt: skip
+            ep._alone_programs = None  # fill and drain on the whole GPU, as the default endpoint's
             move = (lambda: ep.send(loc, 1).wait()) if rank == 0 else (lambda: ep.recv(loc, 0).wait())
             move()
             report["times_us"][label] = timed(move)

@@ -236,9 +236,15 @@ def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
     ks, vs = _scale(scale_kind, h, 63), _scale(scale_kind, hv, 64)
     if scale_kind in ("float", "tensor"):  # K and V scales differ, so a mix-up shows
         vs = 1.9 if scale_kind == "float" else torch.tensor([0.21], device=DEVICE)
+    loc = _loc(t, slots, loc_dtype, 65)
+    key = write_key(k, v, loc, ks, vs)
+    kc, vc = _caches(slots, h, d, hv, dv, torch.float8_e4m3fn)
+    launcher = PreparedLaunch(h, d, hv, dv, torch.float8_e4m3fn, kc.stride(), vc.stride(), slots, torch.device(DEVICE),
+                              tile=tile, flat=False, joined=True)  # fmt: skip
+    assert launcher.variant_for(k.stride(), v.stride(), (key[3], key[4]), tokens=t).plan == plan  # the joined plan runs
     for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
         (kf, vf), (kr, vr) = _both_paths(
-            k, v, _loc(t, slots, loc_dtype, 65), ks, vs, slots, cache_dtype, tile=tile, joined=True, flat=False
+            k, v, loc, ks, vs, slots, cache_dtype, tile=tile, joined=True, flat=False
         )  # fmt: skip
         assert_same_bytes(kf, kr, "k_cache")
         assert_same_bytes(vf, vr, "v_cache")

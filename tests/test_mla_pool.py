@@ -25,6 +25,7 @@ import kvpool
 from kvassert import assert_same_bytes, bits
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.kernels import copy_rows, store_kv
+from kvpool.kernels import write as write_module
 from kvpool.pools import host_pool
 from kvpool.kernels.store_kv import plan_flat_launch, plan_launch
 from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_latent_cache
@@ -384,15 +385,32 @@ def test_auto_mode_on_cpu_takes_the_reference_path_and_says_why():
 
 def test_kernel_plan_for_the_deepseek_row():
     """The kernel's plan covers the 512 latent and 64 rotary columns with no idle lanes, no flat
-    plan; the pool takes the joined plan: one program per 4 tokens writes both parts of each row
-    (grid axis 1 has one entry), where the per-head plan alone would give each part its programs."""
+    plan; the joined plan writes both parts of each row from one program (grid axis 1 has one
+    entry), where the per-head plan alone gives each part its own programs."""
     plan = plan_launch(1, 512, 1, 64)
     assert plan.lane_use == 1.0 and plan.grid_y == 2
     assert (plan.block_t, plan.block_d, plan.block_dv) == (4, 512, 64)
     assert plan_flat_launch(1, 512, 1, 64) is None
-    launch = make_pool(torch.float8_e4m3fn, "always")._writer.launch  # CUDA, or the interpreter on CPU
-    for variant in (launch.per_head, launch.small_per_head):
-        assert variant.plan.joined and variant.grid_y == 1 and (variant.plan.heads, variant.plan.head_dim) == (1, R)
+    joined = store_kv.plan_joined_launch(1, 512, 1, 64)
+    assert joined.grid_y == 1 and (joined.block_t, joined.block_d, joined.block_dv) == (4, 512, 64)
+
+
+@pytest.mark.skipif(not KERNEL_HERE, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rank,rope", [(R, ROPE), (512, 64)], ids=["small-row", "deepseek-row"])
+def test_eager_and_compiled_writes_take_the_same_joined_plans(rank, rope):
+    """The pool's eager writes and the custom operator its compiled callers go through (given the
+    same two column views) take the same joined plans, so the pool's warmup serves both; caches
+    that are not two parts of one row keep the per-part plan."""
+    pool = make_pool(torch.float8_e4m3fn, "always", r=rank, rope=rope, size=64)
+    eager = pool._writer.launch
+    compiled = write_module.writer_for(pool._nope_views[0], pool._rope_views[0], "always").launch
+    for mine, op in ((eager.per_head, compiled.per_head), (eager.small_per_head, compiled.small_per_head)):
+        assert mine.plan.joined and mine.grid_y == 1 and mine.plan == op.plan
+    apart = write_module.writer_for(
+        torch.empty(8, 1, rank, dtype=torch.float8_e4m3fn, device=DEVICE),
+        torch.empty(8, 1, rope, dtype=torch.float8_e4m3fn, device=DEVICE), "always",
+    ).launch  # fmt: skip
+    assert not apart.per_head.plan.joined and not apart.small_per_head.plan.joined
 
 
 # ----------------------------------------------------------------------------------------------

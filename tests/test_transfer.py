@@ -208,6 +208,12 @@ def test_a_peer_that_cannot_be_told_raises_at_once(world_of_one, peer, error, te
     assert text in str(info.value)
 
 
+def test_default_staging_is_no_larger_than_the_pool():
+    pool = _pool()  # 65 rows of 3 layers x K,V x 4 heads x 32: 768 bytes a token
+    assert KVSender(pool).chunk_bytes == 65 * 768  # less than the CPU default of 4 MiB
+    assert KVSender(pool, chunk_bytes=4096).chunk_bytes == 4096  # a given size stays
+
+
 def test_send_kv_keeps_one_endpoint_per_pool_and_settings():
     from kvpool.transfer.endpoint import _endpoint
 
@@ -217,6 +223,36 @@ def test_send_kv_keeps_one_endpoint_per_pool_and_settings():
     assert _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=4096) is not a
     assert _endpoint(KVReceiver, pool, None, head_start=0, total_heads=None, chunk_bytes=None) is not a
     assert _endpoint(KVSender, _pool(), None, head_start=0, total_heads=None, chunk_bytes=None) is not a
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("max_programs", [None, 5])
+@pytest.mark.parametrize("cls", [KVSender, KVReceiver])
+def test_fill_and_drain_copies_take_the_whole_grid_unless_capped(monkeypatch, cls, max_programs):
+    """The sender's first gather and the receiver's last scatter run with no transport kernel
+    beside them: they take copy_rows' whole grid, unless the caller capped every copy; the copies
+    that run beside the transport keep the endpoint's cap."""
+    from kvpool.transfer import endpoint as ep_module
+
+    grids: list = []
+    real_copy_rows = ep_module.copy_rows
+    monkeypatch.setattr(ep_module, "copy_rows", lambda *a, max_programs: (grids.append(max_programs), real_copy_rows(*a))[1])
+    monkeypatch.setattr(ep_module.dist, "isend", lambda *a, **k: _Done())
+    monkeypatch.setattr(ep_module.dist, "irecv", lambda *a, **k: _Done())
+    pool = _pool()
+    ep = cls(pool, chunk_bytes=4 * 768, max_programs=max_programs)  # 4 tokens a chunk
+    ep.max_programs = 7 if max_programs is None else max_programs  # what a CUDA endpoint defaults to
+    layout, table, stages = ep._tables_for(0, pool.head_num)
+    plan = chunk_plan(10, 4)
+    ep._pipeline(plan, torch.arange(1, 11), layout, table, stages, 1, None, None)
+    edge = 0 if cls is KVSender else len(plan) - 1
+    assert len(grids) == len(plan) >= 3
+    assert grids[edge] == max_programs  # None: copy_rows' whole grid
+    assert all(g == ep.max_programs for i, g in enumerate(grids) if i != edge)
 
 
 # --- two ranks over gloo -------------------------------------------------------------------------------------

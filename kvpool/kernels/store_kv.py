@@ -76,7 +76,9 @@ class TileConfig:
 #: A joined plan's program holds a token's K and V rows: for small writes it takes "small_joined",
 #: one 512 + 64 MLA row per program (benchmarks/probe_plans.py --ladder, H200: 1.28 / 1.37 / 1.55 us
 #: per write at 1 / 32 / 256 tokens against 1.33 / 1.41 / 1.61 with the small tile's two rows per
-#: program; at >= 8k tokens the large tile stayed best of 1024/4, 2048/2, 2048/4, 4096/4 and 4096/8).
+#: program). Writes of 257 to SMALL_TOKENS tokens take it too without having been measured there; at
+#: >= 8k tokens it measured 66% of a same-bytes copy against 82-90% for the large tile, which no
+#: other tile (1024/4, 2048/2, 4096/4, 4096/8) beat by more than the spread between runs.
 TILE_TABLE: dict[str, TileConfig] = {
     "small": TileConfig(elems=1024, num_warps=4),
     "large": TileConfig(elems=2048, num_warps=4),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -72,8 +72,10 @@ class KVWriter:
     caches_aligned : the caches are fresh allocations (a pool's), so their 16-byte alignment needs
         no check per call.
     validate : :meth:`store` also checks slot range and scale values (one synchronisation).
-    joined : one program writes a token block's K and V rows where each is one block (the launcher's
-        ``plan_joined_launch``; an MLA pool's two parts of a row).
+
+    Caches laid out as the two column parts of one row buffer (``parts_of_one_row``: an MLA pool's
+    latent and rotary views) take the launcher's joined plan, in which one program writes both
+    parts of its tokens' rows.
     """
 
     def __init__(
@@ -87,7 +89,6 @@ class KVWriter:
         options: Optional[KernelOptions] = None,
         caches_aligned: bool = False,
         validate: bool = False,
-        joined: bool = False,
     ) -> None:
         g = self.geometry = geometry
         self.mode = mode
@@ -102,7 +103,8 @@ class KVWriter:
         if self.cache_ok and mode != "never":
             self.launch = store_kv.PreparedLaunch(
                 g.heads, g.head_dim, g.v_heads, g.v_head_dim, g.cache_dtype, tuple(k_strides), tuple(v_strides),
-                capacity, g.device, options=options, caches_aligned=caches_aligned, joined=joined,
+                capacity, g.device, options=options, caches_aligned=caches_aligned,
+                joined=parts_of_one_row(g, k_strides, v_strides),
             )  # fmt: skip
         self._decisions: dict[tuple, _Decision] = {}
         self.validate = validate
@@ -253,10 +255,22 @@ def _writer(geometry: Geometry, k_strides: tuple, v_strides: tuple, capacity: in
     return KVWriter(geometry, k_strides, v_strides, capacity, mode)
 
 
+def parts_of_one_row(geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> bool:
+    """Whether K and V caches with these strides are laid out as the two column parts of one row
+    buffer, as an MLA pool's latent and rotary views are: one head each, and a row stride of the
+    whole row. Writes into such caches take the joined plan (one program writes both parts of its
+    tokens' rows): the MLA pool's eager writes, and the custom operator its compiled callers go
+    through, which is given the same two views, so both run the same compiled variants."""
+    g = geometry
+    row = g.head_dim + g.v_head_dim
+    return g.heads == g.v_heads == 1 and k_strides[0] == v_strides[0] == row
+
+
 def writer_for(k_cache: torch.Tensor, v_cache: torch.Tensor, mode: str) -> KVWriter:
     """The writer for caller-owned caches (given in their logical dtype), one per cache geometry and
     mode. Its launcher keys compiled variants on the caches' alignment, since these caches are not
-    a pool's own allocations."""
+    a pool's own allocations; caches laid out as the two parts of one row take the joined plan
+    (``parts_of_one_row``)."""
     g = Geometry(k_cache.dtype, k_cache.shape[1], k_cache.shape[2], v_cache.shape[1], v_cache.shape[2], k_cache.device)
     return _writer(g, tuple(k_cache.stride()), tuple(v_cache.stride()), k_cache.shape[0], mode)
 

@@ -101,14 +101,11 @@ class KVCache:
         """Rows per layer buffer: ``size + page_size`` (slot 0 and the rest of page 0 are padding)."""
         return self.size + self.page_size
 
-    def _init_writer(
-        self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int], *, joined: bool = False
-    ) -> None:
-        """The write decision for these buffers (every layer shares the geometry and strides);
-        ``joined``: one program writes a token's K and V rows (``store_kv.plan_joined_launch``)."""
+    def _init_writer(self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> None:
+        """The write decision for these buffers (every layer shares the geometry and strides)."""
         self._writer = KVWriter(
             geometry, tuple(k_strides), tuple(v_strides), self.rows, self.fused_mode,
-            caches_aligned=True, validate=self.validate, joined=joined,
+            caches_aligned=True, validate=self.validate,
         )  # fmt: skip
         self.stats: PathStats = self._writer.stats
         if self.fused_mode == "always" and not self._writer.cache_ok:

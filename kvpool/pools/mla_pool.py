@@ -8,9 +8,9 @@ qk_rope_head_dim]``.
 The write is the K/V write's kernel: a row's two parts are two strided views of the same buffer, so
 the kernel's "K cache" is the latent columns ``buf[:, :, :kv_lora_rank]`` and its "V cache" the
 rotary columns ``buf[:, :, kv_lora_rank:]``; its K input is the latent part and its V input the
-rotary part, both quantized with the one ``k_scale``. The pool asks for the joined plan, in which one
-program writes both parts of its tokens' rows (on an H200, 84-87% of a same-bytes copy at 8k-32k
-tokens against 72-77% with a program per part). Both entry points (``set_kv_buffer`` with the
+rotary part, both quantized with the one ``k_scale``. Two such views take the writer's joined plan,
+in which one program writes both parts of its tokens' rows (on an H200, 80-86% of a same-bytes copy
+at 8k-32k tokens against 72-75% with a program per part, benchmarks/bench_mla.py). Both entry points (``set_kv_buffer`` with the
 whole row, ``set_mla_kv_buffer`` with the two parts) are one launch of the same kernel, with the same
 semantics, errors, gate, statistics, modes, warmup and compiled use as ``MHATokenToKVPool``.
 
@@ -150,7 +150,7 @@ class MLATokenToKVPool(KVCache):
         self._move_rows = copy_rows.RowTable.of(self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
-            self._nope_store[0].stride(), self._rope_store[0].stride(), joined=True,
+            self._nope_store[0].stride(), self._rope_store[0].stride(),
         )  # fmt: skip
         self._warm = bool(warmup)
         if observe_amax:

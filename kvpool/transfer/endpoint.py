@@ -80,16 +80,17 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 #: parts, one head.
 _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
-# Staging per half on CUDA; the middle chunks of a large transfer are this big. NCCL send/recv of one
+# Staging per half on CUDA (or the whole pool's rows, if smaller); a transfer's chunks are at most
+# this big. NCCL send/recv of one
 # buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB, 95% at
 # 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a profile of the benchmark's
 # ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages running at about 90% of the
-# 2 GiB message's rate, the largest single loss of a 32k-token request. With 512 MiB chunks (the
-# ramp of wire.chunk_plan: 64/128/256 MiB at each end) 32k-token Llama-3-8B FP8 requests moved at
-# 90.2-91.2% of the NCCL ceiling against 85.8-86.3% with 128 MiB chunks (bench_transfer.py --sweep,
-# 11 rounds, each setting twice); 8k-token ones (512 MiB: 64/128/128/128/64 MiB) at 79.4-79.6%
-# against 77.9-78.5%. The cost is memory: two halves, 1 GiB of device memory per endpoint (pass
-# chunk_bytes=128 << 20 for 256 MiB).
+# 2 GiB message's rate, the largest single loss of a 32k-token request. With 512 MiB halves
+# (wire.chunk_plan: a 32k-token Llama-3-8B FP8 request travels as 64/128/256/384/384/384/256/128/64
+# MiB) such requests moved at 90.2-91.2% of the NCCL ceiling against 85.8-86.3% with 128 MiB halves
+# (bench_transfer.py --sweep, 11 rounds, each setting twice); 8k-token ones (512 MiB:
+# 64/128/128/128/64 MiB) at 79.4-79.6% against 77.9-78.5%. The cost is memory: two halves, 1 GiB of
+# device memory per endpoint of a large pool (pass chunk_bytes=128 << 20 for 256 MiB).
 DEFAULT_CHUNK_BYTES_CUDA = 512 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
@@ -98,10 +99,11 @@ DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 # grid (FEW_PROGRAMS programs of 16 warps each; its own default is 8 programs of 4 warps per SM). The
 # link, not HBM, bounds a transfer: a 128 MiB chunk takes NVLink about 370 us and a full-grid gather
 # about 100 us, and a full-grid copy beside NCCL's kernel slows the transfer. benchmarks/
-# bench_transfer.py on two H200s, 11 rounds per setting, each setting twice: 32k-token requests at
-# 84-85% of the NCCL ceiling with 32 programs against 73-78% with 264 (2 per SM, the previous
-# default); 66 programs 84%; 33 programs, which take the small-grid tile, 81%. The pipeline's fill
-# and drain copies take the whole GPU.
+# bench_transfer.py on two H200s, 11 rounds per setting, most settings twice, 128 MiB chunks:
+# 32k-token requests at 84-85% of the NCCL ceiling with 32 programs against 73-78% with 264 (2 per
+# SM, the previous default); 66 programs 84%; 33 programs, one past the few-programs limit and so
+# with copy_rows' ordinary tile of 4 warps, 81%. The pipeline's fill and drain copies take the whole
+# GPU.
 def default_max_programs(sms: int) -> int:
     """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs."""
     return min(sms, FEW_PROGRAMS)
@@ -198,7 +200,9 @@ class _Endpoint:
         full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
         one_head = TokenLayout.of(pool.layer_num, 1, pool.head_dim, pool.v_head_dim, self._element_size)
         if chunk_bytes is None:
-            chunk_bytes = max(DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU, full.token_bytes)
+            # No larger than the whole pool: a transfer moves at most one token per pool row.
+            default = DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU
+            chunk_bytes = max(min(default, self._rows * full.token_bytes), full.token_bytes)
         self.chunk_bytes = positive_int(chunk_bytes, "chunk_bytes")
         if self.chunk_bytes < full.token_bytes:
             raise ValueError(
@@ -526,7 +530,8 @@ class KVSender(_Endpoint):
         pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
         the heads both sides hold, so a sender holding all heads serves receivers that each hold a
         tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
-    chunk_bytes : bytes per staging half (default 512 MiB on CUDA, 4 MiB on CPU; at least one token).
+    chunk_bytes : bytes per staging half (default 512 MiB on CUDA, 4 MiB on CPU, or the whole pool's
+        rows if that is less; at least one token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
         ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the

@@ -56,7 +56,7 @@ def chunk_plan(tokens: int, capacity: int) -> list[tuple[int, int]]:
     same plan from the agreed token count and capacity.
 
     >>> [c for _, c in chunk_plan(100, 32)]
-    [8, 32, 20, 32, 8]
+    [4, 8, 16, 22, 22, 16, 8, 4]
     """
     if tokens < 0 or capacity < 1:
         raise ValueError(f"tokens must be >= 0 and capacity >= 1, got tokens={tokens}, capacity={capacity}")
