@@ -81,9 +81,8 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
 # Staging per half on CUDA (or the whole pool's rows, if smaller); a transfer's chunks are at most
-# this big. NCCL send/recv of one
-# buffer between two NVLink-connected H200s reaches 46% of its 1 GiB bandwidth at 16 MiB, 95% at
-# 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a profile of the benchmark's
+# this big. NCCL send/recv of one buffer between two NVLink-connected H200s reaches 46% of its 1 GiB
+# bandwidth at 16 MiB, 95% at 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a profile of the benchmark's
 # ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages running at about 90% of the
 # 2 GiB message's rate, the largest single loss of a 32k-token request. With 512 MiB halves
 # (wire.chunk_plan: a 32k-token Llama-3-8B FP8 request travels as 64/128/256/384/384/384/256/128/64
