@@ -82,14 +82,15 @@ _POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
 # Staging per half on CUDA (or the whole pool's rows, if smaller); a transfer's chunks are at most
 # this big. NCCL send/recv of one buffer between two NVLink-connected H200s reaches 46% of its 1 GiB
-# bandwidth at 16 MiB, 95% at 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a profile of the benchmark's
-# ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages running at about 90% of the
-# 2 GiB message's rate, the largest single loss of a 32k-token request. With 512 MiB halves
-# (wire.chunk_plan: a 32k-token Llama-3-8B FP8 request travels as 64/128/256/384/384/384/256/128/64
-# MiB) such requests moved at 90.2-91.2% of the NCCL ceiling against 85.8-86.3% with 128 MiB halves
-# (bench_transfer.py --sweep, 11 rounds, each setting twice); 8k-token ones (512 MiB:
-# 64/128/128/128/64 MiB) at 79.4-79.6% against 77.9-78.5%. The cost is memory: two halves, 1 GiB of
-# device memory per endpoint of a large pool (pass chunk_bytes=128 << 20 for 256 MiB).
+# bandwidth at 16 MiB, 95% at 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a
+# profile of the benchmark's ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages
+# running at about 90% of the 2 GiB message's rate, the largest single loss of a 32k-token request.
+# With 512 MiB halves (wire.chunk_plan: a 32k-token Llama-3-8B FP8 request travels as
+# 64/128/256/384/384/384/256/128/64 MiB) such requests moved at 90.2-91.2% of the NCCL ceiling
+# against 85.8-86.3% with 128 MiB halves (bench_transfer.py --sweep, 11 rounds, each setting twice);
+# 8k-token ones (512 MiB: 64/128/128/128/64 MiB) at 79.4-79.6% against 77.9-78.5%. The cost is
+# memory: two halves, 1 GiB of device memory per endpoint of a large pool (pass chunk_bytes=128 <<
+# 20 for 256 MiB).
 DEFAULT_CHUNK_BYTES_CUDA = 512 << 20
 # gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
