@@ -67,6 +67,16 @@ def make_caches(h: int, d: int, hv: int, dv: int, mla: bool, dev: torch.device) 
              torch.zeros(SLOTS, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(LAYERS)]  # fmt: skip
 
 
+def make_launcher(caches: list, dev: torch.device, **keywords) -> PreparedLaunch:
+    """A launcher for ``caches``' geometry (``keywords``: PreparedLaunch's; the kernel options
+    default to the hardware cast with the fast division)."""
+    kc0, vc0 = caches[0]
+    (h, d), (hv, dv) = kc0.shape[1:], vc0.shape[1:]
+    keywords.setdefault("options", KernelOptions(soft_cast=False))
+    return PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
+                          caches_aligned=True, **keywords)  # fmt: skip
+
+
 def nbytes(t: int, h: int, d: int, hv: int, dv: int) -> int:
     return t * (h * d + hv * dv) * 3 + t * 8
 
@@ -90,15 +100,9 @@ def decode_sweep(a, names) -> int:
     for name in names:
         h, d, hv, dv, mla = GEOMETRIES[name]
         caches = make_caches(h, d, hv, dv, mla, dev)
-        kc0, vc0 = caches[0]
-
-        def launcher(tile=None):
-            return PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
-                                  options=KernelOptions(soft_cast=False), caches_aligned=True, tile=tile)  # fmt: skip
-
-        variants = {"current": launcher()}
+        variants = {"current": make_launcher(caches, dev)}
         for tile in TILES_BY_SIZE:
-            variants[f"tile{tile.elems}/w{tile.num_warps}"] = launcher(tile)
+            variants[f"tile{tile.elems}/w{tile.num_warps}"] = make_launcher(caches, dev, tile=tile)
         for t in DECODE_SIZES:
             gen = torch.Generator(device=dev).manual_seed(t)
             k = (torch.randn(t, h, d, device=dev, generator=gen) * 60).to(torch.bfloat16)
@@ -197,13 +201,9 @@ def ladder(a, names) -> int:
     for name in names:
         h, d, hv, dv, mla = GEOMETRIES[name]
         caches = make_caches(h, d, hv, dv, mla, dev)
-        kc0, vc0 = caches[0]
-        cur = PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
-                             options=KernelOptions(soft_cast=False), caches_aligned=True)  # fmt: skip
+        cur = make_launcher(caches, dev)
         joined = {  # K and V written by one program (store_kv.plan_joined_launch), where each row is one block
-            label: PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
-                                  options=KernelOptions(soft_cast=False), caches_aligned=True, joined=True, tile=tile,
-                                  flat=False)
+            label: make_launcher(caches, dev, joined=True, tile=tile, flat=False)
             for label, tile in (("joined", None), ("joined 4096/8", TileConfig(4096, 8)), ("joined 4096/4", TileConfig(4096, 4)),
                                 ("joined 2048/2", TileConfig(2048, 2)), ("joined 1024/4", TileConfig(1024, 4)),
                                 ("joined 512/4", TileConfig(512, 4)), ("joined 512/2", TileConfig(512, 2)))
@@ -302,18 +302,12 @@ def main() -> int:
     for name in a.geometries.split(","):
         h, d, hv, dv, mla = GEOMETRIES[name]
         caches = make_caches(h, d, hv, dv, mla, dev)
-        kc0, vc0 = caches[0]
-
-        def launcher(row_plan=None, options=KernelOptions(soft_cast=False)):
-            return PreparedLaunch(h, d, hv, dv, FP8, tuple(kc0.stride()), tuple(vc0.stride()), SLOTS, dev,
-                                  options=options, caches_aligned=True, row_plan=row_plan)  # fmt: skip
-
-        variants = {"current": launcher()}
+        variants = {"current": make_launcher(caches, dev)}
         for chunk in CHUNKS:
             for elems, warps in TILES:
                 plan = plan_chunk_launch(h, d, hv, dv, chunk, elems, warps)
                 if plan is not None:
-                    variants[f"chunk{chunk}/e{elems}/w{warps}"] = launcher(plan)
+                    variants[f"chunk{chunk}/e{elems}/w{warps}"] = make_launcher(caches, dev, row_plan=plan)
         for t in LARGE + DECODE:
             cold = t in LARGE
             calls = 10 if cold else 64
@@ -349,7 +343,7 @@ def main() -> int:
             if not cold:
                 key_none = write_key(k, v, loc, None, None)
                 timed("current/no-scale", lambda i: cur(key_none, k, v, *caches[i % LAYERS], loc, None, None))
-                slow = launcher(options=KernelOptions(soft_cast=False, fast_div=False))
+                slow = make_launcher(caches, dev, options=KernelOptions(soft_cast=False, fast_div=False))
                 timed("current/div.rn", lambda i: slow(key, k, v, *caches[i % LAYERS], loc, scale, scale))
                 if not mla and h == hv and d == dv:
                     timed("peer/straightforward",

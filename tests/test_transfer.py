@@ -404,6 +404,13 @@ def test_disagg_sim_example_checks_every_byte():
 # --- the handshake's timeout paths (the store) ----------------------------------------------------------
 
 
+def _leftover_keys(store, transfers: int) -> list[str]:
+    """The handshake keys of ranks 0 and 1's first ``transfers`` transfers still in the store."""
+    name = dist.group.WORLD.group_name
+    keys = [f"kvpool/transfer/0-1/{name}/{seq}/{r}" for seq in range(transfers) for r in range(2)]
+    return [k for k in keys if store.check([k])]
+
+
 def _late_peer_rank(rank: int, port: int, out: str) -> None:
     """Rank 0 sends three times; rank 1 misses the first transfer (it starts its side only after rank
     0's store wait has timed out, and once raises before any handshake), then both carry on."""
@@ -438,9 +445,7 @@ def _late_peer_rank(rank: int, port: int, out: str) -> None:
         attempt()  # both in step again: moves
         dist.barrier()
         report["seen"] = pool.k_buffer[0][1:9].view(torch.uint8).float().mean().item()
-        name = dist.group.WORLD.group_name
-        keys = [f"kvpool/transfer/0-1/{name}/{seq}/{r}" for seq in range(3) for r in range(2)]
-        report["leftover"] = [k for k in keys if store.check([k])]
+        report["leftover"] = _leftover_keys(store, 3)
     finally:
         Path(out, f"late{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
@@ -504,9 +509,7 @@ def _predicted_rank(rank: int, port: int, out: str) -> None:
             report["ops"].append(list(counting.ops))
             report["rows"].append(pool.v_buffer[1].view(torch.uint8)[loc].unique().tolist())
         dist.barrier()
-        name = dist.group.WORLD.group_name
-        keys = [f"kvpool/transfer/0-1/{name}/{seq}/{r}" for seq in range(4) for r in range(2)]
-        report["leftover"] = [k for k in keys if counting.store.check([k])]
+        report["leftover"] = _leftover_keys(counting.store, 4)
     finally:
         Path(out, f"predicted{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
