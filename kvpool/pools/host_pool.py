@@ -603,18 +603,25 @@ class MHATokenToKVPoolHost:
             if direction == "backup":
                 rows.checked_copy(self._host_rows, h_idx, table, d_idx, cap, False, ("host_indices", "device_indices"))
                 return
-            for layer in layers:  # type: ignore[union-attr]
-                rows.checked_copy(
-                    layer_tables[layer], d_idx, self._host_layer_rows[layer], h_idx, cap, False,  # type: ignore[index]
-                    ("device_indices", "host_indices"),
-                )  # fmt: skip
-                self._record_layer(layer)
+            # The first layer's copy checks the indices and the tables; the other layers' tables are
+            # the same buffers' siblings (host and device memory never alias), so where the kernel
+            # runs they launch it directly: the host cost per layer decides how soon the model's
+            # own work, queued after the load, can start.
+            direct = rows._use_kernel(table.table_device)
+            for i, layer in enumerate(layers):  # type: ignore[union-attr]
+                dst, src = layer_tables[layer], self._host_layer_rows[layer]  # type: ignore[index]
+                if i and direct:
+                    rows.launch_copy_rows(dst, d_idx, src, h_idx, max_programs=cap)
+                else:
+                    rows.checked_copy(dst, d_idx, src, h_idx, cap, False, ("device_indices", "host_indices"))
+                self._record_layer(layer, self.load_stream)
             return
         self._direct(direction, table, layer_tables, slots, d_idx, layers)
 
-    def _record_layer(self, layer: int) -> None:
+    def _record_layer(self, layer: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Layer ``layer`` has landed once ``stream`` (default: the current one) gets here."""
         if self.load_stream is not None:
-            self.layer_transfer_counter.record(layer, torch.cuda.current_stream(self.device_pool.device))
+            self.layer_transfer_counter.record(layer, stream or torch.cuda.current_stream(self.device_pool.device))
 
     # --- the direct backend --------------------------------------------------------------------------
 
