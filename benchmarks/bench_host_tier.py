@@ -29,6 +29,7 @@ Writes DIR/host_tier.json and DIR/host_tier.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -43,7 +44,7 @@ import triton
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
 from kvpool.pools import host_copy
-from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.pools.host_pool import KERNEL_PROGRAMS, MHATokenToKVPoolHost
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM  # FP8: 64 KiB per token, K and V of every layer
@@ -73,6 +74,93 @@ def wall_ms(fn, reps: int, warmup: int = 1) -> float:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def device_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()``'s work on the current stream (CUDA events, after a warmup)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def copy_tile(tile):
+    """Every capped copy_rows grid (any program count) takes ``tile`` (None: the tile table's own)."""
+    if tile is None:
+        yield
+        return
+    saved = C.FEW_PROGRAMS_TILE, C.FEW_PROGRAMS
+    C.FEW_PROGRAMS_TILE, C.FEW_PROGRAMS = tile, 1 << 30
+    try:
+        yield
+    finally:
+        C.FEW_PROGRAMS_TILE, C.FEW_PROGRAMS = saved
+
+
+def parse_tiles(text: str) -> list:
+    """"default,1024/1/32" -> [None, CopyTile(1024, 1, maxnreg=32)]."""
+    out = []
+    for item in text.split(","):
+        if item == "default":
+            out.append(None)
+        elif item:
+            parts = [int(x) for x in item.split("/")]
+            out.append(C.CopyTile(parts[0], parts[1], parts[2] if len(parts) > 2 else None))
+    return out
+
+
+def profile_host(args, records: list) -> None:
+    """Where a call's host time goes: cProfile of 20 backups and 20 all-layer loads (kernel backend,
+    8k tokens, page 16, layer_first), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    gen = torch.Generator().manual_seed(5)
+    pool = make_device_pool(16)
+    host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, "layer_first")
+    h = random_host_pages(host, 8192, gen)
+    d = random_device_pages(8192, 16, gen)
+    calls = {
+        "backup": lambda: host.backup_from_device_all_layer(pool, h, d, "kernel"),
+        "load": lambda: host.load_to_device_all_layer(pool, h, d, "kernel"),
+    }
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for _ in range(20):
+            prof.enable()
+            fn()
+            prof.disable()
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        records.append(dict(call=name, profile=text.getvalue()))
+        log(f"  host profile of 20 {name} calls:\n{text.getvalue()}")
+    host.free(h)
+    del host, pool
+    torch.cuda.empty_cache()
+
+
+def host_ms(fn, reps: int) -> float:
+    """Median milliseconds until ``fn()`` returns (what it costs the calling thread), each call
+    starting on an idle device."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -162,7 +250,7 @@ def bench_transfers(args, ceiling: dict, records: list) -> None:
                 h = random_host_pages(host, tokens, gen)
                 d = random_device_pages(tokens, page_size, gen)
                 nbytes = tokens * TOKEN_BYTES
-                for backend in BACKENDS:
+                for backend in args.backends:
                     for direction in ("backup", "load"):
                         rec = dict(tokens=tokens, page_size=page_size, layout=layout, backend=backend,
                                    direction=direction, bytes=nbytes)  # fmt: skip
@@ -177,11 +265,13 @@ def bench_transfers(args, ceiling: dict, records: list) -> None:
                         else:
                             fn = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
                         ms = wall_ms(fn, args.reps)
+                        enqueue = host_ms(fn, args.reps)
                         ceil = ceiling["d2h_gbps"] if direction == "backup" else ceiling["h2d_gbps"]
-                        rec.update(ms=ms, gbps=gbps(nbytes, ms), of_ceiling=gbps(nbytes, ms) / ceil, copies=copies)
+                        rec.update(ms=ms, gbps=gbps(nbytes, ms), of_ceiling=gbps(nbytes, ms) / ceil, copies=copies,
+                                   host_ms=enqueue)  # fmt: skip
                         records.append(rec)
                         log(f"  {tokens:>6} tok page {page_size:>2} {layout:<11} {backend:<6} {direction:<6} "
-                            f"{ms:8.2f} ms {rec['gbps']:6.1f} GB/s ({100 * rec['of_ceiling']:5.1f}%)")  # fmt: skip
+                            f"{ms:8.2f} ms {rec['gbps']:6.1f} GB/s ({100 * rec['of_ceiling']:5.1f}%), host {enqueue:.2f} ms")  # fmt: skip
                 host.free(h)
             del host
         del pool
@@ -235,7 +325,7 @@ def bench_bidirectional(args, ceiling: dict, records: list) -> None:
         d_out, d_in = random_device_pages(tokens, 16, gen), random_device_pages(tokens, 16, gen)
         host.backup_from_device_all_layer(pool, h_in, d_in, "kernel")  # something to load
         default = host.kernel_programs
-        runs = [(backend, default, default) for backend in BACKENDS]
+        runs = [(backend, default, default) for backend in args.backends]
         runs += [("kernel", b, ld) for b, ld in args.bidir_programs if (b, ld) != (default, default)]
         for backend, backup_programs, load_programs in runs:
 
@@ -264,47 +354,99 @@ def bench_overlap(args, records: list) -> None:
     gen = torch.Generator().manual_seed(3)
     tokens = 8192
     pool = make_device_pool(16)
-    for layout, backend in (("layer_first", "kernel"), ("layer_first", "direct"), ("page_first", "kernel")):
-        host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout)
+    layouts = {"layer_first": ("kernel", "direct"), "page_first": ("kernel",)}
+    cases = [(layout, backend, programs, tile)
+             for layout in args.overlap_layouts for backend in layouts[layout] if backend in args.backends
+             for programs in (args.overlap_programs if backend == "kernel" else [None])
+             for tile in (args.overlap_tiles if backend == "kernel" else [None])]  # fmt: skip
+    for layout, backend, programs, tile in cases:
+        host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout, kernel_programs=programs or KERNEL_PROGRAMS)
         h = random_host_pages(host, tokens, gen)
         d = random_device_pages(tokens, 16, gen)
         host.backup_from_device_all_layer(pool, h, d, "kernel")
-        load = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
-        t_load = wall_ms(load, args.reps)
-        # A matmul per layer taking about as long as that layer's load (the hardest case to hide).
-        x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-        w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-        one = wall_ms(lambda: torch.mm(x, w), args.reps)
-        reps_per_layer = max(1, round(t_load / LAYERS / one))
-        kbuf = torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda")
-        pool.register_layer_transfer_counter(host.layer_transfer_counter)
-
-        def compute():
-            y = x
-            for layer in range(LAYERS):
-                k, _ = pool.get_kv_buffer(layer)  # waits for this layer's load, on the GPU
-                torch.index_select(k.view(torch.uint8), 0, d, out=kbuf)
-                for _ in range(reps_per_layer):
-                    y = torch.mm(x, w)
-            return y
-
-        t_comp = wall_ms(compute, args.reps)
-
-        def both():
-            load()
-            compute()
-
-        t_both = wall_ms(both, args.reps)
-        pool.register_layer_transfer_counter(None)
-        ratio = t_both / max(t_load, t_comp)
-        records.append(dict(layout=layout, backend=backend, tokens=tokens, load_ms=t_load, compute_ms=t_comp,
-                            overlapped_ms=t_both, ratio=ratio, matmuls_per_layer=reps_per_layer))  # fmt: skip
-        log(f"  overlap {layout:<11} {backend:<6} load {t_load:7.2f} ms, compute {t_comp:7.2f} ms, "
-            f"both {t_both:7.2f} ms: {ratio:.3f}x of the longer")  # fmt: skip
+        with copy_tile(tile):
+            rec = overlap_case(args, pool, host, h, d, backend)
+        tile_name = "default" if tile is None else f"{tile.elems}/{tile.num_warps}" + (f"/{tile.maxnreg}" if tile.maxnreg else "")
+        rec.update(layout=layout, backend=backend, tokens=tokens, programs=host.kernel_programs, tile=tile_name)
+        records.append(rec)
+        log(f"  overlap {layout:<11} {backend:<6} {host.kernel_programs} programs, "
+            f"tile {tile_name}: load {rec['load_ms']:7.2f} ms, compute {rec['compute_ms']:7.2f} ms "
+            f"({rec['matmuls_per_layer']} matmuls/layer), both {rec['overlapped_ms']:7.2f} ms: {rec['ratio']:.3f}x of the longer; "
+            f"profiled: matmul {rec.get('matmul_us', 0):.0f} us, copy {rec.get('copy_us', 0):.0f} us "
+            f"({rec.get('copy_regs')} regs), model starts at {rec.get('model_start_us', 0):.0f} us")  # fmt: skip
         host.free(h)
         del host
     del pool
     torch.cuda.empty_cache()
+
+
+def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: str) -> dict:
+    load = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
+    t_load = wall_ms(load, args.reps)
+    # Matmuls per layer taking about as long as that layer's load (the hardest case to hide). One
+    # matmul's time is the device time of a run of 20 (a single call's wall time includes the
+    # launch and the synchronisation, which made this count swing between 2 and 4).
+    x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    one = device_ms(lambda: [torch.mm(x, w) for _ in range(20)], args.reps) / 20
+    reps_per_layer = max(1, round(t_load / LAYERS / one))
+    kbuf = torch.empty(d.shape[0], HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda")
+    pool.register_layer_transfer_counter(host.layer_transfer_counter)
+
+    def compute():
+        y = x
+        for layer in range(LAYERS):
+            k, _ = pool.get_kv_buffer(layer)  # waits for this layer's load, on the GPU
+            torch.index_select(k.view(torch.uint8), 0, d, out=kbuf)
+            for _ in range(reps_per_layer):
+                y = torch.mm(x, w)
+        return y
+
+    t_comp = wall_ms(compute, args.reps)
+
+    def both():
+        load()
+        compute()
+
+    t_both = wall_ms(both, args.reps)
+    # One more overlapped run under the profiler: how long the matmuls take beside the copies (a
+    # copy program holding an SM pushes a matmul's CTAs into another wave), and when the model's
+    # first kernel starts (after the host has queued the whole load).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        both()
+        torch.cuda.synchronize()
+    tile = C.FEW_PROGRAMS_TILE
+    name = f"overlap_{host.layout}_{backend}_{host.kernel_programs}_{tile.elems}x{tile.num_warps}.json"
+    path = os.path.join(args.out, name)
+    prof.export_chrome_trace(path)
+    stats = trace_stats(path)
+    if not args.trace:
+        os.remove(path)
+    pool.register_layer_transfer_counter(None)
+    return dict(load_ms=t_load, compute_ms=t_comp, overlapped_ms=t_both, ratio=t_both / max(t_load, t_comp),
+                matmuls_per_layer=reps_per_layer, **stats)  # fmt: skip
+
+
+def trace_stats(path: str) -> dict:
+    """Median matmul and copy kernel durations (us) in a profiled overlapped run, the matmul's
+    registers and threads per CTA, and when the first model kernel started after the first copy."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    if not events:
+        return {}
+    t0 = min(e["ts"] for e in events)
+    copies = [e for e in events if "copy_rows" in e["name"]]
+    model = [e for e in events if "copy_rows" not in e["name"]]
+    mm = [e for e in model if "gather" not in e["name"]]
+    out = {}
+    if mm:
+        out.update(matmul_us=statistics.median(e["dur"] for e in mm), matmul_regs=mm[0]["args"].get("registers per thread"),
+                   matmul_block=mm[0]["args"].get("block"), matmul_grid=mm[0]["args"].get("grid"))  # fmt: skip
+    if copies:
+        out.update(copy_us=statistics.median(e["dur"] for e in copies), copy_regs=copies[0]["args"].get("registers per thread"))
+    if model:
+        out["model_start_us"] = min(e["ts"] for e in model) - t0
+    return out
 
 
 def bench_device_gather(args, device_ceiling: float, records: list) -> None:
@@ -364,29 +506,36 @@ def markdown(res: dict) -> str:
         "",
         "## Backup (device to host) and load (host to device, layer by layer), GB/s (% of the ceiling)",
         "",
-        "| tokens | page | layout | direction | kernel | direct |",
-        "|---:|---:|---|---|---:|---:|",
+        "| tokens | page | layout | direction | kernel | direct | host ms (kernel) |",
+        "|---:|---:|---|---|---:|---:|---:|",
     ]
     keys = sorted({(r["tokens"], r["page_size"], r["layout"], r["direction"]) for r in res["transfers"]})
     for key in keys:
-        cells = []
+        cells, host = [], "-"
         for backend in BACKENDS:
-            found = [r for r in res["transfers"] if (r["tokens"], r["page_size"], r["layout"], r["direction"]) == key and r["backend"] == backend]
+            found = [r for r in res["transfers"] if (r["tokens"], r["page_size"], r["layout"], r["direction"]) == key
+                     and r["backend"] == backend]  # fmt: skip
             if not found:
                 cells.append("-")
                 continue
             r = found[0]
-            cells.append(f"skipped ({r['skipped']})" if "skipped" in r else f"{r['gbps']:.1f} ({100 * r['of_ceiling']:.0f}%)")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {cells[0]} | {cells[1]} |")
+            cells.append(f"skipped ({r['skipped']})" if "skipped" in r else f"{r['gbps']:.1f} ({100 * r['of_ceiling']:.1f}%)")
+            if backend == "kernel" and "host_ms" in r:
+                host = f"{r['host_ms']:.2f}"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {cells[0]} | {cells[1]} | {host} |")
     lines += ["", "## Both directions at once (8k tokens each way, page 16)", "",
               "| layout | backend | programs (backup / load) | GB/s together |", "|---|---|---|---:|"]  # fmt: skip
     for r in res["bidirectional"]:
         programs = f"{r['backup_programs']} / {r['load_programs']}" if r["backend"] == "kernel" and "load_programs" in r else ""
         lines.append(f"| {r['layout']} | {r['backend']} | {programs} | {r['gbps']:.1f} |")
     lines += ["", "## Per-layer load overlapped with a stand-in attention (8k tokens, 32 layers)", "",
-              "| layout | backend | load ms | compute ms | both ms | ratio |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+              "| layout | backend | load ms | compute ms (matmuls) | both ms | ratio |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in res["overlap"]:
-        lines.append(f"| {r['layout']} | {r['backend']} | {r['load_ms']:.2f} | {r['compute_ms']:.2f} | {r['overlapped_ms']:.2f} | {r['ratio']:.3f} |")
+        backend = r["backend"]
+        if r["backend"] == "kernel" and "programs" in r:
+            backend += f", {r['programs']} programs" + ("" if r.get("tile", "default") == "default" else f", tile {r['tile']}")
+        lines.append(f"| {r['layout']} | {backend} | {r['load_ms']:.2f} | {r['compute_ms']:.2f} ({r['matmuls_per_layer']}/layer) | "
+                     f"{r['overlapped_ms']:.2f} | {r['ratio']:.3f} |")  # fmt: skip
     for r in res["device_gather"]:
         lines += ["", f"copy_rows device gather, {r['tokens']} tokens x {r['buffers']} buffers: {r['gbps']:.0f} GB/s "
                   f"({100 * r['of_ceiling']:.1f}% of a device copy)"]  # fmt: skip
@@ -408,6 +557,13 @@ def main() -> int:
     parser.add_argument("--max-copies", type=int, default=40_000, help="skip direct cases needing more copy calls")
     parser.add_argument("--bidir-programs", default="", metavar="B/L,...",
                         help="also time both directions at once with these kernel grids (backup/load programs), e.g. 16/16,8/32")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated io backends to time")
+    parser.add_argument("--overlap-programs", default=str(KERNEL_PROGRAMS), metavar="N,...",
+                        help="kernel_programs settings for the overlap stage (default: the host pool's default)")
+    parser.add_argument("--overlap-tiles", default="default", metavar="ELEMS/WARPS[/MAXNREG],...",
+                        help="copy tiles for the overlap stage's kernel loads (default: the tile table's)")
+    parser.add_argument("--overlap-layouts", default=",".join(LAYOUTS), help="host layouts for the overlap stage")
+    parser.add_argument("--trace", action="store_true", help="export a CUDA trace of one overlapped run per case")
     parser.add_argument("--stages", default="transfers,bidirectional,overlap,device_gather",
                         help="comma-separated stages to run (plus sweep with --sweep)")
     args = parser.parse_args()
@@ -417,6 +573,12 @@ def main() -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--bidir-programs must look like 16/16,8/32, got {args.bidir_programs!r}")
+    args.overlap_programs = [int(x) for x in args.overlap_programs.split(",") if x]
+    args.overlap_tiles = parse_tiles(args.overlap_tiles)
+    args.overlap_layouts = [x for x in args.overlap_layouts.split(",") if x]
+    args.backends = [b for b in args.backends.split(",") if b]
+    if not args.backends or set(args.backends) - set(BACKENDS):
+        parser.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends}")
     if not torch.cuda.is_available():
         print("bench_host_tier.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -434,12 +596,13 @@ def main() -> int:
     log(f"ceiling: h2d {ceiling['h2d_gbps']:.1f} GB/s, d2h {ceiling['d2h_gbps']:.1f} GB/s, both {ceiling['bidir_gbps']:.1f} GB/s; "
         f"device copy {device_ceiling:.0f} GB/s")  # fmt: skip
     res = dict(meta=meta, ceiling=ceiling, device_ceiling_gbps=device_ceiling, transfers=[], bidirectional=[],
-               overlap=[], device_gather=[], sweep=[])  # fmt: skip
+               overlap=[], device_gather=[], sweep=[], profile_host=[])  # fmt: skip
     stages = [
         ("transfers", lambda: bench_transfers(args, ceiling, res["transfers"])),
         ("bidirectional", lambda: bench_bidirectional(args, ceiling, res["bidirectional"])),
         ("overlap", lambda: bench_overlap(args, res["overlap"])),
         ("device_gather", lambda: bench_device_gather(args, device_ceiling, res["device_gather"])),
+        ("profile_host", lambda: profile_host(args, res["profile_host"])),
     ]
     wanted = set(args.stages.split(","))
     unknown = wanted - {name for name, _ in stages}

@@ -1,0 +1,246 @@
+"""What the host link gives each way of moving bytes, measured on one GPU (issue 12's ceilings).
+
+The host tier's targets compare its backends with one large copy-engine copy. This probe asks what
+the pieces can reach on their own, outside the pool:
+
+* ``ce``: the copy engine moving 512 MiB as segments of 64 KiB to 4 MiB at shuffled host offsets
+  (the direct backend's copies), issued round robin over 1, 2 or 4 streams, each direction; and
+  one 1 GiB copy each way, and both ways at once (the ceilings the benchmark uses);
+* ``launch``: the host cost of one row-copy launch, through Triton's JIT and directly;
+* ``sm``: the row-copy kernel between device memory and pinned host memory (the kernel backend),
+  rows of 1 KiB (a Llama-3-8B FP8 layer row) and of 64 KiB, contiguous or shuffled, on 8, 16, 32
+  programs and on the whole GPU: whether any SM-driven copy reaches the copy engine's rate;
+* ``both``: both directions at once: SM both ways, copy engine both ways (segments), and the SM
+  backing up while the copy engine loads.
+
+Prints one JSON line per measurement and writes them all to ``OUT/probe_host_links.json``.
+``--cpu-smoke`` runs every code path once on small CPU tensors without timing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kvpool.kernels import copy_rows as rows
+
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+
+
+def _timed(fn, reps: int, streams: list) -> float:
+    """Median milliseconds of ``fn()`` from a start event on the current stream until every stream
+    in ``streams`` has finished what ``fn`` queued."""
+    cur = torch.cuda.current_stream()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        for s in streams:
+            s.wait_stream(cur)
+        fn()
+        for s in streams:
+            cur.wait_stream(s)
+        end.record(cur)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _segments(total: int, seg: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """(host offset, device offset) of each segment: device in order, host shuffled."""
+    n = total // seg
+    perm = torch.randperm(n, generator=gen).tolist()
+    return [(perm[i] * seg, i * seg) for i in range(n)]
+
+
+def ce_copies(host, dev, segs, seg, streams, to_host: bool):
+    def run():
+        for i, (h, d) in enumerate(segs):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                if to_host:
+                    host[h : h + seg].copy_(dev[d : d + seg], non_blocking=True)
+                else:
+                    dev[d : d + seg].copy_(host[h : h + seg], non_blocking=True)
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="probe_out")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cpu-smoke", action="store_true", help="run each path once on the CPU, time nothing")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+
+    def emit(**rec):
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    if args.cpu_smoke:
+        host = torch.zeros(64 * KiB, dtype=torch.uint8)
+        dev = torch.arange(64 * KiB, dtype=torch.int64).to(torch.uint8)
+        gen = torch.Generator().manual_seed(0)
+        segs = _segments(64 * KiB, 4 * KiB, gen)
+        for h, d in segs:
+            host[h : h + 4 * KiB].copy_(dev[d : d + 4 * KiB])
+        src = rows.RowTable.of([dev.view(-1, KiB)])
+        dst = rows.RowTable.of([host.view(-1, KiB)])
+        idx = torch.randperm(64, generator=gen)
+        rows.copy_rows(dst, idx, src, idx)
+        emit(kind="smoke", ok=bool(torch.equal(host, dev)))
+        return
+
+    # Host cost of one row-copy launch (a tiny copy, so the device never holds the host back):
+    # Triton's JIT launch against the direct launch of the compiled kernel.
+    small_src = rows.RowTable.of([torch.zeros(64, KiB, dtype=torch.uint8, device="cuda") for _ in range(2)])
+    small_dst = rows.RowTable.of([torch.zeros(64, KiB, dtype=torch.uint8, device="cuda") for _ in range(2)])
+    idx = torch.arange(16, device="cuda")
+    for direct in (False, True):
+        rows._DIRECT["on"] = direct
+        for _ in range(10):
+            rows.launch_copy_rows(small_dst, idx, small_src, idx, max_programs=8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            rows.launch_copy_rows(small_dst, idx, small_src, idx, max_programs=8)
+        host_us = (time.perf_counter() - t0) / 2000 * 1e6
+        torch.cuda.synchronize()
+        emit(kind="launch", direct=direct, host_us_per_launch=host_us)
+    rows._DIRECT["on"] = None
+
+    dev_total = 512 * MiB
+    gen = torch.Generator().manual_seed(0)
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    host.copy_(dev.cpu())
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    cur = torch.cuda.current_stream()
+    reps = args.reps
+
+    # Ceilings: one 1 GiB copy each way, and both at once on two streams.
+    d2h = _timed(lambda: host2.copy_(dev, non_blocking=True), reps, [])
+    h2d = _timed(lambda: dev2.copy_(host, non_blocking=True), reps, [])
+
+    def both_ce():
+        with torch.cuda.stream(streams[0]):
+            host2.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            dev2.copy_(host, non_blocking=True)
+
+    both = _timed(both_ce, reps, streams[:2])
+    ceil_d2h, ceil_h2d = GiB / d2h / 1e6, GiB / h2d / 1e6
+    emit(kind="ceiling", d2h_gbs=ceil_d2h, h2d_gbs=ceil_h2d, both_gbs=2 * GiB / both / 1e6)
+
+    # Copy engine, segments at shuffled host offsets.
+    for seg in (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB):
+        segs = _segments(dev_total, seg, gen)
+        for n_streams in (1, 2, 4):
+            for to_host in (True, False):
+                fn = ce_copies(host2 if to_host else host, dev if to_host else dev2, segs, seg, streams[:n_streams], to_host)
+                t0 = time.perf_counter()
+                fn()
+                issue_ms = (time.perf_counter() - t0) * 1e3
+                torch.cuda.synchronize()
+                ms = _timed(fn, reps, streams[:n_streams])
+                gbs = dev_total / ms / 1e6
+                emit(
+                    kind="ce", seg_kib=seg // KiB, streams=n_streams, direction="d2h" if to_host else "h2d",
+                    gbs=gbs, pct=100 * gbs / (ceil_d2h if to_host else ceil_h2d), copies=len(segs), host_issue_ms=issue_ms,
+                )  # fmt: skip
+
+    # SM path: the row-copy kernel between device and pinned host rows.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for row in (1 * KiB, 64 * KiB):
+        n = dev_total // row
+        dtab = rows.RowTable.of([dev[:dev_total].view(n, row)])
+        htab = rows.RowTable.of([host2[:dev_total].view(n, row)])
+        htab_src = rows.RowTable.of([host[:dev_total].view(n, row)])
+        dtab_dst = rows.RowTable.of([dev2[:dev_total].view(n, row)])
+        ordered = torch.arange(n, device="cuda")
+        shuffled = torch.randperm(n, generator=gen).cuda()
+        for order, hidx in (("contiguous", ordered), ("shuffled", shuffled)):
+            for programs in (8, 16, 32, sms * rows.PROGRAMS_PER_SM):
+                for to_host in (True, False):
+                    if to_host:
+                        fn = lambda: rows.copy_rows(htab, hidx, dtab, ordered, max_programs=programs)  # noqa: E731
+                    else:
+                        fn = lambda: rows.copy_rows(dtab_dst, ordered, htab_src, hidx, max_programs=programs)  # noqa: E731
+                    ms = _timed(fn, reps, [])
+                    gbs = dev_total / ms / 1e6
+                    emit(
+                        kind="sm", row_bytes=row, order=order, programs=programs, direction="d2h" if to_host else "h2d",
+                        gbs=gbs, pct=100 * gbs / (ceil_d2h if to_host else ceil_h2d),
+                    )  # fmt: skip
+
+    # Both ways at once (512 MiB each way).
+    n = dev_total // KiB
+    dtab = rows.RowTable.of([dev[:dev_total].view(n, KiB)])
+    htab_dst = rows.RowTable.of([host2[:dev_total].view(n, KiB)])
+    htab_src = rows.RowTable.of([host[:dev_total].view(n, KiB)])
+    dtab_dst = rows.RowTable.of([dev2[:dev_total].view(n, KiB)])
+    ordered = torch.arange(n, device="cuda")
+    shuffled = torch.randperm(n, generator=gen).cuda()
+
+    def sm_backup(programs):
+        return lambda: rows.copy_rows(htab_dst, shuffled, dtab, ordered, max_programs=programs)
+
+    def sm_load(programs):
+        return lambda: rows.copy_rows(dtab_dst, ordered, htab_src, shuffled, max_programs=programs)
+
+    def pair(a, b):
+        def run():
+            with torch.cuda.stream(streams[0]):
+                a()
+            with torch.cuda.stream(streams[1]):
+                b()
+
+        return run
+
+    for bp, lp in ((8, 8), (8, 16), (16, 16), (32, 32)):
+        ms = _timed(pair(sm_backup(bp), sm_load(lp)), reps, streams[:2])
+        emit(kind="both", backup="sm", load="sm", backup_programs=bp, load_programs=lp, gbs=2 * dev_total / ms / 1e6)
+    for seg in (1 * MiB, 2 * MiB, 4 * MiB):
+        segs = _segments(dev_total, seg, gen)
+        for n_streams in (1, 2):
+            ce_b = ce_copies(host2, dev, segs, seg, streams[2 : 2 + n_streams], True)
+            # copy engine both ways: backups on streams[2:], loads on their own streams
+            def ce_both(ce_b=ce_b, segs=segs, seg=seg, n_streams=n_streams):
+                ce_b()
+                for i, (h, d) in enumerate(segs):
+                    with torch.cuda.stream(streams[i % n_streams]):
+                        dev2[d : d + seg].copy_(host[h : h + seg], non_blocking=True)
+
+            ms = _timed(ce_both, reps, streams)
+            emit(kind="both", backup="ce", load="ce", seg_kib=seg // KiB, streams=n_streams, gbs=2 * dev_total / ms / 1e6)
+            for bp in (8, 16):
+                def sm_ce(bp=bp, segs=segs, seg=seg, n_streams=n_streams):
+                    with torch.cuda.stream(streams[3]):
+                        sm_backup(bp)()
+                    for i, (h, d) in enumerate(segs):
+                        with torch.cuda.stream(streams[i % n_streams]):
+                            dev2[d : d + seg].copy_(host[h : h + seg], non_blocking=True)
+
+                ms = _timed(sm_ce, reps, streams)
+                emit(
+                    kind="both", backup="sm", load="ce", backup_programs=bp, seg_kib=seg // KiB, streams=n_streams,
+                    gbs=2 * dev_total / ms / 1e6,
+                )  # fmt: skip
+    cur.synchronize()
+    with open(os.path.join(args.out, "probe_host_links.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
