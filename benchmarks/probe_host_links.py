@@ -6,7 +6,6 @@ the pieces can reach on their own, outside the pool:
 * ``ce``: the copy engine moving 512 MiB as segments of 64 KiB to 4 MiB at shuffled host offsets
   (the direct backend's copies), issued round robin over 1, 2 or 4 streams, each direction; and
   one 1 GiB copy each way, and both ways at once (the ceilings the benchmark uses);
-* ``launch``: the host cost of one row-copy launch, through Triton's JIT and directly;
 * ``sm``: the row-copy kernel between device memory and pinned host memory (the kernel backend),
   rows of 1 KiB (a Llama-3-8B FP8 layer row) and of 64 KiB, contiguous or shuffled, on 8, 16, 32
   programs and on the whole GPU: whether any SM-driven copy reaches the copy engine's rate;
@@ -99,24 +98,6 @@ def main() -> None:
         rows.copy_rows(dst, idx, src, idx)
         emit(kind="smoke", ok=bool(torch.equal(host, dev)))
         return
-
-    # Host cost of one row-copy launch (a tiny copy, so the device never holds the host back):
-    # Triton's JIT launch against the direct launch of the compiled kernel.
-    small_src = rows.RowTable.of([torch.zeros(64, KiB, dtype=torch.uint8, device="cuda") for _ in range(2)])
-    small_dst = rows.RowTable.of([torch.zeros(64, KiB, dtype=torch.uint8, device="cuda") for _ in range(2)])
-    idx = torch.arange(16, device="cuda")
-    for direct in (False, True):
-        rows._DIRECT["on"] = direct
-        for _ in range(10):
-            rows.launch_copy_rows(small_dst, idx, small_src, idx, max_programs=8)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            rows.launch_copy_rows(small_dst, idx, small_src, idx, max_programs=8)
-        host_us = (time.perf_counter() - t0) / 2000 * 1e6
-        torch.cuda.synchronize()
-        emit(kind="launch", direct=direct, host_us_per_launch=host_us)
-    rows._DIRECT["on"] = None
 
     dev_total = 512 * MiB
     gen = torch.Generator().manual_seed(0)

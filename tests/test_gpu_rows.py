@@ -74,31 +74,6 @@ def test_kernel_matches_reference(n, same):
         assert_same_bytes(got.cpu(), want, f"buffer {b}")
 
 
-def test_direct_launches_respect_each_specialization():
-    """After a variant's first (JIT) launch, launches call the compiled kernel directly, keyed by
-    what Triton specializes on. Alternating pair counts (1, multiples of 16, others), index dtypes
-    and index views that are not 16-byte aligned must each get their own compiled kernel, and every
-    launch must still copy exactly the reference's bytes."""
-    gen = torch.Generator().manual_seed(5)
-    rows = 4096
-    dst_bufs = [random_bytes((rows, *s), gen) for s in SHAPES]
-    src_bufs = [random_bytes((rows, *s), gen) for s in SHAPES]
-    dt, st = RowTable.of(dst_bufs), RowTable.of(src_bufs)
-    C._COMPILED.clear()
-    for trial, (n, dtype, offset) in enumerate(
-        [(32, torch.int64, 0), (32, torch.int64, 0), (1, torch.int64, 0), (33, torch.int64, 0),
-         (32, torch.int32, 0), (32, torch.int64, 1), (17, torch.int32, 3), (32, torch.int64, 0), (1, torch.int64, 0)]
-    ):  # fmt: skip
-        di, si = pairs(n + offset, rows, gen)
-        di, si = di.to(DEV, dtype)[offset:], si.to(DEV, dtype)[offset:]  # offset: an unaligned view
-        expected = reference(dst_bufs, di, src_bufs, si, False)
-        C.launch_copy_rows(dt, di, st, si)
-        for b, (got, want) in enumerate(zip(dst_bufs, expected)):
-            assert_same_bytes(got.cpu(), want, f"trial {trial} (n={n}, {dtype}, offset {offset}), buffer {b}")
-    if C._DIRECT["on"]:  # six specializations among the nine launches
-        assert len(C._COMPILED) == 6, sorted(C._COMPILED)
-
-
 @pytest.mark.parametrize(
     "shape, dtype", [((3,), torch.float16), ((3, 2), torch.float32), ((7,), torch.uint8)], ids=["align2", "align8", "align1"]
 )

@@ -28,7 +28,6 @@ writes it directly through unified addressing. Index tensors and address tables 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import weakref
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.args import positive_int
-from kvpool.config import KernelOptions
 
 try:
     from kvpool.kernels import copy_rows_kernel as _k
@@ -48,8 +46,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
     TRITON_AVAILABLE = False
     INTERPRETER = False
-
-logger = logging.getLogger("kvpool")
 
 #: Most pairs a copy between aliasing tables does in one launch: the program of a column chunk holds
 #: all pairs' bytes of that chunk, at least one 16-byte vector each, within a 4096-element tile.
@@ -480,59 +476,19 @@ def launch_copy_rows(
         dst_index.stride(0), src_index.stride(0), dst.table.stride(0), src.table.stride(0),
         len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
-    positional = (plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass)
-    grid = (plan.programs,)
-    options = {"num_warps": plan.num_warps}
+    consts = dict(
+        ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
+        BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
     if tile.maxnreg is not None:
-        options["maxnreg"] = tile.maxnreg
+        consts["maxnreg"] = tile.maxnreg
+    grid = (plan.programs,)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            _k._copy_rows_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, positional)), **options)
-        return
-    _launch(grid, args, positional, options, tile.maxnreg)
-
-
-# The kernel's constexpr parameters in signature order (a direct launch passes them positionally).
-_CONSTEXPR_NAMES = ("ELEM_BYTES", "ALIGN", "BLOCK_P", "BLOCK_W", "EVEN", "ONE_PASS")
-#: Compiled variants for direct launches, by everything Triton specializes them on (``_launch``).
-_COMPILED: dict[tuple, object] = {}
-_DIRECT = {"on": None}
-
-
-def _specialization(value: object) -> tuple:
-    """What Triton's JIT distinguishes about one runtime argument: an int's "is 1", "divisible by
-    16" and 32-bit range; a tensor's dtype and 16-byte alignment."""
-    if isinstance(value, int):
-        return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
-    return (value.dtype, value.data_ptr() % 16 == 0)  # type: ignore[attr-defined]
-
-
-def _launch(grid: tuple, args: tuple, positional: tuple, options: dict, maxnreg: Optional[int]) -> None:
-    """Launch on the current device. After a variant's first launch through Triton's JIT, later
-    launches with the same specialization call the compiled kernel directly: Triton's per-call
-    argument specialization is most of a launch's host time (about 30 of 40 us on an H200's host),
-    and copies across many layers (a host tier's per-layer loads, a transfer's chunks) launch
-    back to back while the device waits. ``KVPOOL_DIRECT_LAUNCH=0`` keeps the JIT path; a direct
-    launch that fails (another Triton's launcher) turns it off for good, with a warning."""
-    if _DIRECT["on"] is None:
-        _DIRECT["on"] = KernelOptions.from_env().direct_launch and not INTERPRETER
-    if not _DIRECT["on"]:
-        _k._copy_rows_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, positional)), **options)
-        return
-    key = (torch._C._cuda_getDevice(), positional, options["num_warps"], maxnreg, *map(_specialization, args))
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        try:
-            compiled[grid](*args, *positional)
-            return
-        except (TypeError, SystemError, IndexError, AttributeError) as exc:
-            # Nothing was launched (the launcher rejected its arguments): back to the JIT path.
-            _DIRECT["on"] = False
-            _COMPILED.clear()
-            logger.warning("kvpool: direct launch of the compiled row copy failed (%s); using Triton's JIT launch", exc)
-    compiled = _k._copy_rows_kernel[grid](*args, **dict(zip(_CONSTEXPR_NAMES, positional)), **options)
-    if _DIRECT["on"] and compiled is not None:
-        _COMPILED[key] = compiled
+            _k._copy_rows_kernel[grid](*args, **consts)
+    else:
+        _k._copy_rows_kernel[grid](*args, **consts)
 
 
 def _staging_table(staging: torch.Tensor, n: int, src: RowTable) -> RowTable:
