@@ -72,11 +72,73 @@ def ce_copies(host, dev, segs, seg, streams, to_host: bool):
     return run
 
 
+def pool_both_ways(args, emit) -> None:
+    """The host tier's own backup and load (8k tokens each way, Llama-3-8B FP8, page 16, layer_first,
+    kernel backend), timed on the device only: a sleep kernel holds the GPU while the host queues
+    everything, so the host's enqueue time is left out. The load also as one launch over every
+    layer (no per-layer events), to see what the per-layer launches cost beside a backup."""
+    from kvpool import MHATokenToKVPool
+    from kvpool.pools.host_pool import MHATokenToKVPoolHost
+    from kvpool.pools.kv_moves import kv_rows
+
+    tokens, page, slots = 8192, 16, 36864
+    pool = MHATokenToKVPool(slots, page, torch.float8_e4m3fn, 8, 128, 32, "cuda", warmup=False)
+    for b in pool.k_buffer + pool.v_buffer:
+        b.view(torch.uint8).random_(0, 256)
+    host = MHATokenToKVPoolHost(pool, 1.0, 0, page, "layer_first")
+    gen = torch.Generator().manual_seed(3)
+
+    def pages(n):
+        p = torch.randperm(slots // page - 1, generator=gen)[: n // page] + 1
+        return (p[:, None] * page + torch.arange(page)).reshape(-1).cuda()
+
+    h_out, h_in = host.alloc(tokens), host.alloc(tokens)
+    h_out = h_out.view(-1, page)[torch.randperm(tokens // page, generator=gen)].reshape(-1)
+    h_in = h_in.view(-1, page)[torch.randperm(tokens // page, generator=gen)].reshape(-1)
+    d_out, d_in = pages(tokens), pages(tokens)
+    h_in_dev = h_in.cuda()
+    host.backup_from_device_all_layer(pool, h_in, d_in, "kernel")
+    streams = [host.backup_stream, host.load_stream]
+
+    def device_ms(fn):
+        cur = torch.cuda.current_stream()
+        times = []
+        for _ in range(args.reps + 1):
+            torch.cuda._sleep(20_000_000)  # about 10 ms: the host queues everything meanwhile
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(cur)
+            fn()
+            for s in streams:
+                cur.wait_stream(s)
+            end.record(cur)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times[1:])
+
+    backup = lambda: host.backup_from_device_all_layer(pool, h_out, d_out, "kernel")  # noqa: E731
+    load = lambda: host.load_to_device_all_layer(pool, h_in, d_in, "kernel")  # noqa: E731
+
+    def load_once():  # every layer in one launch, on the load stream, after the current stream's work
+        host.load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(host.load_stream):
+            rows.copy_rows(kv_rows(pool), d_in, host._host_rows, h_in_dev, max_programs=host.kernel_programs)
+
+    nbytes = tokens * 32 * 2 * 1024
+    for name, fn, moved in (
+        ("backup", backup, nbytes), ("load, per layer", load, nbytes), ("load, one launch", load_once, nbytes),
+        ("both, per-layer load", lambda: (backup(), load()), 2 * nbytes),
+        ("both, one-launch load", lambda: (backup(), load_once()), 2 * nbytes),
+    ):
+        ms = device_ms(fn)
+        emit(kind="pool", case=name, device_ms=ms, gbs=moved / ms / 1e6)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="probe_out")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cpu-smoke", action="store_true", help="run each path once on the CPU, time nothing")
+    p.add_argument("--pool", action="store_true", help="only the host tier's own transfers, both ways, device time")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = []
@@ -97,6 +159,12 @@ def main() -> None:
         idx = torch.randperm(64, generator=gen)
         rows.copy_rows(dst, idx, src, idx)
         emit(kind="smoke", ok=bool(torch.equal(host, dev)))
+        return
+
+    if args.pool:
+        pool_both_ways(args, emit)
+        with open(os.path.join(args.out, "probe_host_pool.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
         return
 
     dev_total = 512 * MiB
