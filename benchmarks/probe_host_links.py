@@ -162,6 +162,12 @@ def main() -> None:
         return
 
     if args.pool:
+        host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+        dev = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
+        d2h = _timed(lambda: host.copy_(dev, non_blocking=True), args.reps, [])
+        h2d = _timed(lambda: dev.copy_(host, non_blocking=True), args.reps, [])
+        emit(kind="ceiling", d2h_gbs=GiB / d2h / 1e6, h2d_gbs=GiB / h2d / 1e6)
+        del host, dev
         pool_both_ways(args, emit)
         with open(os.path.join(args.out, "probe_host_pool.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
