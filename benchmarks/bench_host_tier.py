@@ -46,6 +46,9 @@ from kvpool.kernels import copy_rows as C
 from kvpool.pools import host_copy
 from kvpool.pools.host_pool import KERNEL_PROGRAMS, MHATokenToKVPoolHost
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import event_ms  # noqa: E402
+
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM  # FP8: 64 KiB per token, K and V of every layer
 TOKENS = [8192, 32768]
@@ -74,20 +77,6 @@ def wall_ms(fn, reps: int, warmup: int = 1) -> float:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def device_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn()``'s work on the current stream (CUDA events, after a warmup)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -388,7 +377,7 @@ def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: st
     # launch and the synchronisation, which made this count swing between 2 and 4).
     x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-    one = device_ms(lambda: [torch.mm(x, w) for _ in range(20)], args.reps) / 20
+    one = event_ms(lambda: [torch.mm(x, w) for _ in range(20)], args.reps) / 20
     reps_per_layer = max(1, round(t_load / LAYERS / one))
     kbuf = torch.empty(d.shape[0], HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda")
     pool.register_layer_transfer_counter(host.layer_transfer_counter)

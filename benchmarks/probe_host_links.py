@@ -22,35 +22,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from kvpool.kernels import copy_rows as rows
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import event_ms  # noqa: E402
+
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
-
-
-def _timed(fn, reps: int, streams: list) -> float:
-    """Median milliseconds of ``fn()`` from a start event on the current stream until every stream
-    in ``streams`` has finished what ``fn`` queued."""
-    cur = torch.cuda.current_stream()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record(cur)
-        for s in streams:
-            s.wait_stream(cur)
-        fn()
-        for s in streams:
-            cur.wait_stream(s)
-        end.record(cur)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _segments(total: int, seg: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -164,8 +146,8 @@ def main() -> None:
     if args.pool:
         host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
         dev = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
-        d2h = _timed(lambda: host.copy_(dev, non_blocking=True), args.reps, [])
-        h2d = _timed(lambda: dev.copy_(host, non_blocking=True), args.reps, [])
+        d2h = event_ms(lambda: host.copy_(dev, non_blocking=True), args.reps, [])
+        h2d = event_ms(lambda: dev.copy_(host, non_blocking=True), args.reps, [])
         emit(kind="ceiling", d2h_gbs=GiB / d2h / 1e6, h2d_gbs=GiB / h2d / 1e6)
         del host, dev
         pool_both_ways(args, emit)
@@ -185,8 +167,8 @@ def main() -> None:
     reps = args.reps
 
     # Ceilings: one 1 GiB copy each way, and both at once on two streams.
-    d2h = _timed(lambda: host2.copy_(dev, non_blocking=True), reps, [])
-    h2d = _timed(lambda: dev2.copy_(host, non_blocking=True), reps, [])
+    d2h = event_ms(lambda: host2.copy_(dev, non_blocking=True), reps, [])
+    h2d = event_ms(lambda: dev2.copy_(host, non_blocking=True), reps, [])
 
     def both_ce():
         with torch.cuda.stream(streams[0]):
@@ -194,7 +176,7 @@ def main() -> None:
         with torch.cuda.stream(streams[1]):
             dev2.copy_(host, non_blocking=True)
 
-    both = _timed(both_ce, reps, streams[:2])
+    both = event_ms(both_ce, reps, streams[:2])
     ceil_d2h, ceil_h2d = GiB / d2h / 1e6, GiB / h2d / 1e6
     emit(kind="ceiling", d2h_gbs=ceil_d2h, h2d_gbs=ceil_h2d, both_gbs=2 * GiB / both / 1e6)
 
@@ -208,7 +190,7 @@ def main() -> None:
                 fn()
                 issue_ms = (time.perf_counter() - t0) * 1e3
                 torch.cuda.synchronize()
-                ms = _timed(fn, reps, streams[:n_streams])
+                ms = event_ms(fn, reps, streams[:n_streams])
                 gbs = dev_total / ms / 1e6
                 emit(
                     kind="ce", seg_kib=seg // KiB, streams=n_streams, direction="d2h" if to_host else "h2d",
@@ -217,14 +199,15 @@ def main() -> None:
 
     # SM path: the row-copy kernel between device and pinned host rows.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for row in (1 * KiB, 64 * KiB):
+    def tables(row: int):
+        """Row tables over the first 512 MiB of each buffer: (device source, host destination, host
+        source, device destination, rows in order, rows shuffled)."""
         n = dev_total // row
-        dtab = rows.RowTable.of([dev[:dev_total].view(n, row)])
-        htab = rows.RowTable.of([host2[:dev_total].view(n, row)])
-        htab_src = rows.RowTable.of([host[:dev_total].view(n, row)])
-        dtab_dst = rows.RowTable.of([dev2[:dev_total].view(n, row)])
-        ordered = torch.arange(n, device="cuda")
-        shuffled = torch.randperm(n, generator=gen).cuda()
+        views = [rows.RowTable.of([b[:dev_total].view(n, row)]) for b in (dev, host2, host, dev2)]
+        return (*views, torch.arange(n, device="cuda"), torch.randperm(n, generator=gen).cuda())
+
+    for row in (1 * KiB, 64 * KiB):
+        dtab, htab, htab_src, dtab_dst, ordered, shuffled = tables(row)
         for order, hidx in (("contiguous", ordered), ("shuffled", shuffled)):
             for programs in (8, 16, 32, sms * rows.PROGRAMS_PER_SM):
                 for to_host in (True, False):
@@ -232,7 +215,7 @@ def main() -> None:
                         fn = lambda: rows.copy_rows(htab, hidx, dtab, ordered, max_programs=programs)  # noqa: E731
                     else:
                         fn = lambda: rows.copy_rows(dtab_dst, ordered, htab_src, hidx, max_programs=programs)  # noqa: E731
-                    ms = _timed(fn, reps, [])
+                    ms = event_ms(fn, reps, [])
                     gbs = dev_total / ms / 1e6
                     emit(
                         kind="sm", row_bytes=row, order=order, programs=programs, direction="d2h" if to_host else "h2d",
@@ -240,13 +223,7 @@ def main() -> None:
                     )  # fmt: skip
 
     # Both ways at once (512 MiB each way).
-    n = dev_total // KiB
-    dtab = rows.RowTable.of([dev[:dev_total].view(n, KiB)])
-    htab_dst = rows.RowTable.of([host2[:dev_total].view(n, KiB)])
-    htab_src = rows.RowTable.of([host[:dev_total].view(n, KiB)])
-    dtab_dst = rows.RowTable.of([dev2[:dev_total].view(n, KiB)])
-    ordered = torch.arange(n, device="cuda")
-    shuffled = torch.randperm(n, generator=gen).cuda()
+    dtab, htab_dst, htab_src, dtab_dst, ordered, shuffled = tables(KiB)
 
     def sm_backup(programs):
         return lambda: rows.copy_rows(htab_dst, shuffled, dtab, ordered, max_programs=programs)
@@ -264,7 +241,7 @@ def main() -> None:
         return run
 
     for bp, lp in ((8, 8), (8, 16), (16, 16), (32, 32)):
-        ms = _timed(pair(sm_backup(bp), sm_load(lp)), reps, streams[:2])
+        ms = event_ms(pair(sm_backup(bp), sm_load(lp)), reps, streams[:2])
         emit(kind="both", backup="sm", load="sm", backup_programs=bp, load_programs=lp, gbs=2 * dev_total / ms / 1e6)
     for seg in (1 * MiB, 2 * MiB, 4 * MiB):
         segs = _segments(dev_total, seg, gen)
@@ -277,7 +254,7 @@ def main() -> None:
                     with torch.cuda.stream(streams[i % n_streams]):
                         dev2[d : d + seg].copy_(host[h : h + seg], non_blocking=True)
 
-            ms = _timed(ce_both, reps, streams)
+            ms = event_ms(ce_both, reps, streams)
             emit(kind="both", backup="ce", load="ce", seg_kib=seg // KiB, streams=n_streams, gbs=2 * dev_total / ms / 1e6)
             for bp in (8, 16):
                 def sm_ce(bp=bp, segs=segs, seg=seg, n_streams=n_streams):
@@ -287,7 +264,7 @@ def main() -> None:
                         with torch.cuda.stream(streams[i % n_streams]):
                             dev2[d : d + seg].copy_(host[h : h + seg], non_blocking=True)
 
-                ms = _timed(sm_ce, reps, streams)
+                ms = event_ms(sm_ce, reps, streams)
                 emit(
                     kind="both", backup="sm", load="ce", backup_programs=bp, seg_kib=seg // KiB, streams=n_streams,
                     gbs=2 * dev_total / ms / 1e6,

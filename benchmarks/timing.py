@@ -72,6 +72,29 @@ def graph_us(fn, calls: int, flush: torch.Tensor | None = None, reps: int = 25) 
     return total * 1e3 / calls
 
 
+def event_ms(fn, reps: int, streams=()) -> float:
+    """Median milliseconds of the device work ``fn()`` queues, from a start event on the current
+    stream until the current stream and every stream in ``streams`` (made to wait for the start) are
+    through it; one untimed call first. The host's enqueue time counts only where the device waits
+    for it."""
+    cur = torch.cuda.current_stream()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(cur)
+        for s in streams:
+            s.wait_stream(cur)
+        fn()
+        for s in streams:
+            cur.wait_stream(s)
+        end.record(cur)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 class GpuClock:
     """The measurements of the benchmarks, on the current CUDA device. Medians throughout."""
 

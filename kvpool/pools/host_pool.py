@@ -615,12 +615,12 @@ class MHATokenToKVPoolHost:
                 return
             # The first layer's copy checks the indices and the tables; the other layers' tables are
             # the same buffers' siblings (host and device memory never alias), so where the kernel
-            # runs they launch it directly: the host cost per layer decides how soon the model's
-            # own work, queued after the load, can start.
-            direct = rows._use_kernel(table.table_device)
+            # runs they launch it without the checks: the host cost per layer decides how soon the
+            # model's own work, queued after the load, can start.
+            unchecked = rows._use_kernel(table.table_device)
             for i, layer in enumerate(layers):  # type: ignore[union-attr]
                 dst, src = layer_tables[layer], self._host_layer_rows[layer]  # type: ignore[index]
-                if i and direct:
+                if i and unchecked:
                     rows.launch_copy_rows(dst, d_idx, src, h_idx, max_programs=cap)
                 else:
                     rows.checked_copy(dst, d_idx, src, h_idx, cap, False, ("device_indices", "host_indices"))
