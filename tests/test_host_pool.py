@@ -317,6 +317,37 @@ def test_bad_transfers_raise_before_copying(case, direction):
     assert unchanged(target, host, before)
 
 
+def _slot_problems(slots: np.ndarray, size: int, ps: int) -> bool:
+    """The per-slot definition: any slot out of range, or any page not ps consecutive slots from
+    a multiple of ps."""
+    if ((slots < 0) | (slots >= size)).any():
+        return True
+    pages = slots.reshape(-1, ps)
+    return bool(((pages[:, 0] % ps != 0) | np.any(pages != pages[:, :1] + np.arange(ps), axis=1)).any())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    pages=st.lists(st.integers(-3, 24), min_size=1, max_size=6),
+    nudges=st.lists(st.tuples(st.integers(0, 23), st.integers(-5, 5)), max_size=2),
+)
+def test_quick_page_check_agrees_with_the_per_slot_checks(page_size, pages, nudges):
+    """``_whole_pages`` (page starts, one comparison) accepts exactly the slot lists the per-slot
+    checks accept, and ``_host_slots`` reports problems as before whichever path finds them."""
+    host = make_host(make_device_pool(size=40, page_size=page_size), page_size=page_size, ratio=2.0)  # 80 slots
+    slots = (np.array(pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    for pos, delta in nudges:  # break a page here and there
+        slots[pos % slots.shape[0]] += delta
+    bad = _slot_problems(slots, host.size, page_size)
+    assert host._whole_pages(slots) == (not bad)
+    if bad:
+        with pytest.raises((IndexError, ValueError)):
+            host._host_slots(torch.from_numpy(slots.copy()), "host_indices")
+    else:
+        assert np.array_equal(host._host_slots(torch.from_numpy(slots.copy()), "host_indices"), slots)
+
+
 def test_validate_checks_host_pages_are_allocated():
     pool = make_device_pool()
     host = make_host(pool, validate=True)
