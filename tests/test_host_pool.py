@@ -574,10 +574,15 @@ def test_kernel_backend_runs_the_kernel(monkeypatch, layout):
     assert launches == [2]
     other = make_device_pool(seed=13)
     host.load_to_device_all_layer(other, h, torch.arange(10, 18), "kernel")
-    assert launches == [2, 2, 2, 2]  # one per layer
-    for layer in range(3):
-        for which in "kv":
-            assert torch.equal(dev_rows(other, layer, which)[10:18], dev_rows(pool, layer, which)[d])
+    assert launches == [2, 2]  # nothing waits per layer: every layer in one launch
+    third = make_device_pool(seed=14)
+    third.register_layer_transfer_counter(host.layer_transfer_counter)
+    host.load_to_device_all_layer(third, h, torch.arange(20, 28), "kernel")
+    assert launches == [2, 2, 2, 2, 2]  # a model waits per layer: one launch per layer
+    for target, start in ((other, 10), (third, 20)):
+        for layer in range(3):
+            for which in "kv":
+                assert torch.equal(dev_rows(target, layer, which)[start : start + 8], dev_rows(pool, layer, which)[d])
 
 
 # --- pinned host buffers (cudaHostRegister mocked: the arithmetic of the registered range) ----------

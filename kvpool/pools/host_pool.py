@@ -15,7 +15,8 @@ one of two layouts, K and V in separate buffers of the device pool's storage dty
 Transfers copy bytes (FP8 bits round-trip exactly) with either backend, bit-identical:
 
 * ``"kernel"``: ``copy_rows``'s Triton kernel reads and writes pinned host memory directly, one launch
-  for all layers (backup) or per layer (loads), on a grid of ``kernel_programs`` programs (8: it
+  for all layers (backups, and loads that nothing waits on layer by layer) or per layer (loads a
+  model waits on through the registered counter), on a grid of ``kernel_programs`` programs (8: it
   leaves the other SMs to the model).
 * ``"direct"``: the copy engine. Device rows are gathered into (scattered from) a device staging
   buffer laid out like the host buffers with one launch, and each run of consecutive host slots is one
@@ -512,9 +513,11 @@ class MHATokenToKVPoolHost:
         self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel"
     ) -> None:
         """Every layer, in order, each recording its event as it lands (so a model can start layer 0
-        before the last layer arrives). With the direct backend and the page_first layout the rows of
-        all layers travel together (a token's layers are one block on the host) and every layer's
-        event is recorded once all have landed."""
+        before the last layer arrives), when this host pool's ``layer_transfer_counter`` is registered
+        on ``device_pool``. Without it nothing waits for a single layer, and the kernel backend moves
+        every layer in one launch (a single layer's event then completes with the others). With the
+        direct backend and the page_first layout the rows of all layers travel together (a token's
+        layers are one block on the host) and every layer's event is recorded once all have landed."""
         self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)))
 
     def _load(self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]) -> None:
@@ -538,8 +541,14 @@ class MHATokenToKVPoolHost:
         if slots.shape[0] == 0:
             return
         pages = slots[:: self.page_size] // self.page_size
+        # Layer by layer only where a model waits layer by layer: with this pool's counter registered
+        # on the device pool. Otherwise nobody can start on a layer before the others, and the
+        # kernel backend moves every layer in one launch (fewer launches for the host to queue, and
+        # a token's layers read together, which page_first memory favours).
+        waits_per_layer = getattr(device_pool, "layer_transfer_counter", None) is self.layer_transfer_counter
+        together = len(layers) > 1 and not waits_per_layer
         if self.load_stream is None:
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, layers)
+            self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, layers, together)
             return
         stream = self.load_stream
         compute = torch.cuda.current_stream(device_pool.device)
@@ -548,7 +557,7 @@ class MHATokenToKVPoolHost:
             self._wait_pages(stream, self._page_written, pages)  # the backup that wrote these pages
             if io_backend == "kernel" and not cached:
                 h_dev = self._host_index_tensor(slots, device_pool.device)
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers)
+            self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
             self._finish(stream, self._page_read, pages)
         d_idx.record_stream(stream)
         if isinstance(host_indices, torch.Tensor):
@@ -605,13 +614,20 @@ class MHATokenToKVPoolHost:
         d_idx: torch.Tensor,
         h_dev: Optional[torch.Tensor],
         layers: Optional[list[int]] = None,
+        together: bool = False,
     ) -> None:
-        """Enqueue the copies on the current stream (the transfer stream on CUDA)."""
+        """Enqueue the copies on the current stream (the transfer stream on CUDA). ``together``: a
+        load of every layer in one kernel launch, every layer's event recorded after it."""
         if io_backend == "kernel":
             h_idx = h_dev if h_dev is not None else torch.from_numpy(slots)
             cap = self.kernel_programs
             if direction == "backup":
                 rows.checked_copy(self._host_rows, h_idx, table, d_idx, cap, False, ("host_indices", "device_indices"))
+                return
+            if together:
+                rows.checked_copy(table, d_idx, self._host_rows, h_idx, cap, False, ("device_indices", "host_indices"))
+                for layer in layers:  # type: ignore[union-attr]
+                    self._record_layer(layer, self.load_stream)
                 return
             # The first layer's copy checks the indices and the tables; the other layers' tables are
             # the same buffers' siblings (host and device memory never alias), so where the kernel
