@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -82,20 +81,8 @@ def pool_both_ways(args, emit) -> None:
     host.backup_from_device_all_layer(pool, h_in, d_in, "kernel")
     streams = [host.backup_stream, host.load_stream]
 
-    def device_ms(fn):
-        cur = torch.cuda.current_stream()
-        times = []
-        for _ in range(args.reps + 1):
-            torch.cuda._sleep(20_000_000)  # about 10 ms: the host queues everything meanwhile
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(cur)
-            fn()
-            for s in streams:
-                cur.wait_stream(s)
-            end.record(cur)
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times[1:])
+    def device_ms(fn):  # the GPU sleeps about 10 ms while the host queues everything
+        return event_ms(fn, args.reps, streams, hold_cycles=20_000_000)
 
     backup = lambda: host.backup_from_device_all_layer(pool, h_out, d_out, "kernel")  # noqa: E731
     load = lambda: host.load_to_device_all_layer(pool, h_in, d_in, "kernel")  # noqa: E731

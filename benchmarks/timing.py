@@ -72,16 +72,19 @@ def graph_us(fn, calls: int, flush: torch.Tensor | None = None, reps: int = 25) 
     return total * 1e3 / calls
 
 
-def event_ms(fn, reps: int, streams=()) -> float:
+def event_ms(fn, reps: int, streams=(), hold_cycles: int = 0) -> float:
     """Median milliseconds of the device work ``fn()`` queues, from a start event on the current
     stream until the current stream and every stream in ``streams`` (made to wait for the start) are
     through it; one untimed call first. The host's enqueue time counts only where the device waits
-    for it."""
+    for it; ``hold_cycles`` > 0 keeps the GPU in a sleep kernel that long before the start event, so
+    the host can queue all of ``fn``'s work first and only device time counts."""
     cur = torch.cuda.current_stream()
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if hold_cycles:
+            torch.cuda._sleep(hold_cycles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(cur)
         for s in streams:
