@@ -451,9 +451,15 @@ def _late_peer_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _run_pair(rank_fn, name: str, tmp_path) -> tuple[dict, dict]:
+    """Run ``rank_fn(rank, port, out)`` on two ranks and return the reports they wrote to
+    ``out/<name><rank>.json`` (rank 0's first)."""
+    spawn(rank_fn, 2, (free_port(), str(tmp_path)), timeout=60)
+    return tuple(json.loads(Path(tmp_path, f"{name}{r}.json").read_text()) for r in range(2))  # type: ignore[return-value]
+
+
 def test_a_late_peer_raises_once_and_the_pair_stays_in_step(tmp_path):
-    spawn(_late_peer_rank, 2, (free_port(), str(tmp_path)), timeout=60)
-    sender, receiver = (json.loads(Path(tmp_path, f"late{r}.json").read_text()) for r in range(2))
+    sender, receiver = _run_pair(_late_peer_rank, "late", tmp_path)
     assert len(sender["errors"]) == 1 and "did not start its side" in sender["errors"][0], sender
     assert len(receiver["errors"]) == 1 and "gave up waiting" in receiver["errors"][0], receiver
     assert "another rank" in receiver["early"], receiver
@@ -516,8 +522,7 @@ def _predicted_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_a_predictable_header_is_read_and_claimed_in_one_round_trip(tmp_path):
-    spawn(_predicted_rank, 2, (free_port(), str(tmp_path)), timeout=60)
-    sender, receiver = (json.loads(Path(tmp_path, f"predicted{r}.json").read_text()) for r in range(2))
+    sender, receiver = _run_pair(_predicted_rank, "predicted", tmp_path)
     first, second, third, fourth = receiver["ops"]
     assert first == ["set", "get", "compare_set", "delete_key"], first  # nothing to predict from yet
     assert second == third == ["set", "compare_set", "delete_key"], (second, third)
