@@ -192,6 +192,138 @@ def flat_write(k, v, kc, vc, loc, scale, block=2048, warps=4):
                              K_STRIDE=kc.stride(0), V_STRIDE=vc.stride(0), BLOCK=block, num_warps=warps)  # fmt: skip
 
 
+@triton.jit
+def _chunk_rows_kernel(
+    k_ptr, v_ptr,  # [T, ROW_K], [T, ROW_V] inputs (bf16), each row contiguous
+    kc_ptr, vc_ptr,  # caches (uint8): row r of K at kc_ptr + r * stride_kct, of V at vc_ptr + r * stride_vct
+    loc_ptr, ks_ptr, vs_ptr, T, capacity, stride_kt, stride_vt, stride_kct, stride_vct,
+    KC: tl.constexpr, VC: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, CONVERT: tl.constexpr = True,
+):
+    """The write as a walk over chunk-rows: each token's K row is KC runs of CHUNK elements and its
+    V row VC runs, one token after another (KC + VC chunk-rows a token); a program takes ROWS
+    consecutive chunk-rows, whichever tensor and token they belong to, so every thread moves the
+    same vector width whatever the row lengths. A chunk-row finds its token by a division by a
+    constant, and its source and cache row by a select between the K and V pointers. Without
+    CONVERT it stores each element's high byte instead (no division, no cast: the scatter alone)."""
+    PER: tl.constexpr = KC + VC
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t = r // PER
+    c = r - t * PER
+    ok = t < T
+    is_k = c < KC
+    col = tl.where(is_k, c, c - KC) * CHUNK
+    d = tl.arange(0, CHUNK)
+    slot = tl.load(loc_ptr + t, mask=ok, other=-1)
+    src = tl.where(is_k, k_ptr + t * stride_kt, v_ptr + t * stride_vt) + col
+    x = tl.load(src[:, None] + d[None, :], mask=ok[:, None], other=1.0)
+    if CONVERT:
+        ks = tl.load(ks_ptr)
+        vs = tl.load(vs_ptr)
+        s = tl.where(is_k, ks, vs)[:, None]
+        rr = tl.where(is_k, tl.div_rn(1.0, ks), tl.div_rn(1.0, vs))[:, None]
+        out = _div_by_reciprocal(x.to(tl.float32), s, rr).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        out = (x.to(tl.int16, bitcast=True) >> 8).to(tl.uint8)
+    keep = ok & (slot >= 0) & (slot < capacity)
+    dst = tl.where(is_k, kc_ptr + slot * stride_kct, vc_ptr + slot * stride_vct) + col
+    tl.store(dst[:, None] + d[None, :], out, mask=keep[:, None])
+
+
+def chunk_rows_write(k, v, kc, vc, loc, ks, vs, chunk, rows, warps, convert=True):
+    """Probe launcher for ``_chunk_rows_kernel`` (inputs' rows and caches' rows contiguous)."""
+    t = k.shape[0]
+    kc_n, vc_n = k[0].numel() // chunk, v[0].numel() // chunk
+    grid = (triton.cdiv(t * (kc_n + vc_n), rows),)
+    _chunk_rows_kernel[grid](k, v, kc, vc, loc, ks, vs, t, kc.shape[0], k.stride(0), v.stride(0), kc.stride(0),
+                             vc.stride(0), KC=kc_n, VC=vc_n, CHUNK=chunk, ROWS=rows, CONVERT=convert, num_warps=warps)  # fmt: skip
+
+
+ROW_CHUNKS = (32, 64, 128)
+ROW_TILES = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
+ROW_DECODE_TILES = ((256, 2), (512, 4), (1024, 4))
+
+
+def rows(a, names) -> int:
+    """The chunk-row walk against the pool's plan and the same-bytes copy, large and decode sizes."""
+    flush = flush_buffer()
+    dev = torch.device("cuda")
+    scale = torch.tensor([0.37], device=dev)
+    v_scale = torch.tensor([0.61], device=dev)
+    results: list[dict] = []
+    for name in names:
+        h, d, hv, dv, mla = GEOMETRIES[name]
+        caches = make_caches(h, d, hv, dv, mla, dev)
+        cur = make_launcher(caches, dev, joined=True, flat=False) if mla else make_launcher(caches, dev)  # the pool's plan
+        chunks = [c for c in ROW_CHUNKS if (h * d) % c == 0 and (hv * dv) % c == 0]
+        for t in LARGE + DECODE:
+            cold = t in LARGE
+            calls, fl = (10, flush) if cold else (64, None)
+            gen = torch.Generator(device=dev).manual_seed(t)
+            flat = (torch.randn(t * (h * d + hv * dv), device=dev, generator=gen) * 60).to(torch.bfloat16)
+            k = flat[: t * h * d].view(t, h, d)
+            v = flat[t * h * d :].view(t, hv, dv)
+            loc = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:t] + 1
+            key = write_key(k, v, loc, scale, v_scale)
+            nb = nbytes(t, h, d, hv, dv)
+            line = {"write": graph_us(lambda i: cur(key, k, v, *caches[i % LAYERS], loc, scale, v_scale), calls, fl)}
+            if cold:
+                n = max(1, nb // 8)
+                src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
+                dst = torch.empty_like(src)
+                line["same-bytes copy"] = graph_us(lambda i: torch.bitwise_not(src, out=dst), calls, fl)
+            elif not mla and h == hv and d == dv:
+                line["straightforward"] = graph_us(
+                    lambda i: peers.straightforward_triton(k, v, *caches[i % LAYERS], loc, scale, v_scale, FP8), calls, fl)
+            kc, vc = caches[0]
+            kc.zero_(), vc.zero_()
+            cur(key, k, v, kc, vc, loc, scale, v_scale)
+            want = (kc[loc].clone(), vc[loc].clone())
+            equal = True
+            for chunk in chunks:
+                for elems, warps in (ROW_TILES if cold else ROW_DECODE_TILES):
+                    if elems < chunk:
+                        continue
+                    label = f"rows {chunk}x{elems // chunk}/w{warps}"
+                    run = lambda i, c=chunk, r=elems // chunk, w=warps: chunk_rows_write(
+                        k, v, *caches[i % LAYERS], loc, scale, v_scale, c, r, w)  # fmt: skip
+                    line[label] = graph_us(run, calls, fl)
+                    kc.zero_(), vc.zero_()
+                    chunk_rows_write(k, v, kc, vc, loc, scale, v_scale, chunk, elems // chunk, warps)
+                    equal = equal and torch.equal(kc[loc], want[0]) and torch.equal(vc[loc], want[1])
+            if cold:  # the scatter alone: high bytes to random / contiguous slots, and the write to contiguous ones
+                contig = torch.arange(1, t + 1, device=dev)
+                line["write, contiguous slots"] = graph_us(
+                    lambda i: cur(key, k, v, *caches[i % LAYERS], contig, scale, v_scale), calls, fl)
+                for chunk in chunks[:1] if name != "mla" else (64,):
+                    r = 2048 // chunk
+                    for slots_label, slots in (("random", loc), ("contiguous", contig)):
+                        for conv in (False, True):
+                            what = "rows convert" if conv else "rows high byte"
+                            line[f"{what} {chunk}x{r}, {slots_label} slots"] = graph_us(
+                                lambda i, c=chunk, r=r, sl=slots, cv=conv: chunk_rows_write(
+                                    k, v, *caches[i % LAYERS], sl, scale, v_scale, c, r, 4, cv), calls, fl)  # fmt: skip
+            ref = line.get("same-bytes copy", line["write"])
+            for label, us in line.items():
+                results.append(dict(geometry=name, T=t, variant=label, us=us, of_ref=ref / us))
+            if cold:
+                print(f"  {name} T={t}: " + " | ".join(f"{lb} {ref / us:.1%}" for lb, us in line.items()
+                                                      if "slots" in lb), flush=True)
+            results.append(dict(geometry=name, T=t, variant="bytes equal", ok=equal))
+            best = sorted(((us, lb) for lb, us in line.items() if lb.startswith("rows") and "slots" not in lb))[:3]
+            if cold:
+                print(f"rows {name} T={t}: copy {nb / ref / 1e3:.0f} GB/s | write {ref / line['write']:.1%} | "
+                      + " | ".join(f"{lb} {ref / us:.1%}" for us, lb in best) + f" | bytes equal: {equal}", flush=True)
+            else:
+                print(f"rows {name} T={t} (us per write, graph of 64): write {line['write']:.3f}"
+                      + (f" | straightforward {line['straightforward']:.3f}" if "straightforward" in line else "")
+                      + " | " + " | ".join(f"{lb} {us:.3f}" for us, lb in best) + f" | bytes equal: {equal}", flush=True)
+        with open(os.path.join(a.out, "probe_rows.json"), "w") as f:
+            json.dump({"results": results, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=0)
+        del caches
+        torch.cuda.empty_cache()
+    return 0
+
+
 def ladder(a, names) -> int:
     """Same-bytes copy -> byte copy -> cast -> division -> the write (contiguous, random slots)."""
     flush = flush_buffer()
@@ -283,10 +415,13 @@ def main() -> int:
     p.add_argument("--geometries", default=",".join(GEOMETRIES))
     p.add_argument("--decode", action="store_true", help="sweep small tiles at decode sizes only")
     p.add_argument("--ladder", action="store_true", help="copy -> cast -> division -> write, at large sizes only")
+    p.add_argument("--rows", action="store_true", help="the chunk-row walk against the write, large and decode sizes")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.ladder:
         return ladder(a, a.geometries.split(","))
+    if a.rows:
+        return rows(a, a.geometries.split(","))
     if a.decode:
         return decode_sweep(a, a.geometries.split(","))
     dev = torch.device("cuda")
