@@ -4,7 +4,7 @@
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 #                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
-#                             [host_links]
+#                             [host_links] [host_kernel] [rows] [transfer_latency]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -56,6 +56,10 @@ for stage in $stages; do
         --bidir-programs 8/16,16/16,16/32,32/32,32/64,64/64 --out "$OUT" ;;
     host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
+    host_kernel)  # the kernel backend's transfers alone, wall and device time
+      step host_kernel python3 benchmarks/bench_host_tier.py --backends kernel --stages transfers --out "$OUT/host_kernel" ;;
+    rows) step rows python3 benchmarks/probe_plans.py --rows --out "$OUT" ;;
+    transfer_latency) step transfer_latency python3 benchmarks/probe_transfer_latency.py --out "$OUT" ;;
     mla) step mla_bench python3 benchmarks/bench_mla.py --out "$OUT" ;;
     llama_bench) step llama_bench python3 benchmarks/bench_llama_runner.py --out "$OUT" ;;
     first_call) step first_call python3 benchmarks/first_call.py ;;
