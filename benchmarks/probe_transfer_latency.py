@@ -92,6 +92,37 @@ def install(steps: Steps) -> None:
     work = torch._C._distributed_c10d.Work
     work.wait = steps.wrap("Work.wait", work.wait)
     endpoint.agree = steps.wrap("agree", endpoint.agree)
+    # Inside _move and _pipeline: the pieces whose cost is not the library's own Python.
+    E._tables_for = steps.wrap("_tables_for", E._tables_for)
+    endpoint.chunk_plan = steps.wrap("chunk_plan", endpoint.chunk_plan)
+    endpoint.launch_copy_rows = steps.wrap("launch_copy_rows", endpoint.launch_copy_rows)
+    for name in ("pin_memory", "is_pinned", "copy_"):
+        setattr(torch.Tensor, name, steps.wrap(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    torch.cuda.Event.record = steps.wrap("Event.record", torch.cuda.Event.record)
+    torch.cuda.Stream.wait_stream = steps.wrap("Stream.wait_stream", torch.cuda.Stream.wait_stream)
+    torch.cuda.current_stream = steps.wrap("cuda.current_stream", torch.cuda.current_stream)
+    original_on_side = E._on_side
+
+    def on_side(self):
+        t0 = time.perf_counter()
+        cm = original_on_side(self)
+        cm.__enter__()
+        steps.cur["_on_side enter"] += time.perf_counter() - t0
+
+        class Exit:
+            def __enter__(self_inner):
+                return None
+
+            def __exit__(self_inner, *exc):
+                t1 = time.perf_counter()
+                try:
+                    return cm.__exit__(*exc)
+                finally:
+                    steps.cur["_on_side exit"] += time.perf_counter() - t1
+
+        return Exit()
+
+    E._on_side = on_side
 
 
 def run(rank: int, port: int, out: str, legs: int, smoke: bool) -> None:
