@@ -152,8 +152,8 @@ class KVTransfer:
         """Make the caller's current stream wait for the transfer (no host wait on CUDA). Afterwards,
         work queued on that stream may reuse the sender's slots or read the receiver's."""
         if self._done is not None:
-            with torch.cuda.device(self._device):
-                torch.cuda.current_stream().wait_event(self._done)
+            # (The stream is looked up by device; the wait itself switches devices if it must.)
+            torch.cuda.current_stream(self._device).wait_event(self._done)
 
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "in flight"
@@ -222,6 +222,7 @@ class _Endpoint:
         if self._cuda:
             self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
             self._side = torch.cuda.Stream(device=dev)
+            self._caller_mark = torch.cuda.Event()
             if max_programs is None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 self.max_programs = default_max_programs(sms)
@@ -250,11 +251,11 @@ class _Endpoint:
         mine = make_header(self._role, rank, self.pool, self.head_start, self.total_heads, tokens, self.chunk_bytes)
         if problem is not None:
             mine = mine.with_error(problem)
-        encoded = mine.encode()
+        encoded = mine.to_bytes()
         theirs, spent_key = self._exchange(encoded, mine, peer, group)
         try:
             # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
-            verdict = agree(Header.decode(encoded), theirs)
+            verdict = agree(Header.from_bytes(encoded), theirs)
             if isinstance(verdict, Refusal):
                 raise verdict.exception()
             if loc_host is None:  # unreachable: a rank with a loc problem refuses through the verdict
@@ -332,18 +333,20 @@ class _Endpoint:
         loc64 = loc.to(torch.int64)
         if n == 0:
             return loc64, None
-        # One pass for the common case (every slot in range); the position only when one is not.
-        lo, hi = torch.aminmax(loc64)
-        if int(lo) < 0 or int(hi) >= self._rows:
-            i = int(((loc64 < 0) | (loc64 >= self._rows)).nonzero()[0, 0])
+        # One pass each for the common case (every slot in range), through NumPy: a few microseconds
+        # where torch's CPU reductions cost tens, on the transfer's host path. The position only when
+        # a slot is out of range.
+        values = loc64.numpy()
+        if values.min() < 0 or values.max() >= self._rows:
+            i = int(np.flatnonzero((values < 0) | (values >= self._rows))[0])
             return None, IndexError(
-                f"{where}: the {role}'s loc[{i}] = {int(loc64[i])} is outside its pool's slots "
+                f"{where}: the {role}'s loc[{i}] = {int(values[i])} is outside its pool's slots "
                 f"[0, {self._rows}){tail}"
             )
         return loc64, None
 
     def _exchange(
-        self, encoded: torch.Tensor, mine: Header, peer: int, group: Optional[dist.ProcessGroup]
+        self, header: bytes, mine: Header, peer: int, group: Optional[dist.ProcessGroup]
     ) -> tuple[Header, str]:
         """Swap headers with ``peer`` through torch.distributed's key-value store (host memory and a
         socket: no device work, no stream, no synchronisation). Returns the peer's header and the
@@ -370,12 +373,11 @@ class _Endpoint:
         seq = _SEQUENCE[pair] = _SEQUENCE.get(pair, -1) + 1
         prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{name}/{seq}/"
         mine_key, theirs_key = prefix + str(rank), prefix + str(peer)
-        header = encoded.numpy().tobytes()
         store.set(mine_key, header)
         theirs: Optional[bytes] = None
         last = self._peer_headers.get(peer)
         if last is not None:
-            predicted = replace(last, tokens=mine.tokens, error_kind=0, message="").encode().numpy().tobytes()
+            predicted = replace(last, tokens=mine.tokens, error_kind=0, message="").to_bytes()
             found = store.compare_set(theirs_key, predicted, _TAKEN)
             if found == _TAKEN:
                 theirs = predicted  # read and claimed in one round trip
@@ -401,7 +403,7 @@ class _Endpoint:
                 f"kvpool transfer with rank {peer}: the peer gave up waiting for this transfer (transfer {seq} "
                 f"between the two ranks) before this rank started it; nothing moved"
             )
-        decoded = Header.decode(torch.frombuffer(bytearray(theirs), dtype=torch.uint8))
+        decoded = Header.from_bytes(theirs)
         self._peer_headers[peer] = decoded
         return decoded, theirs_key
 
@@ -416,10 +418,14 @@ class _Endpoint:
         """Current device and stream for the data movement (nothing on CPU)."""
         if not self._cuda:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self._side))
-        return stack
+        return _SideStream(self._side, self.device.index)
+
+    def _side_waits_for(self, stream: torch.cuda.Stream) -> None:
+        """The side stream waits for the work queued on ``stream`` so far. One event kept per
+        endpoint and recorded again each time (``Stream.wait_stream`` creates a new one per call:
+        a transfer's host time is what a small transfer's latency is made of)."""
+        self._caller_mark.record(stream)
+        self._side.wait_event(self._caller_mark)
 
     def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
         """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V) and of the two
@@ -477,7 +483,12 @@ class _Endpoint:
             if not self._cuda:
                 self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
                 return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
-            pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
+            # A pinned copy (the caller may change loc once this returns); pin_memory() of an
+            # already pinned tensor would return the tensor itself.
+            if loc.is_pinned():
+                pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
+            else:
+                pinned = loc.pin_memory()
             index = self._index[: loc.shape[0]]
             # The pinned block stays reserved until this copy has run (the caching host allocator
             # records the stream), so the host may drop it now.
@@ -501,6 +512,29 @@ class _Endpoint:
         """Move the rows of ``plan``'s chunks (``index``: this side's slots, on the pool's device);
         ``compute``: the caller's stream on CUDA, None on CPU."""
         raise NotImplementedError
+
+
+class _SideStream:
+    """Makes ``stream`` (on CUDA device ``index``) the current stream, and ``index`` the current
+    device, until exit; what ``torch.cuda.device`` and ``torch.cuda.stream`` nested do, in fewer
+    calls into torch (the transfer's host path runs it once per transfer)."""
+
+    __slots__ = ("stream", "index", "prev_device", "prev_stream")
+
+    def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
+        self.stream, self.index = stream, index
+
+    def __enter__(self) -> None:
+        self.prev_device = torch.cuda.current_device()
+        if self.prev_device != self.index:
+            torch.cuda.set_device(self.index)
+        self.prev_stream = torch.cuda.current_stream(self.index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.prev_stream)
+        if self.prev_device != self.index:
+            torch.cuda.set_device(self.prev_device)
 
 
 #: Transfers started so far per pair of ranks and group, in this process (the handshake's key numbers).
@@ -589,7 +623,7 @@ class KVSender(_Endpoint):
         compute: Optional[torch.cuda.Stream],
     ) -> None:
         if compute is not None:
-            self._side.wait_stream(compute)  # gathers read what was written before send
+            self._side_waits_for(compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
         for k, (start, count) in enumerate(plan):
             half = k & 1
@@ -660,7 +694,7 @@ class KVReceiver(_Endpoint):
         if compute is not None:
             # Scatters overwrite slots that work queued before recv may still read; the first two
             # chunks are already on their way meanwhile.
-            self._side.wait_stream(compute)
+            self._side_waits_for(compute)
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]

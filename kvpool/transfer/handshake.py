@@ -13,9 +13,10 @@ message, so the peer can raise that exact message too.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
-import numpy as np
+from typing import TYPE_CHECKING, Union
+
 import torch
 
 from kvpool.kernels.formats import CACHE_DTYPES
@@ -75,29 +76,42 @@ class Header:
         """This header carrying ``error`` (its class must be one of ERROR_KINDS) for the peer."""
         return replace(self, error_kind=_KIND_OF[type(error)], message=str(error))
 
-    def encode(self) -> torch.Tensor:
-        """The header as ``HEADER_BYTES`` uint8 (CPU). A message longer than ``MESSAGE_BYTES`` is cut."""
-        out = np.zeros(HEADER_BYTES, dtype=np.uint8)
-        values = [getattr(self, f.name) for f in fields(self) if f.name != "message"]
+    def to_bytes(self) -> bytes:
+        """The header as ``HEADER_BYTES`` bytes: the integer fields and the message's length as
+        little-endian int64, zeros, then the message's UTF-8 from ``_MESSAGE_OFFSET`` (a message
+        longer than ``MESSAGE_BYTES`` is cut). Plain ``struct`` packing: a transfer packs and unpacks
+        headers on its host path, before any byte moves."""
         text = self.message.encode("utf-8")[:MESSAGE_BYTES]
-        values.append(len(text))
-        out[: 8 * len(values)] = np.array(values, dtype="<i8").view(np.uint8)
-        out[_MESSAGE_OFFSET : _MESSAGE_OFFSET + len(text)] = np.frombuffer(text, dtype=np.uint8)
-        return torch.from_numpy(out)
+        ints = _INTS.pack(*(getattr(self, name) for name in _INT_FIELDS), len(text))
+        return ints + bytes(_MESSAGE_OFFSET - _INTS.size) + text + bytes(MESSAGE_BYTES - len(text))
 
     @classmethod
-    def decode(cls, data: torch.Tensor) -> "Header":
-        """Inverse of :meth:`encode`; ``data`` is a CPU uint8 tensor of ``HEADER_BYTES``."""
-        raw = data.numpy().tobytes()
-        names = [f.name for f in fields(cls) if f.name != "message"]
-        ints = np.frombuffer(raw[: 8 * (len(names) + 1)], dtype="<i8").tolist()
-        length = min(max(ints[len(names)], 0), MESSAGE_BYTES)
+    def from_bytes(cls, raw: bytes) -> "Header":
+        """Inverse of :meth:`to_bytes`; ``raw`` holds ``HEADER_BYTES`` bytes (whatever they are: a
+        foreign header decodes into fields that :func:`agree` then rejects)."""
+        *ints, length = _INTS.unpack_from(raw)
+        length = min(max(length, 0), MESSAGE_BYTES)
         text = raw[_MESSAGE_OFFSET : _MESSAGE_OFFSET + length].decode("utf-8", errors="replace")
-        return cls(**dict(zip(names, ints)), message=text)
+        return cls(*ints, message=text)
+
+    def encode(self) -> torch.Tensor:
+        """:meth:`to_bytes` as a CPU uint8 tensor of ``HEADER_BYTES``."""
+        return torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.uint8)
+
+    @classmethod
+    def decode(cls, data: Union[torch.Tensor, bytes]) -> "Header":
+        """Inverse of :meth:`encode` (or of :meth:`to_bytes`): a CPU uint8 tensor or bytes."""
+        return cls.from_bytes(data if isinstance(data, (bytes, bytearray)) else data.numpy().tobytes())
 
     @property
     def heads(self) -> tuple[int, int]:
         return self.head_start, self.head_start + self.head_num
+
+
+#: The integer fields in declaration order (the message is last), and their wire packing.
+_INT_FIELDS = tuple(f.name for f in fields(Header) if f.name != "message")
+_INTS = struct.Struct("<" + "q" * (len(_INT_FIELDS) + 1))
+assert _INTS.size <= _MESSAGE_OFFSET and fields(Header)[-1].name == "message"
 
 
 @dataclass(frozen=True)
