@@ -51,6 +51,7 @@ from kvpool.kernels import copy_rows as rows
 from kvpool.pools import host_copy
 from kvpool.pools.kv_moves import kv_rows
 from kvpool.pools.layer_transfer import LayerTransferCounter
+from kvpool.streams import OnStream, StreamMark
 
 logger = logging.getLogger("kvpool")
 
@@ -302,6 +303,9 @@ class MHATokenToKVPoolHost:
             # Backups are off the forward pass's critical path and keep the default priority.
             self.load_stream = torch.cuda.Stream(device_pool.device, priority=-1)
             self.backup_stream = torch.cuda.Stream(device_pool.device)
+            # One kept event per ordering the transfer calls make (kvpool.streams.StreamMark).
+            self._backup_after_compute, self._backup_after_loads = StreamMark(), StreamMark()
+            self._load_after_compute = StreamMark()
         self._staging: dict[str, _Staging] = {}
         # Ordering of transfers that touch the same host pages: per page, the sequence number of
         # the last backup that wrote it and of the last load that read it; events of transfers that
@@ -484,9 +488,9 @@ class MHATokenToKVPoolHost:
             return None
         stream = self.backup_stream
         compute = torch.cuda.current_stream(device_pool.device)  # before the context makes `stream` current
-        with torch.cuda.device(device_pool.device), torch.cuda.stream(stream):
-            stream.wait_stream(compute)  # the rows' K/V writes come first
-            stream.wait_stream(self.load_stream)  # and loads enqueued before (they may write these rows)
+        with OnStream(stream):
+            self._backup_after_compute.order(stream, compute)  # the rows' K/V writes come first
+            self._backup_after_loads.order(stream, self.load_stream)  # and loads enqueued before (they may write these rows)
             self._wait_pages(stream, self._page_read, pages)  # loads still reading these pages
             h_dev = self._host_index_tensor(slots, device_pool.device) if io_backend == "kernel" else None
             self._run(io_backend, "backup", table, None, slots, d_idx, h_dev)
@@ -552,8 +556,8 @@ class MHATokenToKVPoolHost:
             return
         stream = self.load_stream
         compute = torch.cuda.current_stream(device_pool.device)
-        with torch.cuda.device(device_pool.device), torch.cuda.stream(stream):
-            stream.wait_stream(compute)  # earlier work on the target slots comes first
+        with OnStream(stream):
+            self._load_after_compute.order(stream, compute)  # earlier work on the target slots comes first
             self._wait_pages(stream, self._page_written, pages)  # the backup that wrote these pages
             if io_backend == "kernel" and not cached:
                 h_dev = self._host_index_tensor(slots, device_pool.device)

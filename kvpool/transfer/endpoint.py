@@ -65,6 +65,7 @@ from kvpool.args import positive_int
 from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, _use_kernel, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
+from kvpool.streams import OnStream, StreamMark
 from kvpool.transfer.handshake import (
     RECEIVER,
     SENDER,
@@ -222,7 +223,7 @@ class _Endpoint:
         if self._cuda:
             self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
             self._side = torch.cuda.Stream(device=dev)
-            self._caller_mark = torch.cuda.Event()
+            self._caller_mark = StreamMark()  # orders the side stream after the caller's
             if max_programs is None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 self.max_programs = default_max_programs(sms)
@@ -333,9 +334,8 @@ class _Endpoint:
         loc64 = loc.to(torch.int64)
         if n == 0:
             return loc64, None
-        # One pass each for the common case (every slot in range), through NumPy: a few microseconds
-        # where torch's CPU reductions cost tens, on the transfer's host path. The position only when
-        # a slot is out of range.
+        # One pass each for the common case (every slot in range), through NumPy; the position only
+        # when a slot is out of range.
         values = loc64.numpy()
         if values.min() < 0 or values.max() >= self._rows:
             i = int(np.flatnonzero((values < 0) | (values >= self._rows))[0])
@@ -418,14 +418,7 @@ class _Endpoint:
         """Current device and stream for the data movement (nothing on CPU)."""
         if not self._cuda:
             return contextlib.nullcontext()
-        return _SideStream(self._side, self.device.index)
-
-    def _side_waits_for(self, stream: torch.cuda.Stream) -> None:
-        """The side stream waits for the work queued on ``stream`` so far. One event kept per
-        endpoint and recorded again each time (``Stream.wait_stream`` creates a new one per call:
-        a transfer's host time is what a small transfer's latency is made of)."""
-        self._caller_mark.record(stream)
-        self._side.wait_event(self._caller_mark)
+        return OnStream(self._side)
 
     def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
         """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V) and of the two
@@ -483,12 +476,9 @@ class _Endpoint:
             if not self._cuda:
                 self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
                 return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
-            # A pinned copy (the caller may change loc once this returns); pin_memory() of an
-            # already pinned tensor would return the tensor itself.
-            if loc.is_pinned():
-                pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
-            else:
-                pinned = loc.pin_memory()
+            # A contiguous pinned copy: the caller may change loc once this returns, and a strided
+            # source would make the upload below go through pageable memory (a possible host wait).
+            pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
             index = self._index[: loc.shape[0]]
             # The pinned block stays reserved until this copy has run (the caching host allocator
             # records the stream), so the host may drop it now.
@@ -512,29 +502,6 @@ class _Endpoint:
         """Move the rows of ``plan``'s chunks (``index``: this side's slots, on the pool's device);
         ``compute``: the caller's stream on CUDA, None on CPU."""
         raise NotImplementedError
-
-
-class _SideStream:
-    """Makes ``stream`` (on CUDA device ``index``) the current stream, and ``index`` the current
-    device, until exit; what ``torch.cuda.device`` and ``torch.cuda.stream`` nested do, in fewer
-    calls into torch (the transfer's host path runs it once per transfer)."""
-
-    __slots__ = ("stream", "index", "prev_device", "prev_stream")
-
-    def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
-        self.stream, self.index = stream, index
-
-    def __enter__(self) -> None:
-        self.prev_device = torch.cuda.current_device()
-        if self.prev_device != self.index:
-            torch.cuda.set_device(self.index)
-        self.prev_stream = torch.cuda.current_stream(self.index)
-        torch.cuda.set_stream(self.stream)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self.prev_stream)
-        if self.prev_device != self.index:
-            torch.cuda.set_device(self.prev_device)
 
 
 #: Transfers started so far per pair of ranks and group, in this process (the handshake's key numbers).
@@ -623,7 +590,7 @@ class KVSender(_Endpoint):
         compute: Optional[torch.cuda.Stream],
     ) -> None:
         if compute is not None:
-            self._side_waits_for(compute)  # gathers read what was written before send
+            self._caller_mark.order(self._side, compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
         for k, (start, count) in enumerate(plan):
             half = k & 1
@@ -694,7 +661,7 @@ class KVReceiver(_Endpoint):
         if compute is not None:
             # Scatters overwrite slots that work queued before recv may still read; the first two
             # chunks are already on their way meanwhile.
-            self._side_waits_for(compute)
+            self._caller_mark.order(self._side, compute)
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]
