@@ -15,8 +15,8 @@ repetition, so the host's enqueue cost counts, as it does for a scheduler):
    backend >= 95% of the ceiling in each direction, the kernel backend >= 90%. The kernel backend is
    also timed on device time alone (CUDA events, the GPU held in a sleep kernel while the host
    queues the call), against the copy engine's 1 GiB copies timed the same way: what the transfer
-   costs a scheduler that queues it ahead of time, without the call's host time (0.2-0.8 ms on the
-   H200, which is 2-8% of an 8k-token transfer's wall time);
+   costs a scheduler that queues it ahead of time, without the call's host time (0.16-1.1 ms per
+   call on the H200 machines, up to 8.5% of an 8k-token transfer's wall time);
 2. backup and load at once (two streams) >= 90 GB/s together;
 3. a per-layer load of 32 layers overlapped with 32 layers of a stand-in attention (a bf16 matmul per
    layer sized to take as long as that layer's load, reading the loaded rows through the getters with
@@ -114,7 +114,7 @@ def parse_tiles(text: str) -> list:
 
 def profile_host(args, records: list) -> None:
     """Where a call's host time goes: cProfile of 20 backups and 20 all-layer loads (kernel backend,
-    8k tokens) for page 1 and page 16 with either layout, top functions by own time."""
+    8k tokens) for page 16 layer_first and page 1 with either layout, top functions by own time."""
     import cProfile
     import io
     import pstats
@@ -486,8 +486,11 @@ def bench_device_gather(args, device_ceiling: float, records: list) -> None:
 
 
 def verdicts(res: dict) -> list[str]:
+    """The targets, judged on what this run measured (a stage or backend that did not run is said
+    to be not measured, never judged)."""
     out = []
     rows = [r for r in res["transfers"] if "gbps" in r]
+    backends = sorted({r["backend"] for r in rows})
     keys = sorted({(r["tokens"], r["page_size"], r["layout"], r["direction"]) for r in res["transfers"]})
     best_ok = kernel_ok = True
     device = [r["device_of_ceiling"] for r in rows if "device_of_ceiling" in r]
@@ -498,17 +501,25 @@ def verdicts(res: dict) -> list[str]:
         best_ok &= best >= 0.95
         kernel_ok &= kern >= 0.90
     if keys:
-        out.append(f"better backend >= 95% of the ceiling in every case: {'MET' if best_ok else 'NOT MET'}")
-        out.append(f"kernel backend (8 programs) >= 90% in every case: {'MET' if kernel_ok else 'NOT MET'}")
+        which = "" if set(backends) == set(BACKENDS) else f" (only the {', '.join(backends)} backend ran)"
+        out.append(f"better backend >= 95% of the ceiling in every case{which}: {'MET' if best_ok else 'NOT MET'}")
+        if "kernel" in backends:
+            out.append(f"kernel backend (8 programs) >= 90% in every case: {'MET' if kernel_ok else 'NOT MET'}")
         if device:
             out.append(f"kernel backend on device time alone: {100 * min(device):.1f}-{100 * max(device):.1f}% of the "
                        f"copy engine's device time ({'>= 90% in every case' if min(device) >= 0.9 else 'below 90% in some cases'})")
     else:
         out.append("backup and load one way at a time: not measured in this run")
-    both = max((r["gbps"] for r in res["bidirectional"]), default=0.0)
-    out.append(f"backup and load at once >= 90 GB/s: best {both:.1f} GB/s, {'MET' if both >= 90 else 'NOT MET'}")
-    ratio = min((r["ratio"] for r in res["overlap"]), default=float("inf"))
-    out.append(f"overlapped per-layer load within 1.1x: best {ratio:.3f}x, {'MET' if ratio <= 1.1 else 'NOT MET'}")
+    if res["bidirectional"]:
+        both = max(r["gbps"] for r in res["bidirectional"])
+        out.append(f"backup and load at once >= 90 GB/s: best {both:.1f} GB/s, {'MET' if both >= 90 else 'NOT MET'}")
+    else:
+        out.append("backup and load at once: not measured in this run")
+    if res["overlap"]:
+        ratio = min(r["ratio"] for r in res["overlap"])
+        out.append(f"overlapped per-layer load within 1.1x: best {ratio:.3f}x, {'MET' if ratio <= 1.1 else 'NOT MET'}")
+    else:
+        out.append("overlapped per-layer load: not measured in this run")
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -90,6 +91,9 @@ def event_ms(fn, reps: int, streams=(), hold_cycles: int = 0) -> float:
         for s in streams:
             s.wait_stream(cur)
         fn()
+        if hold_cycles and start.query():  # the sleep ended before the host had queued fn's work
+            warnings.warn(f"event_ms: hold_cycles={hold_cycles} was shorter than the host's enqueue time; "
+                          "this repetition counts host time too", stacklevel=2)
         for s in streams:
             cur.wait_stream(s)
         end.record(cur)
