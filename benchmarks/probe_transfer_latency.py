@@ -23,19 +23,20 @@ import io
 import json
 import os
 import pstats
-import socket
 import statistics
 import sys
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool import KVReceiver, KVSender, MHATokenToKVPool
-from kvpool.transfer import endpoint
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pair import free_port, init_pair  # noqa: E402
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
+from kvpool.transfer import endpoint  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 SIZE = 4096
@@ -126,16 +127,7 @@ def install(steps: Steps) -> None:
 
 
 def run(rank: int, port: int, out: str, legs: int, smoke: bool) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if smoke:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))  # fmt: skip
-    else:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=120), device_id=dev)  # fmt: skip
+    dev = init_pair(rank, port, smoke)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     peer = 1 - rank
     report: dict = {"rank": rank, "legs": legs}
@@ -203,12 +195,6 @@ def run(rank: int, port: int, out: str, legs: int, smoke: bool) -> None:
         with open(os.path.join(out, f"probe_transfer_latency_rank{rank}.json"), "w") as f:
             json.dump(report, f, indent=1)
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summary(ranks: list[dict]) -> str:

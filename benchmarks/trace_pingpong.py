@@ -19,32 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pair import free_port, init_pair  # noqa: E402
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM
 
 
 def run(rank: int, port: int, out: str, tokens: int, legs: int, smoke: bool) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if smoke:  # CPU pools over gloo: checks the script, its numbers mean nothing
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))  # fmt: skip
-    else:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=120), device_id=dev)  # fmt: skip
+    dev = init_pair(rank, port, smoke)  # smoke: CPU pools over gloo, checks the script only
     sync = torch.cuda.synchronize if not smoke else (lambda: None)
     report: dict = {"tokens": tokens, "legs": legs}
     try:
@@ -127,10 +119,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="CPU pools over gloo: checks the script")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(port, a.out, a.tokens, a.legs, a.cpu_smoke), nprocs=2, join=True)
+    mp.spawn(run, args=(free_port(), a.out, a.tokens, a.legs, a.cpu_smoke), nprocs=2, join=True)
     return 0
 
 
