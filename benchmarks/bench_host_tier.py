@@ -267,7 +267,11 @@ def bench_transfers(args, ceiling: dict, records: list) -> None:
                         if direction == "backup":
                             fn = lambda: host.backup_from_device_all_layer(pool, h, d, backend)  # noqa: E731
                         else:
-                            fn = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
+                            # A new index tensor each call, as a scheduler's next load has: the host pool
+                            # reuses a previous call's checked slots when handed the same tensor again
+                            # (what a layer-by-layer controller does), which would hide a load's checks
+                            # and index upload from its host time.
+                            fn = lambda: host.load_to_device_all_layer(pool, h.clone(), d, backend)  # noqa: E731
                         ms = wall_ms(fn, args.reps)
                         enqueue = host_ms(fn, args.reps)
                         ceil = ceiling["d2h_gbps"] if direction == "backup" else ceiling["h2d_gbps"]
