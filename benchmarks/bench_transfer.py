@@ -30,22 +30,24 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 import traceback
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool import KVReceiver, KVSender, MHATokenToKVPool
-from kvpool.kernels.copy_rows import copy_rows
-from kvpool.transfer import endpoint as endpoint_module
-from kvpool.transfer import wire
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pair import free_port, init_pair  # noqa: E402
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
+from kvpool.kernels.copy_rows import copy_rows  # noqa: E402
+from kvpool.transfer import endpoint as endpoint_module  # noqa: E402
+from kvpool.transfer import wire  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPE = torch.float8_e4m3fn
@@ -275,16 +277,9 @@ def sweep_phase(r: "Rank", rank: int, results: dict, save: Callable[[], None], c
 def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,
              sweep_rounds: int = 3) -> None:
     configure(smoke)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if DEVICE_TYPE == "cuda":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=300), device_id=dev)  # fmt: skip
-    else:
+    if smoke:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))  # fmt: skip
+    init_pair(rank, port, smoke, timeout_s=300)
     results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": []}
     results["errors"] = []
     path = os.path.join(out_dir, "bench_transfer.json")
@@ -444,12 +439,6 @@ def markdown(res: dict) -> str:
     if res["errors"]:
         lines += ["", "## Errors", "", "```", *res["errors"], "```"]
     return "\n".join(lines) + "\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

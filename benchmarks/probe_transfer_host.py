@@ -25,18 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pair import free_port, init_pair  # noqa: E402
 from trace_transfer import HEAD_DIM, HEADS, LAYERS, SIZE, TOKEN_BYTES, timed  # noqa: E402  (same pools, same clock)
 
 from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
@@ -84,11 +83,7 @@ def install(clock: HostClock) -> None:
 
 
 def run(rank: int, port: int, out: str, tag: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120), device_id=dev)  # fmt: skip
+    dev = init_pair(rank, port, smoke=False)
     peer = 1 - rank
     report: dict = {"tag": tag, "bare_us": {}, "steps": {}, "grid": {}}
     try:
@@ -159,12 +154,6 @@ def run(rank: int, port: int, out: str, tag: str) -> None:
         with open(os.path.join(out, f"probe_transfer_host_{tag}_rank{rank}.json"), "w") as f:
             json.dump(report, f, indent=1)
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

@@ -23,17 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pair import free_port, init_pair  # noqa: E402
+
+from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 TOKENS = 8192
@@ -54,11 +55,7 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def run(rank: int, port: int, out: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120), device_id=dev)  # fmt: skip
+    dev = init_pair(rank, port, smoke=False)
     report: dict = {"times_us": {}}
     try:
         pool = MHATokenToKVPool(SIZE, 1, torch.float8_e4m3fn, HEADS, HEAD_DIM, LAYERS, dev, warmup=False)
@@ -163,10 +160,7 @@ def main() -> int:
     p.add_argument("--out", default="bench_out")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(port, a.out), nprocs=2, join=True)
+    mp.spawn(run, args=(free_port(), a.out), nprocs=2, join=True)
     r1 = json.load(open(os.path.join(a.out, "trace_rank1.json")))
     for label, us in r1.get("times_us", {}).items():
         print(f"{label}: {us:.0f} us one way ({r1['nbytes'] / us / 1e3:.0f} GB/s)")
