@@ -4,7 +4,7 @@
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 #                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
-#                             [host_links] [host_kernel] [rows] [transfer_latency]
+#                             [host_links] [host_kernel] [rows] [transfer_latency] [host_tests] [decode]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -55,6 +55,10 @@ for stage in $stages; do
       step host_bidir python3 benchmarks/bench_host_tier.py --quick --stages bidirectional \
         --bidir-programs 8/16,16/16,16/32,32/32,32/64,64/64 --out "$OUT" ;;
     host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
+    host_tests)  # the host tier's tests alone (GPU and CPU-pool ones, the MLA host pool's included)
+      step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_gpu_host.py tests/test_host_pool.py \
+        tests/test_serve_sim_host_tier.py tests/test_gpu_mla.py -k "host or layer or Host" ;;
+    decode) step decode python3 benchmarks/probe_decode.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
     host_kernel)  # the kernel backend's transfers alone, wall and device time
       step host_kernel python3 benchmarks/bench_host_tier.py --backends kernel --stages transfers --out "$OUT/host_kernel" ;;

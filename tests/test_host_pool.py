@@ -441,7 +441,7 @@ def test_runs():
 def test_segments_cover_exactly_the_rows(slots, layout, layer):
     """Every byte the plan copies is the byte a row-by-row copy would copy, and nothing else."""
     size, layers, row, staging = 16, 3, 5, 12
-    seg = host_copy.segments(layout, np.array(slots), row, size, layers, staging, layer)
+    seg = host_copy.segments(layout, host_copy.runs(np.array(slots)), row, size, layers, staging, layer)
     got = {}
     for h, s, n in seg.tolist():
         for i in range(n):
@@ -465,9 +465,9 @@ def test_segments_cover_exactly_the_rows(slots, layout, layer):
 
 
 def test_segments_merge_runs():
-    seg = host_copy.segments("page_first", np.arange(8, 16), 24, 64, 3, 8)
+    seg = host_copy.segments("page_first", host_copy.runs(np.arange(8, 16)), 24, 64, 3, 8)
     assert seg.tolist() == [[8 * 3 * 24, 0, 8 * 3 * 24]]  # one copy for two consecutive pages
-    seg = host_copy.segments("layer_first", np.arange(8, 16), 24, 64, 3, 8)
+    seg = host_copy.segments("layer_first", host_copy.runs(np.arange(8, 16)), 24, 64, 3, 8)
     assert seg.shape == (3, 3)  # one per layer
 
 

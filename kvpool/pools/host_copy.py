@@ -32,22 +32,23 @@ def runs(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def segments(
     layout: str,
-    slots: np.ndarray,
+    run: tuple[np.ndarray, np.ndarray, np.ndarray],
     row_bytes: int,
     size: int,
     layers: int,
     staging_slots: int,
     layer: Optional[int] = None,
 ) -> np.ndarray:
-    """Byte ranges ``[host offset, staging offset, length]`` (int64 [k, 3]) copying the rows of
-    ``slots`` (host slots at positions ``0..len-1`` of the staging buffer) for one of K or V.
+    """Byte ranges ``[host offset, staging offset, length]`` (int64 [k, 3]) copying the rows of the
+    host slots at positions ``0..len-1`` of the staging buffer, given as their ``runs`` (found once
+    per chunk of a transfer, whatever the layers that move it), for one of K or V.
 
     Host buffer: ``layer_first`` [layers, size, row], ``page_first`` [size, layers, row]. Staging:
     the same layout with ``staging_slots`` slots for all-layer transfers (``layer`` None), or
     [staging_slots, row] for one layer. A one-layer transfer of a ``page_first`` host buffer has
     strided host rows: one range per row.
     """
-    pos, first, length = runs(slots)
+    pos, first, length = run
     r = row_bytes
     if layer is None and layout == "page_first":
         return np.stack((first * layers * r, pos * layers * r, length * layers * r), axis=1)
@@ -60,6 +61,6 @@ def segments(
     if layout == "layer_first":
         return np.stack(((layer * size + first) * r, pos * r, length * r), axis=1)
     # page_first, one layer: rows are layers * r apart on the host
-    p = np.arange(slots.shape[0], dtype=np.int64)
-    s = slots.astype(np.int64)
+    p = np.arange(int(length.sum()), dtype=np.int64)
+    s = np.repeat(first - pos, length) + p  # the host slot at each position
     return np.stack(((s * layers + layer) * r, p * r, np.full_like(p, r)), axis=1)

@@ -71,7 +71,7 @@ _GEOMETRY = ("layer_num", "start_layer", "head_num", "head_dim", "v_head_dim", "
 
 
 def _on(stream: Optional[torch.cuda.Stream]):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    return OnStream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def available_host_bytes() -> int:
@@ -479,12 +479,12 @@ class MHATokenToKVPoolHost:
         it (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
         overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
         slots, d_idx = self._prepare(device_pool, host_indices, device_indices, io_backend)
-        table, _ = self._tables(device_pool)
+        table, layer_tables = self._tables(device_pool)
         if slots.shape[0] == 0:
             return None
         pages = slots[:: self.page_size] // self.page_size
         if self.backup_stream is None:
-            self._run(io_backend, "backup", table, None, slots, d_idx, None)
+            self._run(io_backend, "backup", table, layer_tables, slots, d_idx, None)
             return None
         stream = self.backup_stream
         compute = torch.cuda.current_stream(device_pool.device)  # before the context makes `stream` current
@@ -493,7 +493,7 @@ class MHATokenToKVPoolHost:
             self._backup_after_loads.order(stream, self.load_stream)  # and loads enqueued before (they may write these rows)
             self._wait_pages(stream, self._page_read, pages)  # loads still reading these pages
             h_dev = self._host_index_tensor(slots, device_pool.device) if io_backend == "kernel" else None
-            self._run(io_backend, "backup", table, None, slots, d_idx, h_dev)
+            self._run(io_backend, "backup", table, layer_tables, slots, d_idx, h_dev)
             event = self._finish(stream, self._page_written, pages)
         d_idx.record_stream(stream)
         return event
@@ -664,11 +664,11 @@ class MHATokenToKVPoolHost:
             halves = (self._make_half(device), self._make_half(device))
             most = max(halves[0].slots, halves[0].layer_slots)
             positions = torch.arange(most, dtype=torch.int64, device=device)
-            aux = torch.cuda.Stream(device) if cuda else None
+            # A load's scatters gate the layers a model waits for: high priority, as load_stream.
+            aux = torch.cuda.Stream(device, priority=-1 if direction == "load" else 0) if cuda else None
             events = [[torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None] for _ in range(2)]
             staging = self._staging[direction] = _Staging(halves, positions, aux, events[0], events[1])
         return staging
-
     def _make_half(self, device: torch.device) -> _StagingHalf:
         cuda = device.type == "cuda"
         slots = max(1, self.staging_bytes // self.size_per_token)
@@ -695,7 +695,7 @@ class MHATokenToKVPoolHost:
         self,
         direction: str,
         table: rows.RowTable,
-        layer_tables: Optional[list[rows.RowTable]],
+        layer_tables: list[rows.RowTable],
         slots: np.ndarray,
         d_idx: torch.Tensor,
         layers: Optional[list[int]],
@@ -704,22 +704,35 @@ class MHATokenToKVPoolHost:
         a chunk on ``aux`` then copies it out on the transfer stream; a load copies a chunk in on the
         transfer stream then scatters it on ``aux``. Each buffer is refilled only after its previous
         chunk is through, and the transfer stream ends after everything (it waits for ``aux``), so
-        one event on it marks the whole transfer."""
+        one event on it marks the whole transfer.
+
+        ``page_first`` moves every layer of a chunk together when more than one layer moves (a
+        token's layers are one block on the host, so a run of host slots is one copy per K/V).
+        ``layer_first`` moves layer by layer in both directions, so a run is one copy per layer
+        and K/V as long as a layer's staging allows (16k slots of Llama-3-8B's 2 KiB): the copy
+        engine needs pieces of several MiB for its full rate (on an H200's PCIe link 95-96% of a
+        1 GiB copy in 4 MiB pieces, 86-87% in 1 MiB ones; ``benchmarks/probe_host_links.py``)."""
         st = self._staging_for(direction, table.table_device)
         n = slots.shape[0]
-        all_layers = direction == "backup" or (self.layout == "page_first" and len(layers) > 1)  # type: ignore[arg-type]
-        pieces: list[tuple[int, int, Optional[int]]] = []
+        if layers is None:  # a backup: every layer
+            layers = list(range(self.layer_num))
+        all_layers = self.layout == "page_first" and len(layers) > 1
+        step = st.halves[0].slots if all_layers else st.halves[0].layer_slots
+        chunks = [(j, min(n, j + step)) for j in range(0, n, step)]
+        chunk_runs = {c: host_copy.runs(slots[c[0] : c[1]]) for c in chunks}  # host runs, once per chunk
         if all_layers:
-            step = st.halves[0].slots
-            pieces = [(j, min(n, j + step), None) for j in range(0, n, step)]
+            pieces: list[tuple[int, int, Optional[int]]] = [(j0, j1, None) for j0, j1 in chunks]
         else:
-            step = st.halves[0].layer_slots
-            for layer in layers:  # type: ignore[union-attr]
-                pieces += [(j, min(n, j + step), layer) for j in range(0, n, step)]
+            pieces = [(j0, j1, layer) for layer in layers for j0, j1 in chunks]
         cuda = st.aux is not None
         transfer = torch.cuda.current_stream(table.table_device) if cuda else None
         if cuda:
             st.aux.wait_stream(transfer)  # the ordering the transfer stream already has
+        # The first device-side copy checks the indices and the tables; the later ones take slices of
+        # the same checked indices and siblings of the same tables (staging and pool never alias), so
+        # where the kernel runs they launch it unchecked: with 32 layers moving one by one, the host
+        # cost per piece decides how soon the model's own work, queued after a load, can start.
+        unchecked = rows._use_kernel(table.table_device)
         for k, (j0, j1, layer) in enumerate(pieces):
             h = k % 2
             half = st.halves[h]
@@ -728,29 +741,36 @@ class MHATokenToKVPoolHost:
                 s_table, k_flat, v_flat, s_slots, d_table = half.table, half.k_flat, half.v_flat, half.slots, table
             else:
                 s_table, k_flat, v_flat, s_slots = half.layer_table, half.layer_k_flat, half.layer_v_flat, half.layer_slots
-                d_table = layer_tables[layer]  # type: ignore[index]
+                d_table = layer_tables[layer]
+            run = chunk_runs[(j0, j1)]
             if direction == "backup":
                 with _on(st.aux):
                     if cuda and k >= 2:
                         st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
-                    rows.checked_copy(s_table, pos, d_table, dev, None, False, ("positions", "device_indices"))
+                    if k and unchecked:
+                        rows.launch_copy_rows(s_table, pos, d_table, dev)
+                    else:
+                        rows.checked_copy(s_table, pos, d_table, dev, None, False, ("positions", "device_indices"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                 if cuda:
                     transfer.wait_event(st.device_done[h])
-                self._copy_segments(slots[j0:j1], s_slots, k_flat, v_flat, layer, to_host=True)
+                self._copy_segments(run, s_slots, k_flat, v_flat, layer, to_host=True)
                 if cuda:
                     st.copies_done[h].record(transfer)
             else:
                 if cuda and k >= 2:
                     transfer.wait_event(st.device_done[h])  # this buffer's previous chunk is scattered
-                self._copy_segments(slots[j0:j1], s_slots, k_flat, v_flat, layer, to_host=False)
+                self._copy_segments(run, s_slots, k_flat, v_flat, layer, to_host=False)
                 if cuda:
                     st.copies_done[h].record(transfer)
                 with _on(st.aux):
                     if cuda:
                         st.aux.wait_event(st.copies_done[h])
-                    rows.checked_copy(d_table, dev, s_table, pos, None, False, ("device_indices", "positions"))
+                    if k and unchecked:
+                        rows.launch_copy_rows(d_table, dev, s_table, pos)
+                    else:
+                        rows.checked_copy(d_table, dev, s_table, pos, None, False, ("device_indices", "positions"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                     last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
@@ -759,7 +779,7 @@ class MHATokenToKVPoolHost:
         if direction == "load":
             with _on(st.aux):
                 if all_layers:  # a token's layers travel together: every layer lands at once
-                    for layer in layers:  # type: ignore[union-attr]
+                    for layer in layers:
                         self._record_layer(layer)
             if cuda:
                 transfer.wait_stream(st.aux)
@@ -768,7 +788,7 @@ class MHATokenToKVPoolHost:
 
     def _copy_segments(
         self,
-        slots: np.ndarray,
+        run: tuple[np.ndarray, np.ndarray, np.ndarray],
         staging_slots: int,
         k_staging: torch.Tensor,
         v_staging: torch.Tensor,
@@ -776,9 +796,10 @@ class MHATokenToKVPoolHost:
         *,
         to_host: bool,
     ) -> None:
-        """One copy per contiguous block between the host buffers and the staging buffers."""
+        """One copy per contiguous block between the host buffers and the staging buffers, for the
+        host slots whose runs are ``run``."""
         for host, staged, row in ((self._k_flat, k_staging, self.k_row_bytes), (self._v_flat, v_staging, self.v_row_bytes)):
-            seg = host_copy.segments(self.layout, slots, row, self.size, self.layer_num, staging_slots, layer)
+            seg = host_copy.segments(self.layout, run, row, self.size, self.layer_num, staging_slots, layer)
             for h_off, s_off, nbytes in seg.tolist():
                 if to_host:
                     host[h_off : h_off + nbytes].copy_(staged[s_off : s_off + nbytes], non_blocking=True)
