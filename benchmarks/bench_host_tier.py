@@ -116,23 +116,35 @@ def parse_tiles(text: str) -> list:
 
 
 def profile_host(args, records: list) -> None:
-    """Where a call's host time goes: cProfile of 20 backups and 20 all-layer loads (kernel backend,
-    8k tokens) for page 16 layer_first and page 1 with either layout, top functions by own time."""
+    """Where a call's host time goes: cProfile of 20 backups and 20 all-layer loads (8k tokens), top
+    functions by own time: the kernel backend for page 16 layer_first and page 1 with either layout
+    (shuffled host pages), the direct backend for page 16 with either layout (host pages as
+    allocated), its loads also layer by layer (the counter registered). Only the backends in
+    ``--backends``."""
     import cProfile
     import io
     import pstats
 
-    for page, layout in ((16, "layer_first"), (1, "layer_first"), (1, "page_first")):
+    cases = [("kernel", 16, "layer_first", "shuffled"), ("kernel", 1, "layer_first", "shuffled"),
+             ("kernel", 1, "page_first", "shuffled"), ("direct", 16, "layer_first", "allocated"),
+             ("direct", 16, "page_first", "allocated")]  # fmt: skip
+    for backend, page, layout, order in cases:
+        if backend not in args.backends:
+            continue
         gen = torch.Generator().manual_seed(5)
         pool = make_device_pool(page)
         host = MHATokenToKVPoolHost(pool, 1.0, 0, page, layout)
-        h = random_host_pages(host, 8192, gen)
+        h = host_pages(host, 8192, gen, order)
         d = random_device_pages(8192, page, gen)
         calls = {
-            "backup": lambda: host.backup_from_device_all_layer(pool, h, d, "kernel"),
-            "load": lambda: host.load_to_device_all_layer(pool, h, d, "kernel"),
+            "backup": lambda: host.backup_from_device_all_layer(pool, h, d, backend),
+            "load": lambda: host.load_to_device_all_layer(pool, h.clone(), d, backend),
         }
+        if backend == "direct":
+            calls["load layer by layer"] = calls["load"]
         for name, fn in calls.items():
+            per_layer = name == "load layer by layer"
+            pool.register_layer_transfer_counter(host.layer_transfer_counter if per_layer else None)
             fn()
             torch.cuda.synchronize()
             prof = cProfile.Profile()
@@ -141,10 +153,12 @@ def profile_host(args, records: list) -> None:
                 fn()
                 prof.disable()
                 torch.cuda.synchronize()
+            pool.register_layer_transfer_counter(None)
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-            records.append(dict(call=name, page_size=page, layout=layout, profile=text.getvalue()))
-            log(f"  host profile of 20 {name} calls, page {page}, {layout}:\n{text.getvalue()}")
+            records.append(dict(call=name, backend=backend, page_size=page, layout=layout, host_order=order,
+                                profile=text.getvalue()))  # fmt: skip
+            log(f"  host profile of 20 {name} calls, {backend}, page {page}, {layout}, {order} host pages:\n{text.getvalue()}")
         host.free(h)
         del host, pool
         torch.cuda.empty_cache()
@@ -233,7 +247,11 @@ def random_host_pages(host: MHATokenToKVPoolHost, tokens: int, gen: torch.Genera
 
 
 def host_pages(host: MHATokenToKVPoolHost, tokens: int, gen: torch.Generator, order: str) -> torch.Tensor:
-    """``tokens`` host slots from ``alloc``: in its order (``allocated``), or its pages shuffled."""
+    """``tokens`` host slots from ``alloc``: in its order (``allocated``), or its pages shuffled.
+    ``allocated`` starts from a fresh free list when nothing is allocated, so the pages are
+    consecutive (after shuffled pages were freed, ``alloc`` hands them out in their shuffled order)."""
+    if order == "allocated" and host.available_size() == host.size:
+        host.clear()
     slots = host.alloc(tokens)
     if order == "allocated":
         return slots

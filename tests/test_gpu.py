@@ -150,7 +150,8 @@ def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs)
     s = tl.load(s_ptr + tl.program_id(0))  # one scale per program, as the kernel reads a scale
-    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, FAST))
+    r = store_kv_kernel._reciprocal(s, store_kv_kernel.SCALE_TENSOR, FAST)
+    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, r, FAST))
 
 
 def test_fast_division_is_correctly_rounded_where_fp8_can_see_it():

@@ -132,6 +132,19 @@ def _host_buffers(
     return k, v, handle
 
 
+def _copy_segments(copies, *, to_host: bool) -> None:
+    """The direct backend's copy-engine calls for one piece: per K/V, (segments ``[host offset,
+    staging offset, length]`` in bytes, host buffer, staging buffer, host offset added to every
+    segment), one ``cudaMemcpyAsync`` per segment on the current stream."""
+    for seg, host, staged, shift in copies:
+        for h_off, s_off, nbytes in seg:
+            h_off += shift
+            if to_host:
+                host[h_off : h_off + nbytes].copy_(staged[s_off : s_off + nbytes], non_blocking=True)
+            else:
+                staged[s_off : s_off + nbytes].copy_(host[h_off : h_off + nbytes], non_blocking=True)
+
+
 @dataclass
 class _StagingHalf:
     """One staging buffer of the direct backend: K/V in the host layout with ``slots`` slots (all
@@ -719,7 +732,20 @@ class MHATokenToKVPoolHost:
         all_layers = self.layout == "page_first" and len(layers) > 1
         step = st.halves[0].slots if all_layers else st.halves[0].layer_slots
         chunks = [(j, min(n, j + step)) for j in range(0, n, step)]
-        chunk_runs = {c: host_copy.runs(slots[c[0] : c[1]]) for c in chunks}  # host runs, once per chunk
+        # Per chunk, once for every layer that moves it: its positions in the staging buffer, its
+        # device slots, and its copy plan per K/V (host runs; a layer's plan is layer 0's moved by a
+        # fixed host offset).
+        s_slots = st.halves[0].slots if all_layers else st.halves[0].layer_slots
+        first = None if all_layers else 0
+        plans = {}
+        for j0, j1 in chunks:
+            run = host_copy.runs(slots[j0:j1])
+            k_seg, v_seg = (
+                host_copy.segments(self.layout, run, row, self.size, self.layer_num, s_slots, first).tolist()
+                for row in (self.k_row_bytes, self.v_row_bytes)
+            )
+            plans[(j0, j1)] = (st.positions[: j1 - j0], d_idx[j0:j1], k_seg, v_seg)
+        per_layer = self.size if self.layout == "layer_first" else 1  # rows between a row's layers
         if all_layers:
             pieces: list[tuple[int, int, Optional[int]]] = [(j0, j1, None) for j0, j1 in chunks]
         else:
@@ -736,13 +762,13 @@ class MHATokenToKVPoolHost:
         for k, (j0, j1, layer) in enumerate(pieces):
             h = k % 2
             half = st.halves[h]
-            pos, dev = st.positions[: j1 - j0], d_idx[j0:j1]
+            pos, dev, k_seg, v_seg = plans[(j0, j1)]
             if layer is None:
-                s_table, k_flat, v_flat, s_slots, d_table = half.table, half.k_flat, half.v_flat, half.slots, table
+                s_table, k_flat, v_flat, d_table, shift = half.table, half.k_flat, half.v_flat, table, 0
             else:
-                s_table, k_flat, v_flat, s_slots = half.layer_table, half.layer_k_flat, half.layer_v_flat, half.layer_slots
-                d_table = layer_tables[layer]
-            run = chunk_runs[(j0, j1)]
+                s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
+                d_table, shift = layer_tables[layer], layer * per_layer
+            copies = ((k_seg, self._k_flat, k_flat, shift * self.k_row_bytes), (v_seg, self._v_flat, v_flat, shift * self.v_row_bytes))
             if direction == "backup":
                 with _on(st.aux):
                     if cuda and k >= 2:
@@ -755,13 +781,13 @@ class MHATokenToKVPoolHost:
                         st.device_done[h].record(st.aux)
                 if cuda:
                     transfer.wait_event(st.device_done[h])
-                self._copy_segments(run, s_slots, k_flat, v_flat, layer, to_host=True)
+                _copy_segments(copies, to_host=True)
                 if cuda:
                     st.copies_done[h].record(transfer)
             else:
                 if cuda and k >= 2:
                     transfer.wait_event(st.device_done[h])  # this buffer's previous chunk is scattered
-                self._copy_segments(run, s_slots, k_flat, v_flat, layer, to_host=False)
+                _copy_segments(copies, to_host=False)
                 if cuda:
                     st.copies_done[h].record(transfer)
                 with _on(st.aux):
@@ -775,36 +801,16 @@ class MHATokenToKVPoolHost:
                         st.device_done[h].record(st.aux)
                     last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
                     if layer is not None and last_of_layer:
-                        self._record_layer(layer)
+                        self._record_layer(layer, st.aux)
         if direction == "load":
             with _on(st.aux):
                 if all_layers:  # a token's layers travel together: every layer lands at once
                     for layer in layers:
-                        self._record_layer(layer)
+                        self._record_layer(layer, st.aux)
             if cuda:
                 transfer.wait_stream(st.aux)
         if cuda:
             d_idx.record_stream(st.aux)
-
-    def _copy_segments(
-        self,
-        run: tuple[np.ndarray, np.ndarray, np.ndarray],
-        staging_slots: int,
-        k_staging: torch.Tensor,
-        v_staging: torch.Tensor,
-        layer: Optional[int],
-        *,
-        to_host: bool,
-    ) -> None:
-        """One copy per contiguous block between the host buffers and the staging buffers, for the
-        host slots whose runs are ``run``."""
-        for host, staged, row in ((self._k_flat, k_staging, self.k_row_bytes), (self._v_flat, v_staging, self.v_row_bytes)):
-            seg = host_copy.segments(self.layout, run, row, self.size, self.layer_num, staging_slots, layer)
-            for h_off, s_off, nbytes in seg.tolist():
-                if to_host:
-                    host[h_off : h_off + nbytes].copy_(staged[s_off : s_off + nbytes], non_blocking=True)
-                else:
-                    staged[s_off : s_off + nbytes].copy_(host[h_off : h_off + nbytes], non_blocking=True)
 
     # --- pages for a storage tier (SGLang names) -----------------------------------------------------
 
