@@ -65,7 +65,7 @@ def _port_body(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, ks_ptr, vs_ptr, stride_t, 
     if DIV == 0:
         x = x / scale
     elif DIV == 1:
-        x = _divide_scalar(x, scale, tl.div_rn(1.0, scale), True)
+        x = _divide_scalar(x, scale, scale, True, False)
     elif DIV == 2:
         x = _div_by_reciprocal(x, scale, tl.div_rn(1.0, scale))
     else:

@@ -146,15 +146,19 @@ def test_random_float32_bit_patterns(cache_dtype, variant):
 
 
 @triton.jit
-def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr, SHARED: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs)
     s = tl.load(s_ptr + tl.program_id(0))  # one scale per program, as the kernel reads a scale
-    r = store_kv_kernel._reciprocal(s, store_kv_kernel.SCALE_TENSOR, FAST)
-    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, r, FAST))
+    if SHARED:
+        r = store_kv_kernel._reciprocal(s, store_kv_kernel.SCALE_TENSOR, FAST, True)
+    else:
+        r = s
+    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, r, FAST, SHARED))
 
 
-def test_fast_division_is_correctly_rounded_where_fp8_can_see_it():
+@pytest.mark.parametrize("shared", [False, True], ids=["reciprocal-per-tile", "reciprocal-shared"])
+def test_fast_division_is_correctly_rounded_where_fp8_can_see_it(shared):
     """The reciprocal-and-FMA division against IEEE division (torch on the device), on 64M random
     (x, s) pairs: x any finite float32, s log-uniform over 2**-64..2**64 (the fast path takes
     2**-40..2**40, div.rn the rest). Quotients of magnitude 2**-20..2**17 (FP8 represents
@@ -170,7 +174,7 @@ def test_fast_division_is_correctly_rounded_where_fp8_can_see_it():
         mant = torch.rand(n // block, device=DEV, generator=g) + 1.0
         s = mant * torch.exp2(torch.randint(-64, 64, (n // block,), device=DEV, generator=g).float())
         out = torch.empty_like(x)
-        _divide_probe[(n // block,)](x, s, out, BLOCK=block, FAST=True)
+        _divide_probe[(n // block,)](x, s, out, BLOCK=block, FAST=True, SHARED=shared)
         ieee = x / s.repeat_interleave(block)
         mag = ieee.abs()
         visible = (mag >= 2.0**-20) & (mag <= 2.0**17)

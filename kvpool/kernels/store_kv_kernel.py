@@ -164,11 +164,17 @@ def _div_by_reciprocal(x, s, r):
 
 
 @triton.jit
-def _reciprocal(s, SCALE_KIND: tl.constexpr, FAST_DIV: tl.constexpr):
-    """RN(1 / s) for the fast division, computed once per block for every tile it divides (a
-    block's two head_dim pieces share it: ``div.rn`` is a dependent chain of about twenty
-    instructions, and a decode-sized write waits for it). ``s`` itself where it is not used."""
-    if FAST_DIV and (SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR or SCALE_KIND == SCALE_HEAD):
+def _reciprocal(s, SCALE_KIND: tl.constexpr, FAST_DIV: tl.constexpr, SHARED: tl.constexpr):
+    """RN(1 / s) for the fast division when a block's two head_dim pieces share it (``SHARED``):
+    computed once before either piece's range check. ``s`` itself otherwise, and each tile's
+    division computes it behind its range check.
+
+    Why only for two pieces (benchmarks/probe_decode.py and bench_set_kv.py, the two kernels
+    measured one after the other on one H200): computing it once saved the odd shape's two-piece
+    rows 0.03-0.05 us per decode write in a graph and 2-4 points of the same-bytes copy at 8k-32k
+    tokens; computed ahead of the range check for a one-piece row, it cost 0.03-0.09 us per decode
+    write and 1-6 points at 8k-32k tokens."""
+    if SHARED and FAST_DIV and (SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR or SCALE_KIND == SCALE_HEAD):
         r = tl.div_rn(1.0, s)
     else:
         r = s
@@ -176,12 +182,15 @@ def _reciprocal(s, SCALE_KIND: tl.constexpr, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
-def _divide_scalar(x, s, r, FAST_DIV: tl.constexpr):
-    """x / s for one scale s (a scalar), correctly rounded where FP8 can see it, given r =
-    ``_reciprocal(s)``. The range check is one uniform branch per tile."""
+def _divide_scalar(x, s, r, FAST_DIV: tl.constexpr, SHARED: tl.constexpr):
+    """x / s for one scale s (a scalar), correctly rounded where FP8 can see it; r is
+    ``_reciprocal(s)`` when ``SHARED``. The range check is one uniform branch per tile."""
     if FAST_DIV:
         if (s >= DIV_SCALE_LO) & (s <= DIV_SCALE_HI):
-            x = _div_by_reciprocal(x, s, r)
+            if SHARED:
+                x = _div_by_reciprocal(x, s, r)
+            else:
+                x = _div_by_reciprocal(x, s, tl.div_rn(1.0, s))
         else:
             x = tl.div_rn(x, s)
     else:
@@ -190,14 +199,17 @@ def _divide_scalar(x, s, r, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
-def _divide_per_head(x, s, r, FAST_DIV: tl.constexpr):
-    """x [BLOCK_T, BLOCK_H, BLOCK_D] / s [BLOCK_H] (one scale per head), given r = ``_reciprocal(s)``.
-    The fast division runs when every scale of the block is in range (a reduction over the
-    block's heads, once)."""
+def _divide_per_head(x, s, r, FAST_DIV: tl.constexpr, SHARED: tl.constexpr):
+    """x [BLOCK_T, BLOCK_H, BLOCK_D] / s [BLOCK_H] (one scale per head); r is ``_reciprocal(s)``
+    when ``SHARED``. The fast division runs when every scale of the block is in range (a
+    reduction over the block's heads, once)."""
     if FAST_DIV:
         in_range = ((s >= DIV_SCALE_LO) & (s <= DIV_SCALE_HI)).to(tl.int32)
         if tl.min(in_range, axis=0) == 1:
-            x = _div_by_reciprocal(x, s[None, :, None], r[None, :, None])
+            if SHARED:
+                x = _div_by_reciprocal(x, s[None, :, None], r[None, :, None])
+            else:
+                x = _div_by_reciprocal(x, s[None, :, None], tl.div_rn(1.0, s)[None, :, None])
         else:
             x = tl.div_rn(x, s[None, :, None])
     else:
@@ -207,10 +219,10 @@ def _divide_per_head(x, s, r, FAST_DIV: tl.constexpr):
 
 @triton.jit
 def _quantize_tile(raw, scale, recip, SCALE_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr,
-                   FAST_DIV: tl.constexpr):  # fmt: skip
+                   FAST_DIV: tl.constexpr, SHARED: tl.constexpr):  # fmt: skip
     """A loaded [BLOCK_T, BLOCK_H, BLOCK_D] tile -> the values stored. ``scale`` is the scalar
     (SCALE_VALUE, SCALE_TENSOR) or the [BLOCK_H] per-head scales (SCALE_HEAD); unused otherwise.
-    ``recip`` is ``_reciprocal(scale)``."""
+    ``recip`` is ``_reciprocal(scale, ..., SHARED)``."""
     if (
         (OUT_KIND == OUT_BF16 and raw.dtype == tl.bfloat16)
         or (OUT_KIND == OUT_FP16 and raw.dtype == tl.float16)
@@ -220,9 +232,9 @@ def _quantize_tile(raw, scale, recip, SCALE_KIND: tl.constexpr, OUT_KIND: tl.con
     else:
         x = _to_float32(raw, SOFT_CAST)
         if SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR:
-            x = _divide_scalar(x, scale, recip, FAST_DIV)
+            x = _divide_scalar(x, scale, recip, FAST_DIV, SHARED)
         elif SCALE_KIND == SCALE_HEAD:
-            x = _divide_per_head(x, scale, recip, FAST_DIV)
+            x = _divide_per_head(x, scale, recip, FAST_DIV, SHARED)
         out = _convert(x, OUT_KIND, SOFT_CAST)
     return out
 
@@ -347,16 +359,16 @@ def _store_block(
     offs_h, offs_d, offs_d2, head_ok, in_row, in_row2 = _block_lanes(head_block, d_block, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, I64)
     row_dst = dst_ptr + slot[:, None, None] * stride_ct + offs_h[None, :, None] * stride_ch
     store_ok = row_ok[:, None, None]
-    recip = _reciprocal(scale, SCALE_KIND, FAST_DIV)
+    recip = _reciprocal(scale, SCALE_KIND, FAST_DIV, BLOCK_D2 > 0)
     tl.store(
         row_dst + offs_d[None, None, :] * stride_cd,
-        _quantize_tile(raw, scale, recip, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV),
+        _quantize_tile(raw, scale, recip, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, BLOCK_D2 > 0),
         mask=store_ok & in_row,
     )
     if BLOCK_D2 > 0:
         tl.store(
             row_dst + offs_d2[None, None, :] * stride_cd,
-            _quantize_tile(raw2, scale, recip, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV),
+            _quantize_tile(raw2, scale, recip, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, True),
             mask=store_ok & in_row2,
         )
     if OBSERVE:
