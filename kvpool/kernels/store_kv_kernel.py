@@ -171,9 +171,9 @@ def _reciprocal(s, SCALE_KIND: tl.constexpr, FAST_DIV: tl.constexpr, SHARED: tl.
 
     Why only for two pieces (benchmarks/probe_decode.py and bench_set_kv.py, the two kernels
     measured one after the other on one H200): computing it once saved the odd shape's two-piece
-    rows 0.03-0.05 us per decode write in a graph and 2-4 points of the same-bytes copy at 8k-32k
+    rows 0.03-0.05 us per decode write in a graph and 2-3.5 points of the same-bytes copy at 8k-32k
     tokens; computed ahead of the range check for a one-piece row, it cost 0.03-0.09 us per decode
-    write and 1-6 points at 8k-32k tokens."""
+    write and up to 6 points at 8k-32k tokens."""
     if SHARED and FAST_DIV and (SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR or SCALE_KIND == SCALE_HEAD):
         r = tl.div_rn(1.0, s)
     else:
