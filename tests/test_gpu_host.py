@@ -267,3 +267,53 @@ def test_layer_wait_inside_a_cuda_graph(backend):
         for w in range(2):
             for layer in range(layers):
                 assert_same_bytes(out[w][layer].cpu(), want[which][w][layer], f"replay {trial} {'kv'[w]} {layer}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookahead_load_under_the_layer_wait(backend):
+    """A load with lookahead queues later layers from the getters: the model reads every layer's
+    loaded bytes (stale bytes poisoned before each trial), and nothing waits on the host."""
+    gen = torch.Generator().manual_seed(13)
+    tokens, layers = 16384, 8
+    src = make_pool(size=20480, layers=layers, seed=1)
+    host = MHATokenToKVPoolHost(src, 1.0, 0, 16, "layer_first")
+    h = host.alloc(tokens)  # consecutive host pages: the direct backend's case
+    d = device_pages(src, tokens, 16, gen)
+    host.backup_from_device_all_layer(src, h, d, backend)
+    want = [[rows_of(src, l, w, d) for l in range(layers)] for w in "kv"]
+    pool = make_pool(size=20480, layers=layers, seed=2)
+    pool.register_layer_transfer_counter(host.layer_transfer_counter)
+    out = [torch.empty((layers, tokens, 8, 128), dtype=torch.uint8, device=DEV) for _ in range(2)]
+    host.load_to_device_all_layer(pool, h, d, backend, lookahead=2)  # compile and stage once
+    _stand_in_attention(pool, d, out)
+    for trial in range(3):
+        for buf in pool.k_buffer + pool.v_buffer:
+            buf.view(torch.uint8).fill_(0x50 + trial)
+        with no_sync():
+            host.load_to_device_all_layer(pool, h, d, backend, lookahead=1 + trial)
+            _stand_in_attention(pool, d, out)
+        torch.cuda.synchronize()
+        for w in range(2):
+            for layer in range(layers):
+                assert_same_bytes(out[w][layer].cpu(), want[w][layer], f"trial {trial} {'kv'[w]} layer {layer}")
+
+
+def test_lookahead_load_pending_at_a_capture_raises():
+    src = make_pool(size=4096, layers=4, seed=1)
+    host = MHATokenToKVPoolHost(src, 1.0, 0, 16, "layer_first")
+    h = host.alloc(256)
+    d = torch.arange(16, 16 + 256, device=DEV)
+    host.backup_from_device_all_layer(src, h, d, "kernel")
+    pool = make_pool(size=4096, layers=4, seed=2)
+    pool.register_layer_transfer_counter(host.layer_transfer_counter)
+    host.load_to_device_all_layer(pool, h, d, "kernel", lookahead=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="call wait_for_loads"):
+        with torch.cuda.graph(graph, stream=side):
+            pool.get_key_buffer(0)
+    host.wait_for_loads()  # queues the rest; afterwards the layers hold the loaded bytes
+    torch.cuda.synchronize()
+    for layer in range(4):
+        assert_same_bytes(rows_of(pool, layer, "k", d), rows_of(src, layer, "k", d), f"layer {layer}")
