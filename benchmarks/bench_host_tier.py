@@ -421,7 +421,7 @@ def bench_overlap(args, records: list) -> None:
         d = random_device_pages(tokens, 16, gen)
         host.backup_from_device_all_layer(pool, h, d, "kernel")
         with copy_tile(tile):
-            rec = overlap_case(args, pool, host, h, d, backend, ahead)
+            rec = overlap_case(args, pool, host, h, d, backend, ahead, order)
         tile_name = "default" if tile is None else f"{tile.elems}/{tile.num_warps}" + (f"/{tile.maxnreg}" if tile.maxnreg else "")
         rec.update(layout=layout, backend=backend, tokens=tokens, programs=host.kernel_programs, tile=tile_name,
                    host_order=order, lookahead=ahead)  # fmt: skip
@@ -437,7 +437,7 @@ def bench_overlap(args, records: list) -> None:
     torch.cuda.empty_cache()
 
 
-def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: str, lookahead=None) -> dict:
+def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: str, lookahead=None, order="") -> dict:
     # The counter is registered throughout: the load alone moves layer by layer as the overlapped
     # one does (without it, nothing waits per layer and the kernel backend takes one launch). The
     # load alone is queued whole; the overlapped one with ``lookahead`` (its later layers queued by
@@ -478,7 +478,7 @@ def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: st
         both()
         torch.cuda.synchronize()
     tile = C.FEW_PROGRAMS_TILE
-    name = f"overlap_{host.layout}_{backend}_{host.kernel_programs}_{tile.elems}x{tile.num_warps}_{lookahead}.json"
+    name = f"overlap_{host.layout}_{order}_{backend}_{host.kernel_programs}_{tile.elems}x{tile.num_warps}_{lookahead}.json"
     path = os.path.join(args.out, name)
     prof.export_chrome_trace(path)
     stats = trace_stats(path)
@@ -491,15 +491,17 @@ def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: st
 
 def trace_stats(path: str) -> dict:
     """Median matmul and copy kernel durations (us) in a profiled overlapped run, the matmul's
-    registers and threads per CTA, and when the first model kernel started after the first copy."""
+    registers and threads per CTA, and when the first model kernel started after the load's first
+    device work (a copy kernel, or the direct backend's first copy-engine transfer)."""
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+        trace = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")]
+    events = [e for e in trace if e["cat"] == "kernel"]
     if not events:
         return {}
-    t0 = min(e["ts"] for e in events)
+    t0 = min(e["ts"] for e in trace)
     copies = [e for e in events if "copy_rows" in e["name"]]
     model = [e for e in events if "copy_rows" not in e["name"]]
-    mm = [e for e in model if "gather" not in e["name"]]
+    mm = [e for e in model if "gather" not in e["name"] and "index" not in e["name"].lower()]  # not index_select
     out = {}
     if mm:
         out.update(matmul_us=statistics.median(e["dur"] for e in mm), matmul_regs=mm[0]["args"].get("registers per thread"),
@@ -589,7 +591,8 @@ def verdicts(res: dict) -> list[str]:
         out.append("backup and load at once: not measured in this run")
     if res["overlap"]:
         out += _best_per_order(res["overlap"], lambda r: r["ratio"], lambda t: (
-            f"overlapped per-layer load within 1.1x: best {t['ratio']:.3f}x ({t['backend']}, {t['layout']}), "
+            f"overlapped per-layer load within 1.1x: best {t['ratio']:.3f}x ({t['backend']}, {t['layout']}, "
+            f"lookahead {t.get('lookahead')}), "
             f"{'MET' if t['ratio'] <= 1.1 else 'NOT MET'}"))  # fmt: skip
     else:
         out.append("overlapped per-layer load: not measured in this run")

@@ -293,6 +293,10 @@ def test_lookahead_load_under_the_layer_wait(backend):
             host.load_to_device_all_layer(pool, h, d, backend, lookahead=1 + trial)
             _stand_in_attention(pool, d, out)
         torch.cuda.synchronize()
+        # Every layer was queued, and the load's page-read event recorded once at its end (a later
+        # backup into these host pages waits for it).
+        assert host._pending is None and host.layer_transfer_counter.before_wait is None
+        assert int(host._page_read[int(h[0]) // host.page_size]) == host._seq
         for w in range(2):
             for layer in range(layers):
                 assert_same_bytes(out[w][layer].cpu(), want[w][layer], f"trial {trial} {'kv'[w]} layer {layer}")

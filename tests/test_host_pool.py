@@ -291,13 +291,13 @@ def test_lookahead_load_queues_each_layer_as_the_model_reaches_an_earlier_one(la
 
 @pytest.mark.parametrize(
     "call",
-    ["wait_for_loads", "wait_for_backups", "backup", "load", "free", "clear", "get_data_page", "set_page"],
+    ["wait_for_loads", "wait_for_backups", "backup", "load", "free", "clear", "get_data_page", "set_page", "page_meta"],
 )
 def test_every_other_call_queues_the_rest_of_a_lookahead_load_first(call):
     host, h, d, pool, target = _lookahead_setup("layer_first", "direct")
+    page = host.get_data_page(int(h[0])) if call == "set_page" else None  # before the load: it queues
     host.load_to_device_all_layer(target, h, d, "direct", lookahead=1)
     assert _layers_loaded(pool, target, d, 6) == [True] + [False] * 5
-    page = host.get_data_page(int(h[0])) if call == "set_page" else None
     if call == "backup":
         host.backup_from_device_all_layer(pool, host.alloc(4), torch.tensor([1, 2, 3, 4]), "direct")
     elif call == "load":
@@ -308,6 +308,8 @@ def test_every_other_call_queues_the_rest_of_a_lookahead_load_first(call):
         host.get_data_page(int(h[0]))
     elif call == "set_page":
         host.set_from_flat_data_page(int(h[0]), page)
+    elif call == "page_meta":
+        host.get_page_buffer_meta(h)
     else:
         getattr(host, call)()
     assert _layers_loaded(pool, target, d, 6) == [True] * 6
@@ -322,6 +324,19 @@ def test_lookahead_without_the_counter_or_larger_than_the_layers_loads_everythin
     other.register_layer_transfer_counter(host.layer_transfer_counter)
     host.load_to_device_all_layer(other, h, d, "direct", lookahead=6)
     assert _layers_loaded(pool, other, d, 6) == [True] * 6
+
+
+def test_one_layer_page_first_direct_backup_copies_runs_not_rows(monkeypatch):
+    """A page of a one-layer page_first pool is one block per K/V: consecutive pages are one copy."""
+    pool = make_device_pool(layer_num=1)
+    host = make_host(pool, "page_first")
+    h = host.alloc(8)
+    segments = []
+    real = host_pool._copy_segments
+    monkeypatch.setattr(host_pool, "_copy_segments", lambda copies, **kw: (segments.extend(seg for c in copies for seg in c[0]), real(copies, **kw)))
+    host.backup_from_device_all_layer(pool, h, torch.tensor([9, 3, 4, 5, 6, 7, 8, 1]), "direct")
+    assert len(segments) == 2  # K and V, one run each
+    assert torch.equal(host_rows(host, 0, "k")[h], dev_rows(pool, 0, "k")[torch.tensor([9, 3, 4, 5, 6, 7, 8, 1])])
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -566,9 +566,12 @@ class MHATokenToKVPoolHost:
         the first ``k`` layers now, and layer ``i + k`` when the model's getter asks for layer ``i``,
         so that the host queues the model's work beside the load instead of after all of it (a
         32-layer direct load costs the host milliseconds to queue). Any other call on this host pool
-        first queues whatever is left. Before capturing a CUDA graph, or unregistering the counter,
-        with such a load unfinished, call ``wait_for_loads()`` (a getter that would queue a layer
-        during a capture raises ``RuntimeError``)."""
+        first queues whatever is left. Only getter calls queue layers: before replaying a CUDA graph,
+        capturing one, reading the device pool's buffers other than through its getters (an attention
+        backend holding ``k_buffer`` itself), or unregistering the counter, with such a load
+        unfinished, call ``wait_for_loads()``; otherwise those reads see the layers' previous bytes
+        (a getter that would queue a layer during a capture raises ``RuntimeError``). The getters then
+        change this host pool's state: call them and the host pool from one thread."""
         if lookahead is not None:
             lookahead = positive_int(lookahead, "lookahead")
         self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)), lookahead)
@@ -661,17 +664,20 @@ class MHATokenToKVPoolHost:
                 "a load with lookahead still has layers to queue, and the current stream is capturing a CUDA graph: "
                 "call wait_for_loads() on the host pool before capturing"
             )
-        layers, p.rest = p.rest[:n], p.rest[n:]
-        if not p.rest:
-            self._pending = None
-            self.layer_transfer_counter.before_wait = None
+        layers, last = p.rest[:n], n == len(p.rest)
+        # The state changes only once the layers are queued: if queuing raises, they stay pending
+        # (queuing a layer twice copies the same bytes twice).
         if self.load_stream is None:
             self._run(p.io_backend, "load", p.table, p.layer_tables, p.slots, p.d_idx, None, layers)
-            return
-        with OnStream(self.load_stream):
-            self._run(p.io_backend, "load", p.table, p.layer_tables, p.slots, p.d_idx, p.h_dev, layers)
-            if not p.rest:
-                self._finish(self.load_stream, self._page_read, p.pages)
+        else:
+            with OnStream(self.load_stream):
+                self._run(p.io_backend, "load", p.table, p.layer_tables, p.slots, p.d_idx, p.h_dev, layers)
+                if last:
+                    self._finish(self.load_stream, self._page_read, p.pages)
+        p.rest = p.rest[n:]
+        if last:
+            self._pending = None
+            self.layer_transfer_counter.before_wait = None
 
     def wait_for_loads(self) -> None:
         """Make the current stream wait for every load enqueued so far (no host sync); a load with
@@ -826,7 +832,8 @@ class MHATokenToKVPoolHost:
         n = slots.shape[0]
         if layers is None:  # a backup: every layer
             layers = list(range(self.layer_num))
-        all_layers = self.layout == "page_first" and len(layers) > 1
+        # (A one-layer page_first pool's backup is "all layers" too: one copy per run, not per row.)
+        all_layers = self.layout == "page_first" and (len(layers) > 1 or self.layer_num == 1)
         step = st.halves[0].slots if all_layers else st.halves[0].layer_slots
         chunks = [(j, min(n, j + step)) for j in range(0, n, step)]
         # Per chunk, once for every layer that moves it: its positions in the staging buffer, its
@@ -974,6 +981,7 @@ class MHATokenToKVPoolHost:
         """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
         storage I/O, as SGLang's: ``page_first``: per page, K's block then V's (every layer of the
         page); ``layer_first``: per page, per layer, K's block then V's."""
+        self._flush()
         slots = self._host_slots(indices, "indices")
         firsts = slots[:: self.page_size].tolist()
         ptrs: list[int] = []
