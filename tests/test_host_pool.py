@@ -247,85 +247,6 @@ def test_empty_transfers_are_no_ops():
     assert unchanged(pool, host, before)
 
 
-# --- loads with lookahead: later layers queued as the model reaches earlier ones ---------------------
-
-
-def _lookahead_setup(layout, backend, layers=6):
-    pool = make_device_pool(layer_num=layers)
-    host = make_host(pool, layout)
-    h, d = host.alloc(8), torch.tensor([9, 3, 4, 5, 6, 7, 8, 1])
-    host.backup_from_device_all_layer(pool, h, d, backend)
-    target = make_device_pool(layer_num=layers, seed=7)
-    target.register_layer_transfer_counter(host.layer_transfer_counter)
-    return host, h, d, pool, target
-
-
-def _layers_loaded(source, target, d, layers):
-    """Which layers of ``target`` hold ``source``'s rows at slots ``d`` (K and V)."""
-    return [
-        all(torch.equal(dev_rows(target, i, w)[d], dev_rows(source, i, w)[d]) for w in "kv") for i in range(layers)
-    ]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_lookahead_load_queues_each_layer_as_the_model_reaches_an_earlier_one(layout, backend):
-    host, h, d, pool, target = _lookahead_setup(layout, backend)
-    host.load_to_device_all_layer(target, h, d, backend, lookahead=2)
-    if backend == "direct" and layout == "page_first":  # its layers travel together: no lookahead
-        assert _layers_loaded(pool, target, d, 6) == [True] * 6
-        return
-    assert _layers_loaded(pool, target, d, 6) == [True, True, False, False, False, False]
-    target.get_key_buffer(0)  # the getter of layer 0 queues layer 2
-    assert _layers_loaded(pool, target, d, 6) == [True, True, True, False, False, False]
-    target.get_kv_buffer(2)  # ... of layer 2, layers 3 and 4
-    assert _layers_loaded(pool, target, d, 6) == [True] * 5 + [False]
-    target.get_value_buffer(5)  # a layer not yet queued: it and the rest
-    assert _layers_loaded(pool, target, d, 6) == [True] * 6
-    assert host.layer_transfer_counter.before_wait is None
-    before = snapshot(target, host)
-    for i in range(6):
-        target.get_kv_buffer(i)  # nothing left to queue
-    assert unchanged(target, host, before)
-
-
-@pytest.mark.parametrize(
-    "call",
-    ["wait_for_loads", "wait_for_backups", "backup", "load", "free", "clear", "get_data_page", "set_page", "page_meta"],
-)
-def test_every_other_call_queues_the_rest_of_a_lookahead_load_first(call):
-    host, h, d, pool, target = _lookahead_setup("layer_first", "direct")
-    page = host.get_data_page(int(h[0])) if call == "set_page" else None  # before the load: it queues
-    host.load_to_device_all_layer(target, h, d, "direct", lookahead=1)
-    assert _layers_loaded(pool, target, d, 6) == [True] + [False] * 5
-    if call == "backup":
-        host.backup_from_device_all_layer(pool, host.alloc(4), torch.tensor([1, 2, 3, 4]), "direct")
-    elif call == "load":
-        host.load_to_device_all_layer(target, h[:4], torch.tensor([20, 21, 22, 23]), "direct", lookahead=1)
-    elif call == "free":
-        host.free(h)
-    elif call == "get_data_page":
-        host.get_data_page(int(h[0]))
-    elif call == "set_page":
-        host.set_from_flat_data_page(int(h[0]), page)
-    elif call == "page_meta":
-        host.get_page_buffer_meta(h)
-    else:
-        getattr(host, call)()
-    assert _layers_loaded(pool, target, d, 6) == [True] * 6
-
-
-def test_lookahead_without_the_counter_or_larger_than_the_layers_loads_everything_at_once():
-    host, h, d, pool, target = _lookahead_setup("layer_first", "direct")
-    target.register_layer_transfer_counter(None)
-    host.load_to_device_all_layer(target, h, d, "direct", lookahead=1)
-    assert _layers_loaded(pool, target, d, 6) == [True] * 6
-    other = make_device_pool(layer_num=6, seed=8)
-    other.register_layer_transfer_counter(host.layer_transfer_counter)
-    host.load_to_device_all_layer(other, h, d, "direct", lookahead=6)
-    assert _layers_loaded(pool, other, d, 6) == [True] * 6
-
-
 def test_one_layer_page_first_direct_backup_copies_runs_not_rows(monkeypatch):
     """A page of a one-layer page_first pool is one block per K/V: consecutive pages are one copy."""
     pool = make_device_pool(layer_num=1)
@@ -337,15 +258,6 @@ def test_one_layer_page_first_direct_backup_copies_runs_not_rows(monkeypatch):
     host.backup_from_device_all_layer(pool, h, torch.tensor([9, 3, 4, 5, 6, 7, 8, 1]), "direct")
     assert len(segments) == 2  # K and V, one run each
     assert torch.equal(host_rows(host, 0, "k")[h], dev_rows(pool, 0, "k")[torch.tensor([9, 3, 4, 5, 6, 7, 8, 1])])
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_lookahead_must_be_a_positive_int(bad):
-    host, h, d, pool, target = _lookahead_setup("layer_first", "direct")
-    before = snapshot(target, host)
-    with pytest.raises(ValueError, match="lookahead"):
-        host.load_to_device_all_layer(target, h, d, "direct", lookahead=bad)
-    assert unchanged(target, host, before)
 
 
 def _bad_transfer(case):

@@ -146,22 +146,6 @@ def _copy_segments(copies, *, to_host: bool) -> None:
 
 
 @dataclass
-class _PendingLoad:
-    """A load with ``lookahead`` whose later layers are queued as the model reaches earlier ones:
-    its checked arguments, and the layers still to queue (``rest``, in order)."""
-
-    io_backend: str
-    table: rows.RowTable
-    layer_tables: list
-    slots: np.ndarray
-    d_idx: torch.Tensor
-    h_dev: Optional[torch.Tensor]
-    pages: np.ndarray
-    rest: list
-    lookahead: int
-
-
-@dataclass
 class _StagingHalf:
     """One staging buffer of the direct backend: K/V in the host layout with ``slots`` slots (all
     layers) and, over the same memory, a one-layer K/V pair with ``layer_slots`` slots."""
@@ -344,7 +328,6 @@ class MHATokenToKVPoolHost:
         self._page_read = np.full(self.page_num, -1, dtype=np.int64)
         self._events: dict[int, torch.cuda.Event] = {}
         self._last_load: Optional[tuple] = None
-        self._pending: Optional[_PendingLoad] = None  # a load with lookahead, layers still to queue
         self.clear()
 
     def _layer_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -356,7 +339,6 @@ class MHATokenToKVPoolHost:
 
     def clear(self) -> None:
         """Every page free again (contents are left as they are)."""
-        self._flush()
         self._free_pages = np.arange(self.page_num, dtype=np.int64)
         self._allocated = np.zeros(self.page_num, dtype=bool)
 
@@ -383,7 +365,6 @@ class MHATokenToKVPoolHost:
         """Give back whole pages (as ``alloc`` returned them, any order of pages). Returns the number
         of slots freed. Raises ValueError for slots that are not whole allocated pages (a double free,
         say), before anything changes."""
-        self._flush()
         slots = self._host_slots(indices, "indices")
         pages = slots[:: self.page_size] // self.page_size
         if np.unique(pages).shape[0] != pages.shape[0]:
@@ -510,7 +491,6 @@ class MHATokenToKVPoolHost:
         stream's work so far, and the returned event completes when it has read every row: wait on
         it (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
         overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
-        self._flush()
         slots, d_idx = self._prepare(device_pool, host_indices, device_indices, io_backend)
         table, layer_tables = self._tables(device_pool)
         if slots.shape[0] == 0:
@@ -547,39 +527,17 @@ class MHATokenToKVPoolHost:
         self._load(device_pool, host_indices, device_indices, io_backend, [layer])
 
     def load_to_device_all_layer(
-        self,
-        device_pool,
-        host_indices: torch.Tensor,
-        device_indices: torch.Tensor,
-        io_backend: str = "kernel",
-        *,
-        lookahead: Optional[int] = None,
+        self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel"
     ) -> None:
         """Every layer, in order, each recording its event as it lands (so a model can start layer 0
         before the last layer arrives), when this host pool's ``layer_transfer_counter`` is registered
         on ``device_pool``. Without it nothing waits for a single layer, and the kernel backend moves
         every layer in one launch (a single layer's event then completes with the others). With the
         direct backend and the page_first layout the rows of all layers travel together (a token's
-        layers are one block on the host) and every layer's event is recorded once all have landed.
+        layers are one block on the host) and every layer's event is recorded once all have landed."""
+        self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)))
 
-        ``lookahead=k`` (with the counter registered; not for direct page_first loads): queue only
-        the first ``k`` layers now, and layer ``i + k`` when the model's getter asks for layer ``i``,
-        so that the host queues the model's work beside the load instead of after all of it (a
-        32-layer direct load costs the host milliseconds to queue). Any other call on this host pool
-        first queues whatever is left. Only getter calls queue layers: before replaying a CUDA graph,
-        capturing one, reading the device pool's buffers other than through its getters (an attention
-        backend holding ``k_buffer`` itself), or unregistering the counter, with such a load
-        unfinished, call ``wait_for_loads()``; otherwise those reads see the layers' previous bytes
-        (a getter that would queue a layer during a capture raises ``RuntimeError``). The getters then
-        change this host pool's state: call them and the host pool from one thread."""
-        if lookahead is not None:
-            lookahead = positive_int(lookahead, "lookahead")
-        self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)), lookahead)
-
-    def _load(
-        self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int], lookahead: Optional[int] = None
-    ) -> None:
-        self._flush()
+    def _load(self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]) -> None:
         last = self._last_load
         if (
             last is not None
@@ -606,16 +564,8 @@ class MHATokenToKVPoolHost:
         # a token's layers read together, which page_first memory favours).
         waits_per_layer = getattr(device_pool, "layer_transfer_counter", None) is self.layer_transfer_counter
         together = len(layers) > 1 and not waits_per_layer
-        lazy = (
-            lookahead is not None and waits_per_layer and len(layers) > lookahead
-            and not (io_backend == "direct" and self.layout == "page_first")
-        )  # fmt: skip
-        now, rest = (layers[:lookahead], layers[lookahead:]) if lazy else (layers, [])
-        pending = _PendingLoad(io_backend, table, layer_tables, slots, d_idx, None, pages, rest, lookahead or 0)
         if self.load_stream is None:
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, now, together)
-            if rest:
-                self._defer(pending)
+            self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, layers, together)
             return
         stream = self.load_stream
         compute = torch.cuda.current_stream(device_pool.device)
@@ -624,72 +574,20 @@ class MHATokenToKVPoolHost:
             self._wait_pages(stream, self._page_written, pages)  # the backup that wrote these pages
             if io_backend == "kernel" and not cached:
                 h_dev = self._host_index_tensor(slots, device_pool.device)
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, now, together)
-            if rest:
-                pending.h_dev = h_dev
-                self._defer(pending)
-            else:
-                self._finish(stream, self._page_read, pages)
+            self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
+            self._finish(stream, self._page_read, pages)
         d_idx.record_stream(stream)
         if isinstance(host_indices, torch.Tensor):
             self._last_load = (host_indices, host_indices._version, io_backend, device_pool, slots, h_dev)
 
-    # --- loads queued as the model reaches their layers (``lookahead``) ------------------------------
-
-    def _defer(self, pending: "_PendingLoad") -> None:
-        self._pending = pending
-        self.layer_transfer_counter.before_wait = self._advance
-
-    def _advance(self, layer_index: int) -> None:
-        """The model asks for layer ``layer_index``: queue the pending layers up to ``layer_index +
-        lookahead`` (the counter calls this before its stream wait)."""
-        p = self._pending
-        if p is None:
-            return
-        n = 0
-        while n < len(p.rest) and p.rest[n] <= layer_index + p.lookahead:
-            n += 1
-        if n:
-            self._enqueue_pending(n)
-
-    def _flush(self) -> None:
-        """Queue every layer of a pending load (before any other call touches the streams or pages)."""
-        if self._pending is not None:
-            self._enqueue_pending(len(self._pending.rest))
-
-    def _enqueue_pending(self, n: int) -> None:
-        p = self._pending
-        if self.load_stream is not None and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a load with lookahead still has layers to queue, and the current stream is capturing a CUDA graph: "
-                "call wait_for_loads() on the host pool before capturing"
-            )
-        layers, last = p.rest[:n], n == len(p.rest)
-        # The state changes only once the layers are queued: if queuing raises, they stay pending
-        # (queuing a layer twice copies the same bytes twice).
-        if self.load_stream is None:
-            self._run(p.io_backend, "load", p.table, p.layer_tables, p.slots, p.d_idx, None, layers)
-        else:
-            with OnStream(self.load_stream):
-                self._run(p.io_backend, "load", p.table, p.layer_tables, p.slots, p.d_idx, p.h_dev, layers)
-                if last:
-                    self._finish(self.load_stream, self._page_read, p.pages)
-        p.rest = p.rest[n:]
-        if last:
-            self._pending = None
-            self.layer_transfer_counter.before_wait = None
-
     def wait_for_loads(self) -> None:
-        """Make the current stream wait for every load enqueued so far (no host sync); a load with
-        ``lookahead`` queues its remaining layers first."""
-        self._flush()
+        """Make the current stream wait for every load enqueued so far (no host sync)."""
         if self.load_stream is not None:
             torch.cuda.current_stream(self.device_pool.device).wait_stream(self.load_stream)
 
     def wait_for_backups(self) -> None:
         """Make the current stream wait for every backup enqueued so far (no host sync): after it,
         the compute stream may overwrite device slots that were backed up."""
-        self._flush()
         if self.backup_stream is not None:
             torch.cuda.current_stream(self.device_pool.device).wait_stream(self.backup_stream)
 
@@ -718,7 +616,6 @@ class MHATokenToKVPoolHost:
         """Host code is about to read (or write) these pages: wait for the transfers writing them
         (and, before a write, reading them). A host wait on transfer events, never on the compute
         stream."""
-        self._flush()
         for seqs in (self._page_written, self._page_read) if for_write else (self._page_written,):
             event = self._events.get(int(seqs[pages].max()))
             if event is not None:
@@ -981,7 +878,6 @@ class MHATokenToKVPoolHost:
         """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
         storage I/O, as SGLang's: ``page_first``: per page, K's block then V's (every layer of the
         page); ``layer_first``: per page, per layer, K's block then V's."""
-        self._flush()
         slots = self._host_slots(indices, "indices")
         firsts = slots[:: self.page_size].tolist()
         ptrs: list[int] = []

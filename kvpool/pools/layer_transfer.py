@@ -12,7 +12,7 @@ before it, outside the graph.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -35,16 +35,12 @@ class LayerTransferCounter:
     ``wait_until(i)`` (``i`` = layer id - start_layer) makes the current stream wait for the latest
     ``record(i, stream)``. Every event is recorded once at construction, so a wait before any load
     returns at once, and a wait captured into a CUDA graph always becomes a node.
-
-    ``before_wait``: called with ``i`` first, when set (a host pool with a load whose later layers it
-    queues as the model reaches earlier ones, ``load_to_device_all_layer(..., lookahead=k)``).
     """
 
     def __init__(self, layer_num: int, device: torch.device) -> None:
         self.layer_num = layer_num
         self.device = device
         self._events: Optional[list[torch.cuda.Event]] = None
-        self.before_wait: Optional[Callable[[int], None]] = None
         if device.type == "cuda":
             with torch.cuda.device(device):
                 self._events = [_event() for _ in range(layer_num)]
@@ -59,8 +55,6 @@ class LayerTransferCounter:
 
     def wait_until(self, layer_index: int) -> None:
         """The current stream waits for layer ``layer_index``'s latest recorded load (no host sync)."""
-        if self.before_wait is not None:
-            self.before_wait(layer_index)
         if self._events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._events[layer_index])
 
