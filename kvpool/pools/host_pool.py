@@ -132,6 +132,18 @@ def _host_buffers(
     return k, v, handle
 
 
+def _copy_rows(checked: bool, dst: rows.RowTable, dst_index, src: rows.RowTable, src_index, max_programs, names) -> None:
+    """``copy_rows`` for a transfer's copies. The first copy of a transfer is ``checked``; the later
+    ones take the same checked indices (or slices of them) and siblings of the same tables (host,
+    staging and pool memory never alias), so where the kernel runs they launch it without the
+    checks: with 32 layers moving one by one, the host cost per copy decides how soon the model's
+    own work, queued after a load, can start."""
+    if checked or not rows._use_kernel(dst.table_device):
+        rows.checked_copy(dst, dst_index, src, src_index, max_programs, False, names)
+    else:
+        rows.launch_copy_rows(dst, dst_index, src, src_index, max_programs=max_programs)
+
+
 def _copy_segments(copies, *, to_host: bool) -> None:
     """The direct backend's copy-engine calls for one piece: per K/V, (segments ``[host offset,
     staging offset, length]`` in bytes, host buffer, staging buffer, host offset added to every
@@ -646,17 +658,9 @@ class MHATokenToKVPoolHost:
                 for layer in layers:  # type: ignore[union-attr]
                     self._record_layer(layer, self.load_stream)
                 return
-            # The first layer's copy checks the indices and the tables; the other layers' tables are
-            # the same buffers' siblings (host and device memory never alias), so where the kernel
-            # runs they launch it without the checks: the host cost per layer decides how soon the
-            # model's own work, queued after the load, can start.
-            unchecked = rows._use_kernel(table.table_device)
             for i, layer in enumerate(layers):  # type: ignore[union-attr]
                 dst, src = layer_tables[layer], self._host_layer_rows[layer]  # type: ignore[index]
-                if i and unchecked:
-                    rows.launch_copy_rows(dst, d_idx, src, h_idx, max_programs=cap)
-                else:
-                    rows.checked_copy(dst, d_idx, src, h_idx, cap, False, ("device_indices", "host_indices"))
+                _copy_rows(i == 0, dst, d_idx, src, h_idx, cap, ("device_indices", "host_indices"))
                 self._record_layer(layer, self.load_stream)
             return
         self._direct(direction, table, layer_tables, slots, d_idx, layers)
@@ -682,6 +686,7 @@ class MHATokenToKVPoolHost:
             events = [[torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None] for _ in range(2)]
             staging = self._staging[direction] = _Staging(halves, positions, aux, events[0], events[1])
         return staging
+
     def _make_half(self, device: torch.device) -> _StagingHalf:
         cuda = device.type == "cuda"
         slots = max(1, self.staging_bytes // self.size_per_token)
@@ -731,12 +736,11 @@ class MHATokenToKVPoolHost:
             layers = list(range(self.layer_num))
         # (A one-layer page_first pool's backup is "all layers" too: one copy per run, not per row.)
         all_layers = self.layout == "page_first" and (len(layers) > 1 or self.layer_num == 1)
-        step = st.halves[0].slots if all_layers else st.halves[0].layer_slots
-        chunks = [(j, min(n, j + step)) for j in range(0, n, step)]
+        s_slots = st.halves[0].slots if all_layers else st.halves[0].layer_slots  # a chunk's slots
+        chunks = [(j, min(n, j + s_slots)) for j in range(0, n, s_slots)]
         # Per chunk, once for every layer that moves it: its positions in the staging buffer, its
         # device slots, and its copy plan per K/V (host runs; a layer's plan is layer 0's moved by a
         # fixed host offset).
-        s_slots = st.halves[0].slots if all_layers else st.halves[0].layer_slots
         first = None if all_layers else 0
         plans = {}
         for j0, j1 in chunks:
@@ -755,11 +759,6 @@ class MHATokenToKVPoolHost:
         transfer = torch.cuda.current_stream(table.table_device) if cuda else None
         if cuda:
             st.aux.wait_stream(transfer)  # the ordering the transfer stream already has
-        # The first device-side copy checks the indices and the tables; the later ones take slices of
-        # the same checked indices and siblings of the same tables (staging and pool never alias), so
-        # where the kernel runs they launch it unchecked: with 32 layers moving one by one, the host
-        # cost per piece decides how soon the model's own work, queued after a load, can start.
-        unchecked = rows._use_kernel(table.table_device)
         for k, (j0, j1, layer) in enumerate(pieces):
             h = k % 2
             half = st.halves[h]
@@ -774,10 +773,7 @@ class MHATokenToKVPoolHost:
                 with _on(st.aux):
                     if cuda and k >= 2:
                         st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
-                    if k and unchecked:
-                        rows.launch_copy_rows(s_table, pos, d_table, dev)
-                    else:
-                        rows.checked_copy(s_table, pos, d_table, dev, None, False, ("positions", "device_indices"))
+                    _copy_rows(k == 0, s_table, pos, d_table, dev, None, ("positions", "device_indices"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                 if cuda:
@@ -794,10 +790,7 @@ class MHATokenToKVPoolHost:
                 with _on(st.aux):
                     if cuda:
                         st.aux.wait_event(st.copies_done[h])
-                    if k and unchecked:
-                        rows.launch_copy_rows(d_table, dev, s_table, pos)
-                    else:
-                        rows.checked_copy(d_table, dev, s_table, pos, None, False, ("device_indices", "positions"))
+                    _copy_rows(k == 0, d_table, dev, s_table, pos, None, ("device_indices", "positions"))
                     if cuda:
                         st.device_done[h].record(st.aux)
                     last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
