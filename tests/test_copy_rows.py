@@ -283,6 +283,32 @@ def test_streaming_plan_caps_the_grid():
     assert one.programs == one.tasks == 64 and one.num_warps == 1
 
 
+def test_launch_key_separates_what_triton_specialises_on():
+    """Launches that share a compiled kernel (cached launcher) must agree on what Triton compiled it
+    for: index dtypes, 16-byte alignment of every tensor, and per int whether it is 1, a multiple of
+    16, and its integer type (i32 / i64 / u64 by range)."""
+    plan = plan_copy(16, 2, (1024,), 16, False, 8, C.FEW_PROGRAMS_TILE)
+    buf = torch.zeros(64, dtype=torch.int64)
+    args = (buf, buf[2:], 16, 100)
+
+    def key(*a, dev=0, p=plan, nreg=None):
+        return C.launch_key(dev, p, nreg, a[:2], a[2:])
+
+    base = key(*args)
+    assert key(buf[4:], buf[6:], 32, 101) == base  # other values, same classes: one kernel
+    assert key(buf[1:], buf[2:], 16, 100) != base  # an address 8 bytes off 16
+    assert key(buf.int(), buf[2:], 16, 100) != base  # int32 indices
+    assert key(buf, buf[2:], 1, 100) != base  # 1
+    assert key(buf, buf[2:], 17, 100) != base  # not a multiple of 16
+    assert key(buf, buf[2:], 16, 2**31) != base  # past int32
+    assert key(buf, buf[2:], 16, 2**31) != key(buf, buf[2:], 16, 2**63)  # i64 against u64
+    assert key(buf, buf[2:], 16, -(2**31)) != key(buf, buf[2:], 16, -(2**31) - 16)  # i32 against i64
+    assert key(*args, dev=1) != base
+    assert key(*args, nreg=32) != base
+    assert key(*args, p=plan_copy(16, 2, (1024,), 16, False, 4, C.FEW_PROGRAMS_TILE)) == base  # same plan
+    assert key(*args, p=plan_copy(16, 2, (1024,), 8, False, 8, C.FEW_PROGRAMS_TILE)) != base
+
+
 def test_one_pass_refuses_too_many_pairs():
     with pytest.raises(ValueError, match="at most 1024 pairs"):
         plan_copy(1025, 2, (16,), 16, True, 8, C.SM_TILE)

@@ -74,6 +74,42 @@ def test_kernel_matches_reference(n, same):
         assert_same_bytes(got.cpu(), want, f"buffer {b}")
 
 
+def test_repeated_launches_take_the_compiled_launcher_and_stay_exact(monkeypatch):
+    """Copies of every kind Triton specialises on (index slices 16-byte aligned and not, int32 and
+    int64 indices, 1, 16 and 17 pairs), on the current stream and on another one: the second round
+    launches through the cached compiled kernels only (no JIT call), and every result is the
+    reference's."""
+    gen = torch.Generator().manual_seed(11)
+    rows = 256
+    bufs = [random_bytes((rows, 8, 128), gen) for _ in range(2)]
+    src = [random_bytes((rows, 8, 128), gen) for _ in range(2)]
+    dt, st = RowTable.of(bufs), RowTable.of(src)
+    side = torch.cuda.Stream()
+    jit = []
+    real = C._jit_launch
+    monkeypatch.setattr(C, "_jit_launch", lambda *a: jit.append(a) or real(*a))
+    for round_ in range(2):
+        jit.clear()
+        for n, offset, dtype, stream in [
+            (16, 0, torch.int64, None), (16, 1, torch.int64, None), (1, 0, torch.int64, None),
+            (17, 2, torch.int32, None), (16, 0, torch.int64, side), (17, 1, torch.int32, side),
+        ]:  # fmt: skip
+            for b in bufs:
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+            di, si = pairs(n + offset, rows, gen, bad=False)
+            di, si = di.to(DEV, dtype)[offset:], si.to(DEV, dtype)[offset:]
+            expected = reference(bufs, di, src, si, False)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+            C.launch_copy_rows(dt, di, st, si, max_programs=8, stream=stream)
+            torch.cuda.synchronize()
+            for got, want in zip(bufs, expected):
+                assert_same_bytes(got.cpu(), want, f"round {round_}, {n} pairs at offset {offset}, {dtype}")
+        if round_ == 1:
+            assert C._FAST_LAUNCH, "this Triton's compiled-kernel launcher was refused"
+            assert jit == [], f"{len(jit)} launches went through the JIT in the second round"
+
+
 @pytest.mark.parametrize(
     "shape, dtype", [((3,), torch.float16), ((3, 2), torch.float32), ((7,), torch.uint8)], ids=["align2", "align8", "align1"]
 )

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.args import positive_int
+from kvpool.streams import OnStream
 
 try:
     from kvpool.kernels import copy_rows_kernel as _k
@@ -450,6 +451,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def launch_key(device_index: int, plan: CopyPlan, maxnreg: Optional[int], tensors: tuple, ints: tuple) -> tuple:
+    """Everything the compiled kernel for a launch depends on: the device, the plan (constexprs and
+    warps), the register cap, and what Triton specialises each argument on: a tensor's dtype and
+    whether 16 divides its address; an int's type (i32 up to 2**31 - 1, i64, u64 from 2**63),
+    whether it is 1 and whether 16 divides it. Two launches with equal keys run the same compiled
+    kernel; the key is a superset of Triton's own, so a kernel is never reused for arguments it was
+    not compiled for."""
+    return (
+        device_index, plan, maxnreg, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+        *[(v == 1) | (v % 16 == 0) << 1 | (v > 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3 | (v < -0x80000000) << 4 for v in ints],
+    )  # fmt: skip
+
+
+#: Launchers of compiled kernels by :func:`launch_key` (CUDA). A launch through the JIT binds and
+#: specialises every argument and looks up its cache, 22 us of host time per launch on an H200's host
+#: against 8 us for the compiled kernel's own launcher (``benchmarks/probe_host_calls.py``); a
+#: transfer of 32 layers one by one launches 32 times before the model's work can be queued.
+_LAUNCHERS: dict[tuple, object] = {}
+#: Cleared for good if this Triton's compiled-kernel launcher does not take the arguments as the JIT
+#: passes them (every parameter in order, constexprs included); launches then all go through the JIT.
+_FAST_LAUNCH = True
+
+
 def launch_copy_rows(
     dst: RowTable,
     dst_index: torch.Tensor,
@@ -459,10 +483,16 @@ def launch_copy_rows(
     max_programs: Optional[int] = None,
     tile: Optional[CopyTile] = None,
     one_pass: bool = False,
+    stream: Optional[torch.cuda.Stream] = None,
 ) -> None:
     """Launch the kernel once. Unchecked: the arguments must have passed :func:`copy_rows`'s checks,
     ``one_pass`` must be set when the tables alias (and then ``len(dst_index) <= ONE_PASS_MAX_PAIRS``).
-    ``tile`` overrides the tile table (benchmarks)."""
+    ``tile`` overrides the tile table (benchmarks). ``stream``: the CUDA stream to launch on (default:
+    the current one), without making it current.
+
+    After the first launch of a kind (:func:`launch_key`), later ones go straight to the compiled
+    kernel's launcher, skipping the JIT's per-call argument binding."""
+    global _FAST_LAUNCH
     n = dst_index.shape[0]
     if n == 0:
         return
@@ -471,11 +501,38 @@ def launch_copy_rows(
         tile = FEW_PROGRAMS_TILE if max_programs is not None and max_programs <= FEW_PROGRAMS else SM_TILE
     cap = max_programs if max_programs is not None else _sm_count(device) * PROGRAMS_PER_SM
     plan = plan_copy(n, len(dst), dst.distinct_row_bytes, min(dst.align, src.align), one_pass, cap, tile)
-    args = (
-        dst.table, src.table, dst_index, src_index, n, dst.rows, src.rows,
-        dst_index.stride(0), src_index.stride(0), dst.table.stride(0), src.table.stride(0),
+    tensors = (dst.table, src.table, dst_index, src_index)
+    ints = (
+        n, dst.rows, src.rows, dst_index.stride(0), src_index.stride(0), dst.table.stride(0), src.table.stride(0),
         len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
+    args = tensors + ints
+    if device.type != "cuda" or INTERPRETER:
+        _jit_launch(plan, tile, args)
+        return
+    current = device.index == torch.cuda.current_device()
+    key = launch_key(device.index, plan, tile.maxnreg, tensors, ints) if _FAST_LAUNCH and current else None
+    launcher = _LAUNCHERS.get(key) if key is not None else None
+    if launcher is not None:
+        constexprs = (plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass)
+        try:
+            launcher(*args, *constexprs, stream=None if stream is None else stream.cuda_stream)
+            return
+        except TypeError:  # the launcher checks its arguments before launching: nothing ran
+            _FAST_LAUNCH = False
+            _LAUNCHERS.clear()
+    if stream is not None or not current:
+        with OnStream(stream if stream is not None else torch.cuda.current_stream(device)):
+            compiled = _jit_launch(plan, tile, args)
+    else:
+        compiled = _jit_launch(plan, tile, args)
+    if key is not None and _FAST_LAUNCH and compiled is not None:
+        _LAUNCHERS[key] = compiled[(plan.programs, 1, 1)]
+
+
+def _jit_launch(plan: CopyPlan, tile: CopyTile, args: tuple):
+    """Launch through Triton's JIT (compiling on first use) on the current device and stream; returns
+    the compiled kernel (None under the interpreter)."""
     consts = dict(
         ELEM_BYTES=plan.elem_bytes, ALIGN=plan.align,
         BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
@@ -483,12 +540,7 @@ def launch_copy_rows(
     )  # fmt: skip
     if tile.maxnreg is not None:
         consts["maxnreg"] = tile.maxnreg
-    grid = (plan.programs,)
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _k._copy_rows_kernel[grid](*args, **consts)
-    else:
-        _k._copy_rows_kernel[grid](*args, **consts)
+    return _k._copy_rows_kernel[(plan.programs,)](*args, **consts)
 
 
 def _staging_table(staging: torch.Tensor, n: int, src: RowTable) -> RowTable:

@@ -132,16 +132,21 @@ def _host_buffers(
     return k, v, handle
 
 
-def _copy_rows(checked: bool, dst: rows.RowTable, dst_index, src: rows.RowTable, src_index, max_programs, names) -> None:
-    """``copy_rows`` for a transfer's copies. The first copy of a transfer is ``checked``; the later
-    ones take the same checked indices (or slices of them) and siblings of the same tables (host,
-    staging and pool memory never alias), so where the kernel runs they launch it without the
-    checks: with 32 layers moving one by one, the host cost per copy decides how soon the model's
-    own work, queued after a load, can start."""
+def _copy_rows(
+    checked: bool, dst: rows.RowTable, dst_index, src: rows.RowTable, src_index, max_programs, names,
+    stream: Optional[torch.cuda.Stream] = None,
+) -> None:  # fmt: skip
+    """``copy_rows`` for a transfer's copies, on ``stream`` (default: the current one). The first copy
+    of a transfer is ``checked``; the later ones take the same checked indices (or slices of them)
+    and siblings of the same tables (host, staging and pool memory never alias), so where the kernel
+    runs they launch it without the checks, and without making ``stream`` current: with 32 layers
+    moving one by one, the host cost per copy decides how soon the model's own work, queued after a
+    load, can start."""
     if checked or not rows._use_kernel(dst.table_device):
-        rows.checked_copy(dst, dst_index, src, src_index, max_programs, False, names)
+        with _on(stream):
+            rows.checked_copy(dst, dst_index, src, src_index, max_programs, False, names)
     else:
-        rows.launch_copy_rows(dst, dst_index, src, src_index, max_programs=max_programs)
+        rows.launch_copy_rows(dst, dst_index, src, src_index, max_programs=max_programs, stream=stream)
 
 
 def _copy_segments(copies, *, to_host: bool) -> None:
@@ -769,14 +774,14 @@ class MHATokenToKVPoolHost:
                 s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
                 d_table, shift = layer_tables[layer], layer * per_layer
             copies = ((k_seg, self._k_flat, k_flat, shift * self.k_row_bytes), (v_seg, self._v_flat, v_flat, shift * self.v_row_bytes))
+            # The device copies go to ``aux`` without making it current (one stream switch less per
+            # piece: these calls are the host's cost of a layer-by-layer load).
             if direction == "backup":
-                with _on(st.aux):
-                    if cuda and k >= 2:
-                        st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
-                    _copy_rows(k == 0, s_table, pos, d_table, dev, None, ("positions", "device_indices"))
-                    if cuda:
-                        st.device_done[h].record(st.aux)
+                if cuda and k >= 2:
+                    st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
+                _copy_rows(k == 0, s_table, pos, d_table, dev, None, ("positions", "device_indices"), st.aux)
                 if cuda:
+                    st.device_done[h].record(st.aux)
                     transfer.wait_event(st.device_done[h])
                 _copy_segments(copies, to_host=True)
                 if cuda:
@@ -787,20 +792,17 @@ class MHATokenToKVPoolHost:
                 _copy_segments(copies, to_host=False)
                 if cuda:
                     st.copies_done[h].record(transfer)
-                with _on(st.aux):
-                    if cuda:
-                        st.aux.wait_event(st.copies_done[h])
-                    _copy_rows(k == 0, d_table, dev, s_table, pos, None, ("device_indices", "positions"))
-                    if cuda:
-                        st.device_done[h].record(st.aux)
-                    last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
-                    if layer is not None and last_of_layer:
-                        self._record_layer(layer, st.aux)
+                    st.aux.wait_event(st.copies_done[h])
+                _copy_rows(k == 0, d_table, dev, s_table, pos, None, ("device_indices", "positions"), st.aux)
+                if cuda:
+                    st.device_done[h].record(st.aux)
+                last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
+                if layer is not None and last_of_layer:
+                    self._record_layer(layer, st.aux)
         if direction == "load":
-            with _on(st.aux):
-                if all_layers:  # a token's layers travel together: every layer lands at once
-                    for layer in layers:
-                        self._record_layer(layer, st.aux)
+            if all_layers:  # a token's layers travel together: every layer lands at once
+                for layer in layers:
+                    self._record_layer(layer, st.aux)
             if cuda:
                 transfer.wait_stream(st.aux)
         if cuda:
