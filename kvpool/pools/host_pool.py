@@ -150,16 +150,21 @@ def _copy_rows(
 
 
 def _copy_segments(copies, *, to_host: bool) -> None:
-    """The direct backend's copy-engine calls for one piece: per K/V, (segments ``[host offset,
-    staging offset, length]`` in bytes, host buffer, staging buffer, host offset added to every
-    segment), one ``cudaMemcpyAsync`` per segment on the current stream."""
-    for seg, host, staged, shift in copies:
-        for h_off, s_off, nbytes in seg:
+    """The direct backend's copy-engine calls for one piece: per K/V, (segments ``(host offset,
+    staging view)``, host buffer, host offset added to every segment), one ``cudaMemcpyAsync`` per
+    segment on the current stream."""
+    for seg, host, shift in copies:
+        for h_off, staged in seg:
             h_off += shift
             if to_host:
-                host[h_off : h_off + nbytes].copy_(staged[s_off : s_off + nbytes], non_blocking=True)
+                host[h_off : h_off + staged.shape[0]].copy_(staged, non_blocking=True)
             else:
-                staged[s_off : s_off + nbytes].copy_(host[h_off : h_off + nbytes], non_blocking=True)
+                staged.copy_(host[h_off : h_off + staged.shape[0]], non_blocking=True)
+
+
+def _staged_segments(seg: list, staged: torch.Tensor) -> list:
+    """``[host offset, staging offset, length]`` segments as ``(host offset, staging view)``."""
+    return [(h_off, staged[s_off : s_off + nbytes]) for h_off, s_off, nbytes in seg]
 
 
 @dataclass
@@ -764,6 +769,7 @@ class MHATokenToKVPoolHost:
         transfer = torch.cuda.current_stream(table.table_device) if cuda else None
         if cuda:
             st.aux.wait_stream(transfer)  # the ordering the transfer stream already has
+        views: dict = {}
         for k, (j0, j1, layer) in enumerate(pieces):
             h = k % 2
             half = st.halves[h]
@@ -773,7 +779,15 @@ class MHATokenToKVPoolHost:
             else:
                 s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
                 d_table, shift = layer_tables[layer], layer * per_layer
-            copies = ((k_seg, self._k_flat, k_flat, shift * self.k_row_bytes), (v_seg, self._v_flat, v_flat, shift * self.v_row_bytes))
+            # The staging side of a chunk's segments is the same for every layer: its views are
+            # made once per chunk and buffer (a slice costs the host as much as the copy call).
+            seg_views = views.get((j0, h))
+            if seg_views is None:
+                seg_views = views[(j0, h)] = (_staged_segments(k_seg, k_flat), _staged_segments(v_seg, v_flat))
+            copies = (
+                (seg_views[0], self._k_flat, shift * self.k_row_bytes),
+                (seg_views[1], self._v_flat, shift * self.v_row_bytes),
+            )
             # The device copies go to ``aux`` without making it current (one stream switch less per
             # piece: these calls are the host's cost of a layer-by-layer load).
             if direction == "backup":
