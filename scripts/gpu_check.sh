@@ -5,6 +5,7 @@
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 #                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
 #                             [host_links] [host_kernel] [rows] [transfer_latency] [host_tests] [decode]
+#                             [host_calls]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -59,6 +60,7 @@ for stage in $stages; do
       step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_gpu_host.py tests/test_host_pool.py \
         tests/test_serve_sim_host_tier.py tests/test_gpu_mla.py -k "host or layer or Host" ;;
     decode) step decode python3 benchmarks/probe_decode.py --out "$OUT" ;;
+    host_calls) step host_calls python3 benchmarks/probe_host_calls.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
     host_kernel)  # the kernel backend's transfers alone, wall and device time
       step host_kernel python3 benchmarks/bench_host_tier.py --backends kernel --stages transfers --out "$OUT/host_kernel" ;;
