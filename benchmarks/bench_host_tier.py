@@ -23,6 +23,8 @@ repetition, so the host's enqueue cost counts, as it does for a scheduler):
 3. a per-layer load of 32 layers overlapped with 32 layers of a stand-in attention (a bf16 matmul per
    layer sized to take as long as that layer's load, reading the loaded rows through the getters with
    the layer-transfer counter registered): finishes within 1.1x of max(load alone, compute alone);
+   each case with the load queued by the call before the model's work, and with it queued by the
+   host pool's worker thread (``background=True``) while the model's work is queued;
 4. copy_rows device-to-device (gather of 32k tokens over 64 buffers) against a 2 GiB device copy.
 
 ``--sweep`` also times the kernel backend's alternative tiles and grids (8k tokens) for the tile
@@ -409,23 +411,24 @@ def bench_overlap(args, records: list) -> None:
     # page_first direct loads move every layer together (nothing to overlap layer by layer); the
     # direct backend on shuffled pages is a copy per page and layer (session 7: 470 ms a load).
     layouts = {"layer_first": ("kernel", "direct"), "page_first": ("kernel",)}
-    cases = [(layout, backend, programs, tile, order)
+    cases = [(layout, backend, programs, tile, order, background)
              for layout in args.overlap_layouts for backend in layouts[layout] if backend in args.backends
              for programs in (args.overlap_programs if backend == "kernel" else [None])
              for tile in (args.overlap_tiles if backend == "kernel" else [None])
-             for order in args.host_orders if backend == "kernel" or order == "allocated"]  # fmt: skip
-    for layout, backend, programs, tile, order in cases:
+             for order in args.host_orders if backend == "kernel" or order == "allocated"
+             for background in args.overlap_background]  # fmt: skip
+    for layout, backend, programs, tile, order, background in cases:
         host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout, kernel_programs=programs or KERNEL_PROGRAMS)
         h = host_pages(host, tokens, gen, order)
         d = random_device_pages(tokens, 16, gen)
         host.backup_from_device_all_layer(pool, h, d, "kernel")
         with copy_tile(tile):
-            rec = overlap_case(args, pool, host, h, d, backend, order)
+            rec = overlap_case(args, pool, host, h, d, backend, order, background)
         tile_name = "default" if tile is None else f"{tile.elems}/{tile.num_warps}" + (f"/{tile.maxnreg}" if tile.maxnreg else "")
         rec.update(layout=layout, backend=backend, tokens=tokens, programs=host.kernel_programs, tile=tile_name,
-                   host_order=order)  # fmt: skip
+                   host_order=order, background=background)  # fmt: skip
         records.append(rec)
-        log(f"  overlap {layout:<11} {order:<9} {backend:<6} {host.kernel_programs} programs, "
+        log(f"  overlap {layout:<11} {order:<9} {backend:<6} {'background' if background else 'queued    '} {host.kernel_programs} programs, "
             f"tile {tile_name}: load {rec['load_ms']:7.2f} ms, compute {rec['compute_ms']:7.2f} ms "
             f"({rec['matmuls_per_layer']} matmuls/layer), both {rec['overlapped_ms']:7.2f} ms: {rec['ratio']:.3f}x of the longer; "
             f"profiled: matmul {rec.get('matmul_us', 0):.0f} us, copy {rec.get('copy_us', 0):.0f} us "
@@ -436,12 +439,16 @@ def bench_overlap(args, records: list) -> None:
     torch.cuda.empty_cache()
 
 
-def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: str, order: str = "") -> dict:
+def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: str, order: str = "",
+                 background: bool = False) -> dict:  # fmt: skip
     # The counter is registered throughout: the load alone moves layer by layer as the overlapped
     # one does (without it, nothing waits per layer and the kernel backend takes one launch).
+    # ``background``: the host pool's worker thread queues the layers while the model is queued.
     pool.register_layer_transfer_counter(host.layer_transfer_counter)
-    load = lambda: host.load_to_device_all_layer(pool, h, d, backend)  # noqa: E731
-    t_load = wall_ms(load, args.reps)
+    load = lambda: host.load_to_device_all_layer(pool, h, d, backend, background=background)  # noqa: E731
+    # Alone, the load is timed until its work is queued and done (wait_for_loads: the host waits for
+    # the worker thread to finish queueing; a synchronisation alone could come before that).
+    t_load = wall_ms(lambda: (load(), host.wait_for_loads()), args.reps)
     # Matmuls per layer taking about as long as that layer's load (the hardest case to hide). One
     # matmul's time is the device time of a run of 20 (a single call's wall time includes the
     # launch and the synchronisation, which made this count swing between 2 and 4).
@@ -474,7 +481,8 @@ def overlap_case(args, pool, host, h: torch.Tensor, d: torch.Tensor, backend: st
         both()
         torch.cuda.synchronize()
     tile = C.FEW_PROGRAMS_TILE
-    name = f"overlap_{host.layout}_{order}_{backend}_{host.kernel_programs}_{tile.elems}x{tile.num_warps}.json"
+    name = (f"overlap_{host.layout}_{order}_{backend}_{'background_' if background else ''}"
+            f"{host.kernel_programs}_{tile.elems}x{tile.num_warps}.json")  # fmt: skip
     path = os.path.join(args.out, name)
     prof.export_chrome_trace(path)
     stats = trace_stats(path)
@@ -587,7 +595,8 @@ def verdicts(res: dict) -> list[str]:
         out.append("backup and load at once: not measured in this run")
     if res["overlap"]:
         out += _best_per_order(res["overlap"], lambda r: r["ratio"], lambda t: (
-            f"overlapped per-layer load within 1.1x: best {t['ratio']:.3f}x ({t['backend']}, {t['layout']}), "
+            f"overlapped per-layer load within 1.1x: best {t['ratio']:.3f}x ({t['backend']}, {t['layout']}"
+            f"{', queued by the worker thread' if t.get('background') else ''}), "
             f"{'MET' if t['ratio'] <= 1.1 else 'NOT MET'}"))  # fmt: skip
     else:
         out.append("overlapped per-layer load: not measured in this run")
@@ -642,14 +651,15 @@ def markdown(res: dict) -> str:
         programs = f"{r['backup_programs']} / {r['load_programs']}" if r["backend"] == "kernel" and "load_programs" in r else ""
         lines.append(f"| {r['layout']} | {_order(r)} | {r['backend']} | {programs} | {r['gbps']:.1f} |")
     lines += ["", "## Per-layer load overlapped with a stand-in attention (8k tokens, 32 layers)", "",
-              "| layout | host pages | backend | load ms | compute ms (matmuls) | both ms | ratio | matmul us beside the load "
-              "| model starts (us after the load) |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| layout | host pages | backend | load queued by | load ms | compute ms (matmuls) | both ms | ratio "
+              "| matmul us beside the load | model starts (us after the load) |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in res["overlap"]:
         backend = r["backend"]
         if r["backend"] == "kernel" and "programs" in r:
             backend += f", {r['programs']} programs" + ("" if r.get("tile", "default") == "default" else f", tile {r['tile']}")
-        lines.append(f"| {r['layout']} | {_order(r)} | {backend} | {r['load_ms']:.2f} | {r['compute_ms']:.2f} "
+        queued = "worker thread" if r.get("background") else "the call"
+        lines.append(f"| {r['layout']} | {_order(r)} | {backend} | {queued} | {r['load_ms']:.2f} | {r['compute_ms']:.2f} "
                      f"({r['matmuls_per_layer']}/layer) | {r['overlapped_ms']:.2f} | {r['ratio']:.3f} | {r.get('matmul_us', 0):.0f} "
                      f"| {r.get('model_start_us', 0):.0f} |")  # fmt: skip
     for r in res["device_gather"]:
@@ -680,6 +690,8 @@ def main() -> int:
     parser.add_argument("--overlap-tiles", default="default", metavar="ELEMS/WARPS[/MAXNREG],...",
                         help="copy tiles for the overlap stage's kernel loads (default: the tile table's)")
     parser.add_argument("--overlap-layouts", default=",".join(LAYOUTS), help="host layouts for the overlap stage")
+    parser.add_argument("--overlap-background", default="off,on", metavar="off,on",
+                        help="overlap stage: the load queued by the call (off), by the host pool's worker thread (on)")
     parser.add_argument("--trace", action="store_true", help="export a CUDA trace of one overlapped run per case")
     parser.add_argument("--stages", default="transfers,bidirectional,overlap,device_gather",
                         help="comma-separated stages to run (plus sweep with --sweep)")
@@ -693,6 +705,10 @@ def main() -> int:
     args.overlap_programs = [int(x) for x in args.overlap_programs.split(",") if x]
     args.overlap_tiles = parse_tiles(args.overlap_tiles)
     args.overlap_layouts = [x for x in args.overlap_layouts.split(",") if x]
+    modes = [x for x in args.overlap_background.split(",") if x]
+    if not modes or set(modes) - {"off", "on"}:
+        parser.error(f"--overlap-background must be off, on or off,on, got {args.overlap_background!r}")
+    args.overlap_background = [m == "on" for m in modes]
     args.backends = [b for b in args.backends.split(",") if b]
     args.host_orders = [o for o in args.host_orders.split(",") if o]
     if not args.host_orders or set(args.host_orders) - set(HOST_ORDERS):

@@ -1,7 +1,8 @@
 """The host tier on a real GPU: both backends and layouts against the device bytes, bit-identical
 backends, pinned buffers, the kernel backend's capped grid, no host synchronisation, ordering of
-transfers that share host pages, and the layer-wait path (eagerly and inside a replayed CUDA graph)
-while later layers are still loading."""
+transfers that share host pages, and the layer-wait path (eagerly, with the load queued by the call
+or by the host pool's worker thread, and inside a replayed CUDA graph) while later layers are still
+loading."""
 
 from __future__ import annotations
 
@@ -205,8 +206,9 @@ def _stand_in_attention(pool, d, out):
         torch.index_select(v.view(torch.uint8), 0, d, out=out[1][layer])
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["queued-by-the-call", "background"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layer_wait_reads_each_layer_after_it_lands(backend):
+def test_layer_wait_reads_each_layer_after_it_lands(backend, background):
     gen = torch.Generator().manual_seed(11)
     tokens, layers = 32768, 8
     src = make_pool(size=40960, layers=layers, seed=1)
@@ -222,7 +224,8 @@ def test_layer_wait_reads_each_layer_after_it_lands(backend):
     for trial in range(3):
         for buf in pool.k_buffer + pool.v_buffer:  # stale bytes the model must never see
             buf.view(torch.uint8).fill_(trial)
-        host.load_to_device_all_layer(pool, h, d, backend)  # queued; the model starts right away
+        # Queued (or, in the background, being queued); the model starts right away.
+        host.load_to_device_all_layer(pool, h, d, backend, background=background)
         _stand_in_attention(pool, d, out)
         torch.cuda.synchronize()
         for w in range(2):

@@ -25,7 +25,9 @@ Transfers copy bytes (FP8 bits round-trip exactly) with either backend, bit-iden
 On CUDA transfers run on the pool's own streams (``load_stream``, ``backup_stream``), each first
 waiting for the compute stream's work so far (a stream wait); loads record one event per layer in
 ``layer_transfer_counter``, which the device pool's getters wait on once registered with
-``device_pool.register_layer_transfer_counter``. Nothing waits on the host. Transfers that touch the
+``device_pool.register_layer_transfer_counter``. Nothing waits on the device; the host waits only for
+a load queued in the background (``load_to_device_all_layer(..., background=True)``: the pool's
+worker thread queues the layers while the caller queues its model). Transfers that touch the
 same host pages are ordered (a load waits for the backup that wrote its pages, a backup for the
 loads still reading them), and a backup waits for the loads enqueued before it. Device slots stay
 the caller's to order: hand slots a backup reads to other work only after its event (or
@@ -39,6 +41,7 @@ import contextlib
 import logging
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -350,6 +353,9 @@ class MHATokenToKVPoolHost:
         self._page_read = np.full(self.page_num, -1, dtype=np.int64)
         self._events: dict[int, torch.cuda.Event] = {}
         self._last_load: Optional[tuple] = None
+        # The thread that queues background loads (made on first use) and its job in progress.
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._job: Optional[Future] = None
         self.clear()
 
     def _layer_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -513,6 +519,7 @@ class MHATokenToKVPoolHost:
         stream's work so far, and the returned event completes when it has read every row: wait on
         it (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
         overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
+        self._drain()
         slots, d_idx = self._prepare(device_pool, host_indices, device_indices, io_backend)
         table, layer_tables = self._tables(device_pool)
         if slots.shape[0] == 0:
@@ -549,17 +556,48 @@ class MHATokenToKVPoolHost:
         self._load(device_pool, host_indices, device_indices, io_backend, [layer])
 
     def load_to_device_all_layer(
-        self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel"
+        self,
+        device_pool,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str = "kernel",
+        *,
+        background: bool = False,
     ) -> None:
         """Every layer, in order, each recording its event as it lands (so a model can start layer 0
         before the last layer arrives), when this host pool's ``layer_transfer_counter`` is registered
         on ``device_pool``. Without it nothing waits for a single layer, and the kernel backend moves
         every layer in one launch (a single layer's event then completes with the others). With the
         direct backend and the page_first layout the rows of all layers travel together (a token's
-        layers are one block on the host) and every layer's event is recorded once all have landed."""
-        self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)))
+        layers are one block on the host) and every layer's event is recorded once all have landed.
 
-    def _load(self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]) -> None:
+        ``background=True`` (with the counter registered): the call checks its arguments, orders the
+        load after the compute stream's work so far, and returns; a worker thread of this host pool
+        queues the layers one by one (as SGLang's cache controller thread does), so the caller queues
+        its model's work at once instead of after the whole load's host time (1-4 ms for 32 layers on
+        an H200's host). A getter of a layer not queued yet waits on the host until it is (see
+        :class:`~kvpool.pools.layer_transfer.LayerTransferCounter`); if the worker fails, the getters
+        of the layers it did not queue raise, and so does the next call on this host pool. Every
+        other call on this host pool first waits (host) for the worker to finish queueing; code that
+        reads the device pool's buffers without the getters (a CUDA graph replay, a direct buffer
+        read) must call ``wait_for_loads()`` first. Without the counter registered the load is queued
+        before returning, as with ``background=False``."""
+        self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)), background)
+
+    def _drain(self) -> None:
+        """Wait (host) until the background load in progress, if any, has queued all its work; raise
+        its error if it failed."""
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job.result()
+            except Exception as e:
+                raise RuntimeError(f"the host pool's background load failed: {type(e).__name__}: {e}") from e
+
+    def _load(
+        self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int], background: bool = False
+    ) -> None:
+        self._drain()
         last = self._last_load
         if (
             last is not None
@@ -586,8 +624,13 @@ class MHATokenToKVPoolHost:
         # a token's layers read together, which page_first memory favours).
         waits_per_layer = getattr(device_pool, "layer_transfer_counter", None) is self.layer_transfer_counter
         together = len(layers) > 1 and not waits_per_layer
+        background = background and waits_per_layer and len(layers) > 1
         if self.load_stream is None:
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, layers, together)
+            run = lambda: self._run(io_backend, "load", table, layer_tables, slots, d_idx, None, layers, together)  # noqa: E731
+            if background:
+                self._in_background(run, layers)
+            else:
+                run()
             return
         stream = self.load_stream
         compute = torch.cuda.current_stream(device_pool.device)
@@ -596,20 +639,52 @@ class MHATokenToKVPoolHost:
             self._wait_pages(stream, self._page_written, pages)  # the backup that wrote these pages
             if io_backend == "kernel" and not cached:
                 h_dev = self._host_index_tensor(slots, device_pool.device)
-            self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
-            self._finish(stream, self._page_read, pages)
-        d_idx.record_stream(stream)
+
+            def queue() -> None:
+                self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
+                self._finish(stream, self._page_read, pages)
+                # After the last use is queued: the caching allocator then orders the tensor's reuse
+                # after the load stream's work, whenever the caller drops it.
+                d_idx.record_stream(stream)
+
+            def run() -> None:
+                with OnStream(stream):  # the worker's own current stream and device (both per thread)
+                    queue()
+
+            if background:
+                self._in_background(run, layers)
+            else:
+                queue()
         if isinstance(host_indices, torch.Tensor):
             self._last_load = (host_indices, host_indices._version, io_backend, device_pool, slots, h_dev)
 
+    def _in_background(self, run, layers: list[int]) -> None:
+        """Hand ``run`` (the queueing of a load's ``layers``) to the worker thread."""
+        counter = self.layer_transfer_counter
+        counter.expect(layers)
+
+        def job() -> None:
+            try:
+                run()
+            except BaseException as e:
+                counter.abandon(layers, e)  # waiters of the layers it did not queue raise instead of hanging
+                raise
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-load")
+        self._job = self._worker.submit(job)
+
     def wait_for_loads(self) -> None:
-        """Make the current stream wait for every load enqueued so far (no host sync)."""
+        """Make the current stream wait for every load enqueued so far (no device sync; the host
+        waits for a background load to finish queueing)."""
+        self._drain()
         if self.load_stream is not None:
             torch.cuda.current_stream(self.device_pool.device).wait_stream(self.load_stream)
 
     def wait_for_backups(self) -> None:
         """Make the current stream wait for every backup enqueued so far (no host sync): after it,
         the compute stream may overwrite device slots that were backed up."""
+        self._drain()
         if self.backup_stream is not None:
             torch.cuda.current_stream(self.device_pool.device).wait_stream(self.backup_stream)
 
@@ -638,6 +713,7 @@ class MHATokenToKVPoolHost:
         """Host code is about to read (or write) these pages: wait for the transfers writing them
         (and, before a write, reading them). A host wait on transfer events, never on the compute
         stream."""
+        self._drain()
         for seqs in (self._page_written, self._page_read) if for_write else (self._page_written,):
             event = self._events.get(int(seqs[pages].max()))
             if event is not None:
@@ -676,9 +752,11 @@ class MHATokenToKVPoolHost:
         self._direct(direction, table, layer_tables, slots, d_idx, layers)
 
     def _record_layer(self, layer: int, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """Layer ``layer`` has landed once ``stream`` (default: the current one) gets here."""
+        """Layer ``layer`` has landed once ``stream`` (default: the current one) gets here (on a CPU
+        pool: now)."""
         if self.load_stream is not None:
-            self.layer_transfer_counter.record(layer, stream or torch.cuda.current_stream(self.device_pool.device))
+            stream = stream or torch.cuda.current_stream(self.device_pool.device)
+        self.layer_transfer_counter.record(layer, stream)
 
     # --- the direct backend --------------------------------------------------------------------------
 
@@ -887,6 +965,7 @@ class MHATokenToKVPoolHost:
         """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
         storage I/O, as SGLang's: ``page_first``: per page, K's block then V's (every layer of the
         page); ``layer_first``: per page, per layer, K's block then V's."""
+        self._drain()
         slots = self._host_slots(indices, "indices")
         firsts = slots[:: self.page_size].tolist()
         ptrs: list[int] = []
