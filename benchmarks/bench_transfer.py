@@ -17,6 +17,9 @@ synchronisations; one-way time = round time / (2 n). The reported value is the m
 4. Latency: a 1-token transfer beside a bare 1-token (64 KiB) NCCL send; a 0-token transfer (the
    handshake alone) beside a bare 8-byte send.
 5. The gather and scatter kernels alone on one GPU (what the pipeline's fill and drain cost).
+6. Chunk plans (``--plans`` alone): each request's chunks sent as contiguous messages with no copies,
+   plus its first gather and last scatter, against the one-message ceiling: the best a staged
+   transfer with that plan can reach.
 
 Usage (two GPUs): python benchmarks/bench_transfer.py --out DIR [--quick]
 Writes DIR/bench_transfer.json (partial results survive a failure) and DIR/bench_transfer.md.
@@ -161,6 +164,45 @@ class Rank:
             t = t.view(torch.int64)  # 2 GiB of uint8 would be 2**31 elements, past int32 counts
         return self.pingpong(lambda: dist.send(t, self.peer), lambda: dist.recv(t, self.peer), n, rounds)
 
+    def nccl_chunks(self, sizes: list[int], n: int, rounds: int) -> float:
+        """Median one-way seconds of ``sizes`` sent as contiguous messages back to back: what a chunk
+        plan costs NCCL alone, without the gathers and scatters around it."""
+        views, offset = [], 0
+        for nbytes in sizes:
+            t = self.buf[offset : offset + nbytes]
+            views.append(t.view(torch.int64) if nbytes % 8 == 0 else t)
+            offset += nbytes
+
+        def out() -> None:
+            for t in views:
+                dist.send(t, self.peer)
+
+        def back() -> None:
+            for t in views:
+                dist.recv(t, self.peer)
+
+        return self.pingpong(out, back, n, rounds)
+
+    def copy_alone_us(self, tokens: int, gather: bool) -> float:
+        """Device microseconds of a gather (pool -> staging) or scatter of ``tokens`` random slots
+        with the whole GPU, as the pipeline's first gather and last scatter run (CUDA only)."""
+        layout, pool_table, stages = self.sender._tables_for(0, HEADS)
+        idx = slots("p1", tokens, 98)[:tokens].to(self.dev)
+        arange = torch.arange(tokens, device=self.dev)
+        args = (stages[0], arange, pool_table, idx) if gather else (pool_table, idx, stages[0], arange)
+        copy_rows(*args)
+        ms = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            copy_rows(*args)
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+        if not gather:  # the scatter wrote staging bytes into the pool: restore its pattern
+            fill(self.pool, salt=self.rank + 1)
+        return statistics.median(ms) * 1e3
+
     def transfer(
         self, kinds: tuple[str, str], tokens: int, n: int, rounds: int, seed: int,
         sender: Optional[KVSender] = None, receiver: Optional[KVReceiver] = None,
@@ -274,13 +316,52 @@ def sweep_phase(r: "Rank", rank: int, results: dict, save: Callable[[], None], c
     wire.RAMP_STEPS, wire.RAMP = default_steps, default_factor
 
 
+def plan_bounds(r: "Rank", rounds: int, ceiling: dict) -> list[dict]:
+    """What a staged transfer can reach at best with a given chunk plan: its chunks sent as
+    contiguous NCCL messages back to back (no copies), plus the pipeline's fill and drain (the first
+    chunk's gather and the last chunk's scatter, whole GPU, which nothing overlaps), against the
+    one-message ceiling. Every copy in between is taken to be hidden behind the link (the real
+    transfer's copies also share the GPU with NCCL's kernel). Plans: kvpool's (wire.chunk_plan) and
+    alternatives with fewer, equal or steeper chunks."""
+    out = []
+    capacity = r.sender.chunk_bytes // TOKEN_BYTES
+    for req, tokens in REQUESTS.items():
+        if DEVICE_TYPE != "cuda":
+            tokens = min(tokens, 64)
+        plans = {"kvpool": [c for _, c in wire.chunk_plan(tokens, capacity)], "one message": [tokens],
+                 "2 equal": [tokens // 2] * 2, "4 equal": [tokens // 4] * 4,
+                 "1/8, 3/8, 3/8, 1/8": [tokens // 8, 3 * tokens // 8, 3 * tokens // 8, tokens // 8]}  # fmt: skip
+        # Steeper ends: a smaller first gather and last scatter for one or two more messages.
+        for name, parts in (("1/16, 3/16, 1/4, 1/4, 3/16, 1/16", (2, 6, 8, 8, 6, 2)),
+                                 ("1/32, 3/32, 1/4, 1/4, 1/4, 3/32, 1/32", (1, 3, 8, 8, 8, 3, 1))):  # fmt: skip
+            unit = tokens // sum(parts)
+            counts = [unit * k for k in parts]
+            counts[len(counts) // 2] += tokens - sum(counts)
+            plans[name] = counts
+        for name, counts in plans.items():
+            nbytes = [c * TOKEN_BYTES for c in counts]
+            s = r.nccl_chunks(nbytes, 3, rounds)
+            fill = drain = 0.0
+            if DEVICE_TYPE == "cuda":
+                # Timed on each rank alike (each rank's GPU), so both stay in step.
+                fill, drain = r.copy_alone_us(counts[0], True), r.copy_alone_us(counts[-1], False)
+            total = s + (fill + drain) * 1e-6
+            full = ceiling[sum(nbytes)] if sum(nbytes) in ceiling else r.nccl(sum(nbytes), 3, rounds)
+            out.append(dict(request=req, plan=name, mib=[b >> 20 for b in nbytes], messages_us=s * 1e6,
+                            messages_fraction=full / s, fill_us=fill, drain_us=drain, bound_fraction=full / total))  # fmt: skip
+            log(f"[rank {r.rank}] plan {req} {name}: messages {full / s:.1%} of the ceiling, fill {fill:.0f} us, "
+                f"drain {drain:.0f} us, bound {full / total:.1%}")
+    return out
+
+
 def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,
-             sweep_rounds: int = 3) -> None:
+             sweep_rounds: int = 3, only_plans: bool = False) -> None:
     configure(smoke)
     if smoke:
         torch.set_num_threads(1)
     init_pair(rank, port, smoke, timeout_s=300)
-    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": []}
+    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": [],
+                     "plans": []}  # fmt: skip
     results["errors"] = []
     path = os.path.join(out_dir, "bench_transfer.json")
 
@@ -310,6 +391,9 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
             results["ceiling"].append(dict(bytes=nbytes, us=s * 1e6, gbps=nbytes / s / 1e9))
         save()
 
+        if only_plans:
+            results["plans"] = plan_bounds(r, rounds, ceiling)
+            return
         if only_sweep:
             return sweep_phase(r, rank, results, save, ceiling, parse_sweep(only_sweep, r.sms), sweep_rounds)
         configs = [(("p1", "p1"), "8k"), (("p16", "p16"), "8k"), (("p1", "p16"), "8k"),
@@ -338,6 +422,9 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
         save()
 
         results["kernels"] = r.kernels()
+        save()
+
+        results["plans"] = plan_bounds(r, rounds, ceiling)
         save()
 
         default_programs = endpoint_module.default_max_programs(r.sms)
@@ -430,6 +517,13 @@ def markdown(res: dict) -> str:
         for (c, g, ramp), v in rows.items():
             cells = [f"{100 * v[k]['fraction']:.1f}% ({v[k]['gbps']:.0f} GB/s)" if k in v else "-" for k in ("8k", "32k")]
             lines.append(f"| {c} | {g} | {int(ramp)} | {cells[0]} | {cells[1]} |")
+    if res.get("plans"):
+        lines += ["", "## What a chunk plan allows at best (contiguous messages + fill + drain, no copy contention)", "",
+                  "| request | plan | chunks MiB | messages alone, % of ceiling | fill us | drain us | bound, % of ceiling |",
+                  "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        for q in res["plans"]:
+            lines.append(f"| {q['request']} | {q['plan']} | {'/'.join(map(str, q['mib']))} | {100 * q['messages_fraction']:.1f}% "
+                         f"| {q['fill_us']:.0f} | {q['drain_us']:.0f} | {100 * q['bound_fraction']:.1f}% |")  # fmt: skip
     if res["kernels"]:
         chunk_mib = m.get("default_chunk_bytes", 0) >> 20
         lines += ["", f"## Copy kernels alone (one {chunk_mib} MiB chunk, random rows, one GPU)", ""]
@@ -450,13 +544,16 @@ def main() -> int:
                         "CHUNK_MIB:PROGRAMS:RAMP_STEPS[:RAMP_FACTOR] (PROGRAMS 0: one per task, 'default': the "
                         "endpoint's), each timed over --sweep-rounds rounds")  # fmt: skip
     parser.add_argument("--sweep-rounds", type=int, default=3)
+    parser.add_argument("--plans", action="store_true",
+                        help="only the ceiling and what each chunk plan allows at best (messages alone + fill + drain)")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2 and not args.cpu_smoke:
         log(f"this benchmark needs two GPUs, found {torch.cuda.device_count()}")
         return 2
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out, args.sweep, args.sweep_rounds),
+    mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out, args.sweep, args.sweep_rounds,
+                                         args.plans),
                        nprocs=2, start_method="spawn")  # fmt: skip
     with open(os.path.join(args.out, "bench_transfer.md")) as f:
         print(f.read())
