@@ -306,7 +306,36 @@ def test_launch_key_separates_what_triton_specialises_on():
     assert key(*args, dev=1) != base
     assert key(*args, nreg=32) != base
     assert key(*args, p=plan_copy(16, 2, (1024,), 16, False, 4, C.FEW_PROGRAMS_TILE)) == base  # same plan
-    assert key(*args, p=plan_copy(16, 2, (1024,), 8, False, 8, C.FEW_PROGRAMS_TILE)) != base
+    assert key(*args, p=plan_copy(16, 2, (1024,), 8, False, 8, C.FEW_PROGRAMS_TILE)) != base  # other constexprs
+    # The grid is not part of the key: pair counts with the same blocks share a compiled kernel.
+    many, more = (plan_copy(n, 2, (1024,), 16, False, 8, C.FEW_PROGRAMS_TILE) for n in (4096, 8192))
+    assert many.tasks != more.tasks and key(*args, p=many) == key(*args, p=more)
+
+
+def test_cached_launches_pass_the_kernel_signature_in_order():
+    """The compiled kernel's launcher takes every parameter positionally without checking their
+    number: launch_copy_rows passes PARAMS' order, which must be the kernel's."""
+    assert C.kernel_params() == C.PARAMS
+
+
+def test_launch_key_agrees_with_triton_specialisation():
+    """Arguments with equal key parts get equal specialisations from Triton itself (where this
+    Triton exposes its specialiser)."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    spec = getattr(jit, "native_specialize_impl", None)
+    backend = getattr(getattr(jit, "BaseBackend", None), "__name__", None) and jit.BaseBackend
+    if spec is None or not backend:
+        pytest.skip("this Triton does not expose native_specialize_impl")
+    buf = torch.zeros(64, dtype=torch.int64)
+    tensors = [buf, buf[1:], buf[2:], buf[3:], buf.int(), buf.int()[1:], buf.int()[4:]]
+    ints = [0, 1, 2, 15, 16, 17, 32, 2**31 - 16, 2**31 - 1, 2**31, 2**32, 2**63 - 16, 2**63, -16, -(2**31) - 16]
+    plan = plan_copy(16, 2, (1024,), 16, False, 8, C.FEW_PROGRAMS_TILE)
+    for group, part in ((tensors, lambda t: C.launch_key(0, plan, None, (t,), ())[-1]),
+                        (ints, lambda v: C.launch_key(0, plan, None, (), (v,))[-1])):  # fmt: skip
+        for a in group:
+            for b in group:
+                if part(a) == part(b):
+                    assert spec(jit.BaseBackend, a, False, True, True)[:2] == spec(jit.BaseBackend, b, False, True, True)[:2], (a, b)
 
 
 def test_one_pass_refuses_too_many_pairs():

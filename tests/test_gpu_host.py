@@ -270,3 +270,39 @@ def test_layer_wait_inside_a_cuda_graph(backend):
         for w in range(2):
             for layer in range(layers):
                 assert_same_bytes(out[w][layer].cpu(), want[which][w][layer], f"replay {trial} {'kv'[w]} {layer}")
+
+
+def test_a_failed_background_load_still_orders_what_it_queued(monkeypatch):
+    """A worker that fails part-way still records the pages its queued copies read (later backups
+    into them wait) and keeps its index tensors until they ran; the layers it queued land."""
+    from kvpool.pools import host_pool
+
+    gen = torch.Generator().manual_seed(21)
+    tokens, layers = 4096, 4
+    src = make_pool(layers=layers, seed=1)
+    host = MHATokenToKVPoolHost(src, 1.0, 0, 16, "layer_first")
+    h = host_pages(host, tokens, gen)
+    d = device_pages(src, tokens, 16, gen)
+    host.backup_from_device_all_layer(src, h, d, "kernel")
+    want = rows_of(src, 0, "k", d)
+    pool = make_pool(layers=layers, seed=2)
+    pool.register_layer_transfer_counter(host.layer_transfer_counter)
+    real, calls = host_pool._copy_rows, []
+
+    def copy(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(host_pool, "_copy_rows", copy)
+    seq = host._seq
+    host.load_to_device_all_layer(pool, h, d.clone(), "kernel", background=True)  # the clone is dropped at once
+    with pytest.raises(RuntimeError, match="background load failed"):
+        host.wait_for_loads()
+    pages = h.numpy()[:: host.page_size] // host.page_size
+    assert host._seq == seq + 1 and (host._page_read[pages] == host._seq).all()
+    torch.cuda.synchronize()
+    assert_same_bytes(rows_of(pool, 0, "k", d), want, "layer 0, queued before the failure")
+    with pytest.raises(RuntimeError, match="layer 1 was not loaded"):
+        pool.get_key_buffer(1)

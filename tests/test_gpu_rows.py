@@ -100,8 +100,14 @@ def test_repeated_launches_take_the_compiled_launcher_and_stay_exact(monkeypatch
             di, si = di.to(DEV, dtype)[offset:], si.to(DEV, dtype)[offset:]
             expected = reference(bufs, di, src, si, False)
             if stream is not None:
+                before = [b.cpu() for b in bufs]
                 stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(50_000_000)  # holds `stream` (about 25 ms): the copy waits behind it
             C.launch_copy_rows(dt, di, st, si, max_programs=8, stream=stream)
+            if stream is not None:  # queued on `stream`, not on the current stream, which reads the old bytes
+                for got, old in zip(bufs, before):
+                    assert_same_bytes(got.cpu(), old, f"round {round_}: the copy ran on the current stream")
             torch.cuda.synchronize()
             for got, want in zip(bufs, expected):
                 assert_same_bytes(got.cpu(), want, f"round {round_}, {n} pairs at offset {offset}, {dtype}")

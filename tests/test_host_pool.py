@@ -761,3 +761,44 @@ def test_every_other_call_waits_for_the_background_queueing(monkeypatch, call):
     }[call]()
     assert host._job is None and host.layer_transfer_counter._pending == [False] * 3
     assert torch.equal(pool.v_buffer[2].view(torch.uint8)[d], src.v_buffer[2].view(torch.uint8)[d])
+
+
+def test_a_worker_that_cannot_start_leaves_no_getter_waiting(monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    src, host, pool, h, d = _loaded_pair("layer_first", "kernel")
+
+    def refuse(self, fn, *a, **k):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", refuse)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        host.load_to_device_all_layer(pool, h, d, "kernel", background=True)
+    outcome = []
+
+    def getter():
+        try:
+            pool.get_key_buffer(0)
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=getter, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the getter waits for a layer no worker will record"
+    assert outcome and "layer 0 was not loaded" in outcome[0]
+
+
+def test_a_failed_background_load_reports_once(monkeypatch):
+    import threading
+
+    src, host, pool, h, d = _loaded_pair("layer_first", "kernel")
+    gate = threading.Event()
+    gate.set()
+    _gate_copies(monkeypatch, "kernel", gate, fail_at=1)
+    host.load_to_device_all_layer(pool, h, d, "kernel", background=True)
+    with pytest.raises(RuntimeError, match="background load failed"):
+        host.wait_for_loads()
+    host.wait_for_loads()  # the error is reported once
+    assert torch.equal(pool.get_key_buffer(0).view(torch.uint8)[d], src.k_buffer[0].view(torch.uint8)[d])

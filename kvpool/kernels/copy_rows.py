@@ -28,6 +28,7 @@ writes it directly through unified addressing. Index tensors and address tables 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
@@ -452,26 +453,44 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_key(device_index: int, plan: CopyPlan, maxnreg: Optional[int], tensors: tuple, ints: tuple) -> tuple:
-    """Everything the compiled kernel for a launch depends on: the device, the plan (constexprs and
-    warps), the register cap, and what Triton specialises each argument on: a tensor's dtype and
+    """Everything the compiled kernel for a launch depends on: the device, the plan's constexprs and
+    warps, the register cap, and what Triton specialises each argument on: a tensor's dtype and
     whether 16 divides its address; an int's type (i32 up to 2**31 - 1, i64, u64 from 2**63),
     whether it is 1 and whether 16 divides it. Two launches with equal keys run the same compiled
     kernel; the key is a superset of Triton's own, so a kernel is never reused for arguments it was
-    not compiled for."""
+    not compiled for. (The grid is not part of it: one compiled kernel serves every pair count.)"""
     return (
-        device_index, plan, maxnreg, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+        device_index, plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass,
+        plan.num_warps, maxnreg, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
         *[(v == 1) | (v % 16 == 0) << 1 | (v > 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3 | (v < -0x80000000) << 4 for v in ints],
     )  # fmt: skip
 
 
-#: Launchers of compiled kernels by :func:`launch_key` (CUDA). A launch through the JIT binds and
-#: specialises every argument and looks up its cache, 22 us of host time per launch on an H200's host
-#: against 8 us for the compiled kernel's own launcher (``benchmarks/probe_host_calls.py``); a
-#: transfer of 32 layers one by one launches 32 times before the model's work can be queued.
-_LAUNCHERS: dict[tuple, object] = {}
-#: Cleared for good if this Triton's compiled-kernel launcher does not take the arguments as the JIT
-#: passes them (every parameter in order, constexprs included); launches then all go through the JIT.
-_FAST_LAUNCH = True
+#: The kernel's parameters, in order: what a launch passes the compiled kernel's launcher
+#: positionally, constexprs included. That launcher does not check how many it gets (Triton 3.6-3.7),
+#: so the cached launches are only used when the kernel's signature is exactly this.
+PARAMS = (
+    "dst_table_ptr", "src_table_ptr", "dst_index_ptr", "src_index_ptr", "n_pairs", "dst_rows", "src_rows",
+    "dst_index_stride", "src_index_stride", "dst_table_stride", "src_table_stride", "buffers", "chunks",
+    "n_tasks", "ELEM_BYTES", "ALIGN", "BLOCK_P", "BLOCK_W", "EVEN", "ONE_PASS",
+)  # fmt: skip
+
+
+def kernel_params() -> tuple:
+    """The row-copy kernel's parameter names, from its Python signature (JIT or interpreter)."""
+    fn = _k._copy_rows_kernel
+    return tuple(inspect.signature(getattr(fn, "fn", fn)).parameters)
+
+
+#: Compiled kernels by :func:`launch_key` (CUDA). A launch through the JIT binds and specialises
+#: every argument and looks up its cache: 22 us of host time per launch on an H200's host against 8 us
+#: for the compiled kernel's own launcher (``benchmarks/probe_host_calls.py``); a transfer of 32
+#: layers one by one launches 32 times before the model's work can be queued. As many entries as
+#: the JIT's own cache has kernels.
+_COMPILED: dict[tuple, object] = {}
+#: Cleared for good if this Triton's kernel has another signature, or its launcher refuses the
+#: arguments as the JIT passes them; launches then all go through the JIT.
+_FAST_LAUNCH = TRITON_AVAILABLE and not INTERPRETER and kernel_params() == PARAMS
 
 
 def launch_copy_rows(
@@ -512,22 +531,22 @@ def launch_copy_rows(
         return
     current = device.index == torch.cuda.current_device()
     key = launch_key(device.index, plan, tile.maxnreg, tensors, ints) if _FAST_LAUNCH and current else None
-    launcher = _LAUNCHERS.get(key) if key is not None else None
-    if launcher is not None:
+    compiled = _COMPILED.get(key) if key is not None else None
+    if compiled is not None:
         constexprs = (plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass)
         try:
-            launcher(*args, *constexprs, stream=None if stream is None else stream.cuda_stream)
+            compiled[(plan.programs, 1, 1)](*args, *constexprs, stream=None if stream is None else stream.cuda_stream)
             return
-        except TypeError:  # the launcher checks its arguments before launching: nothing ran
+        except TypeError:  # a launcher that parses its arguments refused these before launching
             _FAST_LAUNCH = False
-            _LAUNCHERS.clear()
+            _COMPILED.clear()
     if stream is not None or not current:
         with OnStream(stream if stream is not None else torch.cuda.current_stream(device)):
             compiled = _jit_launch(plan, tile, args)
     else:
         compiled = _jit_launch(plan, tile, args)
     if key is not None and _FAST_LAUNCH and compiled is not None:
-        _LAUNCHERS[key] = compiled[(plan.programs, 1, 1)]
+        _COMPILED[key] = compiled
 
 
 def _jit_launch(plan: CopyPlan, tile: CopyTile, args: tuple):

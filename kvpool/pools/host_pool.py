@@ -535,9 +535,11 @@ class MHATokenToKVPoolHost:
             self._backup_after_loads.order(stream, self.load_stream)  # and loads enqueued before (they may write these rows)
             self._wait_pages(stream, self._page_read, pages)  # loads still reading these pages
             h_dev = self._host_index_tensor(slots, device_pool.device) if io_backend == "kernel" else None
-            self._run(io_backend, "backup", table, layer_tables, slots, d_idx, h_dev)
-            event = self._finish(stream, self._page_written, pages)
-        d_idx.record_stream(stream)
+            try:
+                self._run(io_backend, "backup", table, layer_tables, slots, d_idx, h_dev)
+            finally:  # also after a failure part-way: what was queued is still ordered and kept
+                event = self._finish(stream, self._page_written, pages)
+                d_idx.record_stream(stream)
         return event
 
     def load_to_device_per_layer(
@@ -578,21 +580,31 @@ class MHATokenToKVPoolHost:
         an H200's host). A getter of a layer not queued yet waits on the host until it is (see
         :class:`~kvpool.pools.layer_transfer.LayerTransferCounter`); if the worker fails, the getters
         of the layers it did not queue raise, and so does the next call on this host pool. Every
-        other call on this host pool first waits (host) for the worker to finish queueing; code that
+        other transfer or page call on this host pool first waits (host) for the worker to finish
+        queueing; code that
         reads the device pool's buffers without the getters (a CUDA graph replay, a direct buffer
-        read) must call ``wait_for_loads()`` first. Without the counter registered the load is queued
-        before returning, as with ``background=False``."""
+        read) or captures a CUDA graph must call ``wait_for_loads()`` first, and ``device_indices``
+        must not change before then (the worker reads it when it queues the layers; on a CPU pool it
+        does the copies). Without the counter registered, or for a one-layer pool, the load is
+        queued before returning, as with ``background=False``. A host pool is not thread-safe: call
+        it from one thread (the worker is its own)."""
         self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)), background)
 
     def _drain(self) -> None:
         """Wait (host) until the background load in progress, if any, has queued all its work; raise
         its error if it failed."""
-        job, self._job = self._job, None
-        if job is not None:
-            try:
-                job.result()
-            except Exception as e:
-                raise RuntimeError(f"the host pool's background load failed: {type(e).__name__}: {e}") from e
+        job = self._job
+        if job is None:
+            return
+        try:
+            job.result()
+        except BaseException as e:
+            if job.done():  # (not when this wait itself was interrupted: the worker may still run)
+                self._job = None
+                if isinstance(e, Exception):
+                    raise RuntimeError(f"the host pool's background load failed: {type(e).__name__}: {e}") from e
+            raise
+        self._job = None
 
     def _load(
         self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int], background: bool = False
@@ -641,11 +653,13 @@ class MHATokenToKVPoolHost:
                 h_dev = self._host_index_tensor(slots, device_pool.device)
 
             def queue() -> None:
-                self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
-                self._finish(stream, self._page_read, pages)
-                # After the last use is queued: the caching allocator then orders the tensor's reuse
-                # after the load stream's work, whenever the caller drops it.
-                d_idx.record_stream(stream)
+                try:
+                    self._run(io_backend, "load", table, layer_tables, slots, d_idx, h_dev, layers, together)
+                finally:  # also after a failure part-way: what was queued is still ordered and kept
+                    self._finish(stream, self._page_read, pages)
+                    # After the last use is queued: the caching allocator then orders the tensor's
+                    # reuse after the load stream's work, whenever the caller drops it.
+                    d_idx.record_stream(stream)
 
             def run() -> None:
                 with OnStream(stream):  # the worker's own current stream and device (both per thread)
@@ -670,9 +684,13 @@ class MHATokenToKVPoolHost:
                 counter.abandon(layers, e)  # waiters of the layers it did not queue raise instead of hanging
                 raise
 
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-load")
-        self._job = self._worker.submit(job)
+        try:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-host-load")
+            self._job = self._worker.submit(job)
+        except BaseException as e:  # no worker (interpreter shutting down, say): nothing will record them
+            counter.abandon(layers, e)
+            raise
 
     def wait_for_loads(self) -> None:
         """Make the current stream wait for every load enqueued so far (no device sync; the host
@@ -847,58 +865,61 @@ class MHATokenToKVPoolHost:
         transfer = torch.cuda.current_stream(table.table_device) if cuda else None
         if cuda:
             st.aux.wait_stream(transfer)  # the ordering the transfer stream already has
-        views: dict = {}
-        for k, (j0, j1, layer) in enumerate(pieces):
-            h = k % 2
-            half = st.halves[h]
-            pos, dev, k_seg, v_seg = plans[(j0, j1)]
-            if layer is None:
-                s_table, k_flat, v_flat, d_table, shift = half.table, half.k_flat, half.v_flat, table, 0
-            else:
-                s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
-                d_table, shift = layer_tables[layer], layer * per_layer
-            # The staging side of a chunk's segments is the same for every layer: its views are
-            # made once per chunk and buffer (a slice costs the host as much as the copy call).
-            seg_views = views.get((j0, h))
-            if seg_views is None:
-                seg_views = views[(j0, h)] = (_staged_segments(k_seg, k_flat), _staged_segments(v_seg, v_flat))
-            copies = (
-                (seg_views[0], self._k_flat, shift * self.k_row_bytes),
-                (seg_views[1], self._v_flat, shift * self.v_row_bytes),
-            )
-            # The device copies go to ``aux`` without making it current (one stream switch less per
-            # piece: these calls are the host's cost of a layer-by-layer load).
-            if direction == "backup":
-                if cuda and k >= 2:
-                    st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
-                _copy_rows(k == 0, s_table, pos, d_table, dev, None, ("positions", "device_indices"), st.aux)
-                if cuda:
-                    st.device_done[h].record(st.aux)
-                    transfer.wait_event(st.device_done[h])
-                _copy_segments(copies, to_host=True)
-                if cuda:
-                    st.copies_done[h].record(transfer)
-            else:
-                if cuda and k >= 2:
-                    transfer.wait_event(st.device_done[h])  # this buffer's previous chunk is scattered
-                _copy_segments(copies, to_host=False)
-                if cuda:
-                    st.copies_done[h].record(transfer)
-                    st.aux.wait_event(st.copies_done[h])
-                _copy_rows(k == 0, d_table, dev, s_table, pos, None, ("device_indices", "positions"), st.aux)
-                if cuda:
-                    st.device_done[h].record(st.aux)
-                last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
-                if layer is not None and last_of_layer:
-                    self._record_layer(layer, st.aux)
-        if direction == "load":
-            if all_layers:  # a token's layers travel together: every layer lands at once
+        queued = False
+        try:
+            views: dict = {}
+            for k, (j0, j1, layer) in enumerate(pieces):
+                h = k % 2
+                half = st.halves[h]
+                pos, dev, k_seg, v_seg = plans[(j0, j1)]
+                if layer is None:
+                    s_table, k_flat, v_flat, d_table, shift = half.table, half.k_flat, half.v_flat, table, 0
+                else:
+                    s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
+                    d_table, shift = layer_tables[layer], layer * per_layer
+                # The staging side of a chunk's segments is the same for every layer: its views are
+                # made once per chunk and buffer (a slice costs the host as much as the copy call).
+                seg_views = views.get((j0, h))
+                if seg_views is None:
+                    seg_views = views[(j0, h)] = (_staged_segments(k_seg, k_flat), _staged_segments(v_seg, v_flat))
+                copies = (
+                    (seg_views[0], self._k_flat, shift * self.k_row_bytes),
+                    (seg_views[1], self._v_flat, shift * self.v_row_bytes),
+                )
+                # The device copies go to ``aux`` without making it current (one stream switch less per
+                # piece: these calls are the host's cost of a layer-by-layer load).
+                if direction == "backup":
+                    if cuda and k >= 2:
+                        st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
+                    _copy_rows(k == 0, s_table, pos, d_table, dev, None, ("positions", "device_indices"), st.aux)
+                    if cuda:
+                        st.device_done[h].record(st.aux)
+                        transfer.wait_event(st.device_done[h])
+                    _copy_segments(copies, to_host=True)
+                    if cuda:
+                        st.copies_done[h].record(transfer)
+                else:
+                    if cuda and k >= 2:
+                        transfer.wait_event(st.device_done[h])  # this buffer's previous chunk is scattered
+                    _copy_segments(copies, to_host=False)
+                    if cuda:
+                        st.copies_done[h].record(transfer)
+                        st.aux.wait_event(st.copies_done[h])
+                    _copy_rows(k == 0, d_table, dev, s_table, pos, None, ("device_indices", "positions"), st.aux)
+                    if cuda:
+                        st.device_done[h].record(st.aux)
+                    last_of_layer = k + 1 == len(pieces) or pieces[k + 1][2] != layer
+                    if layer is not None and last_of_layer:
+                        self._record_layer(layer, st.aux)
+            if direction == "load" and all_layers:  # a token's layers travel together: every layer lands at once
                 for layer in layers:
                     self._record_layer(layer, st.aux)
+            queued = True
+        finally:  # also after a failure part-way: the transfer stream ends after what aux has queued
             if cuda:
-                transfer.wait_stream(st.aux)
-        if cuda:
-            d_idx.record_stream(st.aux)
+                if direction == "load" or not queued:
+                    transfer.wait_stream(st.aux)
+                d_idx.record_stream(st.aux)
 
     # --- pages for a storage tier (SGLang names) -----------------------------------------------------
 

@@ -11,8 +11,9 @@ before it, outside the graph.
 
 A load queued by a background thread (``load_to_device_all_layer(..., background=True)``) names its
 layers with :meth:`LayerTransferCounter.expect` first; until the thread records a layer's event, a
-getter of that layer waits on the host for the thread to queue it (a condition variable: the thread
-is only queueing work, which takes microseconds per layer), then the stream waits as above. That is
+getter of that layer waits on the host for the thread to queue it (a condition variable: on CUDA the
+thread only queues work, tens of microseconds per layer; on a CPU pool it does the copies), then the
+stream waits as above. That is
 how SGLang's layer-done counter lets a model runner start while its cache controller's thread is
 still queueing the load.
 """
