@@ -103,11 +103,18 @@ def test_repeated_launches_take_the_compiled_launcher_and_stay_exact(monkeypatch
                 before = [b.cpu() for b in bufs]
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    torch.cuda._sleep(50_000_000)  # holds `stream` (about 25 ms): the copy waits behind it
+                    torch.cuda._sleep(1_000_000_000)  # holds `stream` (about 0.5 s): the copy waits behind it
             C.launch_copy_rows(dt, di, st, si, max_programs=8, stream=stream)
-            if stream is not None:  # queued on `stream`, not on the current stream, which reads the old bytes
-                for got, old in zip(bufs, before):
-                    assert_same_bytes(got.cpu(), old, f"round {round_}: the copy ran on the current stream")
+            if stream is not None:
+                # Queued on `stream` (still asleep), not on the current stream: a stream-ordered read
+                # on the current stream (into pinned memory) sees the old bytes.
+                # (Other processes sharing the GPU can delay that read past the sleep: the check
+                # only holds when `stream` is still asleep after the read.)
+                now = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True).copy_(b, non_blocking=True) for b in bufs]
+                torch.cuda.current_stream().synchronize()
+                if not stream.query():
+                    for got, old in zip(now, before):
+                        assert_same_bytes(got, old, f"round {round_}: the copy ran on the current stream")
             torch.cuda.synchronize()
             for got, want in zip(bufs, expected):
                 assert_same_bytes(got.cpu(), want, f"round {round_}, {n} pairs at offset {offset}, {dtype}")
