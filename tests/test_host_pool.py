@@ -643,28 +643,17 @@ def _gate_copies(monkeypatch, backend, gate, fail_at=None):
     """Make the worker's per-layer copies wait for ``gate`` (and the one of layer ``fail_at`` raise):
     the test then sees the state while the background load is still queueing."""
     calls = []
-    if backend == "kernel":
-        real = host_pool._copy_rows
+    name = "_copy_rows" if backend == "kernel" else "_copy_segments"  # called once per layer
+    real = getattr(host_pool, name)
 
-        def copy(*a, **k):
-            calls.append(1)
-            assert gate.wait(10), "gate never opened"
-            if fail_at is not None and len(calls) == fail_at + 1:
-                raise RuntimeError("copy failed")
-            return real(*a, **k)
+    def copy(*a, **k):
+        calls.append(1)
+        assert gate.wait(10), "gate never opened"
+        if fail_at is not None and len(calls) == fail_at + 1:
+            raise RuntimeError("copy failed")
+        return real(*a, **k)
 
-        monkeypatch.setattr(host_pool, "_copy_rows", copy)
-    else:
-        real = host_pool._copy_segments
-
-        def copy(*a, **k):
-            calls.append(1)
-            assert gate.wait(10), "gate never opened"
-            if fail_at is not None and len(calls) == fail_at + 1:
-                raise RuntimeError("copy failed")
-            return real(*a, **k)
-
-        monkeypatch.setattr(host_pool, "_copy_segments", copy)
+    monkeypatch.setattr(host_pool, name, copy)
     return calls
 
 
