@@ -458,7 +458,7 @@ def launch_key(device_index: int, plan: CopyPlan, maxnreg: Optional[int], tensor
     whether 16 divides its address; an int's type (i32 up to 2**31 - 1, i64, u64 from 2**63),
     whether it is 1 and whether 16 divides it. Two launches with equal keys run the same compiled
     kernel; the key is a superset of Triton's own, so a kernel is never reused for arguments it was
-    not compiled for. (The grid is not part of it: one compiled kernel serves every pair count.)"""
+    not compiled for. (The grid is not part of it: pair counts with the same blocks share a kernel.)"""
     return (
         device_index, plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass,
         plan.num_warps, maxnreg, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],

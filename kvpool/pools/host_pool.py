@@ -581,13 +581,12 @@ class MHATokenToKVPoolHost:
         :class:`~kvpool.pools.layer_transfer.LayerTransferCounter`); if the worker fails, the getters
         of the layers it did not queue raise, and so does the next call on this host pool. Every
         other transfer or page call on this host pool first waits (host) for the worker to finish
-        queueing; code that
-        reads the device pool's buffers without the getters (a CUDA graph replay, a direct buffer
-        read) or captures a CUDA graph must call ``wait_for_loads()`` first, and ``device_indices``
-        must not change before then (the worker reads it when it queues the layers; on a CPU pool it
-        does the copies). Without the counter registered, or for a one-layer pool, the load is
-        queued before returning, as with ``background=False``. A host pool is not thread-safe: call
-        it from one thread (the worker is its own)."""
+        queueing. Code that reads the device pool's buffers without the getters (a CUDA graph
+        replay, a direct buffer read) or captures a CUDA graph must call ``wait_for_loads()`` first,
+        and ``device_indices`` must not change before then (the worker reads it when it queues the
+        layers; on a CPU pool it does the copies). Without the counter registered, or for a
+        one-layer pool, the load is queued before returning, as with ``background=False``. A host
+        pool is not thread-safe: call it from one thread (the worker is its own)."""
         self._load(device_pool, host_indices, device_indices, io_backend, list(range(self.layer_num)), background)
 
     def _drain(self) -> None:
