@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pair import free_port, init_pair  # noqa: E402
+from timing import event_ms  # noqa: E402
 
 from kvpool import KVReceiver, KVSender, MHATokenToKVPool  # noqa: E402
 from kvpool.kernels.copy_rows import copy_rows  # noqa: E402
@@ -190,18 +191,10 @@ class Rank:
         idx = slots("p1", tokens, 98)[:tokens].to(self.dev)
         arange = torch.arange(tokens, device=self.dev)
         args = (stages[0], arange, pool_table, idx) if gather else (pool_table, idx, stages[0], arange)
-        copy_rows(*args)
-        ms = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            copy_rows(*args)
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
+        ms = event_ms(lambda: copy_rows(*args), 20)
         if not gather:  # the scatter wrote staging bytes into the pool: restore its pattern
             fill(self.pool, salt=self.rank + 1)
-        return statistics.median(ms) * 1e3
+        return ms * 1e3
 
     def transfer(
         self, kinds: tuple[str, str], tokens: int, n: int, rounds: int, seed: int,
@@ -259,17 +252,7 @@ class Rank:
             for per_sm in (1, 2, 4, 8):
                 gather, scatter = (stages[0], arange, pool_table, idx), (pool_table, idx, stages[0], arange)
                 for name, args in (("gather", gather), ("scatter", scatter)):
-                    run = lambda: copy_rows(*args, max_programs=per_sm * self.sms)  # noqa: E731
-                    run()
-                    ms = []
-                    for _ in range(20):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        run()
-                        b.record()
-                        b.synchronize()
-                        ms.append(a.elapsed_time(b))
-                    t = statistics.median(ms) / 1e3
+                    t = event_ms(lambda: copy_rows(*args, max_programs=per_sm * self.sms), 20) / 1e3
                     out.append(dict(kernel=name, programs_per_sm=per_sm, bytes=count * layout.token_bytes,
                                     us=t * 1e6, gbps=count * layout.token_bytes / t / 1e9))  # fmt: skip
             fill(self.pool, salt=1)  # the scatter wrote staging bytes into the pool
