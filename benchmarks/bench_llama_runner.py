@@ -43,7 +43,7 @@ import triton
 from torch.autograd import DeviceType
 
 from kvpool import MHATokenToKVPool
-from kvpool.args import resolve_device
+from kvpool.checks import resolve_device
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "llama_runner.py"
 _spec = importlib.util.spec_from_file_location("llama_runner", _PATH)

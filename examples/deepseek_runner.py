@@ -72,7 +72,7 @@ from llama_runner import (  # noqa: E402
 )
 
 from kvpool import MLATokenToKVPool  # noqa: E402
-from kvpool.args import positive_int  # noqa: E402
+from kvpool.checks import positive_int  # noqa: E402
 
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool import MHATokenToKVPool
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
 from kvpool.pools.base import KVCache
 from kvpool.pools.req_to_token import ReqToTokenPool

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.streams import OnStream
 
 try:

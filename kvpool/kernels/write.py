@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.config import KernelOptions, validate_enabled
+from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels import store_kv
 from kvpool.kernels.checks import (
     F32_MAX,
@@ -38,10 +39,6 @@ from kvpool.kernels.reference import write_reference
 logger = logging.getLogger("kvpool")
 
 _F32 = torch.float32
-
-
-class FusedPathUnavailable(RuntimeError):
-    """Raised when the fused kernel was demanded (``fused="always"``) but the gate refused."""
 
 
 @dataclass

@@ -85,7 +85,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvpool.args import non_negative_int, positive_int, resolve_device
+from kvpool.checks import non_negative_int, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.pools import allocator_checks as checks
 from kvpool.pools.allocator_checks import Indices, IntegrityError, ceil_div

@@ -22,16 +22,14 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
+from kvpool.errors import IntegrityError
+
 if TYPE_CHECKING:
     from kvpool.pools.allocator import AllocatorState
 
 Indices = Union[torch.Tensor, Sequence[int]]
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-
-
-class IntegrityError(RuntimeError):
-    """An allocator's or request table's bookkeeping is inconsistent (raised by ``check_integrity``)."""
 
 
 def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:

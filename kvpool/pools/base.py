@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from kvpool.args import non_negative_int, positive_int, resolve_device
+from kvpool.checks import non_negative_int, positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 from kvpool.kernels import copy_rows

@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.config import validate_enabled
 from kvpool.kernels import copy_rows as rows
 from kvpool.pools import host_copy

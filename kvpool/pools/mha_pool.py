@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
 from kvpool.kernels.formats import is_fp8
 from kvpool.pools import kv_moves

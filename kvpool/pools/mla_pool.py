@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.kernels import copy_rows
 from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_loc_in_range, check_rows, check_write
 from kvpool.kernels.formats import LOC_DTYPES, bits_dtype, is_fp8

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.args import non_negative_int, positive_int, resolve_device
+from kvpool.checks import non_negative_int, positive_int, resolve_device
 from kvpool.pools.allocator import IntegrityError
 
 

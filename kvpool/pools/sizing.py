@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.kernels.formats import CACHE_DTYPES, store_dtype_for
 
 

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool.args import positive_int
+from kvpool.checks import positive_int
 from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, _use_kernel, copy_rows, launch_copy_rows
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool

@@ -1,0 +1,115 @@
+"""The argument checks every kvpool entry shares: plain constructor arguments, index tensors, ranges.
+
+Each raises naming the argument, what it must be and what it was (docs/contract.md, "Bad input"),
+before anything is written. ``check_index`` reads metadata only (no synchronisation, traceable by
+torch.compile); ``check_in_range`` reads the values, so device tensors pay one synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+#: The integer types kvpool takes for slots and indices (SGLang's, and what the kernels read).
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+
+def positive_int(value: object, name: str) -> int:
+    """``value`` if it is an int >= 1 (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def non_negative_int(value: object, name: str) -> int:
+    """``value`` if it is an int >= 0 (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; a bare ``"cuda"`` names the current CUDA device, so that
+    tensors made later compare equal to it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def check_index(
+    t: object,
+    name: str,
+    *,
+    device: Optional[torch.device] = None,
+    ndim: int = 1,
+    dims: str = "",
+    length: Optional[int] = None,
+    per: str = "",
+    dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
+    where: str = "",
+) -> torch.Tensor:
+    """``t`` itself if it is an index tensor of one of ``dtypes`` with ``ndim`` dimensions (``dims``
+    spells them in the message, e.g. ``"[T]"``), ``length`` entries along dim 0 (``per`` says what
+    one entry stands for, e.g. ``"one per token"``) and on ``device`` (``where`` names it in the
+    message, e.g. ``"cpu (host slots)"``). Raises ``TypeError`` for a non-tensor, else ``ValueError``.
+
+    >>> check_index(torch.tensor([1, 2]), "loc", dims="[T]", length=2)
+    tensor([1, 2])
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        spelled = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be {spelled}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{' ' + dims if dims else ''}, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries{f' ({per})' if per else ''}, got {t.shape[0]}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {where or device}, got {t.device}")
+    return t
+
+
+def check_same_length(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> int:
+    """Two index tensors with as many entries each; returns the count."""
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{b_name} must have as many entries as {a_name} ({a.shape[0]}), got {b.shape[0]}")
+    return a.shape[0]
+
+
+def check_in_range(
+    checks: Sequence[tuple[torch.Tensor, int, str]],
+    *,
+    what: str = "rows",
+    negative_ok: bool = True,
+) -> None:
+    """For each ``(index, rows, name)``: every entry below ``rows``, and, unless ``negative_ok``
+    (negative entries are padding), at least 0. Raises ``IndexError`` naming the first offending
+    position and value; one synchronisation for all of them when they live on a device.
+
+    >>> check_in_range([(torch.tensor([0, 7]), 4, "loc")], what="slots")
+    Traceback (most recent call last):
+    IndexError: loc[1] = 7 is out of range: slots are 0..3 (negative entries are skipped)
+    """
+    live = [(t, rows, name) for t, rows, name in checks if t.numel()]
+    if not live:
+        return
+    masks = [(t >= rows) if negative_ok else ((t < 0) | (t >= rows)) for t, rows, _ in live]
+    flags = torch.stack([m.any() for m in masks]).tolist()
+    note = " (negative entries are skipped)" if negative_ok else ""
+    for (t, rows, name), mask, bad in zip(live, masks, flags):
+        if bad:
+            flat = int(torch.argmax(mask.reshape(-1).to(torch.uint8)))
+            pos = flat if t.dim() == 1 else ", ".join(map(str, _unravel(flat, tuple(t.shape))))
+            value = int(t.reshape(-1)[flat])
+            raise IndexError(f"{name}[{pos}] = {value} is out of range: {what} are 0..{rows - 1}{note}")
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        flat, r = divmod(flat, size)
+        out.append(r)
+    return out[::-1]
