@@ -1,9 +1,9 @@
 """Serve prompts with a DeepSeek-V3 model whose latent KV cache lives in kvpool's MLA pool, and check
 it against transformers.
 
-The DeepSeek-V3 counterpart of examples/llama_runner.py, sharing its scheduler (``ReqToTokenPool`` +
-``PagedTokenToKVPoolAllocator``, continuous batching), its HF references and its checks; only the
-model and its attention differ. The model is a small seeded random-init ``DeepseekV3ForCausalLM``
+The DeepSeek-V3 counterpart of examples/llama_runner.py, sharing with it (in examples/runner_common.py)
+the scheduler (``ReqToTokenPool`` + ``PagedTokenToKVPoolAllocator``, continuous batching), the HF
+references and the checks; only the model and its attention differ. The model is a small seeded random-init ``DeepseekV3ForCausalLM``
 with the whole architecture in it: a low-rank query (``q_a_proj``/``q_a_layernorm``/``q_b_proj``),
 multi-head latent attention, YaRN RoPE on interleaved pairs, a dense first layer and MoE layers after
 it (a router over a few routed experts plus a shared expert).
@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llama_runner as lr  # noqa: E402  (the shared scheduler, references and checks)
-from llama_runner import (  # noqa: E402
+import runner_common as rc  # noqa: E402  (the shared scheduler, references and checks)
+from runner_common import (  # noqa: E402
     DTYPES,
     Architecture,
     ForwardBatch,
@@ -302,7 +302,7 @@ class PooledMLA:
         return out.transpose(1, 2).reshape(b, tq, -1)[batch.token_mask]
 
 
-class DeepseekV3Runner:
+class DeepseekV3Runner(rc.ModelRunner):
     """Runs a ``DeepseekV3ForCausalLM``'s forward over a ``ForwardBatch`` with its latent KV cache in
     ``pool``.
 
@@ -381,9 +381,9 @@ class DeepseekV3(Architecture):
         return DeepseekV3Runner(model, pool, scales, self.form)
 
 
-def run(cfg: RunConfig, form: str = "absorbed") -> lr.Report:
+def run(cfg: RunConfig, form: str = "absorbed") -> rc.Report:
     """Build the model, serve the prompts on an MLA pool of each dtype, compare each run with HF."""
-    return lr.run(cfg, DeepseekV3(form))
+    return rc.run(cfg, DeepseekV3(form))
 
 
 # --- command line -----------------------------------------------------------------------------------
@@ -397,16 +397,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, Deepsee
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     p.add_argument("--attention", choices=ATTENTION_FORMS, default="absorbed", help="how attention reads the rows")
-    lr.add_run_arguments(p)
+    rc.add_run_arguments(p)
     a = p.parse_args(argv)
     overrides = {k: getattr(a, k) for k in ("layers", "vocab") if getattr(a, k) is not None}
     if "layers" in overrides:  # keep the preset's dense layers where they fit
         overrides["dense_layers"] = min(SHAPES[a.config].dense_layers, overrides["layers"])
-    return lr.run_config(a, replace(SHAPES[a.config], **overrides)), DeepseekV3(a.attention)
+    return rc.run_config(a, replace(SHAPES[a.config], **overrides)), DeepseekV3(a.attention)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return lr.run_main(argv, parse_args, DeepseekV3.program)
+    return rc.run_main(argv, parse_args, DeepseekV3.program)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ _spec = importlib.util.spec_from_file_location("deepseek_runner", _EXAMPLES / "d
 deepseek_runner = importlib.util.module_from_spec(_spec)
 sys.modules["deepseek_runner"] = deepseek_runner  # dataclasses resolve annotations through sys.modules
 _spec.loader.exec_module(deepseek_runner)
-llama_runner = sys.modules["llama_runner"]  # imported by deepseek_runner: the shared scheduler and checks
+runner_common = sys.modules["runner_common"]  # imported by deepseek_runner: the shared scheduler and checks
 
 # 2 layers (a dense one, then an MoE one of 4 experts, top 2, + a shared expert), hidden 64, 4 heads,
 # latent rows 32 + 8 rope (YaRN, interleaved); 4 prompts for 3 request rows, so the last one is
 # admitted when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.
-TINY = llama_runner.RunConfig(
+TINY = runner_common.RunConfig(
     shape=deepseek_runner.SHAPES["tiny"], prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4,
     seed=0, device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
 )  # fmt: skip
@@ -52,10 +52,10 @@ def _check_report(rep, cfg) -> None:
     """What must hold on every device: the fp32 pool reproduces HF exactly, every other pool reproduces
     HF with its cache rounded the same way, the allocators end clean, and every layer of every step
     wrote its latent rows once."""
-    summary = llama_runner.format_summary(rep)
+    summary = runner_common.format_summary(rep)
     (fp32,) = _runs(rep, "fp32")
     assert fp32.vs_hf.identical, summary
-    assert fp32.vs_hf.max_rel_logit_err <= llama_runner.LOGIT_RTOL, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
     assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
     assert fp32.vs_rounded is None
     assert rep.fp32_check is True and rep.ok
@@ -72,7 +72,7 @@ def _check_report(rep, cfg) -> None:
 
 
 def test_tiny_deepseek_generates_what_transformers_generates(report):
-    prompts = llama_runner.make_prompts(TINY)
+    prompts = runner_common.make_prompts(TINY)
     assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
     assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
     assert [r.label for r in report.runs] == ["fp32", "bf16", "fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
@@ -99,9 +99,9 @@ def test_the_pool_rows_are_what_hf_caches():
     """After a prefill, each token's row is HF's cached normalised latent followed by its roped key."""
     model = deepseek_runner.build_model(TINY.shape, torch.float32, "cpu", TINY.seed)
     pool = deepseek_runner.make_pool(TINY, model, torch.float32)
-    tokens = llama_runner.make_prompts(TINY)[0].tokens
-    sched = llama_runner.Scheduler(pool, 1, len(tokens) + 1)
-    sched.add(llama_runner.Request(0, tokens, 2))
+    tokens = runner_common.make_prompts(TINY)[0].tokens
+    sched = runner_common.Scheduler(pool, 1, len(tokens) + 1)
+    sched.add(runner_common.Request(0, tokens, 2))
     batch = sched.schedule()
     deepseek_runner.DeepseekV3Runner(model, pool).forward(batch)
     with torch.no_grad():
@@ -155,12 +155,12 @@ def test_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
     the reference path: the writes are bit-identical, so the generations are too."""
     cfg = replace(TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
     model = deepseek_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
-    prompts = llama_runner.make_prompts(cfg)
+    prompts = runner_common.make_prompts(cfg)
     dtype, arch = torch.float8_e4m3fn, deepseek_runner.DeepseekV3()
     monkeypatch.setenv("KVPOOL_FUSED", "never")
-    reference = llama_runner.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    reference = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
     monkeypatch.setenv("KVPOOL_FUSED", "always")
-    fused = llama_runner.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    fused = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
     assert reference.fused_calls == 0 and fused.reference_calls == 0
     assert fused.fused_calls == reference.reference_calls > 0
     for a, b in zip(fused.generations, reference.generations):
@@ -201,4 +201,4 @@ def test_on_cuda_every_mla_write_takes_the_fused_kernel(form):
     rep = deepseek_runner.run(cfg, form)
     _check_report(rep, cfg)
     for r in rep.runs:
-        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, llama_runner.format_summary(rep)
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, runner_common.format_summary(rep)
