@@ -68,7 +68,7 @@ BACKENDS = ["kernel", "direct"]
 HOST_ORDERS = ["shuffled", "allocated"]
 DEVICE_SLOTS = 36864  # holds 32k tokens plus room
 FP8 = torch.float8_e4m3fn
-SWEEP_TILES = [C.CopyTile(8192, 8), C.CopyTile(16384, 16), C.CopyTile(32768, 32), C.CopyTile(4096, 4)]
+SWEEP_TILES = [C.Tile(8192, 8), C.Tile(16384, 16), C.Tile(32768, 32), C.Tile(4096, 4)]
 SWEEP_PROGRAMS = [8, 16]
 
 
@@ -106,14 +106,14 @@ def copy_tile(tile):
 
 
 def parse_tiles(text: str) -> list:
-    """"default,1024/1/32" -> [None, CopyTile(1024, 1, maxnreg=32)]."""
+    """"default,1024/1/32" -> [None, Tile(1024, 1, maxnreg=32)]."""
     out = []
     for item in text.split(","):
         if item == "default":
             out.append(None)
         elif item:
             parts = [int(x) for x in item.split("/")]
-            out.append(C.CopyTile(parts[0], parts[1], parts[2] if len(parts) > 2 else None))
+            out.append(C.Tile(parts[0], parts[1], parts[2] if len(parts) > 2 else None))
     return out
 
 

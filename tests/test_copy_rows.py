@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvpool.kernels import copy_rows as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference, plan_copy
+from kvpool.kernels.launch import kernel_params
 from kvassert import assert_same_bytes, needs_interpreter, poison_
 
 
@@ -231,7 +232,7 @@ def test_kernel_loops_when_the_grid_is_capped(kernel_on_cpu):
     s = torch.tensor([19, 15, 11, 7, 3, 0, 5, 6, 7])
     dst, srct = RowTable.of(bufs), RowTable.of(src)
     expected = expected_rows(dst, srct, d.tolist(), s.tolist())
-    tile = C.CopyTile(elems=8, num_warps=1)
+    tile = C.Tile(elems=8, num_warps=1)
     plan = plan_copy(9, 3, (32, 48, 64), 16, False, 1, tile)
     assert (plan.programs, plan.tasks, plan.chunks, plan.even) == (1, 3 * 2 * 9, 2, False)
     C.launch_copy_rows(dst, d, srct, s, max_programs=1, tile=tile)
@@ -315,7 +316,7 @@ def test_launch_key_separates_what_triton_specialises_on():
 def test_cached_launches_pass_the_kernel_signature_in_order():
     """The compiled kernel's launcher takes every parameter positionally without checking their
     number: launch_copy_rows passes PARAMS' order, which must be the kernel's."""
-    assert C.kernel_params() == C.PARAMS
+    assert kernel_params(C._k._copy_rows_kernel) == C.PARAMS
 
 
 def test_launch_key_agrees_with_triton_specialisation():

@@ -119,7 +119,7 @@ def test_repeated_launches_take_the_compiled_launcher_and_stay_exact(monkeypatch
             for got, want in zip(bufs, expected):
                 assert_same_bytes(got.cpu(), want, f"round {round_}, {n} pairs at offset {offset}, {dtype}")
         if round_ == 1:
-            assert C._FAST_LAUNCH, "this Triton's compiled-kernel launcher was refused"
+            assert C.LAUNCHES.enabled, "this Triton's compiled-kernel launcher was refused"
             assert jit == [], f"{len(jit)} launches went through the JIT in the second round"
 
 

@@ -1,264 +1,48 @@
 """Row copies between tables of buffers: the engine under KV moves, the host tier and rank transfers.
 
-A :class:`RowTable` names a list of buffers (one per layer and per K/V, say) by their addresses, once;
-:func:`copy_rows` then copies, for every buffer of the table, the rows named by a pair of index
-tensors, in one Triton launch on CUDA (``copy_rows_kernel.py``) or with plain PyTorch elsewhere
-(:func:`copy_rows_reference`, the definition of the result).
-
-Semantics (both paths):
-
-* For every buffer ``b`` and pair ``i``: row ``dst_index[i]`` of ``dst.buffers[b]`` becomes a byte copy
-  of row ``src_index[i]`` of ``src.buffers[b]``. Rows not named are untouched.
-* A pair with a negative index on either side is padding: skipped. A pair with an index past its
-  table's rows is skipped too (never read, never written); ``validate=True`` raises ``IndexError``
-  for it instead (one synchronisation).
-* If a destination buffer is also the source buffer (a move inside one pool), the result is as if
-  every source row were read before any destination row is written: chains (``dst[i] == src[i+1]``),
-  cycles and ``dst == src`` are all defined. A destination named twice gets one of its sources
-  (which one is unspecified). Up to ``ONE_PASS_MAX_PAIRS`` pairs this takes one launch in which each
-  program holds all its pairs' source bytes before it stores; above that the rows go through a
-  device staging buffer (two launches per group of buffers, the one case that allocates).
-* No host-device synchronisation (except ``validate``), CUDA-graph safe, and, for tables that do not
-  share memory, no device allocation.
-
-Tables may live on different devices when one side is pinned host memory: the kernel reads and
-writes it directly through unified addressing. Index tensors and address tables then live on the GPU.
+:func:`copy_rows` copies, for every buffer of a :class:`~kvpool.kernels.row_table.RowTable`, the rows
+named by a pair of index tensors: one Triton launch on CUDA (``copy_rows_kernel.py``; the launch plan
+and launcher are here), plain PyTorch elsewhere (``copy_rows_naive.py``, the definition of the result).
+Padding, range and aliasing rules: docs/contract.md ("Moves and CPU copies").
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from kvpool.checks import positive_int
+from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
+from kvpool.kernels.copy_rows_naive import byte_rows, copy_rows_reference
+from kvpool.kernels.launch import INTERPRETER, LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, floor_pow2, next_pow2
+from kvpool.kernels.row_table import RowTable, aliases, staging_table
+from kvpool.kernels.tuning import (
+    FEW_PROGRAMS,
+    FEW_PROGRAMS_TILE,
+    ONE_PASS_MAX_PAIRS,
+    ONE_PASS_TILE,
+    PROGRAMS_PER_SM,
+    SM_TILE,
+    STAGING_BYTES,
+    Tile,
+)
 from kvpool.streams import OnStream
 
-try:
+_k = None
+if TRITON_AVAILABLE:
     from kvpool.kernels import copy_rows_kernel as _k
 
-    TRITON_AVAILABLE = True
-    INTERPRETER = type(_k._copy_rows_kernel).__name__ == "InterpretedFunction"
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    _k = None
-    TRITON_AVAILABLE = False
-    INTERPRETER = False
-
-#: Most pairs a copy between aliasing tables does in one launch: the program of a column chunk holds
-#: all pairs' bytes of that chunk, at least one 16-byte vector each, within a 4096-element tile.
-ONE_PASS_MAX_PAIRS = 1024
-#: Device memory a staged copy (aliasing tables, more pairs than one pass takes) uses per launch pair.
-STAGING_BYTES = 256 * 2**20
-#: The widest vector the kernel issues (16 bytes: ld.global.v4.b32).
-MAX_ALIGN = 16
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
+__all__ = [
+    "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM", "RowTable",
+    "SM_TILE", "STAGING_BYTES", "Tile", "aliases", "byte_rows", "check_in_range", "check_pairs", "checked_copy",
+    "copy_rows", "copy_rows_reference", "launch_copy_rows", "plan_copy",
+]  # fmt: skip
 
 # Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
 # tables; otherwise CPU tables take the reference path.
 _kernel_on_cpu = False
-
-
-# --- tables -----------------------------------------------------------------------------------------
-
-
-def _row_is_contiguous(t: torch.Tensor) -> bool:
-    expected = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _pow2_dividing(values: Sequence[int], cap: int = MAX_ALIGN) -> int:
-    """The largest power of two <= cap that divides every value."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    if g == 0:
-        return cap
-    return min(cap, g & -g)
-
-
-class RowTable:
-    """A list of buffers that one launch addresses: buffer b is ``rows x row_bytes[b]`` bytes, row r at
-    ``base[b] + r * row_stride[b]`` (bytes). All buffers of a table share ``rows`` and ``device``.
-
-    Build tables off the hot path, and not while a CUDA graph is being captured: ``RowTable.of``
-    copies the address table to the device (one synchronisation, or none with ``non_blocking``). A
-    table keeps its buffers alive; it is valid as long as they are not resized or re-pointed.
-
-    Attributes
-    ----------
-    buffers : tuple of Tensor, the buffers (any dtype; bytes are copied).
-    rows : int, rows of every buffer.
-    row_bytes : tuple of int, bytes of one row of each buffer.
-    device : torch.device, where the buffers live.
-    table : Tensor [3, >= len(buffers)] int64 on ``table_device``: base addresses, row strides and row
-        bytes (columns may be a slice of a larger table, see :meth:`select`).
-    table_device : torch.device, where the kernel runs for this table (a CUDA device for pinned host
-        buffers when CUDA is available).
-    align : int, the largest power of two <= 16 dividing every address, row stride and row size.
-    pinned : bool, whether CPU buffers are in pinned (page-locked) memory.
-
-    Examples
-    --------
-    >>> k = [torch.zeros(64, 8, 128, dtype=torch.uint8) for _ in range(2)]
-    >>> table = RowTable.of(k)
-    >>> table.rows, table.row_bytes
-    (64, (1024, 1024))
-    """
-
-    __slots__ = (
-        "buffers", "rows", "row_bytes", "device", "table", "table_device", "align", "pinned",
-        "distinct_row_bytes", "_addrs", "_strides", "_alias", "__weakref__",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        buffers: tuple[torch.Tensor, ...],
-        rows: int,
-        row_bytes: tuple[int, ...],
-        device: torch.device,
-        table: torch.Tensor,
-        addrs: tuple[int, ...],
-        strides: tuple[int, ...],
-        pinned: bool,
-    ) -> None:
-        # Private: use RowTable.of. Everything here is already checked.
-        self.buffers = buffers
-        self.rows = rows
-        self.row_bytes = row_bytes
-        self.distinct_row_bytes = tuple(sorted(set(row_bytes)))  # what a launch plan depends on
-        self.device = device
-        self.table = table
-        self.table_device = table.device
-        self._addrs = addrs
-        self._strides = strides
-        self.pinned = pinned
-        self.align = _pow2_dividing(addrs + row_bytes + (strides if rows > 1 else ()))
-        self._alias: dict[int, tuple[weakref.ref, bool]] = {}
-
-    @classmethod
-    def of(
-        cls,
-        buffers: Sequence[torch.Tensor],
-        *,
-        table_device: Optional[str | torch.device] = None,
-        non_blocking: bool = False,
-        pinned: Optional[bool] = None,
-    ) -> "RowTable":
-        """A table of ``buffers``: each ``[rows, ...]`` with its row (dims 1..) contiguous, any dtype.
-
-        Parameters
-        ----------
-        buffers : non-empty sequence of Tensor, same ``rows`` (dim 0) and device.
-        table_device : where the address table (and the kernel) lives. Default: the buffers' device;
-            for pinned host buffers, the current CUDA device when CUDA is available.
-        non_blocking : copy the address table to a CUDA device through pinned memory on the current
-            stream, without synchronising; the table is then ready for work on that stream (or on
-            streams that wait for it). Default: a plain copy, which synchronises once (tables built
-            at construction and used on several streams).
-        pinned : whether host buffers are page-locked. None asks torch (``is_pinned``); True vouches
-            for memory page-locked outside torch's allocator (``cudaHostRegister``).
-
-        Raises
-        ------
-        TypeError, ValueError
-            On an empty list, non-tensors, differing rows or devices, rows that are not contiguous,
-            empty rows, or host buffers that a CUDA table cannot reach (not pinned).
-        """
-        if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence):
-            raise TypeError(f"buffers must be a sequence of tensors, got {type(buffers).__name__}")
-        if len(buffers) == 0:
-            raise ValueError("buffers must hold at least one tensor, got an empty sequence")
-        for b, t in enumerate(buffers):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"buffers[{b}] must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() < 1:
-                raise ValueError(f"buffers[{b}] must have a row dimension (dim >= 1), got a 0-d tensor")
-        first = buffers[0]
-        rows, device = first.shape[0], first.device
-        row_bytes, addrs, strides = [], [], []
-        for b, t in enumerate(buffers):
-            if t.shape[0] != rows:
-                raise ValueError(f"buffers[{b}] must have {rows} rows like buffers[0], got {t.shape[0]}")
-            if t.device != device:
-                raise ValueError(f"buffers[{b}] must be on {device} like buffers[0], got {t.device}")
-            if not _row_is_contiguous(t):
-                raise ValueError(
-                    f"buffers[{b}] must have contiguous rows (dims 1..), got shape {tuple(t.shape)} "
-                    f"strides {t.stride()}"
-                )
-            nbytes = t[0].numel() * t.element_size() if rows else math.prod(t.shape[1:]) * t.element_size()
-            if nbytes == 0:
-                raise ValueError(f"buffers[{b}] must have rows of at least one byte, got shape {tuple(t.shape)}")
-            row_bytes.append(nbytes)
-            addrs.append(t.data_ptr())
-            strides.append(t.stride(0) * t.element_size())
-        if device.type != "cpu" or not torch.cuda.is_available():
-            pinned = False
-        elif pinned is None:
-            pinned = all(t.is_pinned() for t in buffers)
-        tdev = _table_device(device, pinned, table_device)
-        host = torch.tensor([addrs, strides, row_bytes], dtype=torch.int64)
-        if tdev.type == "cpu":
-            table = host
-        elif non_blocking:
-            table = host.pin_memory().to(tdev, non_blocking=True)
-        else:
-            table = host.to(tdev)
-        return cls(tuple(buffers), rows, tuple(row_bytes), device, table, tuple(addrs), tuple(strides), pinned)
-
-    def __len__(self) -> int:
-        return len(self.row_bytes)
-
-    def select(self, start: int, stop: int) -> "RowTable":
-        """Buffers ``start..stop-1`` as a table whose address table is a view of this one's (no copy,
-        no synchronisation): a layer's K and V out of a pool's table, say."""
-        if not 0 <= start < stop <= len(self.buffers):
-            raise IndexError(f"select({start}, {stop}) is outside the table's buffers 0..{len(self.buffers) - 1}")
-        return RowTable(
-            self.buffers[start:stop], self.rows, self.row_bytes[start:stop], self.device,
-            self.table[:, start:stop], self._addrs[start:stop], self._strides[start:stop], self.pinned,
-        )  # fmt: skip
-
-    def spans(self) -> list[tuple[int, int]]:
-        """[first byte, last byte + 1) of each buffer's rows."""
-        if self.rows == 0:
-            return [(a, a) for a in self._addrs]
-        return [(a, a + (self.rows - 1) * s + n) for a, s, n in zip(self._addrs, self._strides, self.row_bytes)]
-
-    def __repr__(self) -> str:
-        return (
-            f"RowTable({len(self.buffers)} buffers x {self.rows} rows, row_bytes={self.row_bytes[:4]}"
-            f"{'...' if len(self.row_bytes) > 4 else ''}, device={self.device}, align={self.align})"
-        )
-
-
-def _table_device(device: torch.device, pinned: bool, requested: Optional[str | torch.device]) -> torch.device:
-    if requested is None:
-        if device.type == "cpu" and pinned:
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
-    tdev = torch.device(requested)
-    if tdev.type == "cuda" and tdev.index is None:
-        tdev = torch.device("cuda", torch.cuda.current_device())
-    if tdev == device:
-        return tdev
-    if device.type == "cpu" and tdev.type == "cuda":
-        if not pinned:
-            raise ValueError(
-                f"buffers must be in pinned host memory to be addressed from {tdev}, got pageable CPU tensors"
-            )
-        return tdev
-    raise ValueError(f"table_device must be the buffers' device {device} (or CUDA for pinned buffers), got {tdev}")
 
 
 # --- checks -----------------------------------------------------------------------------------------
@@ -290,107 +74,16 @@ def _compute_device(dst: RowTable, src: RowTable) -> torch.device:
     return cuda
 
 
-def _check_index(index: object, name: str, device: torch.device) -> torch.Tensor:
-    if not isinstance(index, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
-    if index.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {index.dtype}")
-    if index.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
-    if index.device != device:
-        raise ValueError(f"{name} must be on {device}, got {index.device}")
-    return index
-
-
 def check_pairs(
     dst_index: object, src_index: object, device: torch.device, names: tuple[str, str] = ("dst_index", "src_index")
 ) -> int:
     """Both index tensors int32/int64, 1-D, on ``device``, of one length; returns the length."""
-    di = _check_index(dst_index, names[0], device)
-    si = _check_index(src_index, names[1], device)
-    if di.shape[0] != si.shape[0]:
-        raise ValueError(f"{names[1]} must have as many entries as {names[0]} ({di.shape[0]}), got {si.shape[0]}")
-    return di.shape[0]
-
-
-def check_in_range(indices: Sequence[tuple[torch.Tensor, int, str]]) -> None:
-    """Raise IndexError naming the first entry >= rows of each (index, rows, name), negative entries
-    being padding. One synchronisation for all of them."""
-    live = [(t, rows, name) for t, rows, name in indices if t.numel()]
-    if not live:
-        return
-    flags = torch.stack([(t >= rows).any() for t, rows, _ in live]).tolist()
-    for (t, rows, name), bad in zip(live, flags):
-        if bad:
-            pos = int(torch.argmax((t >= rows).to(torch.uint8)))
-            raise IndexError(
-                f"{name}[{pos}] = {int(t[pos])} is out of range: rows are 0..{rows - 1} (negative entries are skipped)"
-            )
-
-
-def aliases(dst: RowTable, src: RowTable) -> bool:
-    """Whether some destination buffer is its own source buffer (same memory, same row stride), as in
-    a move within one pool. Any other sharing of memory between the tables is refused, since no
-    launch order could make it well defined. Memoised per pair of tables."""
-    memo = dst._alias.get(id(src))
-    if memo is not None and memo[0]() is src:
-        return memo[1]
-    same = False
-    tagged = sorted([(lo, hi, 0, b) for b, (lo, hi) in enumerate(dst.spans())] +
-                    [(lo, hi, 1, b) for b, (lo, hi) in enumerate(src.spans())])  # fmt: skip
-    open_: list[tuple[int, int, int, int]] = []
-    for cur in tagged:
-        lo = cur[0]
-        open_ = [o for o in open_ if o[1] > lo]
-        for o in open_:
-            if o[2] == cur[2] or cur[0] == cur[1]:
-                continue  # two buffers of one table, or an empty span
-            d, s = (o, cur) if o[2] == 0 else (cur, o)
-            b, c = d[3], s[3]
-            if b == c and dst._addrs[b] == src._addrs[c] and (dst._strides[b] == src._strides[c] or dst.rows <= 1):
-                same = True
-            else:
-                raise ValueError(
-                    f"dst buffer {b} shares memory with src buffer {c}: only a buffer and its own source "
-                    f"(same position, address and row stride) may overlap"
-                )
-        if cur[0] != cur[1]:
-            open_.append(cur)
-    dst._alias[id(src)] = (weakref.ref(src), same)
-    return same
+    di = check_index(dst_index, names[0], device=device)
+    si = check_index(src_index, names[1], device=device)
+    return check_same_length(di, names[0], si, names[1])
 
 
 # --- launch plans -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CopyTile:
-    """Work per task: about ``elems`` elements (4 bytes each when aligned) with ``num_warps`` warps."""
-
-    elems: int
-    num_warps: int
-    #: Register cap per thread (ptxas ``.maxnreg``), or None for the compiler's choice.
-    maxnreg: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.elems < 1 or self.elems & (self.elems - 1):
-            raise ValueError(f"elems must be a positive power of two, got {self.elems}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
-
-
-#: Tiles by grid kind. Not yet swept on hardware (benchmarks/bench_host_tier.py --sweep reports the
-#: alternatives): 16 KiB per task over 4 warps keeps 8 vector loads per thread in flight on an
-#: SM-wide grid; a grid of a few programs (the host tier's) needs more bytes in flight per SM to
-#: cover PCIe latency, so it takes 64 KiB tasks over 16 warps.
-SM_TILE = CopyTile(elems=4096, num_warps=4)
-FEW_PROGRAMS_TILE = CopyTile(elems=16384, num_warps=16)
-#: A grid of at most this many programs uses FEW_PROGRAMS_TILE.
-FEW_PROGRAMS = 32
-#: Programs per SM of an uncapped grid (each loops over its share of the tasks).
-PROGRAMS_PER_SM = 8
-#: Register budget of a one-pass program (it holds all pairs of its column chunk).
-ONE_PASS_TILE = CopyTile(elems=4096, num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -407,10 +100,6 @@ class CopyPlan:
     programs: int
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=4096)
 def plan_copy(
     n_pairs: int,
@@ -419,29 +108,29 @@ def plan_copy(
     align: int,
     one_pass: bool,
     program_cap: int,
-    tile: CopyTile,
+    tile: Tile,
 ) -> CopyPlan:
     """Block shapes and grid for a copy. ``row_bytes``: the distinct row sizes of the buffers."""
     elem = min(align, 4)
     vec = align // elem
     row_elems = [rb // elem for rb in row_bytes]
-    longest = _pow2(max(row_elems))
+    longest = next_pow2(max(row_elems))
     if one_pass:
         if n_pairs > ONE_PASS_MAX_PAIRS:
             raise ValueError(f"a one-pass plan takes at most {ONE_PASS_MAX_PAIRS} pairs, got {n_pairs}")
-        block_p = _pow2(n_pairs)
+        block_p = next_pow2(n_pairs)
         block_w = min(longest, max(vec, ONE_PASS_TILE.elems // block_p))
         warps_cap = ONE_PASS_TILE.num_warps
     else:
         block_w = min(longest, tile.elems)
-        block_p = max(1, min(tile.elems // block_w, _pow2(n_pairs)))
+        block_p = max(1, min(tile.elems // block_w, next_pow2(n_pairs)))
         warps_cap = tile.num_warps
-    chunks = -(-max(row_elems) // block_w)
+    chunks = cdiv(max(row_elems), block_w)
     even = all(e % block_w == 0 for e in row_elems)
-    tasks = buffers * chunks * -(-n_pairs // block_p)
+    tasks = buffers * chunks * cdiv(n_pairs, block_p)
     # About two vectors per thread at least: a 1-pair, 256-element task runs on one warp.
     warps = max(1, min(warps_cap, (block_p * block_w) // (64 * vec)))
-    warps = 1 << (warps.bit_length() - 1)
+    warps = floor_pow2(warps)
     return CopyPlan(elem, align, block_p, block_w, chunks, even, one_pass, warps, tasks, min(tasks, program_cap))
 
 
@@ -476,21 +165,10 @@ PARAMS = (
 )  # fmt: skip
 
 
-def kernel_params() -> tuple:
-    """The row-copy kernel's parameter names, from its Python signature (JIT or interpreter)."""
-    fn = _k._copy_rows_kernel
-    return tuple(inspect.signature(getattr(fn, "fn", fn)).parameters)
-
-
-#: Compiled kernels by :func:`launch_key` (CUDA). A launch through the JIT binds and specialises
-#: every argument and looks up its cache: 22 us of host time per launch on an H200's host against 8 us
-#: for the compiled kernel's own launcher (``benchmarks/probe_host_calls.py``); a transfer of 32
-#: layers one by one launches 32 times before the model's work can be queued. As many entries as
-#: the JIT's own cache has kernels.
-_COMPILED: dict[tuple, object] = {}
-#: Cleared for good if this Triton's kernel has another signature, or its launcher refuses the
-#: arguments as the JIT passes them; launches then all go through the JIT.
-_FAST_LAUNCH = TRITON_AVAILABLE and not INTERPRETER and kernel_params() == PARAMS
+#: Compiled kernels by :func:`launch_key` (CUDA): a transfer of 32 layers one by one launches 32
+#: times before the model's work can be queued, so each launch after the first of its kind skips the
+#: JIT's per-call binding.
+LAUNCHES = DirectLaunches("row-copy kernel", None if _k is None else _k._copy_rows_kernel, PARAMS)
 
 
 def launch_copy_rows(
@@ -500,7 +178,7 @@ def launch_copy_rows(
     src_index: torch.Tensor,
     *,
     max_programs: Optional[int] = None,
-    tile: Optional[CopyTile] = None,
+    tile: Optional[Tile] = None,
     one_pass: bool = False,
     stream: Optional[torch.cuda.Stream] = None,
 ) -> None:
@@ -511,7 +189,6 @@ def launch_copy_rows(
 
     After the first launch of a kind (:func:`launch_key`), later ones go straight to the compiled
     kernel's launcher, skipping the JIT's per-call argument binding."""
-    global _FAST_LAUNCH
     n = dst_index.shape[0]
     if n == 0:
         return
@@ -530,26 +207,25 @@ def launch_copy_rows(
         _jit_launch(plan, tile, args)
         return
     current = device.index == torch.cuda.current_device()
-    key = launch_key(device.index, plan, tile.maxnreg, tensors, ints) if _FAST_LAUNCH and current else None
-    compiled = _COMPILED.get(key) if key is not None else None
+    key = launch_key(device.index, plan, tile.maxnreg, tensors, ints) if LAUNCHES.enabled and current else None
+    compiled = LAUNCHES.entries.get(key) if key is not None else None
     if compiled is not None:
         constexprs = (plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass)
         try:
             compiled[(plan.programs, 1, 1)](*args, *constexprs, stream=None if stream is None else stream.cuda_stream)
             return
-        except TypeError:  # a launcher that parses its arguments refused these before launching
-            _FAST_LAUNCH = False
-            _COMPILED.clear()
+        except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these before launching
+            LAUNCHES.failed(exc)
     if stream is not None or not current:
         with OnStream(stream if stream is not None else torch.cuda.current_stream(device)):
             compiled = _jit_launch(plan, tile, args)
     else:
         compiled = _jit_launch(plan, tile, args)
-    if key is not None and _FAST_LAUNCH and compiled is not None:
-        _COMPILED[key] = compiled
+    if key is not None and compiled is not None:
+        LAUNCHES.remember(key, compiled)
 
 
-def _jit_launch(plan: CopyPlan, tile: CopyTile, args: tuple):
+def _jit_launch(plan: CopyPlan, tile: Tile, args: tuple):
     """Launch through Triton's JIT (compiling on first use) on the current device and stream; returns
     the compiled kernel (None under the interpreter)."""
     consts = dict(
@@ -560,20 +236,6 @@ def _jit_launch(plan: CopyPlan, tile: CopyTile, args: tuple):
     if tile.maxnreg is not None:
         consts["maxnreg"] = tile.maxnreg
     return _k._copy_rows_kernel[(plan.programs,)](*args, **consts)
-
-
-def _staging_table(staging: torch.Tensor, n: int, src: RowTable) -> RowTable:
-    """A table over ``staging`` (uint8, n x sum(row_bytes)) holding buffer b's n rows contiguously,
-    built with device operations only (no host-to-device copy: graph-safe, no synchronisation)."""
-    rb_dev = src.table[2]
-    offsets = torch.cumsum(rb_dev, 0) - rb_dev
-    table = torch.stack((offsets * n + staging.data_ptr(), rb_dev, rb_dev))
-    views, addrs, off = [], [], 0
-    for rb in src.row_bytes:
-        views.append(staging[off * n : (off + rb) * n].view(n, rb))
-        addrs.append(staging.data_ptr() + off * n)
-        off += rb
-    return RowTable(tuple(views), n, src.row_bytes, staging.device, table, tuple(addrs), src.row_bytes, False)
 
 
 def _staged_copy(
@@ -594,58 +256,10 @@ def _staged_copy(
             stop += 1
         s_sub, d_sub = src.select(start, stop), dst.select(start, stop)
         staging = torch.empty(n * total, dtype=torch.uint8, device=device)
-        st = _staging_table(staging, n, s_sub)
+        st = staging_table(staging, n, s_sub)
         launch_copy_rows(st, arange, s_sub, src_index, max_programs=max_programs)
         launch_copy_rows(d_sub, dst_index, st, back, max_programs=max_programs)
         start = stop
-
-
-# --- reference path ---------------------------------------------------------------------------------
-
-
-def byte_rows(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """``buf`` ([rows, ...], contiguous rows) as a uint8 [rows, row_bytes] view of the same memory."""
-    esz = buf.element_size()
-    out = torch.empty(0, dtype=torch.uint8, device=buf.device)
-    out.set_(buf.untyped_storage(), buf.storage_offset() * esz, (buf.shape[0], row_bytes), (buf.stride(0) * esz, 1))
-    return out
-
-
-def copy_rows_reference(dst: RowTable, dst_index: torch.Tensor, src: RowTable, src_index: torch.Tensor) -> None:
-    """The copy in plain PyTorch (``index_select`` then ``index_put_`` on byte views), the definition of
-    :func:`copy_rows`'s result. Unchecked. No synchronisation when both tables and the indices share a
-    device; with pinned host and CUDA tables it moves the indices across (which synchronises)."""
-    n = dst_index.shape[0]
-    if n == 0 or dst.rows == 0 or src.rows == 0:
-        return
-    di = dst_index.to(torch.int64)
-    si = src_index.to(torch.int64)
-    valid = (di >= 0) & (di < dst.rows) & (si >= 0) & (si < src.rows)
-    src_safe = torch.where(valid, si, 0).to(src.device)
-    # Pairs to skip are redirected, on the device, to repeat the first valid pair's write (same row,
-    # same bytes); with no valid pair, every pair rewrites destination row 0 with its own contents.
-    any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.uint8)).view(1)
-    target = torch.where(valid, di, torch.where(any_valid, di.index_select(0, first), 0)).to(dst.device)
-    valid_d, any_valid_d, first_d = valid.to(dst.device), any_valid.to(dst.device), first.to(dst.device)
-    # index_put_ with a row named twice may interleave the duplicates' bytes (CPU threads split the
-    # work by element): every pair writing a row writes the bytes of the last pair naming it.
-    winner = _last_pair_per_target(target)
-    for b, rb in enumerate(dst.row_bytes):
-        s_bytes = byte_rows(src.buffers[b], rb)
-        d_bytes = byte_rows(dst.buffers[b], rb)
-        rows = s_bytes.index_select(0, src_safe).to(dst.device)  # every source read before any write
-        fallback = torch.where(any_valid_d, rows.index_select(0, first_d), d_bytes[:1])
-        d_bytes.index_put_((target,), torch.where(valid_d[:, None], rows, fallback).index_select(0, winner))
-
-
-def _last_pair_per_target(target: torch.Tensor) -> torch.Tensor:
-    """[n] int64 -> [n]: for each pair, the position of the last pair with the same target (device
-    operations of fixed size: no synchronisation)."""
-    order = torch.sort(target, stable=True).indices
-    ordered = target.index_select(0, order)
-    last = order.index_select(0, torch.searchsorted(ordered, ordered, right=True) - 1)
-    return torch.empty_like(order).scatter_(0, order, last)
 
 
 # --- the public function ----------------------------------------------------------------------------

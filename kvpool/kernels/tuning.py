@@ -1,0 +1,65 @@
+"""Every tuning constant of kvpool's kernels, with what each one trades.
+
+The K/V write's plan function (``store_kv_plan.py``) and the row copy's launcher (``copy_rows.py``)
+read them from here; none of them changes a result, only how the work is cut into programs.
+BENCHMARKS.md has the measurements they were chosen from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Work per program (or per task of a looping program): about ``elems`` elements of one tensor,
+    over ``num_warps`` warps; ``maxnreg`` caps registers per thread (None: the compiler's choice)."""
+
+    elems: int
+    num_warps: int
+    maxnreg: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.elems < 1 or self.elems & (self.elems - 1):
+            raise ValueError(f"elems must be a positive power of two, got {self.elems}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+
+
+# --- the K/V write --------------------------------------------------------------------------------
+
+#: Writes of at most this many tokens (decode steps, verify writes, short prefills) take the small
+#: tiles, larger writes the large one.
+SMALL_TOKENS = 2048
+#: Small writes: few elements per thread keep a decode write's dependent chain (slot, scale, row
+#: loads, then stores) short.
+WRITE_SMALL = Tile(elems=1024, num_warps=4)
+#: Large writes: more bytes in flight per program, fewer programs.
+WRITE_LARGE = Tile(elems=2048, num_warps=4)
+#: Small writes whose program holds a token's K and V rows (an MLA row's two parts): one row per
+#: program, so no program waits on a second row.
+WRITE_SMALL_JOINED = Tile(elems=512, num_warps=4)
+#: A block shape must keep this share of its lanes busy; below it a head_dim is cut into two
+#: power-of-two pieces, and heads that pad badly take a plan over each token's whole row.
+LANE_USE = 0.9
+
+# --- row copies -----------------------------------------------------------------------------------
+
+#: An SM-wide grid's task: enough vector loads per thread in flight without spilling registers.
+SM_TILE = Tile(elems=4096, num_warps=4)
+#: A grid of a few programs (the host tier's) needs more bytes in flight per SM to cover PCIe latency.
+FEW_PROGRAMS_TILE = Tile(elems=16384, num_warps=16)
+#: A grid of at most this many programs uses FEW_PROGRAMS_TILE.
+FEW_PROGRAMS = 32
+#: Programs per SM of an uncapped grid (each loops over its share of the tasks): enough to hide a
+#: task's tail, few enough that the loop amortises each program's start.
+PROGRAMS_PER_SM = 8
+#: Register budget of a one-pass program (aliasing tables: it holds all pairs of its column chunk).
+ONE_PASS_TILE = Tile(elems=4096, num_warps=4)
+#: Most pairs a copy between aliasing tables does in one launch (each pair at least one 16-byte
+#: vector per program within ONE_PASS_TILE); more go through a staging buffer.
+ONE_PASS_MAX_PAIRS = 1024
+#: Device memory a staged copy allocates per gather/scatter pair of launches: larger groups of
+#: buffers per launch pair against a larger allocation.
+STAGING_BYTES = 256 * 2**20
