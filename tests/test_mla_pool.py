@@ -403,7 +403,7 @@ def test_eager_and_compiled_writes_take_the_same_joined_plans(rank, rope):
     that are not two parts of one row keep the per-part plan."""
     pool = make_pool(torch.float8_e4m3fn, "always", r=rank, rope=rope, size=64)
     eager = pool._writer.launch
-    compiled = write_module.writer_for(pool._nope_views[0], pool._rope_views[0], "always").launch
+    compiled = write_module.writer_for(pool._k_views[0], pool._v_views[0], "always").launch
     for mine, op in ((eager.per_head, compiled.per_head), (eager.small_per_head, compiled.small_per_head)):
         assert mine.plan.joined and mine.grid_y == 1 and mine.plan == op.plan
     apart = write_module.writer_for(

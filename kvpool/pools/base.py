@@ -49,14 +49,15 @@ def check_sglang_keywords(
 
 
 class KVCache:
-    """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, set
-    ``_move_rows`` (the row table ``move_kv_cache`` copies over) and ``k_buffer``/``v_buffer`` (the
-    storage views the CPU copies and the host tier address), call ``_init_writer`` with the geometry
-    the write kernel sees, and define ``_warmup_write`` and ``_amax_heads``.
+    """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, hand them to
+    ``_init_rows`` (storage views for row copies, ``dtype`` views for the getters, the row tables),
+    call ``_init_writer`` with the geometry the write kernel sees, and define ``_warmup_write`` and
+    ``_amax_heads``.
 
     Attributes (SGLang names): ``size``, ``page_size``, ``dtype``, ``store_dtype``, ``layer_num``,
-    ``start_layer``, ``end_layer``, ``device``, ``layer_transfer_counter``; kvpool's own:
-    ``fused_mode``, ``validate``, ``stats`` (a ``PathStats``), ``warmup_seconds``.
+    ``start_layer``, ``end_layer``, ``device``, ``layer_transfer_counter``, ``k_buffer``,
+    ``v_buffer``; kvpool's own: ``row_table``, ``fused_mode``, ``validate``, ``stats`` (a
+    ``PathStats``), ``warmup_seconds``.
     """
 
     def __init__(
@@ -101,6 +102,29 @@ class KVCache:
         """Rows per layer buffer: ``size + page_size`` (slot 0 and the rest of page 0 are padding)."""
         return self.size + self.page_size
 
+    def _init_rows(
+        self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor], rows: Optional[list[torch.Tensor]] = None
+    ) -> None:
+        """Record the pool's storage, one buffer per layer each: ``k_buffer``/``v_buffer``, the K and
+        V parts that writes and row copies address, and, for an MLA pool, ``rows``: the whole-row
+        buffers the parts are column ranges of, which the key getter returns (the value getter
+        returns the K part) and ``move_kv_cache`` copies."""
+        self.k_buffer, self.v_buffer = k_buffer, v_buffer
+        as_dtype = lambda b: b if b.dtype == self.dtype else b.view(self.dtype)  # noqa: E731
+        # dtype views made once: the getters hand them out, the compiled write mutates them.
+        self._k_views = [as_dtype(b) for b in k_buffer]
+        self._v_views = [as_dtype(b) for b in v_buffer]
+        #: The storage buffers ``K0, V0, K1, V1, ...`` as one table (layer ``i`` is
+        #: ``row_table.select(2 * i, 2 * i + 2)``): CPU copies, the host tier and transfers copy rows
+        #: of every layer over it in one launch. Built once (one synchronisation on CUDA).
+        self.row_table = copy_rows.RowTable.of([b for pair in zip(k_buffer, v_buffer) for b in pair])
+        self._kv_rows = self.row_table  # the name the host tier reads until it reads row_table
+        if rows is None:
+            self._key_views, self._value_views, self._move_table = self._k_views, self._v_views, self.row_table
+        else:  # copy_rows refuses the two part views as one table to move over (their rows interleave)
+            self._key_views, self._value_views = [as_dtype(b) for b in rows], self._k_views
+            self._move_table = copy_rows.RowTable.of(rows)
+
     def _init_writer(self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> None:
         """The write decision for these buffers (every layer shares the geometry and strides)."""
         self._writer = KVWriter(
@@ -131,6 +155,30 @@ class KVCache:
             i = self._layer_index(layer_id)  # raises with the reason
         return i
 
+    def _wait_layer(self, layer_id: object) -> int:
+        """``_layer_index(layer_id)``, after the current stream waits for that layer's load when a
+        layer-transfer counter is registered (a stream wait, not a host sync)."""
+        i = self._layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(i)
+        return i
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """K buffer of global layer ``layer_id`` (an MLA pool: the whole latent row), a ``dtype``
+        view of the storage, never a copy. With a layer-transfer counter registered, the current
+        stream first waits for that layer's load."""
+        return self._key_views[self._wait_layer(layer_id)]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """V buffer of global layer ``layer_id`` (an MLA pool: the latent columns, a strided view of
+        the key buffer), as :meth:`get_key_buffer`."""
+        return self._value_views[self._wait_layer(layer_id)]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key buffer, value buffer) of global layer ``layer_id``, with one wait."""
+        i = self._wait_layer(layer_id)
+        return self._key_views[i], self._value_views[i]
+
     def register_layer_transfer_counter(self, layer_transfer_counter: object) -> None:
         """Make the buffer getters call ``layer_transfer_counter.wait_until(layer_index)`` first (the
         host tier's per-layer loads: a stream wait, never a host sync). None removes it."""
@@ -146,7 +194,7 @@ class KVCache:
         pool's device. Negative slots are padding; slots >= ``size + page_size`` are never read or
         written (IndexError under ``validate``). On CUDA one launch moves every layer (up to 1024
         pairs; more go through a staging buffer); no synchronisation; CUDA-graph safe."""
-        table = self._move_rows
+        table = self._move_table
         copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
 
     def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:

@@ -21,19 +21,9 @@ if TYPE_CHECKING:
     from kvpool.pools.mha_pool import MHATokenToKVPool
 
 
-def pool_row_table(pool: "MHATokenToKVPool") -> rows.RowTable:
-    """The row table of a pool's storage buffers, ``K0, V0, K1, V1, ...`` (built once, with one
-    synchronisation on CUDA)."""
-    buffers = [b for pair in zip(pool.k_buffer, pool.v_buffer) for b in pair]
-    return rows.RowTable.of(buffers)
-
-
 def kv_rows(pool: "MHATokenToKVPool") -> rows.RowTable:
-    """The pool's row table (built in its constructor; built here for pools that predate it)."""
-    table = getattr(pool, "_kv_rows", None)
-    if table is None:
-        table = pool._kv_rows = pool_row_table(pool)
-    return table
+    """``pool.row_table`` (the name the host tier reads until it reads the attribute)."""
+    return pool.row_table
 
 
 @dataclass(frozen=True)

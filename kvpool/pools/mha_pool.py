@@ -8,8 +8,6 @@ import torch
 
 from kvpool.checks import positive_int
 from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
-from kvpool.kernels.formats import is_fp8
-from kvpool.pools import kv_moves
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
@@ -53,6 +51,13 @@ class MHATokenToKVPool(KVCache):
     validate : check slot range and scale values on every write (one synchronisation each);
         ``KVPOOL_VALIDATE=1`` turns it on too.
     observe_amax : start observing per-head maxima for calibration (see ``observe_amax()``).
+
+    Attributes
+    ----------
+    k_buffer, v_buffer : per layer, the storage (``store_dtype``) of the K and V rows.
+    row_table : a :class:`~kvpool.kernels.copy_rows.RowTable` over the storage buffers ``K0, V0,
+        K1, V1, ...`` (layer ``i`` is ``row_table.select(2 * i, 2 * i + 2)``): moves, CPU copies,
+        the host tier and transfers copy rows of every layer over it in one launch.
 
     Examples
     --------
@@ -99,19 +104,15 @@ class MHATokenToKVPool(KVCache):
         self.v_row_dim = self.head_num * self.v_head_dim
 
         rows = self.rows
-        self.k_buffer = [
+        k_buffer = [
             torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
             for _ in range(self.layer_num)
         ]
-        self.v_buffer = [
+        v_buffer = [
             torch.zeros((rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device)
             for _ in range(self.layer_num)
         ]
-        fp8 = is_fp8(dtype)
-        self._k_views = [b.view(dtype) if fp8 else b for b in self.k_buffer]
-        self._v_views = [b.view(dtype) if fp8 else b for b in self.v_buffer]
-        self._kv_rows = kv_moves.pool_row_table(self)  # moves, CPU copies, host tier: one launch for all layers
-        self._move_rows = self._kv_rows
+        self._init_rows(k_buffer, v_buffer)
         self._init_writer(
             Geometry(dtype, self.head_num, self.head_dim, self.head_num, self.v_head_dim, self.device),
             self.k_buffer[0].stride(), self.v_buffer[0].stride(),
@@ -123,29 +124,6 @@ class MHATokenToKVPool(KVCache):
             self._warmup()
 
     # --- getters (SGLang names) ------------------------------------------------------------------
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """K buffer of global layer ``layer_id``: ``[size + page_size, head_num, head_dim]`` of
-        ``dtype`` (a view of the storage, never a copy). With a layer-transfer counter registered,
-        the current stream first waits for that layer's load (a stream wait, not a host sync)."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._k_views[i]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """V buffer of global layer ``layer_id``: ``[size + page_size, head_num, v_head_dim]``."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._v_views[i]
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K buffer, V buffer) of global layer ``layer_id``."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._k_views[i], self._v_views[i]
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """Bytes held by all K buffers and by all V buffers."""

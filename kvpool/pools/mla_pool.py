@@ -26,11 +26,9 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import positive_int
-from kvpool.kernels import copy_rows
-from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_loc_in_range, check_rows, check_write
-from kvpool.kernels.formats import LOC_DTYPES, bits_dtype, is_fp8
-from kvpool.pools import kv_moves
+from kvpool.checks import check_in_range, check_index, positive_int
+from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_rows, check_write
+from kvpool.kernels.formats import bits_dtype
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 #: Argument names for errors: the latent row's two halves share ``k_scale`` (``v_scale`` is ignored).
@@ -78,6 +76,7 @@ class MLATokenToKVPool(KVCache):
         the K part here.
     k_buffer, v_buffer : per layer, the storage views of the latent and of the rotary columns of
         ``kv_buffer`` (the K and V parts above).
+    row_table : the row table over ``K0, V0, K1, V1, ...`` of those parts (as ``MHATokenToKVPool``'s).
 
     Examples
     --------
@@ -133,24 +132,13 @@ class MLATokenToKVPool(KVCache):
             torch.zeros((self.rows, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device)
             for _ in range(self.layer_num)
         ]
-        fp8 = is_fp8(dtype)
-        self._kv_views = [b.view(dtype) if fp8 else b for b in self.kv_buffer]
-        # The write's two caches, in storage dtype (the writer's) and in ``dtype`` (getters, compiled op).
-        self._nope_store = [b[:, :, :r] for b in self.kv_buffer]
-        self._rope_store = [b[:, :, r:] for b in self.kv_buffer]
-        self._nope_views = [v[:, :, :r] for v in self._kv_views]
-        self._rope_views = [v[:, :, r:] for v in self._kv_views]
+        # Writes and row copies see each row as one head: a K part (the latent columns) and a V part
+        # (the rotary columns); getters and moves see whole rows.
         self.head_num, self.head_dim, self.v_head_dim = 1, self.kv_lora_rank, self.qk_rope_head_dim
-        self.k_buffer, self.v_buffer = self._nope_store, self._rope_store
-        # Row tables (one synchronisation each on CUDA, here and never again): the two parts of every
-        # layer for CPU copies and the host tier; whole rows for moves inside the pool, where the
-        # parts' tables would overlap (copy_rows accepts overlap only of a buffer with itself).
-        self._kv_rows = kv_moves.pool_row_table(self)
-        # Whole rows for moves: copy_rows refuses the two part-views as one table (their rows interleave).
-        self._move_rows = copy_rows.RowTable.of(self.kv_buffer)
+        self._init_rows([b[:, :, :r] for b in self.kv_buffer], [b[:, :, r:] for b in self.kv_buffer], self.kv_buffer)
         self._init_writer(
             Geometry(dtype, 1, r, 1, self.qk_rope_head_dim, self.device),
-            self._nope_store[0].stride(), self._rope_store[0].stride(),
+            self.k_buffer[0].stride(), self.v_buffer[0].stride(),
         )  # fmt: skip
         self._warm = bool(warmup)
         if observe_amax:
@@ -159,29 +147,6 @@ class MLATokenToKVPool(KVCache):
             self._warmup()
 
     # --- getters (SGLang names) ------------------------------------------------------------------
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """Latent buffer of global layer ``layer_id``: ``[size + page_size, 1, kv_lora_rank +
-        qk_rope_head_dim]`` of ``dtype`` (a view of the storage, never a copy)."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._kv_views[i]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """The latent columns of global layer ``layer_id``: ``[size + page_size, 1, kv_lora_rank]``
-        (a strided view of the key buffer, never a copy)."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._nope_views[i]
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key buffer, value buffer) of global layer ``layer_id``: two views of one buffer."""
-        i = self._layer_index(layer_id)
-        if self.layer_transfer_counter is not None:
-            self.layer_transfer_counter.wait_until(i)
-        return self._kv_views[i], self._nope_views[i]
 
     def get_kv_size_bytes(self) -> int:
         """Bytes held by all layer buffers (one number: MLA has no separate V buffer, as in SGLang)."""
@@ -214,18 +179,11 @@ class MLATokenToKVPool(KVCache):
         if layer_id is None:
             raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}")
         i = self._layer_index(layer_id)
-        if not isinstance(loc, torch.Tensor):
-            raise TypeError(f"loc must be a torch.Tensor, got {type(loc).__name__}")
-        if loc.dtype not in LOC_DTYPES:
-            raise ValueError(f"loc must be int32 or int64, got {loc.dtype}")
-        if loc.dim() != 1:
-            raise ValueError(f"loc must be 1-D [T], got shape {tuple(loc.shape)}")
-        if loc.device != self.device:
-            raise ValueError(f"loc must be on {self.device}, got {loc.device}")
+        check_index(loc, "loc", device=self.device, dims="[T]")
         if dst_dtype is not None and not (isinstance(dst_dtype, torch.dtype) and dst_dtype.is_floating_point):
             raise ValueError(f"dst_dtype must be None or a floating torch.dtype, got {dst_dtype!r}")
         if self.validate:
-            check_loc_in_range(loc, "loc", self.rows)
+            check_in_range([(loc, self.rows, "loc")], what="slots")
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(i)
         slots = loc.to(torch.int64)
@@ -234,7 +192,7 @@ class MLATokenToKVPool(KVCache):
         invalid = ~valid[:, None, None]
         bits = bits_dtype(self.dtype)
         out = []
-        for part in (self._nope_views[i], self._rope_views[i]):
+        for part in (self._k_views[i], self._v_views[i]):
             gathered = part.view(bits).index_select(0, index)
             gathered.masked_fill_(invalid, 0)
             gathered = gathered.view(self.dtype)
@@ -288,7 +246,7 @@ class MLATokenToKVPool(KVCache):
             self._write_compiled(i, loc, nope, rope, k_scale, ROW_NAMES)
             return
         self._writer.store(
-            self._nope_store[i], self._rope_store[i], loc, nope, rope, k_scale, k_scale, ROW_NAMES,
+            self.k_buffer[i], self.v_buffer[i], loc, nope, rope, k_scale, k_scale, ROW_NAMES,
             self._amax_views[i] if self._observing else None,  # type: ignore[index]
         )  # fmt: skip
 
@@ -321,7 +279,7 @@ class MLATokenToKVPool(KVCache):
             self._write_compiled(i, loc, cache_k_nope, cache_k_rope, k_scale, PARTS_NAMES)
             return
         self._writer.store(
-            self._nope_store[i], self._rope_store[i], loc, cache_k_nope, cache_k_rope, k_scale, k_scale,
+            self.k_buffer[i], self.v_buffer[i], loc, cache_k_nope, cache_k_rope, k_scale, k_scale,
             PARTS_NAMES, self._amax_views[i] if self._observing else None,  # type: ignore[index]
         )  # fmt: skip
 
@@ -334,7 +292,7 @@ class MLATokenToKVPool(KVCache):
 
         checked = check_write(self._writer.geometry, nope, rope, loc, k_scale, k_scale, names)
         store_kv_op(
-            nope, rope, self._nope_views[i], self._rope_views[i], loc,
+            nope, rope, self._k_views[i], self._v_views[i], loc,
             checked.k_scale, checked.v_scale, self.fused_mode, self._amax_for(i),
         )  # fmt: skip
 
@@ -349,7 +307,7 @@ class MLATokenToKVPool(KVCache):
         loc = self._warmup_loc(tokens, loc_dtype)
         key, scale, _ = check_write(self._writer.geometry, nope, rope, loc, scale, scale, ROW_NAMES)
         self._writer.launch(  # type: ignore[misc]
-            key, nope, rope, self._nope_store[0], self._rope_store[0], loc, scale, scale, None, self._amax_for(0)
+            key, nope, rope, self.k_buffer[0], self.v_buffer[0], loc, scale, scale, None, self._amax_for(0)
         )
 
     # --- calibration -----------------------------------------------------------------------------
