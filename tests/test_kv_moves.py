@@ -12,7 +12,7 @@ from kvassert import assert_same_bytes
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
-from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.cpu_copy import KVCpuCopy
 
 # An odd geometry on purpose: H=3, D=32 for K and Dv=16 for V (rows of 96 and 48 bytes in FP8).
 GEOMETRY = dict(head_num=3, head_dim=32, v_head_dim=16)
@@ -208,13 +208,20 @@ def _load_case(case: str):
     if case == "store-dtype":
         bad = KVCpuCopy(copy.k.view(torch.float8_e4m3fn), copy.v, copy.dtype, 0)
         return pool, bad, idx, ValueError, "kv_cache_cpu.k must be torch.uint8, got torch.float8_e4m3fn"
+    if case == "k-none":
+        return pool, KVCpuCopy(None, copy.v, copy.dtype, 0), idx, TypeError, "kv_cache_cpu.k must be a torch.Tensor, got NoneType"
+    if case == "strided-rows":
+        strided = torch.zeros(3, 3, 6, 32, dtype=torch.uint8)[:, :, ::2]  # the right shape, rows apart
+        return pool, KVCpuCopy(strided, copy.v, copy.dtype, 0), idx, ValueError, r"kv_cache_cpu.k must have contiguous \[H, D\] rows"
     if case == "indices-dtype":
         return pool, copy, idx.float(), ValueError, "indices must be int32 or int64, got torch.float32"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize(
-    "case", ["not-a-copy", "length", "dtype", "layers", "start-layer", "head-dim", "store-dtype", "indices-dtype"]
+    "case",
+    ["not-a-copy", "length", "dtype", "layers", "start-layer", "head-dim", "store-dtype", "k-none", "strided-rows",
+     "indices-dtype"],  # fmt: skip
 )
 def test_load_cpu_copy_rejects_a_mismatched_copy(case):
     pool, copy, idx, exc, match = _load_case(case)

@@ -9,7 +9,7 @@ from kvpool.pools.allocator import (
     alloc_extend_naive,
 )
 from kvpool.pools.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.layer_transfer import LayerTransferCounter
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats

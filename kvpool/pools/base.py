@@ -8,18 +8,19 @@ import functools
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from kvpool.checks import non_negative_int, positive_int, resolve_device
+from kvpool.checks import check_in_range, check_index, non_negative_int, positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 from kvpool.kernels import copy_rows
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.store_kv import SMALL_TOKENS
 from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
-from kvpool.pools import kv_moves
+from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
 
 logger = logging.getLogger("kvpool")
 
@@ -184,32 +185,98 @@ class KVCache:
         host tier's per-layer loads: a stream wait, never a host sync). None removes it."""
         self.layer_transfer_counter = layer_transfer_counter
 
-    # --- moves and CPU copies (kvpool/pools/kv_moves.py) -------------------------------------------
+    # --- moves and CPU copies ------------------------------------------------------------------------
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """For every layer, row ``tgt_loc[i]`` (K and V; an MLA pool's whole latent row) becomes a
         byte copy of row ``src_loc[i]`` (bytes, never re-quantised), as if every source were read
         before any target is written: chains, cycles and ``tgt_loc == src_loc`` are defined; a target
-        named twice gets one of its sources. ``tgt_loc``, ``src_loc``: Tensor [n], int32/int64, on the
-        pool's device. Negative slots are padding; slots >= ``size + page_size`` are never read or
-        written (IndexError under ``validate``). On CUDA one launch moves every layer (up to 1024
-        pairs; more go through a staging buffer); no synchronisation; CUDA-graph safe."""
+        named twice gets one of its sources.
+
+        Parameters
+        ----------
+        tgt_loc, src_loc : Tensor [n], int32/int64, on the pool's device. Negative slots are padding;
+            slots >= ``size + page_size`` are never read or written (IndexError under ``validate``).
+
+        On CUDA one launch moves every layer (up to ``ONE_PASS_MAX_PAIRS`` pairs; more go through a
+        staging buffer); no synchronisation; CUDA-graph safe.
+        """
         table = self._move_table
         copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
 
-    def get_cpu_copy(self, indices: torch.Tensor) -> kv_moves.KVCpuCopy:
-        """The rows ``indices`` of every layer in host memory (pinned on CUDA), exact bytes, as a
-        :class:`~kvpool.pools.kv_moves.KVCpuCopy`: ``k`` [layer_num, n, H, D] and ``v`` [layer_num, n,
-        H, Dv] in the store dtype (an MLA pool: the latent parts [.., 1, kv_lora_rank] and the rotary
-        parts [.., 1, qk_rope_head_dim]). Waits for the current stream (the copy is complete on
-        return); an index outside the buffers raises IndexError."""
-        return kv_moves.get_cpu_copy(self, indices)
+    def get_cpu_copy(self, indices: torch.Tensor) -> KVCpuCopy:
+        """The rows ``indices`` of every layer in host memory, exact bytes.
 
-    def load_cpu_copy(self, kv_cache_cpu: kv_moves.KVCpuCopy, indices: torch.Tensor) -> None:
-        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, same count), byte for
-        byte. A copy of another geometry, dtype or length raises before anything is written. No
-        synchronisation."""
-        kv_moves.load_cpu_copy(self, kv_cache_cpu, indices)
+        Parameters
+        ----------
+        indices : Tensor [n], int32/int64, on the pool's device; every entry in ``0..size +
+            page_size - 1`` (the call waits for the device anyway, so the check costs nothing more).
+
+        Returns
+        -------
+        KVCpuCopy with ``k`` [layer_num, n, H, D] and ``v`` [layer_num, n, H, Dv] of ``store_dtype``
+        (an MLA pool: the latent parts [.., 1, kv_lora_rank] and the rotary parts [.., 1,
+        qk_rope_head_dim]), pinned on CUDA. On CUDA one kernel writes every layer straight into the
+        pinned memory, and the call waits for the current stream (the copy is complete on return).
+
+        Raises
+        ------
+        TypeError, ValueError
+            On a malformed ``indices``.
+        IndexError
+            Naming the first entry outside the buffers.
+        """
+        check_index(indices, "indices", device=self.device)
+        check_in_range([(indices, self.rows, "indices")], what="slots", negative_ok=False)
+        n = indices.shape[0]
+        pinned = self.device.type == "cuda"
+        k = torch.empty((self.layer_num, n, *self.k_buffer[0].shape[1:]), dtype=self.store_dtype, pin_memory=pinned)
+        v = torch.empty((self.layer_num, n, *self.v_buffer[0].shape[1:]), dtype=self.store_dtype, pin_memory=pinned)
+        copy = KVCpuCopy(k, v, self.dtype, self.start_layer)
+        if n:
+            host = copy_rows.RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
+            positions = torch.arange(n, dtype=torch.int64, device=self.device)
+            copy_rows.checked_copy(host, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            if pinned:
+                torch.cuda.current_stream(self.device).synchronize()
+        return copy
+
+    def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: torch.Tensor) -> None:
+        """Write ``get_cpu_copy``'s rows back into slots ``indices`` (any slots, as many as the copy
+        holds), byte for byte.
+
+        Parameters
+        ----------
+        kv_cache_cpu : a KVCpuCopy of this pool's dtype, layers and head geometry.
+        indices : Tensor [len(kv_cache_cpu)], int32/int64, on the pool's device. Entries outside the
+            buffers are never written (IndexError under ``validate``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            On a malformed ``indices`` or a copy of another geometry, dtype, length or layout,
+            naming ``kv_cache_cpu``; nothing is written.
+
+        No synchronisation on CUDA: the rows cross to the device with the copy engine
+        (``non_blocking``, so host memory is released only after the copy), then one kernel scatters
+        every layer.
+        """
+        check_index(indices, "indices", device=self.device)
+        n = indices.shape[0]
+        copy = check_cpu_copy(
+            kv_cache_cpu, self.dtype, self.store_dtype, self.start_layer,
+            (self.layer_num, n, *self.k_buffer[0].shape[1:]), (self.layer_num, n, *self.v_buffer[0].shape[1:]),
+        )  # fmt: skip
+        if self.validate:
+            check_in_range([(indices, self.rows, "indices")])
+        if n == 0:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            copy = replace(copy, k=copy.k.to(self.device, non_blocking=True), v=copy.v.to(self.device, non_blocking=True))
+        staged = copy_rows.RowTable.of(copy.layers(), non_blocking=cuda)
+        positions = torch.arange(n, dtype=torch.int64, device=self.device)
+        copy_rows.checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
 
     # --- warmup ----------------------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""``KVCpuCopy``: a request's K/V rows of every layer of a pool, parked in host memory.
+
+A pool's ``get_cpu_copy(indices)`` returns one and its ``load_cpu_copy(copy, indices)`` writes it
+back, byte for byte (docs/contract.md, "Moves and CPU copies"); ``check_cpu_copy`` is what the load
+requires of a copy before it writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCpuCopy:
+    """A request's K and V rows of every layer of a pool, in host memory, as ``get_cpu_copy`` returns
+    them and ``load_cpu_copy`` takes them back.
+
+    Attributes
+    ----------
+    k : Tensor [layer_num, n, head_num, head_dim] of the pool's ``store_dtype`` (uint8 for FP8: the
+        stored bytes, untouched); row ``j`` of layer ``l`` is slot ``indices[j]`` of layer
+        ``start_layer + l``. Pinned when the pool is on CUDA.
+    v : Tensor [layer_num, n, head_num, v_head_dim], likewise.
+    dtype : the pool's element type (``k.view(dtype)`` gives the values).
+    start_layer : the global id of layer 0 of ``k`` and ``v``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype
+    start_layer: int
+
+    def __len__(self) -> int:
+        return self.k.shape[1]
+
+    def layers(self) -> list[torch.Tensor]:
+        """The per-layer row blocks ``K0, V0, K1, V1, ...``, in a pool's ``row_table`` order."""
+        return [t for pair in zip(self.k, self.v) for t in pair]
+
+
+def check_cpu_copy(
+    copy: object,
+    dtype: torch.dtype,
+    store_dtype: torch.dtype,
+    start_layer: int,
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+) -> KVCpuCopy:
+    """``copy`` if it is a KVCpuCopy of ``dtype`` rows from layer ``start_layer`` on whose ``k`` and
+    ``v`` are host tensors of ``store_dtype`` with shapes ``k_shape``/``v_shape`` ([layers, n, H, D])
+    and contiguous rows; raises naming ``kv_cache_cpu`` (the load's argument) otherwise."""
+    if not isinstance(copy, KVCpuCopy):
+        raise TypeError(f"kv_cache_cpu must be a KVCpuCopy (from get_cpu_copy), got {type(copy).__name__}")
+    if copy.dtype != dtype:
+        raise ValueError(f"kv_cache_cpu must hold {dtype} rows (this pool's dtype), got {copy.dtype}")
+    if copy.start_layer != start_layer:
+        raise ValueError(f"kv_cache_cpu must start at layer {start_layer}, got {copy.start_layer}")
+    for name, t, want in (("k", copy.k, k_shape), ("v", copy.v, v_shape)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kv_cache_cpu.{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"kv_cache_cpu.{name} must have shape {want} ([layers, len(indices), H, D]), got {tuple(t.shape)}")
+        if t.dtype != store_dtype:
+            raise ValueError(f"kv_cache_cpu.{name} must be {store_dtype}, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"kv_cache_cpu.{name} must be in host memory, got {t.device}")
+        if t.numel() and not t[0, 0].is_contiguous():  # the rows are copied as whole [H, D] blocks
+            raise ValueError(
+                f"kv_cache_cpu.{name} must have contiguous [H, D] rows (as get_cpu_copy makes them), got strides "
+                f"{t.stride()}"
+            )
+    return copy
