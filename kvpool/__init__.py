@@ -1,7 +1,7 @@
 """kvpool: KV-cache memory pools, allocators and a fused FP8 K/V write for LLM serving engines."""
 
+from kvpool.errors import FusedPathUnavailable, IntegrityError
 from kvpool.kernels import (
-    FusedPathUnavailable,
     fused_eligibility,
     fused_fp8_set_kv_buffer,
     quantize,
@@ -13,7 +13,6 @@ from kvpool.kernels.copy_rows import RowTable, copy_rows
 from kvpool.pools import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
-    IntegrityError,
     KVCpuCopy,
     KVGeometry,
     LayerTransferCounter,

@@ -13,6 +13,8 @@ import torch
 
 #: The integer types kvpool takes for slots and indices (SGLang's, and what the kernels read).
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: Every integer type: what a scheduler's lengths and frees may come in (the allocators take them all).
+INTEGER_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def positive_int(value: object, name: str) -> int:
@@ -42,18 +44,21 @@ def check_index(
     t: object,
     name: str,
     *,
-    device: Optional[torch.device] = None,
+    device: Optional[torch.device | tuple[torch.device, ...]] = None,
     ndim: int = 1,
     dims: str = "",
     length: Optional[int] = None,
     per: str = "",
     dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
     where: str = "",
+    expect: str = "",
 ) -> torch.Tensor:
     """``t`` itself if it is an index tensor of one of ``dtypes`` with ``ndim`` dimensions (``dims``
     spells them in the message, e.g. ``"[T]"``), ``length`` entries along dim 0 (``per`` says what
-    one entry stands for, e.g. ``"one per token"``) and on ``device`` (``where`` names it in the
-    message, e.g. ``"cpu (host slots)"``). Raises ``TypeError`` for a non-tensor, else ``ValueError``.
+    one entry stands for, e.g. ``"one per token"``) and on ``device`` (or on one of several devices;
+    ``where`` names them in the message, e.g. ``"cpu (host slots)"``). ``expect`` spells the dtype
+    and dimensions together for both messages (e.g. ``"a 1-D integer tensor"``). Raises
+    ``TypeError`` for a non-tensor, else ``ValueError``.
 
     >>> check_index(torch.tensor([1, 2]), "loc", dims="[T]", length=2)
     tensor([1, 2])
@@ -61,15 +66,21 @@ def check_index(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        spelled = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must be {spelled}, got {t.dtype}")
+        raise ValueError(f"{name} must be {expect or _spelled(dtypes)}, got {t.dtype}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D{' ' + dims if dims else ''}, got shape {tuple(t.shape)}")
+        wanted = expect or f"{ndim}-D{' ' + dims if dims else ''}"
+        raise ValueError(f"{name} must be {wanted}, got shape {tuple(t.shape)}")
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries{f' ({per})' if per else ''}, got {t.shape[0]}")
-    if device is not None and t.device != device:
+    if device is not None and t.device not in (device if isinstance(device, tuple) else (device,)):
         raise ValueError(f"{name} must be on {where or device}, got {t.device}")
     return t
+
+
+def _spelled(dtypes: tuple[torch.dtype, ...]) -> str:
+    if set(dtypes) == set(INTEGER_DTYPES):
+        return "an integer tensor"
+    return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
 def check_same_length(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> int:
@@ -84,9 +95,11 @@ def check_in_range(
     *,
     what: str = "rows",
     negative_ok: bool = True,
+    wrap: bool = False,
 ) -> None:
     """For each ``(index, rows, name)``: every entry below ``rows``, and, unless ``negative_ok``
-    (negative entries are padding), at least 0. Raises ``IndexError`` naming the first offending
+    (negative entries are padding), at least 0; with ``wrap``, at least ``-rows`` (negative entries
+    count from the end, as in Python indexing). Raises ``IndexError`` naming the first offending
     position and value; one synchronisation for all of them when they live on a device.
 
     >>> check_in_range([(torch.tensor([0, 7]), 4, "loc")], what="slots")
@@ -96,9 +109,13 @@ def check_in_range(
     live = [(t, rows, name) for t, rows, name in checks if t.numel()]
     if not live:
         return
-    masks = [(t >= rows) if negative_ok else ((t < 0) | (t >= rows)) for t, rows, _ in live]
+    if wrap:
+        masks = [(t < -rows) | (t >= rows) for t, rows, _ in live]
+        note = " (negative entries count from the end)"
+    else:
+        masks = [(t >= rows) if negative_ok else ((t < 0) | (t >= rows)) for t, rows, _ in live]
+        note = " (negative entries are skipped)" if negative_ok else ""
     flags = torch.stack([m.any() for m in masks]).tolist()
-    note = " (negative entries are skipped)" if negative_ok else ""
     for (t, rows, name), mask, bad in zip(live, masks, flags):
         if bad:
             flat = int(torch.argmax(mask.reshape(-1).to(torch.uint8)))

@@ -13,11 +13,13 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvpool.pools.allocator as allocator_module
+import kvpool.pools.allocator.base as token_allocator_module
+import kvpool.pools.allocator.paged as paged_allocator_module
+from kvpool.errors import IntegrityError
+from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.allocator import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
-    IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
     alloc_extend_naive,
@@ -51,7 +53,9 @@ def dec(a, seq, last_loc):
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(allocator_module).failed == 0
+    for module in (token_allocator_module, paged_allocator_module):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
 
 
 # --- TokenToKVPoolAllocator ------------------------------------------------------------------------
@@ -310,6 +314,31 @@ def test_sglang_keywords_and_getters():
         a.alloc_extend()
     with pytest.raises(NotImplementedError):
         a.alloc_decode()
+
+
+@pytest.mark.parametrize(
+    "pool_page_size, make_allocator, message",
+    [
+        (1, lambda pool: TokenToKVPoolAllocator(pool.size + 1, kvcache=pool),
+         r"size must be at most the kvcache's size = 16 \(the slots its buffers hold\), got 17"),
+        (4, lambda pool: PagedTokenToKVPoolAllocator(pool.size + 4, 4, kvcache=pool), "size must be at most the kvcache's size = 16"),
+        (4, lambda pool: PagedTokenToKVPoolAllocator(pool.size, 2, kvcache=pool), "page_size must equal the kvcache's page_size = 4, got 2"),
+        (4, lambda pool: TokenToKVPoolAllocator(pool.size, kvcache=pool),
+         "page_size must equal the kvcache's page_size = 4, got 1 .*use PagedTokenToKVPoolAllocator"),
+    ],
+    ids=["token-larger", "paged-larger", "paged-page-size", "token-on-paged-pool"],
+)
+def test_an_allocator_that_does_not_fit_its_kvcache_is_refused(pool_page_size, make_allocator, message):
+    """Slots past the pool would be handed out and their writes skipped; slots of another page size
+    would straddle the pool's pages (a token allocator on a paged pool hands out page 0's slots)."""
+    pool = MHATokenToKVPool(16, pool_page_size, torch.bfloat16, 1, 8, 1, "cpu", warmup=False)
+    with pytest.raises(ValueError, match=message):
+        make_allocator(pool)
+    if pool_page_size == 1:
+        assert TokenToKVPoolAllocator(16, kvcache=pool).alloc(16).max() < pool.rows
+    else:
+        assert PagedTokenToKVPoolAllocator(16, 4, kvcache=pool).alloc(16).max() < pool.rows
+        assert PagedTokenToKVPoolAllocator(12, 4, kvcache=pool).alloc(12).max() < pool.rows  # a smaller one fits
 
 
 def test_check_integrity_reports_corruption_with_counts():

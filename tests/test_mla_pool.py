@@ -742,7 +742,7 @@ def test_cpu_copy_round_trip_is_exact(copy_path, dtype):
 
 
 def test_allocator_cpu_copies_go_through_the_mla_pool():
-    pool = random_pool(seed=5)
+    pool = random_pool(seed=5, page_size=1)  # a token allocator hands out slots of a pool of one-slot pages
     allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, "cpu", kvcache=pool)
     slots = allocator.alloc(4)
     copy = allocator.get_cpu_copy(slots)

@@ -10,7 +10,7 @@ import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvpool.pools.req_to_token as req_to_token_module
-from kvpool.pools.allocator import IntegrityError
+from kvpool.errors import IntegrityError
 from kvpool.pools.req_to_token import ReqToTokenPool
 
 

@@ -3,7 +3,6 @@
 from kvpool.pools.allocator import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
-    IntegrityError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
     alloc_extend_naive,
@@ -20,7 +19,6 @@ from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, m
 __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
-    "IntegrityError",
     "KVCpuCopy",
     "KVGeometry",
     "LayerTransferCounter",

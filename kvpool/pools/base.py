@@ -19,7 +19,8 @@ from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 from kvpool.kernels import copy_rows
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.store_kv import SMALL_TOKENS
-from kvpool.kernels.write import FusedPathUnavailable, KVWriter, PathStats
+from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.write import KVWriter, PathStats
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
 
 logger = logging.getLogger("kvpool")

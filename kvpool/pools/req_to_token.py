@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from kvpool.checks import non_negative_int, positive_int, resolve_device
-from kvpool.pools.allocator import IntegrityError
+from kvpool.errors import IntegrityError
 
 
 class ReqToTokenPool:

@@ -3,7 +3,7 @@
 Checks come in three kinds, by what they cost:
 
 1. Arguments on the host (types, shapes, dtypes, devices, the CPU lengths, ``extend_num_tokens``,
-   ``free_index``): always, before anything changes.
+   ``free_index``, the pool an allocator indexes): always, before anything changes.
 2. Device arguments against each other (device lengths equal to their CPU copies; each
    continuing request's ``last_loc`` inside the slot range, at the page offset its prefix length
    implies): always on a CPU allocator, where the values are already on the host; under ``validate``
@@ -12,24 +12,23 @@ Checks come in three kinds, by what they cost:
    onto slots nobody holds, and no two requests of one batch continue onto the same slot; a free
    names held slots, once each): under ``validate``.
 
-``integrity_problems`` checks a snapshot (``AllocatorState``) against itself; each allocator's
-``check_integrity()`` raises ``IntegrityError`` with what it found.
+Index tensors are checked with :func:`kvpool.checks.check_index`; the rules are in docs/contract.md,
+"Allocators and the request table".
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from kvpool.errors import IntegrityError
-
-if TYPE_CHECKING:
-    from kvpool.pools.allocator import AllocatorState
+from kvpool.checks import INTEGER_DTYPES, check_index
 
 Indices = Union[torch.Tensor, Sequence[int]]
 
-INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+CPU = torch.device("cpu")
+VECTOR = "a 1-D integer tensor"
+PER_REQUEST = "one per request"
 
 
 def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -41,27 +40,22 @@ def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
 
 def lens_vector(t: object, name: str, bs: Optional[int] = None) -> int:
     """A 1-D integer tensor on the CPU with ``bs`` entries (any count if None); returns its length."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != 1 or t.dtype not in INT_DTYPES:
-        raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} {t.dtype}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if bs is not None and t.shape[0] != bs:
-        raise ValueError(f"{name} must have {bs} entries (one per request), got {t.shape[0]}")
-    return t.shape[0]
+    _tensor(t, name)
+    check_index(t, name, dtypes=INTEGER_DTYPES, expect=VECTOR, length=bs, per=PER_REQUEST, device=CPU, where="the CPU")
+    return t.shape[0]  # type: ignore[union-attr]
 
 
-def device_vector(t: object, name: str, bs: int, device: torch.device) -> None:
-    """A 1-D integer tensor on the allocator's ``device`` with ``bs`` entries."""
+def device_vector(t: object, name: str, bs: Optional[int], device: torch.device) -> None:
+    """A 1-D integer tensor on the allocator's ``device`` with ``bs`` entries (any count if None)."""
+    _tensor(t, name)
+    where = f"the allocator's device {device}"
+    check_index(t, name, dtypes=INTEGER_DTYPES, expect=VECTOR, length=bs, per=PER_REQUEST, device=device, where=where)
+
+
+def _tensor(t: object, name: str) -> None:
+    # The allocators raise ValueError for every malformed argument, a non-tensor included.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != 1 or t.dtype not in INT_DTYPES:
-        raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} {t.dtype}")
-    if t.shape[0] != bs:
-        raise ValueError(f"{name} must have {bs} entries (one per request), got {t.shape[0]}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on the allocator's device {device}, got {t.device}")
 
 
 def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: object) -> int:
@@ -89,22 +83,33 @@ def decode_lengths(seq_c: torch.Tensor) -> None:
 
 
 def free_index_slots(free_index: object, device: torch.device) -> torch.Tensor:
-    """``free_index`` (a 1-D integer tensor on ``device`` or the CPU, or a sequence of ints) as an
-    int64 tensor on ``device``."""
+    """``free_index`` (a 0-D or 1-D integer tensor on ``device`` or the CPU, or a sequence of ints)
+    as an int64 tensor on ``device``."""
     if isinstance(free_index, torch.Tensor):
-        if free_index.dtype not in INT_DTYPES:
-            raise ValueError(f"free_index must be an integer tensor, got {free_index.dtype}")
-        if free_index.dim() > 1:
-            raise ValueError(f"free_index must be 1-D, got shape {tuple(free_index.shape)}")
-        if free_index.device != device and free_index.device.type != "cpu":
-            where = "the CPU" if device.type == "cpu" else f"the allocator's device {device} or the CPU"
-            raise ValueError(f"free_index must be on {where}, got {free_index.device}")
-        return free_index.reshape(-1).to(device=device, dtype=torch.int64)
+        flat = free_index.reshape(1) if free_index.dim() == 0 else free_index
+        where = "the CPU" if device.type == "cpu" else f"the allocator's device {device} or the CPU"
+        check_index(flat, "free_index", dtypes=INTEGER_DTYPES, device=(device, CPU), where=where)
+        return flat.to(device=device, dtype=torch.int64)
     if isinstance(free_index, (int, bool)) or not isinstance(free_index, Sequence):
         raise ValueError(f"free_index must be a tensor or a sequence of ints, got {type(free_index).__name__}")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in free_index):
         raise ValueError(f"free_index must hold ints, got {list(free_index)!r}")
     return torch.tensor(list(free_index), dtype=torch.int64, device=device)
+
+
+def fits_kvcache(size: int, page_size: int, kvcache: object) -> None:
+    """Every slot an allocator of ``size`` and ``page_size`` hands out is a row of ``kvcache`` (when
+    it is a pool, with ``size`` and ``page_size``): no more slots than the pool, in its pages."""
+    pool_size, pool_page = getattr(kvcache, "size", None), getattr(kvcache, "page_size", None)
+    if not (isinstance(pool_size, int) and isinstance(pool_page, int)):
+        return
+    if page_size != pool_page:
+        hint = " (TokenToKVPoolAllocator hands out pages of one slot: use PagedTokenToKVPoolAllocator)" if page_size == 1 else ""
+        raise ValueError(f"page_size must equal the kvcache's page_size = {pool_page}, got {page_size}{hint}")
+    if size > pool_size:
+        raise ValueError(
+            f"size must be at most the kvcache's size = {pool_size} (the slots its buffers hold), got {size}"
+        )
 
 
 # --- 2. device arguments against each other (host copies) --------------------------------------------
@@ -223,75 +228,3 @@ def listed_twice(slots: torch.Tensor) -> Optional[int]:
     ordered = torch.sort(slots).values
     dups = ordered[1:][ordered[1:] == ordered[:-1]]
     return int(dups[0]) if dups.numel() else None
-
-
-# --- integrity ----------------------------------------------------------------------------------------
-
-
-def integrity_problems(state: AllocatorState) -> list[str]:
-    """Every inconsistency of a snapshot with itself, with counts (reads it to the host)."""
-    p, n = state.page_size, state.num_pages
-    free = state.free_pages.cpu()
-    release = state.release_pages.cpu()
-    pending = torch.cat([t.cpu() for t in state.free_group]) if state.free_group else free[:0]
-    owners = state.owners.cpu()
-    live = state.live.cpu()
-    page_free = state.page_free.cpu()
-    listed = torch.cat((free, release, pending))
-    problems: list[str] = []
-
-    out_of_range = listed[(listed < 1) | (listed > n)]
-    if out_of_range.numel():
-        problems.append(f"{out_of_range.numel()} listed free pages outside 1..{n} (first: {int(out_of_range[0])})")
-    uniq, counts = torch.unique(listed, return_counts=True)
-    dups = uniq[counts > 1]
-    if dups.numel():
-        problems.append(f"{dups.numel()} pages listed free more than once (first: {int(dups[0])})")
-    in_lists = torch.zeros(n + 1, dtype=torch.bool)
-    in_lists[listed.clamp(0, n)] = True
-    mismatch = (in_lists != page_free).nonzero().flatten()
-    if mismatch.numel():
-        problems.append(
-            f"{mismatch.numel()} pages whose free flag disagrees with the free lists (first: {int(mismatch[0])})"
-        )
-    negative = (owners < 0).nonzero().flatten()
-    if negative.numel():
-        problems.append(f"{negative.numel()} slots with a negative owner count (first: slot {int(negative[0])})")
-    shared = (owners > 1).nonzero().flatten()
-    if shared.numel():
-        s = int(shared[0])
-        problems.append(
-            f"{shared.numel()} slots owned more than once, handed out again while held "
-            f"(first: slot {s}, {int(owners[s])} owners)"
-        )
-    owned_per_page = owners.view(n + 1, p).sum(dim=1, dtype=torch.int32)
-    bad_live = (owned_per_page != live).nonzero().flatten()
-    if bad_live.numel():
-        i = int(bad_live[0])
-        problems.append(
-            f"{bad_live.numel()} pages whose live count disagrees with their owned slots "
-            f"(first: page {i}, live {int(live[i])}, owned {int(owned_per_page[i])})"
-        )
-    if live[0] != 0 or bool(page_free[0]) or bool(owners[:p].any()):
-        problems.append("reserved page 0 is handed out or listed free")
-    holding = live[1:] > 0
-    held = int(holding.sum())
-    both = int((holding & in_lists[1:]).sum())
-    if both:
-        problems.append(f"{both} pages are both listed free and hold owned slots")
-    neither = int((~holding & ~in_lists[1:]).sum())
-    if neither:
-        problems.append(f"{neither} pages are neither free nor holding an owned slot (leaked)")
-    total = free.numel() + release.numel() + pending.numel() + held
-    if total != n:
-        problems.append(
-            f"{free.numel()} free + {release.numel()} released + {pending.numel()} pending "
-            f"+ {held} held pages = {total}, expected num_pages = {n}"
-        )
-    unrecorded = int(state.unrecorded)
-    if unrecorded:
-        problems.append(
-            f"{unrecorded} slots were handed out outside the range {p}..{(n + 1) * p - 1} and could not be "
-            f"recorded (a last_loc outside it, unchecked without validate)"
-        )
-    return problems
