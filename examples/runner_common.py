@@ -275,6 +275,10 @@ class ForwardBatch:
     kv_slots: torch.Tensor  # [B, L] int64: slots of each request's keys from req_to_token (padding: 0)
     starts: list[int] = field(default_factory=list)  # per request: position of its first new token
     counts: list[int] = field(default_factory=list)  # per request: its new tokens this step
+    # Models with a state per request (linear attention): each request's state slot, [B] int64.
+    state_slots: Optional[torch.Tensor] = None
+    # A verify step: each request's slots [B, Tq] int64 for its new tokens (padding: -1).
+    loc_2d: Optional[torch.Tensor] = None
 
 
 class Scheduler:
@@ -582,6 +586,7 @@ class ServeResult:
     reasons: dict[str, int] = field(default_factory=dict)
     integrity_error: Optional[str] = None
     leaked_slots: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # per request and verify step: drafts accepted
 
     @property
     def generated_tokens(self) -> int:
@@ -624,6 +629,7 @@ def serve(
     res.peak_running = sched.peak_running
     res.drafted_tokens = getattr(runner, "drafted_tokens", 0)
     res.accepted_tokens = getattr(runner, "accepted_tokens", 0)
+    res.accept_lengths = list(getattr(runner, "accept_lengths", []))
     res.fused_calls = stats.fused_calls - fused0
     res.reference_calls = stats.reference_calls - ref0
     res.reasons = {k: v - reasons0.get(k, 0) for k, v in stats.reasons.items() if v != reasons0.get(k, 0)}
@@ -741,10 +747,11 @@ def calibrate(
     return [(k, v) for k, v in pool.calibrated_scales(margin=1.0, per_head=False)]  # type: ignore[attr-defined]
 
 
-def run(cfg: RunConfig, arch: Architecture) -> Report:
-    """Build ``arch``'s model, serve the prompts on a pool of each dtype, compare each run with HF."""
+def run(cfg: RunConfig, arch: Architecture, progress: Optional[Callable[[str], None]] = None) -> Report:
+    """Build ``arch``'s model, serve the prompts on a pool of each dtype, compare each run with HF;
+    ``progress`` is told what starts."""
     with cpu_threads(cfg):
-        return _run(cfg, arch)
+        return _run(cfg, arch, progress or (lambda msg: None))
 
 
 class cpu_threads:
@@ -762,17 +769,21 @@ class cpu_threads:
         torch.set_num_threads(self.threads)
 
 
-def _run(cfg: RunConfig, arch: Architecture) -> Report:
+def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) -> Report:
+    progress(f"building the model ({cfg.shape.describe()}) on {cfg.device}")
     model = arch.build_model(cfg)
     prompts = make_prompts(cfg)
+    progress(f"HF generate of {len(prompts)} prompts (the reference)")
     hf = hf_reference(model, prompts)
     report = Report(cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name)
 
     def record(name: str, pool: KVCache, scales: Optional[Scales], label: str) -> None:
         dtype = DTYPES[name]
+        progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
         res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size)
         rounded = None
         if dtype != DTYPES[cfg.model_dtype]:
+            progress(f"HF generate through a cache that rounds K/V as the {name} pool does")
             rounded = compare(res.generations, hf_reference(model, prompts, dtype, arch.reference_scales(model, scales)))
         report.runs.append(PoolRun(name, label, res, compare(res.generations, hf), rounded))
 
@@ -783,6 +794,7 @@ def _run(cfg: RunConfig, arch: Architecture) -> Report:
         if not (fp8 and cfg.calibrate):
             continue
         if hasattr(pool, "calibrated_scales"):
+            progress(f"calibrating the {name} pool's scales on the same prompts")
             record(name, pool, calibrate(cfg, model, pool, prompts, arch), "calibrated")
         else:
             note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
