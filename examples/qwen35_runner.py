@@ -992,7 +992,7 @@ def format_summary(rep: QwenReport) -> str:
 # --- command line -----------------------------------------------------------------------------------
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOptions]:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROGRAM, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -1006,10 +1006,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOpt
     p.add_argument("--spec-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32"],
                    help="pool dtypes of the speculative runs")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write config, seed, prompts and the fp32 and speculative tokens")
-    rc.add_run_arguments(
-        p, prompts=6, batch=3, prompt_len=(4, 40), new_tokens=(4, 10), page_size=4, chunk_size=16
-    )
-    a = p.parse_args(argv)
+    rc.add_run_arguments(p, **RUN_DEFAULTS)
+    return p
+
+
+#: The runner's defaults where they differ from ``RunConfig``'s: prompts longer than a prefill chunk,
+#: pages of 4 so that prompts and decode cross page ends.
+RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(4, 40), new_tokens=(4, 10), page_size=4, chunk_size=16)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOptions]:
+    a = make_parser().parse_args(argv)
     names = {"layers": "layers", "head_dim": "head_dim", "vocab": "vocab", "full_attention_interval": "full_attention_interval"}
     overrides = {k: getattr(a, v) for k, v in names.items() if getattr(a, v) is not None}
     cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))

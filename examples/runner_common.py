@@ -887,7 +887,7 @@ def add_run_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
                    help="tokens each request generates, drawn from this range")  # fmt: skip
     p.add_argument("--page-size", type=int, default=d["page_size"], help="slots per page")
     p.add_argument("--chunk-size", type=int, default=d["chunk_size"],
-                   help="most prompt tokens per prefill step (chunked prefill; default: whole prompts)")  # fmt: skip
+                   help="most prompt tokens per prefill step (chunked prefill; 0 or unset: whole prompts)")  # fmt: skip
     p.add_argument("--seed", type=int, default=d["seed"], help="seeds the weights and the prompts")
     p.add_argument("--device", default=d["device"], help="cuda when available, else cpu")
     p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated-scale FP8 runs")
@@ -900,7 +900,7 @@ def run_config(a: argparse.Namespace, shape: Shape) -> RunConfig:
         shape=shape, model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
         prompts=a.prompts, batch=a.batch, prompt_len=tuple(a.prompt_len), new_tokens=tuple(a.new_tokens),
         page_size=a.page_size, seed=a.seed, device=a.device, calibrate=not a.no_calibrate,
-        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size,
+        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size or None,
     )  # fmt: skip
 
 
