@@ -33,7 +33,9 @@ table in ``kvpool/kernels/copy_rows.py``. Direct-backend cases that would need m
 are reported as skipped.
 
 Usage (on a GPU): python benchmarks/bench_host_tier.py --out DIR [--quick] [--sweep]
-Writes DIR/host_tier.json and DIR/host_tier.md.
+Writes DIR/host_tier.json and DIR/host_tier.md. ``--cpu-smoke`` runs the transfers, both-ways and
+device-gather stages and the report on small CPU pools, timing nothing that means anything: it checks
+the script against the library.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ import triton
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
-from kvpool.pools import host_copy
-from kvpool.pools.host_pool import KERNEL_PROGRAMS, MHATokenToKVPoolHost
+from kvpool.host import MHATokenToKVPoolHost, direct_backend
+from kvpool.host.kernel_backend import KERNEL_PROGRAMS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import event_ms  # noqa: E402
@@ -67,9 +69,22 @@ LAYOUTS = ["layer_first", "page_first"]
 BACKENDS = ["kernel", "direct"]
 HOST_ORDERS = ["shuffled", "allocated"]
 DEVICE_SLOTS = 36864  # holds 32k tokens plus room
+DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn
 SWEEP_TILES = [C.Tile(8192, 8), C.Tile(16384, 16), C.Tile(32768, 32), C.Tile(4096, 4)]
 SWEEP_PROGRAMS = [8, 16]
+
+
+def configure_smoke() -> None:
+    """--cpu-smoke: CPU pools of a few layers and tokens (the shapes' names no longer apply)."""
+    global LAYERS, HEADS, HEAD_DIM, TOKEN_BYTES, TOKENS, PAGE_SIZES, DEVICE_SLOTS, DEVICE
+    LAYERS, HEADS, HEAD_DIM, TOKENS, PAGE_SIZES, DEVICE_SLOTS, DEVICE = 3, 2, 16, [64], [1, 16], 512, "cpu"
+    TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(msg: str) -> None:
@@ -80,13 +95,13 @@ def wall_ms(fn, reps: int, warmup: int = 1) -> float:
     """Median milliseconds from the call to the completion of everything it enqueued."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -171,11 +186,11 @@ def host_ms(fn, reps: int) -> float:
     starting on an idle device."""
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(times)
 
 
@@ -232,16 +247,16 @@ def device_copy_ceiling(reps: int) -> float:
 
 
 def make_device_pool(page_size: int) -> MHATokenToKVPool:
-    pool = MHATokenToKVPool(DEVICE_SLOTS, page_size, FP8, HEADS, HEAD_DIM, LAYERS, "cuda", warmup=False)
-    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    pool = MHATokenToKVPool(DEVICE_SLOTS, page_size, FP8, HEADS, HEAD_DIM, LAYERS, DEVICE, warmup=False)
+    gen = torch.Generator(device=DEVICE).manual_seed(page_size)
     for b in pool.k_buffer + pool.v_buffer:
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device="cuda", generator=gen))  # never time zeros
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=DEVICE, generator=gen))  # never time zeros
     return pool
 
 
 def random_device_pages(tokens: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
     pages = torch.randperm(DEVICE_SLOTS // page_size - 1, generator=gen)[: tokens // page_size] + 1
-    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1).to("cuda")
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1).to(DEVICE)
 
 
 def random_host_pages(host: MHATokenToKVPoolHost, tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -263,7 +278,7 @@ def host_pages(host: MHATokenToKVPoolHost, tokens: int, gen: torch.Generator, or
 
 def direct_copies(host: MHATokenToKVPoolHost, slots: torch.Tensor, direction: str) -> int:
     """Copy-engine calls the direct backend makes for this transfer (its host-side cost)."""
-    runs = host_copy.runs(slots.numpy())[0].shape[0]
+    runs = direct_backend.runs(slots.numpy())[0].shape[0]
     if host.layout == "page_first" and direction == "load":
         return 2 * runs  # all layers travel together
     return 2 * runs * (LAYERS if host.layout == "layer_first" else 1)
@@ -308,7 +323,7 @@ def bench_transfers(args, ceiling: dict, records: list) -> None:
                         ceil = ceiling["d2h_gbps"] if direction == "backup" else ceiling["h2d_gbps"]
                         rec.update(ms=ms, gbps=gbps(nbytes, ms), of_ceiling=gbps(nbytes, ms) / ceil, copies=copies,
                                    host_ms=enqueue)  # fmt: skip
-                        if backend == "kernel" or order == "allocated":
+                        if (backend == "kernel" or order == "allocated") and DEVICE == "cuda":
                             dev_ms = event_ms(fn, args.reps, (host.backup_stream, host.load_stream), hold_cycles=HOLD)
                             dev_ceil = ceiling["d2h_device_gbps"] if direction == "backup" else ceiling["h2d_device_gbps"]
                             rec.update(device_ms=dev_ms, device_of_ceiling=gbps(nbytes, dev_ms) / dev_ceil)
@@ -369,7 +384,7 @@ def bench_sweep(args, ceiling: dict, records: list) -> None:
 
 def bench_bidirectional(args, ceiling: dict, records: list) -> None:
     gen = torch.Generator().manual_seed(2)
-    tokens = 8192
+    tokens = TOKENS[0]  # 8k tokens each way
     pool = make_device_pool(16)
     for layout, order in [(lay, o) for lay in LAYOUTS for o in args.host_orders]:
         host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout)
@@ -525,11 +540,12 @@ def trace_stats(path: str) -> dict:
 def bench_device_gather(args, device_ceiling: float, records: list) -> None:
     tokens = 32768
     pool = make_device_pool(1)
-    staging = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.uint8, device="cuda") for _ in range(2 * LAYERS)]
+    tokens = min(tokens, DEVICE_SLOTS - 1)
+    staging = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.uint8, device=DEVICE) for _ in range(2 * LAYERS)]
     table = C.RowTable.of(staging)
     d = random_device_pages(tokens, 1, torch.Generator().manual_seed(4))
-    pos = torch.arange(tokens, device="cuda")
-    ms = wall_ms(lambda: C.copy_rows(table, pos, pool._kv_rows, d), args.reps)
+    pos = torch.arange(tokens, device=DEVICE)
+    ms = wall_ms(lambda: C.copy_rows(table, pos, pool.row_table, d), args.reps)
     rate = gbps(2 * tokens * TOKEN_BYTES, ms)  # read + write, as the ceiling
     records.append(dict(tokens=tokens, buffers=2 * LAYERS, ms=ms, gbps=rate, of_ceiling=rate / device_ceiling))
     log(f"  device gather {tokens} tokens x {2 * LAYERS} buffers: {ms:.3f} ms, {rate:.0f} GB/s "
@@ -698,6 +714,7 @@ def main() -> int:
     parser.add_argument("--overlap-background", default="off,on", metavar="off,on",
                         help="overlap stage: the load queued by the call (off), by the host pool's worker thread (on)")
     parser.add_argument("--trace", action="store_true", help="export a CUDA trace of one overlapped run per case")
+    parser.add_argument("--cpu-smoke", action="store_true", help="small CPU pools, three stages: checks the script")
     parser.add_argument("--stages", default="transfers,bidirectional,overlap,device_gather",
                         help="comma-separated stages to run (plus sweep with --sweep)")
     args = parser.parse_args()
@@ -720,20 +737,27 @@ def main() -> int:
         parser.error(f"--host-orders must name some of {', '.join(HOST_ORDERS)}, got {args.host_orders}")
     if not args.backends or set(args.backends) - set(BACKENDS):
         parser.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends}")
-    if not torch.cuda.is_available():
+    if args.cpu_smoke:
+        configure_smoke()
+        args.stages, args.sweep = "transfers,bidirectional,device_gather", False
+    elif not torch.cuda.is_available():
         print("bench_host_tier.py needs a CUDA device", file=sys.stderr)
         return 2
-    args.tokens = [8192] if args.quick else TOKENS
-    args.reps = args.reps or (3 if args.quick else 5)
+    args.tokens = TOKENS if args.cpu_smoke else [8192] if args.quick else TOKENS
+    args.reps = args.reps or (3 if args.quick or args.cpu_smoke else 5)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)", torch=torch.__version__,
+        triton=triton.__version__, python=platform.python_version(),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        sms=torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 0,
     )  # fmt: skip
     log(f"host tier benchmark on {meta['gpu']}")
-    ceiling = copy_engine_ceiling(args.reps)
-    device_ceiling = device_copy_ceiling(args.reps)
+    if DEVICE == "cuda":
+        ceiling = copy_engine_ceiling(args.reps)
+        device_ceiling = device_copy_ceiling(args.reps)
+    else:  # nothing to compare with: every rate is its own ceiling's multiple
+        ceiling, device_ceiling = {"h2d_gbps": 1.0, "d2h_gbps": 1.0, "bidir_gbps": 1.0}, 1.0
     log(f"ceiling: h2d {ceiling['h2d_gbps']:.1f} GB/s, d2h {ceiling['d2h_gbps']:.1f} GB/s, both {ceiling['bidir_gbps']:.1f} GB/s; "
         f"device copy {device_ceiling:.0f} GB/s")  # fmt: skip
     res = dict(meta=meta, ceiling=ceiling, device_ceiling_gbps=device_ceiling, transfers=[], bidirectional=[],

@@ -59,8 +59,7 @@ def pool_both_ways(args, emit) -> None:
     everything, so the host's enqueue time is left out. The load also as one launch over every
     layer (no per-layer events), to see what the per-layer launches cost beside a backup."""
     from kvpool import MHATokenToKVPool
-    from kvpool.pools.host_pool import MHATokenToKVPoolHost
-    from kvpool.pools.kv_moves import kv_rows
+    from kvpool.host import MHATokenToKVPoolHost
 
     tokens, page, slots = 8192, 16, 36864
     pool = MHATokenToKVPool(slots, page, torch.float8_e4m3fn, 8, 128, 32, "cuda", warmup=False)
@@ -90,7 +89,7 @@ def pool_both_ways(args, emit) -> None:
     def load_once():  # every layer in one launch, on the load stream, after the current stream's work
         host.load_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(host.load_stream):
-            rows.copy_rows(kv_rows(pool), d_in, host._host_rows, h_in_dev, max_programs=host.kernel_programs)
+            rows.copy_rows(pool.row_table, d_in, host.row_table, h_in_dev, max_programs=host.kernel_programs)
 
     nbytes = tokens * 32 * 2 * 1024
     for name, fn, moved in (

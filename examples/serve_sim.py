@@ -44,7 +44,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvpool import MHATokenToKVPool, MLATokenToKVPool, quantize
-from kvpool.pools.host_pool import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import IO_BACKENDS, LAYOUTS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import KVGeometry

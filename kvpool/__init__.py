@@ -7,6 +7,7 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
+from kvpool.host import LayerTransferCounter, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 # Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
 # kvpool.kernels.copy_rows stays the module.
 from kvpool.kernels.copy_rows import RowTable, copy_rows
@@ -15,11 +16,8 @@ from kvpool.pools import (
     BaseTokenToKVPoolAllocator,
     KVCpuCopy,
     KVGeometry,
-    LayerTransferCounter,
     MHATokenToKVPool,
-    MHATokenToKVPoolHost,
     MLATokenToKVPool,
-    MLATokenToKVPoolHost,
     PagedTokenToKVPoolAllocator,
     PathStats,
     ReqToTokenPool,

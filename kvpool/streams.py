@@ -3,10 +3,8 @@ tier's transfer streams, the rank-to-rank transfer's side stream).
 
 These run on the host path of every transfer call, before its work reaches the GPU, and a small
 transfer's latency is made of that host path. They do what ``torch.cuda.device`` nested with
-``torch.cuda.stream``, and ``Stream.wait_stream``, do, in fewer calls into torch: on the two-H200
-machines the nested contexts cost a transfer 61-65 us per call, :class:`OnStream` 12-20 us
-(``benchmarks/probe_transfer_latency.py``, different machines), and ``wait_stream`` creates a new
-event on every call.
+``torch.cuda.stream``, and ``Stream.wait_stream``, do, in fewer calls into torch (BENCHMARKS.md has
+what that saves a transfer); ``wait_stream`` would also create a new event on every call.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from kvassert import assert_same_bytes
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
-from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.host import MHATokenToKVPoolHost
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -275,8 +275,6 @@ def test_layer_wait_inside_a_cuda_graph(backend):
 def test_a_failed_background_load_still_orders_what_it_queued(monkeypatch):
     """A worker that fails part-way still records the pages its queued copies read (later backups
     into them wait) and keeps its index tensors until they ran; the layers it queued land."""
-    from kvpool.pools import host_pool
-
     gen = torch.Generator().manual_seed(21)
     tokens, layers = 4096, 4
     src = make_pool(layers=layers, seed=1)
@@ -287,7 +285,7 @@ def test_a_failed_background_load_still_orders_what_it_queued(monkeypatch):
     want = rows_of(src, 0, "k", d)
     pool = make_pool(layers=layers, seed=2)
     pool.register_layer_transfer_counter(host.layer_transfer_counter)
-    real, calls = host_pool._copy_rows, []
+    real, calls = C.launch_copy_rows, []
 
     def copy(*a, **k):
         calls.append(1)
@@ -295,14 +293,41 @@ def test_a_failed_background_load_still_orders_what_it_queued(monkeypatch):
             raise RuntimeError("copy failed")
         return real(*a, **k)
 
-    monkeypatch.setattr(host_pool, "_copy_rows", copy)
-    seq = host._seq
+    monkeypatch.setattr(C, "launch_copy_rows", copy)  # layer 0's checked copy launches through it too
+    seq = host._scheduler._seq
     host.load_to_device_all_layer(pool, h, d.clone(), "kernel", background=True)  # the clone is dropped at once
     with pytest.raises(RuntimeError, match="background load failed"):
         host.wait_for_loads()
     pages = h.numpy()[:: host.page_size] // host.page_size
-    assert host._seq == seq + 1 and (host._page_read[pages] == host._seq).all()
+    assert host._scheduler._seq == seq + 1 and (host._scheduler._page_read[pages] == host._scheduler._seq).all()
     torch.cuda.synchronize()
     assert_same_bytes(rows_of(pool, 0, "k", d), want, "layer 0, queued before the failure")
     with pytest.raises(RuntimeError, match="layer 1 was not loaded"):
         pool.get_key_buffer(1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_per_layer_load_reaches_its_launch_in_five_frames(monkeypatch, backend):
+    """From ``load_to_device_per_layer`` to ``launch_copy_rows`` (which calls the compiled kernel),
+    counting both."""
+    import sys
+
+    depths = []
+    real = C.launch_copy_rows
+
+    def launch(*a, **k):
+        frame, depth = sys._getframe(1), 1
+        while frame is not None and frame.f_code.co_name != "load_to_device_per_layer":
+            frame, depth = frame.f_back, depth + 1
+        depths.append(depth if frame is not None else None)
+        return real(*a, **k)
+
+    pool = make_pool()
+    host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, "layer_first")
+    h = host.alloc(1024)
+    d = torch.arange(16, 1040, device=DEV)
+    host.backup_from_device_all_layer(pool, h, d, backend)
+    monkeypatch.setattr(C, "launch_copy_rows", launch)
+    host.load_to_device_per_layer(pool, h, d, 2, backend)
+    torch.cuda.synchronize()
+    assert depths and None not in depths and max(depths) <= 5, depths

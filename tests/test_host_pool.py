@@ -5,6 +5,8 @@ through Triton's interpreter."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,8 +17,8 @@ from kvassert import needs_interpreter
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
-from kvpool.pools import host_copy, host_pool
-from kvpool.pools.host_pool import MHATokenToKVPoolHost
+from kvpool.host import MHATokenToKVPoolHost, direct_backend, memory
+from kvpool.host.pages import HostPages
 
 LAYOUTS = ["layer_first", "page_first"]
 BACKENDS = ["kernel", "direct"]
@@ -114,7 +116,7 @@ def test_bad_constructor_arguments(kwargs, match):
 
 def test_not_enough_host_memory_fails_before_allocating(monkeypatch):
     pool = make_device_pool()
-    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 10_000)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 10_000)
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated host memory"))
     with pytest.raises(ValueError, match=r"host memory: the host pool needs 8,640 bytes \(80 slots x 108 B\) but only 7,500 bytes"):
         MHATokenToKVPoolHost(pool, 2.0, 0, 4, "layer_first")
@@ -253,8 +255,8 @@ def test_one_layer_page_first_direct_backup_copies_runs_not_rows(monkeypatch):
     host = make_host(pool, "page_first")
     h = host.alloc(8)
     segments = []
-    real = host_pool._copy_segments
-    monkeypatch.setattr(host_pool, "_copy_segments", lambda copies, **kw: (segments.extend(seg for c in copies for seg in c[0]), real(copies, **kw)))
+    real = direct_backend.copy_segments
+    monkeypatch.setattr(direct_backend, "copy_segments", lambda copies, **kw: (segments.extend(seg for c in copies for seg in c[0]), real(copies, **kw)))
     host.backup_from_device_all_layer(pool, h, torch.tensor([9, 3, 4, 5, 6, 7, 8, 1]), "direct")
     assert len(segments) == 2  # K and V, one run each
     assert torch.equal(host_rows(host, 0, "k")[h], dev_rows(pool, 0, "k")[torch.tensor([9, 3, 4, 5, 6, 7, 8, 1])])
@@ -346,19 +348,19 @@ def _slot_problems(slots: np.ndarray, size: int, ps: int) -> bool:
     nudges=st.lists(st.tuples(st.integers(0, 23), st.integers(-5, 5)), max_size=2),
 )
 def test_quick_page_check_agrees_with_the_per_slot_checks(page_size, pages, nudges):
-    """``_whole_pages`` (page starts, one comparison) accepts exactly the slot lists the per-slot
-    checks accept, and ``_host_slots`` reports problems as before whichever path finds them."""
-    host = make_host(make_device_pool(size=40, page_size=page_size), page_size=page_size, ratio=2.0)  # 80 slots
+    """``whole_pages`` (page starts, one comparison) accepts exactly the slot lists the per-slot
+    checks accept, and ``slots`` reports problems as before whichever path finds them."""
+    allocator = HostPages(80 // page_size, page_size)  # 80 slots, as a host pool of ratio 2 over 40 slots
     slots = (np.array(pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).reshape(-1)
     for pos, delta in nudges:  # break a page here and there
         slots[pos % slots.shape[0]] += delta
-    bad = _slot_problems(slots, host.size, page_size)
-    assert host._whole_pages(slots) == (not bad)
+    bad = _slot_problems(slots, allocator.size, page_size)
+    assert allocator.whole_pages(slots) == (not bad)
     if bad:
         with pytest.raises((IndexError, ValueError)):
-            host._host_slots(torch.from_numpy(slots.copy()), "host_indices")
+            allocator.slots(torch.from_numpy(slots.copy()), "host_indices")
     else:
-        assert np.array_equal(host._host_slots(torch.from_numpy(slots.copy()), "host_indices"), slots)
+        assert np.array_equal(allocator.slots(torch.from_numpy(slots.copy()), "host_indices"), slots)
 
 
 def test_validate_checks_host_pages_are_allocated():
@@ -441,9 +443,9 @@ def test_page_buffer_meta_points_at_the_pages(layout):
 
 
 def test_runs():
-    pos, first, length = host_copy.runs(np.array([4, 5, 6, 9, 10, 2]))
+    pos, first, length = direct_backend.runs(np.array([4, 5, 6, 9, 10, 2]))
     assert pos.tolist() == [0, 3, 5] and first.tolist() == [4, 9, 2] and length.tolist() == [3, 2, 1]
-    assert all(x.shape == (0,) for x in host_copy.runs(np.zeros(0, dtype=np.int64)))
+    assert all(x.shape == (0,) for x in direct_backend.runs(np.zeros(0, dtype=np.int64)))
 
 
 @given(
@@ -454,7 +456,7 @@ def test_runs():
 def test_segments_cover_exactly_the_rows(slots, layout, layer):
     """Every byte the plan copies is the byte a row-by-row copy would copy, and nothing else."""
     size, layers, row, staging = 16, 3, 5, 12
-    seg = host_copy.segments(layout, host_copy.runs(np.array(slots)), row, size, layers, staging, layer)
+    seg = direct_backend.segments(layout, direct_backend.runs(np.array(slots)), row, size, layers, staging, layer)
     got = {}
     for h, s, n in seg.tolist():
         for i in range(n):
@@ -478,9 +480,9 @@ def test_segments_cover_exactly_the_rows(slots, layout, layer):
 
 
 def test_segments_merge_runs():
-    seg = host_copy.segments("page_first", host_copy.runs(np.arange(8, 16)), 24, 64, 3, 8)
+    seg = direct_backend.segments("page_first", direct_backend.runs(np.arange(8, 16)), 24, 64, 3, 8)
     assert seg.tolist() == [[8 * 3 * 24, 0, 8 * 3 * 24]]  # one copy for two consecutive pages
-    seg = host_copy.segments("layer_first", host_copy.runs(np.arange(8, 16)), 24, 64, 3, 8)
+    seg = direct_backend.segments("layer_first", direct_backend.runs(np.arange(8, 16)), 24, 64, 3, 8)
     assert seg.shape == (3, 3)  # one per layer
 
 
@@ -622,7 +624,7 @@ def test_pinned_buffers_register_whole_pages_of_their_own(monkeypatch, k_shape, 
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     page = os.sysconf("SC_PAGE_SIZE")
-    k, v, handle = host_pool._host_buffers(k_shape, v_shape, torch.uint8, True)
+    k, v, handle = memory.host_buffers(k_shape, v_shape, torch.uint8, True)
     assert k.shape == k_shape and v.shape == v_shape and k.is_contiguous() and v.is_contiguous()
     [(ptr, size)] = fake.registered.items()
     assert ptr % page == 0 and size % page == 0
@@ -643,8 +645,8 @@ def _gate_copies(monkeypatch, backend, gate, fail_at=None):
     """Make the worker's per-layer copies wait for ``gate`` (and the one of layer ``fail_at`` raise):
     the test then sees the state while the background load is still queueing."""
     calls = []
-    name = "_copy_rows" if backend == "kernel" else "_copy_segments"  # called once per layer
-    real = getattr(host_pool, name)
+    module, name = (C, "checked_copy") if backend == "kernel" else (direct_backend, "copy_segments")  # once per layer
+    real = getattr(module, name)
 
     def copy(*a, **k):
         calls.append(1)
@@ -653,7 +655,7 @@ def _gate_copies(monkeypatch, backend, gate, fail_at=None):
             raise RuntimeError("copy failed")
         return real(*a, **k)
 
-    monkeypatch.setattr(host_pool, name, copy)
+    monkeypatch.setattr(module, name, copy)
     return calls
 
 
@@ -687,7 +689,7 @@ def test_background_load_returns_before_the_copies_and_getters_wait_for_them(mon
     assert torch.equal(k.view(torch.uint8)[d], src.k_buffer[2].view(torch.uint8)[d])
     assert torch.equal(v.view(torch.uint8)[d], src.v_buffer[2].view(torch.uint8)[d])
     host.wait_for_loads()
-    assert host._job is None and calls
+    assert host._scheduler._job is None and calls
     for layer in range(3):
         for which in "kv":
             got, want = dev_rows(pool, layer, which), dev_rows(src, layer, which)
@@ -726,7 +728,7 @@ def test_background_needs_the_counter_registered_else_the_call_queues_the_load()
     src, host, pool, h, d = _loaded_pair("page_first", "kernel")
     pool.register_layer_transfer_counter(None)
     host.load_to_device_all_layer(pool, h, d, "kernel", background=True)
-    assert host._worker is None and host._job is None
+    assert host._scheduler._worker is None and host._scheduler._job is None
     assert torch.equal(pool.k_buffer[1].view(torch.uint8)[d], src.k_buffer[1].view(torch.uint8)[d])
 
 
@@ -748,7 +750,7 @@ def test_every_other_call_waits_for_the_background_queueing(monkeypatch, call):
         "get_page_buffer_meta": lambda: host.get_page_buffer_meta(h),
         "wait_for_backups": host.wait_for_backups,
     }[call]()
-    assert host._job is None and host.layer_transfer_counter._pending == [False] * 3
+    assert host._scheduler._job is None and host.layer_transfer_counter._pending == [False] * 3
     assert torch.equal(pool.v_buffer[2].view(torch.uint8)[d], src.v_buffer[2].view(torch.uint8)[d])
 
 
@@ -791,3 +793,43 @@ def test_a_failed_background_load_reports_once(monkeypatch):
         host.wait_for_loads()
     host.wait_for_loads()  # the error is reported once
     assert torch.equal(pool.get_key_buffer(0).view(torch.uint8)[d], src.k_buffer[0].view(torch.uint8)[d])
+
+
+# --- how deep a per-layer load goes -----------------------------------------------------------------
+
+
+def frames_between(outer: str) -> int:
+    """Frames from the innermost caller's caller up to and including the nearest frame of function
+    ``outer`` (0 when it is not on the stack)."""
+    frame, depth = sys._getframe(1), 0
+    while frame is not None:
+        depth += 1
+        if frame.f_code.co_name == outer:
+            return depth
+        frame = frame.f_back
+    return 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_per_layer_load_reaches_its_copy_in_five_frames(monkeypatch, layout, backend):
+    """From ``load_to_device_per_layer`` to the row copy itself (``copy_rows_reference`` on a CPU pool,
+    where a CUDA pool calls ``launch_copy_rows``), counting both: the scheduler, the backend and
+    ``checked_copy`` between them."""
+    depths = []
+    real = C.copy_rows_reference
+
+    def copy(*a):
+        depths.append(frames_between("load_to_device_per_layer"))
+        return real(*a)
+
+    monkeypatch.setattr(C, "copy_rows_reference", copy)
+    src = make_device_pool(seed=30)
+    host = make_host(src, layout)
+    h = host.alloc(8)
+    host.backup_from_device_all_layer(src, h, torch.arange(1, 9), backend)
+    pool = make_device_pool(seed=31)
+    depths.clear()
+    host.load_to_device_per_layer(pool, h, torch.arange(10, 18), 1, backend)
+    assert depths and max(depths) <= 5, depths
+    assert torch.equal(dev_rows(pool, 1, "k")[10:18], dev_rows(src, 1, "k")[1:9])

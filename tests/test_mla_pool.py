@@ -26,7 +26,7 @@ from kvassert import assert_same_bytes, bits
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.kernels import copy_rows, store_kv
 from kvpool.kernels import write as write_module
-from kvpool.pools import host_pool
+from kvpool import host as host_tier
 from kvpool.kernels.store_kv import plan_flat_launch, plan_launch
 from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_latent_cache
 
@@ -754,8 +754,8 @@ def test_allocator_cpu_copies_go_through_the_mla_pool():
         assert torch.equal(b[slots], o)
 
 
-@pytest.mark.parametrize("backend", host_pool.IO_BACKENDS)
-@pytest.mark.parametrize("layout", host_pool.LAYOUTS)
+@pytest.mark.parametrize("backend", host_tier.IO_BACKENDS)
+@pytest.mark.parametrize("layout", host_tier.LAYOUTS)
 def test_host_tier_parks_and_reloads_latent_rows(copy_path, layout, backend):
     if copy_path == "kernel" and backend == "direct":
         pytest.skip("the direct backend's device side is the same row copy; the interpreter runs the kernel backend")

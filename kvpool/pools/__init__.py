@@ -7,9 +7,7 @@ from kvpool.pools.allocator import (
     TokenToKVPoolAllocator,
     alloc_extend_naive,
 )
-from kvpool.pools.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.cpu_copy import KVCpuCopy
-from kvpool.pools.layer_transfer import LayerTransferCounter
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats
 from kvpool.pools.mha_pool import MHATokenToKVPool
@@ -21,11 +19,8 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "KVCpuCopy",
     "KVGeometry",
-    "LayerTransferCounter",
     "MHATokenToKVPool",
-    "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
-    "MLATokenToKVPoolHost",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",

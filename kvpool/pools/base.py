@@ -120,7 +120,6 @@ class KVCache:
         #: ``row_table.select(2 * i, 2 * i + 2)``): CPU copies, the host tier and transfers copy rows
         #: of every layer over it in one launch. Built once (one synchronisation on CUDA).
         self.row_table = copy_rows.RowTable.of([b for pair in zip(k_buffer, v_buffer) for b in pair])
-        self._kv_rows = self.row_table  # the name the host tier reads until it reads row_table
         if rows is None:
             self._key_views, self._value_views, self._move_table = self._k_views, self._v_views, self.row_table
         else:  # copy_rows refuses the two part views as one table to move over (their rows interleave)

@@ -1,4 +1,5 @@
-"""Per-layer load events that let a model run layer 0 while later layers are still arriving.
+"""Per-layer load events that let a model run layer 0 while later layers are still arriving
+(docs/contract.md, "Host tier", "Streams and events").
 
 A host pool's loads record event ``i`` on their transfer stream once layer ``i`` has landed in the
 device pool; a device pool with this counter registered (``register_layer_transfer_counter``) makes
@@ -11,11 +12,10 @@ before it, outside the graph.
 
 A load queued by a background thread (``load_to_device_all_layer(..., background=True)``) names its
 layers with :meth:`LayerTransferCounter.expect` first; until the thread records a layer's event, a
-getter of that layer waits on the host for the thread to queue it (a condition variable: on CUDA the
-thread only queues work, tens of microseconds per layer; on a CPU pool it does the copies), then the
-stream waits as above. That is
-how SGLang's layer-done counter lets a model runner start while its cache controller's thread is
-still queueing the load.
+getter of that layer waits on the host for the thread to queue it (a condition variable; on CUDA the
+thread only queues work, on a CPU pool it does the copies), then the stream waits as above, as
+SGLang's layer-done counter lets a model runner start while its cache controller's thread is still
+queueing the load.
 """
 
 from __future__ import annotations

@@ -1,0 +1,13 @@
+"""The host tier: host-memory KV pages below a device pool (SGLang's HiCache host pool).
+
+``pool.py`` is the host pool itself (buffers, layouts, pages, checks, the data-page API),
+``schedule.py`` where and when its copies run, ``kernel_backend.py`` and ``direct_backend.py`` how,
+``layer_counter.py`` the per-layer load events a device pool's getters wait on, ``memory.py`` the
+pinned host buffers, ``pages.py`` the page allocator. The rules are docs/contract.md, "Host tier".
+"""
+
+from kvpool.host.layer_counter import LayerTransferCounter
+from kvpool.host.memory import LAYOUTS
+from kvpool.host.pool import IO_BACKENDS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+__all__ = ["IO_BACKENDS", "LAYOUTS", "LayerTransferCounter", "MHATokenToKVPoolHost", "MLATokenToKVPoolHost"]

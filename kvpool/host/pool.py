@@ -1,0 +1,475 @@
+"""``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost``: the host-memory tier below a device pool
+(SGLang's HiCache host pool; the rules are docs/contract.md, "Host tier").
+
+When the device pool fills, a scheduler parks KV pages here (``backup_from_device_all_layer``) and
+brings them back layer by layer while the model runs (``load_to_device_per_layer``), or hands whole
+pages to a storage tier (``get_data_page`` / ``set_from_flat_data_page`` / ``get_page_buffer_meta``).
+
+This module holds the pool: its buffers and layout, its pages, the checks every call makes, and
+each transfer's dispatch to a backend. Where and when the copies run (streams, ordering, the
+background worker) is ``schedule.py``; how they run is ``kernel_backend.py`` (SM copies over pinned
+memory) and ``direct_backend.py`` (the copy engine).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
+from kvpool.config import validate_enabled
+from kvpool.host.direct_backend import STAGING_BYTES, DirectBackend
+from kvpool.host.kernel_backend import KERNEL_PROGRAMS, KernelBackend
+from kvpool.host.layer_counter import LayerTransferCounter
+from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, layer_views
+from kvpool.host.pages import HostPages
+from kvpool.host.schedule import Transfer, TransferScheduler
+from kvpool.kernels.row_table import RowTable
+from kvpool.pools.mla_pool import MLATokenToKVPool
+
+IO_BACKENDS = ("kernel", "direct")
+
+# What a device pool passed to a transfer must share with the one the host pool was built for.
+_GEOMETRY = ("layer_num", "start_layer", "head_num", "head_dim", "v_head_dim", "dtype", "store_dtype", "device")
+
+
+class MHATokenToKVPoolHost:
+    """Host-memory KV pages for a device ``MHATokenToKVPool``, with SGLang's API.
+
+    Parameters
+    ----------
+    device_pool : the device pool whose rows this tier holds (its geometry and dtype).
+    host_to_device_ratio : host slots per device slot, used when ``host_size`` <= 0.
+    host_size : host memory in GB (1e9 bytes) when > 0.
+    page_size : slots per host page; ``alloc`` and every transfer work in whole pages.
+    layout : ``"layer_first"`` (K ``[layer_num, size, head_num, head_dim]``, V likewise with
+        ``v_head_dim``) or ``"page_first"`` (``[size, layer_num, ...]``: a page of every layer is
+        one block per K/V, ready for a storage tier).
+    pin_memory : page-lock the host buffers when the device pool is on CUDA (the kernel backend
+        needs it: the GPU reads and writes them through unified addressing).
+    device : where the tier lives; ``"cpu"``.
+    validate : also check device indices on the device (one synchronisation per transfer), and
+        that host pages being moved are allocated. ``KVPOOL_VALIDATE=1`` turns it on too.
+    kernel_programs : grid of the kernel backend (SMs it may occupy).
+    staging_bytes : size of each of the direct backend's two device staging buffers per direction.
+
+    Size in slots: ``host_size * 1e9 / size_per_token`` when ``host_size > 0``, else
+    ``device_pool.size * host_to_device_ratio``, rounded down to whole pages; ``size_per_token`` is
+    ``layer_num * head_num * (head_dim + v_head_dim)`` bytes of the storage dtype.
+
+    Attributes
+    ----------
+    size, page_num, page_size, layout, layer_num, start_layer, end_layer, head_num, head_dim,
+    v_head_dim : as the names say (layers use the device pool's global ids).
+    dtype : the device pool's element type; ``store_dtype`` what the buffers hold (uint8 for FP8;
+        SGLang's host pool calls that one ``dtype``).
+    k_buffer, v_buffer : the host buffers (shapes as ``layout`` says).
+    row_table : the host buffers' rows, ``K0, V0, K1, V1, ...`` like the device pool's.
+    load_stream, backup_stream : the transfer streams (None on a CPU pool).
+    layer_transfer_counter : per-layer load events, for ``register_layer_transfer_counter``.
+
+    Raises
+    ------
+    ValueError
+        Bad arguments, a size below one page, or more host memory than is available (before
+        anything is allocated).
+
+    Examples
+    --------
+    >>> host = MHATokenToKVPoolHost(pool, 4.0, 0, 16, "page_first")
+    >>> h = host.alloc(32)                                   # two pages, int64 CPU slots
+    >>> host.backup_from_device_all_layer(pool, h, device_slots, "kernel")
+    >>> pool.register_layer_transfer_counter(host.layer_transfer_counter)
+    >>> host.load_to_device_all_layer(pool, h, new_device_slots, "kernel")   # layer by layer
+    """
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size: float,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        *,
+        validate: bool = False,
+        kernel_programs: int = KERNEL_PROGRAMS,
+        staging_bytes: int = STAGING_BYTES,
+    ) -> None:
+        for name in _GEOMETRY + ("row_table", "size", "page_size"):
+            if not hasattr(device_pool, name):
+                raise TypeError(
+                    f"device_pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(device_pool).__name__} "
+                    f"(no .{name})"
+                )
+        self.device_pool = device_pool
+        self.page_size = positive_int(page_size, "page_size")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device must be cpu (the host tier lives in host memory), got {device!r}")
+        self.device = torch.device("cpu")
+        self.validate = validate_enabled(validate)
+        self.kernel_programs = positive_int(kernel_programs, "kernel_programs")
+        self.staging_bytes = positive_int(staging_bytes, "staging_bytes")
+
+        self.layer_num = device_pool.layer_num
+        self.start_layer = device_pool.start_layer
+        self.end_layer = device_pool.start_layer + device_pool.layer_num - 1
+        self.head_num, self.head_dim = device_pool.head_num, device_pool.head_dim
+        self.v_head_dim = device_pool.v_head_dim
+        self.dtype, self.store_dtype = device_pool.dtype, device_pool.store_dtype
+        esz = self.store_dtype.itemsize
+        self.k_row_bytes = self.head_num * self.head_dim * esz
+        self.v_row_bytes = self.head_num * self.v_head_dim * esz
+        self.size_per_token = self.layer_num * (self.k_row_bytes + self.v_row_bytes)
+
+        if isinstance(host_size, bool) or not isinstance(host_size, (int, float)) or not math.isfinite(host_size):
+            raise ValueError(f"host_size must be a number of GB (<= 0: use host_to_device_ratio), got {host_size!r}")
+        if host_size > 0:
+            size = int(host_size * 1e9 // self.size_per_token)
+        else:
+            ratio = host_to_device_ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
+                raise ValueError(f"host_to_device_ratio must be a positive number when host_size <= 0, got {ratio!r}")
+            size = int(device_pool.size * ratio)
+        self.page_num = size // self.page_size
+        self.size = self.page_num * self.page_size
+        if self.page_num == 0:
+            raise ValueError(
+                f"the host pool must hold at least one page of {self.page_size} slots, got {size} slots "
+                f"({size * self.size_per_token} bytes)"
+            )
+        check_host_memory(self.size, self.size_per_token)
+
+        cuda = device_pool.device.type == "cuda"
+        self.pin_memory = bool(pin_memory) and cuda
+        lead = (self.layer_num, self.size) if layout == "layer_first" else (self.size, self.layer_num)
+        self.k_buffer, self.v_buffer, self._pinned = host_buffers(
+            (*lead, self.head_num, self.head_dim), (*lead, self.head_num, self.v_head_dim), self.store_dtype,
+            self.pin_memory,
+        )  # fmt: skip
+        layers = zip(layer_views(self.k_buffer, layout), layer_views(self.v_buffer, layout))
+        self.row_table = RowTable.of(
+            [t for pair in layers for t in pair],
+            table_device=device_pool.device if self.pin_memory else None,
+            pinned=self.pin_memory or None,
+        )
+        self._device_tables = self._tables(device_pool)
+        self._pages = HostPages(self.page_num, self.page_size)
+        self.layer_transfer_counter = LayerTransferCounter(self.layer_num, device_pool.device)
+        self._scheduler = TransferScheduler(device_pool.device, self.page_num, self.layer_transfer_counter)
+        self.load_stream, self.backup_stream = self._scheduler.load_stream, self._scheduler.backup_stream
+        self._backends = {
+            "kernel": KernelBackend(self.row_table, self.kernel_programs),
+            "direct": DirectBackend(layout, self.k_buffer, self.v_buffer, self.row_table, self.staging_bytes),
+        }
+        self._all_layers = list(range(self.layer_num))
+        # The last load's host side (host_indices, its version, backend, device pool, transfer): a
+        # controller loading layer by layer passes the same host_indices each time.
+        self._last_load: Optional[tuple] = None
+
+    # --- allocation (SGLang names) -------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Every page free again (contents are left as they are)."""
+        self._pages.clear()
+
+    def available_size(self) -> int:
+        """Free slots (a multiple of ``page_size``)."""
+        return self._pages.available_size()
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` slots in whole pages (each page's slots consecutive): an int64 CPU tensor, or
+        None (nothing changes) when fewer are free. ``need_size`` must be a multiple of page_size."""
+        return self._pages.alloc(need_size)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Give back whole pages (as ``alloc`` returned them, any order of pages). Returns the number
+        of slots freed. Raises ValueError for slots that are not whole allocated pages (a double free,
+        say), before anything changes."""
+        return self._pages.free(indices)
+
+    def get_size_per_token(self) -> int:
+        return self.size_per_token
+
+    # --- checks --------------------------------------------------------------------------------------
+
+    def _tables(self, device_pool) -> tuple[RowTable, list[RowTable]]:
+        """A device pool's row table (``K0, V0, K1, V1, ...``) and its per-layer (K, V) pairs."""
+        table = device_pool.row_table
+        return table, [table.select(2 * i, 2 * i + 2) for i in range(self.layer_num)]
+
+    def _check_device_pool(self, device_pool: object) -> None:
+        for name in _GEOMETRY:
+            want = getattr(self.device_pool, name)
+            got = getattr(device_pool, name, "<missing>")
+            if got != want:
+                raise ValueError(
+                    f"device_pool must have {name}={want} like the pool this host pool was built for, got {got}"
+                )
+
+    def _device_indices(self, device_pool, table: RowTable, host_indices, indices: object) -> torch.Tensor:
+        """``device_indices`` checked: on the device pool's device, as long as ``host_indices``, and in
+        range where that is free to check (negative entries are padding)."""
+        check_index(indices, "device_indices", device=device_pool.device)
+        check_same_length(host_indices, "host_indices", indices, "device_indices")  # type: ignore[arg-type]
+        # Checked eagerly where the data is on the CPU; on the GPU only under validate (one sync).
+        if device_pool.device.type == "cpu" or self.validate or getattr(device_pool, "validate", False):
+            check_in_range([(indices, table.rows, "device_indices")])  # type: ignore[list-item]
+        return indices  # type: ignore[return-value]
+
+    def _layer_index(self, layer_id: object) -> int:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        if not self.start_layer <= layer_id <= self.end_layer:
+            raise IndexError(f"layer_id {layer_id} is outside the pool's layers [{self.start_layer}, {self.end_layer}]")
+        return layer_id - self.start_layer
+
+    def _transfer(
+        self, direction: str, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]
+    ) -> Optional[Transfer]:
+        """Every check of a transfer, before anything is copied; None when it moves nothing."""
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        self._check_device_pool(device_pool)
+        if io_backend == "kernel" and device_pool.device.type == "cuda" and not self.pin_memory:
+            raise ValueError(
+                "io_backend='kernel' reads host memory from the GPU and needs pin_memory=True; got "
+                "pin_memory=False (use 'direct')"
+            )
+        table, layer_tables = self._device_tables if device_pool is self.device_pool else self._tables(device_pool)
+        slots = self._pages.slots(host_indices, "host_indices")
+        d_idx = self._device_indices(device_pool, table, host_indices, device_indices)
+        pages = self._pages.pages_of(slots)
+        if self.validate and pages.shape[0]:
+            free = self._pages.first_free(pages)
+            if free is not None:
+                raise ValueError(f"host_indices must be allocated host slots: page {free} is free")
+        if slots.shape[0] == 0:
+            return None
+        return Transfer(direction, slots, pages, d_idx, table, layer_tables, layers)
+
+    def _load_transfer(self, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]):
+        """A load's checked transfer (None when it moves nothing). The host side of the previous load
+        is reused when the same, unchanged ``host_indices`` come again (a controller loading layer by
+        layer): its checked slots and their copy on the device."""
+        self._scheduler.drain()
+        last = self._last_load
+        if (
+            last is not None
+            and last[0] is host_indices
+            and last[1] == host_indices._version
+            and last[2] == io_backend
+            and last[3] is device_pool
+        ):
+            prev: Transfer = last[4]
+            d_idx = self._device_indices(device_pool, prev.device_rows, host_indices, device_indices)
+            t = Transfer("load", prev.slots, prev.pages, d_idx, prev.device_rows, prev.device_layers, layers)
+            t.host_index = prev.host_index
+        else:
+            t = self._transfer("load", device_pool, host_indices, device_indices, io_backend, layers)
+            if t is None:
+                return None
+            self._last_load = (host_indices, host_indices._version, io_backend, device_pool, t)
+        # Layer by layer only where a model waits layer by layer: with this pool's counter registered
+        # on the device pool. Otherwise nobody can start on a layer before the others, and the
+        # kernel backend moves every layer in one launch (fewer launches for the host to queue, and
+        # a token's layers read together, which page_first memory favours).
+        waits_per_layer = getattr(device_pool, "layer_transfer_counter", None) is self.layer_transfer_counter
+        t.together = len(layers) > 1 and not waits_per_layer
+        return t
+
+    # --- transfers (the host pool's dispatch: check, then one backend call through the scheduler) ----
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel"
+    ) -> Optional[torch.cuda.Event]:
+        """For every layer, host row ``host_indices[i]`` becomes a byte copy of device row
+        ``device_indices[i]``, K and V.
+
+        ``host_indices``: int32/int64 CPU tensor of whole allocated pages (``alloc``'s output);
+        ``device_indices``: int32/int64 on the device pool's device, same length. Checked before
+        anything is copied. On CUDA the copy is enqueued on ``backup_stream`` after the compute stream's work so
+        far, and the returned event completes when it has read every row: wait on it
+        (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
+        overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
+        self._scheduler.drain()
+        t = self._transfer("backup", device_pool, host_indices, device_indices, io_backend, self._all_layers)
+        if t is None:
+            return None
+        return self._scheduler.backup(self._backends[io_backend], t)
+
+    def load_to_device_per_layer(
+        self,
+        device_pool,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str = "kernel",
+    ) -> None:
+        """Layer ``layer_id`` (the global id, as the device pool's getters take it): device K/V row
+        ``device_indices[i]`` becomes a byte copy of host row ``host_indices[i]``. Device rows out of
+        range are never written. On CUDA it is enqueued
+        on ``load_stream`` after the compute stream's work so far, and records the layer's event in
+        ``layer_transfer_counter``."""
+        layer = self._layer_index(layer_id)
+        t = self._load_transfer(device_pool, host_indices, device_indices, io_backend, [layer])
+        if t is not None:
+            self._scheduler.load(self._backends[io_backend], t)
+
+    def load_to_device_all_layer(
+        self,
+        device_pool,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str = "kernel",
+        *,
+        background: bool = False,
+    ) -> None:
+        """Every layer, in order, each recording its event as it lands (so a model can start layer 0
+        before the last layer arrives), when this host pool's ``layer_transfer_counter`` is registered
+        on ``device_pool``. Without it nothing waits for a single layer, and the kernel backend moves
+        every layer in one launch (a single layer's event then completes with the others). With the
+        direct backend and the page_first layout the rows of all layers travel together (a token's
+        layers are one block on the host) and every layer's event is recorded once all have landed.
+
+        ``background=True`` (with the counter registered): the call checks its arguments, orders the
+        load after the compute stream's work so far, and returns; a worker thread of this host pool
+        queues the layers one by one (as SGLang's cache controller thread does), so the caller queues
+        its model's work at once instead of after the whole load's host time. A getter of a layer
+        not queued yet waits on the host until it is (see
+        :class:`~kvpool.host.layer_counter.LayerTransferCounter`); if the worker fails, the getters
+        of the layers it did not queue raise, and so does the next call on this host pool. Every
+        other transfer or page call on this host pool first waits (host) for the worker to finish
+        queueing. Code that reads the device pool's buffers without the getters (a CUDA graph
+        replay, a direct buffer read) or captures a CUDA graph must call ``wait_for_loads()`` first,
+        and ``device_indices`` must not change before then (the worker reads it when it queues the
+        layers; on a CPU pool it does the copies). Without the counter registered, or for a
+        one-layer pool, the load is queued before returning, as with ``background=False``. A host
+        pool is not thread-safe: call it from one thread (the worker is its own)."""
+        t = self._load_transfer(device_pool, host_indices, device_indices, io_backend, self._all_layers)
+        if t is not None:
+            background = background and not t.together and self.layer_num > 1
+            self._scheduler.load(self._backends[io_backend], t, background)
+
+    def wait_for_loads(self) -> None:
+        """Make the current stream wait for every load enqueued so far (no device sync; the host
+        waits for a background load to finish queueing)."""
+        self._scheduler.wait_for_loads()
+
+    def wait_for_backups(self) -> None:
+        """Make the current stream wait for every backup enqueued so far (no host sync): after it,
+        the compute stream may overwrite device slots that were backed up."""
+        self._scheduler.wait_for_backups()
+
+    # --- pages for a storage tier (SGLang names) -----------------------------------------------------
+
+    def _page_index(self, index: object) -> int:
+        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.dtype.is_floating_point:
+            index = int(index)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"index must be an int (the page's first host slot), got {type(index).__name__}")
+        index = int(index)
+        if not 0 <= index < self.size or index % self.page_size:
+            raise IndexError(
+                f"index must be the first slot of a page (a multiple of {self.page_size} in 0..{self.size - 1}), "
+                f"got {index}"
+            )
+        return index
+
+    def _page_views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(index, index + self.page_size)
+        if self.layout == "layer_first":
+            return self.k_buffer[:, sl], self.v_buffer[:, sl]
+        return self.k_buffer[sl], self.v_buffer[sl]
+
+    @property
+    def page_bytes(self) -> tuple[int, int]:
+        """Bytes of one page of every layer: (K, V)."""
+        return self.page_size * self.layer_num * self.k_row_bytes, self.page_size * self.layer_num * self.v_row_bytes
+
+    def get_data_page(self, index: int, flat: bool = True):
+        """The page starting at host slot ``index``, every layer. ``flat=True``: a new 1-D tensor of
+        the storage dtype, K's bytes then V's, each in the layout's order (``layer_first``: [layers,
+        page_size, H, D]; ``page_first``: [page_size, layers, H, D]). ``flat=False``: the (K, V)
+        views themselves. Waits (on the host) for a backup still writing the page."""
+        index = self._page_index(index)
+        self._scheduler.sync_pages(np.array([index // self.page_size]), for_write=False)
+        k, v = self._page_views(index)
+        if not flat:
+            return k, v
+        return torch.cat((k.reshape(-1), v.reshape(-1)))
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zero page in ``get_data_page``'s flat form."""
+        return torch.zeros(sum(self.page_bytes) // self.k_buffer.element_size(), dtype=self.store_dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Write a page in ``get_data_page``'s flat form at host slot ``index``. Checked (a 1-D CPU
+        tensor of the storage dtype and the page's size) before anything is written; waits for
+        transfers still using the page."""
+        index = self._page_index(index)
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
+        numel = sum(self.page_bytes) // self.k_buffer.element_size()
+        if data_page.dtype != self.store_dtype:
+            raise ValueError(f"data_page must be {self.store_dtype}, got {data_page.dtype}")
+        if data_page.dim() != 1 or data_page.shape[0] != numel:
+            raise ValueError(
+                f"data_page must be 1-D with {numel} elements (one page, K then V), got shape {tuple(data_page.shape)}"
+            )
+        if data_page.device.type != "cpu":
+            raise ValueError(f"data_page must be on cpu, got {data_page.device}")
+        self._scheduler.sync_pages(np.array([index // self.page_size]), for_write=True)
+        k, v = self._page_views(index)
+        nk = k.numel()
+        k.copy_(data_page[:nk].view(k.shape))
+        v.copy_(data_page[nk:].view(v.shape))
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
+        storage I/O, as SGLang's: ``page_first``: per page, K's block then V's (every layer of the
+        page); ``layer_first``: per page, per layer, K's block then V's."""
+        self._scheduler.drain()
+        slots = self._pages.slots(indices, "indices")
+        firsts = slots[:: self.page_size].tolist()
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        kb, vb = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
+        if self.layout == "page_first":
+            k_size, v_size = self.page_bytes
+            for s in firsts:
+                ptrs += [kb + s * self.layer_num * self.k_row_bytes, vb + s * self.layer_num * self.v_row_bytes]
+                sizes += [k_size, v_size]
+        else:
+            k_size, v_size = self.page_size * self.k_row_bytes, self.page_size * self.v_row_bytes
+            for s in firsts:
+                for layer in range(self.layer_num):
+                    row = layer * self.size + s
+                    ptrs += [kb + row * self.k_row_bytes, vb + row * self.v_row_bytes]
+                    sizes += [k_size, v_size]
+        return ptrs, sizes
+
+
+class MLATokenToKVPoolHost(MHATokenToKVPoolHost):
+    """Host-memory KV pages for a device ``MLATokenToKVPool``: SGLang's name, and the arguments,
+    API and behaviour of :class:`MHATokenToKVPoolHost`.
+
+    A latent row travels as the device pool presents it to row copies: a K part (its
+    ``kv_lora_rank`` latent columns) and a V part (its ``qk_rope_head_dim`` rotary columns), so
+    ``k_buffer`` holds the latent parts and ``v_buffer`` the rotary parts (``head_num`` 1), and a
+    flat data page is the page's latent parts, then its rotary parts. ``size_per_token`` is
+    ``layer_num * (kv_lora_rank + qk_rope_head_dim)`` bytes of the storage dtype.
+    """
+
+    def __init__(self, device_pool, *args, **kwargs) -> None:
+        if not isinstance(device_pool, MLATokenToKVPool):
+            raise TypeError(f"device_pool must be an MLATokenToKVPool, got {type(device_pool).__name__}")
+        super().__init__(device_pool, *args, **kwargs)
+        self.kv_lora_rank, self.qk_rope_head_dim = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim
