@@ -306,6 +306,49 @@ def test_a_failed_background_load_still_orders_what_it_queued(monkeypatch):
         pool.get_key_buffer(1)
 
 
+@pytest.mark.parametrize(
+    "backend, pin", [("kernel", True), ("direct", True), ("direct", False)], ids=["kernel", "direct", "direct-pageable"]
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padding_device_indices_leave_host_rows_as_they_were(layout, backend, pin):
+    """Negative device indices (padding) and indices past the pool's rows are skipped: a backup
+    keeps those host rows, bit for bit, though the direct backend's staging holds an earlier
+    backup's rows there; a load writes nothing for them."""
+    gen = torch.Generator().manual_seed(31)
+    tokens = 2048
+    pool = make_pool(layers=3)
+    host = MHATokenToKVPoolHost(pool, 1.0, 0, 16, layout, pin_memory=pin, staging_bytes=1 << 20)
+    host.k_buffer.view(torch.uint8).copy_(torch.randint(0, 256, host.k_buffer.shape, dtype=torch.uint8, generator=gen))
+    host.v_buffer.view(torch.uint8).copy_(torch.randint(0, 256, host.v_buffer.shape, dtype=torch.uint8, generator=gen))
+    earlier = host_pages(host, tokens, gen)
+    host.backup_from_device_all_layer(pool, earlier, device_pages(pool, tokens, 16, gen), backend)  # fills the staging
+    h = host_pages(host, tokens, gen)
+    d = device_pages(pool, tokens, 16, gen)
+    skipped = torch.rand(tokens, generator=gen) < 0.25
+    d[skipped.to(DEV)] = -1
+    d[:: 97] = pool.size + pool.page_size + 5  # past the rows: skipped too (IndexError only under validate)
+    skipped[:: 97] = True
+    torch.cuda.synchronize()
+    before = [b.view(torch.uint8).clone() for b in (host.k_buffer, host.v_buffer)]
+    host.backup_from_device_all_layer(pool, h, d, backend)
+    torch.cuda.synchronize()
+    kept = ~skipped
+    for layer in range(3):
+        for which, buf, old in (("k", host.k_buffer, before[0]), ("v", host.v_buffer, before[1])):
+            view = (lambda b: b[layer]) if layout == "layer_first" else (lambda b: b[:, layer])
+            got, was = view(buf.view(torch.uint8))[h], view(old)[h]
+            assert_same_bytes(got[skipped], was[skipped], f"skipped host rows {which}{layer}")
+            assert_same_bytes(got[kept], rows_of(pool, layer, which, d.cpu()[kept].to(DEV)), f"{which}{layer}")
+    target = make_pool(layers=3, seed=4)
+    untouched = [b.view(torch.uint8).cpu() for b in target.k_buffer + target.v_buffer]
+    host.load_to_device_all_layer(target, h, d, backend)
+    torch.cuda.synchronize()
+    written = torch.zeros(target.size + target.page_size, dtype=torch.bool)
+    written[d.cpu()[kept]] = True
+    for i, b in enumerate(target.k_buffer + target.v_buffer):
+        assert torch.equal(b.view(torch.uint8).cpu()[~written], untouched[i][~written]), f"device buffer {i}"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_per_layer_load_reaches_its_launch_in_five_frames(monkeypatch, backend):
     """From ``load_to_device_per_layer`` to ``launch_copy_rows`` (which calls the compiled kernel),

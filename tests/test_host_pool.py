@@ -795,6 +795,49 @@ def test_a_failed_background_load_reports_once(monkeypatch):
     assert torch.equal(pool.get_key_buffer(0).view(torch.uint8)[d], src.k_buffer[0].view(torch.uint8)[d])
 
 
+# --- padding device indices ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", ["row-copy", "copy-engine"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 150], ids=["one-chunk", "chunks"])
+def test_padding_device_indices_are_skipped_by_both_backends(monkeypatch, layout, staging_bytes, keep):
+    """A pair whose device index is negative is padding: a backup leaves that host row as it was and
+    a load writes no device row for it, with either backend, byte for byte alike (the direct
+    backend's staging still holds an earlier backup's rows there). ``keep``: how the direct backend
+    keeps those rows, by a row copy from the host buffers, or (pageable host memory on CUDA) by the
+    copy engine filling the staging first."""
+    if keep == "copy-engine":
+        monkeypatch.setattr(direct_backend.DirectBackend, "_keep_skipped_rows", lambda self, t: (None, True))
+    pool = make_device_pool(seed=20)
+    hosts = {b: make_host(pool, layout, seed=21, staging_bytes=staging_bytes) for b in BACKENDS}
+    d = torch.tensor([10, -1, 12, 13, -1, 15, 16, -1])
+    pad = d < 0
+    loaded = {}
+    for backend, host in hosts.items():
+        earlier = host.alloc(8)
+        host.backup_from_device_all_layer(pool, earlier, torch.arange(30, 38), backend)  # fills the staging
+        h = host.alloc(8)
+        before = [host_rows(host, layer, w)[h].clone() for layer in range(3) for w in "kv"]
+        host.backup_from_device_all_layer(pool, h, d, backend)
+        for i, (layer, w) in enumerate((layer, w) for layer in range(3) for w in "kv"):
+            got = host_rows(host, layer, w)[h]
+            assert torch.equal(got[pad], before[i][pad]), f"{backend}: padded host rows changed ({w}{layer})"
+            assert torch.equal(got[~pad], dev_rows(pool, layer, w)[d[~pad]]), f"{backend}: {w}{layer}"
+        target = make_device_pool(seed=22)
+        untouched = snapshot(target, host)
+        host.load_to_device_all_layer(target, h, d, backend)
+        host.load_to_device_per_layer(target, h, torch.tensor([-1, 3, -2, 4, 5, 6, 7, -1]), 1, backend)
+        loaded[backend] = snapshot(target, host)
+        written = torch.zeros(target.size + target.page_size, dtype=torch.bool)
+        written[d[~pad]] = True
+        written[torch.tensor([3, 4, 5, 6, 7])] = True
+        for b in range(6):
+            assert torch.equal(loaded[backend][b][~written], untouched[b][~written]), f"{backend}: device buffer {b}"
+    for a, b in zip(loaded["kernel"], loaded["direct"]):
+        assert torch.equal(a, b)
+
+
 # --- how deep a per-layer load goes -----------------------------------------------------------------
 
 

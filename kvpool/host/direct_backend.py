@@ -7,6 +7,8 @@ on the host (``host_indices`` are CPU data), so every run of consecutive host sl
 staging positions is one ``cudaMemcpyAsync`` per contiguous block (:func:`runs`, :func:`segments`):
 per K/V for ``page_first`` (a token's layers are contiguous), per layer and K/V for ``layer_first``.
 
+A pair whose device row is skipped (negative: padding; past the pool's rows) leaves its host row as
+it was: before a backup's staging goes out, those positions get the host row's own bytes back.
 With a CPU device pool the staging is host memory and every copy a plain CPU copy.
 """
 
@@ -239,6 +241,7 @@ class DirectBackend:
             pieces = [(j0, j1, layer) for layer in layers for j0, j1 in chunks]
         cuda = st.aux is not None
         transfer = stream
+        restore, prefill = self._keep_skipped_rows(t) if backup else (None, False)
         move = self._row_copy(st.aux)
         if cuda:
             st.aux.wait_stream(transfer)  # the ordering the transfer stream already has
@@ -251,10 +254,10 @@ class DirectBackend:
                 pos, dev, k_seg, v_seg = plans[(j0, j1)]
                 if layer is None:
                     s_table, k_flat, v_flat = half.table, half.k_flat, half.v_flat
-                    d_table, shift = t.device_rows, 0
+                    d_table, h_table, shift = t.device_rows, self.rows, 0
                 else:
                     s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
-                    d_table, shift = t.device_layers[layer], layer * per_layer
+                    d_table, h_table, shift = t.device_layers[layer], self.layer_rows[layer], layer * per_layer
                 # The staging side of a chunk's segments is the same for every layer: its views are
                 # made once per chunk and buffer (a slice costs the host as much as the copy call).
                 seg_views = views.get((j0, h))
@@ -265,9 +268,15 @@ class DirectBackend:
                     (seg_views[1], self.v_flat, shift * self.v_row_bytes),
                 )
                 if backup:
-                    if cuda and k >= 2:
-                        st.aux.wait_event(st.copies_done[h])  # this buffer's previous chunk is out
+                    if prefill:
+                        copy_segments(copies, to_host=False)  # the host rows, for the pairs the gather skips
+                        if cuda:
+                            st.copies_done[h].record(transfer)
+                    if cuda and (k >= 2 or prefill):
+                        st.aux.wait_event(st.copies_done[h])  # this buffer's copy-engine work is done
                     move(s_table, pos, d_table, dev)
+                    if restore is not None:
+                        move(s_table, pos, h_table, restore[j0:j1])
                     if cuda:
                         st.device_done[h].record(st.aux)
                         transfer.wait_event(st.device_done[h])
@@ -295,6 +304,20 @@ class DirectBackend:
                 if not backup or not queued:
                     transfer.wait_stream(st.aux)
                 d_idx.record_stream(st.aux)
+                if restore is not None:
+                    restore.record_stream(st.aux)
+
+    def _keep_skipped_rows(self, t: Transfer) -> tuple[Optional[torch.Tensor], bool]:
+        """How a backup keeps the host rows of pairs whose device row is skipped (the staging holds
+        an earlier chunk's bytes there): ``(restore, False)``, the host slot per pair to copy back
+        into the staging after the gather (-1 where the device row is read), where the staging's
+        device reaches the host buffers (pinned, or a CPU pool); else ``(None, True)``: the copy
+        engine first fills each chunk's staging with its host rows."""
+        if self.rows.table_device != t.device_rows.table_device:
+            return None, True
+        d = t.device_index
+        read = (d >= 0) & (d < t.device_rows.rows)
+        return torch.where(read, -1, t.host_index_on(self.rows.table_device)), False
 
     def _row_copy(self, aux: Optional[torch.cuda.Stream]):
         """``f(dst, dst_index, src, src_index)``: the staging's row copies, on ``aux``. The tables

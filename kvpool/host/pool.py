@@ -294,8 +294,9 @@ class MHATokenToKVPoolHost:
         ``device_indices[i]``, K and V.
 
         ``host_indices``: int32/int64 CPU tensor of whole allocated pages (``alloc``'s output);
-        ``device_indices``: int32/int64 on the device pool's device, same length. Checked before
-        anything is copied. On CUDA the copy is enqueued on ``backup_stream`` after the compute stream's work so
+        ``device_indices``: int32/int64 on the device pool's device, same length; a
+        negative entry is padding (its host row is left as it is). Checked before anything is
+        copied. On CUDA the copy is enqueued on ``backup_stream`` after the compute stream's work so
         far, and the returned event completes when it has read every row: wait on it
         (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
         overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
@@ -314,8 +315,8 @@ class MHATokenToKVPoolHost:
         io_backend: str = "kernel",
     ) -> None:
         """Layer ``layer_id`` (the global id, as the device pool's getters take it): device K/V row
-        ``device_indices[i]`` becomes a byte copy of host row ``host_indices[i]``. Device rows out of
-        range are never written. On CUDA it is enqueued
+        ``device_indices[i]`` becomes a byte copy of host row ``host_indices[i]``. Negative device
+        indices are padding, and device rows out of range are never written. On CUDA it is enqueued
         on ``load_stream`` after the compute stream's work so far, and records the layer's event in
         ``layer_transfer_counter``."""
         layer = self._layer_index(layer_id)
