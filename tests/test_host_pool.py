@@ -795,7 +795,7 @@ def test_a_failed_background_load_reports_once(monkeypatch):
     assert torch.equal(pool.get_key_buffer(0).view(torch.uint8)[d], src.k_buffer[0].view(torch.uint8)[d])
 
 
-# --- padding device indices ------------------------------------------------------------------------
+# --- padding device indices, host pages named twice -------------------------------------------------
 
 
 @pytest.mark.parametrize("keep", ["row-copy", "copy-engine"])
@@ -836,6 +836,20 @@ def test_padding_device_indices_are_skipped_by_both_backends(monkeypatch, layout
             assert torch.equal(loaded[backend][b][~written], untouched[b][~written]), f"{backend}: device buffer {b}"
     for a, b in zip(loaded["kernel"], loaded["direct"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backup_rejects_a_host_page_named_twice(backend):
+    """Two device rows for one host row would leave it with either; free refuses the same list."""
+    pool = make_device_pool()
+    host = make_host(pool)
+    h = host.alloc(8)
+    twice = torch.cat((h[4:], h[4:]))
+    before = snapshot(pool, host)
+    with pytest.raises(ValueError, match=r"host_indices must name each page once, got page 1 \(slots 4\.\.\) twice"):
+        host.backup_from_device_all_layer(pool, twice, torch.arange(1, 9), backend)
+    assert unchanged(pool, host, before)
+    host.load_to_device_all_layer(make_device_pool(), twice, torch.arange(1, 9), backend)  # reading twice is fine
 
 
 # --- how deep a per-layer load goes -----------------------------------------------------------------

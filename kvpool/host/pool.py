@@ -247,6 +247,8 @@ class MHATokenToKVPoolHost:
         slots = self._pages.slots(host_indices, "host_indices")
         d_idx = self._device_indices(device_pool, table, host_indices, device_indices)
         pages = self._pages.pages_of(slots)
+        if direction == "backup":  # a host row written twice would end up with either source
+            self._pages.check_once(pages, "host_indices")
         if self.validate and pages.shape[0]:
             free = self._pages.first_free(pages)
             if free is not None:
@@ -293,8 +295,8 @@ class MHATokenToKVPoolHost:
         """For every layer, host row ``host_indices[i]`` becomes a byte copy of device row
         ``device_indices[i]``, K and V.
 
-        ``host_indices``: int32/int64 CPU tensor of whole allocated pages (``alloc``'s output);
-        ``device_indices``: int32/int64 on the device pool's device, same length; a
+        ``host_indices``: int32/int64 CPU tensor of whole allocated pages (``alloc``'s output), each
+        page once; ``device_indices``: int32/int64 on the device pool's device, same length; a
         negative entry is padding (its host row is left as it is). Checked before anything is
         copied. On CUDA the copy is enqueued on ``backup_stream`` after the compute stream's work so
         far, and the returned event completes when it has read every row: wait on it
