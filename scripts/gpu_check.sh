@@ -5,7 +5,7 @@
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 #                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
 #                             [host_links] [host_kernel] [rows] [transfer_latency] [host_tests] [decode]
-#                             [host_calls]
+#                             [host_calls] [qwen] [qwen_bench]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -72,6 +72,11 @@ for stage in $stages; do
     sim) step sim python3 examples/serve_sim.py ;;
     llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;
     deepseek) step deepseek python3 examples/deepseek_runner.py --config v3-mla --device cuda ;;
+    qwen)  # the Qwen3.5 runner's GPU tests, then Qwen3.5-397B's layer geometry in bf16 with FP8 pools
+      step qwen_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_qwen35_runner.py
+      step qwen python3 examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 \
+        --dtypes bf16 fp8_e4m3 --spec-dtypes bf16 fp8_e4m3 --page-size 64 ;;
+    qwen_bench) step qwen_bench python3 benchmarks/bench_qwen35_runner.py --out "$OUT" ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
