@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -69,3 +70,15 @@ def compiled_variants() -> int:
     if caches is None:
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return sum(len(entry[0]) for entry in caches.values())
+
+
+def frames_up_to(outer: str) -> int:
+    """How deep the caller sits below function ``outer``: its frame, ``outer``'s and every frame
+    between (0 when ``outer`` is not on the stack). Frame counts of a public call to its launch."""
+    frame, depth = sys._getframe(1), 0
+    while frame is not None:
+        depth += 1
+        if frame.f_code.co_name == outer:
+            return depth
+        frame = frame.f_back
+    return 0

@@ -5,15 +5,13 @@ through Triton's interpreter."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvassert import needs_interpreter
+from kvassert import frames_up_to, needs_interpreter
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
@@ -855,18 +853,6 @@ def test_a_backup_rejects_a_host_page_named_twice(backend):
 # --- how deep a per-layer load goes -----------------------------------------------------------------
 
 
-def frames_between(outer: str) -> int:
-    """Frames from the innermost caller's caller up to and including the nearest frame of function
-    ``outer`` (0 when it is not on the stack)."""
-    frame, depth = sys._getframe(1), 0
-    while frame is not None:
-        depth += 1
-        if frame.f_code.co_name == outer:
-            return depth
-        frame = frame.f_back
-    return 0
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_per_layer_load_reaches_its_copy_in_five_frames(monkeypatch, layout, backend):
@@ -877,7 +863,7 @@ def test_a_per_layer_load_reaches_its_copy_in_five_frames(monkeypatch, layout, b
     real = C.copy_rows_reference
 
     def copy(*a):
-        depths.append(frames_between("load_to_device_per_layer"))
+        depths.append(frames_up_to("load_to_device_per_layer"))
         return real(*a)
 
     monkeypatch.setattr(C, "copy_rows_reference", copy)
