@@ -1,9 +1,13 @@
-"""Assertion helpers shared by the tests: byte-for-byte comparison that explains a mismatch."""
+"""Assertion helpers shared by the tests: byte-for-byte comparison that explains a mismatch; loading
+an example script as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +86,16 @@ def frames_up_to(outer: str) -> int:
             return depth
         frame = frame.f_back
     return 0
+
+
+def load_example(name: str) -> types.ModuleType:
+    """``examples/<name>.py`` as module ``name`` (registered in ``sys.modules``, where dataclasses
+    resolve annotations; the examples import their shared modules from their own folder)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module

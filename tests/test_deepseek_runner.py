@@ -4,22 +4,17 @@ Skipped without transformers >= 5 (the ``model`` extra)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
+from kvassert import load_example
+
 pytest.importorskip("transformers", minversion="5")
 
-_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_spec = importlib.util.spec_from_file_location("deepseek_runner", _EXAMPLES / "deepseek_runner.py")
-deepseek_runner = importlib.util.module_from_spec(_spec)
-sys.modules["deepseek_runner"] = deepseek_runner  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(deepseek_runner)
-runner_common = sys.modules["runner_common"]  # imported by deepseek_runner: the shared scheduler and checks
+deepseek_runner = load_example("deepseek_runner")
+runner_common = load_example("runner_common")  # the shared scheduler and checks, imported by deepseek_runner
 
 # 2 layers (a dense one, then an MoE one of 4 experts, top 2, + a shared expert), hidden 64, 4 heads,
 # latent rows 32 + 8 rope (YaRN, interleaved); 4 prompts for 3 request rows, so the last one is

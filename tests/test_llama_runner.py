@@ -3,23 +3,18 @@ table must generate what transformers generates. Skipped without transformers (t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+
+from kvassert import load_example
 
 pytest.importorskip("transformers", minversion="5")
 
 from kvpool import MHATokenToKVPool  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "llama_runner.py"
-_spec = importlib.util.spec_from_file_location("llama_runner", _PATH)
-llama_runner = importlib.util.module_from_spec(_spec)
-sys.modules["llama_runner"] = llama_runner  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(llama_runner)
+llama_runner = load_example("llama_runner")
 
 # 2 layers, hidden 64, 4 query / 2 KV heads; 4 prompts for 3 request rows, so the last one is admitted
 # when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.

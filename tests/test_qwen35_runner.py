@@ -5,24 +5,19 @@ has Qwen3.5 (the ``model`` extra)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
+from kvassert import load_example
+
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("transformers.models.qwen3_5_moe")
 
-_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_spec = importlib.util.spec_from_file_location("qwen35_runner", _EXAMPLES / "qwen35_runner.py")
-qwen35_runner = importlib.util.module_from_spec(_spec)
-sys.modules["qwen35_runner"] = qwen35_runner  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(qwen35_runner)
-runner_common = sys.modules["runner_common"]  # imported by qwen35_runner: the shared scheduler and checks
+qwen35_runner = load_example("qwen35_runner")
+runner_common = load_example("runner_common")  # the shared scheduler and checks, imported by qwen35_runner
 
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
