@@ -304,6 +304,8 @@ def format_summary(cfg: DisaggConfig, backend: str, pre: dict, dec: dict, wall_s
             f"{pre['sent']}/{dec['received']}/{dec['finished']} sent/received/finished of {cfg.requests}"
         )
     lines.append(f"  wall time       {wall_s:.2f} s (both processes, startup included)")
+    if not ok and cfg.corrupt:
+        lines.append("  expected        --corrupt flipped one received byte on purpose: the FAIL below is the check catching it")
     lines.append("PASS" if ok else "FAIL")
     return "\n".join(lines), ok
 
@@ -311,22 +313,22 @@ def format_summary(cfg: DisaggConfig, backend: str, pre: dict, dec: dict, wall_s
 def parse_args(argv: Optional[Sequence[str]] = None) -> DisaggConfig:
     d = DisaggConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--prefill-page-size", type=int, default=d.prefill_page_size)
-    p.add_argument("--decode-page-size", type=int, default=d.decode_page_size)
+    p.add_argument("--requests", type=int, default=d.requests, help="requests to serve end to end")
+    p.add_argument("--layers", type=int, default=d.layers, help="attention layers of each pool")
+    p.add_argument("--heads", type=int, default=d.heads, help="KV heads of each pool")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="K and V head dim")
+    p.add_argument("--prefill-page-size", type=int, default=d.prefill_page_size, help="page size of the prefill rank's pool (1: token allocator)")
+    p.add_argument("--decode-page-size", type=int, default=d.decode_page_size, help="page size of the decode rank's pool (may differ from the prefill rank's)")
     p.add_argument("--kv-budget-mib", type=float, default=d.kv_budget_mib, help="KV-cache memory per rank")
-    p.add_argument("--max-running", type=int, default=d.max_running)
+    p.add_argument("--max-running", type=int, default=d.max_running, help="requests each rank runs at once")
     p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="prefill tokens per step")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=d.prompt_len, metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"))
+    p.add_argument("--prompt-len", type=int, nargs=2, default=d.prompt_len, metavar=("MIN", "MAX"), help="prompt lengths, drawn uniformly")
+    p.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"), help="tokens each request decodes, drawn uniformly")
     p.add_argument("--arrival-every", type=float, default=d.arrival_every, help="mean steps between arrivals")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--corrupt", action="store_true", help="flip one received byte: the check must fail (exit 1)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="element type of both pools")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="auto: CUDA pools over NCCL when two GPUs are present, else CPU pools over gloo")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the workload (arrivals, lengths)")
+    p.add_argument("--corrupt", action="store_true", help="flip one received byte after a transfer: the run then reports FAIL and exits 1, which is the expected outcome")
     a = p.parse_args(argv)
     cfg = DisaggConfig(
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim,

@@ -1080,6 +1080,8 @@ def format_summary(res: SimResult) -> str:
         )
     if res.calibration is not None:
         lines += format_calibration(res.calibration, parts)
+    if not res.ok and cfg.corrupt:
+        lines.append("  expected        --corrupt flipped one stored byte on purpose: the FAIL below is the check catching it")
     lines.append("PASS" if res.ok else "FAIL")
     return "\n".join(lines)
 
@@ -1151,7 +1153,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--max-steps", type=int, default=None, help="stop early (live requests are checked)")
     p.add_argument("--validate", action="store_true", help="allocators raise on bad frees and bad last_loc")
-    p.add_argument("--corrupt", action="store_true", help="flip one stored byte: the check must fail (exit 1)")
+    p.add_argument("--corrupt", action="store_true", help="flip one stored byte: the run then reports FAIL and exits 1, which is the expected outcome")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     p.add_argument("--host-tier", action="store_true", help="park retracted requests' KV in host memory")
     p.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host slots per device slot")
