@@ -70,6 +70,33 @@ def test_bad_free_raises_and_changes_nothing(index, message):
     assert (t.free_slots, t._is_free) == before
 
 
+@pytest.mark.parametrize(
+    "indices, values, error, message",
+    [
+        (torch.tensor([0, 1, 7]), torch.tensor(3, dtype=torch.int32), IndexError,
+         r"indices\[2\] = 7 is out of range: rows are 0..3 \(negative entries count from the end\)"),
+        ((torch.tensor([0, 1, -5]), 0), torch.tensor([1, 2, 3], dtype=torch.int32), IndexError, r"indices\[0\]\[2\] = -5 is out of range: rows are 0..3"),
+        ((4, slice(0, 2)), torch.tensor([1, 2], dtype=torch.int32), IndexError, r"indices\[0\] = 4 is out of range: rows are 0..3"),
+        ((1, [0, 6]), torch.tensor([1, 2], dtype=torch.int32), IndexError, r"indices\[1\]\[1\] = 6 is out of range: columns are 0..5"),
+        ((0, slice(0, 2)), torch.tensor([7, 2**33 + 5]), ValueError, r"values must fit int32 .*got 8589934597 at flat position 1"),
+        (1, 2**40, ValueError, "values must fit int32"),
+    ],
+    ids=["rows-tensor", "rows-of-a-pair", "row-int", "columns-list", "int64-values", "int-value"],
+)
+def test_write_checks_first_and_writes_nothing_on_error(indices, values, error, message):
+    """Torch's own indexing writes the rows before an out-of-range one, then raises; and it stores
+    int64 slots beyond int32 truncated. The table checks first, naming the argument."""
+    t = ReqToTokenPool(4, 6, "cpu")
+    t.req_to_token.copy_(torch.arange(24, dtype=torch.int32).view(4, 6))
+    before = t.req_to_token.clone()
+    with pytest.raises(error, match=message):
+        t.write(indices, values)
+    assert torch.equal(t.req_to_token, before)
+    t.write((torch.tensor([0, -1]), 0), torch.tensor([100, 101], dtype=torch.int32))  # negatives wrap, as in torch
+    t.write((2, slice(4, 9)), torch.tensor([7, 8]))  # int64 values that fit; slices clip
+    assert t.req_to_token[:, 0].tolist() == [100, 6, 12, 101] and t.req_to_token[2, 4:].tolist() == [7, 8]
+
+
 def test_write_is_plain_indexing():
     t = ReqToTokenPool(2, 6, "cpu")
     r = t.alloc(1)[0]

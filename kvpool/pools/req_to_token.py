@@ -2,7 +2,9 @@
 
 Row ``r`` of ``req_to_token`` lists, for the request holding row ``r``, the KV-cache slot of each of
 its tokens in order; attention backends read it as their page table. Rows are handed out and taken
-back on the host (a Python free list), so every check here is cheap and always on.
+back on the host (a Python free list), so those checks are cheap and always on; ``write`` checks its
+host tensors always and its device tensors under ``validate`` (docs/contract.md, "Allocators and the
+request table").
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import non_negative_int, positive_int, resolve_device
+from kvpool.checks import INTEGER_DTYPES, check_in_range, non_negative_int, positive_int, resolve_device
+from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
+
+_INT32 = torch.iinfo(torch.int32)
 
 
 class ReqToTokenPool:
@@ -24,6 +29,8 @@ class ReqToTokenPool:
     max_context_len : columns (the most tokens one request holds).
     device : where ``req_to_token`` lives (the pool's device, for the attention backend).
     enable_memory_saver : SGLang's; must be False, as for the pools (kvpool has no memory saver).
+    validate : also check ``write``'s index and value tensors that live on a GPU (one
+        synchronisation per write; host tensors are always checked); ``KVPOOL_VALIDATE=1`` turns it on.
 
     Attributes
     ----------
@@ -47,7 +54,13 @@ class ReqToTokenPool:
     """
 
     def __init__(
-        self, size: int, max_context_len: int, device: str | torch.device, enable_memory_saver: bool = False
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device,
+        enable_memory_saver: bool = False,
+        *,
+        validate: bool = False,
     ) -> None:
         if enable_memory_saver not in (False, None):
             raise ValueError(
@@ -56,6 +69,7 @@ class ReqToTokenPool:
         self.size = positive_int(size, "size")
         self.max_context_len = positive_int(max_context_len, "max_context_len")
         self.device = resolve_device(device)
+        self.validate = validate_enabled(validate)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self.clear()
 
@@ -97,8 +111,60 @@ class ReqToTokenPool:
         self.free_slots.extend(rows)
 
     def write(self, indices: Any, values: Any) -> None:
-        """``req_to_token[indices] = values`` (SGLang's signature; any tensor indexing works)."""
+        """``req_to_token[indices] = values`` (SGLang's signature; any tensor indexing works), checked
+        first, so that nothing is written when it raises.
+
+        Parameters
+        ----------
+        indices : rows, or ``(rows, columns)``; each an int, a slice, an integer tensor or a list of
+            ints (negative entries count from the end, as in Python indexing).
+        values : the slots to store: a tensor or an int, every value within int32 (the table's dtype).
+
+        Raises
+        ------
+        IndexError
+            Naming the first index outside its dimension.
+        ValueError
+            Naming the first value outside int32 (it would be stored truncated).
+
+        Index and value tensors on the CPU are always checked; tensors on a GPU under ``validate``
+        (reading them costs a synchronisation).
+        """
+        parts = indices if isinstance(indices, tuple) else (indices,)
+        if not any(p is None or p is Ellipsis for p in parts):  # else dims shift: torch checks alone
+            for dim, (part, size, what) in enumerate(zip(parts, self.req_to_token.shape, ("rows", "columns"))):
+                self._check_index(part, size, "indices" if len(parts) == 1 else f"indices[{dim}]", what)
+        self._check_values(values)
         self.req_to_token[indices] = values
+
+    def _check_index(self, part: object, size: int, name: str, what: str) -> None:
+        if isinstance(part, list) and all(type(p) is int for p in part):
+            part = torch.tensor(part, dtype=torch.int64)
+        if type(part) is int:
+            if not -size <= part < size:
+                raise IndexError(
+                    f"{name} = {part} is out of range: {what} are 0..{size - 1} (negative entries count from the end)"
+                )
+        elif isinstance(part, torch.Tensor) and part.dtype in INTEGER_DTYPES and self._reads(part):
+            check_in_range([(part, size, name)], what=what, wrap=True)
+
+    def _check_values(self, values: object) -> None:
+        if type(values) is int:
+            values = torch.tensor([values], dtype=torch.int64)
+        if not (isinstance(values, torch.Tensor) and values.dtype == torch.int64 and values.numel() and self._reads(values)):
+            return  # narrower integers fit; other types are torch's to convert or refuse
+        bad = (values < _INT32.min) | (values > _INT32.max)
+        if bool(bad.any()):
+            flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
+            value = int(values.reshape(-1)[flat])
+            raise ValueError(
+                f"values must fit int32 (the dtype of req_to_token: {_INT32.min}..{_INT32.max}), got {value} "
+                f"at flat position {flat}"
+            )
+
+    def _reads(self, t: torch.Tensor) -> bool:
+        """Whether checking ``t``'s values is free (host memory) or asked for (``validate``)."""
+        return t.device.type == "cpu" or self.validate
 
     def clear(self) -> None:
         """Every row free (contents are left as they are; rows are rewritten before they are read)."""
