@@ -109,19 +109,50 @@ def check_in_range(
     live = [(t, rows, name) for t, rows, name in checks if t.numel()]
     if not live:
         return
-    if wrap:
-        masks = [(t < -rows) | (t >= rows) for t, rows, _ in live]
-        note = " (negative entries count from the end)"
-    else:
-        masks = [(t >= rows) if negative_ok else ((t < 0) | (t >= rows)) for t, rows, _ in live]
-        note = " (negative entries are skipped)" if negative_ok else ""
-    flags = torch.stack([m.any() for m in masks]).tolist()
-    for (t, rows, name), mask, bad in zip(live, masks, flags):
-        if bad:
-            flat = int(torch.argmax(mask.reshape(-1).to(torch.uint8)))
-            pos = flat if t.dim() == 1 else ", ".join(map(str, _unravel(flat, tuple(t.shape))))
-            value = int(t.reshape(-1)[flat])
+    if all(t.device.type == "cpu" for t, _, _ in live):
+        found = [out_of_range(t, rows, negative_ok=negative_ok, wrap=wrap) for t, rows, _ in live]
+    else:  # one synchronisation for all of them; positions are looked up only for a bad one
+        low = [_low(rows, negative_ok, wrap) for _, rows, _ in live]
+        flags = torch.stack([_outside(t, rows, lo).any() for (t, rows, _), lo in zip(live, low)]).tolist()
+        found = [
+            out_of_range(t, rows, negative_ok=negative_ok, wrap=wrap) if bad else None
+            for (t, rows, _), bad in zip(live, flags)
+        ]
+    note = " (negative entries count from the end)" if wrap else " (negative entries are skipped)" if negative_ok else ""
+    for (_, rows, name), hit in zip(live, found):
+        if hit is not None:
+            pos, value = hit
             raise IndexError(f"{name}[{pos}] = {value} is out of range: {what} are 0..{rows - 1}{note}")
+
+
+def out_of_range(
+    t: torch.Tensor, rows: int, *, negative_ok: bool = True, wrap: bool = False
+) -> Optional[tuple[str, int]]:
+    """The first entry of ``t`` outside the range :func:`check_in_range` checks, as ``(position,
+    value)`` with the position spelled as a message writes it (``"3"``, ``"1, 2"``); None when every
+    entry is in range. For callers that report a problem instead of raising it (a transfer tells
+    its peer). Reads ``t`` (a synchronisation for a device tensor)."""
+    if t.numel() == 0:
+        return None
+    low = _low(rows, negative_ok, wrap)
+    if t.device.type == "cpu":  # the common case, every entry in range, in one pass
+        lo, hi = torch.aminmax(t)
+        if int(hi) < rows and (low is None or int(lo) >= low):
+            return None
+    mask = _outside(t, rows, low).reshape(-1)
+    if not bool(mask.any()):
+        return None
+    flat = int(torch.argmax(mask.to(torch.uint8)))
+    pos = str(flat) if t.dim() == 1 else ", ".join(map(str, _unravel(flat, tuple(t.shape))))
+    return pos, int(t.reshape(-1)[flat])
+
+
+def _low(rows: int, negative_ok: bool, wrap: bool) -> Optional[int]:
+    return -rows if wrap else None if negative_ok else 0
+
+
+def _outside(t: torch.Tensor, rows: int, low: Optional[int]) -> torch.Tensor:
+    return (t >= rows) if low is None else (t < low) | (t >= rows)
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
