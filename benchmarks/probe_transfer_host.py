@@ -71,10 +71,10 @@ def install(clock: HostClock) -> None:
     """Wrap the steps a transfer takes (the library is not changed on disk, only in this process)."""
     dist.isend = clock.wrap("isend", dist.isend)
     dist.irecv = clock.wrap("irecv", dist.irecv)
-    endpoint._Endpoint._exchange = clock.wrap("handshake", endpoint._Endpoint._exchange)
-    endpoint._Endpoint._copy = clock.wrap("copy launch", endpoint._Endpoint._copy)
+    endpoint.exchange = clock.wrap("handshake", endpoint.exchange)
+    endpoint.Endpoint._copy = clock.wrap("copy launch", endpoint.Endpoint._copy)
     for name in ("_check_peer", "_check_backend", "_check_loc", "_move"):
-        setattr(endpoint._Endpoint, name, clock.wrap(name, getattr(endpoint._Endpoint, name)))
+        setattr(endpoint.Endpoint, name, clock.wrap(name, getattr(endpoint.Endpoint, name)))
     for cls in (KVSender, KVReceiver):
         cls._pipeline = clock.wrap("_pipeline", cls._pipeline)
     endpoint.KVTransfer.wait = clock.wrap("KVTransfer.wait", endpoint.KVTransfer.wait)

@@ -82,9 +82,9 @@ def install(steps: Steps) -> None:
     endpoint._default_store = lambda: store
     dist.isend = steps.wrap("dist.isend", dist.isend)
     dist.irecv = steps.wrap("dist.irecv", dist.irecv)
-    E = endpoint._Endpoint
+    E = endpoint.Endpoint
     E._start = steps.wrap("call", E._start, mark=True)
-    E._exchange = steps.wrap("handshake", E._exchange, mark=True)
+    endpoint.exchange = steps.wrap("handshake", endpoint.exchange, mark=True)
     for name in ("_check_peer", "_check_backend", "_check_loc", "_move", "_copy"):
         setattr(E, name, steps.wrap(name, getattr(E, name)))
     for cls in (KVSender, KVReceiver):

@@ -533,3 +533,81 @@ def test_a_predictable_header_is_read_and_claimed_in_one_round_trip(tmp_path):
     assert [i for i, _ in sender["errors"]] == [i for i, _ in receiver["errors"]] == [3]
     assert sender["errors"][0][1] == receiver["errors"][0][1] and "tokens mismatch" in sender["errors"][0][1]
     assert sender["leftover"] == receiver["leftover"] == [], "a handshake key was left in the store"
+
+
+# --- a peer that fails mid-transfer -----------------------------------------------------------------------
+
+_PEER_TIMEOUT = 3.0  # the process group's timeout (seconds)
+
+
+def _failing_peer_rank(rank: int, port: int, out: str, mode: str) -> None:
+    """Rank 0 sends 64 tokens in 8-token chunks to rank 1; after its second chunk has left, the
+    sender dies (``sender-dies``) or stops for twice the timeout (``sender-stalls``), or, after its
+    first scatter, the receiver dies (``receiver-dies``). The survivor reports what it raised, how
+    long it took and its pool."""
+    from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+    from kvpool.transfer.endpoint import Endpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=_PEER_TIMEOUT))  # fmt: skip
+    pool = MHATokenToKVPool(256, 1, torch.float8_e4m3fn, 2, 16, 2, "cpu", warmup=False)
+    g = torch.Generator().manual_seed(rank)
+    for b in pool.k_buffer + pool.v_buffer:
+        b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    loc = torch.arange(100, 164)
+    dies = mode == "receiver-dies" if rank == 1 else mode.startswith("sender")
+    if dies and rank == 0:
+        real_isend, sent = dist.isend, []
+
+        def isend(tensor, dst, group=None, tag=0):
+            work = real_isend(tensor, dst, group=group, tag=tag)
+            sent.append(work)
+            if len(sent) == 2:  # the first two chunks are on their way; the rest never come
+                work.wait()
+                if mode == "sender-stalls":
+                    time.sleep(2 * _PEER_TIMEOUT)
+                os._exit(0)
+            return work
+
+        dist.isend = isend
+    if dies and rank == 1:
+        real_copy = Endpoint._copy
+
+        def copy(self, *args, **kwargs):
+            real_copy(self, *args, **kwargs)
+            os._exit(0)  # after the first chunk's scatter
+
+        Endpoint._copy = copy
+    ep = KVSender(pool, chunk_bytes=8 * 128) if rank == 0 else KVReceiver(pool, chunk_bytes=8 * 128)
+    start = time.monotonic()
+    report: dict = {"error": None}
+    try:
+        (ep.send(loc, 1) if rank == 0 else ep.recv(loc, 0)).wait()
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] = time.monotonic() - start
+    target = torch.zeros(pool.size + pool.page_size, dtype=torch.bool)
+    target[loc] = True
+    after = pool.k_buffer + pool.v_buffer
+    report["others_unchanged"] = all(torch.equal(a[~target], b[~target]) for a, b in zip(after, before))
+    report["targets_unchanged"] = all(torch.equal(a[target], b[target]) for a, b in zip(after, before))
+    Path(out, f"{mode}{rank}.json").write_text(json.dumps(report))
+    os._exit(0)  # the peer is gone: no collective teardown
+
+
+@pytest.mark.parametrize("mode", ["sender-dies", "sender-stalls", "receiver-dies"])
+def test_a_peer_failing_mid_transfer_leaves_only_the_receivers_target_slots_unspecified(tmp_path, mode):
+    """docs/contract.md: after a failed transfer the receiver's target slots hold unspecified bytes
+    (some rows may have arrived) and nothing else in either pool changes; a receiver whose sender
+    fails raises within the process group's timeout."""
+    assert len(chunk_plan(64, 8)) >= 4, "the transfer must still be moving when the peer fails"
+    spawn(_failing_peer_rank, 2, (free_port(), str(tmp_path), mode), timeout=60)
+    survivor = 1 if mode.startswith("sender") else 0
+    report = json.loads(Path(tmp_path, f"{mode}{survivor}.json").read_text())
+    assert report["others_unchanged"], report
+    if survivor == 1:
+        assert report["error"] is not None and report["seconds"] < _PEER_TIMEOUT + 5, report
+        assert not report["targets_unchanged"], "the first chunks arrived before the sender failed"
+    else:  # the sender only reads its pool; its sends may all have left before the receiver died
+        assert report["targets_unchanged"], report

@@ -7,6 +7,7 @@ users may rely on is in docs/contract.md, "KV transfer between ranks".
 :mod:`kvpool.transfer.endpoint` for how a transfer runs.
 """
 
-from kvpool.transfer.endpoint import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
+from kvpool.transfer.endpoint import KVPoll, KVTransfer
+from kvpool.transfer.pipelines import KVReceiver, KVSender, recv_kv, send_kv
 
 __all__ = ["KVPoll", "KVReceiver", "KVSender", "KVTransfer", "recv_kv", "send_kv"]

@@ -1,4 +1,6 @@
-"""Sender and receiver of a request's KV rows between two ranks' pools over torch.distributed.
+"""What a sender and a receiver of a request's KV rows between two ranks' pools share: the checks,
+the handshake, the pool's and the staging's row tables, the streams, and the transfer handle.
+``KVSender``/``KVReceiver`` (:mod:`kvpool.transfer.pipelines`) add their halves of the pipeline.
 
 How a transfer runs (both ranks, in this order):
 
@@ -8,7 +10,8 @@ How a transfer runs (both ranks, in this order):
    type or shape, a slot outside the pool) is recorded in this rank's header instead of raised.
 2. **Handshake.** The ranks swap 1 KiB headers (:mod:`kvpool.transfer.handshake`): pool geometry,
    token count, the heads each holds, staging size, and any problem from step 1. They travel through
-   torch.distributed's key-value store (the one ``init_process_group`` set up), so the handshake costs
+   torch.distributed's key-value store (the one ``init_process_group`` set up;
+   :mod:`kvpool.transfer.exchange`), so the handshake costs
    host round trips only: no device work, no stream, no wait for earlier transfers to drain. Both
    ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree` to the two headers, so
    either both raise the same exception with the same message (a ``ValueError`` naming the mismatched
@@ -54,15 +57,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import replace
 from typing import Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool.checks import positive_int
-from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, _use_kernel, copy_rows, launch_copy_rows
+from kvpool.checks import check_index, non_negative_int, out_of_range, positive_int
+from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.streams import OnStream, StreamMark
@@ -75,39 +78,27 @@ from kvpool.transfer.handshake import (
     agree,
     make_header,
 )
+from kvpool.transfer.exchange import exchange, release
 from kvpool.transfer.wire import TokenLayout, chunk_plan
 
 #: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
 #: parts, one head.
-_POOLS = (MHATokenToKVPool, MLATokenToKVPool)
+POOLS = (MHATokenToKVPool, MLATokenToKVPool)
 
-# Staging per half on CUDA (or the whole pool's rows, if smaller); a transfer's chunks are at most
-# this big. NCCL send/recv of one buffer between two NVLink-connected H200s reaches 46% of its 1 GiB
-# bandwidth at 16 MiB, 95% at 256 MiB and 99% at 512 MiB: each message carries a fixed cost, and a
-# profile of the benchmark's ping-pong (benchmarks/trace_pingpong.py) showed 128 MiB messages
-# running at about 90% of the 2 GiB message's rate, the largest single loss of a 32k-token request.
-# With 512 MiB halves (wire.chunk_plan: a 32k-token Llama-3-8B FP8 request travels as
-# 64/128/256/384/384/384/256/128/64 MiB) such requests moved at 90.2-91.2% of the NCCL ceiling
-# against 85.8-86.3% with 128 MiB halves (bench_transfer.py --sweep, 11 rounds, each setting twice);
-# 8k-token ones (512 MiB: 64/128/128/128/64 MiB) at 79.4-79.6% against 77.9-78.5%. The cost is
-# memory: two halves, 1 GiB of device memory per endpoint of a large pool (pass chunk_bytes=128 <<
-# 20 for 256 MiB).
+#: Staging per half on CUDA (or the whole pool's rows, if smaller), so the most a chunk can be: each
+#: NCCL message carries a fixed cost, so large messages keep the link busy (BENCHMARKS.md has the
+#: sweep); the price is two halves of device memory per endpoint (pass a smaller ``chunk_bytes``).
 DEFAULT_CHUNK_BYTES_CUDA = 512 << 20
-# gloo over localhost or TCP: 4 MiB messages are past its per-message overhead.
+#: gloo over localhost or TCP: messages this large are past its per-message overhead.
 DEFAULT_CHUNK_BYTES_CPU = 4 << 20
 
-# Programs of the gathers and scatters that run beside the transport on CUDA: copy_rows' few-programs
-# grid (FEW_PROGRAMS programs of 16 warps each; its own default is 8 programs of 4 warps per SM). The
-# link, not HBM, bounds a transfer: a 128 MiB chunk takes NVLink about 370 us and a full-grid gather
-# about 100 us, and a full-grid copy beside NCCL's kernel slows the transfer. benchmarks/
-# bench_transfer.py on two H200s, 11 rounds per setting, most settings twice, 128 MiB chunks:
-# 32k-token requests at 84-85% of the NCCL ceiling with 32 programs against 73-78% with 264 (2 per
-# SM, the previous default); 66 programs 84%; 33 programs, one past the few-programs limit and so
-# with copy_rows' ordinary tile of 4 warps, 81%. The pipeline's fill and drain copies take the whole
-# GPU.
+
 def default_max_programs(sms: int) -> int:
-    """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs."""
+    """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs: copy_rows' few-programs
+    grid, since the link bounds a transfer and a full-grid copy beside NCCL's kernel slows it (the
+    pipeline's fill and drain copies, which run alone, take the whole GPU)."""
     return min(sms, FEW_PROGRAMS)
+
 
 Loc = Union[torch.Tensor, np.ndarray]
 
@@ -164,8 +155,9 @@ class KVTransfer:
         )
 
 
-class _Endpoint:
-    """What a sender and a receiver share: the pool's tables, staging, streams and the handshake."""
+class Endpoint:
+    """What a sender and a receiver share: the pool's tables, staging, streams and the handshake.
+    Subclasses set ``_role`` and define ``_pipeline``."""
 
     _role: int = 0
 
@@ -179,13 +171,11 @@ class _Endpoint:
         chunk_bytes: Optional[int] = None,
         max_programs: Optional[int] = None,
     ) -> None:
-        if not isinstance(pool, _POOLS):
+        if not isinstance(pool, POOLS):
             raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
         self.pool = pool
         self.group = group
-        if isinstance(head_start, bool) or not isinstance(head_start, int) or head_start < 0:
-            raise ValueError(f"head_start must be a non-negative int, got {head_start!r}")
-        self.head_start = head_start
+        self.head_start = non_negative_int(head_start, "head_start")
         self.total_heads = pool.head_num if total_heads is None else positive_int(total_heads, "total_heads")
         if head_start + pool.head_num > self.total_heads:
             raise ValueError(
@@ -195,7 +185,7 @@ class _Endpoint:
             )
         self.device = pool.device
         self._cuda = self.device.type == "cuda"
-        self._kernel = self._cuda and _use_kernel(self.device)
+        self._kernel = self._cuda and TRITON_AVAILABLE and not INTERPRETER  # else copy_rows' own choice
         self._element_size = pool.k_buffer[0].element_size()
         self._rows = pool.size + pool.page_size
         full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
@@ -253,7 +243,9 @@ class _Endpoint:
         if problem is not None:
             mine = mine.with_error(problem)
         encoded = mine.to_bytes()
-        theirs, spent_key = self._exchange(encoded, mine, peer, group)
+        store = _default_store()
+        theirs, spent_key = exchange(store, encoded, mine, rank, peer, group, self._peer_headers.get(peer))
+        self._peer_headers[peer] = theirs
         try:
             # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
             verdict = agree(Header.from_bytes(encoded), theirs)
@@ -263,10 +255,7 @@ class _Endpoint:
                 raise RuntimeError(f"{where}: the handshake agreed although this rank's loc was rejected")
             return self._move(verdict, loc_host, peer, group)
         finally:
-            # The peer's claimed key is removed once the data movement is queued: the store round
-            # trip then runs while the device works instead of before it.
-            with contextlib.suppress(Exception):  # a store that cannot delete keeps a few bytes per transfer
-                _default_store().delete_key(spent_key)
+            release(store, spent_key)  # once the data movement is queued: the round trip overlaps the device's work
 
     def _check_peer(self, peer: object, group: Optional[dist.ProcessGroup]) -> int:
         """This rank's global rank, after checking ``peer``; raises here (the peer cannot be told)."""
@@ -304,23 +293,22 @@ class _Endpoint:
             )
 
     def _check_loc(self, loc: object, where: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
-        """``loc`` as a CPU int64 tensor, or the problem to report to both ranks."""
+        """``loc`` as a CPU int64 tensor, or the problem to report to both ranks (with the error the
+        one check helper raises, prefixed by the transfer and the role)."""
         role = "sender" if self._role == SENDER else "receiver"
         tail = "; nothing moved"
         if isinstance(loc, np.ndarray):
             if loc.dtype not in (np.int32, np.int64):
-                return None, ValueError(
-                    f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}"
-                )
+                return None, ValueError(f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}")
             loc = torch.from_numpy(loc)
         if not isinstance(loc, torch.Tensor):
             return None, TypeError(
                 f"{where}: the {role}'s loc must be a CPU torch.Tensor or a numpy array, got {type(loc).__name__}{tail}"
             )
-        if loc.dtype not in (torch.int32, torch.int64):
-            return None, ValueError(f"{where}: the {role}'s loc must be int32 or int64, got {loc.dtype}{tail}")
-        if loc.dim() != 1:
-            return None, ValueError(f"{where}: the {role}'s loc must be 1-D [T], got shape {tuple(loc.shape)}{tail}")
+        try:
+            check_index(loc, "loc", dims="[T]")
+        except ValueError as e:
+            return None, ValueError(f"{where}: the {role}'s {e}{tail}")
         if loc.device.type != "cpu":
             return None, ValueError(
                 f"{where}: the {role}'s loc must be host indices (a CPU tensor), got a tensor on {loc.device}: "
@@ -328,91 +316,14 @@ class _Endpoint:
             )
         n = loc.shape[0]
         if n > self._rows:
-            return None, ValueError(
-                f"{where}: the {role}'s loc has {n} slots, more than its pool's {self._rows} rows{tail}"
-            )
+            return None, ValueError(f"{where}: the {role}'s loc has {n} slots, more than its pool's {self._rows} rows{tail}")
         loc64 = loc.to(torch.int64)
-        if n == 0:
-            return loc64, None
-        # One pass each for the common case (every slot in range), through NumPy; the position only
-        # when a slot is out of range.
-        values = loc64.numpy()
-        if values.min() < 0 or values.max() >= self._rows:
-            i = int(np.flatnonzero((values < 0) | (values >= self._rows))[0])
+        bad = out_of_range(loc64, self._rows, negative_ok=False)
+        if bad is not None:
             return None, IndexError(
-                f"{where}: the {role}'s loc[{i}] = {int(values[i])} is outside its pool's slots "
-                f"[0, {self._rows}){tail}"
+                f"{where}: the {role}'s loc[{bad[0]}] = {bad[1]} is outside its pool's slots [0, {self._rows}){tail}"
             )
         return loc64, None
-
-    def _exchange(
-        self, header: bytes, mine: Header, peer: int, group: Optional[dist.ProcessGroup]
-    ) -> tuple[Header, str]:
-        """Swap headers with ``peer`` through torch.distributed's key-value store (host memory and a
-        socket: no device work, no stream, no synchronisation). Returns the peer's header and the
-        store key it came under, which the caller deletes once it no longer needs the store.
-
-        Keys are numbered per pair of ranks and group, in the order transfers between the two start.
-        Each rank publishes its header under its own key, waits for the peer's (up to the store's
-        timeout) and claims it (``compare_set`` to TAKEN, so a peer that gave up cannot also count it
-        as unread). A rank whose wait times out withdraws its own header the same atomic way, unless
-        the peer has already claimed it; the withdrawn key stays as a tombstone, and a peer that
-        arrives later finds it, raises, and removes it. Both ranks thus spend the same key number on
-        every transfer either of them started, and a late peer can never pair with a later transfer.
-
-        The claim doubles as the read when the peer's header can be predicted: between the same
-        endpoints it is the previous transfer's with this transfer's token count and no error, so
-        one ``compare_set`` against that prediction reads and claims it (two store round trips for
-        the rank that arrives second, instead of three). A wrong prediction, or a peer not there
-        yet, costs that one round trip and the exchange continues as above."""
-        store = _default_store()
-        rank = dist.get_rank()
-        pg = group if group is not None else dist.group.WORLD
-        name = getattr(pg, "group_name", None) or ",".join(map(str, dist.get_process_group_ranks(pg)))
-        pair = (min(rank, peer), max(rank, peer), name)
-        seq = _SEQUENCE[pair] = _SEQUENCE.get(pair, -1) + 1
-        prefix = f"kvpool/transfer/{pair[0]}-{pair[1]}/{name}/{seq}/"
-        mine_key, theirs_key = prefix + str(rank), prefix + str(peer)
-        store.set(mine_key, header)
-        theirs: Optional[bytes] = None
-        last = self._peer_headers.get(peer)
-        if last is not None:
-            predicted = replace(last, tokens=mine.tokens, error_kind=0, message="").to_bytes()
-            found = store.compare_set(theirs_key, predicted, _TAKEN)
-            if found == _TAKEN:
-                theirs = predicted  # read and claimed in one round trip
-            elif found != predicted:  # (a missing key returns the expected value unchanged)
-                theirs = self._claim(store, theirs_key, found)
-        if theirs is None:
-            try:
-                found = store.get(theirs_key)  # waits for the peer (up to the store's timeout)
-            except dist.DistStoreError:
-                if store.compare_set(mine_key, header, _WITHDRAWN) == _WITHDRAWN:
-                    raise RuntimeError(
-                        f"kvpool transfer with rank {peer}: the peer did not start its side within the store's "
-                        f"timeout (transfer {seq} between the two ranks); this rank withdrew, and the peer's call "
-                        f"for this transfer will raise too; nothing moved"
-                    ) from None
-                found = store.get(theirs_key)  # the peer took our header just in time: it has published its own
-            theirs = self._claim(store, theirs_key, found)
-        if theirs == _WITHDRAWN:
-            with contextlib.suppress(Exception):  # the peer will never read ours, nor we the tombstone
-                store.delete_key(mine_key)
-                store.delete_key(theirs_key)
-            raise RuntimeError(
-                f"kvpool transfer with rank {peer}: the peer gave up waiting for this transfer (transfer {seq} "
-                f"between the two ranks) before this rank started it; nothing moved"
-            )
-        decoded = Header.from_bytes(theirs)
-        self._peer_headers[peer] = decoded
-        return decoded, theirs_key
-
-    @staticmethod
-    def _claim(store: dist.Store, key: str, found: bytes) -> bytes:
-        """Claim the peer's header ``found`` under ``key``: it, or WITHDRAWN if the peer withdrew first."""
-        if found == _WITHDRAWN:
-            return found
-        return found if store.compare_set(key, found, _TAKEN) == _TAKEN else _WITHDRAWN
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         """Current device and stream for the data movement (nothing on CPU)."""
@@ -421,18 +332,21 @@ class _Endpoint:
         return OnStream(self._side)
 
     def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
-        """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V) and of the two
-        staging halves, in the wire order; built once per head range, on the side stream (the
-        address tables are copied there without a synchronisation, ready for the work that follows)."""
+        """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V: the pool's own
+        ``row_table`` for all its heads) and of the two staging halves, in the wire order; built once
+        per head range, on the side stream (the address tables are copied there without a
+        synchronisation, ready for the work that follows)."""
         key = (lo, hi)
         cached = self._tables.get(key)
         if cached is not None:
             return cached
         pool = self.pool
         layout = TokenLayout.of(pool.layer_num, hi - lo, pool.head_dim, pool.v_head_dim, self._element_size)
-        pool_buffers = []
-        for k, v in zip(pool.k_buffer, pool.v_buffer):
-            pool_buffers += [k[:, lo:hi], v[:, lo:hi]]
+        if (lo, hi) == (0, pool.head_num):
+            pool_table = pool.row_table
+        else:
+            parts = [b[:, lo:hi] for pair in zip(pool.k_buffer, pool.v_buffer) for b in pair]
+            pool_table = RowTable.of(parts, non_blocking=self._cuda)
         capacity = self.chunk_bytes // layout.token_bytes
         halves = []
         for half in range(2):
@@ -440,7 +354,7 @@ class _Endpoint:
             rows = base.view(capacity, layout.token_bytes)
             bands = [rows[:, o : o + n] for o, n in zip(layout.offsets, layout.row_bytes)]
             halves.append(RowTable.of(bands, non_blocking=self._cuda))
-        entry = (layout, RowTable.of(pool_buffers, non_blocking=self._cuda), (halves[0], halves[1]))
+        entry = (layout, pool_table, (halves[0], halves[1]))
         self._tables[key] = entry
         return entry
 
@@ -504,13 +418,6 @@ class _Endpoint:
         raise NotImplementedError
 
 
-#: Transfers started so far per pair of ranks and group, in this process (the handshake's key numbers).
-_SEQUENCE: dict[tuple, int] = {}
-#: Values a header key can hold besides a header (headers are HEADER_BYTES long, these are shorter).
-_TAKEN = b"kvpool:taken"
-_WITHDRAWN = b"kvpool:withdrawn"
-
-
 def _default_store() -> dist.Store:
     """The key-value store torch.distributed was initialised with (every rank can reach it)."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
@@ -519,164 +426,11 @@ def _default_store() -> dist.Store:
     return getter()
 
 
-class KVSender(_Endpoint):
-    """Sends requests' KV rows from ``pool`` to receivers on other ranks of ``group``.
-
-    Parameters
-    ----------
-    pool : MHATokenToKVPool or MLATokenToKVPool
-        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo).
-    group : the process group (default: the world group). The caller initialises torch.distributed.
-    head_start, total_heads : the pool holds the global KV heads ``[head_start, head_start +
-        pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
-        the heads both sides hold, so a sender holding all heads serves receivers that each hold a
-        tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
-    chunk_bytes : bytes per staging half (default 512 MiB on CUDA, 4 MiB on CPU, or the whole pool's
-        rows if that is less; at least one token).
-        The smaller of the two sides' values bounds the chunks of a transfer.
-    max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
-        ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the
-        pipeline's first gather and last scatter, which run alone, then take the whole GPU). A value
-        given here caps every gather and scatter.
-
-    Examples
-    --------
-    Prefill rank 0 sends a finished request to decode rank 1 (both called ``init_process_group``)::
-
-        sender = KVSender(pool)                           # once
-        handle = sender.send(loc_cpu, dst=1)              # loc_cpu: the request's slots, host int tensor
-        handle.wait()                                     # before the slots are freed and reused
-    """
-
-    _role = SENDER
-
-    def send(self, loc: Loc, dst: int) -> KVTransfer:
-        """Send, for every layer, the K and V rows ``loc`` of the pool to rank ``dst``, which calls
-        ``recv`` with its own slots (as many as ``loc`` has).
-
-        Parameters
-        ----------
-        loc : CPU tensor or numpy array [T], int32/int64: the request's slots in this pool.
-        dst : global rank of the receiver.
-
-        Returns
-        -------
-        KVTransfer. On CUDA the rows are still moving; call ``wait()`` before the caller's stream
-        overwrites or frees the slots. On CPU it is complete.
-
-        Raises
-        ------
-        ValueError, IndexError, TypeError
-            After the handshake, on both ranks alike, if the two pools or token counts disagree or
-            either side's ``loc`` is bad; nothing has moved.
-        ValueError, TypeError, RuntimeError
-            At once, on this rank only, if ``dst`` or the process group cannot be used (nothing is
-            started: the peer's pending call pairs with this rank's next transfer with it).
-        RuntimeError
-            If the peer does not start its side within the store's timeout (this rank withdraws; the
-            peer's call for this transfer raises too when it comes).
-        """
-        return self._start(loc, dst)
-
-    def _pipeline(
-        self,
-        plan: list[tuple[int, int]],
-        index: torch.Tensor,
-        layout: TokenLayout,
-        pool_table: RowTable,
-        stages: tuple[RowTable, RowTable],
-        peer: int,
-        group: Optional[dist.ProcessGroup],
-        compute: Optional[torch.cuda.Stream],
-    ) -> None:
-        if compute is not None:
-            self._caller_mark.order(self._side, compute)  # gathers read what was written before send
-        in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
-        for k, (start, count) in enumerate(plan):
-            half = k & 1
-            if in_flight[half] is not None:
-                in_flight[half].wait()  # type: ignore[union-attr]
-            rows = index[start : start + count]
-            self._copy(stages[half], self._arange[:count], pool_table, rows, alone=k == 0)
-            in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
-        for work in in_flight:
-            if work is not None:
-                work.wait()
-
-
-class KVReceiver(_Endpoint):
-    """Receives requests' KV rows into ``pool`` from senders on other ranks of ``group``.
-
-    Parameters are as for :class:`KVSender`.
-
-    Examples
-    --------
-    Decode rank 1 takes the request rank 0 sends::
-
-        receiver = KVReceiver(pool)                       # once
-        handle = receiver.recv(loc_cpu, src=0)            # loc_cpu: slots allocated for the request
-        handle.wait()                                     # before attention reads them
-    """
-
-    _role = RECEIVER
-
-    def recv(self, loc: Loc, src: int) -> KVTransfer:
-        """Receive, for every layer, K and V rows from rank ``src`` into rows ``loc`` of the pool.
-
-        Parameters
-        ----------
-        loc : CPU tensor or numpy array [T], int32/int64: this pool's slots for the request, in the
-            order of the sender's ``loc`` (token ``t`` lands in ``loc[t]``). If a slot appears twice,
-            which token it ends up holding is unspecified.
-        src : global rank of the sender.
-
-        Returns
-        -------
-        KVTransfer. On CUDA call ``wait()`` before the caller's stream reads the slots.
-
-        Raises
-        ------
-        As :meth:`KVSender.send`.
-        """
-        return self._start(loc, src)
-
-    def _pipeline(
-        self,
-        plan: list[tuple[int, int]],
-        index: torch.Tensor,
-        layout: TokenLayout,
-        pool_table: RowTable,
-        stages: tuple[RowTable, RowTable],
-        peer: int,
-        group: Optional[dist.ProcessGroup],
-        compute: Optional[torch.cuda.Stream],
-    ) -> None:
-        works: dict[int, dist.Work] = {}
-
-        def post(k: int) -> None:
-            works[k] = dist.irecv(self._staged(k & 1, plan[k][1] * layout.token_bytes), peer, group=group)
-
-        for k in range(min(2, len(plan))):
-            post(k)
-        if compute is not None:
-            # Scatters overwrite slots that work queued before recv may still read; the first two
-            # chunks are already on their way meanwhile.
-            self._caller_mark.order(self._side, compute)
-        for k, (start, count) in enumerate(plan):
-            works.pop(k).wait()
-            rows = index[start : start + count]
-            self._copy(pool_table, rows, stages[k & 1], self._arange[:count], alone=k == len(plan) - 1)
-            if k + 2 < len(plan):
-                post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
-
-
-# --- functions with one endpoint per pool ---------------------------------------------------------------
-
-def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> _Endpoint:
+def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> Endpoint:
     """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
     it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
     endpoint refers to its pool)."""
-    if not isinstance(pool, _POOLS):
+    if not isinstance(pool, POOLS):
         raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
     kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
     key = (cls, group, tuple(sorted(options.items())))
@@ -684,39 +438,3 @@ def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGro
     if ep is None:
         ep = kept[key] = cls(pool, group, **options)
     return ep
-
-
-def send_kv(
-    pool: MHATokenToKVPool,
-    loc: Loc,
-    dst: int,
-    group: Optional[dist.ProcessGroup] = None,
-    *,
-    head_start: int = 0,
-    total_heads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
-) -> KVTransfer:
-    """Send the K/V rows ``loc`` of every layer of ``pool`` to rank ``dst``: ``KVSender(pool, group,
-    ...).send(loc, dst)`` with one sender kept per pool and settings (its staging is allocated once).
-
-    >>> handle = send_kv(pool, loc_cpu, dst=1)   # doctest: +SKIP
-    >>> handle.wait()                            # doctest: +SKIP
-    """
-    ep = _endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
-    return ep.send(loc, dst)  # type: ignore[attr-defined]
-
-
-def recv_kv(
-    pool: MHATokenToKVPool,
-    loc: Loc,
-    src: int,
-    group: Optional[dist.ProcessGroup] = None,
-    *,
-    head_start: int = 0,
-    total_heads: Optional[int] = None,
-    chunk_bytes: Optional[int] = None,
-) -> KVTransfer:
-    """Receive K/V rows from rank ``src`` into rows ``loc`` of every layer of ``pool``: ``KVReceiver(
-    pool, group, ...).recv(loc, src)`` with one receiver kept per pool and settings."""
-    ep = _endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
-    return ep.recv(loc, src)  # type: ignore[attr-defined]
