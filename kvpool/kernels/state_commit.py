@@ -1,0 +1,163 @@
+"""Committing speculative state: the launcher of ``state_commit_kernel.py`` and its PyTorch reference.
+
+After a verify step, request ``i`` of the batch keeps the state it reached after ``steps[i]`` of its
+``K`` draft steps: for every buffer of a pool's state table (every layer's convolution window and
+recurrent state), row ``slots[i]`` becomes a byte copy of row ``i * K + steps[i] - 1`` of the
+matching scratch buffer. ``steps[i] == 0`` keeps the old state; a step count outside ``0..K``, a
+negative slot and a slot past the table's rows are skipped (never read, never written). A second
+``(slots, steps)`` set, the track slots of a prefix cache, may ride in the same launch.
+
+On CUDA this is one launch over every buffer with no host synchronisation (the steps are read on
+the device; CUDA-graph safe). Elsewhere, :func:`commit_rows_reference`, the definition of the result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvpool.kernels.copy_rows import RowTable, copy_rows_reference
+
+try:
+    from kvpool.kernels import state_commit_kernel as _k
+
+    TRITON_AVAILABLE = True
+    INTERPRETER = type(_k._commit_rows_kernel).__name__ == "InterpretedFunction"
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    _k = None
+    TRITON_AVAILABLE = False
+    INTERPRETER = False
+
+#: Elements per task (4 bytes each on aligned tables) and warps: the row-copy kernel's SM-wide tile
+#: (16 KiB per task keeps 8 vector loads per thread in flight over 4 warps).
+BLOCK_ELEMS = 4096
+NUM_WARPS = 4
+#: Programs per SM; each loops over its share of the tasks.
+PROGRAMS_PER_SM = 8
+
+# Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
+# tables; otherwise CPU tables take the reference path.
+_kernel_on_cpu = False
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    elem_bytes: int
+    block_w: int
+    chunks: int
+    even: bool
+    num_warps: int
+    tasks: int
+    programs: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def plan_commit(pairs: int, row_bytes: tuple[int, ...], align: int, program_cap: int) -> CommitPlan:
+    """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``."""
+    elem = min(align, 4)
+    vec = align // elem
+    row_elems = [rb // elem for rb in row_bytes]
+    block_w = min(_pow2(max(row_elems)), BLOCK_ELEMS)
+    chunks = -(-max(row_elems) // block_w)
+    even = all(e % block_w == 0 for e in row_elems)
+    tasks = pairs * len(row_bytes) * chunks
+    warps = max(1, min(NUM_WARPS, block_w // (64 * vec)))
+    warps = 1 << (warps.bit_length() - 1)
+    return CommitPlan(elem, block_w, chunks, even, warps, tasks, max(1, min(tasks, program_cap)))
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_commit_rows(
+    dst: RowTable,
+    src: RowTable,
+    num_steps: int,
+    slots: torch.Tensor,
+    steps: torch.Tensor,
+    track_slots: Optional[torch.Tensor] = None,
+    track_steps: Optional[torch.Tensor] = None,
+) -> None:
+    """Launch the kernel once. Unchecked: the tables must hold the same buffers' row sizes in the same
+    order on one device, and the index tensors be 1-D int32/int64 of one length on it."""
+    bs = slots.shape[0]
+    if bs == 0:
+        return
+    has_track = track_slots is not None
+    align = min(dst.align, src.align)
+    plan = plan_commit(bs * (2 if has_track else 1), dst.row_bytes, align, _sm_count(dst.device) * PROGRAMS_PER_SM)
+    ts = track_slots if has_track else slots
+    tst = track_steps if has_track else steps
+    _k._commit_rows_kernel[(plan.programs,)](
+        dst.table, src.table, slots, steps, ts, tst,
+        bs, num_steps, dst.rows, src.rows,
+        slots.stride(0), steps.stride(0), ts.stride(0), tst.stride(0),
+        dst.table.stride(0), src.table.stride(0), len(dst), plan.chunks, plan.tasks,
+        ELEM_BYTES=plan.elem_bytes, ALIGN=align, BLOCK_W=plan.block_w, EVEN=plan.even, HAS_TRACK=has_track,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+
+
+def commit_source_rows(num_steps: int, steps: torch.Tensor) -> torch.Tensor:
+    """[bs] int64: the scratch row request ``i`` commits from, ``i * K + steps[i] - 1``, or -1 where
+    ``steps[i]`` is outside ``1..K`` (device operations only: no synchronisation)."""
+    s = steps.to(torch.int64)
+    first = torch.arange(s.shape[0], dtype=torch.int64, device=s.device) * num_steps - 1
+    return torch.where((s >= 1) & (s <= num_steps), first + s, -1)
+
+
+def commit_rows_reference(
+    dst: RowTable,
+    src: RowTable,
+    num_steps: int,
+    slots: torch.Tensor,
+    steps: torch.Tensor,
+    track_slots: Optional[torch.Tensor] = None,
+    track_steps: Optional[torch.Tensor] = None,
+) -> None:
+    """The commit in plain PyTorch: the source rows computed on the device, then
+    :func:`~kvpool.kernels.copy_rows.copy_rows_reference`. Unchecked, no synchronisation."""
+    dst_index, src_index = slots, commit_source_rows(num_steps, steps)
+    if track_slots is not None:
+        dst_index = torch.cat((dst_index.to(torch.int64), track_slots.to(torch.int64)))
+        src_index = torch.cat((src_index, commit_source_rows(num_steps, track_steps)))
+    copy_rows_reference(dst, dst_index, src, src_index)
+
+
+def use_kernel(device: torch.device) -> bool:
+    """Whether a commit on ``device`` takes the kernel (CUDA; CPU only under the interpreter, in tests)."""
+    if not TRITON_AVAILABLE:
+        return False
+    if device.type == "cuda":
+        return not INTERPRETER
+    return INTERPRETER and _kernel_on_cpu
+
+
+def commit_rows(
+    dst: RowTable,
+    src: RowTable,
+    num_steps: int,
+    slots: torch.Tensor,
+    steps: torch.Tensor,
+    track_slots: Optional[torch.Tensor] = None,
+    track_steps: Optional[torch.Tensor] = None,
+) -> None:
+    """For every buffer ``b`` and request ``i`` with ``1 <= steps[i] <= num_steps``: row ``slots[i]``
+    of ``dst.buffers[b]`` becomes a byte copy of row ``i * num_steps + steps[i] - 1`` of
+    ``src.buffers[b]``; likewise for ``(track_slots, track_steps)`` when given. Unchecked (the
+    caller checks its arguments); the kernel on CUDA, :func:`commit_rows_reference` elsewhere."""
+    if use_kernel(dst.device):
+        launch_commit_rows(dst, src, num_steps, slots, steps, track_slots, track_steps)
+    else:
+        commit_rows_reference(dst, src, num_steps, slots, steps, track_slots, track_steps)

@@ -1,0 +1,453 @@
+"""``MambaPool``: per-request state of a hybrid model's linear-attention layers, in state slots.
+
+Each linear-attention layer keeps, per slot, a convolution window ``[conv_dim, conv_kernel - 1]``
+and a recurrent (SSM) state ``[v_heads, v_head_dim, k_head_dim]``. Each kind is one allocation
+``[layers, size + 1, ...]`` (slot 0 is the padding slot), whose per-layer views are made once. With
+speculative decoding the pool also holds, per batch position, the states after each of ``K`` draft
+steps, and ``commit`` keeps each request's accepted one.
+
+Every operation on slots (fork, clear, commit, CPU copies) is one launch over every layer on CUDA:
+the row-copy kernel (``kvpool.kernels.copy_rows``) over the pool's ``row_table``, or for ``commit``
+its sibling ``kvpool.kernels.state_commit``; off CUDA the same copies run in plain PyTorch. Every
+path copies bytes, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvpool.checks import check_index, check_in_range, check_same_length, positive_int, resolve_device
+from kvpool.config import validate_enabled
+from kvpool.kernels import copy_rows as rows
+from kvpool.kernels.state_commit import commit_rows
+from kvpool.pools.state_params import MambaCacheParams
+from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
+
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class MambaCpuCopy:
+    """States of some slots of every layer in host memory, as ``get_cpu_copy`` returns them and
+    ``load_cpu_copy`` takes them back (the stored bytes, untouched).
+
+    Attributes
+    ----------
+    conv : tuple of Tensor [layers, n, conv_dim, conv_kernel - 1], one per convolution of a layer.
+    temporal : Tensor [layers, n, v_heads, v_head_dim, k_head_dim].
+    layers : global ids of the layers (row ``l`` of each tensor is layer ``layers[l]``).
+    Pinned when the pool is on CUDA.
+    """
+
+    conv: tuple[torch.Tensor, ...]
+    temporal: torch.Tensor
+    layers: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.temporal.shape[1]
+
+
+class MambaPool:
+    """State slots for the linear-attention layers of one rank (SGLang's ``MambaPool``).
+
+    Parameters
+    ----------
+    size : usable slots (``alloc`` hands out ``1..size``; slot 0 is padding).
+    spec_state_size : batch positions of speculative scratch (default ``size``); scratch has
+        ``spec_state_size + 1`` rows, row ``i`` for the request at position ``i`` of a verify batch.
+    cache_params : a :class:`~kvpool.pools.state_params.MambaCacheParams` or SGLang's
+        ``Mamba2CacheParams`` (shapes, dtypes and the global ids of the linear layers).
+    device : where the buffers live (``"cpu"`` works: plain PyTorch copies).
+    enable_memory_saver : SGLang's; must be False (kvpool has no memory saver).
+    speculative_num_draft_tokens : ``K``, the draft steps a verify step checks; None: no scratch.
+    validate : check slot ranges and step counts on every operation (one synchronisation each);
+        ``KVPOOL_VALIDATE=1`` turns it on too.
+
+    Attributes
+    ----------
+    conv : list of Tensor [layers, size + 1, conv_dim, conv_kernel - 1] (one per convolution).
+    temporal : Tensor [layers, size + 1, v_heads, v_head_dim, k_head_dim].
+    intermediate_conv_window : list of Tensor [layers, spec_state_size + 1, K, conv_dim,
+        conv_kernel - 1], or None without speculative decoding.
+    intermediate_ssm : Tensor [layers, spec_state_size + 1, K, v_heads, v_head_dim, k_head_dim] or None.
+    mamba_cache : the same tensors as SGLang's ``State`` / ``SpeculativeState``.
+    row_table : RowTable over every layer's state views, ``conv_0, ssm_0, conv_1, ssm_1, ...`` (with
+        several convolutions, all of a layer's convolutions come before its SSM state).
+    spec_row_table : RowTable over the scratch views in the same order, rows ``(spec_state_size + 1)
+        * K`` (row ``i * K + j``: position ``i``, after step ``j + 1``); None without scratch.
+
+    Examples
+    --------
+    >>> from kvpool.pools.state_params import MambaCacheParams, MambaStateShape
+    >>> params = MambaCacheParams(MambaStateShape(conv=(24, 3), temporal=(2, 4, 4)), layers=[0, 1, 2])
+    >>> pool = MambaPool(size=8, cache_params=params, device="cpu", speculative_num_draft_tokens=4)
+    >>> pool.get_ssm_state(2).shape, pool.get_intermediate_ssm_state(2).shape
+    (torch.Size([9, 2, 4, 4]), torch.Size([9, 4, 2, 4, 4]))
+    >>> slots = pool.alloc(2)
+    >>> pool.clear_slots(slots)
+    >>> pool.copy_from(slots[:1], slots[1:])
+    """
+
+    @dataclass(frozen=True)
+    class State:
+        """SGLang's view of the state tensors: ``conv`` a list of [layers, slots, ...] tensors and
+        ``temporal`` [layers, slots, ...]; ``at_layer_idx(i)`` the same for dense layer index ``i``."""
+
+        conv: list[torch.Tensor]
+        temporal: torch.Tensor
+
+        def at_layer_idx(self, layer: int) -> "MambaPool.State":
+            kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            out = {k: ([t[layer] for t in v] if isinstance(v, list) else v[layer]) for k, v in kwargs.items()}
+            return type(self)(**out)
+
+        def mem_usage_bytes(self) -> int:
+            tensors = [getattr(self, f.name) for f in dataclasses.fields(self)]
+            flat = [t for v in tensors for t in (v if isinstance(v, list) else [v])]
+            return sum(t.numel() * t.element_size() for t in flat)
+
+    @dataclass(frozen=True)
+    class SpeculativeState(State):
+        """``State`` plus the per-draft-step scratch."""
+
+        intermediate_ssm: torch.Tensor
+        intermediate_conv_window: list[torch.Tensor]
+
+    def __init__(
+        self,
+        *,
+        size: int,
+        spec_state_size: Optional[int] = None,
+        cache_params: object,
+        device: str | torch.device,
+        enable_memory_saver: bool = False,
+        speculative_num_draft_tokens: Optional[int] = None,
+        validate: bool = False,
+    ) -> None:
+        if enable_memory_saver not in (False, None):
+            raise ValueError(
+                f"enable_memory_saver must be False: kvpool has no memory saver, got {enable_memory_saver!r}"
+            )
+        self.size = positive_int(size, "size")
+        self.cache_params = params = MambaCacheParams.of(cache_params)
+        self.device = resolve_device(device)
+        self.validate = validate_enabled(validate)
+        self.layers: tuple[int, ...] = params.layers
+        self.num_mamba_layers = n_layers = params.num_layers
+        self._dense = {layer: i for i, layer in enumerate(params.layers)}
+        conv_shapes, temporal = params.shape.conv, params.shape.temporal
+        conv_dtype, ssm_dtype = params.dtype.conv, params.dtype.temporal
+        slots = size + 1
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self.conv = [zeros(n_layers, slots, *c, dtype=conv_dtype) for c in conv_shapes]
+        self.temporal = zeros(n_layers, slots, *temporal, dtype=ssm_dtype)
+        self.row_table = rows.RowTable.of(_per_layer(self.conv, self.temporal))
+
+        self.speculative_num_draft_tokens = None if speculative_num_draft_tokens is None else positive_int(
+            speculative_num_draft_tokens, "speculative_num_draft_tokens"
+        )
+        self.intermediate_ssm: Optional[torch.Tensor] = None
+        self.intermediate_conv_window: Optional[list[torch.Tensor]] = None
+        self.spec_row_table: Optional[rows.RowTable] = None
+        self.spec_state_size = 0
+        if self.speculative_num_draft_tokens is not None:
+            k = self.speculative_num_draft_tokens
+            self.spec_state_size = size if spec_state_size is None else positive_int(spec_state_size, "spec_state_size")
+            positions = self.spec_state_size + 1
+            self.intermediate_conv_window = [zeros(n_layers, positions, k, *c, dtype=conv_dtype) for c in conv_shapes]
+            self.intermediate_ssm = zeros(n_layers, positions, k, *temporal, dtype=ssm_dtype)
+            flat_conv = [t.view(n_layers, positions * k, *t.shape[3:]) for t in self.intermediate_conv_window]
+            flat_ssm = self.intermediate_ssm.view(n_layers, positions * k, *temporal)
+            self.spec_row_table = rows.RowTable.of(_per_layer(flat_conv, flat_ssm))
+            self.mamba_cache: MambaPool.State = self.SpeculativeState(
+                conv=self.conv, temporal=self.temporal, intermediate_ssm=self.intermediate_ssm,
+                intermediate_conv_window=self.intermediate_conv_window,
+            )  # fmt: skip
+        else:
+            if spec_state_size is not None:
+                positive_int(spec_state_size, "spec_state_size")
+            self.mamba_cache = self.State(conv=self.conv, temporal=self.temporal)
+        self.mem_usage = self.mamba_cache.mem_usage_bytes() / GB
+
+        # clear_slots copies from one zero row per buffer (all views of one allocation).
+        zero = zeros(1, max(self.row_table.row_bytes), dtype=torch.uint8)
+        self._zero_rows = rows.RowTable.of([zero[:, :rb] for rb in self.row_table.row_bytes])
+        self._zero_index = zeros(slots, dtype=torch.int64)
+        self._slots = StateSlots(size)
+
+    # --- layers ----------------------------------------------------------------------------------
+
+    def layer_index(self, layer_id: object) -> int:
+        """Dense index (into the ``[layers, ...]`` tensors) of global linear layer ``layer_id``.
+
+        Raises ``TypeError`` for a non-int and ``ValueError`` naming the id and this pool's layers."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        i = self._dense.get(layer_id)
+        if i is None:
+            raise ValueError(
+                f"layer_id {layer_id} is not a linear-attention layer of this pool: its layers are {list(self.layers)}"
+            )
+        return i
+
+    def get_conv_state(self, layer_id: int, index: int = 0) -> torch.Tensor:
+        """Convolution window of global layer ``layer_id``: ``[size + 1, conv_dim, conv_kernel - 1]``
+        (a view; ``index`` picks one of several convolutions)."""
+        return self.conv[index][self.layer_index(layer_id)]
+
+    def get_ssm_state(self, layer_id: int) -> torch.Tensor:
+        """Recurrent state of global layer ``layer_id``: ``[size + 1, v_heads, v_head_dim, k_head_dim]``
+        (a view)."""
+        return self.temporal[self.layer_index(layer_id)]
+
+    def get_intermediate_conv_window(self, layer_id: int, index: int = 0) -> torch.Tensor:
+        """Scratch a verify step writes for global layer ``layer_id``: ``[spec_state_size + 1, K,
+        conv_dim, conv_kernel - 1]``; entry ``[i, j]`` is the window of the request at batch
+        position ``i`` after draft step ``j + 1``. A view; ``ValueError`` without speculative state."""
+        return self._spec("get_intermediate_conv_window")[0][index][self.layer_index(layer_id)]
+
+    def get_intermediate_ssm_state(self, layer_id: int) -> torch.Tensor:
+        """Scratch recurrent states of global layer ``layer_id``: ``[spec_state_size + 1, K, v_heads,
+        v_head_dim, k_head_dim]``, indexed as :meth:`get_intermediate_conv_window`."""
+        return self._spec("get_intermediate_ssm_state")[1][self.layer_index(layer_id)]
+
+    def mamba2_layer_cache(self, layer_idx: int) -> "MambaPool.State":
+        """SGLang's per-layer view: ``mamba_cache`` at **dense** index ``layer_idx`` (0 for the first
+        linear layer, as SGLang's ``MambaPool``; ``HybridReqToTokenPool.mamba2_layer_cache`` takes
+        global ids)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_mamba_layers:
+            raise IndexError(f"layer_idx must be a dense index in 0..{self.num_mamba_layers - 1}, got {layer_idx!r}")
+        return self.mamba_cache.at_layer_idx(layer_idx)
+
+    def get_speculative_mamba2_params_all_layers(self) -> "MambaPool.SpeculativeState":
+        """Every layer's states and scratch (SGLang's name); ``ValueError`` without speculative state."""
+        self._spec("get_speculative_mamba2_params_all_layers")
+        return self.mamba_cache  # type: ignore[return-value]
+
+    def _spec(self, what: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if self.intermediate_ssm is None or self.intermediate_conv_window is None:
+            raise ValueError(f"{what} needs speculative state: build the pool with speculative_num_draft_tokens")
+        return self.intermediate_conv_window, self.intermediate_ssm
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """(addresses, byte lengths, bytes per slot) of every layer's state buffer, convolutions then
+        SSM states, scratch excluded: SGLang's registration list for transfers between ranks."""
+        tensors = [*self.conv, self.temporal]
+        views = [t[i] for t in tensors for i in range(self.num_mamba_layers)]
+        return ([v.data_ptr() for v in views], [v.numel() * v.element_size() for v in views],
+                [v[0].numel() * v.element_size() for v in views])  # fmt: skip
+
+    # --- slots -----------------------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        return self._slots.available()
+
+    def alloc_slots(self, need_size: int) -> Optional[list[int]]:
+        """``need_size`` slots as host ints, or None (nothing changed) when fewer are free. Their
+        states are left as they are (zero them with ``clear_slots``, or overwrite them)."""
+        return self._slots.take(need_size)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` slots as an int64 tensor on the pool's device (from pinned memory on CUDA,
+        no synchronisation), or None with nothing changed. States are left as they are, as in
+        SGLang (which zeroes them through ``clear_slots``)."""
+        got = self._slots.take(need_size)
+        return None if got is None else self.slots_tensor(got)
+
+    def slots_tensor(self, slots: Sequence[int]) -> torch.Tensor:
+        """Host ints as an int64 tensor on the pool's device, without synchronising."""
+        host = torch.tensor(list(slots), dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def free(self, free_index: SlotsArg) -> None:
+        """Give slots back: an int, a sequence of ints, or an integer tensor (a CUDA tensor costs one
+        synchronisation). Slot 0, a slot not handed out (double free), out of range or listed twice
+        raises ``ValueError`` and frees nothing."""
+        self._slots.give_back(as_slot_list(free_index))
+
+    def fork_from(self, src_index: torch.Tensor) -> Optional[torch.Tensor]:
+        """A new slot holding a copy of slot ``src_index`` ([1] on the device), or None when none is free."""
+        dst = self.alloc(1)
+        if dst is not None:
+            self.copy_from(src_index, dst)
+        return dst
+
+    def clear(self) -> None:
+        """Every slot free (states are left as they are)."""
+        self._slots.clear()
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` if the free list and the held slots disagree."""
+        self._slots.check_integrity()
+
+    def held_slots(self) -> list[int]:
+        """Slots handed out and not given back, ascending (for integrity checks above the pool)."""
+        return self._slots.held()
+
+    def is_held(self, slot: int) -> bool:
+        return self._slots.is_held(slot)
+
+    # --- copies ----------------------------------------------------------------------------------
+
+    def copy_from(self, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+        """For every layer, the states of slot ``dst_index[i]`` become a byte copy of slot
+        ``src_index[i]`` (SGLang's argument order: source first), as if every source were read before
+        any destination is written. Both ``[n]`` int32/int64 on the pool's device; negative entries
+        are padding, entries ``> size`` are never read or written (``IndexError`` under ``validate``).
+        One launch on CUDA (up to 1024 pairs; more go through a staging buffer)."""
+        table = self.row_table
+        rows.checked_copy(table, dst_index, table, src_index, None, self.validate, ("dst_index", "src_index"))
+
+    def clear_slots(self, indices: torch.Tensor) -> None:
+        """Zero every layer's states of slots ``indices`` ([n] int32/int64 on the pool's device;
+        negative entries are padding, entries ``> size`` are never written). One launch on CUDA, no
+        synchronisation."""
+        n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
+        if self.validate:
+            check_in_range([(indices, self.size + 1, "indices")], what="slots")
+        zeros = self._zero_index[:n] if n <= self._zero_index.shape[0] else self._zero_index.new_zeros(n)
+        rows.checked_copy(self.row_table, indices, self._zero_rows, zeros, None, False, ("indices", "indices"))
+
+    def commit(
+        self,
+        slots: torch.Tensor,
+        accepted_steps: torch.Tensor,
+        track_slots: Optional[torch.Tensor] = None,
+        track_steps: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Keep each request's state after its last accepted draft step.
+
+        For the request at batch position ``i`` with ``1 <= accepted_steps[i] <= K``, every layer's
+        states of slot ``slots[i]`` become a byte copy of scratch entry ``[i, accepted_steps[i] - 1]``
+        (what the verify step wrote through ``get_intermediate_*``); ``accepted_steps[i] == 0`` keeps
+        the old state. ``track_slots``/``track_steps`` (both or neither) snapshot scratch entry ``[i,
+        track_steps[i] - 1]`` into a track slot the same way (0: no snapshot), for a prefix cache.
+
+        Parameters
+        ----------
+        slots, accepted_steps, track_slots, track_steps : Tensor [bs], int32/int64, on the pool's
+            device, ``bs <= spec_state_size + 1``. Read on the device: no synchronisation, one
+            launch on CUDA for both sets, CUDA-graph safe.
+
+        Negative slots are padding. Step counts outside ``0..K`` and slots ``> size`` are never read
+        or written; under ``validate`` they raise ``ValueError`` / ``IndexError`` (one
+        synchronisation). A slot named twice gets one of its sources.
+        """
+        if self.spec_row_table is None:
+            raise ValueError("commit needs speculative state: build the pool with speculative_num_draft_tokens")
+        bs = check_index(slots, "slots", device=self.device, dims="[bs]").shape[0]
+        if bs > self.spec_state_size + 1:
+            raise ValueError(
+                f"slots must have at most spec_state_size + 1 = {self.spec_state_size + 1} entries (batch "
+                f"positions with scratch), got {bs}"
+            )
+        if (track_slots is None) != (track_steps is None):
+            raise ValueError("track_slots and track_steps must be given together, got only one of them")
+        pairs = [(slots, accepted_steps, "slots", "accepted_steps")]
+        if track_slots is not None:
+            pairs.append((track_slots, track_steps, "track_slots", "track_steps"))
+        for d, s, d_name, s_name in pairs:
+            for t, name in ((d, d_name), (s, s_name)):
+                if t is not slots:
+                    check_same_length(slots, "slots", check_index(t, name, device=self.device, dims="[bs]"), name)
+        if self.validate:
+            self._check_commit(pairs)
+        k = self.speculative_num_draft_tokens
+        commit_rows(self.row_table, self.spec_row_table, k, slots, accepted_steps, track_slots, track_steps)
+
+    def _check_commit(self, pairs: list[tuple[torch.Tensor, torch.Tensor, str, str]]) -> None:
+        k = self.speculative_num_draft_tokens
+        live = [(s, name) for _, s, _, name in pairs if s.numel()]
+        if live:
+            bad = torch.stack([((s < 0) | (s > k)).any() for s, _ in live]).tolist()  # type: ignore[operator]
+            for (s, name), b in zip(live, bad):
+                if b:
+                    pos = int(torch.argmax(((s < 0) | (s > k)).to(torch.uint8)))  # type: ignore[operator]
+                    raise ValueError(f"{name}[{pos}] = {int(s[pos])} must be a step count in 0..{k}")
+        check_in_range([(d, self.size + 1, name) for d, _, name, _ in pairs], what="slots")
+
+    # --- CPU copies ------------------------------------------------------------------------------
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> MambaCpuCopy:
+        """Every layer's states of slots ``indices`` ([n] on the pool's device) in host memory (pinned
+        on CUDA), byte for byte. One launch on CUDA writes them straight into host memory; the call
+        then waits for the current stream, so it also checks every index: one outside ``0..size``
+        raises ``IndexError``."""
+        n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
+        check_in_range([(indices, self.size + 1, "indices")], what="slots", negative_ok=False)
+        pinned = self.device.type == "cuda"
+        l = self.num_mamba_layers
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty((l, n, *t.shape[2:]), dtype=t.dtype, pin_memory=pinned)
+
+        copy = MambaCpuCopy(tuple(host(c) for c in self.conv), host(self.temporal), self.layers)
+        if n:
+            table = rows.RowTable.of(
+                _per_layer(list(copy.conv), copy.temporal), table_device=self.device if pinned else None,
+                non_blocking=pinned,
+            )  # fmt: skip
+            positions = torch.arange(n, dtype=torch.int64, device=self.device)
+            rows.checked_copy(table, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            if pinned:
+                torch.cuda.current_stream(self.device).synchronize()
+        return copy
+
+    def load_cpu_copy(self, mamba_cache_cpu: MambaCpuCopy, indices: torch.Tensor) -> None:
+        """Write a ``get_cpu_copy`` result into slots ``indices`` (any slots, same count), byte for
+        byte. The copy's type, layers, shapes, dtypes and length are checked before anything is
+        written. No synchronisation on CUDA. Negative entries are padding; entries ``> size`` are
+        never written (``IndexError`` under ``validate``)."""
+        n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
+        copy = self._check_cpu_copy(mamba_cache_cpu, n)
+        if self.validate:
+            check_in_range([(indices, self.size + 1, "indices")], what="slots")
+        if n == 0:
+            return
+        cuda = self.device.type == "cuda"
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True) if cuda else t
+
+        staged = rows.RowTable.of(_per_layer([dev(c) for c in copy.conv], dev(copy.temporal)), non_blocking=cuda)
+        positions = torch.arange(n, dtype=torch.int64, device=self.device)
+        rows.checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+
+    def _check_cpu_copy(self, copy: object, n: int) -> MambaCpuCopy:
+        if not isinstance(copy, MambaCpuCopy):
+            raise TypeError(f"mamba_cache_cpu must be a MambaCpuCopy (from get_cpu_copy), got {type(copy).__name__}")
+        if copy.layers != self.layers:
+            raise ValueError(f"mamba_cache_cpu must hold layers {list(self.layers)}, got {list(copy.layers)}")
+        if len(copy.conv) != len(self.conv):
+            raise ValueError(
+                f"mamba_cache_cpu must hold {len(self.conv)} convolution states per layer, got {len(copy.conv)}"
+            )
+        named = [(f"conv[{c}]", t, self.conv[c]) for c, t in enumerate(copy.conv)]
+        named.append(("temporal", copy.temporal, self.temporal))
+        for name, t, mine in named:
+            want = (self.num_mamba_layers, n, *mine.shape[2:])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"mamba_cache_cpu.{name} must have shape {want} ([layers, len(indices), ...]), got {got}"
+                )
+            if t.dtype != mine.dtype:
+                raise ValueError(f"mamba_cache_cpu.{name} must be {mine.dtype}, got {t.dtype}")
+            if t.device.type != "cpu":
+                raise ValueError(f"mamba_cache_cpu.{name} must be in host memory, got {t.device}")
+        return copy
+
+
+def _per_layer(conv: list[torch.Tensor], temporal: torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer views of ``[layers, rows, ...]`` tensors in row-table order: each layer's
+    convolutions, then its SSM state."""
+    return [t[i] for i in range(temporal.shape[0]) for t in (*conv, temporal)]
