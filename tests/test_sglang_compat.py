@@ -1,5 +1,5 @@
-"""MHATokenToKVPool takes SGLang's constructor arguments, positionally in SGLang's order, so SGLang
-call sites carry over; kvpool's own options are keyword-only."""
+"""MHATokenToKVPool (and the hybrid models' pools) take SGLang's constructor arguments, positionally in
+SGLang's order, so SGLang call sites carry over; kvpool's own options are keyword-only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from kvpool import MHATokenToKVPool
+from kvpool import HybridLinearKVPool, HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool
 
 DEVICE = "cpu"
 
@@ -102,3 +102,43 @@ def test_sglang_flags_must_be_bools(name):
 def test_bad_sglang_geometry_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 2, DEVICE, **kwargs)
+
+
+# --- hybrid linear-attention models ---------------------------------------------------------------
+
+HYBRID_KV_ORDER = (
+    "size", "dtype", "page_size", "head_num", "head_dim", "full_attention_layer_ids", "enable_kvcache_transpose",
+    "device", "mamba_pool", "enable_memory_saver", "use_mla", "kv_lora_rank", "qk_rope_head_dim", "start_layer",
+)  # fmt: skip
+
+
+def test_hybrid_kv_pool_takes_sglangs_positional_order():
+    params = list(inspect.signature(HybridLinearKVPool).parameters.values())
+    assert tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD) == HYBRID_KV_ORDER
+    assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} >= {"v_head_dim", "fused", "warmup", "validate"}
+    pool = HybridLinearKVPool(
+        size=8, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8, full_attention_layer_ids=[3],
+        enable_kvcache_transpose=False, device=DEVICE, mamba_pool=None, enable_memory_saver=False,
+    )  # fmt: skip
+    assert pool.full_layer_nums == 1 and pool.start_layer == 0 and not pool.use_mla
+
+
+def test_state_pools_take_sglangs_keywords():
+    """SGLang builds these with keywords only; a Mamba2CacheParams-like object is read by attribute."""
+    for cls, names in [
+        (MambaPool, {"size", "spec_state_size", "cache_params", "device", "enable_memory_saver",
+                     "speculative_num_draft_tokens"}),  # fmt: skip
+        (HybridReqToTokenPool, {"size", "mamba_size", "mamba_spec_state_size", "max_context_len", "device",
+                                "enable_memory_saver", "cache_params", "enable_mamba_extra_buffer",
+                                "speculative_num_draft_tokens", "mamba_layer_ids", "enable_mamba_extra_buffer_lazy",
+                                "enable_overlap_schedule", "start_layer"}),  # fmt: skip
+    ]:
+        params = inspect.signature(cls).parameters.values()
+        assert all(p.kind == p.KEYWORD_ONLY for p in params)
+        assert names <= {p.name for p in params}
+    params = MambaCacheParams(MambaStateShape(conv=[(6, 3)], temporal=(1, 2, 2)), layers=[0, 1])
+    table = HybridReqToTokenPool(
+        size=2, mamba_size=4, mamba_spec_state_size=2, max_context_len=8, device=DEVICE, enable_memory_saver=False,
+        cache_params=params, enable_mamba_extra_buffer=False, speculative_num_draft_tokens=2, mamba_layer_ids=[0, 1],
+    )  # fmt: skip
+    assert table.mamba_pool.spec_state_size == 2 and table.mamba_pool.mamba_cache.intermediate_ssm.shape[1] == 3

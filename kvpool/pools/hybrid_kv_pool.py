@@ -1,0 +1,301 @@
+"""``HybridLinearKVPool``: the KV cache of a hybrid linear-attention model, full-attention layers only.
+
+Models such as Qwen3.5 and Qwen3-Next interleave full-attention layers, which keep K/V per token,
+with linear-attention layers, which keep a fixed-size state per request (``MambaPool``). This pool
+holds one ``MHATokenToKVPool`` (or ``MLATokenToKVPool``) over the full-attention layers alone,
+densely numbered, and takes the model's global layer ids everywhere: a linear layer's id raises
+``ValueError`` naming it and the full-attention layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from kvpool.checks import non_negative_int, positive_int
+from kvpool.kernels.checks import Scale
+from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.mamba_pool import MambaPool
+from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.mla_pool import MLATokenToKVPool
+
+GB = 1024**3
+
+
+class _DenseLayer:
+    """A stand-in for a model's layer object, carrying the inner pool's dense layer id."""
+
+    __slots__ = ("layer_id",)
+
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+
+
+class HybridLinearKVPool:
+    """K/V buffers for the full-attention layers of a hybrid model, addressed by global layer id.
+
+    The positional order of the arguments is SGLang's, so SGLang call sites carry over.
+
+    Parameters
+    ----------
+    size, dtype, page_size, head_num, head_dim : as for ``MHATokenToKVPool`` (``head_num`` and
+        ``head_dim`` are ignored with ``use_mla``).
+    full_attention_layer_ids : global ids of the full-attention layers this rank holds (distinct);
+        dense index ``i`` of the inner pool is ``full_attention_layer_ids[i]``.
+    enable_kvcache_transpose : SGLang's; must be False.
+    device : where the buffers live.
+    mamba_pool : the ``MambaPool`` of the same model's linear layers (kept as ``mamba_pool``; its
+        layers must not overlap ``full_attention_layer_ids``), or None.
+    enable_memory_saver : must be False (kvpool has no memory saver).
+    use_mla, kv_lora_rank, qk_rope_head_dim : an ``MLATokenToKVPool`` inside instead.
+    start_layer : SGLang's; kept as ``start_layer`` (layer ids are global either way).
+    v_head_dim, fused, warmup, validate, observe_amax : passed to the inner pool (keyword-only).
+
+    Attributes
+    ----------
+    full_kv_pool : the inner pool (dense layer ids ``0..len(full_attention_layer_ids) - 1``).
+    full_attention_layer_id_mapping : dict, global id -> dense id.
+
+    Examples
+    --------
+    >>> pool = HybridLinearKVPool(64, torch.bfloat16, 1, 2, 16, [3, 7], False, "cpu", None)
+    >>> pool.get_key_buffer(7).shape
+    torch.Size([65, 2, 16])
+    >>> pool.get_key_buffer(4)
+    Traceback (most recent call last):
+    ValueError: layer_id 4 is not a full-attention layer of this pool: its full-attention layers are [3, 7]
+    """
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        page_size: int,
+        head_num: int,
+        head_dim: int,
+        full_attention_layer_ids: Sequence[int],
+        enable_kvcache_transpose: bool,
+        device: str | torch.device,
+        mamba_pool: Optional[MambaPool],
+        enable_memory_saver: bool = False,
+        use_mla: bool = False,
+        kv_lora_rank: Optional[int] = None,
+        qk_rope_head_dim: Optional[int] = None,
+        start_layer: Optional[int] = None,
+        *,
+        v_head_dim: Optional[int] = None,
+        fused: str = "auto",
+        warmup: bool = True,
+        validate: bool = False,
+        observe_amax: bool = False,
+    ) -> None:
+        if enable_kvcache_transpose not in (False, None):
+            raise ValueError(
+                f"enable_kvcache_transpose must be False (kvpool's buffers are [rows, H, D]), "
+                f"got {enable_kvcache_transpose!r}"
+            )
+        full = full_attention_layer_ids
+        if isinstance(full, (str, bytes)) or not isinstance(full, Sequence):
+            raise TypeError(f"full_attention_layer_ids must be a sequence of ints, got {type(full).__name__}")
+        ids = tuple(non_negative_int(x, f"full_attention_layer_ids[{i}]") for i, x in enumerate(full))
+        if not ids:
+            raise ValueError("full_attention_layer_ids must name at least one layer, got none")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"full_attention_layer_ids must be distinct, got {list(ids)}")
+        if mamba_pool is not None:
+            if not isinstance(mamba_pool, MambaPool):
+                raise TypeError(f"mamba_pool must be a MambaPool or None, got {type(mamba_pool).__name__}")
+            both = sorted(set(ids) & set(mamba_pool.layers))
+            if both:
+                raise ValueError(
+                    f"full_attention_layer_ids must not include the mamba_pool's linear layers, got {both} in both"
+                )
+        if use_mla not in (True, False):
+            raise ValueError(f"use_mla must be a bool, got {use_mla!r}")
+        self.full_attention_layer_ids = ids
+        self.full_attention_layer_id_mapping = {layer: i for i, layer in enumerate(ids)}
+        self.full_layer_nums = len(ids)
+        self.mamba_pool = mamba_pool
+        self.use_mla = use_mla
+        self.start_layer = 0 if start_layer is None else non_negative_int(start_layer, "start_layer")
+        options = dict(fused=fused, warmup=warmup, validate=validate, observe_amax=observe_amax)
+        if use_mla:
+            if v_head_dim is not None:
+                raise ValueError(
+                    f"v_head_dim must be None with use_mla (the rotary part is qk_rope_head_dim), got {v_head_dim!r}"
+                )
+            self.full_kv_pool: MHATokenToKVPool | MLATokenToKVPool = MLATokenToKVPool(
+                size, page_size, dtype, positive_int(kv_lora_rank, "kv_lora_rank"),
+                positive_int(qk_rope_head_dim, "qk_rope_head_dim"), len(ids), device, enable_memory_saver, **options,
+            )  # fmt: skip
+        else:
+            self.full_kv_pool = MHATokenToKVPool(
+                size, page_size, dtype, head_num, head_dim, len(ids), device, enable_memory_saver, v_head_dim, **options
+            )
+        inner = self.full_kv_pool
+        self.size, self.page_size = inner.size, inner.page_size
+        self.dtype, self.store_dtype = inner.dtype, inner.store_dtype
+        self.head_num, self.head_dim, self.v_head_dim = inner.head_num, inner.head_dim, inner.v_head_dim
+        self.kv_lora_rank, self.qk_rope_head_dim = (kv_lora_rank, qk_rope_head_dim) if use_mla else (None, None)
+        self.device, self.validate, self.stats = inner.device, inner.validate, inner.stats
+        self.layer_num = len(ids)
+        sizes = inner.get_kv_size_bytes()
+        self.mem_usage = (sum(sizes) if isinstance(sizes, tuple) else sizes) / GB
+
+    # --- layers ----------------------------------------------------------------------------------
+
+    def dense_layer_id(self, layer_id: object) -> int:
+        """The inner pool's id of global full-attention layer ``layer_id``. Raises ``TypeError`` for
+        a non-int and ``ValueError`` naming the id and the full-attention layers otherwise."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        i = self.full_attention_layer_id_mapping.get(layer_id)
+        if i is None:
+            raise ValueError(
+                f"layer_id {layer_id} is not a full-attention layer of this pool: its full-attention layers are "
+                f"{list(self.full_attention_layer_ids)}"
+            )
+        return i
+
+    def _dense_of(self, layer: object, layer_id_override: Optional[int]) -> int:
+        if layer_id_override is not None:
+            return self.dense_layer_id(layer_id_override)
+        if layer is None:
+            raise TypeError("a write needs a layer with .layer_id or layer_id_override, got neither")
+        try:
+            layer_id = layer.layer_id  # type: ignore[attr-defined]
+        except AttributeError:
+            raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
+        return self.dense_layer_id(layer_id)
+
+    # --- getters ---------------------------------------------------------------------------------
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """K buffer (MLA: whole rows) of global full-attention layer ``layer_id``, a ``dtype`` view."""
+        return self.full_kv_pool.get_key_buffer(self.dense_layer_id(layer_id))
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """V buffer (MLA: the latent columns) of global full-attention layer ``layer_id``."""
+        return self.full_kv_pool.get_value_buffer(self.dense_layer_id(layer_id))
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.full_kv_pool.get_kv_buffer(self.dense_layer_id(layer_id))
+
+    def get_kv_size_bytes(self) -> tuple[int, int] | int:
+        """The inner pool's: ``(k_bytes, v_bytes)`` for MHA, one int for MLA."""
+        return self.full_kv_pool.get_kv_size_bytes()
+
+    def get_v_head_dim(self) -> int:
+        return self.full_kv_pool.get_value_buffer(0).shape[-1]
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The ``mamba_pool``'s ``get_contiguous_buf_infos()`` (SGLang's name)."""
+        if self.mamba_pool is None:
+            raise ValueError("get_state_buf_infos needs a mamba_pool, and this pool was built without one")
+        return self.mamba_pool.get_contiguous_buf_infos()
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def set_kv_buffer(
+        self,
+        layer: object,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: Optional[torch.Tensor],
+        k_scale: Scale = None,
+        v_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """The inner pool's ``set_kv_buffer`` on global layer ``layer.layer_id`` (or
+        ``layer_id_override``): semantics, errors, fused path and statistics are the inner pool's."""
+        i = self._dense_of(layer, layer_id_override)
+        pool = self.full_kv_pool
+        pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=i)  # type: ignore[arg-type]
+
+    def set_kv_buffer_prefix_valid(
+        self,
+        layer: object,
+        loc_2d: torch.Tensor,
+        commit_lens: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: Scale = None,
+        v_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """The verify write of ``MHATokenToKVPool`` on a global layer (MHA only)."""
+        if not isinstance(self.full_kv_pool, MHATokenToKVPool):
+            raise ValueError("set_kv_buffer_prefix_valid needs an MHA pool inside, and this one uses MLA")
+        i = self._dense_of(layer, layer_id_override)
+        self.full_kv_pool.set_kv_buffer_prefix_valid(
+            None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i
+        )
+
+    def set_mla_kv_buffer(
+        self,
+        layer: object,
+        loc: torch.Tensor,
+        cache_k_nope: torch.Tensor,
+        cache_k_rope: torch.Tensor,
+        k_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """``MLATokenToKVPool.set_mla_kv_buffer`` on a global layer (MLA only)."""
+        pool = self._mla("set_mla_kv_buffer")
+        i = self._dense_of(layer, layer_id_override)
+        pool.set_mla_kv_buffer(None, loc, cache_k_nope, cache_k_rope, k_scale, layer_id_override=i)
+
+    def get_mla_kv_buffer(
+        self, layer: object, loc: torch.Tensor, dst_dtype: Optional[torch.dtype] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``MLATokenToKVPool.get_mla_kv_buffer`` on global layer ``layer.layer_id`` (MLA only)."""
+        pool = self._mla("get_mla_kv_buffer")
+        return pool.get_mla_kv_buffer(_DenseLayer(self._dense_of(layer, None)), loc, dst_dtype)
+
+    def _mla(self, what: str) -> MLATokenToKVPool:
+        if not isinstance(self.full_kv_pool, MLATokenToKVPool):
+            raise ValueError(f"{what} needs use_mla=True, and this pool holds MHA buffers")
+        return self.full_kv_pool
+
+    # --- moves, CPU copies, host tier ------------------------------------------------------------
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Every full-attention layer's rows ``tgt_loc[i]`` become copies of rows ``src_loc[i]``."""
+        self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> KVCpuCopy:
+        """The inner pool's ``get_cpu_copy`` (KV rows only; layer ``l`` of the copy is
+        ``full_attention_layer_ids[l]``). The state of the same requests: ``mamba_pool.get_cpu_copy``."""
+        return self.full_kv_pool.get_cpu_copy(indices)
+
+    def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: torch.Tensor) -> None:
+        self.full_kv_pool.load_cpu_copy(kv_cache_cpu, indices)
+
+    def register_layer_transfer_counter(self, layer_transfer_counter: object) -> None:
+        """Registered on the inner pool: its getters wait for the load of dense layer ``i``."""
+        self.full_kv_pool.register_layer_transfer_counter(layer_transfer_counter)
+
+    @property
+    def layer_transfer_counter(self) -> object:
+        return self.full_kv_pool.layer_transfer_counter
+
+    # --- calibration -----------------------------------------------------------------------------
+
+    def observe_amax(self, enabled: bool = True) -> None:
+        self.full_kv_pool.observe_amax(enabled)
+
+    def reset_amax(self) -> None:
+        self.full_kv_pool.reset_amax()
+
+    @property
+    def kv_amax(self) -> Optional[torch.Tensor]:
+        """The inner pool's maxima, ``[full layers, 2, heads]`` in dense order."""
+        return self.full_kv_pool.kv_amax
+
+    def calibrated_scales(
+        self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The inner pool's calibrated ``(k_scale, v_scale)`` keyed by global layer id."""
+        scales = self.full_kv_pool.calibrated_scales(margin, per_head, dtype)
+        return dict(zip(self.full_attention_layer_ids, scales))
