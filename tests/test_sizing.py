@@ -1,5 +1,6 @@
 """Sizing helper: bytes per token and the largest pool that fits a budget, checked against the
-bytes an MHATokenToKVPool and an MLATokenToKVPool actually allocate."""
+bytes an MHATokenToKVPool and an MLATokenToKVPool actually allocate; for hybrid models, the split of
+one budget between KV slots, state slots and speculative scratch, against what the pools allocate."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from hypothesis import given
 import kvpool.pools.sizing as sizing_module
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
+from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token, plan_hybrid_pools
+from kvpool.pools.state_params import MambaCacheParams, MambaStateShape
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
 
@@ -142,3 +144,106 @@ def test_mla_pool_built_at_the_computed_size_fits_exactly(dtype, page_size):
 def test_mla_geometry_rejects_bad_values(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# --- hybrid models: KV slots for the full-attention layers, state slots for the linear ones ------
+
+
+def qwen35_tp8():
+    """Qwen3.5-397B-A17B on one of 8 ranks: 15 full-attention layers of one KV head x 256 in FP8, 45
+    Gated DeltaNet layers with conv (1536, 3) bf16 and SSM (8, 128, 128) fp32 states."""
+    kv = KVGeometry(head_num=1, head_dim=256, layer_num=15, dtype=torch.float8_e4m3fn)
+    shape = MambaStateShape.gated_delta_net(
+        num_k_heads=16, num_v_heads=64, head_k_dim=128, head_v_dim=128, conv_kernel=4, tp_world_size=8
+    )
+    return kv, MambaCacheParams(shape, layers=[i for i in range(60) if (i + 1) % 4])
+
+
+def test_qwen35_tp8_per_rank_budget_split():
+    kv, state = qwen35_tp8()
+    assert kv.bytes_per_token == 7680
+    assert state.bytes_per_slot == 24_007_680  # ~22.9 MiB, as many bytes as 3,126 tokens of FP8 KV
+    assert state.bytes_per_slot // kv.bytes_per_token == 3126
+    ssm_scratch = 16 * state.temporal_bytes * state.num_layers  # the SSM part of 16 draft steps
+    assert ssm_scratch == 360 * 2**20
+    assert state.speculative_bytes_per_request(16) == 16 * state.bytes_per_slot  # with the conv windows: ~366 MiB
+    budget = 64 * 2**30
+    s = plan_hybrid_pools(budget, kv.bytes_per_token, state, page_size=64, max_running_requests=64,
+                          speculative_num_draft_tokens=16, track_slots_per_request=1)  # fmt: skip
+    assert (s.max_running_requests, s.mamba_size, s.spec_state_size) == (64, 128, 64)
+    assert s.state_bytes == 129 * 24_007_680 and s.spec_bytes == 65 * 16 * 24_007_680
+    assert s.kv_size == 5_293_440 and s.kv_size % 64 == 0 and s.tokens_per_request == 82_710
+    assert s.kv_bytes == (s.kv_size + 64) * 7680 and s.total_bytes <= budget
+    assert s.total_bytes + 64 * 7680 > budget  # one more page of KV would not fit
+    # Without speculative decoding the scratch's ~25 GB goes to KV (less one more track slot each).
+    plain = plan_hybrid_pools(budget, kv.bytes_per_token, state, page_size=64, max_running_requests=64,
+                              track_slots_per_request=2)  # fmt: skip
+    assert plain.spec_bytes == 0 and plain.spec_state_size == 0 and plain.mamba_size == 192
+    assert plain.kv_size == max_pool_size(budget - 193 * 24_007_680, 7680, 64) > s.kv_size + 3 * 10**6
+
+
+def test_tokens_per_request_finds_the_most_requests_that_fit():
+    kv, state = qwen35_tp8()
+    budget = 64 * 2**30
+    s = plan_hybrid_pools(budget, kv.bytes_per_token, state, page_size=64, tokens_per_request=32_768,
+                          speculative_num_draft_tokens=16, track_slots_per_request=1)  # fmt: skip
+    per_request = (2 + 16) * state.bytes_per_slot + 32_768 * 7680
+    assert s.max_running_requests == (budget - 2 * 64 * 7680 - 17 * state.bytes_per_slot) // per_request
+    assert s.tokens_per_request >= 32_768 and s.total_bytes <= budget
+    more = plan_hybrid_pools(budget, kv.bytes_per_token, state, page_size=64,
+                             max_running_requests=s.max_running_requests + 1,
+                             speculative_num_draft_tokens=16, track_slots_per_request=1)  # fmt: skip
+    assert more.tokens_per_request < 32_768  # one more request would leave each fewer tokens
+
+
+@pytest.mark.parametrize("spec", [None, 3], ids=["plain", "speculative"])
+def test_hybrid_pools_built_at_the_planned_sizes_fit(spec):
+    from kvpool import HybridLinearKVPool, HybridReqToTokenPool
+
+    kv = KVGeometry(head_num=2, head_dim=16, layer_num=2, dtype=torch.bfloat16)
+    state = MambaCacheParams(MambaStateShape(conv=(12, 3), temporal=(2, 4, 8)), layers=[0, 2, 3])
+    budget = 400_000
+    track = 2 if spec is None else 1  # SGLang's extra buffer: two track slots, one with speculative decoding
+    s = plan_hybrid_pools(budget, kv.bytes_per_token, state, page_size=4, max_running_requests=5,
+                          speculative_num_draft_tokens=spec, track_slots_per_request=track)  # fmt: skip
+    table = HybridReqToTokenPool(size=5, mamba_size=s.mamba_size, mamba_spec_state_size=s.spec_state_size or None,
+                                 max_context_len=8, device="cpu", cache_params=state, enable_mamba_extra_buffer=True,
+                                 speculative_num_draft_tokens=spec)  # fmt: skip
+    pool = HybridLinearKVPool(s.kv_size, torch.bfloat16, 4, 2, 16, [1, 4], False, "cpu", table.mamba_pool, warmup=False)
+    m = table.mamba_pool
+    state_bytes = sum(t.numel() * t.element_size() for t in (*m.conv, m.temporal))
+    spec_bytes = 0 if spec is None else sum(t.numel() * t.element_size() for t in (*m.intermediate_conv_window, m.intermediate_ssm))
+    assert (sum(pool.get_kv_size_bytes()), state_bytes, spec_bytes) == (s.kv_bytes, s.state_bytes, s.spec_bytes)
+    assert s.total_bytes <= budget
+    assert table.track_slots_per_request == track
+    assert table.alloc(5) is not None and table.mamba_pool.available_size() == 0  # states and track slots for all
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (dict(max_running_requests=None), ValueError, "exactly one of max_running_requests and tokens_per_request"),
+        (dict(tokens_per_request=10), ValueError, "exactly one of"),
+        (dict(max_running_requests=0), ValueError, "max_running_requests must be a positive int"),
+        (dict(budget_bytes=3000), ValueError, r"budget_bytes must be at least \d+ for one page of KV and the states of 4"),
+        (dict(budget_bytes=-1), ValueError, "budget_bytes must be a non-negative int"),
+        (dict(kv_bytes_per_token=0), ValueError, "kv_bytes_per_token must be a positive int"),
+        (dict(track_slots_per_request=-1), ValueError, "track_slots_per_request must be a non-negative int"),
+        (dict(speculative_num_draft_tokens=0), ValueError, "speculative_num_draft_tokens must be a positive int"),
+        (dict(state=object()), TypeError, "cache_params must be a MambaCacheParams"),
+    ],
+    ids=["neither", "both", "zero-requests", "too-small", "negative", "kv-bytes", "track", "draft", "state"],
+)
+def test_plan_hybrid_pools_errors(kwargs, exc, message):
+    args = dict(budget_bytes=10**9, kv_bytes_per_token=1000,
+                state=MambaCacheParams(MambaStateShape(conv=(12, 3), temporal=(2, 4, 8)), layers=[0]),
+                max_running_requests=4) | kwargs  # fmt: skip
+    budget, kvb, state = args.pop("budget_bytes"), args.pop("kv_bytes_per_token"), args.pop("state")
+    with pytest.raises(exc, match=message):
+        plan_hybrid_pools(budget, kvb, state, **args)
+
+
+def test_too_small_for_tokens_per_request_names_the_bytes():
+    state = MambaCacheParams(MambaStateShape(conv=(12, 3), temporal=(2, 4, 8)), layers=[0])
+    with pytest.raises(ValueError, match=r"budget_bytes must be at least \d+ .* of 1 request"):
+        plan_hybrid_pools(10_000, 1000, state, tokens_per_request=100)

@@ -1,10 +1,13 @@
-"""How many KV-cache slots fit in a memory budget: the arithmetic a scheduler does at start-up.
+"""How many KV-cache slots (and, for hybrid models, state slots) fit in a memory budget: the
+arithmetic a scheduler does at start-up.
 
 An ``MHATokenToKVPool`` holds, per layer, a K buffer ``[size + page_size, head_num, head_dim]`` and a
 V buffer ``[size + page_size, head_num, v_head_dim]``; an ``MLATokenToKVPool`` holds, per layer, one
 latent buffer ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]``. Either takes
 ``(size + page_size) * bytes_per_token`` bytes, where ``bytes_per_token`` covers every buffer of every
-layer.
+layer. A hybrid model's ``MambaPool`` takes ``(size + 1) * bytes_per_slot`` bytes for its states and
+``(spec_state_size + 1) * K * bytes_per_slot`` for speculative scratch; ``plan_hybrid_pools`` splits
+one budget between the two kinds of pool.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import positive_int
+from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.formats import CACHE_DTYPES, store_dtype_for
+from kvpool.pools.state_params import MambaCacheParams
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,120 @@ def max_pool_size(budget_bytes: int, bytes_per_token: int, page_size: int = 1) -
             f"at {bytes_per_token} B each), got {budget_bytes}"
         )
     return size
+
+
+@dataclass(frozen=True)
+class HybridSizing:
+    """How one rank's memory budget splits for a hybrid linear-attention model: KV slots for the
+    full-attention layers, state slots for the linear layers, and speculative scratch.
+
+    Attributes
+    ----------
+    kv_size : ``size`` of the ``HybridLinearKVPool`` (KV slots, whole pages).
+    mamba_size : ``size`` of the ``MambaPool`` (state slots: one per request plus its track slots).
+    spec_state_size : batch positions of speculative scratch (0 without speculative decoding).
+    max_running_requests : requests whose states (and scratch) fit at once.
+    kv_bytes, state_bytes, spec_bytes : bytes the pools allocate for each part, padding rows
+        included (the KV pool's reserved page, the state pool's slot 0, the scratch's extra row).
+    """
+
+    kv_size: int
+    mamba_size: int
+    spec_state_size: int
+    max_running_requests: int
+    kv_bytes: int
+    state_bytes: int
+    spec_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes + self.spec_bytes
+
+    @property
+    def tokens_per_request(self) -> int:
+        """KV slots per request when all ``max_running_requests`` run at once."""
+        return self.kv_size // self.max_running_requests
+
+
+def plan_hybrid_pools(
+    budget_bytes: int,
+    kv_bytes_per_token: int,
+    state: object,
+    *,
+    page_size: int = 1,
+    max_running_requests: Optional[int] = None,
+    tokens_per_request: Optional[int] = None,
+    speculative_num_draft_tokens: Optional[int] = None,
+    track_slots_per_request: int = 0,
+) -> HybridSizing:
+    """Split ``budget_bytes`` between KV slots and state slots (plus speculative scratch).
+
+    A request needs one state slot plus ``track_slots_per_request`` (SGLang's ``extra_buffer``
+    keeps 2 without speculative decoding, 1 with it) and, with ``speculative_num_draft_tokens = K``,
+    a scratch row of ``K`` states per batch position. Give exactly one of:
+
+    * ``max_running_requests``: the states and scratch of that many requests are set aside first,
+      and everything left goes to KV slots;
+    * ``tokens_per_request``: the most requests that fit when each also holds that many KV slots;
+      what is left over after them goes to KV slots too.
+
+    Parameters
+    ----------
+    budget_bytes : memory for the pools (non-negative int).
+    kv_bytes_per_token : bytes of one KV slot over the full-attention layers (``KVGeometry``).
+    state : a ``MambaCacheParams`` (or SGLang's ``Mamba2CacheParams``): bytes of one state slot.
+    page_size : the KV pool's page size.
+
+    Returns
+    -------
+    HybridSizing, whose sizes build pools that fit in ``budget_bytes``.
+
+    Raises
+    ------
+    ValueError
+        If not even one request (with one page of KV) fits, naming the bytes needed.
+
+    Examples
+    --------
+    >>> from kvpool.pools.state_params import MambaCacheParams, MambaStateShape
+    >>> gdn = MambaCacheParams(MambaStateShape(conv=(1536, 3), temporal=(8, 128, 128)), layers=range(45))
+    >>> s = plan_hybrid_pools(64 * 2**30, 7680, gdn, page_size=64, max_running_requests=64,
+    ...                       speculative_num_draft_tokens=16, track_slots_per_request=1)
+    >>> s.mamba_size, s.spec_state_size, s.kv_size, s.tokens_per_request
+    (128, 64, 5293440, 82710)
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+    positive_int(kv_bytes_per_token, "kv_bytes_per_token")
+    positive_int(page_size, "page_size")
+    slot_bytes = MambaCacheParams.of(state).bytes_per_slot
+    non_negative_int(track_slots_per_request, "track_slots_per_request")
+    k = 0
+    if speculative_num_draft_tokens is not None:
+        k = positive_int(speculative_num_draft_tokens, "speculative_num_draft_tokens")
+    if (max_running_requests is None) == (tokens_per_request is None):
+        raise ValueError("give exactly one of max_running_requests and tokens_per_request")
+    slots = 1 + track_slots_per_request
+    # Fixed costs: the KV pool's reserved page plus one page, the state pool's slot 0, the scratch's extra row.
+    fixed = 2 * page_size * kv_bytes_per_token + slot_bytes + k * slot_bytes
+    per_request_state = (slots + k) * slot_bytes
+    if max_running_requests is not None:
+        requests = positive_int(max_running_requests, "max_running_requests")
+    else:
+        tokens = positive_int(tokens_per_request, "tokens_per_request")
+        requests = (budget_bytes - fixed) // (per_request_state + tokens * kv_bytes_per_token)
+    need = fixed + max(requests, 1) * per_request_state
+    if requests < 1 or budget_bytes < need:
+        one = fixed + per_request_state + (0 if tokens_per_request is None else tokens_per_request * kv_bytes_per_token)
+        raise ValueError(
+            f"budget_bytes must be at least {max(need, one)} for one page of KV and the states of "
+            f"{max(requests, 1)} request(s) at {per_request_state} B each, got {budget_bytes}"
+        )
+    mamba_size = requests * slots
+    state_bytes = (mamba_size + 1) * slot_bytes
+    spec_bytes = (requests + 1) * k * slot_bytes
+    kv_size = max_pool_size(budget_bytes - state_bytes - spec_bytes, kv_bytes_per_token, page_size)
+    return HybridSizing(
+        kv_size, mamba_size, requests if k else 0, requests, (kv_size + page_size) * kv_bytes_per_token,
+        state_bytes, spec_bytes,
+    )  # fmt: skip
