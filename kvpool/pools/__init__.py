@@ -8,19 +8,38 @@ from kvpool.pools.allocator import (
     alloc_extend_naive,
 )
 from kvpool.pools.cpu_copy import KVCpuCopy
+from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
+from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
+from kvpool.pools.mamba_pool import MambaCpuCopy, MambaPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.kernels.write import PathStats
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.req_to_token import ReqToTokenPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token
+from kvpool.pools.sizing import (
+    HybridSizing,
+    KVGeometry,
+    kv_bytes_per_token,
+    max_pool_size,
+    mla_kv_bytes_per_token,
+    plan_hybrid_pools,
+)
+from kvpool.pools.state_params import MambaCacheParams, MambaStateDType, MambaStateShape
 
 __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
+    "HybridLinearKVPool",
+    "HybridReqToTokenPool",
+    "HybridSizing",
     "KVCpuCopy",
     "KVGeometry",
     "MHATokenToKVPool",
     "MLATokenToKVPool",
+    "MambaCacheParams",
+    "MambaCpuCopy",
+    "MambaPool",
+    "MambaStateDType",
+    "MambaStateShape",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
@@ -29,4 +48,5 @@ __all__ = [
     "kv_bytes_per_token",
     "max_pool_size",
     "mla_kv_bytes_per_token",
+    "plan_hybrid_pools",
 ]

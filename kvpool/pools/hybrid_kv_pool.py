@@ -15,7 +15,7 @@ import torch
 
 from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.checks import Scale
-from kvpool.pools.kv_moves import KVCpuCopy
+from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
