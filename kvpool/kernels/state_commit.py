@@ -19,24 +19,23 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.copy_rows import RowTable, copy_rows_reference
+from kvpool.kernels.copy_rows_naive import copy_rows_reference
+from kvpool.kernels.launch import (
+    INTERPRETER,
+    LAUNCH_ERRORS,
+    TRITON_AVAILABLE,
+    DirectLaunches,
+    cdiv,
+    floor_pow2,
+    next_pow2,
+)
+from kvpool.kernels.row_table import RowTable
+from kvpool.kernels.tuning import PROGRAMS_PER_SM, SM_TILE
 
 try:
     from kvpool.kernels import state_commit_kernel as _k
-
-    TRITON_AVAILABLE = True
-    INTERPRETER = type(_k._commit_rows_kernel).__name__ == "InterpretedFunction"
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
-    TRITON_AVAILABLE = False
-    INTERPRETER = False
-
-#: Elements per task (4 bytes each on aligned tables) and warps: the row-copy kernel's SM-wide tile
-#: (16 KiB per task keeps 8 vector loads per thread in flight over 4 warps).
-BLOCK_ELEMS = 4096
-NUM_WARPS = 4
-#: Programs per SM; each loops over its share of the tasks.
-PROGRAMS_PER_SM = 8
 
 # Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
 # tables; otherwise CPU tables take the reference path.
@@ -54,30 +53,46 @@ class CommitPlan:
     programs: int
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=256)
 def plan_commit(pairs: int, row_bytes: tuple[int, ...], align: int, program_cap: int) -> CommitPlan:
-    """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``."""
+    """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``: the row
+    copy's SM-wide tile (``SM_TILE``), one pair per task (state rows are kilobytes to megabytes)."""
     elem = min(align, 4)
     vec = align // elem
     row_elems = [rb // elem for rb in row_bytes]
-    block_w = min(_pow2(max(row_elems)), BLOCK_ELEMS)
-    chunks = -(-max(row_elems) // block_w)
+    block_w = min(next_pow2(max(row_elems)), SM_TILE.elems)
+    chunks = cdiv(max(row_elems), block_w)
     even = all(e % block_w == 0 for e in row_elems)
     tasks = pairs * len(row_bytes) * chunks
-    warps = max(1, min(NUM_WARPS, block_w // (64 * vec)))
-    warps = 1 << (warps.bit_length() - 1)
+    warps = floor_pow2(max(1, min(SM_TILE.num_warps, block_w // (64 * vec))))
     return CommitPlan(elem, block_w, chunks, even, warps, tasks, max(1, min(tasks, program_cap)))
 
 
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+#: The kernel's parameters in order (direct launches pass them all positionally).
+PARAMS = (
+    "dst_table_ptr", "src_table_ptr", "slots_ptr", "steps_ptr", "track_slots_ptr", "track_steps_ptr", "bs",
+    "num_steps", "dst_rows", "src_rows", "slots_stride", "steps_stride", "track_slots_stride",
+    "track_steps_stride", "dst_table_stride", "src_table_stride", "buffers", "chunks", "n_tasks",
+    "ELEM_BYTES", "ALIGN", "BLOCK_W", "EVEN", "HAS_TRACK",
+)  # fmt: skip
+
+#: Compiled commit kernels by launch key (CUDA): an eager verify step's commit skips the JIT's
+#: per-call binding after the first launch of its kind.
+LAUNCHES = DirectLaunches("state commit kernel", None if _k is None else _k._commit_rows_kernel, PARAMS)
+
+
+def _launch_key(device_index: int, constexprs: tuple, warps: int, tensors: tuple, ints: tuple) -> tuple:
+    """A superset of what Triton specialises a launch on: each tensor's dtype and 16-byte alignment,
+    each int's width class, whether it is 1 and whether 16 divides it."""
+    return (
+        device_index, constexprs, warps, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+        *[(v == 1, v % 16 == 0, v > 0x7FFFFFFF, v >= 1 << 63, v < -0x80000000) for v in ints],
+    )  # fmt: skip
 
 
 def launch_commit_rows(
@@ -89,8 +104,10 @@ def launch_commit_rows(
     track_slots: Optional[torch.Tensor] = None,
     track_steps: Optional[torch.Tensor] = None,
 ) -> None:
-    """Launch the kernel once. Unchecked: the tables must hold the same buffers' row sizes in the same
-    order on one device, and the index tensors be 1-D int32/int64 of one length on it."""
+    """Launch the kernel once on the current stream. Unchecked: the tables must hold the same
+    buffers' row sizes in the same order on one device, and the index tensors be 1-D int32/int64 of
+    one length on it. After the first launch of a kind, later ones go straight to the compiled
+    kernel."""
     bs = slots.shape[0]
     if bs == 0:
         return
@@ -99,14 +116,30 @@ def launch_commit_rows(
     plan = plan_commit(bs * (2 if has_track else 1), dst.row_bytes, align, _sm_count(dst.device) * PROGRAMS_PER_SM)
     ts = track_slots if has_track else slots
     tst = track_steps if has_track else steps
-    _k._commit_rows_kernel[(plan.programs,)](
-        dst.table, src.table, slots, steps, ts, tst,
-        bs, num_steps, dst.rows, src.rows,
-        slots.stride(0), steps.stride(0), ts.stride(0), tst.stride(0),
+    tensors = (dst.table, src.table, slots, steps, ts, tst)
+    ints = (
+        bs, num_steps, dst.rows, src.rows, slots.stride(0), steps.stride(0), ts.stride(0), tst.stride(0),
         dst.table.stride(0), src.table.stride(0), len(dst), plan.chunks, plan.tasks,
-        ELEM_BYTES=plan.elem_bytes, ALIGN=align, BLOCK_W=plan.block_w, EVEN=plan.even, HAS_TRACK=has_track,
-        num_warps=plan.num_warps,
     )  # fmt: skip
+    constexprs = (plan.elem_bytes, align, plan.block_w, plan.even, has_track)
+    device = dst.device
+    key = None
+    if device.type == "cuda" and LAUNCHES.enabled and device.index == torch.cuda.current_device():
+        key = _launch_key(device.index, constexprs, plan.num_warps, tensors, ints)
+        compiled = LAUNCHES.entries.get(key)
+        if compiled is not None:
+            try:
+                compiled[(plan.programs, 1, 1)](*tensors, *ints, *constexprs)
+                return
+            except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these
+                LAUNCHES.failed(exc)
+                key = None
+    compiled = _k._commit_rows_kernel[(plan.programs,)](
+        *tensors, *ints, ELEM_BYTES=plan.elem_bytes, ALIGN=align, BLOCK_W=plan.block_w, EVEN=plan.even,
+        HAS_TRACK=has_track, num_warps=plan.num_warps,
+    )  # fmt: skip
+    if key is not None and compiled is not None:
+        LAUNCHES.remember(key, compiled)
 
 
 def commit_source_rows(num_steps: int, steps: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ import torch
 
 from kvpool.checks import check_index, check_in_range, check_same_length, positive_int, resolve_device
 from kvpool.config import validate_enabled
-from kvpool.kernels import copy_rows as rows
+from kvpool.kernels.copy_rows import checked_copy
+from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit import commit_rows
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
@@ -148,14 +149,14 @@ class MambaPool:
 
         self.conv = [zeros(n_layers, slots, *c, dtype=conv_dtype) for c in conv_shapes]
         self.temporal = zeros(n_layers, slots, *temporal, dtype=ssm_dtype)
-        self.row_table = rows.RowTable.of(_per_layer(self.conv, self.temporal))
+        self.row_table = RowTable.of(_per_layer(self.conv, self.temporal))
 
         self.speculative_num_draft_tokens = None if speculative_num_draft_tokens is None else positive_int(
             speculative_num_draft_tokens, "speculative_num_draft_tokens"
         )
         self.intermediate_ssm: Optional[torch.Tensor] = None
         self.intermediate_conv_window: Optional[list[torch.Tensor]] = None
-        self.spec_row_table: Optional[rows.RowTable] = None
+        self.spec_row_table: Optional[RowTable] = None
         self.spec_state_size = 0
         if self.speculative_num_draft_tokens is not None:
             k = self.speculative_num_draft_tokens
@@ -165,7 +166,7 @@ class MambaPool:
             self.intermediate_ssm = zeros(n_layers, positions, k, *temporal, dtype=ssm_dtype)
             flat_conv = [t.view(n_layers, positions * k, *t.shape[3:]) for t in self.intermediate_conv_window]
             flat_ssm = self.intermediate_ssm.view(n_layers, positions * k, *temporal)
-            self.spec_row_table = rows.RowTable.of(_per_layer(flat_conv, flat_ssm))
+            self.spec_row_table = RowTable.of(_per_layer(flat_conv, flat_ssm))
             self.mamba_cache: MambaPool.State = self.SpeculativeState(
                 conv=self.conv, temporal=self.temporal, intermediate_ssm=self.intermediate_ssm,
                 intermediate_conv_window=self.intermediate_conv_window,
@@ -178,7 +179,7 @@ class MambaPool:
 
         # clear_slots copies from one zero row per buffer (all views of one allocation).
         zero = zeros(1, max(self.row_table.row_bytes), dtype=torch.uint8)
-        self._zero_rows = rows.RowTable.of([zero[:, :rb] for rb in self.row_table.row_bytes])
+        self._zero_rows = RowTable.of([zero[:, :rb] for rb in self.row_table.row_bytes])
         self._zero_index = zeros(slots, dtype=torch.int64)
         self._slots = StateSlots(size)
 
@@ -305,7 +306,7 @@ class MambaPool:
         are padding, entries ``> size`` are never read or written (``IndexError`` under ``validate``).
         One launch on CUDA (up to 1024 pairs; more go through a staging buffer)."""
         table = self.row_table
-        rows.checked_copy(table, dst_index, table, src_index, None, self.validate, ("dst_index", "src_index"))
+        checked_copy(table, dst_index, table, src_index, None, self.validate, ("dst_index", "src_index"))
 
     def clear_slots(self, indices: torch.Tensor) -> None:
         """Zero every layer's states of slots ``indices`` ([n] int32/int64 on the pool's device;
@@ -315,7 +316,7 @@ class MambaPool:
         if self.validate:
             check_in_range([(indices, self.size + 1, "indices")], what="slots")
         zeros = self._zero_index[:n] if n <= self._zero_index.shape[0] else self._zero_index.new_zeros(n)
-        rows.checked_copy(self.row_table, indices, self._zero_rows, zeros, None, False, ("indices", "indices"))
+        checked_copy(self.row_table, indices, self._zero_rows, zeros, None, False, ("indices", "indices"))
 
     def commit(
         self,
@@ -392,12 +393,12 @@ class MambaPool:
 
         copy = MambaCpuCopy(tuple(host(c) for c in self.conv), host(self.temporal), self.layers)
         if n:
-            table = rows.RowTable.of(
+            table = RowTable.of(
                 _per_layer(list(copy.conv), copy.temporal), table_device=self.device if pinned else None,
                 non_blocking=pinned,
             )  # fmt: skip
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            rows.checked_copy(table, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            checked_copy(table, positions, self.row_table, indices, None, False, ("positions", "indices"))
             if pinned:
                 torch.cuda.current_stream(self.device).synchronize()
         return copy
@@ -418,9 +419,9 @@ class MambaPool:
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, non_blocking=True) if cuda else t
 
-        staged = rows.RowTable.of(_per_layer([dev(c) for c in copy.conv], dev(copy.temporal)), non_blocking=cuda)
+        staged = RowTable.of(_per_layer([dev(c) for c in copy.conv], dev(copy.temporal)), non_blocking=cuda)
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        rows.checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+        checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
 
     def _check_cpu_copy(self, copy: object, n: int) -> MambaCpuCopy:
         if not isinstance(copy, MambaCpuCopy):
