@@ -17,19 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _row_pointer(base, row, stride, ELEM_BYTES: tl.constexpr, ALIGN: tl.constexpr):
-    """``base + row * stride`` (bytes) as a pointer to the element moved; the launcher guarantees
-    that ALIGN divides every base address, row stride and row size."""
-    addr = base + row * stride
-    if ELEM_BYTES == 4:
-        ptr = addr.to(tl.pointer_type(tl.int32))
-    elif ELEM_BYTES == 2:
-        ptr = addr.to(tl.pointer_type(tl.int16))
-    else:
-        ptr = addr.to(tl.pointer_type(tl.uint8))
-    return tl.multiple_of(ptr, ALIGN)
+# Row starts as pointers with the launcher's alignment hint: the row copy's own helper.
+from kvpool.kernels.copy_rows_kernel import _row_pointers
 
 
 @triton.jit
@@ -85,10 +74,10 @@ def _commit_rows_kernel(
         # Steps outside 1..K and rows outside either table are skipped: never read, never written.
         ok = (s >= 1) & (s <= num_steps) & (d >= 0) & (d < dst_rows) & (src_row < src_rows)
         if ok & (col0 < row_elems):
-            d_row = _row_pointer(
+            d_row = _row_pointers(
                 tl.load(dst_table_ptr + b), d, tl.load(dst_table_ptr + dst_table_stride + b), ELEM_BYTES, ALIGN
             )
-            s_row = _row_pointer(
+            s_row = _row_pointers(
                 tl.load(src_table_ptr + b), src_row, tl.load(src_table_ptr + src_table_stride + b), ELEM_BYTES, ALIGN
             )
             cols = col0 + tl.arange(0, BLOCK_W)
