@@ -5,7 +5,7 @@
 #                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
 #                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
 #                             [host_links] [host_kernel] [rows] [transfer_latency] [host_tests] [decode]
-#                             [host_calls] [qwen] [qwen_bench]
+#                             [host_calls] [qwen] [qwen_bench] [state] [state_bench]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
@@ -77,6 +77,10 @@ for stage in $stages; do
       step qwen python3 examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 \
         --dtypes bf16 fp8_e4m3 --spec-dtypes bf16 fp8_e4m3 --page-size 64 ;;
     qwen_bench) step qwen_bench python3 benchmarks/bench_qwen35_runner.py --out "$OUT" ;;
+    state)  # the state pools' tests on CUDA (MambaPool, hybrid pools, sizing)
+      step state_tests python3 -m pytest -q -p no:cacheprovider -n 4 -rfEs tests/test_state_pool.py \
+        tests/test_req_to_token.py tests/test_pool.py tests/test_sizing.py tests/test_sglang_compat.py ;;
+    state_bench) step state_bench python3 benchmarks/bench_state.py --out "$OUT" ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
