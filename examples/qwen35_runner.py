@@ -248,9 +248,11 @@ def build_model(
 ) -> Qwen3_5MoeForCausalLM:
     """``Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))`` built in float32 on the CPU right
     after ``torch.manual_seed(seed)`` (what ``--json`` tells others to rebuild), then moved to
-    ``device`` and ``dtype``."""
+    ``device`` and ``dtype``. Its experts run HF's own loop (plain matmuls on any device and dtype,
+    which ``grouped_mm`` is not); the weights are the same either way."""
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))
+    model.set_experts_implementation("eager")
     return model.to(device=device, dtype=dtype).eval()
 
 
