@@ -171,6 +171,14 @@ def test_help_names_every_option_and_bad_arguments_exit_2(capsys):
     assert "--json describes an fp32 model: model_dtype must be fp32, got 'bf16'" in capsys.readouterr().err
 
 
+def test_a_16bit_model_reports_the_speculative_agreement_without_checking_it(capsys):
+    args = ["--prompts", "2", "--model-dtype", "bf16", "--dtypes", "bf16", "--spec-dtypes", "bf16", "--device", "cpu"]
+    assert qwen35_runner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "fp32 check  not run" in out and "spec check  not run (needs --model-dtype fp32" in out
+    assert "    vs plain    tokens" in out and out.rstrip().endswith("PASS")
+
+
 _ARGS = ["--prompts", "4", "--dtypes", "fp32", "--spec-width", "0", "--device", "cpu"]
 
 
@@ -275,14 +283,24 @@ def test_on_cuda_every_kv_write_takes_the_fused_kernel():
 
 
 @pytest.mark.gpu
-def test_on_cuda_head_dim_256_with_a_bf16_model():
-    """Qwen3.5's head_dim 256 and a bf16 model with bf16 and FP8 pools: the rounded references and the
-    speculative runs must agree exactly."""
-    cfg = replace(TINY, device="cuda", shape=replace(TINY.shape, head_dim=256), model_dtype="bf16",
-                  pool_dtypes=("bf16", "fp8_e4m3"))  # fmt: skip
-    rep = qwen35_runner.run(cfg, qwen35_runner.QwenOptions(4, ("bf16", "fp8_e4m3")))
+def test_on_cuda_head_dim_256_with_fp8_speculative_runs():
+    """Qwen3.5's head_dim 256 with bf16 and FP8 pools, speculative runs on fp32 and FP8 pools: the fused
+    writes, the rounded references and the speculative runs must agree exactly."""
+    cfg = replace(TINY, device="cuda", shape=replace(TINY.shape, head_dim=256))
+    rep = qwen35_runner.run(cfg, SPEC)
+    _check_report(rep, cfg)
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.reference_calls == 0, qwen35_runner.format_summary(rep)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bf16_model_reports_without_failing_on_rounding():
+    """A bf16 model: no fp32 check and no speculative check (rounding may part the tokens at near-ties);
+    the run still ends clean and every write is fused."""
+    cfg = replace(TINY, device="cuda", model_dtype="bf16", pool_dtypes=("bf16", "fp8_e4m3"), calibrate=False)
+    rep = qwen35_runner.run(cfg, qwen35_runner.QwenOptions(4, ("bf16",)))
     summary = qwen35_runner.format_summary(rep)
-    assert rep.ok and rep.spec_check is True, summary
-    for r in rep.runs:
-        assert r.vs_rounded is None or r.vs_rounded.identical, summary
-        assert r.result.reference_calls == 0, summary
+    assert rep.fp32_check is None and rep.spec_check is None and rep.ok, summary
+    assert "spec check  not run (needs --model-dtype fp32" in summary
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.allocators_ok and r.result.reference_calls == 0, summary
