@@ -1,5 +1,6 @@
-"""Serve prompts with a Qwen3.5 model whose K/V lives in kvpool's KV pool and whose linear-attention
-state lives in a state pool, with and without speculative decoding, and check it against transformers.
+"""Serve prompts with a Qwen3.5 model whose K/V lives in kvpool's ``HybridLinearKVPool`` and whose
+linear-attention state lives in its ``MambaPool``, with and without speculative decoding, and check it
+against transformers.
 
 Qwen3.5 (``Qwen3_5MoeForCausalLM``) is hybrid: every ``full_attention_interval``-th layer is gated
 full attention (GQA, an output gate, RoPE on part of each head, per-head q/k RMSNorms), the others are
@@ -9,7 +10,9 @@ plus a gated shared expert). The model here is a small seeded random-init one bu
 
 The runner shares examples/runner_common.py's scheduler, references and checks with the Llama and
 DeepSeek-V3 runners (continuous batching, chunked prefill with ``--chunk-size``, requests finishing at
-different steps) and calls HF's modules for everything but the token mixers' caches:
+different steps) and calls HF's modules for everything but the token mixers' caches. The pools are
+SGLang's trio: a ``HybridReqToTokenPool`` (the request table, one ``MambaPool`` state slot per
+request, kept across prefill chunks) and a ``HybridLinearKVPool`` over the full-attention layers.
 
 - Full-attention layers write the step's K/V with ``pool.set_kv_buffer`` (global layer ids; the pool
   holds the full-attention layers only) and attend over each request's rows read back through
@@ -39,9 +42,9 @@ layers with their MoE blocks, final norm, LM head: a layer-skipping self-draft t
 K/V lives in a second KV pool indexed by the target's slots, as DFLASH's draft cache is. In the verify
 forward, full-attention layers attend over the pool's rows of the committed prefix plus the block's
 own K/V (rounded as the pool stores it), and linear layers step the recurrent rule through the block,
-keeping the state and window after every step in the state pool's intermediate buffers. The greedy
-acceptance then commits, per request, its accepted prefix: the K/V with
-``set_kv_buffer_prefix_valid`` and the state with the state pool's ``commit(slots, accepted_steps)``;
+keeping the state and window after every step in the ``MambaPool``'s intermediate buffers (one row
+per batch position). The greedy acceptance then commits, per request, its accepted prefix: the K/V
+with ``set_kv_buffer_prefix_valid`` and the state with ``MambaPool.commit(slots, accepted_steps)``;
 the rejected slots go back to the allocator. The tokens must equal the non-speculative run's.
 
 Checks (exit status 1 if one fails): with an fp32 model and an fp32 pool every generated token equals
@@ -75,7 +78,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +102,17 @@ from runner_common import (  # noqa: E402
     unit_scales,
 )
 
-from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
+from kvpool import (  # noqa: E402
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MambaCacheParams,
+    MambaPool,
+    MambaStateDType,
+    MambaStateShape,
+    MHATokenToKVPool,
+    reference_set_kv_buffer,
+)
 from kvpool.checks import positive_int  # noqa: E402
-from kvpool.pools.req_to_token import ReqToTokenPool  # noqa: E402
 
 try:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -291,172 +302,47 @@ def hybrid_geometry(model: Qwen3_5MoeForCausalLM) -> HybridGeometry:
 # --- the pools ------------------------------------------------------------------------------------
 
 
-class StatePool:
-    """The linear-attention layers' state slots, in SGLang's layout (module docstring), under the
-    names of kvpool's ``MambaPool``; global layer ids. Slots ``1..size`` (0: padding), handed out
-    zeroed. With ``spec_steps``, scratch for the state after each of up to ``spec_steps`` verify
-    steps, one row per batch position: ``get_intermediate_*(layer_id) [size + 1, spec_steps, ...]``."""
-
-    def __init__(
-        self, size: int, g: HybridGeometry, conv_dtype: torch.dtype, device: str | torch.device,
-        spec_steps: Optional[int] = None,
-    ) -> None:  # fmt: skip
-        n, w = len(g.linear_layers), g.conv_kernel - 1
-        self.size = positive_int(size, "size")
-        self.device = torch.device(device)
-        self.layers = g.linear_layers
-        self._dense = {layer: i for i, layer in enumerate(g.linear_layers)}
-        ssm = (g.v_heads, g.v_head_dim, g.k_head_dim)
-        self.conv = torch.zeros(n, size + 1, g.conv_dim, w, dtype=conv_dtype, device=device)
-        self.temporal = torch.zeros(n, size + 1, *ssm, dtype=torch.float32, device=device)
-        self.speculative_num_draft_tokens = spec_steps
-        if spec_steps:
-            self.intermediate_conv_window = torch.zeros(n, size + 1, spec_steps, g.conv_dim, w, dtype=conv_dtype,
-                                                        device=device)  # fmt: skip
-            self.intermediate_ssm = torch.zeros(n, size + 1, spec_steps, *ssm, dtype=torch.float32, device=device)
-        self.free_slots = list(range(1, size + 1))
-
-    def get_conv_state(self, layer_id: int) -> torch.Tensor:
-        return self.conv[self._dense[layer_id]]
-
-    def get_ssm_state(self, layer_id: int) -> torch.Tensor:
-        return self.temporal[self._dense[layer_id]]
-
-    def get_intermediate_conv_window(self, layer_id: int) -> torch.Tensor:
-        return self.intermediate_conv_window[self._dense[layer_id]]
-
-    def get_intermediate_ssm_state(self, layer_id: int) -> torch.Tensor:
-        return self.intermediate_ssm[self._dense[layer_id]]
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
-        if n > len(self.free_slots):
-            return None
-        slots, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.conv[:, idx] = 0
-        self.temporal[:, idx] = 0
-        return idx
-
-    def free(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            if not 1 <= s <= self.size or s in self.free_slots:
-                raise ValueError(f"slots must be handed-out state slots in 1..{self.size}, got {s}")
-            self.free_slots.append(s)
-
-    def commit(self, slots: torch.Tensor, accepted_steps: torch.Tensor) -> None:
-        """The request at batch position ``i``: slot ``slots[i]`` takes scratch row ``[i,
-        accepted_steps[i] - 1]`` of every layer (0 accepted steps: unchanged)."""
-        pos = torch.arange(slots.shape[0], device=slots.device)
-        keep = accepted_steps > 0
-        step = (accepted_steps - 1).clamp(min=0)
-        for live, scratch in ((self.conv, self.intermediate_conv_window), (self.temporal, self.intermediate_ssm)):
-            chosen = scratch[:, pos, step]
-            live[:, slots] = torch.where(keep.view(1, -1, *([1] * (chosen.dim() - 2))), chosen, live[:, slots])
-
-    def check_integrity(self) -> None:
-        if len(set(self.free_slots)) != len(self.free_slots) or not all(1 <= s <= self.size for s in self.free_slots):
-            raise RuntimeError(f"StatePool free list is inconsistent: {sorted(self.free_slots)}")
-
-
-class StateTable(ReqToTokenPool):
-    """The request table with one state slot per row, under the names of kvpool's
-    ``HybridReqToTokenPool``: a request keeps its row and its slot across prefill chunks; freeing the
-    row (``free``) and its state (``free_mamba_cache``) are separate calls."""
-
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device, mamba_pool: StatePool) -> None:
-        super().__init__(size, max_context_len, device)
-        self.mamba_pool = mamba_pool
-        self.req_index_to_mamba_index_mapping = torch.zeros(size, dtype=torch.int64, device=device)
-
-    def alloc(self, need_size: int) -> Optional[list[int]]:  # type: ignore[override]
-        if need_size > self.mamba_pool.available_size():
-            return None
-        rows = super().alloc(need_size)
-        if rows is not None:
-            idx = torch.tensor(rows, device=self.req_index_to_mamba_index_mapping.device)
-            self.req_index_to_mamba_index_mapping[idx] = self.mamba_pool.alloc(need_size)  # type: ignore[assignment]
-        return rows
-
-    def free_mamba_cache(self, row: int) -> None:
-        self.mamba_pool.free([int(self.req_index_to_mamba_index_mapping[row])])
-
-    def get_mamba_indices(self, req_indices: torch.Tensor) -> torch.Tensor:
-        return self.req_index_to_mamba_index_mapping[req_indices]
-
-    def check_integrity(self) -> None:  # type: ignore[override]
-        super().check_integrity()
-        self.mamba_pool.check_integrity()
-
-
-class HybridKVPool:
-    """K/V of a hybrid model's full-attention layers addressed by global layer id (a linear layer's
-    id raises), under the names of kvpool's ``HybridLinearKVPool``: ``full_kv_pool`` holds the layers
-    densely, ``mamba_pool`` is the model's state pool."""
-
-    def __init__(self, inner: MHATokenToKVPool, full_layers: Sequence[int], mamba_pool: StatePool) -> None:
-        self.full_kv_pool = inner
-        self.full_attention_layer_ids = tuple(full_layers)
-        self.full_attention_layer_id_mapping = {g: i for i, g in enumerate(full_layers)}
-        self.mamba_pool = mamba_pool
-        for name in ("size", "page_size", "dtype", "store_dtype", "device", "head_num", "head_dim", "stats"):
-            setattr(self, name, getattr(inner, name))
-
-    def dense_layer_id(self, layer_id: int) -> int:
-        if layer_id not in self.full_attention_layer_id_mapping:
-            raise ValueError(f"layer_id {layer_id} is not a full-attention layer: {list(self.full_attention_layer_ids)}")
-        return self.full_attention_layer_id_mapping[layer_id]
-
-    def set_kv_buffer(self, layer: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: Any = None,
-                      v_scale: Any = None) -> None:  # fmt: skip
-        self.full_kv_pool.set_kv_buffer(None, loc, k, v, k_scale, v_scale, layer_id_override=self.dense_layer_id(layer.layer_id))
-
-    def set_kv_buffer_prefix_valid(
-        self, layer: Any, loc_2d: torch.Tensor, commit_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_scale: Any = None, v_scale: Any = None,
-    ) -> None:  # fmt: skip
-        self.full_kv_pool.set_kv_buffer_prefix_valid(
-            None, loc_2d, commit_lens, k, v, k_scale, v_scale, layer_id_override=self.dense_layer_id(layer.layer_id)
-        )
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.full_kv_pool.get_kv_buffer(self.dense_layer_id(layer_id))
-
-    def reset_amax(self) -> None:
-        self.full_kv_pool.reset_amax()
-
-    def observe_amax(self, on: bool) -> None:
-        self.full_kv_pool.observe_amax(on)
-
-    def calibrated_scales(self, margin: float = 1.0, per_head: bool = False) -> Any:
-        return self.full_kv_pool.calibrated_scales(margin=margin, per_head=per_head)
-
-
 @dataclass
 class HybridPools:
-    """The pools one engine process keeps for a hybrid model: ``kv`` (the full-attention layers' K/V)
-    and ``table`` (the request table, with each request's state slot in ``table.mamba_pool``). It
-    stands where the shared code expects a KV pool: size, page size, dtype, device, path counts and
-    calibration are the KV pool's."""
+    """The pools one engine process keeps for a hybrid model: ``kv``, a ``HybridLinearKVPool`` (the
+    full-attention layers' K/V under global layer ids), and ``table``, a ``HybridReqToTokenPool`` (the
+    request table, each request's state slot in ``table.mamba_pool``, a ``MambaPool``, which
+    ``kv.mamba_pool`` names too). It stands where the shared code expects a KV pool: size, page size,
+    dtype, device, path counts and calibration are the KV pool's."""
 
-    kv: HybridKVPool
-    table: StateTable
+    kv: HybridLinearKVPool
+    table: HybridReqToTokenPool
 
     def __getattr__(self, name: str) -> Any:  # size, page_size, dtype, device, stats, calibration
         return getattr(self.kv, name)
 
 
+def state_params(model: Qwen3_5MoeForCausalLM) -> MambaCacheParams:
+    """The state a ``MambaPool`` holds for ``model``'s linear layers: the window in the model's dtype
+    (what HF's cache keeps), the recurrent state in float32."""
+    c = model.config
+    shape = MambaStateShape.gated_delta_net(
+        num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
+        head_v_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim,
+    )  # fmt: skip
+    return MambaCacheParams(shape, hybrid_geometry(model).linear_layers, MambaStateDType(model.dtype, torch.float32))
+
+
 def make_pool(cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype, spec_steps: Optional[int] = None) -> HybridPools:
     """A KV pool of ``dtype`` over the full-attention layers with room for ``cfg.batch`` of the longest
-    requests, and a request table of ``cfg.batch`` rows with a state slot each (window in the model's
-    dtype, recurrent state in float32, ``spec_steps`` verify steps of scratch)."""
+    requests, and a request table of ``cfg.batch`` rows with a state slot each (``spec_steps`` verify
+    steps of scratch per batch position)."""
     g = hybrid_geometry(model)
-    table = StateTable(cfg.batch, cfg.max_context_len, cfg.device, StatePool(cfg.batch, g, model.dtype, cfg.device, spec_steps))
+    table = HybridReqToTokenPool(
+        size=cfg.batch, mamba_size=cfg.batch, max_context_len=cfg.max_context_len, device=cfg.device,
+        cache_params=state_params(model), speculative_num_draft_tokens=spec_steps,
+    )  # fmt: skip
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
-    inner = MHATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, g.kv_heads, g.head_dim, len(g.full_layers), cfg.device)
-    return HybridPools(HybridKVPool(inner, g.full_layers, table.mamba_pool), table)
+    kv = HybridLinearKVPool(
+        pages * cfg.page_size, dtype, cfg.page_size, g.kv_heads, g.head_dim, g.full_layers, False, cfg.device,
+        table.mamba_pool,
+    )  # fmt: skip
+    return HybridPools(kv, table)
 
 
 # --- the scheduler ---------------------------------------------------------------------------------
@@ -475,7 +361,7 @@ class HybridScheduler(rc.Scheduler):
         super().__init__(pools, max_running, max_context_len, chunk_size)  # type: ignore[arg-type]
         self.verify_width = verify_width
 
-    def _make_table(self, max_running: int, max_context_len: int, device: torch.device) -> StateTable:
+    def _make_table(self, max_running: int, max_context_len: int, device: torch.device) -> HybridReqToTokenPool:
         table = self.pools.table
         if max_context_len > table.max_context_len or max_running > table.size:
             raise ValueError(
@@ -621,12 +507,12 @@ class PooledGatedDeltaNet:
     norm; each request's window and recurrent state read from and written to its slot of the state
     pool, converted at the boundary (module docstring)."""
 
-    def __init__(self, gdn: torch.nn.Module, layer_id: int, state: StatePool) -> None:
+    def __init__(self, gdn: torch.nn.Module, layer_id: int, state: MambaPool) -> None:
         self.gdn = gdn
         self.layer_id = layer_id
         self.conv_state = state.get_conv_state(layer_id)  # [slots + 1, conv_dim, conv_kernel - 1]
         self.ssm_state = state.get_ssm_state(layer_id)  # [slots + 1, v_heads, v_head_dim, k_head_dim]
-        spec = getattr(state, "speculative_num_draft_tokens", None)
+        spec = state.speculative_num_draft_tokens
         self.spec_conv = state.get_intermediate_conv_window(layer_id) if spec else None  # [bs + 1, K, ...]
         self.spec_ssm = state.get_intermediate_ssm_state(layer_id) if spec else None
 
@@ -690,9 +576,11 @@ class Qwen35Runner(rc.ModelRunner):
     Parameters
     ----------
     model : an HF ``Qwen3_5MoeForCausalLM`` (its modules are called; its own attention and cache are not).
-    pool : a ``HybridKVPool`` of the model's geometry (global layer ids of its full-attention layers).
+    pool : the model's ``HybridPools`` (``make_pool``), or for the draft (``linear=False``) a plain KV pool
+        over the full-attention layers with dense ids.
     scales : per full-attention layer ``(k_scale, v_scale)`` float32 tensors on the pool's device (one
-        element, or one per KV head), in layer order; default 1.0. Used by FP8 pools only.
+        element, or one per KV head), in layer order or keyed by global layer id (as the pool's
+        ``calibrated_scales`` returns them); default 1.0. Used by FP8 pools only.
     linear : False to skip the linear-attention layers (the draft model of speculative decoding).
     """
 
@@ -706,6 +594,8 @@ class Qwen35Runner(rc.ModelRunner):
         self.model = model
         self.pool = pool
         self.groups = model.config.num_attention_heads // g.kv_heads
+        if isinstance(scales, Mapping):
+            scales = [scales[i] for i in g.full_layers]
         self.scales = scales if scales is not None else unit_scales(len(g.full_layers), pool.device)
         if len(self.scales) != len(g.full_layers):
             raise ValueError(
@@ -757,7 +647,7 @@ class SpecRunner(Qwen35Runner):
     the target without its linear layers, K/V of the draft in ``draft_pool`` (same slots as the
     target's), greedy acceptance, commit of the accepted prefix."""
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM, pool: HybridKVPool, scales: Optional[Scales],
+    def __init__(self, model: Qwen3_5MoeForCausalLM, pool: HybridPools, scales: Optional[Scales],
                  draft_pool: MHATokenToKVPool) -> None:  # fmt: skip
         super().__init__(model, pool, scales)
         self.draft = Qwen35Runner(model, draft_pool, self.scales, linear=False)
@@ -868,9 +758,9 @@ class Qwen35(Architecture):
     def scheduler(self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int]) -> HybridScheduler:
         return HybridScheduler(pool, max_running, max_context_len, chunk_size, self.spec_width)
 
-    def reference_scales(self, model: Any, scales: Optional[Scales]) -> Optional[dict[int, Any]]:
-        if scales is None:
-            return None
+    def reference_scales(self, model: Any, scales: Optional[rc.LayerScales]) -> Optional[rc.LayerScales]:
+        if scales is None or isinstance(scales, Mapping):
+            return scales
         return dict(zip(hybrid_geometry(model).full_layers, scales))
 
 

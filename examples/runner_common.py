@@ -732,8 +732,9 @@ class Report:
 
 def calibrate(
     cfg: RunConfig, model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], arch: Architecture
-) -> Scales:
-    """Per-layer scales from the K/V amax the pool observes while it serves ``prompts`` at scale 1.0.
+) -> LayerScales:
+    """Per-layer scales from the K/V amax the pool observes while it serves ``prompts`` at scale 1.0:
+    a list in layer order, or a mapping from layer id where the pool returns one (a hybrid model's).
 
     Uses the pool's ``reset_amax``/``observe_amax``/``calibrated_scales``, which a pool may not
     have: callers check ``hasattr(pool, "calibrated_scales")`` first.
@@ -744,7 +745,8 @@ def calibrate(
         serve(model, pool, prompts, cfg.batch, keep_logits=False, arch=arch, chunk_size=cfg.chunk_size)
     finally:
         pool.observe_amax(False)  # type: ignore[attr-defined]
-    return [(k, v) for k, v in pool.calibrated_scales(margin=1.0, per_head=False)]  # type: ignore[attr-defined]
+    scales = pool.calibrated_scales(margin=1.0, per_head=False)  # type: ignore[attr-defined]
+    return dict(scales) if isinstance(scales, Mapping) else [(k, v) for k, v in scales]
 
 
 def run(cfg: RunConfig, arch: Architecture, progress: Optional[Callable[[str], None]] = None) -> Report:
@@ -777,7 +779,7 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
     hf = hf_reference(model, prompts)
     report = Report(cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name)
 
-    def record(name: str, pool: KVCache, scales: Optional[Scales], label: str) -> None:
+    def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
         dtype = DTYPES[name]
         progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
         res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size)

@@ -13,6 +13,8 @@ import torch
 
 from kvassert import load_example
 
+from kvpool import MambaPool
+
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("transformers.models.qwen3_5_moe")
 
@@ -223,12 +225,12 @@ def test_a_changed_state_fails_the_fp32_check(monkeypatch, capsys):
 def test_committing_the_wrong_step_fails_the_spec_check(monkeypatch, capsys):
     """A state commit one verify step late (the state after the first rejected draft): the speculative
     tokens part from the plain run's and the run says so."""
-    commit = qwen35_runner.StatePool.commit
+    commit = MambaPool.commit
 
-    def late(self, slots, accepted_steps):
-        commit(self, slots, (accepted_steps + 1).clamp(max=self.speculative_num_draft_tokens))
+    def late(self, slots, accepted_steps, *args, **kwargs):
+        commit(self, slots, (accepted_steps + 1).clamp(max=self.speculative_num_draft_tokens), *args, **kwargs)
 
-    monkeypatch.setattr(qwen35_runner.StatePool, "commit", late)
+    monkeypatch.setattr(MambaPool, "commit", late)
     assert qwen35_runner.main(["--prompts", "4", "--dtypes", "fp32", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "spec check  FAILED" in out and out.rstrip().endswith("FAIL")
