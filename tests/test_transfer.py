@@ -215,7 +215,7 @@ def test_default_staging_is_no_larger_than_the_pool():
 
 
 def test_send_kv_keeps_one_endpoint_per_pool_and_settings():
-    from kvpool.transfer.endpoint import _endpoint
+    from kvpool.transfer.endpoint import kept_endpoint as _endpoint
 
     pool = _pool()
     a = _endpoint(KVSender, pool, None, head_start=0, total_heads=None, chunk_bytes=None)
@@ -248,7 +248,7 @@ def test_fill_and_drain_copies_take_the_whole_grid_unless_capped(monkeypatch, cl
     ep.max_programs = 7 if max_programs is None else max_programs  # what a CUDA endpoint defaults to
     layout, table, stages = ep._tables_for(0, pool.head_num)
     plan = chunk_plan(10, 4)
-    ep._pipeline(plan, torch.arange(1, 11), layout, table, stages, 1, None, None)
+    ep._pipeline(ep_module.Route(plan, torch.arange(1, 11), layout, table, stages, 1, None, None))
     edge = 0 if cls is KVSender else len(plan) - 1
     assert len(grids) == len(plan) >= 3
     assert grids[edge] == max_programs  # None: copy_rows' whole grid

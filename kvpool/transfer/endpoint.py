@@ -1,6 +1,7 @@
 """What a sender and a receiver of a request's KV rows between two ranks' pools share: the checks,
 the handshake, the pool's and the staging's row tables, the streams, and the transfer handle.
 ``KVSender``/``KVReceiver`` (:mod:`kvpool.transfer.pipelines`) add their halves of the pipeline.
+What users may rely on is in docs/contract.md, "KV transfer between ranks".
 
 How a transfer runs (both ranks, in this order):
 
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
@@ -101,6 +103,20 @@ def default_max_programs(sms: int) -> int:
 
 
 Loc = Union[torch.Tensor, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One transfer's data movement, as the sender's and receiver's pipelines take it."""
+
+    plan: list[tuple[int, int]]  # (first token, tokens) of each chunk
+    index: torch.Tensor  # [tokens] this side's slots, on the pool's device
+    layout: TokenLayout
+    pool_table: RowTable
+    stages: tuple[RowTable, RowTable]  # the staging halves
+    peer: int
+    group: Optional[dist.ProcessGroup]
+    compute: Optional[torch.cuda.Stream]  # the caller's stream on CUDA, None on CPU
 
 
 class KVPoll(enum.IntEnum):
@@ -388,7 +404,7 @@ class Endpoint:
             plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
             nbytes = agreed.tokens * layout.token_bytes
             if not self._cuda:
-                self._pipeline(plan, loc, layout, pool_table, stages, peer, group, None)
+                self._pipeline(Route(plan, loc, layout, pool_table, stages, peer, group, None))
                 return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
             # A contiguous pinned copy: the caller may change loc once this returns, and a strided
             # source would make the upload below go through pageable memory (a possible host wait).
@@ -397,24 +413,13 @@ class Endpoint:
             # The pinned block stays reserved until this copy has run (the caching host allocator
             # records the stream), so the host may drop it now.
             index.copy_(pinned, non_blocking=True)
-            self._pipeline(plan, index, layout, pool_table, stages, peer, group, compute)
+            self._pipeline(Route(plan, index, layout, pool_table, stages, peer, group, compute))
             done = torch.cuda.Event()
             done.record(self._side)
         return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
 
-    def _pipeline(
-        self,
-        plan: list[tuple[int, int]],
-        index: torch.Tensor,
-        layout: TokenLayout,
-        pool_table: RowTable,
-        stages: tuple[RowTable, RowTable],
-        peer: int,
-        group: Optional[dist.ProcessGroup],
-        compute: Optional[torch.cuda.Stream],
-    ) -> None:
-        """Move the rows of ``plan``'s chunks (``index``: this side's slots, on the pool's device);
-        ``compute``: the caller's stream on CUDA, None on CPU."""
+    def _pipeline(self, route: Route) -> None:
+        """Move the rows of ``route``'s chunks."""
         raise NotImplementedError
 
 
@@ -426,7 +431,7 @@ def _default_store() -> dist.Store:
     return getter()
 
 
-def _endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> Endpoint:
+def kept_endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> Endpoint:
     """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
     it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
     endpoint refers to its pool)."""

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
-from kvpool.kernels.row_table import RowTable
 from kvpool.pools.mha_pool import MHATokenToKVPool
-from kvpool.transfer.endpoint import Endpoint, KVTransfer, Loc, _endpoint
+from kvpool.transfer.endpoint import Endpoint, KVTransfer, Loc, Route, kept_endpoint
 from kvpool.transfer.handshake import RECEIVER, SENDER
-from kvpool.transfer.wire import TokenLayout
 
 
 class KVSender(Endpoint):
@@ -80,27 +77,18 @@ class KVSender(Endpoint):
         """
         return self._start(loc, dst)
 
-    def _pipeline(
-        self,
-        plan: list[tuple[int, int]],
-        index: torch.Tensor,
-        layout: TokenLayout,
-        pool_table: RowTable,
-        stages: tuple[RowTable, RowTable],
-        peer: int,
-        group: Optional[dist.ProcessGroup],
-        compute: Optional[torch.cuda.Stream],
-    ) -> None:
-        if compute is not None:
-            self._caller_mark.order(self._side, compute)  # gathers read what was written before send
+    def _pipeline(self, route: Route) -> None:
+        plan, index, stages, peer, group = route.plan, route.index, route.stages, route.peer, route.group
+        if route.compute is not None:
+            self._caller_mark.order(self._side, route.compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
         for k, (start, count) in enumerate(plan):
             half = k & 1
             if in_flight[half] is not None:
                 in_flight[half].wait()  # type: ignore[union-attr]
             rows = index[start : start + count]
-            self._copy(stages[half], self._arange[:count], pool_table, rows, alone=k == 0)
-            in_flight[half] = dist.isend(self._staged(half, count * layout.token_bytes), peer, group=group)
+            self._copy(stages[half], self._arange[:count], route.pool_table, rows, alone=k == 0)
+            in_flight[half] = dist.isend(self._staged(half, count * route.layout.token_bytes), peer, group=group)
         for work in in_flight:
             if work is not None:
                 work.wait()
@@ -142,32 +130,23 @@ class KVReceiver(Endpoint):
         """
         return self._start(loc, src)
 
-    def _pipeline(
-        self,
-        plan: list[tuple[int, int]],
-        index: torch.Tensor,
-        layout: TokenLayout,
-        pool_table: RowTable,
-        stages: tuple[RowTable, RowTable],
-        peer: int,
-        group: Optional[dist.ProcessGroup],
-        compute: Optional[torch.cuda.Stream],
-    ) -> None:
+    def _pipeline(self, route: Route) -> None:
+        plan, index, stages, peer, group = route.plan, route.index, route.stages, route.peer, route.group
         works: dict[int, dist.Work] = {}
 
         def post(k: int) -> None:
-            works[k] = dist.irecv(self._staged(k & 1, plan[k][1] * layout.token_bytes), peer, group=group)
+            works[k] = dist.irecv(self._staged(k & 1, plan[k][1] * route.layout.token_bytes), peer, group=group)
 
         for k in range(min(2, len(plan))):
             post(k)
-        if compute is not None:
+        if route.compute is not None:
             # Scatters overwrite slots that work queued before recv may still read; the first two
             # chunks are already on their way meanwhile.
-            self._caller_mark.order(self._side, compute)
+            self._caller_mark.order(self._side, route.compute)
         for k, (start, count) in enumerate(plan):
             works.pop(k).wait()
             rows = index[start : start + count]
-            self._copy(pool_table, rows, stages[k & 1], self._arange[:count], alone=k == len(plan) - 1)
+            self._copy(route.pool_table, rows, stages[k & 1], self._arange[:count], alone=k == len(plan) - 1)
             if k + 2 < len(plan):
                 post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
 
@@ -190,7 +169,7 @@ def send_kv(
     >>> handle = send_kv(pool, loc_cpu, dst=1)   # doctest: +SKIP
     >>> handle.wait()                            # doctest: +SKIP
     """
-    ep = _endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
+    ep = kept_endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
     return ep.send(loc, dst)  # type: ignore[attr-defined]
 
 
@@ -206,5 +185,5 @@ def recv_kv(
 ) -> KVTransfer:
     """Receive K/V rows from rank ``src`` into rows ``loc`` of every layer of ``pool``: ``KVReceiver(
     pool, group, ...).recv(loc, src)`` with one receiver kept per pool and settings."""
-    ep = _endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
+    ep = kept_endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
     return ep.recv(loc, src)  # type: ignore[attr-defined]
