@@ -1,4 +1,5 @@
-"""The exceptions kvpool raises beyond Python's own (``ValueError``, ``TypeError``, ``IndexError``)."""
+"""The exceptions kvpool raises beyond Python's own (``ValueError``, ``TypeError``, ``IndexError``);
+docs/contract.md, "Bad input", says when."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""``KVCache``: what every kvpool pool shares (slots and pages, the layers a rank holds, the write
-decision and its statistics, warmup, and KV-scale calibration). A concrete pool adds its buffers,
-its getters and its write methods; see ``mha_pool.py`` and ``mla_pool.py``."""
+"""``KVCache``: what every kvpool pool shares: slots and pages, the layers a rank holds, the getters,
+the row table and what copies rows over it (moves, CPU copies), the write decision and its
+statistics, warmup, and KV-scale calibration. A concrete pool allocates its buffers and adds its
+write methods (``mha_pool.py``, ``mla_pool.py``). The rules are in docs/contract.md, "Pools" and
+"Moves and CPU copies"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``MHATokenToKVPool``: per-layer K/V buffers and the writes every attention layer calls."""
+"""``MHATokenToKVPool``: per-layer K/V buffers and the writes every attention layer calls; the
+getters, moves and CPU copies come from the pool base. The rules are in docs/contract.md, "Pools"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
-"""``MLATokenToKVPool``: one latent row per token and layer (multi-head latent attention).
+"""``MLATokenToKVPool``: one latent row per token and layer, for multi-head latent attention
+(DeepSeek-V2/V3/R1, Kimi K2): ``kv_lora_rank`` latent values then ``qk_rope_head_dim`` rotary key
+values, in one buffer ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` per layer.
 
-DeepSeek-V2/V3/R1, Kimi K2 and their relatives cache, per token and layer, one compressed latent
-vector of ``kv_lora_rank`` values followed by ``qk_rope_head_dim`` rotary key values, instead of
-per-head K and V. The pool keeps one buffer per layer, ``[size + page_size, 1, kv_lora_rank +
-qk_rope_head_dim]``.
-
-The write is the K/V write's kernel: a row's two parts are two strided views of the same buffer, so
-the kernel's "K cache" is the latent columns ``buf[:, :, :kv_lora_rank]`` and its "V cache" the
-rotary columns ``buf[:, :, kv_lora_rank:]``; its K input is the latent part and its V input the
-rotary part, both quantized with the one ``k_scale``. Two such views take the writer's joined plan,
-in which one program writes both parts of its tokens' rows (on an H200, 80-86% of a same-bytes copy
-at 8k-32k tokens against 72-75% with a program per part, benchmarks/bench_mla.py). Both entry points (``set_kv_buffer`` with the
-whole row, ``set_mla_kv_buffer`` with the two parts) are one launch of the same kernel, with the same
-semantics, errors, gate, statistics, modes, warmup and compiled use as ``MHATokenToKVPool``.
-
-The same two-part view serves the row copies: CPU copies, the host tier (``MLATokenToKVPoolHost``)
-and transfers between ranks see one head whose K part is the latent columns and whose V part the
-rotary columns (``head_num``, ``head_dim``, ``v_head_dim``, ``k_buffer``, ``v_buffer`` below), and
-move them byte for byte. Moves inside the pool copy whole rows (``move_kv_cache``).
+Writes and row copies see a row as one head with a K part (the latent columns) and a V part (the
+rotary columns), two strided views of the buffer: the write is the MHA write's kernel over those two
+caches (one launch for both entry points, one ``k_scale``), and CPU copies, the host tier and
+transfers move the two parts byte for byte; getters and ``move_kv_cache`` see whole rows. The rules
+are in docs/contract.md, "MLATokenToKVPool".
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ rows in the same chunks. That is what keeps a mismatch from hanging one rank whi
 
 The header is 1 KiB: 32 int64 fields, then up to 768 bytes of UTF-8 carrying a rank's own error
 message, so the peer can raise that exact message too.
+
+docs/contract.md, "KV transfer between ranks", lists the mismatches and their errors.
 """
 
 from __future__ import annotations

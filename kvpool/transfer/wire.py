@@ -6,24 +6,17 @@ agreed heads. The staging buffer is addressed as one :class:`RowTable` per half 
 column band of the token rows (row stride ``token_bytes``), so a chunk of any size is the first
 ``count`` rows of the same table, and its bytes are one contiguous prefix of the half that NCCL or gloo
 sends as one message.
+
+docs/contract.md, "KV transfer between ranks", has the rules users rely on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Chunks start small and grow (and shrink again towards the end): the first chunk's gather and the
-# last chunk's scatter cannot overlap any transfer, so small end chunks shorten the pipeline's fill
-# and drain, while the middle chunks are as large as the staging allows so that the per-message cost
-# of the transport is paid few times. Each chunk is at most RAMP times its predecessor, which keeps
-# the gather of the next chunk (beside the transport, on a few SMs: about 120 us per 128 MiB on an
-# H200) shorter than the send of the current one (about 390 us per 128 MiB over NVLink); a factor of
-# 4 left the link waiting for the gather of a 512 MiB chunk after a 128 MiB one. With the default
-# 512 MiB staging half the ends are 64, 128 and 256 MiB. benchmarks/bench_transfer.py --sweep on two
-# H200s, 512 MiB chunks, 32k-token requests: 90.2-91.2% of the NCCL ceiling with 3 steps of 2,
-# 90.3-90.5% with 2 steps of 2, 88.3-89.2% with 1 step of 4. Each chunk also costs the host about
-# 0.1 ms to issue (benchmarks/trace_transfer.py), so chunks of a few MiB would leave the link
-# waiting for the host.
+# Chunks grow from small ends (the first gather and the last scatter overlap nothing, so small ends
+# shorten the pipeline's fill and drain) to staging-sized middles (few per-message costs); each is at
+# most RAMP times the previous, so the next chunk's gather stays shorter than the current send.
 RAMP = 2
 RAMP_STEPS = 3
 
