@@ -36,6 +36,7 @@ from kvpool.pools import (
     mla_kv_bytes_per_token,
     plan_hybrid_pools,
 )
+from kvpool.pools.mamba_host import HybridPoolHost, MambaPoolHost
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "FusedPathUnavailable",
     "HybridLinearKVPool",
+    "HybridPoolHost",
     "HybridReqToTokenPool",
     "HybridSizing",
     "IntegrityError",
@@ -58,6 +60,7 @@ __all__ = [
     "MambaCacheParams",
     "MambaCpuCopy",
     "MambaPool",
+    "MambaPoolHost",
     "MambaStateDType",
     "MambaStateShape",
     "PagedTokenToKVPoolAllocator",
