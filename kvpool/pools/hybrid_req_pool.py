@@ -120,6 +120,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def track_slots_per_request(self) -> int:
         return self.mamba_ping_pong_track_buffer_size if self.enable_mamba_extra_buffer else 0
 
+    def available_size(self) -> int:
+        """New requests ``alloc`` can take now: free rows, or free state slots over the slots a
+        request takes (1 + its track slots), whichever is fewer (an admission gate)."""
+        return min(len(self.free_slots), self.mamba_pool.available_size() // (1 + self.track_slots_per_request))
+
     def _clear_rows(self) -> None:
         self._row_slot = [0] * self.size  # host mirror of the mapping; 0: no state
         self._row_track: list[tuple[int, ...]] = [()] * self.size
