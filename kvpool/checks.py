@@ -31,6 +31,27 @@ def non_negative_int(value: object, name: str) -> int:
     return value
 
 
+def int_list(value: object, name: str, *, accepts: str = "an int or a sequence of ints") -> list[int]:
+    """``value`` as a list of ints: an int, a sequence of ints (bools are not ints here), or a 0-D or
+    1-D integer tensor (read to the host: a device tensor costs a synchronisation). ``accepts``
+    spells the accepted forms in the error for anything else. Raises ``ValueError``.
+
+    >>> int_list(torch.tensor([3, 1]), "free_index")
+    [3, 1]
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
+        if value.dim() > 1:
+            raise ValueError(f"{name} must be 0-D or 1-D, got shape {tuple(value.shape)}")
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise ValueError(f"{name} must be {accepts}, got {value!r}")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a ``torch.device``; a bare ``"cuda"`` names the current CUDA device, so that
     tensors made later compare equal to it."""

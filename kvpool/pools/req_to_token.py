@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import INTEGER_DTYPES, check_in_range, non_negative_int, positive_int, resolve_device
+from kvpool.checks import INTEGER_DTYPES, check_in_range, int_list, non_negative_int, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 
@@ -94,7 +94,7 @@ class ReqToTokenPool:
         ValueError
             If a row is out of range, not handed out (double free), or listed twice; nothing is freed.
         """
-        rows = _as_rows(free_index)
+        rows = int_list(free_index, "free_index")
         seen: set[int] = set()
         for pos, r in enumerate(rows):
             if not 0 <= r < self.size:
@@ -184,19 +184,3 @@ class ReqToTokenPool:
             problems.append(f"{len(self.free_slots)} rows listed free but {flagged} flagged free")
         if problems:
             raise IntegrityError("ReqToTokenPool integrity check failed: " + "; ".join(problems))
-
-
-def _as_rows(free_index: object) -> list[int]:
-    if isinstance(free_index, torch.Tensor):
-        if free_index.dtype.is_floating_point or free_index.dtype.is_complex or free_index.dtype == torch.bool:
-            raise ValueError(f"free_index must be an integer tensor, got {free_index.dtype}")
-        if free_index.dim() > 1:
-            raise ValueError(f"free_index must be 0-D or 1-D, got shape {tuple(free_index.shape)}")
-        return [int(r) for r in free_index.reshape(-1).tolist()]
-    if isinstance(free_index, bool):
-        raise ValueError(f"free_index must be an int or a sequence of ints, got {free_index!r}")
-    if isinstance(free_index, int):
-        return [free_index]
-    if isinstance(free_index, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in free_index):
-        return list(free_index)
-    raise ValueError(f"free_index must be an int or a sequence of ints, got {free_index!r}")
