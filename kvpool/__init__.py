@@ -1,5 +1,14 @@
 """kvpool: KV-cache memory pools, allocators and a fused FP8 K/V write for LLM serving engines."""
 
+from kvpool.cache import (
+    CacheInitParams,
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+    RadixCache,
+    RadixKey,
+    TreeNode,
+)
 from kvpool.errors import FusedPathUnavailable, IntegrityError
 from kvpool.kernels import (
     fused_eligibility,
@@ -44,11 +53,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
+    "CacheInitParams",
+    "EvictParams",
     "FusedPathUnavailable",
     "HybridLinearKVPool",
     "HybridPoolHost",
     "HybridReqToTokenPool",
     "HybridSizing",
+    "InsertParams",
     "IntegrityError",
     "KVCpuCopy",
     "KVGeometry",
@@ -63,11 +75,15 @@ __all__ = [
     "MambaPoolHost",
     "MambaStateDType",
     "MambaStateShape",
+    "MatchPrefixParams",
     "PagedTokenToKVPoolAllocator",
     "PathStats",
+    "RadixCache",
+    "RadixKey",
     "ReqToTokenPool",
     "RowTable",
     "TokenToKVPoolAllocator",
+    "TreeNode",
     "KVPoll",
     "KVReceiver",
     "KVSender",
