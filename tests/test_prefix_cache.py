@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -316,6 +316,42 @@ def test_a_parent_whose_last_child_goes_is_evicted_at_its_own_priority():
     for _ in range(3):
         cache.evict(EvictParams(num_tokens=1))
     assert freed == [[3], [4], [8, 8]]  # [1, 2] became a leaf after [4], but is newer than [9, 9]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(["lru", "lfu", "priority", "mru", "fifo", "filo"]),
+    ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+                           st.lists(st.integers(1, 3), min_size=1, max_size=6), st.integers(0, 3)), max_size=40),
+)  # fmt: skip
+def test_each_eviction_takes_an_evictable_leaf_of_least_priority(policy, ops):
+    """Against a scan of every leaf: whichever way leaves became evictable (inserted, touched,
+    unlocked, uncovered by their last child's eviction), the one evicted has the least priority."""
+    alloc, _ = free_recorder()
+    cache = sim(1, mock_allocator=alloc, eviction_policy=policy)
+    held: list[TreeNode] = []
+    rank = cache.eviction_strategy.get_priority
+    for op, tokens, prio in ops:
+        if op == "insert":
+            insert(cache, tokens, list(range(len(tokens))), priority=prio)
+        elif op == "match":
+            match(cache, tokens)
+        elif op == "lock":
+            node = match(cache, tokens).last_device_node
+            if node is not cache.root_node:
+                cache.inc_lock_ref(node)
+                held.append(node)
+        elif op == "unlock" and held:
+            cache.dec_lock_ref(held.pop(prio % len(held)))
+        elif op == "evict":
+            leaves = [n for n in cache._nodes() if cache._is_evictable(n)]
+            if not leaves:
+                continue
+            least = min(rank(n) for n in leaves)
+            cache.evict(EvictParams(num_tokens=1))
+            gone = [n for n in leaves if n.value is None]
+            assert len(gone) == 1 and rank(gone[0]) == least
+        cache.sanity_check()
 
 
 def test_the_eviction_queue_stays_bounded_under_repeated_hits():

@@ -1,12 +1,14 @@
 """Which node is evicted next: the policies (SGLang's names) and the queue of evictable leaves.
 
 An evictable leaf is a node on the device, unlocked, with no child on the device. The queue keeps
-them in a heap ordered by the policy's priority, with lazy invalidation: a node that is pushed again
-(its priority changed, or it became evictable again) orphans its previous entry, and an entry whose
-node is no longer an evictable leaf (locked, given a child) is dropped when it reaches the top. A pop
-therefore costs O(log n) amortised, however large the tree, where scanning the leaves per eviction
-costs O(n). The heap is rebuilt from its live entries once it has grown to twice its size after the
-last rebuild, so orphaned entries cost O(1) amortised memory and time.
+them ordered by the policy's priority, with lazy invalidation: a node that is pushed again (its
+priority changed, or it became evictable again) orphans its previous entry (the node records its
+live entry's sequence number), and an entry whose node is no longer an evictable leaf (locked, given
+a child) is dropped when it reaches the front. Entries that arrive in order (under LRU every new or
+touched leaf: it is the most recent) go to the back of a deque, O(1); the others (a leaf unlocked or
+uncovered with an older access time) into a heap, O(log n); a pop takes the smaller front. No call
+scans the leaves. Both are rebuilt from their live entries once they hold twice the entries they
+held after the last rebuild, so orphaned entries cost O(1) amortised memory and time.
 
 Priorities use the tree's logical clock (``_tick``: the last access, ``_born``: creation), which
 orders operations exactly where ``time.monotonic()`` can tie.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -110,33 +113,40 @@ class EvictionQueue:
         self.strategy = strategy
         self._priority = strategy.get_priority
         self._is_evictable = is_evictable
-        self._heap: list[list] = []
+        self._heap: list[tuple] = []
+        self._lane: deque[tuple] = deque()
         self._seq = 0
         self._rebuild_at = self._MIN_REBUILD
 
     def __len__(self) -> int:
         """Entries held, orphaned ones included (for tests of the bound)."""
-        return len(self._heap)
+        return len(self._heap) + len(self._lane)
 
     def push(self, node: "TreeNode") -> None:
-        """``node`` is an evictable leaf now, at its current priority (replaces its earlier entry)."""
-        old = node._entry
-        if old is not None:
-            old[2] = None
+        """``node`` is an evictable leaf now, at its current priority (orphans its earlier entry)."""
         self._seq += 1
-        entry = [self._priority(node), self._seq, node]
-        node._entry = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > self._rebuild_at:
+        priority = self._priority(node)
+        node._entry = (priority, self._seq)
+        item = (priority, self._seq, node)
+        lane = self._lane
+        if not lane or lane[-1][0] <= priority:
+            lane.append(item)  # in order already (LRU's new and touched leaves): O(1) both ways
+        else:
+            heapq.heappush(self._heap, item)
+        if len(self._heap) + len(lane) > self._rebuild_at:
             self._rebuild()
 
     def pop(self) -> Optional["TreeNode"]:
         """The evictable leaf of smallest priority, removed from the queue; None if there is none."""
-        heap = self._heap
-        while heap:
-            node = heapq.heappop(heap)[2]
-            if node is None:
-                continue
+        heap, lane = self._heap, self._lane
+        while heap or lane:
+            if lane and (not heap or lane[0] < heap[0]):
+                _, seq, node = lane.popleft()
+            else:
+                _, seq, node = heapq.heappop(heap)
+            entry = node._entry
+            if entry is None or entry[1] != seq:
+                continue  # orphaned by a later push
             node._entry = None
             if self._is_evictable(node):
                 return node
@@ -145,25 +155,27 @@ class EvictionQueue:
     def holds(self, node: "TreeNode") -> bool:
         """``node`` has a live entry at its current priority (``check_integrity``)."""
         entry = node._entry
-        return entry is not None and entry[2] is node and entry[0] == self._priority(node)
+        return entry is not None and entry[0] == self._priority(node)
 
     def clear(self) -> None:
-        for entry in self._heap:
-            if entry[2] is not None:
-                entry[2]._entry = None
+        for _, _, node in (*self._heap, *self._lane):
+            node._entry = None
         self._heap = []
+        self._lane = deque()
         self._rebuild_at = self._MIN_REBUILD
 
+    def _live(self, item: tuple) -> bool:
+        node = item[2]
+        entry = node._entry
+        if entry is None or entry[1] != item[1]:
+            return False
+        if self._is_evictable(node):
+            return True
+        node._entry = None
+        return False
+
     def _rebuild(self) -> None:
-        live = []
-        for entry in self._heap:
-            node = entry[2]
-            if node is None:
-                continue
-            if self._is_evictable(node):
-                live.append(entry)
-            else:
-                node._entry = None
-        heapq.heapify(live)
-        self._heap = live
-        self._rebuild_at = max(self._MIN_REBUILD, 2 * len(live))
+        self._heap = [item for item in self._heap if self._live(item)]
+        heapq.heapify(self._heap)
+        self._lane = deque(item for item in self._lane if self._live(item))  # stays in order
+        self._rebuild_at = max(self._MIN_REBUILD, 2 * (len(self._heap) + len(self._lane)))

@@ -66,7 +66,7 @@ class TreeNode:
         self._ck: Any = None
         self._tick = 0
         self._born = 0
-        self._entry: Optional[list] = None
+        self._entry: Optional[tuple] = None
 
     @property
     def evicted(self) -> bool:
