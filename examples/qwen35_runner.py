@@ -271,17 +271,12 @@ def build_model(
 
 @dataclass(frozen=True)
 class HybridGeometry:
-    """What a Qwen3.5 model's pools must hold."""
+    """What a Qwen3.5 model's KV pool must hold, and which layers are which."""
 
     kv_heads: int
     head_dim: int
     full_layers: tuple[int, ...]  # global ids of the full-attention layers
     linear_layers: tuple[int, ...]  # global ids of the Gated DeltaNet layers
-    conv_dim: int
-    conv_kernel: int
-    v_heads: int
-    v_head_dim: int
-    k_head_dim: int
 
 
 def hybrid_geometry(model: Qwen3_5MoeForCausalLM) -> HybridGeometry:
@@ -291,11 +286,6 @@ def hybrid_geometry(model: Qwen3_5MoeForCausalLM) -> HybridGeometry:
         head_dim=c.head_dim,
         full_layers=tuple(i for i, t in enumerate(c.layer_types) if t == "full_attention"),
         linear_layers=tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention"),
-        conv_dim=2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim,
-        conv_kernel=c.linear_conv_kernel_dim,
-        v_heads=c.linear_num_value_heads,
-        v_head_dim=c.linear_value_head_dim,
-        k_head_dim=c.linear_key_head_dim,
     )
 
 
