@@ -14,8 +14,8 @@ per-tensor float32 scale tensor and int64 ``loc``. For each token count it times
   and cast added inside so it does the same job; like the MHA benchmark's port it divides with
   Triton's approximate ``/`` and checks no slot, so it does less work than kvpool's exact write;
 * two other launch plans of kvpool's own kernel, measured for the kernel's owner, not used by the
-  pool: the plan the pool took before the joined one (one program per part: the latent part's
-  programs and the rotary part's), and 64-column blocks for the latent part;
+  pool: one program per part (the latent part's programs and the rotary part's), and the row as
+  runs of 64 values;
 
 and measures the device-to-device copy ceiling and a copy of the same bytes as each write (both as in
 ``bench_set_kv.py``). Device time: CUDA-graph replays with L2 flushed before each call
@@ -44,7 +44,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 from datetime import datetime, timezone
 
 # A dry run executes the Triton kernels through the interpreter, which must be switched on before any
@@ -60,10 +59,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import DryClock, GpuClock  # noqa: E402
 
 from kvpool import MLATokenToKVPool, quantize, reference_set_kv_buffer  # noqa: E402
-from kvpool.kernels import store_kv  # noqa: E402
-from kvpool.kernels.checks import write_key  # noqa: E402
-from kvpool.kernels.formats import OUT_KIND  # noqa: E402
-from kvpool.kernels.store_kv import LaunchPlan, PreparedLaunch, plan_joined_launch, storage_view  # noqa: E402
+from kvpool.kernels.store_kv import storage_view, writer_for  # noqa: E402
+from kvpool.kernels.store_kv_checks import FUNCTION_NAMES  # noqa: E402
+from kvpool.kernels.store_kv_plan import CHUNK, PER_HEAD, plan_write  # noqa: E402
+from kvpool.kernels.tuning import SMALL_TOKENS  # noqa: E402
 
 R, ROPE, W = 512, 64, 576  # DeepSeek-V3 / R1, Kimi K2
 FP8 = torch.float8_e4m3fn
@@ -93,10 +92,9 @@ QUICK = Plan("quick", "cuda", tokens=(1, 256, 16384), decode_max=256, slots=1 <<
 DRY = Plan("dry-run", "cpu", tokens=(1, 5, 24), decode_max=5, slots=1 << 10, layers=2, cold_calls=10,
            graph_writes=64, wall_calls=400, wall_runs=5, budget_s=1e9)  # fmt: skip
 OURS = ["kvpool set_mla_kv_buffer", "kvpool set_kv_buffer"]
-PROPOSALS = {  # name: (block_d of the latent part, block_t, num_warps); the rotary part: one 64-block
-    # The pool's plan before the joined one (per-part programs, tiles by write size as the pool's).
-    "kvpool kernel, one program per part (previous plan)": None,
-    "kvpool kernel, 64-column blocks (proposal)": (64, 32, 4),
+PROPOSALS = {  # name: the plan layout (store_kv_plan.plan_write) the kernel takes instead of the pool's
+    "kvpool kernel, one program per part": PER_HEAD,
+    "kvpool kernel, rows as runs of 64 values": CHUNK,
 }
 PEER_COMPILE = "torch.compile cat-divide-cast-index_copy_"
 PEER_TRITON = "straightforward Triton (SGLang design)"
@@ -186,25 +184,11 @@ def sglang_design_write(nope, rope, buf_store, loc, scale):
     )  # fmt: skip
 
 
-def proposal_launch(shape: Optional[tuple[int, int, int]], nope_store: torch.Tensor, rope_store: torch.Tensor):
-    """kvpool's kernel with another plan for the 512 + 64 row: ``shape`` = (block_d, block_t,
-    num_warps) puts the latent part in ``block_d``-column blocks, so its programs are closer in size
-    to the rotary part's; None is the per-head plan with one program per part. Built from the
-    launcher's own pieces (a private hook: this is a measurement for the kernel's owner, not a pool
-    path)."""
-    launch = PreparedLaunch(
-        1, R, 1, ROPE, FP8, tuple(nope_store.stride()), tuple(rope_store.stride()), nope_store.shape[0],
-        nope_store.device, caches_aligned=True, flat=False,
-    )  # fmt: skip
-    if shape is None:
-        return launch
-    block_d, block_t, num_warps = shape
-    plan = LaunchPlan(1, R, 1, ROPE, block_t=block_t, block_h=1, block_d=block_d, block_hv=1, block_dv=ROPE,
-                      num_warps=num_warps)  # fmt: skip
-    launch.per_head = launch.small_per_head = store_kv._Variant(
-        plan, OUT_KIND[FP8], launch.soft_cast, launch.fast_div, launch.cache_strides
-    )  # every write size takes the proposal
-    return launch
+def proposal_launch(layout: str, nope_view: torch.Tensor, rope_view: torch.Tensor):
+    """The writer of the latent and rotary column views (FP8) with another plan layout: the
+    measurement for the kernel's owner that the plan sweep (``bench_set_kv.py --sections plans``)
+    makes for every shape, here beside the MLA write's own figures."""
+    return writer_for(nope_view, rope_view, "always", layout=layout, chunk=64)
 
 
 def short_error(exc: BaseException) -> str:
@@ -232,7 +216,6 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
     loc = torch.randperm(plan.slots, device=dev, generator=gen)[:t] + 1
     scale = torch.tensor([0.37], device=dev)
     expected = quantize(row, FP8, scale).view(torch.uint8)
-    key = write_key(nope, rope, loc, scale, scale)
     fns = {
         "kvpool set_mla_kv_buffer": lambda i: pool.set_mla_kv_buffer(None, loc, nope, rope, scale, layer_id_override=i),
         "kvpool set_kv_buffer": lambda i: pool.set_kv_buffer(None, loc, row, None, scale, layer_id_override=i),
@@ -240,10 +223,8 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
         PEER_COMPILE: lambda i: compiled_write(nope, rope, caches[i], loc, scale),
         PEER_TRITON: lambda i: sglang_design_write(nope, rope, stores[i], loc, scale),
     }
-    for name, launch in proposals.items():
-        fns[name] = lambda i, launch=launch: launch(
-            key, nope, rope, nope_stores[i], rope_stores[i], loc, scale, scale
-        )  # fmt: skip
+    for name, writer in proposals.items():
+        fns[name] = lambda i, w=writer: w.write(nope_stores[i], rope_stores[i], loc, nope, rope, scale, scale, FUNCTION_NAMES)
     nbytes = bytes_moved(t)
     same = same_bytes_copy_gbps(nbytes, clock, dev, plan.cold_calls)
     records.append({"T": t, "method": "same-bytes copy", "bytes": nbytes, "gbps": same, "ceiling_frac": same / ceiling})
@@ -396,8 +377,8 @@ def main() -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    launch_plan = plan_joined_launch(1, R, 1, ROPE)
-    small_plan = plan_joined_launch(1, R, 1, ROPE, store_kv.TILE_TABLE["small_joined"])
+    launch_plan = plan_write(1, R, 1, ROPE, SMALL_TOKENS + 1, joined=True)
+    small_plan = plan_write(1, R, 1, ROPE, 1, joined=True)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
@@ -409,7 +390,7 @@ def main() -> int:
         "dry_run": args.dry_run,
         "plan": f"joined (one program writes both parts of its tokens' rows), latent block {launch_plan.block_d}, "
         f"rotary block {launch_plan.block_dv}: BLOCK_T={launch_plan.block_t} and {launch_plan.num_warps} warps above "
-        f"{store_kv.SMALL_TOKENS} tokens, BLOCK_T={small_plan.block_t} and {small_plan.num_warps} warps up to it",
+        f"{SMALL_TOKENS} tokens, BLOCK_T={small_plan.block_t} and {small_plan.num_warps} warps up to it",
     }
     result: dict = {"meta": meta, "plan": asdict(plan), "records": [], "errors": {}, "skipped": []}
     log(f"[bench_mla] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; plan: {meta['plan']}")
@@ -424,8 +405,8 @@ def main() -> int:
     proposals: dict = {}
     for name, shape in PROPOSALS.items():
         try:
-            store = storage_view(pool.get_key_buffer(0))
-            proposals[name] = proposal_launch(shape, store[:, :, :R], store[:, :, R:])
+            row = pool.get_key_buffer(0)
+            proposals[name] = proposal_launch(shape, row[:, :, :R], row[:, :, R:])
         except Exception as exc:
             result["errors"][name] = short_error(exc)
             log(f"[bench_mla] {name} unavailable: {short_error(exc)}")

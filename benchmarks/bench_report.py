@@ -29,6 +29,7 @@ class Method:
     """Method labels, as they appear in bench.json and in the tables."""
 
     COPY = "same-bytes copy"
+    CEILING = "cast-only scatter (ceiling)"
     KVPOOL = "kvpool"
     DIVRN = "kvpool div.rn"
     REFERENCE = "kvpool reference"
@@ -49,9 +50,9 @@ WRITE_METHODS = [M.KVPOOL, M.DIVRN, M.REFERENCE, M.SGLANG, M.COMPILE, M.PER_HEAD
 #: The straightforward Triton ports the decode target compares against.
 PORTS = [M.PER_HEAD, M.PER_TOKEN]
 
-LARGE_COPY_FRAC = 0.95  # issue 15: at >= large_min tokens, >= 95% of the same-bytes copy
-LARGE_PER_TOKEN = 1.05  # issue 15: and >= 1.05x the one-program-per-token kernel
-HOST_OVER_HAND_US = 4.0  # issue 10: set_kv_buffer at most 4 us over a hand launch
+LARGE_COPY_FRAC = 0.95  # at >= large_min tokens, >= 95% of the same-bytes copy
+LARGE_PER_TOKEN = 1.05  # and >= 1.05x the one-program-per-token kernel
+HOST_OVER_HAND_US = 3.0  # eager set_kv_buffer at most 3 us of host time over a hand launch
 
 
 def _index(records: list) -> dict:
@@ -79,7 +80,7 @@ def _status(values: list[tuple[int, Optional[float]]], ok) -> str:
 
 
 def targets(result: dict) -> list[dict]:
-    """Each target of issues 10 and 15: what it asks, the figure of this run, met or missed."""
+    """Each target: what it asks, the figure of this run, met or missed."""
     plan = result.get("plan", {})
     tokens = plan.get("tokens", [])
     large = [t for t in tokens if t >= plan.get("large_min", math.inf)]
@@ -94,8 +95,17 @@ def targets(result: dict) -> list[dict]:
             vals.append((t, ours / copy if ours and copy else None))
         fig = ", ".join(f"{_tok(t)}: " + (f"{100 * v:.1f}%" if v else "n/a") for t, v in vals)
         out.append(dict(
-            issue="15", model=model, target=f">= {100 * LARGE_COPY_FRAC:.0f}% of the same-bytes copy at >= {_tok(plan.get('large_min', 0))} tokens",
+            issue="large writes", model=model, target=f">= {100 * LARGE_COPY_FRAC:.0f}% of the same-bytes copy at >= {_tok(plan.get('large_min', 0))} tokens",
             figure=fig, worst=min((v for _, v in vals if v), default=None), status=_status(vals, lambda v: v >= LARGE_COPY_FRAC),
+        ))  # fmt: skip
+        vals = []
+        for t in large:
+            ours, ceil = _value(by.get((model, t, M.KVPOOL)), "gbps"), _value(by.get((model, t, M.CEILING)), "gbps")
+            vals.append((t, ours / ceil if ours and ceil else None))
+        out.append(dict(
+            issue="large writes", model=model, target=f"against the cast-only scatter of the same bytes to the same slots at >= {_tok(plan.get('large_min', 0))} tokens",
+            figure=", ".join(f"{_tok(t)}: " + (f"{100 * v:.1f}%" if v else "n/a") for t, v in vals),
+            worst=min((v for _, v in vals if v), default=None), status="reported" if any(v for _, v in vals) else "not measured",
         ))  # fmt: skip
         vals = []
         for t in large:
@@ -103,7 +113,7 @@ def targets(result: dict) -> list[dict]:
             vals.append((t, ours / peer if ours and peer else None))
         fig = ", ".join(f"{_tok(t)}: " + (f"{v:.3f}x" if v else "n/a") for t, v in vals)
         out.append(dict(
-            issue="15", model=model, target=f">= {LARGE_PER_TOKEN:.2f}x the one-program-per-token kernel at >= {_tok(plan.get('large_min', 0))} tokens",
+            issue="large writes", model=model, target=f">= {LARGE_PER_TOKEN:.2f}x the one-program-per-token kernel at >= {_tok(plan.get('large_min', 0))} tokens",
             figure=fig, worst=min((v for _, v in vals if v), default=None), status=_status(vals, lambda v: v >= LARGE_PER_TOKEN),
         ))  # fmt: skip
         # Issue 15: decode sizes as graph replays, no slower than either straightforward port.
@@ -128,7 +138,7 @@ def targets(result: dict) -> list[dict]:
         else:
             fig = "n/a"
         out.append(dict(
-            issue="15", model=model,
+            issue="decode writes", model=model,
             target=f"at 1-{plan.get('decode_max', 0)} tokens, per write in a CUDA graph, no slower than the fastest Triton port (kvpool / port <= 1)",
             figure=fig, worst=worst[0] if worst else None, status=_status(vals, lambda v: v <= 1.0),
         ))  # fmt: skip
@@ -138,7 +148,7 @@ def targets(result: dict) -> list[dict]:
         diff = s - hand if s is not None and hand is not None else None
         fig = f"set_kv_buffer {s:.2f} us, hand launch {hand:.2f} us: {diff:+.2f} us" if diff is not None else "n/a"
         out.append(dict(
-            issue="10", model="T=1, H=1, D=128", target=f"eager set_kv_buffer ({label}) at most {HOST_OVER_HAND_US:.0f} us of host time over a hand launch of the same compiled kernel",
+            issue="host time", model="T=1, H=1, D=128", target=f"eager set_kv_buffer ({label}) at most {HOST_OVER_HAND_US:.0f} us of host time over a hand launch of the same compiled kernel",
             figure=fig, worst=diff, status=_status([(1, diff)], lambda v: v <= HOST_OVER_HAND_US),
         ))  # fmt: skip
     return out
@@ -157,6 +167,39 @@ def _cell_us(rec: Optional[dict], fields=("device_us", "graph_us", "wall_us")) -
     if "error" in rec:
         return "error"
     return " / ".join(_f(rec.get(f), ".2f") or "-" for f in fields)
+
+
+def _plan_figure(rec: Optional[dict], ceil: Optional[dict], decode: bool) -> str:
+    """A plan-sweep cell: GB/s (% of the ceiling) for large writes, us (% = ceiling / it) at decode sizes."""
+    field = "graph_us" if decode else "gbps"
+    v, c = _value(rec, field), _value(ceil, field)
+    if v is None:
+        return "error" if rec and "error" in rec else ""
+    frac = (c / v if decode else v / c) if c else None
+    mark = "" if rec.get("exact", True) else " !"
+    return (f"{v:.2f} us*" if decode else f"{v:.0f}") + (f" ({100 * frac:.1f}%)" if frac else "") + mark
+
+
+def plan_row(model: str, t: int, line: list, decode: bool) -> str:
+    """shape | T | ceiling | policy | best candidate | port | policy / port, for one plan-sweep cell."""
+    field = "graph_us" if decode else "gbps"
+    ceil = next((r for r in line if r["method"] == M.CEILING), None)
+    port = next((r for r in line if r["method"] == M.PER_TOKEN), None)
+    policy = next((r for r in line if r["method"].startswith("auto")), None)
+    timed = [r for r in line if r["method"] not in (M.CEILING, M.PER_TOKEN) and _value(r, field) and r.get("exact", True)]
+    best = (min if decode else max)(timed, key=lambda r: _value(r, field), default=None)
+    p, q = _value(policy, field), _value(port, field)
+    vs = (q / p if decode else p / q) if p and q else None
+    return (
+        f"{model} | {t} | {_plan_figure(ceil, None, decode)} | {_plan_figure(policy, ceil, decode)} | "
+        + (f"{best['method']}: {_plan_figure(best, ceil, decode)}" if best else "")
+        + f" | {_plan_figure(port, ceil, decode)} | {_f(vs, '.3f')}"
+    )
+
+
+def plan_line(line: list, decode: bool) -> str:
+    """One plan-sweep cell as a log line."""
+    return plan_row(line[0]["model"], line[0]["T"], line, decode).replace(" | ", "; ")
 
 
 def markdown(result: dict) -> str:
@@ -189,19 +232,19 @@ def markdown(result: dict) -> str:
         "",
     ]
     # Targets.
-    out += ["## Targets (computed from this run)", "", "| issue | shape | target | figure | status |", "|---|---|---|---|---|"]
+    out += ["## Targets (computed from this run)", "", "| what | shape | target | figure | status |", "|---|---|---|---|---|"]
     for t in result.get("targets") or targets(result):
         out.append(f"| {t['issue']} | {t['model']} | {t['target']} | {t['figure']} | **{t['status']}** |")
     # Throughput.
-    cols = [M.COPY] + WRITE_METHODS + [M.OBSERVE]
+    cols = [M.COPY, M.CEILING] + WRITE_METHODS + [M.OBSERVE]
     if not records:
         tokens = []  # nothing measured: no empty tables
     out += [
         "",
         "## Throughput: GB/s (percent of the copy ceiling), cold device time",
         "",
-        "| model | T | " + " | ".join(cols) + " | kvpool / copy | kvpool / per token | kvpool / compile |",
-        "|---|---:|" + "---:|" * len(cols) + "---:|---:|---:|",
+        "| model | T | " + " | ".join(cols) + " | kvpool / copy | kvpool / ceiling | kvpool / per token | kvpool / compile |",
+        "|---|---:|" + "---:|" * len(cols) + "---:|---:|---:|---:|",
     ] if records else []
     for model in MODELS:
         for t in tokens:
@@ -224,26 +267,26 @@ def markdown(result: dict) -> str:
                 return f"{100 * ours / other:.1f}%" if pct else f"{ours / other:.2f}x"
 
             if any(cells):
-                out.append(f"| {model} | {t} | " + " | ".join(cells) + f" | {ratio(M.COPY, True)} | {ratio(M.PER_TOKEN)} | {ratio(M.COMPILE)} |")
+                out.append(f"| {model} | {t} | " + " | ".join(cells) + f" | {ratio(M.COPY, True)} | {ratio(M.CEILING, True)} | {ratio(M.PER_TOKEN)} | {ratio(M.COMPILE)} |")
     # Decode sizes.
     decode = [t for t in tokens if t <= plan.get("decode_max", 0)]
     out += [
         "",
         "## Decode sizes: microseconds per write, cold / graph / wall",
         "",
-        "| model | T | " + " | ".join(WRITE_METHODS) + " |",
-        "|---|---:|" + "---:|" * len(WRITE_METHODS),
+        "| model | T | " + " | ".join(WRITE_METHODS + [M.CEILING]) + " |",
+        "|---|---:|" + "---:|" * (len(WRITE_METHODS) + 1),
     ] if decode else []
     for model in MODELS:
         for t in decode:
-            cells = [_cell_us(by.get((model, t, m))) for m in WRITE_METHODS]
+            cells = [_cell_us(by.get((model, t, m))) for m in WRITE_METHODS + [M.CEILING]]
             if any(cells):
                 out.append(f"| {model} | {t} | " + " | ".join(cells) + " |")
     # Calibration.
     calib = plan.get("calib_tokens", []) if any(r["method"] == M.OBSERVE for r in records) else []
     out += [
         "",
-        "## Calibration cost (issue 15): the write with `observe_amax(True)` against the same write without",
+        "## Calibration cost: the write with `observe_amax(True)` against the same write without",
         "",
         "Same pool, inputs and slots. Cold device time (and graph / wall at decode sizes), microseconds.",
         "",
@@ -269,11 +312,14 @@ def markdown(result: dict) -> str:
     if host:
         out += [
             "",
-            f"## Host time per eager call (issue 10): T=1, H=1, D=128; median of {host.get('runs')} runs of {host.get('calls')} calls, interleaved",
+            f"## Host time per eager call: T=1, H=1, D=128; median of {host.get('runs')} runs of {host.get('calls')} calls, interleaved",
             "",
-            "*hand launch*: the compiled variant the pool launched, taken from its launcher, called with prebuilt arguments; "
-            "*Triton JIT launch*: `kernel[grid](...)` with the same arguments (Triton specialises every call); "
-            "*PreparedLaunch*: the pool's launcher given a checked write; *set_kv_buffer*: the whole eager call.",
+            "*hand launch*: the compiled kernel the pool's writer launched, called with the arguments it passed "
+            "(recorded from its direct launch); *Triton JIT launch*: `kernel[grid](...)` with the same arguments "
+            "(Triton specialises every call); *KVWriter.write*: the pool's writer given the pool's caches; "
+            "*set_kv_buffer*: the whole eager call; *control*: a one-kernel torch op, what any launch costs here. "
+            f"JIT launches of the pool's writer while timed: {host.get('jit_launches_while_timed', 'n/a')} "
+            "(each variant's first call only; more would mean a call that misses the direct-launch cache).",
             "",
             "| call | us |",
             "|---|---:|",
@@ -287,7 +333,7 @@ def markdown(result: dict) -> str:
         pby = {(r["model"], r["bs"], r["method"]): r for r in prefix}
         out += [
             "",
-            "## Speculative-decoding verify write (issue 11): microseconds per write, cold / graph / wall",
+            "## Speculative-decoding verify write: microseconds per write, cold / graph / wall",
             "",
             "`set_kv_buffer_prefix_valid` writes the first `commit_lens[i]` of each request's `width` tokens (random "
             "commit lengths in 0..width); the plain write stores all bs x width tokens; the masked one sets uncommitted "
@@ -313,7 +359,7 @@ def markdown(result: dict) -> str:
     if moves:
         out += [
             "",
-            f"## move_kv_cache (issue 11): {moves.get('layers')} layers, {moves.get('model')}; microseconds per call, cold / graph / wall",
+            f"## move_kv_cache: {moves.get('layers')} layers, {moves.get('model')}; microseconds per call, cold / graph / wall",
             "",
         ]
         if moves.get("kvpool_skipped"):
@@ -347,6 +393,26 @@ def markdown(result: dict) -> str:
         ]
         for m, v in agree.items():
             out.append(f"| {m} | {len(v)} | {max(v):.2e} | {sum(v) / len(v):.2e} |")
+    # Plans.
+    sweep = result.get("plans", [])
+    if sweep:
+        out += [
+            "",
+            "## Plan sweep: the write's launch-plan candidates, the one-program-per-token kernel, the ceiling",
+            "",
+            "Large writes: GB/s (percent of the cast-only scatter ceiling), cold device time; decode sizes "
+            "(marked *): microseconds per write in a graph of graph_calls writes (percent: ceiling's time over "
+            "the candidate's). *policy*: what the pool takes. A candidate that is not exact is marked !.",
+            "",
+            "| shape | T | ceiling | policy | best candidate | port | policy / port |",
+            "|---|---:|---:|---:|---|---:|---:|",
+        ]
+        by_cell: dict = {}
+        for r in sweep:
+            by_cell.setdefault((r["model"], r["T"]), []).append(r)
+        for (model, t), line in by_cell.items():
+            out.append("| " + plan_row(model, t, line, t <= plan.get("decode_max", 0)) + " |")
+        out += ["", "Every candidate: `bench.json`, key `plans` (each with the plan it took)."]
     # Errors, skips, times.
     errors = [r for r in records + prefix + moves.get("records", []) if "error" in r]
     other = list(result.get("errors", [])) + [f"section {k}: {v}" for k, v in result.get("section_errors", {}).items()]

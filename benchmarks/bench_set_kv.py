@@ -1,25 +1,28 @@
-"""The K/V write on a GPU: kvpool against the alternatives, in one process, in one command.
+"""The K/V write on a GPU: kvpool against the alternatives and the ceiling, in one process, in one command.
 
 Sections (each written to bench.json and bench.md as soon as it is done, so a run cut short still
 leaves a report):
 
 1. Copy ceiling: a 2 GiB device-to-device ``copy_`` (start and end of the run).
-2. Host time of one eager write (issue 10): T=1, H=1, D=128. A hand launch of the compiled variant the
-   pool itself launches (taken from the pool's launcher after one call, with the arguments the
-   launcher builds), Triton's JIT launch of the same kernel, the pool's ``PreparedLaunch``, and
-   ``set_kv_buffer``, with tensor and with float scales; calls interleaved, median of runs of
-   thousands of calls each.
-3. The write, per model shape and token count: kvpool's fused ``set_kv_buffer``, the same kernel with
+2. ``host``: host time of one eager write, T=1, H=1, D=128: ``set_kv_buffer``, the pool's writer
+   (``KVWriter.write``) called directly, Triton's JIT launch and a hand launch of the compiled kernel
+   the writer launches (with the arguments it passes, recorded from its direct launch), and a
+   one-kernel torch op as a control; tensor and float scales; calls interleaved, median of runs of
+   thousands of calls each. ``set_kv_buffer minus hand launch`` is the write's own host time.
+3. ``write``, per model shape and token count: kvpool's fused ``set_kv_buffer``, the same kernel with
    ``div.rn``, kvpool's reference path, SGLang's eager fallback, ``torch.compile`` of an FP8
    ``index_copy_`` write, the textbook design ported to Triton (a program per token and head), and the
-   one-program-per-token Triton kernel of issue 15; plus a copy kernel moving the same bytes, timed
-   the same way. Each method's first call is checked against kvpool's bytes and never timed.
-4. Calibration cost (issue 15): the same write with ``observe_amax(True)``, for a few token counts.
-5. Speculative-decoding verify write (issue 11): ``set_kv_buffer_prefix_valid`` at bs x width 16
-   against a plain ``set_kv_buffer`` of the same bs x 16 tokens and against masking ``loc`` with
-   ``torch.where`` before a plain write.
-6. ``move_kv_cache`` (issue 11) of 1, 16, 256 slots across 32 layers against a per-layer index-copy
-   loop; skipped, with the reason, when the pool has no ``move_kv_cache``.
+   one-program-per-token Triton kernel; plus a copy kernel moving the same bytes and the cast-only
+   scatter of the same bytes to the same slots (the ceiling a write can reach), timed the same way.
+   Each method's first call is checked against kvpool's bytes and never timed. Also the calibration
+   cost (``observe_amax(True)``) and the speculative-decoding verify write
+   (``set_kv_buffer_prefix_valid`` against a plain write of all bs x width tokens and a masked one).
+4. ``moves``: ``move_kv_cache`` of 1, 16, 256 slots across 32 layers against a per-layer index copy.
+5. ``plans`` (not run by default): the plan sweep. For every shape (the main table's, H=8 D=96 and
+   DeepSeek-V3's MLA row) and token count, every launch-plan candidate of ``plan_write`` (layouts x
+   tiles), the one-program-per-token kernel and the cast-only scatter ceiling; GB/s and % of the
+   ceiling for large writes, microseconds per write in a graph at decode sizes. What it reports
+   is what the policy in ``kvpool/kernels/store_kv_plan.py`` is chosen from.
 
 How it times (benchmarks/timing.py): device time is the median of CUDA-graph replays, so host launch
 cost never enters it; "cold" means a 96 MB L2 flush before every call, its own time subtracted
@@ -28,10 +31,10 @@ report the time per call in a graph of 64 calls cycling over the layers without 
 wall time per call of eager calls back to back (host-bound). GB/s counts the bytes docs/contract.md
 ("How performance is measured") defines.
 Inputs are random (never zeros), slots random and distinct. A method that fails is reported and the
-run goes on. The targets of issues 10 and 15 are evaluated from the figures in ``bench_report.py``.
+run goes on. The targets are evaluated from the figures in ``bench_report.py``.
 
-Usage (on a GPU):  python benchmarks/bench_set_kv.py --out DIR [--quick]
-       (anywhere): python benchmarks/bench_set_kv.py --out DIR --dry-run
+Usage (on a GPU):  python benchmarks/bench_set_kv.py --out DIR [--quick] [--sections host,write,moves,plans]
+       (anywhere): python benchmarks/bench_set_kv.py --out DIR --dry-run [--sections ...]
 The dry run executes every section on the CPU with tiny sizes (Triton kernels in the interpreter) and
 reports figures that measure nothing; it checks the script, not the kernels' speed.
 """
@@ -67,8 +70,11 @@ from timing import DryClock, GpuClock  # noqa: E402
 
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
 from kvpool.config import KernelOptions  # noqa: E402
-from kvpool.kernels import store_kv  # noqa: E402
-from kvpool.kernels.checks import write_key  # noqa: E402
+from kvpool.kernels import store_kv, store_kv_kernel  # noqa: E402
+from kvpool.kernels.store_kv import FIXED, PER_CALL, KVWriter  # noqa: E402
+from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, POOL_NAMES, Geometry  # noqa: E402
+from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED  # noqa: E402
+from kvpool.kernels.tuning import Tile  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 MODELS = bench_report.MODELS
@@ -90,6 +96,7 @@ class Plan:
     prefix_bs: tuple[int, ...]
     prefix_width: int
     move_slots: tuple[int, ...]
+    plan_tokens: tuple[int, ...]  # token counts of the plan sweep (--sections plans)
     slots: int  # per layer, main table and prefix-valid pools
     layers: int  # layers written in turn (graph replays cycle over them, as a model's step does)
     move_layers: int
@@ -106,19 +113,21 @@ class Plan:
 FULL = Plan(
     "full", "cuda", tokens=(1, 32, 128, 256, 4096, 8192, 16384, 32768), large_min=8192, decode_max=256,
     calib_tokens=(1, 256, 16384), prefix_models=tuple(list(MODELS)[:2]), prefix_bs=(1, 2, 4, 8, 16, 32, 64),
-    prefix_width=16, move_slots=(1, 16, 256), slots=1 << 20, layers=8, move_layers=32, move_pool_slots=1 << 17,
-    cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=3000, host_runs=7, budget_s=330,
+    prefix_width=16, move_slots=(1, 16, 256), plan_tokens=(1, 32, 256, 4096, 16384, 32768), slots=1 << 20, layers=8,
+    move_layers=32, move_pool_slots=1 << 17, cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=3000,
+    host_runs=7, budget_s=330,
 )  # fmt: skip
 QUICK = Plan(
     "quick", "cuda", tokens=(1, 256, 8192, 16384), large_min=8192, decode_max=256,
     calib_tokens=(1, 16384), prefix_models=tuple(list(MODELS)[:1]), prefix_bs=(1, 64),
-    prefix_width=16, move_slots=(1, 256), slots=1 << 20, layers=8, move_layers=32, move_pool_slots=1 << 17,
-    cold_calls=10, graph_calls=64, wall_calls=200, wall_runs=3, host_calls=2000, host_runs=5, budget_s=110,
+    prefix_width=16, move_slots=(1, 256), plan_tokens=(1, 256, 16384), slots=1 << 20, layers=8, move_layers=32,
+    move_pool_slots=1 << 17, cold_calls=10, graph_calls=64, wall_calls=200, wall_runs=3, host_calls=2000, host_runs=5,
+    budget_s=110,
 )  # fmt: skip
 DRY = Plan(
     "dry-run", "cpu", tokens=(1, 5, 24), large_min=24, decode_max=5,
     calib_tokens=(1, 24), prefix_models=tuple(list(MODELS)[:1]), prefix_bs=(1, 3),
-    prefix_width=4, move_slots=(1, 3), slots=1 << 10, layers=2, move_layers=32, move_pool_slots=64,
+    prefix_width=4, move_slots=(1, 3), plan_tokens=(5,), slots=1 << 10, layers=2, move_layers=32, move_pool_slots=64,
     cold_calls=10, graph_calls=64, wall_calls=400, wall_runs=5, host_calls=5, host_runs=2, budget_s=1e9,
 )  # fmt: skip
 
@@ -218,25 +227,44 @@ def same_bytes_copy_gbps(run: Run, nbytes: int) -> float:
 # --- 2. host time of one eager write -----------------------------------------------------------------
 
 
-def compiled_variant_of(launch: store_kv.PreparedLaunch, call) -> tuple:
-    """Make one call through the pool and return what its launcher cached for it: (write key,
-    compiled kernel, positional constexprs, block_t, grid_y). Raises when the launcher does not
-    launch compiled variants directly (interpreter, KVPOOL_DIRECT_LAUNCH=0, or a failed direct launch)."""
-    before = set(launch._compiled)
+class _Recorder:
+    """Stands in for a compiled kernel for one launch: records the grid and the arguments it gets."""
+
+    def __init__(self, real) -> None:
+        self.real, self.launches = real, []
+
+    def __getitem__(self, grid):
+        def launch(*args):
+            self.launches.append((grid, args))
+            return self.real[grid](*args)
+
+        return launch
+
+
+def captured_launch(writer: KVWriter, call) -> tuple:
+    """Make ``call`` (one write through ``writer``) until it launches directly, and return what the
+    writer launched: (compiled kernel, grid, arguments, its entry). Raises when the writer does not
+    launch compiled kernels directly (interpreter, KVPOOL_DIRECT_LAUNCH=0, a failed direct launch)."""
     call()
-    call()  # the first goes through Triton's JIT and caches the variant; the second launches it directly
-    new = [k for k in launch._compiled if k not in before]
-    if not launch.direct or len(new) != 1:
-        raise RuntimeError(
-            f"the pool's launcher cached {len(new)} new compiled variants for one call (direct launch "
-            f"{'on' if launch.direct else 'off'}); a hand launch needs exactly one"
-        )
-    entry = launch._compiled[new[0]]
-    return new[0][0], entry.compiled, entry.positional, entry.block_t, entry.grid_y
+    call()  # the first goes through Triton's JIT and keeps the compiled kernel; the second launches it
+    launches = writer.launches
+    if not launches.enabled or not launches.entries:
+        raise RuntimeError(f"the writer launches through Triton's JIT (direct launches {'on' if launches.enabled else 'off'})")
+    recorders = {entry: _Recorder(compiled) for entry, compiled in launches.entries.items()}
+    launches.entries.update(recorders)
+    try:
+        call()
+    finally:
+        launches.entries.update({entry: r.real for entry, r in recorders.items()})
+    [(entry, rec)] = [(e, r) for e, r in recorders.items() if r.launches]
+    grid, args = rec.launches[0]
+    return rec.real, grid, args, entry
 
 
 def host_overhead(run: Run) -> None:
-    """Issue 10: host microseconds of one eager call, T=1, H=1, D=128."""
+    """Host microseconds of one eager call, T=1, H=1, D=128: set_kv_buffer, the pool's writer called
+    directly, Triton's JIT launch and a hand launch of the compiled kernel the writer launches (with
+    the arguments it passes), and, as a control, a one-kernel torch op; interleaved, in one run."""
     plan, dev = run.plan, run.dev
     h, d = 1, 128
     pool = kvpool_pool(4096, h, d, 1, dev)
@@ -244,8 +272,8 @@ def host_overhead(run: Run) -> None:
     x = run.randn(1, h, d, gen=gen)
     loc = torch.tensor([5], device=dev)
     kb, vb = pool.k_buffer[0], pool.v_buffer[0]
-    launch = pool._writer.launch
-    kernel = store_kv._k._store_kv_kernel
+    writer = pool._writer
+    kernel = store_kv_kernel._store_kv_kernel
     calls: dict = {}
     notes: list = []
     for label, scale in (("tensor scales", torch.tensor([SCALE], device=dev)), ("float scales", SCALE)):
@@ -253,26 +281,18 @@ def host_overhead(run: Run) -> None:
         def pool_call(scale=scale):
             pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0)
 
-        key = write_key(x, x, loc, scale, scale)
-        ka, va, prefix = key[3], key[4], key[7] is not None
-        variant = launch.variant_for(x.stride(), x.stride(), (ka, va), tokens=x.shape[0])
-        kwargs, positional = variant.constexprs((ka, va, prefix, False, False))  # no observation, 32-bit offsets
-        jit_args = launch._args(key, x, x, kb, vb, loc, scale, scale, None, None, variant, x.stride(), x.stride(), ())
-        if len(jit_args) + len(positional) != len(kernel.arg_names):
-            raise RuntimeError(f"launcher builds {len(jit_args)} + {len(positional)} arguments, kernel takes {len(kernel.arg_names)}")
-        grid = (-(-1 // variant.block_t), variant.grid_y, 1)
-        calls[f"Triton JIT launch ({label})"] = lambda a=jit_args, g=grid, kw=kwargs: kernel[g](*a, **kw)
-        calls[f"PreparedLaunch ({label})"] = lambda s=scale, k=key: launch(k, x, x, kb, vb, loc, s, s)
         calls[f"set_kv_buffer ({label})"] = pool_call
+        calls[f"KVWriter.write ({label})"] = lambda s=scale: writer.write(kb, vb, loc, x, x, s, s, POOL_NAMES)
         try:
-            ckey, compiled, cpos, block_t, grid_y = compiled_variant_of(launch, pool_call)
-            if tuple(ckey) != tuple(key) or cpos != positional or (block_t, grid_y) != (variant.block_t, variant.grid_y):
-                notes.append(f"{label}: the pool's cached variant differs from the one rebuilt here; hand launch uses the pool's")
-            hand_args = launch._args(ckey, x, x, kb, vb, loc, scale, scale, None, None, variant, x.stride(), x.stride(), cpos)
-            hgrid = (-(-1 // block_t), grid_y, 1)
-            calls[f"hand launch ({label})"] = lambda c=compiled, a=hand_args, g=hgrid: c[g](*a)
+            compiled, grid, args, entry = captured_launch(writer, pool_call)
+            jit_args = args[: len(PER_CALL) + len(FIXED)]
+            calls[f"hand launch ({label})"] = lambda c=compiled, g=grid, a=args: c[g](*a)
+            calls[f"Triton JIT launch ({label})"] = lambda g=grid, a=jit_args, kw=entry.constexprs: kernel[g](*a, **kw)
         except Exception as exc:
             notes.append(f"hand launch ({label}) unavailable: {short_error(exc)}")
+    tiny, out = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    calls["control: torch.add on one element"] = lambda: torch.add(tiny, 1.0, out=out)
+    jit_before = writer.jit_launches
     times = interleaved_host_us(run, calls)
     host = {"calls": plan.host_calls, "runs": plan.host_runs, "us": {}, "runs_us": times, "notes": notes}
     for name, runs in times.items():
@@ -281,6 +301,7 @@ def host_overhead(run: Run) -> None:
         s, hand = host["us"].get(f"set_kv_buffer ({label})"), host["us"].get(f"hand launch ({label})")
         if s is not None and hand is not None:
             host["us"][f"set_kv_buffer minus hand launch ({label})"] = s - hand
+    host["jit_launches_while_timed"] = writer.jit_launches - jit_before
     run.result["host"] = host
     log("  host us/call: " + ", ".join(f"{k}={v:.2f}" for k, v in host["us"].items() if v is not None))
     for n in notes:
@@ -333,6 +354,23 @@ def measure(run: Run, rec: dict, fn, t: int, nbytes: int | None, decode: bool) -
         rec["error"] = short_error(exc)
 
 
+def cast_scatter_ceiling(run: Run, k, v, caches: list, loc, nbytes: int, decode: bool) -> dict:
+    """The ceiling of a write of ``k``, ``v`` to ``loc``: the cast-only scatter of the same bytes to
+    the same slots, best of its tiles (cold device time, GB/s; per call in a graph at decode sizes)."""
+    best: dict = {}
+    errors = []
+    for block, warps in peers.CAST_SCATTER_TILES:
+        rec: dict = {}
+        fn = lambda i, b=block, w=warps: peers.cast_scatter(k, v, caches[i][0], caches[i][1], loc, b, w)  # noqa: E731
+        if first_call(run, rec, fn):
+            measure(run, rec, fn, k.shape[0], nbytes, decode)
+        if "error" in rec:
+            errors.append(rec["error"])
+        elif "device_us" in rec and rec["device_us"] < best.get("device_us", float("inf")):
+            best = {**rec, "tile": f"{block}/{warps}"}
+    return best or {"error": "; ".join(errors) or "not measured"}
+
+
 def first_call(run: Run, rec: dict, fn, check=None) -> bool:
     """The untimed first call (compilation, lazy allocation) and the agreement check."""
     try:
@@ -352,8 +390,8 @@ def bench_shape(run: Run, name: str, h: int, d: int) -> None:
     rows = pool.rows
     kb, vb = pool.k_buffer, pool.v_buffer
     kv = [pool.get_kv_buffer(i) for i in range(plan.layers)]
-    divrn = store_kv.PreparedLaunch(
-        h, d, h, d, FP8, tuple(kb[0].stride()), tuple(vb[0].stride()), rows, dev,
+    divrn = KVWriter(
+        Geometry(FP8, h, d, h, d, dev), kb[0].stride(), vb[0].stride(), rows, "always",
         options=KernelOptions(fast_div=False), caches_aligned=True,
     )  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -366,10 +404,9 @@ def bench_shape(run: Run, name: str, h: int, d: int) -> None:
         xk, xv = run.randn(t, h, d, gen=gen), run.randn(t, h, d, gen=gen)
         xk_s, xv_s = xk.clone(), xv.clone()
         loc = run.slots(t, rows, gen)
-        key = write_key(xk, xv, loc, scale, scale)
         fns = {
             M.KVPOOL: lambda i: pool.set_kv_buffer(None, loc, xk, xv, scale, scale, layer_id_override=i),
-            M.DIVRN: lambda i: divrn(key, xk, xv, kb[i], vb[i], loc, scale, scale),
+            M.DIVRN: lambda i: divrn.write(kb[i], vb[i], loc, xk, xv, scale, scale, POOL_NAMES),
             M.REFERENCE: lambda i: reference_set_kv_buffer(xk, xv, kv[i][0], kv[i][1], loc, scale, scale),
             M.SGLANG: lambda i: peers.sglang_fallback(xk_s, xv_s, kb[i], vb[i], loc, one, one, FP8),
             M.COMPILE: lambda i: peers.compiled_index_copy(xk, xv, kv[i][0], kv[i][1], loc, scale, scale),
@@ -383,6 +420,7 @@ def bench_shape(run: Run, name: str, h: int, d: int) -> None:
             records.append({**base, "method": M.COPY, "gbps": same_bytes_copy_gbps(run, nbytes)})
         except Exception as exc:
             records.append({**base, "method": M.COPY, "error": short_error(exc)})
+        records.append({**base, "method": M.CEILING, **cast_scatter_ceiling(run, xk, xv, kv, loc, nbytes, decode)})
         expected: list = []  # kvpool's bytes at loc in layer 0, after its first call
 
         def mismatch() -> float:
@@ -463,6 +501,104 @@ def bench_write(run: Run) -> None:
         except Exception as exc:  # e.g. the pool does not fit: the other shapes still run
             run.result.setdefault("errors", []).append(f"{name}: {short_error(exc)}")
             log(f"  {name} failed: {short_error(exc)}")
+        run.checkpoint()
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+#: The shapes of the plan sweep: the main table's, the shape named where the policy trailed the
+#: one-program-per-token kernel, and DeepSeek-V3's MLA row (K = the 512 latent values, V = the 64 rotary ones).
+PLAN_SHAPES = {**MODELS, "H=8, D=96": (8, 96), "DeepSeek-V3 MLA row (512 + 64)": (1, 512, 1, 64)}
+#: The candidates: (layout, tile); tile None means the policy's tiles by token count.
+PLAN_CANDIDATES = [
+    ("auto", None),
+    *((PER_HEAD, Tile(e, w)) for e, w in ((512, 4), (1024, 4), (2048, 4), (4096, 4), (4096, 8))),
+    *((JOINED, Tile(e, w)) for e, w in ((1024, 4), (2048, 4), (4096, 8))),
+    *((ROW, Tile(e, w)) for e, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8))),
+    *((ROW_JOINED, Tile(e, w)) for e, w in ((512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))),
+    *((CHUNK, Tile(e, w)) for e, w in ((2048, 4), (4096, 4))),
+]
+PLAN_CHUNKS = (32, 64)
+
+
+def _plan_label(layout: str, tile, chunk: int) -> str:
+    size = "policy tiles" if tile is None else f"{tile.elems}/{tile.num_warps}"
+    return f"{layout} {size}" + (f" chunk {chunk}" if layout == CHUNK else "")
+
+
+def plan_sweep(run: Run) -> None:
+    """The write's plan candidates against the one-program-per-token port and the cast-only scatter
+    ceiling, every shape and token count in one run: large writes cold (GB/s and % of the ceiling),
+    decode sizes per write in a graph of graph_calls writes. Each candidate's bytes are checked
+    against the policy's first."""
+    plan, dev = run.plan, run.dev
+    sweep = run.result.setdefault("plans", [])
+    shapes = PLAN_SHAPES
+    if run.clock.dry:  # every candidate, on two shapes: the interpreter takes seconds per launch
+        shapes = {name: shape for name, shape in PLAN_SHAPES.items() if name in ("odd (H=3, D=96)", "DeepSeek-V3 MLA row (512 + 64)")}
+    for name, shape in shapes.items():
+        mla = len(shape) == 4
+        h, d, hv, dv = shape if mla else (*shape, *shape)
+        slots = plan.slots
+        if mla:  # the two parts of one row buffer, as an MLA pool holds them
+            rows = [torch.zeros(slots, 1, d + dv, dtype=torch.uint8, device=dev) for _ in range(plan.layers)]
+            stores = [(r[:, :, :d], r[:, :, d:]) for r in rows]
+        else:
+            stores = [(torch.zeros(slots, h, d, dtype=torch.uint8, device=dev),
+                       torch.zeros(slots, hv, dv, dtype=torch.uint8, device=dev)) for _ in range(plan.layers)]  # fmt: skip
+        caches = [(a.view(FP8), b.view(FP8)) for a, b in stores]
+        gen = torch.Generator(device=dev).manual_seed(3)
+        scale = torch.tensor([SCALE], device=dev)
+        for t in plan.plan_tokens:
+            if run.over_budget(f"plans {name} T={t}"):
+                continue
+            if mla:
+                row = run.randn(t, 1, d + dv, gen=gen)
+                k, v = row[:, :, :d], row[:, :, d:]
+            else:
+                k, v = run.randn(t, h, d, gen=gen), run.randn(t, hv, dv, gen=gen)
+            loc = run.slots(t, slots, gen)
+            nbytes = t * (h * d + hv * dv) * 3 + t * 8
+            decode = t <= plan.decode_max
+            base = {"model": name, "T": t, "bytes": nbytes}
+            line = [cast_scatter_ceiling(run, k.contiguous(), v.contiguous(), caches, loc, nbytes, decode)]
+            line[0].update(base, method=M.CEILING)
+            expected: list = []
+
+            def exact() -> bool:
+                got = torch.cat([stores[0][0][loc].reshape(-1), stores[0][1][loc].reshape(-1)])
+                return bool(torch.equal(got, expected[0]))
+
+            seen: dict = {}
+            for layout, tile in PLAN_CANDIDATES:
+                for chunk in PLAN_CHUNKS if layout == CHUNK else (32,):
+                    label = _plan_label(layout, tile, chunk)
+                    writers = [store_kv.writer_for(kc, vc, "always", tile=tile, layout=layout, chunk=chunk) for kc, vc in caches[:1]]
+                    chosen = writers[0].plan(k.stride(), v.stride(), (2, 2), False, t)
+                    rec = {**base, "method": label, "plan": chosen.__dict__}
+                    if chosen in seen:  # a candidate this call cannot take falls back to another plan
+                        rec["same_plan_as"] = seen[chosen]
+                        line.append(rec)
+                        continue
+                    seen[chosen] = label
+                    w = writers[0]
+                    fn = lambda i, w=w: w.write(stores[i][0], stores[i][1], loc, k, v, scale, scale, FUNCTION_NAMES)  # noqa: E731
+                    if first_call(run, rec, fn):
+                        if not expected:
+                            expected.append(torch.cat([stores[0][0][loc].reshape(-1), stores[0][1][loc].reshape(-1)]))
+                        rec["exact"] = exact()
+                        measure(run, rec, fn, t, nbytes, decode)
+                    line.append(rec)
+            port = {**base, "method": M.PER_TOKEN}
+            fn = lambda i: peers.per_token_triton(k, v, caches[i][0], caches[i][1], loc, scale, scale)  # noqa: E731
+            if first_call(run, port, fn):
+                measure(run, port, fn, t, nbytes, decode)
+            line.append(port)
+            sweep.extend(line)
+            log("  plans " + bench_report.plan_line(line, decode))
+        del stores, caches
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         run.checkpoint()
 
 
@@ -556,15 +692,16 @@ def main() -> int:
     parser.add_argument("--commit", help="the commit measured, where the tree has no .git (default: git rev-parse)")
     parser.add_argument("--budget-s", type=float, help="skip what remains after this many seconds (default: the plan's)")
     parser.add_argument(
-        "--sections", default="host,write,moves", help="comma-separated subset of host,write,moves (default: all)"
+        "--sections", default="host,write,moves",
+        help="comma-separated subset of host,write,moves,plans (default: host,write,moves; plans: the plan sweep)",
     )
     args = parser.parse_args()
     plan = DRY if args.dry_run else QUICK if args.quick else FULL
     if args.budget_s is not None:
         plan = Plan(**{**asdict(plan), "budget_s": args.budget_s})
     sections = set(args.sections.split(","))
-    if not sections <= {"host", "write", "moves"}:
-        parser.error(f"--sections takes host, write, moves; got {args.sections}")
+    if not sections <= {"host", "write", "moves", "plans"}:
+        parser.error(f"--sections takes host, write, moves, plans; got {args.sections}")
     if plan.device == "cuda" and not torch.cuda.is_available():
         log("no CUDA device: this benchmark runs on a GPU (use --dry-run to check the script on the CPU)")
         return 2
@@ -595,6 +732,8 @@ def main() -> int:
         run.section("moves", lambda: bench_moves(run))
     if "write" in sections:
         run.section("write", lambda: bench_write(run))
+    if "plans" in sections:
+        run.section("plans", lambda: plan_sweep(run))
     run.section("copy ceiling (end)", lambda: copy_ceiling(run, "ceiling_gbps_end"))
     run.checkpoint(final=True)
     try:

@@ -13,6 +13,9 @@
 * ``per_layer_move``: SGLang-style ``move_kv_cache``: an index copy per layer, K then V.
 * ``masked_loc_write``: a verify write without a prefix-valid kernel: mask the uncommitted slots to -1
   with ``torch.where``, then a plain ``set_kv_buffer`` of every draft token.
+* ``cast_scatter``: the ceiling a write can reach (docs/contract.md, "How performance is measured"):
+  the same bytes read from the inputs and cast to the cache type (no division, no checks), scattered
+  to the same slots, every lane busy; ``CAST_SCATTER_TILES`` are its block shapes, the best counts.
 
 The two Triton ports are not exact by the write's definition (docs/contract.md, "The write":
 approximate division; a clamp turns NaN into -fmax), so they do less work per element than kvpool's
@@ -178,3 +181,51 @@ def masked_loc_write(pool, layer_id, loc_2d, commit_lens, k, v, k_scale, v_scale
     cols = torch.arange(width, device=loc_2d.device)
     loc = torch.where(cols[None, :] < commit_lens[:, None], loc_2d, -1).reshape(-1)
     pool.set_kv_buffer(None, loc, k, v, k_scale, v_scale, layer_id_override=layer_id)
+
+
+@triton.jit
+def _cast_scatter_part(src_ptr, dst_ptr, loc_ptr, T, stride_dst, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element of the [T, ROW] input rows
+    ok = offs < T * ROW
+    t = offs // ROW
+    slot = tl.load(loc_ptr + t, mask=ok, other=0).to(tl.int64)
+    x = tl.load(src_ptr + offs, mask=ok)
+    tl.store(dst_ptr + slot * stride_dst + (offs - t * ROW), x.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _cast_scatter_kernel(
+    k_ptr,  # [T, ROW] input rows, contiguous
+    v_ptr,  # [T, V_ROW]
+    kc_ptr,  # [slots, ROW] cache rows (stride stride_kc)
+    vc_ptr,  # [slots, V_ROW]
+    loc_ptr,  # [T] slots, all valid
+    T,
+    stride_kc,
+    stride_vc,
+    ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    if tl.program_id(1) == 0:
+        _cast_scatter_part(k_ptr, kc_ptr, loc_ptr, T, stride_kc, ROW, BLOCK)
+    else:
+        _cast_scatter_part(v_ptr, vc_ptr, loc_ptr, T, stride_vc, V_ROW, BLOCK)
+
+
+#: (elements per program, warps) of the cast-only scatter; a run takes the best of them.
+CAST_SCATTER_TILES = ((1024, 4), (2048, 4), (4096, 8))
+
+
+def cast_scatter(k, v, k_cache, v_cache, loc, block=2048, warps=4):
+    """k [T, H, D], v [T, Hv, Dv] contiguous; k_cache/v_cache [slots, H, D] / [slots, Hv, Dv] of the
+    cache type (rows contiguous); loc [T] valid slots. One launch, K and V on grid axis 1."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    row, v_row = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
+    grid = (triton.cdiv(t * max(row, v_row), block), 2)
+    _cast_scatter_kernel[grid](
+        k, v, k_cache, v_cache, loc, t, k_cache.stride(0), v_cache.stride(0), ROW=row, V_ROW=v_row, BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip

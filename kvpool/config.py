@@ -3,10 +3,10 @@
 ``KVPOOL_FUSED``: ``auto`` | ``always`` | ``never``; overrides a pool's ``fused`` argument.
 ``KVPOOL_VALIDATE``: ``1`` turns on the checks that cost a synchronisation (pools and allocators).
 ``KVPOOL_DIRECT_LAUNCH``, ``KVPOOL_FAST_DIV``, ``KVPOOL_SOFT_CAST``: debug switches of the fused
-kernel's launcher (see :class:`KernelOptions`); the defaults are what production should run.
+kernel's writer (see :class:`KernelOptions`); the defaults are what production should run.
 
-Each is read when an object is built (a pool, an allocator, a host pool, a kernel launcher; the
-public write functions build their launcher on the first call for a cache geometry), with one
+Each is read when an object is built (a pool, an allocator, a host pool, a K/V writer; the
+public write functions build their writer on the first call for a cache geometry), with one
 exception: ``fused_fp8_set_kv_buffer`` and ``reference_set_kv_buffer`` called with ``validate=None``
 read ``KVPOOL_VALIDATE`` on every call. Nothing else in the package reads ``os.environ``.
 """
@@ -46,10 +46,10 @@ def validate_enabled(requested: bool) -> bool:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the fused write's launcher builds and launches the kernel.
+    """How the K/V writer builds and launches the fused kernel.
 
     direct_launch : after a variant's first launch through Triton's JIT, launch the compiled kernel
-        directly (skips Triton's per-call specialisation, most of a launch's host time). A launcher
+        directly (skips Triton's per-call specialisation, most of a launch's host time). A writer
         whose direct launch fails goes back to the JIT path for itself and logs why.
     fast_div : divide by the scale with a correctly rounded reciprocal and two FMAs where that is
         exact (compiled NVIDIA kernels); ``False`` uses ``div.rn`` for every element.

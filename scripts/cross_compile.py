@@ -29,7 +29,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvpool.kernels import copy_rows_kernel as CK  # noqa: E402
 from kvpool.kernels import store_kv_kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
-from kvpool.kernels.store_kv import plan_flat_launch, plan_joined_launch, plan_launch  # noqa: E402
+from kvpool.kernels.store_kv import PER_CALL  # noqa: E402
+from kvpool.kernels.store_kv_plan import plan_write  # noqa: E402
+from kvpool.kernels.tuning import SMALL_TOKENS  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
 TARGETS = {
@@ -47,7 +49,10 @@ def compile_variant(
     target, soft = TARGETS[target_name]
     names = list(K._store_kv_kernel.arg_names)
     v_head_dim = v_head_dim or head_dim
-    plan = (plan_joined_launch if joined else plan_flat_launch if flat else plan_launch)(heads, head_dim, heads, v_head_dim)
+    # The large writes' plans: the per-head one, the row plan of geometries the per-head plan pads
+    # badly (flat), or the joined one (K and V from one program).
+    plan = plan_write(heads, head_dim, heads, v_head_dim, SMALL_TOKENS + 1, row=flat, joined=joined)
+    assert plan.row_view == flat and plan.joined == joined, (heads, head_dim, flat, joined, plan)
     sig = {
         "k_ptr": f"*{in_type}", "v_ptr": f"*{in_type}",
         "k_cache_ptr": f"*{OUT_TYPES[out_kind]}", "v_cache_ptr": f"*{OUT_TYPES[out_kind]}",
@@ -57,6 +62,7 @@ def compile_variant(
         "T": "i32", "capacity": "i32", "width": "i32", "stride_loc": "i32", "stride_loc_row": "i32",
         "stride_commit": "i32",
     }  # fmt: skip
+    assert tuple(names[: len(PER_CALL)]) == PER_CALL, "the kernel's per-call arguments moved"
     strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
     const = dict(
         H=plan.heads, D=plan.head_dim, HV=plan.v_heads, DV=plan.v_head_dim, BLOCK_T=plan.block_t,
@@ -72,6 +78,7 @@ def compile_variant(
         else:
             sig[n] = "i32"
     sig.update({n: "constexpr" for n in const})
+    sig = {n: sig[n] for n in names}  # in signature order
     aligned = ["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "capacity"] + [n for n in strides if not n.endswith("d")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(

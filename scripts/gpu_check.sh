@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool:
-#   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [tune] [bench] [quick]
+#   bash scripts/gpu_check.sh [tests] [transfer] [first_call] [bench] [quick] [plans] [write_host]
 #                             [host] [mla] [sim] [sim_mla] [llama] [deepseek] [llama_bench]
-#                             [probe] [tiles] [trace] [ncu] [kernel_tests] [sim_calibrate]
-#                             [transfer_tests] [transfer_bench] [probe_host] [ladder] [host_bidir]
-#                             [host_links] [host_kernel] [rows] [transfer_latency] [host_tests] [decode]
+#                             [trace] [kernel_tests] [sim_calibrate]
+#                             [transfer_tests] [transfer_bench] [probe_host] [host_bidir]
+#                             [host_links] [host_kernel] [transfer_latency] [host_tests]
 #                             [host_calls] [qwen] [qwen_bench] [state] [state_bench]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
 # runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
 # Every step has a time limit (STEP_LIMIT seconds, default 420) so one hang cannot eat the call.
-# Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png, tune.json.
+# Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png (plans and
+# write_host write theirs under $OUT/plans and $OUT/write_host).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
@@ -51,7 +52,6 @@ for stage in $stages; do
     transfer_tests) step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py ;;
     transfer_bench) step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     probe_host) step probe_host python3 benchmarks/probe_transfer_host.py --out "$OUT" ;;
-    ladder) step ladder python3 benchmarks/probe_plans.py --ladder --out "$OUT" ;;
     host_bidir)
       step host_bidir python3 benchmarks/bench_host_tier.py --quick --stages bidirectional \
         --bidir-programs 8/16,16/16,16/32,32/32,32/64,64/64 --out "$OUT" ;;
@@ -59,12 +59,10 @@ for stage in $stages; do
     host_tests)  # the host tier's tests alone (GPU and CPU-pool ones, the MLA host pool's included)
       step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_gpu_host.py tests/test_host_pool.py \
         tests/test_serve_sim_host_tier.py tests/test_gpu_mla.py -k "host or layer or Host" ;;
-    decode) step decode python3 benchmarks/probe_decode.py --out "$OUT" ;;
     host_calls) step host_calls python3 benchmarks/probe_host_calls.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
     host_kernel)  # the kernel backend's transfers alone, wall and device time
       step host_kernel python3 benchmarks/bench_host_tier.py --backends kernel --stages transfers --out "$OUT/host_kernel" ;;
-    rows) step rows python3 benchmarks/probe_plans.py --rows --out "$OUT" ;;
     transfer_latency) step transfer_latency python3 benchmarks/probe_transfer_latency.py --out "$OUT" ;;
     mla) step mla_bench python3 benchmarks/bench_mla.py --out "$OUT" ;;
     llama_bench) step llama_bench python3 benchmarks/bench_llama_runner.py --out "$OUT" ;;
@@ -82,19 +80,15 @@ for stage in $stages; do
         tests/test_req_to_token.py tests/test_pool.py tests/test_sizing.py tests/test_sglang_compat.py ;;
     state_bench) step state_bench python3 benchmarks/bench_state.py --out "$OUT" ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
-    tune) step tune python3 benchmarks/tune_tiles.py --out "$OUT" ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
-    probe) step probe python3 benchmarks/probe_plans.py --out "$OUT" ;;
-    tiles) step tiles python3 benchmarks/probe_plans.py --decode --out "$OUT" ;;
+    plans)  # the write's plan candidates against the one-program-per-token kernel and the ceiling
+      STEP_LIMIT=600 step plans python3 benchmarks/bench_set_kv.py --sections plans --budget-s 540 --out "$OUT/plans" ;;
+    write_host) step write_host python3 benchmarks/bench_set_kv.py --sections host --out "$OUT/write_host" ;;
     kernel_tests)  # the write's GPU tests alone (a quicker check than "tests")
       step kernel_tests python3 -m pytest -q -p no:cacheprovider -n 16 -rfEs tests/test_gpu.py tests/test_gpu_mla.py \
         tests/test_gpu_write_features.py tests/test_kernel.py tests/test_launcher.py tests/test_mla_pool.py ;;
     sim_calibrate) step sim_calibrate python3 examples/serve_sim.py --calibrate ;;
     trace) step trace python3 benchmarks/trace_transfer.py --out "$OUT" ;;
-    ncu)
-      step ncu ncu --clock-control none --kernel-name regex:_store_kv_kernel --csv --page raw \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,lts__t_sectors_op_write.sum,launch__registers_per_thread,launch__grid_size \
-        python3 benchmarks/ncu_write.py ;;
     quick) step bench_quick python3 benchmarks/bench_set_kv.py --quick --out "$OUT" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -68,9 +68,9 @@ def skip_fused_without_interpreter(name: str) -> None:
 def compiled_variants() -> int:
     """Number of compiled variants of the write kernel in Triton's in-process cache (skips the test
     where this Triton keeps its cache elsewhere)."""
-    from kvpool.kernels import store_kv
+    from kvpool.kernels import store_kv_kernel
 
-    caches = getattr(store_kv._k._store_kv_kernel, "device_caches", None)
+    caches = getattr(store_kv_kernel._store_kv_kernel, "device_caches", None)
     if caches is None:
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return sum(len(entry[0]) for entry in caches.values())

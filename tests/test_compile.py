@@ -8,7 +8,7 @@ import torch
 
 from kvassert import assert_same_bytes
 from kvpool import MHATokenToKVPool, MLATokenToKVPool
-from kvpool.kernels import op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
+from kvpool.kernels import store_kv_op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

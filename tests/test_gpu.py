@@ -13,11 +13,11 @@ import triton
 import triton.language as tl
 
 from kvassert import assert_same_bytes, bits, compiled_variants, poison_
-from kvpool.kernels.store_kv import SMALL_TOKENS
+from kvpool.kernels.tuning import SMALL_TOKENS
 from kvpool import MHATokenToKVPool, fused_fp8_set_kv_buffer, reference_set_kv_buffer
 from kvpool.kernels import store_kv_kernel
 from kvpool.config import KernelOptions
-from kvpool.kernels.store_kv import launch_store_kv
+from kvpool.kernels.store_kv_op import launch_store_kv
 
 pytestmark = pytest.mark.gpu
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvassert import assert_same_bytes, bits, compiled_variants, poison_
-from kvpool.kernels.store_kv import SMALL_TOKENS
+from kvpool.kernels.tuning import SMALL_TOKENS
 from kvpool import MLATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels.store_kv import launch_store_kv
+from kvpool.kernels.store_kv_op import launch_store_kv
 from oracle import FORMAT_OF, assert_codes_equal, codes_of, expected_latent_cache
 
 pytestmark = pytest.mark.gpu

@@ -16,8 +16,8 @@ import torch
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels import store_kv
-from kvpool.kernels.store_kv import launch_store_kv
+from kvpool.kernels import store_kv_kernel
+from kvpool.kernels.store_kv_op import launch_store_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -345,20 +345,18 @@ UNIQUE_H, UNIQUE_D = 5, 72
 
 
 def _jit_flags(pool) -> set:
-    """(K scale kind, V scale kind, prefix, observe) of every variant the pool's launcher has
-    launched through Triton's JIT (every compiled variant's first launch goes there)."""
-    launch = pool._writer.launch
-    flags: set = set()
-    for variant in (launch.per_head, launch.flat, launch.small_per_head, launch.small_flat):  # both tiles
-        if variant is not None:
-            flags |= set(variant._by_flags)
-    return flags
+    """(K scale kind, V scale kind, prefix, observe) of every variant the pool's writer has
+    launched through Triton's JIT (every kind of fused call's first launch goes there)."""
+    return {
+        (e.ka, e.va, e.constexprs["PREFIX"], e.constexprs["OBSERVE"])
+        for e in pool._writer._entries.values() if e.refused is None
+    }  # fmt: skip
 
 
 def _triton_observe_flags(d_values) -> list[bool] | None:
     """OBSERVE of each variant Triton has compiled whose D is in ``d_values``; None when this
     Triton keeps its compiled variants in a way not understood here."""
-    kernel = store_kv._k._store_kv_kernel
+    kernel = store_kv_kernel._store_kv_kernel
     caches = getattr(kernel, "device_caches", None)
     names = list(getattr(kernel, "arg_names", []))
     if not isinstance(caches, dict) or "OBSERVE" not in names:

@@ -12,21 +12,15 @@ import torch
 
 from kvassert import assert_same_bytes, bits, poison_
 from kvpool import fused_fp8_set_kv_buffer, quantize, reference_set_kv_buffer
-from kvpool.kernels.checks import write_key
-from kvpool.kernels.store_kv import (
-    SMALL_TOKENS,
-    TILE_TABLE,
-    PreparedLaunch,
-    TileConfig,
-    launch_store_kv,
-    plan_chunk_launch,
-    plan_flat_launch,
-    plan_joined_launch,
-    plan_launch,
-    storage_view,
-)
+from kvpool.kernels import store_kv, store_kv_kernel
+from kvpool.kernels.store_kv import KVWriter, storage_view
+from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry, write_key
+from kvpool.kernels.store_kv_op import launch_store_kv
+from kvpool.kernels.store_kv_plan import CHUNK, LaunchPlan, plan_write
+from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BIG = SMALL_TOKENS + 1  # a write of the large-token band
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 CACHE_DTYPES = FP8 + [torch.bfloat16, torch.float16, torch.float32]
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -34,6 +28,10 @@ INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 def _name(x) -> str:
     return str(x).replace("torch.", "")
+
+
+def _geometry(k_cache, v_cache) -> Geometry:
+    return Geometry(k_cache.dtype, *k_cache.shape[1:], *v_cache.shape[1:], k_cache.device)
 
 
 def _rows(t, h, d, dtype, seed, spread=True):
@@ -121,8 +119,8 @@ def test_k_and_v_differ_in_heads_and_dims(cache_dtype, loc_dtype):
 @pytest.mark.parametrize("h,d,hv,dv", [(3, 96, 3, 96), (4, 16, 2, 40), (1, 8, 1, 8)])
 def test_tile_shapes(elems, h, d, hv, dv):
     t, slots = 13, 40
-    tile = TileConfig(elems=elems, num_warps=4)
-    plan = plan_launch(h, d, hv, dv, tile)
+    tile = Tile(elems=elems, num_warps=4)
+    plan = plan_write(h, d, hv, dv, t, tile=tile)
     assert plan.block_t >= 1 and plan.k_blocks * plan.block_h * (plan.block_d + plan.block_d2) >= h * d
     k, v = _rows(t, h, d, torch.float16, 9), _rows(t, hv, dv, torch.float16, 10)
     (kf, vf), (kr, vr) = _both_paths(
@@ -133,23 +131,23 @@ def test_tile_shapes(elems, h, d, hv, dv):
 
 
 def test_flat_plans_only_where_the_per_head_plan_pads():
-    assert plan_flat_launch(8, 128, 8, 128) is None and plan_flat_launch(1, 256, 1, 256) is None
+    assert not plan_write(8, 128, 8, 128, BIG, row=True).row_view and not plan_write(1, 256, 1, 256, BIG, row=True).row_view
     # A head_dim that pads badly is cut into two power-of-two pieces: no flat plan needed.
     for d, pieces in [(96, (64, 32)), (80, (64, 16)), (72, (64, 8)), (120, (128, 0))]:
-        plan = plan_launch(1, d, 1, d)
-        assert (plan.block_d, plan.block_d2) == pieces and plan_flat_launch(1, d, 1, d) is None, (d, plan)
+        plan = plan_write(1, d, 1, d, BIG)
+        assert (plan.block_d, plan.block_d2) == pieces and not plan_write(1, d, 1, d, BIG, row=True).row_view, (d, plan)
     # Heads that pad badly (3 of 4 head slots) take a flat plan: the whole row in one program.
-    assert plan_launch(3, 96, 3, 96).lane_use == 0.75
-    flat = plan_flat_launch(3, 96, 3, 96)
+    assert plan_write(3, 96, 3, 96, BIG).lane_use == 0.75
+    flat = plan_write(3, 96, 3, 96, BIG, row=True)
     assert (flat.heads, flat.head_dim, flat.block_h, flat.block_d, flat.block_d2) == (1, 288, 1, 256, 32)
     assert flat.lane_use == 1.0 and flat.grid_y == 2 and flat.block_t == 4  # large tile: 2048 // 288 -> 4 rows
-    assert plan_flat_launch(3, 96, 3, 96, TILE_TABLE["small"]).block_t == 2
-    six = plan_flat_launch(6, 64, 6, 64)
+    assert plan_write(3, 96, 3, 96, 1, row=True).block_t == 2  # small writes: the small tile
+    six = plan_write(6, 64, 6, 64, BIG, row=True)
     assert (six.block_d, six.block_d2, six.k_blocks) == (256, 128, 1)  # 384 = 256 + 128
     # A row longer than the tile is cut into several blocks of at most the tile's elements.
-    small = TILE_TABLE["small"]
+    small = WRITE_SMALL
     for h, d in [(12, 128), (9, 128), (20, 64)]:
-        long = plan_flat_launch(h, d, h, d, small)
+        long = plan_write(h, d, h, d, 1, row=True)
         assert long.block_d2 == 0 and long.block_d <= small.elems and long.lane_use >= 0.9, (h, d, long)
         assert long.k_blocks > 1
 
@@ -159,14 +157,14 @@ def test_writes_pick_the_tile_by_size_and_both_tiles_match_reference():
     per-head and flat plans); a write just past the boundary matches the reference."""
     h, d = 3, 8  # rows of 24: the flat plan applies (3 of 4 head slots would be used)
     kf, vf = _caches(4, h, d, h, d, torch.float8_e4m3fn)
-    launch = PreparedLaunch(h, d, h, d, torch.float8_e4m3fn, kf.stride(), vf.stride(), 4, torch.device(DEVICE))
+    writer = KVWriter(_geometry(kf, vf), kf.stride(), vf.stride(), 4, "always")
     st = (h * d, d, 1)
     for kinds, flat in (((2, 2), True), ((3, 3), False)):  # tensor scales: flat; per-head scales: per-head
-        small = launch.variant_for(st, st, kinds, tokens=SMALL_TOKENS)
-        large = launch.variant_for(st, st, kinds, tokens=SMALL_TOKENS + 1)
-        assert small is (launch.small_flat if flat else launch.small_per_head)
-        assert large is (launch.flat if flat else launch.per_head)
-        assert small.plan.num_warps == TILE_TABLE["small"].num_warps and large.plan.block_t != small.plan.block_t
+        small = writer.plan(st, st, kinds, False, SMALL_TOKENS)
+        large = writer.plan(st, st, kinds, False, SMALL_TOKENS + 1)
+        assert small == plan_write(h, d, h, d, 1, row=flat, tile=WRITE_SMALL) and small.row_view == flat
+        assert large == plan_write(h, d, h, d, BIG, row=flat) and large.row_view == flat
+        assert small.num_warps == WRITE_SMALL.num_warps and large.block_t != small.block_t
     t, slots = SMALL_TOKENS + 1, 2 * SMALL_TOKENS + 8
     k, v = _rows(t, h, d, torch.bfloat16, 41), _rows(t, h, d, torch.bfloat16, 42)
     (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 43), 0.3, torch.tensor([2.5], device=DEVICE),
@@ -178,11 +176,13 @@ def test_writes_pick_the_tile_by_size_and_both_tiles_match_reference():
 @pytest.mark.parametrize("chunk", [8, 16, 32])
 @pytest.mark.parametrize("h,d,hv,dv,mla", [(3, 96, 3, 96, False), (2, 64, 2, 64, False), (1, 64, 1, 32, True)])
 def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
-    """Rows viewed as runs of ``chunk`` elements (benchmarks/probe_plans.py times these): same bytes
-    as the reference, on caches that are views of one row (MLA's latent and rotary parts) too."""
+    """Rows viewed as runs of ``chunk`` elements (a candidate of the plan sweep, bench_set_kv.py
+    --sections plans): same bytes as the reference, on caches that are views of one row (MLA's
+    latent and rotary parts) too."""
     t, slots = 9, 23
-    plan = plan_chunk_launch(h, d, hv, dv, chunk, 64, 1)
-    assert plan is not None and plan.row_view and plan.lane_use == 1.0
+    tile = Tile(elems=64, num_warps=1)
+    plan = plan_write(h, d, hv, dv, t, row=True, tile=tile, layout=CHUNK, chunk=chunk)
+    assert plan.row_view and plan.head_dim == chunk and plan.lane_use == 1.0
     k, v = _rows(t, h, d, torch.bfloat16, 51), _rows(t, hv, dv, torch.bfloat16, 52)
     loc = _loc(t, slots, torch.int64, 53)
     out = []
@@ -194,32 +194,33 @@ def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
             kc, vc = _caches(slots, h, d, hv, dv, torch.float8_e4m3fn)
             out.append((None, kc, vc))
     (_, kf, vf), (_, kr, vr) = out
-    launch = PreparedLaunch(h, d, hv, dv, torch.float8_e4m3fn, kf.stride(), vf.stride(), slots, torch.device(DEVICE),
-                            row_plan=plan)  # fmt: skip
+    writer = KVWriter(_geometry(kf, vf), kf.stride(), vf.stride(), slots, "always", tile=tile, layout=CHUNK, chunk=chunk)
     scale = torch.tensor([0.37], device=DEVICE)
-    assert launch.variant_for(k.stride(), v.stride(), (2, 2), tokens=t).plan is plan  # the chunk plan runs
-    launch(write_key(k, v, loc, scale, scale), k, v, storage_view(kf), storage_view(vf), loc, scale, scale)
+    assert writer.plan(k.stride(), v.stride(), (2, 2), False, t) == plan  # the chunk plan runs
+    writer.write(storage_view(kf), storage_view(vf), loc, k, v, scale, scale, FUNCTION_NAMES)
     reference_set_kv_buffer(k, v, kr, vr, loc, scale, scale)
     assert_same_bytes(kf, kr, "k_cache")
     assert_same_bytes(vf, vr, "v_cache")
-    assert plan_chunk_launch(3, 96, 3, 96, 64, 64, 1) is None  # 288 is not a multiple of 64
+    # 288 is not a multiple of 64: no chunk plan, the policy's plan instead
+    assert plan_write(3, 96, 3, 96, t, row=True, tile=tile, layout=CHUNK, chunk=64) == plan_write(3, 96, 3, 96, t, row=True, tile=tile)
 
 
 def test_joined_plans_only_where_each_row_is_one_block():
-    mla = plan_joined_launch(1, 512, 1, 64)
+    mla = plan_write(1, 512, 1, 64, BIG, joined=True)
     assert mla.joined and mla.grid_y == 1 and (mla.block_t, mla.block_d, mla.block_dv) == (4, 512, 64)
-    assert plan_joined_launch(8, 128, 8, 128).grid_y == 1  # 8 x 128 fits the 2048-element tile
-    assert plan_joined_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)) is None  # 2 head blocks each
-    assert plan_joined_launch(1, 512, 1, 64, TileConfig(elems=256, num_warps=4)).block_t == 1  # a row is one block
-    # A joined launcher takes the small_joined tile for small writes (one MLA row per program).
+    eight = plan_write(8, 128, 8, 128, BIG, joined=True)
+    assert eight.joined and eight.grid_y == 1  # 8 x 128 fits the 2048-element tile
+    assert not plan_write(8, 128, 8, 128, BIG, joined=True, tile=Tile(elems=512, num_warps=4)).joined  # 2 head blocks each
+    assert plan_write(1, 512, 1, 64, BIG, joined=True, tile=Tile(elems=256, num_warps=4)).block_t == 1  # a row is one block
+    # A joined writer takes the small_joined tile for small writes (one MLA row per program).
     row = (576, 576, 1)
-    launch = PreparedLaunch(1, 512, 1, 64, torch.float8_e4m3fn, row, row, 8, torch.device(DEVICE), joined=True)
-    assert launch.small_per_head.plan == plan_joined_launch(1, 512, 1, 64, TILE_TABLE["small_joined"])
-    assert (launch.small_per_head.plan.block_t, launch.per_head.plan.block_t) == (1, 4)
+    writer = KVWriter(Geometry(torch.float8_e4m3fn, 1, 512, 1, 64, torch.device(DEVICE)), row, row, 8, "always", joined=True)
+    inputs = ((512, 512, 1), (64, 64, 1))
+    small, large = (writer.plan(*inputs, (2, 2), False, t) for t in (1, BIG))
+    assert small == plan_write(1, 512, 1, 64, 1, joined=True, tile=WRITE_SMALL_JOINED) and small.joined
+    assert (small.block_t, large.block_t) == (1, 4)
     with pytest.raises(ValueError, match="one block per tensor"):
-        plan_launch(8, 128, 8, 128, TileConfig(elems=512, num_warps=4)).__class__(
-            8, 128, 8, 128, block_t=1, block_h=4, block_d=128, block_hv=4, block_dv=128, num_warps=4, joined=True
-        )
+        LaunchPlan(8, 128, 8, 128, block_t=1, block_h=4, block_d=128, block_hv=4, block_dv=128, num_warps=4, joined=True)
 
 
 # One program writes both tensors: different head counts, dims and second pieces (96 = 64 + 32),
@@ -229,9 +230,9 @@ def test_joined_plans_only_where_each_row_is_one_block():
 @pytest.mark.parametrize("h,d,hv,dv", [(1, 64, 1, 16), (3, 96, 3, 96), (2, 32, 1, 40)])
 def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
     t, slots = 11, 29
-    tile = TileConfig(elems=512, num_warps=2)
-    plan = plan_joined_launch(h, d, hv, dv, tile)
-    assert plan is not None and plan.block_t < t
+    tile = Tile(elems=512, num_warps=2)
+    plan = plan_write(h, d, hv, dv, t, joined=True, tile=tile)
+    assert plan.joined and plan.block_t < t
     k, v = _rows(t, h, d, torch.bfloat16, 61), _rows(t, hv, dv, torch.float32, 62)
     ks, vs = _scale(scale_kind, h, 63), _scale(scale_kind, hv, 64)
     if scale_kind in ("float", "tensor"):  # K and V scales differ, so a mix-up shows
@@ -239,9 +240,8 @@ def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
     loc = _loc(t, slots, loc_dtype, 65)
     key = write_key(k, v, loc, ks, vs)
     kc, vc = _caches(slots, h, d, hv, dv, torch.float8_e4m3fn)
-    launcher = PreparedLaunch(h, d, hv, dv, torch.float8_e4m3fn, kc.stride(), vc.stride(), slots, torch.device(DEVICE),
-                              tile=tile, flat=False, joined=True)  # fmt: skip
-    assert launcher.variant_for(k.stride(), v.stride(), (key[3], key[4]), tokens=t).plan == plan  # the joined plan runs
+    writer = KVWriter(_geometry(kc, vc), kc.stride(), vc.stride(), slots, "always", tile=tile, row_plans=False, joined=True)
+    assert writer.plan(k.stride(), v.stride(), (key[3], key[4]), False, t) == plan  # the joined plan runs
     for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
         (kf, vf), (kr, vr) = _both_paths(
             k, v, loc, ks, vs, slots, cache_dtype, tile=tile, joined=True, flat=False
@@ -252,8 +252,8 @@ def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
 
 def test_flat_plan_with_rows_longer_than_the_tile():
     t, slots, h, d = 5, 11, 3, 16  # 48-element rows, 32-element tile: three blocks of 16 per row
-    tile = TileConfig(elems=32, num_warps=1)
-    plan = plan_flat_launch(h, d, h, d, tile)
+    tile = Tile(elems=32, num_warps=1)
+    plan = plan_write(h, d, h, d, t, row=True, tile=tile)
     assert plan.block_d == 16 and plan.block_d2 == 0 and plan.k_blocks == 3
     k, v = _rows(t, h, d, torch.bfloat16, 31), _rows(t, h, d, torch.bfloat16, 32)
     (kf, vf), (kr, vr) = _both_paths(
@@ -289,15 +289,14 @@ def test_flat_and_per_head_plans_match_reference(h, d, hv, dv, layout, scale_kin
     ks, vs = _scale(scale_kind, h, 23), _scale(scale_kind, hv, 24)
     cache_dtype = torch.float8_e4m3fn
     kf, vf = _caches(slots, h, d, hv, dv, cache_dtype)
-    launch = PreparedLaunch(h, d, hv, dv, cache_dtype, kf.stride(), vf.stride(), slots, torch.device(DEVICE))
+    writer = KVWriter(_geometry(kf, vf), kf.stride(), vf.stride(), slots, "always")
     kinds = (2 if scale_kind == "tensor" else 3,) * 2
     # one head per row is contiguous in any layout; a geometry whose per-head plan fills its lanes
     # (one head of 80 = 64 + 16) has no flat plan
-    expect_flat = (
-        launch.flat is not None and scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)
-    )
-    assert (launch.flat is None) == ((h, d, hv, dv) == (1, 80, 1, 80))
-    assert (launch.variant_for(k.stride(), v.stride(), kinds) is launch.flat) == expect_flat
+    has_flat = plan_write(h, d, hv, dv, BIG, row=True).row_view
+    expect_flat = has_flat and scale_kind == "tensor" and (layout != "head_dim_strided" or h == hv == 1)
+    assert (not has_flat) == ((h, d, hv, dv) == (1, 80, 1, 80))
+    assert writer.plan(k.stride(), v.stride(), kinds, False, BIG).row_view == expect_flat
     (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 25), ks, vs, slots, cache_dtype)
     assert_same_bytes(kf, kr, "k_cache")
     assert_same_bytes(vf, vr, "v_cache")
@@ -396,11 +395,11 @@ def test_duplicate_slots_take_one_of_the_rows():
 
 
 def test_direct_launch_knows_the_kernel_signature():
-    """Direct launches pass the compile-time arguments positionally after the runtime ones."""
-    from kvpool.kernels import store_kv
-
-    names = list(store_kv._k._store_kv_kernel.arg_names)
-    assert tuple(names[-len(store_kv._CONSTEXPR_NAMES) :]) == store_kv._CONSTEXPR_NAMES
+    """Direct launches pass every argument positionally: the per-call ones, the fixed ones, then the
+    compile-time constants, in the kernel's signature order."""
+    names = list(store_kv_kernel._store_kv_kernel.arg_names)
+    assert tuple(names[-len(store_kv.CONSTEXPRS) :]) == store_kv.CONSTEXPRS
+    assert tuple(names) == store_kv.PARAMS
 
 
 @pytest.mark.parametrize("write", [fused_fp8_set_kv_buffer, reference_set_kv_buffer], ids=lambda f: f.__name__)

@@ -1,8 +1,9 @@
-"""The launcher's direct launch and its fallback, and the environment switches (``KernelOptions``).
+"""The writer's direct launch and its fallback, the frames from a public call to the launch, and the
+environment switches (``KernelOptions``).
 
-After a variant's first launch through Triton's JIT, a ``PreparedLaunch`` launches the compiled
+After a kind of call's first launch through Triton's JIT, a ``KVWriter`` launches the compiled
 kernel object directly. If that direct launch fails (a Triton whose compiled-kernel launcher takes
-its arguments differently), that launcher, and only that one, goes back to the JIT launch for good,
+its arguments differently), that writer, and only that one, goes back to the JIT launch for good,
 logs one warning, and the write still happens.
 
 On the CPU there is no compiled kernel, so the JIT launch is wrapped here: it runs the real
@@ -16,6 +17,7 @@ import dataclasses
 import io
 import logging
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -26,9 +28,9 @@ import kvpool
 from kvassert import assert_same_bytes, bits, needs_interpreter, poison_
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels import store_kv
-from kvpool.kernels.checks import write_key
-from kvpool.kernels.store_kv import PreparedLaunch, storage_view
+from kvpool.kernels import store_kv, store_kv_kernel
+from kvpool.kernels.store_kv import KVWriter, storage_view
+from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry
 
 DEVICE = "cpu"
 
@@ -82,19 +84,19 @@ class JitLaunch:
 def jit(monkeypatch):
     if not store_kv.INTERPRETER:
         pytest.skip("fakes the compiled kernel around Triton's interpreter")
-    jit = JitLaunch(store_kv._k._store_kv_kernel)
-    monkeypatch.setattr(store_kv._k, "_store_kv_kernel", jit)
-    monkeypatch.setattr(store_kv, "_current_device", lambda: 0)  # no CUDA device to ask
+    jit = JitLaunch(store_kv_kernel._store_kv_kernel)
+    monkeypatch.setattr(store_kv_kernel, "_store_kv_kernel", jit)
     yield jit
     mistyped = [c.mistyped for c in jit.handed if c.mistyped]
     assert not mistyped, f"a compiled variant was launched directly with other pointer types: {mistyped}"
 
 
-def _launcher(h=2, d=16, slots=12) -> tuple[PreparedLaunch, torch.Tensor, torch.Tensor]:
+def _launcher(h=2, d=16, slots=12) -> tuple[KVWriter, torch.Tensor, torch.Tensor]:
     kc = poison_(torch.empty(slots, h, d, dtype=torch.float8_e4m3fn))
     vc = poison_(torch.empty(slots, h, d, dtype=torch.float8_e4m3fn))
-    launch = PreparedLaunch(h, d, h, d, kc.dtype, kc.stride(), vc.stride(), slots, torch.device(DEVICE))
-    launch.direct = True  # as on a GPU; the interpreter turns it off
+    geometry = Geometry(kc.dtype, h, d, h, d, torch.device(DEVICE))
+    launch = KVWriter(geometry, kc.stride(), vc.stride(), slots, "always")
+    launch.launches.enabled = True  # as on a GPU; the interpreter turns it off
     return launch, kc, vc
 
 
@@ -104,7 +106,7 @@ def _write(launch, kc, vc, seed, scale=0.5):
     k = torch.randn(5, kc.shape[1], kc.shape[2], generator=g) * 100
     loc = torch.randperm(kc.shape[0], generator=g)[:5]
     loc[2] = -1
-    launch(write_key(k, k, loc, scale, scale), k, k, storage_view(kc), storage_view(vc), loc, scale, scale)
+    launch.write(storage_view(kc), storage_view(vc), loc, k, k, scale, scale, FUNCTION_NAMES)
     ek, ev = poison_(torch.empty_like(kc)), poison_(torch.empty_like(vc))
     reference_set_kv_buffer(k, k, ek, ev, loc, scale, scale)
     return loc, ek, ev
@@ -124,7 +126,7 @@ def test_failed_direct_launch_falls_back_for_that_launcher_only(jit, caplog):
     jit.fail_next = False
     loc, ek, _ = _write(b, kb, vb, seed=2)  # JIT launch; B keeps a working one
     _assert_rows(kb, ek, loc, "B, first write")
-    assert jit.launches == 2 and len(a._compiled) == len(b._compiled) == 1
+    assert jit.launches == 2 and len(a.launches.entries) == len(b.launches.entries) == 1
     failing, working = jit.handed
 
     with caplog.at_level(logging.WARNING, logger="kvpool"):
@@ -136,7 +138,7 @@ def test_failed_direct_launch_falls_back_for_that_launcher_only(jit, caplog):
     assert len(warnings) == 1
     assert "direct launch of the compiled kernel failed" in warnings[0].getMessage()
     assert "takes its arguments differently" in warnings[0].getMessage()
-    assert a.direct is False and not a._compiled
+    assert a.launches.enabled is False and not a.launches.entries
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvpool"):
@@ -144,7 +146,7 @@ def test_failed_direct_launch_falls_back_for_that_launcher_only(jit, caplog):
         loc_b, ek_b, _ = _write(b, kb, vb, seed=5)  # B still launches directly
     assert failing.calls == 1 and jit.launches == 4
     _assert_rows(ka, ek, loc, "A after the fallback")
-    assert b.direct is True and working.calls == 1, "the other launcher must keep launching directly"
+    assert b.launches.enabled is True and working.calls == 1, "the other launcher must keep launching directly"
     _assert_rows(kb, ek_b, loc_b, "B, direct launch")
     assert not caplog.records, "one warning per launcher, not one per call"
 
@@ -167,7 +169,7 @@ def test_direct_launch_writes_what_the_jit_launch_writes(jit):
 def test_pool_write_still_happens_when_its_direct_launch_fails(jit, caplog):
     pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
     other = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
-    pool._writer.launch.direct = other._writer.launch.direct = True
+    pool._writer.launches.enabled = other._writer.launches.enabled = True
     x = torch.randn(3, 2, 8) * 10
     loc = torch.tensor([1, 2, 3])
     jit.fail_next = True
@@ -184,7 +186,7 @@ def test_pool_write_still_happens_when_its_direct_launch_fails(jit, caplog):
         for a, b in zip(p.get_kv_buffer(0), expected.get_kv_buffer(0)):
             assert_same_bytes(a, b, "after the failed direct launch")
         assert p.stats.fused_calls == 2
-    assert pool._writer.launch.direct is False and other._writer.launch.direct is True
+    assert pool._writer.launches.enabled is False and other._writer.launches.enabled is True
 
 
 # --- KernelOptions and the environment -----------------------------------------------------------
@@ -238,7 +240,7 @@ def test_a_bad_switch_fails_when_a_launcher_is_built(clean_env):
         MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, 8, 1, DEVICE, fused="always", warmup=False)
     clean_env.setenv("KVPOOL_SOFT_CAST", "1")
     pool = MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, 8, 1, DEVICE, fused="always", warmup=False)
-    assert pool._writer.launch.soft_cast
+    assert pool._writer.soft_cast
     clean_env.setenv("KVPOOL_SOFT_CAST", "maybe")  # read once: later writes do not look again
     x = torch.ones(1, 1, 8)
     pool.set_kv_buffer(None, torch.tensor([1]), x, x, layer_id_override=0)
@@ -288,7 +290,7 @@ def test_verify_writes_with_commit_lens_of_another_dtype_get_their_own_variant(j
     wrong integer type: int64 [3, 1] read as int32 is [3, 0])."""
     pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
     ref = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="never")
-    pool._writer.launch.direct = True
+    pool._writer.launches.enabled = True
     loc = torch.tensor([[1, 2, 3], [4, 5, 6]])
     x = torch.randn(6, 2, 8) * 10
     for step, dtype in enumerate([first, second, first, second]):
@@ -298,3 +300,84 @@ def test_verify_writes_with_commit_lens_of_another_dtype_get_their_own_variant(j
         for a, b in zip(pool.get_kv_buffer(0), ref.get_kv_buffer(0)):
             assert_same_bytes(a, b, f"step {step} (commit_lens {dtype})")
     assert jit.launches == 2, "one JIT launch per commit_lens type, then direct launches"
+
+
+# --- frames from a public call to the kernel launch ------------------------------------------------
+
+PACKAGE = Path(kvpool.__file__).resolve().parent
+
+
+def _kvpool_frames() -> list[str]:
+    """The kvpool functions on the caller's stack, innermost first."""
+    names, frame = [], sys._getframe(1)
+    while frame is not None:
+        if Path(frame.f_code.co_filename).resolve().is_relative_to(PACKAGE):
+            names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+class FrameCounter(FakeCompiled):
+    """A compiled stand-in that records the kvpool frames under each direct launch, then launches."""
+
+    stacks: list[list[str]] = []
+
+    def __getitem__(self, grid):
+        run = super().__getitem__(grid)
+
+        def counted(*args):
+            FrameCounter.stacks.append(_kvpool_frames())
+            return run(*args)
+
+        return counted
+
+
+@pytest.fixture
+def frames(jit, monkeypatch):
+    """Direct launches through FrameCounter; returns a function giving the frames of one call."""
+    monkeypatch.setattr(sys.modules[__name__], "FakeCompiled", FrameCounter)
+
+    def of(call) -> list[str]:
+        call()  # the first call of a kind launches through the JIT
+        FrameCounter.stacks.clear()
+        call()
+        assert len(FrameCounter.stacks) == 1, f"{len(FrameCounter.stacks)} direct launches for one call"
+        return FrameCounter.stacks[0]
+
+    return of
+
+
+def test_warm_eager_writes_reach_the_launch_in_two_kvpool_frames(frames):
+    """A warm eager write is the entry and the writer's ``write``, which launches the compiled
+    kernel: no other kvpool frame is on the stack when the launch happens."""
+    mha = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 2, DEVICE, fused="always", warmup=False)
+    mla = kvpool.MLATokenToKVPool(16, 1, torch.float8_e4m3fn, 16, 8, 2, DEVICE, fused="always", warmup=False)
+    for pool in (mha, mla):
+        pool._writer.launches.enabled = True
+    x = torch.randn(3, 2, 8)
+    row = torch.randn(3, 1, 24)
+    loc = torch.tensor([1, 2, 3])
+    scale = torch.tensor([0.5])
+    assert frames(lambda: mha.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=1)) == ["write", "set_kv_buffer"]
+    assert frames(lambda: mha.set_kv_buffer_prefix_valid(None, loc.view(1, 3), torch.tensor([2]), x, x, 0.5, None, layer_id_override=0)) == ["write", "set_kv_buffer_prefix_valid"]  # fmt: skip
+    assert frames(lambda: mla.set_kv_buffer(None, loc, row, None, scale, layer_id_override=0)) == ["write", "set_kv_buffer"]
+    assert frames(lambda: mla.set_mla_kv_buffer(None, loc, row[:, :, :16], row[:, :, 16:], 0.5, layer_id_override=1)) == ["write", "set_mla_kv_buffer"]  # fmt: skip
+    k_cache, v_cache = torch.zeros(8, 2, 8, dtype=torch.float8_e4m3fn), torch.zeros(8, 2, 8, dtype=torch.float8_e4m3fn)
+    store_kv.writer_for(k_cache, v_cache, "always").launches.enabled = True
+    assert frames(lambda: kvpool.fused_fp8_set_kv_buffer(x, x, k_cache, v_cache, loc, 0.5, 0.5)) == ["write", "fused_fp8_set_kv_buffer"]  # fmt: skip
+
+
+def test_compiled_writes_reach_the_launch_in_two_kvpool_frames(frames):
+    """Under torch.compile(fullgraph=True) the traced set_kv_buffer is gone at run time: the custom
+    operator's implementation calls the writer's ``write``, which launches."""
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    store_kv.writer_for(pool._k_views[0], pool._v_views[0], "always").launches.enabled = True
+    torch._dynamo.reset()
+
+    def step(x, loc, scale):
+        pool.set_kv_buffer(None, loc, x, x, scale, scale, layer_id_override=0)
+        return x.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x, loc, scale = torch.randn(3, 2, 8), torch.tensor([1, 2, 3]), torch.tensor([0.5])
+    assert frames(lambda: compiled(x, loc, scale)) == ["write", "store_kv_custom_op"]

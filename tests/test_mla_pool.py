@@ -25,9 +25,9 @@ import kvpool
 from kvassert import assert_same_bytes, bits
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.kernels import copy_rows, store_kv
-from kvpool.kernels import write as write_module
 from kvpool import host as host_tier
-from kvpool.kernels.store_kv import plan_flat_launch, plan_launch
+from kvpool.kernels.store_kv_plan import BAND_TOKENS, plan_write
+from kvpool.kernels.tuning import SMALL_TOKENS
 from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_latent_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
@@ -387,11 +387,12 @@ def test_kernel_plan_for_the_deepseek_row():
     """The kernel's plan covers the 512 latent and 64 rotary columns with no idle lanes, no flat
     plan; the joined plan writes both parts of each row from one program (grid axis 1 has one
     entry), where the per-head plan alone gives each part its own programs."""
-    plan = plan_launch(1, 512, 1, 64)
+    big = SMALL_TOKENS + 1  # the large writes' tile
+    plan = plan_write(1, 512, 1, 64, big)
     assert plan.lane_use == 1.0 and plan.grid_y == 2
     assert (plan.block_t, plan.block_d, plan.block_dv) == (4, 512, 64)
-    assert plan_flat_launch(1, 512, 1, 64) is None
-    joined = store_kv.plan_joined_launch(1, 512, 1, 64)
+    assert not plan_write(1, 512, 1, 64, big, row=True).row_view
+    joined = plan_write(1, 512, 1, 64, big, joined=True)
     assert joined.grid_y == 1 and (joined.block_t, joined.block_d, joined.block_dv) == (4, 512, 64)
 
 
@@ -402,15 +403,17 @@ def test_eager_and_compiled_writes_take_the_same_joined_plans(rank, rope):
     same two column views) take the same joined plans, so the pool's warmup serves both; caches
     that are not two parts of one row keep the per-part plan."""
     pool = make_pool(torch.float8_e4m3fn, "always", r=rank, rope=rope, size=64)
-    eager = pool._writer.launch
-    compiled = write_module.writer_for(pool._k_views[0], pool._v_views[0], "always").launch
-    for mine, op in ((eager.per_head, compiled.per_head), (eager.small_per_head, compiled.small_per_head)):
-        assert mine.plan.joined and mine.grid_y == 1 and mine.plan == op.plan
-    apart = write_module.writer_for(
+    eager = pool._writer
+    compiled = store_kv.writer_for(pool._k_views[0], pool._v_views[0], "always")
+    apart = store_kv.writer_for(
         torch.empty(8, 1, rank, dtype=torch.float8_e4m3fn, device=DEVICE),
         torch.empty(8, 1, rope, dtype=torch.float8_e4m3fn, device=DEVICE), "always",
-    ).launch  # fmt: skip
-    assert not apart.per_head.plan.joined and not apart.small_per_head.plan.joined
+    )  # fmt: skip
+    inputs = ((rank, rank, 1), (rope, rope, 1))
+    for tokens in BAND_TOKENS:  # both tiles; per-head scales keep row plans out, as the old per-head variants
+        mine, op = (w.plan(*inputs, (3, 3), False, tokens) for w in (eager, compiled))
+        assert mine.joined and mine.grid_y == 1 and mine == op
+        assert not apart.plan(*inputs, (3, 3), False, tokens).joined
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""Write paths: the fused Triton kernel and its launcher, the PyTorch reference, the gate, and the
-writer that decides between them."""
+"""Kernels and their launchers: the K/V write (``store_kv*.py``: kernel, plan, writer, operators and
+public functions, reference, checks), the gate, the row copy (``row_table.py``, ``copy_rows*.py``),
+and what they share (``launch.py``, ``tuning.py``, ``formats.py``)."""
 
+from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.gate import fused_eligibility
-from kvpool.kernels.reference import quantize
-from kvpool.kernels.write import FusedPathUnavailable, PathStats, fused_fp8_set_kv_buffer, reference_set_kv_buffer
+from kvpool.kernels.store_kv import PathStats
+from kvpool.kernels.store_kv_naive import quantize
+from kvpool.kernels.store_kv_op import fused_fp8_set_kv_buffer, reference_set_kv_buffer
 
 __all__ = [
     "FusedPathUnavailable",

@@ -16,7 +16,7 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
 from kvpool.kernels.copy_rows_naive import byte_rows, copy_rows_reference
-from kvpool.kernels.launch import INTERPRETER, LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, floor_pow2, next_pow2
+from kvpool.kernels.launch import INTERPRETER, LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, floor_pow2, kernel_params, next_pow2
 from kvpool.kernels.row_table import RowTable, aliases, staging_table
 from kvpool.kernels.tuning import (
     FEW_PROGRAMS,
@@ -168,7 +168,7 @@ PARAMS = (
 #: Compiled kernels by :func:`launch_key` (CUDA): a transfer of 32 layers one by one launches 32
 #: times before the model's work can be queued, so each launch after the first of its kind skips the
 #: JIT's per-call binding.
-LAUNCHES = DirectLaunches("row-copy kernel", None if _k is None else _k._copy_rows_kernel, PARAMS)
+LAUNCHES = DirectLaunches("row copy", _k is not None and kernel_params(_k._copy_rows_kernel) == PARAMS)
 
 
 def launch_copy_rows(

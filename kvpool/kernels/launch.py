@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger("kvpool")
 
@@ -62,35 +62,34 @@ def kernel_params(kernel: Any) -> tuple[str, ...]:
 class DirectLaunches:
     """Compiled kernels of one ``@triton.jit`` function, by launch key, for direct launches.
 
-    ``entries`` maps a caller's key to what the caller keeps for it (the compiled kernel and
-    whatever else a direct launch of that kind needs); ``enabled`` is False where direct launches
-    cannot work (no Triton, the interpreter, the kernel's signature is not ``params``, or they were
-    switched off) and once a direct launch failed. At most ``limit`` entries, as Triton's own cache
-    of compiled variants is bounded.
+    ``entries`` maps a caller's key (a superset of what Triton specialises on, or an object standing
+    for one) to the compiled kernel its first JIT launch handed back. ``enabled`` is False where
+    direct launches cannot work (no Triton, the interpreter, a kernel whose signature is not the
+    order the caller passes, or switched off) and once a direct launch failed. At most ``limit``
+    entries, as Triton's own cache of compiled variants is bounded.
     """
 
     __slots__ = ("entries", "enabled", "limit", "what")
 
-    def __init__(self, what: str, kernel: Any, params: Optional[tuple[str, ...]], enabled: bool = True,
-                 limit: int = 1024) -> None:  # fmt: skip
+    def __init__(self, what: str, enabled: bool = True, limit: int = 1024) -> None:
         self.what = what
         self.entries: dict = {}
         self.limit = limit
-        self.enabled = (
-            enabled and TRITON_AVAILABLE and not INTERPRETER and kernel is not None
-            and (params is None or kernel_params(kernel) == params)
-        )  # fmt: skip
+        self.enabled = enabled and TRITON_AVAILABLE and not INTERPRETER
 
-    def remember(self, key: object, entry: object) -> None:
-        """Keep ``entry`` for later calls of ``key`` (dropping the oldest past ``limit``)."""
+    def remember(self, key: object, compiled: object) -> None:
+        """Keep ``compiled`` for later launches of ``key`` (dropping the oldest past ``limit``)."""
         if not self.enabled:
             return
         if len(self.entries) >= self.limit:
             del self.entries[next(iter(self.entries))]
-        self.entries[key] = entry
+        self.entries[key] = compiled
 
     def failed(self, exc: BaseException) -> None:
         """A direct launch raised before launching: launch through the JIT from now on."""
         self.enabled = False
         self.entries.clear()
-        logger.warning("kvpool: direct launch of the compiled %s failed (%s); using Triton's JIT launch", self.what, exc)
+        logger.warning(
+            "kvpool: direct launch of the compiled kernel failed (%s); the %s launches through Triton's JIT from now on",
+            exc, self.what,
+        )  # fmt: skip

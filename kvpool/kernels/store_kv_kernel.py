@@ -1,18 +1,16 @@
-"""The fused K/V cache write, as Triton device code only (the launcher is ``store_kv.py``).
+"""The fused K/V cache write, as Triton device code only (plan: ``store_kv_plan.py``; the write
+object that launches it: ``store_kv.py``; what it writes: docs/contract.md, "The write").
 
 One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
 rounded float32, saturate to the format's finite range, round to nearest even, and scatter each row
 to its slot. Grid: axis 0 walks token blocks; axis 1 walks the blocks of K and then of V, so K and V
 (which may differ in head count and head dim) share the launch; with ``JOINED`` (each tensor's row is
 one block) one program loads a token block's K and V rows and then stores both. A block is BLOCK_H
-heads x BLOCK_D elements of head_dim; the launcher's flat plans pass a whole row as one "head" cut into several
-head_dim blocks, for geometries whose heads pad badly to powers of two.
+heads x BLOCK_D elements of head_dim; row plans pass a whole row as one "head".
 
-The per-element work is kept small on purpose: on an H200 a write of 16k+ tokens was limited by
-instructions, not memory, until the division lost its selects and the cast its clamp (see
-``_div_by_reciprocal`` and ``_convert``).
-
-Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
+The per-element work is kept small on purpose (large writes are otherwise bound by instructions,
+not memory): the division has no selects and the native cast no clamp (``_div_by_reciprocal``,
+``_convert``). Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
 
 * native (``SOFT_CAST=False``): Triton's ``.to(float8e4nv / float8e5 / bfloat16)``; on sm_89+ this is
   ``cvt.rn.satfinite``, one instruction per pair of elements.
@@ -21,10 +19,8 @@ Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
   float->bf16 conversions are wrong (ties away from zero, truncation) and which also mangles bf16
   subnormals when widening them, and GPUs that have no FP8 conversion instruction.
 
-A NaN is stored as ``formats.NAN_BITS`` of the cache type whenever the write converts (the native
-FP8 conversion produces that pattern itself; the other conversions select it explicitly).
-
-With ``PREFIX`` the launch is a speculative-decoding verify write: ``loc`` is [bs, width] and token
+A NaN is stored as ``formats.NAN_BITS`` of the cache type whenever the write converts. With
+``PREFIX`` the launch is a speculative-decoding verify write: ``loc`` is [bs, width] and token
 ``i * width + j`` is written only when ``j < commit_lens[i]`` (read on the device).
 """
 
@@ -167,13 +163,8 @@ def _div_by_reciprocal(x, s, r):
 def _reciprocal(s, SCALE_KIND: tl.constexpr, FAST_DIV: tl.constexpr, SHARED: tl.constexpr):
     """RN(1 / s) for the fast division when a block's two head_dim pieces share it (``SHARED``):
     computed once before either piece's range check. ``s`` itself otherwise, and each tile's
-    division computes it behind its range check.
-
-    Why only for two pieces (benchmarks/probe_decode.py and bench_set_kv.py, the two kernels
-    measured one after the other on one H200): computing it once saved the odd shape's two-piece
-    rows 0.03-0.05 us per decode write in a graph and 2-3.5 points of the same-bytes copy at 8k-32k
-    tokens; computed ahead of the range check for a one-piece row, it cost 0.03-0.09 us per decode
-    write and up to 6 points at 8k-32k tokens."""
+    division computes it behind its range check: for a one-piece row, computing it ahead of the
+    check lengthens a decode write's dependent chain; two pieces gain from sharing it."""
     if SHARED and FAST_DIV and (SCALE_KIND == SCALE_VALUE or SCALE_KIND == SCALE_TENSOR or SCALE_KIND == SCALE_HEAD):
         r = tl.div_rn(1.0, s)
     else:
@@ -405,6 +396,8 @@ def _store_head_block(
 # scheduler slices loc out of a larger buffer; a scale tensor may be one element of a stacked
 # per-layer tensor); so do a verify write's width and commit_lens. Not specializing on them keeps one
 # compiled variant per pool configuration, so the warmup at pool construction covers the first call.
+# The arguments that change per call come first (up to ``stride_commit``), those fixed for a kind
+# of call after them: a direct launch reuses the second part.
 @triton.jit(
     do_not_specialize=[
         "T", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "k_scale_stride", "v_scale_stride",
@@ -427,11 +420,11 @@ def _store_kv_kernel(
     k_scale_stride,
     v_scale_stride,
     T,
-    capacity,
     width,  # PREFIX: loc is [T // width, width]
-    stride_loc,  # loc's stride along tokens (along width, PREFIX)
     stride_loc_row,  # PREFIX: loc's stride along rows
     stride_commit,
+    capacity,
+    stride_loc,  # loc's stride along tokens (along width, PREFIX)
     stride_kt,
     stride_kh,
     stride_kd,

@@ -17,12 +17,12 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, non_negative_int, positive_int, resolve_device
 from kvpool.config import FusedMode, fused_mode, validate_enabled
-from kvpool.kernels.checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
+from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels import copy_rows
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
-from kvpool.kernels.store_kv import SMALL_TOKENS
-from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.write import KVWriter, PathStats
+from kvpool.kernels.store_kv import KVWriter, PathStats, parts_of_one_row
+from kvpool.kernels.store_kv_checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
+from kvpool.kernels.store_kv_plan import BAND_TOKENS
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
 
 logger = logging.getLogger("kvpool")
@@ -129,10 +129,12 @@ class KVCache:
             self._move_table = copy_rows.RowTable.of(rows)
 
     def _init_writer(self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> None:
-        """The write decision for these buffers (every layer shares the geometry and strides)."""
+        """The writer of these buffers (every layer shares the geometry and strides): the one object
+        every write of this pool goes through. Caches that are the two parts of one row buffer (the
+        MLA pool's) take joined plans."""
         self._writer = KVWriter(
-            geometry, tuple(k_strides), tuple(v_strides), self.rows, self.fused_mode,
-            caches_aligned=True, validate=self.validate,
+            geometry, tuple(k_strides), tuple(v_strides), self.rows, self.fused_mode, caches_aligned=True,
+            validate=self.validate, joined=parts_of_one_row(geometry, k_strides, v_strides),
         )  # fmt: skip
         self.stats: PathStats = self._writer.stats
         if self.fused_mode == "always" and not self._writer.cache_ok:
@@ -152,9 +154,11 @@ class KVCache:
 
     def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
         """Index of the layer a write names: ``layer_id_override`` or ``layer.layer_id``."""
-        layer_id = _layer_id_of(layer) if layer_id_override is None else layer_id_override
+        layer_id = getattr(layer, "layer_id", None) if layer_id_override is None else layer_id_override
         i = layer_id - self.start_layer if type(layer_id) is int else -1
         if not 0 <= i < self.layer_num:
+            if layer_id_override is None:
+                layer_id = _layer_id_of(layer)  # raises for a missing layer or layer_id
             i = self._layer_index(layer_id)  # raises with the reason
         return i
 
@@ -289,11 +293,11 @@ class KVCache:
     def _warmup_calls(self) -> list[Callable[[], None]]:
         """Calls that compile and run every kernel variant a first real write would meet, writing
         zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write):
-        one token, and SMALL_TOKENS + 1 tokens (all but the first skipped) for the large writes' tile."""
+        one write per token band of the plan (all tokens but the first skipped)."""
         return [
             functools.partial(self._warmup_write, *variant, tokens)
             for variant in self.warmup_variants()
-            for tokens in (1, SMALL_TOKENS + 1)
+            for tokens in BAND_TOKENS
         ]
 
     def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
@@ -309,17 +313,18 @@ class KVCache:
         """Compile each variant once on the pool's device. Each call writes zeros to slot 0 of the
         first layer: the padding slot, which no allocator hands out (at construction the buffers
         are still zero there, so nothing changes at all)."""
-        if self._writer.launch is None or self.device.type != "cuda":
+        if not self._writer.fused_possible or self.device.type != "cuda":
             return
         start = time.perf_counter()
         calls = self._warmup_calls()
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), self._writer.uncounted():
             for call in calls:
                 call()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
-            "kvpool: warmed %d fused-kernel variants x 2 tiles in %.2f s", len(self.warmup_variants()), self.warmup_seconds
+            "kvpool: warmed %d fused-kernel variants x %d token bands in %.2f s", len(self.warmup_variants()),
+            len(BAND_TOKENS), self.warmup_seconds,
         )
 
     # --- calibration -----------------------------------------------------------------------------

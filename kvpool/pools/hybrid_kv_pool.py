@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.checks import non_negative_int, positive_int
-from kvpool.kernels.checks import Scale
+from kvpool.kernels.store_kv_checks import Scale
 from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.mha_pool import MHATokenToKVPool

@@ -8,10 +8,14 @@ from typing import Optional
 import torch
 
 from kvpool.checks import positive_int
-from kvpool.kernels.checks import POOL_NAMES, ArgNames, Geometry, Scale, check_scale_values, check_write
+from kvpool.kernels.store_kv_checks import POOL_NAMES, ArgNames, Geometry, Scale, check_write
+from kvpool.kernels.store_kv_op import store_kv_op
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
+
+#: Whether torch.compile is tracing the caller (bound once: one call, no attribute lookups).
+_is_compiling = torch.compiler.is_compiling
 
 
 class MHATokenToKVPool(KVCache):
@@ -170,10 +174,10 @@ class MHATokenToKVPool(KVCache):
         safe to capture in a CUDA graph and to call from ``torch.compile(fullgraph=True)`` code.
         """
         i = self._write_index(layer, layer_id_override)
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self._write_compiled(i, loc, cache_k, cache_v, k_scale, v_scale)
             return
-        self._writer.store(
+        self._writer.write(
             self.k_buffer[i], self.v_buffer[i], loc, cache_k, cache_v, k_scale, v_scale, POOL_NAMES,
             self._amax_views[i] if self._observing else None,  # type: ignore[index]
         )  # fmt: skip
@@ -212,16 +216,9 @@ class MHATokenToKVPool(KVCache):
             committed slot out of range or a ``commit_lens`` value outside ``0..width``.
         """
         i = self._write_index(layer, layer_id_override)
-        key, k_scale, v_scale = check_write(
-            self._writer.geometry, cache_k, cache_v, loc_2d, k_scale, v_scale, PREFIX_NAMES, commit_lens
-        )
-        if self.validate:
-            _check_prefix_values(loc_2d, commit_lens, self.rows)
-            check_scale_values(k_scale, "k_scale")
-            check_scale_values(v_scale, "v_scale")
         self._writer.write(
-            key, cache_k, cache_v, self.k_buffer[i], self.v_buffer[i], loc_2d, k_scale, v_scale,
-            commit_lens, self._amax_for(i),
+            self.k_buffer[i], self.v_buffer[i], loc_2d, cache_k, cache_v, k_scale, v_scale, PREFIX_NAMES,
+            self._amax_for(i), commit_lens,
         )  # fmt: skip
 
     def _write_compiled(
@@ -229,8 +226,6 @@ class MHATokenToKVPool(KVCache):
     ) -> None:
         """The write as traced by torch.compile: the metadata checks, then one custom op that
         declares the caches it mutates. Validate-mode checks read device memory and are skipped."""
-        from kvpool.kernels.op import store_kv_op
-
         checked = check_write(self._writer.geometry, cache_k, cache_v, loc, k_scale, v_scale, POOL_NAMES)
         store_kv_op(
             cache_k, cache_v, self._k_views[i], self._v_views[i], loc,
@@ -244,28 +239,7 @@ class MHATokenToKVPool(KVCache):
         k = torch.zeros((tokens, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
         v = torch.zeros((tokens, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
         loc = self._warmup_loc(tokens, loc_dtype)
-        key, scale, _ = check_write(self._writer.geometry, k, v, loc, scale, scale, POOL_NAMES)
-        self._writer.launch(key, k, v, self.k_buffer[0], self.v_buffer[0], loc, scale, scale, None, self._amax_for(0))  # type: ignore[misc]
+        self._writer.write(self.k_buffer[0], self.v_buffer[0], loc, k, v, scale, scale, POOL_NAMES, self._amax_for(0))
 
     def _amax_heads(self) -> tuple[int, int]:
         return self.head_num, self.head_num
-
-
-def _check_prefix_values(loc_2d: torch.Tensor, commit_lens: torch.Tensor, rows: int) -> None:
-    """Validate mode: every commit length in 0..width and every committed slot < rows (one sync)."""
-    width = loc_2d.shape[1]
-    lens = commit_lens.to(torch.int64)
-    bad = (lens < 0) | (lens > width)
-    if bool(bad.any()):
-        pos = int(torch.argmax(bad.to(torch.uint8)))
-        raise ValueError(f"commit_lens[{pos}] must be in 0..{width} (the width of loc_2d), got {int(lens[pos])}")
-    committed = torch.arange(width, device=loc_2d.device)[None, :] < lens[:, None]
-    slots = torch.where(committed, loc_2d.to(torch.int64), -1)
-    over = slots >= rows
-    if bool(over.any()):
-        flat = int(torch.argmax(over.reshape(-1).to(torch.uint8)))
-        r, c = divmod(flat, width)
-        raise IndexError(
-            f"loc_2d[{r}, {c}] = {int(slots[r, c])} is out of range: slots are 0..{rows - 1} "
-            f"(negative entries mean padding)"
-        )

@@ -16,13 +16,17 @@ from typing import Optional
 import torch
 
 from kvpool.checks import check_in_range, check_index, positive_int
-from kvpool.kernels.checks import ArgNames, Geometry, Scale, check_rows, check_write
 from kvpool.kernels.formats import bits_dtype
+from kvpool.kernels.store_kv_checks import ArgNames, Geometry, Scale, check_rows, check_write
+from kvpool.kernels.store_kv_op import store_kv_op
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 
 #: Argument names for errors: the latent row's two halves share ``k_scale`` (``v_scale`` is ignored).
 ROW_NAMES = ArgNames("cache_k", "cache_k", "loc", "k_scale", "k_scale")
 PARTS_NAMES = ArgNames("cache_k_nope", "cache_k_rope", "loc", "k_scale", "k_scale")
+
+#: Whether torch.compile is tracing the caller (bound once: one call, no attribute lookups).
+_is_compiling = torch.compiler.is_compiling
 
 
 class MLATokenToKVPool(KVCache):
@@ -231,10 +235,10 @@ class MLATokenToKVPool(KVCache):
             # Check the row as the caller passed it, so errors name cache_k and its full width.
             check_rows(cache_k, "cache_k", 1, self.kv_cache_dim, self.device)
         nope, rope = cache_k.split(self._split, dim=2)  # two views, no copy
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self._write_compiled(i, loc, nope, rope, k_scale, ROW_NAMES)
             return
-        self._writer.store(
+        self._writer.write(
             self.k_buffer[i], self.v_buffer[i], loc, nope, rope, k_scale, k_scale, ROW_NAMES,
             self._amax_views[i] if self._observing else None,  # type: ignore[index]
         )  # fmt: skip
@@ -264,10 +268,10 @@ class MLATokenToKVPool(KVCache):
             As for :meth:`set_kv_buffer`, naming ``cache_k_nope`` or ``cache_k_rope``.
         """
         i = self._write_index(layer, layer_id_override)
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self._write_compiled(i, loc, cache_k_nope, cache_k_rope, k_scale, PARTS_NAMES)
             return
-        self._writer.store(
+        self._writer.write(
             self.k_buffer[i], self.v_buffer[i], loc, cache_k_nope, cache_k_rope, k_scale, k_scale,
             PARTS_NAMES, self._amax_views[i] if self._observing else None,  # type: ignore[index]
         )  # fmt: skip
@@ -277,8 +281,6 @@ class MLATokenToKVPool(KVCache):
     ) -> None:
         """The write as traced by torch.compile: the metadata checks, then the one custom op, given
         the two column views of the layer's buffer as its two caches (it declares both mutated)."""
-        from kvpool.kernels.op import store_kv_op
-
         checked = check_write(self._writer.geometry, nope, rope, loc, k_scale, k_scale, names)
         store_kv_op(
             nope, rope, self._k_views[i], self._v_views[i], loc,
@@ -294,10 +296,7 @@ class MLATokenToKVPool(KVCache):
         row = torch.zeros((tokens, 1, self.kv_cache_dim), dtype=in_dtype, device=dev)
         nope, rope = row.split(self._split, dim=2)
         loc = self._warmup_loc(tokens, loc_dtype)
-        key, scale, _ = check_write(self._writer.geometry, nope, rope, loc, scale, scale, ROW_NAMES)
-        self._writer.launch(  # type: ignore[misc]
-            key, nope, rope, self.k_buffer[0], self.v_buffer[0], loc, scale, scale, None, self._amax_for(0)
-        )
+        self._writer.write(self.k_buffer[0], self.v_buffer[0], loc, nope, rope, scale, scale, ROW_NAMES, self._amax_for(0))
 
     # --- calibration -----------------------------------------------------------------------------
 

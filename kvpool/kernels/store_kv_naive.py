@@ -1,9 +1,10 @@
-"""The reference write path: plain PyTorch, any device, and the definition of the write.
+"""The K/V write in plain PyTorch: any device, and the definition of the write (docs/contract.md,
+"The write"); the fused kernel matches it bit for bit.
 
 ``quantize`` is the per-element function q(x, s); ``scatter_rows`` writes rows to slots while skipping
 negative and out-of-range slots without reading ``loc`` on the host (no synchronisation);
 ``write_reference`` is the whole write on checked arguments, as the writer's reference path runs it.
-The public function of the same signature as the fused one lives in ``kvpool.kernels.write``.
+The public function of the same signature as the fused one is in ``store_kv_op.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.checks import Scale
+from kvpool.kernels.store_kv_checks import Scale
 from kvpool.kernels.formats import FP8_FORMATS, NAN_BITS, bits_dtype, is_fp8
 
 

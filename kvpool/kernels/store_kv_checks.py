@@ -1,8 +1,9 @@
-"""Argument checks shared by every write path (docs/contract.md, "Bad input").
+"""The K/V write's argument checks, for every entry (docs/contract.md, "Bad input").
 
-Everything here reads tensor metadata only, so it costs no host-device synchronisation and is
-traceable by torch.compile. The checks that must read device memory (slot range, scale values) are
-separate functions, run only in ``validate`` mode.
+:func:`check_write` reads tensor metadata only (no synchronisation, traceable by torch.compile) and
+classifies a checked write into its key (``WriteKey``); :func:`check_values` and
+:func:`check_prefix_values` read device memory (slot range, scale values, commit lengths) and run
+only in ``validate`` mode. Index tensors are checked by ``kvpool.checks``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from kvpool.checks import check_in_range, check_index
 from kvpool.kernels.formats import (
     CACHE_DTYPES,
     INPUT_DTYPES,
@@ -70,12 +72,8 @@ def check_rows(t: object, name: str, heads: int, dim: int, device: torch.device)
 
 
 def check_loc(loc: object, name: str, tokens: int, device: torch.device) -> torch.Tensor:
-    if not isinstance(loc, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
-    if loc.dtype not in LOC_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {loc.dtype}")
-    if loc.dim() != 1:
-        raise ValueError(f"{name} must be 1-D [T], got shape {tuple(loc.shape)}")
+    """A plain write's slots: [T] int32/int64 on ``device``."""
+    loc = check_index(loc, name, dims="[T]", dtypes=LOC_DTYPES)
     if loc.shape[0] != tokens:
         raise ValueError(f"{name} must have T={tokens} entries (one per token), got {loc.shape[0]}")
     if loc.device != device:
@@ -244,12 +242,7 @@ def check_write(
 
 def check_loc_2d(loc: object, name: str, tokens: int, device: torch.device) -> torch.Tensor:
     """A prefix-valid write's slots: [bs, width] int32/int64 with bs * width == T."""
-    if not isinstance(loc, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(loc).__name__}")
-    if loc.dtype not in LOC_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {loc.dtype}")
-    if loc.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [bs, width], got shape {tuple(loc.shape)}")
+    loc = check_index(loc, name, ndim=2, dims="[bs, width]", dtypes=LOC_DTYPES)
     if loc.shape[0] * loc.shape[1] != tokens:
         raise ValueError(
             f"{name} must have bs * width = T = {tokens} entries (one per token), "
@@ -262,55 +255,40 @@ def check_loc_2d(loc: object, name: str, tokens: int, device: torch.device) -> t
 
 def check_commit_lens(commit_lens: object, bs: int, device: torch.device, loc_name: str = "loc_2d") -> torch.Tensor:
     """How many leading tokens of each row to write: [bs] int32/int64 on the device."""
-    if not isinstance(commit_lens, torch.Tensor):
-        raise TypeError(f"commit_lens must be a torch.Tensor, got {type(commit_lens).__name__}")
-    if commit_lens.dtype not in LOC_DTYPES:
-        raise ValueError(f"commit_lens must be int32 or int64, got {commit_lens.dtype}")
-    if commit_lens.dim() != 1 or commit_lens.shape[0] != bs:
-        raise ValueError(
-            f"commit_lens must be 1-D [bs] with bs = {bs} (one per row of {loc_name}), got shape {tuple(commit_lens.shape)}"
-        )
+    dims = f"[bs] with bs = {bs} (one per row of {loc_name})"
+    commit_lens = check_index(commit_lens, "commit_lens", dims=dims, dtypes=LOC_DTYPES)
+    if commit_lens.shape[0] != bs:
+        raise ValueError(f"commit_lens must be 1-D {dims}, got shape {tuple(commit_lens.shape)}")
     if commit_lens.device != device:
         raise ValueError(f"commit_lens must be on {device}, got {_device_str(commit_lens)}")
     return commit_lens
-
-
-def check_caller_write(
-    k: object,
-    v: object,
-    k_cache: object,
-    v_cache: object,
-    cache_loc: object,
-    k_scale: object,
-    v_scale: object,
-) -> tuple[torch.Tensor, torch.Tensor, CheckedWrite]:
-    """The metadata checks of the public write functions, on caches the caller owns."""
-    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
-    g = Geometry(k_cache.dtype, k_cache.shape[1], k_cache.shape[2], v_cache.shape[1], v_cache.shape[2], k_cache.device)
-    return k_cache, v_cache, check_write(g, k, v, cache_loc, k_scale, v_scale, FUNCTION_NAMES)
 
 
 # --- checks that read device memory (validate mode only) -------------------------------------------
 
 
 def check_values(loc: torch.Tensor, loc_name: str, capacity: int, k_scale: Scale, v_scale: Scale) -> None:
-    """Everything ``validate`` adds: slot range and scale values (synchronises)."""
-    check_loc_in_range(loc, loc_name, capacity)
+    """Everything ``validate`` adds to a plain write: slot range and scale values (synchronises)."""
+    check_in_range([(loc, capacity, loc_name)], what="slots")
     check_scale_values(k_scale, "k_scale")
     check_scale_values(v_scale, "v_scale")
 
 
-def check_loc_in_range(loc: torch.Tensor, name: str, capacity: int) -> None:
-    """Raise IndexError naming the first slot >= capacity (one synchronisation)."""
-    if loc.numel() == 0:
-        return
-    bad = loc >= capacity
+def check_prefix_values(
+    loc_2d: torch.Tensor, commit_lens: torch.Tensor, capacity: int, k_scale: Scale, v_scale: Scale
+) -> None:
+    """Everything ``validate`` adds to a verify write: every commit length in 0..width, every
+    committed slot below ``capacity``, and the scale values (synchronises)."""
+    width = loc_2d.shape[1]
+    lens = commit_lens.to(torch.int64)
+    bad = (lens < 0) | (lens > width)
     if bool(bad.any()):
         pos = int(torch.argmax(bad.to(torch.uint8)))
-        raise IndexError(
-            f"{name}[{pos}] = {int(loc[pos])} is out of range: slots are 0..{capacity - 1} "
-            f"(negative entries mean padding)"
-        )
+        raise ValueError(f"commit_lens[{pos}] must be in 0..{width} (the width of loc_2d), got {int(lens[pos])}")
+    committed = torch.arange(width, device=loc_2d.device)[None, :] < lens[:, None]
+    check_in_range([(torch.where(committed, loc_2d.to(torch.int64), -1), capacity, "loc_2d")], what="slots")
+    check_scale_values(k_scale, "k_scale")
+    check_scale_values(v_scale, "v_scale")
 
 
 def check_scale_values(scale: Scale, name: str) -> None:
