@@ -11,7 +11,9 @@ allocation, request table, attention metadata), forward, greedy token to the hos
    median step time -> decode steps/s and tokens/s.
 2. ``--steps`` more with ``pool.set_kv_buffer`` wrapped in ``time.perf_counter`` calls: host time
    inside set_kv_buffer over the steps' wall time (the call is asynchronous, so its host time is its
-   cost to a host-bound eager step).
+   cost to a host-bound eager step), per call (median, p90, max, mean), against a one-kernel torch op
+   timed the same way at the same place (the control: launch-queue waits hit both alike), and the
+   pool writer's JIT launches during those steps (a call missing its direct-launch cache).
 3. ``--profile-steps`` under ``torch.profiler`` with set_kv_buffer inside
    ``record_function("kvpool.set_kv_buffer")``: the same host share as the profiler sees it, and the
    GPU time of the K/V write kernels (names containing ``store_kv``) over the steps' wall time and
@@ -117,18 +119,44 @@ class Bench:
         del self.pool.set_kv_buffer
 
 
+def _us_stats(prefix: str, seconds: list[float]) -> dict:
+    us = sorted(1e6 * x for x in seconds)
+    if not us:
+        return {}
+    return {
+        f"{prefix}_us_median": statistics.median(us),
+        f"{prefix}_us_p90": us[min(len(us) - 1, int(0.9 * len(us)))],
+        f"{prefix}_us_max": us[-1],
+        f"{prefix}_us_mean": sum(us) / len(us),
+    }
+
+
 def host_share(bench: Bench, steps: int) -> dict:
-    """Host time inside set_kv_buffer over the wall time of ``steps`` synchronised steps."""
-    spent = [0.0]
+    """Host time inside set_kv_buffer over the wall time of ``steps`` synchronised steps, each call's
+    time kept (median, p90 and max next to the mean: a few slow calls move the mean), and, right
+    before each call, a one-kernel torch op timed the same way as a control: if the control takes as
+    long, the time is the launch queue's (any launch waits), not the write's. The pool writer's JIT
+    launches during the steps show a call that misses its direct-launch cache."""
+    calls: list[float] = []
+    control: list[float] = []
+    tiny = torch.zeros(1, device=bench.device)
+    out = torch.empty_like(tiny)
+    clock = time.perf_counter
 
     def timing(write: Callable[..., None]) -> Callable[..., None]:
         def timed(*args: Any, **kwargs: Any) -> None:
-            start = time.perf_counter()
+            t0 = clock()
+            torch.add(tiny, 1.0, out=out)
+            t1 = clock()
             write(*args, **kwargs)
-            spent[0] += time.perf_counter() - start
+            t2 = clock()
+            control.append(t1 - t0)
+            calls.append(t2 - t1)
 
         return timed
 
+    writer = bench.pool._writer
+    jit_before = writer.jit_launches
     bench.wrap_write(timing)
     try:
         wall = sum(bench.timed_steps(steps))
@@ -136,9 +164,13 @@ def host_share(bench: Bench, steps: int) -> dict:
         bench.unwrap_write()
     layers = len(bench.runner.layers)
     return {
-        "set_kv_host_share": spent[0] / wall,
-        "set_kv_host_us_per_call": 1e6 * spent[0] / (steps * layers),
+        "set_kv_host_share": sum(calls) / wall,
+        "set_kv_host_us_per_call": 1e6 * sum(calls) / (steps * layers),
+        "control_host_share": sum(control) / wall,
         "step_ms_mean_with_timer": 1e3 * wall / steps,
+        "writer_jit_launches_while_timed": writer.jit_launches - jit_before,
+        **_us_stats("set_kv_host", calls),
+        **_us_stats("control_host", control),
     }
 
 
@@ -227,6 +259,14 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _dist(r: dict, prefix: str, mean: Any = None) -> str:
+    """mean; median / p90 / max of a per-call host time, microseconds."""
+    mean = r.get(f"{prefix}_us_mean") if mean is None else mean
+    if mean is None:
+        return "-"
+    return f"{mean:.1f}; " + " / ".join(f"{r.get(f'{prefix}_us_{q}', float('nan')):.1f}" for q in ("median", "p90", "max"))
+
+
 def markdown(meta: dict, records: list) -> str:
     lines = [
         f"# llama_runner decode on {meta['device_name']} ({meta['date']})",
@@ -236,17 +276,19 @@ def markdown(meta: dict, records: list) -> str:
         f"Command: `{meta['command']}`",
         "",
         "| batch | decode steps/s | tokens/s | step ms (p10-p90) | set_kv_buffer host share | host us/call "
+        "(mean; median / p90 / max) | control us/call (mean; median / p90 / max) | JIT launches while timed "
         "| profiled host share | write kernel share of step | of GPU time | GPU busy | fused / reference calls |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
-            lines.append(f"| {r['batch']} | failed: {r['error'].splitlines()[-1]} |" + " |" * 9)
+            lines.append(f"| {r['batch']} | failed: {r['error'].splitlines()[-1]} |" + " |" * 11)
             continue
         lines.append(
             f"| {r['batch']} | {r['steps_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} "
             f"({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}) | {_pct(r['set_kv_host_share'])} "
-            f"| {r['set_kv_host_us_per_call']:.1f} | {_pct(r.get('set_kv_host_share_profiled'))} "
+            f"| {_dist(r, 'set_kv_host', r['set_kv_host_us_per_call'])} | {_dist(r, 'control_host')} "
+            f"| {r.get('writer_jit_launches_while_timed', '-')} | {_pct(r.get('set_kv_host_share_profiled'))} "
             f"| {_pct(r.get('write_kernel_share_of_wall'))} | {_pct(r.get('write_kernel_share_of_gpu_time'))} "
             f"| {_pct(r.get('gpu_busy_share'))} | {r['fused_calls']} / {r['reference_calls']} |"
         )
@@ -254,7 +296,11 @@ def markdown(meta: dict, records: list) -> str:
         "",
         "Step: schedule + forward + greedy token to the host, timed between CUDA synchronisations (median of "
         f"{meta['steps']} after {meta['warmup']} warm-up steps). Host share: time inside `set_kv_buffer` "
-        "(perf_counter around each call) over the steps' wall time; profiled: the same under torch.profiler "
+        "(perf_counter around each call) over the steps' wall time; control: a one-kernel torch op timed "
+        "the same way right before each call (as long as the write: the launch queue makes every launch "
+        "wait; much shorter: the time is the write's own); JIT launches: the pool writer's launches through "
+        "Triton's JIT during those steps (0 when every call hits its direct-launch cache); profiled: the "
+        "same host share under torch.profiler "
         f"({meta['profile_steps']} steps, `record_function`). Write kernel: GPU time of kernels named "
         f"`*{WRITE_KERNEL}*` over the profiled steps' wall time and over all kernel time.",
     ]
