@@ -6,6 +6,7 @@ built. What can change from call to call is decided by :func:`input_verdict` fro
 (its inputs classified into the kernel's constants, see ``kvpool.kernels.store_kv_checks.WriteKey``); the
 writer memoises that verdict per key. Neither part raises for a write it cannot take: each says why,
 and the caller falls back to the reference path (``fused="auto"``) or raises (``fused="always"``).
+Rules: docs/contract.md ("The gate", "Modes").
 """
 
 from __future__ import annotations
