@@ -10,7 +10,11 @@ function of (request, position, layer), their range differing from layer to laye
 V, so before a request's slots are freed its K/V is regenerated, quantized with ``kvpool.quantize``
 and compared byte for byte with the pool. With ``--model deepseek-v3`` the pool is an
 ``MLATokenToKVPool`` with DeepSeek-V3's latent rows (512 latent + 64 rotary values per token and
-layer), written through both of its entry points, and the check covers the whole latent row.
+layer), written through both of its entry points, and the check covers the whole latent row. With
+``--model qwen3.5`` the model is hybrid, as Qwen3.5: every 4th layer is full attention (its K/V in a
+``HybridLinearKVPool``) and the others are Gated DeltaNet layers whose per-request state lives in a
+``MambaPool`` slot beside the request's row of a ``HybridReqToTokenPool``; the states are checked
+byte for byte too (examples/serve_sim_hybrid.py).
 
 With ``--calibrate`` a calibration pass comes first, on the same pool: the request stream of ``--seed
 + 1`` for ``--calibrate-steps`` steps, written with ``pool.observe_amax(True)``; the run then writes
@@ -26,6 +30,7 @@ layer, on the run's first requests) with scale 1.0, the checkpoint's scales and 
     python examples/serve_sim.py --cpu-park         # ... with pool.get_cpu_copy / load_cpu_copy
     python examples/serve_sim.py --spec-decode 4    # speculative decoding: verify writes + moves
     python examples/serve_sim.py --calibrate        # calibrated per-layer scales, and their error
+    python examples/serve_sim.py --model qwen3.5    # hybrid: KV of every 4th layer, state of the others
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -34,12 +39,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -69,7 +75,9 @@ K_SCALE, V_SCALE = 0.04, 0.03
 LAYER_LOG2_MAGNITUDE = ((0, -10), (6, -3), (-3, -6), (3, -1))
 #: Models whose KV cache is one latent row per token and layer (MLA): (kv_lora_rank, qk_rope_head_dim).
 MLA_MODELS = {"deepseek-v3": (512, 64)}
-MODELS = ("mha", *MLA_MODELS)
+#: The hybrid linear-attention model (its pools, runner and checks: examples/serve_sim_hybrid.py).
+HYBRID_MODEL = "qwen3.5"
+MODELS = ("mha", *MLA_MODELS, HYBRID_MODEL)
 # A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
 # values are kv_values' K half, so each layer's latent scale follows K's magnitude).
 LATENT_SCALE = V_SCALE
@@ -154,8 +162,13 @@ class SimConfig:
             raise ValueError("host_tier and cpu_park are two ways to park a retracted request: choose one")
         if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
             raise ValueError(f"spec_k must be a non-negative int, got {self.spec_k!r}")
-        if self.spec_k and self.model != "mha":
+        if self.spec_k and self.model not in ("mha", HYBRID_MODEL):
             raise ValueError(f"spec_k needs the MHA pool's set_kv_buffer_prefix_valid, got model {self.model!r}")
+        if self.model == HYBRID_MODEL and (self.layers < 4 or self.calibrate):
+            raise ValueError(
+                f"model {HYBRID_MODEL!r} needs at least 4 layers (every 4th is full attention) and no calibrate, "
+                f"got layers={self.layers}, calibrate={self.calibrate}"
+            )
         steps = self.calibrate_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibrate_steps must be a positive int, got {self.calibrate_steps!r}")
@@ -260,12 +273,16 @@ class SimResult:
     moved_slots: int = 0
     # --calibrate
     calibration: Optional[Calibration] = None
+    # --model qwen3.5: requests whose linear layers' states were checked, and those that differed
+    state_checked: int = 0
+    state_mismatches: int = 0
 
     @property
     def ok(self) -> bool:
         return (
             self.mismatched_tokens == 0 and self.integrity_error is None and self.leaked_slots == 0
-            and self.reload_mismatches == 0 and (self.calibration is None or self.calibration.result.ok)
+            and self.reload_mismatches == 0 and self.state_mismatches == 0
+            and (self.calibration is None or self.calibration.result.ok)
         )  # fmt: skip
 
 
@@ -766,6 +783,7 @@ class SpecDecode:
         keep = torch.arange(k, device=dev)[None, :] < commit[:, None]
         runner.pool.move_kv_cache(slots[keep], drafts[keep])
         sched.allocator.free(slots[~keep])
+        self.after_verify(decode, accepted)
         for r, a in zip(decode, accepted):
             r.kv_len += a
             r.generated += a
@@ -775,6 +793,9 @@ class SpecDecode:
         self.result.accepted_tokens += total
         self.result.moved_slots += total
         return total
+
+    def after_verify(self, decode: list[Request], accepted: list[int]) -> None:
+        """What else a verify step keeps, before the requests advance (a hybrid model's states)."""
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -803,6 +824,17 @@ class Checker:
         res.mismatched_tokens += bad
         if res.first_mismatch is None:
             res.first_mismatch = first
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a run is made of; a model with more to keep than K/V swaps some (serve_sim_hybrid.py)."""
+
+    scheduler: Callable[..., Scheduler] = Scheduler
+    host_parking: Callable[..., HostParking] = HostParking
+    cpu_parking: Callable[..., CpuParking] = CpuParking
+    spec: Callable[..., SpecDecode] = SpecDecode
+    checker: Callable[..., Checker] = Checker
 
 
 def make_requests(cfg: SimConfig) -> list[Request]:
@@ -850,6 +882,11 @@ def run(cfg: SimConfig) -> SimResult:
 
 
 def _run(cfg: SimConfig) -> SimResult:
+    if cfg.model == HYBRID_MODEL:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import serve_sim_hybrid  # (imported here: it builds on this module's classes)
+
+        return serve_sim_hybrid.run(cfg, sys.modules[__name__])
     dtype = DTYPES[cfg.dtype]
     mla = MLA_MODELS.get(cfg.model)
     if mla is None:
@@ -940,18 +977,20 @@ def _calibrate(cfg: SimConfig, pool: MHATokenToKVPool, bytes_per_token: int) -> 
     return Calibration(result, pool.kv_amax.cpu().clone(), scales)  # type: ignore[union-attr]
 
 
-def _simulate(cfg: SimConfig, pool: MHATokenToKVPool, runner: ModelRunner, result: SimResult) -> None:
+def _simulate(
+    cfg: SimConfig, pool: MHATokenToKVPool, runner: ModelRunner, result: SimResult, parts: Parts = Parts()
+) -> None:
     """The scheduler loop over ``cfg``'s request stream on ``pool``, tallied in ``result``."""
     stats_before = (pool.stats.fused_calls, pool.stats.reference_calls, dict(pool.stats.reasons))
-    sched = Scheduler(cfg, pool)
+    sched = parts.scheduler(cfg, pool)
     arrivals = deque(make_requests(cfg))
     progress = Progress(cfg.requests, cfg.progress)
-    checker = Checker(runner, result, corrupt=cfg.corrupt)
+    checker = parts.checker(runner, result, corrupt=cfg.corrupt)
     if cfg.host_tier:
-        sched.host = HostParking(cfg, pool, runner, result)
+        sched.host = parts.host_parking(cfg, pool, runner, result)
     elif cfg.cpu_park:
-        sched.host = CpuParking(pool, runner, result)
-    spec = SpecDecode(cfg, sched, runner, result) if cfg.spec_k else None
+        sched.host = parts.cpu_parking(pool, runner, result)
+    spec = parts.spec(cfg, sched, runner, result) if cfg.spec_k else None
 
     start = time.perf_counter()
     step = 0
@@ -1017,8 +1056,13 @@ def format_summary(res: SimResult) -> str:
     if cfg.model in MLA_MODELS:
         rank, rope = MLA_MODELS[cfg.model]
         shape, parts = f"{cfg.model} MLA latent rows ({rank} + {rope})", "latent"
+    elif cfg.model == HYBRID_MODEL:
+        full = cfg.layers // 4
+        shape = f"{cfg.heads} KV heads x {cfg.head_dim} ({full} full-attention, {cfg.layers - full} linear)"
+        parts = "K,V"
     else:
         shape, parts = f"{cfg.heads} KV heads x {cfg.head_dim}", "K,V"
+    kv_layers = cfg.layers // 4 if cfg.model == HYBRID_MODEL else cfg.layers  # the layers that keep K/V
     lines = [
         f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {shape}, "
         f"{DTYPES[cfg.dtype]} pool on {res.device}, {allocator}, seed {cfg.seed}",
@@ -1027,7 +1071,7 @@ def format_summary(res: SimResult) -> str:
         f"  served          {res.served}/{cfg.requests} requests in {res.steps} steps "
         f"({res.retractions} retractions, peak {res.peak_running} running)",
         f"  tokens written  {written} ({res.prefill_tokens} prefill + {res.decode_tokens} decode) "
-        f"x {cfg.layers} layers x {parts}",
+        f"x {kv_layers} layers x {parts}",
         f"  peak slot use   {res.peak_slots}/{res.pool_size} ({100.0 * res.peak_slots / res.pool_size:.1f}%)",
         f"  write path      fused {res.fused_calls} calls, reference {res.reference_calls} calls",
     ]
@@ -1036,7 +1080,7 @@ def format_summary(res: SimResult) -> str:
     rate = written / res.wall_s if res.wall_s > 0 else float("inf")
     lines.append(f"  wall time       {res.wall_s:.2f} s ({rate:,.0f} tokens/s)")
     check = (
-        f"{res.verified_requests} requests, {res.verified_tokens} tokens x {cfg.layers} layers x {parts} "
+        f"{res.verified_requests} requests, {res.verified_tokens} tokens x {kv_layers} layers x {parts} "
         f"byte-equal to kvpool.quantize"
     )
     if res.mismatched_tokens:
@@ -1045,6 +1089,15 @@ def format_summary(res: SimResult) -> str:
         lines.append(f"  check           FAILED: {res.mismatched_tokens} tokens differ{where}")
     else:
         lines.append(f"  check           OK: {check}")
+    if cfg.model == HYBRID_MODEL:
+        linear = cfg.layers - cfg.layers // 4
+        if res.state_mismatches:
+            lines.append(f"  state check     FAILED: {res.state_mismatches} of {res.state_checked} requests' states differ")
+        else:
+            lines.append(
+                f"  state check     OK: {res.state_checked} requests' conv windows and SSM states x {linear} linear "
+                f"layers byte-equal to their recurrence"
+            )
     if res.integrity_error:
         lines.append(f"  allocators      FAILED: {res.integrity_error}")
     elif res.leaked_slots:
@@ -1061,7 +1114,7 @@ def format_summary(res: SimResult) -> str:
         if res.reload_mismatches:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
-            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {kv_layers} layers x {parts} matches")
     if cfg.cpu_park:
         lines.append(
             f"  cpu park        {res.parked} parked with get_cpu_copy, {res.reloaded} reloaded with load_cpu_copy; "
@@ -1070,7 +1123,7 @@ def format_summary(res: SimResult) -> str:
         if res.reload_mismatches:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
-            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {cfg.layers} layers x {parts} matches")
+            lines.append(f"  reload check    OK: every byte of {res.reloaded_tokens} reloaded tokens x {kv_layers} layers x {parts} matches")
     if cfg.spec_k:
         rate = res.accepted_tokens / res.drafted_tokens if res.drafted_tokens else 0.0
         lines.append(
@@ -1147,7 +1200,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--arrival-every", type=float, default=d.arrival_every, help="mean steps between arrivals")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="pool element type")
     p.add_argument("--model", choices=MODELS, default=d.model,
-                   help="mha: --heads x --head-dim K and V; deepseek-v3: MLA pool of latent rows (512 + 64)")
+                   help="mha: --heads x --head-dim K and V; deepseek-v3: MLA pool of latent rows (512 + 64); "
+                        "qwen3.5: hybrid, every 4th layer full attention, the others with a state per request")
     p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds lengths and arrivals")
     p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch intra-op threads (0: torch's default)")
