@@ -25,6 +25,7 @@ from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import checked_copy
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit import commit_rows
+from kvpool.pools.base import check_sglang_keywords
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
 
@@ -129,10 +130,7 @@ class MambaPool:
         speculative_num_draft_tokens: Optional[int] = None,
         validate: bool = False,
     ) -> None:
-        if enable_memory_saver not in (False, None):
-            raise ValueError(
-                f"enable_memory_saver must be False: kvpool has no memory saver, got {enable_memory_saver!r}"
-            )
+        check_sglang_keywords(enable_memory_saver)
         self.size = positive_int(size, "size")
         self.cache_params = params = MambaCacheParams.of(cache_params)
         self.device = resolve_device(device)
