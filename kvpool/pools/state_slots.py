@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import non_negative_int, positive_int
+from kvpool.checks import int_list, non_negative_int, positive_int
 from kvpool.errors import IntegrityError
 
 SlotsArg = Union[int, Sequence[int], torch.Tensor]
@@ -101,16 +101,4 @@ class StateSlots:
 def as_slot_list(slots: SlotsArg, name: str = "free_index") -> list[int]:
     """A slot argument (an int, a sequence of ints, or a 0-D/1-D integer tensor on any device; a
     CUDA tensor is read with one synchronisation) as a list of ints."""
-    if isinstance(slots, torch.Tensor):
-        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
-        if slots.dim() > 1:
-            raise ValueError(f"{name} must be 0-D or 1-D, got shape {tuple(slots.shape)}")
-        return [int(s) for s in slots.reshape(-1).tolist()]
-    if isinstance(slots, bool):
-        raise ValueError(f"{name} must be an int, a sequence of ints or an integer tensor, got {slots!r}")
-    if isinstance(slots, int):
-        return [slots]
-    if isinstance(slots, Sequence) and all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
-        return list(slots)
-    raise ValueError(f"{name} must be an int, a sequence of ints or an integer tensor, got {slots!r}")
+    return int_list(slots, name, accepts="an int, a sequence of ints or an integer tensor")
