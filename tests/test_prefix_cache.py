@@ -17,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool import IntegrityError, PagedTokenToKVPoolAllocator, ReqToTokenPool, TokenToKVPoolAllocator
+from kvpool import (
+    IntegrityError,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    PagedTokenToKVPoolAllocator,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
 from kvpool.cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,6 +32,7 @@ from kvpool.cache import (
     CacheInitParams,
     EvictParams,
     EvictResult,
+    HiRadixCache,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -456,30 +464,69 @@ class SimReq:
 
 
 class Engine:
-    """A scheduler's use of the cache: admit (match, lock, allocate, evict on shortage), decode one
-    token, chunk (cache_unfinished_req), finish, retract. Records each slot's content: the namespace
-    and the token prefix whose KV it holds, so a match can be checked slot by slot."""
+    """A scheduler's use of the cache: admit (match, lock, load back from the host tier, allocate,
+    evict on shortage), decode one token, chunk (cache_unfinished_req), finish, retract. Records
+    each slot's content (the namespace and the token prefix whose KV it holds), so a match can be
+    checked slot by slot. With ``host_policy`` the cache is a ``HiRadixCache`` over an FP8 device pool
+    and a host pool, every slot's K/V rows hold a pattern of its content, and every loaded slot's
+    bytes are checked against it."""
 
-    def __init__(self, kind: str, page: int, pages: int, rows: int = 6, policy: str = "lru", **cache_kw):
+    def __init__(self, kind: str, page: int, pages: int, rows: int = 6, policy: str = "lru",
+                 host_policy: Optional[str] = None, layout: str = "layer_first", host_ratio: float = 2.0, **cache_kw):  # fmt: skip
         size = pages * page
+        self.pool = None
+        if host_policy is not None:
+            self.pool = MHATokenToKVPool(size, page, torch.float8_e4m3fn, 3, 8, 2, "cpu", v_head_dim=4)
         if kind == "token":
-            self.alloc = TokenToKVPoolAllocator(size, validate=True)
+            self.alloc = TokenToKVPoolAllocator(size, kvcache=self.pool, validate=True)
         else:
-            self.alloc = PagedTokenToKVPoolAllocator(size, page, validate=True)
+            self.alloc = PagedTokenToKVPoolAllocator(size, page, kvcache=self.pool, validate=True)
         self.page, self.size = page, size
         self.table = ReqToTokenPool(rows, max_context_len=size + page, device="cpu")
-        self.cache = RadixCache(
-            CacheInitParams(
-                disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
-                eviction_policy=policy, **cache_kw,
-            )
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
+            eviction_policy=policy, **cache_kw,
         )  # fmt: skip
+        if host_policy is None:
+            self.cache = RadixCache(params)
+        else:
+            self.host = MHATokenToKVPoolHost(self.pool, host_ratio, 0, page, layout)
+            self.cache = HiRadixCache(params, host_pool=self.host, write_policy=host_policy, load_back_threshold=0)
         self.running: dict[int, SimReq] = {}
         self.content: dict[int, tuple] = {}
+        self.ids: dict[tuple, int] = {}
+        self.loaded = 0
 
     def check_slots(self, slots: torch.Tensor, extra: Any, tokens: list) -> None:
         for i, s in enumerate(slots.tolist()):
             assert self.content.get(s) == (extra, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds other KV"
+
+    def pattern(self, contents: list[tuple], layer: int, which: str) -> torch.Tensor:
+        """[n, row bytes] uint8: the K or V row bytes of each content (its id's bytes, then a mix)."""
+        ids = torch.tensor([self.ids.setdefault(c, len(self.ids)) for c in contents], dtype=torch.int64)
+        width = 3 * (8 if which == "k" else 4)
+        rows = (ids[:, None] * 131 + torch.arange(width) * 7 + layer * 13 + (which == "v") * 57) % 256
+        rows[:, :4] = torch.stack([(ids >> (8 * b)) % 256 for b in range(4)], 1)
+        return rows.to(torch.uint8)
+
+    def _rows(self, layer: int, which: str) -> torch.Tensor:
+        buf = self.pool.k_buffer[layer] if which == "k" else self.pool.v_buffer[layer]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    def record(self, slots: list[int], contents: list[tuple]) -> None:
+        """``slots`` now hold ``contents``' KV (written by the model, here its pattern)."""
+        for s, c in zip(slots, contents):
+            self.content[s] = c
+        if self.pool is not None and slots:
+            for layer in range(self.pool.layer_num):
+                for which in "kv":
+                    self._rows(layer, which)[T(slots)] = self.pattern(contents, layer, which)
+
+    def check_bytes(self, slots: list[int], contents: list[tuple]) -> None:
+        for layer in range(self.pool.layer_num):
+            for which in "kv":
+                got, want = self._rows(layer, which)[T(slots)], self.pattern(contents, layer, which)
+                assert torch.equal(got, want), f"loaded {which} rows of layer {layer} differ from the KV backed up"
 
     def _alloc(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
         if isinstance(self.alloc, TokenToKVPoolAllocator):
@@ -500,21 +547,32 @@ class Engine:
         if rows is None:
             return None
         m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
-        prefix = m.device_indices
+        prefix, last = m.device_indices, m.last_device_node
         assert len(prefix) % self.page == 0 and len(prefix) < len(tokens)
         self.check_slots(prefix, extra, tokens)
-        self.cache.inc_lock_ref(m.last_device_node)
+        self.cache.inc_lock_ref(last)
+        if m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
+            new, loaded_node = self.cache.init_load_back(m.last_host_node, m.host_hit_length)
+            self.cache.dec_lock_ref(last)
+            self.cache.inc_lock_ref(loaded_node)
+            last = loaded_node
+            if len(new):
+                self.cache.ready_to_load_host_cache()
+                contents = [(extra, tuple(tokens[: len(prefix) + i + 1])) for i in range(len(new))]
+                self.check_bytes(new.tolist(), contents)
+                self.record(new.tolist(), contents)
+                self.loaded += len(new)
+                prefix = torch.cat((prefix, new))
         p = len(prefix)
         new = self.alloc_or_evict(len(tokens) - p, p, int(prefix[-1]) if p else -1)
         if new is None:
-            self.cache.dec_lock_ref(m.last_device_node)
+            self.cache.dec_lock_ref(last)
             self.table.free(rows[0])
             return None
         row = rows[0]
         self.table.write((row, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
-        for i, s in enumerate(new.tolist()):
-            self.content[s] = (extra, tuple(tokens[: p + i + 1]))
-        req = SimReq(row, list(tokens), extra, last_node=m.last_device_node, cache_protected_len=p, prefix_indices=prefix,
+        self.record(new.tolist(), [(extra, tuple(tokens[: p + i + 1])) for i in range(len(new))])
+        req = SimReq(row, list(tokens), extra, last_node=last, cache_protected_len=p, prefix_indices=prefix,
                      kv_committed_len=len(tokens), kv_allocated_len=len(tokens))  # fmt: skip
         self.running[row] = req
         return req
@@ -531,7 +589,7 @@ class Engine:
             return False
         req.output_ids.append(token)
         self.table.req_to_token[req.req_pool_idx, n] = int(got[0])
-        self.content[int(got[0])] = (req.extra_key, tuple(req.fill_ids))
+        self.record([int(got[0])], [(req.extra_key, tuple(req.fill_ids))])
         req.kv_committed_len = req.kv_allocated_len = n + 1
         return True
 
@@ -553,12 +611,17 @@ class Engine:
             self.check_slots(m.device_indices, req.extra_key, tokens)
 
     def drain(self) -> None:
-        """Finish everything and evict the whole tree: every slot must be back."""
+        """Finish everything and evict the whole tree: every slot must be back (host slots too)."""
         for req in list(self.running.values()):
             self.finish(req)
+        if isinstance(self.cache, HiRadixCache):
+            self.cache.check_hicache_events()
         self.cache.evict(EvictParams(num_tokens=self.size))
         assert self.cache.total_size() == 0
         assert self.alloc.available_size() == self.size // self.page * self.page
+        if isinstance(self.cache, HiRadixCache):
+            self.cache.evict_host(self.host.size)
+            assert self.host.available_size() == self.host.size and len(self.cache.root_node.children) == 0
         self.cache.check_integrity()
 
 
@@ -793,6 +856,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         rng = random.Random(seed)
         self.stems = [[rng.randrange(1, 6) for _ in range(2 * page + 2)] for _ in range(2)]
         self.held: list[TreeNode] = []
+        self.finished: list[tuple[list, Any]] = []
 
     def tokens(self, data) -> list:
         page = self.eng.page
@@ -821,9 +885,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.eng.running)
     @rule(data=st.data(), insert=st.booleans())
     def finish_or_retract(self, data, insert):
-        self.eng.finish(data.draw(st.sampled_from(sorted(self.eng.running.values(), key=lambda r: r.req_pool_idx))), insert)
+        req = data.draw(st.sampled_from(sorted(self.eng.running.values(), key=lambda r: r.req_pool_idx)))
+        self.finished.append((req.fill_ids[: req.kv_committed_len] + [1], req.extra_key))
+        self.eng.finish(req, insert)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), evict_first=st.booleans())
+    def readmit(self, data, evict_first):
+        """A request that continues a finished one (the next turn of a chat), maybe after its pages
+        were evicted (with a host tier: parked there, loaded back)."""
+        tokens, extra = data.draw(st.sampled_from(self.finished))
+        if evict_first:
+            self.evict(self.eng.size)
+        self.eng.admit(tokens, extra)
 
     @rule(n=st.integers(0, 200))
+    def evict_some(self, n):
+        self.evict(n)
+
     def evict(self, n):
         cache = self.eng.cache
         locked = [(node, node.value.tolist()) for node in cache._nodes() if node.lock_ref > 0 and node is not cache.root_node]
@@ -850,7 +929,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule()
     def unlock_an_unlocked_node(self):
         cache = self.eng.cache
-        free = [n for n in cache._nodes() if n.lock_ref == 0 and n is not cache.root_node]
+        free = [n for n in cache._nodes() if n.lock_ref == 0 and n.value is not None and n is not cache.root_node]
         if free:
             before = tree_state(cache)
             with pytest.raises(ValueError, match="not locked"):
@@ -870,3 +949,256 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(TestPrefixCacheMachine.settings, stateful_step_count=30)
+
+
+# --- the host tier (HiRadixCache) ---------------------------------------------------------------------
+
+HOST_POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("host_policy", HOST_POLICIES)
+def test_evicted_pages_come_back_from_the_host_byte_for_byte(host_policy, page, layout):
+    eng = Engine("paged", page, pages=12 if page > 1 else 96, host_policy=host_policy, layout=layout)
+    prompt = seq(3 * page + 2, 300)
+    cached = len(prompt) // page * page
+    eng.finish(eng.admit(prompt))
+    if host_policy == "write_through_selective":  # a second use backs the pages up
+        eng.finish(eng.admit(prompt))
+    cache = eng.cache
+    backed = sum(len(n.host_value) for n in cache._nodes() if n is not cache.root_node and n.host_value is not None)
+    assert backed == (0 if host_policy == "write_back" else cached)
+    assert cache.evict(EvictParams(num_tokens=eng.size)).num_tokens_evicted == cached
+    assert cache.total_size() == 0 and eng.alloc.available_size() == eng.size
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
+    assert len(m.device_indices) == 0 and m.host_hit_length == cached and m.last_device_node is cache.root_node
+    eng.cache.check_integrity()
+    again = eng.admit(prompt)  # loads the pages back (checked against the KV written at first)
+    assert eng.loaded == again.cache_protected_len == (len(prompt) - 1) // page * page
+    cache.check_hicache_events()
+    cache.check_integrity(eng.running.values())
+    eng.drain()
+
+
+def test_selective_write_through_backs_up_only_what_is_used_twice():
+    eng = Engine("paged", 4, pages=16, host_policy="write_through_selective")
+    eng.finish(eng.admit(seq(9, 100)))
+    once = [n for n in eng.cache._nodes() if n is not eng.cache.root_node]
+    assert all(n.host_value is None for n in once)
+    eng.finish(eng.admit(seq(9, 100)))
+    assert all(n.host_value is not None for n in eng.cache._nodes() if n is not eng.cache.root_node)
+    eng.cache.evict(EvictParams(num_tokens=64))
+    eng.finish(eng.admit(seq(9, 100)))
+    assert eng.loaded == 8
+    eng.drain()
+
+
+def test_a_full_host_evicts_host_only_leaves_in_order_then_drops_what_it_cannot_keep():
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.5)  # 32 host slots
+    cache = eng.cache
+    prompts = [seq(9, 1000 * (i + 1)) for i in range(5)]  # 8 cached tokens each
+    for p in prompts[:4]:
+        eng.finish(eng.admit(p))
+    assert eng.host.available_size() == 0
+    cache.evict(EvictParams(num_tokens=64))  # all four on the host only
+    eng.finish(eng.admit(prompts[4]))  # its backup makes room: the oldest host leaf goes
+    assert match(cache, prompts[0][:8]).host_hit_length == 0
+    assert all(match(cache, p[:8]).host_hit_length == 8 for p in prompts[1:4])
+    cache.check_integrity()
+    for n in cache._nodes():
+        if n is not cache.root_node and n.host_value is not None and n.value is None:
+            n.protect_host()  # held (say, by a storage write): the host cannot make room
+    eng.finish(eng.admit(seq(9, 9000)))
+    fresh = match(cache, seq(8, 9000)).last_device_node
+    assert fresh.host_value is None  # no room: it stays on the device only
+    cache.evict(EvictParams(num_tokens=64))
+    assert len(match(cache, seq(8, 9000)).device_indices) == 0 and match(cache, seq(8, 9000)).host_hit_length == 0
+    for n in cache._nodes():
+        while n.host_ref_counter:
+            n.release_host()
+    cache.check_integrity()
+    eng.drain()
+
+
+def test_inserting_host_only_pages_again_takes_the_new_slots():
+    eng = Engine("paged", 4, pages=16, host_policy="write_through")
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=64))
+    slots = eng.alloc.alloc(8)
+    eng.record(slots.tolist(), [(None, tuple(seq(i + 1, 100))) for i in range(8)])
+    assert eng.cache.insert(InsertParams(key=RadixKey(seq(8, 100)), value=slots)).prefix_len == 0
+    m = match(eng.cache, seq(8, 100))
+    assert m.device_indices.tolist() == slots.tolist() and m.host_hit_length == 0
+    assert m.last_device_node.host_value is not None  # the host copy stays
+    eng.cache.check_integrity()
+    eng.drain()
+
+
+def test_load_back_below_the_threshold_or_beyond_the_quota_is_declined():
+    eng = Engine("paged", 4, pages=16, host_policy="write_through")
+    cache = eng.cache
+    eng.finish(eng.admit(seq(9, 100)))
+    cache.evict(EvictParams(num_tokens=64))
+    node = match(cache, seq(8, 100)).last_host_node
+    cache.load_back_threshold = 9
+    assert (len(cache.init_load_back(node)[0]), cache.init_load_back(node)[1]) == (0, cache.root_node)
+    cache.load_back_threshold = 0
+    slots, last = cache.init_load_back(node, 8, mem_quota=7)
+    assert len(slots) == 0 and last is cache.root_node and eng.alloc.available_size() == 64
+    slots, last = cache.init_load_back(node, 8, mem_quota=8)
+    assert len(slots) == 8 and last is node and node.lock_ref == 1  # held until the load completes
+    assert cache.ready_to_load_host_cache() == 0 and cache.ready_to_load_host_cache() == -1
+    cache.check_hicache_events()
+    assert node.lock_ref == 0
+    cache.check_integrity()
+
+
+def test_nodes_stay_locked_while_their_backup_or_load_is_in_flight(monkeypatch):
+    class Pending:
+        done = False
+
+        def query(self):
+            return self.done
+
+    eng = Engine("paged", 4, pages=16, host_policy="write_through")
+    cache, host = eng.cache, eng.host
+    event = Pending()
+    backup = host.backup_from_device_all_layer
+    monkeypatch.setattr(host, "backup_from_device_all_layer", lambda *a, **k: (backup(*a, **k), event)[1])
+    eng.finish(eng.admit(seq(9, 100)))
+    node = match(cache, seq(8, 100)).last_device_node
+    assert node.lock_ref == 1 and cache.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 0
+    cache.check_hicache_events()
+    assert node.lock_ref == 1
+    event.done = True
+    cache.check_hicache_events()
+    assert node.lock_ref == 0 and cache.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 8
+    cache.check_integrity()
+
+
+def test_hiradix_takes_sglangs_server_args():
+    from types import SimpleNamespace
+
+    pool = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")
+    alloc = PagedTokenToKVPoolAllocator(64, 4, kvcache=pool)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4)
+    args = SimpleNamespace(hicache_ratio=1.5, hicache_size=0, hicache_mem_layout="page_first", hicache_write_policy="write_back",
+                           hicache_io_backend="direct", hicache_storage_backend=None)  # fmt: skip
+    cache = HiRadixCache(params, args)
+    assert (cache.write_policy, cache.io_backend, cache.token_to_kv_pool_host.layout) == ("write_back", "direct", "page_first")
+    assert cache.token_to_kv_pool_host.size == 96 and pool.layer_transfer_counter is cache.token_to_kv_pool_host.layer_transfer_counter
+    with pytest.raises(ValueError, match="hicache_storage_backend must be None"):
+        HiRadixCache(params, SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, msg",
+    [
+        (dict(write_policy="write_around"), ValueError, "write_policy must be one of write_through"),
+        (dict(io_backend="dma"), ValueError, "io_backend must be one of kernel, direct"),
+        (dict(other_pool=True), ValueError, "host_pool must be built over the allocator's device pool"),
+        (dict(other_page=True), ValueError, "host_pool's page_size must be the cache's 4, got 8"),
+        (dict(no_kvcache=True), ValueError, "allocator built with kvcache="),
+        (dict(no_host=True), ValueError, "needs host_pool= or SGLang's server_args"),
+    ],
+)  # fmt: skip
+def test_bad_hiradix_construction(kwargs, exc, msg):
+    pool = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")
+    alloc = PagedTokenToKVPoolAllocator(64, 4, kvcache=None if kwargs.pop("no_kvcache", False) else pool)
+    host_of = MHATokenToKVPool(64, 8, torch.bfloat16, 2, 8, 2, "cpu") if kwargs.pop("other_pool", False) else pool
+    host = MHATokenToKVPoolHost(host_of, 2.0, 0, 8 if kwargs.pop("other_page", False) else 4, "layer_first")
+    if kwargs.pop("no_host", False):
+        host = None
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4)
+    with pytest.raises(exc, match=msg):
+        HiRadixCache(params, host_pool=host, **kwargs)
+
+
+def test_hiradix_bad_load_back_input():
+    eng = Engine("paged", 4, pages=16, host_policy="write_through")
+    with pytest.raises(TypeError, match="last_node must be a TreeNode, got str"):
+        eng.cache.init_load_back("node")
+    with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
+        eng.cache.evict_host(-1)
+    other = Engine("paged", 4, pages=16, host_policy="write_through")
+    other.finish(other.admit(seq(9)))
+    with pytest.raises(ValueError, match="not attached to it"):
+        eng.cache.init_load_back(match(other.cache, seq(8)).last_device_node)
+
+
+class HostTierMachine(PrefixCacheMachine):
+    """The same requests over a HiRadixCache: evicted pages park on the host and come back byte for
+    byte; the host pool's slots are owned by exactly the nodes holding them."""
+
+    @initialize(
+        setup=st.sampled_from([("paged", 1), ("paged", 16), ("token", 1)]), pages=st.integers(4, 10),
+        host_policy=st.sampled_from(HOST_POLICIES), ratio=st.sampled_from([0.5, 1.0, 2.0]), seed=st.integers(0, 3),
+    )  # fmt: skip
+    def setup(self, setup, pages, host_policy, ratio, seed):
+        kind, page = setup
+        pages = pages if page > 1 else pages * 8
+        self.eng = Engine(kind, page, pages, host_policy=host_policy, host_ratio=ratio)
+        rng = random.Random(seed)
+        self.stems = [[rng.randrange(1, 6) for _ in range(2 * page + 2)] for _ in range(2)]
+        self.held = []
+        self.finished = []
+
+    @precondition(lambda self: self.eng.running)
+    @rule(data=st.data())
+    def next_turn_after_eviction(self, data):
+        """A chat's turn ends, its pages are evicted to the host, and its next turn comes back."""
+        req = data.draw(st.sampled_from(sorted(self.eng.running.values(), key=lambda r: r.req_pool_idx)))
+        tokens = req.fill_ids[: req.kv_committed_len] + [1]
+        self.eng.finish(req)
+        self.evict(self.eng.size)
+        self.eng.admit(tokens, req.extra_key)
+
+    @rule(n=st.integers(0, 200))
+    def evict_host(self, n):
+        before = self.eng.host.available_size()
+        freed = self.eng.cache.evict_host(n)
+        assert self.eng.host.available_size() == before + freed
+
+    @invariant()
+    def transfers_complete(self):
+        self.eng.cache.check_hicache_events()
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = settings(TestHostTierMachine.settings, stateful_step_count=30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_gpu_load_back_arrives_layer_by_layer_through_the_getters(io_backend):
+    dev = "cuda"
+    pool = MHATokenToKVPool(1024, 16, torch.float8_e4m3fn, 8, 128, 4, dev)
+    alloc = PagedTokenToKVPoolAllocator(1024, 16, device=dev, kvcache=pool)
+    host = MHATokenToKVPoolHost(pool, 2.0, 0, 16, "layer_first")
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=16)
+    cache = HiRadixCache(params, host_pool=host, io_backend=io_backend, load_back_threshold=0)
+    slots = alloc.alloc(256)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for layer in range(4):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            buf.view(torch.uint8)[slots] = torch.randint(0, 256, (256, 8, 128), dtype=torch.uint8, device=dev, generator=g)
+    want = [(pool.get_key_buffer(i)[slots].view(torch.uint8).clone(), pool.get_value_buffer(i)[slots].view(torch.uint8).clone()) for i in range(4)]
+    cache.insert(InsertParams(key=RadixKey(seq(256)), value=slots))
+    node = match(cache, seq(256)).last_device_node
+    assert node.lock_ref == 1  # the backup is in flight
+    torch.cuda.synchronize()
+    cache.check_hicache_events()
+    assert node.lock_ref == 0
+    cache.evict(EvictParams(num_tokens=256))
+    m = match(cache, seq(256))
+    new, last = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert len(new) == 256 and last.lock_ref == 1
+    cache.ready_to_load_host_cache()
+    for i in range(4):  # the getters make the stream wait for the layer's load
+        assert torch.equal(pool.get_key_buffer(i)[new].view(torch.uint8), want[i][0])
+        assert torch.equal(pool.get_value_buffer(i)[new].view(torch.uint8), want[i][1])
+    torch.cuda.synchronize()
+    cache.check_hicache_events()
+    assert last.lock_ref == 0
+    cache.check_integrity()

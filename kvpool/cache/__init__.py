@@ -11,6 +11,7 @@ from kvpool.cache.evict_policy import (
     MRUStrategy,
     PriorityStrategy,
 )
+from kvpool.cache.hiradix_cache import HiRadixCache
 from kvpool.cache.key import RadixKey
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import (
@@ -34,6 +35,7 @@ __all__ = [
     "EvictionStrategy",
     "FIFOStrategy",
     "FILOStrategy",
+    "HiRadixCache",
     "InsertParams",
     "InsertResult",
     "LFUStrategy",

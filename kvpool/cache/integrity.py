@@ -35,8 +35,14 @@ def tree_problems(cache: "RadixCache") -> tuple[list[str], list[torch.Tensor]]:
     for ck, child in root.children.items():
         if child.parent is not root or child._ck != ck:
             problems.append(f"node {child.id} is filed under {ck!r} in the root but records parent/key {child._ck!r}")
+    if root._dev_children != sum(c.value is not None for c in root.children.values()):
+        problems.append(f"the root records {root._dev_children} children on the device, has another number")
     while stack:
         node, extra = stack.pop()
+        for ck, child in node.children.items():
+            if child.parent is not node or child._ck != ck:
+                problems.append(f"node {child.id} is filed under {ck!r} in node {node.id} but records otherwise")
+            stack.append((child, extra))
         key = node.key
         n = len(key._enc) // elem
         where = f"node {node.id}"
@@ -46,8 +52,14 @@ def tree_problems(cache: "RadixCache") -> tuple[list[str], list[torch.Tensor]]:
             problems.append(f"{where} has extra_key {key.extra_key!r} below a node of extra_key {extra!r}")
         if node._ck != cache._child_key(key._enc, 0, key.extra_key):
             problems.append(f"{where} is filed under {node._ck!r}, not its first page's key")
+        device_children = sum(c.value is not None for c in node.children.values())
+        if node._dev_children != device_children:
+            problems.append(f"{where} records {node._dev_children} children on the device, has {device_children}")
         if node.value is None:
-            problems.append(f"{where} is evicted but still in the tree")
+            if node.host_value is None:
+                problems.append(f"{where} is evicted with no host copy but still in the tree")
+            if device_children:
+                problems.append(f"{where} is on the host only but has {device_children} children on the device")
             continue
         if node.value.shape != (n,) or node.value.dtype != torch.int64:
             problems.append(f"{where} has value of shape {tuple(node.value.shape)} {node.value.dtype} for {n} tokens")
@@ -63,10 +75,6 @@ def tree_problems(cache: "RadixCache") -> tuple[list[str], list[torch.Tensor]]:
             evictable += n
         if cache._is_evictable(node) and not cache._queue.holds(node):
             problems.append(f"{where} is an evictable leaf missing from the eviction queue")
-        for ck, child in node.children.items():
-            if child.parent is not node or child._ck != ck:
-                problems.append(f"node {child.id} is filed under {ck!r} in node {node.id} but records otherwise")
-            stack.append((child, extra))
     if (evictable, protected) != (cache.evictable_size_, cache.protected_size_):
         problems.append(
             f"evictable/protected sizes are recorded as {cache.evictable_size_}/{cache.protected_size_} but the "
@@ -168,6 +176,7 @@ def check_integrity(cache: "RadixCache", requests: Iterable[Any] = ()) -> None:
     else:
         req_slots = []
     problems += ownership_problems(cache, tree_slots, req_slots)
+    problems += cache._integrity_problems()
     for part in (cache.token_to_kv_pool_allocator, cache.req_to_token_pool):
         check = getattr(part, "check_integrity", None)
         if callable(check):

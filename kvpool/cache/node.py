@@ -41,7 +41,7 @@ class TreeNode:
     __slots__ = (
         "children", "parent", "key", "value", "lock_ref", "last_access_time", "creation_time",
         "hit_count", "host_ref_counter", "host_value", "hash_value", "priority", "id",
-        "_ck", "_tick", "_born", "_entry",
+        "_ck", "_tick", "_born", "_entry", "_dev_children",
     )  # fmt: skip
 
     def __init__(self, id: Optional[int] = None, priority: int = 0) -> None:
@@ -61,12 +61,14 @@ class TreeNode:
         self.id = TreeNode.counter if id is None else id
         TreeNode.counter += 1
         # The tree's own bookkeeping: the key this node is filed under in its parent, the logical
-        # times of its last access and of its creation (the eviction order), and the eviction
-        # queue's current entry for it.
+        # times of its last access and of its creation (the eviction order), the eviction queue's
+        # current entry for it, and how many of its children are on the device (a device leaf has
+        # none, whatever host-only children it has).
         self._ck: Any = None
         self._tick = 0
         self._born = 0
         self._entry: Optional[tuple] = None
+        self._dev_children = 0
 
     @property
     def evicted(self) -> bool:

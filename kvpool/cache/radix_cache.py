@@ -189,7 +189,9 @@ class RadixCache(RadixTree):
         n = len(enc) // self._page_bytes * self._page_bytes
         prefix = 0
         if not self.disable and n:
-            prefix = self._insert(enc, n, value, priority or 0, key.extra_key)[0] // self._elem
+            held, last = self._insert(enc, n, value, priority or 0, key.extra_key)
+            prefix = held // self._elem
+            self._inserted(last, chunked if legacy else params.chunked)
         return prefix if legacy else InsertResult(prefix_len=prefix)
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
@@ -395,6 +397,13 @@ class RadixCache(RadixTree):
             raise ValueError(
                 f"value must hold whole aligned pages of {p} consecutive slots, got {pages[i].tolist()} for page {i}"
             )
+
+    def _inserted(self, last: TreeNode, chunked: bool) -> None:
+        """After an insert that ended on ``last`` (a hook for caches with a host tier)."""
+
+    def _integrity_problems(self) -> list[str]:
+        """What ``check_integrity`` should add for tiers below the device (none here)."""
+        return []
 
     def _empty_match(self) -> MatchResult:
         root = self.root_node

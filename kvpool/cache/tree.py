@@ -56,7 +56,8 @@ class RadixTree:
         self.protected_size_ = 0
 
     def _is_evictable(self, node: TreeNode) -> bool:
-        return node.lock_ref == 0 and node.value is not None and not node.children and node.parent is not None
+        """On the device, unlocked, and no child on the device (host-only children may remain)."""
+        return node.lock_ref == 0 and node.value is not None and node._dev_children == 0 and node.parent is not None
 
     def _stamp(self) -> tuple[int, float]:
         self._clock += 1
@@ -88,11 +89,13 @@ class RadixTree:
         return values, node
 
     def _insert(self, enc: bytes, n: int, value: torch.Tensor, priority: int, extra: Any) -> tuple[int, TreeNode]:
-        """Add ``enc[:n]`` with slots ``value``; returns the bytes the tree held already and the last node."""
+        """Add ``enc[:n]`` with slots ``value``; returns the bytes the tree held on the device already
+        and the last node. A node on the path that is on the host only takes the caller's slots for
+        its tokens (they hold the same KV, computed again)."""
         tick, now = self._stamp()
         child_key = self._child_key
         node = self.root_node
-        pos = 0
+        pos = held = 0
         while pos < n:
             child = node.children.get(child_key(enc, pos, extra))
             if child is None:
@@ -106,12 +109,16 @@ class RadixTree:
                 node, pos, split = self._split(child, m), pos + m, True
             node._tick, node.last_access_time = tick, now
             node.priority = max(node.priority, priority)
+            if node.value is None:
+                self._adopt(node, value[(pos - len(node.key._enc)) // self._elem : pos // self._elem])
+            else:
+                held = pos
             if split:
                 break
         if pos == n:
             if self._is_evictable(node):
                 self._queue.push(node)
-            return pos, node
+            return held, node
         leaf = TreeNode(priority=priority)
         leaf.parent = node
         leaf.key = RadixKey.from_encoded(enc[pos:n], extra, self.is_eagle)
@@ -119,11 +126,22 @@ class RadixTree:
         leaf._ck = child_key(enc, pos, extra)
         leaf._tick = leaf._born = tick
         node.children[leaf._ck] = leaf
+        node._dev_children += 1
         self.evictable_size_ += len(leaf.value)
         self._queue.push(leaf)
         if self.enable_kv_cache_events:
             self.kv_event_queue.extend(stored_events(leaf, self.root_node, self.page_size, self._elem, MEDIUM_GPU))
-        return pos, leaf
+        return held, leaf
+
+    def _adopt(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """A host-only node is on the device again, at ``slots`` (unlocked: it was evictable)."""
+        node.value = slots.to(torch.int64, copy=True)
+        node.parent._dev_children += 1
+        self.evictable_size_ += len(node.value)
+        if self._is_evictable(node):
+            self._queue.push(node)
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.extend(stored_events(node, self.root_node, self.page_size, self._elem, MEDIUM_GPU))
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut ``child`` after ``m`` bytes (whole pages); returns the new node holding the first part."""
@@ -144,6 +162,7 @@ class RadixTree:
             new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         child._ck = self._child_key(kb, m, extra)
         child.parent = new
+        new._dev_children = 0 if child.value is None else 1
         new.children = {child._ck: child}
         new.parent.children[new._ck] = new
         return new
@@ -163,13 +182,20 @@ class RadixTree:
         return freed
 
     def _remove_leaf(self, node: TreeNode) -> None:
-        """Detach an evicted leaf (its slots are the caller's to free now)."""
+        """Take an evictable leaf off the device and out of the tree (its slots are the caller's to
+        free now)."""
+        self._drop_device(node)
+        del node.parent.children[node._ck]
+
+    def _drop_device(self, node: TreeNode) -> None:
+        """Take an evictable leaf off the device (its slots are the caller's to free now); it stays
+        in the tree, its parent may become an evictable leaf."""
         parent = node.parent
-        del parent.children[node._ck]
         self.evictable_size_ -= len(node.value)
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(removed_event(node, self.root_node, self.page_size, self._elem, MEDIUM_GPU))
         node.value = None
+        parent._dev_children -= 1
         if self._is_evictable(parent):
             self._queue.push(parent)
 

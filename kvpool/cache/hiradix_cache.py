@@ -1,0 +1,382 @@
+"""``HiRadixCache``: the prefix cache with kvpool's host tier below the device (SGLang's HiCache).
+
+A node's KV is on the device (``value``), on the host (``host_value``), or both. Nodes are backed up
+to host slots when inserted (``write_through``), when reused (``write_through_selective``: a second
+hit) or when evicted (``write_back``). Evicting a backed-up node frees its device slots and keeps it
+in the tree, host only; a match that reaches such nodes reports them (``host_hit_length``,
+``last_host_node``), ``init_load_back`` gives them device slots again and ``ready_to_load_host_cache``
+loads them through the host pool, layer by layer as the model reads them (the cache registers the
+host pool's layer-transfer counter on the device pool). Host-only leaves are evicted from the host
+when the host pool runs out (``evict_host``). Every copy is the host tier's, byte for byte.
+
+A backup or load in flight keeps its nodes locked until ``check_hicache_events()`` (or
+``writing_check``/``loading_check``) sees it complete; a write-back eviction orders the compute
+stream after its backups (``wait_for_backups``), so the freed slots' next owners write after the
+backup read them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from kvpool.cache.evict_policy import EvictionQueue
+from kvpool.cache.node import TreeNode
+from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
+from kvpool.cache.radix_cache import RadixCache
+from kvpool.checks import non_negative_int
+from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.pools.mla_pool import MLATokenToKVPool
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+IO_BACKENDS = ("kernel", "direct")
+
+
+class HiRadixCache(RadixCache):
+    """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
+
+    Parameters
+    ----------
+    params : CacheInitParams (or its fields, as for ``RadixCache``); the allocator must have its
+        device pool as ``kvcache`` (``get_kvcache()``).
+    server_args : SGLang's server arguments, read for ``hicache_ratio``, ``hicache_size``,
+        ``hicache_mem_layout``, ``hicache_write_policy`` and ``hicache_io_backend`` when
+        ``host_pool`` is not given (a storage backend, ``hicache_storage_backend``, must be None).
+    host_pool : an ``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` over the allocator's device
+        pool, with the cache's page size (instead of building one from ``server_args``).
+    write_policy : ``"write_through"`` (default), ``"write_through_selective"`` or ``"write_back"``.
+    io_backend : the host pool's backend, ``"kernel"`` (default) or ``"direct"``.
+    load_back_threshold : host tokens below which ``init_load_back`` recomputes instead of loading.
+    validate : as for ``RadixCache``.
+
+    Raises
+    ------
+    ValueError
+        For a missing allocator or device pool, a host pool over another device pool or page size,
+        an unknown write policy or backend, a storage backend, and as ``RadixCache``.
+    """
+
+    def __init__(
+        self, *args: Any, server_args: Any = None, host_pool: Any = None, write_policy: Optional[str] = None,
+        io_backend: Optional[str] = None, load_back_threshold: int = 10, validate: bool = False, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if len(args) == 2 and isinstance(args[0], CacheInitParams) and server_args is None:
+            args, server_args = args[:1], args[1]  # SGLang's HiRadixCache(params, server_args)
+        super().__init__(*args, validate=validate, **kwargs)
+        allocator = self.token_to_kv_pool_allocator
+        device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+        if device_pool is None:
+            raise ValueError("token_to_kv_pool_allocator must be an allocator built with kvcache=<its device pool>")
+        policy = write_policy or getattr(server_args, "hicache_write_policy", None) or "write_through"
+        if policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
+        backend = io_backend or getattr(server_args, "hicache_io_backend", None) or "kernel"
+        if backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {backend!r}")
+        if getattr(server_args, "hicache_storage_backend", None) is not None:
+            raise ValueError(f"hicache_storage_backend must be None (no storage tier), got {server_args.hicache_storage_backend!r}")
+        if host_pool is None:
+            host_pool = _host_pool_from(device_pool, self.page_size, server_args)
+        if host_pool.device_pool is not device_pool:
+            raise ValueError("host_pool must be built over the allocator's device pool (allocator.get_kvcache())")
+        if host_pool.page_size != self.page_size:
+            raise ValueError(f"host_pool's page_size must be the cache's {self.page_size}, got {host_pool.page_size}")
+        self.token_to_kv_pool_host = host_pool
+        self.kv_cache = device_pool
+        self.write_policy = policy
+        self.io_backend = backend
+        self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
+        self.write_through_threshold = 1 if policy == "write_through" else 2
+        if hasattr(device_pool, "register_layer_transfer_counter"):
+            device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
+        host_pool.clear()  # the cache owns every host page from now on
+
+    # --- SGLang's API ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every node, and free every host page (the device slots are not freed)."""
+        super().reset()
+        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable)
+        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
+        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
+        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
+        self._loads_started = 0
+        host = getattr(self, "token_to_kv_pool_host", None)
+        if host is not None:
+            host.clear()
+
+    def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
+        """As ``RadixCache.match_prefix``, through host-only nodes too: ``device_indices`` and
+        ``last_device_node`` cover the part on the device, ``host_hit_length`` the tokens after it
+        that are on the host only, ``last_host_node`` the last node of the match with a host copy."""
+        key = params.key if isinstance(params, MatchPrefixParams) else params
+        enc = self._key_bytes(key)
+        n = len(enc) // self._page_bytes * self._page_bytes
+        if self.disable or n == 0:
+            return self._empty_match()
+        values, node = self._match(enc, n, key.extra_key)
+        device = [v for v in values if v is not None]
+        indices = torch.cat(device) if device else self._empty_match().device_indices
+        last_device, host_hit = node, 0
+        while last_device.value is None:
+            host_hit += len(last_device.host_value)
+            last_device = last_device.parent
+        last_host = node
+        while last_host.host_value is None:
+            last_host = last_host.parent
+        if self._is_host_evictable(node):
+            self._host_queue.push(node)  # its priority changed
+        return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
+
+    def evict(self, params: Union[EvictParams, int]) -> EvictResult:
+        """Free at least ``num_tokens`` device tokens, unlocked device leaves first in the policy's
+        order: a backed-up node stays in the tree on the host; under ``write_back`` a node without a
+        host copy is backed up first (when the host has room); any other leaf leaves the tree, with
+        the host-only nodes below it. The device slots go back in one ``free`` call."""
+        num = self._evict_amount(params)
+        freed: list[torch.Tensor] = []
+        count = 0
+        written_back = False
+        while count < num:
+            node = self._queue.pop()
+            if node is None:
+                break
+            if node.host_value is None and self.write_policy == "write_back":
+                written_back |= self.write_backup(node, write_back=True) > 0
+            freed.append(node.value)
+            count += len(node.value)
+            if node.host_value is not None:
+                self._drop_device(node)
+                if self._is_host_evictable(node):
+                    self._host_queue.push(node)
+            else:
+                self._drop_host_subtree(node)
+                self._remove_leaf(node)
+        if written_back:
+            self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+        return EvictResult(num_tokens_evicted=count)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens of host-only leaves (unheld: ``host_ref_counter``
+        0), in the policy's order; they leave the tree. Returns the host tokens freed."""
+        num = non_negative_int(num_tokens, "num_tokens")
+        freed: list[torch.Tensor] = []
+        held: list[TreeNode] = []
+        count = 0
+        while count < num:
+            node = self._host_queue.pop()
+            if node is None:
+                break
+            if node.host_ref_counter > 0:
+                held.append(node)
+                continue
+            freed.append(node.host_value)
+            count += len(node.host_value)
+            node.host_value = None
+            parent = node.parent
+            del parent.children[node._ck]
+            if self._is_host_evictable(parent):
+                self._host_queue.push(parent)
+        for node in held:
+            self._host_queue.push(node)
+        if freed:
+            self.token_to_kv_pool_host.free(torch.cat(freed))
+        return count
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Back up a device node to new host slots (evicting host-only leaves for room); returns its
+        tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
+        the backup has read its slots (``writing_check``)."""
+        host = self.token_to_kv_pool_host
+        n = len(node.value)
+        slots = host.alloc(n)
+        if slots is None:
+            self.evict_host(n)
+            slots = host.alloc(n)
+            if slots is None:
+                return 0
+        event = host.backup_from_device_all_layer(self.kv_cache, slots, node.value, self.io_backend)
+        node.host_value = slots
+        if event is not None and not write_back:
+            self.inc_lock_ref(node)
+            self.ongoing_write_through.append((node, event))
+        return n
+
+    def init_load_back(
+        self, last_node: TreeNode, host_hit_length: int = 0, mem_quota: Optional[int] = None
+    ) -> tuple[torch.Tensor, TreeNode]:
+        """Device slots for the host-only nodes from ``last_node`` up to its first ancestor on the
+        device, all or none; the load itself starts at ``ready_to_load_host_cache()``.
+
+        Returns
+        -------
+        (Tensor [L] int64 device slots of the loaded tokens, in order; the node the device part now
+        ends on): ``last_node`` when loaded, else its first ancestor on the device with no slots (the
+        host part is below ``load_back_threshold``, beyond ``mem_quota``, or the device has no room
+        even after eviction). ``last_node`` stays locked until the load completes.
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``last_node`` is not a node of this tree.
+        """
+        if not isinstance(last_node, TreeNode):
+            raise TypeError(f"init_load_back: last_node must be a TreeNode, got {type(last_node).__name__}")
+        empty = self._empty_match().device_indices
+        if last_node.value is not None:
+            self._path(last_node, "init_load_back")
+            return empty, last_node
+        chain = []
+        node = last_node
+        while node.value is None:
+            if node.parent is None or node.parent.children.get(node._ck) is not node:
+                raise ValueError(f"init_load_back: last_node must be a node of this tree, got node {last_node.id}")
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        ancestor = node
+        host_slots = torch.cat([n.host_value for n in chain])
+        total = len(host_slots)
+        delta = self.inc_lock_ref(ancestor)  # nothing above the chain may go while room is made
+        for n in chain:
+            n.protect_host()  # nor the chain's host copies, should room be made on the host
+        try:
+            device = None
+            if total >= self.load_back_threshold and (mem_quota is None or total <= mem_quota + delta):
+                device = self._alloc_device(total)
+        finally:
+            for n in chain:
+                n.release_host()
+            self.dec_lock_ref(ancestor)
+        if device is None:
+            return empty, ancestor
+        offset = 0
+        for n in chain:
+            self._adopt(n, device[offset : offset + len(n.host_value)])
+            offset += len(n.host_value)
+        self.inc_lock_ref(last_node)
+        self._pending_loads.append((host_slots, device, last_node))
+        return device, last_node
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start every load ``init_load_back`` prepared, in one layer-by-layer transfer; returns its
+        number (-1 when there was none). The device pool's getters wait for each layer."""
+        if not self._pending_loads:
+            return -1
+        host = self.token_to_kv_pool_host
+        host_slots = torch.cat([h for h, _, _ in self._pending_loads])
+        device = torch.cat([d for _, d, _ in self._pending_loads])
+        host.load_to_device_all_layer(self.kv_cache, host_slots, device, self.io_backend)
+        event = None
+        if host.load_stream is not None:
+            event = torch.cuda.Event()
+            event.record(host.load_stream)
+        self.ongoing_load_back.extend((node, event) for _, _, node in self._pending_loads)
+        self._pending_loads = []
+        self._loads_started += 1
+        return self._loads_started - 1
+
+    def writing_check(self, write_back: bool = False) -> None:
+        """Unlock the nodes whose backup has completed."""
+        self.ongoing_write_through = self._release_done(self.ongoing_write_through)
+
+    def loading_check(self) -> None:
+        """Unlock the nodes whose load has completed."""
+        self.ongoing_load_back = self._release_done(self.ongoing_load_back)
+
+    def check_hicache_events(self) -> None:
+        """``writing_check()`` and ``loading_check()`` (SGLang's scheduler calls it every step)."""
+        self.writing_check()
+        self.loading_check()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _release_done(self, ongoing: list[tuple[TreeNode, Any]]) -> list[tuple[TreeNode, Any]]:
+        left = []
+        for node, event in ongoing:
+            if event is None or event.query():
+                self.dec_lock_ref(node)
+            else:
+                left.append((node, event))
+        return left
+
+    def _inserted(self, last: TreeNode, chunked: bool) -> None:
+        """Count the insert as a hit on its path's device nodes and back up those that reached the
+        policy's threshold (write-through policies; chunked inserts do not count)."""
+        if self.write_policy == "write_back" or chunked:
+            return
+        node = last
+        due = []
+        while node is not self.root_node:
+            if node.value is not None and node.host_value is None:
+                node.hit_count += 1
+                if node.hit_count >= self.write_through_threshold:
+                    due.append(node)
+            node = node.parent
+        for node in reversed(due):
+            self.write_backup(node)
+
+    def _is_host_evictable(self, node: TreeNode) -> bool:
+        return node.value is None and node.host_value is not None and not node.children and node.parent is not None
+
+    def _drop_host_subtree(self, node: TreeNode) -> None:
+        """Free the host copies of the host-only nodes below ``node`` and detach them."""
+        freed = []
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            freed.append(n.host_value)
+            n.host_value = None
+            n.children = {}
+        node.children = {}
+        if freed:
+            self.token_to_kv_pool_host.free(torch.cat(freed))
+
+    def _alloc_device(self, n: int) -> Optional[torch.Tensor]:
+        allocator = self.token_to_kv_pool_allocator
+        slots = allocator.alloc(n)
+        if slots is None:
+            self.evict(EvictParams(num_tokens=n))
+            slots = allocator.alloc(n)
+        return slots
+
+    def _evict_amount(self, params: Union[EvictParams, int]) -> int:
+        if isinstance(params, EvictParams):
+            for name in ("swa_num_tokens", "mamba_num"):
+                if getattr(params, name):
+                    raise ValueError(f"{name} must be 0 for HiRadixCache (it holds full-attention KV only), got {getattr(params, name)!r}")
+            params = params.num_tokens
+        num = non_negative_int(params, "num_tokens")
+        if self.disable:
+            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
+        return num
+
+    def _integrity_problems(self) -> list[str]:
+        host = self.token_to_kv_pool_host
+        parts = [n.host_value for n in self._nodes() if n is not self.root_node and n.host_value is not None]
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        problems = []
+        if torch.unique(slots).numel() != slots.numel():
+            problems.append(f"{slots.numel() - torch.unique(slots).numel()} host slots held by two nodes")
+        allocated = host.size - host.available_size()
+        if allocated != slots.numel():
+            problems.append(f"the host pool has {allocated} slots allocated but the nodes hold {slots.numel()}")
+        for node in self._nodes():
+            if self._is_host_evictable(node) and not self._host_queue.holds(node):
+                problems.append(f"node {node.id} is a host-only leaf missing from the host eviction queue")
+        return problems
+
+
+def _host_pool_from(device_pool: Any, page_size: int, server_args: Any) -> Any:
+    """The host pool SGLang's ``HiRadixCache`` builds from its server arguments."""
+    if server_args is None:
+        raise ValueError("HiRadixCache needs host_pool= or SGLang's server_args (hicache_ratio, hicache_size, ...)")
+    cls = MLATokenToKVPoolHost if isinstance(device_pool, MLATokenToKVPool) else MHATokenToKVPoolHost
+    return cls(
+        device_pool, getattr(server_args, "hicache_ratio", 2.0), getattr(server_args, "hicache_size", 0), page_size,
+        getattr(server_args, "hicache_mem_layout", "layer_first"),
+    )  # fmt: skip
