@@ -16,7 +16,7 @@ from kvpool.kernels import store_kv, store_kv_kernel
 from kvpool.kernels.store_kv import KVWriter, storage_view
 from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry, write_key
 from kvpool.kernels.store_kv_op import launch_store_kv
-from kvpool.kernels.store_kv_plan import CHUNK, LaunchPlan, plan_write
+from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
 from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -248,6 +248,30 @@ def test_joined_plans_match_reference(h, d, hv, dv, loc_dtype, scale_kind):
         )  # fmt: skip
         assert_same_bytes(kf, kr, "k_cache")
         assert_same_bytes(vf, vr, "v_cache")
+
+
+# Every layout plan_write can be asked for (what the plan sweep times), on geometries where each
+# applies and where it must fall back: the bytes are the reference's, and a forced layout the call
+# cannot take gives the policy's plan.
+@pytest.mark.parametrize("layout", [PER_HEAD, JOINED, ROW, ROW_JOINED, CHUNK])
+@pytest.mark.parametrize("h,d,hv,dv,tile", [(3, 96, 3, 96, 512), (2, 40, 1, 24, 64), (1, 64, 1, 32, 128)])
+def test_every_plan_layout_matches_reference(h, d, hv, dv, tile, layout):
+    t, slots = 7, 19
+    k, v = _rows(t, h, d, torch.bfloat16, 71), _rows(t, hv, dv, torch.float16, 72)
+    loc = _loc(t, slots, torch.int64, 73)
+    tiles = Tile(elems=tile, num_warps=2)
+    plan = plan_write(h, d, hv, dv, t, row=True, tile=tiles, layout=layout, chunk=8)
+    policy = plan_write(h, d, hv, dv, t, row=True, tile=tiles)
+    if layout == ROW_JOINED:
+        assert plan.joined and plan.row_view and plan.grid_y == 1
+    elif layout == CHUNK:
+        assert plan.row_view and plan.head_dim == 8
+    elif layout == JOINED and not plan.joined:
+        assert plan == policy  # a row takes more than one block: the join does not apply
+    scale = torch.tensor([0.37], device=DEVICE)
+    (kf, vf), (kr, vr) = _both_paths(k, v, loc, scale, 1.9, slots, torch.float8_e4m3fn, tile=tiles, layout=layout)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
 
 
 def test_flat_plan_with_rows_longer_than_the_tile():

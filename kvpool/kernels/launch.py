@@ -16,6 +16,8 @@ import inspect
 import logging
 from typing import Any
 
+from kvpool.kernels.tuning import LAUNCH_CACHE_ENTRIES
+
 logger = logging.getLogger("kvpool")
 
 try:
@@ -71,7 +73,7 @@ class DirectLaunches:
 
     __slots__ = ("entries", "enabled", "limit", "what")
 
-    def __init__(self, what: str, enabled: bool = True, limit: int = 1024) -> None:
+    def __init__(self, what: str, enabled: bool = True, limit: int = LAUNCH_CACHE_ENTRIES) -> None:
         self.what = what
         self.entries: dict = {}
         self.limit = limit

@@ -39,7 +39,7 @@ from kvpool.kernels.store_kv_checks import (
 )
 from kvpool.kernels.store_kv_naive import write_reference
 from kvpool.kernels.store_kv_plan import AUTO, TOKEN_BANDS, LaunchPlan, plan_write
-from kvpool.kernels.tuning import Tile
+from kvpool.kernels.tuning import LAUNCH_CACHE_ENTRIES, Tile
 
 kernels = None
 if TRITON_AVAILABLE:
@@ -317,7 +317,7 @@ class KVWriter:
             entry = _Entry(None) if ok else _Entry(reason)
             if ok:
                 self._plan_entry(entry, key, full[10], full[11], full[12], observe=not full[8], tokens=k.shape[0])
-        if len(self._entries) >= 1024:  # as bounded as Triton's own cache of compiled variants
+        if len(self._entries) >= LAUNCH_CACHE_ENTRIES:
             del self._entries[next(iter(self._entries))]
         self._entries[full] = entry
         return entry, k_scale, v_scale

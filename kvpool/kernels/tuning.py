@@ -27,6 +27,10 @@ class Tile:
             raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
 
 
+#: Kinds of call a cache of compiled kernels for direct launches (and the writer's memo) keeps:
+#: enough for every variant a model meets, bounded as Triton's own cache of compiled variants is.
+LAUNCH_CACHE_ENTRIES = 1024
+
 # --- the K/V write --------------------------------------------------------------------------------
 
 #: Writes of at most this many tokens (decode steps, verify writes, short prefills) take the small
