@@ -1,27 +1,12 @@
-"""The fused K/V cache write, as Triton device code only (plan: ``store_kv_plan.py``; the write
-object that launches it: ``store_kv.py``; what it writes: docs/contract.md, "The write").
+"""The fused K/V cache write, as Triton device code only (plan: ``store_kv_plan.py``; the writer
+that launches it: ``store_kv.py``; what it writes: docs/contract.md, "The write").
 
 One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
-rounded float32, saturate to the format's finite range, round to nearest even, and scatter each row
-to its slot. Grid: axis 0 walks token blocks; axis 1 walks the blocks of K and then of V, so K and V
-(which may differ in head count and head dim) share the launch; with ``JOINED`` (each tensor's row is
-one block) one program loads a token block's K and V rows and then stores both. A block is BLOCK_H
-heads x BLOCK_D elements of head_dim; row plans pass a whole row as one "head".
-
-The per-element work is kept small on purpose (large writes are otherwise bound by instructions,
-not memory): the division has no selects and the native cast no clamp (``_div_by_reciprocal``,
-``_convert``). Two ways to produce the output bits, chosen at compile time by ``SOFT_CAST``:
-
-* native (``SOFT_CAST=False``): Triton's ``.to(float8e4nv / float8e5 / bfloat16)``; on sm_89+ this is
-  ``cvt.rn.satfinite``, one instruction per pair of elements.
-* soft (``SOFT_CAST=True``): round-to-nearest-even written with integer operations on the float32 bit
-  pattern. Bit-exact everywhere, including Triton's CPU interpreter, whose own float->fp8 and
-  float->bf16 conversions are wrong (ties away from zero, truncation) and which also mangles bf16
-  subnormals when widening them, and GPUs that have no FP8 conversion instruction.
-
-A NaN is stored as ``formats.NAN_BITS`` of the cache type whenever the write converts. With
-``PREFIX`` the launch is a speculative-decoding verify write: ``loc`` is [bs, width] and token
-``i * width + j`` is written only when ``j < commit_lens[i]`` (read on the device).
+rounded float32, saturate, round to nearest even (natively, or with integer operations: ``SOFT_CAST``,
+see ``_convert``), and scatter each row to its slot. Grid: axis 0 walks token blocks, axis 1 the
+blocks of K and then of V; with ``JOINED`` one program loads a token block's K and V rows, then
+stores both. With ``PREFIX`` it is the verify write: token ``i * width + j`` is written only when
+``j < commit_lens[i]``. Per-element work is kept small: large writes are otherwise instruction-bound.
 """
 
 from __future__ import annotations
@@ -97,13 +82,14 @@ def _to_float32(x, SOFT_CAST: tl.constexpr):
 def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise.
 
-    The native FP8 casts need no clamp and no NaN select: on sm_89+ Triton emits
-    ``cvt.rn.satfinite``, which rounds to nearest even, sends finite overflow and +-inf to +-fmax and
-    every NaN to 0x7F (FP8_NAN), exactly the write's definition. (tests/test_gpu.py checks every
-    bf16/fp16 pattern and 4M float32 patterns against the reference, NaN bits included;
-    tests/test_cross_compile.py checks the instruction is there.) The 16- and 32-bit outputs select
-    their NaN pattern explicitly: hardware and interpreter disagree on NaN payloads, and these are
-    not the hot path."""
+    Native (``SOFT_CAST=False``): Triton's casts; for FP8 on sm_89+ that is ``cvt.rn.satfinite``,
+    which rounds to nearest even, sends finite overflow and +-inf to +-fmax and every NaN to 0x7F
+    (FP8_NAN): the write's definition with no clamp and no NaN select (tests/test_gpu.py checks every
+    bf16/fp16 pattern and random float32 ones; tests/test_cross_compile.py checks the instruction).
+    Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
+    bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
+    are wrong) and GPUs with no FP8 conversion. The 16- and 32-bit outputs select their NaN pattern
+    explicitly: hardware and interpreter disagree on NaN payloads."""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
