@@ -354,19 +354,22 @@ def measure(run: Run, rec: dict, fn, t: int, nbytes: int | None, decode: bool) -
         rec["error"] = short_error(exc)
 
 
-def cast_scatter_ceiling(run: Run, k, v, caches: list, loc, nbytes: int, decode: bool) -> dict:
+def cast_scatter_ceiling(run: Run, k, v, caches: list, loc, nbytes: int, decode: bool, timer=None) -> dict:
     """The ceiling of a write of ``k``, ``v`` to ``loc``: the cast-only scatter of the same bytes to
-    the same slots, best of its tiles (cold device time, GB/s; per call in a graph at decode sizes)."""
+    the same slots, best of its tiles, timed by ``timer`` (default ``measure``: cold device time and
+    GB/s, and at decode sizes per call in a graph and eager wall time)."""
+    timer = timer or (lambda rec, fn: measure(run, rec, fn, k.shape[0], nbytes, decode))
     best: dict = {}
     errors = []
     for block, warps in peers.CAST_SCATTER_TILES:
         rec: dict = {}
         fn = lambda i, b=block, w=warps: peers.cast_scatter(k, v, caches[i][0], caches[i][1], loc, b, w)  # noqa: E731
         if first_call(run, rec, fn):
-            measure(run, rec, fn, k.shape[0], nbytes, decode)
+            timer(rec, fn)
+        field = "device_us" if "device_us" in rec else "graph_us"
         if "error" in rec:
             errors.append(rec["error"])
-        elif "device_us" in rec and rec["device_us"] < best.get("device_us", float("inf")):
+        elif field in rec and rec[field] < best.get(field, float("inf")):
             best = {**rec, "tile": f"{block}/{warps}"}
     return best or {"error": "; ".join(errors) or "not measured"}
 
@@ -521,6 +524,20 @@ PLAN_CANDIDATES = [
 PLAN_CHUNKS = (32, 64)
 
 
+def plan_measure(run: Run, rec: dict, fn, nbytes: int, decode: bool) -> None:
+    """The plan sweep's one figure per call: per write in a graph of graph_calls writes at decode
+    sizes, else cold device time and GB/s; a failure goes into rec["error"]."""
+    plan, clock = run.plan, run.clock
+    try:
+        if decode:
+            rec["graph_us"] = clock.device_us(lambda i: fn(i % plan.layers), plan.graph_calls, cold=False)
+        else:
+            us = rec["device_us"] = clock.device_us(lambda i: fn(i % plan.layers), plan.cold_calls, cold=True)
+            rec["gbps"] = nbytes / (us * 1e-6) / 1e9
+    except Exception as exc:
+        rec["error"] = short_error(exc)
+
+
 def _plan_label(layout: str, tile, chunk: int) -> str:
     size = "policy tiles" if tile is None else f"{tile.elems}/{tile.num_warps}"
     return f"{layout} {size}" + (f" chunk {chunk}" if layout == CHUNK else "")
@@ -561,7 +578,8 @@ def plan_sweep(run: Run) -> None:
             nbytes = t * (h * d + hv * dv) * 3 + t * 8
             decode = t <= plan.decode_max
             base = {"model": name, "T": t, "bytes": nbytes}
-            line = [cast_scatter_ceiling(run, k.contiguous(), v.contiguous(), caches, loc, nbytes, decode)]
+            timer = lambda rec, fn: plan_measure(run, rec, fn, nbytes, decode)  # noqa: E731
+            line = [cast_scatter_ceiling(run, k.contiguous(), v.contiguous(), caches, loc, nbytes, decode, timer)]
             line[0].update(base, method=M.CEILING)
             expected: list = []
 
@@ -587,12 +605,12 @@ def plan_sweep(run: Run) -> None:
                         if not expected:
                             expected.append(torch.cat([stores[0][0][loc].reshape(-1), stores[0][1][loc].reshape(-1)]))
                         rec["exact"] = exact()
-                        measure(run, rec, fn, t, nbytes, decode)
+                        plan_measure(run, rec, fn, nbytes, decode)
                     line.append(rec)
             port = {**base, "method": M.PER_TOKEN}
             fn = lambda i: peers.per_token_triton(k, v, caches[i][0], caches[i][1], loc, scale, scale)  # noqa: E731
             if first_call(run, port, fn):
-                measure(run, port, fn, t, nbytes, decode)
+                plan_measure(run, port, fn, nbytes, decode)
             line.append(port)
             sweep.extend(line)
             log("  plans " + bench_report.plan_line(line, decode))
