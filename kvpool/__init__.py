@@ -46,7 +46,7 @@ from kvpool.pools import (
     plan_hybrid_pools,
 )
 from kvpool.pools.mamba_host import HybridPoolHost, MambaPoolHost
-from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, recv_kv, send_kv
+from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 
 __version__ = "0.1.0"
 
@@ -82,6 +82,7 @@ __all__ = [
     "RadixKey",
     "ReqToTokenPool",
     "RowTable",
+    "StateShard",
     "TokenToKVPoolAllocator",
     "TreeNode",
     "KVPoll",

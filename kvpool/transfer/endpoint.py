@@ -1,32 +1,36 @@
-"""What a sender and a receiver of a request's KV rows between two ranks' pools share: the checks,
-the handshake, the pool's and the staging's row tables, the streams, and the transfer handle.
-``KVSender``/``KVReceiver`` (:mod:`kvpool.transfer.pipelines`) add their halves of the pipeline.
-What users may rely on is in docs/contract.md, "KV transfer between ranks".
+"""What a sender and a receiver of a request's rows between two ranks' pools share: the checks, the
+handshake, the staging and its tables, the direct path, the streams. ``KVSender``/``KVReceiver``
+(:mod:`kvpool.transfer.pipelines`) add their halves of the staged pipeline. What users may rely on
+is in docs/contract.md, "KV transfer between ranks".
 
 How a transfer runs (both ranks, in this order):
 
 1. **Own checks.** Each rank checks its own arguments. A problem that leaves the peer unknown (no
    process group, a peer rank that is not in the group or is this rank, a backend that cannot carry
-   the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` of the wrong
-   type or shape, a slot outside the pool) is recorded in this rank's header instead of raised.
-2. **Handshake.** The ranks swap 1 KiB headers (:mod:`kvpool.transfer.handshake`): pool geometry,
-   token count, the heads each holds, staging size, and any problem from step 1. They travel through
-   torch.distributed's key-value store (the one ``init_process_group`` set up;
-   :mod:`kvpool.transfer.exchange`), so the handshake costs
-   host round trips only: no device work, no stream, no wait for earlier transfers to drain. Both
-   ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree` to the two headers, so
-   either both raise the same exception with the same message (a ``ValueError`` naming the mismatched
-   field, or the ``IndexError``/``TypeError``/``ValueError`` one rank found in its own arguments)
-   before any KV byte moves, or both move the same rows in the same chunks. Each rank publishes its
-   header before reading the peer's, so two senders (or two receivers) facing each other cannot
-   deadlock: they learn of it from the headers. A rank whose peer does not start its side within the
-   store's timeout (``init_process_group``'s ``timeout``) withdraws its header and raises; the peer's
-   call for that transfer, whenever it comes, raises too, and the next transfers pair as before.
-3. **Pipeline.** The sender gathers the rows of a chunk from every layer into a staging half with one
-   launch of the row-copy kernel (:mod:`kvpool.kernels.copy_rows`, a table of layer-buffer pointers), sends it, and
-   gathers the next chunk into the other half while the first is in flight. The receiver receives into
-   one half while it scatters the other into its pool. Chunk sizes follow
-   :func:`~kvpool.transfer.wire.chunk_plan`.
+   the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` or
+   ``state_slots`` of the wrong type or shape, a slot outside its pool) is recorded in this rank's
+   header instead of raised.
+2. **Handshake.** The ranks swap 2 KiB headers (:mod:`kvpool.transfer.handshake`): the KV pool's
+   geometry, token count, the heads each holds, staging size, the linear-attention state's geometry
+   and slot count (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct
+   transfer, and any problem from step 1. They travel through torch.distributed's key-value store
+   (:mod:`kvpool.transfer.exchange`): host round trips only, no device work, no wait for earlier
+   transfers to drain. Both ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree`
+   to the two headers, so either both raise the same exception with the same message (a
+   ``ValueError`` naming the mismatched field, or the ``IndexError``/``TypeError``/``ValueError``
+   one rank found in its own arguments) before any byte moves, or both move the same rows the same
+   way. Each rank publishes its header before reading the peer's, so two senders (or two receivers)
+   facing each other cannot deadlock. A rank whose peer does not start its side within the store's
+   timeout (``init_process_group``'s ``timeout``) withdraws its header and raises; the peer's call
+   for that transfer, whenever it comes, raises too, and the next transfers pair as before.
+3. **Path.** :func:`~kvpool.transfer.handshake.link_route` picks, from the same headers, the direct
+   path (:mod:`kvpool.transfer.ipc`: both CUDA endpoints on one host, set up once per pair of
+   endpoints) or the staged one.
+4. **Staged pipeline.** The sender gathers the rows of a chunk from every layer (KV rows, then
+   state bands) into a staging half with one launch of the row-copy kernel, sends it, and gathers
+   the next chunk into the other half while the first is in flight; the receiver receives into one
+   half while it scatters the other into its pools. Chunk sizes follow
+   :func:`~kvpool.transfer.wire.chunk_plan` and :func:`~kvpool.transfer.state_wire.state_plan`.
 
 Streams (CUDA). The data moves on a side stream: the sender's gathers wait for the work queued on the
 caller's current stream when ``send`` is called, so they read what was written before; the receiver's
@@ -36,56 +40,71 @@ caller's current stream wait for the transfer (a stream wait, not a host wait); 
 queries an event.
 
 Memory. Each endpoint allocates, once, a staging buffer of two halves of ``chunk_bytes``, an index
-buffer of one int64 per pool row, and small tables (those of a head range other than the pool's own on
-that range's first transfer); a transfer allocates no device memory. ``loc`` is host indices (a CPU
-tensor or a NumPy array, as a scheduler holds them): they are checked on the host, so a bad slot is
-reported without reading device memory, and uploaded from a pinned copy that torch's caching host
-allocator keeps until the upload has run. (One pinned buffer reused by every transfer would make the
-host wait for the previous upload, which may sit behind the compute stream; the caching allocator
-only allocates when none of its blocks is free, e.g. on the first transfers.)
+buffer of one int64 per pool row and state slot, and small tables (those of a head range other than
+the pool's own on that range's first transfer); a transfer allocates no device memory. ``loc`` and
+``state_slots`` are host indices (CPU tensors or NumPy arrays, as a scheduler holds them): they are
+checked on the host, so a bad slot is reported without reading device memory, and uploaded from a
+pinned copy that torch's caching host allocator keeps until the upload has run.
 
 CPU pools (gloo). The same pipeline runs on the host: ``send``/``recv`` return when the data has moved
 and the handle is already complete.
 
 One endpoint runs one transfer at a time; transfers between the same two ranks over the same group
-are matched in the order they were started, so both ranks must start them in the same order (a rank
-whose call raises before the handshake, e.g. on an invalid peer, has started nothing: the peer's
-pending call pairs with its next one or, if the peer gave up waiting first, that next one raises). Every handshake goes through the default store, which lives
-in one process (rank 0's, for the usual TCP store). Not thread-safe.
+are matched in the order they were started, so both ranks must start them in the same order. Every
+handshake goes through the default store, which lives in one process (rank 0's, for the usual TCP
+store). Not thread-safe.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool.checks import check_index, non_negative_int, out_of_range, positive_int
+from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, copy_rows, launch_copy_rows
 from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE
+from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.streams import OnStream, StreamMark
+from kvpool.transfer.arguments import Loc, check_backend, check_peer, check_slots
+from kvpool.transfer.arguments import default_store as _default_store
+from kvpool.transfer.exchange import exchange, release
+from kvpool.transfer.handle import KVTransfer
 from kvpool.transfer.handshake import (
+    DIRECT,
     RECEIVER,
     SENDER,
+    SETUP,
     Agreement,
     Header,
     Refusal,
     agree,
+    link_route,
     make_header,
 )
-from kvpool.transfer.exchange import exchange, release
+from kvpool.transfer.ipc import (
+    DirectLink,
+    PeerDone,
+    RecvPair,
+    SendPair,
+    offer_code,
+    receiver_setup,
+    remote_kv_table,
+    remote_state_table,
+    sender_setup,
+)
+from kvpool.transfer.staging import Chunk, Staging
+from kvpool.transfer.state_wire import StateShard, StateSide, band_spans
 from kvpool.transfer.wire import TokenLayout, chunk_plan
 
 #: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
-#: parts, one head.
-POOLS = (MHATokenToKVPool, MLATokenToKVPool)
+#: parts, one head; a ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
+POOLS = (MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool)
 
 #: Staging per half on CUDA (or the whole pool's rows, if smaller), so the most a chunk can be: each
 #: NCCL message carries a fixed cost, so large messages keep the link busy (BENCHMARKS.md has the
@@ -102,14 +121,22 @@ def default_max_programs(sms: int) -> int:
     return min(sms, FEW_PROGRAMS)
 
 
-Loc = Union[torch.Tensor, np.ndarray]
+AnyPool = Union[MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool]
+
+
+def _check_pool(pool: object) -> None:
+    if not isinstance(pool, POOLS):
+        raise TypeError(
+            f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}; a "
+            f"HybridLinearKVPool, which holds one, is taken too"
+        )
 
 
 @dataclass(frozen=True)
 class Route:
-    """One transfer's data movement, as the sender's and receiver's pipelines take it."""
+    """One staged transfer's data movement, as the sender's and receiver's pipelines take it."""
 
-    plan: list[tuple[int, int]]  # (first token, tokens) of each chunk
+    plan: list[tuple[int, int]]  # (first token, tokens) of each KV chunk
     index: torch.Tensor  # [tokens] this side's slots, on the pool's device
     layout: TokenLayout
     pool_table: RowTable
@@ -117,229 +144,166 @@ class Route:
     peer: int
     group: Optional[dist.ProcessGroup]
     compute: Optional[torch.cuda.Stream]  # the caller's stream on CUDA, None on CPU
+    state: tuple[Chunk, ...] = ()  # the state chunks, after the KV's
 
-
-class KVPoll(enum.IntEnum):
-    """State of a transfer, numbered as SGLang's ``KVPoll`` so scheduler code comparing against those
-    values carries over. A transfer that starts has passed its handshake, so only these two occur."""
-
-    Transferring = 3
-    Success = 4
-
-
-class KVTransfer:
-    """Handle of one started transfer (returned by ``send``/``recv``, ``send_kv``/``recv_kv``).
-
-    Attributes
-    ----------
-    role : ``"sender"`` or ``"receiver"``.
-    peer : global rank of the other side.
-    tokens : slots moved.
-    heads : ``(lo, hi)``, the global KV heads moved.
-    nbytes : KV bytes moved (all layers, K and V, the moved heads only).
-    chunks : messages the rows travelled in.
-    """
-
-    def __init__(
-        self, role: str, peer: int, tokens: int, heads: tuple[int, int], nbytes: int, chunks: int,
-        device: torch.device, done: Optional[torch.cuda.Event] = None,
-    ) -> None:  # fmt: skip
-        self.role, self.peer, self.tokens, self.heads = role, peer, tokens, heads
-        self.nbytes, self.chunks = nbytes, chunks
-        self._device, self._done = device, done
-
-    def is_completed(self) -> bool:
-        """True once every row has moved (sender: read and sent; receiver: written into the pool).
-        Never blocks."""
-        return self._done is None or self._done.query()
-
-    def poll(self) -> KVPoll:
-        return KVPoll.Success if self.is_completed() else KVPoll.Transferring
-
-    def wait(self) -> None:
-        """Make the caller's current stream wait for the transfer (no host wait on CUDA). Afterwards,
-        work queued on that stream may reuse the sender's slots or read the receiver's."""
-        if self._done is not None:
-            # (The stream is looked up by device; the wait itself switches devices if it must.)
-            torch.cuda.current_stream(self._device).wait_event(self._done)
-
-    def __repr__(self) -> str:
-        state = "done" if self.is_completed() else "in flight"
-        return (
-            f"KVTransfer({self.role}, peer={self.peer}, tokens={self.tokens}, heads={self.heads}, "
-            f"nbytes={self.nbytes}, chunks={self.chunks}, {state})"
-        )
+    def chunks(self) -> list[Chunk]:
+        kv = [Chunk(count, count * self.layout.token_bytes, self.pool_table, self.index[start : start + count],
+                    self.stages) for start, count in self.plan]  # fmt: skip
+        return kv + list(self.state)
 
 
 class Endpoint:
-    """What a sender and a receiver share: the pool's tables, staging, streams and the handshake.
-    Subclasses set ``_role`` and define ``_pipeline``."""
+    """What a sender and a receiver share: the pools, staging, streams, the handshake and the direct
+    path. Subclasses set ``_role`` and define ``_pipeline``."""
 
     _role: int = 0
 
     def __init__(
         self,
-        pool: MHATokenToKVPool,
+        pool: AnyPool,
         group: Optional[dist.ProcessGroup] = None,
         *,
         head_start: int = 0,
         total_heads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         max_programs: Optional[int] = None,
+        state_shard: Optional[StateShard] = None,
+        ipc: bool = True,
     ) -> None:
-        if not isinstance(pool, POOLS):
-            raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
-        self.pool = pool
-        self.group = group
+        _check_pool(pool)
+        self.pool, self.group = pool, group
+        hybrid = isinstance(pool, HybridLinearKVPool)
+        kv = pool.full_kv_pool if hybrid else pool
+        self.kv, self.mamba = kv, pool.mamba_pool if hybrid else None  # type: ignore[union-attr]
+        self.layer_ids = tuple(pool.full_attention_layer_ids) if hybrid else None  # type: ignore[union-attr]
+        if state_shard is not None and self.mamba is None:
+            raise ValueError("state_shard needs a pool with linear-attention state (a HybridLinearKVPool with a mamba_pool)")
+        self.state = None if self.mamba is None else StateSide.of(self.mamba, state_shard)
         self.head_start = non_negative_int(head_start, "head_start")
-        self.total_heads = pool.head_num if total_heads is None else positive_int(total_heads, "total_heads")
-        if head_start + pool.head_num > self.total_heads:
+        self.total_heads = kv.head_num if total_heads is None else positive_int(total_heads, "total_heads")
+        if head_start + kv.head_num > self.total_heads:
             raise ValueError(
-                f"the pool's heads [head_start, head_start + head_num) = [{head_start}, {head_start + pool.head_num}) "
+                f"the pool's heads [head_start, head_start + head_num) = [{head_start}, {head_start + kv.head_num}) "
                 f"must lie within total_heads={self.total_heads}"
                 + ("; pass total_heads (the model's KV heads)" if total_heads is None else "")
             )
-        self.device = pool.device
+        self.device = kv.device
         self._cuda = self.device.type == "cuda"
         self._kernel = self._cuda and TRITON_AVAILABLE and not INTERPRETER  # else copy_rows' own choice
-        self._element_size = pool.k_buffer[0].element_size()
-        self._rows = pool.size + pool.page_size
-        full = TokenLayout.of(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim, self._element_size)
-        one_head = TokenLayout.of(pool.layer_num, 1, pool.head_dim, pool.v_head_dim, self._element_size)
-        if chunk_bytes is None:
-            # No larger than the whole pool: a transfer moves at most one token per pool row.
-            default = DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU
-            chunk_bytes = max(min(default, self._rows * full.token_bytes), full.token_bytes)
-        self.chunk_bytes = positive_int(chunk_bytes, "chunk_bytes")
-        if self.chunk_bytes < full.token_bytes:
-            raise ValueError(
-                f"chunk_bytes must hold at least one token of this pool ({full.token_bytes} bytes: "
-                f"{pool.layer_num} layers x K,V x {pool.head_num} heads), got {chunk_bytes}"
-            )
+        self._rows = kv.size + kv.page_size
+        self._state_rows = 0 if self.mamba is None else self.mamba.size + 1
+        self.chunk_bytes = self._chunk_bytes(chunk_bytes)
         self.max_programs = None if max_programs is None else positive_int(max_programs, "max_programs")
-        # The pipeline's fill and drain copies run alone and take the whole GPU, unless the caller
-        # capped the grid (to leave SMs to its model on other streams).
+        # The pipeline's fill and drain copies (and the direct path's one copy) run alone and take
+        # the whole GPU, unless the caller capped the grid (to leave SMs to its model on other streams).
         self._alone_programs = self.max_programs
-
-        dev = self.device
-        self._stage = torch.empty(2 * self.chunk_bytes, dtype=torch.uint8, device=dev)
-        self._arange = torch.arange(min(self._rows, self.chunk_bytes // one_head.token_bytes), device=dev)
-        self._tables: dict[tuple[int, int], tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]] = {}
+        self.staging = Staging(kv, self.mamba, self.state, self.chunk_bytes, self._cuda)
+        self._stage, self._arange = self.staging.buffer, self.staging.arange
         self._peer_headers: dict[int, Header] = {}  # the last header each peer sent (the handshake's guess)
+        self.link = DirectLink(offer_code(self.device, ipc, self._kernel))
         if self._cuda:
-            self._index = torch.empty(self._rows, dtype=torch.int64, device=dev)
-            self._side = torch.cuda.Stream(device=dev)
+            self._index = torch.empty(self._rows + self._state_rows, dtype=torch.int64, device=self.device)
+            self._side = torch.cuda.Stream(device=self.device)
             self._caller_mark = StreamMark()  # orders the side stream after the caller's
             if max_programs is None:
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
                 self.max_programs = default_max_programs(sms)
             # These buffers were allocated on the caller's stream: the side stream starts after what
             # is queued there (the memory may have just been freed by work still pending), and
             # freeing them waits for the side stream, whose last work in each transfer waits for
             # the transport too (so an endpoint dropped with a transfer in flight is safe).
-            caller = torch.cuda.current_stream(dev)
-            self._side.wait_stream(caller)
-            for t in (self._stage, self._arange, self._index):
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            for t in (*self.staging.tensors(), self._index):
                 t.record_stream(self._side)
         # The tables of the pool's own heads are built now; other head ranges on first use.
         with self._on_side():
-            self._tables_for(0, pool.head_num)
+            self._tables_for(0, kv.head_num)
+
+    def _chunk_bytes(self, chunk_bytes: Optional[int]) -> int:
+        kv = self.kv
+        token = TokenLayout.of(kv.layer_num, kv.head_num, kv.head_dim, kv.v_head_dim, kv.k_buffer[0].element_size())
+        row = 0 if self.mamba is None else max(self.mamba.row_table.row_bytes)  # the largest state buffer row
+        if chunk_bytes is None:
+            # No larger than the whole pools: a transfer moves at most one token per pool row and
+            # one state per slot.
+            default = DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU
+            whole = max(self._rows * token.token_bytes, self._state_rows * sum(self.mamba.row_table.row_bytes)
+                        if self.mamba is not None else 0)  # fmt: skip
+            chunk_bytes = max(min(default, whole), token.token_bytes, row)
+        positive_int(chunk_bytes, "chunk_bytes")
+        if chunk_bytes < token.token_bytes:
+            raise ValueError(
+                f"chunk_bytes must hold at least one token of this pool ({token.token_bytes} bytes: "
+                f"{kv.layer_num} layers x K,V x {kv.head_num} heads), got {chunk_bytes}"
+            )
+        if chunk_bytes < row:
+            raise ValueError(
+                f"chunk_bytes must hold at least one state buffer's slot row of this pool ({row} bytes: the "
+                f"largest convolution window or SSM state of a layer), got {chunk_bytes}"
+            )
+        return chunk_bytes
 
     # --- one transfer --------------------------------------------------------------------------------
 
-    def _start(self, loc: Loc, peer: int) -> KVTransfer:
+    def _start(self, loc: Loc, peer: int, state_slots: Optional[Loc] = None) -> KVTransfer:
         group = self.group
-        rank = self._check_peer(peer, group)
-        self._check_backend(group)
+        rank = check_peer(peer, group, "dst" if self._role == SENDER else "src")
+        check_backend(group, self.device)
         sender, receiver = (rank, peer) if self._role == SENDER else (peer, rank)
         where = f"kvpool transfer rank {sender} -> rank {receiver}"
-        loc_host, problem = self._check_loc(loc, where)
+        role = "sender" if self._role == SENDER else "receiver"
+        loc_host, problem = check_slots(loc, self._rows, where, role)
+        states_host, state_problem = self._check_states(state_slots, where, role)
+        problem = problem or state_problem
         tokens = 0 if loc_host is None else loc_host.shape[0]
-        mine = make_header(self._role, rank, self.pool, self.head_start, self.total_heads, tokens, self.chunk_bytes)
+        states = 0 if states_host is None else states_host.shape[0]
+        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        expected = self.link.expected_pair(peer) if self._role == SENDER and problem is None else None
+        if expected is not None:  # its slots and ready event, before the header leaves (ipc.py)
+            self._prepare(expected, compute, loc_host, states_host)  # type: ignore[arg-type]
+        mine = make_header(
+            self._role, rank, self.kv, self.head_start, self.total_heads, tokens, self.chunk_bytes,
+            layer_ids=self.layer_ids, state=self.state, states=states, link=self.link.fields(peer),
+        )  # fmt: skip
         if problem is not None:
             mine = mine.with_error(problem)
         encoded = mine.to_bytes()
         store = _default_store()
         theirs, spent_key = exchange(store, encoded, mine, rank, peer, group, self._peer_headers.get(peer))
         self._peer_headers[peer] = theirs
+        self.link.expected[peer] = theirs.ep_id
         try:
             # Both ranks judge the headers as they travelled (a long message is cut the same way on both).
-            verdict = agree(Header.from_bytes(encoded), theirs)
+            ours = Header.from_bytes(encoded)
+            verdict = agree(ours, theirs)
             if isinstance(verdict, Refusal):
                 raise verdict.exception()
             if loc_host is None:  # unreachable: a rank with a loc problem refuses through the verdict
                 raise RuntimeError(f"{where}: the handshake agreed although this rank's loc was rejected")
-            return self._move(verdict, loc_host, peer, group)
+            path, reason = link_route(ours, theirs)
+            pair = self.link.pairs.get(theirs.ep_id)
+            if path == SETUP:
+                pair = self._setup(store, spent_key.rsplit("/", 1)[0] + "/", theirs, peer, compute, loc_host, states_host)
+                path, reason = (DIRECT, None) if pair.reason is None else ("staged", pair.reason)
+            elif reason is None and path != DIRECT and pair is not None:
+                reason = pair.reason  # the pair refused at setup
+            if path == DIRECT:
+                return self._move_direct(verdict, pair, theirs, loc_host, states_host, peer)  # type: ignore[arg-type]
+            return self._move(verdict, loc_host, states_host, peer, group, compute, reason)
         finally:
             release(store, spent_key)  # once the data movement is queued: the round trip overlaps the device's work
 
-    def _check_peer(self, peer: object, group: Optional[dist.ProcessGroup]) -> int:
-        """This rank's global rank, after checking ``peer``; raises here (the peer cannot be told)."""
-        name = "dst" if self._role == SENDER else "src"
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call init_process_group first (kvpool starts no processes)"
-            )
-        if isinstance(peer, bool) or not isinstance(peer, int):
-            raise TypeError(f"{name} must be an int (a global rank), got {type(peer).__name__}")
-        rank = dist.get_rank()
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        if rank not in ranks:
-            raise ValueError(f"this rank ({rank}) is not in the process group (ranks {ranks})")
-        if peer not in ranks or peer == rank:
-            raise ValueError(
-                f"{name} must be another rank of the process group {ranks}, got {peer} (this rank is {rank})"
-            )
-        return rank
-
-    def _check_backend(self, group: Optional[dist.ProcessGroup]) -> None:
-        backend = str(dist.get_backend(group))
-        if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
-            per_device = dict(part.split(":", 1) for part in backend.split(","))
-            chosen = per_device.get(self.device.type)
-        else:
-            chosen = backend
-        ok = chosen is not None and not (
-            (chosen == "nccl" and self.device.type != "cuda") or (chosen == "gloo" and self.device.type != "cpu")
-        )
-        if not ok:
-            raise ValueError(
-                f"the process group's backend ({backend}) cannot carry tensors of the pool's device "
-                f"{self.device}: use NCCL for CUDA pools and gloo for CPU pools"
-            )
-
-    def _check_loc(self, loc: object, where: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
-        """``loc`` as a CPU int64 tensor, or the problem to report to both ranks (with the error the
-        one check helper raises, prefixed by the transfer and the role)."""
-        role = "sender" if self._role == SENDER else "receiver"
-        tail = "; nothing moved"
-        if isinstance(loc, np.ndarray):
-            if loc.dtype not in (np.int32, np.int64):
-                return None, ValueError(f"{where}: the {role}'s loc must be int32 or int64, got numpy {loc.dtype}{tail}")
-            loc = torch.from_numpy(loc)
-        if not isinstance(loc, torch.Tensor):
-            return None, TypeError(
-                f"{where}: the {role}'s loc must be a CPU torch.Tensor or a numpy array, got {type(loc).__name__}{tail}"
-            )
-        try:
-            check_index(loc, "loc", dims="[T]")
-        except ValueError as e:
-            return None, ValueError(f"{where}: the {role}'s {e}{tail}")
-        if loc.device.type != "cpu":
+    def _check_states(
+        self, state_slots: object, where: str, role: str
+    ) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
+        if state_slots is None:
+            return torch.empty(0, dtype=torch.int64), None
+        if self.mamba is None:
             return None, ValueError(
-                f"{where}: the {role}'s loc must be host indices (a CPU tensor), got a tensor on {loc.device}: "
-                f"reading device indices to check them would synchronise the device; pass loc.cpu(){tail}"
+                f"{where}: the {role}'s state_slots need a pool with linear-attention state (a HybridLinearKVPool "
+                f"with a mamba_pool), got state_slots for a {type(self.pool).__name__}; nothing moved"
             )
-        n = loc.shape[0]
-        if n > self._rows:
-            return None, ValueError(f"{where}: the {role}'s loc has {n} slots, more than its pool's {self._rows} rows{tail}")
-        loc64 = loc.to(torch.int64)
-        bad = out_of_range(loc64, self._rows, negative_ok=False)
-        if bad is not None:
-            return None, IndexError(
-                f"{where}: the {role}'s loc[{bad[0]}] = {bad[1]} is outside its pool's slots [0, {self._rows}){tail}"
-            )
-        return loc64, None
+        return check_slots(state_slots, self._state_rows, where, role, name="state_slots", pool="state pool")
 
     def _on_side(self) -> contextlib.AbstractContextManager:
         """Current device and stream for the data movement (nothing on CPU)."""
@@ -348,31 +312,8 @@ class Endpoint:
         return OnStream(self._side)
 
     def _tables_for(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
-        """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V: the pool's own
-        ``row_table`` for all its heads) and of the two staging halves, in the wire order; built once
-        per head range, on the side stream (the address tables are copied there without a
-        synchronisation, ready for the work that follows)."""
-        key = (lo, hi)
-        cached = self._tables.get(key)
-        if cached is not None:
-            return cached
-        pool = self.pool
-        layout = TokenLayout.of(pool.layer_num, hi - lo, pool.head_dim, pool.v_head_dim, self._element_size)
-        if (lo, hi) == (0, pool.head_num):
-            pool_table = pool.row_table
-        else:
-            parts = [b[:, lo:hi] for pair in zip(pool.k_buffer, pool.v_buffer) for b in pair]
-            pool_table = RowTable.of(parts, non_blocking=self._cuda)
-        capacity = self.chunk_bytes // layout.token_bytes
-        halves = []
-        for half in range(2):
-            base = self._stage[half * self.chunk_bytes :][: capacity * layout.token_bytes]
-            rows = base.view(capacity, layout.token_bytes)
-            bands = [rows[:, o : o + n] for o, n in zip(layout.offsets, layout.row_bytes)]
-            halves.append(RowTable.of(bands, non_blocking=self._cuda))
-        entry = (layout, pool_table, (halves[0], halves[1]))
-        self._tables[key] = entry
-        return entry
+        """The pool's table of local heads ``[lo, hi)`` and the staging halves (:meth:`Staging.kv_tables`)."""
+        return self.staging.kv_tables(lo, hi)
 
     def _copy(
         self, dst: RowTable, dst_index: torch.Tensor, src: RowTable, src_index: torch.Tensor, alone: bool = False
@@ -390,53 +331,124 @@ class Endpoint:
             copy_rows(dst, dst_index, src, src_index, max_programs=programs)
 
     def _staged(self, half: int, nbytes: int) -> torch.Tensor:
-        return self._stage[half * self.chunk_bytes :][:nbytes]
+        return self.staging.half(half, nbytes)
 
-    def _move(self, agreed: Agreement, loc: torch.Tensor, peer: int, group: Optional[dist.ProcessGroup]) -> KVTransfer:
+    def _upload(self, loc: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``loc`` and ``states`` in the index buffer (current stream: the side stream), from a
+        contiguous pinned copy: the caller may change them once this returns, and a strided source
+        would go through pageable memory (a possible host wait). The pinned block stays reserved
+        until this copy has run (the caching host allocator records the stream)."""
+        t, n = loc.shape[0], loc.shape[0] + states.shape[0]
+        pinned = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        pinned[:t].copy_(loc)
+        pinned[t:].copy_(states)
+        self._index[:n].copy_(pinned, non_blocking=True)
+        return self._index[:t], self._index[t:n]
+
+    def _move(
+        self, agreed: Agreement, loc: torch.Tensor, states: torch.Tensor, peer: int,
+        group: Optional[dist.ProcessGroup], compute: Optional[torch.cuda.Stream], reason: Optional[str],
+    ) -> KVTransfer:  # fmt: skip
+        """The staged path."""
         role = "sender" if self._role == SENDER else "receiver"
         heads = (agreed.head_lo, agreed.head_hi)
-        if agreed.tokens == 0:
-            return KVTransfer(role, peer, 0, heads, 0, 0, self.device)
-        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        if agreed.tokens == 0 and agreed.states == 0:
+            return KVTransfer(role, peer, 0, heads, 0, 0, self.device, path_reason=reason)
         with self._on_side():
             lo, hi = agreed.head_lo - self.head_start, agreed.head_hi - self.head_start  # local head numbers
             layout, pool_table, stages = self._tables_for(lo, hi)
-            plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes)
-            nbytes = agreed.tokens * layout.token_bytes
-            if not self._cuda:
-                self._pipeline(Route(plan, loc, layout, pool_table, stages, peer, group, None))
-                return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device)
-            # A contiguous pinned copy: the caller may change loc once this returns, and a strided
-            # source would make the upload below go through pageable memory (a possible host wait).
-            pinned = torch.empty(loc.shape[0], dtype=torch.int64, pin_memory=True).copy_(loc)
-            index = self._index[: loc.shape[0]]
-            # The pinned block stays reserved until this copy has run (the caching host allocator
-            # records the stream), so the host may drop it now.
-            index.copy_(pinned, non_blocking=True)
-            self._pipeline(Route(plan, index, layout, pool_table, stages, peer, group, compute))
-            done = torch.cuda.Event()
-            done.record(self._side)
-        return KVTransfer(role, peer, agreed.tokens, heads, nbytes, len(plan), self.device, done)
+            plan = chunk_plan(agreed.tokens, agreed.chunk_bytes // layout.token_bytes) if agreed.tokens else []
+            index, state_index = (loc, states) if not self._cuda else self._upload(loc, states)
+            state: list[Chunk] = []
+            if agreed.states:
+                spans = self.staging.state_spans(agreed.state)  # type: ignore[arg-type]
+                state = self.staging.state_chunks(spans, agreed.states, state_index, agreed.chunk_bytes)
+            route = Route(plan, index, layout, pool_table, stages, peer, group, compute, tuple(state))
+            self._pipeline(route)
+            done = None
+            if self._cuda:
+                done = torch.cuda.Event()
+                done.record(self._side)
+        state_nbytes = sum(c.nbytes for c in state)
+        return KVTransfer(
+            role, peer, agreed.tokens, heads, agreed.tokens * layout.token_bytes + state_nbytes, len(plan) + len(state),
+            self.device, done, states=agreed.states, state_nbytes=state_nbytes, path_reason=reason,
+        )  # fmt: skip
 
     def _pipeline(self, route: Route) -> None:
         """Move the rows of ``route``'s chunks."""
         raise NotImplementedError
 
+    # --- the direct path (kvpool.transfer.ipc) ---------------------------------------------------------
 
-def _default_store() -> dist.Store:
-    """The key-value store torch.distributed was initialised with (every rank can reach it)."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:  # pragma: no cover - present in every torch kvpool supports
-        raise RuntimeError("kvpool transfers need torch.distributed's default store, which this torch does not expose")
-    return getter()
+    def _prepare(self, pair: SendPair, compute: torch.cuda.Stream, loc: torch.Tensor, states: torch.Tensor) -> None:
+        with self._on_side():
+            self._caller_mark.order(self._side, compute)  # the receiver reads what was written before send
+            pair.prepare(self._side, torch.cat((loc, states)))
+
+    def _setup(
+        self, store: dist.Store, prefix: str, theirs: Header, peer: int, compute: torch.cuda.Stream,
+        loc: torch.Tensor, states: torch.Tensor,
+    ) -> SendPair | RecvPair:  # fmt: skip
+        """Set up the direct path with the peer's endpoint (this transfer's first)."""
+        pair: SendPair | RecvPair
+        if self._role == SENDER:
+            pair = SendPair(theirs.ep_id, self.device, self._rows + self._state_rows)
+            self._prepare(pair, compute, loc, states)
+            exported: dict[str, object] = {"kv": [b for kv in zip(self.kv.k_buffer, self.kv.v_buffer) for b in kv]}
+            if self.mamba is not None:
+                exported.update(conv=list(self.mamba.conv), temporal=self.mamba.temporal)
+            sender_setup(store, prefix, pair, exported, self.device)
+        else:
+            pair = RecvPair(theirs.ep_id, self.device)
+            receiver_setup(store, prefix, pair, self.device)
+        self.link.add(peer, pair)
+        return pair
+
+    def _move_direct(
+        self, agreed: Agreement, pair: SendPair | RecvPair, theirs: Header, loc: torch.Tensor,
+        states: torch.Tensor, peer: int,
+    ) -> KVTransfer:  # fmt: skip
+        """The direct path: the receiver copies from the sender's buffers in one launch per kind."""
+        role = "sender" if self._role == SENDER else "receiver"
+        heads, tokens, n_states = (agreed.head_lo, agreed.head_hi), agreed.tokens, agreed.states
+        kv = self.kv
+        layout = TokenLayout.of(kv.layer_num, heads[1] - heads[0], kv.head_dim, kv.v_head_dim, kv.k_buffer[0].element_size())
+        spans = self.staging.state_spans(agreed.state) if n_states else ()  # type: ignore[arg-type]
+        state_nbytes = n_states * sum(n for _, _, n in spans) * (self.mamba.num_mamba_layers if n_states else 0)  # type: ignore[union-attr]
+        nbytes, chunks = tokens * layout.token_bytes + state_nbytes, (tokens > 0) + (n_states > 0)
+        info = dict(states=n_states, state_nbytes=state_nbytes, path=DIRECT)
+        if chunks == 0:
+            return KVTransfer(role, peer, 0, heads, 0, 0, self.device, **info)  # type: ignore[arg-type]
+        k = pair.count
+        pair.count += 1
+        if isinstance(pair, SendPair):
+            done = PeerDone(pair.counter, k + 1, pair.done[k % 2])  # type: ignore[arg-type]
+            return KVTransfer(role, peer, tokens, heads, nbytes, chunks, self.device, peer_done=done, **info)  # type: ignore[arg-type]
+        with self._on_side():
+            self._caller_mark.order(self._side, torch.cuda.current_stream(self.device))
+            index, state_index = self._upload(loc, states)
+            self._side.wait_event(pair.ready[k % 2])  # the sender's rows and slots are written
+            src_index = pair.remote["index"][k % 2]  # type: ignore[index]
+            if tokens:
+                src = remote_kv_table(pair, heads[0] - theirs.head_start, heads[1] - theirs.head_start)
+                dst = self._tables_for(heads[0] - self.head_start, heads[1] - self.head_start)[1]
+                launch_copy_rows(dst, index, src, src_index[:tokens], max_programs=self._alone_programs)
+            if n_states:
+                src = remote_state_table(pair, band_spans(StateSide.from_header(theirs), agreed.state))  # type: ignore[arg-type]
+                dst = self.staging.state_table(spans)  # type: ignore[arg-type]
+                launch_copy_rows(dst, state_index, src, src_index[tokens : tokens + n_states],
+                                 max_programs=self._alone_programs)  # fmt: skip
+            pair.done[k % 2].record(self._side)
+        pair.counter.post()  # type: ignore[union-attr]
+        return KVTransfer(role, peer, tokens, heads, nbytes, chunks, self.device, pair.done[k % 2], **info)  # type: ignore[arg-type]
 
 
-def kept_endpoint(cls: type, pool: MHATokenToKVPool, group: Optional[dist.ProcessGroup], **options: object) -> Endpoint:
+def kept_endpoint(cls: type, pool: AnyPool, group: Optional[dist.ProcessGroup], **options: object) -> Endpoint:
     """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
     it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
     endpoint refers to its pool)."""
-    if not isinstance(pool, POOLS):
-        raise TypeError(f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}")
+    _check_pool(pool)
     kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
     key = (cls, group, tuple(sorted(options.items())))
     ep = kept.get(key)

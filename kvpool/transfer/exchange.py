@@ -41,9 +41,9 @@ def exchange(
     under, which the caller deletes (:func:`release`) once it no longer needs the store.
 
     ``last`` is the header this peer sent in the previous transfer between the same endpoints. The
-    peer's header is then predictable (the same with this transfer's token count and no error), so
-    one ``compare_set`` against that prediction reads and claims it: two store round trips for the
-    rank that arrives second instead of three. A wrong prediction, or a peer not there yet, costs
+    peer's header is then predictable (the same with this transfer's token and state counts and no
+    error), so one ``compare_set`` against that prediction reads and claims it: two store round trips
+    for the rank that arrives second instead of three. A wrong prediction, or a peer not there yet, costs
     that one round trip and the exchange continues as usual.
 
     Raises
@@ -61,7 +61,7 @@ def exchange(
     store.set(mine_key, header)
     theirs: Optional[bytes] = None
     if last is not None:
-        predicted = replace(last, tokens=mine.tokens, error_kind=0, message="").to_bytes()
+        predicted = replace(last, tokens=mine.tokens, states=mine.states, error_kind=0, message="").to_bytes()
         found = store.compare_set(theirs_key, predicted, TAKEN)
         if found == TAKEN:
             theirs = predicted  # read and claimed in one round trip

@@ -1,14 +1,16 @@
 """The header both ranks of a transfer exchange before any KV byte moves, and the decision they take.
 
 Each rank describes its side in a fixed-size :class:`Header` (pool geometry, token count, the heads
-it holds, staging size) together with the problem it found in its own arguments, if any (a slot out
-of range, a bad ``loc``). The two headers are swapped, and each rank calls :func:`agree` on the pair.
+it holds, staging size, the geometry of its linear-attention state and the state slots it moves, what
+its endpoint offers for a direct transfer) together with the problem it found in its own arguments,
+if any (a slot out of range, a bad ``loc``). The two headers are swapped, and each rank calls :func:`agree` on the pair.
 ``agree`` is symmetric (``agree(a, b) == agree(b, a)``), so both ranks reach the same verdict from the
 same two headers: either both raise the same exception with the same message, or both move the same
 rows in the same chunks. That is what keeps a mismatch from hanging one rank while the other waits.
 
-The header is 1 KiB: 32 int64 fields, then up to 768 bytes of UTF-8 carrying a rank's own error
-message, so the peer can raise that exact message too.
+The header is 2 KiB: 96 int64 fields, then up to 1280 bytes of UTF-8 carrying a rank's own error
+message, so the peer can raise that exact message too. :func:`link_route` decides, from the same two
+headers, whether the rows travel staged or are read directly (:mod:`kvpool.transfer.ipc`).
 
 docs/contract.md, "KV transfer between ranks", lists the mismatches and their errors.
 """
@@ -17,21 +19,29 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from kvpool.kernels.formats import CACHE_DTYPES
+from kvpool.transfer.state_wire import (
+    STATE_FIELDS,
+    StateOverlap,
+    StateSide,
+    ids_crc,
+    state_mismatch,
+    state_overlap,
+)
 
 if TYPE_CHECKING:
     from kvpool.pools.mha_pool import MHATokenToKVPool
 
-HEADER_BYTES = 1024
-_FIELD_SLOTS = 32
+HEADER_BYTES = 2048
+_FIELD_SLOTS = 96
 _MESSAGE_OFFSET = _FIELD_SLOTS * 8
 MESSAGE_BYTES = HEADER_BYTES - _MESSAGE_OFFSET
 MAGIC = 0x6B76706F6F6C5458  # "kvpoolTX"
-VERSION = 1
+VERSION = 2
 
 SENDER, RECEIVER = 1, 2
 ROLE_NAMES = {SENDER: "sender", RECEIVER: "receiver"}
@@ -39,6 +49,19 @@ ROLE_NAMES = {SENDER: "sender", RECEIVER: "receiver"}
 # Exception classes a rank may report for its own arguments; the peer raises the same class.
 ERROR_KINDS: dict[int, type[Exception]] = {1: ValueError, 2: IndexError, 3: TypeError}
 _KIND_OF = {cls: kind for kind, cls in ERROR_KINDS.items()}
+
+# What an endpoint offers for a direct (CUDA IPC) transfer: IPC_OFFERED, or why not.
+IPC_OFFERED, IPC_CPU, IPC_DISABLED, IPC_NO_KERNEL, IPC_UNSUPPORTED = 1, 2, 3, 4, 5
+_NOT_OFFERED = {  # completes "the sender's ..." / "the receiver's ..."
+    0: "endpoint does not offer a direct transfer",
+    IPC_CPU: "pool is in host memory",
+    IPC_DISABLED: "endpoint was built with ipc=False",
+    IPC_NO_KERNEL: "process cannot run the row-copy kernel (no Triton, or its interpreter)",
+    IPC_UNSUPPORTED: "process has no CUDA IPC",
+}
+# What a rank holds for the peer endpoint it expects: nothing yet, an open direct path, a refusal.
+PEER_NONE, PEER_READY, PEER_REFUSED = 0, 1, 2
+STAGED, DIRECT, SETUP = "staged", "ipc", "setup"
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -72,6 +95,42 @@ class Header:
     tokens: int
     chunk_bytes: int
     page_size: int
+    layer_last: int = 0  # the last KV layer id (start_layer is the first, layer_num the count)
+    layer_crc: int = 0  # checksum of the KV layer ids (a hybrid pool's are not consecutive)
+    states: int = 0  # state slots this rank moves
+    # The linear-attention state (kvpool.transfer.state_wire.STATE_FIELDS), zero without a state pool.
+    state_pool: int = 0
+    st_layer_count: int = 0
+    st_layer_first: int = 0
+    st_layer_last: int = 0
+    st_layer_crc: int = 0
+    st_conv_count: int = 0
+    st_conv0: int = 0
+    st_conv1: int = 0
+    st_conv2: int = 0
+    st_conv3: int = 0
+    st_width0: int = 0
+    st_width1: int = 0
+    st_width2: int = 0
+    st_width3: int = 0
+    st_conv_dtype: int = 0
+    st_ssm_dtype: int = 0
+    st_v_heads: int = 0
+    st_v_head_dim: int = 0
+    st_k_head_dim: int = 0
+    st_bands: int = 0
+    st_v_start: int = 0
+    st_total_v: int = 0
+    st_k_start: int = 0
+    st_k_heads: int = 0
+    st_total_k: int = 0
+    # The direct path (kvpool.transfer.ipc): this endpoint's id, what it offers (IPC_*), its host,
+    # and the peer endpoint it expects with what it holds for that one (PEER_*).
+    ep_id: int = 0
+    ipc: int = 0
+    host_id: int = 0
+    peer_ep: int = 0
+    peer_ipc: int = 0
     message: str = ""
 
     def with_error(self, error: Exception) -> "Header":
@@ -114,17 +173,21 @@ class Header:
 _INT_FIELDS = tuple(f.name for f in fields(Header) if f.name != "message")
 _INTS = struct.Struct("<" + "q" * (len(_INT_FIELDS) + 1))
 assert _INTS.size <= _MESSAGE_OFFSET and fields(Header)[-1].name == "message"
+assert set(STATE_FIELDS) <= set(_INT_FIELDS)
 
 
 @dataclass(frozen=True)
 class Agreement:
     """What both ranks move when the headers agree: ``tokens`` rows of the global heads
-    ``[head_lo, head_hi)`` in chunks of at most ``chunk_bytes`` bytes (the smaller staging)."""
+    ``[head_lo, head_hi)`` in chunks of at most ``chunk_bytes`` bytes (the smaller staging), and
+    ``states`` state slots of the heads in ``state`` (None when no state moves)."""
 
     tokens: int
     head_lo: int
     head_hi: int
     chunk_bytes: int
+    states: int = 0
+    state: Optional[StateOverlap] = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +206,8 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
 
     Order of checks (the first failing one is reported): the protocol, the roles, the sender's own
     argument problem, the receiver's, then dtype, layers, total_heads, head_dim, v_head_dim, the
-    overlap of the held heads, and the token count.
+    overlap of the held heads, the token count; then, when both have a state pool, the state's
+    geometry (:func:`~kvpool.transfer.state_wire.state_mismatch`), and the state slot count.
     """
     lo, hi = (a, b) if a.rank <= b.rank else (b, a)
     for h in (lo, hi):
@@ -177,10 +241,12 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
 
     if s.dtype != r.dtype:
         return mismatch("dtype", dtype_name(s.dtype), dtype_name(r.dtype))
-    s_layers = (s.start_layer, s.start_layer + s.layer_num - 1)
-    r_layers = (r.start_layer, r.start_layer + r.layer_num - 1)
+    s_layers, r_layers = (s.start_layer, s.layer_last), (r.start_layer, r.layer_last)
     if s_layers != r_layers:
         return mismatch("layers", list(s_layers), list(r_layers), " (first and last layer id, both included)")
+    if (s.layer_num, s.layer_crc) != (r.layer_num, r.layer_crc):
+        return mismatch("layers", f"{s.layer_num} ids in {list(s_layers)}", f"{r.layer_num} ids in {list(r_layers)}",
+                        " (the KV layer ids differ)")  # fmt: skip
     if s.total_heads != r.total_heads:
         return mismatch("total_heads", s.total_heads, r.total_heads, " (KV heads of the whole model)")
     if s.head_dim != r.head_dim:
@@ -192,13 +258,56 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
         return mismatch("heads", list(s.heads), list(r.heads), " (global head ranges, which must overlap)")
     if s.tokens != r.tokens:
         return mismatch("tokens", s.tokens, r.tokens, " (slots in loc)")
-    return Agreement(s.tokens, head_lo, head_hi, min(s.chunk_bytes, r.chunk_bytes))
+    state = None
+    if s.state_pool and r.state_pool:
+        found = state_mismatch(s, r)
+        if found is not None:
+            return mismatch(*found)
+        state = state_overlap(s, r)
+    if s.states != r.states:
+        lacking = [name for name, h in (("sender", s), ("receiver", r)) if not h.state_pool]
+        extra = f"; the {lacking[0]}'s pool has no linear-attention state" if lacking else ""
+        return mismatch("states", s.states, r.states, f" (slots in state_slots){extra}")
+    return Agreement(s.tokens, head_lo, head_hi, min(s.chunk_bytes, r.chunk_bytes), s.states, state)
+
+
+def link_route(a: Header, b: Header) -> tuple[str, Optional[str]]:
+    """How an agreed transfer's rows move, the same whichever header comes first: ``(DIRECT, None)``
+    when both endpoints hold an open direct path to each other, ``(SETUP, None)`` when both offer
+    one on the same host but have not set it up yet (they do, then move directly or staged),
+    ``(STAGED, reason)`` otherwise (``reason`` None when the pair refused at setup: each side keeps
+    why)."""
+    s, r = (a, b) if a.role == SENDER else (b, a)
+    for name, h in (("sender", s), ("receiver", r)):
+        if h.ipc != IPC_OFFERED:
+            return STAGED, f"the {name}'s {_NOT_OFFERED.get(h.ipc, _NOT_OFFERED[0])}"
+    if s.host_id != r.host_id:
+        return STAGED, "the ranks run on different hosts"
+    if s.peer_ep == r.ep_id and r.peer_ep == s.ep_id and s.peer_ipc == r.peer_ipc != PEER_NONE:
+        return (DIRECT, None) if s.peer_ipc == PEER_READY else (STAGED, None)
+    return SETUP, None
 
 
 def make_header(
-    role: int, rank: int, pool: "MHATokenToKVPool", head_start: int, total_heads: int, tokens: int, chunk_bytes: int
+    role: int,
+    rank: int,
+    pool: "MHATokenToKVPool",
+    head_start: int,
+    total_heads: int,
+    tokens: int,
+    chunk_bytes: int,
+    *,
+    layer_ids: Optional[Sequence[int]] = None,
+    state: Optional[StateSide] = None,
+    states: int = 0,
+    link: Optional[dict[str, int]] = None,
 ) -> Header:
-    """The header describing ``pool`` (an ``MHATokenToKVPool``) for a transfer of ``tokens`` slots."""
+    """The header describing ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool``) for a
+    transfer of ``tokens`` slots; ``layer_ids`` its layers' global ids (default: consecutive from
+    its ``start_layer``), ``state`` the geometry of the state pool beside it moving ``states``
+    slots, ``link`` the direct-path fields (``ep_id``, ``ipc``, ``host_id``, ``peer_ep``, ``peer_ipc``)."""
+    ids = tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)) if layer_ids is None else tuple(layer_ids)
+    extra = dict(state.fields()) if state is not None else {}
     return Header(
         magic=MAGIC,
         version=VERSION,
@@ -206,8 +315,8 @@ def make_header(
         rank=rank,
         error_kind=0,
         dtype=dtype_code(pool.dtype),
-        start_layer=pool.start_layer,
-        layer_num=pool.layer_num,
+        start_layer=ids[0],
+        layer_num=len(ids),
         head_start=head_start,
         head_num=pool.head_num,
         total_heads=total_heads,
@@ -216,5 +325,10 @@ def make_header(
         tokens=tokens,
         chunk_bytes=chunk_bytes,
         page_size=pool.page_size,
+        layer_last=ids[-1],
+        layer_crc=ids_crc(ids),
+        states=states,
+        **extra,
+        **(link or {}),
     )
 

@@ -1,9 +1,10 @@
-"""``KVSender`` and ``KVReceiver``: the two ends of a transfer, each the endpoint's handshake plus its
-half of the pipeline, and ``send_kv``/``recv_kv`` with one endpoint kept per pool.
+"""``KVSender`` and ``KVReceiver``: the two ends of a transfer, each the endpoint's handshake and
+direct path plus its half of the staged pipeline, and ``send_kv``/``recv_kv`` with one endpoint kept
+per pool.
 
 The sender gathers a chunk of rows from every layer into a staging half with one row-copy launch,
 sends it, and gathers the next chunk into the other half while the first is in flight; the receiver
-receives into one half while it scatters the other into its pool (:mod:`kvpool.transfer.endpoint`
+receives into one half while it scatters the other into its pools (:mod:`kvpool.transfer.endpoint`
 has the whole sequence; docs/contract.md, "KV transfer between ranks", the rules users rely on).
 """
 
@@ -13,18 +14,23 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from kvpool.pools.mha_pool import MHATokenToKVPool
-from kvpool.transfer.endpoint import Endpoint, KVTransfer, Loc, Route, kept_endpoint
+from kvpool.transfer.arguments import Loc
+from kvpool.transfer.endpoint import AnyPool, Endpoint, Route, kept_endpoint
+from kvpool.transfer.handle import KVTransfer
 from kvpool.transfer.handshake import RECEIVER, SENDER
+from kvpool.transfer.state_wire import StateShard
 
 
 class KVSender(Endpoint):
-    """Sends requests' KV rows from ``pool`` to receivers on other ranks of ``group``.
+    """Sends requests' KV rows (and, for hybrid models, their linear-attention states) from ``pool``
+    to receivers on other ranks of ``group``.
 
     Parameters
     ----------
-    pool : MHATokenToKVPool or MLATokenToKVPool
-        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo).
+    pool : MHATokenToKVPool, MLATokenToKVPool or HybridLinearKVPool
+        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo). A
+        ``HybridLinearKVPool`` moves its full-attention layers' rows and, given ``state_slots``, the
+        states of its ``mamba_pool``.
     group : the process group (default: the world group). The caller initialises torch.distributed.
     head_start, total_heads : the pool holds the global KV heads ``[head_start, head_start +
         pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
@@ -36,7 +42,11 @@ class KVSender(Endpoint):
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
         ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the
         pipeline's first gather and last scatter, which run alone, then take the whole GPU). A value
-        given here caps every gather and scatter.
+        given here caps every gather and scatter, and the direct path's copy.
+    state_shard : StateShard, the linear-attention heads the ``mamba_pool`` holds (tensor-parallel
+        re-sharding of the state); None: the whole state, moved only between pools of one geometry.
+    ipc : let transfers with a receiver on the same host read the rows directly (CUDA IPC) when both
+        endpoints allow it and the machine does; False: always staged.
 
     Examples
     --------
@@ -49,14 +59,16 @@ class KVSender(Endpoint):
 
     _role = SENDER
 
-    def send(self, loc: Loc, dst: int) -> KVTransfer:
+    def send(self, loc: Loc, dst: int, state_slots: Optional[Loc] = None) -> KVTransfer:
         """Send, for every layer, the K and V rows ``loc`` of the pool to rank ``dst``, which calls
-        ``recv`` with its own slots (as many as ``loc`` has).
+        ``recv`` with its own slots (as many as ``loc`` has), and the states of ``state_slots``.
 
         Parameters
         ----------
         loc : CPU tensor or numpy array [T], int32/int64: the request's slots in this pool.
         dst : global rank of the receiver.
+        state_slots : CPU tensor or numpy array [R], int32/int64: the requests' slots in the
+            ``mamba_pool`` (a ``HybridLinearKVPool``'s), in ``0..size``; None: no state moves.
 
         Returns
         -------
@@ -66,8 +78,8 @@ class KVSender(Endpoint):
         Raises
         ------
         ValueError, IndexError, TypeError
-            After the handshake, on both ranks alike, if the two pools or token counts disagree or
-            either side's ``loc`` is bad; nothing has moved.
+            After the handshake, on both ranks alike, if the two pools, token counts or state slot
+            counts disagree or either side's ``loc`` or ``state_slots`` is bad; nothing has moved.
         ValueError, TypeError, RuntimeError
             At once, on this rank only, if ``dst`` or the process group cannot be used (nothing is
             started: the peer's pending call pairs with this rank's next transfer with it).
@@ -75,20 +87,19 @@ class KVSender(Endpoint):
             If the peer does not start its side within the store's timeout (this rank withdraws; the
             peer's call for this transfer raises too when it comes).
         """
-        return self._start(loc, dst)
+        return self._start(loc, dst, state_slots)
 
     def _pipeline(self, route: Route) -> None:
-        plan, index, stages, peer, group = route.plan, route.index, route.stages, route.peer, route.group
+        peer, group = route.peer, route.group
         if route.compute is not None:
             self._caller_mark.order(self._side, route.compute)  # gathers read what was written before send
         in_flight: list[Optional[dist.Work]] = [None, None]  # the send reading each staging half
-        for k, (start, count) in enumerate(plan):
+        for k, chunk in enumerate(route.chunks()):
             half = k & 1
             if in_flight[half] is not None:
                 in_flight[half].wait()  # type: ignore[union-attr]
-            rows = index[start : start + count]
-            self._copy(stages[half], self._arange[:count], route.pool_table, rows, alone=k == 0)
-            in_flight[half] = dist.isend(self._staged(half, count * route.layout.token_bytes), peer, group=group)
+            self._copy(chunk.stages[half], self._arange[: chunk.count], chunk.pool, chunk.rows, alone=k == 0)
+            in_flight[half] = dist.isend(self._staged(half, chunk.nbytes), peer, group=group)
         for work in in_flight:
             if work is not None:
                 work.wait()
@@ -110,8 +121,9 @@ class KVReceiver(Endpoint):
 
     _role = RECEIVER
 
-    def recv(self, loc: Loc, src: int) -> KVTransfer:
-        """Receive, for every layer, K and V rows from rank ``src`` into rows ``loc`` of the pool.
+    def recv(self, loc: Loc, src: int, state_slots: Optional[Loc] = None) -> KVTransfer:
+        """Receive, for every layer, K and V rows from rank ``src`` into rows ``loc`` of the pool,
+        and states into ``state_slots``.
 
         Parameters
         ----------
@@ -119,6 +131,8 @@ class KVReceiver(Endpoint):
             order of the sender's ``loc`` (token ``t`` lands in ``loc[t]``). If a slot appears twice,
             which token it ends up holding is unspecified.
         src : global rank of the sender.
+        state_slots : CPU tensor or numpy array [R]: this ``mamba_pool``'s slots, in the order of
+            the sender's ``state_slots``; None: no state moves.
 
         Returns
         -------
@@ -128,62 +142,72 @@ class KVReceiver(Endpoint):
         ------
         As :meth:`KVSender.send`.
         """
-        return self._start(loc, src)
+        return self._start(loc, src, state_slots)
 
     def _pipeline(self, route: Route) -> None:
-        plan, index, stages, peer, group = route.plan, route.index, route.stages, route.peer, route.group
+        peer, group = route.peer, route.group
+        chunks = route.chunks()
         works: dict[int, dist.Work] = {}
 
         def post(k: int) -> None:
-            works[k] = dist.irecv(self._staged(k & 1, plan[k][1] * route.layout.token_bytes), peer, group=group)
+            works[k] = dist.irecv(self._staged(k & 1, chunks[k].nbytes), peer, group=group)
 
-        for k in range(min(2, len(plan))):
+        for k in range(min(2, len(chunks))):
             post(k)
         if route.compute is not None:
             # Scatters overwrite slots that work queued before recv may still read; the first two
             # chunks are already on their way meanwhile.
             self._caller_mark.order(self._side, route.compute)
-        for k, (start, count) in enumerate(plan):
+        for k, chunk in enumerate(chunks):
             works.pop(k).wait()
-            rows = index[start : start + count]
-            self._copy(route.pool_table, rows, stages[k & 1], self._arange[:count], alone=k == len(plan) - 1)
-            if k + 2 < len(plan):
+            self._copy(chunk.pool, chunk.rows, chunk.stages[k & 1], self._arange[: chunk.count], alone=k == len(chunks) - 1)
+            if k + 2 < len(chunks):
                 post(k + 2)  # on CUDA the receive is ordered after this scatter (it reads that half)
 
 
 # --- functions with one endpoint per pool ---------------------------------------------------------------
 
 def send_kv(
-    pool: MHATokenToKVPool,
+    pool: AnyPool,
     loc: Loc,
     dst: int,
     group: Optional[dist.ProcessGroup] = None,
     *,
+    state_slots: Optional[Loc] = None,
     head_start: int = 0,
     total_heads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
+    state_shard: Optional[StateShard] = None,
+    ipc: bool = True,
 ) -> KVTransfer:
-    """Send the K/V rows ``loc`` of every layer of ``pool`` to rank ``dst``: ``KVSender(pool, group,
-    ...).send(loc, dst)`` with one sender kept per pool and settings (its staging is allocated once).
+    """Send the K/V rows ``loc`` of every layer of ``pool`` (and the states ``state_slots``) to rank
+    ``dst``: ``KVSender(pool, group, ...).send(loc, dst, state_slots)`` with one sender kept per pool
+    and settings (its staging is allocated once).
 
     >>> handle = send_kv(pool, loc_cpu, dst=1)   # doctest: +SKIP
     >>> handle.wait()                            # doctest: +SKIP
     """
-    ep = kept_endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
-    return ep.send(loc, dst)  # type: ignore[attr-defined]
+    ep = kept_endpoint(KVSender, pool, group, head_start=head_start, total_heads=total_heads,
+                       chunk_bytes=chunk_bytes, state_shard=state_shard, ipc=ipc)  # fmt: skip
+    return ep.send(loc, dst, state_slots)  # type: ignore[attr-defined]
 
 
 def recv_kv(
-    pool: MHATokenToKVPool,
+    pool: AnyPool,
     loc: Loc,
     src: int,
     group: Optional[dist.ProcessGroup] = None,
     *,
+    state_slots: Optional[Loc] = None,
     head_start: int = 0,
     total_heads: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
+    state_shard: Optional[StateShard] = None,
+    ipc: bool = True,
 ) -> KVTransfer:
-    """Receive K/V rows from rank ``src`` into rows ``loc`` of every layer of ``pool``: ``KVReceiver(
-    pool, group, ...).recv(loc, src)`` with one receiver kept per pool and settings."""
-    ep = kept_endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads, chunk_bytes=chunk_bytes)
-    return ep.recv(loc, src)  # type: ignore[attr-defined]
+    """Receive K/V rows from rank ``src`` into rows ``loc`` of every layer of ``pool`` (and states
+    into ``state_slots``): ``KVReceiver(pool, group, ...).recv(loc, src, state_slots)`` with one
+    receiver kept per pool and settings."""
+    ep = kept_endpoint(KVReceiver, pool, group, head_start=head_start, total_heads=total_heads,
+                       chunk_bytes=chunk_bytes, state_shard=state_shard, ipc=ipc)  # fmt: skip
+    return ep.recv(loc, src, state_slots)  # type: ignore[attr-defined]
