@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,21 +25,33 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+from kvpool import StateShard
 from kvpool.transfer.handshake import (
+    DIRECT,
     HEADER_BYTES,
+    IPC_CPU,
+    IPC_DISABLED,
+    IPC_OFFERED,
     MESSAGE_BYTES,
+    PEER_NONE,
+    PEER_READY,
+    PEER_REFUSED,
     RECEIVER,
     SENDER,
+    SETUP,
+    STAGED,
     Agreement,
     Header,
     Refusal,
     agree,
+    link_route,
     make_header,
 )
+from kvpool.transfer.state_wire import MAMBA2, StateOverlap, StateSide, band_spans, state_plan
 from kvpool.transfer import wire
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
 from kvassert import needs_interpreter
-from transfer_ranks import Case, Side, check_outcomes, free_port, run_cases, spawn, with_side
+from transfer_ranks import Case, Side, StateGeom, check_outcomes, free_port, run_cases, spawn, with_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,6 +161,111 @@ def test_agree_rejects_a_foreign_header():
     junk = Header.decode(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
     verdict = agree(_header(SENDER, 0), junk)
     assert isinstance(verdict, Refusal) and "protocol mismatch" in verdict.message
+
+
+# --- the state on the wire, and the path ---------------------------------------------------------------------
+
+
+def test_state_shard_of_a_tensor_parallel_rank():
+    assert StateShard.tp(3, 8, num_v_heads=64, num_k_heads=16) == StateShard(24, 64, 6, 16, ("kkv",))
+    # Fewer key heads than ranks: each rank holds the one its value heads use.
+    assert StateShard.tp(5, 8, num_v_heads=16, num_k_heads=4, conv_bands=MAMBA2) == StateShard(10, 16, 2, 4, ("vkk",))
+    for kwargs, text in [(dict(tp_rank=8), "tp_rank must be below tp_size"), (dict(num_v_heads=60), "split evenly"),
+                         (dict(num_k_heads=3, num_v_heads=48), "replicated")]:  # fmt: skip
+        args = dict(tp_rank=0, tp_size=8, num_v_heads=64, num_k_heads=16) | kwargs
+        with pytest.raises(ValueError, match=text):
+            StateShard.tp(args.pop("tp_rank"), args.pop("tp_size"), **args)
+    with pytest.raises(ValueError, match="conv_bands must name at least one band of key heads"):
+        StateShard(0, 4, 0, 2, ("vv",))
+    with pytest.raises(ValueError, match=r"conv_bands\[0\] must be a non-empty string of 'k' and 'v'"):
+        StateShard(0, 4, 0, 2, ("kxv",))
+
+
+def _mamba(conv=(48, 3), temporal=(4, 4, 8), layers=(0, 1), **kw):
+    from kvpool import MambaCacheParams, MambaPool, MambaStateShape
+
+    return MambaPool(size=4, cache_params=MambaCacheParams(MambaStateShape(conv, temporal), layers), device="cpu", **kw)
+
+
+def test_state_side_takes_the_key_heads_from_the_convolution():
+    side = StateSide.of(_mamba(), StateShard(4, 8, 2, 4))  # 48 = 2 x k_heads x 8 + 4 x 4
+    assert (side.k_heads, side.v_heads, side.bands) == (2, 4, ("kkv",))
+    back = StateSide.from_header(make_header(SENDER, 0, _pool(), 0, 4, 0, 4096, state=side))
+    assert back.conv == side.conv and back.k_heads == 2 and back.bands == side.bands
+    whole = StateSide.of(_mamba(), None)
+    assert whole.bands is None and whole.total_v_heads == 4
+    with pytest.raises(ValueError, match="convolution 0 has 50 channels, which bands 'kkv'"):
+        StateSide.of(_mamba(conv=(50, 3)), StateShard(0, 4, 0, 2))
+    with pytest.raises(ValueError, match=r"value heads \[6, 10\) must lie within total_v_heads=8"):
+        StateSide.of(_mamba(), StateShard(6, 8, 0, 2))
+    with pytest.raises(ValueError, match="each of the pool's 1 convolutions"):
+        StateSide.of(_mamba(), StateShard(0, 4, 0, 2, ("kkv", "v")))
+
+
+def test_band_spans_are_the_heads_both_hold():
+    full = StateSide.of(_mamba(conv=(96, 3), temporal=(8, 4, 8)), StateShard(0, 8, 0, 4))  # 4 key, 8 value heads
+    upper = StateSide.of(_mamba(), StateShard(4, 8, 2, 4))
+    agreed = StateOverlap(4, 8, 2, 4)
+    # Per layer: q, k, v bands of the convolution (2 key heads x 8 x 3 columns x 2 bytes = 96; 4 value
+    # heads x 4 x 3 x 2 = 96), then the SSM state's 4 upper value heads (4 x 4 x 8 x 4 bytes).
+    assert band_spans(full, agreed) == [(0, 96, 96), (0, 288, 96), (0, 480, 96), (-1, 512, 512)]
+    assert band_spans(upper, agreed) == [(0, 0, 96), (0, 96, 96), (0, 192, 96), (-1, 0, 512)]
+    assert [n for *_, n in band_spans(full, agreed)] == [n for *_, n in band_spans(upper, agreed)]
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=12), st.integers(0, 9), st.integers(64, 300))
+def test_state_plan_covers_every_buffer_and_slot_once_within_capacity(row_bytes, states, capacity):
+    plan = state_plan(row_bytes, states, capacity)
+    covered = sorted((b, s) for b0, b1, first, count in plan for b in range(b0, b1) for s in range(first, first + count))
+    assert covered == [(b, s) for b in range(len(row_bytes)) for s in range(states)]
+    assert all(count * sum(row_bytes[b0:b1]) <= capacity for b0, b1, _, count in plan)
+
+
+def test_agree_checks_the_state_only_when_both_have_one():
+    hyb = StateSide.of(_mamba(), None)
+    s = make_header(SENDER, 0, _pool(), 0, 4, 10, 4096, state=hyb, states=2)
+    r = make_header(RECEIVER, 1, _pool(), 0, 4, 10, 4096, state=hyb, states=2)
+    assert agree(s, r) == agree(r, s) == Agreement(10, 0, 4, 4096, 2, StateOverlap(0, 4, 0, 0))
+    other = make_header(RECEIVER, 1, _pool(), 0, 4, 10, 4096, state=StateSide.of(_mamba(layers=(0, 2)), None), states=2)
+    verdict = agree(s, other)
+    assert verdict == agree(other, s) and "linear_layers mismatch" in verdict.message
+    plain = make_header(RECEIVER, 1, _pool(), 0, 4, 10, 4096)
+    assert isinstance(agree(s, plain), Refusal)  # 2 states against none
+    kv_only = make_header(SENDER, 0, _pool(), 0, 4, 10, 4096, state=hyb)
+    assert agree(kv_only, plain) == Agreement(10, 0, 4, 4096)
+
+
+def test_link_route_picks_the_path_from_both_headers():
+    def header(role, rank, ipc=IPC_OFFERED, host=7, ep=0, peer_ep=0, peer_ipc=PEER_NONE):
+        link = dict(ep_id=ep, ipc=ipc, host_id=host, peer_ep=peer_ep, peer_ipc=peer_ipc)
+        return make_header(role, rank, _pool(), 0, 4, 10, 4096, link=link)
+
+    s, r = header(SENDER, 0, ep=11), header(RECEIVER, 1, ep=22)
+    assert link_route(s, r) == link_route(r, s) == (SETUP, None)
+    ready = header(SENDER, 0, ep=11, peer_ep=22, peer_ipc=PEER_READY), header(RECEIVER, 1, ep=22, peer_ep=11, peer_ipc=PEER_READY)
+    assert link_route(*ready) == link_route(*ready[::-1]) == (DIRECT, None)
+    # A receiver endpoint the sender has not met (a new one on that rank): set up again.
+    assert link_route(ready[0], header(RECEIVER, 1, ep=33, peer_ep=11, peer_ipc=PEER_READY)) == (SETUP, None)
+    refused = header(SENDER, 0, ep=11, peer_ep=22, peer_ipc=PEER_REFUSED), header(RECEIVER, 1, ep=22, peer_ep=11, peer_ipc=PEER_REFUSED)
+    assert link_route(*refused) == (STAGED, None)
+    assert link_route(s, header(RECEIVER, 1, host=8)) == (STAGED, "the ranks run on different hosts")
+    assert link_route(s, header(RECEIVER, 1, ipc=IPC_DISABLED)) == (STAGED, "the receiver's endpoint was built with ipc=False")
+    assert link_route(header(SENDER, 0, ipc=IPC_CPU), r)[1] == "the sender's pool is in host memory"
+
+
+def test_endpoint_checks_its_state_settings():
+    from kvpool import HybridLinearKVPool
+
+    mamba = _mamba(layers=(0, 2))
+    hybrid = HybridLinearKVPool(64, torch.float8_e4m3fn, 1, 4, 32, [1, 3], False, "cpu", mamba, warmup=False)
+    ep = KVSender(hybrid, state_shard=StateShard(0, 8, 0, 2))
+    assert ep.kv is hybrid.full_kv_pool and ep.mamba is mamba and ep.state.k_heads == 2
+    assert ep.chunk_bytes == max(65 * 512, 5 * 2 * (288 + 512))  # the whole KV pool's rows or every state slot
+    with pytest.raises(ValueError, match="state_shard needs a pool with linear-attention state"):
+        KVSender(_pool(), state_shard=StateShard(0, 8, 0, 2))
+    small = HybridLinearKVPool(64, torch.float8_e4m3fn, 1, 1, 8, [1, 3], False, "cpu", mamba, warmup=False)  # 32-byte tokens
+    with pytest.raises(ValueError, match=r"one state buffer's slot row of this pool \(512 bytes"):
+        KVSender(small, chunk_bytes=511)
 
 
 # --- endpoint construction (no process group needed) ---------------------------------------------------------
@@ -382,6 +500,128 @@ def test_three_ranks_reshard_heads_between_tp_sizes(tmp_path):
     sent = outcomes[0]["tp1_to_tp2"]["transfers"]
     assert [t["heads"] for t in sent] == [[0, 2], [2, 4]]
     assert outcomes[2]["partial_overlap_heads_1_to_3"]["transfers"][0]["heads"] == [1, 2]
+
+
+# --- hybrid models: the linear-attention state -----------------------------------------------------------
+
+G = StateGeom()  # GDN bands "kkv": 2 key heads x 8, 4 value heads x 4, conv (48, 3) bf16, SSM (4, 4, 8) fp32
+HYB = Side(state=G, size=120)  # 3 full-attention layers (3, 7, 11) beside the 5 linear ones
+WHOLE = with_side(HYB, state=replace(G, bands=None))
+# 1 KiB chunks: one token (768 bytes) or one layer's conv window and SSM state (288 + 512) each.
+HYB_SMALL = with_side(HYB, chunk_bytes=1024)
+WHOLE_SMALL = with_side(WHOLE, chunk_bytes=1024)
+MAMBA2_SIDE = with_side(HYB, state=replace(G, bands="vkk", conv_dtype="fp16", ssm_dtype="bf16"))
+ODD_STATE = with_side(HYB, state=replace(G, k_heads=1, v_heads=3, k_dim=5, v_dim=3, conv_kernel=2, slots=7,
+                                         linear=(0, 2, 5, 9)))  # fmt: skip
+
+
+def _state_pair(name: str, sender: Side, receiver: Side, **kw) -> Case:
+    kw.setdefault("states", 3)
+    return Case(name, **_pair(sender, receiver), **kw)
+
+
+HYBRID_CASES = [
+    _state_pair("whole_state_many_chunks", WHOLE_SMALL, with_side(WHOLE, page_size=4), tokens=21),
+    _state_pair("gdn_bands_many_chunks", HYB_SMALL, with_side(HYB, page_size=16, size=128), tokens=13),
+    _state_pair("mamba2_bands_fp16_conv_bf16_ssm", MAMBA2_SIDE, MAMBA2_SIDE, states=1),
+    _state_pair("odd_state_geometry", ODD_STATE, ODD_STATE, states=8, tokens=5),
+    _state_pair("states_only_no_tokens", HYB, HYB, tokens=0, states=2),
+    _state_pair("kv_only_between_hybrid_pools", HYB, HYB, states=0),
+    Case("hybrid_both_ways", sides={0: HYB_SMALL, 1: HYB}, transfers=[(0, 1), (1, 0)], states=2),
+    _fails("conv_dtype", "ValueError", "conv_dtype " + SENDER_HAS + "conv_dtype=torch.bfloat16, the receiver's "
+           "has conv_dtype=torch.float16", HYB, with_side(HYB, state=replace(G, conv_dtype="fp16")), states=1),  # fmt: skip
+    _fails("ssm_dtype", "ValueError", "ssm_dtype mismatch", HYB, with_side(HYB, state=replace(G, ssm_dtype="bf16")),
+           states=1),  # fmt: skip
+    _fails("linear_layers", "ValueError", "linear_layers " + SENDER_HAS + "linear_layers=5 ids in [0, 5], the "
+           "receiver's has linear_layers=4 ids in [0, 5]", HYB, with_side(HYB, state=replace(G, linear=(0, 1, 4, 5))),
+           states=1),  # fmt: skip
+    _fails("conv_bands", "ValueError", "conv_bands " + SENDER_HAS + "conv_bands=('kkv',), the receiver's has "
+           "conv_bands=None", HYB, WHOLE, states=1),  # fmt: skip
+    _fails("ssm_head_dim", "ValueError", "ssm_k_head_dim mismatch", HYB, with_side(HYB, state=replace(G, k_dim=4)),
+           states=1),  # fmt: skip
+    _fails("whole_conv_shape", "ValueError", "conv " + SENDER_HAS + "conv=[(48, 3)], the receiver's has "
+           "conv=[(48, 2)]", WHOLE, with_side(WHOLE, state=replace(WHOLE.state, conv_kernel=3)), states=1),  # fmt: skip
+    _fails("state_count", "ValueError", "states " + SENDER_HAS + "states=3, the receiver's has states=2",
+           HYB, HYB, states=3, recv_states=2),  # fmt: skip
+    _fails("states_to_a_pool_without_state", "ValueError", "states mismatch: the sender's pool has states=2, the "
+           "receiver's has states=0 (slots in state_slots); the receiver's pool has no linear-attention state",
+           HYB, Side(hybrid=True), states=2, tokens=4),  # fmt: skip
+    _fails("state_slots_for_a_plain_pool", "ValueError", "the receiver's state_slots need a pool with "
+           "linear-attention state", BASE, BASE, tamper={1: "state_given"}),  # fmt: skip
+    _fails("sender_state_slot_past_the_end", "IndexError", "the sender's state_slots[2] = 13 is outside its state "
+           "pool's slots [0, 13)", HYB, HYB, states=3, tamper={0: "state_oob"}),  # fmt: skip
+    _fails("receiver_negative_state_slot", "IndexError", "the receiver's state_slots[0] = -1", HYB, HYB, states=3,
+           tamper={1: "state_neg"}),  # fmt: skip
+    _fails("receiver_float_state_slots", "ValueError", "the receiver's state_slots must be int32 or int64, got "
+           "torch.float32", HYB, HYB, states=3, tamper={1: "state_float"}),  # fmt: skip
+    _fails("hybrid_layer_ids_against_consecutive_ones", "ValueError", "layers " + SENDER_HAS + "layers=3 ids in "
+           "[3, 11], the receiver's has layers=9 ids in [3, 11] (the KV layer ids differ)", HYB,
+           Side(layers=9, start_layer=3), tokens=4),  # fmt: skip
+    _state_pair("hybrid_still_in_step", HYB_SMALL, HYB, states=2),
+]
+
+
+def test_two_ranks_move_states_with_the_kv_and_fail_alike(tmp_path):
+    outcomes = run_cases(HYBRID_CASES, world=2, out=tmp_path)
+    check_outcomes(HYBRID_CASES, outcomes, world=2)
+    many = outcomes[1]["whole_state_many_chunks"]["transfers"][0]
+    assert many["states"] == 3 and many["state_nbytes"] == 3 * 5 * (288 + 512), many
+    assert many["nbytes"] == 21 * 768 + many["state_nbytes"], many
+    assert many["chunks"] == 21 + 5 * 3, many  # 1 token a chunk; one layer's (conv, SSM) of one slot a chunk
+    only = outcomes[0]["states_only_no_tokens"]["transfers"][0]
+    assert only["tokens"] == 0 and only["states"] == 2 and only["chunks"] >= 1, only
+    assert outcomes[1]["kv_only_between_hybrid_pools"]["transfers"][0]["state_nbytes"] == 0
+    assert all(t["path"] == "staged" and "host memory" in t["path_reason"] for o in outcomes
+               for c in o.values() if c.get("outcome") == "ok" for t in c["transfers"])  # fmt: skip
+
+
+HYBRID_KERNEL_CASES = [  # state bands and staging through the Triton kernel (interpreted)
+    _state_pair("kernel_gdn_bands_many_chunks", HYB_SMALL, with_side(HYB, page_size=4), tokens=5, states=2),
+    _state_pair("kernel_whole_state", WHOLE, WHOLE, tokens=3, states=2),
+]
+
+
+@needs_interpreter
+def test_two_ranks_move_states_through_the_copy_kernel(tmp_path):
+    outcomes = run_cases(HYBRID_KERNEL_CASES, world=2, out=tmp_path, kernel=True)
+    check_outcomes(HYBRID_KERNEL_CASES, outcomes, world=2)
+
+
+# Tensor-parallel re-sharding of the state: 4 key heads x 8 and 8 value heads x 4 in all, GDN bands.
+SG_FULL = replace(G, k_heads=4, v_heads=8)
+SG_LOW = replace(G, k_heads=2, v_heads=4, total_k=4, total_v=8)
+SG_HIGH = replace(SG_LOW, k_start=2, v_start=4, slots=9)
+S_FULL, S_LOW, S_HIGH = Side(state=SG_FULL, size=120), Side(state=SG_LOW, size=120), Side(state=SG_HIGH, size=120)
+# Two key heads over four ranks: each rank holds the key head its two value heads use.
+SG_REPL = replace(G, k_heads=2, v_heads=8, total_k=2, total_v=8)
+SG_R1 = replace(G, k_heads=1, v_heads=2, v_start=2, k_start=0, total_k=2, total_v=8)
+SG_R2 = replace(SG_R1, v_start=4, k_start=1)
+M2 = replace(SG_FULL, bands="vkk")
+STATE_RESHARD_CASES = [
+    Case("state_tp1_to_tp2_with_kv_heads", sides={0: with_side(S_FULL, heads=4),
+         1: with_side(S_LOW, heads=2, total_heads=4), 2: with_side(S_HIGH, heads=2, head_start=2, total_heads=4)},
+         transfers=[(0, 1), (0, 2)], states=3, tokens=11),  # fmt: skip
+    Case("state_tp2_to_tp1_same_slots", sides={0: S_FULL, 1: S_LOW, 2: S_HIGH}, transfers=[(1, 0), (2, 0)],
+         states=2, same_slots=True),  # fmt: skip
+    Case("state_mamba2_tp1_to_tp2", sides={0: Side(state=M2), 1: Side(state=replace(SG_LOW, bands="vkk")),
+         2: Side(state=replace(SG_HIGH, bands="vkk"))}, transfers=[(0, 1), (0, 2)], states=2),  # fmt: skip
+    Case("state_replicated_key_heads", sides={0: Side(state=SG_REPL), 1: Side(state=SG_R1), 2: Side(state=SG_R2)},
+         transfers=[(0, 1), (0, 2), (1, 0)], states=2, tokens=3),  # fmt: skip
+    Case("state_disjoint_value_heads", sides={1: S_LOW, 2: S_HIGH}, transfers=[(1, 2)], states=1,
+         expect=("ValueError", "v_heads " + SENDER_HAS + "v_heads=[0, 4], the receiver's has v_heads=[4, 8]")),  # fmt: skip
+    Case("state_model_value_heads", sides={0: S_FULL, 2: with_side(S_HIGH, state=replace(SG_HIGH, total_v=16))},
+         transfers=[(0, 2)], states=1, expect=("ValueError", "total_v_heads mismatch")),  # fmt: skip
+    Case("state_tp1_to_tp2_again", sides={0: S_FULL, 1: S_LOW, 2: S_HIGH}, transfers=[(0, 2), (0, 1)], states=1),
+]
+
+
+def test_three_ranks_reshard_the_state_between_tp_sizes(tmp_path):
+    outcomes = run_cases(STATE_RESHARD_CASES, world=3, out=tmp_path)
+    check_outcomes(STATE_RESHARD_CASES, outcomes, world=3)
+    sent = outcomes[0]["state_tp1_to_tp2_with_kv_heads"]["transfers"]
+    # Half the key and value heads of each layer: (2 x 8 q + 2 x 8 k + 4 x 4 v channels) x 3 columns x
+    # 2 bytes of convolution window and 4 x 4 x 8 x 4 bytes of SSM state, 5 layers, 3 slots.
+    assert [t["state_nbytes"] for t in sent] == [3 * 5 * (288 + 512)] * 2, sent
 
 
 # --- the example ---------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ pairs) and what must happen: every transfer completes and the pools hold exactly
 or every rank of the transfer raises the same exception. Pools are filled with a byte pattern that is
 a function of (salt, slot, global head, byte, layer, K/V), so every rank can simulate, from the case
 alone, what every pool holds after the transfers (:func:`simulate`), and checks its whole pool (moved
-rows and everything else) byte for byte against that. Each rank writes its outcomes to
+rows and everything else) byte for byte against that. A side with a :class:`StateGeom` holds a
+``HybridLinearKVPool`` whose ``MambaPool`` is filled the same way, each state byte a function of its
+*identity* (convolution band, global head, channel and byte; or global value head and byte of the
+SSM state), so a re-sharded transfer is checked by where each identity lands, not by offsets. Each rank writes its outcomes to
 ``out/rank{r}.json``; :func:`run_cases` collects them, and the test compares the ranks' outcomes.
 
 Used by tests/test_transfer.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL).
@@ -37,6 +40,40 @@ DTYPES = {
 
 
 @dataclass(frozen=True)
+class StateGeom:
+    """One rank's linear-attention state: a MambaPool of ``slots`` over ``linear`` layers, heads held
+    ``[k_start, k_start + k_heads)`` of ``total_k`` (default: the local count) and likewise for value
+    heads; ``bands`` the convolution's band letters (None: no StateShard, whole rows)."""
+
+    k_heads: int = 2
+    v_heads: int = 4
+    k_dim: int = 8
+    v_dim: int = 4
+    conv_kernel: int = 4
+    bands: Optional[str] = "kkv"
+    k_start: int = 0
+    v_start: int = 0
+    total_k: Optional[int] = None
+    total_v: Optional[int] = None
+    slots: int = 12
+    linear: tuple[int, ...] = (0, 1, 2, 4, 5)
+    conv_dtype: str = "bf16"
+    ssm_dtype: str = "fp32"
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def shard(self):
+        from kvpool import StateShard
+
+        if self.bands is None:
+            return None
+        return StateShard(self.v_start, self.total_v or self.v_heads, self.k_start, self.total_k or self.k_heads,
+                          (self.bands,))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Side:
     """One rank's pool and endpoint settings."""
 
@@ -52,6 +89,9 @@ class Side:
     page_size: int = 1
     chunk_bytes: Optional[int] = None
     mla: bool = False  # an MLATokenToKVPool: heads 1, head_dim = kv_lora_rank, v_head_dim = qk_rope_head_dim
+    state: Optional[StateGeom] = None  # a HybridLinearKVPool (full-attention layers 3, 7, ...) with this state
+    hybrid: bool = False  # a HybridLinearKVPool even without a state (its mamba_pool None)
+    ipc: bool = True  # the endpoint's ipc option
 
     @property
     def rows(self) -> int:
@@ -62,7 +102,8 @@ class Side:
 class Case:
     """``sides``: rank -> Side; ``transfers``: (src, dst) in order; ``tokens``: slots per transfer
     (``recv_tokens`` overrides the receiver's count); ``tamper``: rank -> how that rank spoils its
-    call ("oob", "neg", "float", "2d", "list", "cuda", "as_sender", "as_receiver");
+    call ("oob", "neg", "float", "2d", "list", "cuda", "as_sender", "as_receiver"; "state_oob",
+    "state_neg", "state_float" spoil its state_slots, "state_given" passes slots to a pool without state);
     ``expect``: None (success) or (exception name, substring both ranks' messages contain)."""
 
     name: str
@@ -70,6 +111,8 @@ class Case:
     transfers: list[tuple[int, int]]
     tokens: int = 37
     recv_tokens: Optional[int] = None
+    states: int = 0  # state slots per transfer (sides with a StateGeom)
+    recv_states: Optional[int] = None
     tamper: dict[int, str] = field(default_factory=dict)
     expect: Optional[tuple[str, str]] = None
     loc_dtype: str = "int64"  # "int32", "numpy"
@@ -95,9 +138,23 @@ def pattern(
     return (x & 0xFF).to(torch.uint8)
 
 
-def make_pool(side: Side, device: str):
-    from kvpool import MHATokenToKVPool, MLATokenToKVPool
+def full_layers(side: Side) -> list[int]:
+    """A hybrid side's full-attention layer ids (Qwen3.5's pattern, from ``start_layer``)."""
+    return [side.start_layer + 4 * i + 3 for i in range(side.layers)]
 
+
+def make_pool(side: Side, device: str):
+    from kvpool import HybridLinearKVPool, MambaCacheParams, MambaPool, MambaStateDType, MambaStateShape, MHATokenToKVPool, MLATokenToKVPool
+
+    if side.state is not None or side.hybrid:
+        g, mamba = side.state, None
+        if g is not None:
+            shape = MambaStateShape(conv=(g.conv_dim, g.conv_kernel - 1), temporal=(g.v_heads, g.v_dim, g.k_dim))
+            params = MambaCacheParams(shape, g.linear, MambaStateDType(DTYPES[g.conv_dtype], DTYPES[g.ssm_dtype]))
+            mamba = MambaPool(size=g.slots, cache_params=params, device=device)
+        return HybridLinearKVPool(side.size, DTYPES[side.dtype], side.page_size, side.heads, side.head_dim,
+                                  full_layers(side), False, device, mamba, v_head_dim=side.v_head_dim,
+                                  warmup=False)  # fmt: skip
     if side.mla:
         assert side.heads == 1 and side.v_head_dim is not None, "an MLA side has one head and a rotary part"
         return MLATokenToKVPool(
@@ -115,8 +172,14 @@ def _byte_rows(buf: torch.Tensor) -> torch.Tensor:
 
 
 def buffers(pool) -> list[torch.Tensor]:
-    """The pool's buffers as uint8 [rows, row_bytes], in the order K0, V0, K1, V1, ..."""
-    return [_byte_rows(b) for kv in zip(pool.k_buffer, pool.v_buffer) for b in kv]
+    """The pool's buffers as uint8 [rows, row_bytes], in the order K0, V0, K1, V1, ... (a hybrid
+    pool's full-attention layers), then each linear layer's convolution window and SSM state."""
+    kv = getattr(pool, "full_kv_pool", pool)
+    out = [_byte_rows(b) for pair in zip(kv.k_buffer, kv.v_buffer) for b in pair]
+    mamba = getattr(pool, "mamba_pool", None)
+    if mamba is not None:
+        out += [_byte_rows(t[i]) for i in range(mamba.num_mamba_layers) for t in (mamba.conv[0], mamba.temporal)]
+    return out
 
 
 def fill(pool, side: Side, salt: int) -> None:
@@ -124,16 +187,58 @@ def fill(pool, side: Side, salt: int) -> None:
         buf.copy_(data)
 
 
+def state_identities(g: StateGeom) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [row bytes] per buffer kind (convolution window, SSM state): the identity of each byte of
+    a slot's row, the same on every rank that holds it (whole rows without bands: the byte's offset)."""
+    ce, se = torch.empty(0, dtype=DTYPES[g.conv_dtype]).element_size(), torch.empty(0, dtype=DTYPES[g.ssm_dtype]).element_size()
+    per_channel = (g.conv_kernel - 1) * ce
+    conv = torch.arange(g.conv_dim * per_channel)
+    if g.bands is not None:
+        channel, within = conv // per_channel, conv % per_channel
+        ident = torch.empty_like(conv)
+        at = 0
+        for j, letter in enumerate(g.bands):
+            heads, dim, start = (g.k_heads, g.k_dim, g.k_start) if letter == "k" else (g.v_heads, g.v_dim, g.v_start)
+            mask = (channel >= at) & (channel < at + heads * dim)
+            off = channel - at
+            ident[mask] = (((j * 4096 + start + off // dim) * 4096 + off % dim) * 4096 + within)[mask]
+            at += heads * dim
+        conv = ident
+    per_head = g.v_dim * g.k_dim * se
+    ssm = torch.arange(g.v_heads * per_head)
+    if g.bands is not None:
+        ssm = (g.v_start + ssm // per_head) * (1 << 20) + ssm % per_head
+    return conv, ssm
+
+
 def initial_bytes(side: Side, salt: int, device) -> list[torch.Tensor]:
     """A pool's buffers as filled by :func:`fill`: uint8 [rows, heads * head_bytes] per (layer, K/V)."""
     rows = torch.arange(side.rows, device=device)
     esize = torch.empty(0, dtype=DTYPES[side.dtype]).element_size()
     out = []
-    for i in range(side.layers):
+    hybrid = side.state is not None or side.hybrid
+    layer_ids = full_layers(side) if hybrid else range(side.start_layer, side.start_layer + side.layers)
+    for layer in layer_ids:
         for kv, dim in enumerate((side.head_dim, side.v_head_dim or side.head_dim)):
             heads = side.head_start, side.head_start + side.heads
-            out.append(pattern(rows, *heads, dim * esize, side.start_layer + i, kv, salt))
+            out.append(pattern(rows, *heads, dim * esize, layer, kv, salt))
+    if side.state is not None:
+        g = side.state
+        slots = torch.arange(g.slots + 1, device=device)
+        for layer in g.linear:
+            for kind, ident in enumerate(state_identities(g)):
+                out.append(identity_pattern(slots, ident.to(device), layer, 2 + kind, salt))
     return out
+
+
+def identity_pattern(slots: torch.Tensor, ident: torch.Tensor, layer: int, kind: int, salt: int) -> torch.Tensor:
+    """uint8 [len(slots), len(ident)]: the state bytes of identities ``ident`` (see state_identities)."""
+    s = slots.to(torch.int64)[:, None]
+    x = (s * 1_000_003 + ident[None, :] * 7_919 + layer * 104_729 + kind * 1_299_709 + salt * 15_485_863) & 0x7FFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0x5BD1E995) & 0x7FFFFFFF
+    x = x ^ (x >> 15)
+    return (x & 0xFF).to(torch.uint8)
 
 
 def simulate(case: Case, idx: int, device) -> dict[int, list[torch.Tensor]]:
@@ -147,11 +252,29 @@ def simulate(case: Case, idx: int, device) -> dict[int, list[torch.Tensor]]:
         lo, hi = max(s.head_start, d.head_start), min(s.head_start + s.heads, d.head_start + d.heads)
         s_loc = case_loc(case, idx, t, "sender", s).to(device)
         d_loc = case_loc(case, idx, t, "receiver", d).to(device)
-        for j, (sb, db) in enumerate(zip(state[src], state[dst])):
+        n_kv = 2 * s.layers
+        for j, (sb, db) in enumerate(zip(state[src][:n_kv], state[dst][:n_kv])):
             hb = sb.shape[1] // s.heads
             rows = sb[s_loc, (lo - s.head_start) * hb : (hi - s.head_start) * hb]
             db[d_loc, (lo - d.head_start) * hb : (hi - d.head_start) * hb] = rows
+        if case.states:
+            s_slots = case_state_slots(case, idx, t, "sender", s).to(device)
+            d_slots = case_state_slots(case, idx, t, "receiver", d).to(device)
+            for kind, (si, di) in enumerate(zip(state_identities(s.state), state_identities(d.state))):
+                s_cols, d_cols = shared_columns(si, di)
+                for layer in range(len(s.state.linear)):
+                    sb, db = state[src][n_kv + 2 * layer + kind], state[dst][n_kv + 2 * layer + kind]
+                    rows = sb[s_slots][:, s_cols.to(device)]
+                    db[d_slots[:, None], d_cols.to(device)[None, :]] = rows
     return state
+
+
+def shared_columns(src_ident: torch.Tensor, dst_ident: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of the sender's and the receiver's rows holding the identities both hold."""
+    order = torch.argsort(src_ident)
+    pos = torch.searchsorted(src_ident[order], dst_ident).clamp(max=len(order) - 1)
+    found = src_ident[order][pos] == dst_ident
+    return order[pos][found], torch.nonzero(found).flatten()
 
 
 def case_salt(idx: int, rank: int) -> int:
@@ -159,13 +282,18 @@ def case_salt(idx: int, rank: int) -> int:
 
 
 def compare_pool(pool, expected: list[torch.Tensor], what: str) -> None:
-    for j, (actual, e) in enumerate(zip(buffers(pool), expected)):
+    got = buffers(pool)
+    assert len(got) == len(expected), (len(got), len(expected))
+    kv = getattr(pool, "full_kv_pool", pool)
+    for j, (actual, e) in enumerate(zip(got, expected)):
         differ = actual != e
         if bool(differ.any()):
             bad = differ.nonzero()
             row, col = int(bad[0, 0]), int(bad[0, 1])
+            name = (f"layer {kv.start_layer + j // 2} {'KV'[j % 2]}" if j < 2 * kv.layer_num
+                    else f"linear layer {(j - 2 * kv.layer_num) // 2} {('conv', 'ssm')[j % 2]}")  # fmt: skip
             raise AssertionError(
-                f"{what}: layer {pool.start_layer + j // 2} {'KV'[j % 2]}: {int(differ.sum())} bytes differ in "
+                f"{what}: {name}: {int(differ.sum())} bytes differ in "
                 f"{int(differ.any(dim=1).sum())} rows; first at row {row} byte {col}: "
                 f"{int(actual[row, col])} vs expected {int(e[row, col])}"
             )
@@ -185,6 +313,30 @@ def case_loc(case: Case, idx: int, t: int, role: str, side: Side) -> torch.Tenso
         slots[1] = side.rows - 1
     if case.duplicates and role == "sender" and n >= 4:
         slots[n // 2 :] = slots[: n - n // 2].clone()
+    return slots
+
+
+def case_state_slots(case: Case, idx: int, t: int, role: str, side: Side) -> torch.Tensor:
+    """Distinct state slots of transfer ``t`` (``0..slots``, the last one included when there is room)."""
+    n = case.states if role == "sender" or case.recv_states is None else case.recv_states
+    if side.state is None:
+        return torch.arange(n)
+    g = torch.Generator().manual_seed(7_000 + 1_000 * idx + 10 * (0 if case.same_slots else t) + (role != "sender"))
+    slots = torch.randperm(side.state.slots + 1, generator=g)[:n]
+    if n >= 2 and side.state.slots not in slots.tolist():
+        slots[1] = side.state.slots
+    return slots
+
+
+def _spoil_states(slots: torch.Tensor, how: Optional[str], side: Side):
+    if how == "state_oob":
+        slots = slots.clone()
+        slots[-1] = side.state.slots + 1
+    elif how == "state_neg":
+        slots = slots.clone()
+        slots[0] = -1
+    elif how == "state_float":
+        return slots.float()
     return slots
 
 
@@ -258,7 +410,8 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
     salt = case_salt(idx, rank)
     pool = make_pool(side, device)
     fill(pool, side, salt)
-    opts = dict(group=group, head_start=side.head_start, total_heads=side.total_heads, chunk_bytes=side.chunk_bytes)
+    opts = dict(group=group, head_start=side.head_start, total_heads=side.total_heads, chunk_bytes=side.chunk_bytes,
+                state_shard=side.state.shard() if side.state is not None else None, ipc=side.ipc)  # fmt: skip
     sender = receiver = None
     handles = []
     try:
@@ -273,12 +426,15 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
                 role = "receiver"
             peer = dst if rank == src else src
             loc = _spoil(case_loc(case, idx, t, role, side), how, side, case)
+            states = None
+            if (case.states and side.state is not None) or how == "state_given":
+                states = _spoil_states(case_state_slots(case, idx, t, role, side), how, side)
             if role == "sender":
                 sender = sender or KVSender(pool, **opts)
-                handles.append(sender.send(loc, peer))
+                handles.append(sender.send(loc, peer, states))
             else:
                 receiver = receiver or KVReceiver(pool, **opts)
-                handles.append(receiver.recv(loc, peer))
+                handles.append(receiver.recv(loc, peer, states))
             handles[-1].wait()  # the caller's stream waits before it uses (or sends on) the rows
         error = None
     except Exception as e:  # noqa: BLE001 - the outcome is compared across ranks by the test
@@ -295,7 +451,8 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
     return {
         "outcome": "ok",
         "transfers": [
-            dict(role=h.role, peer=h.peer, tokens=h.tokens, heads=list(h.heads), nbytes=h.nbytes, chunks=h.chunks)
+            dict(role=h.role, peer=h.peer, tokens=h.tokens, heads=list(h.heads), nbytes=h.nbytes, chunks=h.chunks,
+                 states=h.states, state_nbytes=h.state_nbytes, path=h.path, path_reason=h.path_reason)
             for h in handles
         ],
     }
