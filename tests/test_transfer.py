@@ -641,6 +641,15 @@ def test_disagg_sim_example_checks_every_byte():
     assert bad.returncode == 1 and "FAILED: 1 tokens differ on arrival" in bad.stdout, bad.stdout + bad.stderr
 
 
+def test_disagg_sim_example_moves_hybrid_states_and_checks_them():
+    run = _disagg_sim("--model", "qwen3.5", "--requests", "6", "--decode-page-size", "4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASS" in run.stdout and "6 states x 6 linear layers byte-equal on arrival" in run.stdout, run.stdout
+    bad = _disagg_sim("--model", "qwen3.5", "--requests", "2", "--corrupt")
+    assert bad.returncode == 1 and "0 tokens differ on arrival" in bad.stdout, bad.stdout + bad.stderr
+    assert "1 states differ on arrival" in bad.stdout and "linear layer" in bad.stdout, bad.stdout
+
+
 # --- the handshake's timeout paths (the store) ----------------------------------------------------------
 
 
