@@ -13,6 +13,7 @@ from kvpool.cache.evict_policy import (
 )
 from kvpool.cache.hiradix_cache import HiRadixCache
 from kvpool.cache.key import RadixKey
+from kvpool.cache.mamba_radix_cache import MambaRadixCache
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import (
     CacheInitParams,
@@ -44,6 +45,7 @@ __all__ = [
     "MEDIUM_GPU",
     "MRUStrategy",
     "MatchPrefixParams",
+    "MambaRadixCache",
     "MatchResult",
     "PriorityStrategy",
     "RadixCache",

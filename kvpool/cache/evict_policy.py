@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
+from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -104,12 +106,16 @@ class EvictionQueue:
     Parameters
     ----------
     strategy : the policy.
-    is_evictable : ``f(node) -> bool``, whether a node is an evictable leaf now.
+    is_evictable : ``f(node) -> bool``, whether a node is evictable now.
+    entry : the node attribute this queue keeps its live entry in (one per queue a node can be in).
     """
 
     _MIN_REBUILD = 1024
 
-    def __init__(self, strategy: EvictionStrategy, is_evictable: Callable[["TreeNode"], bool]) -> None:
+    def __init__(
+        self, strategy: EvictionStrategy, is_evictable: Callable[["TreeNode"], bool], entry: str = "_entry"
+    ) -> None:
+        self._get, self._set = attrgetter(entry), partial(_set_attr, name=entry)
         self.strategy = strategy
         self._priority = strategy.get_priority
         self._is_evictable = is_evictable
@@ -126,7 +132,7 @@ class EvictionQueue:
         """``node`` is an evictable leaf now, at its current priority (orphans its earlier entry)."""
         self._seq += 1
         priority = self._priority(node)
-        node._entry = (priority, self._seq)
+        self._set(node, (priority, self._seq))
         item = (priority, self._seq, node)
         lane = self._lane
         if not lane or lane[-1][0] <= priority:
@@ -144,34 +150,34 @@ class EvictionQueue:
                 _, seq, node = lane.popleft()
             else:
                 _, seq, node = heapq.heappop(heap)
-            entry = node._entry
+            entry = self._get(node)
             if entry is None or entry[1] != seq:
                 continue  # orphaned by a later push
-            node._entry = None
+            self._set(node, None)
             if self._is_evictable(node):
                 return node
         return None
 
     def holds(self, node: "TreeNode") -> bool:
         """``node`` has a live entry at its current priority (``check_integrity``)."""
-        entry = node._entry
+        entry = self._get(node)
         return entry is not None and entry[0] == self._priority(node)
 
     def clear(self) -> None:
         for _, _, node in (*self._heap, *self._lane):
-            node._entry = None
+            self._set(node, None)
         self._heap = []
         self._lane = deque()
         self._rebuild_at = self._MIN_REBUILD
 
     def _live(self, item: tuple) -> bool:
         node = item[2]
-        entry = node._entry
+        entry = self._get(node)
         if entry is None or entry[1] != item[1]:
             return False
         if self._is_evictable(node):
             return True
-        node._entry = None
+        self._set(node, None)
         return False
 
     def _rebuild(self) -> None:
@@ -179,3 +185,7 @@ class EvictionQueue:
         heapq.heapify(self._heap)
         self._lane = deque(item for item in self._lane if self._live(item))  # stays in order
         self._rebuild_at = max(self._MIN_REBUILD, 2 * (len(self._heap) + len(self._lane)))
+
+
+def _set_attr(node: "TreeNode", value: Any, name: str) -> None:
+    setattr(node, name, value)

@@ -97,7 +97,7 @@ class HiRadixCache(RadixCache):
     def reset(self) -> None:
         """Forget every node, and free every host page (the device slots are not freed)."""
         super().reset()
-        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable)
+        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, "_host_entry")
         self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
         self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
         self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []

@@ -177,11 +177,11 @@ def check_integrity(cache: "RadixCache", requests: Iterable[Any] = ()) -> None:
         req_slots = []
     problems += ownership_problems(cache, tree_slots, req_slots)
     problems += cache._integrity_problems()
-    for part in (cache.token_to_kv_pool_allocator, cache.req_to_token_pool):
+    for part, kwargs in ((cache.token_to_kv_pool_allocator, {}), (cache.req_to_token_pool, cache._table_check_args())):
         check = getattr(part, "check_integrity", None)
         if callable(check):
             try:
-                check()
+                check(**kwargs)
             except IntegrityError as e:
                 problems.append(str(e))
     if problems:

@@ -24,6 +24,9 @@ class TreeNode:
         ``lock_ref > 0`` is never evicted.
     hit_count : matches that reached this node (the LFU policy's count).
     host_ref_counter : holders of the host copy (``protect_host`` / ``release_host``).
+    mamba_value : Tensor [1] int64, the state slot holding the linear layers' state after this
+        node's last token (hybrid models), or None.
+    mamba_lock_ref : requests holding this node's state (hybrid models).
     hash_value : list of str, one SHA-256 hex digest per page (KV events), or None until computed.
     priority : the highest priority inserted through this node (the priority policy).
     last_access_time, creation_time : ``time.monotonic()`` of the last access and of creation.
@@ -40,8 +43,9 @@ class TreeNode:
 
     __slots__ = (
         "children", "parent", "key", "value", "lock_ref", "last_access_time", "creation_time",
-        "hit_count", "host_ref_counter", "host_value", "hash_value", "priority", "id",
-        "_ck", "_tick", "_born", "_entry", "_dev_children",
+        "hit_count", "host_ref_counter", "host_value", "hash_value", "priority", "id", "mamba_value",
+        "mamba_lock_ref",
+        "_ck", "_tick", "_born", "_entry", "_host_entry", "_mamba_entry", "_dev_children",
     )  # fmt: skip
 
     def __init__(self, id: Optional[int] = None, priority: int = 0) -> None:
@@ -56,18 +60,22 @@ class TreeNode:
         self.hit_count = 0
         self.host_ref_counter = 0
         self.host_value: Optional[torch.Tensor] = None
+        self.mamba_value: Optional[torch.Tensor] = None
+        self.mamba_lock_ref = 0
         self.hash_value: Optional[list[str]] = None
         self.priority = priority
         self.id = TreeNode.counter if id is None else id
         TreeNode.counter += 1
         # The tree's own bookkeeping: the key this node is filed under in its parent, the logical
-        # times of its last access and of its creation (the eviction order), the eviction queue's
-        # current entry for it, and how many of its children are on the device (a device leaf has
+        # times of its last access and of its creation (the eviction order), its live entries in the
+        # eviction queues (device, host, state), and how many of its children are on the device (a device leaf has
         # none, whatever host-only children it has).
         self._ck: Any = None
         self._tick = 0
         self._born = 0
         self._entry: Optional[tuple] = None
+        self._host_entry: Optional[tuple] = None
+        self._mamba_entry: Optional[tuple] = None
         self._dev_children = 0
 
     @property

@@ -78,12 +78,16 @@ class RadixCache(RadixTree):
         alloc_page = getattr(self.token_to_kv_pool_allocator, "page_size", None)
         if isinstance(alloc_page, int) and alloc_page != self.page_size:
             raise ValueError(f"page_size must be the allocator's page_size = {alloc_page}, got {self.page_size}")
-        for name, off in (("sliding_window_size", None), ("cache_ttl_seconds", None), ("enable_mamba_extra_buffer", False)):
+        unsupported = [("sliding_window_size", None), ("cache_ttl_seconds", None)]
+        if not self.supports_mamba():
+            unsupported.append(("enable_mamba_extra_buffer", False))
+        for name, off in unsupported:
             if getattr(p, name) not in (off, None):
-                raise ValueError(f"{name} must be {off} for RadixCache (it holds full-attention KV only), got {getattr(p, name)!r}")
+                raise ValueError(f"{name} must be {off} for {type(self).__name__}, got {getattr(p, name)!r}")
         self.enable_kv_cache_events = bool(p.enable_kv_cache_events)
         self.is_eagle = bool(p.is_eagle)
         self.disable_finished_insert = bool(p.disable_finished_insert)
+        self.enable_mamba_extra_buffer = bool(p.enable_mamba_extra_buffer)
         self.eviction_strategy = make_strategy(p.eviction_policy)
         self.eviction_policy = p.eviction_policy.lower()
         allocator = self.token_to_kv_pool_allocator
@@ -402,8 +406,12 @@ class RadixCache(RadixTree):
         """After an insert that ended on ``last`` (a hook for caches with a host tier)."""
 
     def _integrity_problems(self) -> list[str]:
-        """What ``check_integrity`` should add for tiers below the device (none here)."""
+        """What ``check_integrity`` should add for tiers below the device or state (none here)."""
         return []
+
+    def _table_check_args(self) -> dict:
+        """Keywords for the request table's own ``check_integrity`` (slots the cache owns there)."""
+        return {}
 
     def _empty_match(self) -> MatchResult:
         root = self.root_node
