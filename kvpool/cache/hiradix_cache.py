@@ -110,12 +110,10 @@ class HiRadixCache(RadixCache):
         """As ``RadixCache.match_prefix``, through host-only nodes too: ``device_indices`` and
         ``last_device_node`` cover the part on the device, ``host_hit_length`` the tokens after it
         that are on the host only, ``last_host_node`` the last node of the match with a host copy."""
-        key = params.key if isinstance(params, MatchPrefixParams) else params
-        enc = self._key_bytes(key)
-        n = len(enc) // self._page_bytes * self._page_bytes
-        if self.disable or n == 0:
+        walked = self._match_key(params)
+        if walked is None:
             return self._empty_match()
-        values, node = self._match(enc, n, key.extra_key)
+        values, node = walked
         device = [v for v in values if v is not None]
         indices = torch.cat(device) if device else self._empty_match().device_indices
         last_device, host_hit = node, 0

@@ -83,12 +83,10 @@ class MambaRadixCache(RadixCache):
         = ``last_host_node`` the node holding it (the root for none). If the state cannot be copied
         (no slot even after eviction) the result is empty: no KV without its state.
         """
-        key = params.key if isinstance(params, MatchPrefixParams) else params
-        enc = self._key_bytes(key)
-        n = len(enc) // self._page_bytes * self._page_bytes
-        if self.disable or n == 0:
+        walked = self._match_key(params)
+        if walked is None:
             return self._empty_match()
-        values, node = self._match(enc, n, key.extra_key)
+        values, node = walked
         path = []
         while node is not self.root_node:
             path.append(node)

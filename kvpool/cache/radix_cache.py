@@ -146,12 +146,10 @@ class RadixCache(RadixTree):
         TypeError
             If the key is not a RadixKey of ints. Nothing changes.
         """
-        key = params.key if isinstance(params, MatchPrefixParams) else params
-        enc = self._key_bytes(key)
-        n = len(enc) // self._page_bytes * self._page_bytes
-        if self.disable or n == 0:
+        walked = self._match_key(params)
+        if walked is None:
             return self._empty_match()
-        values, node = self._match(enc, n, key.extra_key)
+        values, node = walked
         indices = torch.cat(values) if values else self._empty_match().device_indices
         return MatchResult(device_indices=indices, last_device_node=node, last_host_node=node)
 
@@ -364,6 +362,16 @@ class RadixCache(RadixTree):
         return True
 
     # --- the tree -------------------------------------------------------------------------------
+
+    def _match_key(self, params: Any) -> Optional[tuple[list, TreeNode]]:
+        """``_match`` of ``params``' key (MatchPrefixParams or a RadixKey), checked; None when there is
+        nothing to match (a disabled cache, no whole page)."""
+        key = params.key if isinstance(params, MatchPrefixParams) else params
+        enc = self._key_bytes(key)
+        n = len(enc) // self._page_bytes * self._page_bytes
+        if self.disable or n == 0:
+            return None
+        return self._match(enc, n, key.extra_key)
 
     def _key_bytes(self, key: Any) -> bytes:
         if not isinstance(key, RadixKey):
