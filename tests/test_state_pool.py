@@ -777,3 +777,13 @@ def test_hybrid_host_checks_both_halves_before_copying():
         from kvpool import HybridLinearKVPool
 
         HybridPoolHost(HybridLinearKVPool(8, torch.bfloat16, 1, 1, 8, [0], False, "cpu", None, warmup=False), 1.0, 0, 1, "layer_first")
+
+
+def test_the_commit_kernels_launch_cache_is_built_like_the_others():
+    """Its arguments are what ``DirectLaunches`` takes (a wrong one fails only where direct launches
+    run, on a GPU, at the first ``remember``)."""
+    from kvpool.kernels import copy_rows, state_commit
+
+    for cache in (state_commit.LAUNCHES, copy_rows.LAUNCHES):
+        assert isinstance(cache.limit, int) and cache.limit > 0
+        assert isinstance(cache.enabled, bool) and isinstance(cache.what, str)

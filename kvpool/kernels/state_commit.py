@@ -27,6 +27,7 @@ from kvpool.kernels.launch import (
     DirectLaunches,
     cdiv,
     floor_pow2,
+    kernel_params,
     next_pow2,
 )
 from kvpool.kernels.row_table import RowTable
@@ -83,7 +84,7 @@ PARAMS = (
 
 #: Compiled commit kernels by launch key (CUDA): an eager verify step's commit skips the JIT's
 #: per-call binding after the first launch of its kind.
-LAUNCHES = DirectLaunches("state commit kernel", None if _k is None else _k._commit_rows_kernel, PARAMS)
+LAUNCHES = DirectLaunches("state commit kernel", _k is not None and kernel_params(_k._commit_rows_kernel) == PARAMS)
 
 
 def _launch_key(device_index: int, constexprs: tuple, warps: int, tensors: tuple, ints: tuple) -> tuple:
