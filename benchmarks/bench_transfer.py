@@ -1,4 +1,5 @@
-"""KV transfer between two GPUs: kvpool.transfer against NCCL send/recv of one contiguous buffer.
+"""KV transfer between two GPUs: kvpool.transfer's staged and direct paths against NCCL send/recv of
+one contiguous buffer, in the same run.
 
 Starts one process per GPU (rank r on cuda:r, NCCL, ``NCCL_NVLS_ENABLE=0`` unless set). Each rank holds
 a Llama-3-8B FP8 pool (32 layers x 8 KV heads x 128: 64 KiB a token) filled with a byte pattern, so
@@ -11,17 +12,23 @@ synchronisations; one-way time = round time / (2 n). The reported value is the m
 
 1. Ceiling: NCCL send/recv of one contiguous buffer of the same bytes, measured in this run.
 2. Requests: 8k and 32k tokens, slots random single rows ("page 1") or random whole pages of 16
-   ("page 16"), and page 1 on one side with page 16 on the other; default settings; % of ceiling.
+   ("page 16"), and page 1 on one side with page 16 on the other; default settings; % of ceiling;
+   once per path of ``--paths``: ``staged`` (endpoints built with ``ipc=False``: staging and NCCL)
+   and ``ipc`` (the receiver reads the sender's rows through CUDA IPC, one copy launch; each row
+   records the path the transfers took, so a machine without CUDA IPC shows it).
 3. Sweep: the grid of the gathers and scatters that run beside the transport (16 programs to one
    per task), staging chunk size, chunk ramp steps (wire.RAMP_STEPS).
-4. Latency: a 1-token transfer beside a bare 1-token (64 KiB) NCCL send; a 0-token transfer (the
-   handshake alone) beside a bare 8-byte send.
+4. Latency: a 1-token transfer on each path beside a bare 1-token (64 KiB) NCCL send; a 0-token
+   transfer (the handshake alone) beside a bare 8-byte send.
 5. The gather and scatter kernels alone on one GPU (what the pipeline's fill and drain cost).
 6. Chunk plans (``--plans`` alone): each request's chunks sent as contiguous messages with no copies,
    plus its first gather and last scatter, against the one-message ceiling: the best a staged
    transfer with that plan can reach.
 
-Usage (two GPUs): python benchmarks/bench_transfer.py --out DIR [--quick]
+Usage (two GPUs): python benchmarks/bench_transfer.py --out DIR [--quick] [--paths staged,ipc]
+``--direct`` measures only the ceiling, the requests and the latency (both paths; the targets of the
+direct path: 90% of the ceiling at 8k tokens, 95% at 32k, a 1-token transfer within 3x of the bare
+send). ``--ipc-programs N`` caps the direct copy's grid.
 Writes DIR/bench_transfer.json (partial results survive a failure) and DIR/bench_transfer.md.
 ``--cpu-smoke`` runs the same script on CPU pools over gloo with tiny requests: it checks the script,
 its numbers mean nothing.
@@ -61,6 +68,10 @@ PAGE = 16
 SIZE = 2 * 32768 + 1024 - PAGE  # two 32k requests fit side by side (rank 0 receives into other slots)
 ROWS = SIZE + PAGE
 TARGET = 0.90
+#: The direct path's targets: fraction of the one-message ceiling per request, latency against a bare send.
+DIRECT_TARGET = {"8k": 0.90, "32k": 0.95}
+DIRECT_LATENCY_X = 3.0
+PATHS = ("staged", "ipc")
 
 
 # --cpu-smoke: CPU pools over gloo, tiny requests (set in each rank by configure()).
@@ -126,16 +137,22 @@ def slots(kind: str, n: int, seed: int) -> torch.Tensor:
 
 
 class Rank:
-    def __init__(self, rank: int, quick: bool) -> None:
+    def __init__(self, rank: int, quick: bool, ipc_programs: Optional[int] = None) -> None:
         self.rank, self.peer, self.quick = rank, 1 - rank, quick
         self.dev = torch.device("cuda", rank) if DEVICE_TYPE == "cuda" else torch.device("cpu")
         self.sms = torch.cuda.get_device_properties(self.dev).multi_processor_count if DEVICE_TYPE == "cuda" else 1
         self.pool = MHATokenToKVPool(SIZE, PAGE, DTYPE, HEADS, HEAD_DIM, LAYERS, self.dev, warmup=False)
         fill(self.pool, salt=rank + 1)
         self.buf = torch.randint(0, 256, (REQUESTS["32k"] * TOKEN_BYTES,), dtype=torch.uint8, device=self.dev)
-        self.sender = KVSender(self.pool)
-        self.receiver = KVReceiver(self.pool)
+        self.sender = KVSender(self.pool, ipc=False)
+        self.receiver = KVReceiver(self.pool, ipc=False)
+        # The direct path needs no staging: the smallest one that holds a token (its fallback).
+        small = dict(chunk_bytes=TOKEN_BYTES, max_programs=ipc_programs)
+        self.direct = (KVSender(self.pool, **small), KVReceiver(self.pool, **small))
         sync()
+
+    def endpoints(self, path: str) -> tuple[KVSender, KVReceiver]:
+        return self.direct if path == "ipc" else (self.sender, self.receiver)
 
     # timing
 
@@ -214,15 +231,15 @@ class Rank:
         def out() -> None:
             h = sender.send(loc_out, self.peer)
             h.wait()
-            info["chunks"] = h.chunks
+            info["chunks"], info["path"] = h.chunks, h.path + (f" ({h.path_reason})" if h.path_reason else "")
 
         def back() -> None:
             receiver.recv(loc_back, self.peer).wait()
 
         seconds = self.pingpong(out, back, n, rounds)
-        return seconds, self.check(s0[:tokens], loc_back, info.get("chunks", 0))
+        return seconds, self.check(s0[:tokens], loc_back, info.get("chunks", 0), info.get("path", ""))
 
-    def check(self, sent: torch.Tensor, landed: torch.Tensor, chunks: int) -> dict:
+    def check(self, sent: torch.Tensor, landed: torch.Tensor, chunks: int, path: str = "") -> dict:
         """Bytes at ``landed`` must be rank 0's original rows at ``sent`` (rank 1: after one leg;
         rank 0: after the round trip). Rank 0 then restores its landing rows."""
         sync()
@@ -239,7 +256,7 @@ class Rank:
             dist.send(theirs, 0)
             return {}
         dist.recv(theirs, 1)
-        return {"bad_bytes_rank0": bad, "bad_bytes_rank1": int(theirs.item()), "chunks": chunks}
+        return {"bad_bytes_rank0": bad, "bad_bytes_rank1": int(theirs.item()), "chunks": chunks, "path_taken": path}
 
     def kernels(self) -> list[dict]:
         """Gather (pool -> staging) and scatter (staging -> pool) of one default-sized chunk on rank 0 alone."""
@@ -338,7 +355,8 @@ def plan_bounds(r: "Rank", rounds: int, ceiling: dict) -> list[dict]:
 
 
 def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,
-             sweep_rounds: int = 3, only_plans: bool = False) -> None:
+             sweep_rounds: int = 3, only_plans: bool = False, paths: tuple[str, ...] = PATHS,
+             only_direct: bool = False, ipc_programs: Optional[int] = None) -> None:
     configure(smoke)
     if smoke:
         torch.set_num_threads(1)
@@ -354,13 +372,16 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
                 json.dump(results, f, indent=1)
 
     try:
-        r = Rank(rank, quick)
+        r = Rank(rank, quick, ipc_programs)
         results["meta"]["sms"] = r.sms
+        results["meta"]["paths"] = list(paths)
+        results["meta"]["ipc_programs"] = ipc_programs
         results["meta"]["default_chunk_bytes"] = r.sender.chunk_bytes
         results["meta"]["default_max_programs"] = r.sender.max_programs
         rounds = 3 if quick else 7
         r.nccl(1 << 20, 2, 1)  # warm the pair's communicator
-        r.transfer(("p1", "p1"), 16, 2, 1, seed=1)
+        for path in paths:  # and each path (the direct one's setup: handles opened once per pair)
+            r.transfer(("p1", "p1"), 16, 2, 1, 1, *r.endpoints(path))
         log(f"[rank {rank}] warm")
 
         ceiling = {}
@@ -385,24 +406,27 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
             configs = [c for c in configs if c[0][0] == c[0][1]]
         for i, (kinds, req) in enumerate(configs):
             tokens = REQUESTS[req]
-            s, check = r.transfer(kinds, tokens, 3, rounds, seed=100 + 10 * i)
             nbytes = tokens * TOKEN_BYTES
-            results["requests"].append(dict(
-                request=req, tokens=tokens, pages=f"{kinds[0][1:]} -> {kinds[1][1:]}", bytes=nbytes,
-                us=s * 1e6, gbps=nbytes / s / 1e9, ceiling_gbps=nbytes / ceiling[nbytes] / 1e9,
-                fraction=ceiling[nbytes] / s, **check,
-            ))  # fmt: skip
-            log(f"[rank {rank}] {req} {kinds}: {nbytes / s / 1e9:.0f} GB/s ({ceiling[nbytes] / s:.1%} of ceiling)")
+            for path in paths:  # side by side: the same slots, the same ceiling
+                s, check = r.transfer(kinds, tokens, 3, rounds, 100 + 10 * i, *r.endpoints(path))
+                results["requests"].append(dict(
+                    request=req, tokens=tokens, pages=f"{kinds[0][1:]} -> {kinds[1][1:]}", bytes=nbytes, path=path,
+                    us=s * 1e6, gbps=nbytes / s / 1e9, ceiling_gbps=nbytes / ceiling[nbytes] / 1e9,
+                    fraction=ceiling[nbytes] / s, **check,
+                ))  # fmt: skip
+                log(f"[rank {rank}] {req} {kinds} {path}: {nbytes / s / 1e9:.0f} GB/s ({ceiling[nbytes] / s:.1%} of ceiling)")
             save()
 
+        bare = {b: r.nccl(b, 20, rounds) for b in (TOKEN_BYTES, 8)}
         for per_token, label in ((1, "1 token"), (0, "0 tokens (handshake only)")):
-            s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, seed=500 + per_token)
             bare_bytes = per_token * TOKEN_BYTES or 8
-            bare = r.nccl(bare_bytes, 20, rounds)
-            results["latency"].append(
-                dict(transfer=label, transfer_us=s * 1e6, bare_bytes=bare_bytes, bare_us=bare * 1e6, **check)
-            )
+            for path in paths:
+                s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, 500 + per_token, *r.endpoints(path))
+                results["latency"].append(dict(transfer=label, path=path, transfer_us=s * 1e6, bare_bytes=bare_bytes,
+                                               bare_us=bare[bare_bytes] * 1e6, **check))  # fmt: skip
         save()
+        if only_direct:
+            return
 
         results["kernels"] = r.kernels()
         save()
@@ -460,10 +484,21 @@ def meta(rank: int) -> dict:
     }
 
 
+def _shown(path: str, q: dict) -> str:
+    """The path asked for, and the one taken where they differ (a machine without CUDA IPC)."""
+    taken = q.get("path_taken", path)
+    return path if taken == path else f"{path} -> {taken}"
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
         f"# kvpool transfer between two GPUs ({m['date']})",
+        "",
+        f"Paths: {', '.join(m.get('paths', ['staged']))} (staged: staging + NCCL; ipc: the receiver reads the "
+        f"sender's rows through CUDA IPC, one launch, grid cap {m.get('ipc_programs')}). Targets: staged 90% of "
+        f"the ceiling; ipc {', '.join(f'{100 * v:.0f}% at {k}' for k, v in DIRECT_TARGET.items())}, a 1-token "
+        f"transfer within {DIRECT_LATENCY_X:g}x of a bare 1-token send.",
         "",
         f"{', '.join(m['gpus'])}; torch {m['torch']}, triton {m['triton']}, NCCL {m['nccl']}, "
         f"NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
@@ -473,20 +508,29 @@ def markdown(res: dict) -> str:
         "",
         "## Requests against the NCCL ceiling (contiguous send/recv of the same bytes, same run)",
         "",
-        "| request | pages (sender -> receiver) | MiB | kvpool GB/s | ceiling GB/s | % of ceiling | target 90% "
-        "| chunks | bytes wrong |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+        "| request | pages (sender -> receiver) | path | MiB | kvpool GB/s | ceiling GB/s | % of ceiling "
+        "| target | chunks | bytes wrong |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for q in res["requests"]:
         wrong = q.get("bad_bytes_rank0", "?"), q.get("bad_bytes_rank1", "?")
+        path = q.get("path", "staged")
+        target = DIRECT_TARGET.get(q["request"], TARGET) if path == "ipc" else TARGET
         lines.append(
-            f"| {q['request']} | {q['pages']} | {q['bytes'] >> 20} | {q['gbps']:.1f} | {q['ceiling_gbps']:.1f} | "
-            f"{100 * q['fraction']:.1f}% | {'met' if q['fraction'] >= TARGET else 'MISSED'} | {q.get('chunks', '?')} | "
+            f"| {q['request']} | {q['pages']} | {_shown(path, q)} | {q['bytes'] >> 20} | "
+            f"{q['gbps']:.1f} | {q['ceiling_gbps']:.1f} | {100 * q['fraction']:.1f}% | "
+            f"{100 * target:.0f}% {'met' if q['fraction'] >= target else 'MISSED'} | {q.get('chunks', '?')} | "
             f"{wrong[0]} / {wrong[1]} |"
         )
-    lines += ["", "## Latency", "", "| kvpool transfer | one-way us | bare NCCL send | one-way us |", "|---|---:|---|---:|"]
+    lines += ["", "## Latency", "", "| kvpool transfer | path | one-way us | bare NCCL send | one-way us | ratio |",
+              "|---|---|---:|---|---:|---:|"]  # fmt: skip
     for q in res["latency"]:
-        lines.append(f"| {q['transfer']} | {q['transfer_us']:.1f} | {q['bare_bytes']} B | {q['bare_us']:.1f} |")
+        ratio = q["transfer_us"] / q["bare_us"] if q["bare_us"] else float("nan")
+        verdict = ""
+        if q.get("path") == "ipc" and q["bare_bytes"] == TOKEN_BYTES:
+            verdict = f" (target {DIRECT_LATENCY_X:g}x {'met' if ratio <= DIRECT_LATENCY_X else 'MISSED'})"
+        lines.append(f"| {q['transfer']} | {_shown(q.get('path', 'staged'), q)} | {q['transfer_us']:.1f} "
+                     f"| {q['bare_bytes']} B | {q['bare_us']:.1f} | {ratio:.2f}x{verdict} |")  # fmt: skip
     lines += ["", "## NCCL ceiling curve", "", "| bytes | one-way us | GB/s |", "|---:|---:|---:|"]
     for q in res["ceiling"]:
         lines.append(f"| {q['bytes']} | {q['us']:.1f} | {q['gbps']:.1f} |")
@@ -529,14 +573,24 @@ def main() -> int:
     parser.add_argument("--sweep-rounds", type=int, default=3)
     parser.add_argument("--plans", action="store_true",
                         help="only the ceiling and what each chunk plan allows at best (messages alone + fill + drain)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help="comma-separated paths measured side by side in the requests and latency sections: staged, ipc")
+    parser.add_argument("--direct", action="store_true",
+                        help="only the ceiling, the requests and the latency (the direct path against the staged one)")
+    parser.add_argument("--ipc-programs", type=int, default=None,
+                        help="cap on the direct path's copy grid (default: the whole GPU)")
     args = parser.parse_args()
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not paths or set(paths) - set(PATHS):
+        log(f"--paths must name some of {', '.join(PATHS)}, got {args.paths!r}")
+        return 2
     if torch.cuda.device_count() < 2 and not args.cpu_smoke:
         log(f"this benchmark needs two GPUs, found {torch.cuda.device_count()}")
         return 2
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out, args.sweep, args.sweep_rounds,
-                                         args.plans),
+                                         args.plans, paths, args.direct, args.ipc_programs),
                        nprocs=2, start_method="spawn")  # fmt: skip
     with open(os.path.join(args.out, "bench_transfer.md")) as f:
         print(f.read())

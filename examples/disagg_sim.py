@@ -19,6 +19,7 @@ the state byte for byte on arrival, as the KV, and again when the request finish
     python examples/disagg_sim.py                      # two GPUs if present, else CPU + gloo
     python examples/disagg_sim.py --device cpu --requests 8
     python examples/disagg_sim.py --model qwen3.5      # hybrid pools: KV rows and linear-attention states
+    python examples/disagg_sim.py --no-ipc             # the staged path even where a direct one is possible
     python examples/disagg_sim.py --corrupt            # flip one received byte: the check must fail
 
 Exit status 0 when every byte checked, 1 on a mismatch, 2 on bad arguments.
@@ -79,6 +80,7 @@ class DisaggConfig:
     seed: int = 0
     corrupt: bool = False
     model: str = "mha"  # "qwen3.5": hybrid pools, every 4th of `layers` full attention
+    ipc: bool = True  # let the ranks take the direct path (CUDA IPC) when they can
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -260,7 +262,7 @@ def prefill_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
         for r in offers[:accepted]:
             slots = sched.slots_of(r)
             state_slots = None if states is None else torch.tensor([states.slot[r.rid]])
-            handles.append((r, slots, send_kv(moved, slots.cpu(), dst=1, state_slots=state_slots)))
+            handles.append((r, slots, send_kv(moved, slots.cpu(), dst=1, state_slots=state_slots, ipc=cfg.ipc)))
             stats["sent"] += 1
             stats["sent_tokens"] += slots.numel()
         for r, slots, h in handles:
@@ -318,7 +320,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
                 sched.table.write((torch.full_like(positions, r.row), positions), slots.to(torch.int32))
                 state_slot = None if states is None else torch.tensor([states.take(r.rid)])
                 start = time.perf_counter()
-                h = recv_kv(moved, slots.cpu(), src=0, state_slots=state_slot)
+                h = recv_kv(moved, slots.cpu(), src=0, state_slots=state_slot, ipc=cfg.ipc)
                 h.wait()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -471,6 +473,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DisaggConfig:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="element type of both pools")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="auto: CUDA pools over NCCL when two GPUs are present, else CPU pools over gloo")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the workload (arrivals, lengths)")
+    p.add_argument("--no-ipc", action="store_true", help="always take the staged path (by default, CUDA pools on one host read each other's rows directly)")
     p.add_argument("--corrupt", action="store_true", help="flip one received byte after a transfer: the run then reports FAIL and exits 1, which is the expected outcome")
     a = p.parse_args(argv)
     layers = a.layers if a.layers is not None else 8 if a.model == "qwen3.5" else d.layers
@@ -479,7 +482,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DisaggConfig:
         prefill_page_size=a.prefill_page_size, decode_page_size=a.decode_page_size,
         kv_budget_mib=a.kv_budget_mib, max_running=a.max_running, chunk_size=a.chunk_size,
         prompt_len=tuple(a.prompt_len), output_len=tuple(a.output_len), arrival_every=a.arrival_every,
-        dtype=a.dtype, device=a.device, seed=a.seed, corrupt=a.corrupt, model=a.model,
+        dtype=a.dtype, device=a.device, seed=a.seed, corrupt=a.corrupt, model=a.model, ipc=not a.no_ipc,
     )  # fmt: skip
     return cfg
 

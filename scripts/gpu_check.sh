@@ -6,9 +6,11 @@
 #                             [transfer_tests] [transfer_bench] [probe_host] [host_bidir]
 #                             [host_links] [host_kernel] [transfer_latency] [host_tests]
 #                             [host_calls] [qwen] [qwen_bench] [state] [state_bench]
+#                             [transfer_one_gpu] [transfer_direct]
 # (default: tests transfer first_call bench host mla sim llama_bench). "tests" runs the whole suite
 # on the GPU: the gpu-marked tests and every device-agnostic test with CUDA tensors, except the two-GPU transfer tests, which "transfer"
-# runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark.
+# runs (one at a time: each uses both GPUs) with the disaggregation example and its benchmark;
+# "transfer_one_gpu" runs the one of them that needs a single GPU (two processes on it, direct path).
 # Every step has a time limit (STEP_LIMIT seconds, default 420) so one hang cannot eat the call.
 # Results go under $OUT (default ./gpu_out): gpu_check.log, bench.json, bench.md, bench.png (plans and
 # write_host write theirs under $OUT/plans and $OUT/write_host).
@@ -48,7 +50,12 @@ for stage in $stages; do
     transfer)
       step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py
       step disagg python3 examples/disagg_sim.py
+      step disagg_qwen35 python3 examples/disagg_sim.py --model qwen3.5
       step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
+    transfer_one_gpu)  # sender and receiver as two processes on one GPU, through CUDA IPC
+      step transfer_one_gpu python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py -k one_gpu ;;
+    transfer_direct)  # the direct path against the staged one and the NCCL ceiling, same run (two GPUs)
+      step transfer_direct python3 benchmarks/bench_transfer.py --direct --out "$OUT/direct" ;;
     transfer_tests) step transfer_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_transfer.py ;;
     transfer_bench) step transfer_bench python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     probe_host) step probe_host python3 benchmarks/probe_transfer_host.py --out "$OUT" ;;

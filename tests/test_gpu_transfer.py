@@ -1,12 +1,17 @@
-"""KV transfer between two GPUs over NCCL (docs/contract.md, "KV transfer between ranks"): skipped
-without two CUDA devices.
+"""KV transfer between ranks on GPUs (docs/contract.md, "KV transfer between ranks").
 
-One process per GPU (rank r on cuda:r). The case battery of the CPU suite runs here too (bytes exact,
-nothing else changed, the same error on both ranks), plus what only a GPU shows: ``send``/``recv``
-return while the caller's stream is still busy (no synchronisation of the compute stream), the
-transfer still sees the writes queued on that stream before it and is seen by the work queued after
-``wait()``, and repeated transfers allocate no device memory. ``NCCL_NVLS_ENABLE=0`` is set (no NVLink
-multicast).
+Two GPUs (skipped without): one process per GPU (rank r on cuda:r), over NCCL, each test once on
+the staged path (endpoints built with ``ipc=False``) and once on the direct one (the receiver reads
+the sender's rows through CUDA IPC). The case battery of the CPU suite runs here too (bytes exact,
+nothing else changed, the same error on both ranks), hybrid models' states included, plus what only
+a GPU shows: ``send``/``recv`` return while the caller's stream is still busy (no synchronisation of
+the compute stream), the transfer still sees the writes queued on that stream before it and is seen
+by the work queued after ``wait()``, the sender's slots may be overwritten once ``wait()`` returns
+even while the receiver is held up, and repeated transfers allocate no device memory.
+``NCCL_NVLS_ENABLE=0`` is set (no NVLink multicast).
+
+One GPU: two processes on the same GPU move rows through the direct path (CUDA IPC works between
+processes on one device), the same battery checked byte for byte.
 """
 
 from __future__ import annotations
@@ -19,17 +24,31 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from transfer_ranks import Case, Side, check_outcomes, free_port, run_cases, spawn, with_side
+from transfer_ranks import (
+    Case,
+    Side,
+    StateGeom,
+    check_outcomes,
+    free_port,
+    paths_taken,
+    run_cases,
+    spawn,
+    with_ipc,
+    with_side,
+)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
-]
+pytestmark = [pytest.mark.gpu]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+PATHS = ["staged", "ipc"]
+STAGED_REASON = "the sender's endpoint was built with ipc=False"
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,11 +96,68 @@ GPU_CASES = [
 ]
 
 
-def test_gpu_two_ranks_move_exact_bytes_and_fail_alike(tmp_path):
-    outcomes = run_cases(GPU_CASES, world=2, out=tmp_path, backend="nccl", timeout=300)
-    check_outcomes(GPU_CASES, outcomes, world=2)
+# Hybrid models: Qwen3.5-397B's per-rank geometry at TP8 (15 full-attention layers of one FP8 KV
+# head x 256; 45 Gated DeltaNet layers whose slot holds a (1536, 3) bf16 window and an (8, 128, 128)
+# float32 state: 23 MiB) and a small one re-sharded between TP1 and TP2.
+QWEN_TP8 = Side(layers=15, heads=1, head_dim=256, size=9000, state=StateGeom(
+    k_heads=2, v_heads=8, k_dim=128, v_dim=128, total_k=16, total_v=64, slots=4,
+    linear=tuple(i for i in range(60) if (i + 1) % 4)))  # fmt: skip
+SG = StateGeom(k_heads=4, v_heads=8, k_dim=16, v_dim=8, slots=6)
+S_FULL = Side(state=SG, size=600)
+S_HIGH = Side(state=replace(SG, k_heads=2, v_heads=4, k_start=2, v_start=4, total_k=4, total_v=8), size=600)
+HYBRID_GPU_CASES = [
+    Case("qwen35_tp8_4k_tokens_and_states", **_pair(QWEN_TP8, with_side(QWEN_TP8, size=9008, page_size=16)),
+         tokens=4096, states=3),  # fmt: skip
+    Case("qwen35_states_only", **_pair(QWEN_TP8, QWEN_TP8), tokens=0, states=2),
+    Case("state_tp1_to_upper_tp2_half", **_pair(S_FULL, S_HIGH), tokens=300, states=4),
+    Case("state_upper_tp2_half_to_tp1", **_pair(S_HIGH, S_FULL), tokens=300, states=4),
+    Case("ssm_dtype", **_pair(S_FULL, with_side(S_FULL, state=replace(SG, ssm_dtype="bf16"))), states=1,
+         expect=("ValueError", "ssm_dtype mismatch")),  # fmt: skip
+    Case("state_slot_past_the_end", **_pair(S_FULL, S_FULL), states=2, tamper={1: "state_oob"},
+         expect=("IndexError", "the receiver's state_slots[1] = 7")),  # fmt: skip
+    Case("hybrid_still_in_step", **_pair(S_FULL, S_FULL), tokens=50, states=2),
+]
+
+
+def _check_paths(cases, outcomes, path):
+    taken = paths_taken(cases, outcomes)
+    assert taken == ({("staged", STAGED_REASON)} if path == "staged" else {("ipc", None)}), taken
+
+
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_two_ranks_move_exact_bytes_and_fail_alike(tmp_path, path):
+    cases = with_ipc(GPU_CASES, path == "ipc")
+    outcomes = run_cases(cases, world=2, out=tmp_path, backend="nccl", timeout=300)
+    check_outcomes(cases, outcomes, world=2)
+    _check_paths(cases, outcomes, path)
     llama = outcomes[1]["llama_4k_tokens_page1_to_page16"]["transfers"][0]
-    assert llama["nbytes"] == 4096 * 65536 and llama["chunks"] > 20, llama
+    assert llama["nbytes"] == 4096 * 65536 and llama["chunks"] > (20 if path == "staged" else 0), llama
+
+
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_two_ranks_move_hybrid_states(tmp_path, path):
+    cases = with_ipc(HYBRID_GPU_CASES, path == "ipc")
+    outcomes = run_cases(cases, world=2, out=tmp_path, backend="nccl", timeout=300)
+    check_outcomes(cases, outcomes, world=2)
+    _check_paths(cases, outcomes, path)
+    qwen = outcomes[1]["qwen35_tp8_4k_tokens_and_states"]["transfers"][0]
+    assert qwen["state_nbytes"] == 3 * 45 * (1536 * 3 * 2 + 8 * 128 * 128 * 4), qwen
+    assert qwen["nbytes"] == 4096 * 15 * 2 * 256 + qwen["state_nbytes"], qwen
+
+
+ONE_GPU_CASES = [c for c in GPU_CASES + HYBRID_GPU_CASES if c.name != "llama_4k_tokens_page1_to_page16"]
+
+
+@one_gpu
+def test_ipc_between_two_processes_on_one_gpu(tmp_path):
+    """Sender and receiver are two processes on cuda:0: every transfer that moves rows reads the
+    sender's buffers through CUDA IPC (the staged path could not run: NCCL takes no two ranks on one
+    GPU), every byte checked as on two GPUs."""
+    outcomes = run_cases(ONE_GPU_CASES, world=2, out=tmp_path, backend="nccl-one-gpu", timeout=300)
+    check_outcomes(ONE_GPU_CASES, outcomes, world=2)
+    _check_paths(ONE_GPU_CASES, outcomes, "ipc")
 
 
 # --- streams and memory ------------------------------------------------------------------------------------
@@ -109,7 +185,7 @@ MAX_POLLS = 4_000_000
 HOLD_S = 0.2  # how long the host keeps the compute stream held after the call returned
 
 
-def _stream_rank(rank: int, port: int, out: str) -> None:
+def _stream_rank(rank: int, port: int, out: str, path: str) -> None:
     from kvpool import KVReceiver, KVSender, MHATokenToKVPool
 
     torch.cuda.set_device(rank)
@@ -123,10 +199,13 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         n = 1000
         g = torch.Generator().manual_seed(7 + rank)
         loc = torch.randperm(4097, generator=g)[:n]
-        ep = KVSender(pool, chunk_bytes=1 << 20) if rank == 0 else KVReceiver(pool, chunk_bytes=1 << 20)
+        opts = dict(chunk_bytes=1 << 20, ipc=path == "ipc")
+        ep = KVSender(pool, **opts) if rank == 0 else KVReceiver(pool, **opts)
         move = ep.send if rank == 0 else ep.recv
-        for _ in range(2):  # the pair's communicator, pinned host blocks, compiled kernels
-            move(loc, 1 - rank).wait()
+        for _ in range(2):  # the pair's communicator or direct path, pinned host blocks, compiled kernels
+            h = move(loc, 1 - rank)
+            h.wait()
+            report["path"] = h.path
         gate = _gate_kernel()
         gate[(1,)](flag, MAX_POLLS)  # compiled and loaded before the measured part (the flag is set: no wait)
         torch.cuda.synchronize()
@@ -180,10 +259,13 @@ def _stream_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
-    spawn(_stream_rank, 2, (free_port(), str(tmp_path)), timeout=240)
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path, path):
+    spawn(_stream_rank, 2, (free_port(), str(tmp_path), path), timeout=240)
     reports = [json.loads(Path(tmp_path, f"stream{r}.json").read_text()) for r in range(2)]
     print("stream reports:", reports)
+    assert [rep["path"] for rep in reports] == [path, path], reports
     seen = reports[1]["seen"]
     assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
     for rank, rep in enumerate(reports):
@@ -199,9 +281,72 @@ def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path):
     assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
 
 
-def test_gpu_disagg_sim_example():
+def _reuse_rank(rank: int, port: int, out: str, path: str) -> None:
+    """Rank 1's compute stream is held (a gate kernel) while it receives, so its copies wait; rank 0
+    sends, waits on the handle and overwrites the sent rows at once. Rank 1 must end up with the
+    rows as they were sent."""
+    from kvpool import KVReceiver, KVSender, MHATokenToKVPool
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60), device_id=dev)  # fmt: skip
+    report: dict = {}
+    flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
+    try:
+        pool = MHATokenToKVPool(4096, 1, torch.float8_e4m3fn, 8, 128, 4, dev, warmup=False)
+        loc = torch.randperm(4097, generator=torch.Generator().manual_seed(3 + rank))[:1500]
+        loc_dev = loc.to(dev)
+        opts = dict(chunk_bytes=1 << 20, ipc=path == "ipc")
+        ep = KVSender(pool, **opts) if rank == 0 else KVReceiver(pool, **opts)
+        move = ep.send if rank == 0 else ep.recv
+        move(loc, 1 - rank).wait()  # warm: communicator or direct path
+        gate = _gate_kernel()
+        gate[(1,)](flag, MAX_POLLS)
+        for b in pool.k_buffer + pool.v_buffer:
+            b.fill_(17 if rank == 0 else 0)
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        if rank == 1:
+            flag[0] = 0
+            gate[(1,)](flag, MAX_POLLS)  # the receiver's copies wait behind this
+        h = move(loc, 1 - rank)
+        report["path"] = h.path
+        if rank == 0:
+            h.wait()
+            for b in pool.k_buffer + pool.v_buffer:
+                b.index_fill_(0, loc_dev, 99)  # the slots are the sender's again
+        else:
+            time.sleep(HOLD_S)
+            flag[0] = 1
+            h.wait()
+            seen = torch.stack([b.index_select(0, loc_dev).view(torch.uint8).flatten().unique() for b in
+                                pool.k_buffer + pool.v_buffer]).flatten().unique()  # fmt: skip
+            report["seen"] = seen.tolist()
+        torch.cuda.synchronize()
+    finally:
+        flag[0] = 1
+        Path(out, f"reuse{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_sender_slots_may_be_reused_after_wait(tmp_path, path):
+    spawn(_reuse_rank, 2, (free_port(), str(tmp_path), path), timeout=240)
+    reports = [json.loads(Path(tmp_path, f"reuse{r}.json").read_text()) for r in range(2)]
+    assert [rep["path"] for rep in reports] == [path, path], reports
+    assert reports[1]["seen"] == [17], f"the receiver's rows hold bytes {reports[1]['seen']}, expected only 17"
+
+
+@two_gpus
+@pytest.mark.parametrize("args", [[], ["--no-ipc"], ["--model", "qwen3.5"], ["--model", "qwen3.5", "--no-ipc"]],
+                         ids=["mha-ipc", "mha-staged", "qwen35-ipc", "qwen35-staged"])  # fmt: skip
+def test_gpu_disagg_sim_example(args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--device", "cuda", "--requests", "24"]
+    cmd = [sys.executable, str(ROOT / "examples" / "disagg_sim.py"), "--device", "cuda", "--requests", "24", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASS" in run.stdout and "nccl" in run.stdout, run.stdout
+    assert ("path staged" if "--no-ipc" in args else "path ipc") in run.stdout, run.stdout

@@ -268,6 +268,113 @@ def test_endpoint_checks_its_state_settings():
         KVSender(small, chunk_bytes=511)
 
 
+class _Event:
+    """Stands in for a CUDA interprocess event in the direct path's setup (no GPU here)."""
+
+    def __init__(self, handle: bytes = b"", done: bool = True) -> None:
+        self.handle, self.done = handle, done
+
+    def ipc_handle(self) -> bytes:
+        return self.handle
+
+    def query(self) -> bool:
+        return self.done
+
+    @classmethod
+    def from_ipc_handle(cls, device, handle):
+        return cls(b"opened:" + handle)
+
+
+def _setup_pair(monkeypatch, *, visible=("GPU-0",), export_fails=False, events_fail=False):
+    """Run the sender's and the receiver's setup in two threads over one store; returns both pairs."""
+    import threading
+
+    from kvpool.transfer import ipc
+
+    monkeypatch.setattr(ipc, "device_uuid", lambda index: f"GPU-{index}")
+    monkeypatch.setattr(ipc, "local_index", lambda uuid: int(uuid[4:]) if uuid in visible else None)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    if export_fails:
+        monkeypatch.setattr(ipc, "reduce_tensor", lambda t: (_ for _ in ()).throw(RuntimeError("no IPC here")))
+    if events_fail:
+        monkeypatch.setattr(_Event, "from_ipc_handle", classmethod(lambda cls, d, h: (_ for _ in ()).throw(
+            RuntimeError("bad handle")) if h.startswith(b"done") else cls(h)))  # fmt: skip
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    send, recv = object.__new__(ipc.SendPair), object.__new__(ipc.RecvPair)
+    for pair in (send, recv):
+        pair.peer_ep, pair.status, pair.reason, pair.count, pair.counter = 5, 0, None, 0, None
+    send.ready, send.done, send.index = [_Event(b"ready0"), _Event(b"ready1")], [], torch.arange(6).view(2, 3)
+    recv.done, recv.ready, recv.remote, recv.tables = [_Event(b"done0"), _Event(b"done1")], [], {}, {}
+    kv = [torch.full((4, 2), i, dtype=torch.uint8) for i in range(2)]
+    device = torch.device("cuda", 0)
+    errors: list = []
+
+    def run(fn, *args):
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(ipc.sender_setup, store, "t/", send, {"kv": kv}, device)),
+               threading.Thread(target=run, args=(ipc.receiver_setup, store, "t/", recv, device))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert not any(store.check([f"t/ipc/{k}"]) for k in ("offer", "answer", "final")), "a setup message was left behind"
+    return send, recv
+
+
+def test_direct_path_setup_opens_the_senders_buffers_and_events(monkeypatch):
+    send, recv = _setup_pair(monkeypatch)
+    assert send.status == recv.status == PEER_READY and send.reason is recv.reason is None
+    assert [bytes(e.handle) for e in recv.ready] == [b"opened:ready0", b"opened:ready1"]
+    assert [bytes(e.handle) for e in send.done] == [b"opened:done0", b"opened:done1"]
+    assert [int(t[0, 0]) for t in recv.remote["kv"]] == [0, 1] and torch.equal(recv.remote["index"], send.index)
+    send.counter.read(), recv.counter.post()
+    assert send.counter.read() == 1  # the done count the sender's handles wait on
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(visible=()), "the sender's GPU (GPU-0) is not visible to the receiver's process"),
+        (dict(export_fails=True), "the sender could not export its buffers (RuntimeError: no IPC here)"),
+        (dict(events_fail=True), "the sender could not open the receiver's events (RuntimeError: bad handle)"),
+    ],
+    ids=["gpu-not-visible", "export-fails", "events-fail"],
+)
+def test_direct_path_setup_refuses_on_both_sides_alike(monkeypatch, kwargs, reason):
+    send, recv = _setup_pair(monkeypatch, **kwargs)
+    assert send.status == recv.status == PEER_REFUSED, (send.reason, recv.reason)
+    assert send.reason == recv.reason == reason
+
+
+def test_direct_link_keeps_a_few_pairs_per_peer_rank(monkeypatch):
+    from kvpool.transfer import ipc
+
+    link = ipc.DirectLink(IPC_OFFERED)
+    assert link.fields(3) == dict(ep_id=link.ep_id, ipc=IPC_OFFERED, host_id=ipc.host_id(), peer_ep=0, peer_ipc=PEER_NONE)
+    pairs = []
+    for ep in range(1, ipc.KEEP_PER_RANK + 3):
+        pair = object.__new__(ipc.RecvPair)
+        pair.peer_ep, pair.status, pair.reason, pair.done = ep, PEER_READY, None, [_Event(done=False)]
+        link.add(3, pair)
+        pairs.append(pair)
+    assert sorted(link.pairs) == list(range(3, ipc.KEEP_PER_RANK + 3))  # the oldest two dropped ...
+    assert link._retired == pairs[:2]  # ... but kept while their reads may still run
+    link.expected[3] = ipc.KEEP_PER_RANK + 2
+    assert link.expected_pair(3) is pairs[-1] and link.fields(3)["peer_ipc"] == PEER_READY
+    for p in pairs[:2]:
+        p.done[0].done = True
+    fresh = object.__new__(ipc.RecvPair)
+    fresh.peer_ep, fresh.status, fresh.reason, fresh.done = 99, PEER_READY, None, []
+    link.add(4, fresh)
+    assert link._retired == [] and link.pairs[99] is fresh
+
+
 # --- endpoint construction (no process group needed) ---------------------------------------------------------
 
 

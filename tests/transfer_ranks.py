@@ -11,7 +11,8 @@ rows and everything else) byte for byte against that. A side with a :class:`Stat
 SSM state), so a re-sharded transfer is checked by where each identity lands, not by offsets. Each rank writes its outcomes to
 ``out/rank{r}.json``; :func:`run_cases` collects them, and the test compares the ranks' outcomes.
 
-Used by tests/test_transfer.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL).
+Used by tests/test_transfer.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL: one GPU per
+rank, or every rank on one GPU, where only the direct path may move rows).
 """
 
 from __future__ import annotations
@@ -371,7 +372,10 @@ def run_rank_cases(
     rank: int, world: int, port: int, out: str, backend: str, cases: list[Case], kernel: bool = False
 ) -> None:
     """Body of one spawned rank: init the group, run every case, write the outcomes. ``kernel``: copy
-    rows of CPU pools with the Triton kernel through its interpreter instead of the torch path."""
+    rows of CPU pools with the Triton kernel through its interpreter instead of the torch path.
+    ``backend``: "gloo" (CPU pools), "nccl" (rank r on cuda:r) or "nccl-one-gpu" (every rank on
+    cuda:0: NCCL refuses two ranks on one GPU, so the group is never used for data, and the ranks
+    keep in step over a gloo group)."""
     torch.set_num_threads(1)
     if kernel:
         from kvpool.kernels import copy_rows
@@ -382,19 +386,24 @@ def run_rank_cases(
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = "cpu"
     kwargs = {}
+    one_gpu = backend == "nccl-one-gpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
         kwargs["device_id"] = torch.device(device)
+    elif one_gpu:
+        torch.cuda.set_device(0)
+        device, backend = "cuda:0", "nccl"  # no device_id: the communicator is never made
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=30), **kwargs,
     )  # fmt: skip
+    sync = dist.new_group(backend="gloo") if one_gpu else None
     outcomes = {}
     try:
         for idx, case in enumerate(cases):
             outcomes[case.name] = _run_case(rank, idx, case, device)
-            dist.barrier()  # cases start together, so a failed case cannot shift the next one
+            dist.barrier(group=sync)  # cases start together, so a failed case cannot shift the next one
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(outcomes, indent=1))
         dist.destroy_process_group()
@@ -404,6 +413,8 @@ def _run_case(rank: int, idx: int, case: Case, device: str) -> dict:
     from kvpool import KVReceiver, KVSender
 
     group = dist.new_group(list(case.group)) if case.group else None  # collective: every rank calls it
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()  # the last case's copies are done before its pools go
     side = case.sides.get(rank)
     if side is None or not any(rank in t for t in case.transfers):
         return {"outcome": "idle"}
@@ -519,4 +530,15 @@ def run_cases(
 
 def with_side(side: Side, **changes) -> Side:
     return replace(side, **changes)
+
+
+def with_ipc(cases: list[Case], ipc: bool) -> list[Case]:
+    """``cases`` with every side's endpoint built with ``ipc``."""
+    return [replace(c, sides={r: replace(s, ipc=ipc) for r, s in c.sides.items()}) for c in cases]
+
+
+def paths_taken(cases: list[Case], outcomes: list[dict]) -> set[tuple[str, Optional[str]]]:
+    """The ``(path, path_reason)`` of every transfer that moved rows, on every rank."""
+    return {(t["path"], t["path_reason"]) for o in outcomes for c in cases if o[c.name].get("outcome") == "ok"
+            for t in o[c.name]["transfers"] if t["tokens"] or t["states"]}  # fmt: skip
 

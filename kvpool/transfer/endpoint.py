@@ -288,7 +288,7 @@ class Endpoint:
             elif reason is None and path != DIRECT and pair is not None:
                 reason = pair.reason  # the pair refused at setup
             if path == DIRECT:
-                return self._move_direct(verdict, pair, theirs, loc_host, states_host, peer)  # type: ignore[arg-type]
+                return self._move_direct(verdict, pair, theirs, loc_host, states_host, peer, compute)  # type: ignore[arg-type]
             return self._move(verdict, loc_host, states_host, peer, group, compute, reason)
         finally:
             release(store, spent_key)  # once the data movement is queued: the round trip overlaps the device's work
@@ -392,22 +392,23 @@ class Endpoint:
     ) -> SendPair | RecvPair:  # fmt: skip
         """Set up the direct path with the peer's endpoint (this transfer's first)."""
         pair: SendPair | RecvPair
-        if self._role == SENDER:
-            pair = SendPair(theirs.ep_id, self.device, self._rows + self._state_rows)
-            self._prepare(pair, compute, loc, states)
-            exported: dict[str, object] = {"kv": [b for kv in zip(self.kv.k_buffer, self.kv.v_buffer) for b in kv]}
-            if self.mamba is not None:
-                exported.update(conv=list(self.mamba.conv), temporal=self.mamba.temporal)
-            sender_setup(store, prefix, pair, exported, self.device)
-        else:
-            pair = RecvPair(theirs.ep_id, self.device)
-            receiver_setup(store, prefix, pair, self.device)
+        with torch.cuda.device(self.device):  # the events and their handles are made on this device
+            if self._role == SENDER:
+                pair = SendPair(theirs.ep_id, self._side, self._rows + self._state_rows)
+                self._prepare(pair, compute, loc, states)
+                exported: dict[str, object] = {"kv": [b for kv in zip(self.kv.k_buffer, self.kv.v_buffer) for b in kv]}
+                if self.mamba is not None:
+                    exported.update(conv=list(self.mamba.conv), temporal=self.mamba.temporal)
+                sender_setup(store, prefix, pair, exported, self.device)
+            else:
+                pair = RecvPair(theirs.ep_id)
+                receiver_setup(store, prefix, pair, self.device)
         self.link.add(peer, pair)
         return pair
 
     def _move_direct(
         self, agreed: Agreement, pair: SendPair | RecvPair, theirs: Header, loc: torch.Tensor,
-        states: torch.Tensor, peer: int,
+        states: torch.Tensor, peer: int, compute: torch.cuda.Stream,
     ) -> KVTransfer:  # fmt: skip
         """The direct path: the receiver copies from the sender's buffers in one launch per kind."""
         role = "sender" if self._role == SENDER else "receiver"
@@ -426,7 +427,7 @@ class Endpoint:
             done = PeerDone(pair.counter, k + 1, pair.done[k % 2])  # type: ignore[arg-type]
             return KVTransfer(role, peer, tokens, heads, nbytes, chunks, self.device, peer_done=done, **info)  # type: ignore[arg-type]
         with self._on_side():
-            self._caller_mark.order(self._side, torch.cuda.current_stream(self.device))
+            self._caller_mark.order(self._side, compute)  # the copies overwrite slots the caller's work may read
             index, state_index = self._upload(loc, states)
             self._side.wait_event(pair.ready[k % 2])  # the sender's rows and slots are written
             src_index = pair.remote["index"][k % 2]  # type: ignore[index]

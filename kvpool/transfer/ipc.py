@@ -145,12 +145,13 @@ class PeerDone:
 class SendPair:
     """The sender's side of a direct path to one receiver endpoint."""
 
-    def __init__(self, peer_ep: int, device: torch.device, capacity: int) -> None:
+    def __init__(self, peer_ep: int, side: torch.cuda.Stream, capacity: int) -> None:
         self.peer_ep, self.status, self.reason, self.count = peer_ep, PEER_NONE, None, 0
-        with torch.cuda.device(device):
-            self.ready = [torch.cuda.Event(interprocess=True) for _ in range(2)]
+        self.ready = [torch.cuda.Event(interprocess=True) for _ in range(2)]
         self.done: list[torch.cuda.Event] = []  # the receiver's, opened here
-        self.index = torch.empty((2, capacity), dtype=torch.int64, device=device)  # per half: KV slots, then states
+        # Per half: the KV slots, then the state slots; written on the side stream only.
+        self.index = torch.empty((2, capacity), dtype=torch.int64, device=side.device)
+        self.index.record_stream(side)
         self.counter: Optional[Counter] = None
 
     def prepare(self, side: torch.cuda.Stream, slots: torch.Tensor) -> None:
@@ -168,10 +169,9 @@ class SendPair:
 class RecvPair:
     """The receiver's side of a direct path from one sender endpoint: the opened buffers and events."""
 
-    def __init__(self, peer_ep: int, device: torch.device) -> None:
+    def __init__(self, peer_ep: int) -> None:
         self.peer_ep, self.status, self.reason, self.count = peer_ep, PEER_NONE, None, 0
-        with torch.cuda.device(device):
-            self.done = [torch.cuda.Event(interprocess=True) for _ in range(2)]
+        self.done = [torch.cuda.Event(interprocess=True) for _ in range(2)]
         self.ready: list[torch.cuda.Event] = []  # the sender's, opened here
         self.remote: dict[str, object] = {}  # the sender's tensors: "kv" list, "conv" list, "temporal", "index"
         self.tables: dict[object, object] = {}  # RowTables over the remote buffers, per head range or spans
@@ -204,8 +204,8 @@ def _enable_peer_access(local: int, remote: int) -> None:
 def sender_setup(
     store: dist.Store, prefix: str, pair: SendPair, exported: dict[str, object], device: torch.device
 ) -> None:
-    """The sender's three messages (``pair.prepare`` has run for this transfer): sets
-    ``pair.status`` to ``PEER_READY`` or ``PEER_REFUSED`` (with ``pair.reason``)."""
+    """The sender's three messages (``pair.prepare`` has run for this transfer; ``device`` is the
+    current device): sets ``pair.status`` to ``PEER_READY`` or ``PEER_REFUSED`` (with ``pair.reason``)."""
     try:
         tensors = {name: ([reduce_tensor(t) for t in value] if isinstance(value, list) else reduce_tensor(value))
                    for name, value in {**exported, "index": pair.index}.items()}  # fmt: skip
@@ -221,7 +221,7 @@ def sender_setup(
             index = local_index(answer["uuid"])
             if index != answer["index"]:
                 raise RuntimeError("the two processes number their GPUs differently")
-            pair.done = [torch.cuda.Event.from_ipc_handle(index, h) for h in answer["done"]]
+            pair.done = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), h) for h in answer["done"]]
             pair.counter = Counter(store, prefix + "ipc/done")
         except Exception as exc:  # noqa: BLE001
             reason = f"the sender could not open the receiver's events ({type(exc).__name__}: {exc})"
@@ -230,7 +230,8 @@ def sender_setup(
 
 
 def receiver_setup(store: dist.Store, prefix: str, pair: RecvPair, device: torch.device) -> None:
-    """The receiver's side of :func:`sender_setup`."""
+    """The receiver's side of :func:`sender_setup` (``device`` is the current device, where the done
+    events are made)."""
     offer = _take(store, prefix + "ipc/offer")
     reason = offer.get("refused")
     if reason is None:
@@ -264,7 +265,7 @@ def _open(offer: dict, pair: RecvPair, local: int) -> Optional[str]:
         _enable_peer_access(local, remote)
     for name, value in offer["tensors"].items():
         pair.remote[name] = [fn(*args) for fn, args in value] if isinstance(value, list) else value[0](*value[1])
-    pair.ready = [torch.cuda.Event.from_ipc_handle(remote, h) for h in offer["ready"]]
+    pair.ready = [torch.cuda.Event.from_ipc_handle(torch.device("cuda", remote), h) for h in offer["ready"]]
     return None
 
 def remote_kv_table(pair: RecvPair, lo: int, hi: int) -> RowTable:
@@ -322,7 +323,7 @@ class DirectLink:
             dropped = self.pairs.pop(order.pop(0), None)
             if dropped is not None:
                 self._retired.append(dropped)
-        if old is not None:
+        if old is not None and old is not pair:
             self._retired.append(old)
         self._by_rank[peer] = order
         self.pairs[pair.peer_ep] = pair
