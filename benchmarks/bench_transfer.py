@@ -364,11 +364,11 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
     results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": [],
                      "plans": []}  # fmt: skip
     results["errors"] = []
-    path = os.path.join(out_dir, "bench_transfer.json")
+    json_path = os.path.join(out_dir, "bench_transfer.json")
 
     def save() -> None:
         if rank == 0:
-            with open(path, "w") as f:
+            with open(json_path, "w") as f:
                 json.dump(results, f, indent=1)
 
     try:
@@ -380,8 +380,8 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
         results["meta"]["default_max_programs"] = r.sender.max_programs
         rounds = 3 if quick else 7
         r.nccl(1 << 20, 2, 1)  # warm the pair's communicator
-        for path in paths:  # and each path (the direct one's setup: handles opened once per pair)
-            r.transfer(("p1", "p1"), 16, 2, 1, 1, *r.endpoints(path))
+        for way in paths:  # and each path (the direct one's setup: handles opened once per pair)
+            r.transfer(("p1", "p1"), 16, 2, 1, 1, *r.endpoints(way))
         log(f"[rank {rank}] warm")
 
         ceiling = {}
@@ -407,22 +407,22 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
         for i, (kinds, req) in enumerate(configs):
             tokens = REQUESTS[req]
             nbytes = tokens * TOKEN_BYTES
-            for path in paths:  # side by side: the same slots, the same ceiling
-                s, check = r.transfer(kinds, tokens, 3, rounds, 100 + 10 * i, *r.endpoints(path))
+            for way in paths:  # side by side: the same slots, the same ceiling
+                s, check = r.transfer(kinds, tokens, 3, rounds, 100 + 10 * i, *r.endpoints(way))
                 results["requests"].append(dict(
-                    request=req, tokens=tokens, pages=f"{kinds[0][1:]} -> {kinds[1][1:]}", bytes=nbytes, path=path,
+                    request=req, tokens=tokens, pages=f"{kinds[0][1:]} -> {kinds[1][1:]}", bytes=nbytes, path=way,
                     us=s * 1e6, gbps=nbytes / s / 1e9, ceiling_gbps=nbytes / ceiling[nbytes] / 1e9,
                     fraction=ceiling[nbytes] / s, **check,
                 ))  # fmt: skip
-                log(f"[rank {rank}] {req} {kinds} {path}: {nbytes / s / 1e9:.0f} GB/s ({ceiling[nbytes] / s:.1%} of ceiling)")
+                log(f"[rank {rank}] {req} {kinds} {way}: {nbytes / s / 1e9:.0f} GB/s ({ceiling[nbytes] / s:.1%} of ceiling)")
             save()
 
         bare = {b: r.nccl(b, 20, rounds) for b in (TOKEN_BYTES, 8)}
         for per_token, label in ((1, "1 token"), (0, "0 tokens (handshake only)")):
             bare_bytes = per_token * TOKEN_BYTES or 8
-            for path in paths:
-                s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, 500 + per_token, *r.endpoints(path))
-                results["latency"].append(dict(transfer=label, path=path, transfer_us=s * 1e6, bare_bytes=bare_bytes,
+            for way in paths:
+                s, check = r.transfer(("p1", "p1"), per_token, 20, rounds, 500 + per_token, *r.endpoints(way))
+                results["latency"].append(dict(transfer=label, path=way, transfer_us=s * 1e6, bare_bytes=bare_bytes,
                                                bare_us=bare[bare_bytes] * 1e6, **check))  # fmt: skip
         save()
         if only_direct:
