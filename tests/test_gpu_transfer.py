@@ -11,7 +11,8 @@ even while the receiver is held up, and repeated transfers allocate no device me
 ``NCCL_NVLS_ENABLE=0`` is set (no NVLink multicast).
 
 One GPU: two processes on the same GPU move rows through the direct path (CUDA IPC works between
-processes on one device), the same battery checked byte for byte.
+processes on one device): the same battery checked byte for byte, and the stream and reuse tests
+(``-k one_gpu`` selects these).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def test_gpu_two_ranks_move_hybrid_states(tmp_path, path):
     assert qwen["nbytes"] == 4096 * 15 * 2 * 256 + qwen["state_nbytes"], qwen
 
 
-ONE_GPU_CASES = [c for c in GPU_CASES + HYBRID_GPU_CASES if c.name != "llama_4k_tokens_page1_to_page16"]
+ONE_GPU_CASES = GPU_CASES + HYBRID_GPU_CASES
 
 
 @one_gpu
@@ -183,15 +184,28 @@ MAX_POLLS = 4_000_000
 
 
 HOLD_S = 0.2  # how long the host keeps the compute stream held after the call returned
+# (GPUs, path) of the stream tests: both paths on two GPUs; the direct one with both processes on one.
+SETTINGS = [pytest.param(2, "staged", marks=two_gpus, id="two_gpus_staged"),
+            pytest.param(2, "ipc", marks=two_gpus, id="two_gpus_ipc"),
+            pytest.param(1, "ipc", marks=one_gpu, id="one_gpu_ipc")]  # fmt: skip
 
 
-def _stream_rank(rank: int, port: int, out: str, path: str) -> None:
+def _join(rank: int, port: int, gpus: int):
+    """This rank's device and a barrier: rank r on cuda:r, or both on cuda:0 (NCCL takes no two
+    ranks on one GPU: its communicator is never made there, and the barrier goes over gloo)."""
+    dev = torch.device("cuda", rank if gpus == 2 else 0)
+    torch.cuda.set_device(dev)
+    extra = dict(device_id=dev) if gpus == 2 else {}
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60), **extra)  # fmt: skip
+    group = None if gpus == 2 else dist.new_group(backend="gloo")
+    return dev, lambda: dist.barrier(group=group)
+
+
+def _stream_rank(rank: int, port: int, out: str, gpus: int, path: str) -> None:
     from kvpool import KVReceiver, KVSender, MHATokenToKVPool
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60), device_id=dev)  # fmt: skip
+    dev, barrier = _join(rank, port, gpus)
     report: dict = {}
     flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
     try:
@@ -209,7 +223,7 @@ def _stream_rank(rank: int, port: int, out: str, path: str) -> None:
         gate = _gate_kernel()
         gate[(1,)](flag, MAX_POLLS)  # compiled and loaded before the measured part (the flag is set: no wait)
         torch.cuda.synchronize()
-        dist.barrier()
+        barrier()
         torch.cuda.synchronize()
 
         value = 17 + rank  # the sender's bytes; the receiver must end up with 17 everywhere
@@ -259,10 +273,9 @@ def _stream_rank(rank: int, port: int, out: str, path: str) -> None:
         dist.destroy_process_group()
 
 
-@two_gpus
-@pytest.mark.parametrize("path", PATHS)
-def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path, path):
-    spawn(_stream_rank, 2, (free_port(), str(tmp_path), path), timeout=240)
+@pytest.mark.parametrize("gpus, path", SETTINGS)
+def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path, gpus, path):
+    spawn(_stream_rank, 2, (free_port(), str(tmp_path), gpus, path), timeout=240)
     reports = [json.loads(Path(tmp_path, f"stream{r}.json").read_text()) for r in range(2)]
     print("stream reports:", reports)
     assert [rep["path"] for rep in reports] == [path, path], reports
@@ -281,16 +294,13 @@ def test_gpu_transfer_never_waits_for_the_compute_stream(tmp_path, path):
     assert seen == [17.0] * len(seen), f"the receiver's rows hold {seen} (mean byte per buffer), expected 17"
 
 
-def _reuse_rank(rank: int, port: int, out: str, path: str) -> None:
+def _reuse_rank(rank: int, port: int, out: str, gpus: int, path: str) -> None:
     """Rank 1's compute stream is held (a gate kernel) while it receives, so its copies wait; rank 0
     sends, waits on the handle and overwrites the sent rows at once. Rank 1 must end up with the
     rows as they were sent."""
     from kvpool import KVReceiver, KVSender, MHATokenToKVPool
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60), device_id=dev)  # fmt: skip
+    dev, barrier = _join(rank, port, gpus)
     report: dict = {}
     flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
     try:
@@ -306,7 +316,7 @@ def _reuse_rank(rank: int, port: int, out: str, path: str) -> None:
         for b in pool.k_buffer + pool.v_buffer:
             b.fill_(17 if rank == 0 else 0)
         torch.cuda.synchronize()
-        dist.barrier()
+        barrier()
         torch.cuda.synchronize()
         if rank == 1:
             flag[0] = 0
@@ -331,10 +341,9 @@ def _reuse_rank(rank: int, port: int, out: str, path: str) -> None:
         dist.destroy_process_group()
 
 
-@two_gpus
-@pytest.mark.parametrize("path", PATHS)
-def test_gpu_sender_slots_may_be_reused_after_wait(tmp_path, path):
-    spawn(_reuse_rank, 2, (free_port(), str(tmp_path), path), timeout=240)
+@pytest.mark.parametrize("gpus, path", SETTINGS)
+def test_gpu_sender_slots_may_be_reused_after_wait(tmp_path, gpus, path):
+    spawn(_reuse_rank, 2, (free_port(), str(tmp_path), gpus, path), timeout=240)
     reports = [json.loads(Path(tmp_path, f"reuse{r}.json").read_text()) for r in range(2)]
     assert [rep["path"] for rep in reports] == [path, path], reports
     assert reports[1]["seen"] == [17], f"the receiver's rows hold bytes {reports[1]['seen']}, expected only 17"
