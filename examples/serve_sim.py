@@ -23,6 +23,12 @@ compares the quantisation error (relative RMS of the dequantised values against 
 layer, on the run's first requests) with scale 1.0, the checkpoint's scales and the calibrated ones
 (examples/serve_sim_calibration.py).
 
+With ``--prefix-cache`` the requests are turns of multi-turn chats after a common few-shot prompt,
+served on a prefix cache (``RadixCache``; with ``--host-tier`` a ``HiRadixCache``, with ``--model
+qwen3.5`` a ``MambaRadixCache``): each request prefills only what the tree does not hold, and a
+token's K/V derive from the token and its prefix rather than the request, so the rows the tree hands
+out are checked byte for byte like any others (examples/serve_sim_prefix.py).
+
     python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
     python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
     python examples/serve_sim.py --page-size 1      # token allocator
@@ -32,6 +38,8 @@ layer, on the run's first requests) with scale 1.0, the checkpoint's scales and 
     python examples/serve_sim.py --spec-decode 4    # speculative decoding: verify writes + moves
     python examples/serve_sim.py --calibrate        # calibrated per-layer scales, and their error
     python examples/serve_sim.py --model qwen3.5    # hybrid: KV of every 4th layer, state of the others
+    python examples/serve_sim.py --prefix-cache     # multi-turn chats on a prefix cache (RadixCache)
+    python examples/serve_sim.py --prefix-cache --host-tier   # ... whose evicted nodes live on in host memory
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -135,6 +143,14 @@ class SimConfig:
     calibrate: bool = False
     calibrate_steps: int = 100
     calibrate_per_head: bool = False
+    # --prefix-cache: a chat workload (conversations of ``turns`` turns, each turn's prompt the whole
+    # conversation so far plus a user message of prompt_len tokens, the first one after a common
+    # few-shot prompt of few_shot_len tokens) on a prefix cache (examples/serve_sim_prefix.py);
+    # with --host-tier the cache's host tier, backed up by host_write_policy.
+    prefix_cache: bool = False
+    few_shot_len: int = 256
+    turns: tuple[int, int] = (1, 4)
+    host_write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -183,9 +199,13 @@ class SimConfig:
             raise ValueError(
                 "calibrate_per_head (the calibrated scales' shape) needs calibrate=True, got calibrate=False"
             )
+        if self.prefix_cache:
+            companion("prefix").check_config(self)
 
     @property
     def max_context_len(self) -> int:
+        if self.prefix_cache:  # a conversation's last turn holds every earlier one
+            return self.few_shot_len + self.turns[1] * (self.prompt_len[1] + self.output_len[1])
         return self.prompt_len[1] + self.output_len[1]
 
 
@@ -211,6 +231,12 @@ class Request:
     def final_kv_len(self) -> int:
         return self.prompt_len + self.output_len - 1  # the last output token's K/V is never written
 
+    def keys(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """What the K/V of positions ``start..end - 1`` derive from besides position and layer: Tensor
+        [end - start] int64 below 2**31, here the request id (a prefix-cache workload's requests derive
+        it from their tokens, so that equal prefixes hold equal K/V)."""
+        return torch.full((end - start,), self.rid, dtype=torch.int64, device=device)
+
 
 @dataclass
 class Batch:
@@ -219,7 +245,7 @@ class Batch:
     prefill: list[tuple[Request, int, int]]  # (request, from position, to position)
     decode: list[Request]
     loc: torch.Tensor  # [T] int64 slots
-    rids: torch.Tensor  # [T] int64
+    rids: torch.Tensor  # [T] int64: each token's key (Request.keys), what its K/V derive from
     positions: torch.Tensor  # [T] int64
 
     @property
@@ -279,6 +305,8 @@ class SimResult:
     # --model qwen3.5: requests whose linear layers' states were checked, and those that differed
     state_checked: int = 0
     state_mismatches: int = 0
+    # --prefix-cache: hits, savings and evictions
+    prefix: Optional["serve_sim_prefix.PrefixStats"] = None
 
     @property
     def ok(self) -> bool:
@@ -377,7 +405,7 @@ class Scheduler:
         segments = prefill + [(r, r.kv_len, r.kv_len + 1) for r in decode]
         starts = torch.tensor([s for _, s, _ in segments], dtype=torch.int64, device=self.device)
         counts = torch.tensor([e - s for _, s, e in segments], dtype=torch.int64, device=self.device)
-        rids = torch.tensor([r.rid for r, _, _ in segments], dtype=torch.int64, device=self.device)
+        keys = torch.cat([r.keys(s, e, self.device) for r, s, e in segments])
         rows = torch.tensor([r.row for r, _, _ in segments], dtype=torch.int64, device=self.device)
         tokens = loc.shape[0]
 
@@ -387,14 +415,14 @@ class Scheduler:
         offsets = torch.arange(tokens, device=self.device) - per_token(torch.cumsum(counts, 0) - counts)
         positions = per_token(starts) + offsets
         self.table.write((per_token(rows), positions), loc.to(torch.int32))
-        return Batch(prefill, decode, loc, per_token(rids), positions)
+        return Batch(prefill, decode, loc, keys, positions)
 
     def _schedule_decode(self) -> list[Request]:
         """Decoding requests, minus those retracted to make room for the rest (newest first)."""
         decode = [r for r in self.running if not r.prefilling]
         while decode:
             need = sum(1 for r in decode if r.kv_len % self.page_size == 0)
-            if need * self.page_size <= self.allocator.available_size():
+            if need * self.page_size <= self.room():
                 return decode
             self.retract(decode.pop())
         return decode
@@ -403,7 +431,7 @@ class Scheduler:
         """Continue chunked prefills, then admit waiting requests, within the token budget and the
         free pages, keeping pages back for the running requests' expected decode."""
         budget = self.cfg.chunk_size
-        free_pages = self.allocator.available_size() // self.page_size
+        free_pages = self.room() // self.page_size
         free_pages -= sum(1 for r in decode if r.kv_len % self.page_size == 0)
         plan: list[tuple[Request, int, int]] = []
         for r in [r for r in self.running if r.prefilling]:
@@ -414,24 +442,41 @@ class Scheduler:
                 budget -= end - r.kv_len
                 free_pages -= pages
         reserved = sum(self.decode_reserve(r, max(r.kv_len, r.prefill_target)) for r in self.running)
-        while self.waiting and budget > 0 and self.table.available_size() > 0:
+        while self.waiting and budget > 0:
             r = self.waiting[0]
-            target = r.prompt_len + r.generated  # a retracted request re-prefills its outputs too
-            start = self.host.parked_len(r) if self.host is not None else 0  # --host-tier: reloaded, not recomputed
-            end = min(target, start + budget)
-            if self.pages_for(end) > free_pages - reserved:
+            admitted = self.admit(r, budget, free_pages - reserved)
+            if admitted is None:
                 break
+            start, end, pages = admitted
             self.waiting.popleft()
-            r.row = self.table.alloc(1)[0]  # type: ignore[index]
-            r.prefill_target = target
             self.running.append(r)
-            if start:
-                self._resume(r, start)
             plan.append((r, start, end))
             budget -= end - start
-            free_pages -= self.pages_for(end)
-            reserved += self.decode_reserve(r, target)
+            free_pages -= pages
+            reserved += self.decode_reserve(r, r.prefill_target)
         return plan
+
+    def admit(self, r: Request, budget: int, pages: int) -> Optional[tuple[int, int, int]]:
+        """Give waiting request ``r`` a table row if its first chunk (at most ``budget`` tokens) fits
+        in ``pages`` free pages: returns (its first position to compute, the chunk's end, the pages
+        the admission takes from the free ones), or None with nothing changed. A retracted request
+        re-prefills its outputs too; with --host-tier its parked positions are reloaded instead."""
+        if self.table.available_size() == 0:
+            return None
+        target = r.prompt_len + r.generated
+        start = self.host.parked_len(r) if self.host is not None else 0
+        end = min(target, start + budget)
+        if self.pages_for(end) > pages:
+            return None
+        r.row = self.table.alloc(1)[0]  # type: ignore[index]
+        r.prefill_target = target
+        if start:
+            self._resume(r, start)
+        return start, end, self.pages_for(end)
+
+    def room(self) -> int:
+        """Slots a step may take: the allocator's free ones (a prefix cache adds what it can evict)."""
+        return self.allocator.available_size()
 
     def _alloc_prefill(self, plan: list[tuple[Request, int, int]]) -> torch.Tensor:
         total = sum(end - start for _, start, end in plan)
@@ -500,6 +545,15 @@ class Scheduler:
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
 
+    def check_integrity(self) -> None:
+        """The allocator's and the request table's own checks (``IntegrityError``)."""
+        self.allocator.check_integrity()
+        self.table.check_integrity()
+
+    def leaked_slots(self) -> int:
+        """Slots still held once no request runs."""
+        return self.slots_in_use()
+
     def _resume(self, r: Request, parked: int) -> None:
         """--host-tier: slots for a parked request's first ``parked`` positions, recorded in the
         request table and filled from the host tier (its prefill then continues from there)."""
@@ -545,11 +599,12 @@ class ModelRunner:
         kv = kv_values(rids, positions, layer, self.cfg.heads, self.cfg.head_dim)
         return [("K", kv[:, 0]), ("V", kv[:, 1])]
 
-    def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
-        """Tokens of ``r`` whose stored K or V differs from what was written, and the first one."""
+    def verify(self, r: Request, slots: torch.Tensor, start: int = 0) -> tuple[int, Optional[Mismatch]]:
+        """Tokens of ``r`` whose stored K or V differs from what was written, and the first one;
+        ``slots`` hold its positions ``start..``."""
         n = slots.shape[0]
-        rids = torch.full((n,), r.rid, dtype=torch.int64, device=self.pool.device)
-        positions = torch.arange(n, dtype=torch.int64, device=self.pool.device)
+        rids = r.keys(start, start + n, self.pool.device)
+        positions = torch.arange(start, start + n, dtype=torch.int64, device=self.pool.device)
         bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
         first: Optional[Mismatch] = None
         for layer in self.layers:
@@ -561,7 +616,7 @@ class ModelRunner:
                 stored = buf.view(torch.uint8)[slots]
                 bad = (stored != expected).flatten(1).any(dim=1)
                 if first is None and bool(bad.any()):
-                    first = Mismatch(r.rid, int(bad.nonzero()[0]), layer.layer_id, which)
+                    first = Mismatch(r.rid, start + int(bad.nonzero()[0]), layer.layer_id, which)
                 bad_any |= bad
         return int(bad_any.sum()), first
 
@@ -592,11 +647,12 @@ class MLAModelRunner(ModelRunner):
             else:
                 self.pool.set_kv_buffer(layer, batch.loc, row, None, scale)
 
-    def verify(self, r: Request, slots: torch.Tensor) -> tuple[int, Optional[Mismatch]]:
-        """Tokens of ``r`` whose stored latent row differs from what was written, and the first one."""
+    def verify(self, r: Request, slots: torch.Tensor, start: int = 0) -> tuple[int, Optional[Mismatch]]:
+        """Tokens of ``r`` whose stored latent row differs from what was written, and the first one;
+        ``slots`` hold its positions ``start..``."""
         n = slots.shape[0]
-        rids = torch.full((n,), r.rid, dtype=torch.int64, device=self.pool.device)
-        positions = torch.arange(n, dtype=torch.int64, device=self.pool.device)
+        rids = r.keys(start, start + n, self.pool.device)
+        positions = torch.arange(start, start + n, dtype=torch.int64, device=self.pool.device)
         bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
         first: Optional[Mismatch] = None
         for layer in self.layers:
@@ -605,7 +661,7 @@ class MLAModelRunner(ModelRunner):
             stored = self.pool.get_key_buffer(layer.layer_id).view(torch.uint8)[slots]
             bad = (stored != expected).flatten(1).any(dim=1)
             if first is None and bool(bad.any()):
-                first = Mismatch(r.rid, int(bad.nonzero()[0]), layer.layer_id, "latent")
+                first = Mismatch(r.rid, start + int(bad.nonzero()[0]), layer.layer_id, "latent")
             bad_any |= bad
         return int(bad_any.sum()), first
 
@@ -750,7 +806,7 @@ class SpecDecode:
         accepted = [min(self.rng.randint(1, k), r.output_len - r.generated) for r in decode]
         commit = torch.tensor(accepted, dtype=torch.int32, device=dev)
         drafts = slots.flip(1)  # draft j of request i sits in slot slots[i, k - 1 - j]
-        rids = torch.tensor([r.rid for r in decode], dtype=torch.int64, device=dev)[:, None].expand(bs, k)
+        rids = torch.stack([r.keys(r.kv_len, r.kv_len + k, dev) for r in decode])
         runner = self.runner
         for layer in runner.layers:
             kv = kv_values(rids.reshape(-1), positions.reshape(-1), layer.layer_id, self.cfg.heads, self.cfg.head_dim)
@@ -803,17 +859,6 @@ class Checker:
             res.first_mismatch = first
 
 
-@dataclass(frozen=True)
-class Parts:
-    """What a run is made of; a model with more to keep than K/V swaps some (serve_sim_hybrid.py)."""
-
-    scheduler: Callable[..., Scheduler] = Scheduler
-    host_parking: Callable[..., HostParking] = HostParking
-    cpu_parking: Callable[..., CpuParking] = CpuParking
-    spec: Callable[..., SpecDecode] = SpecDecode
-    checker: Callable[..., Checker] = Checker
-
-
 def make_requests(cfg: SimConfig) -> list[Request]:
     rng = random.Random(cfg.seed)
     out, t = [], 0.0
@@ -821,6 +866,43 @@ def make_requests(cfg: SimConfig) -> list[Request]:
         out.append(Request(rid, rng.randint(*cfg.prompt_len), rng.randint(*cfg.output_len), int(t)))
         t += rng.expovariate(1.0 / cfg.arrival_every) if cfg.arrival_every > 0 else 0.0
     return out
+
+
+class Arrivals:
+    """The request stream in arrival order. A workload whose requests follow others' answers (a
+    chat's next turn, serve_sim_prefix.py) queues them when those finish."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self.queue = deque(requests)
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def due(self, step: int) -> list[Request]:
+        """The requests that have arrived by ``step``, taken from the stream."""
+        out = []
+        while self.queue and self.queue[0].arrival <= step:
+            out.append(self.queue.popleft())
+        return out
+
+    def next_arrival(self) -> int:
+        return self.queue[0].arrival
+
+    def finished(self, r: Request, step: int) -> None:
+        """``r`` finished at ``step`` (no request follows it here)."""
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a run is made of; a model with more to keep than K/V swaps some (serve_sim_hybrid.py),
+    and so does a prefix-cache run (serve_sim_prefix.py)."""
+
+    scheduler: Callable[..., Scheduler] = Scheduler
+    host_parking: Callable[..., Optional[HostParking]] = HostParking
+    cpu_parking: Callable[..., CpuParking] = CpuParking
+    spec: Callable[..., SpecDecode] = SpecDecode
+    checker: Callable[..., Checker] = Checker
+    arrivals: Callable[[SimConfig], Arrivals] = lambda cfg: Arrivals(make_requests(cfg))
 
 
 class Progress:
@@ -895,6 +977,8 @@ def make_pool(cfg: SimConfig) -> tuple[Union[MHATokenToKVPool, MLATokenToKVPool]
 
 def _run(cfg: SimConfig) -> SimResult:
     sim = sys.modules[__name__]
+    if cfg.prefix_cache:
+        return companion("prefix").run(cfg, sim)
     if cfg.model == HYBRID_MODEL:
         return companion("hybrid").run(cfg, sim)
     pool, geometry = make_pool(cfg)
@@ -922,7 +1006,7 @@ def _simulate(
     """The scheduler loop over ``cfg``'s request stream on ``pool``, tallied in ``result``."""
     stats_before = (pool.stats.fused_calls, pool.stats.reference_calls, dict(pool.stats.reasons))
     sched = parts.scheduler(cfg, pool)
-    arrivals = deque(make_requests(cfg))
+    arrivals = parts.arrivals(cfg)
     progress = Progress(cfg.requests, cfg.progress)
     checker = parts.checker(runner, result, corrupt=cfg.corrupt)
     if cfg.host_tier:
@@ -936,8 +1020,7 @@ def _simulate(
     while arrivals or sched.waiting or sched.running:
         if cfg.max_steps is not None and step >= cfg.max_steps:
             break
-        while arrivals and arrivals[0].arrival <= step:
-            sched.waiting.append(arrivals.popleft())
+        sched.waiting.extend(arrivals.due(step))
         accepted = spec.step() if spec is not None else 0
         batch = sched.schedule(with_decode=spec is None)
         step += 1
@@ -945,7 +1028,7 @@ def _simulate(
             if sched.running:  # every running request waits for pages: make room
                 sched.retract(sched.running[-1])
             elif not sched.waiting and arrivals:  # idle until the next arrival
-                step = max(step, arrivals[0].arrival)
+                step = max(step, arrivals.next_arrival())
             continue
         result.peak_slots = max(result.peak_slots, sched.slots_in_use())
         result.peak_running = max(result.peak_running, len(sched.running))
@@ -962,6 +1045,7 @@ def _simulate(
         for r in finished:
             checker.check(r, sched.slots_of(r))  # before the slots can be handed out again
             sched.release(r)
+            arrivals.finished(r, step)
         sched.allocator.free_group_end()
         result.served += len(finished)
         progress.update(result.served, step)
@@ -978,12 +1062,11 @@ def _simulate(
     result.reference_calls = pool.stats.reference_calls - reference
     result.reasons = {k: n - reasons.get(k, 0) for k, n in pool.stats.reasons.items() if n > reasons.get(k, 0)}
     try:
-        sched.allocator.check_integrity()
-        sched.table.check_integrity()
+        sched.check_integrity()
     except RuntimeError as e:
         result.integrity_error = str(e)
     if not sched.running:
-        result.leaked_slots = sched.slots_in_use()
+        result.leaked_slots = sched.leaked_slots()
 
 
 def format_summary(res: SimResult) -> str:
@@ -1043,13 +1126,16 @@ def format_summary(res: SimResult) -> str:
         lines.append(f"  allocators      FAILED: {res.leaked_slots} slots still held after every request finished")
     else:
         lines.append("  allocators      OK: integrity checks pass, no slot leaked")
-    if cfg.host_tier:
+    if res.prefix is not None:
+        lines += res.prefix.summary_lines(res)
+    if cfg.host_tier and res.prefix is None:
         rate = res.host_bytes / res.host_seconds / 1e9 if res.host_seconds > 0 else 0.0
         lines.append(
             f"  host tier       {res.parked} parked, {res.reloaded} reloaded ({cfg.host_layout}, {cfg.host_io_backend}), "
             f"{res.host_full} recomputed for lack of host room; {res.host_bytes / 1e6:.2f} MB moved in "
             f"{res.host_seconds * 1e3:.1f} ms ({rate:.2f} GB/s)"
         )
+    if cfg.host_tier:
         if res.reload_mismatches:
             lines.append(f"  reload check    FAILED: {res.reload_mismatches} of {res.reloaded_tokens} reloaded tokens differ")
         else:
@@ -1118,6 +1204,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--calibrate-steps", type=int, default=d.calibrate_steps, metavar="N",
                    help="steps of the calibration pass (the request stream of --seed + 1)")
     p.add_argument("--calibrate-per-head", action="store_true", help="calibrated scales per KV head, not per tensor")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="a chat workload (multi-turn conversations after a common few-shot prompt) on a prefix cache; "
+                        "with --host-tier the cache's host tier, with --model qwen3.5 the hybrid cache")
+    p.add_argument("--few-shot-len", type=int, default=d.few_shot_len, help="--prefix-cache: the common prompt's tokens")
+    p.add_argument("--turns", type=int, nargs=2, default=d.turns, metavar=("MIN", "MAX"),
+                   help="--prefix-cache: turns per conversation (each turn's user message: --prompt-len)")
+    p.add_argument("--host-write-policy", choices=("write_through", "write_through_selective", "write_back"),
+                   default=d.host_write_policy, help="--prefix-cache --host-tier: when tree nodes are backed up")
     a = p.parse_args(argv)
     return SimConfig(
         requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
@@ -1129,6 +1223,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         host_tier=a.host_tier, host_ratio=a.host_ratio, host_layout=a.host_layout, host_io_backend=a.host_io_backend,
         cpu_park=a.cpu_park, spec_k=a.spec_decode,
         calibrate=a.calibrate, calibrate_steps=a.calibrate_steps, calibrate_per_head=a.calibrate_per_head,
+        prefix_cache=a.prefix_cache, few_shot_len=a.few_shot_len, turns=tuple(a.turns),
+        host_write_policy=a.host_write_policy,
     )  # fmt: skip
 
 

@@ -24,8 +24,9 @@ byte, which the state check must catch.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -86,26 +87,30 @@ class StateModel:
         """The pool's convolution windows of ``layer`` as int16: [slots, conv_dim, width] (a view)."""
         return self.mamba.get_conv_state(layer).view(torch.int16)
 
-    def advance(self, slots: torch.Tensor, rids: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> None:
+    def advance(self, slots: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> None:
         """Every linear layer's state in ``slots[i]`` moves on over positions ``starts[i]..ends[i] - 1``
-        of request ``rids[i]`` (each [S] int64 on the pool's device)."""
+        (each [S] int64 on the pool's device) of tokens whose keys (``Request.keys``) are ``keys``
+        ([sum(ends - starts)] int64, segment after segment)."""
         n = ends - starts
         total = int(n.sum())
+        first = torch.cumsum(n, 0) - n
         seg = torch.repeat_interleave(torch.arange(slots.shape[0], device=self.device), n, output_size=total)
-        pos = starts[seg] + torch.arange(total, device=self.device) - (torch.cumsum(n, 0) - n)[seg]
+        pos = starts[seg] + torch.arange(total, device=self.device) - first[seg]
         weight = self.powers[ends[seg] - 1 - pos]
         for layer in self.mamba.layers:
             ssm = self.ssm(layer)
             old = ssm[slots].to(torch.int64)
-            terms = (self.h(rids[seg], pos, layer) * weight[:, None]) % P
+            terms = (self.h(keys, pos, layer) * weight[:, None]) % P
             summed = torch.zeros_like(old).index_add_(0, seg, terms) % P
             ssm[slots] = ((old * self.powers[n][:, None] + summed) % P).to(torch.int32)
             conv = self.conv(layer)
             window = conv[slots].to(torch.int64)
             cols = []
-            for j in range(self.width):  # column j: the old window's column n + j, or a new input
+            for j in range(self.width):  # column j: the old window's column n + j, or the new input at position p
                 kept = window[torch.arange(slots.shape[0], device=self.device), :, (n + j).clamp(max=self.width - 1)]
-                cols.append(torch.where((n + j < self.width)[:, None], kept, self.x(rids, ends - self.width + j, layer)))
+                p = ends - self.width + j
+                new = self.x(keys[(first + p - starts).clamp(0, max(total - 1, 0))], p, layer)
+                cols.append(torch.where((n + j < self.width)[:, None], kept, new))
             conv[slots] = torch.stack(cols, -1).to(torch.int16)
 
     def speculate(self, slots: torch.Tensor, rids: torch.Tensor, starts: torch.Tensor, steps: int) -> None:
@@ -124,16 +129,15 @@ class StateModel:
                 scratch_ssm[:bs, j] = s.to(torch.int32)
                 scratch_conv[:bs, j] = w.to(torch.int16)
 
-    def verify(self, rid: int, length: int, slot: int) -> int:
-        """1 if any linear layer's state in ``slot`` differs from request ``rid``'s after ``length``
-        tokens (recomputed from nothing), else 0."""
-        dev = self.device
+    def verify(self, keys: torch.Tensor, slot: int) -> int:
+        """1 if any linear layer's state in ``slot`` differs from the state after tokens of keys
+        ``keys`` ([length] int64, ``Request.keys``; recomputed from nothing), else 0."""
+        dev, length = self.device, keys.shape[0]
         pos = torch.arange(length, dtype=torch.int64, device=dev)
-        rids = torch.full_like(pos, rid)
         cols = torch.arange(self.width, dtype=torch.int64, device=dev) + length - self.width
         for layer in self.mamba.layers:
-            ssm = ((self.h(rids, pos, layer) * self.powers[length - 1 - pos][:, None]) % P).sum(0) % P
-            window = self.x(torch.full_like(cols, rid), cols, layer).t()
+            ssm = ((self.h(keys, pos, layer) * self.powers[length - 1 - pos][:, None]) % P).sum(0) % P
+            window = self.x(keys[cols.clamp(min=0)], cols, layer).t()
             if not (torch.equal(self.ssm(layer)[slot], ssm.to(torch.int32))
                     and torch.equal(self.conv(layer)[slot], window.to(torch.int16))):  # fmt: skip
                 return 1
@@ -171,16 +175,23 @@ class RunnerWithStates:
 
     def forward(self, batch: Any) -> None:
         super().forward(batch)  # type: ignore[misc]
-        segments = batch.prefill + [(r, r.kv_len, r.kv_len + 1) for r in batch.decode]
+        self.advance_states(batch.prefill + [(r, r.kv_len, r.kv_len + 1) for r in batch.decode])
+
+    def advance_states(self, segments: list) -> None:
+        """Each request's states move on over its segment ``(request, start, end)``'s positions."""
+        if not segments:
+            return
         dev = self.states.device
         slots = torch.tensor([self.table.mamba_slot(r.row) for r, _, _ in segments], dtype=torch.int64, device=dev)
-        rids = torch.tensor([r.rid for r, _, _ in segments], dtype=torch.int64, device=dev)
+        keys = torch.cat([r.keys(s, e, dev) for r, s, e in segments])
         starts = torch.tensor([s for _, s, _ in segments], dtype=torch.int64, device=dev)
         ends = torch.tensor([e for _, _, e in segments], dtype=torch.int64, device=dev)
-        self.states.advance(slots, rids, starts, ends)
+        self.states.advance(slots, keys, starts, ends)
 
-    def verify_state(self, r: Any, length: int) -> int:
-        return self.states.verify(r.rid, length, self.table.mamba_slot(r.row))
+    def verify_state(self, r: Any, length: int, slot: Optional[int] = None) -> int:
+        """1 if the state in ``slot`` (default: ``r``'s own) is not ``r``'s after ``length`` tokens."""
+        slot = self.table.mamba_slot(r.row) if slot is None else slot
+        return self.states.verify(r.keys(0, length, self.states.device), slot)
 
 
 class CheckerWithStates:
@@ -287,17 +298,32 @@ def _with(mixin: type, base: type) -> type:
     return type(base.__name__, (mixin, base), {})
 
 
-def run(cfg: Any, sim: ModuleType) -> Any:
-    """serve_sim's run on the hybrid pools; ``sim`` is the serve_sim module."""
+@dataclass
+class Build:
+    """What a hybrid run is made of, before it runs."""
+
+    pool: HybridLinearKVPool
+    table: HybridReqToTokenPool
+    runner: Any
+    result: Any
+    parts: Any
+
+
+def build(cfg: Any, sim: ModuleType, extra_buffer: bool = False, spare_states: int = 0, runner_mixin: Optional[type] = None) -> Build:
+    """The hybrid pools, runner, result and parts of ``cfg``'s run; ``sim`` is the serve_sim module.
+    ``extra_buffer``: each request also holds SGLang's track slots; ``spare_states``: state slots for
+    that many more requests (a prefix cache's snapshots); ``runner_mixin``: mixed into the runner."""
     dtype = sim.DTYPES[cfg.dtype]
     full = full_attention_layers(cfg.layers)
     linear = [i for i in range(cfg.layers) if i not in full]
     kv = KVGeometry(cfg.heads, cfg.head_dim, len(full), dtype)
     state = MambaCacheParams(GDN, linear)
     spec = cfg.spec_k or None
+    tracks = (2 if spec is None else 1) if extra_buffer else 0
     plan = plan_hybrid_pools(
         int(cfg.kv_budget_mib * 2**20), kv.bytes_per_token, state, page_size=cfg.page_size,
-        max_running_requests=max(1, int(cfg.max_running * STATE_SHARE)), speculative_num_draft_tokens=spec,
+        max_running_requests=max(1, int(cfg.max_running * STATE_SHARE)) + spare_states,
+        speculative_num_draft_tokens=spec, track_slots_per_request=tracks,
     )  # fmt: skip
     if -(-cfg.max_context_len // cfg.page_size) + 1 > plan.kv_size // cfg.page_size:
         raise ValueError(
@@ -307,13 +333,16 @@ def run(cfg: Any, sim: ModuleType) -> Any:
     table = HybridReqToTokenPool(
         size=cfg.max_running, mamba_size=plan.mamba_size, mamba_spec_state_size=plan.spec_state_size or None,
         max_context_len=cfg.max_context_len, device=cfg.device, cache_params=state,
-        speculative_num_draft_tokens=spec, validate=cfg.validate,
+        enable_mamba_extra_buffer=extra_buffer, speculative_num_draft_tokens=spec, validate=cfg.validate,
     )  # fmt: skip
     pool = HybridLinearKVPool(
         plan.kv_size, dtype, cfg.page_size, cfg.heads, cfg.head_dim, full, False, cfg.device, table.mamba_pool
     )
     states = StateModel(table.mamba_pool, cfg.max_context_len + cfg.spec_k)
-    runner = _with(RunnerWithStates, sim.ModelRunner)(cfg, pool, table, states)
+    runner_cls = _with(RunnerWithStates, sim.ModelRunner)
+    if runner_mixin is not None:
+        runner_cls = _with(runner_mixin, runner_cls)
+    runner = runner_cls(cfg, pool, table, states)
     result = sim.SimResult(cfg, plan.kv_size, kv.bytes_per_token, device=str(pool.device))
     parts = sim.Parts(
         scheduler=functools.partial(_with(SchedulerWithStates, sim.Scheduler), table=table),
@@ -322,5 +351,11 @@ def run(cfg: Any, sim: ModuleType) -> Any:
         spec=_with(SpecWithStates, sim.SpecDecode),
         checker=_with(CheckerWithStates, sim.Checker),
     )  # fmt: skip
-    sim._simulate(cfg, pool, runner, result, parts)
-    return result
+    return Build(pool, table, runner, result, parts)
+
+
+def run(cfg: Any, sim: ModuleType) -> Any:
+    """serve_sim's run on the hybrid pools; ``sim`` is the serve_sim module."""
+    b = build(cfg, sim)
+    sim._simulate(cfg, b.pool, b.runner, b.result, b.parts)
+    return b.result

@@ -1,0 +1,503 @@
+"""``serve_sim --prefix-cache``: the simulation on a prefix cache, with a chat workload.
+
+The workload (seeded): conversations start at exponential gaps of mean ``--arrival-every`` steps and
+have ``--turns`` turns each. A turn's prompt is the whole conversation so far plus a user message of
+``--prompt-len`` tokens (the first turn's "so far" is a few-shot prompt of ``--few-shot-len`` tokens
+that every conversation shares), its answer ``--output-len`` tokens, drawn when the workload is made
+as a deterministic model would produce them; the next turn arrives a think time (exponential, same
+mean) after the answer.
+
+The K/V of a token derive from the token and everything before it: the key of each position
+(``Request.keys``) is a rolling hash of the tokens up to it, so requests with a common prefix hold
+the same K/V there, and a row the cache hands to a request is checked, byte for byte, against that
+request when it finishes (and rows loaded back from the host tier right after the load). A slot
+evicted and reused by another request, or returned by a match it does not belong to, fails the check.
+
+The scheduler, in SGLang's shape, matches each admitted request's tokens (all but the last, which
+must be computed for its next token) against the tree, locks the match, prefills only the rest,
+inserts every prefill chunk it computed (``cache_unfinished_req``), caches finished requests
+(``cache_finished_req``), gives a retracted request's own pages back (``is_insert=False``), and
+evicts from the tree whenever an allocation needs the room, so the tree keeps what memory allows.
+``check_integrity`` (tree, allocator, request table and running requests) runs at the end, and with
+``--validate`` before every step; the tree is then emptied and nothing may be left held.
+
+The cache is a ``RadixCache``; with ``--host-tier`` a ``HiRadixCache`` over a host pool (evicted
+nodes backed up by ``--host-write-policy`` live on in host memory and are loaded back when matched);
+with ``--model qwen3.5`` a ``MambaRadixCache``: nodes carry state snapshots, a match is forked into
+the request's state slot and checked against its recurrence, and (pages above one token) each
+request snapshots its state into its track slots at every page boundary a step passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import random
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
+from kvpool.pools.mla_pool import MLATokenToKVPool
+
+VOCAB = 32_000
+#: The rolling hash of a prefix: key_i = (key_{i-1} * KEY_BASE + token_i + 1) mod KEY_MODULUS, below
+#: 2**31 as serve_sim's K/V functions want their keys.
+KEY_BASE, KEY_MODULUS = 1_000_003, 2_147_483_647
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+def check_config(cfg: Any) -> None:
+    """What a prefix-cache run needs of its ``SimConfig`` (``ValueError`` naming the field)."""
+    if isinstance(cfg.few_shot_len, bool) or not isinstance(cfg.few_shot_len, int) or cfg.few_shot_len < 0:
+        raise ValueError(f"few_shot_len must be a non-negative int, got {cfg.few_shot_len!r}")
+    lo, hi = cfg.turns
+    if not 1 <= lo <= hi:
+        raise ValueError(f"turns must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+    if cfg.host_write_policy not in WRITE_POLICIES:
+        raise ValueError(f"host_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {cfg.host_write_policy!r}")
+    for name in ("cpu_park", "spec_k", "calibrate"):
+        if getattr(cfg, name):
+            raise ValueError(f"prefix_cache runs without {name}, got {name}={getattr(cfg, name)!r}")
+    if cfg.model == "qwen3.5" and cfg.host_tier:
+        raise ValueError("prefix_cache with model 'qwen3.5' has no host tier (MambaRadixCache), got host_tier=True")
+
+
+def prefix_keys(tokens: Sequence[int]) -> list[int]:
+    """The key of each position: a rolling hash of the tokens up to it (see KEY_BASE)."""
+    out, h = [], 1
+    for t in tokens:
+        h = (h * KEY_BASE + t + 1) % KEY_MODULUS
+        out.append(h)
+    return out
+
+
+# --- the workload ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def chat_request_class(base: type) -> type:
+    """serve_sim's ``Request`` (``base``) with its tokens, and the attributes the prefix cache reads
+    and writes (SGLang's ``Req`` names, ``kvpool.cache.requests``)."""
+
+    @dataclass(eq=False)
+    class ChatRequest(base):  # type: ignore[misc, valid-type]
+        tokens: list[int] = field(default_factory=list)  # prompt, then answer
+        think: int = 0  # steps from the previous turn's answer to this turn's arrival
+        key_tensor: Optional[torch.Tensor] = None  # [len(tokens)] int64: prefix_keys(tokens)
+        last_node: Any = None
+        cache_protected_len: int = 0
+        prefix_indices: Optional[torch.Tensor] = None
+        mamba_pool_idx: Optional[torch.Tensor] = None
+        mamba_ping_pong_track_buffer: Optional[torch.Tensor] = None
+        mamba_next_track_idx: int = 0
+        mamba_last_track_seqlen: Optional[int] = None
+
+        def keys(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+            return self.key_tensor[start:end].to(device)  # type: ignore[index]
+
+        @property
+        def req_pool_idx(self) -> Optional[int]:
+            return self.row
+
+        @req_pool_idx.setter
+        def req_pool_idx(self, row: Optional[int]) -> None:
+            self.row = row
+
+        @property
+        def origin_input_ids(self) -> list[int]:
+            return self.tokens[: self.prompt_len]
+
+        @property
+        def output_ids(self) -> list[int]:
+            return self.tokens[self.prompt_len : self.prompt_len + self.generated]
+
+        @property
+        def fill_ids(self) -> list[int]:
+            return self.tokens[: self.kv_len]
+
+        @property
+        def kv_committed_len(self) -> int:
+            return self.kv_len
+
+        @property
+        def kv_allocated_len(self) -> int:
+            return self.kv_len
+
+    return ChatRequest
+
+
+class ChatArrivals:
+    """serve_sim's ``Arrivals`` for conversations: a turn after the first is queued when the turn
+    before it finishes, ``think`` steps later."""
+
+    def __init__(self, first: list, follow: dict[int, Any]) -> None:
+        self.queue, self.follow = first, follow
+
+    def __bool__(self) -> bool:
+        return bool(self.queue or self.follow)
+
+    def due(self, step: int) -> list:
+        n = bisect.bisect_right(self.queue, step, key=lambda r: r.arrival)
+        out, self.queue = self.queue[:n], self.queue[n:]
+        return out
+
+    def next_arrival(self) -> int:
+        return self.queue[0].arrival
+
+    def finished(self, r: Any, step: int) -> None:
+        nxt = self.follow.pop(r.rid, None)
+        if nxt is not None:
+            nxt.arrival = step + nxt.think
+            bisect.insort(self.queue, nxt, key=lambda q: q.arrival)
+
+
+def make_chats(cfg: Any, sim: ModuleType) -> ChatArrivals:
+    """``cfg.requests`` turns of seeded conversations (the module docstring)."""
+    cls = chat_request_class(sim.Request)
+    rng = random.Random(cfg.seed)
+
+    def gap() -> float:
+        return rng.expovariate(1.0 / cfg.arrival_every) if cfg.arrival_every > 0 else 0.0
+
+    few_shot = [rng.randrange(VOCAB) for _ in range(cfg.few_shot_len)]
+    first: list = []
+    follow: dict[int, Any] = {}
+    t, rid = 0.0, 0
+    while rid < cfg.requests:
+        history, prev = few_shot, None
+        for _ in range(min(rng.randint(*cfg.turns), cfg.requests - rid)):
+            prompt = history + [rng.randrange(VOCAB) for _ in range(rng.randint(*cfg.prompt_len))]
+            tokens = prompt + [rng.randrange(VOCAB) for _ in range(rng.randint(*cfg.output_len))]
+            keys = torch.tensor(prefix_keys(tokens), dtype=torch.int64, device=cfg.device)
+            r = cls(rid, len(prompt), len(tokens) - len(prompt), int(t), tokens=tokens, think=int(gap()), key_tensor=keys)
+            if prev is None:
+                first.append(r)
+            else:
+                follow[prev.rid] = r
+            history, prev, rid = tokens, r, rid + 1
+        t += gap()
+    return ChatArrivals(first, follow)
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefixStats:
+    """--prefix-cache's tallies: lookups, hits, evictions and (host tier) backups."""
+
+    cache: str = ""
+    lookups: int = 0  # admissions, re-admissions after a retraction included
+    prompt_tokens: int = 0  # tokens the admitted requests needed in the pool before their next token
+    matched_tokens: int = 0  # of them, found in the tree on the device
+    loaded_tokens: int = 0  # of them, loaded back from the host tier
+    evict_calls: int = 0  # evictions that freed something
+    evicted_tokens: int = 0  # device tokens they freed
+    evicted_states: int = 0  # state snapshots they freed (hybrid)
+    backed_up_tokens: int = 0  # host tier: tokens backed up
+    host_evicted_tokens: int = 0  # host tier: tokens dropped from the host
+    forks: int = 0  # hybrid: snapshots copied into a request's state slot
+    integrity_checks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.matched_tokens + self.loaded_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary_lines(self, res: Any) -> list[str]:
+        saved = self.matched_tokens + self.loaded_tokens
+        pad = " " * 18
+        lines = [
+            f"  prefix cache    {self.cache}: {self.lookups} lookups, hit rate {100 * self.hit_rate:.1f}% ({saved} of "
+            f"{self.prompt_tokens} prompt tokens: {self.matched_tokens} on the device, {self.loaded_tokens} loaded "
+            f"from the host)",
+            f"{pad}prefill tokens saved {saved} ({res.prefill_tokens} prefilled); evictions: {self.evict_calls} calls "
+            f"freed {self.evicted_tokens} device tokens" + (f" and {self.evicted_states} state snapshots" if self.forks or
+                                                            self.evicted_states else ""),
+        ]  # fmt: skip
+        if res.config.host_tier:
+            lines.append(
+                f"{pad}host tier ({res.config.host_write_policy}, {res.config.host_layout}, {res.config.host_io_backend}): "
+                f"{self.backed_up_tokens} tokens backed up, {self.host_evicted_tokens} dropped from the host"
+            )
+        if res.config.model == "qwen3.5":
+            lines.append(f"{pad}{self.forks} state snapshots forked into requests' slots, each checked")
+        lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
+        return lines
+
+
+class TalliedCache:
+    """Mixed into a prefix cache: its evictions (and, with a host tier, backups) go into ``stats``;
+    ``counting`` off while the run empties the tree at its end."""
+
+    stats: PrefixStats
+    counting = True
+
+    def evict(self, params: Any) -> Any:
+        result = super().evict(params)  # type: ignore[misc]
+        if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted):
+            self.stats.evict_calls += 1
+            self.stats.evicted_tokens += result.num_tokens_evicted
+            self.stats.evicted_states += result.mamba_num_evicted
+        return result
+
+
+class TalliedHostTier(TalliedCache):
+    def write_backup(self, node: Any, write_back: bool = False) -> int:
+        n = super().write_backup(node, write_back)  # type: ignore[misc]
+        if self.counting:
+            self.stats.backed_up_tokens += n
+        return n
+
+    def evict_host(self, num_tokens: int) -> int:
+        n = super().evict_host(num_tokens)  # type: ignore[misc]
+        if self.counting:
+            self.stats.host_evicted_tokens += n
+        return n
+
+
+def _with(mixin: type, base: type) -> type:
+    return type(base.__name__, (mixin, base), {})
+
+
+def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixStats) -> RadixCache:
+    """The run's prefix cache over the scheduler's allocator and request table."""
+    hybrid = isinstance(table, HybridReqToTokenPool)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator, page_size=cfg.page_size,
+        enable_mamba_extra_buffer=hybrid and cfg.page_size > 1,
+    )  # fmt: skip
+    if hybrid:
+        cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
+    elif cfg.host_tier:
+        host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
+        host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        cache = _with(TalliedHostTier, HiRadixCache)(
+            params, host_pool=host, write_policy=cfg.host_write_policy, io_backend=cfg.host_io_backend,
+            validate=cfg.validate,
+        )  # fmt: skip
+    else:
+        cache = _with(TalliedCache, RadixCache)(params, validate=cfg.validate)
+    cache.stats = stats
+    stats.cache = f"{type(cache).__name__}(page_size={cfg.page_size}, {cache.eviction_policy})"
+    return cache
+
+
+# --- the scheduler --------------------------------------------------------------------------------
+
+
+class PrefixScheduler:
+    """serve_sim's scheduler (mixed into ``serve_sim.Scheduler`` or serve_sim_hybrid's) on a prefix
+    cache; ``runner`` checks rows loaded from the host tier and forked states, ``result`` tallies."""
+
+    def __init__(self, cfg: Any, pool: Any, *args: Any, runner: Any, result: Any, **kwargs: Any) -> None:
+        super().__init__(cfg, pool, *args, **kwargs)  # type: ignore[call-arg]
+        self.runner, self.result, self.stats = runner, result, result.prefix
+        self.hybrid = isinstance(self.table, HybridReqToTokenPool)
+        self.cache = make_cache(cfg, pool, self.allocator, self.table, self.stats)
+        self.loads: list[tuple[Any, int, torch.Tensor]] = []  # this step's host loads: (request, from, slots)
+
+    def room(self) -> int:
+        return self.allocator.available_size() + self.cache.evictable_size()
+
+    def schedule(self, with_decode: bool = True) -> Any:
+        if isinstance(self.cache, HiRadixCache):
+            self.cache.check_hicache_events()  # unlock the nodes whose transfers are done
+        if self.cfg.validate:
+            self.check_integrity()
+        batch = super().schedule(with_decode)  # type: ignore[misc]
+        if self.loads:
+            self.cache.ready_to_load_host_cache()
+            for r, start, slots in self.loads:  # reads through the getters: waits for each layer's load
+                bad, _ = self.runner.verify(r, slots, start)
+                self.result.reloaded += 1
+                self.result.reloaded_tokens += slots.numel()
+                self.result.reload_mismatches += bad
+            self.loads = []
+        return batch
+
+    def admit(self, r: Any, budget: int, pages: int) -> Optional[tuple[int, int, int]]:
+        """As serve_sim's, with the cached prefix: matched (and loaded back from the host), locked,
+        and written into the request's row; only the rest is computed."""
+        if not self._take_row(r):
+            return None
+        room = self.room()  # what locking the match and loading it back take from it, the admission takes
+        target = r.prompt_len + r.generated
+        key = RadixKey(r.tokens[: target - 1])  # the last token is computed: its logits give the next
+        m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None))
+        prefix, node, loaded = m.device_indices, m.last_device_node, 0
+        if m.host_hit_length:
+            start = prefix.numel() + m.host_hit_length
+            new = self.pages_for(min(target, start + budget)) - start // self.page_size
+            slots, node = self.cache.init_load_back(m.last_host_node, m.host_hit_length, (pages - new) * self.page_size)
+            if slots.numel():
+                prefix, loaded = torch.cat((prefix, slots)), slots.numel()
+        start = prefix.numel()
+        end = min(target, start + budget)
+        self.cache.inc_lock_ref(node)
+        taken = self.pages_for(end) - start // self.page_size + (room - self.room()) // self.page_size
+        if taken > pages:
+            self.cache.dec_lock_ref(node)
+            self._give_back_row(r)
+            return None
+        if start:
+            self.table.write((r.row, slice(0, start)), prefix.to(torch.int32))
+        r.kv_len, r.prefill_target = start, target
+        r.last_node, r.cache_protected_len, r.prefix_indices = node, start, prefix
+        r.mamba_last_track_seqlen = None
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += target
+        self.stats.matched_tokens += start - loaded
+        self.stats.loaded_tokens += loaded
+        if loaded:
+            self.loads.append((r, start - loaded, slots))
+        if self.hybrid and start:
+            self.stats.forks += 1
+            self.result.state_checked += 1
+            self.result.state_mismatches += self.runner.verify_state(r, start)
+        return start, end, taken
+
+    def _take_row(self, r: Any) -> bool:
+        """A table row for ``r`` (and state slots: the tree gives snapshots up for them)."""
+        if not self.table.free_slots:
+            return False
+        if not self.hybrid:
+            r.row = self.table.alloc(1)[0]
+            return True
+        if self.table.alloc([r]) is None:
+            self.cache.evict(EvictParams(mamba_num=1 + self.table.track_slots_per_request))
+            if self.table.alloc([r]) is None:
+                return False
+        return True
+
+    def _give_back_row(self, r: Any) -> None:
+        if self.hybrid and r.mamba_pool_idx is not None:
+            self.table.free_mamba_cache(r)
+        self.table.free(r.row)
+        r.row = None
+
+    def _make_room(self, tokens: int) -> None:
+        short = tokens - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(EvictParams(num_tokens=short))
+
+    def _alloc_prefill(self, plan: list) -> torch.Tensor:
+        self._make_room(sum(self.pages_for(e) - self.pages_for(s) for _, s, e in plan) * self.page_size)
+        return super()._alloc_prefill(plan)  # type: ignore[misc]
+
+    def _alloc_decode(self, decode: list) -> torch.Tensor:
+        self._make_room(sum(1 for r in decode if r.kv_len % self.page_size == 0) * self.page_size)
+        return super()._alloc_decode(decode)  # type: ignore[misc]
+
+    def advance(self, batch: Any) -> None:
+        """As serve_sim's; then every prefill chunk's whole pages go into the tree (SGLang caches a
+        request's prompt as soon as it is computed, so that requests arriving meanwhile share it)."""
+        super().advance(batch)  # type: ignore[misc]
+        for r, _, _ in batch.prefill:
+            if r.prefilling or r.generated < r.output_len:
+                self.cache.cache_unfinished_req(r, chunked=r.prefilling)
+
+    def release(self, r: Any) -> None:
+        """A finished request's pages go into the tree (the tree frees what it held already)."""
+        self.cache.cache_finished_req(r)
+        self.table.free(r.row)
+        self.running.remove(r)
+        r.row = None
+
+    def retract(self, r: Any) -> None:
+        """A retracted request gives its own pages back and unlocks its prefix, which stays cached."""
+        self.cache.cache_finished_req(r, is_insert=False)
+        self.table.free(r.row)
+        self.running.remove(r)
+        r.row, r.kv_len, r.cache_protected_len, r.prefix_indices = None, 0, 0, None
+        r.last_node = self.cache.root_node
+        self.waiting.appendleft(r)
+        self.retractions += 1
+
+    def check_integrity(self) -> None:
+        self.stats.integrity_checks += 1
+        self.cache.check_integrity(self.running)
+
+    def leaked_slots(self) -> int:
+        """Empty the tree (device, host and states), then count what is still held anywhere."""
+        cache = self.cache
+        cache.counting = False
+        if isinstance(cache, HiRadixCache):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # every backup and load done: their nodes unlock
+            cache.check_hicache_events()
+        kv = cache.evictable_size()
+        if isinstance(cache, MambaRadixCache):
+            cache.evict(EvictParams(num_tokens=kv, mamba_num=cache.mamba_evictable_size()))
+        else:
+            cache.evict(EvictParams(num_tokens=kv))
+        held = self.slots_in_use()
+        if isinstance(cache, HiRadixCache):
+            host = cache.token_to_kv_pool_host
+            cache.evict_host(host.size)
+            held += host.size - host.available_size()
+        if self.hybrid:
+            held += self.table.mamba_pool.size - self.table.mamba_pool.available_size()
+        return held
+
+
+# --- the hybrid model's track slots ---------------------------------------------------------------
+
+
+class RunnerWithTracks:
+    """Mixed into serve_sim_hybrid's runner when pages hold more than one token: a request's state
+    is known to the cache only at page boundaries, so each step advances it up to the last boundary
+    its segment passes, snapshots it into the request's next track slot there (SGLang's mamba
+    track: ``mamba_next_track_idx``, ``mamba_last_track_seqlen``), and advances the rest."""
+
+    def advance_states(self, segments: list) -> None:
+        page = self.cfg.page_size  # type: ignore[attr-defined]
+        head, tail, tracked = [], [], []
+        for r, s, e in segments:
+            b = e // page * page
+            head.append((r, s, b if b > s else e))
+            if b > s:
+                tracked.append((r, b))
+                if e > b:
+                    tail.append((r, b, e))
+        super().advance_states(head)  # type: ignore[misc]
+        if tracked:
+            table, dev = self.table, self.states.device  # type: ignore[attr-defined]
+            src = torch.tensor([table.mamba_slot(r.row) for r, _ in tracked], dtype=torch.int64, device=dev)
+            dst = torch.tensor([table.track_slots(r.row)[r.mamba_next_track_idx] for r, _ in tracked], dtype=torch.int64, device=dev)
+            self.states.mamba.copy_from(src, dst)  # type: ignore[attr-defined]
+            for r, b in tracked:
+                r.mamba_last_track_seqlen = b
+                r.mamba_next_track_idx = table.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx)
+        super().advance_states(tail)  # type: ignore[misc]
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def run(cfg: Any, sim: ModuleType) -> Any:
+    """serve_sim's run on a prefix cache with the chat workload; ``sim`` is the serve_sim module."""
+    if cfg.model == sim.HYBRID_MODEL:
+        extra = cfg.page_size > 1
+        b = sim.companion("hybrid").build(
+            cfg, sim, extra_buffer=extra, spare_states=cfg.max_running, runner_mixin=RunnerWithTracks if extra else None
+        )
+        pool, runner, result, parts = b.pool, b.runner, b.result, b.parts
+        scheduler = functools.partial(_with(PrefixScheduler, parts.scheduler.func), **parts.scheduler.keywords)
+    else:
+        pool, geometry = sim.make_pool(cfg)
+        runner = sim.make_runner(cfg, pool)
+        result = sim.SimResult(cfg, pool.size, geometry.bytes_per_token, device=str(pool.device))
+        parts, scheduler = sim.Parts(), _with(PrefixScheduler, sim.Scheduler)
+    result.prefix = PrefixStats()
+    parts = replace(
+        parts, scheduler=functools.partial(scheduler, runner=runner, result=result),
+        host_parking=lambda *args: None,  # the host tier is the cache's
+        arrivals=lambda c: make_chats(c, sim),
+    )  # fmt: skip
+    sim._simulate(cfg, pool, runner, result, parts)
+    return result
