@@ -1,7 +1,8 @@
 """Test setup.
 
-Without a CUDA device the Triton kernel runs through Triton's interpreter on CPU tensors, which must
-be switched on before any ``@triton.jit`` function is defined, so before kvpool is imported.
+Without a CUDA device the Triton kernels run through Triton's interpreter on CPU tensors, which must
+be switched on before any ``@triton.jit`` function is defined, so before kvpool is imported. Tests
+that need CUDA carry the ``gpu`` marker and are skipped without a device.
 """
 
 import os
@@ -27,3 +28,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["reference", "kernel"])
+def copy_path(request, monkeypatch):
+    """The row copies (moves, CPU copies, host tier) on their reference path, and on the row-copy
+    kernel run on CPU tables through Triton's interpreter."""
+    from kvpool.kernels import copy_rows
+
+    if request.param == "kernel":
+        if not copy_rows.INTERPRETER:
+            pytest.skip("the row-copy kernel on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
+    return request.param

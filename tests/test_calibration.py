@@ -18,16 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import INTERPRETER, assert_same_bytes, bits, needs_interpreter, poison_
+from kvassert import DEVICE, Layer, assert_same_bytes, bits, fused_runs, id_of, needs_interpreter, poison_pool_
 from kvpool import MHATokenToKVPool, quantize
 from kvpool.kernels import store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-#: The fused path runs on CUDA, or on the CPU under Triton's interpreter.
-fused_runs = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETER, reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
 H, D, DV = 2, 8, 4
 SIZE, PAGE = 20, 1
 ROWS = SIZE + PAGE
@@ -36,22 +32,11 @@ FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 F32_MIN_NORMAL = 2.0**-126
 
 
-class Layer:
-    def __init__(self, layer_id: int) -> None:
-        self.layer_id = layer_id
-
-
-def _name(x) -> str:
-    return str(x).replace("torch.", "")
-
-
 def _pool(fused, dtype=torch.float8_e4m3fn, **kw) -> MHATokenToKVPool:
     pool = MHATokenToKVPool(
         SIZE, PAGE, dtype, H, D, LAYERS, DEVICE, v_head_dim=DV, start_layer=START, fused=fused, warmup=False, **kw
     )
-    for buf in pool.k_buffer + pool.v_buffer:
-        poison_(buf)
-    return pool
+    return poison_pool_(pool)
 
 
 class Expected:
@@ -241,8 +226,8 @@ def test_flat_plan_geometry_still_observes_per_head():
 
 
 class KernelSpy:
-    """Stands in for the Triton kernel object: records each launch's PREFIX/OBSERVE constants and
-    launches the real kernel."""
+    """Wraps the Triton kernel object: records each launch's PREFIX/OBSERVE constants and launches
+    the real kernel."""
 
     def __init__(self, real) -> None:
         self.real = real
@@ -347,7 +332,7 @@ AMAX_VALUES = [
 
 
 @pytest.mark.parametrize("margin", [1.0, 1.25, 0.5, 3])
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=id_of)
 def test_calibrated_scales_formula_shapes_and_layer_order(dtype, margin):
     pool = _pool("never", dtype=dtype, observe_amax=True)
     pool.kv_amax.copy_(torch.tensor(AMAX_VALUES, dtype=torch.float32))
@@ -398,7 +383,7 @@ def test_calibrated_scales_reject_bad_per_head_and_unobserved_pools():
 
 @fused_runs
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=_name)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=id_of)
 def test_calibrated_scales_work_when_passed_back(dtype, per_head):
     """Calibrate on data, then write the same data with the scales: both paths agree, the bytes
     are q(x, scale), and each observed maximum lands exactly on +-fmax (the range is used)."""

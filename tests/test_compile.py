@@ -6,17 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvassert import assert_same_bytes
+from kvassert import DEVICE, Layer, assert_same_bytes
 from kvpool import MHATokenToKVPool, MLATokenToKVPool
 from kvpool.kernels import store_kv_op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class Layer:
-    def __init__(self, layer_id: int) -> None:
-        self.layer_id = layer_id
-
 
 def _model_step(pool: MHATokenToKVPool, layers: list[Layer]):
     """A toy forward pass: per layer, project, write K/V, read the cache back."""

@@ -14,7 +14,7 @@ from kvpool.kernels.tuning import SMALL_TOKENS
 from kvpool import MLATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
 from kvpool.kernels.store_kv_op import launch_store_kv
-from oracle import FORMAT_OF, assert_codes_equal, codes_of, expected_latent_cache
+from kvassert import FORMAT_OF, assert_codes_equal, codes_of, expected_latent_cache
 
 pytestmark = pytest.mark.gpu
 

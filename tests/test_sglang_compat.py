@@ -1,5 +1,7 @@
-"""MHATokenToKVPool (and the hybrid models' pools) take SGLang's constructor arguments, positionally in
-SGLang's order, so SGLang call sites carry over; kvpool's own options are keyword-only."""
+"""The pools' SGLang API: MHATokenToKVPool (and the hybrid models' pools) take SGLang's constructor
+arguments, positionally in SGLang's order, so SGLang call sites carry over; kvpool's own options are
+keyword-only. The buffers a pool allocates, its getters (views, never copies), its layer ids and the
+errors of its constructor."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import inspect
 import pytest
 import torch
 
+import kvpool
+from kvassert import CACHE_DTYPES, DEVICE, Layer, assert_same_bytes, skip_fused_without_interpreter
 from kvpool import HybridLinearKVPool, HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool
 
-DEVICE = "cpu"
+CPU = "cpu"  # the SGLang-argument tests; the buffer tests run on the suite's device
 
 SGLANG_ORDER = (
     "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device", "enable_memory_saver",
@@ -25,11 +29,11 @@ def test_positional_parameters_are_sglangs_and_the_rest_keyword_only():
     assert tuple(positional) == SGLANG_ORDER
     assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} >= {"fused", "warmup", "validate", "observe_amax"}
     with pytest.raises(TypeError):
-        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 1, DEVICE, False, None, None, None, None, None, None, True, False, "never")
+        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 1, CPU, False, None, None, None, None, None, None, True, False, "never")
 
 
 def test_all_sixteen_positional_arguments():
-    pool = MHATokenToKVPool(16, 2, torch.float8_e4m3fn, 4, 8, 3, DEVICE, False, 6, None, None, None, 2, 4, True, False)
+    pool = MHATokenToKVPool(16, 2, torch.float8_e4m3fn, 4, 8, 3, CPU, False, 6, None, None, None, 2, 4, True, False)
     assert (pool.size, pool.page_size, pool.dtype, pool.store_dtype) == (16, 2, torch.float8_e4m3fn, torch.uint8)
     assert (pool.head_num, pool.head_dim, pool.v_head_dim) == (4, 8, 6)
     assert (pool.layer_num, pool.start_layer, pool.end_layer) == (3, 2, 4)
@@ -42,7 +46,7 @@ def test_all_sixteen_positional_arguments():
 
 def test_sglang_keywords_and_defaults():
     pool = MHATokenToKVPool(
-        size=8, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16, layer_num=2, device=DEVICE,
+        size=8, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16, layer_num=2, device=CPU,
         enable_memory_saver=False, start_layer=None, end_layer=None, enable_alt_stream=False,
         enable_kv_cache_copy=True,
     )  # fmt: skip
@@ -61,7 +65,7 @@ def test_sglang_keywords_and_defaults():
     ids=["all", "heads", "v_dim", "dims"],
 )
 def test_swa_arguments_replace_the_geometry(swa, expected):
-    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE, v_head_dim=6, **swa)
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, CPU, v_head_dim=6, **swa)
     h, d, dv = expected
     assert (pool.head_num, pool.head_dim, pool.v_head_dim) == expected
     assert (pool.row_dim, pool.v_row_dim) == (h * d, h * dv)
@@ -76,7 +80,7 @@ def test_swa_arguments_replace_the_geometry(swa, expected):
 
 @pytest.mark.parametrize("how", ["positional", "keyword"])
 def test_memory_saver_is_refused_naming_the_keyword(how):
-    args = (8, 1, torch.bfloat16, 1, 8, 1, DEVICE)
+    args = (8, 1, torch.bfloat16, 1, 8, 1, CPU)
     with pytest.raises(ValueError, match=r"enable_memory_saver must be False.*got True"):
         if how == "positional":
             MHATokenToKVPool(*args, True)
@@ -87,7 +91,7 @@ def test_memory_saver_is_refused_naming_the_keyword(how):
 @pytest.mark.parametrize("name", ["enable_alt_stream", "enable_kv_cache_copy"])
 def test_sglang_flags_must_be_bools(name):
     with pytest.raises(ValueError, match=rf"{name} must be a bool, got 'yes'"):
-        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 1, DEVICE, **{name: "yes"})
+        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 1, CPU, **{name: "yes"})
 
 
 @pytest.mark.parametrize(
@@ -101,7 +105,81 @@ def test_sglang_flags_must_be_bools(name):
 )
 def test_bad_sglang_geometry_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 2, DEVICE, **kwargs)
+        MHATokenToKVPool(8, 1, torch.bfloat16, 1, 8, 2, CPU, **kwargs)
+
+
+# --- buffers, getters and layer ids ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_buffers_shapes_dtypes_and_views(dtype):
+    pool = MHATokenToKVPool(100, 4, dtype, 3, 16, 2, DEVICE, v_head_dim=8, start_layer=5, warmup=False)
+    assert (pool.start_layer, pool.end_layer, pool.layer_num) == (5, 6, 2)
+    assert pool.store_dtype == (torch.uint8 if dtype.itemsize == 1 else dtype)
+    for layer_id in (5, 6):
+        k, v = pool.get_kv_buffer(layer_id)
+        assert k.shape == (104, 3, 16) and v.shape == (104, 3, 8)
+        assert k.dtype == dtype and v.dtype == dtype
+        assert not k.any() if dtype.itemsize > 1 else not k.view(torch.uint8).any()
+        # a view of the storage, never a copy: the same object every time, same memory as k_buffer
+        assert pool.get_key_buffer(layer_id) is k and pool.get_value_buffer(layer_id) is v
+        assert k.data_ptr() == pool.k_buffer[layer_id - 5].data_ptr()
+    k_bytes, v_bytes = pool.get_kv_size_bytes()
+    assert k_bytes == 2 * 104 * 3 * 16 * dtype.itemsize and v_bytes == 2 * 104 * 3 * 8 * dtype.itemsize
+
+
+@pytest.mark.parametrize("layer_id", [-1, 0, 3, 7, 100])
+def test_layer_ids_outside_the_rank_raise_and_never_wrap(layer_id):
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 1, 8, 3, DEVICE, start_layer=4, warmup=False)
+    with pytest.raises(IndexError, match=rf"layer_id {layer_id} is outside this pool's layers \[4, 6\]"):
+        pool.get_key_buffer(layer_id)
+    k = torch.ones(1, 1, 8, device=DEVICE)
+    with pytest.raises(IndexError, match=rf"layer_id {layer_id} is outside"):
+        pool.set_kv_buffer(Layer(layer_id), torch.tensor([1], device=DEVICE), k, k)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(size=0), "size must be a positive int, got 0"),
+        (dict(page_size=-1), "page_size must be a positive int, got -1"),
+        (dict(dtype=torch.int8), "dtype must be one of"),
+        (dict(head_num=0), "head_num must be a positive int, got 0"),
+        (dict(head_dim=2.5), "head_dim must be a positive int, got 2.5"),
+        (dict(layer_num=True), "layer_num must be a positive int, got True"),
+        (dict(end_layer=9), r"end_layer must be start_layer \+ layer_num - 1 = 1"),
+        (dict(start_layer=-2), "start_layer must be a non-negative int, got -2"),
+        (dict(v_head_dim=0), "v_head_dim must be a positive int, got 0"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs, message):
+    args = dict(size=8, page_size=1, dtype=torch.float8_e4m3fn, head_num=1, head_dim=8, layer_num=2, device=DEVICE)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        MHATokenToKVPool(**args, warmup=False)
+
+
+@pytest.mark.parametrize("mode", ["never", "auto", "always"])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_pool_buffers_start_zeroed_and_getters_are_views(dtype, mode, monkeypatch):
+    """Buffers start zeroed (docs/contract.md, "Pools"; warmup writes nothing visible but may touch
+    slot 0 only); every getter returns the ``dtype`` view of the storage, not a copy."""
+    skip_fused_without_interpreter(mode)
+    monkeypatch.delenv("KVPOOL_FUSED", raising=False)
+    pool = kvpool.MHATokenToKVPool(6, 2, dtype, 3, 5, 2, "cpu", v_head_dim=7, start_layer=2, fused=mode)
+    for lid in (2, 3):
+        k, v = pool.get_kv_buffer(lid)
+        assert k.dtype == dtype and v.dtype == dtype
+        assert tuple(k.shape) == (8, 3, 5) and tuple(v.shape) == (8, 3, 7)
+        for b in (k, v):
+            zero = torch.zeros_like(b.view(torch.uint8))
+            assert_same_bytes(b.view(torch.uint8), zero, f"fresh pool layer {lid}")
+        assert pool.get_key_buffer(lid).data_ptr() == k.data_ptr()
+        assert pool.get_value_buffer(lid).data_ptr() == v.data_ptr()
+        pool.get_key_buffer(lid).view(torch.uint8)[3].fill_(0x11)  # writes through the view
+        assert (pool.get_kv_buffer(lid)[0].view(torch.uint8)[3] == 0x11).all(), "getter returned a copy"
+    el = torch.empty(0, dtype=dtype).element_size()
+    assert pool.get_kv_size_bytes() == (2 * 8 * 3 * 5 * el, 2 * 8 * 3 * 7 * el)
 
 
 # --- hybrid linear-attention models ---------------------------------------------------------------
@@ -118,7 +196,7 @@ def test_hybrid_kv_pool_takes_sglangs_positional_order():
     assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} >= {"v_head_dim", "fused", "warmup", "validate"}
     pool = HybridLinearKVPool(
         size=8, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8, full_attention_layer_ids=[3],
-        enable_kvcache_transpose=False, device=DEVICE, mamba_pool=None, enable_memory_saver=False,
+        enable_kvcache_transpose=False, device=CPU, mamba_pool=None, enable_memory_saver=False,
     )  # fmt: skip
     assert pool.full_layer_nums == 1 and pool.start_layer == 0 and not pool.use_mla
 
@@ -138,7 +216,7 @@ def test_state_pools_take_sglangs_keywords():
         assert names <= {p.name for p in params}
     params = MambaCacheParams(MambaStateShape(conv=[(6, 3)], temporal=(1, 2, 2)), layers=[0, 1])
     table = HybridReqToTokenPool(
-        size=2, mamba_size=4, mamba_spec_state_size=2, max_context_len=8, device=DEVICE, enable_memory_saver=False,
+        size=2, mamba_size=4, mamba_spec_state_size=2, max_context_len=8, device=CPU, enable_memory_saver=False,
         cache_params=params, enable_mamba_extra_buffer=False, speculative_num_draft_tokens=2, mamba_layer_ids=[0, 1],
     )  # fmt: skip
     assert table.mamba_pool.spec_state_size == 2 and table.mamba_pool.mamba_cache.intermediate_ssm.shape[1] == 3

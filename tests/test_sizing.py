@@ -12,19 +12,17 @@ import torch
 from hypothesis import given
 
 import kvpool.pools.sizing as sizing_module
+from kvassert import CACHE_DTYPES
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token, plan_hybrid_pools
 from kvpool.pools.state_params import MambaCacheParams, MambaStateShape
 
-DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
-
-
 def test_docstring_examples_run():
     assert doctest.testmod(sizing_module).failed == 0
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 def test_bytes_per_token_by_dtype(dtype):
     # Llama-3-8B on one rank: 8 KV heads x 128, 32 layers
     assert kv_bytes_per_token(8, 128, None, 32, dtype) == 32 * 8 * 256 * dtype.itemsize
@@ -107,7 +105,7 @@ def test_max_pool_size_is_the_largest_that_fits(budget, bpt, page_size):
 # --- MLA: one latent row per token and layer ----------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 def test_mla_bytes_per_token(dtype):
     # DeepSeek-V3: 512 latent + 64 rotary values, 61 layers
     g = KVGeometry.mla(512, 64, 61, dtype)

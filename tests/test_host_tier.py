@@ -1,7 +1,7 @@
-"""MHATokenToKVPoolHost on CPU pools (the whole host tier's logic, both backends, both layouts):
-sizing, page allocation, transfers against a model of the bytes (including a hypothesis state
-machine), storage-tier pages, bad input, the direct backend's copy plan, and the kernel backend
-through Triton's interpreter."""
+"""The host tier: MHATokenToKVPoolHost on CPU pools (the whole host tier's logic, both backends, both
+layouts): sizing, page allocation, transfers against a model of the bytes (including a hypothesis
+state machine), storage-tier pages, bad input, the direct backend's copy plan, the kernel backend
+through Triton's interpreter, and the device pool's layer-transfer hook."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvassert import frames_up_to, needs_interpreter
+from kvassert import fill_random_, frames_up_to, needs_interpreter
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
@@ -30,20 +30,13 @@ def make_device_pool(size=40, page_size=4, dtype=torch.float8_e4m3fn, seed=0, va
         size, page_size, dtype, g["head_num"], g["head_dim"], g["layer_num"], "cpu",
         v_head_dim=g["v_head_dim"], start_layer=g.get("start_layer", 0), validate=validate,
     )  # fmt: skip
-    randomize(pool.k_buffer + pool.v_buffer, seed)
+    fill_random_(pool.k_buffer + pool.v_buffer, seed)
     return pool
-
-
-def randomize(buffers, seed):
-    g = torch.Generator().manual_seed(seed)
-    for b in buffers:
-        raw = b.view(torch.uint8).view(-1)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
 
 
 def make_host(pool, layout="layer_first", page_size=4, ratio=2.0, seed=1, **kw):
     host = MHATokenToKVPoolHost(pool, ratio, 0, page_size, layout, **kw)
-    randomize([host.k_buffer, host.v_buffer], seed)
+    fill_random_([host.k_buffer, host.v_buffer], seed)
     return host
 
 
@@ -65,15 +58,6 @@ def snapshot(pool, host):
 
 def unchanged(pool, host, before):
     return all(torch.equal(a, b) for a, b in zip(before, snapshot(pool, host)))
-
-
-@pytest.fixture(params=["reference", "interpreter"])
-def kernel_mode(request, monkeypatch):
-    if request.param == "interpreter":
-        if not C.INTERPRETER:
-            pytest.skip("kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setattr(C, "_kernel_on_cpu", True)
-    return request.param
 
 
 # --- sizing and allocation --------------------------------------------------------------------------
@@ -169,8 +153,8 @@ def test_free_rejects_bad_indices(indices, exc, match):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("staging_bytes", [1 << 20, 150], ids=["one-chunk", "chunks"])
-def test_backup_then_load_moves_exact_bytes(kernel_mode, layout, backend, staging_bytes):
-    if kernel_mode == "interpreter" and (backend == "direct" or staging_bytes != 1 << 20):
+def test_backup_then_load_moves_exact_bytes(copy_path, layout, backend, staging_bytes):
+    if copy_path == "kernel" and (backend == "direct" or staging_bytes != 1 << 20):
         pytest.skip("the interpreter runs the kernel backend once per layout")
     pool = make_device_pool(seed=3)
     host = make_host(pool, layout, staging_bytes=staging_bytes)
@@ -506,7 +490,7 @@ class HostTierMachine(RuleBasedStateMachine):
 
     def _poison_device(self, data):
         self.seed += 1
-        randomize(self.pool.k_buffer + self.pool.v_buffer, self.seed)
+        fill_random_(self.pool.k_buffer + self.pool.v_buffer, self.seed)
         return self._model_dev()
 
     @rule(pages=st.integers(1, 4))
@@ -876,3 +860,32 @@ def test_a_per_layer_load_reaches_its_copy_in_five_frames(monkeypatch, layout, b
     host.load_to_device_per_layer(pool, h, torch.arange(10, 18), 1, backend)
     assert depths and max(depths) <= 5, depths
     assert torch.equal(dev_rows(pool, 1, "k")[10:18], dev_rows(src, 1, "k")[1:9])
+
+
+# --- the layer-transfer hook: the device pool's getters wait for a layer's load ---------------------
+
+
+class RecordingCounter:
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def wait_until(self, layer_index: int) -> None:
+        self.calls.append(layer_index)
+
+
+def test_getters_wait_on_a_registered_counter():
+    pool = make_device_pool(start_layer=5)
+    counter = RecordingCounter()
+    pool.get_key_buffer(6)
+    assert pool.layer_transfer_counter is None
+    pool.register_layer_transfer_counter(counter)
+    pool.get_key_buffer(5)
+    pool.get_value_buffer(7)
+    k, v = pool.get_kv_buffer(6)
+    assert counter.calls == [0, 2, 1] and k is pool.get_key_buffer(6)
+    with pytest.raises(IndexError):
+        pool.get_kv_buffer(8)  # checked before any wait
+    assert counter.calls == [0, 2, 1, 1]
+    pool.register_layer_transfer_counter(None)
+    pool.get_key_buffer(5)
+    assert len(counter.calls) == 4

@@ -1,32 +1,20 @@
-"""The kernel compiles for real GPU targets (NVIDIA sm_80/90/100, AMD gfx942) on this CPU-only
-machine, and the Hopper build keeps the instructions its speed depends on."""
+"""The write kernel's plans and launcher: the write kernel compiled for real GPU targets (NVIDIA
+sm_80/90/100, AMD gfx942) on a machine without one, with the Hopper build keeping the instructions
+its speed depends on."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvassert import cross_compile
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "cross_compile.py")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return cross_compile()
 
 
-def test_every_target_compiles(compiled):
+def test_the_write_kernel_compiles_for_every_target(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
     assert len(compiled) == 14
 

@@ -1,4 +1,4 @@
-"""ReqToTokenPool and HybridReqToTokenPool (a state slot per request): example-based regressions and
+"""ReqToTokenPool and HybridReqToTokenPool (a state slot per request): deliberate examples and
 state machines against plain-Python models."""
 
 from __future__ import annotations

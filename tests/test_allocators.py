@@ -1,4 +1,4 @@
-"""Slot allocators: example-based regressions, then hypothesis state machines against a plain-Python
+"""Slot allocators: deliberate examples, then hypothesis state machines against a plain-Python
 model (no slot handed out twice, slot 0 never handed out, counts agree, a failed alloc changes nothing,
 backup/restore round-trips, free groups, check_integrity passes)."""
 
@@ -593,7 +593,7 @@ def test_paged_need_sort_and_group():
     a.check_integrity()
 
 
-# --- issue 10: errors change nothing, batches are checked as a whole, double ownership shows --------
+# --- errors change nothing, batches are checked as a whole, double ownership shows ----------------
 
 
 def test_validate_rejects_two_requests_continuing_onto_one_slot():
@@ -652,8 +652,8 @@ def test_device_and_cpu_lengths_disagreeing_raise_and_change_nothing(validate, o
     ids=["decode-far", "decode-negative", "extend-page-0", "extend-offset", "prefix-lens", "free-meta"],
 )
 def test_bad_arguments_are_named_and_change_nothing(validate, call, error, message):
-    """A last_loc outside the slots used to raise an IndexError that did not name it, after nothing or
-    something had changed; a meta tensor given to free raised NotImplementedError."""
+    """A last_loc outside the slots, and a tensor on another device given to free, raise an error
+    that names the argument, and nothing changes."""
     a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)  # 16 pages, slots 4..67
     ext(a, [0], [3], [-1])
     before = snapshot(a)
@@ -664,8 +664,8 @@ def test_bad_arguments_are_named_and_change_nothing(validate, call, error, messa
 
 
 def test_check_integrity_catches_a_slot_owned_twice_after_the_page_is_reallocated():
-    """A wrong last_loc without validate continued onto free page 3; once alloc handed that page out
-    again, slot 15 had two holders and check_integrity used to pass."""
+    """A wrong last_loc without validate continues onto free page 3; once alloc hands that page out
+    again, slot 15 has two holders, and check_integrity says so."""
     a = PagedTokenToKVPoolAllocator(16, 4)  # pages 1..4
     ext(a, [0], [3], [-1])  # slots 4, 5, 6
     assert dec(a, [4], [14]).tolist() == [15]  # wrong: page 3 is free
@@ -707,7 +707,7 @@ def test_without_host_checks_disagreeing_lengths_never_raise_from_the_device_ops
         a.check_integrity()
 
 
-# --- issue 11: the base class, SGLang's attribute names, CPU copies ----------------------------------
+# --- the base class, SGLang's attribute names, CPU copies ------------------------------------------
 
 
 def test_base_class_is_exported_and_both_allocators_derive_from_it():

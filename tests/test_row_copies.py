@@ -1,6 +1,6 @@
-"""MHATokenToKVPool.move_kv_cache, get_cpu_copy/load_cpu_copy and the layer-transfer counter hook,
-on CPU pools: the reference path against a model of the bytes, and the Triton kernel through the
-interpreter on the same pools."""
+"""Row copies: MHATokenToKVPool.move_kv_cache and get_cpu_copy/load_cpu_copy on CPU pools (the
+reference path against a model of the bytes, and the row-copy kernel through the interpreter on the
+same pools), and the row-copy kernel compiled for real GPU targets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvassert import assert_same_bytes
+from kvassert import assert_same_bytes, cross_compile, fill_random_
 
 from kvpool import MHATokenToKVPool
 from kvpool.kernels import copy_rows as C
@@ -24,16 +24,8 @@ def make_pool(dtype=torch.float8_e4m3fn, size=30, page_size=2, layers=3, start_l
         size, page_size, dtype, g["head_num"], g["head_dim"], layers, "cpu",
         v_head_dim=g["v_head_dim"], start_layer=start_layer, validate=validate,
     )  # fmt: skip
-    fill_random(pool, seed=size + layers)
+    fill_random_(pool.k_buffer + pool.v_buffer, seed=size + layers)
     return pool
-
-
-def fill_random(pool: MHATokenToKVPool, seed: int) -> None:
-    """Random bytes everywhere (NaN patterns included), so every row is distinguishable."""
-    g = torch.Generator().manual_seed(seed)
-    for buf in pool.k_buffer + pool.v_buffer:
-        raw = buf.view(torch.uint8).view(-1)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
 
 
 def snapshot(pool: MHATokenToKVPool) -> list[torch.Tensor]:
@@ -72,17 +64,8 @@ MOVES = {
 }
 
 
-@pytest.fixture(params=["reference", "kernel"])
-def path(request, monkeypatch):
-    if request.param == "kernel":
-        if not C.INTERPRETER:
-            pytest.skip("kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setattr(C, "_kernel_on_cpu", True)
-    return request.param
-
-
 @pytest.mark.parametrize("name", list(MOVES))
-def test_move_matches_the_model(path, name):
+def test_move_matches_the_model(copy_path, name):
     pool = make_pool()
     tgt, src = MOVES[name]
     rows = pool.size + pool.page_size
@@ -91,7 +74,7 @@ def test_move_matches_the_model(path, name):
     assert_pool(pool, expected)
 
 
-def test_large_move_through_staging(path, monkeypatch):
+def test_large_move_through_staging(copy_path, monkeypatch):
     monkeypatch.setattr(C, "ONE_PASS_MAX_PAIRS", 4)
     pool = make_pool(layers=2)
     tgt = [0, 1, 2, 3, 4, 5, 6, 7]
@@ -146,7 +129,7 @@ def test_move_validate_names_the_slot():
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32])
-def test_cpu_copy_round_trip_is_exact(path, dtype):
+def test_cpu_copy_round_trip_is_exact(copy_path, dtype):
     pool = make_pool(dtype=dtype, start_layer=4)
     slots = torch.tensor([7, 3, 8, 31, 0])
     copy = pool.get_cpu_copy(slots)
@@ -157,7 +140,7 @@ def test_cpu_copy_round_trip_is_exact(path, dtype):
         assert_same_bytes(copy.v[layer], pool.v_buffer[layer][slots], f"V layer {layer}")
     # Park the rows, let other writes land, bring them back elsewhere.
     originals = [pool.k_buffer[l][slots].clone() for l in range(3)] + [pool.v_buffer[l][slots].clone() for l in range(3)]
-    fill_random(pool, seed=99)
+    fill_random_(pool.k_buffer + pool.v_buffer, seed=99)
     before = snapshot(pool)
     targets = torch.tensor([20, 21, 22, 23, 24], dtype=torch.int32)
     pool.load_cpu_copy(copy, targets)
@@ -246,30 +229,50 @@ def test_load_cpu_copy_validate_and_skip():
     assert torch.equal(lax.k_buffer[0][5], lax.k_buffer[0][1])
 
 
-# --- the layer-transfer hook ------------------------------------------------------------------------
+# --- the row-copy kernel compiled for real GPU targets --------------------------------------------
+# Its Hopper build moves rows in 16-byte vectors (8-byte ones when that is all the tables' alignment
+# allows), with the one-pass plans' barrier between loads and stores.
 
 
-class RecordingCounter:
-    def __init__(self):
-        self.calls: list[int] = []
-
-    def wait_until(self, layer_index: int) -> None:
-        self.calls.append(layer_index)
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    return cross_compile("--copy-rows")
 
 
-def test_getters_wait_on_a_registered_counter():
-    pool = make_pool(start_layer=5)
-    counter = RecordingCounter()
-    pool.get_key_buffer(6)
-    assert pool.layer_transfer_counter is None
-    pool.register_layer_transfer_counter(counter)
-    pool.get_key_buffer(5)
-    pool.get_value_buffer(7)
-    k, v = pool.get_kv_buffer(6)
-    assert counter.calls == [0, 2, 1] and k is pool.get_key_buffer(6)
-    with pytest.raises(IndexError):
-        pool.get_kv_buffer(8)  # checked before any wait
-    assert counter.calls == [0, 2, 1, 1]
-    pool.register_layer_transfer_counter(None)
-    pool.get_key_buffer(5)
-    assert len(counter.calls) == 4
+def _one(compiled, **match):
+    [v] = [v for v in compiled if all(v[k] == x for k, x in match.items())]
+    return v
+
+
+def test_the_row_copy_kernel_compiles_for_every_target(compiled):
+    assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
+    assert len(compiled) == 10
+
+
+def test_aligned_rows_move_in_16_byte_vectors_only(compiled):
+    for v in compiled:
+        if v["target"] in ("sm90", "sm100", "sm80") and v["align"] == 16:
+            # Every data access is a v4: per thread, as many vector loads as stores, and the only
+            # scalar loads are the indices and the table entries.
+            assert v["ld_v4"] > 0 and v["ld_v4"] == v["st_v4"] == v["st"], v
+            assert v["ld_v2"] == v["st_v2"] == 0, v
+
+
+def test_eight_byte_alignment_gives_8_byte_vectors(compiled):
+    v = _one(compiled, target="sm90", align=8)
+    assert v["ld_v2"] > 0 and v["ld_v2"] == v["st_v2"] == v["st"] and v["ld_v4"] == 0
+
+
+def test_one_pass_plans_have_a_barrier_and_streaming_plans_none(compiled):
+    for v in compiled:
+        if "bar_sync" not in v:
+            continue  # AMD: no PTX to inspect
+        if v["one_pass"]:
+            assert v["bar_sync"] >= 1, v
+        else:
+            assert v["bar_sync"] == 0, v
+
+
+def test_host_tier_plan_uses_wide_tasks(compiled):
+    v = _one(compiled, target="sm90", few_programs=True)
+    assert v["num_warps"] == 16 and v["block_p"] * v["block_w"] == 16384

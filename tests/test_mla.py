@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Callable
 from unittest import mock
 
 import numpy as np
@@ -22,29 +21,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpool
-from kvassert import assert_same_bytes, bits
+from kvassert import (
+    CACHE_DTYPES,
+    DEVICE,
+    FORMAT_OF,
+    INPUT_DTYPES,
+    KERNEL_HERE,
+    Layer,
+    assert_codes_equal,
+    assert_same_bytes,
+    bits,
+    codes_of,
+    expected_latent_cache,
+    fill_random_,
+)
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.kernels import copy_rows, store_kv
 from kvpool import host as host_tier
 from kvpool.kernels.store_kv_plan import BAND_TOKENS, plan_write
 from kvpool.kernels.tuning import SMALL_TOKENS
-from oracle import FORMAT_OF, assert_bytes_unchanged, assert_codes_equal, codes_of, expected_latent_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNEL_HERE = DEVICE == "cuda" or store_kv.INTERPRETER
-CACHE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
-INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODES = ["never", "always"] if KERNEL_HERE else ["never"]
 # Small geometries keep the interpreter quick; DeepSeek's 512 + 64 is in every grid too.
 R, ROPE = 40, 24
 SIZE, START, LAYERS = 11, 3, 2  # rows 0..11 (page_size 1); global layers 3 and 4
-
-
-@dataclasses.dataclass
-class Layer:
-    layer_id: Any
 
 
 def make_pool(dtype, mode="never", r=R, rope=ROPE, size=SIZE, page_size=1, **kw) -> MLATokenToKVPool:
@@ -284,7 +286,7 @@ def run_pool_example(ex: MLAExample, mode: str, layer_id: int = 4, via_override:
         ret = pool.set_mla_kv_buffer(layer, loc, parts[0], parts[1], scale, layer_id_override=override)
     assert ret is None
     for a, b in zip(bases_dev + [loc], snapshot):
-        assert_bytes_unchanged(b, a, f"an input changed; {ex!r}")
+        assert_same_bytes(a, b, f"an input changed; {ex!r}")
     i = layer_id - START
     fmt = FORMAT_OF[ex.cache_dtype]
     expected = expected_latent_cache(codes_of(before[i].view(ex.cache_dtype)), [p.cpu() for p in parts],
@@ -294,8 +296,8 @@ def run_pool_example(ex: MLAExample, mode: str, layer_id: int = 4, via_override:
     named = {int(s) for s in ex.loc.tolist() if 0 <= int(s) < pool.rows}
     for slot in range(pool.rows):
         if slot not in named:
-            assert_bytes_unchanged(before[i][slot], pool.kv_buffer[i][slot], f"untouched row {slot}; {ex!r}")
-    assert_bytes_unchanged(before[1 - i], pool.kv_buffer[1 - i], f"the other layer; {ex!r}")
+            assert_same_bytes(pool.kv_buffer[i][slot], before[i][slot], f"untouched row {slot}; {ex!r}")
+    assert_same_bytes(pool.kv_buffer[1 - i], before[1 - i], f"the other layer; {ex!r}")
     if ex.T:
         fused = mode == "always"
         assert (pool.stats.fused_calls, pool.stats.reference_calls) == (
@@ -562,7 +564,7 @@ def test_bad_input_raises_before_anything_is_written(case, mode):
     with pytest.raises(error, match=message):
         entry({**args, **_move(changes)})(pool)
     for a, b in zip(pool.kv_buffer, before):
-        assert_bytes_unchanged(b, a, "pool buffer after a rejected write")
+        assert_same_bytes(a, b, "pool buffer after a rejected write")
 
 
 @pytest.mark.parametrize("entry", [_row, _parts], ids=["row", "parts"])
@@ -577,7 +579,7 @@ def test_validate_rejects_slots_past_the_end_and_bad_scale_values(mode, entry):
     with pytest.raises(ValueError, match="k_scale must hold positive finite normal float32 values, got 0.0 at index 0"):
         entry({**args, "k_scale": torch.zeros(1, device=DEVICE)})(pool)
     for a, b in zip(pool.kv_buffer, before):
-        assert_bytes_unchanged(b, a, "pool buffer after a rejected write")
+        assert_same_bytes(a, b, "pool buffer after a rejected write")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,15 +641,6 @@ def test_allocators_hand_out_slots_of_an_mla_pool(page_size):
 # reference; the pool's rows are seen as a latent (K) part and a rotary (V) part.
 
 
-@pytest.fixture(params=["reference", "kernel"])
-def copy_path(request, monkeypatch):
-    if request.param == "kernel":
-        if not copy_rows.INTERPRETER:
-            pytest.skip("the row-copy kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
-    return request.param
-
-
 def random_pool(dtype=torch.float8_e4m3fn, seed=0, **kw) -> MLATokenToKVPool:
     """A CPU pool whose every byte is random (NaN patterns included): every row is distinguishable."""
     with mock.patch.dict(os.environ):
@@ -655,10 +648,7 @@ def random_pool(dtype=torch.float8_e4m3fn, seed=0, **kw) -> MLATokenToKVPool:
         os.environ.pop("KVPOOL_VALIDATE", None)
         pool = MLATokenToKVPool(kw.pop("size", 30), kw.pop("page_size", 2), dtype, R, ROPE, 3, "cpu",
                                 warmup=False, **kw)  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    for b in pool.kv_buffer:
-        raw = b.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    fill_random_(pool.kv_buffer, seed)
     return pool
 
 
