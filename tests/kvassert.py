@@ -1,6 +1,7 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
 byte comparison that explains a mismatch, the independent oracle of the K/V write, the
-cross-compilation probe and loading an example script as a module.
+cross-compilation probe, loading an example script as a module, and a stand-in for a compiled
+Triton kernel that checks direct launches on the CPU.
 
 The oracle (q(x, s) from the format definitions, docs/contract.md "The write") calls nothing in
 kvpool and uses none of torch's float->fp8 or float->16-bit conversions: its encoders work on
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -566,3 +568,120 @@ def load_example(name: str) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+# --- a compiled kernel's stand-in: direct launches on the CPU ------------------------------------------
+
+
+def _specialisation(value: object, specialised: bool) -> object:
+    """What Triton compiles a runtime argument for: a tensor's dtype and 16-byte alignment, an int's
+    type (i32 / i64 / u64 by range) and whether it is 1 or a multiple of 16 (alignment and those two
+    only where the parameter is specialised), a float as fp32, anything else its type and value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, specialised and value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or value is None:
+        return (type(value).__name__, value)
+    if isinstance(value, int):
+        width = "u64" if value >= 2**63 else "i64" if not -(2**31) <= value < 2**31 else "i32"
+        return ("int", width, specialised and value == 1, specialised and value % 16 == 0)
+    if isinstance(value, float):
+        return ("fp32",)
+    return (type(value).__name__, value)
+
+
+class StandInJit:
+    """Stands in for a ``@triton.jit`` kernel where its launcher looks it up (monkeypatch the module
+    attribute with one made from the interpreted kernel): a JIT launch ``kernel[grid](*args,
+    **kwargs)`` binds the arguments to the kernel's signature as Triton does (``bound``: every
+    parameter's value in signature order, constexprs included), runs the interpreted kernel, and
+    hands back a :class:`CompiledStandIn` for the variant Triton would have compiled. With
+    ``fail_next`` set, the stand-in it hands back raises on every launch, as a compiled-kernel
+    launcher that takes its arguments otherwise does. ``on_direct`` (if set) is called at every
+    direct launch, before it runs."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.signature = inspect.signature(getattr(kernel, "fn", kernel))
+        self.params = tuple(self.signature.parameters)
+        self.constexprs = frozenset(n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation))
+        self.unspecialised = frozenset(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+        self.fail_next = False
+        self.on_direct = None
+        self.launches = 0
+        self.handed: list[CompiledStandIn] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            params = {k: v for k, v in kwargs.items() if k in self.signature.parameters}  # the rest: num_warps, ...
+            bound = self.signature.bind(*args, **params)
+            bound.apply_defaults()
+            self.launches += 1
+            self.kernel[grid](*args, **kwargs)
+            compiled = CompiledStandIn(self, tuple(bound.arguments[n] for n in self.params), self.fail_next)
+            self.handed.append(compiled)
+            return compiled
+
+        return launch
+
+    def compiled_for(self, values: tuple) -> tuple:
+        """The variant a launch with these parameter values needs: constexprs by value, runtime
+        arguments by what Triton specialises them on."""
+        return tuple(
+            ("constexpr", v) if n in self.constexprs else _specialisation(v, n not in self.unspecialised)
+            for n, v in zip(self.params, values)
+        )
+
+
+class CompiledStandIn:
+    """The compiled variant one JIT launch made, in place of Triton's: ``compiled[grid](*args,
+    stream=None)`` takes every parameter positionally in signature order, constexprs included. A
+    launch must pass exactly as many arguments as the kernel has parameters, the constexprs the
+    variant was compiled with, and runtime arguments specialised alike (else AssertionError, naming
+    the parameter); then the interpreted kernel runs with exactly those arguments, so one passed
+    in the wrong place writes wrong bytes. ``bound`` is what the JIT launch bound; ``direct`` each
+    direct launch's arguments (see :func:`assert_same_arguments`)."""
+
+    def __init__(self, jit: StandInJit, bound: tuple, fail: bool) -> None:
+        self.jit, self.bound, self.fail = jit, bound, fail
+        self.variant = jit.compiled_for(bound)
+        self.calls = 0
+        self.direct: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def run(*args, stream=None):
+            self.calls += 1
+            if self.fail:
+                raise TypeError("this launcher takes its arguments differently")
+            jit = self.jit
+            if len(args) != len(jit.params):
+                raise AssertionError(f"a direct launch passed {len(args)} arguments; the kernel has {len(jit.params)}")
+            for name, want, got in zip(jit.params, self.variant, jit.compiled_for(args)):
+                if want != got:
+                    raise AssertionError(f"a direct launch passed {name} as {got}; the variant was compiled for {want}")
+            if jit.on_direct is not None:
+                jit.on_direct()
+            self.direct.append(args)
+            jit.kernel[grid](*args)
+
+        return run
+
+
+def assert_same_arguments(direct: tuple, bound: tuple, params: tuple) -> None:
+    """A direct launch of a call passed what the JIT launch of the same call bound: tensors over the
+    same memory as the same type (a view made anew per call counts), equal values of the same types
+    otherwise, parameter by parameter."""
+    assert len(direct) == len(bound) == len(params), (len(direct), len(bound), len(params))
+    for name, d, b in zip(params, direct, bound):
+        if isinstance(b, torch.Tensor):
+            same = isinstance(d, torch.Tensor) and (d.data_ptr(), d.dtype, d.shape, d.stride()) == (
+                b.data_ptr(), b.dtype, b.shape, b.stride()
+            )
+        else:
+            same = type(d) is type(b) and d == b
+        assert same, f"{name}: the direct launch passed {_spelled(d)}, the JIT launch bound {_spelled(b)}"
+
+
+def _spelled(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor {tuple(v.shape)} at {v.data_ptr():#x}"
+    return repr(v)

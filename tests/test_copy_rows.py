@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvpool.kernels import copy_rows as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference, plan_copy
-from kvpool.kernels.launch import kernel_params
+from kvpool.kernels.launch import kernel_params, launch_key
 from kvassert import assert_same_bytes, needs_interpreter, poison_
 
 
@@ -293,7 +293,7 @@ def test_launch_key_separates_what_triton_specialises_on():
     args = (buf, buf[2:], 16, 100)
 
     def key(*a, dev=0, p=plan, nreg=None):
-        return C.launch_key(dev, p, nreg, a[:2], a[2:])
+        return launch_key(dev, p.constexprs, (p.num_warps, nreg), a[:2], a[2:])
 
     base = key(*args)
     assert key(buf[4:], buf[6:], 32, 101) == base  # other values, same classes: one kernel
@@ -331,8 +331,8 @@ def test_launch_key_agrees_with_triton_specialisation():
     tensors = [buf, buf[1:], buf[2:], buf[3:], buf.int(), buf.int()[1:], buf.int()[4:]]
     ints = [0, 1, 2, 15, 16, 17, 32, 2**31 - 16, 2**31 - 1, 2**31, 2**32, 2**63 - 16, 2**63, -16, -(2**31) - 16]
     plan = plan_copy(16, 2, (1024,), 16, False, 8, C.FEW_PROGRAMS_TILE)
-    for group, part in ((tensors, lambda t: C.launch_key(0, plan, None, (t,), ())[-1]),
-                        (ints, lambda v: C.launch_key(0, plan, None, (), (v,))[-1])):  # fmt: skip
+    for group, part in ((tensors, lambda t: launch_key(0, plan.constexprs, (), (t,), ())[-1]),
+                        (ints, lambda v: launch_key(0, plan.constexprs, (), (), (v,))[-1])):  # fmt: skip
         for a in group:
             for b in group:
                 if part(a) == part(b):

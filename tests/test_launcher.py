@@ -6,9 +6,11 @@ kernel object directly. If that direct launch fails (a Triton whose compiled-ker
 its arguments differently), that writer, and only that one, goes back to the JIT launch for good,
 logs one warning, and the write still happens.
 
-On the CPU there is no compiled kernel, so the JIT launch is wrapped here: it runs the real
-(interpreted) kernel and hands back a stand-in for the compiled kernel that either launches the
-real kernel with the direct launch's positional arguments or raises as a mismatched launcher would.
+On the CPU there is no compiled kernel, so the JIT launch is wrapped (``kvassert.StandInJit``): it
+runs the real (interpreted) kernel and hands back a stand-in for the compiled kernel that checks a
+direct launch's positional arguments against the variant and launches the real kernel with them, or
+raises as a mismatched launcher would. The row copy's and the state commit's launches go through
+the same stand-in.
 """
 
 from __future__ import annotations
@@ -25,70 +27,25 @@ import pytest
 import torch
 
 import kvpool
-from kvassert import assert_same_bytes, bits, needs_interpreter, poison_
-from kvpool import MHATokenToKVPool, reference_set_kv_buffer
+from kvassert import StandInJit, assert_same_arguments, assert_same_bytes, bits, needs_interpreter, poison_
+from kvpool import MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels import store_kv, store_kv_kernel
+from kvpool.kernels import copy_rows, copy_rows_kernel, state_commit, state_commit_kernel, store_kv, store_kv_kernel
+from kvpool.kernels.copy_rows import RowTable
 from kvpool.kernels.store_kv import KVWriter, storage_view
 from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry
 
 DEVICE = "cpu"
 
 
-def _pointer_types(args) -> tuple:
-    return tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-
-
-class FakeCompiled:
-    """Stands in for the compiled kernel Triton's JIT launch returns: ``compiled[grid](*args)``.
-
-    Like a real compiled variant it is typed: it was built for the element types of the pointer
-    arguments of the launch that compiled it, and a direct launch with other types would read
-    memory as the wrong type. Such launches are recorded in ``mistyped``."""
-
-    def __init__(self, real, fail: bool, pointer_types: tuple) -> None:
-        self.real, self.fail, self.calls = real, fail, 0
-        self.pointer_types, self.mistyped = pointer_types, []
-
-    def __getitem__(self, grid):
-        def run(*args):
-            self.calls += 1
-            if self.fail:
-                raise TypeError("this launcher takes its arguments differently")
-            if _pointer_types(args) != self.pointer_types:
-                self.mistyped.append(_pointer_types(args))
-            return self.real[grid](*args)  # constexprs positionally, as a direct launch passes them
-
-        return run
-
-
-class JitLaunch:
-    """Stands in for the kernel object: each JIT launch runs the real kernel, then hands back a
-    FakeCompiled (failing when ``fail_next`` is set)."""
-
-    def __init__(self, real) -> None:
-        self.real, self.fail_next, self.launches, self.handed = real, False, 0, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-            self.real[grid](*args, **kwargs)
-            compiled = FakeCompiled(self.real, self.fail_next, _pointer_types(args))
-            self.handed.append(compiled)
-            return compiled
-
-        return launch
-
-
 @pytest.fixture
 def jit(monkeypatch):
+    """The write kernel behind a JIT stand-in whose compiled stand-ins check every direct launch."""
     if not store_kv.INTERPRETER:
         pytest.skip("fakes the compiled kernel around Triton's interpreter")
-    jit = JitLaunch(store_kv_kernel._store_kv_kernel)
+    jit = StandInJit(store_kv_kernel._store_kv_kernel)
     monkeypatch.setattr(store_kv_kernel, "_store_kv_kernel", jit)
-    yield jit
-    mistyped = [c.mistyped for c in jit.handed if c.mistyped]
-    assert not mistyped, f"a compiled variant was launched directly with other pointer types: {mistyped}"
+    return jit
 
 
 def _launcher(h=2, d=16, slots=12) -> tuple[KVWriter, torch.Tensor, torch.Tensor]:
@@ -187,6 +144,138 @@ def test_pool_write_still_happens_when_its_direct_launch_fails(jit, caplog):
             assert_same_bytes(a, b, "after the failed direct launch")
         assert p.stats.fused_calls == 2
     assert pool._writer.launches.enabled is False and other._writer.launches.enabled is True
+
+
+def test_a_repeated_write_launches_directly_what_its_jit_launch_bound(jit):
+    """The same call twice: the direct launch passes, parameter by parameter in signature order,
+    exactly what the JIT launch bound (the same tensors, equal values and constexprs)."""
+    launch, kc, vc = _launcher(h=3, d=24)
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(4, 3, 24, generator=g)
+    loc = torch.tensor([3, -1, 7, 1])
+    for scale in (0.37, torch.tensor([1.5]), None):
+        for _ in range(2):
+            launch.write(storage_view(kc), storage_view(vc), loc, k, k, scale, scale, FUNCTION_NAMES)
+        compiled = jit.handed[-1]
+        assert compiled.calls == 1, f"scale {scale}: the second call did not launch directly"
+        assert_same_arguments(compiled.direct[-1], compiled.bound, jit.params)
+
+
+# --- the row copy's and the state commit's direct launches -------------------------------------------
+
+
+@pytest.fixture
+def row_jits(monkeypatch):
+    """Both row kernels behind JIT stand-ins, on CPU tables, with their launch caches on and empty."""
+    if not store_kv.INTERPRETER:
+        pytest.skip("fakes the compiled kernels around Triton's interpreter")
+    jits = {}
+    for module, kernels, name in ((copy_rows, copy_rows_kernel, "_copy_rows_kernel"),
+                                  (state_commit, state_commit_kernel, "_commit_rows_kernel")):  # fmt: skip
+        jits[module] = StandInJit(getattr(kernels, name))
+        monkeypatch.setattr(kernels, name, jits[module])
+        monkeypatch.setattr(module, "_kernel_on_cpu", True)
+        monkeypatch.setattr(module.LAUNCHES, "enabled", True)
+        monkeypatch.setattr(module.LAUNCHES, "entries", {})
+    return jits[copy_rows], jits[state_commit]
+
+
+def _random_bytes(shape, g) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+
+def test_row_copies_launch_directly_after_their_first_launch_and_stay_exact(row_jits):
+    """Copies of every kind Triton specialises on (index slices 16-byte aligned and not, int32 and
+    int64 indices, 1, 16 and 17 pairs, a table moving rows within itself in one pass and through the
+    staging buffer): the second round launches the compiled stand-ins only, each launch checked
+    against its variant, and every result is the reference's."""
+    jit, _ = row_jits
+    g = torch.Generator().manual_seed(11)
+    rows = 1100
+    shapes = [(8, 16), (4, 6)]  # 128-byte rows and 24-byte rows (8-byte aligned)
+    cases = [
+        (16, 0, torch.int64, False), (16, 1, torch.int64, False), (1, 0, torch.int64, False),
+        (17, 2, torch.int32, False), (7, 0, torch.int64, True), (1030, 0, torch.int64, True),
+    ]  # fmt: skip
+    for round_ in range(2):
+        launches = jit.launches
+        for n, offset, dtype, same in cases:
+            dst = [_random_bytes((rows, *s), g) for s in shapes]
+            src = dst if same else [_random_bytes((rows, *s), g) for s in shapes]
+            expected = [b.clone() for b in dst]
+            di = torch.randperm(rows, generator=g)[: n + offset].to(dtype)[offset:]
+            si = torch.randperm(rows, generator=g)[: n + offset].to(dtype)[offset:]
+            dt = RowTable.of(dst)
+            st = dt if same else RowTable.of(src)
+            et = RowTable.of(expected)
+            copy_rows.copy_rows_reference(et, di, et if same else RowTable.of([b.clone() for b in src]), si)
+            copy_rows.copy_rows(dt, di, st, si)
+            for b, (got, want) in enumerate(zip(dst, expected)):
+                what = f"round {round_}, {n} pairs at offset {offset}, {dtype}, same={same}: buffer {b}"
+                assert_same_bytes(got, want, what)
+        if round_ == 1:
+            assert jit.launches == launches, f"{jit.launches - launches} launches went through the JIT in the second round"
+    assert sum(c.calls for c in jit.handed) >= len(cases)
+
+
+def test_a_repeated_row_copy_launches_directly_what_its_jit_launch_bound(row_jits):
+    jit, _ = row_jits
+    g = torch.Generator().manual_seed(12)
+    dst, src = RowTable.of([_random_bytes((40, 32), g)]), RowTable.of([_random_bytes((40, 32), g)])
+    di, si = torch.tensor([3, 9, -1, 20]), torch.tensor([5, 1, 2, 39])
+    for _ in range(2):
+        copy_rows.copy_rows(dst, di, src, si)
+    compiled = jit.handed[-1]
+    assert jit.launches == 1 and compiled.calls == 1
+    assert_same_arguments(compiled.direct[-1], compiled.bound, jit.params)
+
+
+STATE_PARAMS = MambaCacheParams(MambaStateShape(conv=(7, 3), temporal=(2, 3, 5)), (1, 2, 5))
+
+
+def _state_pool(seed: int) -> MambaPool:
+    pool = MambaPool(size=9, spec_state_size=4, cache_params=STATE_PARAMS, device="cpu", speculative_num_draft_tokens=3)
+    g = torch.Generator().manual_seed(seed)
+    for t in (*pool.conv, pool.temporal, *pool.intermediate_conv_window, pool.intermediate_ssm):
+        t.view(torch.uint8).copy_(_random_bytes(t.view(torch.uint8).shape, g))
+    return pool
+
+
+def test_state_commits_launch_directly_after_their_first_launch_and_stay_exact(row_jits):
+    """MambaPool.commit with int64 and int32 indices, one request (a count Triton specialises) and
+    track slots: the second round launches the compiled stand-ins only (a launch cache built with
+    the wrong arguments fails at its first ``remember``), and the states are the reference's."""
+    _, jit = row_jits
+    i32, i64 = torch.int32, torch.int64
+    cases = [
+        ([4, 1, 9], [3, 0, 2], None, None, i64),
+        ([2, 7], [1, 3], None, None, i32),
+        ([5], [2], None, None, i64),
+        ([3, 6], [1, 2], [8, 2], [3, 0], i64),
+    ]
+    for round_ in range(2):
+        launches = jit.launches
+        for n, (slots, steps, track, track_steps, dtype) in enumerate(cases):
+            pool, twin = _state_pool(n), _state_pool(n)
+            args = [None if v is None else torch.tensor(v, dtype=dtype) for v in (slots, steps, track, track_steps)]
+            pool.commit(*args)
+            state_commit.commit_rows_reference(twin.row_table, twin.spec_row_table, 3, *args)
+            for a, b, name in zip((*pool.conv, pool.temporal), (*twin.conv, twin.temporal), ("conv", "ssm")):
+                assert_same_bytes(a.view(torch.uint8), b.view(torch.uint8), f"round {round_}, case {n}: {name}")
+        if round_ == 1:
+            assert jit.launches == launches, f"{jit.launches - launches} commits went through the JIT in the second round"
+    assert sum(c.calls for c in jit.handed) == len(cases)
+
+
+def test_a_repeated_state_commit_launches_directly_what_its_jit_launch_bound(row_jits):
+    _, jit = row_jits
+    pool = _state_pool(3)
+    slots, steps = torch.tensor([4, 1]), torch.tensor([3, 1])
+    for _ in range(2):
+        pool.commit(slots, steps)
+    compiled = jit.handed[-1]
+    assert jit.launches == 1 and compiled.calls == 1
+    assert_same_arguments(compiled.direct[-1], compiled.bound, jit.params)
 
 
 # --- KernelOptions and the environment -----------------------------------------------------------
@@ -317,32 +406,18 @@ def _kvpool_frames() -> list[str]:
     return names
 
 
-class FrameCounter(FakeCompiled):
-    """A compiled stand-in that records the kvpool frames under each direct launch, then launches."""
-
-    stacks: list[list[str]] = []
-
-    def __getitem__(self, grid):
-        run = super().__getitem__(grid)
-
-        def counted(*args):
-            FrameCounter.stacks.append(_kvpool_frames())
-            return run(*args)
-
-        return counted
-
-
 @pytest.fixture
-def frames(jit, monkeypatch):
-    """Direct launches through FrameCounter; returns a function giving the frames of one call."""
-    monkeypatch.setattr(sys.modules[__name__], "FakeCompiled", FrameCounter)
+def frames(jit):
+    """Direct launches record the kvpool frames under them; returns a function giving the frames of one call."""
+    stacks: list[list[str]] = []
+    jit.on_direct = lambda: stacks.append(_kvpool_frames())
 
     def of(call) -> list[str]:
         call()  # the first call of a kind launches through the JIT
-        FrameCounter.stacks.clear()
+        stacks.clear()
         call()
-        assert len(FrameCounter.stacks) == 1, f"{len(FrameCounter.stacks)} direct launches for one call"
-        return FrameCounter.stacks[0]
+        assert len(stacks) == 1, f"{len(stacks)} direct launches for one call"
+        return stacks[0]
 
     return of
 

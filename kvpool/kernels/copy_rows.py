@@ -16,7 +16,16 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
 from kvpool.kernels.copy_rows_naive import byte_rows, copy_rows_reference
-from kvpool.kernels.launch import INTERPRETER, LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, floor_pow2, kernel_params, next_pow2
+from kvpool.kernels.launch import (
+    INTERPRETER,
+    TRITON_AVAILABLE,
+    DirectLaunches,
+    cdiv,
+    floor_pow2,
+    kernel_params,
+    launch_key,
+    next_pow2,
+)
 from kvpool.kernels.row_table import RowTable, aliases, staging_table
 from kvpool.kernels.tuning import (
     FEW_PROGRAMS,
@@ -28,7 +37,6 @@ from kvpool.kernels.tuning import (
     STAGING_BYTES,
     Tile,
 )
-from kvpool.streams import OnStream
 
 _k = None
 if TRITON_AVAILABLE:
@@ -99,6 +107,11 @@ class CopyPlan:
     tasks: int
     programs: int
 
+    @property
+    def constexprs(self) -> tuple:
+        """The kernel's compile-time constants for this plan, in signature order."""
+        return (self.elem_bytes, self.align, self.block_p, self.block_w, self.even, self.one_pass)
+
 
 @functools.lru_cache(maxsize=4096)
 def plan_copy(
@@ -141,20 +154,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_key(device_index: int, plan: CopyPlan, maxnreg: Optional[int], tensors: tuple, ints: tuple) -> tuple:
-    """Everything the compiled kernel for a launch depends on: the device, the plan's constexprs and
-    warps, the register cap, and what Triton specialises each argument on: a tensor's dtype and
-    whether 16 divides its address; an int's type (i32 up to 2**31 - 1, i64, u64 from 2**63),
-    whether it is 1 and whether 16 divides it. Two launches with equal keys run the same compiled
-    kernel; the key is a superset of Triton's own, so a kernel is never reused for arguments it was
-    not compiled for. (The grid is not part of it: pair counts with the same blocks share a kernel.)"""
-    return (
-        device_index, plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass,
-        plan.num_warps, maxnreg, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
-        *[(v == 1) | (v % 16 == 0) << 1 | (v > 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3 | (v < -0x80000000) << 4 for v in ints],
-    )  # fmt: skip
-
-
 #: The kernel's parameters, in order: what a launch passes the compiled kernel's launcher
 #: positionally, constexprs included. That launcher does not check how many it gets (Triton 3.6-3.7),
 #: so the cached launches are only used when the kernel's signature is exactly this.
@@ -165,9 +164,9 @@ PARAMS = (
 )  # fmt: skip
 
 
-#: Compiled kernels by :func:`launch_key` (CUDA): a transfer of 32 layers one by one launches 32
-#: times before the model's work can be queued, so each launch after the first of its kind skips the
-#: JIT's per-call binding.
+#: Compiled kernels by launch key (CUDA): a transfer of 32 layers one by one launches 32 times
+#: before the model's work can be queued, so each launch after the first of its kind skips the JIT's
+#: per-call binding.
 LAUNCHES = DirectLaunches("row copy", _k is not None and kernel_params(_k._copy_rows_kernel) == PARAMS)
 
 
@@ -187,8 +186,8 @@ def launch_copy_rows(
     ``tile`` overrides the tile table (benchmarks). ``stream``: the CUDA stream to launch on (default:
     the current one), without making it current.
 
-    After the first launch of a kind (:func:`launch_key`), later ones go straight to the compiled
-    kernel's launcher, skipping the JIT's per-call argument binding."""
+    After the first launch of a kind (:func:`~kvpool.kernels.launch.launch_key`), later ones go
+    straight to the compiled kernel's launcher, skipping the JIT's per-call argument binding."""
     n = dst_index.shape[0]
     if n == 0:
         return
@@ -203,26 +202,9 @@ def launch_copy_rows(
         len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
     args = tensors + ints
-    if device.type != "cuda" or INTERPRETER:
-        _jit_launch(plan, tile, args)
-        return
-    current = device.index == torch.cuda.current_device()
-    key = launch_key(device.index, plan, tile.maxnreg, tensors, ints) if LAUNCHES.enabled and current else None
-    compiled = LAUNCHES.entries.get(key) if key is not None else None
-    if compiled is not None:
-        constexprs = (plan.elem_bytes, plan.align, plan.block_p, plan.block_w, plan.even, plan.one_pass)
-        try:
-            compiled[(plan.programs, 1, 1)](*args, *constexprs, stream=None if stream is None else stream.cuda_stream)
-            return
-        except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these before launching
-            LAUNCHES.failed(exc)
-    if stream is not None or not current:
-        with OnStream(stream if stream is not None else torch.cuda.current_stream(device)):
-            compiled = _jit_launch(plan, tile, args)
-    else:
-        compiled = _jit_launch(plan, tile, args)
-    if key is not None and compiled is not None:
-        LAUNCHES.remember(key, compiled)
+    constexprs = plan.constexprs
+    key = launch_key(device.index, constexprs, (plan.num_warps, tile.maxnreg), tensors, ints) if LAUNCHES.enabled else None
+    LAUNCHES.launch(key, (plan.programs, 1, 1), args + constexprs, lambda: _jit_launch(plan, tile, args), device, stream)
 
 
 def _jit_launch(plan: CopyPlan, tile: Tile, args: tuple):

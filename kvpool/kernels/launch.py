@@ -4,19 +4,24 @@ arithmetic, and the cache that launches a compiled kernel straight after its fir
 Triton's JIT launch binds and specialises every argument and looks its cache up on each call, which
 costs an eager decode step more host time than the kernel takes on the device. After a kernel's
 first JIT launch for a kind of call, :class:`DirectLaunches` keeps the compiled kernel Triton hands
-back under a key the caller builds (a superset of what Triton specialises on), and later calls of
-that kind launch it directly, all arguments positional in signature order. A compiled-kernel
-launcher that refuses them turns the cache off for good, and the caller goes back to the JIT launch.
-What the kernels promise is in docs/contract.md ("The write", "Moves and CPU copies").
+back under a key (:func:`launch_key`, a superset of what Triton specialises on), and later calls of
+that kind launch it directly, all arguments positional in signature order, constexprs included
+(:meth:`DirectLaunches.launch`). A compiled-kernel launcher that refuses them turns the cache off for
+good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
+path and shares the rest. What the kernels promise is in docs/contract.md ("The write", "Moves and
+CPU copies").
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 from kvpool.kernels.tuning import LAUNCH_CACHE_ENTRIES
+from kvpool.streams import OnStream
 
 logger = logging.getLogger("kvpool")
 
@@ -40,6 +45,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 #: how a direct launch passes them (nothing is launched then).
 LAUNCH_ERRORS = (TypeError, SystemError, IndexError, AttributeError)
 
+#: The index of the current CUDA device (a C function: no Python frame on a hot path); None in a
+#: torch built without CUDA.
+current_cuda_device: Optional[Callable[[], int]] = getattr(torch._C, "_cuda_getDevice", None)
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ``b``: the number of blocks of ``b`` covering ``a``."""
@@ -61,6 +70,19 @@ def kernel_params(kernel: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
 
 
+def launch_key(device_index: Optional[int], constexprs: tuple, options: tuple, tensors: Sequence, ints: Sequence) -> tuple:
+    """Everything the compiled kernel of a launch depends on: the device, the constexprs, the launch
+    options (warps, a register cap), and what Triton specialises each runtime argument on: a
+    tensor's dtype and whether 16 divides its address; an int's type (i32 up to 2**31 - 1, i64, u64
+    from 2**63), whether it is 1 and whether 16 divides it. Two launches with equal keys run the
+    same compiled kernel; the key is a superset of Triton's own, so a kernel is never reused for
+    arguments it was not compiled for. (The grid is not part of it.)"""
+    return (
+        device_index, constexprs, options, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+        *[(v == 1) | (v % 16 == 0) << 1 | (v > 0x7FFFFFFF) << 2 | (v >= 1 << 63) << 3 | (v < -0x80000000) << 4 for v in ints],
+    )  # fmt: skip
+
+
 class DirectLaunches:
     """Compiled kernels of one ``@triton.jit`` function, by launch key, for direct launches.
 
@@ -78,6 +100,39 @@ class DirectLaunches:
         self.entries: dict = {}
         self.limit = limit
         self.enabled = enabled and TRITON_AVAILABLE and not INTERPRETER
+
+    def launch(
+        self,
+        key: object,
+        grid: tuple[int, int, int],
+        args: tuple,
+        jit: Callable[[], object],
+        device: torch.device,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> None:
+        """One launch of a kind of call: the compiled kernel kept under ``key`` directly when there is
+        one (``args``: every parameter positionally in signature order, constexprs included), else
+        ``jit()``, the JIT launch on the current device and stream, whose compiled kernel is kept
+        under ``key`` (None: not kept). ``device`` is where the kernel runs: one that is not the
+        current device is made current for the JIT launch and its launches are not kept (a compiled
+        kernel is loaded on one device). ``stream``: the CUDA stream to launch on (default: the
+        current one), without leaving it current."""
+        here = device.type != "cuda" or device.index == current_cuda_device()  # type: ignore[misc]
+        if here and key is not None:
+            compiled = self.entries.get(key)
+            if compiled is not None:
+                try:
+                    compiled[grid](*args, stream=None if stream is None else stream.cuda_stream)  # type: ignore[index]
+                    return
+                except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these; nothing ran
+                    self.failed(exc)
+        if here and stream is None:
+            compiled = jit()
+        else:
+            with OnStream(stream if stream is not None else torch.cuda.current_stream(device)):
+                compiled = jit()
+        if here and key is not None and compiled is not None:
+            self.remember(key, compiled)
 
     def remember(self, key: object, compiled: object) -> None:
         """Keep ``compiled`` for later launches of ``key`` (dropping the oldest past ``limit``)."""

@@ -22,12 +22,12 @@ import torch
 from kvpool.kernels.copy_rows_naive import copy_rows_reference
 from kvpool.kernels.launch import (
     INTERPRETER,
-    LAUNCH_ERRORS,
     TRITON_AVAILABLE,
     DirectLaunches,
     cdiv,
     floor_pow2,
     kernel_params,
+    launch_key,
     next_pow2,
 )
 from kvpool.kernels.row_table import RowTable
@@ -87,15 +87,6 @@ PARAMS = (
 LAUNCHES = DirectLaunches("state commit kernel", _k is not None and kernel_params(_k._commit_rows_kernel) == PARAMS)
 
 
-def _launch_key(device_index: int, constexprs: tuple, warps: int, tensors: tuple, ints: tuple) -> tuple:
-    """A superset of what Triton specialises a launch on: each tensor's dtype and 16-byte alignment,
-    each int's width class, whether it is 1 and whether 16 divides it."""
-    return (
-        device_index, constexprs, warps, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
-        *[(v == 1, v % 16 == 0, v > 0x7FFFFFFF, v >= 1 << 63, v < -0x80000000) for v in ints],
-    )  # fmt: skip
-
-
 def launch_commit_rows(
     dst: RowTable,
     src: RowTable,
@@ -105,10 +96,10 @@ def launch_commit_rows(
     track_slots: Optional[torch.Tensor] = None,
     track_steps: Optional[torch.Tensor] = None,
 ) -> None:
-    """Launch the kernel once on the current stream. Unchecked: the tables must hold the same
-    buffers' row sizes in the same order on one device, and the index tensors be 1-D int32/int64 of
-    one length on it. After the first launch of a kind, later ones go straight to the compiled
-    kernel."""
+    """Launch the kernel once on the current stream of the tables' device. Unchecked: the tables must
+    hold the same buffers' row sizes in the same order on one device, and the index tensors be 1-D
+    int32/int64 of one length on it. After the first launch of a kind (its
+    :func:`~kvpool.kernels.launch.launch_key`), later ones go straight to the compiled kernel."""
     bs = slots.shape[0]
     if bs == 0:
         return
@@ -122,25 +113,17 @@ def launch_commit_rows(
         bs, num_steps, dst.rows, src.rows, slots.stride(0), steps.stride(0), ts.stride(0), tst.stride(0),
         dst.table.stride(0), src.table.stride(0), len(dst), plan.chunks, plan.tasks,
     )  # fmt: skip
+    args = tensors + ints
     constexprs = (plan.elem_bytes, align, plan.block_w, plan.even, has_track)
-    device = dst.device
-    key = None
-    if device.type == "cuda" and LAUNCHES.enabled and device.index == torch.cuda.current_device():
-        key = _launch_key(device.index, constexprs, plan.num_warps, tensors, ints)
-        compiled = LAUNCHES.entries.get(key)
-        if compiled is not None:
-            try:
-                compiled[(plan.programs, 1, 1)](*tensors, *ints, *constexprs)
-                return
-            except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these
-                LAUNCHES.failed(exc)
-                key = None
-    compiled = _k._commit_rows_kernel[(plan.programs,)](
-        *tensors, *ints, ELEM_BYTES=plan.elem_bytes, ALIGN=align, BLOCK_W=plan.block_w, EVEN=plan.even,
-        HAS_TRACK=has_track, num_warps=plan.num_warps,
-    )  # fmt: skip
-    if key is not None and compiled is not None:
-        LAUNCHES.remember(key, compiled)
+    key = launch_key(dst.device.index, constexprs, (plan.num_warps,), tensors, ints) if LAUNCHES.enabled else None
+    LAUNCHES.launch(key, (plan.programs, 1, 1), args + constexprs, lambda: _jit_launch(plan, constexprs, args), dst.device)
+
+
+def _jit_launch(plan: CommitPlan, constexprs: tuple, args: tuple):
+    """Launch through Triton's JIT (compiling on first use) on the current device and stream; returns
+    the compiled kernel (None under the interpreter)."""
+    consts = dict(zip(PARAMS[len(args) :], constexprs))
+    return _k._commit_rows_kernel[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
 
 
 def commit_source_rows(num_steps: int, steps: torch.Tensor) -> torch.Tensor:

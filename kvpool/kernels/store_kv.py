@@ -25,7 +25,15 @@ from kvpool.config import KernelOptions
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.formats import OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
 from kvpool.kernels.gate import cache_verdict, input_verdict
-from kvpool.kernels.launch import INTERPRETER, LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, kernel_params
+from kvpool.kernels.launch import (
+    INTERPRETER,
+    LAUNCH_ERRORS,
+    TRITON_AVAILABLE,
+    DirectLaunches,
+    cdiv,
+    current_cuda_device,
+    kernel_params,
+)
 from kvpool.kernels.store_kv_checks import (
     F32_MAX,
     F32_MIN_NORMAL,
@@ -69,9 +77,6 @@ CONSTEXPRS = (
 )  # fmt: skip
 PARAMS = PER_CALL + FIXED + CONSTEXPRS
 _SIGNATURE_OK = kernels is not None and kernel_params(kernels._store_kv_kernel) == PARAMS
-
-#: The index of the current CUDA device (a C function: no Python frame on the hot path).
-_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 @dataclass
@@ -159,7 +164,7 @@ class KVWriter:
         self.jit_launches = 0
         self.cache_strides = (*k_strides, *v_strides)
         self.joined, self.row_plans, self.tile, self.layout, self.chunk = joined, row_plans, tile, layout, chunk
-        self._device_index = _current_device if g.device.type == "cuda" else int  # int() is 0: no device to ask
+        self._device_index = current_cuda_device if g.device.type == "cuda" else int  # int() is 0: no device to ask
         # 32-bit offsets need every offset of a launch below 2**31: the caches' (fixed here) and the
         # inputs' and loc's (per kind of call, from the strides; the largest T is kept).
         self._i32_ok = max(
@@ -357,14 +362,16 @@ class KVWriter:
 
     def _jit_launch(self, entry: _Entry, per_call: tuple, tokens: int) -> None:
         """Launch through Triton's JIT (compiling on first use); keep the compiled kernel for direct
-        launches. A write too large for 32-bit offsets takes the 64-bit variant, launched here."""
+        launches. A write too large for 32-bit offsets takes the 64-bit variant, never kept."""
         i64 = tokens > entry.max_tokens
         consts = {**entry.constexprs, "I64": True} if i64 else entry.constexprs
         grid = (cdiv(tokens, entry.block_t), entry.grid_y, 1)
         self.jit_launches += 1
-        compiled = kernels._store_kv_kernel[grid](*per_call, *entry.fixed, **consts)  # type: ignore[union-attr]
-        if compiled is not None and not i64:
-            self.launches.remember(entry, compiled)
+
+        def jit():
+            return kernels._store_kv_kernel[grid](*per_call, *entry.fixed, **consts)  # type: ignore[union-attr]
+
+        self.launches.launch(None if i64 else entry, grid, per_call + entry.direct, jit, self._device)
 
     def _fall_back(self, reason, k_store, v_store, loc, k, v, k_scale, v_scale, amax, commit_lens) -> None:
         if self.mode == "always":
