@@ -31,6 +31,7 @@ K/V element falls on the other side of a rounding boundary.
     python examples/llama_runner.py                          # GPU if there is one, else CPU
     python examples/llama_runner.py --config tiny --dtypes fp32 bf16
     python examples/llama_runner.py --config 8b-4layer --device cuda --prompts 16 --batch 8
+    python examples/llama_runner.py --config tiny --prefix-cache   # prompts sharing prefixes on a RadixCache
 
 Exit status: 0 when the fp32 check passes (or was not requested) and the allocators are consistent,
 1 otherwise, 2 on bad arguments.
@@ -283,10 +284,10 @@ def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MH
 def serve(
     model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], max_running: int,
     scales: Optional[Scales] = None, keep_logits: bool = True, arch: Architecture = LLAMA,
-    chunk_size: Optional[int] = None,
+    chunk_size: Optional[int] = None, prefix_cache: bool = False,
 ) -> ServeResult:  # fmt: skip
     """``runner_common.serve`` with Llama's architecture by default."""
-    return rc.serve(model, pool, prompts, max_running, scales, keep_logits, arch, chunk_size)
+    return rc.serve(model, pool, prompts, max_running, scales, keep_logits, arch, chunk_size, prefix_cache)
 
 
 def calibrate(

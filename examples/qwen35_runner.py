@@ -56,6 +56,12 @@ state pool end consistent with nothing held. bf16 and FP8 pools (scale 1.0, and 
 token agreement and KL against HF, and the identical-tokens check against HF generating through a cache
 that rounds K/V as the pool does (the state is float32 in both).
 
+With ``--prefix-cache`` the prompts share prefixes and the plain runs serve them on a
+``MambaRadixCache`` (examples/runner_prefix.py): a match's state snapshot is copied into the
+request's state slot and only the rest of the prompt is prefilled; with pages above one token the
+prefill chunks end at page boundaries, where each request's state is copied into its track slots (the
+snapshots the tree caches). The speculative runs serve without the cache.
+
 ``--json PATH`` writes ``{"config": <the text config's to_dict()>, "seed": S, "prompts": [[ids]],
 "fp32_tokens": [[ids]], "spec_tokens": [[ids]]}`` (generated tokens of the fp32 pool without and with
 speculative decoding); the model is ``Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))`` built in
@@ -85,6 +91,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner_common as rc  # noqa: E402  (the shared scheduler, references and checks)
+import runner_prefix  # noqa: E402  (the scheduler on a prefix cache)
 from runner_common import (  # noqa: E402
     DTYPES,
     KV_LEN_MULTIPLE,
@@ -321,11 +328,15 @@ def state_params(model: Qwen3_5MoeForCausalLM) -> MambaCacheParams:
 def make_pool(cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype, spec_steps: Optional[int] = None) -> HybridPools:
     """A KV pool of ``dtype`` over the full-attention layers with room for ``cfg.batch`` of the longest
     requests, and a request table of ``cfg.batch`` rows with a state slot each (``spec_steps`` verify
-    steps of scratch per batch position)."""
+    steps of scratch per batch position). With ``cfg.prefix_cache`` (and no ``spec_steps``) as many
+    state slots again for the tree's snapshots, and with pages above one token two track slots per
+    request (``enable_mamba_extra_buffer``)."""
     g = hybrid_geometry(model)
+    tracks = cfg.prefix_cache and spec_steps is None and cfg.page_size > 1
+    states = cfg.batch if not cfg.prefix_cache else 2 * cfg.batch * (3 if tracks else 1)  # half for the tree's snapshots
     table = HybridReqToTokenPool(
-        size=cfg.batch, mamba_size=cfg.batch, max_context_len=cfg.max_context_len, device=cfg.device,
-        cache_params=state_params(model), speculative_num_draft_tokens=spec_steps,
+        size=cfg.batch, mamba_size=states, max_context_len=cfg.max_context_len, device=cfg.device,
+        cache_params=state_params(model), enable_mamba_extra_buffer=tracks, speculative_num_draft_tokens=spec_steps,
     )  # fmt: skip
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
     kv = HybridLinearKVPool(
@@ -745,8 +756,13 @@ class Qwen35(Architecture):
         draft_pool = MHATokenToKVPool(kv.size, kv.page_size, kv.dtype, kv.head_num, kv.head_dim, kv.layer_num, kv.device)
         return SpecRunner(model, pool, scales, draft_pool)
 
-    def scheduler(self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int]) -> HybridScheduler:
-        return HybridScheduler(pool, max_running, max_context_len, chunk_size, self.spec_width)
+    def scheduler(
+        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
+    ) -> HybridScheduler:
+        if prefix_cache and self.spec_width is not None:
+            raise ValueError("prefix_cache must be False for a speculative run (spec_width set): its verify steps are not cached")
+        cls = runner_prefix.caching(HybridScheduler) if prefix_cache else HybridScheduler
+        return cls(pool, max_running, max_context_len, chunk_size, self.spec_width)
 
     def reference_scales(self, model: Any, scales: Optional[rc.LayerScales]) -> Optional[rc.LayerScales]:
         if scales is None or isinstance(scales, Mapping):
@@ -889,6 +905,8 @@ def format_summary(rep: QwenReport) -> str:
         if not r.allocators_ok:
             problem = r.integrity_error or f"{r.leaked_slots} slots still held after every request finished"
             lines.append(f"    allocators  FAILED: {problem}")
+    if rep.spec_runs and rep.config.prefix_cache:
+        lines.append("  note        the speculative runs serve without the prefix cache (verify steps are not cached)")
     check = rep.spec_check
     if check is not None:
         lines.append(f"  spec check  {'PASS' if check else 'FAILED'}: speculative tokens identical to the non-speculative run")

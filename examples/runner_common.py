@@ -15,6 +15,8 @@ pool, make its model runner); ``serve``, ``calibrate`` and ``run`` do the rest:
   rounds the K/V it stores as a pool of a given dtype does (``RoundingCache``); ``compare`` reports
   token agreement, logit error and KL; ``run`` serves on a pool of each dtype and compares;
   ``format_summary`` prints it.
+- ``RunConfig.prefix_cache`` (``--prefix-cache``): prompts that share prefixes, served on a prefix cache
+  (examples/runner_prefix.py): each prefills only what the tree does not hold.
 
 Used by examples/llama_runner.py (Llama, ``MHATokenToKVPool``), examples/deepseek_runner.py (DeepSeek-V3,
 ``MLATokenToKVPool``) and examples/qwen35_runner.py (Qwen3.5, hybrid KV and state pools).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import random
 import sys
 import time
@@ -39,6 +42,9 @@ from kvpool.checks import positive_int
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
 from kvpool.pools.base import KVCache
 from kvpool.pools.req_to_token import ReqToTokenPool
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runner_prefix  # noqa: E402  (the scheduler on a prefix cache, beside this module)
 
 try:
     import transformers
@@ -95,7 +101,8 @@ class RunConfig:
     distinct where the range allows). ``batch`` is the most requests running at once (request table
     rows); prompts beyond it wait for a finished request's row and pages. ``chunk_size`` is the most
     prompt tokens one prefill step takes (None: whole prompts); a longer prompt is prefilled in chunks
-    over several steps.
+    over several steps. ``prefix_cache``: the prompts share prefixes (each after the first begins
+    with part of an earlier one) and the scheduler serves them on a prefix cache (runner_prefix.py).
     """
 
     shape: Shape
@@ -112,6 +119,7 @@ class RunConfig:
     # Small matmuls on a 2-core CPU run faster on one thread (as in serve_sim). None: torch's choice.
     cpu_threads: Optional[int] = 1
     chunk_size: Optional[int] = None
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prompts", "batch", "page_size"):
@@ -148,16 +156,24 @@ class Prompt:
 
 def make_prompts(cfg: RunConfig) -> list[Prompt]:
     """Seeded random token ids; prompt lengths distinct where the range allows, output lengths drawn
-    independently (so requests finish at different steps)."""
+    independently (so requests finish at different steps). With ``cfg.prefix_cache`` each prompt
+    after the first begins with half or more of an earlier one (as far as it is long enough)."""
     rng = random.Random(cfg.seed)
     lo, hi = cfg.prompt_len
     if hi - lo + 1 >= cfg.prompts:
         lengths = rng.sample(range(lo, hi + 1), cfg.prompts)
     else:
         lengths = [rng.randint(lo, hi) for _ in range(cfg.prompts)]
-    return [
-        Prompt([rng.randrange(cfg.shape.vocab) for _ in range(n)], rng.randint(*cfg.new_tokens)) for n in lengths
-    ]
+    prompts = []
+    for n in lengths:
+        shared: list[int] = []
+        if cfg.prefix_cache and prompts:
+            earlier = rng.choice(prompts).tokens
+            most = min(len(earlier), n - 1)
+            shared = earlier[: rng.randint(most // 2, most)] if most > 0 else []
+        tokens = shared + [rng.randrange(cfg.shape.vocab) for _ in range(n - len(shared))]
+        prompts.append(Prompt(tokens, rng.randint(*cfg.new_tokens)))
+    return prompts
 
 
 @dataclass
@@ -234,8 +250,12 @@ def hf_reference(
 # --- the scheduler ---------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """A request's progress, with the attributes a prefix cache reads and writes under SGLang's
+    ``Req`` names (``kvpool.cache.requests``): ``req_pool_idx`` is ``row``, ``origin_input_ids`` the
+    prompt, ``output_ids`` the output, ``fill_ids`` the tokens with K/V."""
+
     rid: int
     prompt: list[int]
     max_new_tokens: int
@@ -243,6 +263,41 @@ class Request:
     kv_len: int = 0  # tokens whose K/V is in the pool, at req_to_token[row, :kv_len]
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    last_node: Any = None  # the tree node its cached prefix ends on (locked while it runs)
+    cache_protected_len: int = 0  # its leading slots that belong to the tree
+    prefix_indices: Optional[torch.Tensor] = None
+    mamba_pool_idx: Optional[torch.Tensor] = None  # a hybrid model's state slot, and its track slots
+    mamba_ping_pong_track_buffer: Optional[torch.Tensor] = None
+    mamba_next_track_idx: int = 0
+    mamba_last_track_seqlen: Optional[int] = None
+
+    @property
+    def req_pool_idx(self) -> Optional[int]:
+        return self.row
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, row: Optional[int]) -> None:
+        self.row = row
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        return self.prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.output
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return (self.prompt + self.output)[: self.kv_len]
+
+    @property
+    def kv_committed_len(self) -> int:
+        return self.kv_len
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return self.kv_len
 
     @property
     def final_kv_len(self) -> int:
@@ -364,7 +419,7 @@ class Scheduler:
         budget = self.chunk_size if self.chunk_size is not None else sum(len(r.prompt) for r in reqs)
         chosen, counts = [], []
         for r in reqs:
-            n = min(len(r.prompt) - r.kv_len, budget)
+            n = self._chunk(r, budget)
             if n == 0:
                 break
             chosen.append(r)
@@ -374,6 +429,10 @@ class Scheduler:
         loc = self.alloc_extend(chosen, counts)
         ids = [t for r, s, n in zip(chosen, starts, counts) for t in r.prompt[s : s + n]]
         return self._batch(chosen, ids, starts, counts, loc, is_prefill=True)
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """How many of ``r``'s prompt tokens this step prefills, within ``budget``."""
+        return min(len(r.prompt) - r.kv_len, budget)
 
     def alloc_extend(self, reqs: Sequence[Request], counts: Sequence[int]) -> torch.Tensor:
         """Slots for ``counts[i]`` more tokens of each request after its ``kv_len`` (continuing its
@@ -479,6 +538,10 @@ class Scheduler:
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
 
+    def leaked_slots(self) -> int:
+        """Slots still held once every request finished."""
+        return self.slots_in_use()
+
 
 # --- the model runner's attention over pool rows -------------------------------------------------
 
@@ -559,9 +622,11 @@ class Architecture:
         raise NotImplementedError
 
     def scheduler(
-        self, pool: KVCache, max_running: int, max_context_len: int, chunk_size: Optional[int]
-    ) -> Scheduler:
-        return Scheduler(pool, max_running, max_context_len, chunk_size)
+        self, pool: KVCache, max_running: int, max_context_len: int, chunk_size: Optional[int],
+        prefix_cache: bool = False,
+    ) -> Scheduler:  # fmt: skip
+        cls = runner_prefix.caching(Scheduler) if prefix_cache else Scheduler
+        return cls(pool, max_running, max_context_len, chunk_size)
 
     def reference_scales(self, model: PreTrainedModel, scales: Optional[Scales]) -> Optional[LayerScales]:
         """``scales`` (the runner's) by HF layer index, for ``hf_reference``'s rounding cache."""
@@ -587,6 +652,8 @@ class ServeResult:
     integrity_error: Optional[str] = None
     leaked_slots: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per request and verify step: drafts accepted
+    prompt_tokens: int = 0  # with a prefix cache: the admitted prompts' tokens, and those it held
+    cached_tokens: int = 0
 
     @property
     def generated_tokens(self) -> int:
@@ -606,14 +673,15 @@ def serve(
     keep_logits: bool = True,
     arch: Optional[Architecture] = None,
     chunk_size: Optional[int] = None,
+    prefix_cache: bool = False,
 ) -> ServeResult:
     """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once,
-    with ``arch``'s scheduler and model runner. The result's path counts are the pool writes of
-    this run."""
+    with ``arch``'s scheduler and model runner (on a prefix cache with ``prefix_cache``). The
+    result's path counts are the pool writes of this run."""
     if arch is None:
         raise ValueError("arch must be a model family's Architecture, got None")
     max_context = max(len(p.tokens) + p.new_tokens for p in prompts)
-    sched = arch.scheduler(pool, max_running, max_context, chunk_size)
+    sched = arch.scheduler(pool, max_running, max_context, chunk_size, prefix_cache)
     runner = arch.runner(model, pool, scales)
     for rid, p in enumerate(prompts):
         sched.add(Request(rid, list(p.tokens), p.new_tokens))
@@ -633,11 +701,13 @@ def serve(
     res.fused_calls = stats.fused_calls - fused0
     res.reference_calls = stats.reference_calls - ref0
     res.reasons = {k: v - reasons0.get(k, 0) for k, v in stats.reasons.items() if v != reasons0.get(k, 0)}
+    res.prompt_tokens = getattr(sched, "prompt_tokens", 0)
+    res.cached_tokens = getattr(sched, "cached_tokens", 0)
     try:
         sched.check_integrity()
     except RuntimeError as e:
         res.integrity_error = str(e)
-    res.leaked_slots = sched.slots_in_use()
+    res.leaked_slots = sched.leaked_slots()
     return res
 
 
@@ -742,7 +812,8 @@ def calibrate(
     pool.reset_amax()  # type: ignore[attr-defined]
     pool.observe_amax(True)  # type: ignore[attr-defined]
     try:
-        serve(model, pool, prompts, cfg.batch, keep_logits=False, arch=arch, chunk_size=cfg.chunk_size)
+        serve(model, pool, prompts, cfg.batch, keep_logits=False, arch=arch, chunk_size=cfg.chunk_size,
+              prefix_cache=cfg.prefix_cache)  # fmt: skip
     finally:
         pool.observe_amax(False)  # type: ignore[attr-defined]
     scales = pool.calibrated_scales(margin=1.0, per_head=False)  # type: ignore[attr-defined]
@@ -782,7 +853,8 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
     def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
         dtype = DTYPES[name]
         progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
-        res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size)
+        res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size,
+                    prefix_cache=cfg.prefix_cache)  # fmt: skip
         rounded = None
         if dtype != DTYPES[cfg.model_dtype]:
             progress(f"HF generate through a cache that rounds K/V as the {name} pool does")
@@ -855,6 +927,12 @@ def format_summary(rep: Report) -> str:
         )
         for reason, count in sorted(s.reasons.items(), key=lambda kv: -kv[1]):
             lines.append(f"                reference because {reason} ({count} calls)")
+        if cfg.prefix_cache:
+            rate = 100 * s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+            lines.append(
+                f"    cache       {s.cached_tokens} of {s.prompt_tokens} prompt tokens matched in the prefix cache "
+                f"({rate:.0f}%), not prefilled"
+            )
         if not s.allocators_ok:
             problem = s.integrity_error or f"{s.leaked_slots} slots still held after every request finished"
             lines.append(f"    allocators  FAILED: {problem}")
@@ -894,6 +972,8 @@ def add_run_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
     p.add_argument("--device", default=d["device"], help="cuda when available, else cpu")
     p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated-scale FP8 runs")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help="torch threads on a CPU (0: torch's choice)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="prompts that share prefixes, served on a prefix cache (each prefills only what it does not hold)")  # fmt: skip
 
 
 def run_config(a: argparse.Namespace, shape: Shape) -> RunConfig:
@@ -902,7 +982,7 @@ def run_config(a: argparse.Namespace, shape: Shape) -> RunConfig:
         shape=shape, model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
         prompts=a.prompts, batch=a.batch, prompt_len=tuple(a.prompt_len), new_tokens=tuple(a.new_tokens),
         page_size=a.page_size, seed=a.seed, device=a.device, calibrate=not a.no_calibrate,
-        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size or None,
+        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size or None, prefix_cache=a.prefix_cache,
     )  # fmt: skip
 
 

@@ -197,3 +197,12 @@ def test_on_cuda_every_mla_write_takes_the_fused_kernel(form):
     _check_report(rep, cfg)
     for r in rep.runs:
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, runner_common.format_summary(rep)
+
+
+def test_the_prefix_cache_serves_latent_rows_and_generates_what_transformers_generates():
+    """Prompts that share prefixes on a prefix cache over the MLA pool: matched latent rows are
+    attended over, not computed again, and the fp32 pool still reproduces HF."""
+    rep = deepseek_runner.run(replace(TINY, prompts=8, prompt_len=(4, 40), pool_dtypes=("fp32",), prefix_cache=True))
+    (fp32,) = rep.runs
+    assert fp32.result.cached_tokens > 0 and fp32.result.allocators_ok, runner_common.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok

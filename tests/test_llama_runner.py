@@ -190,3 +190,76 @@ def test_on_cuda_every_write_takes_the_fused_kernel():
     _check_report(rep, first.prefill_steps + first.decode_steps)
     for r in rep.runs:
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, llama_runner.format_summary(rep)
+
+
+# --- --prefix-cache: prompts that share prefixes, each prefilling only what the tree does not hold ---
+
+CACHED = replace(TINY, prompts=8, prompt_len=(4, 40), prefix_cache=True)
+
+
+def _counting_writes(pool):
+    """``pool`` whose layer-0 writes count their tokens into ``pool.written``."""
+    write = pool.set_kv_buffer
+    pool.written = 0
+
+    def counted(layer, loc, *args, **kwargs):
+        if layer.layer_id == pool.start_layer:
+            pool.written += loc.numel()
+        write(layer, loc, *args, **kwargs)
+
+    pool.set_kv_buffer = counted
+    return pool
+
+
+@pytest.fixture(scope="module")
+def cached_model():
+    model = llama_runner.build_model(CACHED.shape, torch.float32, "cpu", CACHED.seed)
+    prompts = llama_runner.make_prompts(CACHED)
+    return model, prompts, llama_runner.hf_reference(model, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("chunk_size", [None, 5], ids=["whole", "chunked"])
+def test_the_prefix_cache_generates_the_same_tokens(cached_model, dtype, chunk_size):
+    """The cache matches each prompt's cached prefix, the runner prefills only the rest and attends
+    over the matched rows: the tokens (and logits) are the cache-off run's, and for fp32 HF's."""
+    model, prompts, hf = cached_model
+    assert sum(p.tokens[:4] == q.tokens[:4] for i, p in enumerate(prompts) for q in prompts[:i]) >= 3
+    runs = {}
+    for on in (False, True):
+        pool = _counting_writes(llama_runner.make_pool(CACHED, model, llama_runner.DTYPES[dtype]))
+        runs[on] = llama_runner.serve(model, pool, prompts, CACHED.batch, chunk_size=chunk_size, prefix_cache=on)
+        runs[on].written = pool.written
+    off, on = runs[False], runs[True]
+    assert on.allocators_ok and on.cached_tokens > 0 and on.prompt_tokens == sum(len(p.tokens) for p in prompts)
+    assert on.written == off.written - on.cached_tokens  # the matched tokens were not computed again
+    same = llama_runner.compare(on.generations, off.generations)
+    assert same.identical and same.max_rel_logit_err <= llama_runner.LOGIT_RTOL
+    if dtype == "fp32":
+        vs_hf = llama_runner.compare(on.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= llama_runner.LOGIT_RTOL
+
+
+def test_a_match_the_runner_does_not_attend_over_fails_the_fp32_check(cached_model, monkeypatch):
+    """Control: admissions whose matched slots are not written into the request's row (it attends
+    over the padding slot instead) part from HF."""
+    model, prompts, hf = cached_model
+    runner_prefix = load_example("runner_prefix")
+    match = runner_prefix.PrefixCaching._match
+
+    def unwritten(self, r, free):
+        taken = match(self, r, free)
+        if taken is not None and r.kv_len:
+            self.table.req_to_token[r.row, : r.kv_len] = 0
+        return taken
+
+    monkeypatch.setattr(runner_prefix.PrefixCaching, "_match", unwritten)
+    res = llama_runner.serve(model, llama_runner.make_pool(CACHED, model, torch.float32), prompts, CACHED.batch,
+                             prefix_cache=True)  # fmt: skip
+    assert res.cached_tokens > 0 and not llama_runner.compare(res.generations, hf).identical
+
+
+def test_prefix_cache_summary(capsys):
+    assert llama_runner.main([*TINY_ARGS, "--prompts", "8", "--dtypes", "fp32", "--prefix-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens matched in the prefix cache" in out and "fp32 check  PASS" in out

@@ -274,6 +274,66 @@ def test_shape_rejects_bad_values(kwargs, message):
         replace(qwen35_runner.SHAPES["tiny"], **kwargs)
 
 
+# --- --prefix-cache: a match forks its state snapshot into the request's slot -----------------------
+
+CACHED = replace(TINY, prompts=8, batch=2, prefix_cache=True)
+
+
+def _serve_cached(cfg, dtype, on, hf=None):
+    arch = qwen35_runner.Qwen35()
+    with qwen35_runner.exact_fp32(), runner_common.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        prompts = runner_common.make_prompts(cfg)
+        pools = arch.make_pool(replace(cfg, prefix_cache=on), model, dtype)
+        write, written = pools.kv.set_kv_buffer, []
+
+        def counted(layer, loc, *args):  # the tokens each step computes (one full-attention layer holds K/V)
+            written.append(loc.numel())
+            write(layer, loc, *args)
+
+        pools.kv.set_kv_buffer = counted
+        res = runner_common.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=on)
+        res.written = sum(written)
+        return res, (runner_common.hf_reference(model, prompts) if hf else None)
+
+
+@pytest.mark.parametrize("page_size", [4, 1], ids=["track-slots", "token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_prefix_cache_generates_the_same_tokens(page_size, dtype):
+    """Pages of 4: chunks end at page boundaries and the state is tracked there, so matches end on
+    snapshots; pages of 1: the state after each cached prefix. The tokens (and logits) are the
+    cache-off run's, and for fp32 HF's."""
+    cfg = replace(CACHED, page_size=page_size)
+    on, hf = _serve_cached(cfg, dtype, True, hf=dtype == torch.float32)
+    off, _ = _serve_cached(cfg, dtype, False)
+    assert on.allocators_ok and on.cached_tokens > 0 and on.cached_tokens % page_size == 0
+    assert on.written == off.written - on.cached_tokens  # the matched tokens were not computed again
+    same = runner_common.compare(on.generations, off.generations)
+    assert same.identical and same.max_rel_logit_err <= runner_common.LOGIT_RTOL
+    if hf is not None:
+        vs_hf = runner_common.compare(on.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL
+
+
+def test_a_match_without_its_state_fails_the_fp32_check(monkeypatch):
+    """Control: matches whose snapshot is not copied into the request's slot (it continues from a
+    zero state) part from HF."""
+    from kvpool.cache import MambaRadixCache
+
+    monkeypatch.setattr(MambaRadixCache, "_fork_into", lambda self, node, req: True)
+    res, hf = _serve_cached(CACHED, torch.float32, True, hf=True)
+    assert res.cached_tokens > 0 and not runner_common.compare(res.generations, hf).identical
+
+
+def test_the_speculative_runs_serve_without_the_cache(capsys):
+    assert qwen35_runner.main(["--prompts", "4", "--dtypes", "fp32", "--device", "cpu", "--prefix-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens matched in the prefix cache" in out and "spec check  PASS" in out
+    assert "the speculative runs serve without the prefix cache" in out
+    with pytest.raises(ValueError, match="prefix_cache must be False for a speculative run"):
+        qwen35_runner.Qwen35(4).scheduler(None, 1, 8, None, prefix_cache=True)
+
+
 @pytest.mark.gpu
 def test_on_cuda_every_kv_write_takes_the_fused_kernel():
     cfg = replace(TINY, device="cuda")
