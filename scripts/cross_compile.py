@@ -50,7 +50,7 @@ def compile_variant(
     names = list(K._store_kv_kernel.arg_names)
     v_head_dim = v_head_dim or head_dim
     # The large writes' plans: the per-head one, the row plan of geometries the per-head plan pads
-    # badly (flat), or the joined one (K and V from one program).
+    # badly or cuts into two pieces per head (flat), or the joined one (K and V from one program).
     plan = plan_write(heads, head_dim, heads, v_head_dim, SMALL_TOKENS + 1, row=flat, joined=joined)
     assert plan.row_view == flat and plan.joined == joined, (heads, head_dim, flat, joined, plan)
     sig = {
@@ -178,6 +178,9 @@ def main() -> int:
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, True),
             ("sm90", 8, 128, 0, "bf16", 2, 2, "i64", False, False, False),
             ("sm90", 3, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
+            # H=8, D=96: large writes take the row plan (768 = 512 + 256) over the per-head one (64 + 32)
+            ("sm90", 8, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
+            ("sm90", 8, 96, 0, "bf16", 2, 2, "i64", False, False, False, False),
             ("sm90", 1, 512, 0, "bf16", 2, 2, "i64", False, False, False, False, True, 64),  # the MLA pool's plan
         ]
     for v in variants:

@@ -17,7 +17,7 @@ from kvpool.kernels.store_kv import KVWriter, storage_view
 from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry, write_key
 from kvpool.kernels.store_kv_op import launch_store_kv
 from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
-from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
+from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BIG = SMALL_TOKENS + 1  # a write of the large-token band
@@ -150,6 +150,41 @@ def test_flat_plans_only_where_the_per_head_plan_pads():
         long = plan_write(h, d, h, d, 1, row=True)
         assert long.block_d2 == 0 and long.block_d <= small.elems and long.lane_use >= 0.9, (h, d, long)
         assert long.k_blocks > 1
+
+
+def test_large_writes_of_several_heads_cut_in_two_pieces_take_a_row_plan():
+    """H=8, D=96: the per-head plan cuts every head's 96 elements into 64 + 32. A large write that
+    may view its rows as one run takes the row plan over WRITE_LARGE_ROW instead (768 = 512 + 256,
+    four rows a program); small writes, calls that may not, and one-head rows keep their plans, and
+    so do the other model geometries. A write of such a plan matches the reference."""
+    per_head = plan_write(8, 96, 8, 96, BIG)
+    assert (per_head.block_d, per_head.block_d2, per_head.row_view, per_head.lane_use) == (64, 32, False, 1.0)
+    row = plan_write(8, 96, 8, 96, BIG, row=True)
+    assert row == plan_write(8, 96, 8, 96, BIG, row=True, tile=WRITE_LARGE_ROW, layout=ROW)
+    assert (row.heads, row.head_dim, row.block_d, row.block_d2, row.block_t, row.num_warps) == (1, 768, 512, 256, 4, 4)
+    assert plan_write(8, 96, 8, 96, SMALL_TOKENS, row=True) == plan_write(8, 96, 8, 96, 1) == plan_write(8, 96, 8, 96, 1, row=True)
+    assert not plan_write(8, 96, 8, 96, SMALL_TOKENS, row=True).row_view
+    assert plan_write(1, 96, 1, 96, BIG, row=True) == plan_write(1, 96, 1, 96, BIG)  # one head: the per-head plan
+    # The other geometries of the plan sweep take the plans they took before.
+    assert plan_write(8, 128, 8, 128, BIG, row=True) == plan_write(8, 128, 8, 128, BIG)
+    assert plan_write(1, 128, 1, 128, BIG, row=True).block_t == 16 and plan_write(1, 256, 1, 256, BIG, row=True).block_t == 8
+    odd = plan_write(3, 96, 3, 96, BIG, row=True)
+    assert (odd.head_dim, odd.block_d, odd.block_d2, odd.block_t) == (288, 256, 32, 4)  # the lane-use rule, large tile
+    mla = plan_write(1, 512, 1, 64, BIG, row=True, joined=True)
+    assert mla.joined and not mla.row_view and mla.block_t == 4
+    # A small geometry of the same kind, through the writer's policy: 48 = 32 + 16 per row.
+    h, d = 2, 24
+    small = plan_write(h, d, h, d, BIG, row=True)
+    assert small.row_view and (small.block_d, small.block_d2) == (32, 16) and not plan_write(h, d, h, d, BIG).row_view
+    t, slots = BIG, BIG + 40
+    k, v = _rows(t, h, d, torch.bfloat16, 44), _rows(t, h, d, torch.bfloat16, 45)
+    kf, vf = _caches(slots, h, d, h, d, torch.float8_e4m3fn)
+    writer = KVWriter(_geometry(kf, vf), kf.stride(), vf.stride(), slots, "always")
+    assert writer.plan(k.stride(), v.stride(), (2, 2), False, t) == small
+    (kf, vf), (kr, vr) = _both_paths(k, v, _loc(t, slots, torch.int64, 46), torch.tensor([0.3], device=DEVICE), 2.5,
+                                     slots, torch.float8_e4m3fn)  # fmt: skip
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
 
 
 def test_writes_pick_the_tile_by_size_and_both_tiles_match_reference():

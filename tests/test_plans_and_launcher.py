@@ -16,7 +16,7 @@ def compiled() -> list[dict]:
 
 def test_the_write_kernel_compiles_for_every_target(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 14
+    assert len(compiled) == 16
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
@@ -56,11 +56,19 @@ def test_32_bit_offsets_and_two_piece_rows_compile_to_the_fast_write(compiled):
     shape's flat plan (288 = 256 + 32 per row, 32-bit offsets) keeps 16-byte loads and the
     hardware cast."""
     [wide] = [v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["i64"] and not (v["prefix"] or v["observe"]) and v["out_kind"] == 0]
-    [narrow] = [v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and not v["i64"]]
+    [narrow] = [v for v in compiled if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 128) and not v["i64"]]
     assert narrow["mul_wide"] < wide["mul_wide"], (narrow, wide)
     assert narrow["ld_v4"] > 0 and narrow["st_v4"] > 0 and narrow["cvt_satfinite"] > 0
-    [odd] = [v for v in compiled if v["target"] == "sm90" and v["flat"]]
+    [odd] = [v for v in compiled if v["target"] == "sm90" and v["flat"] and v["H"] == 3]
     assert odd["ld_v4"] > 0 and odd["cvt_satfinite"] > 0
+
+
+def test_the_row_plan_of_heads_cut_in_two_pieces_compiles_to_wider_accesses(compiled):
+    """H=8, D=96: a large write's row plan (each row one run, 512 + 256) issues 16-byte stores and
+    more 16-byte loads than the per-head plan (every head 64 + 32), which has no 16-byte store."""
+    by = {v["flat"]: v for v in compiled if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 96)}
+    assert by[True]["st_v4"] > by[False]["st_v4"] and by[True]["ld_v4"] > by[False]["ld_v4"], by
+    assert by[True]["cvt_satfinite"] > 0 and not by[True]["i64"]
 
 
 def test_joined_plan_compiles_to_the_fast_write(compiled):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from kvpool.kernels.launch import cdiv, floor_pow2, next_pow2
-from kvpool.kernels.tuning import LANE_USE, SMALL_TOKENS, WRITE_LARGE, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
+from kvpool.kernels.tuning import LANE_USE, SMALL_TOKENS, WRITE_LARGE, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
 
 #: Upper ends of the token-count bands a plan depends on: band ``b`` holds writes of at most
 #: ``TOKEN_BANDS[b]`` tokens (the last band: the rest). ``band(tokens)`` is cheap enough for every call.
@@ -120,8 +120,10 @@ def plan_write(
         tensors that take more than one block) gives the policy's plan.
 
     The policy: a row plan where the per-head plan would leave more than ``1 - LANE_USE`` of its
-    lanes idle (H=3, D=96) and the call allows it; else the joined plan for joined caches whose
-    rows are one block each; else the per-head plan.
+    lanes idle (H=3, D=96) and the call allows it; for large writes that allow it, a row plan over
+    ``WRITE_LARGE_ROW`` where the per-head plan would cut several heads' head_dim into two pieces
+    each (H=8, D=96); else the joined plan for joined caches whose rows are one block each; else
+    the per-head plan.
     """
     return _plan(heads, head_dim, v_heads, v_head_dim, band(tokens), row, joined, tile, layout, chunk)
 
@@ -148,6 +150,9 @@ def _plan(h, d, hv, dv, band_, row, joined, tile, layout, chunk) -> LaunchPlan: 
     per_head = _per_head(h, d, hv, dv, t)
     if row and per_head.lane_use < LANE_USE:
         return _row(h, d, hv, dv, t)
+    if row and band_ == len(TOKEN_BANDS) and max(h, hv) > 1 and (per_head.block_d2 or per_head.block_dv2):
+        # Two head_dim pieces per head issue narrower accesses than one run over the row's heads.
+        return _row(h, d, hv, dv, tile or WRITE_LARGE_ROW)
     if joined:
         return _joined(_per_head(h, d, hv, dv, joined_tile)) or per_head
     return per_head

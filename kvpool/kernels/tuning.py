@@ -41,6 +41,9 @@ SMALL_TOKENS = 2048
 WRITE_SMALL = Tile(elems=1024, num_warps=4)
 #: Large writes: more bytes in flight per program, fewer programs.
 WRITE_LARGE = Tile(elems=2048, num_warps=4)
+#: Large writes of several heads whose head_dim is cut into two pieces, viewed as one run per row:
+#: a longer run per program takes those pieces' narrower accesses out of the write.
+WRITE_LARGE_ROW = Tile(elems=4096, num_warps=4)
 #: Small writes whose program holds a token's K and V rows (an MLA row's two parts): one row per
 #: program, so no program waits on a second row.
 WRITE_SMALL_JOINED = Tile(elems=512, num_warps=4)
