@@ -25,6 +25,7 @@ from kvpool.kernels.launch import (
     kernel_params,
     launch_key,
     next_pow2,
+    sm_count,
 )
 from kvpool.kernels.row_table import RowTable, aliases, staging_table
 from kvpool.kernels.tuning import (
@@ -147,13 +148,6 @@ def plan_copy(
     return CopyPlan(elem, align, block_p, block_w, chunks, even, one_pass, warps, tasks, min(tasks, program_cap))
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 #: The kernel's parameters, in order: what a launch passes the compiled kernel's launcher
 #: positionally, constexprs included. That launcher does not check how many it gets (Triton 3.6-3.7),
 #: so the cached launches are only used when the kernel's signature is exactly this.
@@ -194,7 +188,7 @@ def launch_copy_rows(
     device = dst.table_device
     if tile is None:
         tile = FEW_PROGRAMS_TILE if max_programs is not None and max_programs <= FEW_PROGRAMS else SM_TILE
-    cap = max_programs if max_programs is not None else _sm_count(device) * PROGRAMS_PER_SM
+    cap = max_programs if max_programs is not None else sm_count(device) * PROGRAMS_PER_SM
     plan = plan_copy(n, len(dst), dst.distinct_row_bytes, min(dst.align, src.align), one_pass, cap, tile)
     tensors = (dst.table, src.table, dst_index, src_index)
     ints = (

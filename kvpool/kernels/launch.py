@@ -14,6 +14,7 @@ CPU copies").
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable, Optional, Sequence
@@ -63,6 +64,12 @@ def next_pow2(n: int) -> int:
 def floor_pow2(n: int) -> int:
     """The largest power of two <= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, n.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere): what SM-wide grids are sized by."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def kernel_params(kernel: Any) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from kvpool.kernels.launch import (
     kernel_params,
     launch_key,
     next_pow2,
+    sm_count,
 )
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.tuning import PROGRAMS_PER_SM, SM_TILE
@@ -69,11 +70,6 @@ def plan_commit(pairs: int, row_bytes: tuple[int, ...], align: int, program_cap:
     return CommitPlan(elem, block_w, chunks, even, warps, tasks, max(1, min(tasks, program_cap)))
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 #: The kernel's parameters in order (direct launches pass them all positionally).
 PARAMS = (
     "dst_table_ptr", "src_table_ptr", "slots_ptr", "steps_ptr", "track_slots_ptr", "track_steps_ptr", "bs",
@@ -105,7 +101,7 @@ def launch_commit_rows(
         return
     has_track = track_slots is not None
     align = min(dst.align, src.align)
-    plan = plan_commit(bs * (2 if has_track else 1), dst.row_bytes, align, _sm_count(dst.device) * PROGRAMS_PER_SM)
+    plan = plan_commit(bs * (2 if has_track else 1), dst.row_bytes, align, sm_count(dst.device) * PROGRAMS_PER_SM)
     ts = track_slots if has_track else slots
     tst = track_steps if has_track else steps
     tensors = (dst.table, src.table, slots, steps, ts, tst)
