@@ -64,8 +64,8 @@ for stage in $stages; do
         --bidir-programs 8/16,16/16,16/32,32/32,32/64,64/64 --out "$OUT" ;;
     host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
     host_tests)  # the host tier's tests alone (GPU and CPU-pool ones, the MLA host pool's included)
-      step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_gpu_host.py tests/test_host_tier.py \
-        tests/test_serve_sim_host_tier.py tests/test_gpu_mla.py -k "host or layer or Host" ;;
+      step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_host_tier.py \
+        tests/test_serve_sim_host_tier.py tests/test_mla.py -k "host or layer or Host" ;;
     host_calls) step host_calls python3 benchmarks/probe_host_calls.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
     host_kernel)  # the kernel backend's transfers alone, wall and device time
@@ -84,7 +84,7 @@ for stage in $stages; do
     qwen_bench) step qwen_bench python3 benchmarks/bench_qwen35_runner.py --out "$OUT" ;;
     state)  # the state pools' tests on CUDA (MambaPool, hybrid pools, sizing)
       step state_tests python3 -m pytest -q -p no:cacheprovider -n 4 -rfEs tests/test_state_pool.py \
-        tests/test_request_table.py tests/test_pool.py tests/test_sizing.py tests/test_sglang_compat.py ;;
+        tests/test_request_table.py tests/test_sizing.py tests/test_sglang_compat.py ;;
     state_bench) step state_bench python3 benchmarks/bench_state.py --out "$OUT" ;;
     sim_mla) step sim_mla python3 examples/serve_sim.py --model deepseek-v3 ;;
     bench) step bench python3 benchmarks/bench_set_kv.py --out "$OUT" ;;
@@ -92,8 +92,8 @@ for stage in $stages; do
       STEP_LIMIT=600 step plans python3 benchmarks/bench_set_kv.py --sections plans --budget-s 540 --out "$OUT/plans" ;;
     write_host) step write_host python3 benchmarks/bench_set_kv.py --sections host --out "$OUT/write_host" ;;
     kernel_tests)  # the write's GPU tests alone (a quicker check than "tests")
-      step kernel_tests python3 -m pytest -q -p no:cacheprovider -n 16 -rfEs tests/test_gpu.py tests/test_gpu_mla.py \
-        tests/test_gpu_write_features.py tests/test_kernel.py tests/test_launcher.py tests/test_mla.py ;;
+      step kernel_tests python3 -m pytest -q -p no:cacheprovider -n 16 -rfEs tests/test_write.py tests/test_write_oracle.py \
+        tests/test_plans_and_launcher.py tests/test_launcher.py tests/test_calibration.py tests/test_compile.py tests/test_mla.py ;;
     sim_calibrate) step sim_calibrate python3 examples/serve_sim.py --calibrate ;;
     trace) step trace python3 benchmarks/trace_transfer.py --out "$OUT" ;;
     quick) step bench_quick python3 benchmarks/bench_set_kv.py --quick --out "$OUT" ;;

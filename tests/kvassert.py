@@ -18,6 +18,7 @@ by "is a NaN code", never by bit pattern, because the formats allow many NaN enc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -100,11 +101,13 @@ def poison_pool_(pool):
 
 
 def fill_random_(tensors, seed: int) -> None:
-    """Random bytes everywhere (NaN patterns included), so every row is distinguishable."""
-    g = torch.Generator().manual_seed(seed)
+    """Random bytes everywhere (NaN patterns included), so every row is distinguishable. The bytes
+    are drawn on each tensor's own device (one generator per device, seeded alike)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for t in tensors:
         raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).to(raw.device))
+        g = generators.setdefault(raw.device, torch.Generator(device=raw.device).manual_seed(seed))
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=raw.device, generator=g))
 
 
 def assert_pools_equal(a, b, what: str, layers: Sequence[int]) -> None:
@@ -172,6 +175,147 @@ def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str = 
         return f"{float(v)!r} (bits {int(b) & ((1 << 8 * a.element_size()) - 1):#x})"
 
     _report(what, differ.numpy(), av, ev, describe)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs of the write, and the write on both paths.
+
+
+def spread_rows(t: int, h: int, d: int, dtype: torch.dtype, seed: int, spread: bool = True) -> torch.Tensor:
+    """[t, h, d] on the suite's device: random rows with a wide magnitude range (overflow, normals,
+    subnormals) and a few specials."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, d, generator=g)
+    if spread:
+        x = x * torch.exp2(torch.randint(-20, 12, (t, h, d), generator=g).float())
+    flat = x.view(-1)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 448.0, 464.0, -57344.0])
+    n = min(flat.numel(), specials.numel())
+    flat[:n] = specials[:n]
+    return x.to(dtype).to(DEVICE)
+
+
+def scale_of(kind: str, heads: int, seed: int = 0):
+    """A scale of each kind a write takes, on the suite's device (per-head values random)."""
+    if kind == "none":
+        return None
+    if kind == "float":
+        return 0.37
+    if kind == "tensor":
+        return torch.tensor([3.3], device=DEVICE)
+    if kind == "tensor0d":
+        return torch.tensor(0.1, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    per_head = (torch.rand(heads, generator=g) * 4 + 0.05).to(DEVICE)
+    return per_head if kind == "per_head" else per_head.reshape(heads, 1)
+
+
+def slots_for(t: int, slots: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``t`` distinct slots out of ``slots``, one of them padding (-1) and one out of range."""
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.randperm(slots, generator=g)[:t].to(dtype)
+    if t >= 4:
+        loc[1] = -1  # padding token
+        loc[3] = slots + 5  # out of range: never written
+    return loc.to(DEVICE)
+
+
+def poisoned_caches(slots: int, h: int, d: int, hv: int, dv: int, dtype: torch.dtype):
+    """A K cache [slots, h, d] and a V cache [slots, hv, dv] on the suite's device, poisoned."""
+    k = poison_(torch.empty(slots, h, d, dtype=dtype, device=DEVICE))
+    v = poison_(torch.empty(slots, hv, dv, dtype=dtype, device=DEVICE))
+    return k, v
+
+
+def both_paths(k, v, loc, k_scale, v_scale, slots: int, cache_dtype: torch.dtype, **launch):
+    """Run the kernel (``launch_store_kv`` with ``launch``, else the public function) and the
+    reference on identically poisoned caches; return both results, ((kf, vf), (kr, vr))."""
+    from kvpool import fused_fp8_set_kv_buffer, reference_set_kv_buffer
+    from kvpool.kernels.store_kv_op import launch_store_kv
+
+    h, d, hv, dv = k.shape[1], k.shape[2], v.shape[1], v.shape[2]
+    kf, vf = poisoned_caches(slots, h, d, hv, dv, cache_dtype)
+    kr, vr = poisoned_caches(slots, h, d, hv, dv, cache_dtype)
+    if launch:
+        launch_store_kv(k, v, kf, vf, loc, k_scale, v_scale, **launch)
+    else:
+        fused_fp8_set_kv_buffer(k, v, kf, vf, loc, k_scale, v_scale)
+    reference_set_kv_buffer(k, v, kr, vr, loc, k_scale, v_scale)
+    return (kf, vf), (kr, vr)
+
+
+def geometry_of(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The writer's ``Geometry`` of a pair of caches."""
+    from kvpool.kernels.store_kv_checks import Geometry
+
+    return Geometry(k_cache.dtype, *k_cache.shape[1:], *v_cache.shape[1:], k_cache.device)
+
+
+# On CUDA: larger shapes, generated on the device.
+
+
+def cuda_gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def cuda_values(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values over ~2^-24..2^14 on the GPU: overflow, normals and subnormals of both FP8 formats."""
+    g = cuda_gen(seed)
+    x = torch.randn(shape, device="cuda", generator=g)
+    return (x * torch.exp2(torch.randint(-24, 14, shape, device="cuda", generator=g).float())).to(dtype)
+
+
+def cuda_scale(kind: str, heads: int):
+    """A scale of each kind a write takes, on the GPU (per-head values spread over 0.05..7)."""
+    return {
+        "none": None,
+        "float": 0.37,
+        "tensor": torch.tensor([3.3], device="cuda"),
+        "per_head": torch.linspace(0.05, 7.0, heads, device="cuda"),
+    }[kind]
+
+
+CUDA_SLOTS = 4096
+CUDA_ROWS = CUDA_SLOTS + 1  # page size 1
+CUDA_H, CUDA_D = 8, 128
+
+
+def cuda_pool(dtype: torch.dtype = torch.float8_e4m3fn, fused: str = "always", heads: int = CUDA_H, dim: int = CUDA_D, **kw):
+    """A two-layer pool of CUDA_SLOTS slots on the GPU (Llama's 8 KV heads of 128 by default),
+    poisoned after its warmup (which writes zeros to slot 0)."""
+    from kvpool import MHATokenToKVPool
+
+    return poison_pool_(MHATokenToKVPool(CUDA_SLOTS, 1, dtype, heads, dim, 2, "cuda", fused=fused, **kw))
+
+
+def random_cuda_pool(size: int = 4096, page_size: int = 16, layers: int = 4, dtype: torch.dtype = torch.float8_e4m3fn,
+                     v_head_dim=None, seed: int = 0):
+    """A pool of 8 heads of 128 on the GPU whose every byte is random (rows distinguishable)."""
+    from kvpool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(size, page_size, dtype, 8, 128, layers, "cuda", v_head_dim=v_head_dim, warmup=False)
+    fill_random_(pool.k_buffer + pool.v_buffer, seed)
+    return pool
+
+
+def committed_tokens(loc_2d: torch.Tensor, commit: torch.Tensor):
+    """(token indices, their slots) of a verify write's committed tokens, in token order."""
+    width = loc_2d.shape[1]
+    mask = torch.arange(width, device=loc_2d.device)[None, :] < commit.long()[:, None]
+    idx = mask.reshape(-1).nonzero().squeeze(1)
+    return idx, loc_2d.long().reshape(-1)[idx]
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Any synchronising torch call inside raises."""
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""set_kv_buffer inside torch.compile(fullgraph=True), and the custom op under opcheck (docs/contract.md,
-"Compiled callers and CUDA graphs")."""
+"""set_kv_buffer inside torch.compile(fullgraph=True), the custom op under opcheck, and on CUDA the
+write captured in a CUDA graph and compiled in reduce-overhead mode (docs/contract.md, "Compiled
+callers and CUDA graphs")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvassert import DEVICE, Layer, assert_same_bytes
+from kvassert import DEVICE, Layer, assert_same_bytes, cuda_pool, cuda_values, gpu
 from kvpool import MHATokenToKVPool, MLATokenToKVPool
 from kvpool.kernels import store_kv_op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
 
@@ -220,3 +221,57 @@ def test_opcheck_with_caches_that_are_two_views_of_one_buffer(cache_dtype, scale
     args = (k, v, buf[:, :, :8], buf[:, :, 8:], loc, st, st, sv, sv, "auto")
     utils = ALL_OPCHECKS if cache_dtype.itemsize > 1 else ALL_OPCHECKS[1:]  # see test_opcheck_fp8_caches
     torch.library.opcheck(torch.ops.kvpool.store_kv.default, args, test_utils=utils)
+
+
+# --- on CUDA: CUDA graphs and the reduce-overhead mode -------------------------------------------
+
+
+@gpu
+def test_cuda_graph_replays_with_the_current_scale_and_slots():
+    pool = cuda_pool(fused="auto")
+    ref = cuda_pool(fused="never")
+    k_scale = torch.tensor([0.5], device="cuda")
+    v_scale = torch.tensor([2.0], device="cuda")
+    x = cuda_values((64, 8, 128), torch.bfloat16, 5)
+    loc = torch.randperm(4096, device="cuda")[:64]
+    static_x, static_loc = x.clone(), loc.clone()
+    pool.set_kv_buffer(None, static_loc, static_x, static_x, k_scale, v_scale, layer_id_override=0)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.set_kv_buffer(None, static_loc, static_x, static_x, k_scale, v_scale, layer_id_override=1)
+    for step, (ks, vs) in enumerate([(0.37, 3.3), (1e-3, 0.01), (7.0, 0.9)]):
+        k_scale.fill_(ks)
+        v_scale.fill_(vs)
+        static_x.copy_(cuda_values((64, 8, 128), torch.bfloat16, 100 + step))
+        static_loc.copy_(torch.randperm(4096, device="cuda")[:64])
+        graph.replay()
+        ref.set_kv_buffer(None, static_loc, static_x, static_x, torch.tensor([ks], device="cuda"),
+                          torch.tensor([vs], device="cuda"), layer_id_override=1)  # fmt: skip
+        torch.cuda.synchronize()
+        for a, b in zip(pool.get_kv_buffer(1), ref.get_kv_buffer(1)):
+            assert_same_bytes(a, b, f"replay {step}")
+
+
+@gpu
+def test_reduce_overhead_compile_matches_eager():
+    torch._dynamo.reset()
+    layers = [Layer(0), Layer(1)]
+    compiled_pool, eager_pool = cuda_pool(fused="auto"), cuda_pool(fused="auto")
+    scale = torch.tensor([0.37], device="cuda")
+
+    def step(pool, x, loc):
+        for layer in layers:
+            pool.set_kv_buffer(layer, loc, x * (layer.layer_id + 1), x, scale, scale)
+        return pool.get_key_buffer(1)[loc].float().sum()
+
+    compiled = torch.compile(lambda x, loc: step(compiled_pool, x, loc), mode="reduce-overhead", fullgraph=True)
+    for i in range(4):
+        x = cuda_values((32, 8, 128), torch.bfloat16, 200 + i)
+        loc = torch.randperm(4096, device="cuda")[:32] + 0
+        out = compiled(x, loc)
+        expected = step(eager_pool, x, loc)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        for layer in layers:
+            for a, b in zip(compiled_pool.get_kv_buffer(layer.layer_id), eager_pool.get_kv_buffer(layer.layer_id)):
+                assert_same_bytes(a, b, f"step {i}")

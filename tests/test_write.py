@@ -16,6 +16,7 @@ with CUDA the same tests run the compiled kernel.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -32,8 +33,12 @@ from hypothesis import strategies as st
 import kvpool
 from kvassert import (
     CACHE_DTYPES,
+    CUDA_D,
+    CUDA_H,
+    CUDA_ROWS,
     DEVICE,
     FORMAT_OF,
+    FP8,
     INPUT_DTYPES,
     INTERPRETER,
     Layer,
@@ -41,13 +46,25 @@ from kvassert import (
     assert_pools_equal,
     assert_same_bytes,
     bits,
+    both_paths,
     codes_of,
+    committed_tokens,
+    cuda_gen,
+    cuda_pool,
+    cuda_scale,
+    cuda_values,
     expected_cache,
     fused_runs,
+    gpu,
     id_of,
+    no_sync,
     poison_,
     poison_pool_,
+    poisoned_caches,
+    scale_of,
     skip_fused_without_interpreter,
+    slots_for,
+    spread_rows,
 )
 from kvpool import (
     FusedPathUnavailable,
@@ -57,7 +74,9 @@ from kvpool import (
     quantize,
     reference_set_kv_buffer,
 )
+from kvpool.config import KernelOptions
 from kvpool.kernels import store_kv
+from kvpool.kernels.store_kv_op import launch_store_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 
@@ -123,6 +142,365 @@ def test_validate_checks_slots_on_request(monkeypatch):
     with pytest.raises(IndexError, match=r"loc\[2\] = 10 is out of range: slots are 0..9"):
         pool.set_kv_buffer(None, torch.tensor([1, -1, 10], device=DEVICE), x, x, layer_id_override=0)
     assert not pool.get_key_buffer(0).view(torch.uint8).any()
+
+
+# ==============================================================================================
+# The kernel against the reference.
+# Without CUDA the kernel runs through Triton's interpreter on CPU tensors (its soft-cast mode, since
+# the interpreter's own FP8/bf16 conversions are wrong); with CUDA the same tests run the compiled
+# kernel. Shapes stay small: the interpreter costs about a millisecond per program.
+
+
+@pytest.mark.parametrize("scale_kind", ["none", "float", "tensor", "tensor0d", "per_head", "per_head_col"])
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=id_of)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=id_of)
+def test_matches_reference_odd_shape(cache_dtype, in_dtype, scale_kind):
+    t, h, d, slots = 7, 3, 96, 19
+    k, v = spread_rows(t, h, d, in_dtype, 1), spread_rows(t, h, d, in_dtype, 2)
+    ks, vs = scale_of(scale_kind, h, 3), scale_of(scale_kind, h, 4)
+    (kf, vf), (kr, vr) = both_paths(k, v, slots_for(t, slots, torch.int64, 5), ks, vs, slots, cache_dtype)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64], ids=id_of)
+@pytest.mark.parametrize("cache_dtype", FP8, ids=id_of)
+def test_k_and_v_differ_in_heads_and_dims(cache_dtype, loc_dtype):
+    t, slots = 9, 30
+    k, v = spread_rows(t, 2, 32, torch.bfloat16, 6), spread_rows(t, 5, 24, torch.bfloat16, 7)
+    (kf, vf), (kr, vr) = both_paths(
+        k, v, slots_for(t, slots, loc_dtype, 8), 0.3, scale_of("per_head", 5), slots, cache_dtype
+    )
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+
+
+@pytest.mark.parametrize("scale", [None, 0.37, 2.0**-7], ids=["none", "0.37", "pow2"])
+@pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=id_of)
+def test_every_bf16_bit_pattern(cache_dtype, scale):
+    """All 65,536 bf16 values: every exponent, both zeros, subnormals, infinities, NaNs."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = every.reshape(512, 1, 128).to(DEVICE)
+    loc = torch.arange(512, device=DEVICE)
+    (kf, _), (kr, _) = both_paths(k, k, loc, scale, scale, 512, cache_dtype)
+    assert_same_bytes(kf, kr, "k_cache")
+
+
+def test_every_fp16_bit_pattern_into_e5m2():
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    k = every.reshape(256, 2, 128).to(DEVICE)
+    loc = torch.arange(256, device=DEVICE)
+    (kf, _), (kr, _) = both_paths(k, k, loc, 3.3, None, 256, torch.float8_e5m2)
+    assert_same_bytes(kf, kr, "k_cache")
+
+
+def test_strided_inputs_need_no_copy():
+    """K and V sliced out of a fused QKV projection, and a view whose head_dim is not contiguous."""
+    t, hq, h, d, slots = 6, 4, 2, 64, 16
+    qkv = spread_rows(t, hq + 2 * h, d, torch.bfloat16, 12)
+    k, v = qkv[:, hq : hq + h], qkv[:, hq + h :]
+    assert not k.is_contiguous() and not v.is_contiguous()
+    (kf, vf), (kr, vr) = both_paths(k, v, slots_for(t, slots, torch.int64, 13), 0.25, 0.5, slots, torch.float8_e4m3fn)
+    assert_same_bytes(kf, kr, "k_cache")
+    assert_same_bytes(vf, vr, "v_cache")
+    dhn = spread_rows(t, d, h, torch.float32, 14)  # [T, D, H] storage: head_dim stride is H
+    kt = dhn.transpose(1, 2)
+    (kf, _), (kr, _) = both_paths(kt, kt, slots_for(t, slots, torch.int64, 15), None, None, slots, torch.float8_e5m2)
+    assert_same_bytes(kf, kr, "k_cache (transposed input)")
+
+
+def test_out_of_range_and_negative_slots_touch_nothing_outside():
+    """The caches are a window into a larger poisoned tensor; slots outside the window (negative,
+    >= slots, huge) must leave every guard row untouched, on both paths."""
+    t, h, d, slots, guard = 8, 2, 16, 10, 4
+    loc = torch.tensor([0, -1, slots, slots + guard, 2**31 + 3, -(2**40), 9, 5], device=DEVICE)
+    k = spread_rows(t, h, d, torch.bfloat16, 16, spread=False)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        backing = poison_(torch.empty(slots + 2 * guard, h, d, dtype=torch.float8_e4m3fn, device=DEVICE))
+        backing_v = poison_(torch.empty_like(backing))
+        before = bits(backing).clone()
+        write(k, k, backing[guard : guard + slots], backing_v[guard : guard + slots], loc, 0.5, 0.5)
+        after = bits(backing)
+        assert torch.equal(after[:guard], before[:guard]), f"{write.__name__} wrote below the cache"
+        assert torch.equal(after[guard + slots :], before[guard + slots :]), f"{write.__name__} wrote past the cache"
+        written = {0, 9, 5}
+        for row in range(slots):
+            changed = not torch.equal(after[guard + row], before[guard + row])
+            assert changed == (row in written), f"{write.__name__}: row {row} changed={changed}"
+
+
+def test_inputs_and_scales_are_never_modified():
+    t, h, d = 5, 2, 32
+    k, v = spread_rows(t, h, d, torch.float32, 17), spread_rows(t, h, d, torch.float32, 18)
+    ks = torch.tensor([0.3], device=DEVICE)
+    loc = slots_for(t, 12, torch.int64, 19)
+    snapshot = [bits(x).clone() for x in (k, v, ks, loc)]
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        kc, vc = poisoned_caches(12, h, d, h, d, torch.float8_e4m3fn)
+        write(k, v, kc, vc, loc, ks, 0.9)
+        for x, s in zip((k, v, ks, loc), snapshot):
+            assert torch.equal(bits(x), s), f"{write.__name__} modified an input"
+
+
+def test_zero_tokens_is_a_no_op():
+    kc, vc = poisoned_caches(8, 2, 16, 2, 16, torch.float8_e4m3fn)
+    before = bits(kc).clone(), bits(vc).clone()
+    empty = torch.empty(0, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    loc = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        assert write(empty, empty, kc, vc, loc, 0.5, 0.5) is None
+    assert torch.equal(bits(kc), before[0]) and torch.equal(bits(vc), before[1])
+
+
+def test_duplicate_slots_take_one_of_the_rows():
+    """Which token wins a shared slot is unspecified; the slot must still hold one of them."""
+    h, d = 2, 16
+    k = spread_rows(4, h, d, torch.bfloat16, 20, spread=False)
+    loc = torch.tensor([3, 3, 7, 3], device=DEVICE)
+    for write in (fused_fp8_set_kv_buffer, reference_set_kv_buffer):
+        kc, vc = poisoned_caches(10, h, d, h, d, torch.float8_e4m3fn)
+        write(k, k, kc, vc, loc, 0.5, 0.5)
+        full = torch.zeros(10, h, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+        reference_set_kv_buffer(k, k, full, full.clone(), torch.arange(4, device=DEVICE), 0.5, 0.5)
+        candidates = [bits(full[i]) for i in (0, 1, 3)]
+        assert any(torch.equal(bits(kc[3]), c) for c in candidates)
+        assert torch.equal(bits(kc[7]), bits(full[2]))
+
+
+@pytest.mark.parametrize("write", [fused_fp8_set_kv_buffer, reference_set_kv_buffer], ids=lambda f: f.__name__)
+def test_public_functions_follow_kvpool_validate(write, monkeypatch):
+    kc, vc = poisoned_caches(8, 1, 16, 1, 16, torch.float8_e4m3fn)
+    before = bits(kc).clone()
+    x = torch.ones(2, 1, 16, device=DEVICE)
+    loc = torch.tensor([1, 8], device=DEVICE)
+    monkeypatch.setenv("KVPOOL_VALIDATE", "1")
+    with pytest.raises(IndexError, match=r"cache_loc\[1\] = 8 is out of range"):
+        write(x, x, kc, vc, loc)
+    assert torch.equal(bits(kc), before)
+    write(x, x, kc, vc, loc, validate=False)  # an explicit argument wins over the environment
+    assert not torch.equal(bits(kc), before)
+
+
+def test_head_major_cache_beyond_int32_offsets():
+    """A caller's head-major cache [H, slots, D] viewed as [slots, H, D] has head stride slots * D;
+    with (H - 1) * slots * D >= 2**31 the head offset must not wrap (it did, writing before the
+    buffer). 3 GiB of lazily zeroed memory; only the written rows are touched."""
+    if DEVICE == "cuda" and torch.cuda.mem_get_info()[0] < (4 << 30):
+        pytest.skip("needs 3 GiB of device memory")
+    h, slots, d = 3, 2**26, 16
+    backing = torch.zeros(h, slots, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    k_cache = backing.transpose(0, 1)  # [slots, H, D], stride (16, 2**30, 1)
+    k = spread_rows(2, h, d, torch.bfloat16, 21, spread=False)
+    loc = torch.tensor([5, slots - 1], device=DEVICE)
+    fused_fp8_set_kv_buffer(k, k, k_cache, k_cache, loc, 0.5, 0.5)
+    expected = quantize(k, torch.float8_e4m3fn, 0.5)
+    for t, slot in enumerate([5, slots - 1]):
+        assert_same_bytes(backing[:, slot], expected[t], f"slot {slot}")
+
+
+def test_non_contiguous_per_head_scale_needs_no_copy():
+    t, h, d, slots = 5, 3, 32, 12
+    k = spread_rows(t, h, d, torch.bfloat16, 22)
+    wide = (torch.rand(h, 4, device=DEVICE) * 3 + 0.1)
+    for scale in (wide[:, 1], wide[:, 2:3]):  # [H] with stride 4, [H, 1] with stride (4, 1)
+        assert not scale.is_contiguous()
+        (kf, vf), (kr, vr) = both_paths(k, k, slots_for(t, slots, torch.int64, 23), scale, scale, slots, torch.float8_e4m3fn)
+        assert_same_bytes(kf, kr, "k_cache")
+        assert_same_bytes(vf, vr, "v_cache")
+
+
+# ==============================================================================================
+# The compiled kernel on CUDA, on real shapes.
+# Every comparison is byte for byte (NaN: both NaN).
+
+
+def _cuda_qkv_slices(t, h, d, dtype, seed):
+    """K and V as strided views of a fused QKV projection (4 query heads per KV head)."""
+    qkv = cuda_values((t, 6 * h, d), dtype, seed)
+    return qkv[:, 4 * h : 5 * h], qkv[:, 5 * h :]
+
+
+def _compare_on_cuda(k, v, loc, ks, vs, slots, cache_dtype, what, **launch):
+    h, d, hv, dv = k.shape[1], k.shape[2], v.shape[1], v.shape[2]
+    kf = poison_(torch.empty(slots, h, d, dtype=cache_dtype, device="cuda"))
+    vf = poison_(torch.empty(slots, hv, dv, dtype=cache_dtype, device="cuda"))
+    kr, vr = kf.clone(), vf.clone()
+    if launch:
+        launch_store_kv(k, v, kf, vf, loc, ks, vs, **launch)
+    else:
+        fused_fp8_set_kv_buffer(k, v, kf, vf, loc, ks, vs)
+    reference_set_kv_buffer(k, v, kr, vr, loc, ks, vs)
+    assert_same_bytes(kf, kr, f"{what} k_cache")
+    assert_same_bytes(vf, vr, f"{what} v_cache")
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("h", [1, 3, 8])
+@pytest.mark.parametrize("cache_dtype", FP8, ids=id_of)
+def test_grid_matches_reference(cache_dtype, h, d):
+    slots = 5000
+    # bf16 inputs with every scale kind; fp16/fp32 inputs with per-head scales (fewer compiled variants)
+    combos = [(torch.bfloat16, kind) for kind in ("none", "float", "tensor", "per_head")]
+    combos += [(torch.float16, "per_head"), (torch.float32, "per_head")]
+    for t, (in_dtype, scale_kind) in itertools.product([0, 1, 7, 128, 4096], combos):
+        k, v = _cuda_qkv_slices(t, h, d, in_dtype, seed=t * 31 + h * 7 + d)
+        loc = torch.randperm(slots, device="cuda")[:t]
+        if t > 3:
+            loc[0], loc[2] = -1, slots + 17
+        ks, vs = cuda_scale(scale_kind, h), cuda_scale(scale_kind, h)
+        _compare_on_cuda(k, v, loc, ks, vs, slots, cache_dtype, f"T={t} {in_dtype} scale={scale_kind}")
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=id_of)
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=id_of)
+def test_16_and_32_bit_pools_match_reference(cache_dtype, in_dtype):
+    k, v = _cuda_qkv_slices(1000, 8, 128, in_dtype, seed=1)
+    loc = torch.randperm(3000, device="cuda")[:1000].to(torch.int32)
+    _compare_on_cuda(k, v, loc, 0.37, None, 3000, cache_dtype, "16-bit pool")
+
+
+EDGES = [0.0, -0.0, 448.0, 449.0, 464.0, 465.0, 480.0, -448.0, -465.0, 57344.0, 61440.0, 1e6, -1e30,
+         float("inf"), -float("inf"), float("nan"), 1.0625, 1.1875, 1.97, -1.97, 2.0**-6, 2.0**-7,
+         2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-14, 2.0**-16, 2.0**-17, 3 * 2.0**-17, -(2.0**-17),
+         1e-40, -1e-40, 65504.0, 3.0e38]  # fmt: skip
+
+
+# The kernel's code paths: hardware cast with the reciprocal-and-FMA division (the default on
+# sm_89+), hardware cast with div.rn, and the integer encoder with div.rn (interpreter, AMD, sm_80).
+KERNEL_VARIANTS = {
+    "native-fastdiv": dict(options=KernelOptions(soft_cast=False, fast_div=True)),
+    "native-divrn": dict(options=KernelOptions(soft_cast=False, fast_div=False)),
+    "soft-divrn": dict(options=KernelOptions(soft_cast=True, fast_div=False)),
+}
+EDGE_SCALES = (None, 0.37, 2.0**-7, 3.3, 1e-30, 1e30)  # the last two take div.rn even in fast-div builds
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=id_of)
+@pytest.mark.parametrize("cache_dtype", FP8, ids=id_of)
+def test_edge_values(cache_dtype, in_dtype, variant):
+    x = torch.tensor(EDGES, device="cuda").to(in_dtype).reshape(-1, 1, 1).expand(-1, 2, 64)
+    loc = torch.arange(x.shape[0], device="cuda")
+    for scale in EDGE_SCALES + (torch.tensor([3.3], device="cuda"), torch.tensor([0.01, 7.5], device="cuda")):
+        _compare_on_cuda(x, x, loc, scale, scale, x.shape[0], cache_dtype, f"edges scale={scale}", **KERNEL_VARIANTS[variant])
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=id_of)
+def test_every_bf16_and_fp16_bit_pattern(cache_dtype, variant):
+    every = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16)
+    loc = torch.arange(512, device="cuda")
+    for in_dtype in (torch.bfloat16, torch.float16):
+        x = every.view(in_dtype).reshape(512, 1, 128)
+        for scale in EDGE_SCALES + (torch.tensor([3.3], device="cuda"),):
+            _compare_on_cuda(x, x, loc, scale, None, 512, cache_dtype, f"{in_dtype} patterns scale={scale}", **KERNEL_VARIANTS[variant])
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16, torch.float16], ids=id_of)
+def test_random_float32_bit_patterns(cache_dtype, variant):
+    """4M random float32 bit patterns: every exponent, NaN payloads, subnormals."""
+    g = cuda_gen(7)
+    raw = torch.randint(-(2**31), 2**31, (4096, 8, 128), device="cuda", generator=g, dtype=torch.int64)
+    x = raw.to(torch.int32).view(torch.float32)
+    loc = torch.randperm(4096, device="cuda", generator=g)
+    for scale in (None, 0.37, 1e-30, torch.tensor([1e-3], device="cuda"), torch.logspace(-6, 6, 8, device="cuda")):
+        _compare_on_cuda(x, x, loc, scale, scale, 4096, cache_dtype, f"fp32 patterns scale={scale}", **KERNEL_VARIANTS[variant])
+
+
+@gpu
+def test_all_variants_agree_on_the_device():
+    """The integer encoder and div.rn (the interpreter's path in CI) equal the hardware conversion
+    and the reciprocal-and-FMA division, on 8M values."""
+    g = cuda_gen(3)
+    x = cuda_values((8192, 8, 128), torch.bfloat16, 3)
+    loc = torch.randperm(8192, device="cuda", generator=g)
+    for cache_dtype in FP8:
+        out = {}
+        for name, variant in KERNEL_VARIANTS.items():
+            kc = poison_(torch.empty(8192, 8, 128, dtype=cache_dtype, device="cuda"))
+            launch_store_kv(x, x, kc, kc.clone(), loc, 0.37, None, **variant)
+            out[name] = kc
+        for name in KERNEL_VARIANTS:
+            assert_same_bytes(out[name], out["soft-divrn"], f"{cache_dtype} {name} vs soft-divrn")
+
+
+@gpu
+def test_out_of_range_and_negative_slots_leave_guard_rows_untouched():
+    slots, guard, h, d = 1000, 64, 8, 128
+    backing = poison_(torch.empty(slots + 2 * guard, h, d, dtype=torch.float8_e4m3fn, device="cuda"))
+    backing_v = poison_(torch.empty_like(backing))
+    before, before_v = bits(backing).clone(), bits(backing_v).clone()
+    t = 512
+    loc = torch.randint(-(2**40), 2**40, (t,), device="cuda")  # almost all out of range
+    loc[:100] = torch.randperm(slots, device="cuda")[:100]
+    loc[100:120] = slots + torch.arange(20, device="cuda")
+    loc[120:140] = -torch.arange(1, 21, device="cuda")
+    k = cuda_values((t, h, d), torch.bfloat16, 11)
+    for loc_dtype in (torch.int64, torch.int32):
+        fused_fp8_set_kv_buffer(k, k, backing[guard:-guard], backing_v[guard:-guard], loc.to(loc_dtype), 0.5, 0.5)
+        torch.cuda.synchronize()
+        for b, ref in ((backing, before), (backing_v, before_v)):
+            assert torch.equal(bits(b)[:guard], ref[:guard])
+            assert torch.equal(bits(b)[-guard:], ref[-guard:])
+    expected = poison_(torch.empty(slots, h, d, dtype=torch.float8_e4m3fn, device="cuda"))
+    reference_set_kv_buffer(k, k, expected, expected.clone(), loc, 0.5, 0.5)
+    assert_same_bytes(backing[guard:-guard], expected, "cache window")
+
+
+@gpu
+def test_fused_call_allocates_nothing_and_never_synchronises():
+    pool = cuda_pool(fused="auto")
+    x = cuda_values((300, 8, 128), torch.bfloat16, 6)
+    qkv = cuda_values((300, 48, 128), torch.bfloat16, 7)
+    loc32 = torch.randperm(4096, device="cuda")[:300].to(torch.int32)
+    scale = torch.tensor([0.37], device="cuda")
+    loc64 = loc32.long()
+    per_head = torch.linspace(0.1, 2, 8, device="cuda")
+    calls = [
+        lambda: pool.set_kv_buffer(None, loc32, x, x, scale, scale, layer_id_override=0),
+        lambda: pool.set_kv_buffer(None, loc64, qkv[:, 32:40], qkv[:, 40:48], 0.37, None, layer_id_override=1),
+        lambda: pool.set_kv_buffer(None, loc32, x, x, layer_id_override=1),
+        lambda: pool.set_kv_buffer(None, loc64, x, x, per_head, 0.5, layer_id_override=0),
+    ]
+    for call in calls:
+        call()  # first call of each variant outside the measurement
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    allocs_before = stats.get("allocation.all.allocated", 0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for call in calls:
+                call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocs_before
+    assert pool.stats.fused_calls == 4 * len(calls) and pool.stats.reference_calls == 0
+
+
+@gpu
+def test_reference_path_never_synchronises():
+    pool = cuda_pool(fused="never")
+    x = cuda_values((300, 8, 128), torch.bfloat16, 6)
+    loc = torch.randperm(4096, device="cuda")[:300]
+    loc[:5] = -1
+    scale = torch.tensor([0.37], device="cuda")
+    pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
+        pool.set_kv_buffer(None, torch.full_like(loc, -1), x, x, scale, 0.5, layer_id_override=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pool.stats.reference_calls == 3
 
 
 # ==============================================================================================
@@ -247,6 +625,18 @@ def test_bad_mode_is_rejected():
 
 def test_cpu_pool_does_not_warm_up():
     assert _gate_pool().warmup_seconds is None
+
+
+@gpu
+def test_auto_mode_routes_by_the_gate():
+    pool = cuda_pool(fused="auto")
+    x = cuda_values((5, 8, 128), torch.bfloat16, 9)
+    loc = torch.arange(1, 6, device="cuda")
+    pool.set_kv_buffer(None, loc, x, x, torch.linspace(0.1, 2, 8, device="cuda"), 0.3, layer_id_override=0)
+    assert pool.stats.fused_calls == 1
+    pool.set_kv_buffer(None, loc, x, x, torch.tensor([0.5], device="cuda", dtype=torch.bfloat16), None, layer_id_override=0)
+    assert pool.stats.reference_calls == 1
+    assert any("bfloat16" in r for r in pool.stats.reasons)
 
 
 # ==============================================================================================
@@ -1068,6 +1458,34 @@ def test_pool_inputs_requiring_grad_write_identically_on_both_paths(cache_dtype)
             assert not a.requires_grad
 
 
+
+# Every 16-bit pattern and random fp32 ones on the compiled kernel, both casts.
+CAST_VARIANTS = {
+    "native": KernelOptions(soft_cast=False),
+    "soft": KernelOptions(soft_cast=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(CAST_VARIANTS))
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=id_of)
+def test_every_16_bit_pattern_and_random_fp32_patterns_into_16_and_32_bit_caches(cache_dtype, variant):
+    """Every bf16 and fp16 bit pattern, and 1M random fp32 patterns (NaN payloads of both signs
+    among them), into 16- and 32-bit caches: fused and reference bytes identical."""
+    every = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16)
+    raw = torch.randint(-(2**31), 2**31, (1024, 8, 128), device="cuda", generator=cuda_gen(91), dtype=torch.int64)
+    inputs = [every.view(torch.bfloat16).reshape(512, 1, 128), every.view(torch.float16).reshape(512, 1, 128),
+              raw.to(torch.int32).view(torch.float32)]  # fmt: skip
+    for x in inputs:
+        t = x.shape[0]
+        loc = torch.randperm(t, device="cuda")
+        kf = poison_(torch.empty(t, x.shape[1], 128, dtype=cache_dtype, device="cuda"))
+        kr = kf.clone()
+        launch_store_kv(x, x, kf, kf.clone(), loc, options=CAST_VARIANTS[variant])
+        reference_set_kv_buffer(x, x, kr, kr.clone(), loc)
+        assert_same_bytes(kf, kr, f"{id_of(x.dtype)} patterns -> {id_of(cache_dtype)}")
+
+
 # ==============================================================================================
 # The verify write.
 # Token ``(i, j)`` (input row ``i * width + j``) is written to slot ``loc_2d[i, j]`` exactly as
@@ -1429,3 +1847,170 @@ def test_verify_write_validate_checks_scale_tensor_values():
     with pytest.raises(ValueError, match=r"v_scale must hold positive finite normal float32 values, got 0.0"):
         pool.set_kv_buffer_prefix_valid(**args)
     _assert_buffers_unchanged(pool, before, "zero v_scale")
+
+
+# On CUDA: real shapes, CUDA graphs, no synchronisation, no allocation, the compiled variants.
+
+
+def _verify_inputs(bs, width, loc_dtype, commit_dtype, layout, seed):
+    """loc_2d [bs, width] in the given layout (distinct in-range slots, some padding, some out of
+    range), commit_lens [bs] covering 0, width, negative, beyond width and random values."""
+    g = cuda_gen(seed)
+    t = bs * width
+    loc = torch.randperm(CUDA_ROWS, device="cuda", generator=g)[:t].reshape(bs, width)
+    loc[5, 1], loc[6, 0], loc[7, width - 1] = -1, CUDA_ROWS, CUDA_ROWS + 100
+    loc[8, 0] = 2**31 - 1 if loc_dtype == torch.int32 else 2**40
+    loc = loc.to(loc_dtype)
+    if layout == "slice":
+        big = torch.full((bs + 3, width + 7), -5, dtype=loc_dtype, device="cuda")
+        big[2 : 2 + bs, 3 : 3 + width] = loc
+        loc_2d = big[2 : 2 + bs, 3 : 3 + width]
+    elif layout == "transposed":
+        loc_2d = loc.t().contiguous().t()
+    else:
+        loc_2d = loc
+    assert torch.equal(loc_2d, loc)
+    commit = torch.randint(-2, width + 3, (bs,), device="cuda", generator=g)
+    commit[:4] = torch.tensor([0, width, -1, width + 5], device="cuda")
+    commit[5:9] = width  # the rows holding padding and out-of-range slots are committed
+    return loc_2d, commit.to(commit_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("scale_kind", ["none", "float", "tensor", "per_head"])
+@pytest.mark.parametrize("cache_dtype", FP8 + [torch.bfloat16], ids=id_of)
+def test_verify_write_matches_reference_and_the_plain_write(cache_dtype, scale_kind):
+    fused, ref, plain = cuda_pool(cache_dtype), cuda_pool(cache_dtype, "never"), cuda_pool(cache_dtype, "never")
+    bs, width = 64, 8
+    i32, i64 = torch.int32, torch.int64
+    cases = [("contiguous", i64, i64), ("slice", i32, i32), ("transposed", i64, i32), ("slice", i64, i64), ("transposed", i32, i64)]
+    for n, (layout, loc_dtype, commit_dtype) in enumerate(cases):
+        what = f"{layout} loc {id_of(loc_dtype)} commit {id_of(commit_dtype)}"
+        for pool in (fused, ref, plain):
+            for buf in pool.k_buffer + pool.v_buffer:
+                poison_(buf)
+        loc_2d, commit = _verify_inputs(bs, width, loc_dtype, commit_dtype, layout, seed=n)
+        qkv = cuda_values((bs * width, 6 * CUDA_H, CUDA_D), torch.bfloat16, seed=100 + n)
+        k, v = qkv[:, 4 * CUDA_H : 5 * CUDA_H], qkv[:, 5 * CUDA_H :]  # strided views of a fused projection
+        ks, vs = cuda_scale(scale_kind), cuda_scale(scale_kind)
+        for pool in (fused, ref):
+            pool.set_kv_buffer_prefix_valid(None, loc_2d, commit, k, v, ks, vs, layer_id_override=1)
+        assert_pools_equal(fused, ref, f"{what}: fused vs reference", (0, 1))
+        idx, slots = committed_tokens(loc_2d, commit)
+        plain.set_kv_buffer(None, slots, k[idx], v[idx], ks, vs, layer_id_override=1)
+        assert_pools_equal(plain, ref, f"{what}: verify write vs set_kv_buffer of the committed tokens", (0, 1))
+        written = torch.zeros(CUDA_ROWS, dtype=torch.bool, device="cuda")
+        written[slots[(slots >= 0) & (slots < CUDA_ROWS)]] = True
+        untouched = bits(fused.get_key_buffer(1))[~written]
+        assert (untouched == (0xFF if cache_dtype.itemsize == 1 else -1)).all(), f"{what}: a row not committed changed"
+    assert fused.stats.fused_calls == len(cases) and fused.stats.reference_calls == 0
+
+
+@gpu
+def test_verify_writes_alternating_commit_lens_dtypes_on_one_pool():
+    """The same loc_2d and inputs with commit_lens int32, then int64, then back: each call is a
+    direct launch after the first of its kind, and must launch the variant compiled for its
+    commit_lens type (an int64 [3, 1] read as int32 is [3, 0])."""
+    pool, ref = cuda_pool(), cuda_pool(fused="never")
+    bs, width = 32, 4
+    loc_2d = torch.randperm(CUDA_ROWS, device="cuda")[: bs * width].reshape(bs, width)
+    g = cuda_gen(8)
+    for step, dtype in enumerate([torch.int32, torch.int64, torch.int32, torch.int64, torch.int64, torch.int32]):
+        commit = torch.randint(0, width + 1, (bs,), device="cuda", generator=g).to(dtype)
+        x = cuda_values((bs * width, CUDA_H, CUDA_D), torch.bfloat16, 200 + step)
+        for p in (pool, ref):
+            p.set_kv_buffer_prefix_valid(None, loc_2d, commit, x, x, 0.5, 0.5, layer_id_override=0)
+        torch.cuda.synchronize()
+        assert_pools_equal(pool, ref, f"step {step}: commit_lens {id_of(dtype)}", (0,))
+
+
+@gpu
+def test_verify_write_in_a_cuda_graph_reads_commit_lens_on_replay():
+    pool, ref = cuda_pool(), cuda_pool(fused="never")
+    bs, width = 16, 4
+    static_loc = torch.randperm(CUDA_ROWS, device="cuda")[: bs * width].reshape(bs, width)
+    static_commit = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    static_k = cuda_values((bs * width, CUDA_H, CUDA_D), torch.bfloat16, 1)
+    static_v = cuda_values((bs * width, CUDA_H, CUDA_D), torch.bfloat16, 2)
+    k_scale = torch.tensor([0.5], device="cuda")
+    # compile the variant outside the capture (commit_lens all 0: writes nothing)
+    pool.set_kv_buffer_prefix_valid(None, static_loc, static_commit, static_k, static_v, k_scale, 2.0, layer_id_override=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.set_kv_buffer_prefix_valid(None, static_loc, static_commit, static_k, static_v, k_scale, 2.0, layer_id_override=1)
+    g = cuda_gen(3)
+    for step in range(5):
+        if step == 2:
+            static_commit.zero_()  # a replay that commits nothing
+        else:
+            static_commit.copy_(torch.randint(-1, width + 2, (bs,), device="cuda", generator=g).int())
+        static_loc.copy_(torch.randperm(CUDA_ROWS, device="cuda", generator=g)[: bs * width].reshape(bs, width))
+        static_loc[0, 0] = -1
+        static_k.copy_(cuda_values((bs * width, CUDA_H, CUDA_D), torch.bfloat16, 10 + step))
+        static_v.copy_(cuda_values((bs * width, CUDA_H, CUDA_D), torch.bfloat16, 20 + step))
+        k_scale.fill_([0.37, 1e-3, 7.0, 3.3, 0.9][step])
+        graph.replay()
+        ref.set_kv_buffer_prefix_valid(None, static_loc, static_commit, static_k, static_v, k_scale, 2.0, layer_id_override=1)
+        torch.cuda.synchronize()
+        assert_pools_equal(pool, ref, f"replay {step}", (1,))
+
+
+def _sync_free(calls, what):
+    try:
+        with no_sync():
+            for _ in range(3):
+                for call in calls:
+                    call()
+    except RuntimeError as exc:
+        raise AssertionError(f"{what}: a call synchronised: {exc}") from exc
+
+
+@gpu
+def test_verify_and_observing_writes_neither_synchronise_nor_allocate_on_the_fused_path():
+    plain, observing = cuda_pool(), cuda_pool(observe_amax=True)
+    t = 96
+    x = cuda_values((t, CUDA_H, CUDA_D), torch.bfloat16, 4)
+    qkv = cuda_values((t, 6 * CUDA_H, CUDA_D), torch.float16, 5)
+    loc_2d = torch.randperm(CUDA_ROWS, device="cuda")[:t].reshape(12, 8)
+    loc_t = loc_2d.int().t().contiguous().t()  # int32, transposed layout
+    loc_flat, loc_t_flat = loc_2d.reshape(-1), loc_t.reshape(-1)  # made here: a call must not allocate
+    commit = torch.randint(0, 9, (12,), device="cuda", dtype=torch.int32)
+    commit64 = commit.long()
+    k16, v16 = qkv[:, 32:40], qkv[:, 40:48]
+    scale = torch.tensor([0.37], device="cuda")
+    calls = [
+        lambda: plain.set_kv_buffer_prefix_valid(None, loc_2d, commit, x, x, scale, scale, layer_id_override=0),
+        lambda: plain.set_kv_buffer_prefix_valid(None, loc_t, commit64, k16, v16, 0.5, None, layer_id_override=1),
+        lambda: observing.set_kv_buffer(None, loc_flat, x, x, scale, 0.25, layer_id_override=0),
+        lambda: observing.set_kv_buffer(None, loc_t_flat, k16, v16, None, None, layer_id_override=1),
+        lambda: observing.set_kv_buffer_prefix_valid(None, loc_2d, commit, x, x, 0.5, scale, layer_id_override=1),
+    ]
+    for call in calls:
+        call()  # first call of each variant outside the measurement
+    torch.cuda.synchronize()
+    allocs_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    _sync_free(calls, "fused path")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocs_before, "a fused write allocated"
+    assert plain.stats.reference_calls == observing.stats.reference_calls == 0
+    assert plain.stats.fused_calls == 8 and observing.stats.fused_calls == 12
+
+
+@gpu
+def test_verify_and_observing_writes_never_synchronise_on_the_reference_path():
+    pool = cuda_pool(fused="never", observe_amax=True)
+    x = cuda_values((96, CUDA_H, CUDA_D), torch.bfloat16, 6)
+    loc_2d = torch.randperm(CUDA_ROWS, device="cuda")[:96].reshape(12, 8)
+    loc_2d[0, 0] = CUDA_ROWS + 3
+    commit = torch.randint(-1, 10, (12,), device="cuda", dtype=torch.int32)
+    scale = torch.tensor([0.37], device="cuda")
+    loc_flat = loc_2d.reshape(-1)
+    calls = [
+        lambda: pool.set_kv_buffer_prefix_valid(None, loc_2d, commit, x, x, scale, 0.5, layer_id_override=0),
+        lambda: pool.set_kv_buffer(None, loc_flat, x, x, 0.25, scale, layer_id_override=1),
+    ]
+    for call in calls:
+        call()
+    _sync_free(calls, "reference path")
+    assert pool.stats.reference_calls == 8

@@ -22,6 +22,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,14 +41,17 @@ from kvassert import (
     assert_codes_equal,
     assert_same_bytes,
     codes_of,
+    cuda_gen,
     encode_exact,
     encode_f32,
     expected_cache,
+    gpu,
     needs_interpreter,
     q_codes,
     q_exact,
     skip_fused_without_interpreter,
 )
+from kvpool.kernels import store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 
@@ -55,11 +60,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy insid
 # The kernel's fast division.
 #
 # ``store_kv_kernel._div_by_reciprocal`` computes x / s as: clamp x to +-2**64, r = RN(1/s),
-# q0 = RN(x * r), e = fma(q0, s, -x), q = fma(e, -r, q0). On a GPU, tests/test_gpu.py runs the kernel
-# code itself against IEEE division on 64M random pairs; CI has no GPU (and the interpreter does not
-# fuse FMAs), so these tests check the arithmetic where it is hardest: every float32 mantissa of x
-# against scale mantissas next to powers of two, and against random ones. A change to the kernel's
-# division must be mirrored in ``fast_divide`` below.
+# q0 = RN(x * r), e = fma(q0, s, -x), q = fma(e, -r, q0). On a GPU, the last test of this part runs
+# the kernel code itself against IEEE division on 64M random pairs; CI has no GPU (and the interpreter
+# does not fuse FMAs), so the others check the arithmetic where it is hardest: every float32 mantissa
+# of x against scale mantissas next to powers of two, and against random ones. A change to the
+# kernel's division must be mirrored in ``fast_divide`` below.
 
 F32, F64 = np.float32, np.float64
 X_LIMIT = F32(2.0**64)
@@ -189,6 +194,46 @@ def test_zeros_infinities_nan_and_extremes():
         assert (np.abs(got[:-1][small]) < 2.0**-19).all()
         mid = ~big & ~small
         assert np.array_equal(got[:-1][mid].view(np.uint32), want[:-1][mid].view(np.uint32))
+
+
+@triton.jit
+def _divide_probe(x_ptr, s_ptr, out_ptr, BLOCK: tl.constexpr, FAST: tl.constexpr, SHARED: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    s = tl.load(s_ptr + tl.program_id(0))  # one scale per program, as the kernel reads a scale
+    if SHARED:
+        r = store_kv_kernel._reciprocal(s, store_kv_kernel.SCALE_TENSOR, FAST, True)
+    else:
+        r = s
+    tl.store(out_ptr + offs, store_kv_kernel._divide_scalar(x, s, r, FAST, SHARED))
+
+
+@gpu
+@pytest.mark.parametrize("shared", [False, True], ids=["reciprocal-per-tile", "reciprocal-shared"])
+def test_fast_division_is_correctly_rounded_where_fp8_can_see_it(shared):
+    """The reciprocal-and-FMA division against IEEE division (torch on the device), on 64M random
+    (x, s) pairs: x any finite float32, s log-uniform over 2**-64..2**64 (the fast path takes
+    2**-40..2**40, div.rn the rest). Quotients of magnitude 2**-20..2**17 (FP8 represents
+    2**-16..57344) must match bit for bit; larger ones must stay above 2**17 (both saturate),
+    smaller ones below 2**-19 (both round to zero); the sign always agrees, zeros included."""
+    g = cuda_gen(11)
+    block = 1024
+    for _ in range(4):
+        n = 16 * 2**20
+        x = torch.randint(-(2**31), 2**31, (n,), device="cuda", generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        x = torch.where(torch.isfinite(x), x, torch.ones_like(x))
+        x[:4096] = torch.tensor([0.0, -0.0, 2.0**64, -(2.0**70)], device="cuda").repeat(1024)
+        mant = torch.rand(n // block, device="cuda", generator=g) + 1.0
+        s = mant * torch.exp2(torch.randint(-64, 64, (n // block,), device="cuda", generator=g).float())
+        out = torch.empty_like(x)
+        _divide_probe[(n // block,)](x, s, out, BLOCK=block, FAST=True, SHARED=shared)
+        ieee = x / s.repeat_interleave(block)
+        mag = ieee.abs()
+        visible = (mag >= 2.0**-20) & (mag <= 2.0**17)
+        assert_same_bytes(torch.where(visible, out, 0.0), torch.where(visible, ieee, 0.0), "fast division")
+        assert (out.abs()[mag > 2.0**17] > 2.0**17).all(), "a saturating quotient came out in range"
+        assert (out.abs()[mag < 2.0**-20] < 2.0**-19).all(), "a vanishing quotient came out visible"
+        assert torch.equal(torch.signbit(out), torch.signbit(ieee)), "sign differs"
 
 
 # ==============================================================================================

@@ -84,8 +84,8 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
 
     Native (``SOFT_CAST=False``): Triton's casts; for FP8 on sm_89+ that is ``cvt.rn.satfinite``,
     which rounds to nearest even, sends finite overflow and +-inf to +-fmax and every NaN to 0x7F
-    (FP8_NAN): the write's definition with no clamp and no NaN select (tests/test_gpu.py checks every
-    bf16/fp16 pattern and random float32 ones; tests/test_cross_compile.py checks the instruction).
+    (FP8_NAN): the write's definition with no clamp and no NaN select (tests/test_write.py checks every
+    bf16/fp16 pattern and random float32 ones; tests/test_plans_and_launcher.py checks the instruction).
     Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
     bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
     are wrong) and GPUs with no FP8 conversion. The 16- and 32-bit outputs select their NaN pattern
@@ -130,10 +130,10 @@ def _div_by_reciprocal(x, s, r):
     the quotient (not always within one ulp of x / s: x = 1.8855892, s = 1.8878249 gives 1.37 ulp,
     but never more than one float away from RN(x / s) in the checks below), the residual
     e = q0 * s - x is exact in an FMA, and RN(q0 - e * r) is the correctly rounded quotient when
-    nothing over- or underflows. Evidence rather than a proof of our own: tests/test_division.py
+    nothing over- or underflows. Evidence rather than a proof of our own: tests/test_write_oracle.py
     replays these steps with an exact FMA over every float32 mantissa of x against hard and random
-    scale mantissas (CPU, in CI), and tests/test_gpu.py runs this code against IEEE division on 64M
-    random pairs. The clamp of x to +-2**64 rules out overflow (infinities included; NaN passes
+    scale mantissas (CPU, in CI), and runs this code against IEEE division on 64M random pairs (on a
+    GPU). The clamp of x to +-2**64 rules out overflow (infinities included; NaN passes
     through both min and max). The residual is exact while |x / s| >= about 2**-63; below that the
     quotient can be off, but it rounds to a (signed) FP8 zero either way (FP8 needs >= 2**-17). The
     residual is negated through the FMA, not formed as x - q0 * s: for x = -0 that keeps the result
