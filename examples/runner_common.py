@@ -45,6 +45,7 @@ from kvpool.pools.req_to_token import ReqToTokenPool
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runner_prefix  # noqa: E402  (the scheduler on a prefix cache, beside this module)
+from cache_requests import CacheRequest  # noqa: E402
 
 try:
     import transformers
@@ -251,10 +252,9 @@ def hf_reference(
 
 
 @dataclass(eq=False)
-class Request:
-    """A request's progress, with the attributes a prefix cache reads and writes under SGLang's
-    ``Req`` names (``kvpool.cache.requests``): ``req_pool_idx`` is ``row``, ``origin_input_ids`` the
-    prompt, ``output_ids`` the output, ``fill_ids`` the tokens with K/V."""
+class Request(CacheRequest):
+    """A request's progress, with what a prefix cache reads and writes (``CacheRequest``):
+    ``origin_input_ids`` is the prompt, ``output_ids`` the output, ``fill_ids`` the tokens with K/V."""
 
     rid: int
     prompt: list[int]
@@ -263,21 +263,6 @@ class Request:
     kv_len: int = 0  # tokens whose K/V is in the pool, at req_to_token[row, :kv_len]
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
-    last_node: Any = None  # the tree node its cached prefix ends on (locked while it runs)
-    cache_protected_len: int = 0  # its leading slots that belong to the tree
-    prefix_indices: Optional[torch.Tensor] = None
-    mamba_pool_idx: Optional[torch.Tensor] = None  # a hybrid model's state slot, and its track slots
-    mamba_ping_pong_track_buffer: Optional[torch.Tensor] = None
-    mamba_next_track_idx: int = 0
-    mamba_last_track_seqlen: Optional[int] = None
-
-    @property
-    def req_pool_idx(self) -> Optional[int]:
-        return self.row
-
-    @req_pool_idx.setter
-    def req_pool_idx(self, row: Optional[int]) -> None:
-        self.row = row
 
     @property
     def origin_input_ids(self) -> list[int]:
@@ -290,14 +275,6 @@ class Request:
     @property
     def fill_ids(self) -> list[int]:
         return (self.prompt + self.output)[: self.kv_len]
-
-    @property
-    def kv_committed_len(self) -> int:
-        return self.kv_len
-
-    @property
-    def kv_allocated_len(self) -> int:
-        return self.kv_len
 
     @property
     def final_kv_len(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+import cache_requests
 from kvpool.cache import CacheInitParams, EvictParams, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 
@@ -76,7 +77,7 @@ class PrefixCaching:
     def _match(self, r: Any, free: int) -> Optional[int]:
         """Admit ``r`` on its cached prefix if its pages fit in ``free``: returns the pages it takes
         (those it will fill, and those the match locked), or None with nothing held."""
-        if not self._take_row(r):
+        if not cache_requests.take_row(self.table, self.cache, r):
             return None
         room = self.room()
         key = RadixKey(r.prompt[:-1])
@@ -86,7 +87,7 @@ class PrefixCaching:
         need = self.pages(r.final_kv_len) - start // self.page_size + (room - self.room()) // self.page_size
         if need > free:
             self.cache.dec_lock_ref(m.last_device_node)
-            self._release_row(r)
+            cache_requests.give_back_row(self.table, r)
             return None
         if start:
             self.table.write((r.row, slice(0, start)), m.device_indices.to(torch.int32))
@@ -96,23 +97,6 @@ class PrefixCaching:
         self.cached_tokens += start
         return need
 
-    def _take_row(self, r: Any) -> bool:
-        if not self.hybrid:
-            return super()._take_row(r)  # type: ignore[misc]
-        if not self.table.free_slots:
-            return False
-        if self.table.alloc([r]) is None:  # no state slots: the tree gives snapshots up
-            self.cache.evict(EvictParams(mamba_num=1 + self.table.track_slots_per_request))
-            if self.table.alloc([r]) is None:
-                return False
-        return True
-
-    def _release_row(self, r: Any) -> None:
-        if self.hybrid and r.mamba_pool_idx is not None:
-            self.table.free_mamba_cache(r)
-        self.table.free(r.row)
-        r.row = None
-
     def _chunk(self, r: Any, budget: int) -> int:
         n = super()._chunk(r, budget)  # type: ignore[misc]
         if self.tracks:  # end on the last page boundary passed: the state there is tracked
@@ -121,18 +105,14 @@ class PrefixCaching:
                 n = boundary - r.kv_len
         return n
 
-    def _make_room(self, tokens: int) -> None:
-        short = tokens - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(EvictParams(num_tokens=short))
-
     def alloc_extend(self, reqs: Any, counts: Any) -> torch.Tensor:
         grow = sum(self.pages(r.kv_len + n) - self.pages(r.kv_len) for r, n in zip(reqs, counts))
-        self._make_room(grow * self.page_size)
+        cache_requests.make_room(self.cache, self.allocator, grow * self.page_size)
         return super().alloc_extend(reqs, counts)  # type: ignore[misc]
 
     def _decode(self, reqs: list) -> Any:
-        self._make_room(sum(1 for r in reqs if r.kv_len % self.page_size == 0) * self.page_size)
+        need = sum(1 for r in reqs if r.kv_len % self.page_size == 0) * self.page_size
+        cache_requests.make_room(self.cache, self.allocator, need)
         return super()._decode(reqs)  # type: ignore[misc]
 
     def advance(self, batch: Any, logits: torch.Tensor, keep_logits: bool) -> None:
@@ -148,15 +128,10 @@ class PrefixCaching:
 
     def _track(self, batch: Any) -> None:
         at = [i for i, (r, n) in enumerate(zip(batch.requests, batch.counts)) if (r.kv_len + n) % self.page_size == 0]
-        if not at:
-            return
-        reqs = [batch.requests[i] for i in at]
-        dst = [self.table.track_slots(r.row)[r.mamba_next_track_idx] for r in reqs]
-        src = batch.state_slots[torch.tensor(at, device=batch.state_slots.device)]
-        self.table.mamba_pool.copy_from(src, torch.tensor(dst, dtype=torch.int64, device=src.device))
-        for i, r in zip(at, reqs):
-            r.mamba_last_track_seqlen = r.kv_len + batch.counts[i]
-            r.mamba_next_track_idx = self.table.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx)
+        if at:
+            slots = batch.state_slots[torch.tensor(at, device=batch.state_slots.device)]
+            reqs = [batch.requests[i] for i in at]
+            cache_requests.track(self.table, reqs, [r.kv_len + batch.counts[i] for i, r in zip(at, reqs)], slots)
 
     def finish(self, done: Any) -> None:
         """Finished requests' pages (and states) go into the tree, which frees what it held already."""

@@ -39,6 +39,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+import cache_requests
+from cache_requests import CacheRequest
 from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
@@ -81,32 +83,17 @@ def prefix_keys(tokens: Sequence[int]) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def chat_request_class(base: type) -> type:
-    """serve_sim's ``Request`` (``base``) with its tokens, and the attributes the prefix cache reads
-    and writes (SGLang's ``Req`` names, ``kvpool.cache.requests``)."""
+    """serve_sim's ``Request`` (``base``) with its tokens, and what the prefix cache reads and
+    writes (``CacheRequest``)."""
 
     @dataclass(eq=False)
-    class ChatRequest(base):  # type: ignore[misc, valid-type]
+    class ChatRequest(base, CacheRequest):  # type: ignore[misc, valid-type]
         tokens: list[int] = field(default_factory=list)  # prompt, then answer
         think: int = 0  # steps from the previous turn's answer to this turn's arrival
         key_tensor: Optional[torch.Tensor] = None  # [len(tokens)] int64: prefix_keys(tokens)
-        last_node: Any = None
-        cache_protected_len: int = 0
-        prefix_indices: Optional[torch.Tensor] = None
-        mamba_pool_idx: Optional[torch.Tensor] = None
-        mamba_ping_pong_track_buffer: Optional[torch.Tensor] = None
-        mamba_next_track_idx: int = 0
-        mamba_last_track_seqlen: Optional[int] = None
 
         def keys(self, start: int, end: int, device: torch.device) -> torch.Tensor:
             return self.key_tensor[start:end].to(device)  # type: ignore[index]
-
-        @property
-        def req_pool_idx(self) -> Optional[int]:
-            return self.row
-
-        @req_pool_idx.setter
-        def req_pool_idx(self, row: Optional[int]) -> None:
-            self.row = row
 
         @property
         def origin_input_ids(self) -> list[int]:
@@ -119,14 +106,6 @@ def chat_request_class(base: type) -> type:
         @property
         def fill_ids(self) -> list[int]:
             return self.tokens[: self.kv_len]
-
-        @property
-        def kv_committed_len(self) -> int:
-            return self.kv_len
-
-        @property
-        def kv_allocated_len(self) -> int:
-            return self.kv_len
 
     return ChatRequest
 
@@ -209,23 +188,22 @@ class PrefixStats:
         return (self.matched_tokens + self.loaded_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary_lines(self, res: Any) -> list[str]:
-        saved = self.matched_tokens + self.loaded_tokens
-        pad = " " * 18
+        """serve_sim's summary lines for these tallies (``res``: the run's ``SimResult``)."""
+        cfg, saved, pad = res.config, self.matched_tokens + self.loaded_tokens, " " * 18
         lines = [
             f"  prefix cache    {self.cache}: {self.lookups} lookups, hit rate {100 * self.hit_rate:.1f}% ({saved} of "
             f"{self.prompt_tokens} prompt tokens: {self.matched_tokens} on the device, {self.loaded_tokens} loaded "
-            f"from the host)",
+            "from the host)",
             f"{pad}prefill tokens saved {saved} ({res.prefill_tokens} prefilled); evictions: {self.evict_calls} calls "
-            f"freed {self.evicted_tokens} device tokens" + (f" and {self.evicted_states} state snapshots" if self.forks or
-                                                            self.evicted_states else ""),
-        ]  # fmt: skip
-        if res.config.host_tier:
+            f"freed {self.evicted_tokens} device tokens",
+        ]
+        if cfg.host_tier:
             lines.append(
-                f"{pad}host tier ({res.config.host_write_policy}, {res.config.host_layout}, {res.config.host_io_backend}): "
+                f"{pad}host tier ({cfg.host_write_policy}, {cfg.host_layout}, {cfg.host_io_backend}): "
                 f"{self.backed_up_tokens} tokens backed up, {self.host_evicted_tokens} dropped from the host"
             )
-        if res.config.model == "qwen3.5":
-            lines.append(f"{pad}{self.forks} state snapshots forked into requests' slots, each checked")
+        if cfg.model == "qwen3.5":
+            lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted")
         lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
         return lines
 
@@ -323,7 +301,7 @@ class PrefixScheduler:
     def admit(self, r: Any, budget: int, pages: int) -> Optional[tuple[int, int, int]]:
         """As serve_sim's, with the cached prefix: matched (and loaded back from the host), locked,
         and written into the request's row; only the rest is computed."""
-        if not self._take_row(r):
+        if not cache_requests.take_row(self.table, self.cache, r):
             return None
         room = self.room()  # what locking the match and loading it back take from it, the admission takes
         target = r.prompt_len + r.generated
@@ -342,7 +320,7 @@ class PrefixScheduler:
         taken = self.pages_for(end) - start // self.page_size + (room - self.room()) // self.page_size
         if taken > pages:
             self.cache.dec_lock_ref(node)
-            self._give_back_row(r)
+            cache_requests.give_back_row(self.table, r)
             return None
         if start:
             self.table.write((r.row, slice(0, start)), prefix.to(torch.int32))
@@ -361,36 +339,14 @@ class PrefixScheduler:
             self.result.state_mismatches += self.runner.verify_state(r, start)
         return start, end, taken
 
-    def _take_row(self, r: Any) -> bool:
-        """A table row for ``r`` (and state slots: the tree gives snapshots up for them)."""
-        if not self.table.free_slots:
-            return False
-        if not self.hybrid:
-            r.row = self.table.alloc(1)[0]
-            return True
-        if self.table.alloc([r]) is None:
-            self.cache.evict(EvictParams(mamba_num=1 + self.table.track_slots_per_request))
-            if self.table.alloc([r]) is None:
-                return False
-        return True
-
-    def _give_back_row(self, r: Any) -> None:
-        if self.hybrid and r.mamba_pool_idx is not None:
-            self.table.free_mamba_cache(r)
-        self.table.free(r.row)
-        r.row = None
-
-    def _make_room(self, tokens: int) -> None:
-        short = tokens - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(EvictParams(num_tokens=short))
-
     def _alloc_prefill(self, plan: list) -> torch.Tensor:
-        self._make_room(sum(self.pages_for(e) - self.pages_for(s) for _, s, e in plan) * self.page_size)
+        need = sum(self.pages_for(e) - self.pages_for(s) for _, s, e in plan) * self.page_size
+        cache_requests.make_room(self.cache, self.allocator, need)
         return super()._alloc_prefill(plan)  # type: ignore[misc]
 
     def _alloc_decode(self, decode: list) -> torch.Tensor:
-        self._make_room(sum(1 for r in decode if r.kv_len % self.page_size == 0) * self.page_size)
+        need = sum(1 for r in decode if r.kv_len % self.page_size == 0) * self.page_size
+        cache_requests.make_room(self.cache, self.allocator, need)
         return super()._alloc_decode(decode)  # type: ignore[misc]
 
     def advance(self, batch: Any) -> None:
@@ -466,13 +422,10 @@ class RunnerWithTracks:
                     tail.append((r, b, e))
         super().advance_states(head)  # type: ignore[misc]
         if tracked:
-            table, dev = self.table, self.states.device  # type: ignore[attr-defined]
-            src = torch.tensor([table.mamba_slot(r.row) for r, _ in tracked], dtype=torch.int64, device=dev)
-            dst = torch.tensor([table.track_slots(r.row)[r.mamba_next_track_idx] for r, _ in tracked], dtype=torch.int64, device=dev)
-            self.states.mamba.copy_from(src, dst)  # type: ignore[attr-defined]
-            for r, b in tracked:
-                r.mamba_last_track_seqlen = b
-                r.mamba_next_track_idx = table.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx)
+            table = self.table  # type: ignore[attr-defined]
+            slots = [table.mamba_slot(r.row) for r, _ in tracked]
+            reqs, lengths = zip(*tracked)
+            cache_requests.track(table, reqs, lengths, torch.tensor(slots, dtype=torch.int64, device=self.states.device))  # type: ignore[attr-defined]
         super().advance_states(tail)  # type: ignore[misc]
 
 
@@ -482,20 +435,20 @@ class RunnerWithTracks:
 def run(cfg: Any, sim: ModuleType) -> Any:
     """serve_sim's run on a prefix cache with the chat workload; ``sim`` is the serve_sim module."""
     if cfg.model == sim.HYBRID_MODEL:
-        extra = cfg.page_size > 1
-        b = sim.companion("hybrid").build(
-            cfg, sim, extra_buffer=extra, spare_states=cfg.max_running, runner_mixin=RunnerWithTracks if extra else None
-        )
+        extra = cfg.page_size > 1  # the state is known at page boundaries: track slots
+        hybrid = sim.companion("hybrid")
+        b = hybrid.build(cfg, sim, extra_buffer=extra, spare_states=cfg.max_running,
+                         runner_mixin=RunnerWithTracks if extra else None)  # fmt: skip
         pool, runner, result, parts = b.pool, b.runner, b.result, b.parts
-        scheduler = functools.partial(_with(PrefixScheduler, parts.scheduler.func), **parts.scheduler.keywords)
+        base = functools.partial(_with(PrefixScheduler, _with(hybrid.SchedulerWithStates, sim.Scheduler)), table=b.table)
     else:
         pool, geometry = sim.make_pool(cfg)
         runner = sim.make_runner(cfg, pool)
         result = sim.SimResult(cfg, pool.size, geometry.bytes_per_token, device=str(pool.device))
-        parts, scheduler = sim.Parts(), _with(PrefixScheduler, sim.Scheduler)
+        parts, base = sim.Parts(), _with(PrefixScheduler, sim.Scheduler)
     result.prefix = PrefixStats()
     parts = replace(
-        parts, scheduler=functools.partial(scheduler, runner=runner, result=result),
+        parts, scheduler=functools.partial(base, runner=runner, result=result),
         host_parking=lambda *args: None,  # the host tier is the cache's
         arrivals=lambda c: make_chats(c, sim),
     )  # fmt: skip
