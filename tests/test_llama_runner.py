@@ -263,3 +263,13 @@ def test_prefix_cache_summary(capsys):
     assert llama_runner.main([*TINY_ARGS, "--prompts", "8", "--dtypes", "fp32", "--prefix-cache"]) == 0
     out = capsys.readouterr().out
     assert "prompt tokens matched in the prefix cache" in out and "fp32 check  PASS" in out
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_prefix_cache_generates_what_transformers_generates():
+    rep = llama_runner.run(replace(CACHED, device="cuda", pool_dtypes=("fp32", "fp8_e4m3")))
+    assert rep.fp32_check is True and rep.ok, llama_runner.format_summary(rep)
+    for r in rep.runs:
+        assert r.result.cached_tokens > 0 and r.result.reference_calls == 0, llama_runner.format_summary(rep)
+        if r.vs_rounded is not None:
+            assert r.vs_rounded.identical, llama_runner.format_summary(rep)

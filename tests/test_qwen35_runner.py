@@ -335,6 +335,18 @@ def test_the_speculative_runs_serve_without_the_cache(capsys):
 
 
 @pytest.mark.gpu
+def test_on_cuda_the_prefix_cache_generates_what_transformers_generates():
+    """Track slots, forks and the fused writes on a GPU: the fp32 pool still reproduces HF, every
+    other pool its rounded reference."""
+    rep = qwen35_runner.run(replace(CACHED, device="cuda"), qwen35_runner.QwenOptions(spec_width=None))
+    summary = qwen35_runner.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok, summary
+    for r in rep.runs:
+        assert r.result.cached_tokens > 0 and r.result.reference_calls == 0, summary
+        assert r.vs_rounded is None or r.vs_rounded.identical, summary
+
+
+@pytest.mark.gpu
 def test_on_cuda_every_kv_write_takes_the_fused_kernel():
     cfg = replace(TINY, device="cuda")
     rep = qwen35_runner.run(cfg, SPEC)
