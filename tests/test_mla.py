@@ -43,6 +43,7 @@ from kvassert import (
     fill_random_,
     gpu,
     id_of,
+    no_sync,
     poison_,
 )
 from kvpool import (
@@ -988,24 +989,18 @@ def test_mla_writes_allocate_nothing_and_reads_never_synchronise():
         call()
     torch.cuda.synchronize()
     allocs_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         for _ in range(3):
             for call in writes:
                 call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocs_before
     with_padding = torch.cat((loc64[:5], torch.tensor([-1, 5000, 2**40], device="cuda")))
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:  # the gather allocates its outputs, but never waits for the device
+    with no_sync():  # the gather allocates its outputs, but never waits for the device
         for loc in (loc32, with_padding):
             pool.get_mla_kv_buffer(Layer(1), loc)
             pool.get_mla_kv_buffer(Layer(1), loc, dst_dtype=torch.bfloat16)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert pool.stats.fused_calls == 4 * len(writes) and pool.stats.reference_calls == 0
 
 
@@ -1097,11 +1092,8 @@ def test_mla_moves_and_cpu_copies_on_the_device():
             assert_same_bytes(b, e, f"move of {n} rows, layer {layer}")
     small = torch.tensor([3, 4, 5], device="cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         pool.move_kv_cache(small, small.flip(0))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     slots = torch.randperm(pool.rows, device="cuda", generator=cuda_gen(9))[:300]
     copy = pool.get_cpu_copy(slots)
     assert copy.k.is_pinned() and copy.k.shape == (3, 300, 1, DS_R) and copy.v.shape == (3, 300, 1, DS_ROPE)

@@ -473,13 +473,10 @@ def test_fused_call_allocates_nothing_and_never_synchronises():
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()
     allocs_before = stats.get("allocation.all.allocated", 0)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         for _ in range(3):
             for call in calls:
                 call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocs_before
     assert pool.stats.fused_calls == 4 * len(calls) and pool.stats.reference_calls == 0
@@ -494,12 +491,9 @@ def test_reference_path_never_synchronises():
     scale = torch.tensor([0.37], device="cuda")
     pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         pool.set_kv_buffer(None, loc, x, x, scale, 0.5, layer_id_override=0)
         pool.set_kv_buffer(None, torch.full_like(loc, -1), x, x, scale, 0.5, layer_id_override=1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert pool.stats.reference_calls == 3
 
 
@@ -1554,17 +1548,6 @@ def _loc_layout(loc: list[list[int]], layout: str, dtype) -> torch.Tensor:
     return out
 
 
-def _verify_scale(kind, seed=0):
-    if kind == "none":
-        return None
-    if kind == "float":
-        return 0.37
-    if kind == "tensor":
-        return torch.tensor([2.5], device=DEVICE)
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(H, generator=g) * 4 + 0.05).to(DEVICE)  # per head
-
-
 def _verify_expected(dtype, loc, commit, k, v, ks, vs):
     """Poisoned buffers of one layer with the committed, in-range tokens written row by row."""
     ek = poison_(torch.empty(VERIFY_ROWS, H, D, dtype=dtype, device=DEVICE))
@@ -1650,7 +1633,7 @@ def test_verify_write_property(case):
     commit_t = torch.tensor(case["commit"], dtype=case["commit_dtype"], device=DEVICE)
     k = _verify_rows(t, H, D, case["in_dtype"], case["seed"])
     v = _verify_qkv_slice(t, H, VERIFY_DV, case["in_dtype"], case["seed"] + 1)
-    ks, vs = _verify_scale(case["k_scale"], case["seed"]), _verify_scale(case["v_scale"], case["seed"] + 2)
+    ks, vs = scale_of(case["k_scale"], H, case["seed"]), scale_of(case["v_scale"], H, case["seed"] + 2)
     if t == 0:
         for fused in ("always", "never"):
             pool = _verify_pool(case["cache_dtype"], fused)
