@@ -44,8 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
-#: Both devices as a parameter: the CPU always, CUDA where there is one.
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=gpu)]
 
 # The fused kernel takes CPU tensors only through Triton's interpreter (conftest switches it on when
 # there is no CUDA device); elsewhere the fused cases of the CPU tests are skipped, not failed.
