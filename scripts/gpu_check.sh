@@ -65,7 +65,7 @@ for stage in $stages; do
     host) step host_bench python3 benchmarks/bench_host_tier.py --out "$OUT" ;;
     host_tests)  # the host tier's tests alone (GPU and CPU-pool ones, the MLA host pool's included)
       step host_tests python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_host_tier.py \
-        tests/test_serve_sim_host_tier.py tests/test_mla.py -k "host or layer or Host" ;;
+        tests/test_serve_sim.py tests/test_mla.py -k "host or layer or Host" ;;
     host_calls) step host_calls python3 benchmarks/probe_host_calls.py --out "$OUT" ;;
     host_links) step host_links python3 benchmarks/probe_host_links.py --out "$OUT" ;;
     host_kernel)  # the kernel backend's transfers alone, wall and device time
@@ -78,7 +78,7 @@ for stage in $stages; do
     llama) step llama python3 examples/llama_runner.py --config 8b-4layer --device cuda ;;
     deepseek) step deepseek python3 examples/deepseek_runner.py --config v3-mla --device cuda ;;
     qwen)  # the Qwen3.5 runner's GPU tests, then Qwen3.5-397B's layer geometry in bf16 with FP8 pools
-      step qwen_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_qwen35_runner.py
+      step qwen_tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_model_runners.py -k qwen
       step qwen python3 examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 \
         --dtypes bf16 fp8_e4m3 --spec-dtypes bf16 fp8_e4m3 --page-size 64 ;;
     qwen_bench) step qwen_bench python3 benchmarks/bench_qwen35_runner.py --out "$OUT" ;;

@@ -1,0 +1,830 @@
+"""The model runners at a tiny size: examples/llama_runner.py (an HF Llama served on kvpool's pool),
+examples/deepseek_runner.py (an HF DeepSeek-V3, multi-head latent attention and MoE, on the MLA pool)
+and examples/qwen35_runner.py (a hybrid Qwen3.5, Gated DeltaNet + gated attention and MoE, with its
+K/V in a KV pool and its linear-attention state in a state pool, with and without speculative
+decoding), with the allocators and the request table, and on a prefix cache: each must generate what
+transformers generates. Skipped without transformers >= 5 (the ``model`` extra); the Qwen3.5 tests
+also need a transformers that has Qwen3.5."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvassert import load_example
+
+pytest.importorskip("transformers", minversion="5")
+
+from kvpool import MambaPool  # noqa: E402
+
+try:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
+except ImportError:  # a transformers 5 without Qwen3.5: its runner's tests are skipped
+    Qwen3_5MoeForCausalLM = Qwen3_5MoeTextConfig = None
+HAS_QWEN35 = Qwen3_5MoeForCausalLM is not None
+qwen35 = pytest.mark.skipif(not HAS_QWEN35, reason="needs a transformers with Qwen3.5 (qwen3_5_moe)")
+
+llama_runner = load_example("llama_runner")
+deepseek_runner = load_example("deepseek_runner")
+runner_common = load_example("runner_common")  # the shared scheduler and checks the runners import
+
+
+def _runs(rep, dtype):
+    return [r for r in rep.runs if r.dtype == dtype]
+
+
+# ==============================================================================================
+# Llama.
+
+# 2 layers, hidden 64, 4 query / 2 KV heads; 4 prompts for 3 request rows, so the last one is admitted
+# when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.
+LLAMA_TINY = llama_runner.RunConfig(
+    shape=llama_runner.SHAPES["tiny"], prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4,
+    seed=0, device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
+)  # fmt: skip
+LLAMA_ARGS = [
+    "--config", "tiny", "--prompts", "4", "--batch", "3", "--prompt-len", "4", "24", "--new-tokens", "3", "8",
+    "--page-size", "4", "--seed", "0", "--device", "cpu",
+]  # fmt: skip
+# Against plain HF, measured on the CPU (seed 0): bf16 pool 8.9e-3 max rel logit error and 5.6e-6 mean
+# KL; FP8 e4m3 mean KL 1.3e-3 at scale 1.0 and with calibrated scales. The bounds leave room for
+# other devices.
+LLAMA_BF16_LOGIT_RTOL, LLAMA_BF16_KL, LLAMA_FP8_KL = 0.05, 1e-3, 1e-2
+
+
+@pytest.fixture(scope="module")
+def llama_report():
+    return llama_runner.run(LLAMA_TINY)
+
+
+def _check_llama_report(rep, steps_per_run: int) -> None:
+    """What must hold on every device: the fp32 pool reproduces HF exactly, every pool reproduces HF
+    with its cache rounded the same way, and the allocators end clean."""
+    (fp32,) = _runs(rep, "fp32")
+    assert fp32.vs_hf.identical, llama_runner.format_summary(rep)
+    assert fp32.vs_hf.max_rel_logit_err <= llama_runner.LOGIT_RTOL
+    assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
+    assert fp32.vs_rounded is None
+    assert rep.fp32_check is True and rep.ok
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded is not None and r.vs_rounded.identical, llama_runner.format_summary(rep)
+        assert r.result.allocators_ok
+        assert r.result.fused_calls + r.result.reference_calls == steps_per_run * LLAMA_TINY.shape.layers
+    (bf16,) = _runs(rep, "bf16")
+    assert bf16.vs_hf.max_rel_logit_err < LLAMA_BF16_LOGIT_RTOL and bf16.vs_hf.mean_kl < LLAMA_BF16_KL
+    for r in _runs(rep, "fp8_e4m3"):
+        assert 0 < r.vs_hf.mean_kl < LLAMA_FP8_KL
+
+
+def test_llama_tiny_model_generates_what_transformers_generates(llama_report):
+    prompts = llama_runner.make_prompts(LLAMA_TINY)
+    assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
+    assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
+    first = llama_report.runs[0].result
+    _check_llama_report(llama_report, first.prefill_steps + first.decode_steps)
+    assert first.peak_running == LLAMA_TINY.batch
+    assert first.prefill_steps >= 2  # the fourth prompt was admitted into a freed row
+    assert first.generated_tokens == sum(p.new_tokens for p in prompts)
+    # The FP8 pool also ran with the scales its own calibration gave (calibrated_scales).
+    assert [r.label for r in llama_report.runs if r.dtype == "fp8_e4m3"] == ["fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
+    [calibrated] = [r for r in llama_report.runs if r.label == "fp8_e4m3, scale calibrated"]
+    assert calibrated.vs_rounded.identical, llama_runner.format_summary(llama_report)  # the scales reached both sides
+    assert 0 < calibrated.vs_hf.mean_kl < LLAMA_FP8_KL
+    assert not llama_report.notes
+    if not torch.cuda.is_available():
+        assert all(r.result.fused_calls == 0 for r in llama_report.runs)
+
+
+def test_llama_summary_and_exit_status(capsys):
+    assert llama_runner.main([*LLAMA_ARGS, "--dtypes", "fp32", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    assert "pool fp32\n    vs HF       tokens identical" in out
+    assert "pool fp8_e4m3, scale 1.0\n" in out and "vs rounded  tokens identical" in out
+    assert "fp32 check  PASS" in out and out.rstrip().endswith("PASS")
+    assert llama_runner.main([*LLAMA_ARGS, "--batch", "0"]) == 2
+    assert "batch must be a positive int, got 0" in capsys.readouterr().err
+
+
+def test_llama_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
+    """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
+    make_pool = llama_runner.make_pool
+
+    def leaky(cfg, model, dtype):
+        pool = make_pool(cfg, model, dtype)
+        write = pool.set_kv_buffer
+
+        def drop_last(layer, loc, k, v, *args, **kwargs):
+            loc = loc.clone()
+            loc[-1] = -1  # a padding token: nothing is written
+            write(layer, loc, k, v, *args, **kwargs)
+
+        pool.set_kv_buffer = drop_last
+        return pool
+
+    monkeypatch.setattr(llama_runner, "make_pool", leaky)
+    assert llama_runner.main([*LLAMA_ARGS, "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
+
+
+def test_llama_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
+    """FP8 pool with every write on the fused kernel (Triton's interpreter without a GPU) against the
+    reference path: the writes are bit-identical, so the generations are too."""
+    cfg = replace(LLAMA_TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
+    model = llama_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
+    prompts = llama_runner.make_prompts(cfg)
+    dtype = torch.float8_e4m3fn
+    monkeypatch.setenv("KVPOOL_FUSED", "never")
+    reference = llama_runner.serve(model, llama_runner.make_pool(cfg, model, dtype), prompts, cfg.batch)
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    fused = llama_runner.serve(model, llama_runner.make_pool(cfg, model, dtype), prompts, cfg.batch)
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch": 0}, "batch must be a positive int, got 0"),
+        ({"prompt_len": (5, 2)}, r"prompt_len must be a range \(lo, hi\) with 1 <= lo <= hi, got \(5, 2\)"),
+        ({"pool_dtypes": ("int8",)}, "pool dtype must be one of fp8_e4m3, .*got 'int8'"),
+        ({"model_dtype": "fp8_e4m3"}, "model_dtype must be one of fp32, bf16, fp16, got 'fp8_e4m3'"),
+    ],
+)
+def test_llama_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        replace(LLAMA_TINY, **kwargs)
+
+
+def test_llama_shape_rejects_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match="kv_heads must divide heads = 4, got 3"):
+        replace(llama_runner.SHAPES["tiny"], kv_heads=3)
+
+
+@pytest.mark.gpu
+def test_llama_on_cuda_every_write_takes_the_fused_kernel():
+    rep = llama_runner.run(replace(LLAMA_TINY, device="cuda"))
+    first = rep.runs[0].result
+    _check_llama_report(rep, first.prefill_steps + first.decode_steps)
+    for r in rep.runs:
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, llama_runner.format_summary(rep)
+
+
+# --- --prefix-cache: prompts that share prefixes, each prefilling only what the tree does not hold ---
+
+LLAMA_CACHED = replace(LLAMA_TINY, prompts=8, prompt_len=(4, 40), prefix_cache=True)
+
+
+def _counting_writes(pool):
+    """``pool`` whose layer-0 writes count their tokens into ``pool.written``."""
+    write = pool.set_kv_buffer
+    pool.written = 0
+
+    def counted(layer, loc, *args, **kwargs):
+        if layer.layer_id == pool.start_layer:
+            pool.written += loc.numel()
+        write(layer, loc, *args, **kwargs)
+
+    pool.set_kv_buffer = counted
+    return pool
+
+
+@pytest.fixture(scope="module")
+def llama_cached_model():
+    model = llama_runner.build_model(LLAMA_CACHED.shape, torch.float32, "cpu", LLAMA_CACHED.seed)
+    prompts = llama_runner.make_prompts(LLAMA_CACHED)
+    return model, prompts, llama_runner.hf_reference(model, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("chunk_size", [None, 5], ids=["whole", "chunked"])
+def test_llama_the_prefix_cache_generates_the_same_tokens(llama_cached_model, dtype, chunk_size):
+    """The cache matches each prompt's cached prefix, the runner prefills only the rest and attends
+    over the matched rows: the tokens (and logits) are the cache-off run's, and for fp32 HF's."""
+    model, prompts, hf = llama_cached_model
+    assert sum(p.tokens[:4] == q.tokens[:4] for i, p in enumerate(prompts) for q in prompts[:i]) >= 3
+    runs = {}
+    for on in (False, True):
+        pool = _counting_writes(llama_runner.make_pool(LLAMA_CACHED, model, llama_runner.DTYPES[dtype]))
+        runs[on] = llama_runner.serve(model, pool, prompts, LLAMA_CACHED.batch, chunk_size=chunk_size, prefix_cache=on)
+        runs[on].written = pool.written
+    off, on = runs[False], runs[True]
+    assert on.allocators_ok and on.cached_tokens > 0 and on.prompt_tokens == sum(len(p.tokens) for p in prompts)
+    assert on.written == off.written - on.cached_tokens  # the matched tokens were not computed again
+    same = llama_runner.compare(on.generations, off.generations)
+    assert same.identical and same.max_rel_logit_err <= llama_runner.LOGIT_RTOL
+    if dtype == "fp32":
+        vs_hf = llama_runner.compare(on.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= llama_runner.LOGIT_RTOL
+
+
+def test_llama_a_match_the_runner_does_not_attend_over_fails_the_fp32_check(llama_cached_model, monkeypatch):
+    """Control: admissions whose matched slots are not written into the request's row (it attends
+    over the padding slot instead) part from HF."""
+    model, prompts, hf = llama_cached_model
+    runner_prefix = load_example("runner_prefix")
+    match = runner_prefix.PrefixCaching._match
+
+    def unwritten(self, r, free):
+        taken = match(self, r, free)
+        if taken is not None and r.kv_len:
+            self.table.req_to_token[r.row, : r.kv_len] = 0
+        return taken
+
+    monkeypatch.setattr(runner_prefix.PrefixCaching, "_match", unwritten)
+    res = llama_runner.serve(model, llama_runner.make_pool(LLAMA_CACHED, model, torch.float32), prompts, LLAMA_CACHED.batch,
+                             prefix_cache=True)  # fmt: skip
+    assert res.cached_tokens > 0 and not llama_runner.compare(res.generations, hf).identical
+
+
+def test_llama_prefix_cache_summary(capsys):
+    assert llama_runner.main([*LLAMA_ARGS, "--prompts", "8", "--dtypes", "fp32", "--prefix-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens matched in the prefix cache" in out and "fp32 check  PASS" in out
+
+
+@pytest.mark.gpu
+def test_llama_on_cuda_the_prefix_cache_generates_what_transformers_generates():
+    rep = llama_runner.run(replace(LLAMA_CACHED, device="cuda", pool_dtypes=("fp32", "fp8_e4m3")))
+    assert rep.fp32_check is True and rep.ok, llama_runner.format_summary(rep)
+    for r in rep.runs:
+        assert r.result.cached_tokens > 0 and r.result.reference_calls == 0, llama_runner.format_summary(rep)
+        if r.vs_rounded is not None:
+            assert r.vs_rounded.identical, llama_runner.format_summary(rep)
+
+
+# ==============================================================================================
+# DeepSeek-V3: the MLA pool.
+
+# 2 layers (a dense one, then an MoE one of 4 experts, top 2, + a shared expert), hidden 64, 4 heads,
+# latent rows 32 + 8 rope (YaRN, interleaved); 4 prompts for 3 request rows, so the last one is
+# admitted when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.
+DEEPSEEK_TINY = runner_common.RunConfig(
+    shape=deepseek_runner.SHAPES["tiny"], prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4,
+    seed=0, device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
+)  # fmt: skip
+DEEPSEEK_ARGS = [
+    "--config", "tiny", "--prompts", "4", "--batch", "3", "--prompt-len", "4", "24", "--new-tokens", "3", "8",
+    "--page-size", "4", "--seed", "0", "--device", "cpu",
+]  # fmt: skip
+# Against plain HF, measured on the CPU (seed 0, either attention form): fp32 pool 1.2e-6 max rel logit
+# error; bf16 pool 7.5e-3 and mean KL 6.3e-6; FP8 e4m3 mean KL 2.8e-3 at scale 1.0, 2.2e-3 with
+# calibrated scales (the MoE router turns small changes into different experts: with the MoE layer
+# made dense the FP8 KL is 1.6e-3). The bounds leave room for other devices.
+DEEPSEEK_BF16_LOGIT_RTOL, DEEPSEEK_BF16_KL, DEEPSEEK_FP8_KL = 0.05, 1e-3, 2e-2
+
+
+@pytest.fixture(scope="module")
+def deepseek_report():
+    return deepseek_runner.run(DEEPSEEK_TINY, "absorbed")
+
+
+def _check_deepseek_report(rep, cfg) -> None:
+    """What must hold on every device: the fp32 pool reproduces HF exactly, every other pool reproduces
+    HF with its cache rounded the same way, the allocators end clean, and every layer of every step
+    wrote its latent rows once."""
+    summary = runner_common.format_summary(rep)
+    (fp32,) = _runs(rep, "fp32")
+    assert fp32.vs_hf.identical, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+    assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
+    assert fp32.vs_rounded is None
+    assert rep.fp32_check is True and rep.ok
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded is not None and r.vs_rounded.identical, summary
+        s = r.result
+        assert s.allocators_ok
+        assert s.fused_calls + s.reference_calls == (s.prefill_steps + s.decode_steps) * cfg.shape.layers
+    for bf16 in _runs(rep, "bf16"):
+        assert bf16.vs_hf.max_rel_logit_err < DEEPSEEK_BF16_LOGIT_RTOL and bf16.vs_hf.mean_kl < DEEPSEEK_BF16_KL, summary
+    for r in _runs(rep, "fp8_e4m3"):
+        assert 0 < r.vs_hf.mean_kl < DEEPSEEK_FP8_KL, summary
+
+
+def test_tiny_deepseek_generates_what_transformers_generates(deepseek_report):
+    prompts = runner_common.make_prompts(DEEPSEEK_TINY)
+    assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
+    assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
+    assert [r.label for r in deepseek_report.runs] == ["fp32", "bf16", "fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
+    _check_deepseek_report(deepseek_report, DEEPSEEK_TINY)
+    first = deepseek_report.runs[0].result
+    assert first.peak_running == DEEPSEEK_TINY.batch
+    assert first.prefill_steps >= 2  # the fourth prompt was admitted into a freed row
+    assert first.generated_tokens == sum(p.new_tokens for p in prompts)
+    if not torch.cuda.is_available():
+        assert all(r.result.fused_calls == 0 for r in deepseek_report.runs)
+
+
+def test_deepseek_expanded_attention_generates_the_same(deepseek_report):
+    """HF's own form (rows gathered with get_mla_kv_buffer, expanded by kv_b_proj) passes the same
+    checks and generates what the absorbed form generates."""
+    rep = deepseek_runner.run(replace(DEEPSEEK_TINY, pool_dtypes=("fp32", "fp8_e4m3"), calibrate=False), "expanded")
+    _check_deepseek_report(rep, DEEPSEEK_TINY)
+    for a, b in zip(rep.runs, (deepseek_report.runs[0], deepseek_report.runs[2])):
+        assert a.label == b.label
+        assert [g.tokens for g in a.result.generations] == [g.tokens for g in b.result.generations]
+
+
+def test_deepseek_the_pool_rows_are_what_hf_caches():
+    """After a prefill, each token's row is HF's cached normalised latent followed by its roped key."""
+    model = deepseek_runner.build_model(DEEPSEEK_TINY.shape, torch.float32, "cpu", DEEPSEEK_TINY.seed)
+    pool = deepseek_runner.make_pool(DEEPSEEK_TINY, model, torch.float32)
+    tokens = runner_common.make_prompts(DEEPSEEK_TINY)[0].tokens
+    sched = runner_common.Scheduler(pool, 1, len(tokens) + 1)
+    sched.add(runner_common.Request(0, tokens, 2))
+    batch = sched.schedule()
+    deepseek_runner.DeepseekV3Runner(model, pool).forward(batch)
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=True)
+    # transformers renamed the output's cache (past_key_values up to 5.17, cache in 5.24)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    for i, layer in enumerate(cache.layers):
+        hf = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [L, kv_lora_rank + qk_rope_head_dim]
+        rows = pool.get_key_buffer(i)[batch.loc, 0]
+        if i == 0:  # the same modules on the same inputs
+            assert torch.equal(rows, hf)
+        torch.testing.assert_close(rows, hf, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_summary_and_exit_status(capsys):
+    assert deepseek_runner.main([*DEEPSEEK_ARGS, "--dtypes", "fp32", "fp8_e4m3", "--no-calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvpool deepseek_runner: DeepseekV3ForCausalLM, absorbed MLA attention (2 layers")
+    assert "pool fp32\n    vs HF       tokens identical" in out
+    assert "pool fp8_e4m3, scale 1.0\n" in out and "vs rounded  tokens identical" in out
+    assert "fp32 check  PASS" in out and out.rstrip().endswith("PASS")
+    assert deepseek_runner.main([*DEEPSEEK_ARGS, "--batch", "0"]) == 2
+    assert "deepseek_runner: batch must be a positive int, got 0" in capsys.readouterr().err
+
+
+def test_deepseek_a_lost_latent_row_fails_the_fp32_check(monkeypatch, capsys):
+    """A pool that drops one token's latent row per write: attention reads a stale row, and the run
+    says so."""
+    make_pool = deepseek_runner.make_pool
+
+    def leaky(cfg, model, dtype):
+        pool = make_pool(cfg, model, dtype)
+        write = pool.set_mla_kv_buffer
+
+        def drop_last(layer, loc, nope, rope, *args, **kwargs):
+            loc = loc.clone()
+            loc[-1] = -1  # a padding token: nothing is written
+            write(layer, loc, nope, rope, *args, **kwargs)
+
+        pool.set_mla_kv_buffer = drop_last
+        return pool
+
+    monkeypatch.setattr(deepseek_runner, "make_pool", leaky)
+    assert deepseek_runner.main([*DEEPSEEK_ARGS, "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
+
+
+def test_deepseek_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
+    """FP8 MLA pool with every write on the fused kernel (Triton's interpreter without a GPU) against
+    the reference path: the writes are bit-identical, so the generations are too."""
+    cfg = replace(DEEPSEEK_TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
+    model = deepseek_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
+    prompts = runner_common.make_prompts(cfg)
+    dtype, arch = torch.float8_e4m3fn, deepseek_runner.DeepseekV3()
+    monkeypatch.setenv("KVPOOL_FUSED", "never")
+    reference = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    fused = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+        ({"dense_layers": 3}, r"dense_layers must be in 0..layers = 2, got 3"),
+        ({"experts_per_token": 5}, "experts_per_token must be at most routed_experts = 4, got 5"),
+        ({"q_lora_rank": 0}, "q_lora_rank must be a positive int, got 0"),
+    ],
+)
+def test_deepseek_shape_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        replace(deepseek_runner.SHAPES["tiny"], **kwargs)
+
+
+def _mla_pool(kv_lora_rank: int = 32):
+    return deepseek_runner.MLATokenToKVPool(16, 4, torch.float32, kv_lora_rank, 8, 2, "cpu")
+
+
+def test_deepseek_runner_rejects_a_pool_of_another_geometry():
+    model = deepseek_runner.build_model(DEEPSEEK_TINY.shape, torch.float32, "cpu", DEEPSEEK_TINY.seed)
+    geometry = r"\(kv_lora_rank, qk_rope_head_dim, layers\) = \(32, 8, 2\).*got \(16, 8, 2\)"
+    with pytest.raises(ValueError, match=geometry):
+        deepseek_runner.DeepseekV3Runner(model, _mla_pool(kv_lora_rank=16))
+    with pytest.raises(ValueError, match="form must be one of absorbed, expanded, got 'naive'"):
+        deepseek_runner.DeepseekV3Runner(model, _mla_pool(), form="naive")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", deepseek_runner.ATTENTION_FORMS)
+def test_deepseek_on_cuda_every_mla_write_takes_the_fused_kernel(form):
+    cfg = replace(DEEPSEEK_TINY, device="cuda")
+    rep = deepseek_runner.run(cfg, form)
+    _check_deepseek_report(rep, cfg)
+    for r in rep.runs:
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, runner_common.format_summary(rep)
+
+
+def test_deepseek_the_prefix_cache_serves_latent_rows_and_generates_what_transformers_generates():
+    """Prompts that share prefixes on a prefix cache over the MLA pool: matched latent rows are
+    attended over, not computed again, and the fp32 pool still reproduces HF."""
+    rep = deepseek_runner.run(replace(DEEPSEEK_TINY, prompts=8, prompt_len=(4, 40), pool_dtypes=("fp32",), prefix_cache=True))
+    (fp32,) = rep.runs
+    assert fp32.result.cached_tokens > 0 and fp32.result.allocators_ok, runner_common.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok
+
+
+# ==============================================================================================
+# Qwen3.5: a hybrid model's K/V and states.
+
+# 4 layers (3 Gated DeltaNet, 1 gated attention), 6 prompts of 4-40 tokens for 3 request rows, prefill
+# chunks of 16 tokens (the longer prompts take several steps), pages of 4: the runner's defaults.
+if HAS_QWEN35:
+    qwen35_runner = load_example("qwen35_runner")
+    QWEN_TINY = runner_common.RunConfig(
+        shape=qwen35_runner.SHAPES["tiny"], device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
+        **qwen35_runner.RUN_DEFAULTS,
+    )  # fmt: skip
+    QWEN_SPEC = qwen35_runner.QwenOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3"))
+    # The prefix cache's runs: a match forks its state snapshot into the request's slot.
+    QWEN_CACHED = replace(QWEN_TINY, prompts=8, batch=2, prefix_cache=True)
+# Against plain HF, measured on the CPU (seed 0): bf16 pool 9e-4 max rel logit error and 1e-7 mean KL;
+# FP8 e4m3 mean KL 3e-6 at scale 1.0 and with calibrated scales. The bounds leave room for other devices.
+QWEN_BF16_LOGIT_RTOL, QWEN_BF16_KL, QWEN_FP8_KL = 0.05, 1e-3, 1e-2
+
+
+@pytest.fixture(scope="module")
+def qwen_report():
+    return qwen35_runner.run(QWEN_TINY, QWEN_SPEC)
+
+
+def _full_layers(cfg) -> int:
+    return cfg.shape.layer_types.count("full_attention")
+
+
+def _check_qwen_report(rep, cfg) -> None:
+    """What must hold on every device: the fp32 pool reproduces HF exactly, every other pool reproduces
+    HF with its cache rounded the same way, the speculative runs reproduce the plain ones, the
+    allocators, table and state slots end clean, and every full-attention layer of every step wrote once."""
+    summary = qwen35_runner.format_summary(rep)
+    (fp32,) = [r for r in rep.runs if r.dtype == "fp32"]
+    assert fp32.vs_hf.identical, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+    assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
+    assert rep.fp32_check is True and rep.spec_check is True and rep.ok, summary
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded is not None and r.vs_rounded.identical, summary
+        s = r.result
+        assert s.allocators_ok, summary
+        assert s.fused_calls + s.reference_calls == (s.prefill_steps + s.decode_steps) * _full_layers(cfg)
+    for r in rep.runs:
+        if r.dtype == "bf16":
+            assert r.vs_hf.max_rel_logit_err < QWEN_BF16_LOGIT_RTOL and r.vs_hf.mean_kl < QWEN_BF16_KL, summary
+        if r.dtype == "fp8_e4m3":
+            assert 0 < r.vs_hf.mean_kl < QWEN_FP8_KL, summary
+    assert rep.spec_runs
+    for s in rep.spec_runs:
+        assert s.vs_plain.identical, summary
+        assert s.vs_plain.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+        res = s.result
+        assert res.allocators_ok and res.verify_steps > 0 and res.decode_steps == 0, summary
+        # plain writes for prefill chunks, one verify write per verify step, per full-attention layer
+        assert res.fused_calls + res.reference_calls == (res.prefill_steps + res.verify_steps) * _full_layers(cfg)
+        assert len(res.accept_lengths) >= res.verify_steps and res.drafted_tokens > res.accepted_tokens > 0
+
+
+@qwen35
+def test_tiny_qwen_generates_what_transformers_generates(qwen_report):
+    prompts = runner_common.make_prompts(QWEN_TINY)
+    assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
+    assert max(len(p.tokens) for p in prompts) > 2 * QWEN_TINY.chunk_size  # some prompt takes three chunks
+    assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
+    assert [r.label for r in qwen_report.runs] == ["fp32", "bf16", "fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
+    _check_qwen_report(qwen_report, QWEN_TINY)
+    first = qwen_report.runs[0].result
+    assert first.peak_running == QWEN_TINY.batch
+    assert first.prefill_steps > len(prompts)  # chunked: more prefill steps than prompts
+    assert first.generated_tokens == sum(p.new_tokens for p in prompts)
+    if not torch.cuda.is_available():
+        assert all(r.result.fused_calls == 0 for r in qwen_report.runs)
+    # The layer-skipping draft is accepted for none, some and all of a block's drafts, so every commit
+    # length (and the draft's two-token catch-up after a full acceptance) is exercised.
+    for s in qwen_report.spec_runs:
+        assert {0, 1, QWEN_SPEC.spec_width - 1} <= set(s.result.accept_lengths), qwen35_runner.format_summary(qwen_report)
+
+
+@qwen35
+def test_qwen_the_state_is_in_sglangs_layout():
+    """After a one-chunk prefill, each linear layer's state slot holds HF's cache converted: the window is
+    HF's last conv_kernel - 1 columns, the recurrent state HF's with its last two dims swapped; the
+    full-attention layer's pool rows are HF's cached keys and values."""
+    cfg = replace(QWEN_TINY, chunk_size=None)
+    arch = qwen35_runner.Qwen35()
+    model = arch.build_model(cfg)
+    pools = arch.make_pool(cfg, model, torch.float32)
+    tokens = runner_common.make_prompts(cfg)[0].tokens
+    sched = arch.scheduler(pools, 1, len(tokens) + 1, None)
+    sched.add(runner_common.Request(0, tokens, 2))
+    batch = sched.schedule()
+    with runner_common.cpu_threads(cfg), torch.no_grad():
+        arch.runner(model, pools, None).forward(batch)
+        out = model(torch.tensor([tokens]), use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    state, slot = pools.table.mamba_pool, int(batch.state_slots[0])
+    for i, kind in enumerate(model.config.layer_types):
+        layer = cache.layers[i]
+        if kind == "linear_attention":
+            conv, ssm = layer.conv_states[0][0], layer.recurrent_states[0][0]  # [conv_dim, K], [v_heads, k, v]
+            torch.testing.assert_close(state.get_conv_state(i)[slot], conv[:, 1:], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(state.get_ssm_state(i)[slot], ssm.transpose(-1, -2), rtol=1e-5, atol=1e-6)
+        else:
+            k, v = pools.kv.get_kv_buffer(i)
+            torch.testing.assert_close(k[batch.loc], layer.keys[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v[batch.loc], layer.values[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+
+
+@qwen35
+def test_qwen_no_arguments_mean_the_tiny_run():
+    """Run with no arguments, the runner serves QWEN_TINY (this file's run) with speculative decoding on fp32."""
+    cfg, opts = qwen35_runner.parse_args([])
+    assert cfg == replace(QWEN_TINY, device=cfg.device)
+    assert opts == replace(QWEN_SPEC, spec_dtypes=("fp32",))
+
+
+@qwen35
+def test_qwen_summary_exit_status_and_a_json_others_can_rebuild(tmp_path, capsys):
+    """The summary says what passed; ``--json`` names a config and seed from which HF alone rebuilds the
+    model and generates the runner's tokens, with and without speculative decoding."""
+    path = tmp_path / "qwen.json"
+    args = ["--prompts", "3", "--dtypes", "fp32", "fp8_e4m3", "--no-calibrate", "--device", "cpu", "--json", str(path)]
+    assert qwen35_runner.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvpool qwen35_runner: Qwen3_5MoeForCausalLM (4 layers (3 Gated DeltaNet, 1 gated attention)")
+    assert "  why         a pool of another dtype than the model's rounds every K/V it stores" in out
+    assert "pool fp32\n    vs HF       tokens identical" in out
+    assert "pool fp8_e4m3, scale 1.0\n" in out and "vs rounded  tokens identical" in out
+    assert "  speculative pool fp32, verify blocks of 4" in out and "    vs plain    tokens identical" in out
+    assert "fp32 check  PASS" in out and "spec check  PASS" in out and out.rstrip().endswith("PASS")
+    data = json.loads(path.read_text())
+    assert set(data) == {"config", "seed", "prompts", "fp32_tokens", "spec_tokens"}
+    assert len(data["prompts"]) == 3 and all(len(t) >= 4 for t in data["fp32_tokens"])
+    assert data["spec_tokens"] == data["fp32_tokens"]
+    torch.manual_seed(data["seed"])
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**data["config"])).eval()
+    with runner_common.cpu_threads(QWEN_TINY):
+        for prompt, tokens in zip(data["prompts"], data["fp32_tokens"], strict=True):
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=len(tokens), min_new_tokens=len(tokens))  # fmt: skip
+            assert gen[0, len(prompt) :].tolist() == tokens
+
+
+@qwen35
+def test_qwen_help_names_every_option_and_bad_arguments_exit_2(capsys):
+    parser = qwen35_runner.make_parser()
+    assert all(a.help for a in parser._actions)
+    text = parser.format_help()
+    for a in parser._actions:
+        for opt in a.option_strings:
+            assert opt in text
+    assert qwen35_runner.main(["--batch", "0"]) == 2
+    assert "qwen35_runner: batch must be a positive int, got 0" in capsys.readouterr().err
+    assert qwen35_runner.main(["--spec-width", "1"]) == 2
+    assert "spec_width must be an int >= 2" in capsys.readouterr().err
+    assert qwen35_runner.main(["--json", "x.json", "--model-dtype", "bf16"]) == 2
+    assert "--json describes an fp32 model: model_dtype must be fp32, got 'bf16'" in capsys.readouterr().err
+
+
+@qwen35
+def test_qwen_a_16bit_model_reports_the_speculative_agreement_without_checking_it(capsys):
+    args = ["--prompts", "2", "--model-dtype", "bf16", "--dtypes", "bf16", "--spec-dtypes", "bf16", "--device", "cpu"]
+    assert qwen35_runner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "fp32 check  not run" in out and "spec check  not run (needs --model-dtype fp32" in out
+    assert "    vs plain    tokens" in out and out.rstrip().endswith("PASS")
+
+
+QWEN_ARGS = ["--prompts", "4", "--dtypes", "fp32", "--spec-width", "0", "--device", "cpu"]
+
+
+@qwen35
+def test_qwen_a_lost_kv_write_fails_the_fp32_check(monkeypatch, capsys):
+    """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
+    make_pool = qwen35_runner.make_pool
+
+    def leaky(*args, **kwargs):
+        pools = make_pool(*args, **kwargs)
+        write = pools.kv.set_kv_buffer
+
+        def drop_last(layer, loc, k, v, *rest):
+            loc = loc.clone()
+            loc[-1] = -1  # a padding token: nothing is written
+            write(layer, loc, k, v, *rest)
+
+        pools.kv.set_kv_buffer = drop_last
+        return pools
+
+    monkeypatch.setattr(qwen35_runner, "make_pool", leaky)
+    assert qwen35_runner.main(QWEN_ARGS) == 1
+    out = capsys.readouterr().out
+    assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
+
+
+@qwen35
+def test_qwen_a_changed_state_fails_the_fp32_check(monkeypatch, capsys):
+    """One recurrent-state value of one request changed after a step: the run says so."""
+    advance = qwen35_runner.HybridScheduler.advance
+    done = []
+
+    def corrupting(self, batch, logits, keep_logits):
+        advance(self, batch, logits, keep_logits)
+        if not done and not batch.is_prefill:
+            self.table.mamba_pool.get_ssm_state(0)[int(batch.state_slots[0]), 0, 0, 0] += 1.0
+            done.append(True)
+
+    monkeypatch.setattr(qwen35_runner.HybridScheduler, "advance", corrupting)
+    assert qwen35_runner.main(QWEN_ARGS) == 1
+    assert "fp32 check  FAILED" in capsys.readouterr().out
+
+
+@qwen35
+def test_qwen_committing_the_wrong_step_fails_the_spec_check(monkeypatch, capsys):
+    """A state commit one verify step late (the state after the first rejected draft): the speculative
+    tokens part from the plain run's and the run says so."""
+    commit = MambaPool.commit
+
+    def late(self, slots, accepted_steps, *args, **kwargs):
+        commit(self, slots, (accepted_steps + 1).clamp(max=self.speculative_num_draft_tokens), *args, **kwargs)
+
+    monkeypatch.setattr(MambaPool, "commit", late)
+    assert qwen35_runner.main(["--prompts", "4", "--dtypes", "fp32", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "spec check  FAILED" in out and out.rstrip().endswith("FAIL")
+
+
+@qwen35
+def test_qwen_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
+    """FP8 pools with every write (prefill chunks and the verify write) on the fused kernel (Triton's
+    interpreter without a GPU) against the reference path: the writes are bit-identical, so the
+    generations are too."""
+    cfg = replace(QWEN_TINY, prompts=2, new_tokens=(3, 4), prompt_len=(4, 20), device="cuda" if torch.cuda.is_available() else "cpu")
+    arch = qwen35_runner.Qwen35(3)
+    model = arch.build_model(cfg)
+    prompts = runner_common.make_prompts(cfg)
+    runs = {}
+    for mode in ("never", "always"):
+        monkeypatch.setenv("KVPOOL_FUSED", mode)
+        pools = arch.make_pool(cfg, model, torch.float8_e4m3fn)
+        with runner_common.cpu_threads(cfg):
+            runs[mode] = runner_common.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size)
+    reference, fused = runs["never"], runs["always"]
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0 and fused.verify_steps > 0
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+@qwen35
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kv_heads": 3}, "kv_heads must divide heads = 4, got 3"),
+        ({"linear_k_heads": 3}, "linear_k_heads must divide linear_v_heads = 4, got 3"),
+        ({"experts_per_token": 5}, "experts_per_token must be at most experts = 4, got 5"),
+        ({"full_attention_interval": 5}, r"full_attention_interval must be in 2..layers = 4"),
+        ({"partial_rotary": 0.1}, r"partial_rotary \* head_dim must be an even int >= 2"),
+        ({"conv_kernel": 1}, "conv_kernel must be an int >= 2, got 1"),
+        ({"init_std": 0.0}, "init_std must be None or > 0, got 0.0"),
+    ],
+)
+def test_qwen_shape_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        replace(qwen35_runner.SHAPES["tiny"], **kwargs)
+
+
+# --- --prefix-cache: a match forks its state snapshot into the request's slot -----------------------
+
+
+def _serve_qwen_cached(cfg, dtype, on, hf=None):
+    arch = qwen35_runner.Qwen35()
+    with qwen35_runner.exact_fp32(), runner_common.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        prompts = runner_common.make_prompts(cfg)
+        pools = arch.make_pool(replace(cfg, prefix_cache=on), model, dtype)
+        write, written = pools.kv.set_kv_buffer, []
+
+        def counted(layer, loc, *args):  # the tokens each step computes (one full-attention layer holds K/V)
+            written.append(loc.numel())
+            write(layer, loc, *args)
+
+        pools.kv.set_kv_buffer = counted
+        res = runner_common.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=on)
+        res.written = sum(written)
+        return res, (runner_common.hf_reference(model, prompts) if hf else None)
+
+
+@qwen35
+@pytest.mark.parametrize("page_size", [4, 1], ids=["track-slots", "token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qwen_the_prefix_cache_generates_the_same_tokens(page_size, dtype):
+    """Pages of 4: chunks end at page boundaries and the state is tracked there, so matches end on
+    snapshots; pages of 1: the state after each cached prefix. The tokens (and logits) are the
+    cache-off run's, and for fp32 HF's."""
+    cfg = replace(QWEN_CACHED, page_size=page_size)
+    on, hf = _serve_qwen_cached(cfg, dtype, True, hf=dtype == torch.float32)
+    off, _ = _serve_qwen_cached(cfg, dtype, False)
+    assert on.allocators_ok and on.cached_tokens > 0 and on.cached_tokens % page_size == 0
+    assert on.written == off.written - on.cached_tokens  # the matched tokens were not computed again
+    same = runner_common.compare(on.generations, off.generations)
+    assert same.identical and same.max_rel_logit_err <= runner_common.LOGIT_RTOL
+    if hf is not None:
+        vs_hf = runner_common.compare(on.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL
+
+
+@qwen35
+def test_qwen_a_match_without_its_state_fails_the_fp32_check(monkeypatch):
+    """Control: matches whose snapshot is not copied into the request's slot (it continues from a
+    zero state) part from HF."""
+    from kvpool.cache import MambaRadixCache
+
+    monkeypatch.setattr(MambaRadixCache, "_fork_into", lambda self, node, req: True)
+    res, hf = _serve_qwen_cached(QWEN_CACHED, torch.float32, True, hf=True)
+    assert res.cached_tokens > 0 and not runner_common.compare(res.generations, hf).identical
+
+
+@qwen35
+def test_qwen_the_speculative_runs_serve_without_the_cache(capsys):
+    assert qwen35_runner.main(["--prompts", "4", "--dtypes", "fp32", "--device", "cpu", "--prefix-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens matched in the prefix cache" in out and "spec check  PASS" in out
+    assert "the speculative runs serve without the prefix cache" in out
+    with pytest.raises(ValueError, match="prefix_cache must be False for a speculative run"):
+        qwen35_runner.Qwen35(4).scheduler(None, 1, 8, None, prefix_cache=True)
+
+
+@qwen35
+@pytest.mark.gpu
+def test_qwen_on_cuda_the_prefix_cache_generates_what_transformers_generates():
+    """Track slots, forks and the fused writes on a GPU: the fp32 pool still reproduces HF, every
+    other pool its rounded reference."""
+    rep = qwen35_runner.run(replace(QWEN_CACHED, device="cuda"), qwen35_runner.QwenOptions(spec_width=None))
+    summary = qwen35_runner.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok, summary
+    for r in rep.runs:
+        assert r.result.cached_tokens > 0 and r.result.reference_calls == 0, summary
+        assert r.vs_rounded is None or r.vs_rounded.identical, summary
+
+
+@qwen35
+@pytest.mark.gpu
+def test_qwen_on_cuda_every_kv_write_takes_the_fused_kernel():
+    cfg = replace(QWEN_TINY, device="cuda")
+    rep = qwen35_runner.run(cfg, QWEN_SPEC)
+    _check_qwen_report(rep, cfg)
+    for r in [*rep.runs, *rep.spec_runs]:
+        res = r.result
+        assert res.reference_calls == 0 and res.fused_calls > 0, qwen35_runner.format_summary(rep)
+
+
+@qwen35
+@pytest.mark.gpu
+def test_qwen_on_cuda_head_dim_256_with_fp8_speculative_runs():
+    """Qwen3.5's head_dim 256 with bf16 and FP8 pools, speculative runs on fp32 and FP8 pools: the fused
+    writes, the rounded references and the speculative runs must agree exactly."""
+    cfg = replace(QWEN_TINY, device="cuda", shape=replace(QWEN_TINY.shape, head_dim=256))
+    rep = qwen35_runner.run(cfg, QWEN_SPEC)
+    _check_qwen_report(rep, cfg)
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.reference_calls == 0, qwen35_runner.format_summary(rep)
+
+
+@qwen35
+@pytest.mark.gpu
+def test_qwen_on_cuda_a_bf16_model_reports_without_failing_on_rounding():
+    """A bf16 model: no fp32 check and no speculative check (rounding may part the tokens at near-ties);
+    the run still ends clean and every write is fused."""
+    cfg = replace(QWEN_TINY, device="cuda", model_dtype="bf16", pool_dtypes=("bf16", "fp8_e4m3"), calibrate=False)
+    rep = qwen35_runner.run(cfg, qwen35_runner.QwenOptions(4, ("bf16",)))
+    summary = qwen35_runner.format_summary(rep)
+    assert rep.fp32_check is None and rep.spec_check is None and rep.ok, summary
+    assert "spec check  not run (needs --model-dtype fp32" in summary
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.allocators_ok and r.result.reference_calls == 0, summary
