@@ -21,14 +21,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from kvpool.kernels.tuning import GALLOP_LIMIT
+
 #: Bytes per key element: one int64 token, or a bigram's two.
 TOKEN_BYTES = 8
 BIGRAM_BYTES = 16
 
 _NATIVE_LITTLE = sys.byteorder == "little"
-# Matches shorter than this many elements are found by comparing slices; longer ones with numpy,
-# whose fixed cost of a few microseconds pays off only on long keys.
-_GALLOP_LIMIT = 32
 
 
 class RadixKey:
@@ -196,7 +195,7 @@ def common_prefix(a: bytes, a_off: int, b: bytes, limit: int, unit: int) -> int:
     units = limit // unit
     lo = 0  # units known to match
     step = 1
-    while lo < units and step <= _GALLOP_LIMIT:
+    while lo < units and step <= GALLOP_LIMIT:
         k = min(lo + step, units)
         if a.startswith(b[lo * unit : k * unit], a_off + lo * unit):
             lo = k

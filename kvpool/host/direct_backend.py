@@ -21,19 +21,14 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from kvpool.host.kernel_backend import launches_kernel
 from kvpool.host.memory import layer_views
 from kvpool.kernels import copy_rows as rows
+from kvpool.kernels.launch import compiled_on
 from kvpool.kernels.row_table import RowTable
 from kvpool.streams import OnStream
 
 if TYPE_CHECKING:
     from kvpool.host.schedule import Landed, Transfer
-
-#: Device staging: two buffers of this size per direction, allocated on first use. Larger chunks
-#: make longer copy-engine pieces; the staging is device memory the model does not get.
-STAGING_BYTES = 32 * 2**20
-
 
 # --- the copy plan (pure functions on NumPy arrays) --------------------------------------------------
 
@@ -325,7 +320,7 @@ class DirectBackend:
         they go straight to the kernel's launch (a partial adds no Python frame)."""
         if aux is None:
             return functools.partial(rows.checked_copy, max_programs=None, validate=False, names=_NAMES)
-        if launches_kernel(aux.device):
+        if compiled_on(aux.device):
             return functools.partial(rows.launch_copy_rows, stream=aux)
 
         def on_aux(dst, dst_index, src, src_index) -> None:  # CUDA without the kernel: the reference

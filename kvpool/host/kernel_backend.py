@@ -13,23 +13,18 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from kvpool.kernels import copy_rows as rows
-from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE
+from kvpool.kernels.launch import compiled_on
 from kvpool.kernels.row_table import RowTable
+from kvpool.kernels.tuning import HOST_KERNEL_PROGRAMS
 
 if TYPE_CHECKING:
     from kvpool.host.schedule import Landed, Transfer
 
-#: Grid of the kernel backend: at most this many SMs copy, the rest stay with the model.
-KERNEL_PROGRAMS = 8
+#: The backend's default grid (``tuning.HOST_KERNEL_PROGRAMS``).
+KERNEL_PROGRAMS = HOST_KERNEL_PROGRAMS
 
 _BACKUP_NAMES = ("host_indices", "device_indices")
 _LOAD_NAMES = ("device_indices", "host_indices")
-
-
-def launches_kernel(device: torch.device) -> bool:
-    """Whether ``copy_rows`` runs its Triton kernel for tables on ``device`` (CUDA with Triton, not
-    its interpreter): the copies after a transfer's first may then launch it unchecked."""
-    return device.type == "cuda" and TRITON_AVAILABLE and not INTERPRETER
 
 
 class KernelBackend:
@@ -47,7 +42,7 @@ class KernelBackend:
         self.programs = programs
         # Later copies of a transfer take its first copy's checked indices and sibling tables, so
         # they skip the checks (the host's cost per layer delays the model's work queued after it).
-        self._unchecked = launches_kernel(host_rows.table_device)
+        self._unchecked = compiled_on(host_rows.table_device)
 
     def copy(self, t: Transfer, stream: Optional[torch.cuda.Stream], landed: Landed) -> None:
         """Enqueue ``t``'s copies on the current stream (``stream``)."""

@@ -21,13 +21,14 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
 from kvpool.config import validate_enabled
-from kvpool.host.direct_backend import STAGING_BYTES, DirectBackend
-from kvpool.host.kernel_backend import KERNEL_PROGRAMS, KernelBackend
+from kvpool.host.direct_backend import DirectBackend
+from kvpool.host.kernel_backend import KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
 from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, layer_views
 from kvpool.host.pages import HostPages
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
+from kvpool.kernels.tuning import HOST_KERNEL_PROGRAMS, HOST_STAGING_BYTES
 from kvpool.pools.mla_pool import MLATokenToKVPool
 
 IO_BACKENDS = ("kernel", "direct")
@@ -97,8 +98,8 @@ class MHATokenToKVPoolHost:
         device: str = "cpu",
         *,
         validate: bool = False,
-        kernel_programs: int = KERNEL_PROGRAMS,
-        staging_bytes: int = STAGING_BYTES,
+        kernel_programs: int = HOST_KERNEL_PROGRAMS,
+        staging_bytes: int = HOST_STAGING_BYTES,
     ) -> None:
         for name in _GEOMETRY + ("row_table", "size", "page_size"):
             if not hasattr(device_pool, name):

@@ -21,11 +21,14 @@ from kvpool.kernels.launch import (
     TRITON_AVAILABLE,
     DirectLaunches,
     cdiv,
-    floor_pow2,
+    column_chunks,
+    copy_warps,
     kernel_params,
     launch_key,
     next_pow2,
+    row_elements,
     sm_count,
+    uses_kernel,
 )
 from kvpool.kernels.row_table import RowTable, aliases, staging_table
 from kvpool.kernels.tuning import (
@@ -44,9 +47,9 @@ if TRITON_AVAILABLE:
     from kvpool.kernels import copy_rows_kernel as _k
 
 __all__ = [
-    "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM", "RowTable",
-    "SM_TILE", "STAGING_BYTES", "Tile", "aliases", "byte_rows", "check_in_range", "check_pairs", "checked_copy",
-    "copy_rows", "copy_rows_reference", "launch_copy_rows", "plan_copy",
+    "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "INTERPRETER", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM",
+    "RowTable", "SM_TILE", "STAGING_BYTES", "Tile", "aliases", "byte_rows", "check_in_range", "check_pairs",
+    "checked_copy", "copy_rows", "copy_rows_reference", "launch_copy_rows", "plan_copy",
 ]  # fmt: skip
 
 # Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
@@ -125,26 +128,19 @@ def plan_copy(
     tile: Tile,
 ) -> CopyPlan:
     """Block shapes and grid for a copy. ``row_bytes``: the distinct row sizes of the buffers."""
-    elem = min(align, 4)
-    vec = align // elem
-    row_elems = [rb // elem for rb in row_bytes]
-    longest = next_pow2(max(row_elems))
+    elem, vec, row_elems = row_elements(row_bytes, align)
     if one_pass:
         if n_pairs > ONE_PASS_MAX_PAIRS:
             raise ValueError(f"a one-pass plan takes at most {ONE_PASS_MAX_PAIRS} pairs, got {n_pairs}")
         block_p = next_pow2(n_pairs)
-        block_w = min(longest, max(vec, ONE_PASS_TILE.elems // block_p))
+        block_w, chunks, even = column_chunks(row_elems, max(vec, ONE_PASS_TILE.elems // block_p))
         warps_cap = ONE_PASS_TILE.num_warps
     else:
-        block_w = min(longest, tile.elems)
+        block_w, chunks, even = column_chunks(row_elems, tile.elems)
         block_p = max(1, min(tile.elems // block_w, next_pow2(n_pairs)))
         warps_cap = tile.num_warps
-    chunks = cdiv(max(row_elems), block_w)
-    even = all(e % block_w == 0 for e in row_elems)
     tasks = buffers * chunks * cdiv(n_pairs, block_p)
-    # About two vectors per thread at least: a 1-pair, 256-element task runs on one warp.
-    warps = max(1, min(warps_cap, (block_p * block_w) // (64 * vec)))
-    warps = floor_pow2(warps)
+    warps = copy_warps(block_p * block_w, vec, warps_cap)
     return CopyPlan(elem, align, block_p, block_w, chunks, even, one_pass, warps, tasks, min(tasks, program_cap))
 
 
@@ -241,14 +237,6 @@ def _staged_copy(
 # --- the public function ----------------------------------------------------------------------------
 
 
-def _use_kernel(device: torch.device) -> bool:
-    if not TRITON_AVAILABLE:
-        return False
-    if device.type == "cuda":
-        return not INTERPRETER
-    return INTERPRETER and _kernel_on_cpu
-
-
 def copy_rows(
     dst: RowTable,
     dst_index: torch.Tensor,
@@ -310,7 +298,7 @@ def checked_copy(
         check_in_range([(dst_index, dst.rows, names[0]), (src_index, src.rows, names[1])])
     if n == 0:
         return
-    if not _use_kernel(device):
+    if not uses_kernel(device, _kernel_on_cpu):
         copy_rows_reference(dst, dst_index, src, src_index)
     elif same and n > ONE_PASS_MAX_PAIRS:
         _staged_copy(dst, dst_index, src, src_index, max_programs)

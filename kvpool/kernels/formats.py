@@ -90,6 +90,7 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def store_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The element type the buffers are allocated with: FP8 lives in uint8 storage (as SGLang does,
-    because ``index_put_`` was long missing for FP8 on CUDA); other types are stored as themselves."""
+    """The element type the buffers are allocated with: FP8 lives in uint8 storage (as SGLang's does:
+    ``index_put_`` and ``where`` are not implemented for FP8 on every device and torch version);
+    other types are stored as themselves."""
     return torch.uint8 if is_fp8(dtype) else dtype

@@ -66,6 +66,44 @@ def floor_pow2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+def compiled_on(device: torch.device) -> bool:
+    """Whether kvpool's Triton kernels run compiled for tensors on ``device`` (CUDA, with Triton, not
+    its interpreter): where a caller whose arguments are already checked may launch one directly."""
+    return device.type == "cuda" and TRITON_AVAILABLE and not INTERPRETER
+
+
+def uses_kernel(device: torch.device, on_cpu: bool) -> bool:
+    """Whether a launcher runs its Triton kernel for tables on ``device``: compiled on CUDA; on the
+    CPU only under the interpreter and when ``on_cpu`` (tests set it); elsewhere it takes its
+    PyTorch reference."""
+    if device.type == "cuda":
+        return compiled_on(device)
+    return TRITON_AVAILABLE and INTERPRETER and on_cpu
+
+
+def row_elements(row_bytes: Sequence[int], align: int) -> tuple[int, int, list[int]]:
+    """How a row-copying kernel moves rows of ``row_bytes`` bytes whose addresses, strides and sizes
+    ``align`` divides: (bytes of the element it loads, 4 at most; elements per ``align``-byte vector;
+    each row's length in elements)."""
+    elem = min(align, 4)
+    return elem, align // elem, [rb // elem for rb in row_bytes]
+
+
+def column_chunks(row_elems: Sequence[int], cap: int) -> tuple[int, int, bool]:
+    """How such a kernel cuts rows of ``row_elems`` elements into column chunks: (chunk width, a
+    power of two no wider than the longest row needs and at most ``cap``; chunks in the longest
+    row; whether every row is a whole number of chunks, so no column mask is needed)."""
+    longest = max(row_elems)
+    block_w = min(next_pow2(longest), cap)
+    return block_w, cdiv(longest, block_w), all(e % block_w == 0 for e in row_elems)
+
+
+def copy_warps(elements: int, vec: int, cap: int) -> int:
+    """Warps for a task of ``elements`` elements moved ``vec`` at a time: about two vectors per
+    thread at least (a 1-pair, 256-element task runs on one warp), a power of two, at most ``cap``."""
+    return floor_pow2(max(1, min(cap, elements // (64 * vec))))
+
+
 @functools.lru_cache(maxsize=16)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere): what SM-wide grids are sized by."""

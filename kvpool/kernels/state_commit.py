@@ -21,15 +21,14 @@ import torch
 
 from kvpool.kernels.copy_rows_naive import copy_rows_reference
 from kvpool.kernels.launch import (
-    INTERPRETER,
-    TRITON_AVAILABLE,
     DirectLaunches,
-    cdiv,
-    floor_pow2,
+    column_chunks,
+    copy_warps,
     kernel_params,
     launch_key,
-    next_pow2,
+    row_elements,
     sm_count,
+    uses_kernel,
 )
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.tuning import PROGRAMS_PER_SM, SM_TILE
@@ -59,14 +58,10 @@ class CommitPlan:
 def plan_commit(pairs: int, row_bytes: tuple[int, ...], align: int, program_cap: int) -> CommitPlan:
     """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``: the row
     copy's SM-wide tile (``SM_TILE``), one pair per task (state rows are kilobytes to megabytes)."""
-    elem = min(align, 4)
-    vec = align // elem
-    row_elems = [rb // elem for rb in row_bytes]
-    block_w = min(next_pow2(max(row_elems)), SM_TILE.elems)
-    chunks = cdiv(max(row_elems), block_w)
-    even = all(e % block_w == 0 for e in row_elems)
+    elem, vec, row_elems = row_elements(row_bytes, align)
+    block_w, chunks, even = column_chunks(row_elems, SM_TILE.elems)
     tasks = pairs * len(row_bytes) * chunks
-    warps = floor_pow2(max(1, min(SM_TILE.num_warps, block_w // (64 * vec))))
+    warps = copy_warps(block_w, vec, SM_TILE.num_warps)
     return CommitPlan(elem, block_w, chunks, even, warps, tasks, max(1, min(tasks, program_cap)))
 
 
@@ -148,15 +143,6 @@ def commit_rows_reference(
     copy_rows_reference(dst, dst_index, src, src_index)
 
 
-def use_kernel(device: torch.device) -> bool:
-    """Whether a commit on ``device`` takes the kernel (CUDA; CPU only under the interpreter, in tests)."""
-    if not TRITON_AVAILABLE:
-        return False
-    if device.type == "cuda":
-        return not INTERPRETER
-    return INTERPRETER and _kernel_on_cpu
-
-
 def commit_rows(
     dst: RowTable,
     src: RowTable,
@@ -170,7 +156,7 @@ def commit_rows(
     of ``dst.buffers[b]`` becomes a byte copy of row ``i * num_steps + steps[i] - 1`` of
     ``src.buffers[b]``; likewise for ``(track_slots, track_steps)`` when given. Unchecked (the
     caller checks its arguments); the kernel on CUDA, :func:`commit_rows_reference` elsewhere."""
-    if use_kernel(dst.device):
+    if uses_kernel(dst.device, _kernel_on_cpu):
         launch_commit_rows(dst, src, num_steps, slots, steps, track_slots, track_steps)
     else:
         commit_rows_reference(dst, src, num_steps, slots, steps, track_slots, track_steps)

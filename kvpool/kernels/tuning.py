@@ -1,8 +1,10 @@
-"""Every tuning constant of kvpool's kernels, with what each one trades.
+"""Every tuning constant of kvpool, with what each one trades.
 
-The K/V write's plan function (``store_kv_plan.py``) and the row copy's launcher (``copy_rows.py``)
-read them from here; none of them changes a result, only how the work is cut into programs.
-BENCHMARKS.md has the measurements they were chosen from.
+The K/V write's plan function (``store_kv_plan.py``), the row copy's launcher (``copy_rows.py``), the
+host tier's backends (``kvpool.host``), the rank-to-rank transfer (``kvpool.transfer``) and the
+prefix cache's key comparison (``kvpool.cache.key``) read them from here. None of them changes a
+result, only how the work is cut up and how much memory it holds; docs/contract.md says what is
+guaranteed either way, and BENCHMARKS.md has the measurements they were chosen from.
 """
 
 from __future__ import annotations
@@ -70,3 +72,31 @@ ONE_PASS_MAX_PAIRS = 1024
 #: Device memory a staged copy allocates per gather/scatter pair of launches: larger groups of
 #: buffers per launch pair against a larger allocation.
 STAGING_BYTES = 256 * 2**20
+
+# --- the host tier --------------------------------------------------------------------------------
+
+#: Grid of the host tier's kernel backend: at most this many SMs copy, the rest stay with the model.
+HOST_KERNEL_PROGRAMS = 8
+#: Each of the host tier's direct backend's two device staging buffers per direction: larger ones
+#: make longer copy-engine pieces, at the cost of device memory the model does not get.
+HOST_STAGING_BYTES = 32 * 2**20
+
+# --- transfers between ranks ----------------------------------------------------------------------
+
+#: Staging per half on CUDA (or the whole pool's rows, if smaller): each NCCL message carries a fixed
+#: cost, so large messages keep the link busy; the price is two halves of device memory per endpoint.
+TRANSFER_CHUNK_BYTES_CUDA = 512 << 20
+#: Staging per half on the CPU: gloo messages this large are past its per-message overhead.
+TRANSFER_CHUNK_BYTES_CPU = 4 << 20
+#: Chunks grow from small ends (the first gather and the last scatter overlap nothing, so small ends
+#: shorten the pipeline's fill and drain) to staging-sized middles (few per-message costs); each is
+#: at most RAMP times the previous, so the next chunk's gather stays shorter than the current send.
+RAMP = 2
+#: Steps of RAMP from the smallest chunk to a full one, at each end of a transfer.
+RAMP_STEPS = 3
+
+# --- the prefix cache ---------------------------------------------------------------------------
+
+#: Matches shorter than this many key elements are found by comparing slices; longer ones with
+#: numpy, whose fixed cost per call pays off only on long keys.
+GALLOP_LIMIT = 32

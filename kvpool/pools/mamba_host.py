@@ -20,13 +20,14 @@ import torch
 from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
 from kvpool.config import validate_enabled
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.host.direct_backend import STAGING_BYTES, DirectBackend
-from kvpool.host.kernel_backend import KERNEL_PROGRAMS, KernelBackend
+from kvpool.host.direct_backend import DirectBackend
+from kvpool.host.kernel_backend import KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
 from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, layer_views
 from kvpool.host.pages import HostPages
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
+from kvpool.kernels.tuning import HOST_KERNEL_PROGRAMS, HOST_STAGING_BYTES
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -78,8 +79,8 @@ class MambaPoolHost:
         layout: str = "layer_first",
         *,
         validate: bool = False,
-        kernel_programs: int = KERNEL_PROGRAMS,
-        staging_bytes: int = STAGING_BYTES,
+        kernel_programs: int = HOST_KERNEL_PROGRAMS,
+        staging_bytes: int = HOST_STAGING_BYTES,
     ) -> None:
         if not isinstance(device_pool, MambaPool):
             raise TypeError(f"device_pool must be a MambaPool, got {type(device_pool).__name__}")
@@ -270,8 +271,8 @@ class HybridPoolHost:
         state_host_to_device_ratio: Optional[float] = None,
         state_host_size: float = 0,
         validate: bool = False,
-        kernel_programs: int = KERNEL_PROGRAMS,
-        staging_bytes: int = STAGING_BYTES,
+        kernel_programs: int = HOST_KERNEL_PROGRAMS,
+        staging_bytes: int = HOST_STAGING_BYTES,
     ) -> None:
         if not isinstance(device_pool, HybridLinearKVPool):
             raise TypeError(f"device_pool must be a HybridLinearKVPool, got {type(device_pool).__name__}")

@@ -66,7 +66,8 @@ import torch.distributed as dist
 
 from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, copy_rows, launch_copy_rows
-from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE
+from kvpool.kernels.launch import compiled_on, sm_count
+from kvpool.kernels.tuning import TRANSFER_CHUNK_BYTES_CPU, TRANSFER_CHUNK_BYTES_CUDA
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -77,7 +78,6 @@ from kvpool.transfer.exchange import exchange, release
 from kvpool.transfer.handle import KVTransfer
 from kvpool.transfer.handshake import (
     DIRECT,
-    RECEIVER,
     SENDER,
     SETUP,
     Agreement,
@@ -105,14 +105,6 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 #: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
 #: parts, one head; a ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
 POOLS = (MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool)
-
-#: Staging per half on CUDA (or the whole pool's rows, if smaller), so the most a chunk can be: each
-#: NCCL message carries a fixed cost, so large messages keep the link busy (BENCHMARKS.md has the
-#: sweep); the price is two halves of device memory per endpoint (pass a smaller ``chunk_bytes``).
-DEFAULT_CHUNK_BYTES_CUDA = 512 << 20
-#: gloo over localhost or TCP: messages this large are past its per-message overhead.
-DEFAULT_CHUNK_BYTES_CPU = 4 << 20
-
 
 def default_max_programs(sms: int) -> int:
     """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs: copy_rows' few-programs
@@ -189,7 +181,7 @@ class Endpoint:
             )
         self.device = kv.device
         self._cuda = self.device.type == "cuda"
-        self._kernel = self._cuda and TRITON_AVAILABLE and not INTERPRETER  # else copy_rows' own choice
+        self._kernel = compiled_on(self.device)  # else copy_rows' own choice
         self._rows = kv.size + kv.page_size
         self._state_rows = 0 if self.mamba is None else self.mamba.size + 1
         self.chunk_bytes = self._chunk_bytes(chunk_bytes)
@@ -206,8 +198,7 @@ class Endpoint:
             self._side = torch.cuda.Stream(device=self.device)
             self._caller_mark = StreamMark()  # orders the side stream after the caller's
             if max_programs is None:
-                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                self.max_programs = default_max_programs(sms)
+                self.max_programs = default_max_programs(sm_count(self.device))
             # These buffers were allocated on the caller's stream: the side stream starts after what
             # is queued there (the memory may have just been freed by work still pending), and
             # freeing them waits for the side stream, whose last work in each transfer waits for
@@ -226,7 +217,7 @@ class Endpoint:
         if chunk_bytes is None:
             # No larger than the whole pools: a transfer moves at most one token per pool row and
             # one state per slot.
-            default = DEFAULT_CHUNK_BYTES_CUDA if self._cuda else DEFAULT_CHUNK_BYTES_CPU
+            default = TRANSFER_CHUNK_BYTES_CUDA if self._cuda else TRANSFER_CHUNK_BYTES_CPU
             whole = max(self._rows * token.token_bytes, self._state_rows * sum(self.mamba.row_table.row_bytes)
                         if self.mamba is not None else 0)  # fmt: skip
             chunk_bytes = max(min(default, whole), token.token_bytes, row)

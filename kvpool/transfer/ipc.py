@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pickle
 import secrets
 import socket

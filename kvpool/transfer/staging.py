@@ -12,7 +12,7 @@ import torch
 
 from kvpool.kernels.row_table import RowTable
 from kvpool.transfer.state_wire import StateOverlap, StateSide, band_spans, band_views, state_plan, whole_rows
-from kvpool.transfer.wire import TokenLayout, chunk_plan
+from kvpool.transfer.wire import TokenLayout
 
 if TYPE_CHECKING:
     from kvpool.pools.mamba_pool import MambaPool
