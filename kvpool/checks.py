@@ -7,7 +7,7 @@ torch.compile); ``check_in_range`` reads the values, so device tensors pay one s
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,49 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def layer_index(layer_id: object, first: int, last: int, whose: str = "this pool's") -> int:
+    """Index of global layer ``layer_id`` among the consecutive layers ``first..last`` (both
+    included) a pool holds. Raises ``TypeError`` for a non-int (bools are not ints here) and
+    ``IndexError`` naming the range (``whose`` layers they are) for any other id.
+
+    >>> layer_index(5, 4, 6)
+    1
+    """
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+    if not first <= layer_id <= last:
+        raise IndexError(f"layer_id {layer_id} is outside {whose} layers [{first}, {last}]")
+    return layer_id - first
+
+
+def dense_layer_index(layer_id: object, dense: Mapping[int, int], kind: str, listed: str) -> int:
+    """``dense[layer_id]``: the dense index of global layer ``layer_id`` in a pool that holds some of
+    a model's layers (``dense`` maps their global ids to dense indices). Raises ``TypeError`` for a
+    non-int and ``ValueError`` naming the id and the pool's layers otherwise: ``"layer_id 4 is not a
+    <kind> layer of this pool: its <listed> are [3, 7]"``.
+
+    >>> dense_layer_index(7, {3: 0, 7: 1}, "full-attention", "full-attention layers")
+    1
+    """
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+    i = dense.get(layer_id)
+    if i is None:
+        raise ValueError(f"layer_id {layer_id} is not a {kind} layer of this pool: its {listed} are {list(dense)}")
+    return i
+
+
+def layer_id_of(layer: object) -> object:
+    """``layer.layer_id`` of the layer object a write names (a model's attention layer). Raises
+    ``TypeError`` for None or an object without ``layer_id``."""
+    if layer is None:
+        raise TypeError("a write needs a layer with .layer_id or layer_id_override, got neither")
+    try:
+        return layer.layer_id  # type: ignore[attr-defined]
+    except AttributeError:
+        raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
 
 
 def check_index(

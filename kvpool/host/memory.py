@@ -48,6 +48,21 @@ def gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**7 else f"{nbytes:,} bytes"
 
 
+def host_slots(host_size: object, host_to_device_ratio: object, device_slots: int, slot_bytes: int) -> int:
+    """The slots a host pool asks for (docs/contract.md, "Host tier", "Size"): ``host_size`` GB (1e9
+    bytes) of slots of ``slot_bytes`` bytes when ``host_size > 0``, else ``device_slots *
+    host_to_device_ratio``, rounded down. Raises ``ValueError`` naming the argument that is not a
+    usable number (the ratio is read only when ``host_size <= 0``)."""
+    if isinstance(host_size, bool) or not isinstance(host_size, (int, float)) or not math.isfinite(host_size):
+        raise ValueError(f"host_size must be a number of GB (<= 0: use host_to_device_ratio), got {host_size!r}")
+    if host_size > 0:
+        return int(host_size * 1e9 // slot_bytes)
+    ratio = host_to_device_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
+        raise ValueError(f"host_to_device_ratio must be a positive number when host_size <= 0, got {ratio!r}")
+    return int(device_slots * ratio)
+
+
 def check_host_memory(slots: int, size_per_token: int) -> None:
     """Raise ``ValueError`` (before anything is allocated) when ``slots`` host slots of
     ``size_per_token`` bytes need more than the available host memory minus the reserve."""

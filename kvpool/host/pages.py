@@ -148,6 +148,20 @@ class HostPages:
             p = int(pages[twice[0]])
             raise ValueError(f"{name} must name each page once, got page {p} (slots {p * self.page_size}..) twice")
 
+    def transfer_pages(self, slots: np.ndarray, backup: bool, validate: bool) -> np.ndarray:
+        """The pages of a transfer's checked ``host_indices`` (:meth:`slots`), after the checks that
+        read the bookkeeping: a backup names each page once (a host row written twice would end up
+        with either source), and with ``validate`` every page is allocated. Raises ``ValueError``."""
+        pages = self.pages_of(slots)
+        if backup:
+            self.check_once(pages, "host_indices")
+        if validate and pages.shape[0]:
+            free = self.first_free(pages)
+            if free is not None:
+                what = "slot" if self.page_size == 1 else "page"
+                raise ValueError(f"host_indices must be allocated host slots: {what} {free} is free")
+        return pages
+
     def first_free(self, pages: np.ndarray) -> Optional[int]:
         """The first of ``pages`` that is not allocated, or None."""
         free = pages[~self._allocated[pages]]

@@ -13,18 +13,17 @@ memory) and ``direct_backend.py`` (the copy engine).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 import torch
 
-from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
+from kvpool.checks import check_in_range, check_index, check_same_length, layer_index, positive_int
 from kvpool.config import validate_enabled
 from kvpool.host.direct_backend import DirectBackend
 from kvpool.host.kernel_backend import KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
-from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, layer_views
+from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, host_slots, layer_views
 from kvpool.host.pages import HostPages
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
@@ -35,6 +34,21 @@ IO_BACKENDS = ("kernel", "direct")
 
 # What a device pool passed to a transfer must share with the one the host pool was built for.
 _GEOMETRY = ("layer_num", "start_layer", "head_num", "head_dim", "v_head_dim", "dtype", "store_dtype", "device")
+
+
+def check_device_indices(
+    indices: object, host_indices: object, device_pool, rows: int, what: str, validate: bool
+) -> torch.Tensor:
+    """A transfer's ``device_indices``: int32/int64 on the device pool's device, as long as
+    ``host_indices``, and below ``rows`` (``what`` names them in the error) where that is free to
+    check: on a CPU pool, and on a GPU under ``validate`` (the host pool's or the device pool's: one
+    synchronisation). Negative entries are padding. Raises ``TypeError``, ``ValueError`` or
+    ``IndexError`` naming ``device_indices``."""
+    check_index(indices, "device_indices", device=device_pool.device)
+    check_same_length(host_indices, "host_indices", indices, "device_indices")  # type: ignore[arg-type]
+    if device_pool.device.type == "cpu" or validate or getattr(device_pool, "validate", False):
+        check_in_range([(indices, rows, "device_indices")], what=what)  # type: ignore[list-item]
+    return indices  # type: ignore[return-value]
 
 
 class MHATokenToKVPoolHost:
@@ -130,15 +144,7 @@ class MHATokenToKVPoolHost:
         self.v_row_bytes = self.head_num * self.v_head_dim * esz
         self.size_per_token = self.layer_num * (self.k_row_bytes + self.v_row_bytes)
 
-        if isinstance(host_size, bool) or not isinstance(host_size, (int, float)) or not math.isfinite(host_size):
-            raise ValueError(f"host_size must be a number of GB (<= 0: use host_to_device_ratio), got {host_size!r}")
-        if host_size > 0:
-            size = int(host_size * 1e9 // self.size_per_token)
-        else:
-            ratio = host_to_device_ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
-                raise ValueError(f"host_to_device_ratio must be a positive number when host_size <= 0, got {ratio!r}")
-            size = int(device_pool.size * ratio)
+        size = host_slots(host_size, host_to_device_ratio, device_pool.size, self.size_per_token)
         self.page_num = size // self.page_size
         self.size = self.page_num * self.page_size
         if self.page_num == 0:
@@ -215,23 +221,6 @@ class MHATokenToKVPoolHost:
                     f"device_pool must have {name}={want} like the pool this host pool was built for, got {got}"
                 )
 
-    def _device_indices(self, device_pool, table: RowTable, host_indices, indices: object) -> torch.Tensor:
-        """``device_indices`` checked: on the device pool's device, as long as ``host_indices``, and in
-        range where that is free to check (negative entries are padding)."""
-        check_index(indices, "device_indices", device=device_pool.device)
-        check_same_length(host_indices, "host_indices", indices, "device_indices")  # type: ignore[arg-type]
-        # Checked eagerly where the data is on the CPU; on the GPU only under validate (one sync).
-        if device_pool.device.type == "cpu" or self.validate or getattr(device_pool, "validate", False):
-            check_in_range([(indices, table.rows, "device_indices")])  # type: ignore[list-item]
-        return indices  # type: ignore[return-value]
-
-    def _layer_index(self, layer_id: object) -> int:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        if not self.start_layer <= layer_id <= self.end_layer:
-            raise IndexError(f"layer_id {layer_id} is outside the pool's layers [{self.start_layer}, {self.end_layer}]")
-        return layer_id - self.start_layer
-
     def _transfer(
         self, direction: str, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]
     ) -> Optional[Transfer]:
@@ -246,14 +235,8 @@ class MHATokenToKVPoolHost:
             )
         table, layer_tables = self._device_tables if device_pool is self.device_pool else self._tables(device_pool)
         slots = self._pages.slots(host_indices, "host_indices")
-        d_idx = self._device_indices(device_pool, table, host_indices, device_indices)
-        pages = self._pages.pages_of(slots)
-        if direction == "backup":  # a host row written twice would end up with either source
-            self._pages.check_once(pages, "host_indices")
-        if self.validate and pages.shape[0]:
-            free = self._pages.first_free(pages)
-            if free is not None:
-                raise ValueError(f"host_indices must be allocated host slots: page {free} is free")
+        d_idx = check_device_indices(device_indices, host_indices, device_pool, table.rows, "rows", self.validate)
+        pages = self._pages.transfer_pages(slots, direction == "backup", self.validate)
         if slots.shape[0] == 0:
             return None
         return Transfer(direction, slots, pages, d_idx, table, layer_tables, layers)
@@ -272,7 +255,8 @@ class MHATokenToKVPoolHost:
             and last[3] is device_pool
         ):
             prev: Transfer = last[4]
-            d_idx = self._device_indices(device_pool, prev.device_rows, host_indices, device_indices)
+            rows = prev.device_rows.rows
+            d_idx = check_device_indices(device_indices, host_indices, device_pool, rows, "rows", self.validate)
             t = Transfer("load", prev.slots, prev.pages, d_idx, prev.device_rows, prev.device_layers, layers)
             t.host_index = prev.host_index
         else:
@@ -322,7 +306,7 @@ class MHATokenToKVPoolHost:
         indices are padding, and device rows out of range are never written. On CUDA it is enqueued
         on ``load_stream`` after the compute stream's work so far, and records the layer's event in
         ``layer_transfer_counter``."""
-        layer = self._layer_index(layer_id)
+        layer = layer_index(layer_id, self.start_layer, self.end_layer, "the pool's")
         t = self._load_transfer(device_pool, host_indices, device_indices, io_backend, [layer])
         if t is not None:
             self._scheduler.load(self._backends[io_backend], t)

@@ -15,7 +15,15 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from kvpool.checks import check_in_range, check_index, non_negative_int, positive_int, resolve_device
+from kvpool.checks import (
+    check_in_range,
+    check_index,
+    layer_id_of,
+    layer_index,
+    non_negative_int,
+    positive_int,
+    resolve_device,
+)
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels import copy_rows
@@ -142,30 +150,21 @@ class KVCache:
 
     # --- layers ----------------------------------------------------------------------------------
 
-    def _layer_index(self, layer_id: object) -> int:
-        """Index into this pool's buffers of global layer ``layer_id`` (raises for any other id)."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        if not self.start_layer <= layer_id <= self.end_layer:
-            raise IndexError(
-                f"layer_id {layer_id} is outside this pool's layers [{self.start_layer}, {self.end_layer}]"
-            )
-        return layer_id - self.start_layer
-
     def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
         """Index of the layer a write names: ``layer_id_override`` or ``layer.layer_id``."""
         layer_id = getattr(layer, "layer_id", None) if layer_id_override is None else layer_id_override
         i = layer_id - self.start_layer if type(layer_id) is int else -1
         if not 0 <= i < self.layer_num:
             if layer_id_override is None:
-                layer_id = _layer_id_of(layer)  # raises for a missing layer or layer_id
-            i = self._layer_index(layer_id)  # raises with the reason
+                layer_id = layer_id_of(layer)  # raises for a missing layer or layer_id
+            i = layer_index(layer_id, self.start_layer, self.end_layer)  # raises with the reason
         return i
 
     def _wait_layer(self, layer_id: object) -> int:
-        """``_layer_index(layer_id)``, after the current stream waits for that layer's load when a
-        layer-transfer counter is registered (a stream wait, not a host sync)."""
-        i = self._layer_index(layer_id)
+        """Index into this pool's buffers of global layer ``layer_id`` (raises for any other id), after
+        the current stream waits for that layer's load when a layer-transfer counter is registered (a
+        stream wait, not a host sync)."""
+        i = layer_index(layer_id, self.start_layer, self.end_layer)
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(i)
         return i
@@ -418,12 +417,3 @@ class KVCache:
         if not is_fp8(self.dtype):
             return (None,)
         return (None, 1.0, torch.ones(1, dtype=torch.float32, device=self.device))
-
-
-def _layer_id_of(layer: object) -> object:
-    if layer is None:
-        raise TypeError("a write needs a layer with .layer_id or layer_id_override, got neither")
-    try:
-        return layer.layer_id  # type: ignore[attr-defined]
-    except AttributeError:
-        raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpool.checks import non_negative_int, positive_int
+from kvpool.checks import dense_layer_index, layer_id_of, non_negative_int, positive_int
 from kvpool.kernels.store_kv_checks import Scale
 from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.mamba_pool import MambaPool
@@ -21,6 +21,8 @@ from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 
 GB = 1024**3
+#: How a layer id that is not one of the pool's is named in errors.
+_KIND, _LISTED = "full-attention", "full-attention layers"
 
 
 class _DenseLayer:
@@ -148,26 +150,14 @@ class HybridLinearKVPool:
     def dense_layer_id(self, layer_id: object) -> int:
         """The inner pool's id of global full-attention layer ``layer_id``. Raises ``TypeError`` for
         a non-int and ``ValueError`` naming the id and the full-attention layers otherwise."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        i = self.full_attention_layer_id_mapping.get(layer_id)
-        if i is None:
-            raise ValueError(
-                f"layer_id {layer_id} is not a full-attention layer of this pool: its full-attention layers are "
-                f"{list(self.full_attention_layer_ids)}"
-            )
-        return i
+        return dense_layer_index(layer_id, self.full_attention_layer_id_mapping, _KIND, _LISTED)
 
     def _dense_of(self, layer: object, layer_id_override: Optional[int]) -> int:
-        if layer_id_override is not None:
-            return self.dense_layer_id(layer_id_override)
-        if layer is None:
-            raise TypeError("a write needs a layer with .layer_id or layer_id_override, got neither")
-        try:
-            layer_id = layer.layer_id  # type: ignore[attr-defined]
-        except AttributeError:
-            raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}") from None
-        return self.dense_layer_id(layer_id)
+        """The dense id of the layer a write names: ``layer_id_override`` or ``layer.layer_id``."""
+        layer_id = getattr(layer, "layer_id", None) if layer_id_override is None else layer_id_override
+        if layer_id is None:
+            layer_id = layer_id_of(layer)  # raises for a missing layer or layer_id
+        return dense_layer_index(layer_id, self.full_attention_layer_id_mapping, _KIND, _LISTED)
 
     # --- getters ---------------------------------------------------------------------------------
 

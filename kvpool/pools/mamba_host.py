@@ -17,13 +17,14 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
+from kvpool.checks import positive_int
 from kvpool.config import validate_enabled
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host.pool import check_device_indices
 from kvpool.host.direct_backend import DirectBackend
 from kvpool.host.kernel_backend import KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
-from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, layer_views
+from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, host_slots, layer_views
 from kvpool.host.pages import HostPages
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
@@ -96,15 +97,7 @@ class MambaPoolHost:
         params = device_pool.cache_params
         self.num_mamba_layers = layers = params.num_layers
         self.size_per_slot = params.bytes_per_slot
-        if isinstance(host_size, bool) or not isinstance(host_size, (int, float)) or not math.isfinite(host_size):
-            raise ValueError(f"host_size must be a number of GB (<= 0: use host_to_device_ratio), got {host_size!r}")
-        if host_size > 0:
-            size = int(host_size * 1e9 // self.size_per_slot)
-        else:
-            ratio = host_to_device_ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
-                raise ValueError(f"host_to_device_ratio must be a positive number when host_size <= 0, got {ratio!r}")
-            size = int(device_pool.size * ratio)
+        size = host_slots(host_size, host_to_device_ratio, device_pool.size, self.size_per_slot)
         if size < 1:
             raise ValueError(f"the host pool must hold at least one slot of {self.size_per_slot} bytes, got {size}")
         check_host_memory(size, self.size_per_slot)
@@ -179,17 +172,8 @@ class MambaPoolHost:
         if io_backend == "kernel" and device_pool.device.type == "cuda" and not self.pin_memory:
             raise ValueError("io_backend='kernel' reads host memory from the GPU and needs pin_memory=True (use 'direct')")
         slots = self._pages.slots(host_indices, "host_indices")
-        check_index(device_indices, "device_indices", device=device_pool.device)
-        check_same_length(host_indices, "host_indices", device_indices, "device_indices")  # type: ignore[arg-type]
-        if device_pool.device.type == "cpu" or self.validate or device_pool.validate:
-            check_in_range([(device_indices, device_pool.size + 1, "device_indices")], what="slots")  # type: ignore[list-item]
-        pages = self._pages.pages_of(slots)
-        if direction == "backup":
-            self._pages.check_once(pages, "host_indices")
-        if self.validate and pages.shape[0]:
-            free = self._pages.first_free(pages)
-            if free is not None:
-                raise ValueError(f"host_indices must be allocated host slots: slot {free} is free")
+        check_device_indices(device_indices, host_indices, device_pool, device_pool.size + 1, "slots", self.validate)
+        pages = self._pages.transfer_pages(slots, direction == "backup", self.validate)
         if slots.shape[0] == 0:
             return None
         table, k = device_pool.row_table, self._per_layer

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpool.checks import check_index, check_in_range, check_same_length, positive_int, resolve_device
+from kvpool.checks import check_in_range, check_index, check_same_length, dense_layer_index, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import checked_copy
 from kvpool.kernels.row_table import RowTable
@@ -187,14 +187,7 @@ class MambaPool:
         """Dense index (into the ``[layers, ...]`` tensors) of global linear layer ``layer_id``.
 
         Raises ``TypeError`` for a non-int and ``ValueError`` naming the id and this pool's layers."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        i = self._dense.get(layer_id)
-        if i is None:
-            raise ValueError(
-                f"layer_id {layer_id} is not a linear-attention layer of this pool: its layers are {list(self.layers)}"
-            )
-        return i
+        return dense_layer_index(layer_id, self._dense, "linear-attention", "layers")
 
     def get_conv_state(self, layer_id: int, index: int = 0) -> torch.Tensor:
         """Convolution window of global layer ``layer_id``: ``[size + 1, conv_dim, conv_kernel - 1]``

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import check_in_range, check_index, positive_int
+from kvpool.checks import check_in_range, check_index, layer_index, positive_int
 from kvpool.kernels.formats import bits_dtype
 from kvpool.kernels.store_kv_checks import ArgNames, Geometry, Scale, check_rows, check_write
 from kvpool.kernels.store_kv_op import store_kv_op
@@ -171,7 +171,7 @@ class MLATokenToKVPool(KVCache):
         layer_id = getattr(layer, "layer_id", None)
         if layer_id is None:
             raise TypeError(f"layer must have a .layer_id attribute, got {type(layer).__name__}")
-        i = self._layer_index(layer_id)
+        i = layer_index(layer_id, self.start_layer, self.end_layer)
         check_index(loc, "loc", device=self.device, dims="[T]")
         if dst_dtype is not None and not (isinstance(dst_dtype, torch.dtype) and dst_dtype.is_floating_point):
             raise ValueError(f"dst_dtype must be None or a floating torch.dtype, got {dst_dtype!r}")
