@@ -278,6 +278,34 @@ def test_a_repeated_state_commit_launches_directly_what_its_jit_launch_bound(row
     assert_same_arguments(compiled.direct[-1], compiled.bound, jit.params)
 
 
+def test_recorded_direct_launch_writes_the_same_bytes_again(jit):
+    """``writer.launches.recording()`` hands a benchmark the direct launch a write made, and puts
+    the compiled kernels back after the block; replaying the record, or launching it through the JIT
+    with ``jit_launch_of``, writes the same bytes again."""
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    writer = pool.writer
+    writer.launches.enabled = True  # as on a GPU
+    x = torch.randn(3, 2, 8) * 10
+    loc = torch.tensor([1, 2, 3])
+    pool.set_kv_buffer(None, loc, x, x, 0.5, 0.5, layer_id_override=0)  # JIT launch: keeps the compiled stand-in
+    with writer.launches.recording() as records:
+        pool.set_kv_buffer(None, loc, x, x, 0.5, 0.5, layer_id_override=0)
+    assert len(records) == 1 and records[0].compiled is jit.handed[0]
+    assert list(writer.launches.entries.values()) == [jit.handed[0]], "the compiled kernel is back"
+    expected = [bits(b).clone() for b in pool.get_kv_buffer(0)]
+    for how, launch in (("replay", records[0].replay), ("JIT launch", writer.jit_launch_of(records[0]))):
+        for b in pool.get_kv_buffer(0):
+            poison_(b)
+        launch()
+        for b, e in zip(pool.get_kv_buffer(0), expected):
+            assert_same_bytes(bits(b)[loc], e[loc], f"{how} of the recorded launch")
+            others = torch.ones(b.shape[0], dtype=torch.bool)
+            others[loc] = False
+            assert bool((bits(b)[others] == 0xFF).all()), f"{how}: rows the write does not name stay untouched"
+    assert jit.launches == 2 and jit.handed[0].calls == 2, "one direct launch recorded, one replayed"
+    assert pool.stats.fused_calls == 2, "replays are not pool writes"
+
+
 # --- KernelOptions and the environment -----------------------------------------------------------
 
 SWITCHES = {"KVPOOL_DIRECT_LAUNCH": "direct_launch", "KVPOOL_FAST_DIV": "fast_div", "KVPOOL_SOFT_CAST": "soft_cast"}

@@ -14,10 +14,12 @@ CPU copies").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -187,6 +189,21 @@ class DirectLaunches:
             del self.entries[next(iter(self.entries))]
         self.entries[key] = compiled
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list["LaunchRecord"]]:
+        """Record the direct launches made inside the block, for benchmarks that time a launch by
+        hand: yields a list that gets a :class:`LaunchRecord` per direct launch (the kernels launch
+        as usual). Launches through the JIT are not recorded."""
+        records: list = []
+        originals = dict(self.entries)
+        self.entries.update({key: _Recorder(compiled, key, records) for key, compiled in originals.items()})
+        try:
+            yield records
+        finally:
+            for key, value in list(self.entries.items()):
+                if type(value) is _Recorder:
+                    self.entries[key] = value.compiled
+
     def failed(self, exc: BaseException) -> None:
         """A direct launch raised before launching: launch through the JIT from now on."""
         self.enabled = False
@@ -195,3 +212,34 @@ class DirectLaunches:
             "kvpool: direct launch of the compiled kernel failed (%s); the %s launches through Triton's JIT from now on",
             exc, self.what,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One direct launch: the compiled kernel, its grid, its arguments, and the key it was kept under."""
+
+    compiled: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    key: object
+
+    def replay(self) -> None:
+        """Launch the same compiled kernel with the same arguments again."""
+        self.compiled[self.grid](*self.args, **self.kwargs)
+
+
+class _Recorder:
+    """Stands in for a compiled kernel inside :meth:`DirectLaunches.recording`."""
+
+    __slots__ = ("compiled", "key", "records")
+
+    def __init__(self, compiled: Any, key: object, records: list) -> None:
+        self.compiled, self.key, self.records = compiled, key, records
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.records.append(LaunchRecord(self.compiled, grid, args, kwargs, self.key))
+            return self.compiled[grid](*args, **kwargs)
+
+        return launch

@@ -17,7 +17,7 @@ import functools
 import logging
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from kvpool.kernels.launch import (
     LAUNCH_ERRORS,
     TRITON_AVAILABLE,
     DirectLaunches,
+    LaunchRecord,
     cdiv,
     current_cuda_device,
     kernel_params,
@@ -284,6 +285,12 @@ class KVWriter:
             except LAUNCH_ERRORS as exc:  # this Triton's launcher takes its arguments otherwise; nothing ran
                 self.launches.failed(exc)
         self._jit_launch(entry, per_call, tokens)
+
+    def jit_launch_of(self, record: LaunchRecord) -> Callable[[], None]:
+        """The launch ``record`` (from ``self.launches.recording()``) made, through Triton's JIT
+        instead of the compiled kernel: what a caller without the launch cache pays (benchmarks)."""
+        n, consts = len(PER_CALL) + len(FIXED), record.key.constexprs  # type: ignore[attr-defined]
+        return lambda: kernels._store_kv_kernel[record.grid](*record.args[:n], **consts)  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:

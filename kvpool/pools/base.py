@@ -148,6 +148,12 @@ class KVCache:
         if self.fused_mode == "always" and not self._writer.cache_ok:
             raise FusedPathUnavailable(f"fused='always' but {self._writer.cache_reason}")
 
+    @property
+    def writer(self) -> KVWriter:
+        """The :class:`~kvpool.kernels.store_kv.KVWriter` every write of this pool goes through: its
+        ``stats``, ``jit_launches`` and ``launches.recording()`` serve diagnostics and benchmarks."""
+        return self._writer
+
     # --- layers ----------------------------------------------------------------------------------
 
     def _write_index(self, layer: Optional[HasLayerId], layer_id_override: Optional[int]) -> int:
