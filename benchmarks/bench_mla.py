@@ -1,4 +1,4 @@
-"""The MLA write on a GPU: kvpool's two entry points against the alternatives, in one process.
+"""The MLA write on a GPU: kvpool's two entry points against the alternatives and the ceiling.
 
 DeepSeek-V3's latent rows (512 latent + 64 rotary values per token and layer) written into an FP8
 e4m3fn ``MLATokenToKVPool`` of 1M slots per layer at random slots, from bf16 inputs with a
@@ -10,61 +10,45 @@ per-tensor float32 scale tensor and int64 ``loc``. For each token count it times
 * kvpool's reference path;
 * ``torch.compile`` of concatenate, divide, clamp, cast and ``index_copy_`` into the FP8 cache;
 * a straightforward Triton port of SGLang's MLA write design (one program per token and 128-column
-  block, the latent part in whole blocks, the rotary part in the last one), with the divide, clamp
-  and cast added inside so it does the same job; like the MHA benchmark's port it divides with
-  Triton's approximate ``/`` and checks no slot, so it does less work than kvpool's exact write;
+  block), with the divide, clamp and cast inside so it does the same job (it divides with Triton's
+  approximate ``/`` and checks no slot: less work than kvpool's exact write);
 * the cast-only scatter of the same bytes to the same slots (no division, no checks: the ceiling a
-  write can reach, docs/contract.md "How performance is measured");
-* two other launch plans of kvpool's own kernel, measured for the kernel's owner, not used by the
-  pool: one program per part (the latent part's programs and the rotary part's), and the row as
-  runs of 64 values;
+  write can reach, docs/contract.md "How performance is measured"), and a copy kernel moving the
+  same bytes;
 
-and measures the device-to-device copy ceiling and a copy of the same bytes as each write (both as in
-``bench_set_kv.py``). Device time: CUDA-graph replays with L2 flushed before each call
-(``benchmarks/timing.py``). Decode sizes also report the time per write in a graph of 64 writes
-cycling over 8 layers (no flush) and the wall time of eager calls back to back. GB/s of the bytes
-docs/contract.md ("How performance is measured") defines. Each method's first call is untimed and
-its rows are compared byte for byte with ``kvpool.quantize`` ("exact"), again after the timed
-replays. Every method runs in its own ``try``: a
-failure is recorded and reported, and the run goes on; past the time budget the remaining token
-counts are skipped (and listed). Writes ``bench_mla.json`` and ``bench_mla.md`` under ``--out`` after
-every token count, so a run cut short still leaves a report.
+with the 2 GiB device-copy ceiling at the start and the end. Device time: CUDA-graph replays with
+L2 flushed before each call (``timing.py``); decode sizes also per write in a graph of 64 writes
+cycling over 8 layers (no flush) and the wall time of eager calls back to back. Each method's first
+call is untimed and its rows are compared byte for byte with ``kvpool.quantize``, again after the
+timed replays. The plan candidates of the row are in ``bench_write.py --sections plans``.
 
-Usage (on a GPU):  python benchmarks/bench_mla.py --out DIR [--quick] [--budget-s S]
-       (anywhere): python benchmarks/bench_mla.py --out DIR --dry-run
-The dry run executes everything on the CPU with tiny sizes (Triton kernels in the interpreter, whose
-FP8 conversion is known to be wrong, so the straightforward port reads "inexact" there) and reports
-figures that measure nothing; it checks the script, not the kernels' speed.
+Usage (on a GPU): python benchmarks/bench_mla.py --out DIR [--quick]
+``--cpu-smoke`` runs everything on the CPU at toy sizes (kernels in Triton's interpreter, whose FP8
+conversion is known to be wrong, so the straightforward port reads "inexact" there).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import time
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, replace
 
-# A dry run executes the Triton kernels through the interpreter, which must be switched on before any
-# @triton.jit function is defined (here and in kvpool), hence before those imports.
-if "--dry-run" in sys.argv[1:]:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+SMOKE = report.interpret_if_smoke()  # before kvpool and peers define their kernels
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
-from timing import DryClock, GpuClock  # noqa: E402
+from timing import DryClock, GpuClock, same_bytes_copy_gbps  # noqa: E402
 
 from kvpool import MLATokenToKVPool, quantize, reference_set_kv_buffer  # noqa: E402
-from kvpool.kernels.store_kv import storage_view, writer_for  # noqa: E402
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES  # noqa: E402
-from kvpool.kernels.store_kv_plan import CHUNK, PER_HEAD, plan_write  # noqa: E402
+from kvpool.kernels.store_kv import storage_view  # noqa: E402
+from kvpool.kernels.store_kv_plan import plan_write  # noqa: E402
 from kvpool.kernels.tuning import SMALL_TOKENS  # noqa: E402
 
 R, ROPE, W = 512, 64, 576  # DeepSeek-V3 / R1, Kimi K2
@@ -90,37 +74,13 @@ class Plan:
 
 FULL = Plan("full", "cuda", tokens=(1, 32, 128, 256, 4096, 8192, 16384, 32768), decode_max=256, slots=1 << 20,
             layers=8, cold_calls=10, graph_writes=64, wall_calls=400, wall_runs=5, budget_s=300)  # fmt: skip
-QUICK = Plan("quick", "cuda", tokens=(1, 256, 16384), decode_max=256, slots=1 << 20, layers=8, cold_calls=10,
-             graph_writes=64, wall_calls=200, wall_runs=3, budget_s=120)  # fmt: skip
-DRY = Plan("dry-run", "cpu", tokens=(1, 5, 24), decode_max=5, slots=1 << 10, layers=2, cold_calls=10,
-           graph_writes=64, wall_calls=400, wall_runs=5, budget_s=1e9)  # fmt: skip
+QUICK = replace(FULL, name="quick", tokens=(1, 256, 16384), wall_calls=200, wall_runs=3, budget_s=120)
+SMOKE_PLAN = replace(FULL, name="cpu-smoke", device="cpu", tokens=(1, 8), decode_max=1, slots=1 << 10, layers=1, budget_s=1e9)
 OURS = ["kvpool set_mla_kv_buffer", "kvpool set_kv_buffer"]
-PROPOSALS = {  # name: the plan layout (store_kv_plan.plan_write) the kernel takes instead of the pool's
-    "kvpool kernel, one program per part": PER_HEAD,
-    "kvpool kernel, rows as runs of 64 values": CHUNK,
-}
 PEER_COMPILE = "torch.compile cat-divide-cast-index_copy_"
 PEER_TRITON = "straightforward Triton (SGLang design)"
 CEILING = "cast-only scatter (ceiling)"
-METHODS = OURS + ["kvpool reference", PEER_COMPILE, PEER_TRITON, *PROPOSALS, CEILING]
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-# --- the same-bytes copy (as bench_set_kv.py measures it) ---------------------------------------
-
-
-def same_bytes_copy_gbps(nbytes: int, clock, dev: torch.device, calls: int) -> float:
-    """An elementwise copy kernel moving the write's bytes (half read, half written), timed like the
-    writes (graph replay, L2 flushed)."""
-    n = max(1, nbytes // 8)
-    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
-    dst = torch.empty_like(src)
-    us = clock.device_us(lambda i: torch.bitwise_not(src, out=dst), calls, cold=True)
-    del src, dst
-    return 8 * n / (us * 1e-6) / 1e9
+METHODS = OURS + ["kvpool reference", PEER_COMPILE, PEER_TRITON, CEILING]
 
 
 def bytes_moved(t: int, in_size: int = 2, pool_size: int = 1, loc_size: int = 8) -> int:
@@ -188,22 +148,10 @@ def sglang_design_write(nope, rope, buf_store, loc, scale):
     )  # fmt: skip
 
 
-def proposal_launch(layout: str, nope_view: torch.Tensor, rope_view: torch.Tensor):
-    """The writer of the latent and rotary column views (FP8) with another plan layout: the
-    measurement for the kernel's owner that the plan sweep (``bench_set_kv.py --sections plans``)
-    makes for every shape, here beside the MLA write's own figures."""
-    return writer_for(nope_view, rope_view, "always", layout=layout, chunk=64)
-
-
-def short_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
 # --- one token count ------------------------------------------------------------------------------
 
 
-def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: dict, ceiling: float,
-                 records: list) -> None:  # fmt: skip
+def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, rep: report.Report) -> None:
     dev = pool.device
     layers = plan.layers
     gen = torch.Generator(device=dev).manual_seed(t)
@@ -211,8 +159,6 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
     stores = [storage_view(c) for c in caches]  # uint8
     nope_views = [c[:, :, :R] for c in caches]
     rope_views = [c[:, :, R:] for c in caches]
-    nope_stores = [s[:, :, :R] for s in stores]
-    rope_stores = [s[:, :, R:] for s in stores]
     projection = (torch.randn(t, W, device=dev, generator=gen) * 60).to(torch.bfloat16)  # kv_a_proj output
     nope = (torch.randn(t, 1, R, device=dev, generator=gen) * 60).to(torch.bfloat16)  # normalised latent
     rope = projection[:, R:].unsqueeze(1)  # [T, 1, 64], token stride 576
@@ -227,12 +173,14 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
         PEER_COMPILE: lambda i: compiled_write(nope, rope, caches[i], loc, scale),
         PEER_TRITON: lambda i: sglang_design_write(nope, rope, stores[i], loc, scale),
     }
-    for name, writer in proposals.items():
-        fns[name] = lambda i, w=writer: w.write(nope_stores[i], rope_stores[i], loc, nope, rope, scale, scale, FUNCTION_NAMES)
+    if clock.dry:  # inductor's CPU build takes longer than the rest of the smoke run
+        del fns[PEER_COMPILE]
     rope_rows = rope.contiguous()  # the same bytes, as the cast-only scatter reads them
     fns[CEILING] = lambda i: peers.cast_scatter(nope, rope_rows, nope_views[i], rope_views[i], loc)
     nbytes = bytes_moved(t)
-    same = same_bytes_copy_gbps(nbytes, clock, dev, plan.cold_calls)
+    ceiling = rep.meta["ceiling_gbps"]
+    records = rep.result["records"]
+    same = same_bytes_copy_gbps(clock, nbytes, dev, plan.cold_calls)
     records.append({"T": t, "method": "same-bytes copy", "bytes": nbytes, "gbps": same, "ceiling_frac": same / ceiling})
     row_log = [f"same-bytes copy={same:.0f}GB/s"]
     for method, fn in fns.items():
@@ -254,10 +202,10 @@ def bench_tokens(t: int, plan: Plan, clock, pool: MLATokenToKVPool, proposals: d
             if method != CEILING:
                 rec["exact_after"] = bool(torch.equal(stores[layers - 1][loc], expected))
         except Exception as exc:  # a method failing must not stop the run; it is reported
-            rec["error"] = short_error(exc)
+            rec["error"] = report.short_error(exc)
         records.append(rec)
         row_log.append(f"{method}={rec.get('gbps', float('nan')):.0f}GB/s")
-    log(f"  T={t}: " + ", ".join(row_log))
+    rep.log(f"T={t}: " + ", ".join(row_log))
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -300,22 +248,15 @@ def markdown(result: dict) -> str:
     meta, plan, records = result["meta"], result["plan"], result["records"]
     tokens, decode_max = list(plan["tokens"]), plan["decode_max"]
     by = {(r["T"], r["method"]): r for r in records}
-    out = []
-    if meta.get("dry_run"):
-        out += ["**Dry run on the CPU: the figures measure nothing; it checks the script.**", ""]
-    out += [
-        f"Date: {meta['date']}  ",
-        f"GPU: {meta['gpu']}; torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}  ",
-        f"Command: `{meta['command']}`  ",
-        f"Copy ceiling (2 GiB device-to-device copy_, read + write, eager events): **{meta['ceiling_gbps']:.0f} GB/s** "
-        f"(start of run; {meta.get('ceiling_gbps_end', float('nan')):.0f} GB/s at the end)  ",
+    out = [
+        f"Copy ceiling (2 GiB device-to-device `copy_`, read + write): **{meta.get('ceiling_gbps', 0):.0f} GB/s** at the "
+        f"start, {meta.get('ceiling_gbps_end', float('nan')):.0f} GB/s at the end.",
+        "",
         f"Pool: MLATokenToKVPool, FP8 e4m3fn, DeepSeek-V3 rows (512 + 64), {plan['slots']} slots x {plan['layers']} "
         "layers, random slots; bf16 inputs (latent part contiguous, rotary part a slice of the 576-wide projection "
-        "output); per-tensor float32 scale tensor; int64 loc.  ",
-        f"kvpool's launch plan for the row: {meta['plan']}  ",
-        f"Elapsed: {meta.get('elapsed_s', float('nan')):.0f} s",
+        f"output); per-tensor float32 scale tensor; int64 loc. kvpool's launch plan for the row: {meta.get('plan')}.",
         "",
-        "### Throughput: GB/s of T x 576 x (input + cache element size) + T x loc element size bytes "
+        "## Throughput: GB/s of T x 576 x (input + cache element size) + T x loc element size bytes "
         "(percent of the same-bytes copy); CUDA-graph replays, L2 flushed before each call",
         "",
         "| T | same-bytes copy (share of the ceiling) | " + " | ".join(METHODS) + " |",
@@ -338,7 +279,7 @@ def markdown(result: dict) -> str:
         out.append(f"| {t} | {same['gbps']:.0f} ({100 * same['ceiling_frac']:.0f}% of ceiling) | " + " | ".join(cells) + " |")
     out += [
         "",
-        "### Decode sizes: microseconds per write (device with L2 cold / wall time of eager calls back to back / "
+        "## Decode sizes: microseconds per write (device with L2 cold / wall time of eager calls back to back / "
         f"per write in a graph of {plan['graph_writes']} writes)",
         "",
         "| T | " + " | ".join(METHODS) + " |",
@@ -355,93 +296,64 @@ def markdown(result: dict) -> str:
             else:
                 cells.append(f"{r['device_us']:.1f} / {r['wall_us']:.1f} / {r['graph_us']:.2f}")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
-    out += ["", "### Targets", ""] + (targets(by, tokens, decode_max) or ["- (no results)"])
-    problems = [f"- T={r['T']} {r['method']}: {r['error']}" for r in records if "error" in r]
-    problems += [f"- {name}: {err}" for name, err in result.get("errors", {}).items()]
-    problems += [f"- skipped: {what}" for what in result.get("skipped", [])]
-    if problems:
-        out += ["", "### Errors and skips", ""] + problems
+    out += ["", "## Targets", ""] + (targets(by, tokens, decode_max) or ["- (no results)"])
     return "\n".join(out) + "\n"
 
 
-def write_report(out_dir: str, result: dict, final: bool = False) -> None:
-    result["partial"] = not final
-    with open(os.path.join(out_dir, "bench_mla.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, "bench_mla.md"), "w") as f:
-        f.write(markdown(result))
+def plot(result: dict, fig) -> None:
+    """GB/s against tokens per write, each method and the two ceilings."""
+    ax = fig.subplots()
+    records = result["records"]
+    for m in [*METHODS, "same-bytes copy"]:
+        pts = sorted((r["T"], r["gbps"]) for r in records if r["method"] == m and "gbps" in r)
+        if pts:
+            style = dict(color="k", linestyle=":" if m == "same-bytes copy" else "--") if m in (CEILING, "same-bytes copy") else dict(marker="o", markersize=3)
+            ax.plot(*zip(*pts), label=m, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per write")
+    ax.set_ylabel("GB/s (bytes as in docs/contract.md)")
+    ax.set_title("MLA write, DeepSeek-V3 rows (512 + 64), FP8", fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench_out")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="three token counts")
-    mode.add_argument("--dry-run", action="store_true", help="everything on the CPU, tiny sizes, no real timing")
-    parser.add_argument("--budget-s", type=float, help="skip the token counts left after this many seconds")
+    report.add_common_arguments(parser, "mla")
+    parser.add_argument("--quick", action="store_true", help="three token counts")
     args = parser.parse_args()
-    plan = DRY if args.dry_run else QUICK if args.quick else FULL
-    if args.budget_s is not None:
-        plan = Plan(**{**asdict(plan), "budget_s": args.budget_s})
+    plan = SMOKE_PLAN if args.cpu_smoke else QUICK if args.quick else FULL
+    args.budget_s = plan.budget_s if args.budget_s is None else args.budget_s
     if plan.device == "cuda" and not torch.cuda.is_available():
-        log("no CUDA device: this benchmark runs on a GPU (use --dry-run to check the script on the CPU)")
-        return 2
-    os.makedirs(args.out, exist_ok=True)
-    start = time.perf_counter()
+        parser.error("no CUDA device: this benchmark runs on a GPU (--cpu-smoke checks the script on the CPU)")
+    rep = report.Report(args, "bench_mla", "MLA write", markdown, plot)
     launch_plan = plan_write(1, R, 1, ROPE, SMALL_TOKENS + 1, joined=True)
     small_plan = plan_write(1, R, 1, ROPE, 1, joined=True)
-    meta = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name() if plan.device == "cuda" else f"none (dry run on {platform.processor() or 'CPU'})",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python benchmarks/bench_mla.py --out DIR" + " --quick" * args.quick + " --dry-run" * args.dry_run
-        + (f" --budget-s {args.budget_s:g}" if args.budget_s is not None else ""),
-        "dry_run": args.dry_run,
-        "plan": f"joined (one program writes both parts of its tokens' rows), latent block {launch_plan.block_d}, "
-        f"rotary block {launch_plan.block_dv}: BLOCK_T={launch_plan.block_t} and {launch_plan.num_warps} warps above "
-        f"{SMALL_TOKENS} tokens, BLOCK_T={small_plan.block_t} and {small_plan.num_warps} warps up to it",
-    }
-    result: dict = {"meta": meta, "plan": asdict(plan), "records": [], "errors": {}, "skipped": []}
-    log(f"[bench_mla] {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; plan: {meta['plan']}")
-    clock = DryClock() if args.dry_run else GpuClock()
-    ceiling = meta["ceiling_gbps"] = clock.copy_ceiling_gbps()
-    log(f"[bench_mla] copy ceiling {ceiling:.0f} GB/s")
-    # fused="always": a write that the gate refused would raise rather than time the reference path by
+    rep.meta["plan"] = (
+        f"joined (one program writes both parts of its tokens' rows), latent block {launch_plan.block_d}, rotary block "
+        f"{launch_plan.block_dv}: BLOCK_T={launch_plan.block_t} and {launch_plan.num_warps} warps above {SMALL_TOKENS} "
+        f"tokens, BLOCK_T={small_plan.block_t} and {small_plan.num_warps} warps up to it"
+    )
+    rep.result.update(plan=asdict(plan), records=[])
+    clock = DryClock() if args.cpu_smoke else GpuClock()
+    rep.meta["ceiling_gbps"] = clock.copy_ceiling_gbps()
+    rep.log(f"copy ceiling {rep.meta['ceiling_gbps']:.0f} GB/s; plan: {rep.meta['plan']}")
+    # fused="always": a write the gate refused would raise rather than time the reference path by
     # mistake (on the CPU it runs the kernel in the interpreter).
     pool = MLATokenToKVPool(plan.slots, 1, FP8, R, ROPE, plan.layers, plan.device, fused="always")
-    if pool.warmup_seconds is not None:
-        log(f"[bench_mla] pool warmed in {pool.warmup_seconds:.2f} s")
-    proposals: dict = {}
-    for name, shape in PROPOSALS.items():
-        try:
-            row = pool.get_key_buffer(0)
-            proposals[name] = proposal_launch(shape, row[:, :, :R], row[:, :, R:])
-        except Exception as exc:
-            result["errors"][name] = short_error(exc)
-            log(f"[bench_mla] {name} unavailable: {short_error(exc)}")
     for t in plan.tokens:
-        if time.perf_counter() - start > plan.budget_s:
-            result["skipped"].append(f"T={t}: time budget of {plan.budget_s:.0f} s spent")
+        if rep.over_budget(f"T={t}"):
             continue
         try:
-            bench_tokens(t, plan, clock, pool, proposals, ceiling, result["records"])
+            bench_tokens(t, plan, clock, pool, rep)
         except Exception as exc:  # inputs or the copy for this T failed: report, go on
-            result["errors"][f"T={t}"] = short_error(exc)
-            log(f"[bench_mla] T={t} failed: {short_error(exc)}")
-        meta["elapsed_s"] = round(time.perf_counter() - start, 1)
-        write_report(args.out, result)
-    try:
-        meta["ceiling_gbps_end"] = clock.copy_ceiling_gbps()
-    except Exception as exc:
-        result["errors"]["ceiling at the end"] = short_error(exc)
-    meta["stats"] = {"fused_calls": pool.stats.fused_calls, "reference_calls": pool.stats.reference_calls,
-                     "reasons": dict(pool.stats.reasons)}  # fmt: skip
-    meta["elapsed_s"] = round(time.perf_counter() - start, 1)
-    write_report(args.out, result, final=True)
-    print(markdown(result))
-    return 0
+            rep.error(f"T={t}", exc)
+        rep.save()
+    rep.meta["ceiling_gbps_end"] = clock.copy_ceiling_gbps()
+    rep.meta["stats"] = {"fused_calls": pool.stats.fused_calls, "reference_calls": pool.stats.reference_calls,
+                         "reasons": dict(pool.stats.reasons)}  # fmt: skip
+    rep.save(final=True)
+    return 1 if rep.result["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ Targets: kvpool's steady-state match at least 3x faster per matched token than t
 size 1), and kvpool's largest-tree eviction within 2x of its smallest-tree eviction.
 
 Usage: python benchmarks/bench_prefix_cache.py --out DIR [--quick] [--sglang-wheel PATH]
-Writes DIR/prefix_cache.json, DIR/prefix_cache.md and (with matplotlib) DIR/prefix_cache.png.
+``--cpu-smoke`` runs a small workload (seconds): it checks the script.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import platform
 import random
@@ -42,16 +41,18 @@ import sys
 import time
 import types
 import zipfile
-from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
 
 
 def log(msg: str) -> None:
-    print(f"[bench_prefix_cache] {msg}", file=sys.stderr, flush=True)
+    print(f"[prefix-cache] {msg}", file=sys.stderr, flush=True)
 
 
 # --- the baseline: one dict node per token ---------------------------------------------------------
@@ -350,7 +351,7 @@ def run_evict(make: Callable[[], Impl], leaves: int, evictions: int, seed: int, 
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Prefix cache tree (CPU): {result['machine']}", "", f"`{result['command']}`", ""]
+    lines = ["Medians over requests: a shared machine's other load lands on a few requests and would dominate sums.", ""]
     lines += [
         "## Chat workload", "",
         f"{result['chat_requests']} requests, {result['inserted_tokens']} tokens inserted; steady state: every "
@@ -382,38 +383,29 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no PNG")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+def plot(result: dict, fig) -> None:
+    """Steady-state match cost per matched token, and eviction cost against tree size."""
+    a, b = fig.subplots(1, 2)
     rows = result["chat"]
-    a.bar([f"{r['impl']}\np{r['page']}" for r in rows], [r["steady_match_ns_per_token"] for r in rows])
+    a.bar([f"{r['impl']}\npage {r['page']}" for r in rows], [r["steady_match_ns_per_token"] for r in rows])
     a.set_ylabel("ns per matched token")
-    a.set_title("steady-state match")
+    a.set_title("steady-state match", fontsize=9)
     series: dict[str, list] = {}
     for r in result["evict"]:
-        series.setdefault(f"{r['impl']} p{r['page']} {r['order']}", []).append((r["leaves"], r["evict_us_median"]))
+        series.setdefault(f"{r['impl']} page {r['page']} {r['order']}", []).append((r["leaves"], r["evict_us_median"]))
     for name, pts in series.items():
         b.plot(*zip(*pts), marker="o", label=name)
     b.set_xscale("log")
     b.set_yscale("log")
     b.set_xlabel("leaves in the tree")
-    b.set_ylabel("us per eviction")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    b.set_ylabel("us per eviction of one leaf")
+    b.set_title("eviction", fontsize=9)
+    b.legend(fontsize=6)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--name", default="prefix_cache")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_common_arguments(ap, "prefix-cache")
     ap.add_argument("--quick", action="store_true", help="smaller trees, fewer repeats")
     ap.add_argument("--tokens", type=int, default=None, help="tokens the chat workload inserts (default 200k, quick 100k)")
     ap.add_argument("--repeats", type=int, default=None)
@@ -422,9 +414,12 @@ def main() -> int:
     ap.add_argument("--sglang-wheel", default=None, help="a pure-Python sglang wheel (pip download sglang==0.5.9 --no-deps)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    tokens = args.tokens or (100_000 if args.quick else 200_000)
-    repeats = args.repeats or (3 if args.quick else 10)
-    leaves = [int(x) for x in (args.leaves or ("1000,10000,30000" if args.quick else "1000,10000,100000")).split(",")]
+    tokens = args.tokens or (20_000 if args.cpu_smoke else 100_000 if args.quick else 200_000)
+    repeats = args.repeats or (1 if args.cpu_smoke else 3 if args.quick else 10)
+    default_leaves = "200,1000" if args.cpu_smoke else "1000,10000,30000" if args.quick else "1000,10000,100000"
+    leaves = [int(x) for x in (args.leaves or default_leaves).split(",")]
+    rep = report.Report(args, "bench_prefix_cache", "Prefix cache tree on the CPU", markdown, plot)
+    rep.meta["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     pages = [int(x) for x in args.page_sizes.split(",")]
 
     makers: list[tuple[str, Callable[[int], Impl], list[int]]] = [("kvpool", make_kvpool, pages), ("baseline", make_baseline, [1])]
@@ -459,7 +454,7 @@ def main() -> int:
             for order in ("accessed", "unlocked") if name != "baseline" else ("accessed",):
                 for n in leaves:
                     log(f"evict: {name}, page {p}, {n} leaves, {order}")
-                    count = 400 if n <= 10_000 or name == "kvpool" else 30
+                    count = min(400 if n <= 10_000 or name == "kvpool" else 30, n // 2)
                     r = run_evict(lambda: make(p), n, count, args.seed, order)
                     r.update(impl=name, page=p)
                     evict.append(r)
@@ -480,21 +475,9 @@ def main() -> int:
                     "name": f"kvpool eviction ({order}) at {ev[-1]['leaves']} leaves / at {ev[0]['leaves']} (page {p}), <= 2x",
                     "value": f"{growth:.2f}x", "met": growth <= 2,
                 })  # fmt: skip
-    result = {
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__})",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python"] + sys.argv),
-        "chat_requests": len(steps), "inserted_tokens": chat[0]["inserted_tokens"], "repeats": repeats,
-        "chat": chat, "evict": evict, "targets": targets, "sglang_note": note,
-    }  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    base_path = os.path.join(args.out, args.name)
-    with open(base_path + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base_path + ".md", "w") as f:
-        f.write(markdown(result))
-    plot(result, base_path + ".png")
-    print(markdown(result))
+    rep.result.update(chat_requests=len(steps), inserted_tokens=chat[0]["inserted_tokens"], repeats=repeats, chat=chat,
+                      evict=evict, targets=targets, sglang_note=note)  # fmt: skip
+    rep.save(final=True)
     return 0 if all(t["met"] for t in targets) else 1
 
 

@@ -19,31 +19,27 @@ copy. Also reported: the 2 GiB copy ceiling, and the host-inclusive wall time of
 back to back.
 
 Usage (on a GPU): python benchmarks/bench_state.py --out DIR
-Writes DIR/state.json and DIR/state.md. ``--cpu-smoke`` runs the same code on CPU pools of a toy
-geometry (it checks the script; the figures mean nothing).
+``--cpu-smoke`` runs the same code on CPU pools of a toy geometry.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-from kvpool import MambaCacheParams, MambaPool, MambaStateShape
-from timing import DryClock, GpuClock, flush_buffer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+from timing import DryClock, GpuClock, flush_buffer  # noqa: E402
+
+from kvpool import MambaCacheParams, MambaPool, MambaStateShape  # noqa: E402
 
 QWEN35 = dict(num_k_heads=16, num_v_heads=64, head_k_dim=128, head_v_dim=128, conv_kernel=4, tp_world_size=8)
 LAYERS = [i for i in range(60) if (i + 1) % 4]  # 45 linear layers; every 4th is full attention
 TARGET = 0.85
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def make_pool(smoke: bool, requests: int, steps: int) -> MambaPool:
@@ -143,11 +139,11 @@ def measure(pool: MambaPool, clock, n: int, reps: int, flush) -> dict:
     return row
 
 
-def report(meta: dict, rows: list[dict]) -> str:
+def markdown(result: dict) -> str:
+    meta, rows = result["meta"], result["rows"]
     lines = [
-        f"# MambaPool commit and fork ({meta['device']}, {meta['state']})", "",
-        f"Copy ceiling (2 GiB `copy_`): {meta['copy_ceiling_gbps']:.0f} GB/s. Device time, L2 flushed, median of "
-        f"{meta['reps']} calls; GB/s counts bytes read and written; *of copy* is the same-bytes contiguous "
+        f"State: {meta['state']}. Copy ceiling (2 GiB `copy_`): {meta['copy_ceiling_gbps']:.0f} GB/s. Device time, L2 flushed, "
+        f"median of {meta['reps']} calls; GB/s counts bytes read and written; *of copy* is the same-bytes contiguous "
         f"`copy_` time over the operation's (target >= {TARGET:.0%}).", "",
         "| requests | MB | commit us | GB/s | of copy | commit+track us | of copy | fork us | GB/s | of copy | eager commit wall us |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -160,43 +156,58 @@ def report(meta: dict, rows: list[dict]) -> str:
             f"{r['commit_eager_wall_us']:.1f} |"
         )
     missed = [f"{name} at {r['requests']}" for r in rows for name in ("commit", "fork") if r[name]["of_copy"] < TARGET]
-    lines += ["", "Target met at every request count." if not missed else "Target missed: " + ", ".join(missed) + "."]
+    if rows:
+        lines += ["", "Target met at every request count." if not missed else "Target missed: " + ", ".join(missed) + "."]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default=".", help="directory for state.json and state.md")
+def plot(result: dict, fig) -> None:
+    ax = fig.subplots()
+    rows = result["rows"]
+    n = [r["requests"] for r in rows]
+    for name in ("commit", "commit+track", "fork"):
+        ax.plot(n, [r[name]["gbps"] for r in rows], marker="o", label=name)
+    ax.plot(n, [r["commit"]["copy_gbps"] for r in rows], color="k", linestyle="--", label="contiguous copy of the same bytes")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests per call")
+    ax.set_ylabel("GB/s (read + written)")
+    ax.legend(fontsize=8)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_common_arguments(p, "state")
     p.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="requests per call")
     p.add_argument("--steps", type=int, default=16, help="draft steps of scratch (K)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--cpu-smoke", action="store_true", help="CPU pools of a toy geometry: checks the script")
     args = p.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --cpu-smoke)")
+    rep = report.Report(args, "bench_state", "MambaPool commit and fork", markdown, plot)
     clock = DryClock() if args.cpu_smoke else GpuClock()
     flush = None if args.cpu_smoke else flush_buffer()
     pool = make_pool(args.cpu_smoke, max(args.requests), args.steps)
     params = pool.cache_params
-    meta = {
-        "device": "cpu (smoke: figures mean nothing)" if args.cpu_smoke else torch.cuda.get_device_name(),
-        "state": f"{params.num_layers} layers x conv {params.shape.conv[0]} {params.dtype.conv} + SSM "
-                 f"{params.shape.temporal} {params.dtype.temporal}, {params.bytes_per_slot} B/slot, K={args.steps}",
-        "torch": torch.__version__, "reps": args.reps, "copy_ceiling_gbps": clock.copy_ceiling_gbps(),
-        "date": time.strftime("%Y-%m-%d"),
-    }  # fmt: skip
-    rows = []
+    rep.meta.update(
+        state=f"{params.num_layers} layers x conv {params.shape.conv[0]} {params.dtype.conv} + SSM {params.shape.temporal} "
+              f"{params.dtype.temporal}, {params.bytes_per_slot} B/slot, K={args.steps}",
+        reps=args.reps, copy_ceiling_gbps=clock.copy_ceiling_gbps(),
+    )  # fmt: skip
+    rep.result["rows"] = []
     for n in args.requests:
-        rows.append(measure(pool, clock, n, args.reps, flush))
-        log(f"{n:3d} requests: commit {rows[-1]['commit']['of_copy']:.1%} of copy, fork {rows[-1]['fork']['of_copy']:.1%}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "state.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    text = report(meta, rows)
-    with open(os.path.join(args.out, "state.md"), "w") as f:
-        f.write(text)
-    print(text)
+        if rep.over_budget(f"{n} requests"):
+            continue
+        try:
+            rep.result["rows"].append(measure(pool, clock, n, args.reps, flush))
+        except Exception as exc:
+            rep.error(f"{n} requests", exc)
+            continue
+        row = rep.result["rows"][-1]
+        rep.log(f"{n:3d} requests: commit {row['commit']['of_copy']:.1%} of copy, fork {row['fork']['of_copy']:.1%}")
+        rep.save()
+    rep.save(final=True)
+    return 1 if rep.result["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

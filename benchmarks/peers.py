@@ -7,7 +7,7 @@
   cache, the best a model runner gets from the compiler without a custom kernel.
 * ``straightforward_triton``: the textbook design ported plainly: one program per (token, head), K and V
   on a third grid axis, ``/`` for the division and a cast.
-* ``per_token_triton``: what a competent user writes in twenty lines (issue 15): one program per token
+* ``per_token_triton``: what a competent user writes in twenty lines: one program per token
   over its whole H x D row, K then V, Triton's ``/`` (approximate on NVIDIA GPUs), a clamp, the cast
   on store, and the scatter.
 * ``per_layer_move``: SGLang-style ``move_kv_cache``: an index copy per layer, K then V.

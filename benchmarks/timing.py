@@ -1,14 +1,19 @@
-"""Device timing through CUDA-graph replays, so host launch cost never leaks into device time.
+"""The benchmarks' timers and the ceilings they share: CUDA-graph replays, cold L2, wall time.
 
-``graph_us(fn, calls, flush)`` captures ``calls`` invocations ``fn(i)`` in one CUDA graph and returns
-the median replay time per call. With ``flush`` (a buffer larger than L2), every call is preceded
-by a memset of it and the time of a flush-only graph is subtracted: the call then runs with a cold
-L2, as a layer's write does in a real forward pass.
+* ``graph_us(fn, calls, flush)`` captures ``calls`` invocations ``fn(i)`` in one CUDA graph and
+  returns the median replay time per call, so host launch cost never leaks into device time. With
+  ``flush`` (a buffer larger than L2) every call is preceded by a memset of it and a flush-only
+  graph's time is subtracted: the call runs with a cold L2, as a layer's write does in a forward pass.
+* ``event_ms(fn, reps, streams, hold_cycles)``: the device time of what ``fn()`` queues on several
+  streams, optionally with the GPU held while the host queues it (device time alone).
+* ``wall_ms(fn, reps)``: from the call to the completion of everything it queued (host included).
+* ``GpuClock`` bundles the write benchmarks' three measurements (cold device time, per call in a
+  graph, eager wall time) and the 2 GiB device-copy ceiling; ``same_bytes_copy_gbps`` is the copy
+  kernel moving a write's bytes, timed like the write. ``DryClock`` has ``GpuClock``'s interface on
+  the CPU (every function runs, no figure means anything), so a smoke run exercises every code
+  path but the timing.
 
-``GpuClock`` bundles that with the other two measurements the benchmarks take (host-inclusive wall
-time of eager calls issued back to back, and the device-to-device copy ceiling); ``DryClock`` has the
-same interface on the CPU, runs each function a couple of times and returns wall times that measure
-nothing, so a dry run exercises every code path of a benchmark except the timing itself.
+Every timer takes medians and never times the first call.
 """
 
 from __future__ import annotations
@@ -102,6 +107,37 @@ def event_ms(fn, reps: int, streams=(), hold_cycles: int = 0) -> float:
     return statistics.median(times)
 
 
+def wall_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median milliseconds from the call to the completion of everything it queued (host included);
+    CPU work is timed as it runs."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def same_bytes_copy_gbps(clock, nbytes: int, device, calls: int = 10) -> float:
+    """A copy kernel moving a write's bytes (half read, half written), timed like the writes
+    (``clock.device_us``, L2 flushed): what any kernel of that size can reach."""
+    n = max(1, nbytes // 8)
+    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    us = clock.device_us(lambda i: torch.bitwise_not(src, out=dst), calls, cold=True)
+    return 8 * n / (us * 1e-6) / 1e9
+
+
 class GpuClock:
     """The measurements of the benchmarks, on the current CUDA device. Medians throughout."""
 
@@ -154,7 +190,7 @@ class GpuClock:
 
 
 class DryClock:
-    """``GpuClock``'s interface on the CPU for dry runs: every function runs (twice at most), every
+    """``GpuClock``'s interface on the CPU for smoke runs: every function runs once, every
     figure returned is a host wall time that means nothing."""
 
     dry = True
@@ -163,10 +199,10 @@ class DryClock:
         pass
 
     def device_us(self, fn, calls: int, cold: bool) -> float:
-        return self._run(fn, min(calls, 2))
+        return self._run(fn, 1)
 
     def wall_us(self, fn, calls: int, runs: int, warm: int = 10) -> float:
-        return self._run(fn, min(calls, 2))
+        return self._run(fn, 1)
 
     def copy_ceiling_gbps(self) -> float:
         src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
