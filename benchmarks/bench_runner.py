@@ -311,7 +311,7 @@ def plot(result: dict, fig) -> None:
     left.bar(range(len(rows)), [r["steps_per_s"] for r in rows], color="C0")
     left.set_xticks(range(len(rows)), labels, fontsize=8)
     left.set_ylabel("decode steps per second")
-    left.set_title(result["meta"]["model"].split(",")[0], fontsize=9)
+    left.set_title(result["meta"].get("title", ""), fontsize=9)
     right.bar(range(len(rows)), [100 * r["set_kv_host_share"] for r in rows], color="C1", label="K/V writes")
     right.bar(range(len(rows)), [100 * r.get("control_host_share", 0) for r in rows], color="C2", width=0.4, label="control (one torch op)")
     right.set_xticks(range(len(rows)), labels, fontsize=8)

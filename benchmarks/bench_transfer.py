@@ -29,8 +29,8 @@ Usage (two GPUs): python benchmarks/bench_transfer.py --out DIR [--quick] [--pat
 ``--direct`` measures only the ceiling, the requests and the latency (both paths; the targets of the
 direct path: 90% of the ceiling at 8k tokens, 95% at 32k, a 1-token transfer within 3x of the bare
 send). ``--ipc-programs N`` caps the direct copy's grid.
-Writes DIR/bench_transfer.json (partial results survive a failure) and DIR/bench_transfer.md.
-``--cpu-smoke`` runs the same script on CPU pools over gloo with tiny requests: it checks the script,
+Writes DIR/transfer.{json,md,png} (``--name``), the JSON and Markdown after every section, so a failure
+keeps what was measured. ``--cpu-smoke`` runs the same script on CPU pools over gloo with tiny requests: it checks the script,
 its numbers mean nothing.
 """
 
@@ -39,12 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
 from typing import Callable, Optional
 
 import torch
@@ -52,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 from pair import free_port, init_pair  # noqa: E402
 from timing import event_ms  # noqa: E402
 
@@ -356,20 +355,30 @@ def plan_bounds(r: "Rank", rounds: int, ceiling: dict) -> list[dict]:
 
 def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_sweep: Optional[str] = None,
              sweep_rounds: int = 3, only_plans: bool = False, paths: tuple[str, ...] = PATHS,
-             only_direct: bool = False, ipc_programs: Optional[int] = None) -> None:
+             only_direct: bool = False, ipc_programs: Optional[int] = None, env: Optional[dict] = None,
+             name: str = "transfer", budget_s: Optional[float] = None) -> None:  # fmt: skip
     configure(smoke)
     if smoke:
         torch.set_num_threads(1)
     init_pair(rank, port, smoke, timeout_s=300)
-    results: dict = {"meta": meta(rank), "ceiling": [], "requests": [], "sweep": [], "latency": [], "kernels": [],
-                     "plans": []}  # fmt: skip
-    results["errors"] = []
-    json_path = os.path.join(out_dir, "bench_transfer.json")
+    results: dict = {"meta": {**(env or {}), **meta(rank)}, "ceiling": [], "requests": [], "sweep": [], "latency": [],
+                     "kernels": [], "plans": [], "errors": {}, "skipped": []}  # fmt: skip
+    json_path = os.path.join(out_dir, f"{name}.json")
+    start = time.perf_counter()
 
-    def save() -> None:
+    def over_budget(what: str) -> bool:
+        if budget_s is None or time.perf_counter() - start <= budget_s:
+            return False
+        results["skipped"].append(f"{what}: time budget of {budget_s:g} s spent")
+        return True
+
+    def save(final: bool = False) -> None:
         if rank == 0:
+            results["meta"]["partial"] = not final
             with open(json_path, "w") as f:
                 json.dump(results, f, indent=1)
+            with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+                f.write(report.render_markdown(results, markdown))
 
     try:
         r = Rank(rank, quick, ipc_programs)
@@ -425,7 +434,7 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
                 results["latency"].append(dict(transfer=label, path=way, transfer_us=s * 1e6, bare_bytes=bare_bytes,
                                                bare_us=bare[bare_bytes] * 1e6, **check))  # fmt: skip
         save()
-        if only_direct:
+        if only_direct or over_budget("the copy kernels, the chunk plans and the sweep"):
             return
 
         results["kernels"] = r.kernels()
@@ -433,6 +442,8 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
 
         results["plans"] = plan_bounds(r, rounds, ceiling)
         save()
+        if over_budget("the sweep"):
+            return
 
         default_programs = endpoint_module.default_max_programs(r.sms)
         # (chunk MiB, programs of the copies beside the transport (0: one per task), ramp steps); the
@@ -447,36 +458,31 @@ def run_rank(rank: int, quick: bool, smoke: bool, port: int, out_dir: str, only_
             sweep = [(1, 2, 2), (1, 0, 0)]
         sweep_phase(r, rank, results, save, ceiling, sweep, 3)
     except Exception:  # noqa: BLE001 - keep what was measured; the other rank fails by timeout
-        results["errors"].append(traceback.format_exc())
+        results["errors"][f"rank {rank}"] = traceback.format_exc()
         log(traceback.format_exc())
         save()
         raise
     finally:
-        save()
-        if rank == 0:
-            try:
-                with open(os.path.join(out_dir, "bench_transfer.md"), "w") as f:
-                    f.write(markdown(results))
-            except Exception:  # noqa: BLE001 - never hide the run's own error behind this one
-                log(traceback.format_exc())
+        try:
+            save(final=True)
+            if rank == 0:
+                report.draw(results, plot, os.path.join(out_dir, f"{name}.png"), log)
+        except Exception:  # noqa: BLE001 - never hide the run's own error behind this one
+            log(traceback.format_exc())
         dist.destroy_process_group()
 
 
 def meta(rank: int) -> dict:
-    import triton
-
     try:
         nccl = torch.cuda.nccl.version()
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except Exception:  # noqa: BLE001 - a CPU build has none
         nccl = "none"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] or ["cpu (smoke run)"],
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        "gpus": gpus or ["cpu (smoke run)"],
+        **({"gpu": " + ".join(gpus)} if gpus else {}),
         "nccl": nccl,
-        "python": platform.python_version(),
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
         "model": f"Llama-3-8B FP8: {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, {TOKEN_BYTES} B/token",
         "rank": rank,
@@ -493,15 +499,12 @@ def _shown(path: str, q: dict) -> str:
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
-        f"# kvpool transfer between two GPUs ({m['date']})",
-        "",
         f"Paths: {', '.join(m.get('paths', ['staged']))} (staged: staging + NCCL; ipc: the receiver reads the "
         f"sender's rows through CUDA IPC, one launch, grid cap {m.get('ipc_programs')}). Targets: staged 90% of "
         f"the ceiling; ipc {', '.join(f'{100 * v:.0f}% at {k}' for k, v in DIRECT_TARGET.items())}, a 1-token "
         f"transfer within {DIRECT_LATENCY_X:g}x of a bare 1-token send.",
         "",
-        f"{', '.join(m['gpus'])}; torch {m['torch']}, triton {m['triton']}, NCCL {m['nccl']}, "
-        f"NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
+        f"NCCL {m['nccl']}, NCCL_NVLS_ENABLE={m['NCCL_NVLS_ENABLE']}. {m['model']}. One-way times from ping-pongs, medians. "
         f"Defaults: chunk {m.get('default_chunk_bytes', 0) >> 20} MiB, "
         f"{m.get('default_max_programs')} programs per copy beside the transport (the first gather and the "
         f"last scatter of a transfer take the whole GPU).",
@@ -557,16 +560,26 @@ def markdown(res: dict) -> str:
         lines += ["| kernel | programs/SM | us | GB/s staged |", "|---|---:|---:|---:|"]
         for q in res["kernels"]:
             lines.append(f"| {q['kernel']} | {q['programs_per_sm']} | {q['us']:.1f} | {q['gbps']:.0f} |")
-    if res["errors"]:
-        lines += ["", "## Errors", "", "```", *res["errors"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, fig) -> None:
+    """Each request's rate on each path against the one-message NCCL ceiling of the same bytes."""
+    ax = fig.subplots()
+    rows = res["requests"]
+    labels = [f"{q['request']}, {q['pages']}\n{q.get('path', 'staged')}" for q in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [q["gbps"] for q in rows], 0.4, label="kvpool transfer")
+    ax.bar([i + 0.2 for i in x], [q["ceiling_gbps"] for q in rows], 0.4, color="0.6", label="one NCCL message of the same bytes")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("GB/s one way")
+    ax.legend(fontsize=8)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench_out")
+    report.add_common_arguments(parser, "transfer")
     parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds")
-    parser.add_argument("--cpu-smoke", action="store_true", help="CPU pools over gloo, tiny requests: checks the script")
     parser.add_argument("--sweep", help="only the ceiling and this sweep: comma-separated "
                         "CHUNK_MIB:PROGRAMS:RAMP_STEPS[:RAMP_FACTOR] (PROGRAMS 0: one per task, 'default': the "
                         "endpoint's), each timed over --sweep-rounds rounds")  # fmt: skip
@@ -589,11 +602,12 @@ def main() -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    env = {**report.environment(args.cpu_smoke), "benchmark": "bench_transfer", "title": "KV transfer between two GPUs",
+           "command": report.command_line("bench_transfer", sys.argv[1:])}  # fmt: skip
     mp.start_processes(run_rank, args=(args.quick, args.cpu_smoke, free_port(), args.out, args.sweep, args.sweep_rounds,
-                                         args.plans, paths, args.direct, args.ipc_programs),
+                                         args.plans, paths, args.direct, args.ipc_programs, env, args.name, args.budget_s),
                        nprocs=2, start_method="spawn")  # fmt: skip
-    with open(os.path.join(args.out, "bench_transfer.md")) as f:
-        print(f.read())
+    log(f"[{args.name}] done: {os.path.join(args.out, args.name)}.json, .md")
     return 0
 
 

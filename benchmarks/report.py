@@ -151,7 +151,7 @@ class Report:
         self.markdown_body, self.plot_body = markdown, plot
         self.start = time.perf_counter()
         meta = environment(args.cpu_smoke)
-        meta.update(benchmark=benchmark, title=title, command="python " + " ".join([f"benchmarks/{benchmark}.py", *sys.argv[1:]]))
+        meta.update(benchmark=benchmark, title=title, command=command_line(benchmark, sys.argv[1:]))
         self.result: dict = {"meta": meta, "skipped": [], "errors": {}}
         os.makedirs(self.out, exist_ok=True)
         self.log(f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
@@ -194,6 +194,21 @@ class Report:
             self.log(f"done in {self.elapsed():.0f} s: {self.path('json')}, {self.path('md')}")
 
 
+def command_line(benchmark: str, argv: list[str]) -> str:
+    """The command that ran, with the output directory spelled DIR (where the files went is not part
+    of what was measured)."""
+    args, out = list(argv), []
+    while args:
+        a = args.pop(0)
+        if a == "--out" and args:
+            args.pop(0)
+            a = "--out DIR"
+        elif a.startswith("--out="):
+            a = "--out DIR"
+        out.append(a)
+    return " ".join(["python", f"benchmarks/{benchmark}.py", *out])
+
+
 def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:400]
 
@@ -221,7 +236,7 @@ def draw(result: dict, body: Callable[[dict, Any], None], path: str, log: Callab
     try:
         body(result, fig)
         meta = result.get("meta", {})
-        gpu = meta.get("gpu") or meta.get("device_name") or meta.get("device")
+        gpu = f"CPU: {meta['cpu']}" if meta.get("cpu") else meta.get("gpu") or meta.get("device_name") or meta.get("device")
         fig.text(0.99, 0.005, f"{gpu}, torch {meta.get('torch')}, Triton {meta.get('triton')}, {meta.get('date')}",
                  ha="right", va="bottom", fontsize=7, color="0.4")  # fmt: skip
         fig.tight_layout(rect=(0, 0.03, 1, 1))
