@@ -3,8 +3,8 @@ tier's transfer streams, the rank-to-rank transfer's side stream).
 
 These run on the host path of every transfer call, before its work reaches the GPU, and a small
 transfer's latency is made of that host path. They do what ``torch.cuda.device`` nested with
-``torch.cuda.stream``, and ``Stream.wait_stream``, do, in fewer calls into torch (BENCHMARKS.md has
-what that saves a transfer); ``wait_stream`` would also create a new event on every call.
+``torch.cuda.stream``, and ``Stream.wait_stream``, do, in fewer calls into torch;
+``wait_stream`` would also create a new event on every call.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_writes_pick_the_tile_by_size_and_both_tiles_match_reference():
 @pytest.mark.parametrize("chunk", [8, 16, 32])
 @pytest.mark.parametrize("h,d,hv,dv,mla", [(3, 96, 3, 96, False), (2, 64, 2, 64, False), (1, 64, 1, 32, True)])
 def test_chunk_plans_match_reference(h, d, hv, dv, mla, chunk):
-    """Rows viewed as runs of ``chunk`` elements (a candidate of the plan sweep, bench_set_kv.py
+    """Rows viewed as runs of ``chunk`` elements (a candidate of the plan sweep, bench_write.py
     --sections plans): same bytes as the reference, on caches that are views of one row (MLA's
     latent and rotary parts) too."""
     t, slots = 9, 23

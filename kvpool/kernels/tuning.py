@@ -4,7 +4,8 @@ The K/V write's plan function (``store_kv_plan.py``), the row copy's launcher (`
 host tier's backends (``kvpool.host``), the rank-to-rank transfer (``kvpool.transfer``) and the
 prefix cache's key comparison (``kvpool.cache.key``) read them from here. None of them changes a
 result, only how the work is cut up and how much memory it holds; docs/contract.md says what is
-guaranteed either way, and BENCHMARKS.md has the measurements they were chosen from.
+guaranteed either way. ``benchmarks/bench_write.py --sections plans`` measures the write's plans
+against each other and the ceiling (BENCHMARKS.md has the latest figures).
 """
 
 from __future__ import annotations
