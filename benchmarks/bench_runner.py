@@ -99,7 +99,6 @@ class Case:
         self.writer = getattr(getattr(self.write_pool, "full_kv_pool", self.write_pool), "writer", None)
         self.sched = arch.scheduler(self.pool, batch, cfg.max_context_len, None)
         self.runner = arch.runner(model, self.pool, None)
-        self.layers = len(getattr(self.write_pool, "full_attention_layer_ids", None) or range(self.write_pool.layer_num))
         g = torch.Generator().manual_seed(args.seed + batch)
         for rid in range(batch):
             self.sched.add(rc.Request(rid, torch.randint(model.config.vocab_size, (args.prompt_len,), generator=g).tolist(), new_tokens))
