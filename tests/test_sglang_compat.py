@@ -1,11 +1,13 @@
 """The pools' SGLang API: MHATokenToKVPool (and the hybrid models' pools) take SGLang's constructor
 arguments, positionally in SGLang's order, so SGLang call sites carry over; kvpool's own options are
 keyword-only. The buffers a pool allocates, its getters (views, never copies), its layer ids and the
-errors of its constructor."""
+errors of its constructor. Every public class, function and method of kvpool has a docstring."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +222,69 @@ def test_state_pools_take_sglangs_keywords():
         cache_params=params, enable_mamba_extra_buffer=False, speculative_num_draft_tokens=2, mamba_layer_ids=[0, 1],
     )  # fmt: skip
     assert table.mamba_pool.spec_state_size == 2 and table.mamba_pool.mamba_cache.intermediate_ssm.shape[1] == 3
+
+
+# --- the public API is documented ----------------------------------------------------------------
+
+
+def _skipped(node: ast.AST) -> bool:
+    """A property's setter or deleter, or a typing overload: documented by the definition it belongs to."""
+    for d in getattr(node, "decorator_list", ()):
+        if isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter"):
+            return True
+        if (isinstance(d, ast.Name) and d.id == "overload") or (isinstance(d, ast.Attribute) and d.attr == "overload"):
+            return True
+    return False
+
+
+def undocumented(source: str, where: str) -> list[str]:
+    """``where:line name`` of every public class, function and method in ``source`` without a docstring
+    (methods of public classes at any depth; nothing inside a function body is public API)."""
+    missing = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for n in ast.iter_child_nodes(node):
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or n.name.startswith("_"):
+                continue
+            if ast.get_docstring(n) is None and not _skipped(n):
+                missing.append(f"{where}:{n.lineno} {prefix}{n.name}")
+            if isinstance(n, ast.ClassDef):
+                walk(n, f"{prefix}{n.name}.")
+
+    walk(ast.parse(source), "")
+    return missing
+
+
+def test_the_docstring_check_finds_what_it_must():
+    source = """
+class Public:
+    def method(self): pass
+    @property
+    def value(self):
+        '''Documented.'''
+    @value.setter
+    def value(self, v): pass
+    def _private(self): pass
+    class Inner:
+        def deep(self): pass
+def function(): pass
+@overload
+def typed(x: int) -> int: ...
+def documented():
+    '''Documented.'''
+    def local(): pass
+class _Private:
+    def method(self): pass
+"""
+    assert undocumented(source, "m.py") == [
+        "m.py:2 Public", "m.py:3 Public.method", "m.py:10 Public.Inner", "m.py:11 Public.Inner.deep",
+        "m.py:12 function",
+    ]
+
+
+def test_every_public_name_has_a_docstring():
+    root = Path(kvpool.__file__).parent
+    modules = sorted(p for p in root.rglob("*.py") if p.name == "__init__.py" or not p.name.startswith("_"))
+    assert root / "pools" / "mha_pool.py" in modules  # the walk reached the package's files
+    missing = [m for p in modules for m in undocumented(p.read_text(), str(p.relative_to(root.parent)))]
+    assert not missing, f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)

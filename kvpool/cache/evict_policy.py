@@ -31,13 +31,15 @@ class EvictionStrategy(ABC):
     """Maps a node to its eviction priority: the smallest is evicted first."""
 
     @abstractmethod
-    def get_priority(self, node: "TreeNode") -> Any: ...
+    def get_priority(self, node: "TreeNode") -> Any:
+        """``node``'s priority: any comparable value, the smallest evicted first."""
 
 
 class LRUStrategy(EvictionStrategy):
     """Least recently used first."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """The node's last access on the tree's clock."""
         return node._tick
 
 
@@ -45,6 +47,7 @@ class LFUStrategy(EvictionStrategy):
     """Fewest hits first, then least recently used."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """(hits, last access)."""
         return (node.hit_count, node._tick)
 
 
@@ -52,6 +55,7 @@ class FIFOStrategy(EvictionStrategy):
     """Oldest first."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """The node's creation on the tree's clock."""
         return node._born
 
 
@@ -59,6 +63,7 @@ class MRUStrategy(EvictionStrategy):
     """Most recently used first."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """The last access, negated: the most recent is the smallest."""
         return -node._tick
 
 
@@ -66,6 +71,7 @@ class FILOStrategy(EvictionStrategy):
     """Newest first."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """The creation, negated: the newest is the smallest."""
         return -node._born
 
 
@@ -73,6 +79,7 @@ class PriorityStrategy(EvictionStrategy):
     """Lowest inserted priority first, then least recently used."""
 
     def get_priority(self, node: "TreeNode") -> Any:
+        """(the highest priority inserted through the node, last access)."""
         return (node.priority, node._tick)
 
 
@@ -164,6 +171,7 @@ class EvictionQueue:
         return entry is not None and entry[0] == self._priority(node)
 
     def clear(self) -> None:
+        """Drop every entry (and each node's record of it): an empty queue."""
         for _, _, node in (*self._heap, *self._lane):
             self._set(node, None)
         self._heap = []

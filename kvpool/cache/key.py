@@ -71,6 +71,8 @@ class RadixKey:
 
     @property
     def token_ids(self) -> Sequence[Any]:
+        """The key's elements (a node key's are decoded from its bytes on first read); assigning a new
+        sequence drops the kept encoding."""
         if self._token_ids is None:
             self._token_ids = decode(self._enc, self.is_bigram)  # type: ignore[arg-type]
         return self._token_ids

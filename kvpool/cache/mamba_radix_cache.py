@@ -60,6 +60,8 @@ class MambaRadixCache(RadixCache):
     # --- SGLang's API ---------------------------------------------------------------------------
 
     def supports_mamba(self) -> bool:
+        """True: the tree keeps linear-attention state snapshots (SGLang callers check it for a hybrid
+        cache)."""
         return True
 
     def reset(self) -> None:
@@ -223,15 +225,20 @@ class MambaRadixCache(RadixCache):
         return super().total_size(), self.mamba_evictable_size_ + self.mamba_protected_size_
 
     def full_evictable_size(self) -> int:
+        """KV tokens in unlocked nodes, ``evictable_size()`` under SGLang's name for a hybrid cache."""
         return self.evictable_size_
 
     def full_protected_size(self) -> int:
+        """KV tokens in locked nodes, ``protected_size()`` under SGLang's name for a hybrid cache."""
         return self.protected_size_
 
     def mamba_evictable_size(self) -> int:
+        """State snapshots in the tree that no lock holds: what ``evict(EvictParams(mamba_num=n))`` may
+        drop."""
         return self.mamba_evictable_size_
 
     def mamba_protected_size(self) -> int:
+        """State snapshots held by a lock (``inc_lock_ref`` on their node)."""
         return self.mamba_protected_size_
 
     def all_mamba_values_flatten(self) -> torch.Tensor:

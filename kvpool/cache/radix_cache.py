@@ -345,20 +345,26 @@ class RadixCache(RadixTree):
         return converted, None if value is None else value[: len(converted)]
 
     def available_and_evictable_str(self) -> str:
+        """One log line: the tokens an allocation can get, the allocator's free slots plus the tree's
+        evictable tokens, and each part."""
         available = self.token_to_kv_pool_allocator.available_size()
         evictable = self.evictable_size()
         return f"Available tokens: {available + evictable} ({available=} + {evictable=})\n"
 
     def supports_swa(self) -> bool:
+        """False: no sliding-window layers (SGLang callers check it for an SWA cache)."""
         return False
 
     def supports_mamba(self) -> bool:
+        """False: no linear-attention states (``MambaRadixCache`` keeps them)."""
         return False
 
     def is_chunk_cache(self) -> bool:
+        """False: this cache keeps prefixes (SGLang's ``ChunkCache``, which keeps none, says True)."""
         return False
 
     def is_tree_cache(self) -> bool:
+        """True: a prefix tree, which SGLang callers match prefixes in, insert into and evict from."""
         return True
 
     # --- the tree -------------------------------------------------------------------------------

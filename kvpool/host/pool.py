@@ -203,6 +203,7 @@ class MHATokenToKVPoolHost:
         return self._pages.free(indices)
 
     def get_size_per_token(self) -> int:
+        """Bytes of one slot over every layer, K and V together (SGLang's name)."""
         return self.size_per_token
 
     # --- checks --------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class Transfer:
 
 
 class Backend(Protocol):
+    """How a host pool's transfers are copied (``kernel_backend.py``, ``direct_backend.py``): the
+    :class:`TransferScheduler` hands it each transfer with the stream to copy on."""
+
     def copy(self, t: Transfer, stream: Optional[torch.cuda.Stream], landed: Landed) -> None:
         """Enqueue ``t``'s copies on ``stream`` (the current stream; None on a CPU pool, where they run
         now) and call ``landed`` for each layer of a load once it is complete."""

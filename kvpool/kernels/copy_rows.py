@@ -100,6 +100,22 @@ def check_pairs(
 
 @dataclass(frozen=True)
 class CopyPlan:
+    """Tile and grid of one row-copy launch (:func:`plan_copy`).
+
+    Attributes
+    ----------
+    elem_bytes : bytes of the element the kernel loads and stores.
+    align : bytes that divide every row's address, stride and size (the kernel's alignment hint).
+    block_p : pairs per task.
+    block_w : elements per column chunk (a power of two).
+    chunks : column chunks in the longest row.
+    even : every row is a whole number of chunks (no column mask).
+    one_pass : every pair in one pair block, all sources read before any store (tables that alias).
+    num_warps : warps per program.
+    tasks : (pair block, buffer, chunk) tasks of the launch.
+    programs : the grid, at most the program cap; each program loops over its share of ``tasks``.
+    """
+
     elem_bytes: int
     align: int
     block_p: int

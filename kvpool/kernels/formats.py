@@ -26,6 +26,7 @@ class Fp8Format:
 
     @property
     def min_normal(self) -> float:
+        """The smallest positive normal value, ``2 ** (1 - exp_bias)``."""
         return 2.0 ** (1 - self.exp_bias)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,7 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the FP8 formats of ``FP8_FORMATS``."""
     return dtype in FP8_FORMATS
 
 

@@ -45,6 +45,19 @@ _kernel_on_cpu = False
 
 @dataclass(frozen=True)
 class CommitPlan:
+    """Tile and grid of one commit launch (:func:`plan_commit`).
+
+    Attributes
+    ----------
+    elem_bytes : bytes of the element the kernel loads and stores.
+    block_w : elements per column chunk (a power of two).
+    chunks : column chunks in the longest row.
+    even : every row is a whole number of chunks (no column mask).
+    num_warps : warps per program.
+    tasks : (pair, buffer, chunk) tasks of the launch.
+    programs : the grid, at most the program cap; each program loops over its share of ``tasks``.
+    """
+
     elem_bytes: int
     block_w: int
     chunks: int

@@ -133,6 +133,25 @@ def check_cache(cache: object, name: str) -> torch.Tensor:
 
 
 def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V caches a public write function was handed, checked as a pair.
+
+    Parameters
+    ----------
+    k_cache : Tensor [slots, H, D] of a cache dtype (FP8 as its float8 view), not requiring grad.
+    v_cache : Tensor [slots, Hv, Dv], ``k_cache``'s dtype, slot count and device.
+
+    Returns
+    -------
+    (k_cache, v_cache), the arguments themselves.
+
+    Raises
+    ------
+    TypeError
+        If either is not a tensor.
+    ValueError
+        If either is not 3-D, not of a cache dtype or requires grad, or ``v_cache`` differs from
+        ``k_cache`` in dtype, slots or device.
+    """
     k_cache = check_cache(k_cache, "k_cache")
     v_cache = check_cache(v_cache, "v_cache")
     if v_cache.dtype != k_cache.dtype:
@@ -179,6 +198,9 @@ PLAIN_WRITE = object()
 
 
 class CheckedWrite(NamedTuple):
+    """A write that passed :func:`check_write`: its ``key`` (a :class:`WriteKey`) and its scales as
+    checked (None where the cache takes no scale: a 16-bit or fp32 cache)."""
+
     key: tuple  # a WriteKey
     k_scale: Scale
     v_scale: Scale

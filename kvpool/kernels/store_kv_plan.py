@@ -67,16 +67,20 @@ class LaunchPlan:
 
     @property
     def k_blocks(self) -> int:
+        """K's blocks per token block: head blocks x head_dim blocks (one head_dim block when it is cut
+        into two pieces)."""
         d_blocks = 1 if self.block_d2 else cdiv(self.head_dim, self.block_d)
         return cdiv(self.heads, self.block_h) * d_blocks
 
     @property
     def v_blocks(self) -> int:
+        """V's blocks per token block, as :attr:`k_blocks`."""
         d_blocks = 1 if self.block_dv2 else cdiv(self.v_head_dim, self.block_dv)
         return cdiv(self.v_heads, self.block_hv) * d_blocks
 
     @property
     def grid_y(self) -> int:
+        """The grid's second dimension: a program per K block and per V block (one for a joined plan)."""
         return 1 if self.joined else self.k_blocks + self.v_blocks
 
     @property

@@ -37,6 +37,8 @@ logger = logging.getLogger("kvpool")
 
 
 class HasLayerId(Protocol):
+    """What a write's ``layer`` argument needs: a ``layer_id`` (SGLang's attention layer has one)."""
+
     layer_id: int
 
 

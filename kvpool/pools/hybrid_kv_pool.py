@@ -170,6 +170,7 @@ class HybridLinearKVPool:
         return self.full_kv_pool.get_value_buffer(self.dense_layer_id(layer_id))
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K buffer, V buffer) of global full-attention layer ``layer_id``, the inner pool's getter."""
         return self.full_kv_pool.get_kv_buffer(self.dense_layer_id(layer_id))
 
     def get_kv_size_bytes(self) -> tuple[int, int] | int:
@@ -177,6 +178,7 @@ class HybridLinearKVPool:
         return self.full_kv_pool.get_kv_size_bytes()
 
     def get_v_head_dim(self) -> int:
+        """The V buffer's last dimension: ``v_head_dim`` for MHA, the latent columns for MLA."""
         return self.full_kv_pool.get_value_buffer(0).shape[-1]
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -260,6 +262,7 @@ class HybridLinearKVPool:
         return self.full_kv_pool.get_cpu_copy(indices)
 
     def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: torch.Tensor) -> None:
+        """The inner pool's ``load_cpu_copy``: a ``get_cpu_copy``'s KV rows back into slots ``indices``."""
         self.full_kv_pool.load_cpu_copy(kv_cache_cpu, indices)
 
     def register_layer_transfer_counter(self, layer_transfer_counter: object) -> None:
@@ -268,14 +271,17 @@ class HybridLinearKVPool:
 
     @property
     def layer_transfer_counter(self) -> object:
+        """The counter registered on the inner pool (None until one is)."""
         return self.full_kv_pool.layer_transfer_counter
 
     # --- calibration -----------------------------------------------------------------------------
 
     def observe_amax(self, enabled: bool = True) -> None:
+        """The inner pool's ``observe_amax``: its writes fold their maxima into ``kv_amax`` (or stop)."""
         self.full_kv_pool.observe_amax(enabled)
 
     def reset_amax(self) -> None:
+        """The inner pool's ``reset_amax``."""
         self.full_kv_pool.reset_amax()
 
     @property

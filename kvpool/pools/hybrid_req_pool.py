@@ -118,6 +118,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     @property
     def track_slots_per_request(self) -> int:
+        """Track slots a request holds beside its own state slot (0 without the extra buffer)."""
         return self.mamba_ping_pong_track_buffer_size if self.enable_mamba_extra_buffer else 0
 
     def available_size(self) -> int:
@@ -305,6 +306,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         return self.mamba_pool.mamba2_layer_cache(self.mamba_pool.layer_index(layer_id))
 
     def get_speculative_mamba2_params_all_layers(self) -> MambaPool.SpeculativeState:
+        """The ``mamba_pool``'s states and scratch of every layer (SGLang's name); ``ValueError`` without
+        speculative state."""
         return self.mamba_pool.get_speculative_mamba2_params_all_layers()
 
     def check_integrity(self, external_slots: Sequence[int] = ()) -> None:

@@ -145,9 +145,11 @@ class MambaPoolHost:
         return self._pages.free(indices)
 
     def available_size(self) -> int:
+        """Free host slots."""
         return self._pages.available_size()
 
     def clear(self) -> None:
+        """Every host slot free again (contents are left as they are)."""
         self._pages.clear()
 
     def get_size_per_token(self) -> int:
@@ -299,9 +301,13 @@ class HybridPoolHost:
         self.state_host.run(state, io_backend)
 
     def wait_for_loads(self) -> None:
+        """The current stream waits for every KV and state load queued so far (each host pool's
+        ``wait_for_loads``)."""
         self.kv_host.wait_for_loads()
         self.state_host.wait_for_loads()
 
     def wait_for_backups(self) -> None:
+        """The current stream waits for every KV and state backup queued so far (each host pool's
+        ``wait_for_backups``): after it, the device slots that were backed up may be overwritten."""
         self.kv_host.wait_for_backups()
         self.state_host.wait_for_backups()

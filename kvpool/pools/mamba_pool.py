@@ -103,11 +103,14 @@ class MambaPool:
         temporal: torch.Tensor
 
         def at_layer_idx(self, layer: int) -> "MambaPool.State":
+            """The same tensors at dense layer index ``layer``, each without its layer dimension
+            (SGLang's name)."""
             kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
             out = {k: ([t[layer] for t in v] if isinstance(v, list) else v[layer]) for k, v in kwargs.items()}
             return type(self)(**out)
 
         def mem_usage_bytes(self) -> int:
+            """Bytes of every tensor it holds (SGLang's name)."""
             tensors = [getattr(self, f.name) for f in dataclasses.fields(self)]
             flat = [t for v in tensors for t in (v if isinstance(v, list) else [v])]
             return sum(t.numel() * t.element_size() for t in flat)
@@ -239,6 +242,7 @@ class MambaPool:
     # --- slots -----------------------------------------------------------------------------------
 
     def available_size(self) -> int:
+        """Free state slots: how many ``alloc`` can hand out now."""
         return self._slots.available()
 
     def alloc_slots(self, need_size: int) -> Optional[list[int]]:
@@ -286,6 +290,7 @@ class MambaPool:
         return self._slots.held()
 
     def is_held(self, slot: int) -> bool:
+        """Whether ``slot`` is handed out and not given back (False for slot 0 and slots out of range)."""
         return self._slots.is_held(slot)
 
     # --- copies ----------------------------------------------------------------------------------

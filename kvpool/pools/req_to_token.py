@@ -74,6 +74,7 @@ class ReqToTokenPool:
         self.clear()
 
     def available_size(self) -> int:
+        """Free rows: how many ``alloc`` can hand out now."""
         return len(self.free_slots)
 
     def alloc(self, need_size: int) -> Optional[list[int]]:

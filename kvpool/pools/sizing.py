@@ -86,6 +86,7 @@ class KVGeometry:
 
     @property
     def is_mla(self) -> bool:
+        """Whether this is an MLA geometry (one latent row per token, no V)."""
         return self.kv_lora_rank is not None
 
     @property
@@ -205,6 +206,7 @@ class HybridSizing:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all three parts: ``kv_bytes + state_bytes + spec_bytes``."""
         return self.kv_bytes + self.state_bytes + self.spec_bytes
 
     @property

@@ -192,6 +192,7 @@ class MambaCacheParams:
 
     @property
     def num_layers(self) -> int:
+        """The number of linear layers, ``len(layers)``."""
         return len(self.layers)
 
     @property

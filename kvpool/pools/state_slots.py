@@ -35,13 +35,16 @@ class StateSlots:
         self.clear()
 
     def clear(self) -> None:
+        """Every slot free again, to be handed out in order ``1..size``."""
         self._free: deque[int] = deque(range(1, self.size + 1))
         self._held = [False] * (self.size + 1)
 
     def available(self) -> int:
+        """Free slots."""
         return len(self._free)
 
     def is_held(self, slot: int) -> bool:
+        """Whether ``slot`` is handed out (False for 0 and slots outside ``1..size``)."""
         return 0 < slot <= self.size and self._held[slot]
 
     def held(self) -> list[int]:

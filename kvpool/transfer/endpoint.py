@@ -139,6 +139,8 @@ class Route:
     state: tuple[Chunk, ...] = ()  # the state chunks, after the KV's
 
     def chunks(self) -> list[Chunk]:
+        """Every chunk this transfer moves, in order: a KV chunk per entry of ``plan``, then the
+        state chunks."""
         kv = [Chunk(count, count * self.layout.token_bytes, self.pool_table, self.index[start : start + count],
                     self.stages) for start, count in self.plan]  # fmt: skip
         return kv + list(self.state)

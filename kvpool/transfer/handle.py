@@ -67,6 +67,8 @@ class KVTransfer:
         return self._done is None or self._done.query()
 
     def poll(self) -> KVPoll:
+        """SGLang's poll: ``KVPoll.Success`` once :meth:`is_completed`, else
+        ``KVPoll.Transferring``; never blocks."""
         return KVPoll.Success if self.is_completed() else KVPoll.Transferring
 
     def wait(self) -> None:

@@ -65,10 +65,14 @@ STAGED, DIRECT, SETUP = "staged", "ipc", "setup"
 
 
 def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s code in a header: its 1-based position in ``CACHE_DTYPES`` (``ValueError`` for
+    another dtype)."""
     return CACHE_DTYPES.index(dtype) + 1
 
 
 def dtype_name(code: int) -> str:
+    """The dtype a header's code stands for, as text for messages (``"unknown dtype code N"`` when it
+    names none)."""
     if 1 <= code <= len(CACHE_DTYPES):
         return str(CACHE_DTYPES[code - 1])
     return f"unknown dtype code {code}"
@@ -166,6 +170,7 @@ class Header:
 
     @property
     def heads(self) -> tuple[int, int]:
+        """``(lo, hi)``: the global KV heads this rank's pool holds."""
         return self.head_start, self.head_start + self.head_num
 
 
@@ -198,6 +203,7 @@ class Refusal:
     message: str
 
     def exception(self) -> Exception:
+        """The exception both ranks raise: ``error(message)``."""
         return self.error(self.message)
 
 

@@ -86,6 +86,8 @@ def offer_code(device: torch.device, enabled: bool, kernel: bool) -> int:
 
 
 def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index`` (the same GPU has the same UUID in every
+    process, whatever its index there)."""
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
@@ -98,6 +100,8 @@ def local_index(uuid: str) -> Optional[int]:
 
 
 def store_timeout_s(store: dist.Store) -> float:
+    """The store's timeout in seconds (300 when the store has none): how long a rank waits for its
+    peer."""
     timeout = getattr(store, "timeout", None)
     return timeout.total_seconds() if isinstance(timeout, timedelta) else 300.0
 
@@ -111,9 +115,11 @@ class Counter:
         self.store, self.key, self.seen, self.timeout_s = store, key, 0, store_timeout_s(store)
 
     def post(self) -> None:
+        """Raise the count by one; ``seen`` becomes the new count."""
         self.seen = self.store.add(self.key, 1)
 
     def read(self) -> int:
+        """The count now (one store call), never below ``seen``."""
         self.seen = max(self.seen, self.store.add(self.key, 0))
         return self.seen
 
@@ -127,9 +133,13 @@ class PeerDone:
         self.counter, self.target, self.event = counter, target, event
 
     def known(self) -> bool:
+        """Whether the receiver has recorded ``event`` for this transfer (its count reached ``target``);
+        a store call until it has, never blocks."""
         return self.counter.seen >= self.target or self.counter.read() >= self.target
 
     def wait_known(self) -> None:
+        """Block the host until :meth:`known`, polling the store; ``RuntimeError`` after the store's
+        timeout."""
         deadline, pause = time.monotonic() + self.counter.timeout_s, 20e-6
         while not self.known():
             if time.monotonic() > deadline:

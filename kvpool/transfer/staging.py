@@ -59,6 +59,7 @@ class Staging:
         self._state_stages: dict[tuple[Spans, int, int], tuple[RowTable, RowTable]] = {}
 
     def half(self, half: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` bytes of staging half ``half`` (0 or 1), a uint8 view of ``buffer``."""
         return self.buffer[half * self.chunk_bytes :][:nbytes]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -88,12 +89,27 @@ class Staging:
 
     def kv_chunks(self, layout: TokenLayout, pool_table: RowTable, stages: tuple[RowTable, RowTable],
                   plan: list[tuple[int, int]], index: torch.Tensor) -> list[Chunk]:  # fmt: skip
+        """The KV chunks of a staged transfer, one per entry of ``plan``.
+
+        Parameters
+        ----------
+        layout : the wire's bytes of one token (:meth:`kv_tables`' layout).
+        pool_table, stages : the pool's rows and the two staging halves, from :meth:`kv_tables`.
+        plan : ``(first token, tokens)`` of each chunk (:func:`~kvpool.transfer.wire.chunk_plan`).
+        index : Tensor [tokens] int32/int64, this side's slots, on the pool's device.
+
+        Returns
+        -------
+        list of Chunk, in ``plan``'s order; each holds a view of its part of ``index``.
+        """
         return [Chunk(count, count * layout.token_bytes, pool_table, index[start : start + count], stages)
                 for start, count in plan]  # fmt: skip
 
     # --- state --------------------------------------------------------------------------------------
 
     def state_spans(self, agreed: StateOverlap) -> Spans:
+        """The byte spans of one layer's state that move for the ``agreed`` heads (the same for every
+        layer), as a tuple that keys :meth:`state_table`."""
         assert self.state is not None
         return tuple(band_spans(self.state, agreed))
 

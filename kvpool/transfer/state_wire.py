@@ -230,6 +230,7 @@ def encode_bands(bands: Optional[tuple[str, ...]]) -> int:
 
 
 def decode_bands(code: int) -> Optional[tuple[str, ...]]:
+    """Inverse of :func:`encode_bands`: the ``conv_bands`` a header's code stands for (None for 0)."""
     if code <= 0:
         return None
     digits = []
@@ -300,6 +301,8 @@ class StateOverlap:
 
 
 def state_overlap(s: object, r: object) -> StateOverlap:
+    """The global value and key heads that both headers' state pools hold (sender's, receiver's),
+    once :func:`state_mismatch` has found the ranges overlap."""
     (a, b), (c, d) = _heads(s, "v"), _heads(r, "v")
     (e, f), (g, h) = _heads(s, "k"), _heads(r, "k")
     return StateOverlap(max(a, c), min(b, d), max(e, g), min(f, h))

@@ -29,6 +29,8 @@ class TokenLayout:
 
     @classmethod
     def of(cls, layer_num: int, heads: int, head_dim: int, v_head_dim: int, element_size: int) -> "TokenLayout":
+        """The layout of ``layer_num`` layers' K and V rows of ``heads`` heads (``head_dim`` and
+        ``v_head_dim`` elements of ``element_size`` bytes), packed end to end in the wire order."""
         k, v = heads * head_dim * element_size, heads * v_head_dim * element_size
         row_bytes = (k, v) * layer_num
         offsets, at = [], 0

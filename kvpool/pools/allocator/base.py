@@ -96,9 +96,11 @@ class BaseTokenToKVPoolAllocator:
 
     @property
     def size_full(self) -> int:
+        """``size`` under SGLang's name for the full-attention slots (every slot here is one)."""
         return self.size
 
     def get_kvcache(self) -> Any:
+        """The pool this allocator hands out slots of, ``kvcache`` as given (None if none was)."""
         return self._kvcache
 
     def available_size(self) -> int:
@@ -146,22 +148,30 @@ class BaseTokenToKVPoolAllocator:
         return slots
 
     def alloc_extend(self, *args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+        """Raises ``NotImplementedError``: ``PagedTokenToKVPoolAllocator`` has SGLang's prefill
+        allocation; this allocator hands out slots with ``alloc(n)``."""
         raise NotImplementedError(
             f"alloc_extend is for PagedTokenToKVPoolAllocator; {type(self).__name__} hands out slots with alloc(n)"
         )
 
     def alloc_decode(self, *args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+        """Raises ``NotImplementedError``: ``PagedTokenToKVPoolAllocator`` has SGLang's decode
+        allocation; this allocator hands out slots with ``alloc(n)``."""
         raise NotImplementedError(
             f"alloc_decode is for PagedTokenToKVPoolAllocator; {type(self).__name__} hands out slots with alloc(n)"
         )
 
     def get_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        """Raises ``NotImplementedError``: ``TokenToKVPoolAllocator`` and ``PagedTokenToKVPoolAllocator``
+        delegate it to their kvcache."""
         raise NotImplementedError(
             f"{type(self).__name__} does not implement get_cpu_copy; TokenToKVPoolAllocator and "
             "PagedTokenToKVPoolAllocator delegate it to their kvcache"
         )
 
     def load_cpu_copy(self, *args: Any, **kwargs: Any) -> Any:
+        """Raises ``NotImplementedError``: ``TokenToKVPoolAllocator`` and ``PagedTokenToKVPoolAllocator``
+        delegate it to their kvcache."""
         raise NotImplementedError(
             f"{type(self).__name__} does not implement load_cpu_copy; TokenToKVPoolAllocator and "
             "PagedTokenToKVPoolAllocator delegate it to their kvcache"

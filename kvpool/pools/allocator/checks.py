@@ -32,6 +32,17 @@ PER_REQUEST = "one per request"
 
 
 def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``ceil(x / d)`` element-wise, in integers: the pages that ``x`` slots fill at page size ``d``.
+
+    Parameters
+    ----------
+    x : Tensor of a non-negative integer dtype, any shape (lengths in slots).
+    d : int >= 1.
+
+    Returns
+    -------
+    Tensor of ``x``'s shape, dtype and device.
+    """
     return (x + d - 1) // d
 
 
@@ -78,6 +89,18 @@ def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: 
 
 
 def decode_lengths(seq_c: torch.Tensor) -> None:
+    """The CPU lengths of ``alloc_decode``: each request's ``seq_lens`` at least 1 (it counts the new
+    token).
+
+    Parameters
+    ----------
+    seq_c : Tensor [bs] of an integer dtype on the CPU (``seq_lens_cpu``).
+
+    Raises
+    ------
+    ValueError
+        If an entry is below 1, listing the lengths.
+    """
     if seq_c.numel() and bool((seq_c < 1).any()):
         raise ValueError(f"seq_lens_cpu must be >= 1 (they count the new token), got {seq_c.tolist()}")
 
