@@ -1875,7 +1875,7 @@ def test_verify_write_matches_reference_and_the_plain_write(cache_dtype, scale_k
         loc_2d, commit = _verify_inputs(bs, width, loc_dtype, commit_dtype, layout, seed=n)
         qkv = cuda_values((bs * width, 6 * CUDA_H, CUDA_D), torch.bfloat16, seed=100 + n)
         k, v = qkv[:, 4 * CUDA_H : 5 * CUDA_H], qkv[:, 5 * CUDA_H :]  # strided views of a fused projection
-        ks, vs = cuda_scale(scale_kind), cuda_scale(scale_kind)
+        ks, vs = cuda_scale(scale_kind, CUDA_H), cuda_scale(scale_kind, CUDA_H)
         for pool in (fused, ref):
             pool.set_kv_buffer_prefix_valid(None, loc_2d, commit, k, v, ks, vs, layer_id_override=1)
         assert_pools_equal(fused, ref, f"{what}: fused vs reference", (0, 1))
