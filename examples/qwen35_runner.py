@@ -625,7 +625,9 @@ class Qwen35Runner(rc.ModelRunner):
         """The final normed hidden state of every token, [T, hidden]."""
         m = self.model.model
         x = m.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos, sin = m.rotary_emb(x, batch.positions[None])
+        # Text-only M-RoPE: the same positions on all three grids, [3, 1, T] (the shape every
+        # transformers 5.x release takes; later ones also broadcast [1, T]).
+        cos, sin = m.rotary_emb(x, batch.positions[None, None].expand(3, 1, -1))
         cos, sin = cos[0], sin[0]
         verify = batch.loc_2d is not None
         mask = verify_mask(batch, self.groups) if verify else attention_mask(batch, self.groups)
