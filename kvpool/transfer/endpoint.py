@@ -191,25 +191,26 @@ class Endpoint:
         # The pipeline's fill and drain copies (and the direct path's one copy) run alone and take
         # the whole GPU, unless the caller capped the grid (to leave SMs to its model on other streams).
         self._alone_programs = self.max_programs
-        self.staging = Staging(kv, self.mamba, self.state, self.chunk_bytes, self._cuda)
-        self._stage, self._arange = self.staging.buffer, self.staging.arange
-        self._peer_headers: dict[int, Header] = {}  # the last header each peer sent (the handshake's guess)
         self.link = DirectLink(offer_code(self.device, ipc, self._kernel))
+        self._peer_headers: dict[int, Header] = {}  # the last header each peer sent (the handshake's guess)
         if self._cuda:
-            self._index = torch.empty(self._rows + self._state_rows, dtype=torch.int64, device=self.device)
             self._side = torch.cuda.Stream(device=self.device)
             self._caller_mark = StreamMark()  # orders the side stream after the caller's
             if max_programs is None:
                 self.max_programs = default_max_programs(sm_count(self.device))
-            # These buffers were allocated on the caller's stream: the side stream starts after what
-            # is queued there (the memory may have just been freed by work still pending), and
-            # freeing them waits for the side stream, whose last work in each transfer waits for
-            # the transport too (so an endpoint dropped with a transfer in flight is safe).
+            # The side stream starts after what is queued on the caller's (the pool may still be
+            # being filled there).
             self._side.wait_stream(torch.cuda.current_stream(self.device))
-            for t in (*self.staging.tensors(), self._index):
-                t.record_stream(self._side)
-        # The tables of the pool's own heads are built now; other head ranges on first use.
+        # The staging buffers and the index are the side stream's allocations, which only the side
+        # stream's later work reuses: an endpoint dropped with a transfer in flight is safe (the side
+        # stream's last work in each transfer waits for the transport) and needs no record_stream,
+        # whose events cannot be made once CUDA shuts down at a process's exit.
         with self._on_side():
+            self.staging = Staging(kv, self.mamba, self.state, self.chunk_bytes, self._cuda)
+            self._stage, self._arange = self.staging.buffer, self.staging.arange
+            if self._cuda:
+                self._index = torch.empty(self._rows + self._state_rows, dtype=torch.int64, device=self.device)
+            # The tables of the pool's own heads are built now; other head ranges on first use.
             self._tables_for(0, kv.head_num)
 
     def _chunk_bytes(self, chunk_bytes: Optional[int]) -> int:

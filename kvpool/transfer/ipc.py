@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from kvpool.kernels.row_table import RowTable
+from kvpool.streams import OnStream
 from kvpool.transfer.handshake import (
     IPC_CPU,
     IPC_DISABLED,
@@ -158,9 +159,9 @@ class SendPair:
         self.peer_ep, self.status, self.reason, self.count = peer_ep, PEER_NONE, None, 0
         self.ready = [torch.cuda.Event(interprocess=True) for _ in range(2)]
         self.done: list[torch.cuda.Event] = []  # the receiver's, opened here
-        # Per half: the KV slots, then the state slots; written on the side stream only.
-        self.index = torch.empty((2, capacity), dtype=torch.int64, device=side.device)
-        self.index.record_stream(side)
+        # Per half: the KV slots, then the state slots; the side stream's allocation, written there only.
+        with OnStream(side):
+            self.index = torch.empty((2, capacity), dtype=torch.int64, device=side.device)
         self.counter: Optional[Counter] = None
 
     def prepare(self, side: torch.cuda.Stream, slots: torch.Tensor) -> None:
