@@ -4,8 +4,9 @@ Sections (``--sections``, comma-separated; default ``host,write,moves``):
 
 * ``host``: host time of one eager write (T=1, H=1, D=128): ``set_kv_buffer``, the pool's writer
   (``KVWriter.write``) called directly, a hand launch of the compiled kernel the writer launched
-  (with the arguments it passed) and the same launch through Triton's JIT (what a caller without a
-  launch cache pays), and a one-kernel torch op as a control; tensor and float scales; calls
+  (``CompiledKernel[grid](...)`` with the arguments it passed), the launcher's entry alone (what
+  the writer itself calls), the same launch through Triton's JIT (what a caller without a launch
+  cache pays), and a one-kernel torch op as a control; tensor and float scales; calls
   interleaved, median of runs of thousands of calls each.
 * ``write``, per model shape and token count: kvpool's ``set_kv_buffer``, the same kernel with
   ``div.rn``, kvpool's reference path, SGLang's eager fallback, ``torch.compile`` of an FP8
@@ -277,6 +278,7 @@ def host_overhead(run: Run) -> None:
         try:
             launch = recorded_launch(writer, pool_call)
             calls[f"hand launch ({label})"] = launch.replay
+            calls[f"launcher entry alone ({label})"] = launch.replay_direct
             calls[f"Triton JIT launch ({label})"] = writer.jit_launch_of(launch)
         except Exception as exc:
             notes.append(f"hand launch ({label}) unavailable: {report.short_error(exc)}")
@@ -799,7 +801,9 @@ def markdown(result: dict) -> str:
     if host:
         out += [
             "", f"## Host time per eager call: T=1, H=1, D=128; median of {host.get('runs')} runs of {host.get('calls')} calls, interleaved", "",
-            "*hand launch*: the compiled kernel the pool's writer launched, called with the arguments it passed; *Triton JIT "
+            "*hand launch*: the compiled kernel the pool's writer launched, called with the arguments it passed "
+            "(`CompiledKernel[grid](...)`); *launcher entry alone*: the same launch through the compiled kernel's "
+            "launcher without `CompiledKernel[grid]`'s lookups, as the writer makes it; *Triton JIT "
             "launch*: the same launch through `kernel[grid](...)` (Triton binds and specialises every call: what a caller "
             "without a launch cache pays); *KVWriter.write*: the pool's writer given the pool's caches; *set_kv_buffer*: the "
             "whole eager call; *control*: a one-kernel torch op, what any launch costs here. Writes through Triton's JIT "

@@ -789,6 +789,13 @@ class CompiledStandIn:
         self.calls = 0
         self.direct: list[tuple] = []
 
+    #: What Triton's CompiledKernel hands its launcher besides the grid, stream and arguments.
+    function = packed_metadata = None
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        """The launcher's entry, as ``CompiledKernel.run`` takes it (a direct launch's path)."""
+        self[(gx, gy, gz)](*args, stream=stream)
+
     def __getitem__(self, grid):
         def run(*args, stream=None):
             self.calls += 1

@@ -291,9 +291,11 @@ def test_recorded_direct_launch_writes_the_same_bytes_again(jit):
     with writer.launches.recording() as records:
         pool.set_kv_buffer(None, loc, x, x, 0.5, 0.5, layer_id_override=0)
     assert len(records) == 1 and records[0].compiled is jit.handed[0]
-    assert list(writer.launches.entries.values()) == [jit.handed[0]], "the compiled kernel is back"
+    assert [b.compiled for b in writer.launches.entries.values()] == [jit.handed[0]], "the compiled kernel is back"
+    assert [b.run for b in writer.launches.entries.values()] == [jit.handed[0].run], "the recorder is gone"
     expected = [bits(b).clone() for b in pool.get_kv_buffer(0)]
-    for how, launch in (("replay", records[0].replay), ("JIT launch", writer.jit_launch_of(records[0]))):
+    replays = (("replay", records[0].replay), ("direct replay", records[0].replay_direct))
+    for how, launch in (*replays, ("JIT launch", writer.jit_launch_of(records[0]))):
         for b in pool.get_kv_buffer(0):
             poison_(b)
         launch()
@@ -302,7 +304,7 @@ def test_recorded_direct_launch_writes_the_same_bytes_again(jit):
             others = torch.ones(b.shape[0], dtype=torch.bool)
             others[loc] = False
             assert bool((bits(b)[others] == 0xFF).all()), f"{how}: rows the write does not name stay untouched"
-    assert jit.launches == 2 and jit.handed[0].calls == 2, "one direct launch recorded, one replayed"
+    assert jit.launches == 2 and jit.handed[0].calls == 3, "one direct launch recorded, two replayed"
     assert pool.stats.fused_calls == 2, "replays are not pool writes"
 
 
@@ -484,3 +486,33 @@ def test_compiled_writes_reach_the_launch_in_two_kvpool_frames(frames):
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     x, loc, scale = torch.randn(3, 2, 8), torch.tensor([1, 2, 3]), torch.tensor([0.5])
     assert frames(lambda: compiled(x, loc, scale)) == ["write", "store_kv_custom_op"]
+
+
+def test_a_launch_hook_keeps_triton_s_own_launch(jit):
+    """With a launch hook set in Triton's knobs (a profiler's), a kept kernel launches through
+    ``CompiledKernel[grid]``, which calls the hook; without one, through the launcher's entry."""
+    from triton import knobs
+
+    from kvpool.kernels.launch import Bound
+
+    pool = MHATokenToKVPool(16, 1, torch.float8_e4m3fn, 2, 8, 1, DEVICE, fused="always", warmup=False)
+    x, loc = torch.randn(3, 2, 8), torch.tensor([1, 2, 3])
+    pool.set_kv_buffer(None, loc, x, x, 0.5, 0.5, layer_id_override=0)
+    compiled = jit.handed[-1]
+    assert Bound.of(compiled).run == compiled.run, "no hook: the launcher's entry"
+    hook = knobs.runtime.launch_enter_hook
+    seen: list = []
+    if hasattr(hook, "add"):
+        hook.add(seen.append)
+        undo = lambda: hook.remove(seen.append)  # noqa: E731
+    else:
+        knobs.runtime.launch_enter_hook = seen.append
+        undo = lambda: setattr(knobs.runtime, "launch_enter_hook", hook)  # noqa: E731
+    try:
+        bound = Bound.of(compiled)
+    finally:
+        undo()
+    assert bound.run != compiled.run and bound.compiled is compiled, "a hook: Triton's own launch"
+    calls = compiled.calls
+    bound.run(1, 1, 1, 0, bound.function, bound.metadata, None, None, None, *compiled.bound)
+    assert compiled.calls == calls + 1, "the launch went through compiled[grid]"

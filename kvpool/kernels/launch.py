@@ -6,8 +6,10 @@ costs an eager decode step more host time than the kernel takes on the device. A
 first JIT launch for a kind of call, :class:`DirectLaunches` keeps the compiled kernel Triton hands
 back under a key (:func:`launch_key`, a superset of what Triton specialises on), and later calls of
 that kind launch it directly, all arguments positional in signature order, constexprs included
-(:meth:`DirectLaunches.launch`). A compiled-kernel launcher that refuses them turns the cache off for
-good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
+(:meth:`DirectLaunches.launch`), through the compiled kernel's launcher itself (:class:`Bound`): the
+per-call wrapper ``CompiledKernel[grid]`` adds, its stream and device lookups and the launch hooks'
+metadata, is left out while no launch hook is set. A compiled-kernel launcher that refuses the
+arguments turns the cache off for good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
 path and shares the rest. What the kernels promise is in docs/contract.md ("The write", "Moves and
 CPU copies").
 """
@@ -51,6 +53,9 @@ LAUNCH_ERRORS = (TypeError, SystemError, IndexError, AttributeError)
 #: The index of the current CUDA device (a C function: no Python frame on a hot path); None in a
 #: torch built without CUDA.
 current_cuda_device: Optional[Callable[[], int]] = getattr(torch._C, "_cuda_getDevice", None)
+#: The raw handle of a CUDA device's current stream, by device index (a C function, as above);
+#: ``(0).__mul__`` (0 for every index, also a C function) where torch has no CUDA.
+current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", (0).__mul__)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -130,11 +135,49 @@ def launch_key(device_index: Optional[int], constexprs: tuple, options: tuple, t
     )  # fmt: skip
 
 
+class Bound:
+    """A compiled kernel as its direct launches call it: ``run(gx, gy, gz, stream, function,
+    metadata, None, None, None, *args)`` (stream: a raw handle, :data:`current_raw_stream`) is the
+    call ``CompiledKernel[grid](*args)`` ends in, without its lookups; ``compiled`` is the kernel
+    Triton handed back (what a launch by hand goes through)."""
+
+    __slots__ = ("run", "function", "metadata", "compiled")
+
+    def __init__(self, run: Callable[..., Any], function: Any, metadata: Any, compiled: Any) -> None:
+        self.run, self.function, self.metadata, self.compiled = run, function, metadata, compiled
+
+    @classmethod
+    def of(cls, compiled: Any) -> "Bound":
+        """``compiled``'s launcher entry, or Triton's own launch where a launch hook (a profiler's)
+        is set or the compiled kernel has no such entry (so the hook still sees every launch)."""
+        if _no_launch_hooks():
+            try:
+                return cls(compiled.run, compiled.function, compiled.packed_metadata, compiled)
+            except AttributeError:  # another Triton's CompiledKernel: its own launch
+                pass
+        return cls(functools.partial(_through_triton, compiled), None, None, compiled)
+
+
+def _through_triton(compiled: Any, gx: int, gy: int, gz: int, stream: int, *rest: Any) -> None:
+    """A :class:`Bound` run through ``compiled[grid]`` (``rest``: function, metadata, the three
+    hook arguments, then the kernel's arguments)."""
+    compiled[(gx, gy, gz)](*rest[5:], stream=stream)
+
+
+def _no_launch_hooks() -> bool:
+    """Whether Triton would call no launch hook (its knobs' enter and exit hooks unset or empty)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return False
+    hooks = (getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None))
+    return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
+
+
 class DirectLaunches:
     """Compiled kernels of one ``@triton.jit`` function, by launch key, for direct launches.
 
     ``entries`` maps a caller's key (a superset of what Triton specialises on, or an object standing
-    for one) to the compiled kernel its first JIT launch handed back. ``enabled`` is False where
+    for one) to the :class:`Bound` compiled kernel its first JIT launch handed back. ``enabled`` is False where
     direct launches cannot work (no Triton, the interpreter, a kernel whose signature is not the
     order the caller passes, or switched off) and once a direct launch failed. At most ``limit``
     entries, as Triton's own cache of compiled variants is bounded.
@@ -166,10 +209,11 @@ class DirectLaunches:
         current one), without leaving it current."""
         here = device.type != "cuda" or device.index == current_cuda_device()  # type: ignore[misc]
         if here and key is not None:
-            compiled = self.entries.get(key)
-            if compiled is not None:
+            bound = self.entries.get(key)
+            if bound is not None:
                 try:
-                    compiled[grid](*args, stream=None if stream is None else stream.cuda_stream)  # type: ignore[index]
+                    raw = current_raw_stream(device.index or 0) if stream is None else stream.cuda_stream
+                    bound.run(*grid, raw, bound.function, bound.metadata, None, None, None, *args)
                     return
                 except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these; nothing ran
                     self.failed(exc)
@@ -187,7 +231,7 @@ class DirectLaunches:
             return
         if len(self.entries) >= self.limit:
             del self.entries[next(iter(self.entries))]
-        self.entries[key] = compiled
+        self.entries[key] = Bound.of(compiled)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list["LaunchRecord"]]:
@@ -196,13 +240,13 @@ class DirectLaunches:
         as usual). Launches through the JIT are not recorded."""
         records: list = []
         originals = dict(self.entries)
-        self.entries.update({key: _Recorder(compiled, key, records) for key, compiled in originals.items()})
+        self.entries.update({key: _Recorder(bound, key, records).bound for key, bound in originals.items()})
         try:
             yield records
         finally:
             for key, value in list(self.entries.items()):
-                if type(value) is _Recorder:
-                    self.entries[key] = value.compiled
+                if type(value.run) is _Recorder:
+                    self.entries[key] = value.run.original
 
     def failed(self, exc: BaseException) -> None:
         """A direct launch raised before launching: launch through the JIT from now on."""
@@ -216,30 +260,39 @@ class DirectLaunches:
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """One direct launch: the compiled kernel, its grid, its arguments, and the key it was kept under."""
+    """One direct launch: the compiled kernel, its grid, its arguments, the key it was kept under,
+    and the :class:`Bound` it went through."""
 
     compiled: Any
     grid: tuple
     args: tuple
     kwargs: dict
     key: object
+    bound: Optional[Bound] = None
+    stream: int = 0  # the raw handle of the stream the direct launch was made on
 
     def replay(self) -> None:
-        """Launch the same compiled kernel with the same arguments again."""
+        """Launch the same compiled kernel with the same arguments again, by hand through
+        ``CompiledKernel[grid]`` (on the current stream)."""
         self.compiled[self.grid](*self.args, **self.kwargs)
+
+    def replay_direct(self) -> None:
+        """The same launch as a direct launch makes it: the launcher's entry, the same stream."""
+        b = self.bound
+        b.run(*self.grid, self.stream, b.function, b.metadata, None, None, None, *self.args)  # type: ignore[union-attr]
 
 
 class _Recorder:
-    """Stands in for a compiled kernel inside :meth:`DirectLaunches.recording`."""
+    """Stands in for a :class:`Bound`'s run inside :meth:`DirectLaunches.recording`: records each
+    launch, then makes it."""
 
-    __slots__ = ("compiled", "key", "records")
+    __slots__ = ("original", "key", "records", "bound")
 
-    def __init__(self, compiled: Any, key: object, records: list) -> None:
-        self.compiled, self.key, self.records = compiled, key, records
+    def __init__(self, original: Bound, key: object, records: list) -> None:
+        self.original, self.key, self.records = original, key, records
+        self.bound = Bound(self, original.function, original.metadata, original.compiled)
 
-    def __getitem__(self, grid: tuple) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            self.records.append(LaunchRecord(self.compiled, grid, args, kwargs, self.key))
-            return self.compiled[grid](*args, **kwargs)
-
-        return launch
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, *rest: Any) -> None:
+        o = self.original
+        self.records.append(LaunchRecord(o.compiled, (gx, gy, gz), rest[5:], {}, self.key, o, stream))
+        o.run(gx, gy, gz, stream, *rest)

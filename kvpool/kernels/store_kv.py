@@ -33,6 +33,7 @@ from kvpool.kernels.launch import (
     LaunchRecord,
     cdiv,
     current_cuda_device,
+    current_raw_stream,
     kernel_params,
 )
 from kvpool.kernels.store_kv_checks import (
@@ -166,6 +167,7 @@ class KVWriter:
         self.cache_strides = (*k_strides, *v_strides)
         self.joined, self.row_plans, self.tile, self.layout, self.chunk = joined, row_plans, tile, layout, chunk
         self._device_index = current_cuda_device if g.device.type == "cuda" else int  # int() is 0: no device to ask
+        self._raw_stream = current_raw_stream if g.device.type == "cuda" else (0).__mul__  # no stream on the CPU
         # 32-bit offsets need every offset of a launch below 2**31: the caches' (fixed here) and the
         # inputs' and loc's (per kind of call, from the strides; the largest T is kept).
         self._i32_ok = max(
@@ -236,7 +238,8 @@ class KVWriter:
                         va = -1
                 if ka >= 0 and va >= 0:
                     tokens = loc_shape[0]
-                    # The one key of a kind of call (``_key_of`` spells it for checked calls).
+                    # The one key of a kind of call (``_key_of`` spells it for checked calls); its
+                    # last entry, [15], is the current device index, which the launch reads too.
                     full = (
                         k.dtype, v.dtype, loc.dtype, ka, va, None, None, None, amax is None,
                         bisect_left(TOKEN_BANDS, tokens), k.stride(), v.stride(), loc.stride(), k.data_ptr() & 15,
@@ -277,10 +280,13 @@ class KVWriter:
             k_scale.stride(0) if ka == SCALE_HEAD else 0, v_scale.stride(0) if va == SCALE_HEAD else 0,  # type: ignore
             tokens, width, stride_row, stride_commit,
         )  # fmt: skip
-        compiled = self.launches.entries.get(entry)
-        if compiled is not None and tokens <= entry.max_tokens:
+        bound = self.launches.entries.get(entry)
+        if bound is not None and tokens <= entry.max_tokens:
             try:
-                compiled[(cdiv(tokens, entry.block_t), entry.grid_y, 1)](*(per_call + entry.direct))
+                bound.run(
+                    cdiv(tokens, entry.block_t), entry.grid_y, 1, self._raw_stream(full[15]), bound.function,
+                    bound.metadata, None, None, None, *per_call, *entry.direct,
+                )  # fmt: skip
                 return
             except LAUNCH_ERRORS as exc:  # this Triton's launcher takes its arguments otherwise; nothing ran
                 self.launches.failed(exc)
