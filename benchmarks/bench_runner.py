@@ -21,6 +21,10 @@ runner's whole loop: schedule, forward, greedy tokens to the host, bookkeeping.
    call is asynchronous, so its host time is its cost to a host-bound eager step), per call (median,
    p90, max, mean), against a one-kernel torch op timed the same way right before each call (the
    control: launch-queue waits hit both alike), and the writes that went through Triton's JIT.
+   Then ``--steps`` more in which each write is made twice in a row (the same bytes to the same
+   slots), each timed: the second call finds the CPU's caches holding what the first loaded, so
+   the two medians split a write's host time in the step into its own and what the model's work
+   between writes evicted.
 3. ``--profile-steps`` (0: none) under ``torch.profiler``: the same host share as the profiler sees
    it, and the GPU time of the K/V write kernels (names containing ``store_kv``) over the steps'
    wall time and over all GPU kernel time.
@@ -85,7 +89,7 @@ class Case:
 
     def __init__(self, model: Any, shape: Any, args: argparse.Namespace, device: torch.device, batch: int, width: Optional[int]) -> None:
         self.device, self.batch, self.width = device, batch, width
-        steps = args.warmup + 2 * args.steps + args.profile_steps
+        steps = args.warmup + 3 * args.steps + args.profile_steps  # timed, host share, writes twice
         new_tokens = steps * (width or 1) + 2  # nobody finishes while measured
         cfg = rc.RunConfig(
             shape=shape, model_dtype=args.model_dtype, pool_dtypes=(args.pool_dtype,), batch=batch,
@@ -189,6 +193,33 @@ def host_share(case: Case, steps: int) -> dict:
     }
 
 
+def host_repeat(case: Case, steps: int) -> dict:
+    """Host microseconds of each write in the step and of the same write made again right after it
+    (idempotent: the same bytes to the same slots), medians over ``steps`` steps."""
+    first: list[float] = []
+    again: list[float] = []
+    clock = time.perf_counter
+
+    def twice(write: Callable[..., None]) -> Callable[..., None]:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            t0 = clock()
+            write(*args, **kwargs)
+            t1 = clock()
+            write(*args, **kwargs)
+            t2 = clock()
+            first.append(t1 - t0)
+            again.append(t2 - t1)
+
+        return timed
+
+    with case.wrapped(twice):
+        case.timed_steps(steps)
+    return {
+        "set_kv_first_us_median": 1e6 * statistics.median(first) if first else None,
+        "set_kv_again_us_median": 1e6 * statistics.median(again) if again else None,
+    }
+
+
 def profile_share(case: Case, steps: int) -> dict:
     """The profiler's view: host time in the K/V write ranges and GPU time of the write kernels."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -238,6 +269,7 @@ def bench_case(model: Any, shape: Any, args: argparse.Namespace, device: torch.d
         "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / median,
     }  # fmt: skip
     rec.update(host_share(case, args.steps))
+    rec.update(host_repeat(case, args.steps))
     if args.profile_steps:
         try:  # the timings above stand even if the profiler fails
             rec.update(profile_share(case, args.profile_steps))
@@ -253,6 +285,10 @@ def bench_case(model: Any, shape: Any, args: argparse.Namespace, device: torch.d
 
 def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _us(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _dist(r: dict, prefix: str, mean: Any = None) -> str:
@@ -271,9 +307,10 @@ def markdown(result: dict) -> str:
         f"transformers {meta.get('transformers', 'unknown')}.",
         "",
         "| batch | step | steps/s | tokens/s | step ms (p10-p90) | K/V write host share | host us/call (mean; median / p90 / max) "
-        "| control us/call (mean; median / p90 / max) | writes through the JIT while timed"
+        "| control us/call (mean; median / p90 / max) | write twice in a row: first / again (median us) "
+        "| writes through the JIT while timed"
         + (" | profiled host share | write kernels of the step | of GPU time | GPU busy" if profiled else "") + " | fused / reference calls |",
-        "|---|---|---:|---:|---|---:|---|---|---:|" + ("---:|---:|---:|---:|" if profiled else "") + "---|",
+        "|---|---|---:|---:|---|---:|---|---|---|---:|" + ("---:|---:|---:|---:|" if profiled else "") + "---|",
     ]  # fmt: skip
     for r in records:
         step = "decode" if not r.get("spec_width") else f"verify {r['spec_width']}"
@@ -286,6 +323,7 @@ def markdown(result: dict) -> str:
             f"| {r['batch']} | {step} | {r['steps_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} "
             f"({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}) | {_pct(r['set_kv_host_share'])} "
             f"| {_dist(r, 'set_kv_host', r['set_kv_host_us_per_call'])} | {_dist(r, 'control_host')} "
+            f"| {_us(r.get('set_kv_first_us_median'))} / {_us(r.get('set_kv_again_us_median'))} "
             f"| {r.get('writer_jit_launches_while_timed', '-')}{prof} | {r['fused_calls']} / {r['reference_calls']} |"
         )
     lines += [
@@ -294,7 +332,8 @@ def markdown(result: dict) -> str:
         f"{meta['steps']} after {meta['warmup']} warm-up steps); tokens/s counts the tokens the steps made. Host share: "
         "time inside the pool's K/V writes (perf_counter around each call) over the steps' wall time; control: a "
         "one-kernel torch op timed the same way right before each call (as long as the write: the launch queue makes "
-        "every launch wait; much shorter: the time is the write's own); JIT: the writes that went through Triton's JIT "
+        "every launch wait; much shorter: the time is the write's own); write twice in a row: further steps in which "
+        "each write is made again at once (the same bytes), each call timed: the second finds the CPU's caches warm; JIT: the writes that went through Triton's JIT "
         "instead of the compiled kernel (0 when every call hits its launch cache)"
         + (f"; profiled: the same host share under torch.profiler ({meta['profile_steps']} steps), and the GPU time of "
            f"kernels named `*{WRITE_KERNEL}*` over the steps' wall time and over all kernel time" if profiled else "") + ".",
