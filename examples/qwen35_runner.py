@@ -540,6 +540,11 @@ class PooledGatedDeltaNet:
         query = query.reshape(b, tq, -1, g.head_k_dim)
         key = key.reshape(b, tq, -1, g.head_k_dim)
         value = value.reshape(b, tq, -1, g.head_v_dim)
+        # Each key head serves v_heads // k_heads consecutive value heads: expanded here, since
+        # some transformers releases' rule functions expand them and others expect them expanded.
+        rep = value.shape[2] // query.shape[2]
+        if rep > 1:
+            query, key = query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2)
         beta = padded(g.in_proj_b(x).sigmoid())  # padding rows: beta 0 and decay 0 leave the state as it is
         decay = padded(-g.A_log.float().exp() * F.softplus(g.in_proj_a(x).float() + g.dt_bias))
         # pool [B, v_heads, v_dim, k_dim] <-> HF [B, v_heads, k_dim, v_dim]
