@@ -31,7 +31,7 @@ from kvpool.kernels.launch import (
     uses_kernel,
 )
 from kvpool.kernels.row_table import RowTable
-from kvpool.kernels.tuning import PROGRAMS_PER_SM, SM_TILE
+from kvpool.kernels.tuning import PROGRAMS_PER_SM, STATE_COMMIT_TILE
 
 try:
     from kvpool.kernels import state_commit_kernel as _k
@@ -69,12 +69,12 @@ class CommitPlan:
 
 @functools.lru_cache(maxsize=256)
 def plan_commit(pairs: int, row_bytes: tuple[int, ...], align: int, program_cap: int) -> CommitPlan:
-    """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``: the row
-    copy's SM-wide tile (``SM_TILE``), one pair per task (state rows are kilobytes to megabytes)."""
+    """Chunk width and grid for ``pairs`` (requests x sets) over buffers of ``row_bytes``: the state
+    tile (``STATE_COMMIT_TILE``), one pair per task (state rows are kilobytes to megabytes)."""
     elem, vec, row_elems = row_elements(row_bytes, align)
-    block_w, chunks, even = column_chunks(row_elems, SM_TILE.elems)
+    block_w, chunks, even = column_chunks(row_elems, STATE_COMMIT_TILE.elems)
     tasks = pairs * len(row_bytes) * chunks
-    warps = copy_warps(block_w, vec, SM_TILE.num_warps)
+    warps = copy_warps(block_w, vec, STATE_COMMIT_TILE.num_warps)
     return CommitPlan(elem, block_w, chunks, even, warps, tasks, max(1, min(tasks, program_cap)))
 
 

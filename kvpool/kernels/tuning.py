@@ -74,6 +74,15 @@ ONE_PASS_MAX_PAIRS = 1024
 #: buffers per launch pair against a larger allocation.
 STAGING_BYTES = 256 * 2**20
 
+# --- state pools (MambaPool) ----------------------------------------------------------------------
+
+#: The speculative commit's task: a linear layer's recurrent state row is hundreds of kilobytes, so
+#: wide column chunks on many warps keep more bytes in flight per program than the row copy's tile.
+STATE_COMMIT_TILE = Tile(elems=32768, num_warps=16)
+#: Programs per SM of a state fork (the one-pass row copy over the pool's own table): fewer, longer
+#: programs than a KV move's grid, whose rows are a few hundred bytes.
+STATE_FORK_PROGRAMS_PER_SM = 4
+
 # --- the host tier --------------------------------------------------------------------------------
 
 #: Grid of the host tier's kernel backend: at most this many SMs copy, the rest stay with the model.

@@ -23,8 +23,10 @@ import torch
 from kvpool.checks import check_in_range, check_index, check_same_length, dense_layer_index, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import checked_copy
+from kvpool.kernels.launch import sm_count
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit import commit_rows
+from kvpool.kernels.tuning import STATE_FORK_PROGRAMS_PER_SM
 from kvpool.pools.base import check_sglang_keywords
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
@@ -137,6 +139,8 @@ class MambaPool:
         self.size = positive_int(size, "size")
         self.cache_params = params = MambaCacheParams.of(cache_params)
         self.device = resolve_device(device)
+        # A fork's grid on CUDA (None: the row copy's own elsewhere).
+        self._fork_programs = sm_count(self.device) * STATE_FORK_PROGRAMS_PER_SM if self.device.type == "cuda" else None
         self.validate = validate_enabled(validate)
         self.layers: tuple[int, ...] = params.layers
         self.num_mamba_layers = n_layers = params.num_layers
@@ -301,8 +305,8 @@ class MambaPool:
         any destination is written. Both ``[n]`` int32/int64 on the pool's device; negative entries
         are padding, entries ``> size`` are never read or written (``IndexError`` under ``validate``).
         One launch on CUDA (up to 1024 pairs; more go through a staging buffer)."""
-        table = self.row_table
-        checked_copy(table, dst_index, table, src_index, None, self.validate, ("dst_index", "src_index"))
+        table, cap = self.row_table, self._fork_programs
+        checked_copy(table, dst_index, table, src_index, cap, self.validate, ("dst_index", "src_index"))
 
     def clear_slots(self, indices: torch.Tensor) -> None:
         """Zero every layer's states of slots ``indices`` ([n] int32/int64 on the pool's device;
