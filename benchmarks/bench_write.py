@@ -345,7 +345,7 @@ def bench_shape(run: Run, name: str, h: int, d: int) -> None:
     kb, vb = pool.k_buffer, pool.v_buffer
     kv = [pool.get_kv_buffer(i) for i in range(plan.layers)]
     divrn = KVWriter(
-        Geometry(FP8, h, d, h, d, dev), kb[0].stride(), vb[0].stride(), pool.rows, "always",
+        Geometry(FP8, h, d, h, d, kb[0].device), kb[0].stride(), vb[0].stride(), pool.rows, "always",
         options=KernelOptions(fast_div=False), caches_aligned=True,
     )  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(0)

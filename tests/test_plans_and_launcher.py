@@ -389,3 +389,18 @@ def test_joined_plan_compiles_to_the_fast_write(compiled):
     [mla] = [v for v in compiled if v["joined"]]
     assert (mla["H"], mla["D"], mla["DV"]) == (1, 512, 64)
     assert mla["ld_v4"] > 0 and mla["st_v4"] > 0 and mla["cvt_satfinite"] > 0 and mla["fma_rn"] > mla["div_rn"] > 0
+
+
+@gpu
+def test_a_writer_on_a_bare_cuda_device_takes_the_current_device_tensors():
+    """``KVWriter`` given ``torch.device("cuda")`` writes tensors on ``cuda:<current>`` (a bare
+    device named no index, and every write was refused as being on another device)."""
+    kc = poison_(torch.empty(8, 2, 16, dtype=torch.float8_e4m3fn, device="cuda"))
+    vc = poison_(torch.empty(8, 2, 16, dtype=torch.float8_e4m3fn, device="cuda"))
+    writer = KVWriter(Geometry(kc.dtype, 2, 16, 2, 16, torch.device("cuda")), kc.stride(), vc.stride(), 8, "always")
+    assert writer.geometry.device == kc.device
+    x, loc = cuda_values((3, 2, 16), torch.bfloat16, seed=5), torch.tensor([1, 4, 6], device="cuda")
+    writer.write(storage_view(kc), storage_view(vc), loc, x, x, None, None, FUNCTION_NAMES)
+    k_ref, v_ref = poison_(torch.empty_like(kc)), poison_(torch.empty_like(vc))
+    reference_set_kv_buffer(x, x, k_ref, v_ref, loc)
+    assert_same_bytes(kc.view(torch.uint8), k_ref.view(torch.uint8), "K written through a bare-cuda writer")

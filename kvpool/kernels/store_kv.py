@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from kvpool.checks import resolve_device
 from kvpool.config import KernelOptions
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.formats import OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
@@ -144,7 +145,8 @@ class KVWriter:
         layout: str = AUTO,
         chunk: int = 32,
     ) -> None:
-        g = self.geometry = geometry
+        # A bare "cuda" names the current device, so that the tensors' cuda:N compare equal to it.
+        g = self.geometry = geometry._replace(device=resolve_device(geometry.device))
         self.mode = mode
         self.capacity = capacity
         self.validate = validate
