@@ -8,8 +8,11 @@ back under a key (:func:`launch_key`, a superset of what Triton specialises on),
 that kind launch it directly, all arguments positional in signature order, constexprs included
 (:meth:`DirectLaunches.launch`), through the compiled kernel's launcher itself (:class:`Bound`): the
 per-call wrapper ``CompiledKernel[grid]`` adds, its stream and device lookups and the launch hooks'
-metadata, is left out while no launch hook is set. A compiled-kernel launcher that refuses the
-arguments turns the cache off for good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
+metadata, is left out while no launch hook is set. A cache is enabled only where the kernel's
+parameters are the ones its caller passes, in order (checked against the signature at import; the
+tests check each direct launch's arguments against what the JIT launch bound), since a launcher
+need not check their count. A compiled-kernel launcher that raises on the arguments turns the cache
+off for good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
 path and shares the rest. What the kernels promise is in docs/contract.md ("The write", "Moves and
 CPU copies").
 """
@@ -149,7 +152,8 @@ class Bound:
     @classmethod
     def of(cls, compiled: Any) -> "Bound":
         """``compiled``'s launcher entry, or Triton's own launch where a launch hook (a profiler's)
-        is set or the compiled kernel has no such entry (so the hook still sees every launch)."""
+        is set now or the compiled kernel has no such entry. Decided once, when a variant is first
+        kept: a hook set later is not called for variants kept before it (docs/contract.md)."""
         if _no_launch_hooks():
             try:
                 return cls(compiled.run, compiled.function, compiled.packed_metadata, compiled)
@@ -212,7 +216,10 @@ class DirectLaunches:
             bound = self.entries.get(key)
             if bound is not None:
                 try:
-                    raw = current_raw_stream(device.index or 0) if stream is None else stream.cuda_stream
+                    if stream is not None:
+                        raw = stream.cuda_stream
+                    else:  # the CPU (tests' stand-ins) has no stream to ask for
+                        raw = current_raw_stream(device.index) if device.type == "cuda" else 0
                     bound.run(*grid, raw, bound.function, bound.metadata, None, None, None, *args)
                     return
                 except LAUNCH_ERRORS as exc:  # a launcher that parses its arguments refused these; nothing ran
