@@ -64,8 +64,8 @@ STAGES = ["transfers", "bidirectional", "overlap", "device_gather"]
 DEVICE_SLOTS = 36864  # holds 32k tokens plus room
 DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn
-#: Sleep-kernel cycles before a device-time measurement starts (about 10 ms on an H200): longer than
-#: any call's host time, so the host has queued the whole call when the GPU reaches it.
+#: Sleep-kernel cycles before a device-time measurement starts (milliseconds): longer than any
+#: call's host time, so the host has queued the whole call when the GPU reaches it.
 HOLD = 20_000_000
 PIECES_BYTES = 256 << 20  # the piece ceiling copies at most this many bytes (and 256 pieces) per case
 

@@ -916,7 +916,7 @@ def plot(result: dict, fig) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_common_arguments(parser, "write")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and calls (under 2 minutes on an H200)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and calls (fits one 10-minute GPU call)")
     parser.add_argument("--sections", default="host,write,moves", help="comma-separated subset of host,write,moves,plans")
     args = parser.parse_args()
     plan = SMOKE_PLAN if args.cpu_smoke else QUICK if args.quick else FULL

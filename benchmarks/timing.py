@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-L2_FLUSH_BYTES = 96 << 20  # H200 L2 is 60 MB
+L2_FLUSH_BYTES = 96 << 20  # larger than the L2 of the GPUs kvpool targets
 
 
 def flush_buffer() -> torch.Tensor:
@@ -172,8 +172,8 @@ class GpuClock:
 
     def copy_ceiling_gbps(self) -> float:
         """The device-to-device copy ceiling: a 2 GiB ``copy_`` timed eagerly with CUDA events (read +
-        write counted). Eager on purpose: inside a CUDA graph a D2D memcpy becomes a memcpy node that
-        ran markedly slower on the H200 (2.7 TB/s against 4.2 TB/s)."""
+        write counted). Eager on purpose: inside a CUDA graph a D2D memcpy becomes a memcpy node, which
+        can run markedly slower than the eager copy."""
         n = 2 << 30
         src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
