@@ -109,23 +109,30 @@ def test_llama_summary_and_exit_status(capsys):
     assert "batch must be a positive int, got 0" in capsys.readouterr().err
 
 
-def test_llama_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
-    """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
-    make_pool = llama_runner.make_pool
+def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
+    """A stand-in for ``runner.make_pool`` whose pool (``pool_of`` the value made) drops the last
+    token of every ``write_name`` call, as a padding token: attention then reads a stale row."""
+    make_pool = runner.make_pool
 
-    def leaky(cfg, model, dtype):
-        pool = make_pool(cfg, model, dtype)
-        write = pool.set_kv_buffer
+    def leaky(*args, **kwargs):
+        made = make_pool(*args, **kwargs)
+        pool = pool_of(made)
+        write = getattr(pool, write_name)
 
-        def drop_last(layer, loc, k, v, *args, **kwargs):
+        def drop_last(layer, loc, *rest, **kw):
             loc = loc.clone()
             loc[-1] = -1  # a padding token: nothing is written
-            write(layer, loc, k, v, *args, **kwargs)
+            write(layer, loc, *rest, **kw)
 
-        pool.set_kv_buffer = drop_last
-        return pool
+        setattr(pool, write_name, drop_last)
+        return made
 
-    monkeypatch.setattr(llama_runner, "make_pool", leaky)
+    return leaky
+
+
+def test_llama_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
+    """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
+    monkeypatch.setattr(llama_runner, "make_pool", dropping_last_token(llama_runner, "set_kv_buffer"))
     assert llama_runner.main([*LLAMA_ARGS, "--dtypes", "fp32"]) == 1
     out = capsys.readouterr().out
     assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
@@ -367,21 +374,7 @@ def test_deepseek_summary_and_exit_status(capsys):
 def test_deepseek_a_lost_latent_row_fails_the_fp32_check(monkeypatch, capsys):
     """A pool that drops one token's latent row per write: attention reads a stale row, and the run
     says so."""
-    make_pool = deepseek_runner.make_pool
-
-    def leaky(cfg, model, dtype):
-        pool = make_pool(cfg, model, dtype)
-        write = pool.set_mla_kv_buffer
-
-        def drop_last(layer, loc, nope, rope, *args, **kwargs):
-            loc = loc.clone()
-            loc[-1] = -1  # a padding token: nothing is written
-            write(layer, loc, nope, rope, *args, **kwargs)
-
-        pool.set_mla_kv_buffer = drop_last
-        return pool
-
-    monkeypatch.setattr(deepseek_runner, "make_pool", leaky)
+    monkeypatch.setattr(deepseek_runner, "make_pool", dropping_last_token(deepseek_runner, "set_mla_kv_buffer"))
     assert deepseek_runner.main([*DEEPSEEK_ARGS, "--dtypes", "fp32"]) == 1
     out = capsys.readouterr().out
     assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
@@ -627,20 +620,7 @@ QWEN_ARGS = ["--prompts", "4", "--dtypes", "fp32", "--spec-width", "0", "--devic
 @qwen35
 def test_qwen_a_lost_kv_write_fails_the_fp32_check(monkeypatch, capsys):
     """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
-    make_pool = qwen35_runner.make_pool
-
-    def leaky(*args, **kwargs):
-        pools = make_pool(*args, **kwargs)
-        write = pools.kv.set_kv_buffer
-
-        def drop_last(layer, loc, k, v, *rest):
-            loc = loc.clone()
-            loc[-1] = -1  # a padding token: nothing is written
-            write(layer, loc, k, v, *rest)
-
-        pools.kv.set_kv_buffer = drop_last
-        return pools
-
+    leaky = dropping_last_token(qwen35_runner, "set_kv_buffer", pool_of=lambda pools: pools.kv)
     monkeypatch.setattr(qwen35_runner, "make_pool", leaky)
     assert qwen35_runner.main(QWEN_ARGS) == 1
     out = capsys.readouterr().out
