@@ -12,9 +12,9 @@ metadata, is left out while no launch hook is set. A cache is enabled only where
 parameters are the ones its caller passes, in order (checked against the signature at import; the
 tests check each direct launch's arguments against what the JIT launch bound), since a launcher
 need not check their count. A compiled-kernel launcher that raises on the arguments turns the cache
-off for good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on its hot
-path and shares the rest. What the kernels promise is in docs/contract.md ("The write", "Moves and
-CPU copies").
+off for good, and the caller goes back to the JIT launch. The K/V write inlines the direct launch on
+its hot path and shares the rest. What the kernels promise is in docs/contract.md ("The write",
+"Moves and CPU copies").
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ class DirectLaunches:
     """Compiled kernels of one ``@triton.jit`` function, by launch key, for direct launches.
 
     ``entries`` maps a caller's key (a superset of what Triton specialises on, or an object standing
-    for one) to the :class:`Bound` compiled kernel its first JIT launch handed back. ``enabled`` is False where
-    direct launches cannot work (no Triton, the interpreter, a kernel whose signature is not the
+    for one) to the :class:`Bound` compiled kernel its first JIT launch handed back. ``enabled`` is
+    False where direct launches cannot work (no Triton, the interpreter, a kernel whose signature is not the
     order the caller passes, or switched off) and once a direct launch failed. At most ``limit``
     entries, as Triton's own cache of compiled variants is bounded.
     """
