@@ -62,10 +62,6 @@ class Staging:
         """The first ``nbytes`` bytes of staging half ``half`` (0 or 1), a uint8 view of ``buffer``."""
         return self.buffer[half * self.chunk_bytes :][:nbytes]
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """What the data movement's stream must keep alive (CUDA: recorded on it)."""
-        return self.buffer, self.arange
-
     # --- KV -----------------------------------------------------------------------------------------
 
     def kv_tables(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
