@@ -39,16 +39,21 @@ def _runs(rep, dtype):
 # ==============================================================================================
 # Llama.
 
-# 2 layers, hidden 64, 4 query / 2 KV heads; 4 prompts for 3 request rows, so the last one is admitted
-# when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.
-LLAMA_TINY = llama_runner.RunConfig(
-    shape=llama_runner.SHAPES["tiny"], prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4,
-    seed=0, device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
+# The Llama and DeepSeek-V3 runs: 4 prompts for 3 request rows, so the last one is admitted when the
+# first finishes; page size 4, so prompts span several pages and decode crosses page ends. The same
+# run as a RunConfig's fields and as the runners' command line.
+TINY_RUN = dict(
+    prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4, seed=0, device="cpu",
+    pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
 )  # fmt: skip
-LLAMA_ARGS = [
+TINY_ARGS = [
     "--config", "tiny", "--prompts", "4", "--batch", "3", "--prompt-len", "4", "24", "--new-tokens", "3", "8",
     "--page-size", "4", "--seed", "0", "--device", "cpu",
 ]  # fmt: skip
+
+# 2 layers, hidden 64, 4 query / 2 KV heads.
+LLAMA_TINY = llama_runner.RunConfig(shape=llama_runner.SHAPES["tiny"], **TINY_RUN)
+LLAMA_ARGS = TINY_ARGS
 # Against plain HF, measured on the CPU (seed 0): bf16 pool 8.9e-3 max rel logit error and 5.6e-6 mean
 # KL; FP8 e4m3 mean KL 1.3e-3 at scale 1.0 and with calibrated scales. The bounds leave room for
 # other devices.
@@ -270,16 +275,9 @@ def test_llama_on_cuda_the_prefix_cache_generates_what_transformers_generates():
 # DeepSeek-V3: the MLA pool.
 
 # 2 layers (a dense one, then an MoE one of 4 experts, top 2, + a shared expert), hidden 64, 4 heads,
-# latent rows 32 + 8 rope (YaRN, interleaved); 4 prompts for 3 request rows, so the last one is
-# admitted when the first finishes; page size 4, so prompts span several pages and decode crosses page ends.
-DEEPSEEK_TINY = runner_common.RunConfig(
-    shape=deepseek_runner.SHAPES["tiny"], prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4,
-    seed=0, device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
-)  # fmt: skip
-DEEPSEEK_ARGS = [
-    "--config", "tiny", "--prompts", "4", "--batch", "3", "--prompt-len", "4", "24", "--new-tokens", "3", "8",
-    "--page-size", "4", "--seed", "0", "--device", "cpu",
-]  # fmt: skip
+# latent rows 32 + 8 rope (YaRN, interleaved); the Llama run's settings (TINY_RUN).
+DEEPSEEK_TINY = runner_common.RunConfig(shape=deepseek_runner.SHAPES["tiny"], **TINY_RUN)
+DEEPSEEK_ARGS = TINY_ARGS
 # Against plain HF, measured on the CPU (seed 0, either attention form): fp32 pool 1.2e-6 max rel logit
 # error; bf16 pool 7.5e-3 and mean KL 6.3e-6; FP8 e4m3 mean KL 2.8e-3 at scale 1.0, 2.2e-3 with
 # calibrated scales (the MoE router turns small changes into different experts: with the MoE layer
