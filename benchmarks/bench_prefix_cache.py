@@ -211,15 +211,20 @@ def _locks(cache: Any, params: Callable, key: Callable) -> tuple[Callable, Calla
     return lock, cache.dec_lock_ref
 
 
-def make_kvpool(page: int) -> Impl:
-    cache = RadixCache.create_simulated(mock_allocator=CountingAllocator(), page_size=page)
+def radix_impl(name: str, page: int, tree: Any, key: Callable, insert: Callable, match: Callable, evict: Callable) -> Impl:
+    """An ``Impl`` over a ``RadixCache`` with SGLang's API (kvpool's or SGLang's own, by its classes)."""
+    cache = tree.create_simulated(mock_allocator=CountingAllocator(), page_size=page)
     return Impl(
-        "kvpool", page,
-        lambda t: len(cache.match_prefix(MatchPrefixParams(key=RadixKey(t))).device_indices),
-        lambda t, v: cache.insert(InsertParams(key=RadixKey(t), value=v)).prefix_len,
-        lambda n: cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted,
-        cache.total_size, *_locks(cache, MatchPrefixParams, RadixKey),
+        name, page,
+        lambda t: len(cache.match_prefix(match(key=key(t))).device_indices),
+        lambda t, v: cache.insert(insert(key=key(t), value=v)).prefix_len,
+        lambda n: cache.evict(evict(num_tokens=n)).num_tokens_evicted,
+        cache.total_size, *_locks(cache, match, key),
     )  # fmt: skip
+
+
+def make_kvpool(page: int) -> Impl:
+    return radix_impl("kvpool", page, RadixCache, RadixKey, InsertParams, MatchPrefixParams, EvictParams)
 
 
 def make_baseline(page: int) -> Impl:
@@ -231,14 +236,7 @@ def make_sglang_factory(wheel: str) -> tuple[Callable[[int], Impl], str]:
     SRadixCache, SKey, SInsert, SMatch, SEvict, version = load_sglang(wheel)
 
     def make(page: int) -> Impl:
-        cache = SRadixCache.create_simulated(mock_allocator=CountingAllocator(), page_size=page)
-        return Impl(
-            "sglang", page,
-            lambda t: len(cache.match_prefix(SMatch(key=SKey(t))).device_indices),
-            lambda t, v: cache.insert(SInsert(key=SKey(t), value=v)).prefix_len,
-            lambda n: cache.evict(SEvict(num_tokens=n)).num_tokens_evicted,
-            cache.total_size, *_locks(cache, SMatch, SKey),
-        )  # fmt: skip
+        return radix_impl("sglang", page, SRadixCache, SKey, SInsert, SMatch, SEvict)
 
     return make, version
 
