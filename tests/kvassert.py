@@ -24,16 +24,20 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import types
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+
+import kvpool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -653,6 +657,121 @@ def assert_codes_equal(actual: torch.Tensor | np.ndarray, expected: np.ndarray, 
     values_got, values_exp = np.zeros(got.shape), np.zeros(exp.shape)
     values_got[differ], values_exp[differ] = decode(got[differ]), decode(exp[differ])
     _report(f"{what} ({fmt.name})", differ, values_got, values_exp, describe)
+
+
+# ----------------------------------------------------------------------------------------------
+# The write's bad-input targets: the two write functions (caller-owned caches between guard rows)
+# and the pool, behind one call interface with byte snapshots of every buffer. The base call is
+# valid and names real slots, so a write that happens before an error shows up in the snapshots.
+# A tensor on ``torch.device("meta")`` is "a tensor on another device".
+
+# The base call: T=5 tokens, K [5, 2, 8], V [5, 3, 6] (H != Hv, D != Dv so every number is distinct).
+T, H, D, HV, DV = 5, 2, 8, 3, 6
+PAGE = 4
+SIZE = 8
+SLOTS = SIZE + PAGE  # 12 rows per buffer
+START, LAYERS = 4, 3  # the pool holds global layers 4, 5, 6
+LAYER = 5
+CACHE_DTYPE = torch.float8_e4m3fn
+BASE_LOC = [1, 5, -1, 7, 10]
+GUARD = 2
+META = torch.device("meta")
+POOL_NAMES = {"k": "cache_k", "v": "cache_v", "cache_loc": "loc"}
+
+
+def base_args(hv: int = HV) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        k=torch.randn(T, H, D, generator=g).to(torch.bfloat16),
+        v=torch.randn(T, hv, DV, generator=g).to(torch.bfloat16),
+        cache_loc=torch.tensor(BASE_LOC, dtype=torch.int64),
+        k_scale=0.5,
+        v_scale=torch.tensor([0.25]),
+        layer=Layer(LAYER),
+        layer_id_override=None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Targets: the two functions (caller-owned, guarded caches) and the pool.
+
+
+class FunctionTarget:
+    hv = HV  # caller-owned caches may have H != Hv
+
+    def __init__(self, fn: Callable, validate: bool = False, cache_dtype=CACHE_DTYPE):
+        self.fn, self.validate = fn, validate
+        self.k_outer = torch.empty(SLOTS + 2 * GUARD, H, D, dtype=cache_dtype)
+        self.v_outer = torch.empty(SLOTS + 2 * GUARD, HV, DV, dtype=cache_dtype)
+        self.k_outer.view(torch.uint8).fill_(0xA5)
+        self.v_outer.view(torch.uint8).fill_(0x5A)
+        self.k_cache = self.k_outer[GUARD:GUARD + SLOTS]
+        self.v_cache = self.v_outer[GUARD:GUARD + SLOTS]
+
+    def name(self, arg: str) -> str:
+        return arg
+
+    def snapshot(self):
+        return [self.k_outer.clone(), self.v_outer.clone()]
+
+    def current(self):
+        return [self.k_outer, self.v_outer]
+
+    def call(self, a: dict) -> None:
+        kc = a.get("k_cache", self.k_cache)
+        vc = a.get("v_cache", self.v_cache)
+        return self.fn(a["k"], a["v"], kc, vc, a["cache_loc"], a["k_scale"], a["v_scale"], validate=self.validate)
+
+
+class PoolTarget:
+    hv = H  # the pool has head_num heads for K and V
+
+    def __init__(self, mode: str, validate: bool = False, env_validate: bool = False, cache_dtype=CACHE_DTYPE):
+        env = {"KVPOOL_VALIDATE": "1"} if env_validate else {}
+        with mock.patch.dict(os.environ, env):
+            os.environ.pop("KVPOOL_FUSED", None)
+            if not env_validate:
+                os.environ.pop("KVPOOL_VALIDATE", None)
+            self.pool = kvpool.MHATokenToKVPool(SIZE, PAGE, cache_dtype, H, D, LAYERS, "cpu", v_head_dim=DV,
+                                                start_layer=START, fused=mode, validate=validate)
+        for lid in range(START, START + LAYERS):
+            kb, vb = self.pool.get_kv_buffer(lid)
+            kb.view(torch.uint8).fill_(0xA5 ^ lid)
+            vb.view(torch.uint8).fill_(0x5A ^ lid)
+
+    def name(self, arg: str) -> str:
+        return POOL_NAMES.get(arg, arg)
+
+    def buffers(self):
+        out = []
+        for lid in range(START, START + LAYERS):
+            out.extend(self.pool.get_kv_buffer(lid))
+        return out
+
+    def snapshot(self):
+        return [b.clone() for b in self.buffers()]
+
+    def current(self):
+        return self.buffers()
+
+    def call(self, a: dict) -> None:
+        return self.pool.set_kv_buffer(a["layer"], a["cache_loc"], a["k"], a["v"], a["k_scale"], a["v_scale"],
+                                       layer_id_override=a["layer_id_override"])
+
+
+TARGETS = {
+    "reference": lambda: FunctionTarget(kvpool.reference_set_kv_buffer),
+    "fused_interp": lambda: FunctionTarget(kvpool.fused_fp8_set_kv_buffer),
+    "pool_never": lambda: PoolTarget("never"),
+    "pool_always": lambda: PoolTarget("always"),
+}
+FUNCTION_TARGETS = ["reference", "fused_interp"]
+POOL_TARGETS = ["pool_never", "pool_always"]
+
+
+def exact_number(n) -> str:
+    """A regex matching the number ``n`` on its own (not inside a longer number)."""
+    return rf"(?<![\d.]){re.escape(str(n))}(?![\d.])"
 
 
 # ----------------------------------------------------------------------------------------------
