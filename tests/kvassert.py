@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import kvpool
+from kvpool import MLATokenToKVPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -772,6 +773,74 @@ POOL_TARGETS = ["pool_never", "pool_always"]
 def exact_number(n) -> str:
     """A regex matching the number ``n`` on its own (not inside a longer number)."""
     return rf"(?<![\d.]){re.escape(str(n))}(?![\d.])"
+
+
+# ----------------------------------------------------------------------------------------------
+# MLA pools on the suite's device: a small latent geometry (R + ROPE columns, two layers) and inputs
+# of every magnitude in several memory layouts.
+
+MODES = ["never", "always"] if KERNEL_HERE else ["never"]
+# Small geometries keep the interpreter quick; DeepSeek's 512 + 64 is in every grid too.
+R, ROPE = 40, 24
+MLA_SIZE, MLA_START, MLA_LAYERS = 11, 3, 2  # rows 0..11 (page_size 1); global layers 3 and 4
+
+
+def make_mla_pool(dtype, mode="never", r=R, rope=ROPE, size=MLA_SIZE, page_size=1, **kw) -> MLATokenToKVPool:
+    with mock.patch.dict(os.environ):
+        os.environ.pop("KVPOOL_FUSED", None)
+        os.environ.pop("KVPOOL_VALIDATE", None)
+        kw.setdefault("warmup", False)
+        return MLATokenToKVPool(size, page_size, dtype, r, rope, MLA_LAYERS, DEVICE, start_layer=MLA_START, fused=mode,
+                                **kw)
+
+
+def poison_mla_pool(pool: MLATokenToKVPool, poison: int = 0xA5) -> list[torch.Tensor]:
+    """Fill every layer with its own byte pattern; return copies of the poisoned buffers."""
+    for i, b in enumerate(pool.kv_buffer):
+        b.view(torch.uint8).fill_(poison ^ (17 * i))
+    return [b.clone() for b in pool.kv_buffer]
+
+
+def wide_values(rng: np.random.Generator, shape: tuple, dtype: torch.dtype, centre: float = 0.0,
+                specials: bool = True) -> torch.Tensor:
+    """Magnitudes from subnormal to overflow around 2**centre, both signs, a few inf/NaN/zeros."""
+    n = int(np.prod(shape))
+    vals = rng.uniform(1.0, 2.0, n) * np.exp2(rng.integers(-24, 12, n) + centre) * rng.choice([-1.0, 1.0], n)
+    if specials and n:
+        idx = rng.choice(n, size=max(1, n // 40))
+        vals[idx] = rng.choice([np.inf, -np.inf, np.nan, 0.0, -0.0, 448.0, 57344.0 * 2], size=idx.size)
+    return torch.from_numpy(vals.reshape(shape)).to(dtype)
+
+
+def latent_layout(x: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, 1, W] in another memory layout; returns (view, the tensor owning its memory)."""
+    t, _, w = x.shape
+    if how == "contiguous":
+        base = x.clone()
+        return base, base
+    if how == "projection_slice":  # columns of a wider projection output: token stride W + 7
+        base = torch.full((t, 1, w + 7), 3.0, dtype=x.dtype)
+        base[:, :, 2 : 2 + w] = x
+        return base[:, :, 2 : 2 + w], base
+    if how == "head_of_many":  # one head of [T, 3, W]: token stride 3W, head stride W
+        base = torch.full((t, 3, w), -5.0, dtype=x.dtype)
+        base[:, 1:2] = x
+        return base[:, 1:2], base
+    if how == "tokens_last":  # stored [W, T]
+        base = x[:, 0].t().contiguous()
+        return base.t().unsqueeze(1), base
+    if how == "d_strided":  # every other element along the row
+        base = torch.full((t, 1, 2 * w), 9.0, dtype=x.dtype)
+        base[:, :, ::2] = x
+        return base[:, :, ::2], base
+    raise AssertionError(how)
+
+
+LATENT_LAYOUTS = ["contiguous", "projection_slice", "head_of_many", "tokens_last", "d_strided"]
+
+
+def on_device(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 
 # ----------------------------------------------------------------------------------------------
