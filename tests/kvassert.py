@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import kvpool
-from kvpool import MLATokenToKVPool
+from kvpool import MHATokenToKVPool, MHATokenToKVPoolHost, MLATokenToKVPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -841,6 +841,52 @@ LATENT_LAYOUTS = ["contiguous", "projection_slice", "head_of_many", "tokens_last
 
 def on_device(x):
     return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+# ----------------------------------------------------------------------------------------------
+# The host tier on CPU pools: a device pool and a host pool of random bytes, their rows as bytes,
+# and snapshots of both.
+
+HOST_LAYOUTS = ["layer_first", "page_first"]
+HOST_BACKENDS = ["kernel", "direct"]
+# H=3, D=8, Dv=4 in FP8: 24- and 12-byte rows; 3 layers.
+HOST_GEOM = dict(head_num=3, head_dim=8, v_head_dim=4, layer_num=3)
+
+
+def make_device_pool(size=40, page_size=4, dtype=torch.float8_e4m3fn, seed=0, validate=False, **over):
+    g = {**HOST_GEOM, **over}
+    pool = MHATokenToKVPool(
+        size, page_size, dtype, g["head_num"], g["head_dim"], g["layer_num"], "cpu",
+        v_head_dim=g["v_head_dim"], start_layer=g.get("start_layer", 0), validate=validate,
+    )  # fmt: skip
+    fill_random_(pool.k_buffer + pool.v_buffer, seed)
+    return pool
+
+
+def make_host(pool, layout="layer_first", page_size=4, ratio=2.0, seed=1, **kw):
+    host = MHATokenToKVPoolHost(pool, ratio, 0, page_size, layout, **kw)
+    fill_random_([host.k_buffer, host.v_buffer], seed)
+    return host
+
+
+def host_rows(host: MHATokenToKVPoolHost, layer: int, which: str) -> torch.Tensor:
+    """[size, row bytes] uint8 view of one layer's K or V on the host."""
+    buf = host.k_buffer if which == "k" else host.v_buffer
+    view = buf[layer] if host.layout == "layer_first" else buf[:, layer]
+    return view.reshape(host.size, -1).view(torch.uint8)
+
+
+def dev_rows(pool, layer: int, which: str) -> torch.Tensor:
+    buf = pool.k_buffer[layer] if which == "k" else pool.v_buffer[layer]
+    return buf.reshape(buf.shape[0], -1).view(torch.uint8)
+
+
+def host_tier_snapshot(pool, host):
+    return [b.view(torch.uint8).clone() for b in pool.k_buffer + pool.v_buffer + [host.k_buffer, host.v_buffer]]
+
+
+def host_tier_unchanged(pool, host, before):
+    return all(torch.equal(a, b) for a, b in zip(before, host_tier_snapshot(pool, host)))
 
 
 # ----------------------------------------------------------------------------------------------
