@@ -890,6 +890,37 @@ def host_tier_unchanged(pool, host, before):
 
 
 # ----------------------------------------------------------------------------------------------
+# Slot allocators: everything one knows as plain values, and alloc_extend / alloc_decode from lists.
+
+
+def allocator_snapshot(a) -> tuple:
+    """Everything an allocator knows, as plain Python values (to prove that a call changed nothing)."""
+    s = a.backup_state()
+    return (
+        s.free_pages.tolist(), s.release_pages.tolist(), [p for t in s.free_group for p in t.tolist()],
+        s.owners.tolist(), s.live.tolist(), s.page_free.tolist(), int(s.unrecorded), a.is_not_in_free_group,
+    )  # fmt: skip
+
+
+def held_slots(a) -> set[int]:
+    """The slots an allocator records as owned."""
+    return set(a.backup_state().owners.nonzero().flatten().tolist())
+
+
+def ext(a, prefix, seq, last_loc):
+    """alloc_extend with the CPU copies and the token count derived from the lists."""
+    pre, sq = torch.tensor(prefix, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64)
+    last = torch.tensor(last_loc, dtype=torch.int64)
+    return a.alloc_extend(pre, pre.clone(), sq, sq.clone(), last, int((sq - pre).sum()))
+
+
+def dec(a, seq, last_loc):
+    """alloc_decode with the CPU copy of the lengths."""
+    sq = torch.tensor(seq, dtype=torch.int64)
+    return a.alloc_decode(sq, sq.clone(), torch.tensor(last_loc, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------------------------
 # The kernels, compiled for real GPU targets on a machine without one.
 
 

@@ -1,0 +1,130 @@
+"""Both allocators on bad calls: errors change nothing, batches are checked as a whole (two requests
+continuing onto one slot or page, a ``last_loc`` not held), device and CPU lengths that disagree,
+arguments named in the error, a slot owned twice caught by ``check_integrity``, and what the device
+ops do without host checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvassert import allocator_snapshot, dec, ext, held_slots
+from kvpool.errors import IntegrityError
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
+
+T = torch.tensor
+
+
+# --- errors change nothing, batches are checked as a whole, double ownership shows ----------------
+
+
+def test_validate_rejects_two_requests_continuing_onto_one_slot():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    assert ext(a, [0], [3], [-1]).tolist() == [4, 5, 6]
+    before = allocator_snapshot(a)
+    with pytest.raises(ValueError, match="requests 0 and 1 would both continue on slot 7"):
+        dec(a, [4, 4], [6, 6])
+    assert allocator_snapshot(a) == before
+    a.check_integrity()
+
+
+def test_validate_rejects_two_requests_extending_onto_one_page():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    ext(a, [0], [2], [-1])  # slots 4, 5
+    before = allocator_snapshot(a)
+    with pytest.raises(ValueError, match="requests 0 and 1 would both continue on slot 6"):
+        ext(a, [2, 2], [3, 4], [5, 5])
+    assert allocator_snapshot(a) == before
+
+
+def test_validate_rejects_a_last_loc_that_is_not_held_on_a_held_page():
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=True)
+    ext(a, [0], [2], [-1])  # slots 4, 5 on page 1; 6, 7 not handed out
+    with pytest.raises(ValueError, match="last_loc\\[0\\] must be the request's last slot, .* slot 6, which is not"):
+        dec(a, [4], [6])
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("op", ["extend", "decode"])
+def test_device_and_cpu_lengths_disagreeing_raise_and_change_nothing(validate, op):
+    """Without validate this took a page, then failed in repeat_interleave: the page leaked."""
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)
+    ext(a, [0], [3], [-1])
+    before = allocator_snapshot(a)
+    with pytest.raises(ValueError, match="seq_lens must equal seq_lens_cpu, got seq_lens\\[0\\] = 9 and .* = 5"):
+        if op == "extend":
+            a.alloc_extend(T([3]), T([3]), T([9]), T([5]), T([6]), 2)
+        else:
+            a.alloc_decode(T([9]), T([5]), T([6]))
+    assert allocator_snapshot(a) == before
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda a: dec(a, [4], [10**6]), IndexError, "alloc_decode: last_loc\\[0\\] must be a slot in 4..67.*1000000"),
+        (lambda a: dec(a, [4, 2], [6, -1]), IndexError, "last_loc\\[1\\] must be a slot in 4..67"),
+        (lambda a: ext(a, [3], [5], [2]), IndexError, "alloc_extend: last_loc\\[0\\] must be a slot in 4..67"),
+        (lambda a: ext(a, [3], [5], [5]), ValueError, "last_loc\\[0\\] must be a slot at offset 2 of its page"),
+        (lambda a: a.alloc_extend(T([3]), T([2]), T([5]), T([5]), T([6]), 3), ValueError, "prefix_lens must equal"),
+        (lambda a: a.free(torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, "free_index must be on the"),
+    ],
+    ids=["decode-far", "decode-negative", "extend-page-0", "extend-offset", "prefix-lens", "free-meta"],
+)
+def test_bad_arguments_are_named_and_change_nothing(validate, call, error, message):
+    """A last_loc outside the slots, and a tensor on another device given to free, raise an error
+    that names the argument, and nothing changes."""
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)  # 16 pages, slots 4..67
+    ext(a, [0], [3], [-1])
+    before = allocator_snapshot(a)
+    with pytest.raises(error, match=message):
+        call(a)
+    assert allocator_snapshot(a) == before
+    a.check_integrity()
+
+
+def test_check_integrity_catches_a_slot_owned_twice_after_the_page_is_reallocated():
+    """A wrong last_loc without validate continues onto free page 3; once alloc hands that page out
+    again, slot 15 has two holders, and check_integrity says so."""
+    a = PagedTokenToKVPoolAllocator(16, 4)  # pages 1..4
+    ext(a, [0], [3], [-1])  # slots 4, 5, 6
+    assert dec(a, [4], [14]).tolist() == [15]  # wrong: page 3 is free
+    with pytest.raises(IntegrityError, match="1 pages are both listed free and hold owned slots"):
+        a.check_integrity()
+    assert 15 in a.alloc(12).tolist()  # pages 2, 3, 4
+    with pytest.raises(IntegrityError, match="1 slots owned more than once.*first: slot 15, 2 owners"):
+        a.check_integrity()
+    a.free(T([15]))  # one holder gives it back; the other still holds it, and so its page
+    assert 15 in held_slots(a) and a.available_size() == 0
+    a.check_integrity()
+
+
+def test_without_host_checks_a_far_last_loc_is_not_recorded_but_reported(monkeypatch):
+    """What a GPU allocator does without validate (it cannot read last_loc without a sync): the slot
+    is returned, never used as an index into the bookkeeping, and check_integrity reports it."""
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    monkeypatch.setattr(a, "_cheap_device_checks", False)
+    ext(a, [0], [3], [-1])
+    state = a.backup_state()
+    assert dec(a, [4, 2], [10**6, 5]).tolist() == [10**6 + 1, 6]
+    assert held_slots(a) == {4, 5, 6}
+    with pytest.raises(IntegrityError, match="1 slots were handed out outside the range 4..67"):
+        a.check_integrity()
+    a.restore_state(state)
+    a.check_integrity()
+
+
+def test_without_host_checks_disagreeing_lengths_never_raise_from_the_device_ops(monkeypatch):
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    monkeypatch.setattr(a, "_cheap_device_checks", False)
+    ext(a, [0], [3], [-1])
+    out = a.alloc_extend(T([3, 0]), T([3, 0]), T([2, 40]), T([9, 1]), T([6, -1]), 7)
+    assert out.numel() == 7  # wrong slots, as the lengths are wrong, but no error and no stray index
+    with pytest.raises(IntegrityError, match="1 pages are neither free nor holding an owned slot"):
+        a.check_integrity()  # the CPU lengths asked for 2 pages; the device ones used 1
+    assert a.alloc_decode(T([0, 0]), T([1, 1]), T([-1, -1])).tolist() == [0, 0]
+    with pytest.raises(IntegrityError, match="2 slots were handed out outside the range"):
+        a.check_integrity()
