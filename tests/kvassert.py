@@ -1,5 +1,6 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
-byte comparison that explains a mismatch, the independent oracle of the K/V write, the
+byte comparison that explains a mismatch, the independent oracle of the K/V write, the write's
+bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots, the
 cross-compilation probe, loading an example script as a module, and a stand-in for a compiled
 Triton kernel that checks direct launches on the CPU.
 
@@ -13,7 +14,8 @@ bytes between tensors and NumPy arrays there.
     q(x, s) = RNE(float32(x)) into the cache format (plain cast)   for bf16 / fp16 / fp32 caches
 
 Every encoder returns unsigned integer *codes* (the cache's bit patterns); NaN results are compared
-by "is a NaN code", never by bit pattern, because the formats allow many NaN encodings.
+by "is a NaN code", because the formats allow many NaN encodings, except through ``q_codes_stored``,
+which spells out the NaN bits the contract pins for a write.
 """
 
 from __future__ import annotations
@@ -516,6 +518,18 @@ def q_codes(x: torch.Tensor, cache_dtype: torch.dtype, scale=None) -> np.ndarray
     if fmt is FP32:  # identity: keep the exact bits (NaN payload included)
         return x32.view(np.uint32).astype(np.int64)
     return encode_f32(y, fmt)
+
+
+def q_codes_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale=None) -> np.ndarray:
+    """Codes of q(x, s) with each NaN as the write stores it (docs/contract.md, "The write", NaN): the
+    cache format's positive all-ones NaN (``nan_code``) when the element type changes, the input's own
+    bits when it already has the cache's type. Compare with ``assert_codes_equal(..., nan_equal=False)``."""
+    fmt = FORMAT_OF[cache_dtype]
+    codes = q_codes(x, cache_dtype, scale)
+    nan = fmt.is_nan_code(codes)
+    if x.dtype == cache_dtype:
+        return np.where(nan, codes_of(x).astype(np.int64), codes)
+    return np.where(nan, fmt.nan_code, codes)
 
 
 # The exact scalar encoder (rationals), which checks the vectorised one.

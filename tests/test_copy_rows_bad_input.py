@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvassert import assert_same_bytes, fill_random_
 from kvpool.kernels import copy_rows as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference
 
@@ -88,8 +89,15 @@ def test_partially_overlapping_tables_are_refused():
 
 
 def test_empty_copy_is_a_no_op():
+    """An empty copy leaves every byte of both tables as it was (random bytes, so a row copied onto
+    another would show)."""
     a, b = _tables()
+    fill_random_(a.buffers, seed=1)
+    fill_random_(b.buffers, seed=2)
+    before = [t.clone() for t in [*a.buffers, *b.buffers]]
     copy_rows(b, torch.empty(0, dtype=torch.int64), a, torch.empty(0, dtype=torch.int32))
+    for i, (now, was) in enumerate(zip([*a.buffers, *b.buffers], before)):
+        assert_same_bytes(now, was, f"table buffer {i} after an empty copy")
 
 
 def test_reference_a_row_named_twice_gets_one_source_whole():

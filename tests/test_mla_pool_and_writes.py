@@ -17,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvpool
 from kvassert import (
     CACHE_DTYPES,
     DEVICE,
@@ -41,6 +40,7 @@ from kvassert import (
     make_mla_pool,
     on_device,
     poison_mla_pool,
+    q_codes_stored,
     wide_values,
 )
 from kvpool import MLATokenToKVPool, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -313,7 +313,8 @@ def test_cache_v_and_v_scale_are_ignored_and_16_bit_pools_ignore_k_scale():
     x = torch.tensor([[[1.5, -2.0, 3.0, 0.25]]], device=DEVICE)
     pool = MLATokenToKVPool(8, 1, torch.float8_e4m3fn, 3, 1, 1, DEVICE, warmup=False)
     pool.set_kv_buffer(None, torch.tensor([2], device=DEVICE), x, "not a tensor", 0.5, -7.0, layer_id_override=0)
-    assert_same_bytes(pool.get_key_buffer(0)[2], kvpool.quantize(x, torch.float8_e4m3fn, 0.5)[0], "row 2")
+    assert_codes_equal(pool.get_key_buffer(0)[2], q_codes_stored(x, torch.float8_e4m3fn, 0.5)[0],
+                       FORMAT_OF[torch.float8_e4m3fn], "row 2", nan_equal=False)
     bf16 = MLATokenToKVPool(8, 1, torch.bfloat16, 3, 1, 1, DEVICE, warmup=False)
     bf16.set_mla_kv_buffer(None, torch.tensor([2], device=DEVICE), x[:, :, :3], x[:, :, 3:], -5.0, layer_id_override=0)
     assert torch.equal(bf16.get_key_buffer(0)[2], x[0].to(torch.bfloat16))
@@ -467,7 +468,8 @@ def test_allocators_hand_out_slots_of_an_mla_pool(page_size):
     rope = wide_values(rng, (8, 1, ROPE), torch.bfloat16, specials=False).to(DEVICE)
     pool.set_mla_kv_buffer(Layer(3), loc, nope, rope, 0.1)
     got_nope, got_rope = pool.get_mla_kv_buffer(Layer(3), loc)
-    assert_same_bytes(got_nope, kvpool.quantize(nope, torch.float8_e4m3fn, 0.1), "nope")
-    assert_same_bytes(got_rope, kvpool.quantize(rope, torch.float8_e4m3fn, 0.1), "rope")
+    fmt = FORMAT_OF[torch.float8_e4m3fn]
+    assert_codes_equal(got_nope, q_codes_stored(nope, torch.float8_e4m3fn, 0.1), fmt, "nope", nan_equal=False)
+    assert_codes_equal(got_rope, q_codes_stored(rope, torch.float8_e4m3fn, 0.1), fmt, "rope", nan_equal=False)
     allocator.free(loc)
     allocator.check_integrity()

@@ -159,10 +159,17 @@ def test_cpu_copy_round_trip_is_exact(copy_path, dtype):
 
 
 def test_empty_cpu_copy():
+    """An empty CPU copy holds no rows, and taking it or loading it back leaves every byte of the pool
+    as it was (random bytes, so a row copied onto another would show)."""
     pool = make_pool()
+    before = snapshot(pool)
     copy = pool.get_cpu_copy(torch.empty(0, dtype=torch.int64))
     assert len(copy) == 0
+    for i, (now, was) in enumerate(zip(snapshot(pool), before)):
+        assert_same_bytes(now, was, f"pool buffer {i} after taking an empty CPU copy")
     pool.load_cpu_copy(copy, torch.empty(0, dtype=torch.int64))
+    for i, (now, was) in enumerate(zip(snapshot(pool), before)):
+        assert_same_bytes(now, was, f"pool buffer {i} after loading an empty CPU copy")
 
 
 def test_get_cpu_copy_checks_the_range():

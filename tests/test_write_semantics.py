@@ -19,9 +19,11 @@ import torch
 from kvassert import (
     CACHE_DTYPES,
     DEVICE,
+    FORMAT_OF,
     FP8,
     INPUT_DTYPES,
     Layer,
+    assert_codes_equal,
     assert_same_bytes,
     bits,
     both_paths,
@@ -29,6 +31,7 @@ from kvassert import (
     poison_,
     poison_pool_,
     poisoned_caches,
+    q_codes_stored,
     scale_of,
     slots_for,
     spread_rows,
@@ -36,7 +39,6 @@ from kvassert import (
 from kvpool import (
     MHATokenToKVPool,
     fused_fp8_set_kv_buffer,
-    quantize,
     reference_set_kv_buffer,
 )
 from kvpool.kernels import store_kv
@@ -80,12 +82,12 @@ def test_fused_and_reference_pools_agree_and_leave_other_rows_alone(dtype):
     for layer_id in (0, 1):
         for a, b in zip(fused.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
             assert_same_bytes(a, b, f"layer {layer_id}")
-    # written rows hold q(x); slots 51 (the last row) was written, 52 is out of range
-    expect_k = quantize(k, dtype, 0.61)
+    # written rows hold q(x) (the oracle's codes); slot 51 (the last row) was written, 52 is out of range
+    expect_k = q_codes_stored(k, dtype, 0.61)
     kbuf = ref.get_key_buffer(1)
     for t, slot in enumerate([1, 7, None, 51, None, 30]):
         if slot is not None:
-            assert_same_bytes(kbuf[slot], expect_k[t], f"slot {slot}")
+            assert_codes_equal(kbuf[slot], expect_k[t], FORMAT_OF[dtype], f"slot {slot}", nan_equal=False)
     untouched = [s for s in range(52) if s not in (1, 7, 51, 30)]
     assert (bits(kbuf)[untouched] == -1 if dtype.itemsize > 1 else bits(kbuf)[untouched] == 0xFF).all()
 
@@ -256,9 +258,9 @@ def test_head_major_cache_beyond_int32_offsets():
     k = spread_rows(2, h, d, torch.bfloat16, 21, spread=False)
     loc = torch.tensor([5, slots - 1], device=DEVICE)
     fused_fp8_set_kv_buffer(k, k, k_cache, k_cache, loc, 0.5, 0.5)
-    expected = quantize(k, torch.float8_e4m3fn, 0.5)
+    expected = q_codes_stored(k, torch.float8_e4m3fn, 0.5)
     for t, slot in enumerate([5, slots - 1]):
-        assert_same_bytes(backing[:, slot], expected[t], f"slot {slot}")
+        assert_codes_equal(backing[:, slot], expected[t], FORMAT_OF[torch.float8_e4m3fn], f"slot {slot}", nan_equal=False)
 
 
 def test_non_contiguous_per_head_scale_needs_no_copy():

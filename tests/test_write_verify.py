@@ -8,6 +8,7 @@ synchronisation nor allocation.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -19,12 +20,15 @@ from kvassert import (
     CUDA_ROWS,
     D,
     DEVICE,
+    FORMAT_OF,
     FP8,
     H,
     META,
+    assert_codes_equal,
     assert_pools_equal,
     assert_same_bytes,
     bits,
+    codes_of,
     committed_tokens,
     cuda_gen,
     cuda_pool,
@@ -36,9 +40,10 @@ from kvassert import (
     no_sync,
     poison_,
     poison_pool_,
+    q_codes_stored,
     scale_of,
 )
-from kvpool import MHATokenToKVPool, quantize
+from kvpool import MHATokenToKVPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 
@@ -48,7 +53,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy insid
 # Token ``(i, j)`` (input row ``i * width + j``) is written to slot ``loc_2d[i, j]`` exactly as
 # ``set_kv_buffer`` writes a token iff ``j < commit_lens[i]``; the rest write nothing. Every case runs
 # on a fused pool and a reference pool, with all buffers poisoned first, and the two must agree byte
-# for byte with each other and with an expected buffer built here from ``quantize`` row by row.
+# for byte with each other and with an expected buffer built here from the oracle (``kvassert.q_codes_stored``) row by row.
 # K is [T, H, D] with the bad-input cases' H and D; V is [T, H, VERIFY_DV].
 
 
@@ -112,16 +117,18 @@ def _loc_layout(loc: list[list[int]], layout: str, dtype) -> torch.Tensor:
 
 
 def _verify_expected(dtype, loc, commit, k, v, ks, vs):
-    """Poisoned buffers of one layer with the committed, in-range tokens written row by row."""
-    ek = poison_(torch.empty(VERIFY_ROWS, H, D, dtype=dtype, device=DEVICE))
-    ev = poison_(torch.empty(VERIFY_ROWS, H, VERIFY_DV, dtype=dtype, device=DEVICE))
+    """The oracle's codes of one layer's poisoned buffers with the committed, in-range tokens written
+    row by row (NaN as the write stores it)."""
+    ek = codes_of(poison_(torch.empty(VERIFY_ROWS, H, D, dtype=dtype))).astype(np.int64)
+    ev = codes_of(poison_(torch.empty(VERIFY_ROWS, H, VERIFY_DV, dtype=dtype))).astype(np.int64)
+    qk, qv = q_codes_stored(k, dtype, ks), q_codes_stored(v, dtype, vs)
     width = len(loc[0]) if loc else 0
     for i, row in enumerate(loc):
         for j, slot in enumerate(row):
             t = i * width + j
             if j < commit[i] and 0 <= slot < VERIFY_ROWS:
-                ek[slot] = quantize(k[t : t + 1], dtype, ks)[0]
-                ev[slot] = quantize(v[t : t + 1], dtype, vs)[0]
+                ek[slot] = qk[t]
+                ev[slot] = qv[t]
     return ek, ev
 
 
@@ -133,8 +140,9 @@ def _verify_check(dtype, loc, commit, loc_t, commit_t, k, v, ks, vs) -> None:
         pool.set_kv_buffer_prefix_valid(None, loc_t, commit_t, k, v, ks, vs, layer_id_override=VERIFY_LAYER)
     assert_pools_equal(pools["always"], pools["never"], "fused vs reference", range(VERIFY_LAYERS))
     ek, ev = _verify_expected(dtype, loc, commit, k, v, ks, vs)
-    assert_same_bytes(pools["never"].get_key_buffer(VERIFY_LAYER), ek, "K vs expected rows")
-    assert_same_bytes(pools["never"].get_value_buffer(VERIFY_LAYER), ev, "V vs expected rows")
+    fmt = FORMAT_OF[dtype]
+    assert_codes_equal(pools["never"].get_key_buffer(VERIFY_LAYER), ek, fmt, "K vs expected rows", nan_equal=False)
+    assert_codes_equal(pools["never"].get_value_buffer(VERIFY_LAYER), ev, fmt, "V vs expected rows", nan_equal=False)
     # The same write as a plain set_kv_buffer of the committed tokens only.
     width = len(loc[0]) if loc else 0
     kept = [i * width + j for i, row in enumerate(loc) for j in range(width) if j < commit[i]]
@@ -380,8 +388,9 @@ def test_verify_write_validate_accepts_uncommitted_out_of_range_and_committed_pa
     args.update(loc_2d=_loc_layout(loc, "slice", torch.int64), commit_lens=torch.tensor(commit, device=DEVICE))
     pool.set_kv_buffer_prefix_valid(**args)
     ek, ev = _verify_expected(torch.float8_e4m3fn, loc, commit, args["cache_k"], args["cache_v"], 0.5, None)
-    assert_same_bytes(pool.get_key_buffer(VERIFY_LAYER), ek, "K")
-    assert_same_bytes(pool.get_value_buffer(VERIFY_LAYER), ev, "V")
+    fmt = FORMAT_OF[torch.float8_e4m3fn]
+    assert_codes_equal(pool.get_key_buffer(VERIFY_LAYER), ek, fmt, "K", nan_equal=False)
+    assert_codes_equal(pool.get_value_buffer(VERIFY_LAYER), ev, fmt, "V", nan_equal=False)
 
 
 @fused_runs
