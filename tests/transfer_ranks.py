@@ -11,8 +11,8 @@ rows and everything else) byte for byte against that. A side with a :class:`Stat
 SSM state), so a re-sharded transfer is checked by where each identity lands, not by offsets. Each rank writes its outcomes to
 ``out/rank{r}.json``; :func:`run_cases` collects them, and the test compares the ranks' outcomes.
 
-Used by tests/test_transfer.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL: one GPU per
-rank, or every rank on one GPU, where only the direct path may move rows).
+Used by tests/test_transfer_between_ranks.py (CPU, gloo) and tests/test_gpu_transfer.py (CUDA, NCCL:
+one GPU per rank, or every rank on one GPU, where only the direct path may move rows).
 """
 
 from __future__ import annotations
