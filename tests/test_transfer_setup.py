@@ -43,7 +43,6 @@ from kvpool.transfer.handshake import (
 from kvpool.transfer.state_wire import MAMBA2, StateOverlap, StateSide, band_spans, state_plan
 from kvpool.transfer import wire
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
-from transfer_ranks import free_port
 
 
 # --- the chunk plan ---------------------------------------------------------------------------------------
