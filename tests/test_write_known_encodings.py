@@ -161,15 +161,6 @@ def _literal_rows(cache_dtype, in_dtype, mult: float = 1.0):
     return out
 
 
-def _check_codes(codes: np.ndarray, rows, fmt, what: str) -> None:
-    codes = np.asarray(codes).reshape(-1)
-    expected = np.array([r.code if r.code >= 0 else fmt.nan_code for r in rows])
-    for i, r in enumerate(rows):
-        if r.code < 0:
-            assert fmt.is_nan_code(np.array([codes[i]]))[0], f"{what}: {r.id} -> 0x{int(codes[i]):02x}, want NaN"
-    assert_codes_equal(codes, expected, fmt, f"{what} {[r.id for r in rows]}")
-
-
 # ----------------------------------------------------------------------------------------------
 # The oracle against the literals.
 
