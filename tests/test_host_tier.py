@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvassert import assert_same_bytes, fill_random_, frames_up_to, gpu, needs_interpreter, no_sync, random_cuda_pool
 
 from kvpool import MHATokenToKVPool
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.host import MHATokenToKVPoolHost, direct_backend, memory
 from kvpool.host.pages import HostPages
 from kvpool.streams import OnStream, StreamMark

@@ -55,10 +55,10 @@ from kvpool import (
 )
 from kvpool import host as host_tier
 from kvpool.config import KernelOptions
-from kvpool.kernels import copy_rows, store_kv
-from kvpool.kernels.store_kv_op import launch_store_kv
-from kvpool.kernels.store_kv_plan import BAND_TOKENS, plan_write
-from kvpool.kernels.tuning import SMALL_TOKENS
+from kvpool.kernels.copy_rows import launcher as copy_rows
+from kvpool.kernels.store_kv import writer as store_kv
+from kvpool.kernels.store_kv.op import launch_store_kv
+from kvpool.kernels.store_kv.plan import BAND_TOKENS, SMALL_TOKENS, plan_write
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -56,12 +56,19 @@ from kvassert import (
 )
 from kvpool import MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels import copy_rows, copy_rows_kernel, state_commit, state_commit_kernel, store_kv, store_kv_kernel
+from kvpool.kernels.copy_rows import kernel as copy_rows_kernel
+from kvpool.kernels.copy_rows import launcher as copy_rows
+from kvpool.kernels.state_commit import kernel as state_commit_kernel
+from kvpool.kernels.state_commit import launcher as state_commit
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
+from kvpool.kernels.store_kv import writer as store_kv
 from kvpool.kernels.copy_rows import RowTable
-from kvpool.kernels.store_kv import KVWriter, storage_view
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry, write_key
-from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
-from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
+from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.kernels.store_kv.checks import write_key
+from kvpool.kernels.store_kv.plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
+from kvpool.kernels.launch import Tile
+from kvpool.kernels.store_kv.plan import SMALL_TOKENS, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED
+from kvpool.write_types import FUNCTION_NAMES, Geometry
 
 BIG = SMALL_TOKENS + 1  # a write of the large-token band
 

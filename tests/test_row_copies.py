@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvassert import assert_same_bytes, cross_compile, fill_random_, gpu, needs_interpreter, no_sync, poison_, random_cuda_pool
 from kvpool import MHATokenToKVPool
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference, plan_copy
 from kvpool.kernels.launch import kernel_params, launch_key
 from kvpool.pools.cpu_copy import KVCpuCopy

@@ -75,8 +75,8 @@ from kvpool import (
     reference_set_kv_buffer,
 )
 from kvpool.config import KernelOptions
-from kvpool.kernels import store_kv
-from kvpool.kernels.store_kv_op import launch_store_kv
+from kvpool.kernels.store_kv import writer as store_kv
+from kvpool.kernels.store_kv.op import launch_store_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -51,7 +51,7 @@ from kvassert import (
     q_exact,
     skip_fused_without_interpreter,
 )
-from kvpool.kernels import store_kv_kernel
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

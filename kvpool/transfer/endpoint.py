@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 
 from kvpool.checks import non_negative_int, positive_int
-from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS
 from kvpool.kernels.launch import compiled_on, sm_count
-from kvpool.kernels.tuning import TRANSFER_CHUNK_BYTES_CPU, TRANSFER_CHUNK_BYTES_CUDA
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -105,6 +105,12 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 #: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
 #: parts, one head; a ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
 POOLS = (MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool)
+#: Staging per half on CUDA (or the whole pool's rows, if smaller): each NCCL message carries a fixed
+#: cost, so large messages keep the link busy; the price is two halves of device memory per endpoint.
+TRANSFER_CHUNK_BYTES_CUDA = 512 << 20
+#: Staging per half on the CPU: gloo messages this large are past its per-message overhead.
+TRANSFER_CHUNK_BYTES_CPU = 4 << 20
+
 
 def default_max_programs(sms: int) -> int:
     """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs: copy_rows' few-programs

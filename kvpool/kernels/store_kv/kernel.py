@@ -1,5 +1,5 @@
-"""The fused K/V cache write, as Triton device code only (plan: ``store_kv_plan.py``; the writer
-that launches it: ``store_kv.py``; what it writes: docs/contract.md, "The write").
+"""The fused K/V cache write, as Triton device code only (plan: ``plan.py``; the writer
+that launches it: ``writer.py``; what it writes: docs/contract.md, "The write").
 
 One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
 rounded float32, saturate, round to nearest even (natively, or with integer operations: ``SOFT_CAST``,
