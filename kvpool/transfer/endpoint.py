@@ -10,7 +10,7 @@ How a transfer runs (both ranks, in this order):
    the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` or
    ``state_slots`` of the wrong type or shape, a slot outside its pool) is recorded in this rank's
    header instead of raised.
-2. **Handshake.** The ranks swap 2 KiB headers (:mod:`kvpool.transfer.handshake`): the KV pool's
+2. **Handshake.** The ranks swap fixed-size headers (:mod:`kvpool.transfer.handshake`): the KV pool's
    geometry, token count, the heads each holds, staging size, the linear-attention state's geometry
    and slot count (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct
    transfer, and any problem from step 1. They travel through torch.distributed's key-value store
