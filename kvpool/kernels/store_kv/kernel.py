@@ -82,18 +82,14 @@ def _to_float32(x, SOFT_CAST: tl.constexpr):
 def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise.
 
-    Native (``SOFT_CAST=False``, taken only on NVIDIA sm_89+: ``writer.native_cast_ok``): Triton's
-    casts. For FP8 that is ``cvt.rn.satfinite``, which rounds to nearest even, sends finite overflow
-    and +-inf to +-fmax and every NaN to 0x7F (FP8_NAN); for bf16 ``cvt.rn.bf16.f32``, which rounds to
-    nearest even and writes every NaN, of either sign and any payload, as 0x7FFF (HALF_NAN). Both are
-    the write's definition with no clamp and no NaN select (tests/test_write_nan_hardware_cast.py
-    checks the bf16 NaNs on the native branch alone; tests/test_write.py every bf16/fp16 pattern and
-    random float32 ones; tests/test_plans_and_launcher.py the FP8 instruction).
+    Native (``SOFT_CAST=False``, NVIDIA sm_89+ only): Triton's casts, ``cvt.rn.satfinite`` for FP8
+    (nearest even, overflow and +-inf to +-fmax, every NaN to FP8_NAN) and ``cvt.rn.bf16.f32`` for
+    bf16 (nearest even, every NaN to HALF_NAN): the write's definition with no clamp and no NaN
+    select (tests/test_write_nan_hardware_cast.py, test_write.py, test_plans_and_launcher.py).
     Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
     bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
-    are wrong) and GPUs with no FP8 conversion. The fp16 and fp32 outputs select their NaN pattern
-    on both branches: a float32 NaN reaches an fp32 cache with its sign and payload, and the fp16
-    cast also runs in the interpreter, which keeps them."""
+    are wrong) and GPUs with no FP8 conversion. fp16 and fp32 outputs select their NaN pattern on
+    both branches: their casts (and the interpreter's) keep NaN signs and payloads."""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
