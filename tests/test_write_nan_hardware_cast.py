@@ -1,12 +1,13 @@
 """The write's hardware-cast branch stores every NaN as a bf16 cache's canonical NaN by itself.
 
-On NVIDIA sm_89+ the write kernel encodes a bf16 cache's elements with the GPU's own conversion
+On NVIDIA sm_89+ the write kernel converts into a bf16 cache with the GPU's own conversion
 (``SOFT_CAST`` off) and selects no NaN pattern: ``cvt.rn.bf16.f32`` writes every NaN, of either sign
 and any payload, as 0x7FFF. These tests run that branch alone (the writer is asked for the native
-cast and must have taken it) on every bf16 and fp16 NaN pattern and on float32 NaNs of every class,
-and expect 0x7FFF in every element. They fail if the branch stops being the one taken or if the
+cast and must have taken it) on every fp16 NaN pattern and on float32 NaNs of every class, and
+expect 0x7FFF in every element. They fail if the branch stops being the one taken or if the
 conversion stores any other NaN bits. The integer encoder (``SOFT_CAST`` on) gets the same inputs as
-a control. CUDA only: the interpreter never takes the native branch.
+a control. (A bf16 input into a bf16 cache converts nothing: its NaN bits are copied as they are,
+tests/test_write.py checks that.) CUDA only: the interpreter never takes the native branch.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ def _write(x: torch.Tensor, soft_cast: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 INPUTS = {
-    "every_bf16_nan": lambda: _every_nan(torch.bfloat16),
     "every_fp16_nan": lambda: _every_nan(torch.float16),
     "float32_nans": _float32_nans,
 }
