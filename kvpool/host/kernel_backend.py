@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from kvpool.kernels.copy_rows import checked_copy, launch_copy_rows
+# Through the module, so that a test's stand-in for one of its functions is the one called.
+from kvpool.kernels.copy_rows import launcher as copy_launcher
 from kvpool.kernels.launch import compiled_on
 from kvpool.kernels.row_table import RowTable
 
@@ -48,16 +49,16 @@ class KernelBackend:
         host = t.host_index_on(self.rows.table_device)
         cap = self.programs
         if t.direction == "backup":
-            checked_copy(self.rows, host, t.device_rows, t.device_index, cap, False, _BACKUP_NAMES)
+            copy_launcher.checked_copy(self.rows, host, t.device_rows, t.device_index, cap, False, _BACKUP_NAMES)
         elif t.together:
-            checked_copy(t.device_rows, t.device_index, self.rows, host, cap, False, _LOAD_NAMES)
+            copy_launcher.checked_copy(t.device_rows, t.device_index, self.rows, host, cap, False, _LOAD_NAMES)
             for layer in t.layers:
                 landed(layer, stream)
         else:
             for i, layer in enumerate(t.layers):
                 dst, src = t.device_layers[layer], self.layer_rows[layer]
                 if i and self._unchecked:
-                    launch_copy_rows(dst, t.device_index, src, host, max_programs=cap)
+                    copy_launcher.launch_copy_rows(dst, t.device_index, src, host, max_programs=cap)
                 else:
-                    checked_copy(dst, t.device_index, src, host, cap, False, _LOAD_NAMES)
+                    copy_launcher.checked_copy(dst, t.device_index, src, host, cap, False, _LOAD_NAMES)
                 landed(layer, stream)
