@@ -50,8 +50,8 @@ from timing import event_ms, gbps, wall_ms  # noqa: E402
 
 from kvpool import MHATokenToKVPool  # noqa: E402
 from kvpool.host import MHATokenToKVPoolHost, direct_backend  # noqa: E402
-from kvpool.host.kernel_backend import KERNEL_PROGRAMS  # noqa: E402
-from kvpool.kernels import copy_rows as C  # noqa: E402
+from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS as KERNEL_PROGRAMS  # noqa: E402
+from kvpool.kernels.copy_rows import launcher as C  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM  # FP8: 64 KiB per token, K and V of every layer

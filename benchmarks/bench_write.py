@@ -56,11 +56,11 @@ from timing import DryClock, GpuClock, same_bytes_copy_gbps  # noqa: E402
 
 from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
 from kvpool.config import KernelOptions  # noqa: E402
-from kvpool.kernels import store_kv  # noqa: E402
-from kvpool.kernels.store_kv import KVWriter  # noqa: E402
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, POOL_NAMES, Geometry  # noqa: E402
-from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED  # noqa: E402
-from kvpool.kernels.tuning import Tile  # noqa: E402
+from kvpool.kernels.store_kv import writer as store_kv  # noqa: E402
+from kvpool.kernels.launch import Tile  # noqa: E402
+from kvpool.kernels.store_kv.writer import KVWriter  # noqa: E402
+from kvpool.write_types import FUNCTION_NAMES, POOL_NAMES, Geometry  # noqa: E402
+from kvpool.kernels.store_kv.plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SCALE = 0.37

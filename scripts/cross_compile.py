@@ -26,12 +26,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvpool.kernels import copy_rows_kernel as CK  # noqa: E402
-from kvpool.kernels import store_kv_kernel as K  # noqa: E402
-from kvpool.kernels.copy_rows import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
-from kvpool.kernels.store_kv import PER_CALL  # noqa: E402
-from kvpool.kernels.store_kv_plan import plan_write  # noqa: E402
-from kvpool.kernels.tuning import SMALL_TOKENS  # noqa: E402
+from kvpool.kernels.copy_rows import kernel as CK  # noqa: E402
+from kvpool.kernels.store_kv import kernel as K  # noqa: E402
+from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
+from kvpool.kernels.store_kv.writer import PER_CALL  # noqa: E402
+from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
 
 OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
 TARGETS = {

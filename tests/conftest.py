@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 def copy_path(request, monkeypatch):
     """The row copies (moves, CPU copies, host tier) on their reference path, and on the row-copy
     kernel run on CPU tables through Triton's interpreter."""
-    from kvpool.kernels import copy_rows
+    from kvpool.kernels.copy_rows import launcher as copy_rows
 
     if request.param == "kernel":
         if not copy_rows.INTERPRETER:

@@ -236,7 +236,7 @@ def both_paths(k, v, loc, k_scale, v_scale, slots: int, cache_dtype: torch.dtype
     """Run the kernel (``launch_store_kv`` with ``launch``, else the public function) and the
     reference on identically poisoned caches; return both results, ((kf, vf), (kr, vr))."""
     from kvpool import fused_fp8_set_kv_buffer, reference_set_kv_buffer
-    from kvpool.kernels.store_kv_op import launch_store_kv
+    from kvpool.kernels.store_kv.op import launch_store_kv
 
     h, d, hv, dv = k.shape[1], k.shape[2], v.shape[1], v.shape[2]
     kf, vf = poisoned_caches(slots, h, d, hv, dv, cache_dtype)
@@ -251,7 +251,7 @@ def both_paths(k, v, loc, k_scale, v_scale, slots: int, cache_dtype: torch.dtype
 
 def geometry_of(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The writer's ``Geometry`` of a pair of caches."""
-    from kvpool.kernels.store_kv_checks import Geometry
+    from kvpool.write_types import Geometry
 
     return Geometry(k_cache.dtype, *k_cache.shape[1:], *v_cache.shape[1:], k_cache.device)
 
@@ -954,7 +954,7 @@ def cross_compile(*args: str) -> list[dict]:
 def compiled_variants() -> int:
     """Number of compiled variants of the write kernel in Triton's in-process cache (skips the test
     where this Triton keeps its cache elsewhere)."""
-    from kvpool.kernels import store_kv_kernel
+    from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
     caches = getattr(store_kv_kernel._store_kv_kernel, "device_caches", None)
     if caches is None:

@@ -33,7 +33,7 @@ from kvassert import (
     q_codes_stored,
 )
 from kvpool import MHATokenToKVPool
-from kvpool.kernels import store_kv_kernel
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -22,7 +22,7 @@ from kvassert import (
     cuda_values,
     gpu,
 )
-from kvpool.kernels import store_kv_kernel
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -138,7 +138,7 @@ def _jit_flags(pool) -> set:
     """(K scale kind, V scale kind, prefix, observe) of every variant the pool's writer has
     launched through Triton's JIT (every kind of fused call's first launch goes there)."""
     return {
-        (e.ka, e.va, e.constexprs["PREFIX"], e.constexprs["OBSERVE"])
+        (e.k_kind, e.v_kind, e.constexprs["PREFIX"], e.constexprs["OBSERVE"])
         for e in pool._writer._entries.values() if e.refused is None
     }  # fmt: skip
 

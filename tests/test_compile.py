@@ -9,7 +9,7 @@ import torch
 
 from kvassert import DEVICE, Layer, assert_same_bytes, cuda_pool, cuda_values, gpu
 from kvpool import MHATokenToKVPool, MLATokenToKVPool
-from kvpool.kernels import store_kv_op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
+from kvpool.kernels.store_kv import op as store_kv_op  # noqa: F401  (registers torch.ops.kvpool.store_kv)
 
 def _model_step(pool: MHATokenToKVPool, layers: list[Layer]):
     """A toy forward pass: per layer, project, write K/V, read the cache back."""

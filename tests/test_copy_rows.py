@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvassert import assert_same_bytes, needs_interpreter, poison_
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference, plan_copy
 from kvpool.kernels.launch import kernel_params, launch_key
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvassert import assert_same_bytes, fill_random_
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference
 
 

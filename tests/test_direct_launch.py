@@ -28,10 +28,15 @@ from kvassert import (
     poison_,
 )
 from kvpool import MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool, reference_set_kv_buffer
-from kvpool.kernels import copy_rows, copy_rows_kernel, state_commit, state_commit_kernel, store_kv, store_kv_kernel
+from kvpool.kernels.copy_rows import launcher as copy_rows
+from kvpool.kernels.copy_rows import kernel as copy_rows_kernel
+from kvpool.kernels.state_commit import launcher as state_commit
+from kvpool.kernels.state_commit import kernel as state_commit_kernel
+from kvpool.kernels.store_kv import writer as store_kv
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
 from kvpool.kernels.copy_rows import RowTable
-from kvpool.kernels.store_kv import KVWriter, storage_view
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry
+from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.write_types import FUNCTION_NAMES, Geometry
 
 
 # --- the launcher --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvassert import HOST_BACKENDS, HOST_LAYOUTS, dev_rows, make_device_pool, make_host
 
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.host import direct_backend
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvassert import HOST_BACKENDS, HOST_LAYOUTS, assert_same_bytes, frames_up_to, gpu, no_sync, random_cuda_pool
 
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.host import MHATokenToKVPoolHost
 
 

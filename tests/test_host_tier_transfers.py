@@ -25,7 +25,7 @@ from kvassert import (
     needs_interpreter,
 )
 
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.host import direct_backend
 from kvpool.host.pages import HostPages
 

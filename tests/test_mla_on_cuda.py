@@ -32,8 +32,8 @@ from kvassert import (
 )
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels.store_kv_op import launch_store_kv
-from kvpool.kernels.tuning import SMALL_TOKENS
+from kvpool.kernels.store_kv.op import launch_store_kv
+from kvpool.kernels.store_kv.plan import SMALL_TOKENS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -44,9 +44,9 @@ from kvassert import (
     wide_values,
 )
 from kvpool import MLATokenToKVPool, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from kvpool.kernels import store_kv
-from kvpool.kernels.store_kv_plan import BAND_TOKENS, plan_write
-from kvpool.kernels.tuning import SMALL_TOKENS
+from kvpool.kernels.store_kv import writer as store_kv
+from kvpool.kernels.store_kv.plan import BAND_TOKENS, plan_write
+from kvpool.kernels.store_kv.plan import SMALL_TOKENS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -20,7 +20,7 @@ from kvassert import (
 )
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolHost, TokenToKVPoolAllocator
 from kvpool import host as host_tier
-from kvpool.kernels import copy_rows
+from kvpool.kernels.copy_rows import launcher as copy_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

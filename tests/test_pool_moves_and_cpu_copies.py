@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvassert import assert_same_bytes, fill_random_
 from kvpool import MHATokenToKVPool
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.pools.cpu_copy import KVCpuCopy
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvassert import assert_same_bytes, gpu, no_sync, random_cuda_pool
 from kvpool import MHATokenToKVPool
-from kvpool.kernels import copy_rows as C
+from kvpool.kernels.copy_rows import launcher as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows
 
 

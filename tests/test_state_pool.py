@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvpool.kernels.state_commit as SC
+from kvpool.kernels.state_commit import launcher as SC
 import kvpool.pools.mamba_pool as mamba_pool_module
 import kvpool.pools.state_params as state_params_module
 import kvpool.pools.state_slots as state_slots_module
@@ -33,8 +33,8 @@ from kvpool import (
     MLATokenToKVPool,
     quantize,
 )
-from kvpool.kernels import copy_rows as C
-from kvpool.kernels import store_kv
+from kvpool.kernels.copy_rows import launcher as C
+from kvpool.kernels.store_kv import writer as store_kv
 
 META = torch.device("meta")
 LAYERS = (1, 2, 5)  # global ids of the linear layers (full attention at 0, 3, 4)
@@ -786,7 +786,8 @@ def test_hybrid_host_checks_both_halves_before_copying():
 def test_the_commit_kernels_launch_cache_is_built_like_the_others():
     """Its arguments are what ``DirectLaunches`` takes (a wrong one fails only where direct launches
     run, on a GPU, at the first ``remember``)."""
-    from kvpool.kernels import copy_rows, state_commit
+    from kvpool.kernels.copy_rows import launcher as copy_rows
+    from kvpool.kernels.state_commit import launcher as state_commit
 
     for cache in (state_commit.LAUNCHES, copy_rows.LAUNCHES):
         assert isinstance(cache.limit, int) and cache.limit > 0

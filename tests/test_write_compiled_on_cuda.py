@@ -29,7 +29,7 @@ from kvassert import (
 )
 from kvpool import fused_fp8_set_kv_buffer, reference_set_kv_buffer
 from kvpool.config import KernelOptions
-from kvpool.kernels.store_kv_op import launch_store_kv
+from kvpool.kernels.store_kv.op import launch_store_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvassert import assert_same_bytes, cuda_gen, gpu
-from kvpool.kernels import store_kv_kernel
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -12,7 +12,7 @@ import torch
 
 from kvassert import cuda_pool, cuda_values, gpu
 from kvpool import FusedPathUnavailable, MHATokenToKVPool, fused_eligibility
-from kvpool.kernels import store_kv
+from kvpool.kernels.store_kv import writer as store_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

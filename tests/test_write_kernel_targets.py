@@ -16,8 +16,8 @@ from kvassert import (
     poison_,
 )
 from kvpool import reference_set_kv_buffer
-from kvpool.kernels.store_kv import KVWriter, storage_view
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry
+from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.write_types import FUNCTION_NAMES, Geometry
 
 
 # --- the write kernel compiled for real GPU targets -----------------------------------------------

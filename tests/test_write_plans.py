@@ -28,11 +28,14 @@ from kvassert import (
     spread_rows,
 )
 from kvpool import reference_set_kv_buffer
-from kvpool.kernels import store_kv, store_kv_kernel
-from kvpool.kernels.store_kv import KVWriter, storage_view
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, Geometry, write_key
-from kvpool.kernels.store_kv_plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
-from kvpool.kernels.tuning import SMALL_TOKENS, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
+from kvpool.kernels.store_kv import writer as store_kv
+from kvpool.kernels.store_kv import kernel as store_kv_kernel
+from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.write_types import FUNCTION_NAMES, Geometry
+from kvpool.kernels.store_kv.checks import write_key
+from kvpool.kernels.store_kv.plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write
+from kvpool.kernels.store_kv.plan import SMALL_TOKENS, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED
+from kvpool.kernels.launch import Tile
 
 BIG = SMALL_TOKENS + 1  # a write of the large-token band
 

@@ -41,7 +41,7 @@ from kvpool import (
     fused_fp8_set_kv_buffer,
     reference_set_kv_buffer,
 )
-from kvpool.kernels import store_kv
+from kvpool.kernels.store_kv import writer as store_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy inside Triton's interpreter
 

@@ -378,7 +378,7 @@ def run_rank_cases(
     keep in step over a gloo group)."""
     torch.set_num_threads(1)
     if kernel:
-        from kvpool.kernels import copy_rows
+        from kvpool.kernels.copy_rows import launcher as copy_rows
 
         if not copy_rows.INTERPRETER:
             raise RuntimeError("kernel=True needs TRITON_INTERPRET=1")

@@ -21,11 +21,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kvpool.kernels.tuning import GALLOP_LIMIT
-
 #: Bytes per key element: one int64 token, or a bigram's two.
 TOKEN_BYTES = 8
 BIGRAM_BYTES = 16
+#: Matches shorter than this many key elements are found by comparing slices; longer ones with
+#: numpy, whose fixed cost per call pays off only on long keys.
+GALLOP_LIMIT = 32
 
 _NATIVE_LITTLE = sys.byteorder == "little"
 

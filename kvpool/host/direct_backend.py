@@ -22,13 +22,18 @@ import numpy as np
 import torch
 
 from kvpool.host.memory import layer_views
-from kvpool.kernels import copy_rows as rows
+# Through the module, so that a test's stand-in for one of its functions is the one called.
+from kvpool.kernels.copy_rows import launcher as copy_launcher
 from kvpool.kernels.launch import compiled_on
 from kvpool.kernels.row_table import RowTable
 from kvpool.streams import OnStream
 
 if TYPE_CHECKING:
     from kvpool.host.schedule import Landed, Transfer
+
+#: Each of the backend's two device staging buffers per direction: larger ones make longer
+#: copy-engine pieces, at the cost of device memory the model does not get.
+HOST_STAGING_BYTES = 32 * 2**20
 
 # --- the copy plan (pure functions on NumPy arrays) --------------------------------------------------
 
@@ -319,13 +324,13 @@ class DirectBackend:
         are the host pool's own and the device pool's, checked when the transfer was, so on CUDA
         they go straight to the kernel's launch (a partial adds no Python frame)."""
         if aux is None:
-            return functools.partial(rows.checked_copy, max_programs=None, validate=False, names=_NAMES)
+            return functools.partial(copy_launcher.checked_copy, max_programs=None, validate=False, names=_NAMES)
         if compiled_on(aux.device):
-            return functools.partial(rows.launch_copy_rows, stream=aux)
+            return functools.partial(copy_launcher.launch_copy_rows, stream=aux)
 
         def on_aux(dst, dst_index, src, src_index) -> None:  # CUDA without the kernel: the reference
             with OnStream(aux):
-                rows.checked_copy(dst, dst_index, src, src_index, None, False, _NAMES)
+                copy_launcher.checked_copy(dst, dst_index, src, src_index, None, False, _NAMES)
 
         return on_aux
 

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from kvpool.kernels import copy_rows as rows
+# Through the module, so that a test's stand-in for one of its functions is the one called.
+from kvpool.kernels.copy_rows import launcher as copy_launcher
 from kvpool.kernels.launch import compiled_on
 from kvpool.kernels.row_table import RowTable
-from kvpool.kernels.tuning import HOST_KERNEL_PROGRAMS
 
 if TYPE_CHECKING:
     from kvpool.host.schedule import Landed, Transfer
 
-#: The backend's default grid (``tuning.HOST_KERNEL_PROGRAMS``).
-KERNEL_PROGRAMS = HOST_KERNEL_PROGRAMS
+#: The backend's default grid: at most this many SMs copy, the rest stay with the model.
+HOST_KERNEL_PROGRAMS = 8
 
 _BACKUP_NAMES = ("host_indices", "device_indices")
 _LOAD_NAMES = ("device_indices", "host_indices")
@@ -49,16 +49,16 @@ class KernelBackend:
         host = t.host_index_on(self.rows.table_device)
         cap = self.programs
         if t.direction == "backup":
-            rows.checked_copy(self.rows, host, t.device_rows, t.device_index, cap, False, _BACKUP_NAMES)
+            copy_launcher.checked_copy(self.rows, host, t.device_rows, t.device_index, cap, False, _BACKUP_NAMES)
         elif t.together:
-            rows.checked_copy(t.device_rows, t.device_index, self.rows, host, cap, False, _LOAD_NAMES)
+            copy_launcher.checked_copy(t.device_rows, t.device_index, self.rows, host, cap, False, _LOAD_NAMES)
             for layer in t.layers:
                 landed(layer, stream)
         else:
             for i, layer in enumerate(t.layers):
                 dst, src = t.device_layers[layer], self.layer_rows[layer]
                 if i and self._unchecked:
-                    rows.launch_copy_rows(dst, t.device_index, src, host, max_programs=cap)
+                    copy_launcher.launch_copy_rows(dst, t.device_index, src, host, max_programs=cap)
                 else:
-                    rows.checked_copy(dst, t.device_index, src, host, cap, False, _LOAD_NAMES)
+                    copy_launcher.checked_copy(dst, t.device_index, src, host, cap, False, _LOAD_NAMES)
                 landed(layer, stream)

@@ -20,14 +20,13 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, check_same_length, layer_index, positive_int
 from kvpool.config import validate_enabled
-from kvpool.host.direct_backend import DirectBackend
-from kvpool.host.kernel_backend import KernelBackend
+from kvpool.host.direct_backend import HOST_STAGING_BYTES, DirectBackend
+from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS, KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
 from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, host_slots, layer_views
 from kvpool.host.pages import HostPages
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
-from kvpool.kernels.tuning import HOST_KERNEL_PROGRAMS, HOST_STAGING_BYTES
 from kvpool.pools.mla_pool import MLATokenToKVPool
 
 IO_BACKENDS = ("kernel", "direct")

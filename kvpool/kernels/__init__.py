@@ -1,12 +1,14 @@
-"""Kernels and their launchers: the K/V write (``store_kv*.py``: kernel, plan, writer, operators and
-public functions, reference, checks), the gate, the row copy (``row_table.py``, ``copy_rows*.py``),
-and what they share (``launch.py``, ``tuning.py``, ``formats.py``)."""
+"""kvpool's kernels, one subpackage per family, each with its kernel, plan, launcher and reference
+together: the K/V write (``store_kv/``), the row copy (``copy_rows/``) and the speculative state
+commit (``state_commit/``); and what the families share: the launch machinery and ``Tile``
+(``launch.py``), the dtype and scale kinds (``formats.py``), the write's eligibility gate
+(``gate.py``) and the tables of row buffers (``row_table.py``)."""
 
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.gate import fused_eligibility
-from kvpool.kernels.store_kv import PathStats
-from kvpool.kernels.store_kv_naive import quantize
-from kvpool.kernels.store_kv_op import fused_fp8_set_kv_buffer, reference_set_kv_buffer
+from kvpool.kernels.store_kv.naive import quantize
+from kvpool.kernels.store_kv.op import fused_fp8_set_kv_buffer, reference_set_kv_buffer
+from kvpool.kernels.store_kv.writer import PathStats
 
 __all__ = [
     "FusedPathUnavailable",

@@ -3,7 +3,7 @@
 The decision has two parts. What is fixed when the caches exist (Triton present, device, cache
 dtype, head dims, NHD layout) is decided once, by :func:`cache_verdict`, when a pool or a writer is
 built. What can change from call to call is decided by :func:`input_verdict` from the write's key
-(its inputs classified into the kernel's constants, see ``kvpool.kernels.store_kv_checks.WriteKey``); the
+(its inputs classified into the kernel's constants, see ``kvpool.kernels.store_kv.checks.WriteKey``); the
 writer memoises that verdict per key. Neither part raises for a write it cannot take: each says why,
 and the caller falls back to the reference path (``fused="auto"``) or raises (``fused="always"``).
 Rules: docs/contract.md ("The gate", "Modes").

@@ -28,10 +28,35 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from kvpool.kernels.tuning import LAUNCH_CACHE_ENTRIES
 from kvpool.streams import OnStream
 
 logger = logging.getLogger("kvpool")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Work per program (or per task of a looping program): about ``elems`` elements of one tensor,
+    over ``num_warps`` warps; ``maxnreg`` caps registers per thread (None: the compiler's choice).
+    Each kernel family names its own tiles beside its plan; none changes a result, only how the work
+    is cut up (``benchmarks/`` measures them, BENCHMARKS.md has the figures)."""
+
+    elems: int
+    num_warps: int
+    maxnreg: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.elems < 1 or self.elems & (self.elems - 1):
+            raise ValueError(f"elems must be a positive power of two, got {self.elems}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+
+
+#: Kinds of call a cache of compiled kernels for direct launches (and the writer's memo) keeps:
+#: enough for every variant a model meets, bounded as Triton's own cache of compiled variants is.
+LAUNCH_CACHE_ENTRIES = 1024
+#: Programs per SM of an uncapped grid (each loops over its share of the tasks): enough to hide a
+#: task's tail, few enough that the loop amortises each program's start.
+PROGRAMS_PER_SM = 8
 
 try:
     import triton

@@ -12,7 +12,7 @@ from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mamba_pool import MambaCpuCopy, MambaPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
-from kvpool.kernels.store_kv import PathStats
+from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import (

@@ -26,12 +26,11 @@ from kvpool.checks import (
 )
 from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels import copy_rows
+from kvpool.kernels.copy_rows import RowTable, checked_copy
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
-from kvpool.kernels.store_kv import KVWriter, PathStats, parts_of_one_row
-from kvpool.kernels.store_kv_checks import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
-from kvpool.kernels.store_kv_plan import BAND_TOKENS
+from kvpool.kernels.store_kv.writer import KVWriter, PathStats, parts_of_one_row
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
+from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 
 logger = logging.getLogger("kvpool")
 
@@ -131,12 +130,12 @@ class KVCache:
         #: The storage buffers ``K0, V0, K1, V1, ...`` as one table (layer ``i`` is
         #: ``row_table.select(2 * i, 2 * i + 2)``): CPU copies, the host tier and transfers copy rows
         #: of every layer over it in one launch. Built once (one synchronisation on CUDA).
-        self.row_table = copy_rows.RowTable.of([b for pair in zip(k_buffer, v_buffer) for b in pair])
+        self.row_table = RowTable.of([b for pair in zip(k_buffer, v_buffer) for b in pair])
         if rows is None:
             self._key_views, self._value_views, self._move_table = self._k_views, self._v_views, self.row_table
         else:  # copy_rows refuses the two part views as one table to move over (their rows interleave)
             self._key_views, self._value_views = [as_dtype(b) for b in rows], self._k_views
-            self._move_table = copy_rows.RowTable.of(rows)
+            self._move_table = RowTable.of(rows)
 
     def _init_writer(self, geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> None:
         """The writer of these buffers (every layer shares the geometry and strides): the one object
@@ -215,7 +214,7 @@ class KVCache:
         staging buffer); no synchronisation; CUDA-graph safe.
         """
         table = self._move_table
-        copy_rows.checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
+        checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
 
     def get_cpu_copy(self, indices: torch.Tensor) -> KVCpuCopy:
         """The rows ``indices`` of every layer in host memory, exact bytes.
@@ -247,9 +246,9 @@ class KVCache:
         v = torch.empty((self.layer_num, n, *self.v_buffer[0].shape[1:]), dtype=self.store_dtype, pin_memory=pinned)
         copy = KVCpuCopy(k, v, self.dtype, self.start_layer)
         if n:
-            host = copy_rows.RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
+            host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            copy_rows.checked_copy(host, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            checked_copy(host, positions, self.row_table, indices, None, False, ("positions", "indices"))
             if pinned:
                 torch.cuda.current_stream(self.device).synchronize()
         return copy
@@ -287,9 +286,9 @@ class KVCache:
         cuda = self.device.type == "cuda"
         if cuda:
             copy = replace(copy, k=copy.k.to(self.device, non_blocking=True), v=copy.v.to(self.device, non_blocking=True))
-        staged = copy_rows.RowTable.of(copy.layers(), non_blocking=cuda)
+        staged = RowTable.of(copy.layers(), non_blocking=cuda)
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        copy_rows.checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+        checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
 
     # --- warmup ----------------------------------------------------------------------------------
 
@@ -304,7 +303,7 @@ class KVCache:
         return [
             functools.partial(self._warmup_write, *variant, tokens)
             for variant in self.warmup_variants()
-            for tokens in BAND_TOKENS
+            for tokens in self._writer.band_tokens
         ]
 
     def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
@@ -331,7 +330,7 @@ class KVCache:
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
             "kvpool: warmed %d fused-kernel variants x %d token bands in %.2f s", len(self.warmup_variants()),
-            len(BAND_TOKENS), self.warmup_seconds,
+            len(self._writer.band_tokens), self.warmup_seconds,
         )
 
     # --- calibration -----------------------------------------------------------------------------

@@ -14,11 +14,11 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.checks import dense_layer_index, layer_id_of, non_negative_int, positive_int
-from kvpool.kernels.store_kv_checks import Scale
 from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
+from kvpool.write_types import Scale
 
 GB = 1024**3
 #: How a layer id that is not one of the pool's is named in errors.

@@ -25,8 +25,8 @@ from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import checked_copy
 from kvpool.kernels.launch import sm_count
 from kvpool.kernels.row_table import RowTable
-from kvpool.kernels.state_commit import commit_rows
-from kvpool.kernels.tuning import STATE_FORK_PROGRAMS_PER_SM
+from kvpool.kernels.state_commit.launcher import commit_rows
+from kvpool.pools.state_tuning import STATE_FORK_PROGRAMS_PER_SM
 from kvpool.pools.base import check_sglang_keywords
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list

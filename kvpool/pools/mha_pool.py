@@ -8,9 +8,10 @@ from typing import Optional
 import torch
 
 from kvpool.checks import positive_int
-from kvpool.kernels.store_kv_checks import POOL_NAMES, ArgNames, Geometry, Scale, check_write
-from kvpool.kernels.store_kv_op import store_kv_op
+from kvpool.kernels.store_kv.checks import check_write
+from kvpool.kernels.store_kv.op import store_kv_op
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
+from kvpool.write_types import POOL_NAMES, ArgNames, Geometry, Scale
 
 PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
 

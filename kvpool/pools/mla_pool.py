@@ -17,9 +17,10 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, layer_index, positive_int
 from kvpool.kernels.formats import bits_dtype
-from kvpool.kernels.store_kv_checks import ArgNames, Geometry, Scale, check_rows, check_write
-from kvpool.kernels.store_kv_op import store_kv_op
+from kvpool.kernels.store_kv.checks import check_rows, check_write
+from kvpool.kernels.store_kv.op import store_kv_op
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
+from kvpool.write_types import ArgNames, Geometry, Scale
 
 #: Argument names for errors: the latent row's two halves share ``k_scale`` (``v_scale`` is ignored).
 ROW_NAMES = ArgNames("cache_k", "cache_k", "loc", "k_scale", "k_scale")

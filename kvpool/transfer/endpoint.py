@@ -10,7 +10,7 @@ How a transfer runs (both ranks, in this order):
    the pool's tensors) raises at once, on this rank only. Every other problem (``loc`` or
    ``state_slots`` of the wrong type or shape, a slot outside its pool) is recorded in this rank's
    header instead of raised.
-2. **Handshake.** The ranks swap 2 KiB headers (:mod:`kvpool.transfer.handshake`): the KV pool's
+2. **Handshake.** The ranks swap fixed-size headers (:mod:`kvpool.transfer.handshake`): the KV pool's
    geometry, token count, the heads each holds, staging size, the linear-attention state's geometry
    and slot count (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct
    transfer, and any problem from step 1. They travel through torch.distributed's key-value store
@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 
 from kvpool.checks import non_negative_int, positive_int
-from kvpool.kernels.copy_rows import FEW_PROGRAMS, RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
+from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS
 from kvpool.kernels.launch import compiled_on, sm_count
-from kvpool.kernels.tuning import TRANSFER_CHUNK_BYTES_CPU, TRANSFER_CHUNK_BYTES_CUDA
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -105,6 +105,12 @@ from kvpool.transfer.wire import TokenLayout, chunk_plan
 #: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
 #: parts, one head; a ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
 POOLS = (MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool)
+#: Staging per half on CUDA (or the whole pool's rows, if smaller): each NCCL message carries a fixed
+#: cost, so large messages keep the link busy; the price is two halves of device memory per endpoint.
+TRANSFER_CHUNK_BYTES_CUDA = 512 << 20
+#: Staging per half on the CPU: gloo messages this large are past its per-message overhead.
+TRANSFER_CHUNK_BYTES_CPU = 4 << 20
+
 
 def default_max_programs(sms: int) -> int:
     """The gather/scatter grid beside the transport on a GPU with ``sms`` SMs: copy_rows' few-programs

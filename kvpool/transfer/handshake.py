@@ -8,8 +8,8 @@ if any (a slot out of range, a bad ``loc``). The two headers are swapped, and ea
 same two headers: either both raise the same exception with the same message, or both move the same
 rows in the same chunks. That is what keeps a mismatch from hanging one rank while the other waits.
 
-The header is 2 KiB: 96 int64 fields, then up to 1280 bytes of UTF-8 carrying a rank's own error
-message, so the peer can raise that exact message too. :func:`link_route` decides, from the same two
+The header has a fixed size (``HEADER_BYTES``): int64 fields, then up to ``MESSAGE_BYTES`` of UTF-8
+carrying a rank's own error message, so the peer can raise that exact message too. :func:`link_route` decides, from the same two
 headers, whether the rows travel staged or are read directly (:mod:`kvpool.transfer.ipc`).
 
 docs/contract.md, "KV transfer between ranks", lists the mismatches and their errors.
@@ -36,6 +36,8 @@ from kvpool.transfer.state_wire import (
 if TYPE_CHECKING:
     from kvpool.pools.mha_pool import MHATokenToKVPool
 
+#: Bytes of one header on the wire: ``_FIELD_SLOTS`` int64 slots for the integer fields (room for
+#: fields a later version adds), then the message, which takes the rest (``MESSAGE_BYTES``).
 HEADER_BYTES = 2048
 _FIELD_SLOTS = 96
 _MESSAGE_OFFSET = _FIELD_SLOTS * 8

@@ -36,12 +36,13 @@ class KVSender(Endpoint):
         pool.head_num)`` of a model with ``total_heads`` (default ``pool.head_num``). A transfer moves
         the heads both sides hold, so a sender holding all heads serves receivers that each hold a
         tensor-parallel slice, and a receiver holding all heads takes one slice from each sender.
-    chunk_bytes : bytes per staging half (default 512 MiB on CUDA, 4 MiB on CPU, or the whole pool's
-        rows if that is less; at least one token).
+    chunk_bytes : bytes per staging half (default ``endpoint.TRANSFER_CHUNK_BYTES_CUDA`` on CUDA,
+        ``TRANSFER_CHUNK_BYTES_CPU`` on CPU, or the whole pool's rows if that is less; at least one
+        token).
         The smaller of the two sides' values bounds the chunks of a transfer.
     max_programs : cap on the programs of a gather or scatter launch (default on CUDA:
-        ``default_max_programs`` (32 programs), leaving room for the transport's kernel; the
-        pipeline's first gather and last scatter, which run alone, then take the whole GPU). A value
+        ``default_max_programs``, the row copy's ``FEW_PROGRAMS`` grid, leaving room for the
+        transport's kernel; the pipeline's first gather and last scatter, which run alone, then take the whole GPU). A value
         given here caps every gather and scatter, and the direct path's copy.
     state_shard : StateShard, the linear-attention heads the ``mamba_pool`` holds (tensor-parallel
         re-sharding of the state); None: the whole state, moved only between pools of one geometry.

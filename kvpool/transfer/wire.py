@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Read as this module's globals by chunk_plan (so a sweep may set wire.RAMP and wire.RAMP_STEPS).
-from kvpool.kernels.tuning import RAMP, RAMP_STEPS
+#: Chunks grow from small ends (the first gather and the last scatter overlap nothing, so small ends
+#: shorten the pipeline's fill and drain) to staging-sized middles (few per-message costs); each is
+#: at most RAMP times the previous, so the next chunk's gather stays shorter than the current send.
+RAMP = 2
+#: Steps of RAMP from the smallest chunk to a full one, at each end of a transfer.
+RAMP_STEPS = 3
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ only in ``validate`` mode. Index tensors are checked by ``kvpool.checks``.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -24,30 +24,7 @@ from kvpool.kernels.formats import (
     SCALE_VALUE,
     is_fp8,
 )
-
-Scale = Union[None, float, torch.Tensor]
-
-# A float scale is used as float32(scale). It must lie in float32's positive normal range: GPUs may
-# flush float32 subnormals to zero in division, so a subnormal scale would not divide the same way on
-# every path; and values above FLT_MAX (even those that would round down to it) overflow torch's
-# float32 conversion. Comparing the double against the bounds avoids a float32 round trip.
-F32_MIN_NORMAL = 2.0**-126
-F32_MAX = (2.0 - 2.0**-23) * 2.0**127
-
-
-class ArgNames(NamedTuple):
-    """What the caller calls each argument, so errors name the argument the caller wrote."""
-
-    k: str
-    v: str
-    loc: str
-    k_scale: str = "k_scale"
-    v_scale: str = "v_scale"
-
-
-POOL_NAMES = ArgNames("cache_k", "cache_v", "loc")
-FUNCTION_NAMES = ArgNames("k", "v", "cache_loc")
-
+from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, ArgNames, Geometry, Scale
 
 def _device_str(t: torch.Tensor) -> str:
     return str(t.device)
@@ -163,17 +140,6 @@ def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, to
     if v_cache.device != k_cache.device:
         raise ValueError(f"v_cache must be on k_cache's device {k_cache.device}, got {v_cache.device}")
     return k_cache, v_cache
-
-
-class Geometry(NamedTuple):
-    """What a write is checked against: the caches' element type, head counts, head dims, device."""
-
-    cache_dtype: torch.dtype
-    heads: int
-    head_dim: int
-    v_heads: int
-    v_head_dim: int
-    device: torch.device
 
 
 class WriteKey(NamedTuple):

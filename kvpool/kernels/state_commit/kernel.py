@@ -1,4 +1,4 @@
-"""The speculative-state commit as Triton device code only (the launcher is ``state_commit.py``).
+"""The speculative-state commit as Triton device code only (the launcher is ``launcher.py``).
 
 One launch copies, for every buffer ``b`` of two row tables (a pool's states and its per-draft-step
 scratch, the same buffer order) and every request ``i`` of a batch, scratch row ``i * K + steps[i]
@@ -7,9 +7,10 @@ scratch, the same buffer order) and every request ``i`` of a batch, scratch row 
 optional second set of ``(slots, steps)`` (track slots) rides in the same launch: pair ``p`` of the
 grid is request ``p`` of the first set or request ``p - bs`` of the second.
 
-Work is cut as in ``copy_rows_kernel.py``: a task is one ``BLOCK_W``-element column chunk of one
-buffer's row for one pair; task ``t`` is chunk ``t % chunks`` of buffer ``(t // chunks) % buffers``
-for pair ``t // (chunks * buffers)``, and each program loops over tasks ``pid, pid + programs, ...``.
+Work is cut as in the row copy's kernel (``copy_rows/kernel.py``): a task is one ``BLOCK_W``-element
+column chunk of one buffer's row for one pair; task ``t`` is chunk ``t % chunks`` of buffer
+``(t // chunks) % buffers`` for pair ``t // (chunks * buffers)``, and each program loops over tasks
+``pid, pid + programs, ...``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 # Row starts as pointers with the launcher's alignment hint: the row copy's own helper.
-from kvpool.kernels.copy_rows_kernel import _row_pointers
+from kvpool.kernels.copy_rows.kernel import row_pointers
 
 
 @triton.jit
@@ -74,10 +75,10 @@ def _commit_rows_kernel(
         # Steps outside 1..K and rows outside either table are skipped: never read, never written.
         ok = (s >= 1) & (s <= num_steps) & (d >= 0) & (d < dst_rows) & (src_row < src_rows)
         if ok & (col0 < row_elems):
-            d_row = _row_pointers(
+            d_row = row_pointers(
                 tl.load(dst_table_ptr + b), d, tl.load(dst_table_ptr + dst_table_stride + b), ELEM_BYTES, ALIGN
             )
-            s_row = _row_pointers(
+            s_row = row_pointers(
                 tl.load(src_table_ptr + b), src_row, tl.load(src_table_ptr + src_table_stride + b), ELEM_BYTES, ALIGN
             )
             cols = col0 + tl.arange(0, BLOCK_W)

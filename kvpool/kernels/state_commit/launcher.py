@@ -1,4 +1,5 @@
-"""Committing speculative state: the launcher of ``state_commit_kernel.py`` and its PyTorch reference.
+"""Committing speculative state: the plan and launcher of ``kernel.py``, and the call that picks it or
+the PyTorch reference (``naive.py``).
 
 After a verify step, request ``i`` of the batch keeps the state it reached after ``steps[i]`` of its
 ``K`` draft steps: for every buffer of a pool's state table (every layer's convolution window and
@@ -19,8 +20,9 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.copy_rows_naive import copy_rows_reference
 from kvpool.kernels.launch import (
+    PROGRAMS_PER_SM,
+    Tile,
     DirectLaunches,
     column_chunks,
     copy_warps,
@@ -31,12 +33,16 @@ from kvpool.kernels.launch import (
     uses_kernel,
 )
 from kvpool.kernels.row_table import RowTable
-from kvpool.kernels.tuning import PROGRAMS_PER_SM, STATE_COMMIT_TILE
+from kvpool.kernels.state_commit.naive import commit_rows_reference
 
 try:
-    from kvpool.kernels import state_commit_kernel as _k
+    from kvpool.kernels.state_commit import kernel as _k
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     _k = None
+
+#: The commit's task: a linear layer's recurrent state row is hundreds of kilobytes, so wide column
+#: chunks on many warps keep more bytes in flight per program than the row copy's tile.
+STATE_COMMIT_TILE = Tile(elems=32768, num_warps=16)
 
 # Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
 # tables; otherwise CPU tables take the reference path.
@@ -128,32 +134,6 @@ def _jit_launch(plan: CommitPlan, constexprs: tuple, args: tuple):
     the compiled kernel (None under the interpreter)."""
     consts = dict(zip(PARAMS[len(args) :], constexprs))
     return _k._commit_rows_kernel[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
-
-
-def commit_source_rows(num_steps: int, steps: torch.Tensor) -> torch.Tensor:
-    """[bs] int64: the scratch row request ``i`` commits from, ``i * K + steps[i] - 1``, or -1 where
-    ``steps[i]`` is outside ``1..K`` (device operations only: no synchronisation)."""
-    s = steps.to(torch.int64)
-    first = torch.arange(s.shape[0], dtype=torch.int64, device=s.device) * num_steps - 1
-    return torch.where((s >= 1) & (s <= num_steps), first + s, -1)
-
-
-def commit_rows_reference(
-    dst: RowTable,
-    src: RowTable,
-    num_steps: int,
-    slots: torch.Tensor,
-    steps: torch.Tensor,
-    track_slots: Optional[torch.Tensor] = None,
-    track_steps: Optional[torch.Tensor] = None,
-) -> None:
-    """The commit in plain PyTorch: the source rows computed on the device, then
-    :func:`~kvpool.kernels.copy_rows.copy_rows_reference`. Unchecked, no synchronisation."""
-    dst_index, src_index = slots, commit_source_rows(num_steps, steps)
-    if track_slots is not None:
-        dst_index = torch.cat((dst_index.to(torch.int64), track_slots.to(torch.int64)))
-        src_index = torch.cat((src_index, commit_source_rows(num_steps, track_steps)))
-    copy_rows_reference(dst, dst_index, src, src_index)
 
 
 def commit_rows(

@@ -1,5 +1,5 @@
-"""The fused K/V cache write, as Triton device code only (plan: ``store_kv_plan.py``; the writer
-that launches it: ``store_kv.py``; what it writes: docs/contract.md, "The write").
+"""The fused K/V cache write, as Triton device code only (plan: ``plan.py``; the writer
+that launches it: ``writer.py``; what it writes: docs/contract.md, "The write").
 
 One launch writes K and V for every token: load a tile of rows, divide by the scale in correctly
 rounded float32, saturate, round to nearest even (natively, or with integer operations: ``SOFT_CAST``,
@@ -82,14 +82,14 @@ def _to_float32(x, SOFT_CAST: tl.constexpr):
 def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     """float32 tile -> the value stored: uint8 codes for FP8, the element itself otherwise.
 
-    Native (``SOFT_CAST=False``): Triton's casts; for FP8 on sm_89+ that is ``cvt.rn.satfinite``,
-    which rounds to nearest even, sends finite overflow and +-inf to +-fmax and every NaN to 0x7F
-    (FP8_NAN): the write's definition with no clamp and no NaN select (tests/test_write.py checks every
-    bf16/fp16 pattern and random float32 ones; tests/test_plans_and_launcher.py checks the instruction).
+    Native (``SOFT_CAST=False``, NVIDIA sm_89+ only): Triton's casts, ``cvt.rn.satfinite`` for FP8
+    (nearest even, overflow and +-inf to +-fmax, every NaN to FP8_NAN) and ``cvt.rn.bf16.f32`` for
+    bf16 (nearest even, every NaN to HALF_NAN): the write's definition with no clamp and no NaN
+    select (tests/test_write_nan_hardware_cast.py, test_write.py, test_plans_and_launcher.py).
     Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
     bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
-    are wrong) and GPUs with no FP8 conversion. The 16- and 32-bit outputs select their NaN pattern
-    explicitly: hardware and interpreter disagree on NaN payloads."""
+    are wrong) and GPUs with no FP8 conversion. fp16 and fp32 outputs select their NaN pattern on
+    both branches: their casts (and the interpreter's) keep NaN signs and payloads."""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
             out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
@@ -104,8 +104,7 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
         if SOFT_CAST:
             out = _bf16_bits_soft(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
-            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
-            out = tl.where(x != x, HALF_NAN, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            out = x.to(tl.bfloat16)
     elif OUT_KIND == OUT_FP16:
         bits = x.to(tl.float16).to(tl.int16, bitcast=True)
         out = tl.where(x != x, HALF_NAN, bits).to(tl.int16).to(tl.float16, bitcast=True)

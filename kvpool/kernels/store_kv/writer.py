@@ -1,12 +1,12 @@
 """The K/V write: one :class:`KVWriter` per cache geometry, whose one method every entry calls.
 
 The pools' ``set_kv_buffer``, ``set_kv_buffer_prefix_valid``, ``set_mla_kv_buffer`` and warmup, the
-custom operators and the public functions (``store_kv_op.py``) all end in :meth:`KVWriter.write`. It
+custom operators and the public functions (``op.py``) all end in :meth:`KVWriter.write`. It
 classifies a call once into one key (dtypes, scale kinds, observation, token band, strides,
 alignment, device: what the kernel is specialised on), which finds, in one lookup, the gate's
 verdict, the launch plan with the fixed part of the kernel's arguments, and the compiled kernel;
-then it launches the kernel (``store_kv_kernel.py``, planned by ``store_kv_plan.py``) or runs the
-reference (``store_kv_naive.py``), or raises. Rules: docs/contract.md ("The write", "Fused path,
+then it launches the kernel (``kernel.py``, planned by ``plan.py``) or runs the
+reference (``naive.py``), or raises. Rules: docs/contract.md ("The write", "Fused path,
 reference path and the gate").
 """
 
@@ -28,33 +28,25 @@ from kvpool.kernels.formats import OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSO
 from kvpool.kernels.gate import cache_verdict, input_verdict
 from kvpool.kernels.launch import (
     INTERPRETER,
+    LAUNCH_CACHE_ENTRIES,
     LAUNCH_ERRORS,
     TRITON_AVAILABLE,
     DirectLaunches,
     LaunchRecord,
+    Tile,
     cdiv,
     current_cuda_device,
     current_raw_stream,
     kernel_params,
 )
-from kvpool.kernels.store_kv_checks import (
-    F32_MAX,
-    F32_MIN_NORMAL,
-    PLAIN_WRITE,
-    ArgNames,
-    Geometry,
-    Scale,
-    check_prefix_values,
-    check_values,
-    check_write,
-)
-from kvpool.kernels.store_kv_naive import write_reference
-from kvpool.kernels.store_kv_plan import AUTO, TOKEN_BANDS, LaunchPlan, plan_write
-from kvpool.kernels.tuning import LAUNCH_CACHE_ENTRIES, Tile
+from kvpool.kernels.store_kv.checks import PLAIN_WRITE, check_prefix_values, check_values, check_write
+from kvpool.kernels.store_kv.naive import write_reference
+from kvpool.kernels.store_kv.plan import AUTO, BAND_TOKENS, TOKEN_BANDS, LaunchPlan, plan_write
+from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, ArgNames, Geometry, Scale
 
 kernels = None
 if TRITON_AVAILABLE:
-    from kvpool.kernels import store_kv_kernel as kernels
+    from kvpool.kernels.store_kv import kernel as kernels
 
 logger = logging.getLogger("kvpool")
 
@@ -97,10 +89,14 @@ class PathStats:
 
 class _Entry:
     """What one kind of call needs: the gate's refusal (None: fused), and for fused calls the plan,
-    the scale kinds, the arguments after the per-call ones (for the JIT launch and, constants
-    appended, for a direct launch), the constants, and the largest T with 32-bit offsets."""
+    the scale kinds (``k_kind``, ``v_kind``: ``SCALE_NONE`` ... ``SCALE_HEAD``), the arguments after
+    the per-call ones (``fixed_args``, for the JIT launch; ``direct_args``, the same with the
+    constants appended, for a direct launch), the constants, and the largest T with 32-bit offsets."""
 
-    __slots__ = ("refused", "plan", "ka", "va", "block_t", "grid_y", "max_tokens", "fixed", "direct", "constexprs")
+    __slots__ = (
+        "refused", "plan", "k_kind", "v_kind", "block_t", "grid_y", "max_tokens", "fixed_args", "direct_args",
+        "constexprs",
+    )  # fmt: skip
 
     def __init__(self, refused: Optional[str]) -> None:
         self.refused = refused
@@ -127,6 +123,10 @@ class KVWriter:
     row_plans : calls that allow it may view each token's row as one run (``plan_write``'s ``row``).
     tile, layout, chunk : ``plan_write``'s overrides, for tests and plan sweeps.
     """
+
+    #: One token count per token band of the plan (the band's smallest): a warmup that writes each
+    #: count once compiles every variant a first real write of these caches would meet.
+    band_tokens = BAND_TOKENS
 
     def __init__(
         self,
@@ -206,7 +206,7 @@ class KVWriter:
         A plain write of tensors of this geometry on the device, with scales None, a float in range
         or a one-element float32 tensor on the device, is recognised with a few comparisons; a key
         found in the memo was checked when it was made. Anything else is checked in full."""
-        full = None
+        call_key = None
         if commit_lens is PLAIN_WRITE and type(loc) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
             loc_shape = loc.shape
             dev = self._device
@@ -217,45 +217,45 @@ class KVWriter:
                 # Scales the kernel takes as they are: None, a float in range, a one-element
                 # float32 tensor on the device (SCALE_NONE / SCALE_VALUE / SCALE_TENSOR); -1 else.
                 if not self.scales_apply:
-                    ka = va = SCALE_NONE
+                    k_kind = v_kind = SCALE_NONE
                     k_scale = v_scale = None
                 else:
                     if k_scale is None:
-                        ka = SCALE_NONE
+                        k_kind = SCALE_NONE
                     elif type(k_scale) is float:
-                        ka = SCALE_VALUE if F32_MIN_NORMAL <= k_scale <= F32_MAX else -1
+                        k_kind = SCALE_VALUE if F32_MIN_NORMAL <= k_scale <= F32_MAX else -1
                     elif type(k_scale) is _Tensor and k_scale.dtype is _F32 and k_scale.numel() == 1 and k_scale.device == dev:
-                        ka = SCALE_TENSOR
+                        k_kind = SCALE_TENSOR
                     else:
-                        ka = -1
+                        k_kind = -1
                     if v_scale is k_scale:
-                        va = ka
+                        v_kind = k_kind
                     elif v_scale is None:
-                        va = SCALE_NONE
+                        v_kind = SCALE_NONE
                     elif type(v_scale) is float:
-                        va = SCALE_VALUE if F32_MIN_NORMAL <= v_scale <= F32_MAX else -1
+                        v_kind = SCALE_VALUE if F32_MIN_NORMAL <= v_scale <= F32_MAX else -1
                     elif type(v_scale) is _Tensor and v_scale.dtype is _F32 and v_scale.numel() == 1 and v_scale.device == dev:
-                        va = SCALE_TENSOR
+                        v_kind = SCALE_TENSOR
                     else:
-                        va = -1
-                if ka >= 0 and va >= 0:
+                        v_kind = -1
+                if k_kind >= 0 and v_kind >= 0:
                     tokens = loc_shape[0]
                     # The one key of a kind of call (``_key_of`` spells it for checked calls); its
                     # last entry, [15], is the current device index, which the launch reads too.
-                    full = (
-                        k.dtype, v.dtype, loc.dtype, ka, va, None, None, None, amax is None,
+                    call_key = (
+                        k.dtype, v.dtype, loc.dtype, k_kind, v_kind, None, None, None, amax is None,
                         bisect_left(TOKEN_BANDS, tokens), k.stride(), v.stride(), loc.stride(), k.data_ptr() & 15,
                         v.data_ptr() & 15, self._device_index(),
                     )  # fmt: skip
-        if full is None:
+        if call_key is None:
             key, k_scale, v_scale = check_write(self.geometry, k, v, loc, k_scale, v_scale, names, commit_lens)
             tokens = k.shape[0]  # type: ignore[union-attr]
-            full = self._key_of(key, k, v, loc, amax, tokens)
+            call_key = self._key_of(key, k, v, loc, amax, tokens)
         if not self.caches_aligned:
-            full += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
-        entry = self._entries.get(full)
+            call_key += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
+        entry = self._entries.get(call_key)
         if entry is None:
-            entry, k_scale, v_scale = self._new_entry(full, k, v, loc, k_scale, v_scale, names, commit_lens)
+            entry, k_scale, v_scale = self._new_entry(call_key, k, v, loc, k_scale, v_scale, names, commit_lens)
         if self.validate:
             if commit_lens is PLAIN_WRITE:
                 check_values(loc, names.loc, self.capacity, k_scale, v_scale)  # type: ignore[arg-type]
@@ -267,7 +267,7 @@ class KVWriter:
             self._fall_back(entry.refused, k_store, v_store, loc, k, v, k_scale, v_scale, amax, commit_lens)
             return
         self.stats.fused_calls += 1
-        ka, va = entry.ka, entry.va
+        k_kind, v_kind = entry.k_kind, entry.v_kind
         if commit_lens is PLAIN_WRITE:
             commit, width, stride_row, stride_commit = loc, 1, 0, 0
         else:
@@ -277,17 +277,17 @@ class KVWriter:
         # argument's type depends on the variant.
         per_call = (
             k, v, k_store, v_store, loc,
-            k_scale if ka >= SCALE_TENSOR else loc, v_scale if va >= SCALE_TENSOR else loc, commit, k_amax, v_amax,
-            k_scale if ka == SCALE_VALUE else 1.0, v_scale if va == SCALE_VALUE else 1.0,
-            k_scale.stride(0) if ka == SCALE_HEAD else 0, v_scale.stride(0) if va == SCALE_HEAD else 0,  # type: ignore
+            k_scale if k_kind >= SCALE_TENSOR else loc, v_scale if v_kind >= SCALE_TENSOR else loc, commit, k_amax, v_amax,
+            k_scale if k_kind == SCALE_VALUE else 1.0, v_scale if v_kind == SCALE_VALUE else 1.0,
+            k_scale.stride(0) if k_kind == SCALE_HEAD else 0, v_scale.stride(0) if v_kind == SCALE_HEAD else 0,  # type: ignore
             tokens, width, stride_row, stride_commit,
         )  # fmt: skip
         bound = self.launches.entries.get(entry)
         if bound is not None and tokens <= entry.max_tokens:
             try:
                 bound.run(
-                    cdiv(tokens, entry.block_t), entry.grid_y, 1, self._raw_stream(full[15]), bound.function,
-                    bound.metadata, None, None, None, *per_call, *entry.direct,
+                    cdiv(tokens, entry.block_t), entry.grid_y, 1, self._raw_stream(call_key[15]), bound.function,
+                    bound.metadata, None, None, None, *per_call, *entry.direct_args,
                 )  # fmt: skip
                 return
             except LAUNCH_ERRORS as exc:  # this Triton's launcher takes its arguments otherwise; nothing ran
@@ -322,12 +322,12 @@ class KVWriter:
             v.data_ptr() & 15, self._device_index(),
         )  # fmt: skip
 
-    def _new_entry(self, full, k, v, loc, k_scale, v_scale, names, commit_lens) -> tuple[_Entry, Scale, Scale]:
+    def _new_entry(self, call_key, k, v, loc, k_scale, v_scale, names, commit_lens) -> tuple[_Entry, Scale, Scale]:
         """The entry of a kind of call seen for the first time: the full checks, the gate, the plan."""
         key, k_scale, v_scale = check_write(self.geometry, k, v, loc, k_scale, v_scale, names, commit_lens)
-        amax_none, tokens = full[8], k.shape[0]
-        if self._key_of(key, k, v, loc, None if amax_none else (), tokens) != full[:16]:  # pragma: no cover
-            raise AssertionError(f"kvpool: the fast write key {full} differs from the checked call's")
+        amax_none, tokens = call_key[8], k.shape[0]
+        if self._key_of(key, k, v, loc, None if amax_none else (), tokens) != call_key[:16]:  # pragma: no cover
+            raise AssertionError(f"kvpool: the fast write key {call_key} differs from the checked call's")
         if self.mode == "never":
             entry = _Entry("fused='never'")
         elif not self.cache_ok:
@@ -336,10 +336,11 @@ class KVWriter:
             ok, reason = input_verdict(key)
             entry = _Entry(None) if ok else _Entry(reason)
             if ok:
-                self._plan_entry(entry, key, full[10], full[11], full[12], observe=not full[8], tokens=k.shape[0])
+                strides = call_key[10:13]
+                self._plan_entry(entry, key, *strides, observe=not call_key[8], tokens=k.shape[0])
         if len(self._entries) >= LAUNCH_CACHE_ENTRIES:
             del self._entries[next(iter(self._entries))]
-        self._entries[full] = entry
+        self._entries[call_key] = entry
         return entry, k_scale, v_scale
 
     def plan(self, kst: tuple, vst: tuple, kinds: tuple[int, int], observe: bool, tokens: int) -> LaunchPlan:
@@ -358,21 +359,21 @@ class KVWriter:
         )  # fmt: skip
 
     def _plan_entry(self, entry: _Entry, key: tuple, kst: tuple, vst: tuple, lst: tuple, observe: bool, tokens: int) -> None:
-        ka, va = entry.ka, entry.va = key[3], key[4]
-        p = entry.plan = self.plan(kst, vst, (ka, va), observe, tokens)
+        k_kind, v_kind = entry.k_kind, entry.v_kind = key[3], key[4]
+        p = entry.plan = self.plan(kst, vst, (k_kind, v_kind), observe, tokens)
         entry.block_t, entry.grid_y = p.block_t, p.grid_y
         entry.max_tokens = self._max_tokens_i32(kst, vst, lst)
         cst = self.cache_strides
-        entry.fixed = (
+        entry.fixed_args = (
             self.capacity, lst[-1], *_view(p, kst, vst), *_view(p, cst[:3], cst[3:]),
         )  # fmt: skip
         consts = dict(
             H=p.heads, D=p.head_dim, HV=p.v_heads, DV=p.v_head_dim, BLOCK_T=p.block_t, BLOCK_H=p.block_h,
             BLOCK_D=p.block_d, BLOCK_HV=p.block_hv, BLOCK_DV=p.block_dv, BLOCK_D2=p.block_d2, BLOCK_DV2=p.block_dv2,
-            K_SCALE_KIND=ka, V_SCALE_KIND=va, OUT_KIND=OUT_KIND[self.geometry.cache_dtype], SOFT_CAST=self.soft_cast,
+            K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=OUT_KIND[self.geometry.cache_dtype], SOFT_CAST=self.soft_cast,
             FAST_DIV=self.fast_div, PREFIX=key[7] is not None, OBSERVE=observe, I64=False, JOINED=p.joined,
         )  # fmt: skip
-        entry.direct = entry.fixed + tuple(consts[n] for n in CONSTEXPRS)
+        entry.direct_args = entry.fixed_args + tuple(consts[n] for n in CONSTEXPRS)
         entry.constexprs = {**consts, "num_warps": p.num_warps}
 
     def _jit_launch(self, entry: _Entry, per_call: tuple, tokens: int) -> None:
@@ -384,9 +385,9 @@ class KVWriter:
         self.jit_launches += 1
 
         def jit():
-            return kernels._store_kv_kernel[grid](*per_call, *entry.fixed, **consts)  # type: ignore[union-attr]
+            return kernels._store_kv_kernel[grid](*per_call, *entry.fixed_args, **consts)  # type: ignore[union-attr]
 
-        self.launches.launch(None if i64 else entry, grid, per_call + entry.direct, jit, self._device)
+        self.launches.launch(None if i64 else entry, grid, per_call + entry.direct_args, jit, self._device)
 
     def _fall_back(self, reason, k_store, v_store, loc, k, v, k_scale, v_scale, amax, commit_lens) -> None:
         if self.mode == "always":

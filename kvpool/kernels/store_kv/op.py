@@ -18,10 +18,11 @@ from typing import Optional
 import torch
 
 from kvpool.config import KernelOptions, validate_enabled
-from kvpool.kernels.store_kv import storage_view, writer_for
-from kvpool.kernels.store_kv_checks import FUNCTION_NAMES, POOL_NAMES, Scale, check_cache_pair
-from kvpool.kernels.store_kv_plan import AUTO
-from kvpool.kernels.tuning import Tile
+from kvpool.kernels.launch import Tile
+from kvpool.kernels.store_kv.checks import check_cache_pair
+from kvpool.kernels.store_kv.plan import AUTO
+from kvpool.kernels.store_kv.writer import storage_view, writer_for
+from kvpool.write_types import FUNCTION_NAMES, POOL_NAMES, Scale
 
 # --- the custom operators ---------------------------------------------------------------------------
 
@@ -242,7 +243,7 @@ def launch_store_kv(
 ) -> None:
     """The fused write with chosen launch settings, for tests and benchmarks: ``options`` picks the
     division and the encoder (default: from the environment), ``tile`` and ``layout`` override the
-    plan (``store_kv_plan.plan_write``), ``flat=False`` keeps row plans out, ``joined=True`` writes K
+    plan (``plan.plan_write``), ``flat=False`` keeps row plans out, ``joined=True`` writes K
     and V from one program where each is one block. Checked as ``fused_fp8_set_kv_buffer`` is
     (``fused="always"``)."""
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)

@@ -1,4 +1,4 @@
-"""Row copies over tables of buffers, as Triton device code only (the launcher is ``copy_rows.py``).
+"""Row copies over tables of buffers, as Triton device code only (the launcher is ``launcher.py``).
 
 One launch copies, for every buffer ``b`` of a table and every pair ``i``, row ``dst_index[i]`` of
 destination buffer ``b`` from row ``src_index[i]`` of source buffer ``b``. Buffers are named by their
@@ -26,7 +26,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_pointers(base, index, stride, ELEM_BYTES: tl.constexpr, ALIGN: tl.constexpr):
+def row_pointers(base, index, stride, ELEM_BYTES: tl.constexpr, ALIGN: tl.constexpr):
     """Row starts ``base + index * stride`` (bytes) as pointers to the element moved. The compiler
     cannot know the alignment of an address read from memory; the launcher guarantees ALIGN divides
     every base, stride and row size, and the hint lets it issue ALIGN-byte vector accesses."""
@@ -88,8 +88,8 @@ def _copy_rows_kernel(
             d_stride = tl.load(dst_table_ptr + dst_table_stride + b)
             s_base = tl.load(src_table_ptr + b)
             s_stride = tl.load(src_table_ptr + src_table_stride + b)
-            d_row = _row_pointers(d_base, di, d_stride, ELEM_BYTES, ALIGN)  # [BLOCK_P]
-            s_row = _row_pointers(s_base, si, s_stride, ELEM_BYTES, ALIGN)
+            d_row = row_pointers(d_base, di, d_stride, ELEM_BYTES, ALIGN)  # [BLOCK_P]
+            s_row = row_pointers(s_base, si, s_stride, ELEM_BYTES, ALIGN)
 
             cols = col0 + tl.arange(0, BLOCK_W)
             mask = ok[:, None]

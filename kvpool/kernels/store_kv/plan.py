@@ -1,8 +1,8 @@
 """How the K/V write's work is cut into programs: one function, :func:`plan_write`, from the cache
 geometry and the token count to the kernel's block shapes and warps (Liger's ``calculate_settings``
-shape); the numbers it uses are in ``tuning.py``.
+shape); the tiles it uses are named below (``benchmarks/bench_write.py --sections plans`` measures them).
 
-A program of the kernel (``store_kv_kernel.py``) writes BLOCK_T tokens x BLOCK_H heads x one head_dim
+A program of the kernel (``kernel.py``) writes BLOCK_T tokens x BLOCK_H heads x one head_dim
 block of K or of V (grid axis 1 walks K's blocks, then V's), or, in a joined plan, one block of K
 and one of V for its tokens. A row plan views each token's H x D row as one "head" of H x D elements.
 None of this changes what is written (docs/contract.md, "The write").
@@ -15,8 +15,25 @@ from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from kvpool.kernels.launch import cdiv, floor_pow2, next_pow2
-from kvpool.kernels.tuning import LANE_USE, SMALL_TOKENS, WRITE_LARGE, WRITE_LARGE_ROW, WRITE_SMALL, WRITE_SMALL_JOINED, Tile
+from kvpool.kernels.launch import Tile, cdiv, floor_pow2, next_pow2
+
+#: Writes of at most this many tokens (decode steps, verify writes, short prefills) take the small
+#: tiles, larger writes the large one.
+SMALL_TOKENS = 2048
+#: Small writes: few elements per thread keep a decode write's dependent chain (slot, scale, row
+#: loads, then stores) short.
+WRITE_SMALL = Tile(elems=1024, num_warps=4)
+#: Large writes: more bytes in flight per program, fewer programs.
+WRITE_LARGE = Tile(elems=2048, num_warps=4)
+#: Large writes of several heads whose head_dim is cut into two pieces, viewed as one run per row:
+#: a longer run per program takes those pieces' narrower accesses out of the write.
+WRITE_LARGE_ROW = Tile(elems=4096, num_warps=4)
+#: Small writes whose program holds a token's K and V rows (an MLA row's two parts): one row per
+#: program, so no program waits on a second row.
+WRITE_SMALL_JOINED = Tile(elems=512, num_warps=4)
+#: A block shape must keep this share of its lanes busy; below it a head_dim is cut into two
+#: power-of-two pieces, and heads that pad badly take a plan over each token's whole row.
+LANE_USE = 0.9
 
 #: Upper ends of the token-count bands a plan depends on: band ``b`` holds writes of at most
 #: ``TOKEN_BANDS[b]`` tokens (the last band: the rest). ``band(tokens)`` is cheap enough for every call.

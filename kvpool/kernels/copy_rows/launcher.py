@@ -1,8 +1,8 @@
 """Row copies between tables of buffers: the engine under KV moves, the host tier and rank transfers.
 
 :func:`copy_rows` copies, for every buffer of a :class:`~kvpool.kernels.row_table.RowTable`, the rows
-named by a pair of index tensors: one Triton launch on CUDA (``copy_rows_kernel.py``; the launch plan
-and launcher are here), plain PyTorch elsewhere (``copy_rows_naive.py``, the definition of the result).
+named by a pair of index tensors: one Triton launch on CUDA (``kernel.py``; the launch plan
+and launcher are here), plain PyTorch elsewhere (``naive.py``, the definition of the result).
 Padding, range and aliasing rules: docs/contract.md ("Moves and CPU copies").
 """
 
@@ -15,11 +15,13 @@ from typing import Optional
 import torch
 
 from kvpool.checks import check_in_range, check_index, check_same_length, positive_int
-from kvpool.kernels.copy_rows_naive import byte_rows, copy_rows_reference
+from kvpool.kernels.copy_rows.naive import byte_rows, copy_rows_reference
 from kvpool.kernels.launch import (
     INTERPRETER,
+    PROGRAMS_PER_SM,
     TRITON_AVAILABLE,
     DirectLaunches,
+    Tile,
     cdiv,
     column_chunks,
     copy_warps,
@@ -31,20 +33,25 @@ from kvpool.kernels.launch import (
     uses_kernel,
 )
 from kvpool.kernels.row_table import RowTable, aliases, staging_table
-from kvpool.kernels.tuning import (
-    FEW_PROGRAMS,
-    FEW_PROGRAMS_TILE,
-    ONE_PASS_MAX_PAIRS,
-    ONE_PASS_TILE,
-    PROGRAMS_PER_SM,
-    SM_TILE,
-    STAGING_BYTES,
-    Tile,
-)
+
+#: An SM-wide grid's task: enough vector loads per thread in flight without spilling registers.
+SM_TILE = Tile(elems=4096, num_warps=4)
+#: A grid of a few programs (the host tier's) needs more bytes in flight per SM to cover PCIe latency.
+FEW_PROGRAMS_TILE = Tile(elems=16384, num_warps=16)
+#: A grid of at most this many programs uses FEW_PROGRAMS_TILE.
+FEW_PROGRAMS = 32
+#: Register budget of a one-pass program (aliasing tables: it holds all pairs of its column chunk).
+ONE_PASS_TILE = Tile(elems=4096, num_warps=4)
+#: Most pairs a copy between aliasing tables does in one launch (each pair at least one 16-byte
+#: vector per program within ONE_PASS_TILE); more go through a staging buffer.
+ONE_PASS_MAX_PAIRS = 1024
+#: Device memory a staged copy allocates per gather/scatter pair of launches: larger groups of
+#: buffers per launch pair against a larger allocation.
+STAGING_BYTES = 256 * 2**20
 
 _k = None
 if TRITON_AVAILABLE:
-    from kvpool.kernels import copy_rows_kernel as _k
+    from kvpool.kernels.copy_rows import kernel as _k
 
 __all__ = [
     "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "INTERPRETER", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM",

@@ -4,7 +4,7 @@
 ``quantize`` is the per-element function q(x, s); ``scatter_rows`` writes rows to slots while skipping
 negative and out-of-range slots without reading ``loc`` on the host (no synchronisation);
 ``write_reference`` is the whole write on checked arguments, as the writer's reference path runs it.
-The public function of the same signature as the fused one is in ``store_kv_op.py``.
+The public function of the same signature as the fused one is in ``op.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.store_kv_checks import Scale
 from kvpool.kernels.formats import FP8_FORMATS, NAN_BITS, bits_dtype, is_fp8
+from kvpool.write_types import Scale
 
 
 def _scale_tensor(scale: Scale, heads: int, device: torch.device) -> torch.Tensor | None:
