@@ -40,8 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_sim import DTYPES, ModelRunner, Request, Scheduler, SimConfig, make_requests  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support.sim.config import DTYPES, SimConfig  # noqa: E402
+from support.sim.loop import make_requests  # noqa: E402
+from support.sim.runner import ModelRunner  # noqa: E402
+from support.sim.scheduler import Request, Scheduler  # noqa: E402
 
 from kvpool import (  # noqa: E402
     HybridLinearKVPool,
@@ -84,7 +87,7 @@ class DisaggConfig:
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
-            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.model == "qwen3.5" and not self.full_layers():
             raise ValueError(f"--model qwen3.5 needs at least 4 layers (every 4th is full attention), got {self.layers}")
 
@@ -111,9 +114,9 @@ class DisaggConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.device_count() >= 2 else "cpu"
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < 2:
-            raise ValueError(f"device=cuda needs two GPUs, found {torch.cuda.device_count()}")
+            raise ValueError(f"--device cuda needs two GPUs, found {torch.cuda.device_count()}")
         return self.device
 
 
@@ -212,7 +215,7 @@ class States:
     def release(self, rid: int) -> None:
         self.mamba.free([self.slot.pop(rid)])
 
-    def after_step(self, batch) -> None:  # noqa: ANN001 - serve_sim.Batch
+    def after_step(self, batch) -> None:  # noqa: ANN001 - support.sim.scheduler.Batch
         for r in [r for r, _, _ in batch.prefill] + list(batch.decode):
             self.write(r.rid, r.kv_len)
 
@@ -380,7 +383,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
     return stats
 
 
-def describe(m) -> str:  # noqa: ANN001 - serve_sim.Mismatch
+def describe(m) -> str:  # noqa: ANN001 - support.sim.result.Mismatch
     return f"request {m.rid} position {m.position} layer {m.layer} {m.which}"
 
 
@@ -456,7 +459,7 @@ def format_summary(cfg: DisaggConfig, backend: str, pre: dict, dec: dict, wall_s
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> DisaggConfig:
     d = DisaggConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="disagg_sim", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=d.requests, help="requests to serve end to end")
     p.add_argument("--model", choices=MODELS, default=d.model, help="mha: every layer full attention; qwen3.5: hybrid pools, every 4th layer full attention and the others' state in a MambaPool")
     p.add_argument("--layers", type=int, default=None, help=f"layers of the model (default {d.layers}; qwen3.5: full-attention and linear together, default 8)")

@@ -16,8 +16,9 @@ from kvassert import load_example
 from kvpool import quantize
 from kvpool.errors import IntegrityError
 
-serve_sim = load_example("serve_sim")
-hybrid = load_example("serve_sim_hybrid")
+serve_sim = load_example("serve_sim")  # puts examples/ on sys.path, where its parts are (support.sim)
+from support.sim import hybrid  # noqa: E402
+from support.sim import prefix as prefix_sim  # noqa: E402
 
 # Small, with memory pressure: 256 B/token, ~200 slots for requests of up to 104 tokens.
 SMALL = serve_sim.SimConfig(
@@ -90,10 +91,10 @@ def test_kv_values_do_not_depend_on_the_batch():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"requests": 0}, "requests must be a positive int, got 0"),
-        ({"prompt_len": (5, 2)}, r"prompt_len must be a range \(lo, hi\) with 1 <= lo <= hi, got \(5, 2\)"),
-        ({"dtype": "int8"}, "dtype must be one of fp8_e4m3, .*got 'int8'"),
-        ({"kv_budget_mib": 0}, "kv_budget_mib must be > 0, got 0"),
+        ({"requests": 0}, "--requests must be a positive int, got 0"),
+        ({"prompt_len": (5, 2)}, "--prompt-len must be a range MIN MAX with 1 <= MIN <= MAX, got 5 2"),
+        ({"dtype": "int8"}, "--dtype must be one of fp8_e4m3, .*got 'int8'"),
+        ({"kv_budget_mib": 0}, "--kv-budget-mib must be > 0, got 0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
@@ -138,7 +139,7 @@ def test_mla_a_corrupted_latent_byte_fails_the_check():
 def test_mla_main_and_model_choice(capsys):
     assert serve_sim.main([*SMALL_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
-    with pytest.raises(ValueError, match="model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
+    with pytest.raises(ValueError, match="--model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
         replace(SMALL, model="llama")
 
 
@@ -214,8 +215,8 @@ def test_cpu_park_check_catches_a_corrupted_copy(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(spec_k=-1), "spec_k must be a non-negative int"),
-        (dict(spec_k=2, model="deepseek-v3"), "spec_k needs the MHA pool"),
+        (dict(spec_k=-1), "--spec-decode must be a non-negative int"),
+        (dict(spec_k=2, model="deepseek-v3"), "--spec-decode needs the MHA pool"),
         (dict(cpu_park=True, host_tier=True), "choose one"),
     ],
 )
@@ -226,7 +227,6 @@ def test_spec_and_park_options_are_checked(kwargs, message):
 
 # --- --prefix-cache: chats on a prefix cache, the cached rows checked byte for byte ----------------
 
-prefix_sim = serve_sim.companion("prefix")
 
 # Conversations of 1-3 turns after a 40-token few-shot prompt, 256 B/token, ~240 slots for turns of
 # up to 160 tokens: the tree competes with the running requests for pages and gets evicted.
@@ -246,7 +246,7 @@ def run_chats(cfg):
 
 
 def test_a_token_s_kv_derives_from_its_prefix_not_its_request():
-    arrivals = prefix_sim.make_chats(CHATS, serve_sim)
+    arrivals = prefix_sim.make_chats(CHATS)
     first = sorted(arrivals.queue + list(arrivals.follow.values()), key=lambda r: r.rid)
     a, b = first[0], next(r for r in first if r.tokens[: CHATS.few_shot_len + 1] != first[0].tokens[: CHATS.few_shot_len + 1])
     n = CHATS.few_shot_len
@@ -257,7 +257,7 @@ def test_a_token_s_kv_derives_from_its_prefix_not_its_request():
 
 
 def test_a_conversation_s_next_turn_holds_the_last_one_and_arrives_after_its_answer():
-    arrivals = prefix_sim.make_chats(CHATS, serve_sim)
+    arrivals = prefix_sim.make_chats(CHATS)
     assert len(arrivals.queue) + len(arrivals.follow) == CHATS.requests
     prev_rid, nxt = next(iter(arrivals.follow.items()))
     prev = next(r for r in arrivals.queue if r.rid == prev_rid)
@@ -369,9 +369,9 @@ def test_prefix_cache_command_line(capsys):
     assert serve_sim.main([*args, "--host-tier", "--host-write-policy", "write_back"]) == 0
     assert "HiRadixCache" in capsys.readouterr().out
     for bad, message in (
-        (["--cpu-park"], "prefix_cache runs without cpu_park"),
-        (["--spec-decode", "2"], "prefix_cache runs without spec_k"),
-        (["--turns", "3", "1"], r"turns must be a range \(lo, hi\) with 1 <= lo <= hi, got \(3, 1\)"),
+        (["--cpu-park"], "--prefix-cache runs without --cpu-park"),
+        (["--spec-decode", "2"], "--prefix-cache runs without --spec-decode"),
+        (["--turns", "3", "1"], "--turns must be a range MIN MAX with 1 <= MIN <= MAX, got 3 1"),
         (["--model", "qwen3.5", "--layers", "4", "--host-tier"], "has no host tier"),
     ):
         assert serve_sim.main([*args, *bad]) == 2
@@ -521,9 +521,9 @@ def test_main_prints_the_comparison_and_the_check_still_catches_a_flipped_byte(c
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(calibrate_steps=0), "calibrate_steps must be a positive int, got 0"),
-        (dict(calibrate=False, calibrate_per_head=True), r"calibrate_per_head \(the calibrated scales' shape\) needs calibrate=True, got calibrate=False"),
-        (dict(dtype="fp16"), "calibrate needs an FP8 dtype .*got 'fp16'"),
+        (dict(calibrate_steps=0), "--calibrate-steps must be a positive int, got 0"),
+        (dict(calibrate=False, calibrate_per_head=True), r"--calibrate-per-head \(the calibrated scales' shape\) needs --calibrate"),
+        (dict(dtype="fp16"), "--calibrate needs an FP8 --dtype .*got 'fp16'"),
     ],
 )
 def test_calibrate_options_are_checked(kwargs, message):
@@ -594,7 +594,7 @@ def test_no_host_room_falls_back_to_recompute():
 def test_host_tier_command_line():
     cfg = serve_sim.parse_args(["--host-tier", "--host-layout", "layer_first", "--host-io-backend", "direct", "--host-ratio", "3"])
     assert cfg.host_tier and cfg.host_layout == "layer_first" and cfg.host_io_backend == "direct" and cfg.host_ratio == 3.0
-    with pytest.raises(ValueError, match="host_layout must be one of"):
+    with pytest.raises(ValueError, match="--host-layout must be one of"):
         replace(PRESSURE, host_layout="page_head")
 
 
