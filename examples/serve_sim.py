@@ -51,12 +51,9 @@ import sys
 from dataclasses import replace
 from typing import Optional, Sequence
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
 from kvpool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402, F401  (the tests patch their methods here)
 from kvpool.host import IO_BACKENDS, LAYOUTS  # noqa: E402
-from support import sim  # noqa: E402, F401
 from support.sim.config import (  # noqa: E402, F401  (serve_sim's API, as disagg_sim.py and the tests use it)
     DTYPES,
     HYBRID_MODEL,

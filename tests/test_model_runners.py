@@ -27,9 +27,10 @@ except ImportError:  # a transformers 5 without Qwen3.5: its runner's tests are 
 HAS_QWEN35 = Qwen3_5MoeForCausalLM is not None
 qwen35 = pytest.mark.skipif(not HAS_QWEN35, reason="needs a transformers with Qwen3.5 (qwen3_5_moe)")
 
-llama_runner = load_example("llama_runner")
+llama_runner = load_example("llama_runner")  # puts examples/ on sys.path, where the shared code is
 deepseek_runner = load_example("deepseek_runner")
-runner_common = load_example("runner_common")  # the shared scheduler and checks the runners import
+from support import runners as runner_common  # noqa: E402  (the shared scheduler and checks the runners import)
+from support.runners import prefix as runner_prefix  # noqa: E402  (the scheduler on a prefix cache)
 
 
 def _runs(rep, dtype):
@@ -240,7 +241,6 @@ def test_llama_a_match_the_runner_does_not_attend_over_fails_the_fp32_check(llam
     """Control: admissions whose matched slots are not written into the request's row (it attends
     over the padding slot instead) part from HF."""
     model, prompts, hf = llama_cached_model
-    runner_prefix = load_example("runner_prefix")
     match = runner_prefix.PrefixCaching._match
 
     def unwritten(self, r, free):

@@ -31,7 +31,7 @@ K_SCALE, V_SCALE = 0.04, 0.03
 LAYER_LOG2_MAGNITUDE = ((0, -10), (6, -3), (-3, -6), (3, -1))
 #: Models whose KV cache is one latent row per token and layer (MLA): (kv_lora_rank, qk_rope_head_dim).
 MLA_MODELS = {"deepseek-v3": (512, 64)}
-#: The hybrid linear-attention model (its pools, runner and checks: examples/serve_sim_hybrid.py).
+#: The hybrid linear-attention model (its pools, runner and checks: support/sim/hybrid.py).
 HYBRID_MODEL = "qwen3.5"
 MODELS = ("mha", *MLA_MODELS, HYBRID_MODEL)
 # A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
@@ -107,7 +107,7 @@ class SimConfig:
     calibrate_per_head: bool = False
     # --prefix-cache: a chat workload (conversations of ``turns`` turns, each turn's prompt the whole
     # conversation so far plus a user message of prompt_len tokens, the first one after a common
-    # few-shot prompt of few_shot_len tokens) on a prefix cache (examples/serve_sim_prefix.py);
+    # few-shot prompt of few_shot_len tokens) on a prefix cache (support/sim/prefix.py);
     # with --host-tier the cache's host tier, backed up by host_write_policy.
     prefix_cache: bool = False
     few_shot_len: int = 256

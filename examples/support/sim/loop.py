@@ -35,7 +35,7 @@ def make_requests(cfg: SimConfig) -> list[Request]:
 
 class Arrivals:
     """The request stream in arrival order. A workload whose requests follow others' answers (a
-    chat's next turn, serve_sim_prefix.py) queues them when those finish."""
+    chat's next turn, support/sim/prefix.py) queues them when those finish."""
 
     def __init__(self, requests: Sequence[Request]) -> None:
         self.queue = deque(requests)
@@ -59,8 +59,8 @@ class Arrivals:
 
 @dataclass(frozen=True)
 class Parts:
-    """What a run is made of; a model with more to keep than K/V swaps some (serve_sim_hybrid.py),
-    and so does a prefix-cache run (serve_sim_prefix.py)."""
+    """What a run is made of; a model with more to keep than K/V swaps some (support/sim/hybrid.py),
+    and so does a prefix-cache run (support/sim/prefix.py)."""
 
     scheduler: Callable[..., Scheduler] = Scheduler
     host_parking: Callable[..., Optional[HostParking]] = HostParking
