@@ -13,6 +13,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from kvpool.pools.base import KVCache
+from support.progress import Progress
 from support.runners import prefix
 from support.runners.config import DTYPES, LayerScales, RunConfig, Scales
 from support.runners.reference import Generation, Prompt, hf_reference, make_prompts
@@ -91,9 +92,14 @@ def serve(
     stats = pool.stats
     fused0, ref0, reasons0 = stats.fused_calls, stats.reference_calls, dict(stats.reasons)
     res = ServeResult(generations=[])
+    progress = Progress(arch.program, len(prompts))
     start = time.perf_counter()
+    steps = 0
     while (kind := runner.step(sched, keep_logits)) is not None:
         setattr(res, f"{kind}_steps", getattr(res, f"{kind}_steps") + 1)
+        steps += 1
+        progress.update(len(sched.finished), f"step {steps}")
+    progress.close(len(sched.finished), f"step {steps}")
     res.wall_s = time.perf_counter() - start
     done = sorted(sched.finished, key=lambda r: r.rid)
     res.generations = [Generation(r.output, torch.stack(r.logits) if keep_logits else None) for r in done]
@@ -200,9 +206,12 @@ def run_main(
 ) -> int:  # fmt: skip
     """Parse ``argv`` into a config and an architecture, run (``execute``, default ``run``), print
     the summary; 0 when the report is ok, 1 when not, 2 on bad arguments (reported as ``program``'s)."""
+    def phase(msg: str) -> None:  # what starts, on stderr
+        print(f"{program}: {msg}", file=sys.stderr, flush=True)
+
     try:
         cfg, arch = parse(argv)
-        report = (execute or run)(cfg, arch)
+        report = execute(cfg, arch) if execute is not None else run(cfg, arch, phase)
     except ValueError as e:
         print(f"{program}: {e}", file=sys.stderr)
         return 2
