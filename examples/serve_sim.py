@@ -64,6 +64,7 @@ from support.sim.config import (  # noqa: E402, F401  (serve_sim's API, as disag
     SimConfig,
 )
 from support.sim.loop import Arrivals, Parts, budget_for, make_pool, make_requests, make_runner, simulate  # noqa: E402, F401
+from support.sim.parking import CpuParking, HostParking, SpecDecode  # noqa: E402, F401
 from support.sim.result import Mismatch, SimResult  # noqa: E402, F401
 from support.sim.run import run  # noqa: E402, F401
 from support.sim.runner import Checker, MLAModelRunner, ModelRunner  # noqa: E402, F401

@@ -72,7 +72,7 @@ def test_main_exit_codes_and_summary(capsys):
     assert serve_sim.main([*SMALL_ARGS, "--corrupt"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("FAIL")
     assert serve_sim.main([*SMALL_ARGS, "--kv-budget-mib", "0.01"]) == 2
-    assert "kv_budget_mib must hold the longest request" in capsys.readouterr().err
+    assert "--kv-budget-mib must hold the longest request" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")

@@ -144,7 +144,7 @@ def test_main_prints_the_comparison_and_the_check_still_catches_a_flipped_byte(c
     assert serve_sim.main([*CALIBRATED_ARGS, "--corrupt"]) == 1
     assert "FAILED: 1 tokens differ" in capsys.readouterr().out
     assert serve_sim.main([*CALIBRATED_ARGS, "--dtype", "bf16"]) == 2
-    assert "calibrate needs an FP8 dtype (fp8_e4m3 or fp8_e5m2; other pools store no scale), got 'bf16'" in (
+    assert "--calibrate needs an FP8 --dtype (fp8_e4m3 or fp8_e5m2; other pools store no scale), got 'bf16'" in (
         capsys.readouterr().err
     )
 
