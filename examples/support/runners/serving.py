@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from kvpool.pools.base import KVCache
 from support.progress import Progress
-from support.runners import prefix
+from support.runners.prefix import caching
 from support.runners.config import DTYPES, LayerScales, RunConfig, Scales
 from support.runners.reference import Generation, Prompt, hf_reference, make_prompts
 from support.runners.results import PoolRun, Report, ServeResult, compare
@@ -59,7 +59,7 @@ class Architecture:
         self, pool: KVCache, max_running: int, max_context_len: int, chunk_size: Optional[int],
         prefix_cache: bool = False,
     ) -> Scheduler:  # fmt: skip
-        cls = prefix.caching(Scheduler) if prefix_cache else Scheduler
+        cls = caching(Scheduler) if prefix_cache else Scheduler
         return cls(pool, max_running, max_context_len, chunk_size)
 
     def reference_scales(self, model: PreTrainedModel, scales: Optional[Scales]) -> Optional[LayerScales]:
