@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support.progress import Progress  # noqa: E402
 from support.sim.config import DTYPES, SimConfig  # noqa: E402
 from support.sim.loop import make_requests  # noqa: E402
 from support.sim.runner import ModelRunner  # noqa: E402
@@ -296,6 +297,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
     corrupt = cfg.corrupt
     done = False
     step = 0
+    progress = Progress("disagg_sim", cfg.requests, unit="requests decoded")
     while not done or sched.running or sched.waiting:
         if not done:
             message = link.recv(2 + 3 * MAX_OFFERS)
@@ -318,7 +320,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
             for r in accepted:
                 r.row = sched.table.alloc(1)[0]
                 r.prefill_target = r.prompt_len
-                slots = sched._alloc_prefill([(r, 0, r.prompt_len)])
+                slots = sched.alloc_prefill([(r, 0, r.prompt_len)])
                 positions = torch.arange(r.prompt_len, device=device)
                 sched.table.write((torch.full_like(positions, r.row), positions), slots.to(torch.int32))
                 state_slot = None if states is None else torch.tensor([states.take(r.rid)])
@@ -373,6 +375,8 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
                     stats["first_bad"] = f"at finish: {state_bad}"
                 states.release(r.rid)
             sched.release(r)
+        progress.update(stats["finished"], f"step {step}")
+    progress.close(stats["finished"], f"step {step}")
     stats["steps"] = step
     stats["retractions"] = sched.retractions
     stats["transfer_s"] = sum(latencies)

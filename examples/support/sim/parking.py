@@ -149,7 +149,7 @@ class SpecDecode:
         if not decode:
             return 0
         bs, dev = len(decode), sched.device
-        slots = sched._alloc_prefill([(r, r.kv_len, r.kv_len + k) for r in decode]).view(bs, k)
+        slots = sched.alloc_prefill([(r, r.kv_len, r.kv_len + k) for r in decode]).view(bs, k)
         start = torch.tensor([r.kv_len for r in decode], dtype=torch.int64, device=dev)
         positions = start[:, None] + torch.arange(k, device=dev)
         rows = torch.tensor([r.row for r in decode], dtype=torch.int64, device=dev)

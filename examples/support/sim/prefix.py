@@ -323,10 +323,10 @@ class PrefixScheduler:
             self.result.state_mismatches += self.runner.verify_state(r, start)
         return start, end, taken
 
-    def _alloc_prefill(self, plan: list) -> torch.Tensor:
+    def alloc_prefill(self, plan: list) -> torch.Tensor:
         need = sum(self.pages_for(e) - self.pages_for(s) for _, s, e in plan) * self.page_size
         cache_requests.make_room(self.cache, self.allocator, need)
-        return super()._alloc_prefill(plan)  # type: ignore[misc]
+        return super().alloc_prefill(plan)  # type: ignore[misc]
 
     def _alloc_decode(self, decode: list) -> torch.Tensor:
         need = sum(1 for r in decode if r.kv_len % self.page_size == 0) * self.page_size

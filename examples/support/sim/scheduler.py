@@ -107,7 +107,7 @@ class Scheduler:
         prefill = self._schedule_prefill(decode)
         if not prefill and not decode:
             return None
-        loc = torch.cat((self._alloc_prefill(prefill), self._alloc_decode(decode)))
+        loc = torch.cat((self.alloc_prefill(prefill), self._alloc_decode(decode)))
         segments = prefill + [(r, r.kv_len, r.kv_len + 1) for r in decode]
         starts = torch.tensor([s for _, s, _ in segments], dtype=torch.int64, device=self.device)
         counts = torch.tensor([e - s for _, s, e in segments], dtype=torch.int64, device=self.device)
@@ -184,7 +184,10 @@ class Scheduler:
         """Slots a step may take: the allocator's free ones (a prefix cache adds what it can evict)."""
         return self.allocator.available_size()
 
-    def _alloc_prefill(self, plan: list[tuple[Request, int, int]]) -> torch.Tensor:
+    def alloc_prefill(self, plan: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """Slots for each ``(request, start, end)`` of ``plan``: positions ``start..end - 1``, in plan
+        order (the paged allocator continues each request's last page). Public: speculative
+        decoding's drafts and the disaggregated decode rank take slots the same way."""
         total = sum(end - start for _, start, end in plan)
         if isinstance(self.allocator, TokenToKVPoolAllocator):
             out = self.allocator.alloc(total)
@@ -263,7 +266,7 @@ class Scheduler:
     def _resume(self, r: Request, parked: int) -> None:
         """--host-tier: slots for a parked request's first ``parked`` positions, recorded in the
         request table and filled from the host tier (its prefill then continues from there)."""
-        slots = self._alloc_prefill([(r, 0, parked)])
+        slots = self.alloc_prefill([(r, 0, parked)])
         rows = torch.full((parked,), r.row, dtype=torch.int64, device=self.device)  # type: ignore[arg-type]
         self.table.write((rows, torch.arange(parked, device=self.device)), slots.to(torch.int32))
         self.host.resume(r, slots)  # type: ignore[union-attr]
