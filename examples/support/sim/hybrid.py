@@ -232,7 +232,10 @@ class HostParkingWithStates:
     def __init__(self, cfg: Any, pool: HybridLinearKVPool, runner: Any, result: Any) -> None:
         # Not serve_sim's constructor: the KV host pool is HybridPoolHost's.
         self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
-        self.hybrid = HybridPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        try:
+            self.hybrid = HybridPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        except ValueError as e:  # too few host slots for a page
+            raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         self.host = self.hybrid.kv_host
         pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
         self.bytes_per_token = self.host.size_per_token

@@ -32,7 +32,10 @@ class HostParking:
     def __init__(self, cfg: SimConfig, pool: MHATokenToKVPool, runner: "ModelRunner", result: SimResult) -> None:
         self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
         host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
-        self.host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        try:
+            self.host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        except ValueError as e:  # too few host slots for a page
+            raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
         self.bytes_per_token = self.host.size_per_token
         self.parked: dict[int, tuple[torch.Tensor, int]] = {}  # rid -> (host slots, tokens)

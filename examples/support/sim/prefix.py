@@ -237,7 +237,10 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
     elif cfg.host_tier:
         host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
-        host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        try:
+            host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        except ValueError as e:  # too few host slots for a page
+            raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         cache = _with(TalliedHostTier, HiRadixCache)(
             params, host_pool=host, write_policy=cfg.host_write_policy, io_backend=cfg.host_io_backend,
             validate=cfg.validate,
