@@ -89,6 +89,7 @@ def test_a_cuda_device_without_one_is_a_one_line_error(capsys):
         (["--prefix-cache", "--calibrate"], "--prefix-cache runs without --calibrate"),
         (["--host-tier", "--cpu-park"], "--host-tier and --cpu-park are two ways"),
         (["--kv-budget-mib", "0.01"], "--kv-budget-mib must hold the longest request"),
+        (["--host-tier", "--host-ratio", "0.001"], "--host-ratio 0.001 is too small"),
     ],
 )
 def test_refused_combinations_are_named_by_their_flags_here_and_in_help(capsys, args, message):
