@@ -56,7 +56,7 @@ from torch.autograd import DeviceType  # noqa: E402
 
 import llama_runner  # noqa: E402
 import qwen35_runner  # noqa: E402
-import runner_common as rc  # noqa: E402
+from support import runners as rc  # noqa: E402  (examples/support/runners: the runners' shared code)
 
 from kvpool.checks import resolve_device  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Serve prompts with a DeepSeek-V3 model whose latent KV cache lives in kvpool's MLA pool, and check
 it against transformers.
 
-The DeepSeek-V3 counterpart of examples/llama_runner.py, sharing with it (in examples/runner_common.py)
+The DeepSeek-V3 counterpart of examples/llama_runner.py, sharing with it (in examples/support/runners/)
 the scheduler (``ReqToTokenPool`` + ``PagedTokenToKVPoolAllocator``, continuous batching), the HF
 references and the checks; only the model and its attention differ. The model is a small seeded random-init ``DeepseekV3ForCausalLM``
 with the whole architecture in it: a low-rank query (``q_a_proj``/``q_a_layernorm``/``q_b_proj``),
@@ -57,9 +57,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import runner_common as rc  # noqa: E402  (the shared scheduler, references and checks)
-from runner_common import (  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
+from support.runners import (  # noqa: E402
     DTYPES,
     Architecture,
     ForwardBatch,

@@ -40,8 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_sim import DTYPES, ModelRunner, Request, Scheduler, SimConfig, make_requests  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support.progress import Progress  # noqa: E402
+from support.sim.config import DTYPES, SimConfig  # noqa: E402
+from support.sim.loop import make_requests  # noqa: E402
+from support.sim.runner import ModelRunner  # noqa: E402
+from support.sim.scheduler import Request, Scheduler  # noqa: E402
 
 from kvpool import (  # noqa: E402
     HybridLinearKVPool,
@@ -84,7 +88,7 @@ class DisaggConfig:
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
-            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.model == "qwen3.5" and not self.full_layers():
             raise ValueError(f"--model qwen3.5 needs at least 4 layers (every 4th is full attention), got {self.layers}")
 
@@ -111,9 +115,9 @@ class DisaggConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.device_count() >= 2 else "cpu"
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < 2:
-            raise ValueError(f"device=cuda needs two GPUs, found {torch.cuda.device_count()}")
+            raise ValueError(f"--device cuda needs two GPUs, found {torch.cuda.device_count()}")
         return self.device
 
 
@@ -212,7 +216,7 @@ class States:
     def release(self, rid: int) -> None:
         self.mamba.free([self.slot.pop(rid)])
 
-    def after_step(self, batch) -> None:  # noqa: ANN001 - serve_sim.Batch
+    def after_step(self, batch) -> None:  # noqa: ANN001 - support.sim.scheduler.Batch
         for r in [r for r, _, _ in batch.prefill] + list(batch.decode):
             self.write(r.rid, r.kv_len)
 
@@ -293,6 +297,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
     corrupt = cfg.corrupt
     done = False
     step = 0
+    progress = Progress("disagg_sim", cfg.requests, unit="requests decoded")
     while not done or sched.running or sched.waiting:
         if not done:
             message = link.recv(2 + 3 * MAX_OFFERS)
@@ -315,7 +320,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
             for r in accepted:
                 r.row = sched.table.alloc(1)[0]
                 r.prefill_target = r.prompt_len
-                slots = sched._alloc_prefill([(r, 0, r.prompt_len)])
+                slots = sched.alloc_prefill([(r, 0, r.prompt_len)])
                 positions = torch.arange(r.prompt_len, device=device)
                 sched.table.write((torch.full_like(positions, r.row), positions), slots.to(torch.int32))
                 state_slot = None if states is None else torch.tensor([states.take(r.rid)])
@@ -370,6 +375,8 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
                     stats["first_bad"] = f"at finish: {state_bad}"
                 states.release(r.rid)
             sched.release(r)
+        progress.update(stats["finished"], f"step {step}")
+    progress.close(stats["finished"], f"step {step}")
     stats["steps"] = step
     stats["retractions"] = sched.retractions
     stats["transfer_s"] = sum(latencies)
@@ -380,7 +387,7 @@ def decode_rank(cfg: DisaggConfig, device: torch.device, link: Link) -> dict:
     return stats
 
 
-def describe(m) -> str:  # noqa: ANN001 - serve_sim.Mismatch
+def describe(m) -> str:  # noqa: ANN001 - support.sim.result.Mismatch
     return f"request {m.rid} position {m.position} layer {m.layer} {m.which}"
 
 
@@ -456,7 +463,7 @@ def format_summary(cfg: DisaggConfig, backend: str, pre: dict, dec: dict, wall_s
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> DisaggConfig:
     d = DisaggConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="disagg_sim", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=d.requests, help="requests to serve end to end")
     p.add_argument("--model", choices=MODELS, default=d.model, help="mha: every layer full attention; qwen3.5: hybrid pools, every 4th layer full attention and the others' state in a MambaPool")
     p.add_argument("--layers", type=int, default=None, help=f"layers of the model (default {d.layers}; qwen3.5: full-attention and linear together, default 8)")

@@ -39,7 +39,7 @@ Exit status: 0 when the fp32 check passes (or was not requested) and the allocat
 Needs ``transformers`` (the ``model`` extra: ``pip install -e ".[model]"``).
 
 The scheduler, the request table, the references and the checks live in
-``examples/runner_common.py``, shared with ``examples/deepseek_runner.py`` (DeepSeek-V3's multi-head
+``examples/support/runners/``, shared with ``examples/deepseek_runner.py`` (DeepSeek-V3's multi-head
 latent attention on an ``MLATokenToKVPool``) and ``examples/qwen35_runner.py`` (Qwen3.5's hybrid
 linear/full attention on KV and state pools): what differs between model families is an
 ``Architecture`` (build the model, make its pool, run its forward over a ``ForwardBatch``). This
@@ -56,9 +56,9 @@ from typing import Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import runner_common as rc  # noqa: E402  (the shared scheduler, references and checks)
-from runner_common import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
+from support.runners import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
     DTYPES,
     KV_LEN_MULTIPLE,
     LOGIT_RTOL,
@@ -286,14 +286,14 @@ def serve(
     scales: Optional[Scales] = None, keep_logits: bool = True, arch: Architecture = LLAMA,
     chunk_size: Optional[int] = None, prefix_cache: bool = False,
 ) -> ServeResult:  # fmt: skip
-    """``runner_common.serve`` with Llama's architecture by default."""
+    """``support.runners.serve`` with Llama's architecture by default."""
     return rc.serve(model, pool, prompts, max_running, scales, keep_logits, arch, chunk_size, prefix_cache)
 
 
 def calibrate(
     cfg: RunConfig, model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], arch: Architecture = LLAMA
 ) -> Scales:
-    """``runner_common.calibrate`` with Llama's architecture by default."""
+    """``support.runners.calibrate`` with Llama's architecture by default."""
     return rc.calibrate(cfg, model, pool, prompts, arch)
 
 

@@ -52,10 +52,22 @@ def int_list(value: object, name: str, *, accepts: str = "an int or a sequence o
     raise ValueError(f"{name} must be {accepts}, got {value!r}")
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device, name: str = "device") -> torch.device:
     """``device`` as a ``torch.device``; a bare ``"cuda"`` names the current CUDA device, so that
-    tensors made later compare equal to it."""
+    tensors made later compare equal to it. A CUDA device this torch cannot use (a CPU-only build,
+    no GPU visible, an index past the last GPU) raises ``ValueError`` naming ``name``."""
     dev = torch.device(device)
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        if torch.version.cuda is None:
+            why = f"on a CPU-only torch {torch.__version__}"
+        elif not torch.cuda.is_available():
+            why = f"with no GPU visible to torch {torch.__version__}"
+        else:
+            why = f"with {torch.cuda.device_count()} GPU(s) visible"
+        raise ValueError(
+            f"{name} must be a device this torch can use: 'cuda' needs a CUDA build of torch and a GPU, "
+            f"got {str(device)!r} {why}"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -9,7 +9,7 @@
 #             and a timeout a little past it): the write (host time, sizes, moves), the write's plan
 #             sweep, the MLA write, the host tier, the Llama and Qwen3.5 runners, the first call, the
 #             state pool. Reports go to $WORK/bench/NAME.{json,md,png} and all of them into
-#             $OUT/bench.tar.gz. The quick plans fit one 10-minute call; FULL=1 runs the full ones.
+#             $OUT/bench.tar.gz. The quick plan sweep takes under 10 minutes; FULL=1 runs the full one.
 #   examples  the examples on CUDA: the serving simulation (MHA, MLA, hybrid, calibration), the
 #             Llama, DeepSeek-V3 and Qwen3.5 runners.
 #   transfer  two GPUs: the transfer tests, the disaggregation example (Llama and Qwen3.5 geometries)
@@ -18,12 +18,16 @@
 #
 # Usage: bash scripts/gpu_check.sh [tests] [bench] [examples] [transfer]
 # $OUT (default ./gpu_out) receives at most gpu_check.log, tests.log and the two tarballs; $WORK
-# (default ./gpu_work) holds the reports before they are packed. Time limits, so one hang cannot eat
-# the call: TESTS_LIMIT (default 420 s) for the suite, ONE_GPU_LIMIT (150 s) for the one-GPU transfer
+# (default ./gpu_work) holds the reports before they are packed. Time limits, so one hang cannot stop
+# the rest: TESTS_LIMIT (default 420 s) for the suite, ONE_GPU_LIMIT (150 s) for the one-GPU transfer
 # tests, STEP_LIMIT (420 s) for each example and transfer step; each benchmark gets its budget and a
 # minute more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: no CUDA device visible to python3's torch; run it on a GPU machine (the CPU tests: python -m pytest -q -rs -n auto)" >&2
+  exit 1
+fi
 OUT="${OUT:-gpu_out}"
 WORK="${WORK:-gpu_work}"
 mkdir -p "$OUT" "$WORK"

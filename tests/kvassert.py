@@ -991,6 +991,28 @@ def load_example(name: str) -> types.ModuleType:
     return module
 
 
+def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
+    """A stand-in for an example model runner's ``make_pool`` (``runner``: the runner's module) whose
+    pool (``pool_of`` the value made) drops the last token of every ``write_name`` call, as a padding
+    token: attention then reads a stale row."""
+    make_pool = runner.make_pool
+
+    def leaky(*args, **kwargs):
+        made = make_pool(*args, **kwargs)
+        pool = pool_of(made)
+        write = getattr(pool, write_name)
+
+        def drop_last(layer, loc, *rest, **kw):
+            loc = loc.clone()
+            loc[-1] = -1  # a padding token: nothing is written
+            write(layer, loc, *rest, **kw)
+
+        setattr(pool, write_name, drop_last)
+        return made
+
+    return leaky
+
+
 # --- a compiled kernel's stand-in: direct launches on the CPU ------------------------------------------
 
 

@@ -1,23 +1,22 @@
-"""examples/serve_sim.py, every variant, run in-process at a small size: it must verify every request,
-and it must fail when a stored byte is corrupted. The plain run (MHA and DeepSeek-V3's MLA pool,
-speculative decoding, CPU parking), --calibrate (a calibration pass with observe_amax on, then the
-run with the calibrated scales), --host-tier (retracted requests parked in a host pool and reloaded
-layer by layer), --model qwen3.5 (a hybrid model's K/V and per-request states) and --prefix-cache."""
+"""examples/serve_sim.py run in-process at a small size: it must verify every request, and it must fail
+when a stored byte is corrupted. The plain run (MHA and DeepSeek-V3's MLA pool, speculative decoding,
+CPU parking), --host-tier (retracted requests parked in a host pool and reloaded layer by layer) and
+--model qwen3.5 (a hybrid model's K/V and per-request states); --prefix-cache and --calibrate have
+their own files (test_serve_sim_prefix_cache.py, test_serve_sim_calibration.py)."""
 
 from __future__ import annotations
 
-import re
+import io
 from dataclasses import replace
 
 import pytest
 import torch
 
 from kvassert import load_example
-from kvpool import quantize
-from kvpool.errors import IntegrityError
 
-serve_sim = load_example("serve_sim")
-hybrid = load_example("serve_sim_hybrid")
+serve_sim = load_example("serve_sim")  # puts examples/ on sys.path, where its parts are (support.sim)
+from support.progress import Progress  # noqa: E402
+from support.sim import hybrid  # noqa: E402
 
 # Small, with memory pressure: 256 B/token, ~200 slots for requests of up to 104 tokens.
 SMALL = serve_sim.SimConfig(
@@ -73,7 +72,55 @@ def test_main_exit_codes_and_summary(capsys):
     assert serve_sim.main([*SMALL_ARGS, "--corrupt"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("FAIL")
     assert serve_sim.main([*SMALL_ARGS, "--kv-budget-mib", "0.01"]) == 2
-    assert "kv_budget_mib must hold the longest request" in capsys.readouterr().err
+    assert "--kv-budget-mib must hold the longest request" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")
+def test_a_cuda_device_without_one_is_a_one_line_error(capsys):
+    assert serve_sim.main([*SMALL_ARGS, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("serve_sim: --device must be a device this torch can use")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "qwen3.5", "--layers", "4", "--calibrate"], "--calibrate runs on the MHA and MLA pools only"),
+        (["--prefix-cache", "--calibrate"], "--prefix-cache runs without --calibrate"),
+        (["--host-tier", "--cpu-park"], "--host-tier and --cpu-park are two ways"),
+        (["--kv-budget-mib", "0.01"], "--kv-budget-mib must hold the longest request"),
+        (["--host-tier", "--host-ratio", "0.001"], "--host-ratio 0.001 is too small"),
+    ],
+)
+def test_refused_combinations_are_named_by_their_flags_here_and_in_help(capsys, args, message):
+    assert serve_sim.main([*SMALL_ARGS, *args]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        serve_sim.parse_args(["--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "options a run refuses" in help_text and "--prefix-cache with --spec-decode" in help_text
+
+
+def test_a_prefix_cache_run_on_the_mla_pool_gets_a_budget_that_holds_its_conversations():
+    cfg = serve_sim.parse_args(["--model", "deepseek-v3", "--prefix-cache", "--device", "cpu"])
+    pool, geometry = serve_sim.make_pool(cfg)  # the default 4 MiB holds one last turn and no page more
+    assert cfg.kv_budget_mib == 9.0 and pool.size >= 2 * cfg.max_context_len
+    assert serve_sim.parse_args(["--model", "deepseek-v3", "--prefix-cache", "--kv-budget-mib", "4"]).kv_budget_mib == 4.0
+    assert serve_sim.parse_args(["--prefix-cache"]).kv_budget_mib == 4.0  # the MHA pool's default holds it
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds():
+    out = io.StringIO()
+    progress = Progress("serve_sim", 10, every_s=0.0, stream=out)
+    progress.update(3, "step 7")
+    progress.update(10, "step 12")
+    progress.close(10, "step 12")
+    lines = out.getvalue().splitlines()
+    assert [line.split(", ")[:2] for line in lines] == [["serve_sim: 3/10 requests", "step 7"], ["serve_sim: 10/10 requests", "step 12"]]
+    quiet = io.StringIO()
+    Progress("serve_sim", 10, every_s=60.0, stream=quiet).update(3)
+    assert quiet.getvalue() == ""  # not before every_s
 
 
 def test_kv_values_do_not_depend_on_the_batch():
@@ -90,10 +137,10 @@ def test_kv_values_do_not_depend_on_the_batch():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"requests": 0}, "requests must be a positive int, got 0"),
-        ({"prompt_len": (5, 2)}, r"prompt_len must be a range \(lo, hi\) with 1 <= lo <= hi, got \(5, 2\)"),
-        ({"dtype": "int8"}, "dtype must be one of fp8_e4m3, .*got 'int8'"),
-        ({"kv_budget_mib": 0}, "kv_budget_mib must be > 0, got 0"),
+        ({"requests": 0}, "--requests must be a positive int, got 0"),
+        ({"prompt_len": (5, 2)}, "--prompt-len must be a range MIN MAX with 1 <= MIN <= MAX, got 5 2"),
+        ({"dtype": "int8"}, "--dtype must be one of fp8_e4m3, .*got 'int8'"),
+        ({"kv_budget_mib": 0}, "--kv-budget-mib must be > 0, got 0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
@@ -138,7 +185,7 @@ def test_mla_a_corrupted_latent_byte_fails_the_check():
 def test_mla_main_and_model_choice(capsys):
     assert serve_sim.main([*SMALL_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
-    with pytest.raises(ValueError, match="model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
+    with pytest.raises(ValueError, match="--model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
         replace(SMALL, model="llama")
 
 
@@ -214,335 +261,14 @@ def test_cpu_park_check_catches_a_corrupted_copy(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(spec_k=-1), "spec_k must be a non-negative int"),
-        (dict(spec_k=2, model="deepseek-v3"), "spec_k needs the MHA pool"),
+        (dict(spec_k=-1), "--spec-decode must be a non-negative int"),
+        (dict(spec_k=2, model="deepseek-v3"), "--spec-decode needs the MHA pool"),
         (dict(cpu_park=True, host_tier=True), "choose one"),
     ],
 )
 def test_spec_and_park_options_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         replace(SMALL, **kwargs)
-
-
-# --- --prefix-cache: chats on a prefix cache, the cached rows checked byte for byte ----------------
-
-prefix_sim = serve_sim.companion("prefix")
-
-# Conversations of 1-3 turns after a 40-token few-shot prompt, 256 B/token, ~240 slots for turns of
-# up to 160 tokens: the tree competes with the running requests for pages and gets evicted.
-CHATS = replace(
-    SMALL, requests=16, prompt_len=(4, 24), output_len=(2, 16), arrival_every=1.0, kv_budget_mib=0.06,
-    prefix_cache=True, few_shot_len=40, turns=(1, 3),
-)  # fmt: skip
-# The hybrid model's states take most of a budget: 1 full-attention layer's K/V, 3 linear layers' states.
-HYBRID_CHATS = replace(CHATS, model="qwen3.5", layers=4, kv_budget_mib=0.3)
-
-
-def run_chats(cfg):
-    res = serve_sim.run(cfg)
-    summary = serve_sim.format_summary(res)
-    assert res.ok and res.served == cfg.requests, summary
-    return res, res.prefix, summary
-
-
-def test_a_token_s_kv_derives_from_its_prefix_not_its_request():
-    arrivals = prefix_sim.make_chats(CHATS, serve_sim)
-    first = sorted(arrivals.queue + list(arrivals.follow.values()), key=lambda r: r.rid)
-    a, b = first[0], next(r for r in first if r.tokens[: CHATS.few_shot_len + 1] != first[0].tokens[: CHATS.few_shot_len + 1])
-    n = CHATS.few_shot_len
-    kv = lambda r, end: serve_sim.kv_values(r.keys(0, end, torch.device("cpu")), torch.arange(end), 1, 2, 32)
-    assert torch.equal(kv(a, n).view(torch.int16), kv(b, n).view(torch.int16))  # the shared few-shot prompt
-    assert not torch.equal(kv(a, n + 1)[n], kv(b, n + 1)[n])  # the first token after it differs: so does all after
-    assert a.keys(0, 3, torch.device("cpu")).tolist() == prefix_sim.prefix_keys(a.tokens[:3])
-
-
-def test_a_conversation_s_next_turn_holds_the_last_one_and_arrives_after_its_answer():
-    arrivals = prefix_sim.make_chats(CHATS, serve_sim)
-    assert len(arrivals.queue) + len(arrivals.follow) == CHATS.requests
-    prev_rid, nxt = next(iter(arrivals.follow.items()))
-    prev = next(r for r in arrivals.queue if r.rid == prev_rid)
-    assert nxt.tokens[: len(prev.tokens)] == prev.tokens and nxt.prompt_len > len(prev.tokens)
-    assert all(r.tokens[: CHATS.few_shot_len] == prev.tokens[: CHATS.few_shot_len] for r in arrivals.queue)
-    arrivals.finished(prev, 50)
-    assert nxt.arrival == 50 + nxt.think and nxt in arrivals.queue and prev_rid not in arrivals.follow
-    assert [r.arrival for r in arrivals.queue] == sorted(r.arrival for r in arrivals.queue)
-
-
-@pytest.mark.parametrize("page_size", [16, 4, 1], ids=["paged16", "paged4", "token"])
-def test_chats_hit_the_cache_under_memory_pressure_and_every_cached_row_verifies(page_size):
-    """With --validate, check_integrity of tree, allocator, table and running requests before every step."""
-    res, stats, summary = run_chats(replace(CHATS, page_size=page_size, validate=True))
-    assert stats.matched_tokens > 0 and stats.evict_calls > 0 and stats.evicted_tokens > 0, summary
-    assert stats.integrity_checks == res.steps + 1  # every step, and once at the end
-    assert res.verified_tokens > res.prefill_tokens + res.decode_tokens  # cached rows were checked too
-    assert f"hit rate {100 * stats.hit_rate:.1f}%" in summary and "prefill tokens saved" in summary
-
-
-def test_without_memory_pressure_the_cache_saves_exactly_what_it_matched():
-    res, stats, summary = run_chats(replace(CHATS, kv_budget_mib=1.0))
-    assert res.retractions == 0 and stats.evict_calls == 0 and stats.lookups == CHATS.requests, summary
-    assert res.prefill_tokens == stats.prompt_tokens - stats.matched_tokens
-    assert stats.hit_rate > 0.5, summary  # the few-shot prompt and every earlier turn
-
-
-def test_slots_the_tree_still_holds_given_back_fail_the_byte_check(monkeypatch):
-    """A scheduler that frees a finished request's matched prefix, which the tree keeps: the slots are
-    handed out again and overwritten, and the next request matching them reads other K/V."""
-    release = prefix_sim.PrefixScheduler.release
-
-    def release_prefix_too(self, r):
-        prefix = self.slots_of(r)[: r.cache_protected_len]
-        release(self, r)
-        self.allocator.free(prefix)
-
-    monkeypatch.setattr(prefix_sim.PrefixScheduler, "release", release_prefix_too)
-    res = serve_sim.run(CHATS)
-    assert not res.ok and res.mismatched_tokens > 0 and "slots owned but free" in res.integrity_error
-    with pytest.raises(IntegrityError, match="slots owned but free in the allocator"):
-        serve_sim.run(replace(CHATS, validate=True))  # caught at the next step's check
-
-
-def test_a_corrupted_cached_byte_fails_every_request_that_reads_it():
-    res = serve_sim.run(replace(CHATS, corrupt=True))
-    assert not res.ok and res.mismatched_tokens >= 1
-    assert "FAILED" in serve_sim.format_summary(res)
-
-
-@pytest.mark.parametrize(
-    "policy, layout, backend",
-    [("write_through", "page_first", "kernel"), ("write_back", "layer_first", "direct"),
-     ("write_through_selective", "page_first", "direct")],  # fmt: skip
-)
-def test_host_tier_backs_up_evicted_nodes_and_loads_them_back_byte_exact(policy, layout, backend):
-    cfg = replace(CHATS, host_tier=True, host_write_policy=policy, host_layout=layout, host_io_backend=backend)
-    res, stats, summary = run_chats(replace(cfg, validate=True))
-    assert stats.backed_up_tokens > 0 and stats.loaded_tokens > 0 and res.reloaded_tokens == stats.loaded_tokens
-    assert res.reload_mismatches == 0 and "HiRadixCache" in summary and "reload check    OK" in summary
-    plain = serve_sim.run(replace(cfg, host_tier=False))
-    assert stats.hit_rate > plain.prefix.hit_rate and res.prefill_tokens < plain.prefill_tokens
-
-
-def test_a_corrupted_host_byte_fails_the_reload_check(monkeypatch):
-    load_back = prefix_sim.HiRadixCache.init_load_back
-
-    def corrupt_then_load(self, node, *args, **kwargs):
-        host = self.token_to_kv_pool_host
-        slot = int(node.host_value[0])
-        row = host.k_buffer[0, slot] if host.layout == "layer_first" else host.k_buffer[slot, 0]
-        row.view(torch.uint8).view(-1)[0] ^= 0x5A
-        return load_back(self, node, *args, **kwargs)
-
-    monkeypatch.setattr(prefix_sim.HiRadixCache, "init_load_back", corrupt_then_load)
-    res = serve_sim.run(replace(CHATS, host_tier=True))
-    assert not res.ok and res.reload_mismatches > 0
-    assert "reload check    FAILED" in serve_sim.format_summary(res)
-
-
-def test_mla_latent_rows_are_cached_and_checked():
-    res, stats, _ = run_chats(replace(CHATS, model="deepseek-v3", kv_budget_mib=0.3, validate=True))
-    assert stats.matched_tokens > 0 and stats.evict_calls > 0
-
-
-@pytest.mark.parametrize("page_size", [16, 1], ids=["track-slots", "token"])
-def test_hybrid_matches_fork_checked_state_snapshots(page_size):
-    """Pages of 16: requests snapshot their state into track slots at page boundaries; pages of 1:
-    the state after a request's last token is cached. Every fork is checked against the recurrence,
-    and state snapshots are evicted for room as KV is."""
-    res, stats, summary = run_chats(replace(HYBRID_CHATS, page_size=page_size, validate=True))
-    assert stats.forks > 0 and stats.matched_tokens > 0 and stats.evicted_states > 0, summary
-    assert res.state_checked == res.served + stats.forks and res.state_mismatches == 0
-    assert "MambaRadixCache" in summary and "forked into requests' slots (each checked)" in summary
-
-
-def test_hybrid_a_match_without_its_state_fails_the_state_check(monkeypatch):
-    monkeypatch.setattr(prefix_sim.MambaRadixCache, "_fork_into", lambda self, node, req: True)  # no copy
-    res = serve_sim.run(HYBRID_CHATS)
-    assert not res.ok and res.state_mismatches > 0 and res.mismatched_tokens == 0
-
-
-def test_prefix_cache_command_line(capsys):
-    args = [*SMALL_ARGS, "--prefix-cache", "--few-shot-len", "40", "--turns", "1", "3", "--prompt-len", "4", "24",
-            "--output-len", "2", "16", "--kv-budget-mib", "0.06", "--requests", "16"]  # fmt: skip
-    assert serve_sim.main(args) == 0
-    out = capsys.readouterr().out
-    assert "prefix cache    RadixCache(page_size=16, lru): " in out and out.rstrip().endswith("PASS")
-    assert serve_sim.main([*args, "--host-tier", "--host-write-policy", "write_back"]) == 0
-    assert "HiRadixCache" in capsys.readouterr().out
-    for bad, message in (
-        (["--cpu-park"], "prefix_cache runs without cpu_park"),
-        (["--spec-decode", "2"], "prefix_cache runs without spec_k"),
-        (["--turns", "3", "1"], r"turns must be a range \(lo, hi\) with 1 <= lo <= hi, got \(3, 1\)"),
-        (["--model", "qwen3.5", "--layers", "4", "--host-tier"], "has no host tier"),
-    ):
-        assert serve_sim.main([*args, *bad]) == 2
-        assert re.search(message, capsys.readouterr().err)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "how", [dict(), dict(host_tier=True), dict(host_tier=True, host_write_policy="write_back", host_io_backend="direct"),
-            dict(model="qwen3.5", layers=4, kv_budget_mib=0.3)],  # fmt: skip
-    ids=["radix", "hiradix-write-through", "hiradix-write-back-direct", "hybrid"],
-)
-def test_prefix_cache_on_cuda(how):
-    """The fused writes, the host tier's streams and events (backups and layer-by-layer loads in
-    flight keep their nodes locked), and the state pool's forks, on a GPU."""
-    res, stats, summary = run_chats(replace(CHATS, device="cuda", validate=True, **how))
-    assert res.fused_calls > 0 and stats.matched_tokens > 0 and res.leaked_slots == 0, summary
-    if how.get("host_tier"):
-        assert stats.loaded_tokens > 0 and res.reload_mismatches == 0, summary
-
-
-# --- --calibrate: the scales the run writes with must be the calibration pass's maxima (kept here
-# independently, from the K/V its writes were given) over the format's largest value, the byte check
-# must pass with them, and the reported quantisation errors must be what they are on this data ------
-
-# The small run's configuration, calibrated on a short pass: 2 layers (layer 1's K reaches 1024, past
-# e4m3's 448; layer 0's V stays below 2**-6).
-CALIBRATED = replace(SMALL, calibrate=True, calibrate_steps=12)
-CALIBRATED_ARGS = [*SMALL_ARGS, "--calibrate", "--calibrate-steps", "12"]
-E4M3_MAX = 448.0
-
-
-def _record_writes(monkeypatch):
-    """Every forward step as (seed of the runner's request stream, rids, positions, [(layer, k_scale,
-    v_scale) of each set_kv_buffer call])."""
-    steps = []
-    forward, write = serve_sim.ModelRunner.forward, serve_sim.MHATokenToKVPool.set_kv_buffer
-
-    def recording_forward(self, batch):
-        steps.append((self.cfg.seed, batch.rids.clone(), batch.positions.clone(), []))
-        forward(self, batch)
-
-    def recording_write(self, layer, loc, k, v, k_scale, v_scale, *args, **kwargs):
-        steps[-1][3].append((layer.layer_id, k_scale.clone(), v_scale.clone()))
-        return write(self, layer, loc, k, v, k_scale, v_scale, *args, **kwargs)
-
-    monkeypatch.setattr(serve_sim.ModelRunner, "forward", recording_forward)
-    monkeypatch.setattr(serve_sim.MHATokenToKVPool, "set_kv_buffer", recording_write)
-    return steps
-
-
-def _expected_scales(amax: torch.Tensor) -> torch.Tensor:
-    """float32(amax / 448), divided in float64 and rounded once, as calibrated_scales promises."""
-    return (amax.double() / E4M3_MAX).float()
-
-
-@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
-def test_the_run_writes_with_the_observed_maxima_over_448(monkeypatch, per_head):
-    steps = _record_writes(monkeypatch)
-    res = serve_sim.run(replace(CALIBRATED, calibrate_per_head=per_head))
-    assert res.ok, serve_sim.format_summary(res)  # the byte check regenerates with the calibrated scales
-    cal = res.calibration
-    calibration_steps = [s for s in steps if s[0] == CALIBRATED.seed + 1]
-    run_steps = [s for s in steps if s[0] == CALIBRATED.seed]
-    assert len(calibration_steps) + len(run_steps) == len(steps)
-    assert 0 < len(calibration_steps) <= CALIBRATED.calibrate_steps and cal.result.steps == CALIBRATED.calibrate_steps
-    assert len(run_steps) == res.forward_steps
-    # The calibration pass's writes don't count as the run's.
-    assert res.fused_calls + res.reference_calls == res.forward_steps * CALIBRATED.layers
-
-    # Per layer, K/V and head: the largest |x| of every token the calibration pass wrote.
-    amax = torch.zeros(CALIBRATED.layers, 2, CALIBRATED.heads)
-    for _, rids, positions, _ in calibration_steps:
-        for layer in range(CALIBRATED.layers):
-            kv = serve_sim.kv_values(rids, positions, layer, CALIBRATED.heads, CALIBRATED.head_dim).float()
-            amax[layer] = torch.maximum(amax[layer], kv.abs().amax(dim=(0, 3)))
-    assert torch.equal(cal.amax, amax)
-
-    for layer in range(CALIBRATED.layers):
-        k_amax, v_amax = amax[layer] if per_head else amax[layer].amax(dim=1, keepdim=True)
-        want = (_expected_scales(k_amax), _expected_scales(v_amax))
-        assert all(torch.equal(got.cpu(), w) for got, w in zip(cal.scales[layer], want))
-        # Every write of the run used them, not the checkpoint's.
-        used = [(k, v) for *_, calls in run_steps for (i, k, v) in calls if i == layer]
-        assert len(used) == res.forward_steps
-        assert all(torch.equal(k, want[0]) and torch.equal(v, want[1]) for k, v in used)
-        checkpoint = serve_sim.checkpoint_scales(CALIBRATED.layers, torch.device("cpu"))[layer]
-        assert all(float(c) != float(w.max()) for c, w in zip(checkpoint, want))
-
-
-def test_calibrated_error_is_what_this_data_gives():
-    """e4m3 at scale 1.0 saturates layer 1's K (|k| up to 1024) and rounds layer 0's V (below 2**-6)
-    into subnormals; the calibrated scales bring every layer to e4m3's ~2.5%. Where the range fits
-    at scale 1.0, calibration gains nothing: the rows within a tenth of a percent say so."""
-    res = serve_sim.run(CALIBRATED)
-    assert res.ok, serve_sim.format_summary(res)
-    errors = {(e.layer, e.part): e for e in res.calibration.errors}
-    assert sorted(errors) == [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
-    assert errors[1, "K"].amax == 1024.0 and errors[0, "V"].amax == 2.0**-6
-    assert errors[1, "K"].scale_one > 0.3 and errors[0, "V"].scale_one > 0.05
-    assert all(0.02 < e.calibrated < 0.03 for e in errors.values())
-    for key in ((0, "K"), (1, "V")):
-        assert abs(errors[key].scale_one - errors[key].calibrated) < 0.003
-    # The checkpoint's V scales saturate values on purpose: worse than calibrated on every layer.
-    assert all(errors[layer, "V"].checkpoint > errors[layer, "V"].calibrated + 0.02 for layer in (0, 1))
-
-    # One figure recomputed here: layer 1's K over the first 8 requests, with scale 1.0 and calibrated.
-    requests = serve_sim.make_requests(CALIBRATED)[:8]
-    rids = torch.cat([torch.full((r.prompt_len + r.output_len - 1,), r.rid) for r in requests])
-    positions = torch.cat([torch.arange(r.prompt_len + r.output_len - 1) for r in requests])
-    assert res.calibration.sample_tokens == rids.numel()
-    k = serve_sim.kv_values(rids, positions, 1, CALIBRATED.heads, CALIBRATED.head_dim)[:, 0]
-    for scale, reported in ((1.0, errors[1, "K"].scale_one), (1024.0 / E4M3_MAX, errors[1, "K"].calibrated)):
-        s = torch.tensor([scale], dtype=torch.float32)
-        x = k.double()
-        err = ((quantize(k, torch.float8_e4m3fn, s).double() * s.double() - x).norm() / x.norm()).item()
-        assert err == pytest.approx(reported, rel=1e-9)
-
-
-def test_mla_calibrates_one_latent_scale_per_layer():
-    res = serve_sim.run(replace(CALIBRATED, model="deepseek-v3", kv_budget_mib=0.25, calibrate_steps=6))
-    assert res.ok, serve_sim.format_summary(res)
-    cal = res.calibration
-    assert cal.amax.shape == (CALIBRATED.layers, 2, 1)  # latent and rotary maxima
-    for layer, (k_scale, v_scale) in enumerate(cal.scales):
-        want = _expected_scales(cal.amax[layer].amax()).reshape(1)
-        assert torch.equal(k_scale.cpu(), want) and torch.equal(v_scale.cpu(), want)
-    assert [e.part for e in cal.errors] == ["latent", "latent"]
-    assert cal.errors[1].scale_one > 0.3 and cal.errors[1].calibrated < 0.03
-    assert "calibrated      latent" in serve_sim.format_summary(res)
-
-
-def test_main_prints_the_comparison_and_the_check_still_catches_a_flipped_byte(capsys):
-    assert serve_sim.main(CALIBRATED_ARGS) == 0
-    out = capsys.readouterr().out
-    assert "check           OK" in out and "written with observe_amax on; check OK" in out
-    assert "layer  part         amax  scale 1.0" in out
-    assert "calibrated      K " in out and out.rstrip().endswith("PASS")
-    assert serve_sim.main([*CALIBRATED_ARGS, "--corrupt"]) == 1
-    assert "FAILED: 1 tokens differ" in capsys.readouterr().out
-    assert serve_sim.main([*CALIBRATED_ARGS, "--dtype", "bf16"]) == 2
-    assert "calibrate needs an FP8 dtype (fp8_e4m3 or fp8_e5m2; other pools store no scale), got 'bf16'" in (
-        capsys.readouterr().err
-    )
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(calibrate_steps=0), "calibrate_steps must be a positive int, got 0"),
-        (dict(calibrate=False, calibrate_per_head=True), r"calibrate_per_head \(the calibrated scales' shape\) needs calibrate=True, got calibrate=False"),
-        (dict(dtype="fp16"), "calibrate needs an FP8 dtype .*got 'fp16'"),
-    ],
-)
-def test_calibrate_options_are_checked(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        replace(CALIBRATED, **kwargs)
-
-
-def test_calibration_on_the_fused_kernel(monkeypatch):
-    """The observing writes on the fused Triton kernel (compiled on a GPU, the interpreter on CPU CI):
-    the same maxima as the reference path's, and the run verifies with the scales they give."""
-    small = replace(CALIBRATED, requests=4, output_len=(2, 8), calibrate_steps=4)
-    reference = serve_sim.run(small)
-    monkeypatch.setenv("KVPOOL_FUSED", "always")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    res = serve_sim.run(replace(small, device=device))
-    assert res.ok, serve_sim.format_summary(res)
-    assert res.reference_calls == 0 and res.calibration.result.reference_calls == 0
-    assert reference.calibration.amax.min() > 0
-    assert torch.equal(res.calibration.amax, reference.calibration.amax)
 
 
 # --- --host-tier: retracted requests are parked in a host pool and reloaded layer by layer instead
@@ -594,7 +320,7 @@ def test_no_host_room_falls_back_to_recompute():
 def test_host_tier_command_line():
     cfg = serve_sim.parse_args(["--host-tier", "--host-layout", "layer_first", "--host-io-backend", "direct", "--host-ratio", "3"])
     assert cfg.host_tier and cfg.host_layout == "layer_first" and cfg.host_io_backend == "direct" and cfg.host_ratio == 3.0
-    with pytest.raises(ValueError, match="host_layout must be one of"):
+    with pytest.raises(ValueError, match="--host-layout must be one of"):
         replace(PRESSURE, host_layout="page_head")
 
 

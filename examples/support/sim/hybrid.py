@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Optional
 
 import torch
 
 from kvpool import HybridLinearKVPool, HybridPoolHost, HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape
 from kvpool.pools.sizing import KVGeometry, plan_hybrid_pools
+from support.sim.config import DTYPES
+from support.sim.loop import Parts, SimResult, simulate
+from support.sim.parking import CpuParking, HostParking, SpecDecode
+from support.sim.runner import Checker, ModelRunner
+from support.sim.scheduler import Scheduler
 
 #: A small Gated DeltaNet (Qwen3.5's is 16 key / 64 value heads of 128 over 8 ranks): convolution
 #: windows (96, 3) bf16 and SSM states (2, 16, 16) float32.
@@ -228,7 +232,10 @@ class HostParkingWithStates:
     def __init__(self, cfg: Any, pool: HybridLinearKVPool, runner: Any, result: Any) -> None:
         # Not serve_sim's constructor: the KV host pool is HybridPoolHost's.
         self.cfg, self.pool, self.runner, self.result = cfg, pool, runner, result
-        self.hybrid = HybridPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        try:
+            self.hybrid = HybridPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        except ValueError as e:  # too few host slots for a page
+            raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         self.host = self.hybrid.kv_host
         pool.register_layer_transfer_counter(self.host.layer_transfer_counter)
         self.bytes_per_token = self.host.size_per_token
@@ -309,26 +316,31 @@ class Build:
     parts: Any
 
 
-def build(cfg: Any, sim: ModuleType, extra_buffer: bool = False, spare_states: int = 0, runner_mixin: Optional[type] = None) -> Build:
-    """The hybrid pools, runner, result and parts of ``cfg``'s run; ``sim`` is the serve_sim module.
+def build(cfg: Any, extra_buffer: bool = False, spare_states: int = 0, runner_mixin: Optional[type] = None) -> Build:
+    """The hybrid pools, runner, result and parts of ``cfg``'s run.
     ``extra_buffer``: each request also holds SGLang's track slots; ``spare_states``: state slots for
     that many more requests (a prefix cache's snapshots); ``runner_mixin``: mixed into the runner."""
-    dtype = sim.DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.dtype]
     full = full_attention_layers(cfg.layers)
     linear = [i for i in range(cfg.layers) if i not in full]
     kv = KVGeometry(cfg.heads, cfg.head_dim, len(full), dtype)
     state = MambaCacheParams(GDN, linear)
     spec = cfg.spec_k or None
     tracks = (2 if spec is None else 1) if extra_buffer else 0
-    plan = plan_hybrid_pools(
-        int(cfg.kv_budget_mib * 2**20), kv.bytes_per_token, state, page_size=cfg.page_size,
-        max_running_requests=max(1, int(cfg.max_running * STATE_SHARE)) + spare_states,
-        speculative_num_draft_tokens=spec, track_slots_per_request=tracks,
-    )  # fmt: skip
+    try:
+        plan = plan_hybrid_pools(
+            int(cfg.kv_budget_mib * 2**20), kv.bytes_per_token, state, page_size=cfg.page_size,
+            max_running_requests=max(1, int(cfg.max_running * STATE_SHARE)) + spare_states,
+            speculative_num_draft_tokens=spec, track_slots_per_request=tracks,
+        )  # fmt: skip
+    except ValueError:  # the budget does not hold the states plus a page of KV
+        raise ValueError(
+            f"--kv-budget-mib must hold the states of the running requests plus a page of KV, got {cfg.kv_budget_mib:g} MiB"
+        ) from None
     if -(-cfg.max_context_len // cfg.page_size) + 1 > plan.kv_size // cfg.page_size:
         raise ValueError(
-            f"kv_budget_mib must hold the longest request ({cfg.max_context_len} tokens) plus a page after the "
-            f"states, got {cfg.kv_budget_mib} MiB = {plan.kv_size} KV slots and {plan.mamba_size} state slots"
+            f"--kv-budget-mib must hold the longest request ({cfg.max_context_len} tokens) plus a page after the "
+            f"states, got {cfg.kv_budget_mib:g} MiB = {plan.kv_size} KV slots and {plan.mamba_size} state slots"
         )
     table = HybridReqToTokenPool(
         size=cfg.max_running, mamba_size=plan.mamba_size, mamba_spec_state_size=plan.spec_state_size or None,
@@ -339,23 +351,23 @@ def build(cfg: Any, sim: ModuleType, extra_buffer: bool = False, spare_states: i
         plan.kv_size, dtype, cfg.page_size, cfg.heads, cfg.head_dim, full, False, cfg.device, table.mamba_pool
     )
     states = StateModel(table.mamba_pool, cfg.max_context_len + cfg.spec_k)
-    runner_cls = _with(RunnerWithStates, sim.ModelRunner)
+    runner_cls = _with(RunnerWithStates, ModelRunner)
     if runner_mixin is not None:
         runner_cls = _with(runner_mixin, runner_cls)
     runner = runner_cls(cfg, pool, table, states)
-    result = sim.SimResult(cfg, plan.kv_size, kv.bytes_per_token, device=str(pool.device))
-    parts = sim.Parts(
-        scheduler=functools.partial(_with(SchedulerWithStates, sim.Scheduler), table=table),
-        host_parking=_with(HostParkingWithStates, sim.HostParking),
-        cpu_parking=_with(CpuParkingWithStates, sim.CpuParking),
-        spec=_with(SpecWithStates, sim.SpecDecode),
-        checker=_with(CheckerWithStates, sim.Checker),
+    result = SimResult(cfg, plan.kv_size, kv.bytes_per_token, device=str(pool.device))
+    parts = Parts(
+        scheduler=functools.partial(_with(SchedulerWithStates, Scheduler), table=table),
+        host_parking=_with(HostParkingWithStates, HostParking),
+        cpu_parking=_with(CpuParkingWithStates, CpuParking),
+        spec=_with(SpecWithStates, SpecDecode),
+        checker=_with(CheckerWithStates, Checker),
     )  # fmt: skip
     return Build(pool, table, runner, result, parts)
 
 
-def run(cfg: Any, sim: ModuleType) -> Any:
-    """serve_sim's run on the hybrid pools; ``sim`` is the serve_sim module."""
-    b = build(cfg, sim)
-    sim._simulate(cfg, b.pool, b.runner, b.result, b.parts)
+def run(cfg: Any) -> Any:
+    """serve_sim's run on the hybrid pools."""
+    b = build(cfg)
+    simulate(cfg, b.pool, b.runner, b.result, b.parts)
     return b.result

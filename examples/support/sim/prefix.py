@@ -34,41 +34,25 @@ import bisect
 import functools
 import random
 from dataclasses import dataclass, field, replace
-from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import torch
 
-import cache_requests
-from cache_requests import CacheRequest
 from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
+from support import cache_requests
+from support.cache_requests import CacheRequest
+from support.sim import hybrid
+from support.sim.config import HYBRID_MODEL
+from support.sim.loop import Parts, SimResult, make_pool, make_runner, simulate
+from support.sim.scheduler import Request, Scheduler
 
 VOCAB = 32_000
 #: The rolling hash of a prefix: key_i = (key_{i-1} * KEY_BASE + token_i + 1) mod KEY_MODULUS, below
 #: 2**31 as serve_sim's K/V functions want their keys.
 KEY_BASE, KEY_MODULUS = 1_000_003, 2_147_483_647
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-def check_config(cfg: Any) -> None:
-    """What a prefix-cache run needs of its ``SimConfig`` (``ValueError`` naming the field)."""
-    if isinstance(cfg.few_shot_len, bool) or not isinstance(cfg.few_shot_len, int) or cfg.few_shot_len < 0:
-        raise ValueError(f"few_shot_len must be a non-negative int, got {cfg.few_shot_len!r}")
-    lo, hi = cfg.turns
-    if not 1 <= lo <= hi:
-        raise ValueError(f"turns must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
-    if cfg.host_write_policy not in WRITE_POLICIES:
-        raise ValueError(f"host_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {cfg.host_write_policy!r}")
-    for name in ("cpu_park", "spec_k", "calibrate"):
-        if getattr(cfg, name):
-            raise ValueError(f"prefix_cache runs without {name}, got {name}={getattr(cfg, name)!r}")
-    if cfg.model == "qwen3.5" and cfg.host_tier:
-        raise ValueError("prefix_cache with model 'qwen3.5' has no host tier (MambaRadixCache), got host_tier=True")
-
-
 def prefix_keys(tokens: Sequence[int]) -> list[int]:
     """The key of each position: a rolling hash of the tokens up to it (see KEY_BASE)."""
     out, h = [], 1
@@ -135,9 +119,9 @@ class ChatArrivals:
             bisect.insort(self.queue, nxt, key=lambda q: q.arrival)
 
 
-def make_chats(cfg: Any, sim: ModuleType) -> ChatArrivals:
+def make_chats(cfg: Any) -> ChatArrivals:
     """``cfg.requests`` turns of seeded conversations (the module docstring)."""
-    cls = chat_request_class(sim.Request)
+    cls = chat_request_class(Request)
     rng = random.Random(cfg.seed)
 
     def gap() -> float:
@@ -253,7 +237,10 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
     elif cfg.host_tier:
         host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
-        host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        try:
+            host = host_cls(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+        except ValueError as e:  # too few host slots for a page
+            raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         cache = _with(TalliedHostTier, HiRadixCache)(
             params, host_pool=host, write_policy=cfg.host_write_policy, io_backend=cfg.host_io_backend,
             validate=cfg.validate,
@@ -269,7 +256,7 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
 
 
 class PrefixScheduler:
-    """serve_sim's scheduler (mixed into ``serve_sim.Scheduler`` or serve_sim_hybrid's) on a prefix
+    """serve_sim's scheduler (mixed into ``serve_sim.Scheduler`` or support.sim.hybrid's) on a prefix
     cache; ``runner`` checks rows loaded from the host tier and forked states, ``result`` tallies."""
 
     def __init__(self, cfg: Any, pool: Any, *args: Any, runner: Any, result: Any, **kwargs: Any) -> None:
@@ -339,10 +326,10 @@ class PrefixScheduler:
             self.result.state_mismatches += self.runner.verify_state(r, start)
         return start, end, taken
 
-    def _alloc_prefill(self, plan: list) -> torch.Tensor:
+    def alloc_prefill(self, plan: list) -> torch.Tensor:
         need = sum(self.pages_for(e) - self.pages_for(s) for _, s, e in plan) * self.page_size
         cache_requests.make_room(self.cache, self.allocator, need)
-        return super()._alloc_prefill(plan)  # type: ignore[misc]
+        return super().alloc_prefill(plan)  # type: ignore[misc]
 
     def _alloc_decode(self, decode: list) -> torch.Tensor:
         need = sum(1 for r in decode if r.kv_len % self.page_size == 0) * self.page_size
@@ -405,7 +392,7 @@ class PrefixScheduler:
 
 
 class RunnerWithTracks:
-    """Mixed into serve_sim_hybrid's runner when pages hold more than one token: a request's state
+    """Mixed into support.sim.hybrid's runner when pages hold more than one token: a request's state
     is known to the cache only at page boundaries, so each step advances it up to the last boundary
     its segment passes, snapshots it into the request's next track slot there (SGLang's mamba
     track: ``mamba_next_track_idx``, ``mamba_last_track_seqlen``), and advances the rest."""
@@ -432,25 +419,24 @@ class RunnerWithTracks:
 # --- the run --------------------------------------------------------------------------------------
 
 
-def run(cfg: Any, sim: ModuleType) -> Any:
-    """serve_sim's run on a prefix cache with the chat workload; ``sim`` is the serve_sim module."""
-    if cfg.model == sim.HYBRID_MODEL:
+def run(cfg: Any) -> Any:
+    """serve_sim's run on a prefix cache with the chat workload."""
+    if cfg.model == HYBRID_MODEL:
         extra = cfg.page_size > 1  # the state is known at page boundaries: track slots
-        hybrid = sim.companion("hybrid")
-        b = hybrid.build(cfg, sim, extra_buffer=extra, spare_states=cfg.max_running,
+        b = hybrid.build(cfg, extra_buffer=extra, spare_states=cfg.max_running,
                          runner_mixin=RunnerWithTracks if extra else None)  # fmt: skip
         pool, runner, result, parts = b.pool, b.runner, b.result, b.parts
-        base = functools.partial(_with(PrefixScheduler, _with(hybrid.SchedulerWithStates, sim.Scheduler)), table=b.table)
+        base = functools.partial(_with(PrefixScheduler, _with(hybrid.SchedulerWithStates, Scheduler)), table=b.table)
     else:
-        pool, geometry = sim.make_pool(cfg)
-        runner = sim.make_runner(cfg, pool)
-        result = sim.SimResult(cfg, pool.size, geometry.bytes_per_token, device=str(pool.device))
-        parts, base = sim.Parts(), _with(PrefixScheduler, sim.Scheduler)
+        pool, geometry = make_pool(cfg)
+        runner = make_runner(cfg, pool)
+        result = SimResult(cfg, pool.size, geometry.bytes_per_token, device=str(pool.device))
+        parts, base = Parts(), _with(PrefixScheduler, Scheduler)
     result.prefix = PrefixStats()
     parts = replace(
         parts, scheduler=functools.partial(base, runner=runner, result=result),
         host_parking=lambda *args: None,  # the host tier is the cache's
-        arrivals=lambda c: make_chats(c, sim),
+        arrivals=lambda c: make_chats(c),
     )  # fmt: skip
-    sim._simulate(cfg, pool, runner, result, parts)
+    simulate(cfg, pool, runner, result, parts)
     return result

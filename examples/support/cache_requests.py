@@ -1,4 +1,4 @@
-"""What the examples' schedulers on a prefix cache share (serve_sim_prefix.py, runner_prefix.py): the
+"""What the examples' schedulers on a prefix cache share (support/sim/prefix.py, support/runners/prefix.py): the
 attributes the cache reads and writes on a request, under SGLang's ``Req`` names
 (``kvpool.cache.requests``), and the request-table calls around it: a row with its state slots, the
 room the tree gives up, and a hybrid request's state copied into its track slot."""

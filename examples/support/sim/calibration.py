@@ -5,19 +5,19 @@ The pass serves the request stream of ``--seed + 1`` (data the run itself never 
 calibration set would be) for ``--calibrate-steps`` steps with ``pool.observe_amax(True)``; the run
 then writes and checks with ``pool.calibrated_scales()``. The error table compares, per layer and
 part, the relative RMS error of the dequantised values against the bf16 input with scale 1.0, the
-checkpoint's scales and the calibrated ones, on every token of the run's first requests. Each
-function takes the serve_sim module (``sim``) whose classes it runs.
+checkpoint's scales and the calibrated ones, on every token of the run's first requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from kvpool import MLATokenToKVPool, quantize
+from support.sim.config import DTYPES
+from support.sim.loop import SimResult, make_requests, make_runner, simulate
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,14 @@ def relative_rms_error(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor)
     return float((dequantised - exact).norm() / exact.norm())
 
 
-def quantisation_errors(runner: Any, checkpoint: list, amax: torch.Tensor, sim: ModuleType) -> tuple[list[QuantError], int, int]:
+def quantisation_errors(runner: Any, checkpoint: list, amax: torch.Tensor) -> tuple[list[QuantError], int, int]:
     """--calibrate: the relative RMS error of every layer's K and V (an MLA pool: latent rows) over
     every token of the run's first SAMPLE_REQUESTS requests, with scale 1.0, the ``checkpoint``
     scales and ``runner``'s (the calibrated ones), on the CPU. Returns the rows, the requests and
     the tokens sampled."""
     cfg, dtype = runner.cfg, runner.pool.dtype
     mla = isinstance(runner.pool, MLATokenToKVPool)
-    requests = sim.make_requests(cfg)[:SAMPLE_REQUESTS]
+    requests = make_requests(cfg)[:SAMPLE_REQUESTS]
     rids = torch.cat([torch.full((r.final_kv_len,), r.rid, dtype=torch.int64) for r in requests])
     positions = torch.cat([torch.arange(r.final_kv_len, dtype=torch.int64) for r in requests])
     one = torch.ones(1, dtype=torch.float32)
@@ -80,7 +80,7 @@ def quantisation_errors(runner: Any, checkpoint: list, amax: torch.Tensor, sim: 
     return rows, len(requests), rids.numel()
 
 
-def calibrate(cfg: Any, pool: Any, bytes_per_token: int, sim: ModuleType) -> Calibration:
+def calibrate(cfg: Any, pool: Any, bytes_per_token: int) -> Calibration:
     """--calibrate: the request stream of seed + 1 (data the run itself never writes, as a
     calibration set would be) for ``calibrate_steps`` steps on ``pool`` with observation on, written
     with the checkpoint scales (observation records the inputs, whatever the scale); then the
@@ -89,10 +89,10 @@ def calibrate(cfg: Any, pool: Any, bytes_per_token: int, sim: ModuleType) -> Cal
         cfg, seed=cfg.seed + 1, max_steps=cfg.calibrate_steps, calibrate=False, calibrate_per_head=False,
         corrupt=False, progress=False,
     )  # fmt: skip
-    result = sim.SimResult(pass_cfg, pool.size, bytes_per_token, device=str(pool.device))
+    result = SimResult(pass_cfg, pool.size, bytes_per_token, device=str(pool.device))
     pool.observe_amax(True)
     try:
-        sim._simulate(pass_cfg, pool, sim.make_runner(pass_cfg, pool), result)
+        simulate(pass_cfg, pool, make_runner(pass_cfg, pool), result)
         scales = pool.calibrated_scales(per_head=cfg.calibrate_per_head)
     finally:
         pool.observe_amax(False)  # the run's writes take the variant with no observation code
@@ -104,7 +104,7 @@ def _scale_text(scale: torch.Tensor) -> str:
     return f"{lo:.4g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
 
 
-def format_calibration(cal: Calibration, parts: str, sim: ModuleType) -> list[str]:
+def format_calibration(cal: Calibration, parts: str) -> list[str]:
     """--calibrate's lines: the calibration pass, the error table, and the means over layers."""
     p = cal.result
     cfg = p.config
@@ -113,7 +113,7 @@ def format_calibration(cal: Calibration, parts: str, sim: ModuleType) -> list[st
         allocators = p.integrity_error or (f"{p.leaked_slots} slots leaked" if p.leaked_slots else "OK")
         check = f"check FAILED ({p.mismatched_tokens} tokens differ; allocators: {allocators})"
     per_head = any(k.numel() > 1 for k, _ in cal.scales)
-    fmax = torch.finfo(sim.DTYPES[cfg.dtype]).max
+    fmax = torch.finfo(DTYPES[cfg.dtype]).max
     pad = " " * 18
     lines = [
         f"  calibration     seed {cfg.seed}, {p.steps} steps, {p.prefill_tokens + p.decode_tokens} tokens "

@@ -1,7 +1,7 @@
 """The model runners' scheduler on a prefix cache (``--prefix-cache``): requests that share a prompt
 prefix compute it once.
 
-``caching(scheduler_cls)`` mixes ``PrefixCaching`` into runner_common's ``Scheduler`` (a
+``caching(scheduler_cls)`` mixes ``PrefixCaching`` into support.runners.scheduler's ``Scheduler`` (a
 ``RadixCache`` over its allocator and request table) or qwen35_runner's ``HybridScheduler`` (a
 ``MambaRadixCache``, whose nodes carry the linear layers' state snapshots). Admission matches each
 prompt but its last token (which must be computed for the first new token's logits) against the
@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-import cache_requests
 from kvpool.cache import CacheInitParams, EvictParams, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
+from support import cache_requests
 
 
 def caching(scheduler_cls: type) -> type:
@@ -34,7 +34,7 @@ def caching(scheduler_cls: type) -> type:
 
 
 class PrefixCaching:
-    """Mixed into runner_common's ``Scheduler`` (or a subclass): the prefix cache's admission,
+    """Mixed into support.runners.scheduler's ``Scheduler`` (or a subclass): the prefix cache's admission,
     insertion, eviction and release. ``prompt_tokens`` and ``cached_tokens`` count what admitted
     requests needed and what the tree held of it."""
 

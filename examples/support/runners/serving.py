@@ -1,0 +1,219 @@
+"""Serving on a pool and comparing with HF: a model family plugs in through an ``Architecture``;
+``serve`` serves prompts to completion, ``calibrate`` observes scales, ``run`` serves on a pool of
+each dtype and compares, ``run_main`` is a runner's ``main``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+
+from kvpool.pools.base import KVCache
+from support.progress import Progress
+from support.runners.prefix import caching
+from support.runners.config import DTYPES, LayerScales, RunConfig, Scales
+from support.runners.reference import Generation, Prompt, hf_reference, make_prompts
+from support.runners.results import PoolRun, Report, ServeResult, compare
+from support.runners.scheduler import ForwardBatch, Request, Scheduler
+from support.runners.summary import format_summary
+
+class ModelRunner:
+    """A model runner: ``forward(batch) -> logits [B, vocab]`` of each request's last token, and
+    ``step``, one scheduler step with it (a runner that verifies drafts overrides ``step``)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, sched: Scheduler, keep_logits: bool) -> Optional[str]:
+        """Schedule, run and advance one step; its kind (``"prefill"``, ``"decode"``), None when idle."""
+        batch = sched.schedule()
+        if batch is None:
+            return None
+        sched.advance(batch, self.forward(batch), keep_logits)
+        return "prefill" if batch.is_prefill else "decode"
+
+
+class Architecture:
+    """What ``serve``, ``calibrate`` and ``run`` need from a model family: build the seeded model of
+    a ``RunConfig``, make a pool for it, make the model runner (a ``ModelRunner``) over that pool,
+    and the scheduler. Each runner module subclasses it (``LLAMA`` in llama_runner.py); their methods
+    look the module's functions up when called, so a test can replace ``make_pool`` in the module."""
+
+    program = "model_runner"
+    model_name = "PreTrainedModel"
+
+    def build_model(self, cfg: RunConfig) -> PreTrainedModel:
+        raise NotImplementedError
+
+    def make_pool(self, cfg: RunConfig, model: PreTrainedModel, dtype: torch.dtype) -> KVCache:
+        raise NotImplementedError
+
+    def runner(self, model: PreTrainedModel, pool: KVCache, scales: Optional[Scales]) -> ModelRunner:
+        raise NotImplementedError
+
+    def scheduler(
+        self, pool: KVCache, max_running: int, max_context_len: int, chunk_size: Optional[int],
+        prefix_cache: bool = False,
+    ) -> Scheduler:  # fmt: skip
+        cls = caching(Scheduler) if prefix_cache else Scheduler
+        return cls(pool, max_running, max_context_len, chunk_size)
+
+    def reference_scales(self, model: PreTrainedModel, scales: Optional[Scales]) -> Optional[LayerScales]:
+        """``scales`` (the runner's) by HF layer index, for ``hf_reference``'s rounding cache."""
+        return scales
+
+
+
+def serve(
+    model: PreTrainedModel,
+    pool: KVCache,
+    prompts: Sequence[Prompt],
+    max_running: int,
+    scales: Optional[Scales] = None,
+    keep_logits: bool = True,
+    arch: Optional[Architecture] = None,
+    chunk_size: Optional[int] = None,
+    prefix_cache: bool = False,
+) -> ServeResult:
+    """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once,
+    with ``arch``'s scheduler and model runner (on a prefix cache with ``prefix_cache``). The
+    result's path counts are the pool writes of this run."""
+    if arch is None:
+        raise ValueError("arch must be a model family's Architecture, got None")
+    max_context = max(len(p.tokens) + p.new_tokens for p in prompts)
+    sched = arch.scheduler(pool, max_running, max_context, chunk_size, prefix_cache)
+    runner = arch.runner(model, pool, scales)
+    for rid, p in enumerate(prompts):
+        sched.add(Request(rid, list(p.tokens), p.new_tokens))
+    stats = pool.stats
+    fused0, ref0, reasons0 = stats.fused_calls, stats.reference_calls, dict(stats.reasons)
+    res = ServeResult(generations=[])
+    progress = Progress(arch.program, len(prompts))
+    start = time.perf_counter()
+    steps = 0
+    while (kind := runner.step(sched, keep_logits)) is not None:
+        setattr(res, f"{kind}_steps", getattr(res, f"{kind}_steps") + 1)
+        steps += 1
+        progress.update(len(sched.finished), f"step {steps}")
+    progress.close(len(sched.finished), f"step {steps}")
+    res.wall_s = time.perf_counter() - start
+    done = sorted(sched.finished, key=lambda r: r.rid)
+    res.generations = [Generation(r.output, torch.stack(r.logits) if keep_logits else None) for r in done]
+    res.peak_running = sched.peak_running
+    res.drafted_tokens = getattr(runner, "drafted_tokens", 0)
+    res.accepted_tokens = getattr(runner, "accepted_tokens", 0)
+    res.accept_lengths = list(getattr(runner, "accept_lengths", []))
+    res.fused_calls = stats.fused_calls - fused0
+    res.reference_calls = stats.reference_calls - ref0
+    res.reasons = {k: v - reasons0.get(k, 0) for k, v in stats.reasons.items() if v != reasons0.get(k, 0)}
+    res.prompt_tokens = getattr(sched, "prompt_tokens", 0)
+    res.cached_tokens = getattr(sched, "cached_tokens", 0)
+    try:
+        sched.check_integrity()
+    except RuntimeError as e:
+        res.integrity_error = str(e)
+    res.leaked_slots = sched.leaked_slots()
+    return res
+
+
+
+def calibrate(
+    cfg: RunConfig, model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], arch: Architecture
+) -> LayerScales:
+    """Per-layer scales from the K/V amax the pool observes while it serves ``prompts`` at scale 1.0:
+    a list in layer order, or a mapping from layer id where the pool returns one (a hybrid model's).
+
+    Uses the pool's ``reset_amax``/``observe_amax``/``calibrated_scales``, which a pool may not
+    have: callers check ``hasattr(pool, "calibrated_scales")`` first.
+    """
+    pool.reset_amax()  # type: ignore[attr-defined]
+    pool.observe_amax(True)  # type: ignore[attr-defined]
+    try:
+        serve(model, pool, prompts, cfg.batch, keep_logits=False, arch=arch, chunk_size=cfg.chunk_size,
+              prefix_cache=cfg.prefix_cache)  # fmt: skip
+    finally:
+        pool.observe_amax(False)  # type: ignore[attr-defined]
+    scales = pool.calibrated_scales(margin=1.0, per_head=False)  # type: ignore[attr-defined]
+    return dict(scales) if isinstance(scales, Mapping) else [(k, v) for k, v in scales]
+
+
+def run(cfg: RunConfig, arch: Architecture, progress: Optional[Callable[[str], None]] = None) -> Report:
+    """Build ``arch``'s model, serve the prompts on a pool of each dtype, compare each run with HF;
+    ``progress`` is told what starts."""
+    with cpu_threads(cfg):
+        return _run(cfg, arch, progress or (lambda msg: None))
+
+
+class cpu_threads:
+    """Within the block, torch uses ``cfg.cpu_threads`` threads when ``cfg.device`` is a CPU."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        if self.cfg.cpu_threads is not None and torch.device(self.cfg.device).type == "cpu":
+            torch.set_num_threads(self.cfg.cpu_threads)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.threads)
+
+
+def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) -> Report:
+    progress(f"building the model ({cfg.shape.describe()}) on {cfg.device}")
+    model = arch.build_model(cfg)
+    prompts = make_prompts(cfg)
+    progress(f"HF generate of {len(prompts)} prompts (the reference)")
+    hf = hf_reference(model, prompts)
+    report = Report(cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name)
+
+    def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
+        dtype = DTYPES[name]
+        progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
+        res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size,
+                    prefix_cache=cfg.prefix_cache)  # fmt: skip
+        rounded = None
+        if dtype != DTYPES[cfg.model_dtype]:
+            progress(f"HF generate through a cache that rounds K/V as the {name} pool does")
+            rounded = compare(res.generations, hf_reference(model, prompts, dtype, arch.reference_scales(model, scales)))
+        report.runs.append(PoolRun(name, label, res, compare(res.generations, hf), rounded))
+
+    for name in cfg.pool_dtypes:
+        pool = arch.make_pool(cfg, model, DTYPES[name])
+        fp8 = DTYPES[name].itemsize == 1
+        record(name, pool, None, "1.0" if fp8 else "-")
+        if not (fp8 and cfg.calibrate):
+            continue
+        if hasattr(pool, "calibrated_scales"):
+            progress(f"calibrating the {name} pool's scales on the same prompts")
+            record(name, pool, calibrate(cfg, model, pool, prompts, arch), "calibrated")
+        else:
+            note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
+            if note not in report.notes:
+                report.notes.append(note)
+    return report
+
+
+
+def run_main(
+    argv: Optional[Sequence[str]], parse: Callable[[Optional[Sequence[str]]], tuple[RunConfig, Architecture]],
+    program: str, execute: Optional[Callable[[RunConfig, Architecture], Any]] = None,
+    summary: Callable[[Any], str] = format_summary,
+) -> int:  # fmt: skip
+    """Parse ``argv`` into a config and an architecture, run (``execute``, default ``run``), print
+    the summary; 0 when the report is ok, 1 when not, 2 on bad arguments (reported as ``program``'s)."""
+    def phase(msg: str) -> None:  # what starts, on stderr
+        print(f"{program}: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        cfg, arch = parse(argv)
+        report = execute(cfg, arch) if execute is not None else run(cfg, arch, phase)
+    except ValueError as e:
+        print(f"{program}: {e}", file=sys.stderr)
+        return 2
+    print(summary(report))
+    return 0 if report.ok else 1
