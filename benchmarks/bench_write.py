@@ -20,7 +20,7 @@ Sections (``--sections``, comma-separated; default ``host,write,moves``):
 * ``plans``: every launch-plan candidate of the write (layouts x tiles) for each shape (the
   ``write`` section's, H=8 D=96, DeepSeek-V3's MLA row) against the one-program-per-token kernel and
   the cast-only scatter ceiling: GB/s and % of the ceiling for large writes, microseconds per write
-  in a CUDA graph at decode sizes. What ``kvpool/kernels/store_kv_plan.py``'s policy is chosen from.
+  in a CUDA graph at decode sizes. What ``kvpool/kernels/store_kv/plan.py``'s policy is chosen from.
 
 Device time is the median of CUDA-graph replays (``timing.py``), so host launch cost never enters
 it; *cold*: a 96 MB L2 flush before every call, its own time subtracted. Decode sizes also report
