@@ -834,3 +834,70 @@ def _spelled(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {v.dtype} tensor {tuple(v.shape)} at {v.data_ptr():#x}"
     return repr(v)
+
+
+# --- state pools (MambaPool): a small odd-shaped pool, its bytes, the paths it runs on ---------------
+
+#: Global ids of the linear layers of the test pools (full attention at 0, 3, 4).
+STATE_LAYERS = (1, 2, 5)
+#: Draft steps of the test pools' speculative scratch.
+STATE_K = 3
+
+
+def state_params(conv=(7, 3), temporal=(2, 3, 5), layers=STATE_LAYERS, **dtype):
+    """Odd shapes on purpose: conv rows of 7 x 3 bf16 (42 bytes), SSM rows of 2 x 3 x 5 fp32 (120)."""
+    from kvpool import MambaCacheParams, MambaStateDType, MambaStateShape
+
+    return MambaCacheParams(MambaStateShape(conv=conv, temporal=temporal), layers, MambaStateDType(**dtype))
+
+
+def make_state_pool(device="cpu", size=9, spec=4, k=STATE_K, params=None, validate=False, seed=0, hold=True):
+    """A MambaPool full of random bytes (scratch included); with ``hold`` every slot is handed out,
+    in order, so that operations may name any of them."""
+    from kvpool import MambaPool
+
+    pool = MambaPool(
+        size=size, spec_state_size=spec, cache_params=params or state_params(), device=device,
+        speculative_num_draft_tokens=k, validate=validate,
+    )  # fmt: skip
+    scratch = [] if pool.intermediate_ssm is None else [*pool.intermediate_conv_window, pool.intermediate_ssm]
+    fill_random_(state_tensors(pool) + scratch, seed)
+    if hold:
+        pool.alloc_slots(size)
+    return pool
+
+
+def state_tensors(pool) -> list[torch.Tensor]:
+    """A state pool's slot buffers: every convolution, then the SSM state."""
+    return [*pool.conv, pool.temporal]
+
+
+def state_snapshot(pool) -> list[torch.Tensor]:
+    """The bytes of every slot buffer, on the host."""
+    return [t.view(torch.uint8).cpu().clone() for t in state_tensors(pool)]
+
+
+def assert_states(pool, expected: list[torch.Tensor], what: str = "state") -> None:
+    """Every slot buffer byte for byte equal to ``expected`` (a :func:`state_snapshot`)."""
+    for i, (t, e) in enumerate(zip(state_tensors(pool), expected)):
+        assert_same_bytes(t.view(torch.uint8).cpu(), e, f"{what}: {'ssm' if i == len(expected) - 1 else f'conv[{i}]'}")
+
+
+def slots_of(values, device="cpu", dtype=torch.int64) -> torch.Tensor:
+    """An index tensor."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@pytest.fixture(params=["cpu-reference", "cpu-kernel", pytest.param("cuda-kernel", marks=pytest.mark.gpu)])
+def state_device(request, monkeypatch):
+    """The device a state pool lives on, with the row-copy and commit kernels forced onto CPU tables
+    under the interpreter for ``cpu-kernel``."""
+    from kvpool.kernels import copy_rows, state_commit
+
+    dev, path = request.param.split("-")
+    if dev == "cpu" and path == "kernel":
+        if not copy_rows.INTERPRETER:
+            pytest.skip("kernels on CPU tensors need TRITON_INTERPRET=1")
+        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
+        monkeypatch.setattr(state_commit, "_kernel_on_cpu", True)
+    return dev

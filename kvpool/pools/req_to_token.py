@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import INTEGER_DTYPES, check_in_range, int_list, non_negative_int, positive_int, resolve_device
+from kvpool.checks import INDEX_DTYPES, INTEGER_DTYPES, check_in_range, int_list, non_negative_int, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 
@@ -119,14 +119,16 @@ class ReqToTokenPool:
         ----------
         indices : rows, or ``(rows, columns)``; each an int, a slice, an integer tensor or a list of
             ints (negative entries count from the end, as in Python indexing).
-        values : the slots to store: a tensor or an int, every value within int32 (the table's dtype).
+        values : the slots to store: an int or an int32/int64 tensor, every value within int32 (the
+            table's dtype); any other type (a float, bool or uint64 tensor, a list) is refused.
 
         Raises
         ------
         IndexError
             Naming the first index outside its dimension.
         ValueError
-            Naming the first value outside int32 (it would be stored truncated).
+            For values of another type, or naming the first value outside int32 (it would be stored
+            truncated).
 
         Index and value tensors on the CPU are always checked; tensors on a GPU under ``validate``
         (reading them costs a synchronisation).
@@ -152,8 +154,12 @@ class ReqToTokenPool:
     def _check_values(self, values: object) -> None:
         if type(values) is int:
             values = torch.tensor([values], dtype=torch.int64)
-        if not (isinstance(values, torch.Tensor) and values.dtype == torch.int64 and values.numel() and self._reads(values)):
-            return  # narrower integers fit; other types are torch's to convert or refuse
+        if not isinstance(values, torch.Tensor):
+            raise ValueError(f"values must be an int or an int32/int64 tensor, got {type(values).__name__}")
+        if values.dtype not in INDEX_DTYPES:  # a float, bool or uint64 tensor would be stored converted
+            raise ValueError(f"values must be int32 or int64 (slots), got {values.dtype}")
+        if values.dtype != torch.int64 or not values.numel() or not self._reads(values):
+            return
         bad = (values < _INT32.min) | (values > _INT32.max)
         if bool(bad.any()):
             flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
