@@ -256,3 +256,132 @@ class HybridTableMachine(RuleBasedStateMachine):
 
 
 TestHybridTableMachine = HybridTableMachine.TestCase
+
+
+# --- every request checked before any change; the two frees in either order -------------------------
+
+
+def _state(t):
+    """Every size, list and mapping the table keeps."""
+    return (list(t.free_slots), t.mamba_pool.available_size(), t.mamba_pool.held_slots(),
+            [(t.mamba_slot(r), t.track_slots(r)) for r in range(t.size)],
+            t.req_index_to_mamba_index_mapping.clone(), t.req_index_to_mamba_ping_pong_track_buffer_mapping.clone())  # fmt: skip
+
+
+def _running(t, n=2):
+    reqs = [Req() for _ in range(n)]
+    assert t.alloc(reqs) is not None
+    return reqs
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda t, a, b: [_with(Req(), mamba_ping_pong_track_buffer=torch.tensor([9, 10]))],
+         r"reqs\[0\].mamba_ping_pong_track_buffer\[0\] = 9 is not a state slot handed out"),
+        (lambda t, a, b: [_with(Req(), req_pool_idx=a.req_pool_idx), _with(Req(), req_pool_idx=a.req_pool_idx)],
+         r"reqs\[1\].req_pool_idx = 0 is kept by reqs\[0\] too"),
+        (lambda t, a, b: [_with(Req(), mamba_pool_idx=b.mamba_pool_idx)],
+         r"reqs\[0\].mamba_pool_idx holds slot 4, a state slot of running row 1"),
+        (lambda t, a, b: [_with(Req(), mamba_pool_idx=torch.tensor(2))],
+         r"reqs\[0\].mamba_pool_idx holds slot 2, a state slot of running row 0"),
+        (lambda t, a, b: [_with(Req(), mamba_ping_pong_track_buffer=b.mamba_ping_pong_track_buffer)],
+         r"mamba_ping_pong_track_buffer holds slot 5, a state slot of running row 1"),
+        (lambda t, a, b: [_with(Req(), req_pool_idx=a.req_pool_idx, mamba_pool_idx=b.mamba_pool_idx)],
+         r"reqs\[0\].mamba_pool_idx = 4, but its row 0 holds state slot 1"),
+        (lambda t, a, b: [_with(Req(), mamba_ping_pong_track_buffer=torch.tensor([t.mamba_pool.alloc_slots(1)[0]]))],
+         r"must hold 2 track slots, got \[7\]"),
+        (lambda t, a, b: [Req(), 3], r"reqs\[1\] must be a request object \(SGLang's Req\), got 3"),
+        (lambda t, a, b: [_with(Req(), req_pool_idx=True)], r"reqs\[0\].req_pool_idx = True is not a row handed out"),
+        (lambda t, a, b: [_with(Req(), mamba_pool_idx=1.5)], r"reqs\[0\].mamba_pool_idx must be an int or a one-entry integer tensor"),
+        (lambda t, a, b: [_with(Req(), mamba_pool_idx=torch.tensor([1, 2]))], r"reqs\[0\].mamba_pool_idx must hold one slot"),
+        (lambda t, a, b: -1, "need_size must be a non-negative int, got -1"),
+        (lambda t, a, b: 1.5, "need_size must be a non-negative int or a list of requests, got 1.5"),
+        (lambda t, a, b: None, "need_size must be a non-negative int or a list of requests, got None"),
+        (lambda t, a, b: True, "need_size must be a non-negative int or a list of requests, got True"),
+    ],
+    ids=["track-never-handed-out", "two-keep-one-row", "slot-of-another-row", "track-slot-of-another-row-as-state",
+         "track-of-another-row", "slot-other-than-the-rows", "track-length", "not-a-request", "row-bool",
+         "slot-float", "slot-two-entries", "count-negative", "count-float", "count-none", "count-bool"],  # fmt: skip
+)
+def test_hybrid_alloc_refuses_before_any_change(make, match):
+    t = hybrid(extra=True)
+    a, b = _running(t)
+    arg = make(t, a, b)
+    before = _state(t)
+    with pytest.raises(ValueError, match=match):
+        t.alloc(arg)
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(_state(t), before))
+    t.check_integrity(external_slots=sorted(set(t.mamba_pool.held_slots()) - set(range(1, 7))))
+
+
+def test_a_request_that_keeps_its_row_keeps_its_slots_without_the_attributes():
+    t = hybrid(extra=True)
+    a, _ = _running(t)
+    t.mamba_pool.temporal[:, 1] = 3.0
+    before, held = slot_bytes(t, 1), t.mamba_pool.held_slots()
+    a.mamba_pool_idx = a.mamba_ping_pong_track_buffer = None  # lost by the caller, the row still holds them
+    assert t.alloc([a]) == [0]
+    assert int(a.mamba_pool_idx) == 1 and a.mamba_ping_pong_track_buffer.tolist() == [2, 3]
+    assert t.mamba_pool.held_slots() == held, "no new slot, none leaked"
+    assert all(torch.equal(x, y) for x, y in zip(slot_bytes(t, 1), before)), "the state is not zeroed"
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("form", ["row", "request"])
+@pytest.mark.parametrize("row_first", [True, False], ids=["row-first", "state-first"])
+def test_the_two_frees_work_in_either_order(form, row_first):
+    t = hybrid(extra=True)
+    a, b = _running(t)
+    held = t.mamba_pool.held_slots()
+    calls = [lambda: t.free(a if form == "request" else a.req_pool_idx),
+             lambda: t.free_mamba_cache(a if form == "request" else 0)]  # fmt: skip
+    for call in calls if row_first else calls[::-1]:
+        call()
+        t.check_integrity()
+    assert t.mamba_pool.held_slots() == [s for s in held if s not in (1, 2, 3)]
+    assert a.mamba_pool_idx is None and t.available_size() == 3
+    assert t.mamba_slot(0) == 0 and t.mamba_slot(1) == 4
+    for bad in (lambda: t.free_mamba_cache(0), lambda: t.free_mamba_cache(a)):  # and a second free raises
+        before = _state(t)
+        with pytest.raises(ValueError, match="holds a state|no mamba_pool_idx"):
+            bad()
+        assert _state(t)[:4] == before[:4]
+
+
+def test_a_freed_rows_state_taken_over_by_a_prefix_cache_is_not_the_rows():
+    """The cache takes a finished request's state slot (``req.mamba_pool_idx = None``), then the
+    scheduler frees the row by number: the slot is the cache's, not the freed row's."""
+    t = hybrid()
+    (a,) = _running(t, 1)
+    a.mamba_pool_idx = None  # what MambaRadixCache.cache_finished_req does when the tree takes the slot
+    t.free(0)
+    t.check_integrity(external_slots=[1])
+    with pytest.raises(ValueError, match="req must be a row that holds a state, got row 0"):
+        t.free_mamba_cache(0)  # would free the tree's slot
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda t: t.free_mamba_cache(0, True), ValueError, r"must be an int in 0..1 or None, got True"),
+        (lambda t: t.free_mamba_cache(0, 1.0), ValueError, r"must be an int in 0..1 or None, got 1.0"),
+        (lambda t: t.free_mamba_cache(True), ValueError, "req must be a row \\(an int\\) or a request, got True"),
+        (lambda t: t.get_mamba_ping_pong_other_idx(5), ValueError, r"mamba_next_track_idx must be an int in 0..1, got 5"),
+        (lambda t: t.get_mamba_ping_pong_other_idx(-1), ValueError, r"must be an int in 0..1, got -1"),
+        (lambda t: t.get_mamba_ping_pong_other_idx(True), ValueError, r"must be an int in 0..1, got True"),
+        (lambda t: t.mamba_slot(-1), IndexError, r"row must be in 0..3, got -1"),
+        (lambda t: t.mamba_slot(4), IndexError, r"row must be in 0..3, got 4"),
+        (lambda t: t.track_slots(-1), IndexError, r"row must be in 0..3, got -1"),
+        (lambda t: t.mamba_slot("0"), ValueError, r"row must be an int, got '0'"),
+    ],
+    ids=["keep-bool", "keep-float", "req-bool", "other-idx-5", "other-idx-negative", "other-idx-bool",
+         "slot-negative-row", "slot-past-the-end", "track-negative-row", "slot-str"],  # fmt: skip
+)
+def test_hybrid_lookups_and_keep_indices_refuse_what_is_not_a_valid_index(call, exc, match):
+    t = hybrid(extra=True)
+    _running(t, 1)
+    before = _state(t)
+    with pytest.raises(exc, match=match):
+        call(t)
+    assert _state(t)[:4] == before[:4]

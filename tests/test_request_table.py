@@ -191,3 +191,30 @@ def test_memory_saver_is_refused_as_the_pools_refuse_it():
     with pytest.raises(ValueError, match="enable_memory_saver must be False"):
         ReqToTokenPool(4, 8, "cpu", enable_memory_saver=True)
     assert ReqToTokenPool(4, 8, "cpu", enable_memory_saver=False).available_size() == 4
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (torch.tensor([1.5, 2.0]), "values must be int32 or int64 \\(slots\\), got torch.float32"),
+        (torch.tensor([1, 2], dtype=torch.float64), "got torch.float64"),
+        (torch.tensor([1, 2], dtype=torch.uint64) if hasattr(torch, "uint64") else None, "got torch.uint64"),
+        (torch.tensor([True, False]), "got torch.bool"),
+        (torch.tensor([1, 2], dtype=torch.int16), "got torch.int16"),
+        (torch.tensor([1, 2], dtype=torch.uint8), "got torch.uint8"),
+        (1.0, "values must be an int or an int32/int64 tensor, got float"),
+        (True, "values must be an int or an int32/int64 tensor, got bool"),
+        ([1, 2], "values must be an int or an int32/int64 tensor, got list"),
+    ],
+    ids=["float32", "float64", "uint64", "bool", "int16", "uint8", "python-float", "python-bool", "list"],
+)
+def test_write_refuses_values_that_are_not_int32_or_int64(values, message):
+    """torch stores a float, bool or uint64 tensor converted (1.5 becomes 1): the table refuses it."""
+    if values is None:
+        pytest.skip("this torch has no uint64")
+    t = ReqToTokenPool(4, 6, "cpu")
+    t.req_to_token.copy_(torch.arange(24, dtype=torch.int32).view(4, 6))
+    before = t.req_to_token.clone()
+    with pytest.raises(ValueError, match=message):
+        t.write((1, slice(0, 2)), values)
+    assert torch.equal(t.req_to_token, before)

@@ -13,7 +13,7 @@ import torch
 
 from kvassert import STATE_K as K
 from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
+from kvassert import assert_same_bytes, assert_states, poison_, state_params, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
@@ -216,3 +216,87 @@ def test_copies_validate_names_the_slot():
     with pytest.raises(IndexError, match=r"indices\[0\] = 11 is out of range: slots are 0..9"):
         pool.clear_slots(T([11]))
     assert_states(pool, before, "nothing written")
+
+
+# --- every slot named is checked before anything changes --------------------------------------------
+
+
+def _bookkeeping(pool):
+    return pool.available_size(), pool.held_slots()
+
+
+@pytest.mark.parametrize(
+    "src, exc, match",
+    [
+        (lambda: torch.tensor([1.0]), ValueError, "src_index must be int32 or int64, got torch.float32"),
+        (lambda: T(1), ValueError, r"src_index must be 1-D \[1\], got shape \(\)"),
+        (lambda: [1], TypeError, "src_index must be a torch.Tensor, got list"),
+        (lambda: T([1, 2]), ValueError, r"src_index must have 1 entries \(the source slot\), got 2"),
+        (lambda: T([1]).to(META), ValueError, "src_index must be on cpu, got meta"),
+        (lambda: T([0]), ValueError, r"src_index\[0\] is slot 0, the padding slot"),
+        (lambda: T([3]), ValueError, r"src_index\[0\] = 3 is not a slot handed out \(it is free\)"),
+        (lambda: T([6]), IndexError, r"src_index\[0\] = 6 is out of range: slots are 0..5"),
+        (lambda: T([-1]), IndexError, r"src_index\[0\] = -1 is out of range"),
+    ],
+    ids=["float", "0-d", "list", "two-entries", "device", "slot-0", "free-slot", "past-the-end", "negative"],
+)
+def test_fork_from_checks_its_source_before_allocating(src, exc, match):
+    pool = make_pool(size=5, hold=False)
+    pool.alloc_slots(2)
+    before, states = _bookkeeping(pool), snapshot(pool)
+    with pytest.raises(exc, match=match):
+        pool.fork_from(src())
+    assert _bookkeeping(pool) == before, "no slot taken"
+    assert_states(pool, states, "nothing written")
+    pool.check_integrity()
+
+
+def test_fork_from_gives_the_new_slot_back_when_the_copy_fails(monkeypatch):
+    pool = make_pool(size=5, hold=False)
+    src = pool.alloc(1)
+    before = _bookkeeping(pool)
+
+    def broken(*args):
+        raise RuntimeError("injected: the copy kernel failed")
+
+    monkeypatch.setattr(pool, "copy_from", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.fork_from(src)
+    assert _bookkeeping(pool) == before
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: p.copy_from(T([1]), T([4])), r"dst_index\[0\] = 4 is not a slot handed out"),
+        (lambda p: p.copy_from(T([4]), T([1])), r"src_index\[0\] = 4 is not a slot handed out"),
+        (lambda p: p.clear_slots(T([2, 5])), r"indices\[1\] = 5 is not a slot handed out"),
+    ],
+    ids=["copy-into-a-free-slot", "copy-from-a-free-slot", "clear-a-free-slot"],
+)
+def test_copies_refuse_slots_not_handed_out(call, match):
+    pool = make_pool(size=5, hold=False)
+    pool.alloc_slots(3)
+    states = snapshot(pool)
+    with pytest.raises(ValueError, match=match):
+        call(pool)
+    assert_states(pool, states, "nothing written")
+
+
+def test_copies_refuse_slots_past_the_end_of_a_host_pool():
+    pool = make_pool()
+    states = snapshot(pool)
+    with pytest.raises(IndexError, match=r"dst_index\[1\] = 10 is out of range: slots are 0..9"):
+        pool.copy_from(T([1, 2]), T([3, 10]))
+    assert_states(pool, states, "nothing written")
+
+
+def test_an_empty_copy_and_an_empty_clear_write_nothing(device):
+    pool = make_pool(device)
+    for t in state_tensors(pool):
+        poison_(t)
+    states = snapshot(pool)
+    pool.copy_from(T([], device), T([], device))
+    pool.clear_slots(T([], device, torch.int32))
+    assert_states(pool, states, "every byte unchanged")

@@ -8,7 +8,7 @@ import torch
 
 from kvassert import STATE_K as K
 from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
+from kvassert import assert_same_bytes, assert_states, poison_, state_params, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
@@ -37,9 +37,17 @@ def test_cpu_copy_round_trip_is_exact(device):
     for b in before:
         b[:, [2, 3]] = b[:, [4, 1]]
     assert_states(pool, before)
+
+
+def test_an_empty_cpu_copy_holds_nothing_and_loads_nothing(device):
+    pool = make_pool(device)
+    for t in state_tensors(pool):
+        poison_(t)
+    states = snapshot(pool)
     empty = pool.get_cpu_copy(T([], device))
-    assert len(empty) == 0
+    assert len(empty) == 0 and empty.conv[0].shape == (3, 0, 7, 3) and empty.temporal.shape == (3, 0, 2, 3, 5)
     pool.load_cpu_copy(empty, T([], device))
+    assert_states(pool, states, "every byte unchanged")
 
 
 @pytest.mark.parametrize("bad", [[10], [-1]], ids=["past-the-end", "negative"])
@@ -75,3 +83,49 @@ def test_load_cpu_copy_rejects_a_mismatched_copy(case):
 
 
 # --- the speculative commit -------------------------------------------------------------------------
+
+
+# --- SGLang's forms, and slots checked before anything is written ----------------------------------
+
+
+def test_sglangs_conv_temporal_pair_and_mamba_indices(device):
+    pool = make_pool(device)
+    before = snapshot(pool)
+    copy = pool.get_cpu_copy(mamba_indices=T([4, 1], device))
+    assert_same_bytes(copy.temporal.view(torch.uint8), before[1][:, [4, 1]], "get_cpu_copy(mamba_indices=)")
+    pool.load_cpu_copy((list(copy.conv), copy.temporal), mamba_indices=T([2, 3], device))
+    pool.load_cpu_copy((copy.conv[0][:, :1], copy.temporal[:, :1]), T([5], device))  # a bare conv tensor
+    for b in before:
+        b[:, [2, 3, 5]] = b[:, [4, 1, 4]]
+    assert_states(pool, before)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda p, c: p.load_cpu_copy(MambaCpuCopy(c.conv, c.temporal.transpose(2, 3).contiguous().transpose(2, 3), LAYERS), T([3, 4])),
+         ValueError, r"mamba_cache_cpu.temporal must have contiguous \[n, ...\] blocks per layer"),
+        (lambda p, c: p.load_cpu_copy(MambaCpuCopy(c.conv, c.temporal[..., :4], LAYERS), T([3, 4])),
+         ValueError, r"mamba_cache_cpu.temporal must have shape"),
+        (lambda p, c: p.load_cpu_copy((c.temporal,), T([3, 4])), TypeError, r"a \(conv, temporal\) pair, got tuple of 1"),
+        (lambda p, c: p.load_cpu_copy((c.conv, "x"), T([3, 4])), TypeError, "mamba_cache_cpu.temporal must be a torch.Tensor, got str"),
+        (lambda p, c: p.load_cpu_copy((5, c.temporal), T([3, 4])), TypeError, r"mamba_cache_cpu\[0\] \(conv\) must be a tensor"),
+        (lambda p, c: p.load_cpu_copy(c, T([3, 4]), mamba_indices=T([3, 4])), TypeError, "exactly one of them"),
+        (lambda p, c: p.load_cpu_copy(c), TypeError, "exactly one of them"),
+        (lambda p, c: p.get_cpu_copy(), TypeError, "exactly one of them"),
+        (lambda p, c: p.load_cpu_copy(c, T([3, 8])), ValueError, r"indices\[1\] = 8 is not a slot handed out"),
+        (lambda p, c: p.load_cpu_copy(c, mamba_indices=T([3, 8.0], dtype=torch.float32)), ValueError, "mamba_indices must be int32 or int64"),
+        (lambda p, c: p.get_cpu_copy(T([8])), ValueError, r"indices\[0\] = 8 is not a slot handed out"),
+        (lambda p, c: p.get_cpu_copy(mamba_indices=T([10])), IndexError, r"mamba_indices\[0\] = 10 is out of range"),
+    ],
+    ids=["not-contiguous", "shape", "one-tensor", "temporal-type", "conv-type", "both-indices", "no-indices",
+         "get-no-indices", "load-free-slot", "mamba-indices-dtype", "get-free-slot", "get-mamba-indices-range"],  # fmt: skip
+)
+def test_cpu_copies_refuse_bad_copies_and_slots_naming_the_argument(call, exc, match):
+    pool = make_pool(hold=False)
+    pool.alloc_slots(7)
+    copy = pool.get_cpu_copy(T([1, 2]))
+    states = snapshot(pool)
+    with pytest.raises(exc, match=match):
+        call(pool, copy)
+    assert_states(pool, states, "nothing written")

@@ -325,9 +325,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
             req.req_pool_idx = None
         for row in rows:
             holder = req if req is not None else self._row_req[row]
-            if holder is not None and getattr(holder, "mamba_pool_idx", None) is None:
-                self._detach(row)  # the request handed its state on (a prefix cache took it) or freed it
-            self._row_req[row] = None
+            if holder is None or getattr(holder, "mamba_pool_idx", None) is None:
+                if holder is not None or not self._row_slot[row]:
+                    self._detach(row)  # the request handed its state on (a prefix cache took it) or freed it
+                self._row_req[row] = None
 
     def free_mamba_cache(self, req: Any, mamba_ping_pong_track_buffer_to_keep: Optional[int] = None) -> None:
         """Free a request's state slot and its track slots, except track slot number
@@ -353,6 +354,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         holder = req if not isinstance(req, int) else self._row_req[req]  # the row's request forgets it too
         if owner is not None:
             self._detach(owner)
+            if self._is_free[owner]:
+                self._row_req[owner] = None
         if holder is not None:
             holder.mamba_pool_idx = None
             if self.enable_mamba_extra_buffer:
