@@ -901,3 +901,35 @@ def state_device(request, monkeypatch):
         monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
         monkeypatch.setattr(state_commit, "_kernel_on_cpu", True)
     return dev
+
+
+# --- state machines: a bounded CI profile, a long one behind KVPOOL_LONG_TESTS=1 ---------------------
+
+#: ``KVPOOL_LONG_TESTS=1`` runs every state machine for at least ``KVPOOL_LONG_STEPS`` steps (100k).
+LONG_TESTS = os.environ.get("KVPOOL_LONG_TESTS") == "1"
+LONG_STEPS = int(os.environ.get("KVPOOL_LONG_STEPS", "100000"))
+
+
+def run_machine(machine: type, *, examples: int, steps: int, seed: int) -> tuple[int, list[int]]:
+    """Run ``machine`` (a RuleBasedStateMachine counting its steps in ``machine.steps_taken``):
+    ``examples`` runs of up to ``steps`` steps from ``seed`` in CI; under ``KVPOOL_LONG_TESTS=1``
+    rounds of 100 runs of up to 200 steps, seeds ``seed, seed + 1, ...``, until ``LONG_STEPS``
+    steps ran. Returns (steps run, seeds) and prints them on stderr."""
+    from hypothesis import HealthCheck
+    from hypothesis import seed as with_seed
+    from hypothesis import settings as hsettings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    machine.steps_taken = 0
+    budget = LONG_STEPS if LONG_TESTS else 0
+    seeds: list[int] = []
+    while not seeds or machine.steps_taken < budget:
+        s = seed + len(seeds)
+        seeds.append(s)
+        run = hsettings(
+            max_examples=100 if LONG_TESTS else examples, stateful_step_count=200 if LONG_TESTS else steps,
+            deadline=None, database=None, suppress_health_check=list(HealthCheck),
+        )  # fmt: skip
+        run_state_machine_as_test(with_seed(s)(machine), settings=run)
+    print(f"{machine.__name__}: {machine.steps_taken} steps, seeds {seeds[0]}..{seeds[-1]}", file=sys.stderr)
+    return machine.steps_taken, seeds

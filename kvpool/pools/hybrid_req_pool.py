@@ -290,7 +290,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def _set_request_attributes(self, reqs, plans, rows, mains, tracks) -> None:
         new_main = self._device_ints(mains, torch.int64)
-        new_track = self._device_ints([s for t in tracks for s in t], torch.int64).view(len(reqs), -1)
+        new_track = self._device_ints([s for t in tracks for s in t], torch.int64).view(len(reqs), self.track_slots_per_request)
         for i, (req, (row, _, track)) in enumerate(zip(reqs, plans)):
             if row is None:
                 req.req_pool_idx = rows[i]
