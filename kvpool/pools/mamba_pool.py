@@ -294,8 +294,8 @@ class MambaPool:
         """For every layer, the states of slot ``dst_index[i]`` become a byte copy of slot
         ``src_index[i]`` (SGLang's argument order: source first), as if every source were read before
         any destination is written. Both ``[n]`` int32/int64 on the pool's device, each entry a slot
-        handed out or padding (negative entries, slot 0). One launch on CUDA (up to
-        ``ONE_PASS_MAX_PAIRS`` pairs of ``kvpool.kernels.tuning``; more go through a staging buffer)."""
+        handed out or padding (negative entries, slot 0). One launch on CUDA (up to the row
+        copy's one-pass limit, ``ONE_PASS_MAX_PAIRS``; more pairs go through a staging buffer)."""
         n = check_index(dst_index, "dst_index", device=self.device, dims="[n]").shape[0]
         check_same_length(dst_index, "dst_index", check_index(src_index, "src_index", device=self.device, dims="[n]"), "src_index")
         self._check_slots([(src_index, "src_index"), (dst_index, "dst_index")])
