@@ -1,7 +1,8 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
 byte comparison that explains a mismatch, the independent oracle of the K/V write, the
-cross-compilation probe, loading an example script as a module, and a stand-in for a compiled
-Triton kernel that checks direct launches on the CPU.
+cross-compilation probe, loading an example script as a module, a stand-in for a compiled
+Triton kernel that checks direct launches on the CPU, small state pools with the paths they run on,
+and the state machines' bounded and long profiles.
 
 The oracle (q(x, s) from the format definitions, docs/contract.md "The write") calls nothing in
 kvpool and uses none of torch's float->fp8 or float->16-bit conversions: its encoders work on

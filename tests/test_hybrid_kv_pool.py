@@ -3,31 +3,12 @@ both write paths, the verify write, moves, CPU copies and calibration, MLA insid
 
 from __future__ import annotations
 
-from kvassert import DEVICE, Layer, bits, poison_, poison_pool_
-from kvpool import HybridLinearKVPool, MLATokenToKVPool, quantize
-from kvpool.kernels import store_kv
-
 import pytest
 import torch
 
-from kvassert import STATE_K as K
-from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
-from kvassert import make_state_pool as make_pool
-from kvassert import slots_of as T
-from kvassert import state_device  # noqa: F401 (a fixture)
-from kvassert import state_snapshot as snapshot
-from kvpool import MambaCacheParams, MambaPool, MambaStateShape
-
-META = torch.device("meta")
-SHAPE = MambaStateShape(conv=(7, 3), temporal=(2, 3, 5))
-PARAMS = state_params()
-
-
-@pytest.fixture
-def device(state_device):
-    return state_device
-
+from kvassert import DEVICE, assert_same_bytes, bits, Layer, poison_pool_
+from kvpool import HybridLinearKVPool, MambaCacheParams, MambaPool, MambaStateShape, MLATokenToKVPool, quantize
+from kvpool.kernels import store_kv
 
 FULL = [3, 7, 11]  # every 4th layer, as Qwen3.5's
 

@@ -5,23 +5,19 @@ through Triton's interpreter on CPU, the kernel on CUDA)."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
-import kvpool.kernels.copy_rows as C
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 import pytest
 import torch
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvassert import STATE_K as K
-from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, poison_, state_params, state_tensors
+import kvpool.kernels.copy_rows as C
+from kvassert import assert_states, poison_, state_params, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
 from kvassert import state_snapshot as snapshot
-from kvpool import IntegrityError, MambaCacheParams, MambaPool, MambaStateShape
+from kvpool import IntegrityError, MambaPool
 
 META = torch.device("meta")
-SHAPE = MambaStateShape(conv=(7, 3), temporal=(2, 3, 5))
 PARAMS = state_params()
 
 

@@ -5,17 +5,13 @@ state; bad steps and slots refused before anything is written."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
+import torch
 from hypothesis import given, settings
 
 import kvpool.kernels.state_commit as SC
-from kvassert import poison_
-
-import pytest
-import torch
-
 from kvassert import STATE_K as K
-from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
+from kvassert import assert_states, poison_
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
@@ -23,8 +19,6 @@ from kvassert import state_snapshot as snapshot
 from kvpool import MambaCacheParams, MambaPool, MambaStateShape
 
 META = torch.device("meta")
-SHAPE = MambaStateShape(conv=(7, 3), temporal=(2, 3, 5))
-PARAMS = state_params()
 
 
 @pytest.fixture

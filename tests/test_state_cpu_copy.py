@@ -6,18 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvassert import STATE_K as K
 from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, poison_, state_params, state_tensors
+from kvassert import assert_same_bytes, assert_states, poison_, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
 from kvassert import state_snapshot as snapshot
-from kvpool import MambaCacheParams, MambaCpuCopy, MambaPool, MambaStateShape
+from kvpool import MambaCacheParams, MambaCpuCopy, MambaStateShape
 
 META = torch.device("meta")
 SHAPE = MambaStateShape(conv=(7, 3), temporal=(2, 3, 5))
-PARAMS = state_params()
 
 
 @pytest.fixture

@@ -3,18 +3,16 @@ them back byte for byte (both layouts, both backends), alone and with their KV (
 
 from __future__ import annotations
 
-from kvpool import HybridLinearKVPool, HybridPoolHost, MambaPoolHost
-
 import pytest
 import torch
 
-from kvassert import STATE_K as K
 from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
+from kvassert import assert_same_bytes, assert_states, state_params
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
 from kvassert import state_snapshot as snapshot
+from kvpool import HybridLinearKVPool, HybridPoolHost, MambaPoolHost
 from kvpool import MambaCacheParams, MambaPool, MambaStateShape
 
 META = torch.device("meta")

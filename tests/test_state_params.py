@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import doctest
 
+import pytest
+import torch
+
 import kvpool.pools.cpu_copy as cpu_copy_module
 import kvpool.pools.mamba_pool as mamba_pool_module
 import kvpool.pools.state_params as state_params_module
 import kvpool.pools.state_slots as state_slots_module
-import pytest
-import torch
-
 from kvassert import STATE_K as K
 from kvassert import STATE_LAYERS as LAYERS
-from kvassert import assert_same_bytes, assert_states, state_params, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
-from kvassert import state_snapshot as snapshot
+from kvassert import state_params
 from kvpool import MambaCacheParams, MambaPool, MambaStateDType, MambaStateShape
 
-META = torch.device("meta")
 SHAPE = MambaStateShape(conv=(7, 3), temporal=(2, 3, 5))
 PARAMS = state_params()
 
