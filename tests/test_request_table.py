@@ -218,3 +218,20 @@ def test_write_refuses_values_that_are_not_int32_or_int64(values, message):
     with pytest.raises(ValueError, match=message):
         t.write((1, slice(0, 2)), values)
     assert torch.equal(t.req_to_token, before)
+
+
+def test_sglangs_request_forms_of_alloc_and_free():
+    class Req:
+        req_pool_idx = None
+
+    t = ReqToTokenPool(4, 4, "cpu")
+    a, b = Req(), Req()
+    assert t.alloc([a, b]) == [0, 1] and (a.req_pool_idx, b.req_pool_idx) == (0, 1)
+    c = Req()
+    assert t.alloc([c, a]) == [2, 0], "a chunked request keeps its row"
+    assert t.alloc([Req(), Req()]) is None and t.available_size() == 1, "too few rows: nothing changes"
+    t.free(a)
+    assert a.req_pool_idx is None and t.available_size() == 2
+    with pytest.raises(ValueError, match="the request has no req_pool_idx"):
+        t.free(a)
+    t.check_integrity()

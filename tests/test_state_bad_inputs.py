@@ -272,10 +272,16 @@ def _rtt_state(t):
 
 I32 = torch.int32
 RTT_CASES = {
-    "alloc-negative": (lambda t: t.alloc(-1), ValueError, "need_size must be a non-negative int, got -1"),
-    "alloc-float": (lambda t: t.alloc(1.5), ValueError, "need_size must be a non-negative int, got 1.5"),
-    "alloc-bool": (lambda t: t.alloc(True), ValueError, "need_size must be a non-negative int, got True"),
-    "alloc-none": (lambda t: t.alloc(None), ValueError, "need_size must be a non-negative int, got None"),
+    "alloc-negative": (lambda t: t.alloc(-1), ValueError, "need_size must be a non-negative int or a list of requests, got -1"),
+    "alloc-float": (lambda t: t.alloc(1.5), ValueError, "need_size must be .* got 1.5"),
+    "alloc-bool": (lambda t: t.alloc(True), ValueError, "need_size must be .* got True"),
+    "alloc-none": (lambda t: t.alloc(None), ValueError, "need_size must be .* got None"),
+    "alloc-an-int-request": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=None), 1]), ValueError, r"reqs\[1\] must be a request object"),
+    "alloc-row-free": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=2)]), ValueError, r"reqs\[0\].req_pool_idx = 2 is not a row handed out"),
+    "alloc-row-twice": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=1)] * 2), ValueError, r"reqs\[1\].req_pool_idx = 1 is kept by reqs\[0\]"),
+    "alloc-row-bool": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=True)]), ValueError, r"reqs\[0\].req_pool_idx = True is not a row"),
+    "free-request-without-row": (lambda t: t.free(SimpleNamespace(req_pool_idx=None)), ValueError, "the request has no req_pool_idx"),
+    "free-request-free-row": (lambda t: t.free(SimpleNamespace(req_pool_idx=3)), ValueError, "free_index must hold rows that are handed out"),
     "free-free-row": (lambda t: t.free(3), ValueError, "free_index must hold rows that are handed out"),
     "free-past-the-end": (lambda t: t.free([0, 4]), ValueError, r"free_index must hold rows in 0..3, got 4 at position 1"),
     "free-negative": (lambda t: t.free(-1), ValueError, r"free_index must hold rows in 0..3, got -1"),

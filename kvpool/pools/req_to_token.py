@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import INDEX_DTYPES, INTEGER_DTYPES, check_in_range, int_list, non_negative_int, positive_int, resolve_device
+from kvpool.checks import INDEX_DTYPES, INTEGER_DTYPES, check_in_range, int_list, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 
@@ -77,25 +77,69 @@ class ReqToTokenPool:
         """Free rows: how many ``alloc`` can hand out now."""
         return len(self.free_slots)
 
-    def alloc(self, need_size: int) -> Optional[list[int]]:
-        """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free."""
-        non_negative_int(need_size, "need_size")
-        if need_size > len(self.free_slots):
+    def alloc(self, need_size: Union[int, Sequence[Any]]) -> Optional[list[int]]:
+        """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free.
+
+        ``need_size`` may also be SGLang's list of request objects: one with a ``req_pool_idx`` (a
+        row handed out, kept by that request only) keeps it, the others get new rows, set as their
+        ``req_pool_idx``; the rows of all of them come back in order. Everything is checked first
+        (``ValueError``, nothing changed)."""
+        if isinstance(need_size, (list, tuple)):
+            return self._alloc_requests(list(need_size))
+        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"need_size must be a non-negative int or a list of requests, got {need_size!r}")
+        return self._take(need_size)
+
+    def _take(self, n: int) -> Optional[list[int]]:
+        if n > len(self.free_slots):
             return None
-        rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        rows, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         for r in rows:
             self._is_free[r] = False
         return rows
 
-    def free(self, free_index: Union[int, Sequence[int], torch.Tensor]) -> None:
-        """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor).
+    def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
+        kept: dict[int, int] = {}
+        for pos, req in enumerate(reqs):
+            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
+            row = getattr(req, "req_pool_idx", None)
+            if row is None:
+                continue
+            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
+                raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
+            if row in kept:
+                raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
+            kept[row] = pos
+        fresh = self._take(len(reqs) - len(kept))
+        if fresh is None:
+            return None
+        it = iter(fresh)
+        for req in reqs:
+            if getattr(req, "req_pool_idx", None) is None:
+                req.req_pool_idx = next(it)
+        return [req.req_pool_idx for req in reqs]
+
+    def free(self, free_index: Union[int, Sequence[int], torch.Tensor, Any]) -> None:
+        """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor), or
+        a request's (SGLang's form: its ``req_pool_idx``, then set to None).
 
         Raises
         ------
         ValueError
-            If a row is out of range, not handed out (double free), or listed twice; nothing is freed.
+            If a row is out of range, not handed out (double free), or listed twice, or the request
+            has no row; nothing is freed.
         """
-        rows = int_list(free_index, "free_index")
+        if hasattr(free_index, "req_pool_idx") and not isinstance(free_index, torch.Tensor):
+            req = free_index
+            if req.req_pool_idx is None:
+                raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            self._free_rows(int_list(req.req_pool_idx, "req.req_pool_idx"))
+            req.req_pool_idx = None
+            return
+        self._free_rows(int_list(free_index, "free_index"))
+
+    def _free_rows(self, rows: list[int]) -> None:
         seen: set[int] = set()
         for pos, r in enumerate(rows):
             if not 0 <= r < self.size:
