@@ -6,7 +6,9 @@ and a slot of the ``MambaPool`` (its linear layers' state); with SGLang's ``extr
 also track slots, where its state is snapshotted at track points for a prefix cache. A request that
 keeps its row (a chunked prefill's next chunk, a resumed request) keeps its slots. Freeing the row
 (``free``) and freeing the state (``free_mamba_cache``) are separate calls, as in SGLang, because a
-prefix cache may take over a finished request's state instead of freeing it.
+prefix cache may take over a finished request's state instead of freeing it; they work in either
+order. Every call checks all it is given (rows and slots handed out, owned as the call assumes)
+before it changes anything.
 """
 
 from __future__ import annotations
@@ -338,7 +340,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
         (its ``mamba_pool_idx`` and the track slots of its row, then set to None), before or after
         ``free`` of its row. Everything is checked first; ``ValueError`` and nothing freed for a row
         without a state, a request without ``mamba_pool_idx`` (a double free), a slot that is
-        another row's or not handed out, or a keep index that is not an int in ``0..track slots - 1``."""
+        another row's or not handed out, or a keep index that is not an int in ``0..track slots - 1``.
+        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row's slots
+        are known on the host."""
         keep = mamba_ping_pong_track_buffer_to_keep
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep not in range(self.track_slots_per_request)):
             raise ValueError(
@@ -371,8 +375,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
             return req, self._row_slot[req], self._row_track[req]
         if getattr(req, "mamba_pool_idx", None) is None:
             raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
-        main = _one_int(req.mamba_pool_idx, "req.mamba_pool_idx")
         row = getattr(req, "req_pool_idx", None)
+        value = req.mamba_pool_idx
+        known = isinstance(row, int) and not isinstance(row, bool) and 0 <= row < self.size and self._row_slot[row]
+        if known and isinstance(value, torch.Tensor) and value.device.type != "cpu" and not self.mamba_pool.validate:
+            return row, self._row_slot[row], self._row_track[row]  # its row's slots, known on the host: no synchronisation
+        main = _one_int(value, "req.mamba_pool_idx")
         owner = self._owner.get(main)
         if owner is not None and self._row_slot[owner] != main:
             raise ValueError(f"req.mamba_pool_idx = {main} is a track slot of row {owner}, not a request's state slot")
