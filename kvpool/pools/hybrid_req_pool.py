@@ -466,7 +466,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         problems = []
         if owners != self._owner:
             odd = sorted(set(owners.items()) ^ set(self._owner.items()))
-            problems.append(f"{len(odd)} slot owners disagree with the rows' slots (first: slot {odd[0][0]}, row {odd[0][1]})")
+            problems.append(
+                f"{len(odd)} (slot, row) pairs differ between the owner map and the rows' slots (first: slot "
+                f"{odd[0][0]}, row {odd[0][1]})"
+            )
         if twice:
             problems.append(f"{len(twice)} state slots attached to two rows (first: {twice[0]})")
         not_held = sorted((set(owners) | set(external)) - held)
