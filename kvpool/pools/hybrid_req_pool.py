@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvpool.checks import int_list, non_negative_int
+from kvpool.checks import int_list, is_int, non_negative_int, one_slot
 from kvpool.errors import IntegrityError
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.req_to_token import ReqToTokenPool
@@ -211,7 +211,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
             raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
         row = getattr(req, "req_pool_idx", None)
-        if row is not None and (isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]):
+        if row is not None and not (is_int(row) and 0 <= row < self.size and not self._is_free[row]):
             raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
         main = self._given_slot(req, pos, row)
         track = self._given_track(req, pos, row)
@@ -239,7 +239,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         name = f"reqs[{pos}].mamba_pool_idx"
         if row is not None and self._row_slot[row] and isinstance(value, torch.Tensor) and value.device.type != "cpu":
             return None  # the row's slot is known on the host: no synchronisation
-        slot = _one_int(value, name)
+        slot = one_slot(value, name)
         if not self.mamba_pool.is_held(slot):
             raise ValueError(f"{name} = {slot} is not a state slot handed out by this pool")
         return slot
@@ -253,7 +253,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
             return None
         track = tuple(as_slot_list(value, name))
         if len(track) != self.mamba_ping_pong_track_buffer_size:
-            raise ValueError(f"{name} must hold {self.mamba_ping_pong_track_buffer_size} track slots, got {list(track)}")
+            want = self.mamba_ping_pong_track_buffer_size
+            raise ValueError(f"{name} must hold {want} track slots, got {list(track)}")
         for i, s in enumerate(track):
             if not self.mamba_pool.is_held(s):
                 raise ValueError(f"{name}[{i}] = {s} is not a state slot handed out by this pool")
@@ -292,7 +293,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def _set_request_attributes(self, reqs, plans, rows, mains, tracks) -> None:
         new_main = self._device_ints(mains, torch.int64)
-        new_track = self._device_ints([s for t in tracks for s in t], torch.int64).view(len(reqs), self.track_slots_per_request)
+        flat = self._device_ints([s for t in tracks for s in t], torch.int64)
+        new_track = flat.view(len(reqs), self.track_slots_per_request)
         for i, (req, (row, _, track)) in enumerate(zip(reqs, plans)):
             if row is None:
                 req.req_pool_idx = rows[i]
@@ -344,10 +346,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row's slots
         are known on the host."""
         keep = mamba_ping_pong_track_buffer_to_keep
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep not in range(self.track_slots_per_request)):
+        if keep is not None and not (is_int(keep) and keep in range(self.track_slots_per_request)):
             raise ValueError(
-                f"mamba_ping_pong_track_buffer_to_keep must be an int in 0..{self.track_slots_per_request - 1} or None, "
-                f"got {keep!r}"
+                f"mamba_ping_pong_track_buffer_to_keep must be an int in 0..{self.track_slots_per_request - 1} or "
+                f"None, got {keep!r}"
             )
         owner, main, track = self._state_of(req)
         slots = [main, *(s for i, s in enumerate(track) if i != keep)]
@@ -377,15 +379,17 @@ class HybridReqToTokenPool(ReqToTokenPool):
             raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
         row = getattr(req, "req_pool_idx", None)
         value = req.mamba_pool_idx
-        known = isinstance(row, int) and not isinstance(row, bool) and 0 <= row < self.size and self._row_slot[row]
+        known = is_int(row) and 0 <= row < self.size and self._row_slot[row]
         if known and isinstance(value, torch.Tensor) and value.device.type != "cpu" and not self.mamba_pool.validate:
-            return row, self._row_slot[row], self._row_track[row]  # its row's slots, known on the host: no synchronisation
-        main = _one_int(value, "req.mamba_pool_idx")
+            return row, self._row_slot[row], self._row_track[row]  # known on the host: no synchronisation
+        main = one_slot(value, "req.mamba_pool_idx")
         owner = self._owner.get(main)
         if owner is not None and self._row_slot[owner] != main:
             raise ValueError(f"req.mamba_pool_idx = {main} is a track slot of row {owner}, not a request's state slot")
         if owner is not None and (owner != row if row is not None else not self._is_free[owner]):
-            raise ValueError(f"req.mamba_pool_idx = {main} is the state slot of row {owner}, not of this request (row {row})")
+            raise ValueError(
+                f"req.mamba_pool_idx = {main} is the state slot of row {owner}, not of this request (row {row})"
+            )
         if owner is None and isinstance(row, int) and 0 <= row < self.size and self._row_slot[row]:
             raise ValueError(f"req.mamba_pool_idx = {main}, but its row {row} holds state slot {self._row_slot[row]}")
         if owner is not None:
@@ -394,7 +398,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
         track = () if value is None else tuple(as_slot_list(value, "req.mamba_ping_pong_track_buffer"))
         for s in track:
             if s in self._owner:
-                raise ValueError(f"req.mamba_ping_pong_track_buffer holds slot {s}, a state slot of row {self._owner[s]}")
+                raise ValueError(
+                    f"req.mamba_ping_pong_track_buffer holds slot {s}, a state slot of row {self._owner[s]}"
+                )
         return None, main, track
 
     def clear(self) -> None:
@@ -433,7 +439,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         """The track slot number that is not ``mamba_next_track_idx`` (itself with one track slot);
         ``ValueError`` unless it is an int in ``0..mamba_ping_pong_track_buffer_size - 1``."""
         size = self.mamba_ping_pong_track_buffer_size
-        if isinstance(mamba_next_track_idx, bool) or not isinstance(mamba_next_track_idx, int) or not 0 <= mamba_next_track_idx < size:
+        if not (is_int(mamba_next_track_idx) and 0 <= mamba_next_track_idx < size):
             raise ValueError(f"mamba_next_track_idx must be an int in 0..{size - 1}, got {mamba_next_track_idx!r}")
         return 1 - mamba_next_track_idx if self.mamba_ping_pong_track_buffer_size == 2 else mamba_next_track_idx
 
@@ -489,10 +495,3 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if problems:
             raise IntegrityError("HybridReqToTokenPool integrity check failed: " + "; ".join(problems))
 
-
-def _one_int(value: object, name: str) -> int:
-    """An int or a one-entry integer tensor (a device tensor is read: one synchronisation) as an int."""
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise ValueError(f"{name} must hold one slot, got shape {tuple(value.shape)}")
-    (slot,) = int_list(value.reshape(-1) if isinstance(value, torch.Tensor) else value, name, accepts="an int or a one-entry integer tensor")
-    return slot

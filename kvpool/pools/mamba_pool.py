@@ -297,7 +297,8 @@ class MambaPool:
         handed out or padding (negative entries, slot 0). One launch on CUDA (up to the row
         copy's one-pass limit, ``ONE_PASS_MAX_PAIRS``; more pairs go through a staging buffer)."""
         n = check_index(dst_index, "dst_index", device=self.device, dims="[n]").shape[0]
-        check_same_length(dst_index, "dst_index", check_index(src_index, "src_index", device=self.device, dims="[n]"), "src_index")
+        check_index(src_index, "src_index", device=self.device, dims="[n]")
+        check_same_length(dst_index, "dst_index", src_index, "src_index")
         self._check_slots([(src_index, "src_index"), (dst_index, "dst_index")])
         if n:
             table, cap = self.row_table, self._fork_programs
@@ -382,7 +383,9 @@ class MambaPool:
 
     # --- CPU copies ------------------------------------------------------------------------------
 
-    def get_cpu_copy(self, indices: Optional[torch.Tensor] = None, mamba_indices: Optional[torch.Tensor] = None) -> MambaCpuCopy:
+    def get_cpu_copy(
+        self, indices: Optional[torch.Tensor] = None, mamba_indices: Optional[torch.Tensor] = None
+    ) -> MambaCpuCopy:
         """Every layer's states of slots ``indices`` ([n] on the pool's device, slots handed out or
         slot 0; ``mamba_indices``, the allocators' keyword, names the same argument) in host memory
         (pinned on CUDA), byte for byte. One launch on CUDA writes them straight into host memory;
@@ -439,7 +442,9 @@ def _one_index(indices: Optional[torch.Tensor], mamba_indices: Optional[torch.Te
     if (indices is None) == (mamba_indices is None):
         raise TypeError("give the slots as indices or as mamba_indices (exactly one of them), got "
                         f"{'both' if indices is not None else 'neither'}")  # fmt: skip
-    return (indices, "indices") if indices is not None else (mamba_indices, "mamba_indices")  # type: ignore[return-value]
+    if indices is not None:
+        return indices, "indices"
+    return mamba_indices, "mamba_indices"  # type: ignore[return-value]
 
 
 def _per_layer(conv: list[torch.Tensor], temporal: torch.Tensor) -> list[torch.Tensor]:
