@@ -17,6 +17,11 @@ INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 INTEGER_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int (bools are not ints here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def positive_int(value: object, name: str) -> int:
     """``value`` if it is an int >= 1 (bools are not ints here)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -50,6 +55,17 @@ def int_list(value: object, name: str, *, accepts: str = "an int or a sequence o
     if isinstance(value, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return list(value)
     raise ValueError(f"{name} must be {accepts}, got {value!r}")
+
+
+def one_slot(value: object, name: str) -> int:
+    """A slot given as an int or a one-entry integer tensor (a device tensor is read: one
+    synchronisation). Raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must hold one slot, got shape {tuple(value.shape)}")
+        value = value.reshape(-1)
+    (v,) = int_list(value, name, accepts="an int or a one-entry integer tensor")
+    return v
 
 
 def resolve_device(device: str | torch.device, name: str = "device") -> torch.device:

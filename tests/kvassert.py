@@ -1,8 +1,9 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
 byte comparison that explains a mismatch, the independent oracle of the K/V write, the write's
 bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots, the
-cross-compilation probe, loading an example script as a module, and a stand-in for a compiled
-Triton kernel that checks direct launches on the CPU.
+cross-compilation probe, loading an example script as a module, a stand-in for a compiled
+Triton kernel that checks direct launches on the CPU, small state pools with the paths they run on,
+and the state machines' bounded and long profiles.
 
 The oracle (q(x, s) from the format definitions, docs/contract.md "The write") calls nothing in
 kvpool and uses none of torch's float->fp8 or float->16-bit conversions: its encoders work on
@@ -1135,3 +1136,103 @@ def _spelled(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {v.dtype} tensor {tuple(v.shape)} at {v.data_ptr():#x}"
     return repr(v)
+
+
+# --- state pools (MambaPool): a small odd-shaped pool, its bytes, the paths it runs on ---------------
+
+#: Global ids of the linear layers of the test pools (full attention at 0, 3, 4).
+STATE_LAYERS = (1, 2, 5)
+#: Draft steps of the test pools' speculative scratch.
+STATE_K = 3
+
+
+def state_params(conv=(7, 3), temporal=(2, 3, 5), layers=STATE_LAYERS, **dtype):
+    """Odd shapes on purpose: conv rows of 7 x 3 bf16 (42 bytes), SSM rows of 2 x 3 x 5 fp32 (120)."""
+    from kvpool import MambaCacheParams, MambaStateDType, MambaStateShape
+
+    return MambaCacheParams(MambaStateShape(conv=conv, temporal=temporal), layers, MambaStateDType(**dtype))
+
+
+def make_state_pool(device="cpu", size=9, spec=4, k=STATE_K, params=None, validate=False, seed=0, hold=True):
+    """A MambaPool full of random bytes (scratch included); with ``hold`` every slot is handed out,
+    in order, so that operations may name any of them."""
+    from kvpool import MambaPool
+
+    pool = MambaPool(
+        size=size, spec_state_size=spec, cache_params=params or state_params(), device=device,
+        speculative_num_draft_tokens=k, validate=validate,
+    )  # fmt: skip
+    scratch = [] if pool.intermediate_ssm is None else [*pool.intermediate_conv_window, pool.intermediate_ssm]
+    fill_random_(state_tensors(pool) + scratch, seed)
+    if hold:
+        pool.alloc_slots(size)
+    return pool
+
+
+def state_tensors(pool) -> list[torch.Tensor]:
+    """A state pool's slot buffers: every convolution, then the SSM state."""
+    return [*pool.conv, pool.temporal]
+
+
+def state_snapshot(pool) -> list[torch.Tensor]:
+    """The bytes of every slot buffer, on the host."""
+    return [t.view(torch.uint8).cpu().clone() for t in state_tensors(pool)]
+
+
+def assert_states(pool, expected: list[torch.Tensor], what: str = "state") -> None:
+    """Every slot buffer byte for byte equal to ``expected`` (a :func:`state_snapshot`)."""
+    for i, (t, e) in enumerate(zip(state_tensors(pool), expected)):
+        assert_same_bytes(t.view(torch.uint8).cpu(), e, f"{what}: {'ssm' if i == len(expected) - 1 else f'conv[{i}]'}")
+
+
+def slots_of(values, device="cpu", dtype=torch.int64) -> torch.Tensor:
+    """An index tensor."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@pytest.fixture(params=["cpu-reference", "cpu-kernel", pytest.param("cuda-kernel", marks=pytest.mark.gpu)])
+def state_device(request, monkeypatch):
+    """The device a state pool lives on, with the row-copy and commit kernels forced onto CPU tables
+    under the interpreter for ``cpu-kernel``."""
+    from kvpool.kernels.copy_rows import launcher as copy_rows
+    from kvpool.kernels.state_commit import launcher as state_commit
+
+    dev, path = request.param.split("-")
+    if dev == "cpu" and path == "kernel":
+        if not copy_rows.INTERPRETER:
+            pytest.skip("kernels on CPU tensors need TRITON_INTERPRET=1")
+        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
+        monkeypatch.setattr(state_commit, "_kernel_on_cpu", True)
+    return dev
+
+
+# --- state machines: a bounded CI profile, a long one behind KVPOOL_LONG_TESTS=1 ---------------------
+
+#: ``KVPOOL_LONG_TESTS=1`` runs every state machine for at least ``KVPOOL_LONG_STEPS`` steps (100k).
+LONG_TESTS = os.environ.get("KVPOOL_LONG_TESTS") == "1"
+LONG_STEPS = int(os.environ.get("KVPOOL_LONG_STEPS", "100000"))
+
+
+def run_machine(machine: type, *, examples: int, steps: int, seed: int) -> tuple[int, list[int]]:
+    """Run ``machine`` (a RuleBasedStateMachine counting its steps in ``machine.steps_taken``):
+    ``examples`` runs of up to ``steps`` steps from ``seed`` in CI; under ``KVPOOL_LONG_TESTS=1``
+    rounds of 100 runs of up to 200 steps, seeds ``seed, seed + 1, ...``, until ``LONG_STEPS``
+    steps ran. Returns (steps run, seeds) and prints them on stderr."""
+    from hypothesis import HealthCheck
+    from hypothesis import seed as with_seed
+    from hypothesis import settings as hsettings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    machine.steps_taken = 0
+    budget = LONG_STEPS if LONG_TESTS else 0
+    seeds: list[int] = []
+    while not seeds or machine.steps_taken < budget:
+        s = seed + len(seeds)
+        seeds.append(s)
+        run = hsettings(
+            max_examples=100 if LONG_TESTS else examples, stateful_step_count=200 if LONG_TESTS else steps,
+            deadline=None, database=None, suppress_health_check=list(HealthCheck),
+        )  # fmt: skip
+        run_state_machine_as_test(with_seed(s)(machine), settings=run)
+    print(f"{machine.__name__}: {machine.steps_taken} steps, seeds {seeds[0]}..{seeds[-1]}", file=sys.stderr)
+    return machine.steps_taken, seeds

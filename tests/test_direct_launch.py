@@ -245,6 +245,7 @@ def _state_pool(seed: int) -> MambaPool:
     g = torch.Generator().manual_seed(seed)
     for t in (*pool.conv, pool.temporal, *pool.intermediate_conv_window, pool.intermediate_ssm):
         t.view(torch.uint8).copy_(_random_bytes(t.view(torch.uint8).shape, g))
+    pool.alloc_slots(pool.size)  # a commit names slots handed out
     return pool
 
 

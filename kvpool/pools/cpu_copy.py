@@ -1,13 +1,15 @@
-"""``KVCpuCopy``: a request's K/V rows of every layer of a pool, parked in host memory.
+"""CPU copies: a request's K/V rows (``KVCpuCopy``) or state slots (``MambaCpuCopy``) of every
+layer of a pool, parked in host memory.
 
 A pool's ``get_cpu_copy(indices)`` returns one and its ``load_cpu_copy(copy, indices)`` writes it
-back, byte for byte (docs/contract.md, "Moves and CPU copies"); ``check_cpu_copy`` is what the load
-requires of a copy before it writes anything.
+back, byte for byte (docs/contract.md, "Moves and CPU copies"); ``check_cpu_copy`` and
+``check_mamba_cpu_copy`` are what the loads require of a copy before they write anything.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -72,3 +74,73 @@ def check_cpu_copy(
                 f"{t.stride()}"
             )
     return copy
+
+
+@dataclass(frozen=True)
+class MambaCpuCopy:
+    """States of some slots of every layer in host memory, as ``MambaPool.get_cpu_copy`` returns
+    them and ``MambaPool.load_cpu_copy`` takes them back (the stored bytes, untouched).
+
+    Attributes
+    ----------
+    conv : tuple of Tensor [layers, n, conv_dim, conv_kernel - 1], one per convolution of a layer.
+    temporal : Tensor [layers, n, v_heads, v_head_dim, k_head_dim].
+    layers : global ids of the layers (row ``l`` of each tensor is layer ``layers[l]``).
+    Pinned when the pool is on CUDA.
+    """
+
+    conv: tuple[torch.Tensor, ...]
+    temporal: torch.Tensor
+    layers: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.temporal.shape[1]
+
+
+def check_mamba_cpu_copy(
+    copy: object, conv: Sequence[torch.Tensor], temporal: torch.Tensor, layers: tuple[int, ...], n: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The ``(conv, temporal)`` host tensors of ``copy`` if they fit ``n`` slots of a pool whose
+    buffers are ``conv`` (one per convolution) and ``temporal`` ([layers, slots, ...]) over global
+    ``layers``; raises naming ``mamba_cache_cpu`` (the load's argument) otherwise.
+
+    ``copy`` is a :class:`MambaCpuCopy` (its layers must be ``layers``) or SGLang's form, a pair
+    ``(conv, temporal)`` whose ``conv`` is a tensor or a sequence of tensors."""
+    if isinstance(copy, MambaCpuCopy):
+        if copy.layers != layers:
+            raise ValueError(f"mamba_cache_cpu must hold layers {list(layers)}, got {list(copy.layers)}")
+        got_conv, got_temporal = copy.conv, copy.temporal
+    elif isinstance(copy, (tuple, list)) and len(copy) == 2:
+        got_conv, got_temporal = copy
+        got_conv = (got_conv,) if isinstance(got_conv, torch.Tensor) else got_conv
+        if not isinstance(got_conv, (tuple, list)):
+            raise TypeError(
+                f"mamba_cache_cpu[0] (conv) must be a tensor or a sequence of tensors, got {type(got_conv).__name__}"
+            )
+    else:
+        raise TypeError(
+            "mamba_cache_cpu must be a MambaCpuCopy (from get_cpu_copy) or a (conv, temporal) pair, got "
+            f"{type(copy).__name__}{f' of {len(copy)}' if isinstance(copy, (tuple, list)) else ''}"
+        )
+    if len(got_conv) != len(conv):
+        raise ValueError(f"mamba_cache_cpu must hold {len(conv)} convolution states per layer, got {len(got_conv)}")
+    named = [(f"conv[{c}]", t, conv[c]) for c, t in enumerate(got_conv)]
+    named.append(("temporal", got_temporal, temporal))
+    for name, t, mine in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mamba_cache_cpu.{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = (len(layers), n, *mine.shape[2:])
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"mamba_cache_cpu.{name} must have shape {want} ([layers, len(indices), ...]), got {tuple(t.shape)}"
+            )
+        if t.dtype != mine.dtype:
+            raise ValueError(f"mamba_cache_cpu.{name} must be {mine.dtype}, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"mamba_cache_cpu.{name} must be in host memory, got {t.device}")
+        if t.numel() and not all(t[l].is_contiguous() for l in range(t.shape[0])):  # rows are copied as bytes
+            raise ValueError(
+                f"mamba_cache_cpu.{name} must have contiguous [n, ...] blocks per layer (as get_cpu_copy makes "
+                f"them), got strides {t.stride()}"
+            )
+    return tuple(got_conv), got_temporal

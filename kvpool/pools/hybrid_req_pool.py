@@ -6,7 +6,9 @@ and a slot of the ``MambaPool`` (its linear layers' state); with SGLang's ``extr
 also track slots, where its state is snapshotted at track points for a prefix cache. A request that
 keeps its row (a chunked prefill's next chunk, a resumed request) keeps its slots. Freeing the row
 (``free``) and freeing the state (``free_mamba_cache``) are separate calls, as in SGLang, because a
-prefix cache may take over a finished request's state instead of freeing it.
+prefix cache may take over a finished request's state instead of freeing it; they work in either
+order. Every call checks all it is given (rows and slots handed out, owned as the call assumes)
+before it changes anything.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvpool.checks import int_list, is_int, non_negative_int, one_slot
 from kvpool.errors import IntegrityError
 from kvpool.pools.mamba_pool import MambaPool
 from kvpool.pools.req_to_token import ReqToTokenPool
@@ -129,6 +132,24 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def _clear_rows(self) -> None:
         self._row_slot = [0] * self.size  # host mirror of the mapping; 0: no state
         self._row_track: list[tuple[int, ...]] = [()] * self.size
+        self._owner: dict[int, int] = {}  # attached state or track slot -> its row (held, or freed before its state)
+        self._row_req: list[Any] = [None] * self.size  # the request object alloc(reqs) gave each row
+
+    def _attach(self, row: int, main: int, track: tuple[int, ...]) -> None:
+        self._detach(row)
+        for s in (main, *track):
+            prev = self._owner.get(s)
+            if prev is not None:  # a freed row's state, taken over by the request that carries it
+                self._row_slot[prev] = 0 if self._row_slot[prev] == s else self._row_slot[prev]
+                self._row_track[prev] = tuple(t for t in self._row_track[prev] if t != s)
+            self._owner[s] = row
+        self._row_slot[row], self._row_track[row] = main, track
+
+    def _detach(self, row: int) -> None:
+        for s in (self._row_slot[row], *self._row_track[row]):
+            if s and self._owner.get(s) == row:
+                del self._owner[s]
+        self._row_slot[row], self._row_track[row] = 0, ()
 
     # --- allocation ------------------------------------------------------------------------------
 
@@ -136,63 +157,122 @@ class HybridReqToTokenPool(ReqToTokenPool):
         """Rows for requests, each with a state slot (and track slots with the extra buffer).
 
         ``need_size`` is a count (that many new requests, fresh rows and slots) or a list of
-        request objects (SGLang's form): one with a ``req_pool_idx`` keeps its row, one with a
-        ``mamba_pool_idx`` (an int or a 0-D tensor; a CUDA tensor is read with one synchronisation
-        unless its row is kept) keeps its slot, the others get new ones and have the attributes
+        request objects (SGLang's form): one with a
+        ``req_pool_idx`` keeps its row and the row's slots; one with a ``mamba_pool_idx`` (an int or
+        a one-entry tensor, a slot handed out that no other running row holds) or a
+        ``mamba_ping_pong_track_buffer`` keeps those; the others get new ones, and the attributes are
         set (``mamba_pool_idx`` a 0-D int64 tensor on the device, ``mamba_ping_pong_track_buffer``
-        a [track slots] tensor, ``mamba_next_track_idx`` 0). New slots are zeroed in one launch.
+        a [track slots] tensor, ``mamba_next_track_idx`` 0 with new track slots). New slots are
+        zeroed in one launch.
 
         Returns the rows, or None with nothing changed when too few rows or state slots are free.
-        Raises ``ValueError`` (nothing changed) for a kept row or slot that is not handed out.
+        Every request is checked first (``ValueError``, nothing changed): a kept row or slot that is
+        not handed out, one kept by two requests, a slot another running row holds, a
+        ``mamba_pool_idx`` other than the kept row's.
         """
-        reqs = None if isinstance(need_size, int) and not isinstance(need_size, bool) else list(need_size)
-        n = need_size if reqs is None else len(reqs)
+        if isinstance(need_size, bool) or not isinstance(need_size, (int, list, tuple)):
+            raise ValueError(f"need_size must be a non-negative int or a list of requests, got {need_size!r}")
+        if isinstance(need_size, int):
+            plans: list[tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]] = [
+                (None, None, None)
+            ] * non_negative_int(need_size, "need_size")
+        else:
+            plans = [self._plan(pos, req) for pos, req in enumerate(need_size)]
+            self._check_distinct(plans)
         per_track = self.track_slots_per_request
-        kept_rows = [None] * n if reqs is None else [getattr(r, "req_pool_idx", None) for r in reqs]
-        kept_main = [self._kept_slot(r, row) for r, row in zip(reqs, kept_rows)] if reqs is not None else [None] * n
-        kept_track = [self._kept_track(r, row) for r, row in zip(reqs, kept_rows)] if reqs is not None else [None] * n
-        for pos, row in enumerate(kept_rows):
-            if row is not None and (not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]):
-                raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
-        for pos, slot in enumerate(kept_main):
-            if slot is not None and not self.mamba_pool.is_held(slot):
-                raise ValueError(f"reqs[{pos}].mamba_pool_idx = {slot} is not a state slot handed out by this pool")
-        new_rows = sum(r is None for r in kept_rows)
-        new_slots = sum(s is None for s in kept_main) + per_track * sum(t is None for t in kept_track)
+        new_rows = sum(row is None for row, _, _ in plans)
+        new_slots = sum(main is None for _, main, _ in plans) + per_track * sum(t is None for _, _, t in plans)
         if new_rows > len(self.free_slots) or new_slots > self.mamba_pool.available_size():
             return None
-        fresh_rows = super().alloc(new_rows)
-        fresh = self.mamba_pool.alloc_slots(new_slots)
-        assert fresh_rows is not None and fresh is not None  # both checked above
-        rows_out, mains, tracks, it_rows, it_slots = [], [], [], iter(fresh_rows), iter(fresh)
-        for row, main, track in zip(kept_rows, kept_main, kept_track):
-            rows_out.append(next(it_rows) if row is None else row)
-            mains.append(next(it_slots) if main is None else main)
-            tracks.append(tuple(next(it_slots) for _ in range(per_track)) if track is None else track)
-        for row, main, track in zip(rows_out, mains, tracks):
-            self._row_slot[row], self._row_track[row] = main, track
+        fresh = self.mamba_pool.alloc_slots(new_slots) or []
         if fresh:
-            self.mamba_pool.clear_slots(self.mamba_pool.slots_tensor(fresh))
-        self._write_mappings(rows_out, mains, tracks)
-        if reqs is not None:
-            self._set_request_attributes(reqs, kept_rows, kept_main, kept_track, rows_out, mains, tracks)
-        return rows_out
+            try:
+                self.mamba_pool.clear_slots(self.mamba_pool.slots_tensor(fresh))
+            except BaseException:
+                self.mamba_pool.free(fresh)
+                raise
+        fresh_rows = iter(super().alloc(new_rows) or [])
+        it = iter(fresh)
+        rows, mains, tracks = [], [], []
+        for row, main, track in plans:
+            rows.append(next(fresh_rows) if row is None else row)
+            mains.append(next(it) if main is None else main)
+            tracks.append(tuple(next(it) for _ in range(per_track)) if track is None else track)
+            self._attach(rows[-1], mains[-1], tracks[-1])
+        for row, req in zip(rows, [None] * len(rows) if isinstance(need_size, int) else need_size):
+            self._row_req[row] = req
+        self._write_mappings(rows, mains, tracks)
+        if not isinstance(need_size, int):
+            self._set_request_attributes(list(need_size), plans, rows, mains, tracks)
+        return rows
 
-    def _kept_slot(self, req: Any, row: Optional[int]) -> Optional[int]:
-        slot = getattr(req, "mamba_pool_idx", None)
-        if slot is None:
-            return None
-        if isinstance(row, int) and 0 <= row < self.size and self._row_slot[row]:
-            return self._row_slot[row]  # known on the host: no synchronisation
-        (value,) = as_slot_list(slot, "mamba_pool_idx")
-        return value
+    def _plan(self, pos: int, req: Any) -> tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]:
+        """(kept row, kept state slot, kept track slots) of request ``pos``, None where it gets a new one."""
+        if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+            raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
+        row = getattr(req, "req_pool_idx", None)
+        if row is not None and not (is_int(row) and 0 <= row < self.size and not self._is_free[row]):
+            raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
+        main = self._given_slot(req, pos, row)
+        track = self._given_track(req, pos, row)
+        if row is not None and self._row_slot[row]:  # the row keeps its own slots
+            if main is not None and main != self._row_slot[row]:
+                raise ValueError(
+                    f"reqs[{pos}].mamba_pool_idx = {main}, but its row {row} holds state slot {self._row_slot[row]}"
+                )
+            if track is not None and track != self._row_track[row]:
+                raise ValueError(
+                    f"reqs[{pos}].mamba_ping_pong_track_buffer = {list(track)}, but its row {row} holds track "
+                    f"slots {list(self._row_track[row])}"
+                )
+            return row, self._row_slot[row], self._row_track[row] if self.enable_mamba_extra_buffer else ()
+        for s, what in [(main, "mamba_pool_idx"), *((t, "mamba_ping_pong_track_buffer") for t in track or ())]:
+            owner = self._owner.get(s) if s is not None else None
+            if owner is not None and not self._is_free[owner]:
+                raise ValueError(f"reqs[{pos}].{what} holds slot {s}, a state slot of running row {owner}")
+        return row, main, (track if self.enable_mamba_extra_buffer else ())
 
-    def _kept_track(self, req: Any, row: Optional[int]) -> Optional[tuple[int, ...]]:
-        if not self.enable_mamba_extra_buffer or getattr(req, "mamba_ping_pong_track_buffer", None) is None:
+    def _given_slot(self, req: Any, pos: int, row: Optional[int]) -> Optional[int]:
+        value = getattr(req, "mamba_pool_idx", None)
+        if value is None:
             return None
-        if isinstance(row, int) and 0 <= row < self.size and self._row_track[row]:
-            return self._row_track[row]
-        return tuple(as_slot_list(req.mamba_ping_pong_track_buffer, "mamba_ping_pong_track_buffer"))
+        name = f"reqs[{pos}].mamba_pool_idx"
+        if row is not None and self._row_slot[row] and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return None  # the row's slot is known on the host: no synchronisation
+        slot = one_slot(value, name)
+        if not self.mamba_pool.is_held(slot):
+            raise ValueError(f"{name} = {slot} is not a state slot handed out by this pool")
+        return slot
+
+    def _given_track(self, req: Any, pos: int, row: Optional[int]) -> Optional[tuple[int, ...]]:
+        value = getattr(req, "mamba_ping_pong_track_buffer", None)
+        if not self.enable_mamba_extra_buffer or value is None:
+            return None
+        name = f"reqs[{pos}].mamba_ping_pong_track_buffer"
+        if row is not None and self._row_track[row] and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return None
+        track = tuple(as_slot_list(value, name))
+        if len(track) != self.mamba_ping_pong_track_buffer_size:
+            want = self.mamba_ping_pong_track_buffer_size
+            raise ValueError(f"{name} must hold {want} track slots, got {list(track)}")
+        for i, s in enumerate(track):
+            if not self.mamba_pool.is_held(s):
+                raise ValueError(f"{name}[{i}] = {s} is not a state slot handed out by this pool")
+        return track
+
+    @staticmethod
+    def _check_distinct(plans: list[tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]]) -> None:
+        rows: dict[int, int] = {}
+        slots: dict[int, int] = {}
+        for pos, (row, main, track) in enumerate(plans):
+            if row is not None:
+                if row in rows:
+                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{rows[row]}] too")
+                rows[row] = pos
+            for s in (() if main is None else (main,)) + (track or ()):
+                if s in slots:
+                    raise ValueError(f"reqs[{pos}] names state slot {s}, which reqs[{slots[s]}] holds too")
+                slots[s] = pos
 
     def _write_mappings(self, rows: list[int], mains: list[int], tracks: list[tuple[int, ...]]) -> None:
         if not rows:
@@ -211,67 +291,117 @@ class HybridReqToTokenPool(ReqToTokenPool):
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _set_request_attributes(self, reqs, kept_rows, kept_main, kept_track, rows, mains, tracks) -> None:
+    def _set_request_attributes(self, reqs, plans, rows, mains, tracks) -> None:
         new_main = self._device_ints(mains, torch.int64)
-        new_track = self._device_ints([s for t in tracks for s in t], torch.int64).view(len(reqs), -1)
-        for i, req in enumerate(reqs):
-            if kept_rows[i] is None:
+        flat = self._device_ints([s for t in tracks for s in t], torch.int64)
+        new_track = flat.view(len(reqs), self.track_slots_per_request)
+        for i, (req, (row, _, track)) in enumerate(zip(reqs, plans)):
+            if row is None:
                 req.req_pool_idx = rows[i]
-            if kept_main[i] is None:
+            if getattr(req, "mamba_pool_idx", None) is None:
                 req.mamba_pool_idx = new_main[i]
-            if self.enable_mamba_extra_buffer and kept_track[i] is None:
-                req.mamba_ping_pong_track_buffer = new_track[i]
-                req.mamba_next_track_idx = 0
+            if self.enable_mamba_extra_buffer:
+                if getattr(req, "mamba_ping_pong_track_buffer", None) is None:
+                    req.mamba_ping_pong_track_buffer = new_track[i]
+                if track is None or getattr(req, "mamba_next_track_idx", None) is None:
+                    req.mamba_next_track_idx = 0
 
     # --- freeing ---------------------------------------------------------------------------------
 
     def free(self, free_index: Any) -> None:
         """Free rows: an int, a sequence of ints, an integer tensor, or a request object (SGLang's
-        form: its ``req_pool_idx``, then set to None). The rows' states stay allocated: free them
-        with ``free_mamba_cache`` first, or let the owner of their slots (a prefix cache) free them."""
+        form: its ``req_pool_idx``, then set to None). Checked first (``ValueError``, nothing freed).
+
+        The rows' states stay allocated: ``free_mamba_cache`` frees them before or after this call
+        (with the row or the request), or their owner (a prefix cache) does. A request whose
+        ``mamba_pool_idx`` is None (the request given, or the one ``alloc`` gave the row) has handed
+        its state on; otherwise a freed row keeps its state attached until ``free_mamba_cache(row)``
+        or until a new request takes the row (then the state belongs to nobody and
+        ``check_integrity`` reports it, unless it is owned outside the table)."""
         req = None
         if hasattr(free_index, "req_pool_idx"):
             req, free_index = free_index, free_index.req_pool_idx
             if free_index is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
-        super().free(free_index)
-        for row in as_slot_list(free_index):
-            self._row_slot[row], self._row_track[row] = 0, ()
+        rows = int_list(free_index, "free_index", accepts="an int, a sequence of ints, an integer tensor or a request")
+        super().free(rows)
         if req is not None:
             req.req_pool_idx = None
+        for row in rows:
+            holder = req if req is not None else self._row_req[row]
+            if holder is None or getattr(holder, "mamba_pool_idx", None) is None:
+                if holder is not None or not self._row_slot[row]:
+                    self._detach(row)  # the request handed its state on (a prefix cache took it) or freed it
+                self._row_req[row] = None
 
     def free_mamba_cache(self, req: Any, mamba_ping_pong_track_buffer_to_keep: Optional[int] = None) -> None:
         """Free a request's state slot and its track slots, except track slot number
-        ``mamba_ping_pong_track_buffer_to_keep`` (whose owner, a prefix cache, frees it later).
+        ``mamba_ping_pong_track_buffer_to_keep`` (whose new owner, a prefix cache, frees it later).
 
-        ``req`` is a row still held (an int) or a request object (its ``mamba_pool_idx`` and track
-        slots, then set to None). Raises ``ValueError`` (nothing freed) for a row without a state,
-        a request without ``mamba_pool_idx`` (a double free) or a bad keep index."""
+        ``req`` is a row (an int: held, or freed with its state still attached) or a request object
+        (its ``mamba_pool_idx`` and the track slots of its row, then set to None), before or after
+        ``free`` of its row. Everything is checked first; ``ValueError`` and nothing freed for a row
+        without a state, a request without ``mamba_pool_idx`` (a double free), a slot that is
+        another row's or not handed out, or a keep index that is not an int in ``0..track slots - 1``.
+        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row's slots
+        are known on the host."""
         keep = mamba_ping_pong_track_buffer_to_keep
-        if keep is not None and keep not in range(self.track_slots_per_request):
+        if keep is not None and not (is_int(keep) and keep in range(self.track_slots_per_request)):
             raise ValueError(
-                f"mamba_ping_pong_track_buffer_to_keep must be in 0..{self.track_slots_per_request - 1} or None, "
-                f"got {keep!r}"
+                f"mamba_ping_pong_track_buffer_to_keep must be an int in 0..{self.track_slots_per_request - 1} or "
+                f"None, got {keep!r}"
             )
-        if isinstance(req, int) and not isinstance(req, bool):
-            row = req
-            if not 0 <= row < self.size or self._is_free[row] or not self._row_slot[row]:
-                raise ValueError(f"req must be a row that holds a state, got row {row}")
-            main, track = self._row_slot[row], self._row_track[row]
-        else:
-            if getattr(req, "mamba_pool_idx", None) is None:
-                raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
-            row = getattr(req, "req_pool_idx", None)
-            main = self._kept_slot(req, row)
-            track = self._kept_track(req, row) or ()
+        owner, main, track = self._state_of(req)
         slots = [main, *(s for i, s in enumerate(track) if i != keep)]
+        for s in slots:
+            if not self.mamba_pool.is_held(s):
+                raise ValueError(f"req's state slot {s} is not handed out (a double free?)")
         self.mamba_pool.free(slots)
-        if isinstance(row, int) and 0 <= row < self.size and self._row_slot[row] == main:
-            self._row_slot[row], self._row_track[row] = 0, ()
-        if not isinstance(req, int):
-            req.mamba_pool_idx = None
+        holder = req if not isinstance(req, int) else self._row_req[req]  # the row's request forgets it too
+        if owner is not None:
+            self._detach(owner)
+            if self._is_free[owner]:
+                self._row_req[owner] = None
+        if holder is not None:
+            holder.mamba_pool_idx = None
             if self.enable_mamba_extra_buffer:
-                req.mamba_ping_pong_track_buffer = None
+                holder.mamba_ping_pong_track_buffer = None
+
+    def _state_of(self, req: Any) -> tuple[Optional[int], int, tuple[int, ...]]:
+        """(the row it is attached to or None, state slot, track slots) that ``free_mamba_cache(req)`` frees."""
+        if isinstance(req, bool):
+            raise ValueError(f"req must be a row (an int) or a request, got {req!r}")
+        if isinstance(req, int):
+            if not 0 <= req < self.size or not self._row_slot[req]:
+                raise ValueError(f"req must be a row that holds a state, got row {req}")
+            return req, self._row_slot[req], self._row_track[req]
+        if getattr(req, "mamba_pool_idx", None) is None:
+            raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
+        row = getattr(req, "req_pool_idx", None)
+        value = req.mamba_pool_idx
+        known = is_int(row) and 0 <= row < self.size and self._row_slot[row]
+        if known and isinstance(value, torch.Tensor) and value.device.type != "cpu" and not self.mamba_pool.validate:
+            return row, self._row_slot[row], self._row_track[row]  # known on the host: no synchronisation
+        main = one_slot(value, "req.mamba_pool_idx")
+        owner = self._owner.get(main)
+        if owner is not None and self._row_slot[owner] != main:
+            raise ValueError(f"req.mamba_pool_idx = {main} is a track slot of row {owner}, not a request's state slot")
+        if owner is not None and (owner != row if row is not None else not self._is_free[owner]):
+            raise ValueError(
+                f"req.mamba_pool_idx = {main} is the state slot of row {owner}, not of this request (row {row})"
+            )
+        if owner is None and isinstance(row, int) and 0 <= row < self.size and self._row_slot[row]:
+            raise ValueError(f"req.mamba_pool_idx = {main}, but its row {row} holds state slot {self._row_slot[row]}")
+        if owner is not None:
+            return owner, main, self._row_track[owner]
+        value = getattr(req, "mamba_ping_pong_track_buffer", None) if self.enable_mamba_extra_buffer else None
+        track = () if value is None else tuple(as_slot_list(value, "req.mamba_ping_pong_track_buffer"))
+        for s in track:
+            if s in self._owner:
+                raise ValueError(
+                    f"req.mamba_ping_pong_track_buffer holds slot {s}, a state slot of row {self._owner[s]}"
+                )
+        return None, main, track
 
     def clear(self) -> None:
         """Every row and every state slot free; the device mappings zeroed."""
@@ -286,19 +416,31 @@ class HybridReqToTokenPool(ReqToTokenPool):
     # --- lookups ---------------------------------------------------------------------------------
 
     def mamba_slot(self, row: int) -> int:
-        """The state slot of held row ``row`` (0 if it has none), from the host mirror."""
-        return self._row_slot[row]
+        """The state slot attached to row ``row`` (0 if none), from the host mirror: a held row's, or
+        a freed row's whose state has not been freed yet."""
+        return self._row_slot[self._row(row)]
 
     def track_slots(self, row: int) -> tuple[int, ...]:
-        """The track slots of held row ``row`` (empty without the extra buffer or a state)."""
-        return self._row_track[row]
+        """The track slots attached to row ``row`` (empty without the extra buffer or a state)."""
+        return self._row_track[self._row(row)]
+
+    def _row(self, row: object) -> int:
+        if isinstance(row, bool) or not isinstance(row, int):
+            raise ValueError(f"row must be an int, got {row!r}")
+        if not 0 <= row < self.size:
+            raise IndexError(f"row must be in 0..{self.size - 1}, got {row}")
+        return row
 
     def get_mamba_indices(self, req_indices: torch.Tensor) -> torch.Tensor:
         """State slots of rows ``req_indices`` (a gather on the device)."""
         return self.req_index_to_mamba_index_mapping[req_indices]
 
     def get_mamba_ping_pong_other_idx(self, mamba_next_track_idx: int) -> int:
-        """The track slot number that is not ``mamba_next_track_idx`` (itself with one track slot)."""
+        """The track slot number that is not ``mamba_next_track_idx`` (itself with one track slot);
+        ``ValueError`` unless it is an int in ``0..mamba_ping_pong_track_buffer_size - 1``."""
+        size = self.mamba_ping_pong_track_buffer_size
+        if not (is_int(mamba_next_track_idx) and 0 <= mamba_next_track_idx < size):
+            raise ValueError(f"mamba_next_track_idx must be an int in 0..{size - 1}, got {mamba_next_track_idx!r}")
         return 1 - mamba_next_track_idx if self.mamba_ping_pong_track_buffer_size == 2 else mamba_next_track_idx
 
     def mamba2_layer_cache(self, layer_id: int) -> MambaPool.State:
@@ -312,16 +454,15 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def check_integrity(self, external_slots: Sequence[int] = ()) -> None:
         """Rows, state slots and their association, together: every state slot handed out belongs to
-        exactly one held row or is listed in ``external_slots`` (slots a prefix cache owns), and every
-        row's slots are handed out. Raises ``IntegrityError`` listing each inconsistency with counts."""
+        exactly one row (held, or freed before its state) or is listed in ``external_slots`` (slots a
+        prefix cache owns), and every row's slots are handed out. Raises ``IntegrityError`` listing
+        each inconsistency with counts."""
         super().check_integrity()
         self.mamba_pool.check_integrity()
         held = set(self.mamba_pool.held_slots())
         owners: dict[int, int] = {}
         twice = []
         for row in range(self.size):
-            if self._is_free[row]:
-                continue
             for s in (self._row_slot[row], *self._row_track[row]):
                 if s:
                     if s in owners:
@@ -329,6 +470,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
                     owners[s] = row
         external = list(external_slots)
         problems = []
+        if owners != self._owner:
+            odd = sorted(set(owners.items()) ^ set(self._owner.items()))
+            problems.append(
+                f"{len(odd)} (slot, row) pairs differ between the owner map and the rows' slots (first: slot "
+                f"{odd[0][0]}, row {odd[0][1]})"
+            )
         if twice:
             problems.append(f"{len(twice)} state slots attached to two rows (first: {twice[0]})")
         not_held = sorted((set(owners) | set(external)) - held)
@@ -347,3 +494,4 @@ class HybridReqToTokenPool(ReqToTokenPool):
             )
         if problems:
             raise IntegrityError("HybridReqToTokenPool integrity check failed: " + "; ".join(problems))
+

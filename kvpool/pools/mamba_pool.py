@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -28,31 +28,11 @@ from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit.launcher import commit_rows
 from kvpool.pools.state_tuning import STATE_FORK_PROGRAMS_PER_SM
 from kvpool.pools.base import check_sglang_keywords
+from kvpool.pools.cpu_copy import MambaCpuCopy, check_mamba_cpu_copy
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
 
 GB = 1024**3
-
-
-@dataclass(frozen=True)
-class MambaCpuCopy:
-    """States of some slots of every layer in host memory, as ``get_cpu_copy`` returns them and
-    ``load_cpu_copy`` takes them back (the stored bytes, untouched).
-
-    Attributes
-    ----------
-    conv : tuple of Tensor [layers, n, conv_dim, conv_kernel - 1], one per convolution of a layer.
-    temporal : Tensor [layers, n, v_heads, v_head_dim, k_head_dim].
-    layers : global ids of the layers (row ``l`` of each tensor is layer ``layers[l]``).
-    Pinned when the pool is on CUDA.
-    """
-
-    conv: tuple[torch.Tensor, ...]
-    temporal: torch.Tensor
-    layers: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return self.temporal.shape[1]
 
 
 class MambaPool:
@@ -275,10 +255,21 @@ class MambaPool:
         self._slots.give_back(as_slot_list(free_index))
 
     def fork_from(self, src_index: torch.Tensor) -> Optional[torch.Tensor]:
-        """A new slot holding a copy of slot ``src_index`` ([1] on the device), or None when none is free."""
+        """A new slot holding a copy of slot ``src_index`` ([1] int32/int64 on the pool's device, a
+        slot handed out), or None (nothing changed) when none is free. The source is checked before
+        anything is allocated (on CUDA that reads it: one synchronisation); a failed copy gives the
+        new slot back."""
+        check_index(src_index, "src_index", device=self.device, dims="[1]", length=1, per="the source slot")
+        check_in_range([(src_index, self.size + 1, "src_index")], what="slots", negative_ok=False)
+        self._slots.check_usable(src_index.tolist(), "src_index", padding=False)
         dst = self.alloc(1)
-        if dst is not None:
+        if dst is None:
+            return None
+        try:
             self.copy_from(src_index, dst)
+        except BaseException:
+            self._slots.give_back(dst.tolist())
+            raise
         return dst
 
     def clear(self) -> None:
@@ -302,21 +293,33 @@ class MambaPool:
     def copy_from(self, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
         """For every layer, the states of slot ``dst_index[i]`` become a byte copy of slot
         ``src_index[i]`` (SGLang's argument order: source first), as if every source were read before
-        any destination is written. Both ``[n]`` int32/int64 on the pool's device; negative entries
-        are padding, entries ``> size`` are never read or written (``IndexError`` under ``validate``).
-        One launch on CUDA (up to 1024 pairs; more go through a staging buffer)."""
-        table, cap = self.row_table, self._fork_programs
-        checked_copy(table, dst_index, table, src_index, cap, self.validate, ("dst_index", "src_index"))
+        any destination is written. Both ``[n]`` int32/int64 on the pool's device, each entry a slot
+        handed out or padding (negative entries, slot 0). One launch on CUDA (up to the row
+        copy's one-pass limit, ``ONE_PASS_MAX_PAIRS``; more pairs go through a staging buffer)."""
+        n = check_index(dst_index, "dst_index", device=self.device, dims="[n]").shape[0]
+        check_index(src_index, "src_index", device=self.device, dims="[n]")
+        check_same_length(dst_index, "dst_index", src_index, "src_index")
+        self._check_slots([(src_index, "src_index"), (dst_index, "dst_index")])
+        if n:
+            table, cap = self.row_table, self._fork_programs
+            checked_copy(table, dst_index, table, src_index, cap, False, ("dst_index", "src_index"))
 
     def clear_slots(self, indices: torch.Tensor) -> None:
-        """Zero every layer's states of slots ``indices`` ([n] int32/int64 on the pool's device;
-        negative entries are padding, entries ``> size`` are never written). One launch on CUDA, no
-        synchronisation."""
+        """Zero every layer's states of slots ``indices`` ([n] int32/int64 on the pool's device, each
+        a slot handed out or padding). One launch on CUDA, no synchronisation."""
         n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
-        if self.validate:
-            check_in_range([(indices, self.size + 1, "indices")], what="slots")
+        self._check_slots([(indices, "indices")])
         zeros = self._zero_index[:n] if n <= self._zero_index.shape[0] else self._zero_index.new_zeros(n)
         checked_copy(self.row_table, indices, self._zero_rows, zeros, None, False, ("indices", "indices"))
+
+    def _check_slots(self, checks: list[tuple[torch.Tensor, str]], *, negative_ok: bool = True) -> None:
+        """Every entry of each ``(index, name)`` in range and a slot handed out (or padding: negative
+        entries where ``negative_ok``, slot 0). Read where it is free (host tensors) or asked for
+        (``validate``: one synchronisation per tensor on a device)."""
+        live = [(t, name) for t, name in checks if t.numel() and (t.device.type == "cpu" or self.validate)]
+        check_in_range([(t, self.size + 1, name) for t, name in live], what="slots", negative_ok=negative_ok)
+        for t, name in live:
+            self._slots.check_usable(t.tolist(), name)
 
     def commit(
         self,
@@ -339,9 +342,11 @@ class MambaPool:
             device, ``bs <= spec_state_size + 1``. Read on the device: no synchronisation, one
             launch on CUDA for both sets, CUDA-graph safe.
 
-        Negative slots are padding. Step counts outside ``0..K`` and slots ``> size`` are never read
-        or written; under ``validate`` they raise ``ValueError`` / ``IndexError`` (one
-        synchronisation). A slot named twice gets one of its sources.
+        Each slot is one handed out or padding (negative entries, slot 0). A step count outside
+        ``0..K`` raises ``ValueError``, a slot ``> size`` ``IndexError``, a slot not handed out
+        ``ValueError``, all before anything is written: always for host tensors, under ``validate``
+        for device tensors (one synchronisation), which otherwise the kernel never reads or writes.
+        A slot named twice gets one of its sources.
         """
         if self.spec_row_table is None:
             raise ValueError("commit needs speculative state: build the pool with speculative_num_draft_tokens")
@@ -360,7 +365,7 @@ class MambaPool:
             for t, name in ((d, d_name), (s, s_name)):
                 if t is not slots:
                     check_same_length(slots, "slots", check_index(t, name, device=self.device, dims="[bs]"), name)
-        if self.validate:
+        if self.validate or slots.device.type == "cpu":
             self._check_commit(pairs)
         k = self.speculative_num_draft_tokens
         commit_rows(self.row_table, self.spec_row_table, k, slots, accepted_steps, track_slots, track_steps)
@@ -374,17 +379,22 @@ class MambaPool:
                 if b:
                     pos = int(torch.argmax(((s < 0) | (s > k)).to(torch.uint8)))  # type: ignore[operator]
                     raise ValueError(f"{name}[{pos}] = {int(s[pos])} must be a step count in 0..{k}")
-        check_in_range([(d, self.size + 1, name) for d, _, name, _ in pairs], what="slots")
+        self._check_slots([(d, name) for d, _, name, _ in pairs])
 
     # --- CPU copies ------------------------------------------------------------------------------
 
-    def get_cpu_copy(self, indices: torch.Tensor) -> MambaCpuCopy:
-        """Every layer's states of slots ``indices`` ([n] on the pool's device) in host memory (pinned
-        on CUDA), byte for byte. One launch on CUDA writes them straight into host memory; the call
-        then waits for the current stream, so it also checks every index: one outside ``0..size``
-        raises ``IndexError``."""
-        n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
-        check_in_range([(indices, self.size + 1, "indices")], what="slots", negative_ok=False)
+    def get_cpu_copy(
+        self, indices: Optional[torch.Tensor] = None, mamba_indices: Optional[torch.Tensor] = None
+    ) -> MambaCpuCopy:
+        """Every layer's states of slots ``indices`` ([n] on the pool's device, slots handed out or
+        slot 0; ``mamba_indices``, the allocators' keyword, names the same argument) in host memory
+        (pinned on CUDA), byte for byte. One launch on CUDA writes them straight into host memory;
+        the call then waits for the current stream. Every index is checked first: one outside
+        ``0..size`` raises ``IndexError``, a slot not handed out ``ValueError``."""
+        indices, name = _one_index(indices, mamba_indices)
+        n = check_index(indices, name, device=self.device, dims="[n]").shape[0]
+        check_in_range([(indices, self.size + 1, name)], what="slots", negative_ok=False)
+        self._slots.check_usable(indices.tolist(), name)
         pinned = self.device.type == "cuda"
         l = self.num_mamba_layers
 
@@ -398,20 +408,23 @@ class MambaPool:
                 non_blocking=pinned,
             )  # fmt: skip
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(table, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            checked_copy(table, positions, self.row_table, indices, None, False, ("positions", name))
             if pinned:
                 torch.cuda.current_stream(self.device).synchronize()
         return copy
 
-    def load_cpu_copy(self, mamba_cache_cpu: MambaCpuCopy, indices: torch.Tensor) -> None:
-        """Write a ``get_cpu_copy`` result into slots ``indices`` (any slots, same count), byte for
-        byte. The copy's type, layers, shapes, dtypes and length are checked before anything is
-        written. No synchronisation on CUDA. Negative entries are padding; entries ``> size`` are
-        never written (``IndexError`` under ``validate``)."""
-        n = check_index(indices, "indices", device=self.device, dims="[n]").shape[0]
-        copy = self._check_cpu_copy(mamba_cache_cpu, n)
-        if self.validate:
-            check_in_range([(indices, self.size + 1, "indices")], what="slots")
+    def load_cpu_copy(
+        self, mamba_cache_cpu: Any, indices: Optional[torch.Tensor] = None, mamba_indices: Optional[torch.Tensor] = None
+    ) -> None:
+        """Write a CPU copy into slots ``indices`` (any slots handed out, or padding: negative entries
+        and slot 0; ``mamba_indices`` names the same argument), byte for byte. ``mamba_cache_cpu`` is
+        a ``get_cpu_copy`` result or SGLang's ``(conv, temporal)`` pair; its type, layers, shapes,
+        dtypes, layout and length, and the indices (host tensors always, device tensors under
+        ``validate``), are checked before anything is written. No synchronisation on CUDA."""
+        indices, name = _one_index(indices, mamba_indices)
+        n = check_index(indices, name, device=self.device, dims="[n]").shape[0]
+        conv, temporal = check_mamba_cpu_copy(mamba_cache_cpu, self.conv, self.temporal, self.layers, n)
+        self._check_slots([(indices, name)])
         if n == 0:
             return
         cuda = self.device.type == "cuda"
@@ -419,33 +432,19 @@ class MambaPool:
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, non_blocking=True) if cuda else t
 
-        staged = RowTable.of(_per_layer([dev(c) for c in copy.conv], dev(copy.temporal)), non_blocking=cuda)
+        staged = RowTable.of(_per_layer([dev(c) for c in conv], dev(temporal)), non_blocking=cuda)
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+        checked_copy(self.row_table, indices, staged, positions, None, False, (name, "positions"))
 
-    def _check_cpu_copy(self, copy: object, n: int) -> MambaCpuCopy:
-        if not isinstance(copy, MambaCpuCopy):
-            raise TypeError(f"mamba_cache_cpu must be a MambaCpuCopy (from get_cpu_copy), got {type(copy).__name__}")
-        if copy.layers != self.layers:
-            raise ValueError(f"mamba_cache_cpu must hold layers {list(self.layers)}, got {list(copy.layers)}")
-        if len(copy.conv) != len(self.conv):
-            raise ValueError(
-                f"mamba_cache_cpu must hold {len(self.conv)} convolution states per layer, got {len(copy.conv)}"
-            )
-        named = [(f"conv[{c}]", t, self.conv[c]) for c, t in enumerate(copy.conv)]
-        named.append(("temporal", copy.temporal, self.temporal))
-        for name, t, mine in named:
-            want = (self.num_mamba_layers, n, *mine.shape[2:])
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"mamba_cache_cpu.{name} must have shape {want} ([layers, len(indices), ...]), got {got}"
-                )
-            if t.dtype != mine.dtype:
-                raise ValueError(f"mamba_cache_cpu.{name} must be {mine.dtype}, got {t.dtype}")
-            if t.device.type != "cpu":
-                raise ValueError(f"mamba_cache_cpu.{name} must be in host memory, got {t.device}")
-        return copy
+
+def _one_index(indices: Optional[torch.Tensor], mamba_indices: Optional[torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """The index argument of a CPU copy given as ``indices`` or as ``mamba_indices`` (exactly one)."""
+    if (indices is None) == (mamba_indices is None):
+        raise TypeError("give the slots as indices or as mamba_indices (exactly one of them), got "
+                        f"{'both' if indices is not None else 'neither'}")  # fmt: skip
+    if indices is not None:
+        return indices, "indices"
+    return mamba_indices, "mamba_indices"  # type: ignore[return-value]
 
 
 def _per_layer(conv: list[torch.Tensor], temporal: torch.Tensor) -> list[torch.Tensor]:

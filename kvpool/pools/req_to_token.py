@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import INTEGER_DTYPES, check_in_range, int_list, non_negative_int, positive_int, resolve_device
+from kvpool.checks import INDEX_DTYPES, INTEGER_DTYPES, check_in_range, int_list, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 
@@ -77,25 +77,69 @@ class ReqToTokenPool:
         """Free rows: how many ``alloc`` can hand out now."""
         return len(self.free_slots)
 
-    def alloc(self, need_size: int) -> Optional[list[int]]:
-        """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free."""
-        non_negative_int(need_size, "need_size")
-        if need_size > len(self.free_slots):
+    def alloc(self, need_size: Union[int, Sequence[Any]]) -> Optional[list[int]]:
+        """Hand out ``need_size`` rows, or return None (changing nothing) when fewer are free.
+
+        ``need_size`` may also be SGLang's list of request objects: one with a ``req_pool_idx`` (a
+        row handed out, kept by that request only) keeps it, the others get new rows, set as their
+        ``req_pool_idx``; the rows of all of them come back in order. Everything is checked first
+        (``ValueError``, nothing changed)."""
+        if isinstance(need_size, (list, tuple)):
+            return self._alloc_requests(list(need_size))
+        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"need_size must be a non-negative int or a list of requests, got {need_size!r}")
+        return self._take(need_size)
+
+    def _take(self, n: int) -> Optional[list[int]]:
+        if n > len(self.free_slots):
             return None
-        rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        rows, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         for r in rows:
             self._is_free[r] = False
         return rows
 
-    def free(self, free_index: Union[int, Sequence[int], torch.Tensor]) -> None:
-        """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor).
+    def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
+        kept: dict[int, int] = {}
+        for pos, req in enumerate(reqs):
+            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
+            row = getattr(req, "req_pool_idx", None)
+            if row is None:
+                continue
+            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
+                raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
+            if row in kept:
+                raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
+            kept[row] = pos
+        fresh = self._take(len(reqs) - len(kept))
+        if fresh is None:
+            return None
+        it = iter(fresh)
+        for req in reqs:
+            if getattr(req, "req_pool_idx", None) is None:
+                req.req_pool_idx = next(it)
+        return [req.req_pool_idx for req in reqs]
+
+    def free(self, free_index: Union[int, Sequence[int], torch.Tensor, Any]) -> None:
+        """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor), or
+        a request's (SGLang's form: its ``req_pool_idx``, then set to None).
 
         Raises
         ------
         ValueError
-            If a row is out of range, not handed out (double free), or listed twice; nothing is freed.
+            If a row is out of range, not handed out (double free), or listed twice, or the request
+            has no row; nothing is freed.
         """
-        rows = int_list(free_index, "free_index")
+        if hasattr(free_index, "req_pool_idx") and not isinstance(free_index, torch.Tensor):
+            req = free_index
+            if req.req_pool_idx is None:
+                raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            self._free_rows(int_list(req.req_pool_idx, "req.req_pool_idx"))
+            req.req_pool_idx = None
+            return
+        self._free_rows(int_list(free_index, "free_index"))
+
+    def _free_rows(self, rows: list[int]) -> None:
         seen: set[int] = set()
         for pos, r in enumerate(rows):
             if not 0 <= r < self.size:
@@ -119,14 +163,16 @@ class ReqToTokenPool:
         ----------
         indices : rows, or ``(rows, columns)``; each an int, a slice, an integer tensor or a list of
             ints (negative entries count from the end, as in Python indexing).
-        values : the slots to store: a tensor or an int, every value within int32 (the table's dtype).
+        values : the slots to store: an int or an int32/int64 tensor, every value within int32 (the
+            table's dtype); any other type (a float, bool or uint64 tensor, a list) is refused.
 
         Raises
         ------
         IndexError
             Naming the first index outside its dimension.
         ValueError
-            Naming the first value outside int32 (it would be stored truncated).
+            For values of another type, or naming the first value outside int32 (it would be stored
+            truncated).
 
         Index and value tensors on the CPU are always checked; tensors on a GPU under ``validate``
         (reading them costs a synchronisation).
@@ -152,8 +198,12 @@ class ReqToTokenPool:
     def _check_values(self, values: object) -> None:
         if type(values) is int:
             values = torch.tensor([values], dtype=torch.int64)
-        if not (isinstance(values, torch.Tensor) and values.dtype == torch.int64 and values.numel() and self._reads(values)):
-            return  # narrower integers fit; other types are torch's to convert or refuse
+        if not isinstance(values, torch.Tensor):
+            raise ValueError(f"values must be an int or an int32/int64 tensor, got {type(values).__name__}")
+        if values.dtype not in INDEX_DTYPES:  # a float, bool or uint64 tensor would be stored converted
+            raise ValueError(f"values must be int32 or int64 (slots), got {values.dtype}")
+        if values.dtype != torch.int64 or not values.numel() or not self._reads(values):
+            return
         bad = (values < _INT32.min) | (values > _INT32.max)
         if bool(bad.any()):
             flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))

@@ -75,6 +75,20 @@ class StateSlots:
                 raise ValueError(f"{name}[{pos}] = {s} is not handed out (a double free, or never allocated)")
             seen.add(s)
 
+    def check_usable(self, slots: list[int], name: str, *, padding: bool = True) -> None:
+        """Raise ``ValueError`` unless every entry of index argument ``name`` names a slot an
+        operation may read or write: a slot handed out, or (with ``padding``) slot 0 or a negative
+        entry, the padding a batch may carry. Ranges are the caller's (``IndexError``)."""
+        for pos, s in enumerate(slots):
+            if padding and s <= 0:
+                continue
+            if s == 0:
+                raise ValueError(f"{name}[{pos}] is slot 0, the padding slot, which is never handed out")
+            if not 0 < s <= self.size:
+                raise ValueError(f"{name}[{pos}] = {s} is out of range: slots are 1..{self.size}")
+            if not self._held[s]:
+                raise ValueError(f"{name}[{pos}] = {s} is not a slot handed out (it is free)")
+
     def give_back(self, slots: list[int], name: str = "free_index") -> None:
         """Return handed-out slots (checked first; nothing changes if any is bad)."""
         self.check_held(slots, name)
