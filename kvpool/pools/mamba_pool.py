@@ -26,11 +26,14 @@ from kvpool.kernels.copy_rows import checked_copy
 from kvpool.kernels.launch import sm_count
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit.launcher import commit_rows
-from kvpool.pools.state_tuning import STATE_FORK_PROGRAMS_PER_SM
 from kvpool.pools.base import check_sglang_keywords
 from kvpool.pools.cpu_copy import MambaCpuCopy, check_mamba_cpu_copy
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
+
+#: Programs per SM of a state fork (the one-pass row copy over the pool's own table): fewer, longer
+#: programs than a KV move's grid, whose rows are a few hundred bytes.
+STATE_FORK_PROGRAMS_PER_SM = 4
 
 GB = 1024**3
 
