@@ -19,6 +19,7 @@ from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 from kvpool.pools.allocator import checks
 from kvpool.pools.allocator.checks import Indices
+from kvpool.pools.allocator.freelist import PageRing
 from kvpool.pools.allocator.state import AllocatorState, integrity_problems
 
 logger = logging.getLogger("kvpool")
@@ -26,11 +27,11 @@ logger = logging.getLogger("kvpool")
 
 @dataclass(frozen=True)
 class _Take:
-    """Pages an allocation will take, and the free lists once it has."""
+    """Pages an allocation will take: the front of the free list, or of ``merged`` (the free and
+    release lists merged and sorted, which becomes the free list) when the free list is too short."""
 
     pages: torch.Tensor
-    free_pages: torch.Tensor
-    release_pages: torch.Tensor
+    merged: Optional[torch.Tensor]
 
 
 class BaseTokenToKVPoolAllocator:
@@ -103,17 +104,42 @@ class BaseTokenToKVPoolAllocator:
         """The pool this allocator hands out slots of, ``kvcache`` as given (None if none was)."""
         return self._kvcache
 
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """Tensor [F] int64: the pages ready to be handed out, oldest free first (a view of the free
+        list's buffer, valid until the next call that changes the allocator). Assigning a 1-D integer
+        tensor replaces the list (no check: ``check_integrity()`` reports an inconsistent one)."""
+        return self._free.contents()
+
+    @free_pages.setter
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self._free.reset(pages.to(device=self.device, dtype=torch.int64))
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """Tensor [R] int64: the pages freed under ``need_sort``, in free order, waiting to be merged
+        (a new tensor). Assigning a 1-D integer tensor replaces them."""
+        if not self._release:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self._release[0] if len(self._release) == 1 else torch.cat(self._release)
+
+    @release_pages.setter
+    def release_pages(self, pages: torch.Tensor) -> None:
+        pages = pages.to(device=self.device, dtype=torch.int64)
+        self._release, self._release_count = ([pages] if pages.numel() else []), pages.numel()
+
     def available_size(self) -> int:
-        """Slots that ``alloc`` can hand out now (pages pending in a free group excluded)."""
-        return (self.free_pages.numel() + self.release_pages.numel()) * self.page_size
+        """Slots that ``alloc`` can hand out now (pages pending in a free group excluded); known on the
+        host, reads nothing from the device."""
+        return (len(self._free) + self._release_count) * self.page_size
 
     def debug_print(self) -> str:
         """One line on the free lists and holdings, for logs (reads the device once)."""
         held = int((self._live[1:] > 0).sum())
         pending = sum(t.numel() for t in self.free_group)
         return (
-            f"{type(self).__name__}: {self.available_size()} slots available ({self.free_pages.numel()} free "
-            f"+ {self.release_pages.numel()} released pages), {held} pages held, {pending} pages pending in a "
+            f"{type(self).__name__}: {self.available_size()} slots available ({len(self._free)} free "
+            f"+ {self._release_count} released pages), {held} pages held, {pending} pages pending in a "
             f"free group, {self.rejected_frees} frees rejected"
         )
 
@@ -198,19 +224,13 @@ class BaseTokenToKVPoolAllocator:
         slots = checks.free_index_slots(free_index, self.device)
         if slots.numel() == 0:
             return
-        slots = self._accept(slots)
-        if slots.numel() == 0:
-            return
-        p = self.page_size
-        minus = torch.full_like(slots, -1, dtype=torch.int32)
-        self._owners.index_add_(0, slots, minus)
-        pages = slots // p  # sorted, since _accept returns sorted slots
-        self._live.index_add_(0, pages, minus)
-        touched = pages if p == 1 else torch.unique_consecutive(pages)
-        emptied = touched[(self._live[touched] == 0) & ~self._page_free[touched]]
+        if self.validate:
+            slots = self._validated(slots)
+        emptied, dropped = self._take_back(slots)
+        if dropped:
+            self._count_rejected(dropped)
         if emptied.numel() == 0:
             return
-        self._page_free[emptied] = True
         if self.is_not_in_free_group:
             self._give_back(emptied)
         else:
@@ -233,8 +253,8 @@ class BaseTokenToKVPoolAllocator:
         return AllocatorState(
             page_size=self.page_size,
             num_pages=self.num_pages,
-            free_pages=self.free_pages,
-            release_pages=self.release_pages,
+            free_pages=self._free.copy(),
+            release_pages=self.release_pages.clone(),
             free_group=tuple(self.free_group),
             owners=self._owners.clone(),
             live=self._live.clone(),
@@ -262,7 +282,7 @@ class BaseTokenToKVPoolAllocator:
             )
         if state.owners.device != self.device:
             raise ValueError(f"state must come from an allocator on {self.device}, got {state.owners.device}")
-        self.free_pages = state.free_pages
+        self._free.reset(state.free_pages)
         self.release_pages = state.release_pages
         self._owners = state.owners.clone()
         self._live = state.live.clone()
@@ -278,9 +298,9 @@ class BaseTokenToKVPoolAllocator:
 
     def merge_and_sort_free(self) -> None:
         """Move the pages freed under ``need_sort`` into the free list, sorted (low pages first)."""
-        if self.release_pages.numel():
-            self.free_pages = torch.sort(torch.cat((self.free_pages, self.release_pages))).values
-            self.release_pages = self.release_pages[:0]
+        if self._release_count:
+            self._free.reset(self._merged())
+            self._release, self._release_count = [], 0
 
     def check_integrity(self) -> None:
         """Check the bookkeeping against itself (reads it to the host; for tests and debugging).
@@ -302,8 +322,11 @@ class BaseTokenToKVPoolAllocator:
     def _reset(self) -> None:
         dev = self.device
         n_slots = (self.num_pages + 1) * self.page_size
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=dev)
-        self.release_pages = torch.empty(0, dtype=torch.int64, device=dev)
+        self._free = PageRing(torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=dev), self.num_pages)
+        # Pages freed under need_sort, in chunks as freed (appending is O(pages freed)); merged into
+        # the free list, sorted, when an allocation needs them.
+        self._release: list[torch.Tensor] = []
+        self._release_count = 0
         self.is_not_in_free_group = True
         self.free_group: list[torch.Tensor] = []
         self._owners = torch.zeros(n_slots, dtype=torch.int32, device=dev)
@@ -315,13 +338,18 @@ class BaseTokenToKVPoolAllocator:
         self._ever = torch.zeros(n_slots, dtype=torch.bool, device=dev) if self.validate else None
 
     def _plan_take(self, count: int) -> Optional[_Take]:
-        """The first ``count`` free pages and the free lists without them; None if too few. Changes nothing."""
-        free, release = self.free_pages, self.release_pages
-        if count > free.numel():
-            if count > free.numel() + release.numel():
-                return None
-            free, release = torch.sort(torch.cat((free, release))).values, release[:0]
-        return _Take(free[:count], free[count:], release)
+        """The first ``count`` free pages, or None if too few (decided from host counts). Changes
+        nothing; costs O(count) unless the release list must be merged in."""
+        if count <= len(self._free):
+            return _Take(self._free.front(count), None)
+        if count > len(self._free) + self._release_count:
+            return None
+        merged = self._merged()
+        return _Take(merged[:count], merged)
+
+    def _merged(self) -> torch.Tensor:
+        """The free and release lists together, sorted (a new tensor)."""
+        return torch.sort(torch.cat((self._free.contents(), *self._release))).values
 
     def _hand_out(self, take: _Take, slots: torch.Tensor, inside_range: bool) -> None:
         """Commit an allocation: ``take``'s pages leave the free lists and ``slots`` gain a holder.
@@ -336,8 +364,12 @@ class BaseTokenToKVPoolAllocator:
             inside = (slots >= self.page_size) & (slots < self._owners.numel())
             at, add = torch.where(inside, slots, 0), inside.to(torch.int32)
         # Everything above only computed; from here on the state changes, with in-range indices.
-        self.free_pages, self.release_pages = take.free_pages, take.release_pages
         self._page_free[take.pages] = False
+        if take.merged is None:
+            self._free.drop_front(take.pages.numel())
+        else:
+            self._free.reset(take.merged[take.pages.numel() :])
+            self._release, self._release_count = [], 0
         self._owners.index_add_(0, at, add)
         self._live.index_add_(0, at // self.page_size, add)
         if not inside_range:
@@ -346,38 +378,70 @@ class BaseTokenToKVPoolAllocator:
             self._ever[at] = True
 
     def _give_back(self, pages: torch.Tensor) -> None:
+        """Append pages to the release list (need_sort) or the free list: O(len(pages))."""
         if self.need_sort:
-            self.release_pages = torch.cat((self.release_pages, pages))
+            self._release.append(pages)
+            self._release_count += pages.numel()
         else:
-            self.free_pages = torch.cat((self.free_pages, pages))
+            self._free.extend(pages)
 
-    def _accept(self, slots: torch.Tensor) -> torch.Tensor:
-        """The slots that may be freed, sorted and unique; raises (validate) or drops the rest."""
+    def _validated(self, slots: torch.Tensor) -> torch.Tensor:
+        """Under validate: raise ``ValueError`` for a slot that is not held or is listed twice (reading
+        the device), else return the slots."""
         p = self.page_size
         n_slots = self._owners.numel()
         ok = (slots >= p) & (slots < n_slots) & (self._owners[slots.clamp(0, n_slots - 1)] > 0)
-        if self.validate:
-            if not bool(ok.all()):
-                i = int((~ok).nonzero()[0])
-                s = int(slots[i])
-                ever = self._ever
-                freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
-                raise checks.bad_free(s, i, p, n_slots, freed_before)
-            dup = checks.listed_twice(slots)
-            if dup is not None:
-                raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
-            return torch.sort(slots).values
-        accepted = torch.unique(slots[ok])
-        dropped = slots.numel() - accepted.numel()
-        if dropped:
-            if self.rejected_frees == 0:
-                logger.warning(
-                    "kvpool: %s.free dropped %d entries that were not handed-out slots (double free, "
-                    "slot 0 or never allocated); construct with validate=True to raise instead",
-                    type(self).__name__, dropped,
-                )  # fmt: skip
-            self.rejected_frees += dropped
-        return accepted
+        if not bool(ok.all()):
+            i = int((~ok).nonzero()[0])
+            s = int(slots[i])
+            ever = self._ever
+            freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
+            raise checks.bad_free(s, i, p, n_slots, freed_before)
+        dup = checks.listed_twice(slots)
+        if dup is not None:
+            raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
+        return slots
+
+    def _take_back(self, slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Drop one holder of each held slot in ``slots`` and mark the pages left without holders
+        free; returns those pages (ascending, for a free list) and how many entries were not held
+        slots (dropped). Costs O(len(slots)) on the device, whatever the pool's size, and reads two
+        counts to the host (the one synchronisation).
+
+        An entry counts only if it is a slot in the handed-out range, held, and its first occurrence
+        in ``slots``; the rest change nothing, so no page is listed free twice.
+        """
+        p = self.page_size
+        n_slots = self._owners.numel()
+        s = torch.sort(slots).values
+        at = torch.where((s >= p) & (s < n_slots), s, 0)  # entries outside the range count at slot 0
+        first = torch.ones_like(s, dtype=torch.bool)
+        first[1:] = s[1:] != s[:-1]
+        ok = first & (at > 0) & (self._owners[at] > 0)
+        minus = -ok.to(torch.int32)
+        self._owners.index_add_(0, at, minus)
+        page = at // p  # non-decreasing except at slot-0 entries, whose page is never released
+        self._live.index_add_(0, page, minus)
+        # One entry per run of a page (its first), and only for a run that freed something.
+        start = torch.ones_like(first)
+        start[1:] = page[1:] != page[:-1]
+        run = torch.cumsum(start, 0) - 1
+        freed = torch.zeros_like(minus).index_add_(0, run, ok.to(torch.int32))
+        emptied = start & (freed[run] > 0) & (self._live[page] == 0) & ~self._page_free[page]
+        self._page_free[torch.where(emptied, page, 0)] = emptied  # page 0 only ever gets False
+        n_emptied, n_ok = torch.stack((emptied.sum(), ok.sum())).tolist()
+        out = torch.empty(n_emptied + 1, dtype=torch.int64, device=s.device)  # the last entry is a sink
+        out[torch.where(emptied, torch.cumsum(emptied, 0) - 1, n_emptied)] = page
+        return out[:n_emptied], s.numel() - n_ok
+
+    def _count_rejected(self, dropped: int) -> None:
+        if self.rejected_frees == 0:
+            logger.warning(
+                "kvpool: %s.free dropped %d entries that were not handed-out slots (double free, "
+                "slot 0 or never allocated); construct with validate=True to raise instead",
+                type(self).__name__, dropped,
+            )  # fmt: skip
+        self.rejected_frees += dropped
 
 
 class _CopiesThroughKVCache:
