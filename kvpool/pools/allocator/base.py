@@ -47,10 +47,12 @@ class BaseTokenToKVPoolAllocator:
 
     Attributes
     ----------
-    free_pages, release_pages : Tensor [F], [R] int64 page ids (slot ids when ``page_size`` is 1).
-    free_group : list of int64 tensors of pages freed inside the open free group.
+    free_pages, release_pages : Tensor [F], [R] int64 page ids (slot ids when ``page_size`` is 1);
+        reading them reads the device's counts (a synchronisation on a GPU after a ``free``).
+    free_group : list of int64 tensors of pages freed inside the open free group (reads the device).
     is_not_in_free_group : bool.
-    rejected_frees : int, entries dropped by ``free`` without ``validate``.
+    rejected_frees : int, entries dropped by ``free`` without ``validate``, as far as counted on the
+        host (``errors()`` waits for every queued free).
     """
 
     def __init__(
