@@ -43,6 +43,11 @@ def drop_holders(
     ok = first & (at > 0) & (owners[at] > 0)
     minus = -ok.to(torch.int32)
     owners.index_add_(0, at, minus)
+    if p == 1:  # a page is a slot: the entry that counts is the page's only one
+        live.index_add_(0, at, minus)
+        released = ok & (owners[at] == 0) & ~page_free[at]
+        page_free[torch.where(released, at, 0)] = released  # page 0 only ever gets False
+        return at, released, s.numel() - ok.sum()
     page = at // p  # non-decreasing, except for entries at slot 0, whose page 0 is never released
     live.index_add_(0, page, minus)
     # One entry per run of a page (its first), and only for a run that freed something.
