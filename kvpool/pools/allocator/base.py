@@ -113,7 +113,7 @@ class BaseTokenToKVPoolAllocator:
 
     @free_pages.setter
     def free_pages(self, pages: torch.Tensor) -> None:
-        self._lists.set_free(pages.to(device=self.device, dtype=torch.int64))
+        self._lists.set_free(checks.page_list(pages, "free_pages").to(device=self.device, dtype=torch.int64))
 
     @property
     def release_pages(self) -> torch.Tensor:
@@ -124,7 +124,7 @@ class BaseTokenToKVPoolAllocator:
 
     @release_pages.setter
     def release_pages(self, pages: torch.Tensor) -> None:
-        self._lists.set_release(pages.to(device=self.device, dtype=torch.int64))
+        self._lists.set_release(checks.page_list(pages, "release_pages").to(device=self.device, dtype=torch.int64))
 
     @property
     def free_group(self) -> list[torch.Tensor]:
