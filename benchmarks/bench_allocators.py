@@ -169,7 +169,8 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
 
     def add(call: str, case: str, impl: str, us: Optional[float], waits: Optional[bool], note: str = "") -> None:
         rows.append(dict(call=call, case=case, impl=impl, us=us, waits=waits, note=note))
-        rep.log(f"{call} {case} {impl}: " + (f"{us:.1f} us" if us is not None else note) + ("" if waits is None else f", waits={waits}"))
+        figure = f"{us:.1f} us" if us is not None else note
+        rep.log(f"{call} {case} {impl}: {figure}" + ("" if waits is None else f", waits={waits}"))
         rep.result["rows"] = rows
         rep.save()
 
@@ -219,7 +220,8 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
 
 def markdown(result: dict) -> str:
     rows = result.get("rows", [])
-    lines = [result.get("sglang_note", ""), "", f"Device: {result.get('device')}; microseconds per call (median of {result.get('reps')}).", "",
+    lines = [result.get("sglang_note", ""), "",
+             f"Device: {result.get('device')}; microseconds per call (median of {result.get('reps')}).", "",
              "| call | case | kvpool us | SGLang us | kvpool / SGLang | kvpool waits | SGLang waits |",
              "|---|---|---:|---:|---:|---|---|"]  # fmt: skip
     keys = list(dict.fromkeys((r["call"], r["case"]) for r in rows))
@@ -292,7 +294,8 @@ def main() -> int:
             note = f"SGLang's allocator could not be imported from {args.sglang_wheel}: {type(e).__name__}: {e}"
             rep.log(note)
     rep.result.update(device=str(device), reps=reps, sglang_note=note, paged_slots=paged, page_size=PAGE)
-    extend_bs, decode_bs = ([1, 8] if args.cpu_smoke else [1, 8, 64]), ([1, 16] if args.cpu_smoke else [1, 16, 128, 512])
+    extend_bs = [1, 8] if args.cpu_smoke else [1, 8, 64]
+    decode_bs = [1, 16] if args.cpu_smoke else [1, 16, 128, 512]
     rows = measure(impls, device, Timer(device, reps), sizes, paged, rep, decode_bs, extend_bs)
     targets = []
     free = {r["case"]: r["us"] for r in rows if r["call"] == "token free(64)" and r["impl"] == "kvpool" and r["us"]}

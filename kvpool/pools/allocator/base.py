@@ -8,7 +8,6 @@ the request table".
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,8 +20,6 @@ from kvpool.pools.allocator.checks import Indices
 from kvpool.pools.allocator.freelist import FreeLists, Take
 from kvpool.pools.allocator.ownership import drop_holders
 from kvpool.pools.allocator.state import AllocatorErrors, AllocatorState, integrity_problems
-
-logger = logging.getLogger("kvpool")
 
 
 class BaseTokenToKVPoolAllocator:
