@@ -130,6 +130,13 @@ class BaseTokenToKVPoolAllocator:
         pages = (t[t >= 0] for t in self._group)
         return [t for t in pages if t.numel()]
 
+    @free_group.setter
+    def free_group(self, groups: list[torch.Tensor]) -> None:
+        """Replace the pending pages (SGLang subclasses' ``clear()`` assigns ``[]``)."""
+        if not isinstance(groups, (list, tuple)):
+            raise ValueError(f"free_group must be a list of page tensors, got {type(groups).__name__}")
+        self._group = [checks.page_list(t, "free_group").to(device=self.device, dtype=torch.int64) for t in groups]
+
     @property
     def rejected_frees(self) -> int:
         """Entries ``free`` dropped without ``validate``, as far as counted (``errors()`` waits for
