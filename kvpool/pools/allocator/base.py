@@ -384,7 +384,7 @@ class BaseTokenToKVPoolAllocator:
             inside = (slots >= self.page_size) & (slots < self._owners.numel())
             at, add = torch.where(inside, slots, 0), inside.to(torch.int32)
         # Everything above only computed; from here on the state changes, with in-range indices.
-        self._page_free[take.pages] = False
+        self._page_free.index_fill_(0, take.pages, False)  # a scalar fill: no value copied to the device
         self._lists.commit(take)
         self._owners.index_add_(0, at, add)
         self._live.index_add_(0, at // self.page_size, add)
