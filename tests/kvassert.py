@@ -935,6 +935,15 @@ def dec(a, seq, last_loc):
     return a.alloc_decode(sq, sq.clone(), torch.tensor(last_loc, dtype=torch.int64))
 
 
+def counts_copied_back(a, lands: bool = True):
+    """Run ``a`` (a CPU allocator) as on a GPU: the counts a free leaves on the device are copied back
+    rather than read; with ``lands=False`` the copies never land, as while the device is busy."""
+    a._lists.eager = False
+    if not lands:
+        a._lists._mirror.poll = lambda: None
+    return a
+
+
 # ----------------------------------------------------------------------------------------------
 # The kernels, compiled for real GPU targets on a machine without one.
 

@@ -63,6 +63,26 @@ def test_a_subclass_that_overrides_clear_constructs_as_in_sglang():
     a.check_integrity()
 
 
+def test_a_subclass_clear_may_assign_sglangs_lists():
+    """SGLang's allocators' clear() assigns free_pages, release_pages and free_group directly."""
+
+    class SGLangStyle(BaseTokenToKVPoolAllocator):
+        def clear(self) -> None:
+            super().clear()
+            self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64)
+            self.release_pages = torch.empty((0,), dtype=torch.int64)
+            self.free_group = []
+
+    a = SGLangStyle(4, 1)
+    a.alloc(3)
+    a.clear()
+    assert a.free_pages.tolist() == [1, 2, 3, 4] and a.release_pages.tolist() == [] and a.free_group == []
+    assert a.alloc(4).tolist() == [1, 2, 3, 4]
+    a.check_integrity()
+    with pytest.raises(ValueError, match="free_group must be a list of page tensors, got int"):
+        a.free_group = 3
+
+
 def test_base_class_methods_left_to_subclasses_raise_not_implemented():
     a = BaseTokenToKVPoolAllocator(8, 2)
     calls = (a.alloc_extend, a.alloc_decode, a.get_cpu_copy, a.load_cpu_copy,  # SGLang's base takes any arguments

@@ -1,6 +1,8 @@
 """The slot allocators as hypothesis state machines against a plain-Python model: no slot handed out
 twice, slot 0 never handed out, counts agree, a failed alloc changes nothing, backup and restore
-round-trip, free groups apply at their end, ``check_integrity`` passes after every step.
+round-trip, free groups apply at their end, ``check_integrity`` passes after every step; and the
+same machines with the counts a free leaves on the device copied back rather than read (as on a
+GPU), landing at once or never: ``available_size()`` at most what is free, exact once read.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvassert import allocator_snapshot, dec, ext, held_slots
+from kvassert import allocator_snapshot, counts_copied_back, dec, ext, held_slots
 from kvpool.errors import IntegrityError
 from kvpool.pools.allocator import AllocatorState, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvpool.pools.allocator.state import integrity_problems
 
 T = torch.tensor
 
@@ -438,3 +441,59 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
 TestTokenAllocatorMachine = TokenAllocatorMachine.TestCase
 TestPagedAllocatorMachine = PagedAllocatorMachine.TestCase
 TestPagedAllocatorMachine.settings = settings(TestPagedAllocatorMachine.settings, stateful_step_count=40)
+
+
+# --- the same machines, counts copied back ----------------------------------------------------------
+
+
+class CopiedBackCounts:
+    """Mixed into a state machine: the allocator runs with counts copied back, landing at once or
+    never. Between reads ``available_size()`` is at most what is free and the device state is
+    consistent; ``errors()`` makes the count exact."""
+
+    @invariant()
+    def counts_agree_and_integrity_holds(self):
+        assert self.a.available_size() <= self.expected_available()
+        assert held_slots(self.a) == self.owned_slots()
+        assert integrity_problems(self.a.backup_state()) == []
+
+    @rule()
+    def read_counts(self):
+        self.a.errors()
+        assert self.a.available_size() == self.expected_available()
+        self.a.check_integrity()
+
+
+class CopiedBackTokenMachine(CopiedBackCounts, TokenAllocatorMachine):
+    @initialize(size=st.integers(1, 24), need_sort=st.booleans(), validate=st.booleans(), lands=st.booleans())
+    def setup(self, size, need_sort, validate, lands):
+        TokenAllocatorMachine.setup(self, size, need_sort, validate)
+        counts_copied_back(self.a, lands)
+
+    def expected_available(self) -> int:
+        return len(self.free)
+
+    def owned_slots(self) -> set[int]:
+        return self.owned
+
+
+class CopiedBackPagedMachine(CopiedBackCounts, PagedAllocatorMachine):
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]), pages=st.integers(1, 8), spare=st.integers(0, 3),
+        need_sort=st.booleans(), validate=st.booleans(), host_checks=st.booleans(), lands=st.booleans(),
+    )  # fmt: skip
+    def setup(self, page_size, pages, spare, need_sort, validate, host_checks, lands):
+        PagedAllocatorMachine.setup(self, page_size, pages, spare, need_sort, validate, host_checks)
+        counts_copied_back(self.a, lands)
+
+    def expected_available(self) -> int:
+        return len(self.free_pages()) * self.p
+
+    def owned_slots(self) -> set[int]:
+        return self.owned()
+
+
+TestCopiedBackTokenMachine = CopiedBackTokenMachine.TestCase
+TestCopiedBackTokenMachine.settings = settings(max_examples=50)
+TestCopiedBackPagedMachine = CopiedBackPagedMachine.TestCase
+TestCopiedBackPagedMachine.settings = settings(max_examples=50, stateful_step_count=40)

@@ -8,15 +8,19 @@ slot computation on its own, under SGLang's name for it. An allocator built with
 pool) must fit it: at most the pool's ``size``, in the pool's ``page_size``.
 
 The modules: ``base.py`` (the page allocator and the token allocator), ``paged.py`` (the paged
-allocator's ``alloc_extend``/``alloc_decode``), ``checks.py`` (what is checked), ``state.py`` (the
-snapshot and its integrity check). docs/contract.md, "Allocators and the request table", has the
-rules users rely on.
+allocator's ``alloc_extend``/``alloc_decode``), ``freelist.py`` (the free and release lists and the
+host counts that never wait), ``ownership.py`` (what a free does to the per-slot bookkeeping),
+``checks.py`` (what is checked), ``state.py`` (the snapshot and its integrity check).
+docs/contract.md, "Allocators and the request table", has the rules users rely on.
 
 Bookkeeping, in tensors on ``device`` as in SGLang:
 
-- ``free_pages``: page ids ready to be handed out. ``release_pages``: pages freed under
-  ``need_sort``, merged into ``free_pages`` and sorted when an allocation needs them.
-  ``free_group``: pages freed inside a free group, made available by ``free_group_end()``.
+- ``free_pages``: page ids ready to be handed out, in a ring buffer of ``num_pages`` entries whose
+  front the host keeps and whose end the device keeps, so that taking pages and giving them back
+  cost the pages moved, never the pages listed. ``release_pages``: pages freed under ``need_sort``,
+  kept in chunks as freed and merged into ``free_pages``, sorted, when an allocation needs them.
+  ``free_group``: pages freed inside a free group, made available by ``free_group_end()``. Chunks
+  freed on the device hold -1 where an entry released no page.
 - ``owners[slot]``: how many holders the slot has (handed out, not freed). It is a count, not a
   flag, so that a slot handed out while held, which only a wrong ``last_loc`` without ``validate`` can
   cause, shows in ``check_integrity()`` for as long as both holders keep it, and stays held until both
@@ -41,9 +45,15 @@ is dropped and counted in ``rejected_frees``. The allocator does not know which 
 page, so a ``last_loc`` naming another request's last slot passes even ``validate``; the two
 requests collide, and ``validate`` raises, when the other one continues.
 
-``alloc``, ``alloc_extend`` and ``alloc_decode`` read nothing back from the device (their sizes
-come from the CPU lengths) unless ``validate``. ``free`` synchronises once: how many pages come back
-is data dependent (SGLang's paged ``free`` synchronises in ``torch.unique`` too).
+No call waits for the device without ``validate``, except an allocation the host counts fall short
+of. ``alloc``, ``alloc_extend`` and ``alloc_decode`` are sized by host counts (the CPU lengths).
+``free`` decides on the device which entries count and which pages come back, appends those pages
+at the ring's end there, and leaves the counts on the device: the host's free count is then a
+lower bound (every page it counts is free), brought up to date from a copy of the device counts
+queued behind the work (``freelist.CountMirror``), folded in once it has landed. An allocation
+larger than the host count while a copy is outstanding reads the counts (one synchronisation) and
+decides exactly. A CPU allocator, and any under ``validate``, reads the counts after every call, so
+its counts are always exact. ``errors()`` and ``check_integrity()`` read everything.
 
 Where kvpool deliberately differs from SGLang's allocators
 -----------------------------------------------------------
@@ -51,8 +61,11 @@ Where kvpool deliberately differs from SGLang's allocators
    SGLang returns a page when any of its slots is freed, which hands a still-held slot to another
    request.
 2. Bad frees (double free, slot 0, a slot never handed out, one listed twice) raise ``ValueError``
-   under ``validate`` and are otherwise dropped and counted (``rejected_frees``), never added to a
-   free list; SGLang appends whatever it is given.
+   under ``validate`` and are otherwise dropped on the device and counted (``rejected_frees``, and
+   ``errors()``, which waits for every queued free), never added to a free list; SGLang appends
+   whatever it is given. SGLang's token ``free`` concatenates the whole free list; kvpool's appends
+   to a ring buffer, and its paged ``free`` does not synchronise where SGLang's (``torch.unique``)
+   does.
 3. Errors are ``ValueError`` (``IndexError`` for a ``last_loc`` outside the slot range), raised
    before anything changes, where SGLang asserts under ``SGLANG_DEBUG_MEMORY_POOL`` or not at all;
    ``alloc(n)`` on the paged allocator raises when ``n`` is not a multiple of ``page_size``. kvpool
@@ -72,6 +85,8 @@ Where kvpool deliberately differs from SGLang's allocators
    free group) instead of a ``(free_pages, release_pages)`` tuple, and ``restore_state()`` puts all of
    it back, so slots freed or handed out in between are undone rather than leaked. Pending pages of
    the snapshot stay pending if a group is open at restore time and become available if not.
+   ``available_size()`` on a GPU may lag behind frees whose counts have not come back (it never
+   counts more than is free); SGLang's counts every slot it was given at once.
 8. ``alloc`` returns a new tensor (SGLang's token allocator returns a view of its free list).
 9. ``BaseTokenToKVPoolAllocator`` is the complete page allocator, and its constructor builds the
    state itself rather than relying on a subclass's ``clear()``; SGLang's is abstract.
@@ -88,9 +103,10 @@ Where kvpool deliberately differs from SGLang's allocators
 
 from kvpool.pools.allocator.base import BaseTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.pools.allocator.paged import PagedTokenToKVPoolAllocator, alloc_extend_naive
-from kvpool.pools.allocator.state import AllocatorState
+from kvpool.pools.allocator.state import AllocatorErrors, AllocatorState
 
 __all__ = [
+    "AllocatorErrors",
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",

@@ -8,8 +8,6 @@ the request table".
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,18 +17,9 @@ from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 from kvpool.pools.allocator import checks
 from kvpool.pools.allocator.checks import Indices
-from kvpool.pools.allocator.state import AllocatorState, integrity_problems
-
-logger = logging.getLogger("kvpool")
-
-
-@dataclass(frozen=True)
-class _Take:
-    """Pages an allocation will take, and the free lists once it has."""
-
-    pages: torch.Tensor
-    free_pages: torch.Tensor
-    release_pages: torch.Tensor
+from kvpool.pools.allocator.freelist import FreeLists, Take
+from kvpool.pools.allocator.ownership import drop_holders
+from kvpool.pools.allocator.state import AllocatorErrors, AllocatorState, integrity_problems
 
 
 class BaseTokenToKVPoolAllocator:
@@ -55,10 +44,12 @@ class BaseTokenToKVPoolAllocator:
 
     Attributes
     ----------
-    free_pages, release_pages : Tensor [F], [R] int64 page ids (slot ids when ``page_size`` is 1).
-    free_group : list of int64 tensors of pages freed inside the open free group.
+    free_pages, release_pages : Tensor [F], [R] int64 page ids (slot ids when ``page_size`` is 1);
+        reading them reads the device's counts (a synchronisation on a GPU after a ``free``).
+    free_group : list of int64 tensors of pages freed inside the open free group (reads the device).
     is_not_in_free_group : bool.
-    rejected_frees : int, entries dropped by ``free`` without ``validate``.
+    rejected_frees : int, entries dropped by ``free`` without ``validate``, as far as counted on the
+        host (``errors()`` waits for every queued free).
     """
 
     def __init__(
@@ -85,7 +76,12 @@ class BaseTokenToKVPoolAllocator:
         self.need_sort = bool(need_sort)
         self.validate = validate_enabled(validate)
         self.num_pages = size // page_size
-        self.rejected_frees = 0
+        # Counts a free leaves on the device (pages released, entries dropped) are read at once on a
+        # CPU allocator and under validate, where reading costs nothing or is paid for anyway;
+        # elsewhere they are copied back behind the queued work, or read when something waits anyway.
+        self._lists = FreeLists(
+            self.num_pages, self.device, self.need_sort, self.device.type == "cpu" or self.validate, type(self).__name__
+        )
         # On a CPU allocator the device arguments are already on the host, so comparing them costs
         # nothing; elsewhere it costs a synchronisation and runs only under validate.
         self._cheap_device_checks = self.device.type == "cpu"
@@ -103,18 +99,73 @@ class BaseTokenToKVPoolAllocator:
         """The pool this allocator hands out slots of, ``kvcache`` as given (None if none was)."""
         return self._kvcache
 
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """Tensor [F] int64: the pages ready to be handed out, oldest free first (a view of the free
+        list's buffer, valid until the next call that changes the allocator; reads the counts, a
+        synchronisation on a GPU after a ``free``). Assigning a 1-D integer tensor replaces the list
+        (no check: ``check_integrity()`` reports an inconsistent one)."""
+        self._lists.read()
+        return self._lists.ring.contents()
+
+    @free_pages.setter
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self._lists.set_free(checks.page_list(pages, "free_pages").to(device=self.device, dtype=torch.int64))
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """Tensor [R] int64: the pages freed under ``need_sort``, in free order, waiting to be merged
+        (a new tensor; reads the device). Assigning a 1-D integer tensor replaces them."""
+        raw = self._lists.release_raw()
+        return raw[raw >= 0]
+
+    @release_pages.setter
+    def release_pages(self, pages: torch.Tensor) -> None:
+        self._lists.set_release(checks.page_list(pages, "release_pages").to(device=self.device, dtype=torch.int64))
+
+    @property
+    def free_group(self) -> list[torch.Tensor]:
+        """int64 tensors of the pages freed inside the open free group, one per ``free`` that
+        released some (reads the device)."""
+        pages = (t[t >= 0] for t in self._group)
+        return [t for t in pages if t.numel()]
+
+    @free_group.setter
+    def free_group(self, groups: list[torch.Tensor]) -> None:
+        """Replace the pending pages (SGLang subclasses' ``clear()`` assigns ``[]``)."""
+        if not isinstance(groups, (list, tuple)):
+            raise ValueError(f"free_group must be a list of page tensors, got {type(groups).__name__}")
+        self._group = [checks.page_list(t, "free_group").to(device=self.device, dtype=torch.int64) for t in groups]
+
+    @property
+    def rejected_frees(self) -> int:
+        """Entries ``free`` dropped without ``validate``, as far as counted (``errors()`` waits for
+        every queued free to be counted)."""
+        self._lists.poll()
+        return self._lists.rejected_seen
+
+    def errors(self) -> AllocatorErrors:
+        """The bad calls survived so far, every queued call counted (waits for the device)."""
+        self._lists.read()
+        return AllocatorErrors(rejected_frees=self._lists.rejected_seen, unrecorded=int(self._unrecorded))
+
     def available_size(self) -> int:
-        """Slots that ``alloc`` can hand out now (pages pending in a free group excluded)."""
-        return (self.free_pages.numel() + self.release_pages.numel()) * self.page_size
+        """Slots that ``alloc`` can hand out now (pages pending in a free group excluded), known on the
+        host: it never waits. Exact on a CPU allocator and under ``validate``; on a GPU, pages released
+        by frees the device has not run yet count once their counts have been copied back (the count
+        is never more than what is free)."""
+        return self._lists.available() * self.page_size
 
     def debug_print(self) -> str:
-        """One line on the free lists and holdings, for logs (reads the device once)."""
+        """One line on the free lists and holdings, for logs (reads the device)."""
+        lists = self._lists
+        lists.read()
         held = int((self._live[1:] > 0).sum())
         pending = sum(t.numel() for t in self.free_group)
         return (
-            f"{type(self).__name__}: {self.available_size()} slots available ({self.free_pages.numel()} free "
-            f"+ {self.release_pages.numel()} released pages), {held} pages held, {pending} pages pending in a "
-            f"free group, {self.rejected_frees} frees rejected"
+            f"{type(self).__name__}: {self.available_size()} slots available ({len(lists.ring)} free "
+            f"+ {lists.release_known} released pages), {held} pages held, {pending} pages pending in a "
+            f"free group, {lists.rejected_seen} frees rejected"
         )
 
     def clear(self) -> None:
@@ -193,28 +244,23 @@ class BaseTokenToKVPoolAllocator:
             If ``free_index`` is malformed; under ``validate`` also for a slot that is not held
             (double free, never allocated, slot 0, reserved page, out of range) or is listed twice.
             Nothing is freed. Without ``validate`` such entries are dropped and counted in
-            ``rejected_frees``.
+            ``rejected_frees`` (on a GPU once the device has run the free: ``errors()`` waits for it).
+
+        Without ``validate`` a device tensor is freed without waiting for the device: the pages that
+        come back join the free list there, and the host counts them once their count is read.
         """
         slots = checks.free_index_slots(free_index, self.device)
         if slots.numel() == 0:
             return
-        slots = self._accept(slots)
-        if slots.numel() == 0:
-            return
-        p = self.page_size
-        minus = torch.full_like(slots, -1, dtype=torch.int32)
-        self._owners.index_add_(0, slots, minus)
-        pages = slots // p  # sorted, since _accept returns sorted slots
-        self._live.index_add_(0, pages, minus)
-        touched = pages if p == 1 else torch.unique_consecutive(pages)
-        emptied = touched[(self._live[touched] == 0) & ~self._page_free[touched]]
-        if emptied.numel() == 0:
-            return
-        self._page_free[emptied] = True
+        if self.validate:
+            slots = self._validated(slots)
+        pages, released, dropped = drop_holders(self._owners, self._live, self._page_free, slots, self.page_size)
+        self._lists.add_rejected(dropped)
         if self.is_not_in_free_group:
-            self._give_back(emptied)
+            self._lists.give_back(pages, released)
         else:
-            self.free_group.append(emptied)
+            self._group.append(torch.where(released, pages, -1))
+        self._lists.changed()
 
     def free_group_begin(self) -> None:
         """Start batching frees: pages freed from now on become available at ``free_group_end()``.
@@ -222,20 +268,27 @@ class BaseTokenToKVPoolAllocator:
         self.is_not_in_free_group = False
 
     def free_group_end(self) -> None:
-        """Make the pages freed since ``free_group_begin()`` available, in one concatenation."""
+        """Make the pages freed since ``free_group_begin()`` available, in one append."""
         self.is_not_in_free_group = True
-        pending, self.free_group = self.free_group, []
+        pending, self._group = self._group, []
         if pending:
-            self._give_back(torch.cat(pending))
+            pages = torch.cat(pending)
+            self._lists.give_back(pages, pages >= 0)
+            self._lists.changed()
 
     def backup_state(self) -> AllocatorState:
-        """Snapshot of the free lists and holdings, for ``restore_state`` (speculative allocation)."""
+        """Snapshot of the free lists and holdings, for ``restore_state`` (speculative allocation).
+        Copies the bookkeeping on the device; reads nothing back."""
         return AllocatorState(
             page_size=self.page_size,
             num_pages=self.num_pages,
-            free_pages=self.free_pages,
-            release_pages=self.release_pages,
-            free_group=tuple(self.free_group),
+            free_ring=self._lists.ring.rotated(),
+            free_count=self._lists.ring.count(),
+            free_known=len(self._lists.ring),
+            release_raw=self._lists.release_raw().clone(),
+            release_count=self._lists.release_count.clone(),
+            release_known=self._lists.release_known,
+            group_raw=tuple(self._group),
             owners=self._owners.clone(),
             live=self._live.clone(),
             page_free=self._page_free.clone(),
@@ -243,10 +296,11 @@ class BaseTokenToKVPoolAllocator:
         )
 
     def restore_state(self, state: AllocatorState) -> None:
-        """Return to a snapshot from ``backup_state()`` of this allocator.
+        """Return to a snapshot from ``backup_state()`` of this allocator; reads nothing back.
 
         Slots handed out or freed since the snapshot are undone. Pages the snapshot holds pending in a
         free group stay pending if a group is open now and become available if not, so none is lost.
+        Rejected frees stay counted.
 
         Raises
         ------
@@ -262,37 +316,37 @@ class BaseTokenToKVPoolAllocator:
             )
         if state.owners.device != self.device:
             raise ValueError(f"state must come from an allocator on {self.device}, got {state.owners.device}")
-        self.free_pages = state.free_pages
-        self.release_pages = state.release_pages
+        self._lists.restore(state)
         self._owners = state.owners.clone()
         self._live = state.live.clone()
         self._page_free = state.page_free.clone()
         self._unrecorded = state.unrecorded.clone()
-        self.free_group = []
-        if state.free_group:
-            pending = torch.cat(state.free_group)
+        self._group = []
+        if state.group_raw:
+            pending = torch.cat(state.group_raw)
             if self.is_not_in_free_group:
-                self._give_back(pending)
+                self._lists.give_back(pending, pending >= 0)
             else:
-                self.free_group.append(pending)
+                self._group.append(pending)
+        self._lists.changed()
 
     def merge_and_sort_free(self) -> None:
-        """Move the pages freed under ``need_sort`` into the free list, sorted (low pages first)."""
-        if self.release_pages.numel():
-            self.free_pages = torch.sort(torch.cat((self.free_pages, self.release_pages))).values
-            self.release_pages = self.release_pages[:0]
+        """Move the pages freed under ``need_sort`` into the free list, sorted (low pages first).
+        Waits for the device if a free's count is not read yet."""
+        self._lists.merge()
 
     def check_integrity(self) -> None:
         """Check the bookkeeping against itself (reads it to the host; for tests and debugging).
 
         Catches, among others, a page listed free twice or while it holds slots, a leaked page, and a
-        slot owned more than once.
+        slot owned more than once. Counts the frees rejected so far (``rejected_frees``).
 
         Raises
         ------
         IntegrityError
             Listing every inconsistency found, with counts.
         """
+        self._lists.read()
         problems = integrity_problems(self.backup_state())
         if problems:
             raise IntegrityError(f"{type(self).__name__} integrity check failed: " + "; ".join(problems))
@@ -302,10 +356,9 @@ class BaseTokenToKVPoolAllocator:
     def _reset(self) -> None:
         dev = self.device
         n_slots = (self.num_pages + 1) * self.page_size
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=dev)
-        self.release_pages = torch.empty(0, dtype=torch.int64, device=dev)
+        self._lists.reset()
         self.is_not_in_free_group = True
-        self.free_group: list[torch.Tensor] = []
+        self._group: list[torch.Tensor] = []  # pages freed inside the open group (-1: no page)
         self._owners = torch.zeros(n_slots, dtype=torch.int32, device=dev)
         self._live = torch.zeros(self.num_pages + 1, dtype=torch.int32, device=dev)
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=dev)
@@ -314,16 +367,11 @@ class BaseTokenToKVPoolAllocator:
         # Slots ever handed out, kept only to tell "double free" from "never allocated" in errors.
         self._ever = torch.zeros(n_slots, dtype=torch.bool, device=dev) if self.validate else None
 
-    def _plan_take(self, count: int) -> Optional[_Take]:
-        """The first ``count`` free pages and the free lists without them; None if too few. Changes nothing."""
-        free, release = self.free_pages, self.release_pages
-        if count > free.numel():
-            if count > free.numel() + release.numel():
-                return None
-            free, release = torch.sort(torch.cat((free, release))).values, release[:0]
-        return _Take(free[:count], free[count:], release)
+    def _plan_take(self, count: int) -> Optional[Take]:
+        """The first ``count`` free pages, or None if too few; see ``FreeLists.plan``."""
+        return self._lists.plan(count)
 
-    def _hand_out(self, take: _Take, slots: torch.Tensor, inside_range: bool) -> None:
+    def _hand_out(self, take: Take, slots: torch.Tensor, inside_range: bool) -> None:
         """Commit an allocation: ``take``'s pages leave the free lists and ``slots`` gain a holder.
 
         Slots not known to be ``inside_range`` (cut from free pages) are masked: one outside the
@@ -336,8 +384,8 @@ class BaseTokenToKVPoolAllocator:
             inside = (slots >= self.page_size) & (slots < self._owners.numel())
             at, add = torch.where(inside, slots, 0), inside.to(torch.int32)
         # Everything above only computed; from here on the state changes, with in-range indices.
-        self.free_pages, self.release_pages = take.free_pages, take.release_pages
-        self._page_free[take.pages] = False
+        self._page_free.index_fill_(0, take.pages, False)  # a scalar fill: no value copied to the device
+        self._lists.commit(take)
         self._owners.index_add_(0, at, add)
         self._live.index_add_(0, at // self.page_size, add)
         if not inside_range:
@@ -345,39 +393,22 @@ class BaseTokenToKVPoolAllocator:
         if self._ever is not None:
             self._ever[at] = True
 
-    def _give_back(self, pages: torch.Tensor) -> None:
-        if self.need_sort:
-            self.release_pages = torch.cat((self.release_pages, pages))
-        else:
-            self.free_pages = torch.cat((self.free_pages, pages))
-
-    def _accept(self, slots: torch.Tensor) -> torch.Tensor:
-        """The slots that may be freed, sorted and unique; raises (validate) or drops the rest."""
+    def _validated(self, slots: torch.Tensor) -> torch.Tensor:
+        """Under validate: raise ``ValueError`` for a slot that is not held or is listed twice (reading
+        the device), else return the slots."""
         p = self.page_size
         n_slots = self._owners.numel()
         ok = (slots >= p) & (slots < n_slots) & (self._owners[slots.clamp(0, n_slots - 1)] > 0)
-        if self.validate:
-            if not bool(ok.all()):
-                i = int((~ok).nonzero()[0])
-                s = int(slots[i])
-                ever = self._ever
-                freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
-                raise checks.bad_free(s, i, p, n_slots, freed_before)
-            dup = checks.listed_twice(slots)
-            if dup is not None:
-                raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
-            return torch.sort(slots).values
-        accepted = torch.unique(slots[ok])
-        dropped = slots.numel() - accepted.numel()
-        if dropped:
-            if self.rejected_frees == 0:
-                logger.warning(
-                    "kvpool: %s.free dropped %d entries that were not handed-out slots (double free, "
-                    "slot 0 or never allocated); construct with validate=True to raise instead",
-                    type(self).__name__, dropped,
-                )  # fmt: skip
-            self.rejected_frees += dropped
-        return accepted
+        if not bool(ok.all()):
+            i = int((~ok).nonzero()[0])
+            s = int(slots[i])
+            ever = self._ever
+            freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
+            raise checks.bad_free(s, i, p, n_slots, freed_before)
+        dup = checks.listed_twice(slots)
+        if dup is not None:
+            raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
+        return slots
 
 
 class _CopiesThroughKVCache:

@@ -63,6 +63,12 @@ def device_vector(t: object, name: str, bs: Optional[int], device: torch.device)
     check_index(t, name, dtypes=INTEGER_DTYPES, expect=VECTOR, length=bs, per=PER_REQUEST, device=device, where=where)
 
 
+def page_list(t: object, name: str) -> torch.Tensor:
+    """A 1-D integer tensor (any device) to assign as a free list; returned as given."""
+    _tensor(t, name)
+    return check_index(t, name, dtypes=INTEGER_DTYPES, expect=VECTOR)
+
+
 def _tensor(t: object, name: str) -> None:
     # The allocators raise ValueError for every malformed argument, a non-tensor included.
     if not isinstance(t, torch.Tensor):

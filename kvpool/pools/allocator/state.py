@@ -16,19 +16,40 @@ import torch
 class AllocatorState:
     """A snapshot taken by ``backup_state()``; ``restore_state()`` puts it back (any number of times).
 
-    The free lists are shared with the allocator (it never modifies them in place); the other tensors
-    are copies.
+    Taking one reads nothing from the device: the lists are kept as the device holds them, with counts
+    on the device. ``free_pages``, ``release_pages`` and ``free_group`` read those counts (a
+    synchronisation on a GPU) to give the lists themselves.
     """
 
     page_size: int
     num_pages: int
-    free_pages: torch.Tensor  # [F] int64 page ids
-    release_pages: torch.Tensor  # [R] int64 page ids
-    free_group: tuple[torch.Tensor, ...]  # int64 page ids freed inside an open free group
+    free_ring: torch.Tensor  # [C] int64: the free list from its front; its first free_count entries
+    free_count: torch.Tensor  # [] int64 on the device
+    free_known: int  # how many of them the host knew of (a lower bound)
+    release_raw: torch.Tensor  # [R] int64 page ids freed under need_sort, -1 for no page
+    release_count: torch.Tensor  # [] int64 on the device: pages in release_raw
+    release_known: int  # how many of them the host knew of (a lower bound)
+    group_raw: tuple[torch.Tensor, ...]  # int64 page ids freed inside an open free group, -1 for no page
     owners: torch.Tensor  # [(num_pages + 1) * page_size] int32 holders per slot
     live: torch.Tensor  # [num_pages + 1] int32 holders per page
     page_free: torch.Tensor  # [num_pages + 1] bool
     unrecorded: torch.Tensor  # [] int64 slots handed out outside the range (see check_integrity)
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """Tensor [F] int64: the free list, oldest free first (reads its count)."""
+        return self.free_ring[: int(self.free_count)]
+
+    @property
+    def release_pages(self) -> torch.Tensor:
+        """Tensor [R] int64: the pages freed under ``need_sort``, in free order."""
+        return self.release_raw[self.release_raw >= 0]
+
+    @property
+    def free_group(self) -> tuple[torch.Tensor, ...]:
+        """The pages freed inside the open free group, one tensor per ``free`` that released some."""
+        pages = (t[t >= 0] for t in self.group_raw)
+        return tuple(t for t in pages if t.numel())
 
 
 def integrity_problems(state: AllocatorState) -> list[str]:
@@ -98,3 +119,17 @@ def integrity_problems(state: AllocatorState) -> list[str]:
             f"recorded (a last_loc outside it, unchecked without validate)"
         )
     return problems
+
+
+@dataclass(frozen=True)
+class AllocatorErrors:
+    """What ``errors()`` reports: bad calls the allocator survived without ``validate``.
+
+    rejected_frees : entries ``free`` dropped since construction (double frees, slot 0, slots never
+        handed out, out of range, listed twice); never added to a free list.
+    unrecorded : slots handed out outside the handed-out range (from an unchecked ``last_loc``), not
+        recorded as held.
+    """
+
+    rejected_frees: int
+    unrecorded: int

@@ -1,0 +1,313 @@
+"""The slot allocators' per-step calls, kvpool against SGLang's own ``allocator.py`` on the same inputs.
+
+Rows (wall time per call, the device synchronised before and after each timed call, median of
+``--reps``; the first calls are never timed):
+
+* paged ``alloc_extend`` (page 64): 1, 8 and 64 new requests of 256..512 tokens each;
+* paged ``alloc_decode``: 1, 16, 128 and 512 running requests of 100..2000 tokens;
+* paged ``free`` of one finished request (1,000..3,000 tokens, whole pages);
+* token ``alloc(64)`` and ``free(64)`` at pool sizes from 64k to 32M slots (CPU: to 8M).
+
+The paged ``alloc_extend``/``alloc_decode`` calls are undone with ``backup_state``/``restore_state``
+outside the timing, so every timed call sees the same allocator; token ``alloc(64)`` is undone by
+freeing its slots, and ``free`` times giving back slots just handed out. Both allocators
+get the same tensors. On a GPU each call is also run once after a queued matrix multiply under
+``torch.cuda.set_sync_debug_mode("error")``: "waits" says whether it synchronised.
+
+SGLang's ``allocator.py`` is imported from its wheel (``--sglang-wheel``, e.g. from ``pip download
+sglang==0.5.9 --no-deps``) with ``sglang.srt.utils`` replaced by the three helpers it imports. Its
+paged ``alloc_extend``/``alloc_decode`` are Triton kernels: on the CPU they are not measured.
+
+Target (CPU or GPU): kvpool's token ``free(64)`` at 8M slots within 2x of its time at 64k. On the CPU
+torch runs on one thread (a loaded machine's thread wake-ups would dominate calls this small).
+
+Usage (from the repository root, so that this checkout's kvpool is the one measured):
+    PYTHONPATH=. python benchmarks/bench_allocators.py --out DIR [--device cpu|cuda] [--quick] [--sglang-wheel PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import types
+import zipfile
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
+
+PAGE = 64
+
+
+# --- SGLang's allocator.py from a wheel ----------------------------------------------------------------
+
+
+def load_sglang(wheel: str) -> tuple[Any, Any, str]:
+    """SGLang's ``TokenToKVPoolAllocator`` and ``PagedTokenToKVPoolAllocator`` from a wheel's
+    ``sglang/srt/mem_cache/allocator.py``; the ``sglang.srt.utils`` helpers it imports are stand-ins
+    written here (an environment flag read, a page count from CPU lengths, a power of two)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next((n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA")), "sglang-?.dist-info")
+        version = meta.removesuffix(".dist-info").split("-", 1)[1]
+        source = z.read("sglang/srt/mem_cache/allocator.py").decode()
+
+    def new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: Optional[torch.Tensor] = None,
+                  decode: bool = False) -> int:  # fmt: skip
+        if prefix_lens is None or decode:
+            return int(((seq_lens - 1) % page_size == 0).sum())
+        return int(((seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size).sum())
+
+    def power_of_2(n: int) -> int:
+        return 1 << max(int(n) - 1, 0).bit_length()
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        m = types.ModuleType(name)
+        m.__path__ = []
+        sys.modules[name] = m
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.get_bool_env_var = lambda name, default="false": False
+    utils.get_num_new_pages, utils.next_power_of_2 = new_pages, power_of_2
+    sys.modules["sglang.srt.utils"] = utils
+    # Triton reads a kernel's source from its file: the module is loaded from a copy on disk.
+    path = os.path.join(tempfile.mkdtemp(prefix="sglang-allocator-"), "allocator.py")
+    with open(path, "w") as f:
+        f.write(source)
+    full = "sglang.srt.mem_cache.allocator"
+    spec = importlib.util.spec_from_file_location(full, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[full] = mod
+    spec.loader.exec_module(mod)
+    return mod.TokenToKVPoolAllocator, mod.PagedTokenToKVPoolAllocator, version
+
+
+# --- timing --------------------------------------------------------------------------------------------
+
+
+class Timer:
+    def __init__(self, device: torch.device, reps: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.reps = reps
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def per_call_us(self, before: Callable[[], Any], call: Callable[[Any], Any], after: Callable[[Any, Any], None]) -> float:
+        """Median microseconds of ``call(before())``, synchronised around; ``after(prepared, result)``
+        undoes it, untimed."""
+        times = []
+        for i in range(self.reps + 2):
+            prepared = before()
+            self.sync()
+            t0 = time.perf_counter()
+            out = call(prepared)
+            self.sync()
+            t1 = time.perf_counter()
+            after(prepared, out)
+            if i >= 2:
+                times.append((t1 - t0) * 1e6)
+        return statistics.median(times)
+
+    def waits(self, call: Callable[[], Any]) -> Optional[bool]:
+        """Whether ``call()`` synchronises with a kernel queued before it (None on the CPU)."""
+        if not self.cuda:
+            return None
+        busy = torch.randn(2048, 2048, device="cuda")
+        self.sync()
+        for _ in range(4):
+            busy = busy @ busy
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            return False
+        except RuntimeError:
+            return True
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            self.sync()
+
+
+# --- rows ----------------------------------------------------------------------------------------------
+
+
+def undo_alloc(a: Any) -> tuple[Callable[[], Any], Callable[[Any, Any], None]]:
+    return (lambda: a.backup_state()), (lambda state, out: a.restore_state(state))
+
+
+def extend_inputs(bs: int, device: torch.device, rng: random.Random) -> tuple:
+    seq_c = torch.tensor([rng.randint(256, 512) for _ in range(bs)], dtype=torch.int64)
+    pre_c = torch.zeros(bs, dtype=torch.int64)
+    last = torch.full((bs,), -1, dtype=torch.int64, device=device)
+    return pre_c.to(device), pre_c, seq_c.to(device), seq_c, last, int(seq_c.sum())
+
+
+def running_requests(a: Any, bs: int, device: torch.device, rng: random.Random) -> tuple:
+    """``bs`` requests of 100..2000 tokens held in ``a`` (through its alloc_extend); the decode inputs."""
+    seq_c = torch.tensor([rng.randint(100, 2000) for _ in range(bs)], dtype=torch.int64)
+    zeros = torch.zeros(bs, dtype=torch.int64)
+    out = a.alloc_extend(zeros.to(device), zeros, seq_c.to(device), seq_c,
+                         torch.full((bs,), -1, dtype=torch.int64, device=device), int(seq_c.sum()))  # fmt: skip
+    last = out[torch.cumsum(seq_c, 0).to(device) - 1]
+    return (seq_c + 1).to(device), seq_c + 1, last
+
+
+def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], paged_slots: int, rep: Any,
+            decode_bs: list[int], extend_bs: list[int]) -> list[dict]:  # fmt: skip
+    rows: list[dict] = []
+    rng = random.Random(0)
+    cpu = device.type == "cpu"
+
+    def add(call: str, case: str, impl: str, us: Optional[float], waits: Optional[bool], note: str = "") -> None:
+        rows.append(dict(call=call, case=case, impl=impl, us=us, waits=waits, note=note))
+        figure = f"{us:.1f} us" if us is not None else note
+        rep.log(f"{call} {case} {impl}: {figure}" + ("" if waits is None else f", waits={waits}"))
+        rep.result["rows"] = rows
+        rep.save()
+
+    for bs in extend_bs:
+        args = extend_inputs(bs, device, rng)
+        for name, (_, Paged) in impls.items():
+            if name == "sglang" and cpu:
+                add("paged alloc_extend", f"{bs} requests", name, None, None, "Triton kernel: GPU only")
+                continue
+            a = Paged(paged_slots, PAGE, None, device, None, False)
+            before, after = undo_alloc(a)
+            us = timer.per_call_us(before, lambda _: a.alloc_extend(*args), after)
+            add("paged alloc_extend", f"{bs} requests", name, us, timer.waits(lambda: a.alloc_extend(*args)))
+    for bs in decode_bs:
+        for name, (_, Paged) in impls.items():
+            if name == "sglang" and cpu:
+                add("paged alloc_decode", f"{bs} requests", name, None, None, "Triton kernel: GPU only")
+                continue
+            a = Paged(paged_slots, PAGE, None, device, None, False)
+            dargs = running_requests(a, bs, device, random.Random(bs))
+            before, after = undo_alloc(a)
+            us = timer.per_call_us(before, lambda _: a.alloc_decode(*dargs), after)
+            add("paged alloc_decode", f"{bs} requests", name, us, timer.waits(lambda: a.alloc_decode(*dargs)))
+    n_req = rng.randint(1000, 3000) // PAGE * PAGE
+    for name, (_, Paged) in impls.items():
+        a = Paged(paged_slots, PAGE, None, device, None, False)
+        us = timer.per_call_us(lambda: a.alloc(n_req), lambda s: a.free(s), lambda s, out: None)
+        slots = a.alloc(n_req)
+        add("paged free", f"one request of {n_req} tokens", name, us, timer.waits(lambda: a.free(slots)))
+    for size in sizes:
+        for name, (Token, _) in impls.items():
+            if rep.over_budget(f"token calls at {size} slots, {name}"):
+                continue
+            a = Token(size, None, device, None, False)
+            a.free(a.alloc(size // 2))  # a free list that has taken slots back
+            us = timer.per_call_us(lambda: None, lambda _: a.alloc(64), lambda _, out: a.free(out))
+            add("token alloc(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.alloc(64)))
+            us = timer.per_call_us(lambda: a.alloc(64), lambda s: a.free(s), lambda s, out: None)
+            slots = a.alloc(64)
+            add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)))
+            del a
+    return rows
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+
+def markdown(result: dict) -> str:
+    rows = result.get("rows", [])
+    lines = [result.get("sglang_note", ""), "",
+             f"Device: {result.get('device')}; microseconds per call (median of {result.get('reps')}).", "",
+             "| call | case | kvpool us | SGLang us | kvpool / SGLang | kvpool waits | SGLang waits |",
+             "|---|---|---:|---:|---:|---|---|"]  # fmt: skip
+    keys = list(dict.fromkeys((r["call"], r["case"]) for r in rows))
+    for call, case in keys:
+        got = {r["impl"]: r for r in rows if (r["call"], r["case"]) == (call, case)}
+        k, s = got.get("kvpool"), got.get("sglang")
+
+        def us(r: Optional[dict]) -> str:
+            return "-" if r is None else (f"{r['us']:.1f}" if r["us"] is not None else r["note"])
+
+        def waits(r: Optional[dict]) -> str:
+            return "-" if r is None or r["waits"] is None else ("yes" if r["waits"] else "no")
+
+        ratio = f"{k['us'] / s['us']:.2f}x" if k and s and k["us"] and s["us"] else "-"
+        lines.append(f"| {call} | {case} | {us(k)} | {us(s)} | {ratio} | {waits(k)} | {waits(s)} |")
+    if result.get("targets"):
+        lines += ["", "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t['name']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]
+    return "\n".join(lines)
+
+
+def plot(result: dict, fig) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    for impl in ("kvpool", "sglang"):
+        pts = [(int(r["case"].split()[0].replace(",", "")), r["us"]) for r in result.get("rows", [])
+               if r["call"] == "token free(64)" and r["impl"] == impl and r["us"]]  # fmt: skip
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("token pool slots")
+    ax.set_ylabel("free(64), us per call")
+    ax.legend()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_common_arguments(ap, "allocators")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    ap.add_argument("--quick", action="store_true", help="fewer pool sizes and repeats")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per case (default 50, quick 15)")
+    ap.add_argument("--sizes", default=None, help="comma-separated token pool sizes (default 64k..32M; CPU to 8M)")
+    ap.add_argument("--paged-slots", type=int, default=None, help="slots of the paged allocators (default 4M; CPU 1M)")
+    ap.add_argument("--sglang-wheel", default=None, help="a pure-Python sglang wheel (pip download sglang==0.5.9 --no-deps)")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.cpu_smoke else args.device)
+    cpu = device.type == "cpu"
+    if args.cpu_smoke:
+        default_sizes, reps, paged = [1 << 12, 1 << 14], 2, 1 << 14
+    else:
+        default_sizes = [1 << 16, 1 << 23] if args.quick else [1 << 16, 1 << 20, 1 << 23] + ([] if cpu else [1 << 25])
+        reps, paged = (15 if args.quick else 50), (1 << 20 if cpu else 1 << 22)
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else default_sizes
+    reps = args.reps or reps
+    paged = args.paged_slots or paged
+    rep = report.Report(args, "bench_allocators", "Slot allocators, kvpool and SGLang", markdown, plot)
+    if cpu:
+        # One thread: on a loaded machine a parallel region waits for its second thread to be scheduled
+        # (milliseconds for an index of a few thousand entries), which would measure the machine.
+        torch.set_num_threads(1)
+        rep.meta["cpu_threads"] = 1
+    impls = {"kvpool": (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)}
+    note = "SGLang's allocator: not measured (no --sglang-wheel given)."
+    if args.sglang_wheel:
+        try:
+            token, paged_cls, version = load_sglang(args.sglang_wheel)
+            impls["sglang"] = (token, paged_cls)
+            note = f"SGLang's allocator {version}: allocator.py imported from {os.path.basename(args.sglang_wheel)}."
+        except Exception as e:  # reported, not fatal: kvpool is still measured
+            note = f"SGLang's allocator could not be imported from {args.sglang_wheel}: {type(e).__name__}: {e}"
+            rep.log(note)
+    rep.result.update(device=str(device), reps=reps, sglang_note=note, paged_slots=paged, page_size=PAGE)
+    extend_bs = [1, 8] if args.cpu_smoke else [1, 8, 64]
+    decode_bs = [1, 16] if args.cpu_smoke else [1, 16, 128, 512]
+    rows = measure(impls, device, Timer(device, reps), sizes, paged, rep, decode_bs, extend_bs)
+    targets = []
+    free = {r["case"]: r["us"] for r in rows if r["call"] == "token free(64)" and r["impl"] == "kvpool" and r["us"]}
+    small, large = f"{1 << 16:,} slots", f"{1 << 23:,} slots"
+    if small in free and large in free:
+        growth = free[large] / free[small]
+        targets.append({"name": f"kvpool token free(64) at 8M slots / at 64k ({device.type}), <= 2x",
+                        "value": f"{growth:.2f}x", "met": growth <= 2})  # fmt: skip
+    rep.result["targets"] = targets
+    rep.save(final=True)
+    return 0 if all(t["met"] for t in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
