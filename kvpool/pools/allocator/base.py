@@ -411,7 +411,7 @@ class BaseTokenToKVPoolAllocator:
         return slots
 
 
-class _CopiesThroughKVCache:
+class CopiesThroughKVCache:
     """``get_cpu_copy``/``load_cpu_copy`` of the token and paged allocators: their kvcache's, as in
     SGLang (the base allocator leaves them to subclasses, as SGLang's does)."""
 
@@ -439,7 +439,7 @@ class _CopiesThroughKVCache:
         return method
 
 
-class TokenToKVPoolAllocator(_CopiesThroughKVCache, BaseTokenToKVPoolAllocator):
+class TokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocator):
     """Hands out single KV-cache slots ``1..size`` of a pool; slot 0 is the padding slot.
 
     Parameters

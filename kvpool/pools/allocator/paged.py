@@ -13,11 +13,11 @@ import torch
 
 from kvpool.checks import positive_int, resolve_device
 from kvpool.pools.allocator import checks
-from kvpool.pools.allocator.base import BaseTokenToKVPoolAllocator, _CopiesThroughKVCache
+from kvpool.pools.allocator.base import BaseTokenToKVPoolAllocator, CopiesThroughKVCache
 from kvpool.pools.allocator.checks import ceil_div
 
 
-class PagedTokenToKVPoolAllocator(_CopiesThroughKVCache, BaseTokenToKVPoolAllocator):
+class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocator):
     """Hands out KV-cache slots a page at a time: pages ``1..size // page_size`` of ``page_size``
     slots; page 0 (slots ``0..page_size-1``, the padding slot among them) is never handed out.
 
