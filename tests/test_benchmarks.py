@@ -27,6 +27,7 @@ SMOKES = {  # script: (extra arguments, report name)
     "bench_first_call.py": ([], "first-call"),
     "bench_state.py": ([], "state"),
     "bench_prefix_cache.py": ([], "prefix-cache"),
+    "bench_allocators.py": ([], "allocators"),
     # Two ranks over gloo on CPU pools; the staged path alone (the direct path needs CUDA pools).
     "bench_transfer.py": (["--paths", "staged"], "transfer"),
 }
