@@ -57,6 +57,7 @@ def make_pool(smoke: bool, requests: int, steps: int) -> MambaPool:
         raw = t.view(torch.uint8).view(-1)
         for chunk in raw.split(1 << 30):  # random bytes, in pieces (randint's temporaries stay small)
             chunk.copy_(torch.randint(0, 256, chunk.shape, dtype=torch.uint8, device=device, generator=g))
+    pool.alloc_slots(pool.size)  # every slot handed out: the pool refuses commits and forks into free slots
     return pool
 
 
