@@ -71,7 +71,7 @@ class ReqToTokenPool:
         self.device = resolve_device(device)
         self.validate = validate_enabled(validate)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        self.clear()
+        self._reset_rows()
 
     def available_size(self) -> int:
         """Free rows: how many ``alloc`` can hand out now."""
@@ -99,26 +99,50 @@ class ReqToTokenPool:
         return rows
 
     def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
-        kept: dict[int, int] = {}
-        for pos, req in enumerate(reqs):
-            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
-                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
-            row = getattr(req, "req_pool_idx", None)
-            if row is None:
-                continue
-            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
-                raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
-            if row in kept:
-                raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
-            kept[row] = pos
-        fresh = self._take(len(reqs) - len(kept))
+        kept = self.check_requests(reqs, ("req_pool_idx",))
+        fresh = self._take(sum(row is None for row in kept))
         if fresh is None:
             return None
         it = iter(fresh)
-        for req in reqs:
-            if getattr(req, "req_pool_idx", None) is None:
+        for req, row in zip(reqs, kept):
+            if row is None:
                 req.req_pool_idx = next(it)
         return [req.req_pool_idx for req in reqs]
+
+    def check_requests(self, reqs: Sequence[Any], attributes: Sequence[str]) -> list[Optional[int]]:
+        """The row each of SGLang's request objects ``reqs`` keeps (its ``req_pool_idx``), None for
+        one that gets a new row, once every request is checked; changes nothing.
+
+        ``ValueError`` naming the request for: an entry that is not a request object, the same
+        request object listed twice, a ``req_pool_idx`` that is not a row handed out, a row kept by
+        two requests, or a request that refuses assignment of one of ``attributes`` (the ones
+        ``alloc`` sets; each is tried by writing its present value back, None where it has none)."""
+        seen: dict[int, int] = {}
+        kept: dict[int, int] = {}
+        rows: list[Optional[int]] = []
+        for pos, req in enumerate(reqs):
+            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
+            if id(req) in seen:
+                raise ValueError(f"reqs[{pos}] is the same request object as reqs[{seen[id(req)]}]")
+            seen[id(req)] = pos
+            row = getattr(req, "req_pool_idx", None)
+            if row is not None:
+                if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
+                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
+                if row in kept:
+                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
+                kept[row] = pos
+            rows.append(row)
+        for pos, req in enumerate(reqs):
+            for name in attributes:
+                try:
+                    setattr(req, name, getattr(req, name, None))
+                except Exception as e:
+                    raise ValueError(
+                        f"reqs[{pos}] must accept assignment of {name} (alloc sets it), got {type(e).__name__}: {e}"
+                    ) from e
+        return rows
 
     def free(self, free_index: Union[int, Sequence[int], torch.Tensor, Any]) -> None:
         """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor), or
@@ -219,6 +243,9 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         """Every row free (contents are left as they are; rows are rewritten before they are read)."""
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
         self.free_slots: list[int] = list(range(self.size))
         self._is_free = [True] * self.size
 
