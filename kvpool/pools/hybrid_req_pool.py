@@ -21,7 +21,7 @@ from kvpool.checks import int_list, is_int, non_negative_int, one_slot
 from kvpool.errors import IntegrityError
 from kvpool.pools.hybrid_views import HybridStateViews
 from kvpool.pools.mamba_pool import MambaPool
-from kvpool.pools.req_to_token import ReqToTokenPool
+from kvpool.pools.req_to_token import ReqToTokenPool, check_assignable
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import as_slot_list
 
@@ -331,6 +331,7 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             req, free_index = free_index, free_index.req_pool_idx
             if free_index is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            check_assignable(req, ("req_pool_idx",), "req", "free")
         rows = int_list(free_index, "free_index", accepts="an int, a sequence of ints, an integer tensor or a request")
         if req is not None and any(self._row_req[r] is not None and self._row_req[r] is not req for r in rows if 0 <= r < self.size):
             raise ValueError(f"free: req.req_pool_idx = {free_index} is the row of another request (a stale index?)")
@@ -387,6 +388,7 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             return req, self._row_slot[req], self._row_track[req]
         if getattr(req, "mamba_pool_idx", None) is None:
             raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
+        check_assignable(req, _SETS[1:3] if self.enable_mamba_extra_buffer else _SETS[1:2], "req", "free_mamba_cache")
         row = getattr(req, "req_pool_idx", None)
         value = req.mamba_pool_idx
         if self._trusts_row(req, row, value, self._row_slot):

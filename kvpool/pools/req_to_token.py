@@ -20,6 +20,20 @@ from kvpool.errors import IntegrityError
 _INT32 = torch.iinfo(torch.int32)
 
 
+def check_assignable(req: Any, attributes: Sequence[str], name: str, call: str) -> None:
+    """Raise ``ValueError`` naming request ``name`` unless each of ``attributes`` can be assigned on
+    it (``call`` sets them once it has changed the table): each is written back with its present value
+    (None where it has none), which changes nothing a reader sees. A frozen dataclass or a class
+    whose ``__slots__`` lacks the attribute is refused here, before anything changes."""
+    for attr in attributes:
+        try:
+            setattr(req, attr, getattr(req, attr, None))
+        except Exception as e:
+            raise ValueError(
+                f"{name} must accept assignment of {attr} ({call} sets it), got {type(e).__name__}: {e}"
+            ) from e
+
+
 class ReqToTokenPool:
     """Rows of token-slot indices, one row per running request.
 
@@ -135,13 +149,7 @@ class ReqToTokenPool:
                 kept[row] = pos
             rows.append(row)
         for pos, req in enumerate(reqs):
-            for name in attributes:
-                try:
-                    setattr(req, name, getattr(req, name, None))
-                except Exception as e:
-                    raise ValueError(
-                        f"reqs[{pos}] must accept assignment of {name} (alloc sets it), got {type(e).__name__}: {e}"
-                    ) from e
+            check_assignable(req, attributes, f"reqs[{pos}]", "alloc")
         return rows
 
     def free(self, free_index: Union[int, Sequence[int], torch.Tensor, Any]) -> None:
@@ -158,6 +166,7 @@ class ReqToTokenPool:
             req = free_index
             if req.req_pool_idx is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            check_assignable(req, ("req_pool_idx",), "req", "free")
             self._free_rows(int_list(req.req_pool_idx, "req.req_pool_idx"))
             req.req_pool_idx = None
             return
