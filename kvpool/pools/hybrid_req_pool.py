@@ -171,9 +171,12 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
         zeroed in one launch.
 
         Returns the rows, or None with nothing changed when too few rows or state slots are free.
-        Every request is checked first (``ValueError``, nothing changed): a kept row or slot that is
+        Every request is checked first (``ValueError``, nothing changed): the same request object
+        listed twice, one that refuses assignment of these attributes, a kept row or slot that is
         not handed out, one kept by two requests, a slot another running row holds, a
-        ``mamba_pool_idx`` other than the kept row's.
+        ``mamba_pool_idx`` other than the kept row's. A kept row's device ``mamba_pool_idx`` and
+        track buffer are not read (no synchronisation) when ``alloc(reqs)`` gave that row to this
+        very request object and ``validate`` is off; otherwise they are read and checked.
         """
         if isinstance(need_size, bool) or not isinstance(need_size, (int, list, tuple)):
             raise ValueError(f"need_size must be a non-negative int or a list of requests, got {need_size!r}")
@@ -318,7 +321,8 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
 
     def free(self, free_index: Any) -> None:
         """Free rows: an int, a sequence of ints, an integer tensor, or a request object (SGLang's
-        form: its ``req_pool_idx``, then set to None). Checked first (``ValueError``, nothing freed).
+        form: its ``req_pool_idx``, then set to None). Checked first (``ValueError``, nothing freed),
+        including a request whose ``req_pool_idx`` names a row ``alloc(reqs)`` gave another request.
 
         The rows' states stay allocated: ``free_mamba_cache`` frees them before or after this call
         (with the row or the request), or their owner (a prefix cache) does. A request whose
@@ -354,8 +358,10 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
         ``free`` of its row. Everything is checked first; ``ValueError`` and nothing freed for a row
         without a state, a request without ``mamba_pool_idx`` (a double free), a slot that is
         another row's or not handed out, or a keep index that is not an int in ``0..track slots - 1``.
-        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row's slots
-        are known on the host."""
+        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row is the one
+        ``alloc(reqs)`` gave this very request object (then the row's host copy is used) and
+        ``validate`` is off. A ``req_pool_idx`` naming a row another request holds now (the row was
+        freed by number and taken again) is ignored: the request's own slots are freed."""
         keep = mamba_ping_pong_track_buffer_to_keep
         if keep is not None and not (is_int(keep) and keep in range(self.track_slots_per_request)):
             raise ValueError(

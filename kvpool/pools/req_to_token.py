@@ -97,7 +97,7 @@ class ReqToTokenPool:
         ``need_size`` may also be SGLang's list of request objects: one with a ``req_pool_idx`` (a
         row handed out, kept by that request only) keeps it, the others get new rows, set as their
         ``req_pool_idx``; the rows of all of them come back in order. Everything is checked first
-        (``ValueError``, nothing changed)."""
+        (``ValueError``, nothing changed; see ``check_requests``)."""
         if isinstance(need_size, (list, tuple)):
             return self._alloc_requests(list(need_size))
         if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
