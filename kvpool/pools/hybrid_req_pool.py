@@ -337,7 +337,8 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
             check_assignable(req, ("req_pool_idx",), "req", "free")
         rows = int_list(free_index, "free_index", accepts="an int, a sequence of ints, an integer tensor or a request")
-        if req is not None and any(self._row_req[r] is not None and self._row_req[r] is not req for r in rows if 0 <= r < self.size):
+        others = [self._row_req[r] for r in rows if 0 <= r < self.size] if req is not None else []
+        if any(other is not None and other is not req for other in others):
             raise ValueError(f"free: req.req_pool_idx = {free_index} is the row of another request (a stale index?)")
         super().free(rows)
         if req is not None:
