@@ -445,7 +445,8 @@ def test_a_stale_row_is_refused_by_alloc_and_free():
 
 
 @pytest.mark.parametrize("validate", [False, True], ids=["trusted", "validate"])
-def test_a_requests_own_row_stands_for_its_device_index_unless_validate(validate):
+def test_a_requests_own_row_stands_for_its_device_index_unless_validate(validate, monkeypatch):
+    monkeypatch.delenv("KVPOOL_VALIDATE", raising=False)
     t = hybrid(extra=True, validate=validate)
     (a,) = _running(t, 1)
     _to_meta(a)
@@ -466,7 +467,8 @@ def test_a_requests_own_row_stands_for_its_device_index_unless_validate(validate
 
 
 @gpu
-def test_the_steps_calls_never_wait_for_the_device():
+def test_the_steps_calls_never_wait_for_the_device(monkeypatch):
+    monkeypatch.delenv("KVPOOL_VALIDATE", raising=False)  # validate reads device indices, as documented
     t = HybridReqToTokenPool(size=4, mamba_size=12, max_context_len=8, device="cuda", cache_params=STATE,
                              enable_mamba_extra_buffer=True)  # fmt: skip
     pool = t.mamba_pool
@@ -474,7 +476,8 @@ def test_the_steps_calls_never_wait_for_the_device():
     assert t.alloc([a, b]) == [0, 1]  # a: slot 1 (tracks 2, 3); b: slot 4 (tracks 5, 6)
     g = torch.Generator(device="cuda").manual_seed(3)
     for s in (*pool.conv, pool.temporal):
-        s[:, 1].copy_(torch.randint(0, 256, s[:, 1].shape, dtype=torch.uint8, device="cuda", generator=g).view(s.dtype))
+        raw = s[:, 1].view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=g))
     src, dst = a.mamba_pool_idx.view(1), b.mamba_pool_idx.view(1)
     host = pool.get_cpu_copy(src)  # waits for the stream, as documented
     want = [s[:, 1].view(torch.uint8).cpu() for s in (*pool.conv, pool.temporal)]
