@@ -12,6 +12,7 @@ import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvpool.pools.hybrid_req_pool as hybrid_req_pool_module
+from kvassert import gpu, no_sync
 from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaStateShape
 from kvpool.errors import IntegrityError
 
@@ -28,10 +29,10 @@ class Req:
         self.mamba_next_track_idx = None
 
 
-def hybrid(size=4, mamba_size=12, extra=False, spec=None):
+def hybrid(size=4, mamba_size=12, extra=False, spec=None, validate=False):
     t = HybridReqToTokenPool(
         size=size, mamba_size=mamba_size, max_context_len=8, device="cpu", cache_params=STATE,
-        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=spec,
+        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=spec, validate=validate,
     )  # fmt: skip
     for s in (*t.mamba_pool.conv, t.mamba_pool.temporal):
         s.view(torch.uint8).fill_(0xFF)  # stale bytes a fresh request must not see
@@ -385,3 +386,111 @@ def test_hybrid_lookups_and_keep_indices_refuse_what_is_not_a_valid_index(call, 
     with pytest.raises(exc, match=match):
         call(t)
     assert _state(t)[:4] == before[:4]
+
+
+# --- a stale req_pool_idx; device indices trusted only where they cannot be another request's ----------
+
+META = torch.device("meta")  # a device tensor on CPU: reading one raises, so a test sees whether it is read
+
+
+def _stale():
+    """``old`` got row 0 (state slot 1, track slots 2 and 3); its row was freed by number (its state
+    still attached), then ``new`` took row 0 (slots 4, 5 and 6): ``old.req_pool_idx`` still says 0."""
+    t = hybrid(size=1, extra=True)
+    old, new = Req(), Req()
+    assert t.alloc([old]) == [0]
+    t.free(0)
+    assert t.alloc([new]) == [0] and old.req_pool_idx == 0
+    assert (t.mamba_slot(0), t.track_slots(0)) == (4, (5, 6))
+    return t, old, new
+
+
+def _to_meta(req):
+    req.mamba_pool_idx = torch.tensor(int(req.mamba_pool_idx), device=META)
+    req.mamba_ping_pong_track_buffer = torch.tensor(req.mamba_ping_pong_track_buffer.tolist(), device=META)
+
+
+def test_the_request_that_names_a_state_its_old_row_lost_can_free_it():
+    t, old, new = _stale()
+    t.check_integrity(external_slots=[1, 2, 3])  # belongs to nobody but old
+    t.free_mamba_cache(old)
+    assert old.mamba_pool_idx is None and old.mamba_ping_pong_track_buffer is None
+    assert t.mamba_pool.held_slots() == [4, 5, 6], "old's slots freed, new's kept"
+    assert (t.mamba_slot(0), t.track_slots(0)) == (4, (5, 6)) and int(new.mamba_pool_idx) == 4
+    t.check_integrity()
+
+
+def test_a_stale_row_never_stands_for_a_device_index():
+    t, old, new = _stale()
+    _to_meta(old)
+    before = _state(t)
+    for call in (lambda: t.free_mamba_cache(old), lambda: t.alloc([old])):
+        with pytest.raises(NotImplementedError, match="meta"):  # read, not taken from row 0 (new's)
+            call()
+        assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(_state(t), before))
+    assert new.req_pool_idx == 0 and int(new.mamba_pool_idx) == 4
+    t.check_integrity(external_slots=[1, 2, 3])
+
+
+def test_a_stale_row_is_refused_by_alloc_and_free():
+    t, old, new = _stale()
+    before = _state(t)
+    with pytest.raises(ValueError, match=r"reqs\[0\].mamba_pool_idx = 1, but its row 0 holds state slot 4"):
+        t.alloc([old])
+    with pytest.raises(ValueError, match=r"req.req_pool_idx = 0 is the row of another request"):
+        t.free(old)
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(_state(t), before))
+    assert old.req_pool_idx == 0 and new.req_pool_idx == 0
+    t.check_integrity(external_slots=[1, 2, 3])
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["trusted", "validate"])
+def test_a_requests_own_row_stands_for_its_device_index_unless_validate(validate, monkeypatch):
+    monkeypatch.delenv("KVPOOL_VALIDATE", raising=False)
+    t = hybrid(extra=True, validate=validate)
+    (a,) = _running(t, 1)
+    _to_meta(a)
+    calls = (lambda: t.alloc([a]), lambda: t.free_mamba_cache(a))
+    if validate:  # every device value is read
+        for call in calls:
+            with pytest.raises(NotImplementedError, match="meta"):
+                call()
+        assert (t.mamba_slot(0), t.track_slots(0)) == (1, (2, 3)) and t.mamba_pool.held_slots() == [1, 2, 3]
+        return
+    assert calls[0]() == [0] and t.mamba_pool.held_slots() == [1, 2, 3]
+    calls[1]()
+    assert a.mamba_pool_idx is None and t.mamba_pool.held_slots() == []
+    t.check_integrity()
+
+
+# --- on CUDA: the calls of a scheduler's step never wait for the device -----------------------------------
+
+
+@gpu
+def test_the_steps_calls_never_wait_for_the_device(monkeypatch):
+    monkeypatch.delenv("KVPOOL_VALIDATE", raising=False)  # validate reads device indices, as documented
+    t = HybridReqToTokenPool(size=4, mamba_size=12, max_context_len=8, device="cuda", cache_params=STATE,
+                             enable_mamba_extra_buffer=True)  # fmt: skip
+    pool = t.mamba_pool
+    a, b = Req(), Req()
+    assert t.alloc([a, b]) == [0, 1]  # a: slot 1 (tracks 2, 3); b: slot 4 (tracks 5, 6)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for s in (*pool.conv, pool.temporal):
+        raw = s[:, 1].view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=g))
+    src, dst = a.mamba_pool_idx.view(1), b.mamba_pool_idx.view(1)
+    host = pool.get_cpu_copy(src)  # waits for the stream, as documented
+    want = [s[:, 1].view(torch.uint8).cpu() for s in (*pool.conv, pool.temporal)]
+    pool.copy_from(src, dst), pool.clear_slots(dst), pool.load_cpu_copy(host, dst)  # warm-up
+    with no_sync():
+        pool.copy_from(src, dst)
+        pool.clear_slots(dst)
+        pool.load_cpu_copy(host, dst)
+        rows = t.alloc([a, b])  # both keep their rows: the slots are known on the host
+        t.free_mamba_cache(a)
+        t.free(a)
+    assert rows == [0, 1] and a.mamba_pool_idx is None and a.req_pool_idx is None
+    for s, w in zip((*pool.conv, pool.temporal), want):
+        assert torch.equal(s[:, 4].view(torch.uint8).cpu(), w), "b's slot holds a's state, loaded back"
+    assert pool.held_slots() == [4, 5, 6] and t.free_slots[-1] == 0
+    t.check_integrity()

@@ -81,6 +81,8 @@ class RequestTableMachine(RuleBasedStateMachine):
         batch = [*new, *(self.reqs[r][0] for r in kept), *(self.stateless[r] for r in resumed)]
         fits = n <= self.free_rows() and (n + len(resumed)) * self.per <= self.t.mamba_pool.available_size()
         before = self.snapshot()
+        held_before = set(self.t.mamba_pool.held_slots())
+        model_held = {s for _, v in (*self.reqs.values(), *self.pending.values()) for s in v} | self.cache
         got = self.t.alloc(batch)
         if not fits:
             assert got is None
@@ -89,9 +91,14 @@ class RequestTableMachine(RuleBasedStateMachine):
         assert got[n:] == [*kept, *resumed], "a request that has a row keeps it"
         for r in kept:
             assert self.slots_of(r) == self.reqs[r][1], "and its slots"
+        assert len(set(got)) == len(got) and not set(got[:n]) & {*self.reqs, *self.stateless}, "new rows were free"
         for req, row in zip([*new, *(self.stateless[r] for r in resumed)], [*got[:n], *resumed]):
             slots = self.slots_of(row)
             assert len(slots) == self.per and int(req.mamba_pool_idx) == slots[0] and req.req_pool_idx == row
+            assert len(set(slots)) == self.per and set(slots).isdisjoint(held_before | model_held), (
+                f"alloc gave row {row} slots {list(slots)}, not all free before"
+            )
+            held_before |= set(slots)
             _, dropped = self.pending.pop(row, (None, ()))
             self.cache |= set(dropped)  # a new request took the row: that state is nobody's (the test frees it)
             self.reqs[row] = (req, slots)

@@ -4,13 +4,15 @@ through Triton's interpreter on CPU, the kernel on CUDA)."""
 
 from __future__ import annotations
 
+import warnings
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvpool.kernels.copy_rows as C
-from kvassert import assert_states, poison_, state_params, state_tensors
+from kvassert import assert_states, gpu, poison_, state_params, state_tensors
 from kvassert import make_state_pool as make_pool
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
@@ -183,6 +185,29 @@ def test_fork_from_allocates_and_copies(device):
     assert_states(pool, expected_copy(before, [1], [2], 4))
     pool.alloc(1)
     assert pool.fork_from(src) is None and pool.available_size() == 0
+
+
+def _synchronisations(call) -> int:
+    """How many times ``call`` waits for the device (torch's sync debug mode, as warnings)."""
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@gpu
+def test_fork_from_reads_its_source_once_and_get_cpu_copy_its_indices_once():
+    pool = make_pool("cuda", size=6, hold=False)
+    src = pool.alloc(2)
+    pool.fork_from(src[:1]), pool.get_cpu_copy(src)  # warm-up
+    assert _synchronisations(lambda: pool.fork_from(src[:1])) == 1, "one read of the source"
+    assert _synchronisations(lambda: pool.get_cpu_copy(src)) == 2, "one read of the indices, one wait for the copy"
 
 
 def test_clear_slots_zeroes_only_the_named_slots(device):

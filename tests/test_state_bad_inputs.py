@@ -5,7 +5,9 @@ argument, and no change to any size, list or tensor."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -75,6 +77,7 @@ def _refused(state, target, call, exc, match):
     with pytest.raises(exc, match=match):
         call(target)
     _assert_same(before, state(target))
+    target.check_integrity()
 
 
 @pytest.mark.parametrize("arg, kind", INDEX_CASES)
@@ -173,7 +176,31 @@ def _table_state(t):
     return (list(t.free_slots), t.mamba_pool.held_slots(), list(t.mamba_pool._slots._free),
             [(t.mamba_slot(r), t.track_slots(r)) for r in range(t.size)],
             [(r.req_pool_idx, r.mamba_pool_idx if r.mamba_pool_idx is None else int(r.mamba_pool_idx)) for r in t.reqs],
+            dict(t._owner), [id(r) for r in t._row_req],  # which row holds each slot, which request each row
             [x.view(torch.uint8).clone() for x in tensors])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A request that refuses every attribute assignment."""
+
+    req_pool_idx: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class FrozenHybrid:
+    req_pool_idx: Optional[int] = None
+    mamba_pool_idx: Any = None
+    mamba_ping_pong_track_buffer: Any = None
+
+
+class Slotted:
+    """A request with a row attribute only (``__slots__``): it cannot take a state slot."""
+
+    __slots__ = ("req_pool_idx",)
+
+    def __init__(self):
+        self.req_pool_idx = None
 
 
 def R(**attrs):
@@ -213,6 +240,15 @@ HYBRID_CASES = {
                                  r"reqs\[0\].mamba_ping_pong_track_buffer = \[5, 6\], but its row 0 holds track slots \[2, 3\]"),
     "alloc-track-float": (lambda t: t.alloc([R(mamba_ping_pong_track_buffer=torch.tensor([1.0, 2.0]))]), ValueError,
                           r"reqs\[0\].mamba_ping_pong_track_buffer must be an integer tensor"),
+    "alloc-same-request-twice": (lambda t: t.alloc([R()] * 2), ValueError, r"reqs\[1\] is the same request object as reqs\[0\]"),
+    "alloc-same-running-request-twice": (lambda t: t.alloc([t.reqs[0], t.reqs[1], t.reqs[0]]), ValueError,
+                                         r"reqs\[2\] is the same request object as reqs\[0\]"),
+    "alloc-frozen-request": (lambda t: t.alloc([Frozen()]), ValueError,
+                             r"reqs\[0\] must accept assignment of req_pool_idx \(alloc sets it\), got FrozenInstanceError"),
+    "alloc-frozen-running-request": (lambda t: t.alloc([FrozenHybrid(req_pool_idx=1, mamba_pool_idx=torch.tensor(4))]),
+                                     ValueError, r"reqs\[0\] must accept assignment of req_pool_idx"),
+    "alloc-slotted-request": (lambda t: t.alloc([R(), Slotted()]), ValueError,
+                              r"reqs\[1\] must accept assignment of mamba_pool_idx .* got AttributeError"),
     "alloc-one-slot-two-requests": (lambda t: t.alloc([R(req_pool_idx=0), R(mamba_pool_idx=1)]), ValueError,
                                     r"reqs\[1\].mamba_pool_idx holds slot 1, a state slot of running row 0"),
     "free-free-row": (lambda t: t.free(3), ValueError, "free_index must hold rows that are handed out"),
@@ -220,6 +256,11 @@ HYBRID_CASES = {
     "free-twice": (lambda t: t.free([0, 0]), ValueError, "free_index must hold rows that are handed out, once each"),
     "free-float": (lambda t: t.free(0.0), ValueError, "free_index must be an int, a sequence of ints, an integer tensor or a request"),
     "free-request-without-row": (lambda t: t.free(R()), ValueError, "free: the request has no req_pool_idx"),
+    "free-frozen-request": (lambda t: t.free(FrozenHybrid(req_pool_idx=0)), ValueError,
+                            r"req must accept assignment of req_pool_idx \(free sets it\), got FrozenInstanceError"),
+    "free-stale-request": (lambda t: t.free(R(req_pool_idx=0)), ValueError, r"req.req_pool_idx = 0 is the row of another request"),
+    "free_mamba_cache-frozen-request": (lambda t: t.free_mamba_cache(FrozenHybrid(req_pool_idx=0, mamba_pool_idx=1)), ValueError,
+                                        r"req must accept assignment of mamba_pool_idx \(free_mamba_cache sets it\)"),
     "free_mamba_cache-free-row": (lambda t: t.free_mamba_cache(3), ValueError, "req must be a row that holds a state, got row 3"),
     "free_mamba_cache-row-past-the-end": (lambda t: t.free_mamba_cache(4), ValueError, "req must be a row that holds a state, got row 4"),
     "free_mamba_cache-row-negative": (lambda t: t.free_mamba_cache(-1), ValueError, "req must be a row that holds a state, got row -1"),
@@ -256,6 +297,13 @@ def test_hybrid_request_table(case):
     _refused(_table_state, _table(), call, exc, match)
 
 
+def test_hybrid_one_freed_rows_slot_named_by_two_requests():
+    t = _table()
+    t.free(0)  # by row number: the state stays attached to freed row 0, which either request may carry on
+    _refused(_table_state, t, lambda t: t.alloc([R(mamba_pool_idx=1), R(mamba_pool_idx=1)]), ValueError,
+             r"reqs\[1\] names state slot 1, which reqs\[0\] holds too")
+
+
 # --- ReqToTokenPool -------------------------------------------------------------------------------
 
 
@@ -278,9 +326,18 @@ RTT_CASES = {
     "alloc-none": (lambda t: t.alloc(None), ValueError, "need_size must be .* got None"),
     "alloc-an-int-request": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=None), 1]), ValueError, r"reqs\[1\] must be a request object"),
     "alloc-row-free": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=2)]), ValueError, r"reqs\[0\].req_pool_idx = 2 is not a row handed out"),
-    "alloc-row-twice": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=1)] * 2), ValueError, r"reqs\[1\].req_pool_idx = 1 is kept by reqs\[0\]"),
+    "alloc-row-twice": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=1), SimpleNamespace(req_pool_idx=1)]), ValueError,
+                        r"reqs\[1\].req_pool_idx = 1 is kept by reqs\[0\]"),
+    "alloc-same-request-twice": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=None)] * 2), ValueError,
+                                 r"reqs\[1\] is the same request object as reqs\[0\]"),
+    "alloc-same-kept-request-twice": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=1)] * 2), ValueError,
+                                      r"reqs\[1\] is the same request object as reqs\[0\]"),
+    "alloc-frozen-request": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=None), Frozen()]), ValueError,
+                             r"reqs\[1\] must accept assignment of req_pool_idx \(alloc sets it\), got FrozenInstanceError"),
     "alloc-row-bool": (lambda t: t.alloc([SimpleNamespace(req_pool_idx=True)]), ValueError, r"reqs\[0\].req_pool_idx = True is not a row"),
     "free-request-without-row": (lambda t: t.free(SimpleNamespace(req_pool_idx=None)), ValueError, "the request has no req_pool_idx"),
+    "free-frozen-request": (lambda t: t.free(Frozen(req_pool_idx=0)), ValueError,
+                            r"req must accept assignment of req_pool_idx \(free sets it\), got FrozenInstanceError"),
     "free-request-free-row": (lambda t: t.free(SimpleNamespace(req_pool_idx=3)), ValueError, "free_index must hold rows that are handed out"),
     "free-free-row": (lambda t: t.free(3), ValueError, "free_index must hold rows that are handed out"),
     "free-past-the-end": (lambda t: t.free([0, 4]), ValueError, r"free_index must hold rows in 0..3, got 4 at position 1"),

@@ -107,13 +107,22 @@ class StatePoolMachine(RuleBasedStateMachine):
     def admit(self, n, tokens):
         fits = n <= len(self.table.free_slots) and 2 * n <= self.pool.available_size()
         before = self.snapshot()
+        held_before = set(self.held())
+        model_held = {s for v in self.running.values() for s in v[:2]} | self.cache
         rows = self.table.alloc(n)
         if not fits:
             assert rows is None
             self.assert_unchanged(before, "alloc without room")
             return
         for r in rows:
+            assert r not in self.running, f"alloc handed out running row {r}"
             main, (track,) = self.table.mamba_slot(r), self.table.track_slots(r)
+            new = {main, track}
+            assert len(new) == 2 and new.isdisjoint(held_before) and new.isdisjoint(model_held), (
+                f"alloc gave row {r} slots {sorted(new)}, not all free before"
+            )
+            held_before |= new
+            model_held |= new
             self.tags[main] = self.tags[track] = 0  # new slots are zeroed
             self.running[r] = [main, track, tokens]
 

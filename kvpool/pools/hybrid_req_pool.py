@@ -19,13 +19,18 @@ import torch
 
 from kvpool.checks import int_list, is_int, non_negative_int, one_slot
 from kvpool.errors import IntegrityError
+from kvpool.pools.hybrid_views import HybridStateViews
 from kvpool.pools.mamba_pool import MambaPool
-from kvpool.pools.req_to_token import ReqToTokenPool
+from kvpool.pools.req_to_token import ReqToTokenPool, check_assignable
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import as_slot_list
 
 
-class HybridReqToTokenPool(ReqToTokenPool):
+#: The request attributes ``alloc(reqs)`` may set.
+_SETS = ("req_pool_idx", "mamba_pool_idx", "mamba_ping_pong_track_buffer", "mamba_next_track_idx")
+
+
+class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
     """``ReqToTokenPool`` plus one ``MambaPool`` slot per request (SGLang's class and keywords).
 
     Parameters
@@ -166,9 +171,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
         zeroed in one launch.
 
         Returns the rows, or None with nothing changed when too few rows or state slots are free.
-        Every request is checked first (``ValueError``, nothing changed): a kept row or slot that is
+        Every request is checked first (``ValueError``, nothing changed): the same request object
+        listed twice, one that refuses assignment of these attributes, a kept row or slot that is
         not handed out, one kept by two requests, a slot another running row holds, a
-        ``mamba_pool_idx`` other than the kept row's.
+        ``mamba_pool_idx`` other than the kept row's. A kept row's device ``mamba_pool_idx`` and
+        track buffer are not read (no synchronisation) when ``alloc(reqs)`` gave that row to this
+        very request object and ``validate`` is off; otherwise they are read and checked.
         """
         if isinstance(need_size, bool) or not isinstance(need_size, (int, list, tuple)):
             raise ValueError(f"need_size must be a non-negative int or a list of requests, got {need_size!r}")
@@ -177,7 +185,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
                 (None, None, None)
             ] * non_negative_int(need_size, "need_size")
         else:
-            plans = [self._plan(pos, req) for pos, req in enumerate(need_size)]
+            kept = self.check_requests(need_size, _SETS if self.enable_mamba_extra_buffer else _SETS[:2])
+            plans = [self._plan(pos, req, row) for pos, (req, row) in enumerate(zip(need_size, kept))]
             self._check_distinct(plans)
         per_track = self.track_slots_per_request
         new_rows = sum(row is None for row, _, _ in plans)
@@ -206,13 +215,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
             self._set_request_attributes(list(need_size), plans, rows, mains, tracks)
         return rows
 
-    def _plan(self, pos: int, req: Any) -> tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]:
+    def _plan(
+        self, pos: int, req: Any, row: Optional[int]
+    ) -> tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]:
         """(kept row, kept state slot, kept track slots) of request ``pos``, None where it gets a new one."""
-        if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
-            raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
-        row = getattr(req, "req_pool_idx", None)
-        if row is not None and not (is_int(row) and 0 <= row < self.size and not self._is_free[row]):
-            raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
         main = self._given_slot(req, pos, row)
         track = self._given_track(req, pos, row)
         if row is not None and self._row_slot[row]:  # the row keeps its own slots
@@ -237,7 +243,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if value is None:
             return None
         name = f"reqs[{pos}].mamba_pool_idx"
-        if row is not None and self._row_slot[row] and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if self._trusts_row(req, row, value, self._row_slot):
             return None  # the row's slot is known on the host: no synchronisation
         slot = one_slot(value, name)
         if not self.mamba_pool.is_held(slot):
@@ -249,7 +255,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if not self.enable_mamba_extra_buffer or value is None:
             return None
         name = f"reqs[{pos}].mamba_ping_pong_track_buffer"
-        if row is not None and self._row_track[row] and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if self._trusts_row(req, row, value, self._row_track):
             return None
         track = tuple(as_slot_list(value, name))
         if len(track) != self.mamba_ping_pong_track_buffer_size:
@@ -260,15 +266,20 @@ class HybridReqToTokenPool(ReqToTokenPool):
                 raise ValueError(f"{name}[{i}] = {s} is not a state slot handed out by this pool")
         return track
 
+    def _trusts_row(self, req: Any, row: Any, value: object, mirror: list) -> bool:
+        """Whether ``req``'s device ``value`` may be taken as the host mirror's entry of its row
+        (unread, no synchronisation): the row is this request's (``alloc(reqs)`` gave it to this
+        very object, so a stale ``req_pool_idx`` never names another request's slots), it has slots,
+        and ``validate`` is off."""
+        return (
+            is_int(row) and 0 <= row < self.size and self._row_req[row] is req and bool(mirror[row])
+            and isinstance(value, torch.Tensor) and value.device.type != "cpu" and not self.mamba_pool.validate
+        )  # fmt: skip
+
     @staticmethod
     def _check_distinct(plans: list[tuple[Optional[int], Optional[int], Optional[tuple[int, ...]]]]) -> None:
-        rows: dict[int, int] = {}
         slots: dict[int, int] = {}
-        for pos, (row, main, track) in enumerate(plans):
-            if row is not None:
-                if row in rows:
-                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{rows[row]}] too")
-                rows[row] = pos
+        for pos, (_, main, track) in enumerate(plans):
             for s in (() if main is None else (main,)) + (track or ()):
                 if s in slots:
                     raise ValueError(f"reqs[{pos}] names state slot {s}, which reqs[{slots[s]}] holds too")
@@ -310,7 +321,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def free(self, free_index: Any) -> None:
         """Free rows: an int, a sequence of ints, an integer tensor, or a request object (SGLang's
-        form: its ``req_pool_idx``, then set to None). Checked first (``ValueError``, nothing freed).
+        form: its ``req_pool_idx``, then set to None). Checked first (``ValueError``, nothing freed),
+        including a request whose ``req_pool_idx`` names a row ``alloc(reqs)`` gave another request.
 
         The rows' states stay allocated: ``free_mamba_cache`` frees them before or after this call
         (with the row or the request), or their owner (a prefix cache) does. A request whose
@@ -323,7 +335,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
             req, free_index = free_index, free_index.req_pool_idx
             if free_index is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            check_assignable(req, ("req_pool_idx",), "req", "free")
         rows = int_list(free_index, "free_index", accepts="an int, a sequence of ints, an integer tensor or a request")
+        others = [self._row_req[r] for r in rows if 0 <= r < self.size] if req is not None else []
+        if any(other is not None and other is not req for other in others):
+            raise ValueError(f"free: req.req_pool_idx = {free_index} is the row of another request (a stale index?)")
         super().free(rows)
         if req is not None:
             req.req_pool_idx = None
@@ -343,8 +359,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         ``free`` of its row. Everything is checked first; ``ValueError`` and nothing freed for a row
         without a state, a request without ``mamba_pool_idx`` (a double free), a slot that is
         another row's or not handed out, or a keep index that is not an int in ``0..track slots - 1``.
-        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row's slots
-        are known on the host."""
+        A request's device ``mamba_pool_idx`` is read (one synchronisation) unless its row is the one
+        ``alloc(reqs)`` gave this very request object (then the row's host copy is used) and
+        ``validate`` is off. A ``req_pool_idx`` naming a row another request holds now (the row was
+        freed by number and taken again) is ignored: the request's own slots are freed."""
         keep = mamba_ping_pong_track_buffer_to_keep
         if keep is not None and not (is_int(keep) and keep in range(self.track_slots_per_request)):
             raise ValueError(
@@ -377,11 +395,13 @@ class HybridReqToTokenPool(ReqToTokenPool):
             return req, self._row_slot[req], self._row_track[req]
         if getattr(req, "mamba_pool_idx", None) is None:
             raise ValueError("free_mamba_cache: the request has no mamba_pool_idx (a double free?)")
+        check_assignable(req, _SETS[1:3] if self.enable_mamba_extra_buffer else _SETS[1:2], "req", "free_mamba_cache")
         row = getattr(req, "req_pool_idx", None)
         value = req.mamba_pool_idx
-        known = is_int(row) and 0 <= row < self.size and self._row_slot[row]
-        if known and isinstance(value, torch.Tensor) and value.device.type != "cpu" and not self.mamba_pool.validate:
+        if self._trusts_row(req, row, value, self._row_slot):
             return row, self._row_slot[row], self._row_track[row]  # known on the host: no synchronisation
+        if is_int(row) and 0 <= row < self.size and self._row_req[row] is not None and self._row_req[row] is not req:
+            row = None  # a stale req_pool_idx: the row is another request's now
         main = one_slot(value, "req.mamba_pool_idx")
         owner = self._owner.get(main)
         if owner is not None and self._row_slot[owner] != main:
@@ -406,12 +426,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def clear(self) -> None:
         """Every row and every state slot free; the device mappings zeroed."""
         super().clear()
-        if hasattr(self, "mamba_pool"):
-            self.mamba_pool.clear()
-            self.req_index_to_mamba_index_mapping.zero_()
-            if self.enable_mamba_extra_buffer:
-                self.req_index_to_mamba_ping_pong_track_buffer_mapping.zero_()
-            self._clear_rows()
+        self.mamba_pool.clear()
+        self.req_index_to_mamba_index_mapping.zero_()
+        if self.enable_mamba_extra_buffer:
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping.zero_()
+        self._clear_rows()
 
     # --- lookups ---------------------------------------------------------------------------------
 
@@ -430,27 +449,6 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if not 0 <= row < self.size:
             raise IndexError(f"row must be in 0..{self.size - 1}, got {row}")
         return row
-
-    def get_mamba_indices(self, req_indices: torch.Tensor) -> torch.Tensor:
-        """State slots of rows ``req_indices`` (a gather on the device)."""
-        return self.req_index_to_mamba_index_mapping[req_indices]
-
-    def get_mamba_ping_pong_other_idx(self, mamba_next_track_idx: int) -> int:
-        """The track slot number that is not ``mamba_next_track_idx`` (itself with one track slot);
-        ``ValueError`` unless it is an int in ``0..mamba_ping_pong_track_buffer_size - 1``."""
-        size = self.mamba_ping_pong_track_buffer_size
-        if not (is_int(mamba_next_track_idx) and 0 <= mamba_next_track_idx < size):
-            raise ValueError(f"mamba_next_track_idx must be an int in 0..{size - 1}, got {mamba_next_track_idx!r}")
-        return 1 - mamba_next_track_idx if self.mamba_ping_pong_track_buffer_size == 2 else mamba_next_track_idx
-
-    def mamba2_layer_cache(self, layer_id: int) -> MambaPool.State:
-        """The states of global linear layer ``layer_id`` (SGLang's ``State`` at that layer)."""
-        return self.mamba_pool.mamba2_layer_cache(self.mamba_pool.layer_index(layer_id))
-
-    def get_speculative_mamba2_params_all_layers(self) -> MambaPool.SpeculativeState:
-        """The ``mamba_pool``'s states and scratch of every layer (SGLang's name); ``ValueError`` without
-        speculative state."""
-        return self.mamba_pool.get_speculative_mamba2_params_all_layers()
 
     def check_integrity(self, external_slots: Sequence[int] = ()) -> None:
         """Rows, state slots and their association, together: every state slot handed out belongs to

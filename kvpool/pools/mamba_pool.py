@@ -263,8 +263,9 @@ class MambaPool:
         anything is allocated (on CUDA that reads it: one synchronisation); a failed copy gives the
         new slot back."""
         check_index(src_index, "src_index", device=self.device, dims="[1]", length=1, per="the source slot")
-        check_in_range([(src_index, self.size + 1, "src_index")], what="slots", negative_ok=False)
-        self._slots.check_usable(src_index.tolist(), "src_index", padding=False)
+        src = src_index.tolist()  # the one read (a synchronisation on CUDA); the checks use the host copy
+        check_in_range([(torch.tensor(src), self.size + 1, "src_index")], what="slots", negative_ok=False)
+        self._slots.check_usable(src, "src_index", padding=False)
         dst = self.alloc(1)
         if dst is None:
             return None
@@ -396,8 +397,9 @@ class MambaPool:
         ``0..size`` raises ``IndexError``, a slot not handed out ``ValueError``."""
         indices, name = _one_index(indices, mamba_indices)
         n = check_index(indices, name, device=self.device, dims="[n]").shape[0]
-        check_in_range([(indices, self.size + 1, name)], what="slots", negative_ok=False)
-        self._slots.check_usable(indices.tolist(), name)
+        slots = indices.tolist()  # the one read; the checks use the host copy
+        check_in_range([(torch.tensor(slots, dtype=torch.int64), self.size + 1, name)], what="slots", negative_ok=False)
+        self._slots.check_usable(slots, name)
         pinned = self.device.type == "cuda"
         l = self.num_mamba_layers
 

@@ -20,6 +20,20 @@ from kvpool.errors import IntegrityError
 _INT32 = torch.iinfo(torch.int32)
 
 
+def check_assignable(req: Any, attributes: Sequence[str], name: str, call: str) -> None:
+    """Raise ``ValueError`` naming request ``name`` unless each of ``attributes`` can be assigned on
+    it (``call`` sets them once it has changed the table): each is written back with its present value
+    (None where it has none), which changes nothing a reader sees. A frozen dataclass or a class
+    whose ``__slots__`` lacks the attribute is refused here, before anything changes."""
+    for attr in attributes:
+        try:
+            setattr(req, attr, getattr(req, attr, None))
+        except Exception as e:
+            raise ValueError(
+                f"{name} must accept assignment of {attr} ({call} sets it), got {type(e).__name__}: {e}"
+            ) from e
+
+
 class ReqToTokenPool:
     """Rows of token-slot indices, one row per running request.
 
@@ -71,7 +85,7 @@ class ReqToTokenPool:
         self.device = resolve_device(device)
         self.validate = validate_enabled(validate)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        self.clear()
+        self._reset_rows()
 
     def available_size(self) -> int:
         """Free rows: how many ``alloc`` can hand out now."""
@@ -83,7 +97,7 @@ class ReqToTokenPool:
         ``need_size`` may also be SGLang's list of request objects: one with a ``req_pool_idx`` (a
         row handed out, kept by that request only) keeps it, the others get new rows, set as their
         ``req_pool_idx``; the rows of all of them come back in order. Everything is checked first
-        (``ValueError``, nothing changed)."""
+        (``ValueError``, nothing changed; see ``check_requests``)."""
         if isinstance(need_size, (list, tuple)):
             return self._alloc_requests(list(need_size))
         if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
@@ -99,26 +113,44 @@ class ReqToTokenPool:
         return rows
 
     def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
-        kept: dict[int, int] = {}
-        for pos, req in enumerate(reqs):
-            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
-                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
-            row = getattr(req, "req_pool_idx", None)
-            if row is None:
-                continue
-            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
-                raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
-            if row in kept:
-                raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
-            kept[row] = pos
-        fresh = self._take(len(reqs) - len(kept))
+        kept = self.check_requests(reqs, ("req_pool_idx",))
+        fresh = self._take(sum(row is None for row in kept))
         if fresh is None:
             return None
         it = iter(fresh)
-        for req in reqs:
-            if getattr(req, "req_pool_idx", None) is None:
+        for req, row in zip(reqs, kept):
+            if row is None:
                 req.req_pool_idx = next(it)
         return [req.req_pool_idx for req in reqs]
+
+    def check_requests(self, reqs: Sequence[Any], attributes: Sequence[str]) -> list[Optional[int]]:
+        """The row each of SGLang's request objects ``reqs`` keeps (its ``req_pool_idx``), None for
+        one that gets a new row, once every request is checked; changes nothing.
+
+        ``ValueError`` naming the request for: an entry that is not a request object, the same
+        request object listed twice, a ``req_pool_idx`` that is not a row handed out, a row kept by
+        two requests, or a request that refuses assignment of one of ``attributes`` (the ones
+        ``alloc`` sets; each is tried by writing its present value back, None where it has none)."""
+        seen: dict[int, int] = {}
+        kept: dict[int, int] = {}
+        rows: list[Optional[int]] = []
+        for pos, req in enumerate(reqs):
+            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+                raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
+            if id(req) in seen:
+                raise ValueError(f"reqs[{pos}] is the same request object as reqs[{seen[id(req)]}]")
+            seen[id(req)] = pos
+            row = getattr(req, "req_pool_idx", None)
+            if row is not None:
+                if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.size or self._is_free[row]:
+                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row!r} is not a row handed out by this pool")
+                if row in kept:
+                    raise ValueError(f"reqs[{pos}].req_pool_idx = {row} is kept by reqs[{kept[row]}] too")
+                kept[row] = pos
+            rows.append(row)
+        for pos, req in enumerate(reqs):
+            check_assignable(req, attributes, f"reqs[{pos}]", "alloc")
+        return rows
 
     def free(self, free_index: Union[int, Sequence[int], torch.Tensor, Any]) -> None:
         """Give back one row (an int) or several (a sequence of ints or a 1-D integer tensor), or
@@ -134,6 +166,7 @@ class ReqToTokenPool:
             req = free_index
             if req.req_pool_idx is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
+            check_assignable(req, ("req_pool_idx",), "req", "free")
             self._free_rows(int_list(req.req_pool_idx, "req.req_pool_idx"))
             req.req_pool_idx = None
             return
@@ -219,6 +252,9 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         """Every row free (contents are left as they are; rows are rewritten before they are read)."""
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
         self.free_slots: list[int] = list(range(self.size))
         self._is_free = [True] * self.size
 
