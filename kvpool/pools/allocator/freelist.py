@@ -51,6 +51,7 @@ class PageRing:
 
     @property
     def capacity(self) -> int:
+        """Pages the ring can list at once (every page of the allocator)."""
         return self._cap
 
     @property
@@ -247,6 +248,7 @@ class FreeLists:
         return len(self.ring) + self.release_known
 
     def exact(self) -> bool:
+        """Whether the host's counts are exact (no free's counts still on their way back)."""
         return self.ring.exact and self._release_exact
 
     def add_rejected(self, dropped: torch.Tensor) -> None:
