@@ -6,7 +6,7 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
 Usage: python scripts/cross_compile.py [--full | --copy-rows]   (TRITON_INTERPRET must not be set)
-``--copy-rows`` compiles the row-copy kernel (copy_rows_kernel.py) instead, for the plans the
+``--copy-rows`` compiles the row-copy kernel (kvpool/kernels/copy_rows/kernel.py) instead, for the plans the
 launcher makes, and counts its vector accesses and barriers.
 """
 
