@@ -966,7 +966,7 @@ def compiled_variants() -> int:
     where this Triton keeps its cache elsewhere)."""
     from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
-    caches = getattr(store_kv_kernel._store_kv_kernel, "device_caches", None)
+    caches = getattr(store_kv_kernel.store_kv, "device_caches", None)
     if caches is None:
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return sum(len(entry[0]) for entry in caches.values())
@@ -1210,8 +1210,8 @@ def state_device(request, monkeypatch):
     if dev == "cpu" and path == "kernel":
         if not copy_rows.INTERPRETER:
             pytest.skip("kernels on CPU tensors need TRITON_INTERPRET=1")
-        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
-        monkeypatch.setattr(state_commit, "_kernel_on_cpu", True)
+        monkeypatch.setattr(copy_rows, "kernel_on_cpu", True)
+        monkeypatch.setattr(state_commit, "kernel_on_cpu", True)
     return dev
 
 

@@ -390,7 +390,7 @@ def _store_head_block(
         "commit_ptr", "width", "stride_loc_row", "stride_commit", "k_amax_ptr", "v_amax_ptr",
     ]
 )  # fmt: skip
-def _store_kv_kernel(
+def store_kv(
     k_ptr,  # [T, H, D] bf16/fp16/fp32, any strides
     v_ptr,  # [T, HV, DV]
     k_cache_ptr,  # [capacity, H, D] cache, uint8 storage for FP8

@@ -71,7 +71,7 @@ CONSTEXPRS = (
     "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64", "JOINED",
 )  # fmt: skip
 PARAMS = PER_CALL + FIXED + CONSTEXPRS
-_SIGNATURE_OK = kernels is not None and kernel_params(kernels._store_kv_kernel) == PARAMS
+_SIGNATURE_OK = kernels is not None and kernel_params(kernels.store_kv) == PARAMS
 
 
 @dataclass
@@ -298,7 +298,7 @@ class KVWriter:
         """The launch ``record`` (from ``self.launches.recording()``) made, through Triton's JIT
         instead of the compiled kernel: what a caller without the launch cache pays (benchmarks)."""
         n, consts = len(PER_CALL) + len(FIXED), record.key.constexprs  # type: ignore[attr-defined]
-        return lambda: kernels._store_kv_kernel[record.grid](*record.args[:n], **consts)  # type: ignore[union-attr]
+        return lambda: kernels.store_kv[record.grid](*record.args[:n], **consts)  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -385,7 +385,7 @@ class KVWriter:
         self.jit_launches += 1
 
         def jit():
-            return kernels._store_kv_kernel[grid](*per_call, *entry.fixed_args, **consts)  # type: ignore[union-attr]
+            return kernels.store_kv[grid](*per_call, *entry.fixed_args, **consts)  # type: ignore[union-attr]
 
         self.launches.launch(None if i64 else entry, grid, per_call + entry.direct_args, jit, self._device)
 
