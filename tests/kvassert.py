@@ -1001,6 +1001,23 @@ def load_example(name: str) -> types.ModuleType:
     return module
 
 
+#: examples/serve_sim.py's small run on the command line: memory pressure at 256 B/token, ~200 slots
+#: for requests of up to 104 tokens (small_sim_config() is the same run as a SimConfig).
+SMALL_SIM_ARGS = [
+    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
+    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
+    "--device", "cpu", "--seed", "3", "--no-progress",
+]  # fmt: skip
+
+
+def small_sim_config():
+    """examples/serve_sim.py's small run (SMALL_SIM_ARGS) as the example's ``SimConfig``."""
+    return load_example("serve_sim").SimConfig(
+        requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
+        chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
+    )  # fmt: skip
+
+
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
     """A stand-in for an example model runner's ``make_pool`` (``runner``: the runner's module) whose
     pool (``pool_of`` the value made) drops the last token of every ``write_name`` call, as a padding
