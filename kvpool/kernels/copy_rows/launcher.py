@@ -49,9 +49,9 @@ ONE_PASS_MAX_PAIRS = 1024
 #: buffers per launch pair against a larger allocation.
 STAGING_BYTES = 256 * 2**20
 
-_k = None
+kernel = None
 if TRITON_AVAILABLE:
-    from kvpool.kernels.copy_rows import kernel as _k
+    from kvpool.kernels.copy_rows import kernel
 
 __all__ = [
     "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "INTERPRETER", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM",
@@ -181,7 +181,7 @@ PARAMS = (
 #: Compiled kernels by launch key (CUDA): a transfer of 32 layers one by one launches 32 times
 #: before the model's work can be queued, so each launch after the first of its kind skips the JIT's
 #: per-call binding.
-LAUNCHES = DirectLaunches("row copy", _k is not None and kernel_params(_k.copy_rows) == PARAMS)
+LAUNCHES = DirectLaunches("row copy", kernel is not None and kernel_params(kernel.copy_rows) == PARAMS)
 
 
 def launch_copy_rows(
@@ -231,7 +231,7 @@ def _jit_launch(plan: CopyPlan, tile: Tile, args: tuple):
     )  # fmt: skip
     if tile.maxnreg is not None:
         consts["maxnreg"] = tile.maxnreg
-    return _k.copy_rows[(plan.programs,)](*args, **consts)
+    return kernel.copy_rows[(plan.programs,)](*args, **consts)
 
 
 def _staged_copy(

@@ -36,9 +36,9 @@ from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit.naive import commit_rows_reference
 
 try:
-    from kvpool.kernels.state_commit import kernel as _k
+    from kvpool.kernels.state_commit import kernel
 except ImportError:  # pragma: no cover - exercised only where triton is absent
-    _k = None
+    kernel = None
 
 #: The commit's task: a linear layer's recurrent state row is hundreds of kilobytes, so wide column
 #: chunks on many warps keep more bytes in flight per program than the row copy's tile.
@@ -95,7 +95,7 @@ PARAMS = (
 
 #: Compiled commit kernels by launch key (CUDA): an eager verify step's commit skips the JIT's
 #: per-call binding after the first launch of its kind.
-LAUNCHES = DirectLaunches("state commit kernel", _k is not None and kernel_params(_k.commit_rows) == PARAMS)
+LAUNCHES = DirectLaunches("state commit kernel", kernel is not None and kernel_params(kernel.commit_rows) == PARAMS)
 
 
 def launch_commit_rows(
@@ -134,7 +134,7 @@ def _jit_launch(plan: CommitPlan, constexprs: tuple, args: tuple):
     """Launch through Triton's JIT (compiling on first use) on the current device and stream; returns
     the compiled kernel (None under the interpreter)."""
     consts = dict(zip(PARAMS[len(args) :], constexprs))
-    return _k.commit_rows[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
+    return kernel.commit_rows[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
 
 
 def commit_rows(
