@@ -91,7 +91,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import DTYPES, Agreement, Architecture, RunConfig, Scales, ServeResult  # noqa: E402
-from support.runners import prefix as runner_prefix  # noqa: E402  (the scheduler on a prefix cache)
+from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
 from support.runners.qwen35_layers import Qwen35Runner, SpecRunner  # noqa: E402
 from support.runners.qwen35_model import (  # noqa: E402, F401  (the tests and benchmarks use them here)
     SHAPES,
@@ -145,7 +145,7 @@ class Qwen35(Architecture):
     ) -> HybridScheduler:
         if prefix_cache and self.spec_width is not None:
             raise ValueError("prefix_cache must be False for a speculative run (spec_width set): its verify steps are not cached")
-        cls = runner_prefix.caching(HybridScheduler) if prefix_cache else HybridScheduler
+        cls = prefix.caching(HybridScheduler) if prefix_cache else HybridScheduler
         return cls(pool, max_running, max_context_len, chunk_size, self.spec_width)
 
     def reference_scales(self, model: Any, scales: Optional[rc.LayerScales]) -> Optional[rc.LayerScales]:

@@ -6,7 +6,7 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
 Usage: python scripts/cross_compile.py [--full | --copy-rows]   (TRITON_INTERPRET must not be set)
-``--copy-rows`` compiles the row-copy kernel (copy_rows_kernel.py) instead, for the plans the
+``--copy-rows`` compiles the row-copy kernel (kvpool/kernels/copy_rows/kernel.py) instead, for the plans the
 launcher makes, and counts its vector accesses and barriers.
 """
 
@@ -46,7 +46,7 @@ def compile_variant(
     i64=True, flat=False, joined=False, v_head_dim=None,
 ):  # fmt: skip
     target, soft = TARGETS[target_name]
-    names = list(K._store_kv_kernel.arg_names)
+    names = list(K.store_kv.arg_names)
     v_head_dim = v_head_dim or head_dim
     # The large writes' plans: the per-head one, the row plan of geometries the per-head plan pads
     # badly or cuts into two pieces per head (flat), or the joined one (K and V from one program).
@@ -81,7 +81,7 @@ def compile_variant(
     aligned = ["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "capacity"] + [n for n in strides if not n.endswith("d")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(
-        fn=K._store_kv_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs
+        fn=K.store_kv, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs
     )
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
@@ -108,7 +108,7 @@ def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_prog
     target, _ = TARGETS[target_name]
     tile = FEW_PROGRAMS_TILE if few_programs else SM_TILE
     plan = plan_copy(n_pairs, 2, tuple(sorted(set(row_bytes))), align, one_pass, 8 if few_programs else 1056, tile)
-    names = list(CK._copy_rows_kernel.arg_names)
+    names = list(CK.copy_rows.arg_names)
     sig = {"dst_table_ptr": "*i64", "src_table_ptr": "*i64", "dst_index_ptr": f"*{index_type}", "src_index_ptr": f"*{index_type}"}
     for n in names[4:]:
         if n.isupper():
@@ -119,7 +119,7 @@ def compile_copy_rows(target_name, row_bytes, align, n_pairs, one_pass, few_prog
         BLOCK_P=plan.block_p, BLOCK_W=plan.block_w, EVEN=plan.even, ONE_PASS=plan.one_pass,
     )  # fmt: skip
     sig.update({n: "constexpr" for n in const})
-    src = ASTSource(fn=CK._copy_rows_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    src = ASTSource(fn=CK.copy_rows, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"kernel": "copy_rows", "target": target_name, "row_bytes": list(row_bytes), "align": align,
             "pairs": n_pairs, "one_pass": one_pass, "few_programs": few_programs, "block_p": plan.block_p,

@@ -39,5 +39,5 @@ def copy_path(request, monkeypatch):
     if request.param == "kernel":
         if not copy_rows.INTERPRETER:
             pytest.skip("the row-copy kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
+        monkeypatch.setattr(copy_rows, "kernel_on_cpu", True)
     return request.param

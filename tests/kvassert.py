@@ -966,7 +966,7 @@ def compiled_variants() -> int:
     where this Triton keeps its cache elsewhere)."""
     from kvpool.kernels.store_kv import kernel as store_kv_kernel
 
-    caches = getattr(store_kv_kernel._store_kv_kernel, "device_caches", None)
+    caches = getattr(store_kv_kernel.store_kv, "device_caches", None)
     if caches is None:
         pytest.skip("this Triton version keeps its kernel cache elsewhere")
     return sum(len(entry[0]) for entry in caches.values())
@@ -999,6 +999,23 @@ def load_example(name: str) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+#: examples/serve_sim.py's small run on the command line: memory pressure at 256 B/token, ~200 slots
+#: for requests of up to 104 tokens (small_sim_config() is the same run as a SimConfig).
+SMALL_SIM_ARGS = [
+    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
+    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
+    "--device", "cpu", "--seed", "3", "--no-progress",
+]  # fmt: skip
+
+
+def small_sim_config():
+    """examples/serve_sim.py's small run (SMALL_SIM_ARGS) as the example's ``SimConfig``."""
+    return load_example("serve_sim").SimConfig(
+        requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
+        chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
+    )  # fmt: skip
 
 
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
@@ -1210,8 +1227,8 @@ def state_device(request, monkeypatch):
     if dev == "cpu" and path == "kernel":
         if not copy_rows.INTERPRETER:
             pytest.skip("kernels on CPU tensors need TRITON_INTERPRET=1")
-        monkeypatch.setattr(copy_rows, "_kernel_on_cpu", True)
-        monkeypatch.setattr(state_commit, "_kernel_on_cpu", True)
+        monkeypatch.setattr(copy_rows, "kernel_on_cpu", True)
+        monkeypatch.setattr(state_commit, "kernel_on_cpu", True)
     return dev
 
 

@@ -257,8 +257,8 @@ class KernelSpy:
 
 @pytest.fixture
 def spy(monkeypatch):
-    spy = KernelSpy(store_kv_kernel._store_kv_kernel)
-    monkeypatch.setattr(store_kv_kernel, "_store_kv_kernel", spy)
+    spy = KernelSpy(store_kv_kernel.store_kv)
+    monkeypatch.setattr(store_kv_kernel, "store_kv", spy)
     return spy
 
 

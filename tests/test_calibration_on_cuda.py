@@ -146,7 +146,7 @@ def _jit_flags(pool) -> set:
 def _triton_observe_flags(d_values) -> list[bool] | None:
     """OBSERVE of each variant Triton has compiled whose D is in ``d_values``; None when this
     Triton keeps its compiled variants in a way not understood here."""
-    kernel = store_kv_kernel._store_kv_kernel
+    kernel = store_kv_kernel.store_kv
     caches = getattr(kernel, "device_caches", None)
     names = list(getattr(kernel, "arg_names", []))
     if not isinstance(caches, dict) or "OBSERVE" not in names:

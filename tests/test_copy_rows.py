@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvassert import assert_same_bytes, needs_interpreter, poison_
+from kvpool.kernels.copy_rows import kernel as copy_rows_kernel
 from kvpool.kernels.copy_rows import launcher as C
 from kvpool.kernels.copy_rows import RowTable, copy_rows, copy_rows_reference, plan_copy
 from kvpool.kernels.launch import kernel_params, launch_key
@@ -184,7 +185,7 @@ def test_fp8_bit_patterns_are_copied_exactly():
 
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
-    monkeypatch.setattr(C, "_kernel_on_cpu", True)
+    monkeypatch.setattr(C, "kernel_on_cpu", True)
 
 
 KERNEL_CASES = {
@@ -318,7 +319,7 @@ def test_launch_key_separates_what_triton_specialises_on():
 def test_cached_launches_pass_the_kernel_signature_in_order():
     """The compiled kernel's launcher takes every parameter positionally without checking their
     number: launch_copy_rows passes PARAMS' order, which must be the kernel's."""
-    assert kernel_params(C._k._copy_rows_kernel) == C.PARAMS
+    assert kernel_params(copy_rows_kernel.copy_rows) == C.PARAMS
 
 
 def test_launch_key_agrees_with_triton_specialisation():

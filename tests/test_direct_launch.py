@@ -50,8 +50,8 @@ def jit(monkeypatch):
     """The write kernel behind a JIT stand-in whose compiled stand-ins check every direct launch."""
     if not store_kv.INTERPRETER:
         pytest.skip("fakes the compiled kernel around Triton's interpreter")
-    jit = StandInJit(store_kv_kernel._store_kv_kernel)
-    monkeypatch.setattr(store_kv_kernel, "_store_kv_kernel", jit)
+    jit = StandInJit(store_kv_kernel.store_kv)
+    monkeypatch.setattr(store_kv_kernel, "store_kv", jit)
     return jit
 
 
@@ -177,11 +177,11 @@ def row_jits(monkeypatch):
     if not store_kv.INTERPRETER:
         pytest.skip("fakes the compiled kernels around Triton's interpreter")
     jits = {}
-    for module, kernels, name in ((copy_rows, copy_rows_kernel, "_copy_rows_kernel"),
-                                  (state_commit, state_commit_kernel, "_commit_rows_kernel")):  # fmt: skip
+    for module, kernels, name in ((copy_rows, copy_rows_kernel, "copy_rows"),
+                                  (state_commit, state_commit_kernel, "commit_rows")):  # fmt: skip
         jits[module] = StandInJit(getattr(kernels, name))
         monkeypatch.setattr(kernels, name, jits[module])
-        monkeypatch.setattr(module, "_kernel_on_cpu", True)
+        monkeypatch.setattr(module, "kernel_on_cpu", True)
         monkeypatch.setattr(module.LAUNCHES, "enabled", True)
         monkeypatch.setattr(module.LAUNCHES, "entries", {})
     return jits[copy_rows], jits[state_commit]

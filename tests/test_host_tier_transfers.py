@@ -290,7 +290,7 @@ def test_segments_merge_runs():
 def test_kernel_backend_runs_the_kernel(monkeypatch, layout):
     """With the kernel enabled on CPU tables, the host pool's kernel backend launches copy_rows's
     kernel (counted) and matches the direct backend."""
-    monkeypatch.setattr(C, "_kernel_on_cpu", True)
+    monkeypatch.setattr(C, "kernel_on_cpu", True)
     launches = []
     real = C.launch_copy_rows
     monkeypatch.setattr(C, "launch_copy_rows", lambda *a, **k: launches.append(k.get("max_programs")) or real(*a, **k))

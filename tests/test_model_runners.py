@@ -17,8 +17,8 @@ pytest.importorskip("transformers", minversion="5")
 
 llama_runner = load_example("llama_runner")  # puts examples/ on sys.path, where the shared code is
 deepseek_runner = load_example("deepseek_runner")
-from support import runners as runner_common  # noqa: E402  (the shared scheduler and checks the runners import)
-from support.runners import prefix as runner_prefix  # noqa: E402  (the scheduler on a prefix cache)
+from support import runners  # noqa: E402  (the shared scheduler and checks the runners import)
+from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
 
 
 def _runs(rep, dtype):
@@ -208,7 +208,7 @@ def test_llama_a_match_the_runner_does_not_attend_over_fails_the_fp32_check(llam
     """Control: admissions whose matched slots are not written into the request's row (it attends
     over the padding slot instead) part from HF."""
     model, prompts, hf = llama_cached_model
-    match = runner_prefix.PrefixCaching._match
+    match = prefix.PrefixCaching._match
 
     def unwritten(self, r, free):
         taken = match(self, r, free)
@@ -216,7 +216,7 @@ def test_llama_a_match_the_runner_does_not_attend_over_fails_the_fp32_check(llam
             self.table.req_to_token[r.row, : r.kv_len] = 0
         return taken
 
-    monkeypatch.setattr(runner_prefix.PrefixCaching, "_match", unwritten)
+    monkeypatch.setattr(prefix.PrefixCaching, "_match", unwritten)
     res = llama_runner.serve(model, llama_runner.make_pool(LLAMA_CACHED, model, torch.float32), prompts, LLAMA_CACHED.batch,
                              prefix_cache=True)  # fmt: skip
     assert res.cached_tokens > 0 and not llama_runner.compare(res.generations, hf).identical
@@ -243,7 +243,7 @@ def test_llama_on_cuda_the_prefix_cache_generates_what_transformers_generates():
 
 # 2 layers (a dense one, then an MoE one of 4 experts, top 2, + a shared expert), hidden 64, 4 heads,
 # latent rows 32 + 8 rope (YaRN, interleaved); the Llama run's settings (TINY_RUN).
-DEEPSEEK_TINY = runner_common.RunConfig(shape=deepseek_runner.SHAPES["tiny"], **TINY_RUN)
+DEEPSEEK_TINY = runners.RunConfig(shape=deepseek_runner.SHAPES["tiny"], **TINY_RUN)
 DEEPSEEK_ARGS = TINY_ARGS
 # Against plain HF, measured on the CPU (seed 0, either attention form): fp32 pool 1.2e-6 max rel logit
 # error; bf16 pool 7.5e-3 and mean KL 6.3e-6; FP8 e4m3 mean KL 2.8e-3 at scale 1.0, 2.2e-3 with
@@ -261,10 +261,10 @@ def _check_deepseek_report(rep, cfg) -> None:
     """What must hold on every device: the fp32 pool reproduces HF exactly, every other pool reproduces
     HF with its cache rounded the same way, the allocators end clean, and every layer of every step
     wrote its latent rows once."""
-    summary = runner_common.format_summary(rep)
+    summary = runners.format_summary(rep)
     (fp32,) = _runs(rep, "fp32")
     assert fp32.vs_hf.identical, summary
-    assert fp32.vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, summary
     assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
     assert fp32.vs_rounded is None
     assert rep.fp32_check is True and rep.ok
@@ -281,7 +281,7 @@ def _check_deepseek_report(rep, cfg) -> None:
 
 
 def test_tiny_deepseek_generates_what_transformers_generates(deepseek_report):
-    prompts = runner_common.make_prompts(DEEPSEEK_TINY)
+    prompts = runners.make_prompts(DEEPSEEK_TINY)
     assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
     assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
     assert [r.label for r in deepseek_report.runs] == ["fp32", "bf16", "fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
@@ -308,9 +308,9 @@ def test_deepseek_the_pool_rows_are_what_hf_caches():
     """After a prefill, each token's row is HF's cached normalised latent followed by its roped key."""
     model = deepseek_runner.build_model(DEEPSEEK_TINY.shape, torch.float32, "cpu", DEEPSEEK_TINY.seed)
     pool = deepseek_runner.make_pool(DEEPSEEK_TINY, model, torch.float32)
-    tokens = runner_common.make_prompts(DEEPSEEK_TINY)[0].tokens
-    sched = runner_common.Scheduler(pool, 1, len(tokens) + 1)
-    sched.add(runner_common.Request(0, tokens, 2))
+    tokens = runners.make_prompts(DEEPSEEK_TINY)[0].tokens
+    sched = runners.Scheduler(pool, 1, len(tokens) + 1)
+    sched.add(runners.Request(0, tokens, 2))
     batch = sched.schedule()
     deepseek_runner.DeepseekV3Runner(model, pool).forward(batch)
     with torch.no_grad():
@@ -350,12 +350,12 @@ def test_deepseek_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch
     the reference path: the writes are bit-identical, so the generations are too."""
     cfg = replace(DEEPSEEK_TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
     model = deepseek_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
-    prompts = runner_common.make_prompts(cfg)
+    prompts = runners.make_prompts(cfg)
     dtype, arch = torch.float8_e4m3fn, deepseek_runner.DeepseekV3()
     monkeypatch.setenv("KVPOOL_FUSED", "never")
-    reference = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    reference = runners.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
     monkeypatch.setenv("KVPOOL_FUSED", "always")
-    fused = runner_common.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    fused = runners.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
     assert reference.fused_calls == 0 and fused.reference_calls == 0
     assert fused.fused_calls == reference.reference_calls > 0
     for a, b in zip(fused.generations, reference.generations):
@@ -396,7 +396,7 @@ def test_deepseek_on_cuda_every_mla_write_takes_the_fused_kernel(form):
     rep = deepseek_runner.run(cfg, form)
     _check_deepseek_report(rep, cfg)
     for r in rep.runs:
-        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, runner_common.format_summary(rep)
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, runners.format_summary(rep)
 
 
 def test_deepseek_the_prefix_cache_serves_latent_rows_and_generates_what_transformers_generates():
@@ -404,5 +404,5 @@ def test_deepseek_the_prefix_cache_serves_latent_rows_and_generates_what_transfo
     attended over, not computed again, and the fp32 pool still reproduces HF."""
     rep = deepseek_runner.run(replace(DEEPSEEK_TINY, prompts=8, prompt_len=(4, 40), pool_dtypes=("fp32",), prefix_cache=True))
     (fp32,) = rep.runs
-    assert fp32.result.cached_tokens > 0 and fp32.result.allocators_ok, runner_common.format_summary(rep)
+    assert fp32.result.cached_tokens > 0 and fp32.result.allocators_ok, runners.format_summary(rep)
     assert rep.fp32_check is True and rep.ok

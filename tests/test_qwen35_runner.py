@@ -27,7 +27,7 @@ qwen35 = pytest.mark.skipif(not HAS_QWEN35, reason="needs a transformers with Qw
 
 if HAS_QWEN35:
     qwen35_runner = load_example("qwen35_runner")  # puts examples/ on sys.path, where the shared code is
-    from support import runners as runner_common  # noqa: E402  (the shared scheduler and checks)
+    from support import runners  # noqa: E402  (the shared scheduler and checks)
 
 
 def _runs(rep, dtype):
@@ -40,7 +40,7 @@ def _runs(rep, dtype):
 # 4 layers (3 Gated DeltaNet, 1 gated attention), 6 prompts of 4-40 tokens for 3 request rows, prefill
 # chunks of 16 tokens (the longer prompts take several steps), pages of 4: the runner's defaults.
 if HAS_QWEN35:
-    QWEN_TINY = runner_common.RunConfig(
+    QWEN_TINY = runners.RunConfig(
         shape=qwen35_runner.SHAPES["tiny"], device="cpu", pool_dtypes=("fp32", "bf16", "fp8_e4m3"),
         **qwen35_runner.RUN_DEFAULTS,
     )  # fmt: skip
@@ -68,7 +68,7 @@ def _check_qwen_report(rep, cfg) -> None:
     summary = qwen35_runner.format_summary(rep)
     (fp32,) = [r for r in rep.runs if r.dtype == "fp32"]
     assert fp32.vs_hf.identical, summary
-    assert fp32.vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, summary
     assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total
     assert rep.fp32_check is True and rep.spec_check is True and rep.ok, summary
     for r in rep.runs:
@@ -85,7 +85,7 @@ def _check_qwen_report(rep, cfg) -> None:
     assert rep.spec_runs
     for s in rep.spec_runs:
         assert s.vs_plain.identical, summary
-        assert s.vs_plain.max_rel_logit_err <= runner_common.LOGIT_RTOL, summary
+        assert s.vs_plain.max_rel_logit_err <= runners.LOGIT_RTOL, summary
         res = s.result
         assert res.allocators_ok and res.verify_steps > 0 and res.decode_steps == 0, summary
         # plain writes for prefill chunks, one verify write per verify step, per full-attention layer
@@ -95,7 +95,7 @@ def _check_qwen_report(rep, cfg) -> None:
 
 @qwen35
 def test_tiny_qwen_generates_what_transformers_generates(qwen_report):
-    prompts = runner_common.make_prompts(QWEN_TINY)
+    prompts = runners.make_prompts(QWEN_TINY)
     assert len({len(p.tokens) for p in prompts}) == len(prompts)  # different lengths, no padding
     assert max(len(p.tokens) for p in prompts) > 2 * QWEN_TINY.chunk_size  # some prompt takes three chunks
     assert len({p.new_tokens for p in prompts}) > 1  # requests finish at different steps
@@ -122,11 +122,11 @@ def test_qwen_the_state_is_in_sglangs_layout():
     arch = qwen35_runner.Qwen35()
     model = arch.build_model(cfg)
     pools = arch.make_pool(cfg, model, torch.float32)
-    tokens = runner_common.make_prompts(cfg)[0].tokens
+    tokens = runners.make_prompts(cfg)[0].tokens
     sched = arch.scheduler(pools, 1, len(tokens) + 1, None)
-    sched.add(runner_common.Request(0, tokens, 2))
+    sched.add(runners.Request(0, tokens, 2))
     batch = sched.schedule()
-    with runner_common.cpu_threads(cfg), torch.no_grad():
+    with runners.cpu_threads(cfg), torch.no_grad():
         arch.runner(model, pools, None).forward(batch)
         out = model(torch.tensor([tokens]), use_cache=True)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
@@ -171,7 +171,7 @@ def test_qwen_summary_exit_status_and_a_json_others_can_rebuild(tmp_path, capsys
     assert data["spec_tokens"] == data["fp32_tokens"]
     torch.manual_seed(data["seed"])
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**data["config"])).eval()
-    with runner_common.cpu_threads(QWEN_TINY):
+    with runners.cpu_threads(QWEN_TINY):
         for prompt, tokens in zip(data["prompts"], data["fp32_tokens"], strict=True):
             ids = torch.tensor([prompt])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -257,13 +257,13 @@ def test_qwen_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
     cfg = replace(QWEN_TINY, prompts=2, new_tokens=(3, 4), prompt_len=(4, 20), device="cuda" if torch.cuda.is_available() else "cpu")
     arch = qwen35_runner.Qwen35(3)
     model = arch.build_model(cfg)
-    prompts = runner_common.make_prompts(cfg)
+    prompts = runners.make_prompts(cfg)
     runs = {}
     for mode in ("never", "always"):
         monkeypatch.setenv("KVPOOL_FUSED", mode)
         pools = arch.make_pool(cfg, model, torch.float8_e4m3fn)
-        with runner_common.cpu_threads(cfg):
-            runs[mode] = runner_common.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size)
+        with runners.cpu_threads(cfg):
+            runs[mode] = runners.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size)
     reference, fused = runs["never"], runs["always"]
     assert reference.fused_calls == 0 and fused.reference_calls == 0
     assert fused.fused_calls == reference.reference_calls > 0 and fused.verify_steps > 0
@@ -294,9 +294,9 @@ def test_qwen_shape_rejects_bad_values(kwargs, message):
 
 def _serve_qwen_cached(cfg, dtype, on, hf=None):
     arch = qwen35_runner.Qwen35()
-    with qwen35_runner.exact_fp32(), runner_common.cpu_threads(cfg):
+    with qwen35_runner.exact_fp32(), runners.cpu_threads(cfg):
         model = arch.build_model(cfg)
-        prompts = runner_common.make_prompts(cfg)
+        prompts = runners.make_prompts(cfg)
         pools = arch.make_pool(replace(cfg, prefix_cache=on), model, dtype)
         write, written = pools.kv.set_kv_buffer, []
 
@@ -305,9 +305,9 @@ def _serve_qwen_cached(cfg, dtype, on, hf=None):
             write(layer, loc, *args)
 
         pools.kv.set_kv_buffer = counted
-        res = runner_common.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=on)
+        res = runners.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=on)
         res.written = sum(written)
-        return res, (runner_common.hf_reference(model, prompts) if hf else None)
+        return res, (runners.hf_reference(model, prompts) if hf else None)
 
 
 @qwen35
@@ -322,11 +322,11 @@ def test_qwen_the_prefix_cache_generates_the_same_tokens(page_size, dtype):
     off, _ = _serve_qwen_cached(cfg, dtype, False)
     assert on.allocators_ok and on.cached_tokens > 0 and on.cached_tokens % page_size == 0
     assert on.written == off.written - on.cached_tokens  # the matched tokens were not computed again
-    same = runner_common.compare(on.generations, off.generations)
-    assert same.identical and same.max_rel_logit_err <= runner_common.LOGIT_RTOL
+    same = runners.compare(on.generations, off.generations)
+    assert same.identical and same.max_rel_logit_err <= runners.LOGIT_RTOL
     if hf is not None:
-        vs_hf = runner_common.compare(on.generations, hf)
-        assert vs_hf.identical and vs_hf.max_rel_logit_err <= runner_common.LOGIT_RTOL
+        vs_hf = runners.compare(on.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL
 
 
 @qwen35
@@ -337,7 +337,7 @@ def test_qwen_a_match_without_its_state_fails_the_fp32_check(monkeypatch):
 
     monkeypatch.setattr(MambaRadixCache, "_fork_into", lambda self, node, req: True)
     res, hf = _serve_qwen_cached(QWEN_CACHED, torch.float32, True, hf=True)
-    assert res.cached_tokens > 0 and not runner_common.compare(res.generations, hf).identical
+    assert res.cached_tokens > 0 and not runners.compare(res.generations, hf).identical
 
 
 @qwen35

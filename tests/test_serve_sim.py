@@ -12,22 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import load_example
+from kvassert import SMALL_SIM_ARGS, load_example, small_sim_config
 
 serve_sim = load_example("serve_sim")  # puts examples/ on sys.path, where its parts are (support.sim)
 from support.progress import Progress  # noqa: E402
 from support.sim import hybrid  # noqa: E402
 
-# Small, with memory pressure: 256 B/token, ~200 slots for requests of up to 104 tokens.
-SMALL = serve_sim.SimConfig(
-    requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
-    chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
-)  # fmt: skip
-SMALL_ARGS = [
-    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
-    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
-    "--device", "cpu", "--seed", "3", "--no-progress",
-]  # fmt: skip
+# The small run with memory pressure (kvassert): 256 B/token, ~200 slots.
+SMALL = small_sim_config()
 
 
 @pytest.mark.parametrize("page_size", [16, 4, 1], ids=["paged16", "paged4", "token"])
@@ -66,18 +58,18 @@ def test_stopping_early_checks_the_live_requests():
 
 
 def test_main_exit_codes_and_summary(capsys):
-    assert serve_sim.main(SMALL_ARGS) == 0
+    assert serve_sim.main(SMALL_SIM_ARGS) == 0
     out = capsys.readouterr().out
     assert "served          12/12 requests" in out and "check           OK" in out and out.rstrip().endswith("PASS")
-    assert serve_sim.main([*SMALL_ARGS, "--corrupt"]) == 1
+    assert serve_sim.main([*SMALL_SIM_ARGS, "--corrupt"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("FAIL")
-    assert serve_sim.main([*SMALL_ARGS, "--kv-budget-mib", "0.01"]) == 2
+    assert serve_sim.main([*SMALL_SIM_ARGS, "--kv-budget-mib", "0.01"]) == 2
     assert "--kv-budget-mib must hold the longest request" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")
 def test_a_cuda_device_without_one_is_a_one_line_error(capsys):
-    assert serve_sim.main([*SMALL_ARGS, "--device", "cuda"]) == 2
+    assert serve_sim.main([*SMALL_SIM_ARGS, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("serve_sim: --device must be a device this torch can use")
 
@@ -93,7 +85,7 @@ def test_a_cuda_device_without_one_is_a_one_line_error(capsys):
     ],
 )
 def test_refused_combinations_are_named_by_their_flags_here_and_in_help(capsys, args, message):
-    assert serve_sim.main([*SMALL_ARGS, *args]) == 2
+    assert serve_sim.main([*SMALL_SIM_ARGS, *args]) == 2
     assert message in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         serve_sim.parse_args(["--help"])
@@ -183,7 +175,7 @@ def test_mla_a_corrupted_latent_byte_fails_the_check():
 
 
 def test_mla_main_and_model_choice(capsys):
-    assert serve_sim.main([*SMALL_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
+    assert serve_sim.main([*SMALL_SIM_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
     with pytest.raises(ValueError, match="--model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
         replace(SMALL, model="llama")

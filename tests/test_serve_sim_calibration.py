@@ -11,27 +11,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import load_example
+from kvassert import SMALL_SIM_ARGS, load_example, small_sim_config
 from kvpool import quantize
 
 serve_sim = load_example("serve_sim")  # puts examples/ on sys.path, where its parts are (support.sim)
 
-# The plain run's small configuration (as in test_serve_sim.py): 256 B/token, ~200 slots.
-SMALL = serve_sim.SimConfig(
-    requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
-    chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
-)  # fmt: skip
-SMALL_ARGS = [
-    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
-    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
-    "--device", "cpu", "--seed", "3", "--no-progress",
-]  # fmt: skip
+# The small run with memory pressure (kvassert): 256 B/token, ~200 slots.
+SMALL = small_sim_config()
 
 
 # The small run's configuration, calibrated on a short pass: 2 layers (layer 1's K reaches 1024, past
 # e4m3's 448; layer 0's V stays below 2**-6).
 CALIBRATED = replace(SMALL, calibrate=True, calibrate_steps=12)
-CALIBRATED_ARGS = [*SMALL_ARGS, "--calibrate", "--calibrate-steps", "12"]
+CALIBRATED_ARGS = [*SMALL_SIM_ARGS, "--calibrate", "--calibrate-steps", "12"]
 E4M3_MAX = 448.0
 
 

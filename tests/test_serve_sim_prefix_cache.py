@@ -12,22 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import load_example
+from kvassert import SMALL_SIM_ARGS, load_example, small_sim_config
 from kvpool.errors import IntegrityError
 
 serve_sim = load_example("serve_sim")  # puts examples/ on sys.path, where its parts are (support.sim)
 from support.sim import prefix as prefix_sim  # noqa: E402
 
-# The plain run's small configuration (as in test_serve_sim.py): 256 B/token, ~200 slots.
-SMALL = serve_sim.SimConfig(
-    requests=12, layers=2, heads=2, head_dim=32, page_size=16, kv_budget_mib=0.05, max_running=6,
-    chunk_size=48, prompt_len=(4, 80), output_len=(2, 24), arrival_every=0.5, device="cpu", seed=3,
-)  # fmt: skip
-SMALL_ARGS = [
-    "--requests", "12", "--layers", "2", "--heads", "2", "--head-dim", "32", "--kv-budget-mib", "0.05",
-    "--max-running", "6", "--chunk-size", "48", "--prompt-len", "4", "80", "--output-len", "2", "24",
-    "--device", "cpu", "--seed", "3", "--no-progress",
-]  # fmt: skip
+# The small run with memory pressure (kvassert): 256 B/token, ~200 slots.
+SMALL = small_sim_config()
 
 
 
@@ -164,7 +156,7 @@ def test_hybrid_a_match_without_its_state_fails_the_state_check(monkeypatch):
 
 
 def test_prefix_cache_command_line(capsys):
-    args = [*SMALL_ARGS, "--prefix-cache", "--few-shot-len", "40", "--turns", "1", "3", "--prompt-len", "4", "24",
+    args = [*SMALL_SIM_ARGS, "--prefix-cache", "--few-shot-len", "40", "--turns", "1", "3", "--prompt-len", "4", "24",
             "--output-len", "2", "16", "--kv-budget-mib", "0.06", "--requests", "16"]  # fmt: skip
     assert serve_sim.main(args) == 0
     out = capsys.readouterr().out

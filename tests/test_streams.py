@@ -16,7 +16,7 @@ from kvpool.streams import OnStream, StreamMark
 # when the block raises, and when nested), and StreamMark orders one stream after another's work so
 # far without a host wait, each wait following the record just before it.
 
-# About 50 ms of GPU sleep on an H200: long enough that an unordered stream would overtake it.
+# About 50 ms of GPU sleep at a 2 GHz SM clock: long enough that an unordered stream would overtake it.
 SLEEP_CYCLES = 100_000_000
 
 

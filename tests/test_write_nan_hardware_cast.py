@@ -7,7 +7,7 @@ cast and must have taken it) on every fp16 NaN pattern and on float32 NaNs of ev
 expect 0x7FFF in every element. They fail if the branch stops being the one taken or if the
 conversion stores any other NaN bits. The integer encoder (``SOFT_CAST`` on) gets the same inputs as
 a control. (A bf16 input into a bf16 cache converts nothing: its NaN bits are copied as they are,
-tests/test_write.py checks that.) CUDA only: the interpreter never takes the native branch.
+tests/test_write_nan_and_autograd.py checks that.) CUDA only: the interpreter never takes the native branch.
 """
 
 from __future__ import annotations

@@ -294,7 +294,7 @@ def test_flat_and_per_head_plans_match_reference(h, d, hv, dv, layout, scale_kin
 def test_direct_launch_knows_the_kernel_signature():
     """Direct launches pass every argument positionally: the per-call ones, the fixed ones, then the
     compile-time constants, in the kernel's signature order."""
-    names = list(store_kv_kernel._store_kv_kernel.arg_names)
+    names = list(store_kv_kernel.store_kv.arg_names)
     assert tuple(names[-len(store_kv.CONSTEXPRS) :]) == store_kv.CONSTEXPRS
     assert tuple(names) == store_kv.PARAMS
 

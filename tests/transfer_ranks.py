@@ -382,7 +382,7 @@ def run_rank_cases(
 
         if not copy_rows.INTERPRETER:
             raise RuntimeError("kernel=True needs TRITON_INTERPRET=1")
-        copy_rows._kernel_on_cpu = True
+        copy_rows.kernel_on_cpu = True
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = "cpu"
     kwargs = {}

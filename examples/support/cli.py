@@ -1,8 +1,20 @@
-"""What the examples' command lines share: a ``--device`` this torch can use."""
+"""What the examples' command lines share: the element types a dtype option names (``DTYPES``) and
+a ``--device`` this torch can use."""
 
 from __future__ import annotations
 
+import torch
+
 from kvpool.checks import resolve_device
+
+#: The element types the examples' dtype options take, by the name on the command line.
+DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
 
 
 def check_device(value: str) -> None:

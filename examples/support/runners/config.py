@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Protocol, Union
 import torch
 
 from kvpool.checks import positive_int
-from support.cli import check_device
+from support.cli import DTYPES, check_device
 
 try:
     import transformers
@@ -26,13 +26,6 @@ if int(transformers.__version__.split(".")[0]) < 5:
         f"the model runners need transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'"
     )
 
-DTYPES = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
 #: fp32 model + fp32 pool: the largest allowed max|logits - HF| / max|HF logits| of any step.
 LOGIT_RTOL = 1e-4

@@ -9,15 +9,8 @@ from typing import Optional
 import torch
 
 from kvpool.host import IO_BACKENDS, LAYOUTS
-from support.cli import check_device
+from support.cli import DTYPES, check_device
 
-DTYPES = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
 # Per-tensor scales as a checkpoint would carry them, for kv_values' base range [-16, 16). K values stay
 # in range after the divide; some V values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding
 # and the clamp are exercised. Each layer's scales are multiplied by its power of two below, which

@@ -46,24 +46,26 @@ class ModelRunner:
         kv = kv_values(rids, positions, layer, self.cfg.heads, self.cfg.head_dim)
         return [("K", kv[:, 0]), ("V", kv[:, 1])]
 
+    def stored(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The buffers of ``layer`` that hold ``parts``, in the same order: its K and V buffers."""
+        return self.pool.get_kv_buffer(layer)
+
     def verify(self, r: Request, slots: torch.Tensor, start: int = 0) -> tuple[int, Optional[Mismatch]]:
-        """Tokens of ``r`` whose stored K or V differs from what was written, and the first one;
-        ``slots`` hold its positions ``start..``."""
+        """Tokens of ``r`` whose stored bytes of any part (``parts``, in ``stored``) differ from what
+        was written, and the first one; ``slots`` hold its positions ``start..``."""
         n = slots.shape[0]
         rids = r.keys(start, start + n, self.pool.device)
         positions = torch.arange(start, start + n, dtype=torch.int64, device=self.pool.device)
         bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
         first: Optional[Mismatch] = None
         for layer in self.layers:
-            kv = kv_values(rids, positions, layer.layer_id, self.cfg.heads, self.cfg.head_dim)
-            k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
-            k_scale, v_scale = self.scales[layer.layer_id]
-            for which, x, buf, scale in (("K", kv[:, 0], k_buf, k_scale), ("V", kv[:, 1], v_buf, v_scale)):
+            lid = layer.layer_id
+            # Part j is quantised with the layer's j-th scale (K: k_scale, V: v_scale; a latent row: k_scale).
+            for (which, x), buf, scale in zip(self.parts(rids, positions, lid), self.stored(lid), self.scales[lid]):
                 expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
-                stored = buf.view(torch.uint8)[slots]
-                bad = (stored != expected).flatten(1).any(dim=1)
+                bad = (buf.view(torch.uint8)[slots] != expected).flatten(1).any(dim=1)
                 if first is None and bool(bad.any()):
-                    first = Mismatch(r.rid, start + int(bad.nonzero()[0]), layer.layer_id, which)
+                    first = Mismatch(r.rid, start + int(bad.nonzero()[0]), lid, which)
                 bad_any |= bad
         return int(bad_any.sum()), first
 
@@ -94,23 +96,9 @@ class MLAModelRunner(ModelRunner):
             else:
                 self.pool.set_kv_buffer(layer, batch.loc, row, None, scale)
 
-    def verify(self, r: Request, slots: torch.Tensor, start: int = 0) -> tuple[int, Optional[Mismatch]]:
-        """Tokens of ``r`` whose stored latent row differs from what was written, and the first one;
-        ``slots`` hold its positions ``start..``."""
-        n = slots.shape[0]
-        rids = r.keys(start, start + n, self.pool.device)
-        positions = torch.arange(start, start + n, dtype=torch.int64, device=self.pool.device)
-        bad_any = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
-        first: Optional[Mismatch] = None
-        for layer in self.layers:
-            row = self.latent(rids, positions, layer.layer_id)
-            expected = quantize(row, self.pool.dtype, self.scales[layer.layer_id][0]).contiguous().view(torch.uint8)
-            stored = self.pool.get_key_buffer(layer.layer_id).view(torch.uint8)[slots]
-            bad = (stored != expected).flatten(1).any(dim=1)
-            if first is None and bool(bad.any()):
-                first = Mismatch(r.rid, start + int(bad.nonzero()[0]), layer.layer_id, "latent")
-            bad_any |= bad
-        return int(bad_any.sum()), first
+    def stored(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The buffer of ``layer`` that holds its latent rows."""
+        return (self.pool.get_key_buffer(layer),)
 
 
 class Checker:

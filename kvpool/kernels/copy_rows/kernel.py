@@ -41,7 +41,7 @@ def row_pointers(base, index, stride, ELEM_BYTES: tl.constexpr, ALIGN: tl.conste
 
 
 @triton.jit
-def _copy_rows_kernel(
+def copy_rows(
     dst_table_ptr,  # int64 [3, dst_table_stride]: row 0 base address, row 1 row stride (bytes), row 2 row bytes
     src_table_ptr,  # int64 [3, src_table_stride]: same, for the source buffers
     dst_index_ptr,  # int32/int64 [n_pairs] (stride dst_index_stride): destination rows

@@ -49,19 +49,20 @@ ONE_PASS_MAX_PAIRS = 1024
 #: buffers per launch pair against a larger allocation.
 STAGING_BYTES = 256 * 2**20
 
-_k = None
+kernel = None
 if TRITON_AVAILABLE:
-    from kvpool.kernels.copy_rows import kernel as _k
+    from kvpool.kernels.copy_rows import kernel
 
 __all__ = [
     "FEW_PROGRAMS", "FEW_PROGRAMS_TILE", "INTERPRETER", "ONE_PASS_MAX_PAIRS", "ONE_PASS_TILE", "PROGRAMS_PER_SM",
-    "RowTable", "SM_TILE", "STAGING_BYTES", "Tile", "aliases", "byte_rows", "check_in_range", "check_pairs",
-    "checked_copy", "copy_rows", "copy_rows_reference", "launch_copy_rows", "plan_copy",
+    "RowTable", "SM_TILE", "STAGING_BYTES", "Tile", "aliases", "byte_rows", "check_pairs",
+    "checked_copy", "copy_rows", "copy_rows_reference", "kernel_on_cpu", "launch_copy_rows", "plan_copy",
 ]  # fmt: skip
 
-# Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
-# tables; otherwise CPU tables take the reference path.
-_kernel_on_cpu = False
+#: Test switch: set to True (under TRITON_INTERPRET=1, e.g. with pytest's monkeypatch.setattr) to
+#: run the kernel through Triton's interpreter on CPU tables; while False, CPU tables take the
+#: PyTorch reference. CUDA tables are not affected. Read at every call.
+kernel_on_cpu = False
 
 
 # --- checks -----------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ PARAMS = (
 #: Compiled kernels by launch key (CUDA): a transfer of 32 layers one by one launches 32 times
 #: before the model's work can be queued, so each launch after the first of its kind skips the JIT's
 #: per-call binding.
-LAUNCHES = DirectLaunches("row copy", _k is not None and kernel_params(_k._copy_rows_kernel) == PARAMS)
+LAUNCHES = DirectLaunches("row copy", kernel is not None and kernel_params(kernel.copy_rows) == PARAMS)
 
 
 def launch_copy_rows(
@@ -230,7 +231,7 @@ def _jit_launch(plan: CopyPlan, tile: Tile, args: tuple):
     )  # fmt: skip
     if tile.maxnreg is not None:
         consts["maxnreg"] = tile.maxnreg
-    return _k._copy_rows_kernel[(plan.programs,)](*args, **consts)
+    return kernel.copy_rows[(plan.programs,)](*args, **consts)
 
 
 def _staged_copy(
@@ -321,7 +322,7 @@ def checked_copy(
         check_in_range([(dst_index, dst.rows, names[0]), (src_index, src.rows, names[1])])
     if n == 0:
         return
-    if not uses_kernel(device, _kernel_on_cpu):
+    if not uses_kernel(device, kernel_on_cpu):
         copy_rows_reference(dst, dst_index, src, src_index)
     elif same and n > ONE_PASS_MAX_PAIRS:
         _staged_copy(dst, dst_index, src, src_index, max_programs)

@@ -23,7 +23,7 @@ from kvpool.kernels.copy_rows.kernel import row_pointers
 
 
 @triton.jit
-def _commit_rows_kernel(
+def commit_rows(
     dst_table_ptr,  # int64 [3, dst_table_stride]: base address, row stride (bytes), row bytes per buffer
     src_table_ptr,  # int64 [3, src_table_stride]: the same for the scratch buffers (rows: requests x K)
     slots_ptr,  # int32/int64 [bs] (stride slots_stride): destination rows of the first set

@@ -36,17 +36,18 @@ from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit.naive import commit_rows_reference
 
 try:
-    from kvpool.kernels.state_commit import kernel as _k
+    from kvpool.kernels.state_commit import kernel
 except ImportError:  # pragma: no cover - exercised only where triton is absent
-    _k = None
+    kernel = None
 
 #: The commit's task: a linear layer's recurrent state row is hundreds of kilobytes, so wide column
 #: chunks on many warps keep more bytes in flight per program than the row copy's tile.
 STATE_COMMIT_TILE = Tile(elems=32768, num_warps=16)
 
-# Tests set this (under TRITON_INTERPRET=1) to run the kernel through Triton's interpreter on CPU
-# tables; otherwise CPU tables take the reference path.
-_kernel_on_cpu = False
+#: Test switch: set to True (under TRITON_INTERPRET=1, e.g. with pytest's monkeypatch.setattr) to
+#: run the kernel through Triton's interpreter on CPU tables; while False, CPU tables take the
+#: PyTorch reference. CUDA tables are not affected. Read at every call.
+kernel_on_cpu = False
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ PARAMS = (
 
 #: Compiled commit kernels by launch key (CUDA): an eager verify step's commit skips the JIT's
 #: per-call binding after the first launch of its kind.
-LAUNCHES = DirectLaunches("state commit kernel", _k is not None and kernel_params(_k._commit_rows_kernel) == PARAMS)
+LAUNCHES = DirectLaunches("state commit kernel", kernel is not None and kernel_params(kernel.commit_rows) == PARAMS)
 
 
 def launch_commit_rows(
@@ -133,7 +134,7 @@ def _jit_launch(plan: CommitPlan, constexprs: tuple, args: tuple):
     """Launch through Triton's JIT (compiling on first use) on the current device and stream; returns
     the compiled kernel (None under the interpreter)."""
     consts = dict(zip(PARAMS[len(args) :], constexprs))
-    return _k._commit_rows_kernel[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
+    return kernel.commit_rows[(plan.programs,)](*args, **consts, num_warps=plan.num_warps)  # type: ignore[union-attr]
 
 
 def commit_rows(
@@ -149,7 +150,7 @@ def commit_rows(
     of ``dst.buffers[b]`` becomes a byte copy of row ``i * num_steps + steps[i] - 1`` of
     ``src.buffers[b]``; likewise for ``(track_slots, track_steps)`` when given. Unchecked (the
     caller checks its arguments); the kernel on CUDA, :func:`commit_rows_reference` elsewhere."""
-    if uses_kernel(dst.device, _kernel_on_cpu):
+    if uses_kernel(dst.device, kernel_on_cpu):
         launch_commit_rows(dst, src, num_steps, slots, steps, track_slots, track_steps)
     else:
         commit_rows_reference(dst, src, num_steps, slots, steps, track_slots, track_steps)

@@ -85,7 +85,8 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     Native (``SOFT_CAST=False``, NVIDIA sm_89+ only): Triton's casts, ``cvt.rn.satfinite`` for FP8
     (nearest even, overflow and +-inf to +-fmax, every NaN to FP8_NAN) and ``cvt.rn.bf16.f32`` for
     bf16 (nearest even, every NaN to HALF_NAN): the write's definition with no clamp and no NaN
-    select (tests/test_write_nan_hardware_cast.py, test_write.py, test_plans_and_launcher.py).
+    select (tests/test_write_nan_hardware_cast.py, test_write_nan_and_autograd.py,
+    test_write_compiled_on_cuda.py, test_write_kernel_targets.py).
     Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
     bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
     are wrong) and GPUs with no FP8 conversion. fp16 and fp32 outputs select their NaN pattern on
@@ -129,7 +130,7 @@ def _div_by_reciprocal(x, s, r):
     the quotient (not always within one ulp of x / s: x = 1.8855892, s = 1.8878249 gives 1.37 ulp,
     but never more than one float away from RN(x / s) in the checks below), the residual
     e = q0 * s - x is exact in an FMA, and RN(q0 - e * r) is the correctly rounded quotient when
-    nothing over- or underflows. Evidence rather than a proof of our own: tests/test_write_oracle.py
+    nothing over- or underflows. Evidence rather than a proof of our own: tests/test_write_fast_division.py
     replays these steps with an exact FMA over every float32 mantissa of x against hard and random
     scale mantissas (CPU, in CI), and runs this code against IEEE division on 64M random pairs (on a
     GPU). The clamp of x to +-2**64 rules out overflow (infinities included; NaN passes
@@ -389,7 +390,7 @@ def _store_head_block(
         "commit_ptr", "width", "stride_loc_row", "stride_commit", "k_amax_ptr", "v_amax_ptr",
     ]
 )  # fmt: skip
-def _store_kv_kernel(
+def store_kv(
     k_ptr,  # [T, H, D] bf16/fp16/fp32, any strides
     v_ptr,  # [T, HV, DV]
     k_cache_ptr,  # [capacity, H, D] cache, uint8 storage for FP8

@@ -44,9 +44,9 @@ from kvpool.kernels.store_kv.naive import write_reference
 from kvpool.kernels.store_kv.plan import AUTO, BAND_TOKENS, TOKEN_BANDS, LaunchPlan, plan_write
 from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, ArgNames, Geometry, Scale
 
-kernels = None
+kernel = None
 if TRITON_AVAILABLE:
-    from kvpool.kernels.store_kv import kernel as kernels
+    from kvpool.kernels.store_kv import kernel
 
 logger = logging.getLogger("kvpool")
 
@@ -71,7 +71,7 @@ CONSTEXPRS = (
     "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64", "JOINED",
 )  # fmt: skip
 PARAMS = PER_CALL + FIXED + CONSTEXPRS
-_SIGNATURE_OK = kernels is not None and kernel_params(kernels._store_kv_kernel) == PARAMS
+_SIGNATURE_OK = kernel is not None and kernel_params(kernel.store_kv) == PARAMS
 
 
 @dataclass
@@ -155,7 +155,7 @@ class KVWriter:
         self.stats = PathStats()
         self.cache_ok, self.cache_reason = cache_verdict(
             g.device, g.cache_dtype, g.head_dim, g.v_head_dim, k_strides[2], v_strides[2],
-            triton_available=kernels is not None, interpreter=INTERPRETER and mode == "always",
+            triton_available=kernel is not None, interpreter=INTERPRETER and mode == "always",
         )  # fmt: skip
         #: Whether any write may take the kernel (the warmup compiles only then).
         self.fused_possible = self.cache_ok and mode != "never"
@@ -298,7 +298,7 @@ class KVWriter:
         """The launch ``record`` (from ``self.launches.recording()``) made, through Triton's JIT
         instead of the compiled kernel: what a caller without the launch cache pays (benchmarks)."""
         n, consts = len(PER_CALL) + len(FIXED), record.key.constexprs  # type: ignore[attr-defined]
-        return lambda: kernels._store_kv_kernel[record.grid](*record.args[:n], **consts)  # type: ignore[union-attr]
+        return lambda: kernel.store_kv[record.grid](*record.args[:n], **consts)  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -385,7 +385,7 @@ class KVWriter:
         self.jit_launches += 1
 
         def jit():
-            return kernels._store_kv_kernel[grid](*per_call, *entry.fixed_args, **consts)  # type: ignore[union-attr]
+            return kernel.store_kv[grid](*per_call, *entry.fixed_args, **consts)  # type: ignore[union-attr]
 
         self.launches.launch(None if i64 else entry, grid, per_call + entry.direct_args, jit, self._device)
 
