@@ -16,7 +16,7 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
-from kvpool.host import LayerTransferCounter, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import HybridPoolHost, LayerTransferCounter, MambaPoolHost, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 # Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
 # kvpool.kernels.copy_rows stays the module.
 from kvpool.kernels.copy_rows import RowTable, copy_rows
@@ -45,7 +45,6 @@ from kvpool.pools import (
     mla_kv_bytes_per_token,
     plan_hybrid_pools,
 )
-from kvpool.pools.mamba_host import HybridPoolHost, MambaPoolHost
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 
 __version__ = "0.1.0"
