@@ -28,6 +28,7 @@ from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
+from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
 from kvpool.host import IO_BACKENDS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -126,13 +127,48 @@ class HiRadixCache(RadixCache):
             self._host_queue.push(node)  # its priority changed
         return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
 
+    def insert(self, params: Any, value: Optional[torch.Tensor] = None, chunked: bool = False, priority: int = 0) -> Any:
+        """As ``RadixCache.insert``, and the write-through backups of the path.
+
+        Raises
+        ------
+        RuntimeError
+            After the insert is done, if a backup to the host raised (the message says which node;
+            it has no host copy and holds no host slot).
+        """
+        result = super().insert(params, value, chunked, priority)
+        self._report_backup_failure("insert")
+        return result
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
+        """As ``RadixCache.cache_finished_req``; a failed write-through backup is reported as ``insert``."""
+        super().cache_finished_req(req, is_insert, **kwargs)
+        self._report_backup_failure("cache_finished_req")
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
+        """As ``RadixCache.cache_unfinished_req``; a failed write-through backup is reported as ``insert``."""
+        super().cache_unfinished_req(req, chunked, **kwargs)
+        self._report_backup_failure("cache_unfinished_req")
+
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
         """Free at least ``num_tokens`` device tokens, unlocked device leaves first in the policy's
         order: a backed-up node stays in the tree on the host; under ``write_back`` a node without a
         host copy is backed up first (when the host has room); any other leaf leaves the tree, with
-        the host-only nodes below it. The device slots go back in one ``free`` call."""
+        the host-only nodes below it. The device slots go back in one ``free`` call, before the host
+        slots of the nodes that left.
+
+        Raises
+        ------
+        ValueError
+            As ``RadixCache.evict``; nothing changes. If a write-back backup or the allocator's
+            ``free`` raises, the nodes go back as they were (host-only leaves evicted to make room
+            stay evicted) and the error propagates; if the host pool's ``free`` raises after that,
+            the device part stands.
+        """
         num = self._evict_amount(params)
+        undo = Undo()
         freed: list[torch.Tensor] = []
+        host_freed: list[torch.Tensor] = []
         count = 0
         written_back = False
         while count < num:
@@ -140,22 +176,35 @@ class HiRadixCache(RadixCache):
             if node is None:
                 break
             if HOST not in node.records and self.write_policy == "write_back":
-                written_back |= self.write_backup(node, write_back=True) > 0
+                try:
+                    backed = self.write_backup(node, write_back=True) > 0
+                except BaseException:
+                    undo.run()
+                    raise
+                if backed:
+                    written_back = True
+                    undo.add(lambda node=node: self.token_to_kv_pool_host.free(node.records.pop(HOST).slots))
             freed.append(node.device.value)
             count += len(node.device.value)
             if HOST in node.records:
-                self._drop_device(node)
+                self._drop_device(node, undo)
                 if self._is_evictable(node.parent):
                     self._queue.push(node.parent)
                 if self._is_host_evictable(node):
                     self._host_queue.push(node)
             else:
-                self._drop_host_subtree(node)
-                self._remove_leaf(node)
-        if written_back:
-            self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
-        if freed:
-            self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+                host_freed += self._detach_host_subtree(node, undo)
+                self._remove_leaf(node, undo)
+        try:
+            if written_back:
+                self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
+            if freed:
+                self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+        except BaseException:
+            undo.run()  # the nodes go back on the device, and the backups of this call are dropped
+            raise
+        if host_freed:
+            self.token_to_kv_pool_host.free(torch.cat(host_freed))
         return EvictResult(num_tokens_evicted=count)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -189,7 +238,8 @@ class HiRadixCache(RadixCache):
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Back up a device node to new host slots (evicting host-only leaves for room); returns its
         tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
-        the backup has read its slots (``writing_check``)."""
+        the backup has read its slots (``writing_check``). If the backup raises, its host slots are
+        freed again and the node stays without a host copy."""
         host = self.token_to_kv_pool_host
         n = len(node.device.value)
         slots = host.alloc(n)
@@ -198,7 +248,11 @@ class HiRadixCache(RadixCache):
             slots = host.alloc(n)
             if slots is None:
                 return 0
-        event = host.backup_from_device_all_layer(self.kv_cache, slots, node.device.value, self.io_backend)
+        try:
+            event = host.backup_from_device_all_layer(self.kv_cache, slots, node.device.value, self.io_backend)
+        except BaseException:
+            host.free(slots)  # no host slot without an owner
+            raise
         node.records[HOST] = HostCopy(slots)
         if event is not None and not write_back:
             self.inc_lock_ref(node)
@@ -318,7 +372,20 @@ class HiRadixCache(RadixCache):
                     due.append(node)
             node = node.parent
         for node in reversed(due):
-            self.write_backup(node)
+            try:
+                self.write_backup(node)
+            except Exception as e:  # the call finishes consistent first, then reports it
+                if self._backup_failure is None:
+                    self._backup_failure = (node.id, e)
+
+    def _report_backup_failure(self, what: str) -> None:
+        failure, self._backup_failure = self._backup_failure, None
+        if failure is not None:
+            node_id, error = failure
+            raise RuntimeError(
+                f"{what}: done (the tree holds the pages on the device), but backing node {node_id} up to the host "
+                f"failed: {error}; the node has no host copy and no host slot is held for it"
+            ) from error
 
     def _reset_host(self) -> None:
         self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, host_record)
@@ -327,6 +394,7 @@ class HiRadixCache(RadixCache):
         self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
         self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
         self._loads_started = 0
+        self._backup_failure: Optional[tuple[int, BaseException]] = None
         self.token_to_kv_pool_host.clear()
 
     def _is_evictable(self, node: TreeNode) -> bool:
@@ -336,6 +404,11 @@ class HiRadixCache(RadixCache):
         if device is None or device.lock_ref or node.parent is None:
             return False
         return all(c.device is None for c in node.children.values())
+
+    def _touched(self, node: TreeNode) -> None:
+        super()._touched(node)
+        if self._is_host_evictable(node):
+            self._host_queue.push(node)
 
     def _is_host_evictable(self, node: TreeNode) -> bool:
         return node.device is None and HOST in node.records and not node.children and node.parent is not None
@@ -357,18 +430,28 @@ class HiRadixCache(RadixCache):
             problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
         return problems
 
-    def _drop_host_subtree(self, node: TreeNode) -> None:
-        """Free the host copies of the host-only nodes below ``node`` and detach them."""
+    def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
+        """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
         freed = []
+        saved = []
         stack = list(node.children.values())
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            freed.append(n.records.pop(HOST).slots)
+            copy = n.records.pop(HOST)
+            saved.append((n, copy, n.children))
+            freed.append(copy.slots)
             n.children = {}
-        node.children = {}
-        if freed:
-            self.token_to_kv_pool_host.free(torch.cat(freed))
+        children, node.children = node.children, {}
+        undo.add(lambda: self._reattach_host_subtree(node, children, saved))
+        return freed
+
+    def _reattach_host_subtree(self, node: TreeNode, children: dict, saved: list) -> None:
+        node.children = children
+        for n, copy, below in saved:
+            n.records[HOST], n.children = copy, below
+            if self._is_host_evictable(n):
+                self._host_queue.push(n)
 
     def _alloc_device(self, n: int) -> Optional[torch.Tensor]:
         allocator = self.token_to_kv_pool_allocator
