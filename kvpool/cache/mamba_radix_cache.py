@@ -278,11 +278,11 @@ class MambaRadixCache(TreeCache):
         kv, protected = plan.kv, plan.protected
         job = state = None
         if plan.last_node is not None:
-            self._check_locked(self._path(plan.last_node, "cache_finished_req: req.last_node"), "cache_finished_req")
+            self._check_locked(self._path(plan.last_node, "cache_finished_req: req.last_node"), "cache_finished_req: req.last_node")
             if plan.insert is not None:
                 job = self._prepare_insert(plan.insert, "cache_finished_req")
                 state = self._checked_state(plan.insert.mamba_value, "the request's state slot", job)
-            if self.validate:
+            if self._checks_slots():
                 self._check_request_slots(kv, protected, plan.last_node, "cache_finished_req")
         end, exist = protected, True
         if job is not None:
@@ -309,10 +309,10 @@ class MambaRadixCache(TreeCache):
         if plan.insert is None:
             req.prefix_indices = kv.to(torch.int64, copy=True)
             return
-        self._check_locked(self._path(plan.last_node, "cache_unfinished_req: req.last_node"), "cache_unfinished_req")
+        self._check_locked(self._path(plan.last_node, "cache_unfinished_req: req.last_node"), "cache_unfinished_req: req.last_node")
         job = self._prepare_insert(plan.insert, "cache_unfinished_req")
         self._checked_state(plan.state, "the request's state slot", None)
-        if self.validate:
+        if self._checks_slots():
             self._check_request_slots(kv, plan.protected, plan.last_node, "cache_unfinished_req")
         protected, known = plan.protected, plan.known
         pool = self.mamba_pool
@@ -349,10 +349,10 @@ class MambaRadixCache(TreeCache):
 
     def _checked_state(self, state: Any, name: str, job: Any) -> torch.Tensor:
         """A state slot given to the tree, checked: [1] int32/int64 on the state pool's device or the
-        CPU; under ``validate``, handed out by the pool and not the tree's already."""
+        CPU; handed out by the pool and not the tree's already (see ``_checks_slots``)."""
         devices = (torch.device("cpu"),) if self.mamba_pool is None else (torch.device(self.mamba_pool.device), torch.device("cpu"))
         state = check_index(state, name, dims="[1]", length=1, device=devices, where=" or ".join(map(str, devices)))
-        if self.validate and self.mamba_pool is not None:
+        if self._checks_slots() and self.mamba_pool is not None:
             slot = int(state[0])
             if not self.mamba_pool.is_held(slot):
                 raise ValueError(f"{name} must be a state slot the pool has handed out, got {slot}, which is free or out of range")

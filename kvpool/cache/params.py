@@ -65,7 +65,7 @@ class InsertParams:
 
     ``key``: the tokens; ``value``: Tensor [len(key)] of their device slots (None in a simulated cache:
     the token ids stand in); ``priority``: an int for the priority policy (kept as the maximum along
-    the path; None counts as 0, as in SGLang). ``prev_prefix_len``: None (the caller frees the slots
+    the path). ``prev_prefix_len``: None (the caller frees the slots
     of the ``prefix_len`` tokens the tree held, SGLang's ``RadixCache``), or the tokens at the start
     of ``value`` that are the tree's own slots from the caller's match: the insert then frees the
     caller's slots of the tokens from there to ``prefix_len`` itself (SGLang's ``SWARadixCache``).

@@ -190,10 +190,10 @@ class RadixCache(TreeCache):
         plan = requests.plan_finished(self, req, is_insert)
         job = None
         if plan.last_node is not None:
-            self._check_locked(self._path(plan.last_node, "cache_finished_req: req.last_node"), "cache_finished_req")
+            self._check_locked(self._path(plan.last_node, "cache_finished_req: req.last_node"), "cache_finished_req: req.last_node")
             if plan.insert is not None:
                 job = self._prepare_insert(plan.insert, "cache_finished_req")
-            if self.validate:
+            if self._checks_slots():
                 self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_finished_req")
         end = plan.aligned if job is None else job.cached
         kv, protected = plan.kv, plan.protected
@@ -210,9 +210,9 @@ class RadixCache(TreeCache):
         plan = requests.plan_unfinished(self, req, chunked)
         if plan is None:
             return
-        self._check_locked(self._path(plan.last_node, "cache_unfinished_req: req.last_node"), "cache_unfinished_req")
+        self._check_locked(self._path(plan.last_node, "cache_unfinished_req: req.last_node"), "cache_unfinished_req: req.last_node")
         job = self._prepare_insert(plan.insert, "cache_unfinished_req")
-        if self.validate:
+        if self._checks_slots():
             self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_unfinished_req")
         kv, protected, aligned = plan.kv, plan.protected, plan.aligned
         if job is not None:

@@ -228,7 +228,7 @@ class TreeCache(RadixTree):
 
     def _check_request_slots(self, kv: torch.Tensor, protected: int, last_node: TreeNode, what: str) -> None:
         """A request's first ``protected`` slots are its ``last_node``'s path in the tree, and the rest
-        its own: handed out, each once, none in the tree (reads them: ``validate`` only)."""
+        its own: handed out, each once, none in the tree (reads them: see ``_checks_slots``)."""
         path = [n.device.value for n in reversed(self._path(last_node, what))]
         tree = torch.cat(path).cpu() if path else kv[:0].cpu().to(torch.int64)
         if tree.numel() != protected or not torch.equal(tree, kv[:protected].cpu().to(torch.int64)):
@@ -295,10 +295,8 @@ class TreeCache(RadixTree):
         enc = self._key_bytes(key)
         value = self._checked_value(key, enc, params.value)
         priority = params.priority
-        if priority is None:
-            priority = 0
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"{what}: priority must be an int (or None for 0), got {priority!r} ({type(priority).__name__})")
+            raise TypeError(f"{what}: priority must be an int, got {priority!r} ({type(priority).__name__})")
         prev = params.prev_prefix_len
         if prev is not None and (isinstance(prev, bool) or not isinstance(prev, int) or not 0 <= prev <= len(value)):
             raise ValueError(f"{what}: prev_prefix_len must be None or an int in 0..{len(value)} (the key's tokens), got {prev!r}")
@@ -307,9 +305,14 @@ class TreeCache(RadixTree):
             return None
         cached, tree_slots, end = self._peek(enc, n, key.extra_key)
         elems = n // self.elem_bytes
-        if self.validate:
+        if self._checks_slots():
             self._check_given_slots(value[:elems], cached // self.elem_bytes, tree_slots, f"{what}: value")
         return InsertJob(enc, n, value, priority, key.extra_key, bool(params.chunked), cached // self.elem_bytes, prev, end)
+
+    def _checks_slots(self) -> bool:
+        """Whether calls check the slots they are given against the allocator and the tree: always on
+        the CPU, under ``validate`` on a GPU (where reading them is a synchronisation)."""
+        return self.validate or self.device.type == "cpu"
 
     def _owners(self) -> Optional[torch.Tensor]:
         """The allocator's holders per slot (a kvpool allocator's ``backup_state().owners``, on the
@@ -321,7 +324,7 @@ class TreeCache(RadixTree):
     def _check_given_slots(self, slots: torch.Tensor, shared: int, tree_slots: list[torch.Tensor], what: str) -> None:
         """Each of ``slots`` handed out by the allocator and listed once; none in the tree except the
         first ``shared``, where they may be the tree's own slots for the same tokens (reads the slots
-        and the tree: ``validate`` only)."""
+        and the tree: see ``_checks_slots``)."""
         owners = self._owners()
         if owners is None or slots.numel() == 0:
             return
