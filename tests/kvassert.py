@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import types
+import unittest.mock
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -34,6 +35,27 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import pytest
 import torch
+
+from kvpool import (
+    HybridReqToTokenPool,
+    MambaCacheParams,
+    MambaStateShape,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    PagedTokenToKVPoolAllocator,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from kvpool.cache import (
+    CacheInitParams,
+    EvictParams,
+    HiRadixCache,
+    InsertParams,
+    MambaRadixCache,
+    MatchPrefixParams,
+    RadixCache,
+    RadixKey,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -834,3 +856,370 @@ def _spelled(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {v.dtype} tensor {tuple(v.shape)} at {v.data_ptr():#x}"
     return repr(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefix caches: short forms of their calls, a record of a tree's contents, a scheduler over
+# the real allocators and request table (Engine), and one for hybrid models (HybridEngine).
+
+def T(xs, dtype=torch.int64):
+    return torch.tensor(xs, dtype=dtype)
+
+
+def sim(page_size=1, **kwargs) -> RadixCache:
+    return RadixCache.create_simulated(page_size=page_size, **kwargs)
+
+
+def insert(cache, tokens, values=None, extra=None, priority=0) -> int:
+    v = None if values is None else T(values)
+    return cache.insert(InsertParams(key=RadixKey(list(tokens), extra), value=v, priority=priority)).prefix_len
+
+
+def match(cache, tokens, extra=None):
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens), extra)))
+
+
+def tree_state(cache: RadixCache) -> tuple:
+    """Everything the tree holds, as plain values (to prove that a call changed nothing)."""
+    rows = []
+    stack = [cache.root_node]
+    while stack:
+        n = stack.pop()
+        value = None if n.value is None else tuple(n.value.tolist())
+        parent = None if n.parent is None else n.parent.id
+        rows.append((n.id, parent, tuple(n.key.token_ids), n.key.extra_key, value, n.lock_ref, n.hit_count, n.priority))
+        stack.extend(n.children.values())
+    return (sorted(rows, key=repr), cache.evictable_size(), cache.protected_size(), len(cache.kv_event_queue))
+
+
+def seq(n, start=1000, step=1):
+    return list(range(start, start + n * step, step))
+
+
+def free_recorder():
+    freed: list[list[int]] = []
+    alloc = unittest.mock.Mock()
+    alloc.device = torch.device("cpu")
+    alloc.free.side_effect = lambda t: freed.append(t.tolist())
+    return alloc, freed
+
+
+@dataclasses.dataclass
+class SimReq:
+    """A request as the cache's request protocol describes it (kvpool.cache.requests)."""
+
+    req_pool_idx: int
+    origin_input_ids: list
+    extra_key: Any = None
+    output_ids: list = dataclasses.field(default_factory=list)
+    last_node: Any = None
+    cache_protected_len: int = 0
+    prefix_indices: Any = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    priority: int = 0
+
+    @property
+    def fill_ids(self) -> list:
+        return self.origin_input_ids + self.output_ids
+
+
+class Engine:
+    """A scheduler's use of the cache: admit (match, lock, load back from the host tier, allocate,
+    evict on shortage), decode one token, chunk (cache_unfinished_req), finish, retract. Records
+    each slot's content (the namespace and the token prefix whose KV it holds), so a match can be
+    checked slot by slot. With ``host_policy`` the cache is a ``HiRadixCache`` over an FP8 device pool
+    and a host pool, every slot's K/V rows hold a pattern of its content, and every loaded slot's
+    bytes are checked against it."""
+
+    def __init__(self, kind: str, page: int, pages: int, rows: int = 6, policy: str = "lru",
+                 host_policy: Optional[str] = None, layout: str = "layer_first", host_ratio: float = 2.0, **cache_kw):  # fmt: skip
+        size = pages * page
+        self.pool = None
+        if host_policy is not None:
+            self.pool = MHATokenToKVPool(size, page, torch.float8_e4m3fn, 3, 8, 2, "cpu", v_head_dim=4)
+        if kind == "token":
+            self.alloc = TokenToKVPoolAllocator(size, kvcache=self.pool, validate=True)
+        else:
+            self.alloc = PagedTokenToKVPoolAllocator(size, page, kvcache=self.pool, validate=True)
+        self.page, self.size = page, size
+        self.table = ReqToTokenPool(rows, max_context_len=size + page, device="cpu")
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
+            eviction_policy=policy, **cache_kw,
+        )  # fmt: skip
+        if host_policy is None:
+            self.cache = RadixCache(params)
+        else:
+            self.host = MHATokenToKVPoolHost(self.pool, host_ratio, 0, page, layout)
+            self.cache = HiRadixCache(params, host_pool=self.host, write_policy=host_policy, load_back_threshold=0)
+        self.running: dict[int, SimReq] = {}
+        self.content: dict[int, tuple] = {}
+        self.ids: dict[tuple, int] = {}
+        self.loaded = 0
+
+    def check_slots(self, slots: torch.Tensor, extra: Any, tokens: list) -> None:
+        for i, s in enumerate(slots.tolist()):
+            assert self.content.get(s) == (extra, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds other KV"
+
+    def pattern(self, contents: list[tuple], layer: int, which: str) -> torch.Tensor:
+        """[n, row bytes] uint8: the K or V row bytes of each content (its id's bytes, then a mix)."""
+        ids = torch.tensor([self.ids.setdefault(c, len(self.ids)) for c in contents], dtype=torch.int64)
+        width = 3 * (8 if which == "k" else 4)
+        rows = (ids[:, None] * 131 + torch.arange(width) * 7 + layer * 13 + (which == "v") * 57) % 256
+        rows[:, :4] = torch.stack([(ids >> (8 * b)) % 256 for b in range(4)], 1)
+        return rows.to(torch.uint8)
+
+    def _rows(self, layer: int, which: str) -> torch.Tensor:
+        buf = self.pool.k_buffer[layer] if which == "k" else self.pool.v_buffer[layer]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    def record(self, slots: list[int], contents: list[tuple]) -> None:
+        """``slots`` now hold ``contents``' KV (written by the model, here its pattern)."""
+        for s, c in zip(slots, contents):
+            self.content[s] = c
+        if self.pool is not None and slots:
+            for layer in range(self.pool.layer_num):
+                for which in "kv":
+                    self._rows(layer, which)[T(slots)] = self.pattern(contents, layer, which)
+
+    def check_bytes(self, slots: list[int], contents: list[tuple]) -> None:
+        for layer in range(self.pool.layer_num):
+            for which in "kv":
+                got, want = self._rows(layer, which)[T(slots)], self.pattern(contents, layer, which)
+                assert torch.equal(got, want), f"loaded {which} rows of layer {layer} differ from the KV backed up"
+
+    def _alloc(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        if isinstance(self.alloc, TokenToKVPoolAllocator):
+            return self.alloc.alloc(n)
+        one = T([1])
+        pre, sq = prefix * one, (prefix + n) * one
+        return self.alloc.alloc_extend(pre, pre.clone(), sq, sq.clone(), last * one, n)
+
+    def alloc_or_evict(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        got = self._alloc(n, prefix, last)
+        if got is None:
+            self.cache.evict(EvictParams(num_tokens=n + self.page))
+            got = self._alloc(n, prefix, last)
+        return got
+
+    def admit(self, tokens: list, extra: Any = None) -> Optional[SimReq]:
+        rows = self.table.alloc(1)
+        if rows is None:
+            return None
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
+        prefix, last = m.device_indices, m.last_device_node
+        assert len(prefix) % self.page == 0 and len(prefix) < len(tokens)
+        self.check_slots(prefix, extra, tokens)
+        self.cache.inc_lock_ref(last)
+        if m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
+            new, loaded_node = self.cache.init_load_back(m.last_host_node, m.host_hit_length)
+            self.cache.dec_lock_ref(last)
+            self.cache.inc_lock_ref(loaded_node)
+            last = loaded_node
+            if len(new):
+                self.cache.ready_to_load_host_cache()
+                contents = [(extra, tuple(tokens[: len(prefix) + i + 1])) for i in range(len(new))]
+                self.check_bytes(new.tolist(), contents)
+                self.record(new.tolist(), contents)
+                self.loaded += len(new)
+                prefix = torch.cat((prefix, new))
+        p = len(prefix)
+        new = self.alloc_or_evict(len(tokens) - p, p, int(prefix[-1]) if p else -1)
+        if new is None:
+            self.cache.dec_lock_ref(last)
+            self.table.free(rows[0])
+            return None
+        row = rows[0]
+        self.table.write((row, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
+        self.record(new.tolist(), [(extra, tuple(tokens[: p + i + 1])) for i in range(len(new))])
+        req = SimReq(row, list(tokens), extra, last_node=last, cache_protected_len=p, prefix_indices=prefix,
+                     kv_committed_len=len(tokens), kv_allocated_len=len(tokens))  # fmt: skip
+        self.running[row] = req
+        return req
+
+    def decode(self, req: SimReq, token: int) -> bool:
+        n = req.kv_committed_len
+        last = int(self.table.req_to_token[req.req_pool_idx, n - 1])
+        if isinstance(self.alloc, TokenToKVPoolAllocator):
+            got = self.alloc.alloc(1)
+        else:
+            sq = T([n + 1])
+            got = self.alloc.alloc_decode(sq, sq.clone(), T([last]))
+        if got is None:
+            return False
+        req.output_ids.append(token)
+        self.table.req_to_token[req.req_pool_idx, n] = int(got[0])
+        self.record([int(got[0])], [(req.extra_key, tuple(req.fill_ids))])
+        req.kv_committed_len = req.kv_allocated_len = n + 1
+        return True
+
+    def chunk(self, req: SimReq) -> None:
+        self.cache.cache_unfinished_req(req)
+        row = self.table.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+        assert torch.equal(req.prefix_indices, row)
+        self.check_slots(row, req.extra_key, req.fill_ids)
+
+    def finish(self, req: SimReq, insert: bool = True) -> None:
+        tokens = req.fill_ids[: req.kv_committed_len]
+        self.cache.cache_finished_req(req, is_insert=insert)
+        self.table.free(req.req_pool_idx)
+        del self.running[req.req_pool_idx]
+        if insert:
+            aligned = len(tokens) // self.page * self.page
+            m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key)))
+            assert len(m.device_indices) == aligned
+            self.check_slots(m.device_indices, req.extra_key, tokens)
+
+    def drain(self) -> None:
+        """Finish everything and evict the whole tree: every slot must be back (host slots too)."""
+        for req in list(self.running.values()):
+            self.finish(req)
+        if isinstance(self.cache, HiRadixCache):
+            self.cache.check_hicache_events()
+        self.cache.evict(EvictParams(num_tokens=self.size))
+        assert self.cache.total_size() == 0
+        assert self.alloc.available_size() == self.size // self.page * self.page
+        if isinstance(self.cache, HiRadixCache):
+            self.cache.evict_host(self.host.size)
+            assert self.host.available_size() == self.host.size and len(self.cache.root_node.children) == 0
+        self.cache.check_integrity()
+
+
+STATE = MambaCacheParams(MambaStateShape(conv=(6, 3), temporal=(2, 3, 4)), layers=(1, 3))
+
+
+class HybridEngine:
+    """A hybrid model's scheduler on a MambaRadixCache: each request has a state slot that holds the
+    state after its tokens (here a byte pattern of its content), and with the extra buffer a track
+    slot snapshots it at every whole page. Every match is checked: its KV slots hold its tokens'
+    KV, and the node it ends on holds the state after exactly those tokens."""
+
+    def __init__(self, page: int, pages: int, states: int, rows: int = 6, extra: bool = False):
+        size = pages * page
+        self.page, self.size = page, size
+        self.table = HybridReqToTokenPool(size=rows, mamba_size=states, max_context_len=size + page, device="cpu",
+                                          cache_params=STATE, enable_mamba_extra_buffer=extra)  # fmt: skip
+        self.pool = self.table.mamba_pool
+        self.alloc = (TokenToKVPoolAllocator(size, validate=True) if page == 1 else PagedTokenToKVPoolAllocator(size, page, validate=True))
+        self.cache = MambaRadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
+            enable_mamba_extra_buffer=extra,
+        ), mamba_cache_chunk_size=page)  # fmt: skip
+        self.extra = extra
+        self.running: dict[int, SimReq] = {}
+        self.content: dict[int, tuple] = {}
+        self.ids: dict[tuple, int] = {}
+
+    def state_bytes(self, slot: int) -> list[torch.Tensor]:
+        return [t[:, slot].reshape(t.shape[0], -1).view(torch.uint8) for t in (*self.pool.conv, self.pool.temporal)]
+
+    def write_state(self, slot: int, content: tuple) -> None:
+        cid = self.ids.setdefault(content, len(self.ids))
+        for b in self.state_bytes(slot):
+            b.copy_((torch.arange(b.numel()).view(b.shape) * 3 + cid * 101) % 256)
+            b[:, :4] = torch.tensor([(cid >> (8 * i)) % 256 for i in range(4)], dtype=torch.uint8)
+
+    def check_state(self, slot: int, content: tuple) -> None:
+        cid = self.ids.get(content)
+        for b in self.state_bytes(slot):
+            got = sum(int(x) << (8 * i) for i, x in enumerate(b[0, :4].tolist()))
+            assert cid is not None and got == cid, f"state slot {slot} holds another state than after {len(content[1])} tokens"
+
+    def check_match(self, m, extra: Any, tokens: list) -> None:
+        n = len(m.device_indices)
+        for i, s in enumerate(m.device_indices.tolist()):
+            assert self.content.get(s) == (extra, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds other KV"
+        if n:
+            node = m.last_device_node
+            assert node.mamba_value is not None, "KV returned without a state snapshot"
+            self.check_state(int(node.mamba_value), (extra, tuple(tokens[:n])))
+
+    def _alloc(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        if self.page == 1:
+            return self.alloc.alloc(n)
+        one = T([1])
+        pre, sq = prefix * one, (prefix + n) * one
+        return self.alloc.alloc_extend(pre, pre.clone(), sq, sq.clone(), last * one, n)
+
+    def compute(self, req: SimReq, start: int) -> None:
+        """The model ran tokens start.. of req: its state slot now holds the state after all of them,
+        and (extra buffer) its track slots snapshotted it at each whole page passed."""
+        tokens = req.fill_ids
+        if self.extra:
+            for end in range((start // self.page + 1) * self.page, len(tokens) + 1, self.page):
+                track = int(req.mamba_ping_pong_track_buffer[req.mamba_next_track_idx])
+                self.write_state(track, (req.extra_key, tuple(tokens[:end])))
+                req.mamba_last_track_seqlen = end
+                req.mamba_next_track_idx = self.table.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+        self.write_state(int(req.mamba_pool_idx), (req.extra_key, tuple(tokens)))
+
+    def admit(self, tokens: list, extra: Any = None) -> Optional[SimReq]:
+        req = SimReq(-1, list(tokens), extra)
+        del req.req_pool_idx
+        req.mamba_pool_idx = None
+        req.mamba_last_track_seqlen = None
+        if self.table.alloc([req]) is None:
+            self.cache.evict(EvictParams(num_tokens=0, mamba_num=2))
+            if self.table.alloc([req]) is None:
+                return None
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra), cow_mamba=True, req=req))
+        self.check_match(m, extra, tokens)
+        p = len(m.device_indices)
+        if p:
+            self.check_state(int(req.mamba_pool_idx), (extra, tuple(tokens[:p])))  # forked into its own slot
+        self.cache.inc_lock_ref(m.last_device_node)
+        new = self._alloc(len(tokens) - p, p, -1)
+        if new is None:
+            self.cache.evict(EvictParams(num_tokens=len(tokens) - p + self.page))
+            new = self._alloc(len(tokens) - p, p, -1)
+        if new is None:
+            self.cache.dec_lock_ref(m.last_device_node)
+            self.table.free_mamba_cache(req)
+            self.table.free(req)
+            return None
+        row = req.req_pool_idx
+        self.table.write((row, slice(0, len(tokens))), torch.cat((m.device_indices, new)).to(torch.int32))
+        for i, s in enumerate(new.tolist()):
+            self.content[s] = (extra, tuple(tokens[: p + i + 1]))
+        req.last_node, req.cache_protected_len, req.prefix_indices = m.last_device_node, p, m.device_indices
+        req.kv_committed_len = req.kv_allocated_len = len(tokens)
+        self.compute(req, p)
+        self.running[row] = req
+        return req
+
+    def decode(self, req: SimReq, token: int) -> bool:
+        n = req.kv_committed_len
+        if self.page == 1:
+            got = self.alloc.alloc(1)
+        else:
+            sq = T([n + 1])
+            got = self.alloc.alloc_decode(sq, sq.clone(), T([int(self.table.req_to_token[req.req_pool_idx, n - 1])]))
+        if got is None:
+            return False
+        req.output_ids.append(token)
+        self.table.req_to_token[req.req_pool_idx, n] = int(got[0])
+        self.content[int(got[0])] = (req.extra_key, tuple(req.fill_ids))
+        req.kv_committed_len = req.kv_allocated_len = n + 1
+        self.compute(req, n)
+        return True
+
+    def finish(self, req: SimReq, insert: bool = True) -> None:
+        tokens = req.fill_ids[: req.kv_committed_len]
+        self.cache.cache_finished_req(req, is_insert=insert)
+        self.table.free(req)
+        del self.running[[r for r, q in self.running.items() if q is req][0]]
+        self.check_match(self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key))), req.extra_key, tokens)
+
+    def chunk(self, req: SimReq) -> None:
+        self.cache.cache_unfinished_req(req)
+        row = self.table.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+        assert torch.equal(req.prefix_indices, row)
+
+    def drain(self) -> None:
+        for req in list(self.running.values()):
+            self.finish(req)
+        self.cache.evict(EvictParams(num_tokens=self.size))
+        assert self.cache.total_size() == (0, 0) and self.alloc.available_size() == self.size
+        assert self.pool.available_size() == self.pool.size
+        self.cache.check_integrity()
