@@ -1,6 +1,8 @@
 """``HiRadixCache``: the prefix cache with kvpool's host tier below the device (SGLang's HiCache).
 
-A node's KV is on the device (``value``), on the host (``host_value``), or both. Nodes are backed up
+A node's KV is on the device (its ``DeviceSlots``, ``value``), on the host (its ``HostCopy`` record,
+``host_value``), or both: the host tier is this room (the tree below it keeps device nodes only,
+and asks this room about the others: ``_refill``, ``_off_device_problems``). Nodes are backed up
 to host slots when inserted (``write_through``), when reused (``write_through_selective``: a second
 hit) or when evicted (``write_back``). Evicting a backed-up node frees its device slots and keeps it
 in the tree, host only; a match that reaches such nodes reports them (``host_hit_length``,
@@ -25,12 +27,17 @@ from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.records import HOST, DeviceSlots, HostCopy
 from kvpool.checks import non_negative_int
-from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import IO_BACKENDS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.mla_pool import MLATokenToKVPool
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-IO_BACKENDS = ("kernel", "direct")
+
+
+def host_record(node: TreeNode) -> Optional[HostCopy]:
+    """The node's ``HostCopy`` (the host queue's record), or None."""
+    return node.records.get(HOST)
 
 
 class HiRadixCache(RadixCache):
@@ -38,8 +45,8 @@ class HiRadixCache(RadixCache):
 
     Parameters
     ----------
-    params : CacheInitParams (or its fields, as for ``RadixCache``); the allocator must have its
-        device pool as ``kvcache`` (``get_kvcache()``).
+    params : CacheInitParams (or its fields by keyword, as for ``RadixCache``); the allocator must
+        have its device pool as ``kvcache`` (``get_kvcache()``).
     server_args : SGLang's server arguments, read for ``hicache_ratio``, ``hicache_size``,
         ``hicache_mem_layout``, ``hicache_write_policy`` and ``hicache_io_backend`` when
         ``host_pool`` is not given (a storage backend, ``hicache_storage_backend``, must be None).
@@ -58,12 +65,11 @@ class HiRadixCache(RadixCache):
     """
 
     def __init__(
-        self, *args: Any, server_args: Any = None, host_pool: Any = None, write_policy: Optional[str] = None,
-        io_backend: Optional[str] = None, load_back_threshold: int = 10, validate: bool = False, **kwargs: Any,
+        self, params: Optional[CacheInitParams] = None, server_args: Any = None, *, host_pool: Any = None,
+        write_policy: Optional[str] = None, io_backend: Optional[str] = None, load_back_threshold: int = 10,
+        validate: bool = False, **legacy_fields: Any,
     ) -> None:  # fmt: skip
-        if len(args) == 2 and isinstance(args[0], CacheInitParams) and server_args is None:
-            args, server_args = args[:1], args[1]  # SGLang's HiRadixCache(params, server_args)
-        super().__init__(*args, validate=validate, **kwargs)
+        super().__init__(params, validate=validate, **legacy_fields)
         allocator = self.token_to_kv_pool_allocator
         device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
         if device_pool is None:
@@ -90,21 +96,14 @@ class HiRadixCache(RadixCache):
         self.write_through_threshold = 1 if policy == "write_through" else 2
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
-        host_pool.clear()  # the cache owns every host page from now on
+        self._reset_host()  # the cache owns every host page from now on
 
     # --- SGLang's API ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every node, and free every host page (the device slots are not freed)."""
         super().reset()
-        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, "_host_entry")
-        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
-        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
-        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
-        self._loads_started = 0
-        host = getattr(self, "token_to_kv_pool_host", None)
-        if host is not None:
-            host.clear()
+        self._reset_host()
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """As ``RadixCache.match_prefix``, through host-only nodes too: ``device_indices`` and
@@ -113,15 +112,15 @@ class HiRadixCache(RadixCache):
         walked = self._match_key(params)
         if walked is None:
             return self._empty_match()
-        values, node = walked
-        device = [v for v in values if v is not None]
+        path, node = walked
+        device = [n.device.value for n in path if n.device is not None]
         indices = torch.cat(device) if device else self._empty_match().device_indices
         last_device, host_hit = node, 0
-        while last_device.value is None:
-            host_hit += len(last_device.host_value)
+        while last_device.device is None:
+            host_hit += len(last_device.records[HOST].slots)
             last_device = last_device.parent
         last_host = node
-        while last_host.host_value is None:
+        while HOST not in last_host.records:
             last_host = last_host.parent
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
@@ -140,12 +139,14 @@ class HiRadixCache(RadixCache):
             node = self._queue.pop()
             if node is None:
                 break
-            if node.host_value is None and self.write_policy == "write_back":
+            if HOST not in node.records and self.write_policy == "write_back":
                 written_back |= self.write_backup(node, write_back=True) > 0
-            freed.append(node.value)
-            count += len(node.value)
-            if node.host_value is not None:
+            freed.append(node.device.value)
+            count += len(node.device.value)
+            if HOST in node.records:
                 self._drop_device(node)
+                if self._is_evictable(node.parent):
+                    self._queue.push(node.parent)
                 if self._is_host_evictable(node):
                     self._host_queue.push(node)
             else:
@@ -162,23 +163,24 @@ class HiRadixCache(RadixCache):
         0), in the policy's order; they leave the tree. Returns the host tokens freed."""
         num = non_negative_int(num_tokens, "num_tokens")
         freed: list[torch.Tensor] = []
-        held: list[TreeNode] = []
+        protected: list[TreeNode] = []
         count = 0
         while count < num:
             node = self._host_queue.pop()
             if node is None:
                 break
-            if node.host_ref_counter > 0:
-                held.append(node)
+            copy = node.records[HOST]
+            if copy.holds > 0:
+                protected.append(node)
                 continue
-            freed.append(node.host_value)
-            count += len(node.host_value)
-            node.host_value = None
+            freed.append(copy.slots)
+            count += len(copy.slots)
+            del node.records[HOST]
             parent = node.parent
-            del parent.children[node._ck]
+            del parent.children[node.child_key]
             if self._is_host_evictable(parent):
                 self._host_queue.push(parent)
-        for node in held:
+        for node in protected:
             self._host_queue.push(node)
         if freed:
             self.token_to_kv_pool_host.free(torch.cat(freed))
@@ -189,15 +191,15 @@ class HiRadixCache(RadixCache):
         tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
         the backup has read its slots (``writing_check``)."""
         host = self.token_to_kv_pool_host
-        n = len(node.value)
+        n = len(node.device.value)
         slots = host.alloc(n)
         if slots is None:
             self.evict_host(n)
             slots = host.alloc(n)
             if slots is None:
                 return 0
-        event = host.backup_from_device_all_layer(self.kv_cache, slots, node.value, self.io_backend)
-        node.host_value = slots
+        event = host.backup_from_device_all_layer(self.kv_cache, slots, node.device.value, self.io_backend)
+        node.records[HOST] = HostCopy(slots)
         if event is not None and not write_back:
             self.inc_lock_ref(node)
             self.ongoing_write_through.append((node, event))
@@ -224,19 +226,19 @@ class HiRadixCache(RadixCache):
         if not isinstance(last_node, TreeNode):
             raise TypeError(f"init_load_back: last_node must be a TreeNode, got {type(last_node).__name__}")
         empty = self._empty_match().device_indices
-        if last_node.value is not None:
+        if last_node.device is not None:
             self._path(last_node, "init_load_back")
             return empty, last_node
         chain = []
         node = last_node
-        while node.value is None:
-            if node.parent is None or node.parent.children.get(node._ck) is not node:
+        while node.device is None:
+            if node.parent is None or node.parent.children.get(node.child_key) is not node:
                 raise ValueError(f"init_load_back: last_node must be a node of this tree, got node {last_node.id}")
             chain.append(node)
             node = node.parent
         chain.reverse()
         ancestor = node
-        host_slots = torch.cat([n.host_value for n in chain])
+        host_slots = torch.cat([n.records[HOST].slots for n in chain])
         total = len(host_slots)
         delta = self.inc_lock_ref(ancestor)  # nothing above the chain may go while room is made
         for n in chain:
@@ -253,8 +255,9 @@ class HiRadixCache(RadixCache):
             return empty, ancestor
         offset = 0
         for n in chain:
-            self._adopt(n, device[offset : offset + len(n.host_value)])
-            offset += len(n.host_value)
+            tokens = len(n.records[HOST].slots)
+            self._refill(n, device[offset : offset + tokens])
+            offset += tokens
         self.inc_lock_ref(last_node)
         self._pending_loads.append((host_slots, device, last_node))
         return device, last_node
@@ -309,7 +312,7 @@ class HiRadixCache(RadixCache):
         node = last
         due = []
         while node is not self.root_node:
-            if node.value is not None and node.host_value is None:
+            if node.device is not None and HOST not in node.records:
                 node.hit_count += 1
                 if node.hit_count >= self.write_through_threshold:
                     due.append(node)
@@ -317,8 +320,42 @@ class HiRadixCache(RadixCache):
         for node in reversed(due):
             self.write_backup(node)
 
+    def _reset_host(self) -> None:
+        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, host_record)
+        self.root_node.records[HOST] = HostCopy(torch.empty(0, dtype=torch.int64))  # ends every walk up
+        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
+        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
+        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
+        self._loads_started = 0
+        self.token_to_kv_pool_host.clear()
+
+    def _is_evictable(self, node: TreeNode) -> bool:
+        """On the device, unlocked, not the root, and no child on the device (host-only children may
+        remain)."""
+        device = node.device
+        if device is None or device.lock_ref or node.parent is None:
+            return False
+        return all(c.device is None for c in node.children.values())
+
     def _is_host_evictable(self, node: TreeNode) -> bool:
-        return node.value is None and node.host_value is not None and not node.children and node.parent is not None
+        return node.device is None and HOST in node.records and not node.children and node.parent is not None
+
+    def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """A host-only node is on the device again, at ``slots`` (unlocked: it was evictable)."""
+        node.device = DeviceSlots(slots.to(torch.int64, copy=True))
+        self.evictable_size_ += len(slots)
+        if self._is_evictable(node):
+            self._queue.push(node)
+        self._stored(node)
+
+    def _off_device_problems(self, node: TreeNode) -> list[str]:
+        problems = []
+        if HOST not in node.records:
+            problems.append(f"node {node.id} is evicted with no host copy but still in the tree")
+        on_device = sum(c.device is not None for c in node.children.values())
+        if on_device:
+            problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
+        return problems
 
     def _drop_host_subtree(self, node: TreeNode) -> None:
         """Free the host copies of the host-only nodes below ``node`` and detach them."""
@@ -327,8 +364,7 @@ class HiRadixCache(RadixCache):
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            freed.append(n.host_value)
-            n.host_value = None
+            freed.append(n.records.pop(HOST).slots)
             n.children = {}
         node.children = {}
         if freed:
@@ -342,20 +378,9 @@ class HiRadixCache(RadixCache):
             slots = allocator.alloc(n)
         return slots
 
-    def _evict_amount(self, params: Union[EvictParams, int]) -> int:
-        if isinstance(params, EvictParams):
-            for name in ("swa_num_tokens", "mamba_num"):
-                if getattr(params, name):
-                    raise ValueError(f"{name} must be 0 for HiRadixCache (it holds full-attention KV only), got {getattr(params, name)!r}")
-            params = params.num_tokens
-        num = non_negative_int(params, "num_tokens")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
-        return num
-
-    def _integrity_problems(self) -> list[str]:
+    def _tier_problems(self) -> list[str]:
         host = self.token_to_kv_pool_host
-        parts = [n.host_value for n in self._nodes() if n is not self.root_node and n.host_value is not None]
+        parts = [n.records[HOST].slots for n in self._nodes() if n is not self.root_node and HOST in n.records]
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         problems = []
         if torch.unique(slots).numel() != slots.numel():

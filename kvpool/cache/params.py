@@ -130,19 +130,22 @@ _LEGACY_ORDER = (
 )  # fmt: skip
 
 
-def resolve_init_params(args: tuple, kwargs: dict) -> CacheInitParams:
-    """A cache constructor's arguments as ``CacheInitParams``: either one ``CacheInitParams`` (SGLang's
-    later 0.5 releases) or its fields as keywords, the first seven also positionally (earlier ones).
+def resolve_init_params(params: Any, args: tuple, kwargs: dict) -> CacheInitParams:
+    """A cache constructor's arguments as ``CacheInitParams``: either one ``CacheInitParams`` as
+    ``params`` (SGLang's later 0.5 releases, positionally or as ``params=``) or its fields as keywords,
+    the first seven also positionally from ``params`` on (earlier ones).
 
     Raises
     ------
     TypeError
         For an unknown or repeated argument, too many positional ones, or a missing pool/page size.
     """
-    if args and isinstance(args[0], CacheInitParams):
-        if len(args) > 1 or kwargs:
+    if isinstance(params, CacheInitParams):
+        if args or kwargs:
             raise TypeError("a cache takes either one CacheInitParams or its fields, not both")
-        return args[0]
+        return params
+    if params is not None or args:
+        args = (params, *args)
     if len(args) > len(_LEGACY_ORDER):
         raise TypeError(f"a cache takes at most {len(_LEGACY_ORDER)} positional arguments, got {len(args)}")
     named = dict(zip(_LEGACY_ORDER, args))
