@@ -1601,6 +1601,10 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
     calls["insert: 2-D value"] = (ins(value=torch.arange(p, 3 * p).view(1, -1)), bad, "value")
     calls["insert: short value"] = (ins(value=torch.arange(p, 3 * p - 1)), bad, "value")
     calls["insert: value on meta"] = (ins(value=torch.arange(p, 3 * p).to("meta")), bad, "value")
+    calls["insert: int8 value"] = (ins(value=torch.arange(p, 3 * p, dtype=torch.int8)), bad, "value")
+    calls["insert: 0-D value"] = (ins(value=torch.tensor(p)), bad, "value")
+    calls["insert: token_ids a str"] = (ins(k=RadixKey("ab" * p)), bad, "key.token_ids")
+    calls["insert: a bigram key in a plain cache"] = (ins(k=RadixKey([(7, 8)] * 2 * p, is_bigram=True)), bad, "is_eagle")
     calls["insert: negative slots"] = (ins(value=torch.arange(-2 * p, 0)), bad, "value")
     calls["insert: slots out of range"] = (ins(value=torch.arange(ctx.size + p, ctx.size + 3 * p)), bad, "value")
     calls["insert: slot 0 page"] = (ins(value=torch.cat((torch.arange(0, p), first))), bad, "value")
@@ -1612,6 +1616,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
         calls["insert: slots already in the tree"] = (ins(value=torch.cat((page, page))), bad, "value")
     calls["match: key not a RadixKey"] = (lambda: cache.match_prefix(MatchPrefixParams(key=[1] * p)), bad, "key must be a RadixKey")
     calls["match: bool tokens"] = (lambda: cache.match_prefix(MatchPrefixParams(key=RadixKey([True] * p))), bad, "key.token_ids")
+    calls["match: float token"] = (lambda: cache.match_prefix(MatchPrefixParams(key=RadixKey([0.5] * p))), bad, "key.token_ids")
+    calls["evict: a list"] = (lambda: cache.evict([1]), bad, "num_tokens")
     calls["match: unhashable extra_key"] = (lambda: cache.match_prefix(MatchPrefixParams(key=RadixKey([1] * p, {}))), bad, "extra_key")
     for what, node in (("a str", "node"), ("None", None), ("a foreign node", ctx.foreign)):
         calls[f"inc_lock_ref: {what}"] = (lambda n=node: cache.inc_lock_ref(n), bad, "node")
@@ -1655,3 +1661,45 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             if unlocked and req.cache_protected_len == 0:
                 calls[f"{how}: an unlocked last_node"] = (lambda c=call: c(twin(last_node=unlocked[0])), bad, "last_node")
     return calls
+
+
+#: Bad calls and faults the library still takes wrongly, each with what happens (the notes' list of
+#: cache failures). The state machines leave them out; the bad-input table and the atomicity tests
+#: keep them as strict expected failures until they are fixed. A key is a call's name in
+#: ``cache_bad_calls``, or "<cache kind>: <name>" for one kind only.
+_SLOTS_UNCHECKED = "insert takes slots the allocator never handed out or the tree holds already"
+CACHE_KNOWN_BAD: dict[str, str] = {
+    "cache_finished_req: a foreign last_node": "raises about last_node only after inserting and freeing",
+    "cache_finished_req: an evicted last_node": "raises about last_node only after inserting and freeing",
+    "mamba-page-1: cache_finished_req: an unlocked last_node": "raises about last_node only after inserting and freeing",
+    "cache_unfinished_req: a foreign last_node": "raises about last_node only after inserting",
+    "cache_unfinished_req: an evicted last_node": "raises about last_node only after inserting",
+    "mamba-page-1: cache_unfinished_req: an unlocked last_node": "an unlocked last_node is accepted (its lock count is not checked)",
+    "insert: bool tokens": "RadixKey([True, ...]) is taken as token 1",
+    "match: bool tokens": "RadixKey([True, ...]) is taken as token 1",
+    "insert: unhashable extra_key": "a bare 'unhashable type' TypeError that does not name extra_key",
+    "match: unhashable extra_key": "a bare 'unhashable type' TypeError that does not name extra_key",
+    "insert: priority None": "a priority that is not an int is stored",
+    "insert: priority 1.5": "a priority that is not an int is stored",
+    "insert: priority 'x'": "a priority that is not an int is stored",
+    "priority policy: a priority that is not an int": "stored, or a TypeError after the node was inserted",
+    "insert: free slots": _SLOTS_UNCHECKED,
+    "insert: negative slots": _SLOTS_UNCHECKED,
+    "insert: slot 0 page": _SLOTS_UNCHECKED,
+    "insert: slots already in the tree": _SLOTS_UNCHECKED,
+    "insert: slots out of range": _SLOTS_UNCHECKED + " (the host tier raises an IndexError after inserting)",
+    "insert: value twice": _SLOTS_UNCHECKED,
+    "insert: mamba_value on meta": "the device of mamba_value is not checked",
+    "insert: mamba_value out of range": "a state slot the state pool never handed out is taken",
+    "insert: mamba_value slot 0": "a state slot the state pool never handed out is taken",
+    "insert: mamba_value the tree holds": "a state slot another node holds is taken",
+    "failing free in evict": "evict detaches nodes before the allocator's free, which can raise",
+    "failing free in cache_finished_req": "cache_finished_req inserts before the allocator's free, which can raise",
+    "failing free in cache_unfinished_req": "cache_unfinished_req inserts (and forks a state) before the free, which can raise",
+    "failing host backup": "a host backup that raises leaves the node inserted and its host slots allocated",
+}
+
+
+def known_bad(kind: str, name: str) -> Optional[str]:
+    """Why ``name`` (on a cache of ``kind``) is still expected to fail, or None."""
+    return CACHE_KNOWN_BAD.get(f"{kind}: {name}") or CACHE_KNOWN_BAD.get(name)

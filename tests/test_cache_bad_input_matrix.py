@@ -11,12 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvassert import Engine, HybridEngine, assert_unchanged, cache_bad_calls, cache_snapshot, device_nodes, seq
+from kvassert import Engine, HybridEngine, assert_unchanged, cache_bad_calls, cache_snapshot, device_nodes, known_bad, seq
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
-
-#: The library still takes these wrongly (listed in the notes' cache failures); each stays in the
-#: table as an expected failure until it is fixed.
-KNOWN_BAD: dict[str, str] = {}
 
 KINDS = ["radix-page-1", "radix-page-4", "hiradix-page-4", "mamba-page-1"]
 
@@ -53,7 +49,7 @@ CASES = [(kind, name) for kind in KINDS for name in sorted(cache_bad_calls(popul
 
 
 def _case(kind: str, name: str):
-    reason = KNOWN_BAD.get(name) or KNOWN_BAD.get(f"{kind}: {name}")
+    reason = known_bad(kind, name)
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
     return pytest.param(kind, name, marks=marks, id=f"{kind}: {name}")
 

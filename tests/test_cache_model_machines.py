@@ -29,6 +29,7 @@ from kvassert import (
     cache_snapshot,
     device_nodes,
     device_pages,
+    known_bad,
     machine_settings,
     prefix_contents,
 )
@@ -38,9 +39,6 @@ from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, InsertParam
 POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority"]
 #: (page size, allocator, pages): page 64 with few pages and short prompts, to stay cheap.
 SETUPS = [(1, "token", 40), (1, "paged", 40), (64, "paged", 5)]
-#: Bad calls the library still accepts or handles wrongly (tests/cache-failures in the notes); the
-#: machines leave them out, the adversarial matrix keeps them as expected failures.
-KNOWN_BAD: set[str] = set()
 
 
 class RadixModelMachine(RuleBasedStateMachine):
@@ -56,6 +54,7 @@ class RadixModelMachine(RuleBasedStateMachine):
     def build(self, page: int, kind: str, pages: int, policy: str, seed: int, **hi: Any) -> None:
         size = page * pages
         self.page, self.size, self.kind = page, size, kind
+        self.kind_name = f"{'hiradix' if hi else 'radix'}-page-{page}"
         self.pool = MHATokenToKVPool(size, page, torch.float32, 1, 1, 1, "cpu", fused="never", warmup=False)
         inner = (TokenToKVPoolAllocator(size, kvcache=self.pool, validate=True) if kind == "token"
                  else PagedTokenToKVPoolAllocator(size, page, kvcache=self.pool, validate=True))  # fmt: skip
@@ -279,7 +278,7 @@ class RadixModelMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def bad_call(self, data):
-        calls = {k: v for k, v in cache_bad_calls(self).items() if k not in KNOWN_BAD}
+        calls = {k: v for k, v in cache_bad_calls(self).items() if not known_bad(self.kind_name, k)}
         name = data.draw(st.sampled_from(sorted(calls)))
         call, exc, msg = calls[name]
         before = cache_snapshot(self.cache)
@@ -287,7 +286,7 @@ class RadixModelMachine(RuleBasedStateMachine):
             call()
         assert_unchanged(before, cache_snapshot(self.cache), name)
 
-    @precondition(lambda self: "failing free in evict" not in KNOWN_BAD)
+    @precondition(lambda self: not known_bad(self.kind_name, "failing free in evict"))
     @rule(n=st.integers(1, 300))
     def free_fails_in_evict(self, n):
         if self.ref.unlocked_tokens() == 0:
@@ -299,7 +298,7 @@ class RadixModelMachine(RuleBasedStateMachine):
         self.alloc.armed = False
         assert_unchanged(before, cache_snapshot(self.cache), "evict with a free that raises")
 
-    @precondition(lambda self: self.running and "failing free in cache_finished_req" not in KNOWN_BAD)
+    @precondition(lambda self: self.running and not known_bad(self.kind_name, "failing free in cache_finished_req"))
     @rule(data=st.data(), insert=st.booleans())
     def free_fails_in_finish(self, data, insert):
         req = self.pick(data)
@@ -413,7 +412,7 @@ class HiRadixModelMachine(RadixModelMachine):
         freed = self.cache.evict_host(n)
         assert self.host.available_size() == before + freed
 
-    @precondition(lambda self: "failing host backup" not in KNOWN_BAD)
+    @precondition(lambda self: not known_bad(self.kind_name, "failing host backup"))
     @rule(data=st.data(), extra=st.sampled_from([None, "tenant"]))
     def backup_fails(self, data, extra):
         """A host backup that raises: during an insert (write-through) or an eviction (write-back)."""
