@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from kvpool.cache.evict_policy import EvictionQueue
+from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
@@ -126,29 +127,6 @@ class HiRadixCache(RadixCache):
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
         return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
-
-    def insert(self, params: Any, value: Optional[torch.Tensor] = None, chunked: bool = False, priority: int = 0) -> Any:
-        """As ``RadixCache.insert``, and the write-through backups of the path.
-
-        Raises
-        ------
-        RuntimeError
-            After the insert is done, if a backup to the host raised (the message says which node;
-            it has no host copy and holds no host slot).
-        """
-        result = super().insert(params, value, chunked, priority)
-        self._report_backup_failure("insert")
-        return result
-
-    def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
-        """As ``RadixCache.cache_finished_req``; a failed write-through backup is reported as ``insert``."""
-        super().cache_finished_req(req, is_insert, **kwargs)
-        self._report_backup_failure("cache_finished_req")
-
-    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
-        """As ``RadixCache.cache_unfinished_req``; a failed write-through backup is reported as ``insert``."""
-        super().cache_unfinished_req(req, chunked, **kwargs)
-        self._report_backup_failure("cache_unfinished_req")
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
         """Free at least ``num_tokens`` device tokens, unlocked device leaves first in the policy's
@@ -358,34 +336,105 @@ class HiRadixCache(RadixCache):
                 left.append((node, event))
         return left
 
-    def _inserted(self, last: TreeNode, chunked: bool) -> None:
-        """Count the insert as a hit on its path's device nodes and back up those that reached the
-        policy's threshold (write-through policies; chunked inserts do not count)."""
-        if self.write_policy == "write_back" or chunked:
-            return
+    def _stage_insert(self, job: Any) -> Any:
+        """Back up, before the tree changes, every device page of the insertion's path that the write
+        policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
+        threshold with this insert); returns the host slots and events, root side first (None for a
+        node the host had no room for). If a backup raises, the host slots taken so far are freed
+        and nothing else has changed."""
+        if self.write_policy == "write_back" or job.chunked:
+            return []
+        due, host_only = self._due_backups(job)
+        host = self.token_to_kv_pool_host
+        copies: list = []
+        for n in host_only:
+            n.protect_host()  # the path's host-only nodes must stay while room is made for the copies
+        try:
+            for slots in due:
+                copies.append(self._back_up(slots))
+        except BaseException:
+            self._unstage_insert(copies)
+            raise
+        finally:
+            for n in host_only:
+                n.release_host()
+        return copies
+
+    def _unstage_insert(self, staged: Any) -> None:
+        parts = [c[0] for c in staged or () if c is not None]
+        if parts:
+            self.token_to_kv_pool_host.free(torch.cat(parts))
+
+    def _complete_insert(self, job: Any, staged: Any) -> int:
+        """Insert, then count the insert as a hit on its path's device nodes without a host copy and
+        give those due the copies ``_stage_insert`` made (locked until each copy has read its slots)."""
+        cached, last = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
+        if self.write_policy == "write_back" or job.chunked:
+            return cached // self.elem_bytes
+        path = []
         node = last
-        due = []
         while node is not self.root_node:
             if node.device is not None and HOST not in node.records:
-                node.hit_count += 1
-                if node.hit_count >= self.write_through_threshold:
-                    due.append(node)
+                path.append(node)
             node = node.parent
-        for node in reversed(due):
-            try:
-                self.write_backup(node)
-            except Exception as e:  # the call finishes consistent first, then reports it
-                if self._backup_failure is None:
-                    self._backup_failure = (node.id, e)
+        copies = iter(staged)
+        for node in reversed(path):
+            node.hit_count += 1
+            if node.hit_count < self.write_through_threshold:
+                continue
+            copy = next(copies, None)
+            if copy is None:
+                continue  # the host had no room for it
+            slots, event = copy
+            node.records[HOST] = HostCopy(slots)
+            if event is not None:
+                self.inc_lock_ref(node)
+                self.ongoing_write_through.append((node, event))
+        return cached // self.elem_bytes
 
-    def _report_backup_failure(self, what: str) -> None:
-        failure, self._backup_failure = self._backup_failure, None
-        if failure is not None:
-            node_id, error = failure
-            raise RuntimeError(
-                f"{what}: done (the tree holds the pages on the device), but backing node {node_id} up to the host "
-                f"failed: {error}; the node has no host copy and no host slot is held for it"
-            ) from error
+    def _due_backups(self, job: Any) -> tuple[list[torch.Tensor], list[TreeNode]]:
+        """The device slots of each part of the insertion's path that ``_complete_insert`` will back
+        up (root side first), and the path's host-only nodes; reads the tree only."""
+        threshold = self.write_through_threshold
+        child_key = self._child_key
+        enc, n, node, pos = job.enc, job.n, self.root_node, 0
+        due, host_only = [], []
+        while pos < n:
+            child = node.children.get(child_key(enc, pos, job.extra))
+            if child is None:
+                break
+            kb = encoded(child.key)
+            whole = pos + len(kb) <= n and enc.startswith(kb, pos)
+            m = len(kb) if whole else common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+            pos += m
+            if child.device is None:
+                host_only.append(child)
+            elif HOST not in child.records and child.hit_count + 1 >= threshold:
+                due.append(child.device.value[: m // self.elem_bytes])
+            if not whole:
+                break
+            node = child
+        if pos < n and threshold <= 1:  # the new leaf, with its first hit
+            due.append(job.value[pos // self.elem_bytes : n // self.elem_bytes])
+        return due, host_only
+
+    def _back_up(self, device_slots: torch.Tensor) -> Optional[tuple[torch.Tensor, Any]]:
+        """Copy ``device_slots`` to new host slots (evicting host-only leaves for room): (host slots,
+        event), or None when the host has no room. The host slots are freed again if the copy raises."""
+        host = self.token_to_kv_pool_host
+        n = len(device_slots)
+        slots = host.alloc(n)
+        if slots is None:
+            self.evict_host(n)
+            slots = host.alloc(n)
+            if slots is None:
+                return None
+        try:
+            event = host.backup_from_device_all_layer(self.kv_cache, slots, device_slots, self.io_backend)
+        except BaseException:
+            host.free(slots)
+            raise
+        return slots, event
 
     def _reset_host(self) -> None:
         self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, host_record)
@@ -394,7 +443,6 @@ class HiRadixCache(RadixCache):
         self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
         self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
         self._loads_started = 0
-        self._backup_failure: Optional[tuple[int, BaseException]] = None
         self.token_to_kv_pool_host.clear()
 
     def _is_evictable(self, node: TreeNode) -> bool:

@@ -271,8 +271,8 @@ class MambaRadixCache(TreeCache):
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """As ``RadixCache.cache_finished_req``, with the request's state: see
-        ``kvpool.cache.mamba_requests``. Everything is checked first; the frees (state pool, then
-        allocator) come before the tree changes."""
+        ``kvpool.cache.mamba_requests``. Everything is checked first; the frees (allocator, then
+        the request table's ``free_mamba_cache``) come before the tree changes."""
         plan = mamba_requests.plan_finished(self, req, is_insert)
         table = self.req_to_token_pool
         kv, protected = plan.kv, plan.protected
@@ -287,11 +287,11 @@ class MambaRadixCache(TreeCache):
         end, exist = protected, True
         if job is not None:
             end, exist = max(job.cached, protected), STATE in getattr(job.end, "records", {})
+        self._free_slots([kv[protected:end], kv[max(plan.known, protected) :]])
         if exist:
             table.free_mamba_cache(req)
         elif plan.keep is not None:
             table.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=plan.keep)
-        self._free_slots([kv[protected:end], kv[max(plan.known, protected) :]])
         if job is not None:
             self._run_state_insert(job, state)
             if not exist and plan.keep is None:

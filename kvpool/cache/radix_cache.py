@@ -140,7 +140,7 @@ class RadixCache(TreeCache):
         legacy = not isinstance(params, InsertParams)
         if legacy:
             params = InsertParams(key=params, value=value, chunked=chunked, priority=priority)
-        job = self._prepare_insert(params)
+        job = self._prepare_insert(params, peek=False)
         prefix = 0 if job is None else self._run_insert(job)
         return prefix if legacy else InsertResult(prefix_len=prefix)
 
@@ -197,9 +197,14 @@ class RadixCache(TreeCache):
                 self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_finished_req")
         end = plan.aligned if job is None else job.cached
         kv, protected = plan.kv, plan.protected
-        self._free_slots([kv[protected:end], kv[plan.aligned :]])
+        staged = None if job is None else self._stage_insert(job)
+        try:
+            self._free_slots([kv[protected:end], kv[plan.aligned :]])
+        except BaseException:
+            self._unstage_insert(staged)
+            raise
         if job is not None:
-            self._run_insert(job)
+            self._complete_insert(job, staged)
         if plan.last_node is not None:
             self.dec_lock_ref(plan.last_node)
 
@@ -216,8 +221,13 @@ class RadixCache(TreeCache):
             self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_unfinished_req")
         kv, protected, aligned = plan.kv, plan.protected, plan.aligned
         if job is not None:
-            self._free_slots([kv[protected : job.cached]])
-            self._run_insert(job)
+            staged = self._stage_insert(job)
+            try:
+                self._free_slots([kv[protected : job.cached]])
+            except BaseException:
+                self._unstage_insert(staged)
+                raise
+            self._complete_insert(job, staged)
         match = self.match_prefix(MatchPrefixParams(key=plan.insert.key))
         indices, last = match.device_indices, match.last_device_node
         if len(indices) != aligned:
@@ -234,14 +244,27 @@ class RadixCache(TreeCache):
     def _run_insert(self, job: InsertJob) -> int:
         """Carry out a checked insertion; returns its ``prefix_len``. With ``prev_prefix_len`` the
         caller's slots of the tokens from there to ``prefix_len`` are freed first."""
-        if job.prev is not None and job.prev < job.cached:
-            self._free_slots([job.value[job.prev : job.cached]])
-        cached, last = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
-        self._inserted(last, job.chunked)
-        return cached // self.elem_bytes
+        staged = self._stage_insert(job)
+        try:
+            if job.prev is not None and job.prev < job.cached:
+                self._free_slots([job.value[job.prev : job.cached]])
+        except BaseException:
+            self._unstage_insert(staged)
+            raise
+        return self._complete_insert(job, staged)
 
-    def _inserted(self, last: TreeNode, chunked: bool) -> None:
-        """After an insert that ended on ``last`` (a hook for caches with a host tier)."""
+    def _stage_insert(self, job: InsertJob) -> Any:
+        """The part of an insertion that can fail, done before the tree changes (a tier below the
+        device backs the pages up here); ``_unstage_insert`` takes it back."""
+        return None
+
+    def _unstage_insert(self, staged: Any) -> None:
+        """Take back ``_stage_insert`` when a later step raised before the tree changed."""
+
+    def _complete_insert(self, job: InsertJob, staged: Any) -> int:
+        """The tree's part of an insertion (it cannot fail once checked); returns ``prefix_len``."""
+        cached, _ = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
+        return cached // self.elem_bytes
 
     def _evict_amount(self, params: Union[EvictParams, int]) -> int:
         """``params``' device tokens to evict, checked."""

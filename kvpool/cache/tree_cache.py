@@ -281,7 +281,7 @@ class TreeCache(RadixTree):
             self._check_pages(value[: len(enc) // self.page_bytes * self.page_size])
         return value
 
-    def _prepare_insert(self, params: InsertParams, what: str = "insert") -> Optional["InsertJob"]:
+    def _prepare_insert(self, params: InsertParams, what: str = "insert", peek: bool = True) -> Optional["InsertJob"]:
         """``params`` checked, and what inserting it will find, changing nothing; None when there is
         nothing to insert (a disabled cache, no whole page).
 
@@ -303,10 +303,13 @@ class TreeCache(RadixTree):
         n = len(enc) // self.page_bytes * self.page_bytes
         if self.disable or n == 0:
             return None
-        cached, tree_slots, end = self._peek(enc, n, key.extra_key)
-        elems = n // self.elem_bytes
-        if self._checks_slots():
-            self._check_given_slots(value[:elems], cached // self.elem_bytes, tree_slots, f"{what}: value")
+        owners = self._owners() if self._checks_slots() else None
+        cached, tree_slots, end = 0, [], None
+        if peek or owners is not None or prev is not None:
+            cached, tree_slots, end = self._peek(enc, n, key.extra_key)
+        if owners is not None:
+            elems = n // self.elem_bytes
+            self._check_given_slots(value[:elems], cached // self.elem_bytes, tree_slots, f"{what}: value", owners)
         return InsertJob(enc, n, value, priority, key.extra_key, bool(params.chunked), cached // self.elem_bytes, prev, end)
 
     def _checks_slots(self) -> bool:
@@ -321,11 +324,13 @@ class TreeCache(RadixTree):
         owners = getattr(backup(), "owners", None) if callable(backup) else None
         return owners.cpu().to(torch.int64) if isinstance(owners, torch.Tensor) else None
 
-    def _check_given_slots(self, slots: torch.Tensor, shared: int, tree_slots: list[torch.Tensor], what: str) -> None:
+    def _check_given_slots(
+        self, slots: torch.Tensor, shared: int, tree_slots: list[torch.Tensor], what: str, owners: Optional[torch.Tensor] = None
+    ) -> None:
         """Each of ``slots`` handed out by the allocator and listed once; none in the tree except the
         first ``shared``, where they may be the tree's own slots for the same tokens (reads the slots
-        and the tree: see ``_checks_slots``)."""
-        owners = self._owners()
+        and the tree: see ``_checks_slots``). ``owners``: the allocator's, if read already."""
+        owners = self._owners() if owners is None else owners
         if owners is None or slots.numel() == 0:
             return
         v = slots.cpu().to(torch.int64)
