@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from kvpool.cache.evict_policy import EvictionQueue
+from kvpool.cache.host_setup import host_tier_setup
 from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
@@ -31,10 +32,6 @@ from kvpool.cache.radix_cache import RadixCache
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
 from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
-from kvpool.host import IO_BACKENDS, MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.pools.mla_pool import MLATokenToKVPool
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def host_record(node: TreeNode) -> Optional[HostCopy]:
@@ -72,24 +69,8 @@ class HiRadixCache(RadixCache):
         validate: bool = False, **legacy_fields: Any,
     ) -> None:  # fmt: skip
         super().__init__(params, validate=validate, **legacy_fields)
-        allocator = self.token_to_kv_pool_allocator
-        device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
-        if device_pool is None:
-            raise ValueError("token_to_kv_pool_allocator must be an allocator built with kvcache=<its device pool>")
-        policy = write_policy or getattr(server_args, "hicache_write_policy", None) or "write_through"
-        if policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
-        backend = io_backend or getattr(server_args, "hicache_io_backend", None) or "kernel"
-        if backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {backend!r}")
-        if getattr(server_args, "hicache_storage_backend", None) is not None:
-            raise ValueError(f"hicache_storage_backend must be None (no storage tier), got {server_args.hicache_storage_backend!r}")
-        if host_pool is None:
-            host_pool = _host_pool_from(device_pool, self.page_size, server_args)
-        if host_pool.device_pool is not device_pool:
-            raise ValueError("host_pool must be built over the allocator's device pool (allocator.get_kvcache())")
-        if host_pool.page_size != self.page_size:
-            raise ValueError(f"host_pool's page_size must be the cache's {self.page_size}, got {host_pool.page_size}")
+        setup = host_tier_setup(self.token_to_kv_pool_allocator, self.page_size, server_args, host_pool, write_policy, io_backend)
+        device_pool, host_pool, policy, backend = setup
         self.token_to_kv_pool_host = host_pool
         self.kv_cache = device_pool
         self.write_policy = policy
@@ -524,13 +505,3 @@ class HiRadixCache(RadixCache):
                 problems.append(f"node {node.id} is a host-only leaf missing from the host eviction queue")
         return problems
 
-
-def _host_pool_from(device_pool: Any, page_size: int, server_args: Any) -> Any:
-    """The host pool SGLang's ``HiRadixCache`` builds from its server arguments."""
-    if server_args is None:
-        raise ValueError("HiRadixCache needs host_pool= or SGLang's server_args (hicache_ratio, hicache_size, ...)")
-    cls = MLATokenToKVPoolHost if isinstance(device_pool, MLATokenToKVPool) else MHATokenToKVPoolHost
-    return cls(
-        device_pool, getattr(server_args, "hicache_ratio", 2.0), getattr(server_args, "hicache_size", 0), page_size,
-        getattr(server_args, "hicache_mem_layout", "layer_first"),
-    )  # fmt: skip

@@ -113,7 +113,7 @@ class MambaRadixCache(TreeCache):
             changes.
         """
         cow = isinstance(params, MatchPrefixParams) and params.cow_mamba and params.req is not None
-        dst = self._request_state_slot(params.req) if cow else None
+        dst = mamba_requests.request_state_slot(self.mamba_pool, params.req) if cow else None
         walked = self._match_key(params)
         if walked is None:
             return self._empty_match()
@@ -148,8 +148,8 @@ class MambaRadixCache(TreeCache):
         TypeError, ValueError
             As ``RadixCache.insert``; for SGLang's earlier ``insert(key, value)`` form (a hybrid
             insert needs ``mamba_value``); for ``mamba_value`` not a [1] int32/int64 tensor on the
-            state pool's device or the CPU; under ``validate`` also for a state slot the pool has not
-            handed out or the tree holds already. Nothing changes.
+            state pool's device or the CPU, or (slots checked as ``RadixCache``'s ``validate`` says) a
+            state slot the pool has not handed out or the tree holds already. Nothing changes.
         """
         if not isinstance(params, InsertParams) or legacy_args:
             raise TypeError(f"params must be an InsertParams (with mamba_value), got {type(params).__name__}")
@@ -424,27 +424,6 @@ class MambaRadixCache(TreeCache):
             self._remove_leaf(parent, undo)
             parent = parent.parent
         return freed
-
-    def _request_state_slot(self, req: Any) -> Optional[torch.Tensor]:
-        """``req.mamba_pool_idx`` (None, an int, or a one-entry integer tensor) as Tensor [1] on the
-        state pool's device, checked to be a slot the pool has handed out; None when it has none."""
-        idx = getattr(req, "mamba_pool_idx", None)
-        pool = self.mamba_pool
-        if idx is None or pool is None:
-            return None
-        if isinstance(idx, torch.Tensor):
-            if idx.numel() != 1 or idx.dtype.is_floating_point or idx.dtype in (torch.bool, torch.complex64, torch.complex128):
-                raise ValueError(f"match_prefix: req.mamba_pool_idx must be an int or a one-entry integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
-            if idx.device.type == "meta":
-                raise ValueError("match_prefix: req.mamba_pool_idx must be on the state pool's device or the CPU, got meta")
-            slot = int(idx.reshape(()))
-        elif isinstance(idx, int) and not isinstance(idx, bool):
-            slot = idx
-        else:
-            raise TypeError(f"match_prefix: req.mamba_pool_idx must be None, an int or a one-entry integer tensor, got {type(idx).__name__}")
-        if not pool.is_held(slot):
-            raise ValueError(f"match_prefix: req.mamba_pool_idx must be a state slot the pool has handed out, got {slot}, which is free or out of range")
-        return torch.tensor([slot], dtype=torch.int64, device=pool.device)
 
     def _fork_into(self, node: TreeNode, req: Any, dst: Optional[torch.Tensor]) -> bool:
         """Copy ``node``'s snapshot into ``req``'s state slot ``dst`` (a new one if it has none)."""

@@ -49,8 +49,9 @@ class RadixCache(TreeCache):
         arguments (``req_to_token_pool``, ``token_to_kv_pool_allocator``, ``page_size``,
         ``disable``, ``enable_kv_cache_events``, ``eviction_policy``, ``is_eagle`` positionally from
         ``params`` on, any field by keyword).
-    validate : also check, on every insert, that each page of slots is one aligned page (reads the
-        slots, a synchronisation on a GPU); ``KVPOOL_VALIDATE=1`` turns it on too.
+    validate : also check, on every insert, that each page of slots is one aligned page, and on a GPU
+        the slots given to every call against the allocator and the tree (a CPU cache always checks
+        those): reads them, a synchronisation on a GPU. ``KVPOOL_VALIDATE=1`` turns it on too.
 
     Raises
     ------
@@ -131,9 +132,10 @@ class RadixCache(TreeCache):
         ValueError
             If the value is not a 1-D int32/int64 tensor on the cache's device with one slot per key
             token, is None in a cache with an allocator, the priority is not an int, or
-            ``prev_prefix_len`` is not within the key; under ``validate`` also if a page of it is not
-            one aligned page of slots, or (a kvpool allocator) a slot is not handed out, is listed
-            twice or is the tree's already (other than the tree's own slots of the tokens it held).
+            ``prev_prefix_len`` is not within the key; with a kvpool allocator (always on the CPU,
+            under ``validate`` on a GPU) if a slot is not handed out, is listed twice or is the tree's
+            already (other than the tree's own slots of the tokens it held); under ``validate`` if a
+            page of it is not one aligned page of slots.
             Nothing changes; if the allocator's ``free`` of the duplicates (``prev_prefix_len``)
             raises, nothing changes either.
         """
@@ -183,8 +185,8 @@ class RadixCache(TreeCache):
         """A finished (``is_insert``) or retracted (``is_insert=False``) request's slots go into the
         tree or back to the allocator, and its lock is released; see ``kvpool.cache.requests``.
 
-        Everything is checked first (the request, its ``last_node``, the insertion; under
-        ``validate`` that its slots are its own); the allocator's ``free`` comes before the tree
+        Everything is checked first (the request, its ``last_node``, the insertion; that its slots
+        are its own, see ``validate``); the allocator's ``free`` comes before the tree
         changes, so a refused or failed call changes nothing.
         """
         plan = requests.plan_finished(self, req, is_insert)

@@ -29,8 +29,9 @@ class TreeCache(RadixTree):
     Parameters
     ----------
     params : CacheInitParams.
-    validate : also check, on every insert, that each page of slots is one aligned page (reads the
-        slots, a synchronisation on a GPU); ``KVPOOL_VALIDATE=1`` turns it on too.
+    validate : also check, on every insert, that each page of slots is one aligned page, and on a GPU
+        the slots given to every call against the allocator and the tree (a CPU cache always checks
+        those): reads them, a synchronisation on a GPU. ``KVPOOL_VALIDATE=1`` turns it on too.
 
     Raises
     ------
@@ -288,7 +289,7 @@ class TreeCache(RadixTree):
         Raises
         ------
         TypeError, ValueError
-            For a bad key, value, priority or prev_prefix_len, and (``validate``, over a kvpool
+            For a bad key, value, priority or prev_prefix_len, and (``_checks_slots``, over a kvpool
             allocator) slots that are not handed out, repeated, or already in the tree elsewhere.
         """
         key = params.key
