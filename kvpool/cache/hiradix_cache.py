@@ -34,11 +34,6 @@ from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
 
 
-def host_record(node: TreeNode) -> Optional[HostCopy]:
-    """The node's ``HostCopy`` (the host queue's record), or None."""
-    return node.records.get(HOST)
-
-
 class HiRadixCache(RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
@@ -131,7 +126,7 @@ class HiRadixCache(RadixCache):
         count = 0
         written_back = False
         while count < num:
-            node = self._queue.pop()
+            node = self._pop_evictable()
             if node is None:
                 break
             if HOST not in node.records and self.write_policy == "write_back":
@@ -177,6 +172,8 @@ class HiRadixCache(RadixCache):
             node = self._host_queue.pop()
             if node is None:
                 break
+            if not self._is_host_evictable(node):
+                continue
             copy = node.records[HOST]
             if copy.holds > 0:
                 protected.append(node)
@@ -418,7 +415,7 @@ class HiRadixCache(RadixCache):
         return slots, event
 
     def _reset_host(self) -> None:
-        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, host_record)
+        self._host_queue = EvictionQueue(self.eviction_strategy, HOST)
         self.root_node.records[HOST] = HostCopy(torch.empty(0, dtype=torch.int64))  # ends every walk up
         self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
         self.ongoing_load_back: list[tuple[TreeNode, Any]] = []

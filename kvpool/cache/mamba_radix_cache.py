@@ -40,11 +40,6 @@ from kvpool.checks import check_index, non_negative_int, positive_int
 from kvpool.errors import IntegrityError
 
 
-def state_record(node: TreeNode) -> Optional[StateSnapshot]:
-    """The node's ``StateSnapshot`` (the state queue's record), or None."""
-    return node.records.get(STATE)
-
-
 class MambaRadixCache(TreeCache):
     """A prefix cache whose nodes carry linear-attention state snapshots (their ``StateSnapshot``
     records) beside their KV.
@@ -189,7 +184,7 @@ class MambaRadixCache(TreeCache):
         undo = Undo()
         count = 0
         while count < num:
-            node = self._queue.pop()
+            node = self._pop_evictable()
             if node is None:
                 break
             count += self._remove_with_tombstones(node, kv, freed_states, undo)
@@ -199,6 +194,8 @@ class MambaRadixCache(TreeCache):
             node = self._mamba_queue.pop()
             if node is None:
                 break
+            if not self._is_mamba_evictable(node):
+                continue
             if node.children:
                 freed_states.append(self._forget_state(node, undo))  # a tombstone now
             elif node.device.lock_ref:
@@ -380,7 +377,7 @@ class MambaRadixCache(TreeCache):
         return InsertResult(prefix_len=cached // self.elem_bytes, mamba_exist=exist)
 
     def _reset_states(self) -> None:
-        self._mamba_queue = EvictionQueue(self.eviction_strategy, self._is_mamba_evictable, state_record)
+        self._mamba_queue = EvictionQueue(self.eviction_strategy, STATE)
         self.mamba_evictable_size_ = 0
         self.mamba_protected_size_ = 0
 

@@ -24,11 +24,6 @@ from kvpool.cache.records import DeviceSlots
 from kvpool.errors import IntegrityError
 
 
-def device_record(node: TreeNode) -> Any:
-    """The node's ``DeviceSlots`` (the device queue's record)."""
-    return node.device
-
-
 class Undo:
     """The steps a call has taken, to take back (newest first) when a later step of it raises: an
     eviction detaches nodes before the allocator's ``free``, and puts them back if that raises."""
@@ -68,7 +63,7 @@ class RadixTree:
         self.elem_bytes = BIGRAM_BYTES if is_eagle else TOKEN_BYTES
         self.page_bytes = page_size * self.elem_bytes
         self._child_key = child_key_fn(page_size, is_eagle)
-        self._queue = EvictionQueue(strategy, self._is_evictable, device_record)
+        self._queue = EvictionQueue(strategy)
         self._clock = 0
 
     def _reset_tree(self) -> None:
@@ -211,13 +206,20 @@ class RadixTree:
         freed: list[torch.Tensor] = []
         count = 0
         while count < num_tokens:
-            node = self._queue.pop()
+            node = self._pop_evictable()
             if node is None:
                 break
             freed.append(node.device.value)
             count += len(node.device.value)
             self._remove_leaf(node, undo)
         return freed
+
+    def _pop_evictable(self) -> Optional[TreeNode]:
+        """The device queue's next evictable leaf (entries of nodes no longer evictable are dropped)."""
+        while True:
+            node = self._queue.pop()
+            if node is None or self._is_evictable(node):
+                return node
 
     def _remove_leaf(self, node: TreeNode, undo: Optional[Undo] = None) -> None:
         """Take an evictable leaf off the device and out of the tree (its slots are the caller's to
