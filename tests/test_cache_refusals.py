@@ -145,6 +145,17 @@ def test_a_host_backup_that_raises_frees_its_host_slots_and_changes_nothing():
     eng.cache.check_integrity([req])
 
 
+def test_a_write_back_eviction_whose_backup_raises_changes_nothing():
+    eng = Engine("paged", 4, pages=16, host_policy="write_back")
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.finish(eng.admit(seq(9, 300)))
+    backup = FailingBackup(eng.host)
+    backup.arm()
+    refused(eng.cache, lambda: eng.cache.evict(EvictParams(num_tokens=8)), InjectedFault, "injected")
+    eng.cache.check_integrity()
+    assert eng.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
+
+
 # --- the hybrid cache ------------------------------------------------------------------------------
 
 

@@ -134,6 +134,7 @@ class HiRadixCache(RadixCache):
                     backed = self.write_backup(node, write_back=True) > 0
                 except BaseException:
                     undo.run()
+                    self._queue.push(node)  # popped, still an evictable leaf
                     raise
                 if backed:
                     written_back = True
