@@ -1708,3 +1708,32 @@ CACHE_KNOWN_BAD: dict[str, str] = {
 def known_bad(kind: str, name: str) -> Optional[str]:
     """Why ``name`` (on a cache of ``kind``) is still expected to fail, or None."""
     return CACHE_KNOWN_BAD.get(f"{kind}: {name}") or CACHE_KNOWN_BAD.get(name)
+
+
+class StateTags:
+    """Marks each state slot of a ``MambaPool`` with the id of the state it holds (the state after a
+    namespace's token prefix): the first 4 bytes of every layer's convolution and temporal state are
+    the id, the rest a pattern of it; ``check`` reads every byte back."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.ids: dict[tuple, int] = {}
+
+    def _views(self, slot: int) -> list[torch.Tensor]:
+        return [t[:, slot].reshape(t.shape[0], -1).view(torch.uint8) for t in (*self.pool.conv, self.pool.temporal)]
+
+    def _pattern(self, view: torch.Tensor, cid: int) -> torch.Tensor:
+        want = (torch.arange(view.numel()).view(view.shape) * 7 + cid * 31) % 256
+        want[:, :4] = torch.tensor([(cid >> (8 * i)) % 256 for i in range(4)])
+        return want.to(torch.uint8)
+
+    def write(self, slot: int, content: tuple) -> None:
+        cid = self.ids.setdefault(content, len(self.ids) + 1)
+        for view in self._views(int(slot)):
+            view.copy_(self._pattern(view, cid))
+
+    def check(self, slot: int, content: tuple, what: str) -> None:
+        cid = self.ids.get(content)
+        assert cid is not None, f"{what}: no state was ever computed for {content}"
+        for view in self._views(int(slot)):
+            assert torch.equal(view, self._pattern(view, cid)), f"{what}: state slot {int(slot)} holds another state than after {len(content[1])} tokens"
