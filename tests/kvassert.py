@@ -1640,8 +1640,11 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             calls[f"evict: mamba_num {v!r}"] = (lambda v=v: cache.evict(EvictParams(num_tokens=0, mamba_num=v)), bad, "mamba_num")
     else:
         calls["evict: mamba_num"] = (lambda: cache.evict(EvictParams(num_tokens=1, mamba_num=1)), bad, "mamba_num")
-    if ctx.running:
-        req = ctx.running[sorted(ctx.running)[0]]
+    extra_buffer = getattr(cache, "enable_mamba_extra_buffer", False)
+    untracked = [r for r in ctx.running.values() if extra_buffer and getattr(r, "mamba_last_track_seqlen", 0) is None]
+    tracked = [ctx.running[row] for row in sorted(ctx.running) if ctx.running[row] not in untracked]
+    if tracked:
+        req = tracked[0]
 
         def twin(base: Any = req, **changes: Any) -> Any:
             other = dataclasses.replace(base, output_ids=list(base.output_ids))
@@ -1659,6 +1662,10 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
                 lambda c=call: c(twin(cache_protected_len=aligned + p)), bad, "cache_protected_len")
             calls[f"{how}: negative cache_protected_len"] = (lambda c=call: c(twin(cache_protected_len=-1)), bad, "cache_protected_len")
             calls[f"{how}: a foreign last_node"] = (lambda c=call: c(twin(last_node=ctx.foreign)), bad, "last_node")
+            if untracked:  # no state known yet: the request is still checked
+                calls[f"{how}: cache_protected_len past the pages, no state known"] = (
+                    lambda c=call, r=untracked[0]: c(twin(r, cache_protected_len=int(r.kv_committed_len) + p)), bad,
+                    "cache_protected_len")  # fmt: skip
             if gone:
                 calls[f"{how}: an evicted last_node"] = (lambda c=call: c(twin(last_node=gone[0])), bad, "last_node")
             fresh = [r for r in ctx.running.values() if r.cache_protected_len == 0]
@@ -1680,6 +1687,7 @@ CACHE_KNOWN_BAD: dict[str, str] = {
     "cache_unfinished_req: a foreign last_node": "raises about last_node only after inserting",
     "cache_unfinished_req: an evicted last_node": "raises about last_node only after inserting",
     "cache_unfinished_req: an unlocked last_node": "raises only after inserting; MambaRadixCache accepts it",
+    "cache_unfinished_req: cache_protected_len past the pages, no state known": "not checked when no state is known",
     "insert: bool tokens": "RadixKey([True, ...]) is taken as token 1",
     "match: bool tokens": "RadixKey([True, ...]) is taken as token 1",
     "insert: unhashable extra_key": "a bare 'unhashable type' TypeError that does not name extra_key",

@@ -358,7 +358,7 @@ class RadixModelMachine(RuleBasedStateMachine):
 
 
 TestRadixModelMachine = RadixModelMachine.TestCase
-TestRadixModelMachine.settings = machine_settings(12, 30)
+TestRadixModelMachine.settings = machine_settings(30, 50)
 
 
 HOST_SETUPS = [(1, "token", 24), (4, "paged", 8)]
@@ -458,4 +458,4 @@ class HiRadixModelMachine(RadixModelMachine):
 
 
 TestHiRadixModelMachine = HiRadixModelMachine.TestCase
-TestHiRadixModelMachine.settings = machine_settings(10, 25)
+TestHiRadixModelMachine.settings = machine_settings(30, 50)
