@@ -3,8 +3,8 @@
 An evictable leaf is a node on the device, unlocked, with no child on the device. The queue keeps
 them ordered by the policy's priority, with lazy invalidation: a node that is pushed again (its
 priority changed, or it became evictable again) orphans its previous entry (the node's record
-keeps its live entry's sequence number), and an entry whose node is no longer an evictable leaf (locked, given
-a child) is dropped when it reaches the front. Entries that arrive in order (under LRU every new or
+keeps its live entry's sequence number), and an entry whose node is no longer an evictable leaf
+(locked, given a child) is skipped by the queue's owner when it reaches the front. Entries that arrive in order (under LRU every new or
 touched leaf: it is the most recent) go to the back of a deque, O(1); the others (a leaf unlocked or
 uncovered with an older access time) into a heap, O(log n); a pop takes the smaller front. No call
 scans the leaves. Both are rebuilt from their live entries once they hold twice the entries they
@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from kvpool.cache.node import TreeNode
@@ -113,20 +113,19 @@ class EvictionQueue:
     Parameters
     ----------
     strategy : the policy.
-    is_evictable : ``f(node) -> bool``, whether a node is evictable now.
-    record : ``f(node) -> record or None``, the node's record of this queue's tier
-        (``kvpool.cache.records``), where the queue keeps the node's live entry.
+    tier : the name of the tier record this queue keeps its live entry in (``node.records[tier]``,
+        ``kvpool.cache.records``), or None for the device tier's ``node.device``.
+
+    The queue never calls back into its owner: ``pop`` returns the node of the smallest live entry,
+    and the owner, which knows what evictable means for its tier, skips it when it is not.
     """
 
     _MIN_REBUILD = 1024
 
-    def __init__(
-        self, strategy: EvictionStrategy, is_evictable: Callable[["TreeNode"], bool], record: Callable[["TreeNode"], Any]
-    ) -> None:
-        self._record = record
+    def __init__(self, strategy: EvictionStrategy, tier: Optional[str] = None) -> None:
+        self._tier = tier
         self.strategy = strategy
         self._priority = strategy.get_priority
-        self._is_evictable = is_evictable
         self._heap: list[tuple] = []
         self._in_order: deque[tuple] = deque()
         self._seq = 0
@@ -135,6 +134,9 @@ class EvictionQueue:
     def __len__(self) -> int:
         """Entries held, orphaned ones included (for tests of the bound)."""
         return len(self._heap) + len(self._in_order)
+
+    def _record(self, node: "TreeNode") -> Any:
+        return node.device if self._tier is None else node.records.get(self._tier)
 
     def push(self, node: "TreeNode") -> None:
         """``node`` is an evictable leaf now, at its current priority (orphans its earlier entry)."""
@@ -151,18 +153,17 @@ class EvictionQueue:
             self._rebuild()
 
     def pop(self) -> Optional["TreeNode"]:
-        """The evictable leaf of smallest priority, removed from the queue; None if there is none."""
+        """The node of the smallest live entry, its entry removed; None when none is left. It was an
+        evictable leaf when pushed: the caller checks that it still is (and pops again if not)."""
         heap, in_order = self._heap, self._in_order
         while heap or in_order:
             if in_order and (not heap or in_order[0] < heap[0]):
-                _, seq, node = in_order.popleft()
+                item = in_order.popleft()
             else:
-                _, seq, node = heapq.heappop(heap)
-            record = self._record(node)
-            if record is None or record.queue_entry is None or record.queue_entry[1] != seq:
-                continue  # orphaned by a later push, or the node left the tier
-            record.queue_entry = None
-            if self._is_evictable(node):
+                item = heapq.heappop(heap)
+            node = item[2]
+            if self._live(item):
+                self._record(node).queue_entry = None
                 return node
         return None
 
@@ -183,18 +184,12 @@ class EvictionQueue:
         self._rebuild_at = self._MIN_REBUILD
 
     def _live(self, item: tuple) -> bool:
-        node = item[2]
-        record = self._record(node)
-        if record is None or record.queue_entry is None or record.queue_entry[1] != item[1]:
-            return False
-        if self._is_evictable(node):
-            return True
-        record.queue_entry = None
-        return False
+        """The item is its node's entry (not orphaned by a later push, and the node still in the tier)."""
+        record = self._record(item[2])
+        return record is not None and record.queue_entry is not None and record.queue_entry[1] == item[1]
 
     def _rebuild(self) -> None:
         self._heap = [item for item in self._heap if self._live(item)]
         heapq.heapify(self._heap)
         self._in_order = deque(item for item in self._in_order if self._live(item))  # stays in order
         self._rebuild_at = max(self._MIN_REBUILD, 2 * (len(self._heap) + len(self._in_order)))
-

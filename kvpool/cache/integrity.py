@@ -10,7 +10,7 @@ The checks read everything to the host; they are for tests and debugging.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -26,9 +26,13 @@ def _sample(xs: list[int]) -> str:
     return ", ".join(map(str, xs[:_SHOWN])) + (", ..." if len(xs) > _SHOWN else "")
 
 
-def _path_slots(node: TreeNode, root: TreeNode) -> list[torch.Tensor]:
+def _path_slots(node: TreeNode, root: TreeNode) -> Optional[list[torch.Tensor]]:
+    """The device slots of ``node``'s path from the root, or None when a node on it is not on the
+    device or the path does not reach the root (a detached node)."""
     parts = []
-    while node is not None and node is not root:
+    while node is not root:
+        if node is None or node.value is None:
+            return None
         parts.append(node.value)
         node = node.parent
     return parts[::-1]
@@ -53,9 +57,17 @@ def request_problems(cache: CheckedCache, requests: Iterable[Any]) -> tuple[list
         end = int(getattr(req, "kv_allocated_len", committed_len(req)))
         slots = pool.req_to_token[row, :end].to(torch.int64)
         last = req.last_node
+        if not isinstance(last, TreeNode):
+            problems.append(f"{where}: its last_node is a {type(last).__name__}, not a TreeNode")
+            owned.append(slots[protected:])
+            continue
         if last is not cache.root_node and (last.lock_ref < 1 or last.value is None):
             problems.append(f"{where}: its last_node {last.id} is {'evicted' if last.value is None else 'not locked'}")
         prefix = _path_slots(last, cache.root_node)
+        if prefix is None:
+            problems.append(f"{where}: its last_node {last.id}'s path to the root is not on the device (evicted or detached)")
+            owned.append(slots[protected:])
+            continue
         prefix_slots = torch.cat(prefix) if prefix else slots[:0]
         if prefix_slots.numel() != protected or not torch.equal(prefix_slots.cpu(), slots[:protected].cpu()):
             problems.append(

@@ -135,3 +135,37 @@ def plan_unfinished(cache: RequestCache, req: Any, chunked: bool = False) -> Hyb
         key=request_key(req, tokens[:known]), value=kv[:known], chunked=chunked, priority=getattr(req, "priority", 0) or 0
     )
     return HybridUnfinishedPlan(row, kv, protected, known, state, insert, req.last_node)
+
+
+def request_state_slot(pool: Any, req: Any) -> Optional[torch.Tensor]:
+    """``req.mamba_pool_idx`` (None, an int, or a one-entry integer tensor) as Tensor [1] on the state
+    pool's device, checked to be a slot ``pool`` has handed out; None when it has none (or there is
+    no pool).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For another type, a tensor of another shape or dtype (or on meta), or a free slot.
+    """
+    idx = getattr(req, "mamba_pool_idx", None)
+    if idx is None or pool is None:
+        return None
+    if isinstance(idx, torch.Tensor):
+        if idx.numel() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(
+                f"match_prefix: req.mamba_pool_idx must be an int or a one-entry integer tensor, got {idx.dtype} of "
+                f"shape {tuple(idx.shape)}"
+            )
+        if idx.device.type == "meta":
+            raise ValueError("match_prefix: req.mamba_pool_idx must be on the state pool's device or the CPU, got meta")
+        slot = int(idx.reshape(()))
+    elif isinstance(idx, int) and not isinstance(idx, bool):
+        slot = idx
+    else:
+        raise TypeError(f"match_prefix: req.mamba_pool_idx must be None, an int or a one-entry integer tensor, got {type(idx).__name__}")
+    if not pool.is_held(slot):
+        raise ValueError(
+            f"match_prefix: req.mamba_pool_idx must be a state slot the pool has handed out, got {slot}, which is free "
+            "or out of range"
+        )
+    return torch.tensor([slot], dtype=torch.int64, device=pool.device)

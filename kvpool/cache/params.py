@@ -64,15 +64,19 @@ class InsertParams:
     """``insert``'s arguments.
 
     ``key``: the tokens; ``value``: Tensor [len(key)] of their device slots (None in a simulated cache:
-    the token ids stand in); ``priority``: for the priority policy (kept as the maximum along the
-    path). ``chunked``, ``mamba_value``, ``prev_prefix_len`` and ``swa_evicted_seqlen`` are SGLang's
-    fields for chunked prefill and the hybrid caches.
+    the token ids stand in); ``priority``: an int for the priority policy (kept as the maximum along
+    the path). ``prev_prefix_len``: None (the caller frees the slots
+    of the ``prefix_len`` tokens the tree held, SGLang's ``RadixCache``), or the tokens at the start
+    of ``value`` that are the tree's own slots from the caller's match: the insert then frees the
+    caller's slots of the tokens from there to ``prefix_len`` itself (SGLang's ``SWARadixCache``).
+    ``chunked``, ``mamba_value`` and ``swa_evicted_seqlen`` are SGLang's fields for chunked prefill and
+    the hybrid caches.
     """
 
     key: RadixKey
     value: Optional[torch.Tensor] = None
     mamba_value: Optional[torch.Tensor] = None
-    prev_prefix_len: int = 0
+    prev_prefix_len: Optional[int] = None
     swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0

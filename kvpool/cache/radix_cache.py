@@ -32,7 +32,8 @@ from kvpool.cache.params import (
     MatchResult,
     resolve_init_params,
 )
-from kvpool.cache.tree_cache import TreeCache
+from kvpool.cache.tree import Undo
+from kvpool.cache.tree_cache import InsertJob, TreeCache
 from kvpool.checks import non_negative_int
 from kvpool.errors import IntegrityError
 
@@ -48,8 +49,9 @@ class RadixCache(TreeCache):
         arguments (``req_to_token_pool``, ``token_to_kv_pool_allocator``, ``page_size``,
         ``disable``, ``enable_kv_cache_events``, ``eviction_policy``, ``is_eagle`` positionally from
         ``params`` on, any field by keyword).
-    validate : also check, on every insert, that each page of slots is one aligned page (reads the
-        slots, a synchronisation on a GPU); ``KVPOOL_VALIDATE=1`` turns it on too.
+    validate : also check, on every insert, that each page of slots is one aligned page, and on a GPU
+        the slots given to every call against the allocator and the tree (a CPU cache always checks
+        those): reads them, a synchronisation on a GPU. ``KVPOOL_VALIDATE=1`` turns it on too.
 
     Raises
     ------
@@ -129,22 +131,19 @@ class RadixCache(TreeCache):
             If the key is not a RadixKey of ints, or the value not a tensor.
         ValueError
             If the value is not a 1-D int32/int64 tensor on the cache's device with one slot per key
-            token, is None in a cache with an allocator, or (``validate``) a page of it is not one
-            aligned page of slots. Nothing changes.
+            token, is None in a cache with an allocator, the priority is not an int, or
+            ``prev_prefix_len`` is not within the key; with a kvpool allocator (always on the CPU,
+            under ``validate`` on a GPU) if a slot is not handed out, is listed twice or is the tree's
+            already (other than the tree's own slots of the tokens it held); under ``validate`` if a
+            page of it is not one aligned page of slots.
+            Nothing changes; if the allocator's ``free`` of the duplicates (``prev_prefix_len``)
+            raises, nothing changes either.
         """
         legacy = not isinstance(params, InsertParams)
-        if not legacy:
-            key, value, priority = params.key, params.value, params.priority
-        else:
-            key = params
-        enc = self._key_bytes(key)
-        value = self._checked_value(key, enc, value)
-        n = len(enc) // self.page_bytes * self.page_bytes
-        prefix = 0
-        if not self.disable and n:
-            cached, last = self._insert(enc, n, value, priority or 0, key.extra_key)
-            prefix = cached // self.elem_bytes
-            self._inserted(last, chunked if legacy else params.chunked)
+        if legacy:
+            params = InsertParams(key=params, value=value, chunked=chunked, priority=priority)
+        job = self._prepare_insert(params, peek=False)
+        prefix = 0 if job is None else self._run_insert(job)
         return prefix if legacy else InsertResult(prefix_len=prefix)
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
@@ -162,14 +161,20 @@ class RadixCache(TreeCache):
         ------
         ValueError
             If ``num_tokens`` is not a non-negative int, ``swa_num_tokens`` or ``mamba_num`` is not 0
-            (this cache holds neither), or the cache is disabled. Nothing changes.
+            (this cache holds neither), or the cache is disabled. Nothing changes; if the allocator's
+            ``free`` raises, the evicted nodes are put back and the error propagates.
         """
         num = self._evict_amount(params)
-        freed = self._evict_leaves(num)
+        undo = Undo()
+        freed = self._evict_leaves(num, undo)
         count = sum(len(v) for v in freed)
         allocator = self.token_to_kv_pool_allocator
         if freed and allocator is not None:
-            allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+            try:
+                allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+            except BaseException:
+                undo.run()  # the leaves go back: the tree still owns their slots
+                raise
         return EvictResult(num_tokens_evicted=count)
 
     def total_size(self) -> int:
@@ -178,25 +183,53 @@ class RadixCache(TreeCache):
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """A finished (``is_insert``) or retracted (``is_insert=False``) request's slots go into the
-        tree or back to the allocator, and its lock is released; see ``kvpool.cache.requests``."""
+        tree or back to the allocator, and its lock is released; see ``kvpool.cache.requests``.
+
+        Everything is checked first (the request, its ``last_node``, the insertion; that its slots
+        are its own, see ``validate``); the allocator's ``free`` comes before the tree
+        changes, so a refused or failed call changes nothing.
+        """
         plan = requests.plan_finished(self, req, is_insert)
-        end = plan.aligned
-        if plan.insert is not None:
-            end = self.insert(plan.insert).prefix_len
+        job = None
+        if plan.last_node is not None:
+            self._check_locked(self._path(plan.last_node, "cache_finished_req: req.last_node"), "cache_finished_req: req.last_node")
+            if plan.insert is not None:
+                job = self._prepare_insert(plan.insert, "cache_finished_req")
+            if self._checks_slots():
+                self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_finished_req")
+        end = plan.aligned if job is None else job.cached
         kv, protected = plan.kv, plan.protected
-        self._free_slots([kv[protected:end], kv[plan.aligned :]])
+        staged = None if job is None else self._stage_insert(job)
+        try:
+            self._free_slots([kv[protected:end], kv[plan.aligned :]])
+        except BaseException:
+            self._unstage_insert(staged)
+            raise
+        if job is not None:
+            self._complete_insert(job, staged)
         if plan.last_node is not None:
             self.dec_lock_ref(plan.last_node)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         """A running request's computed pages go into the tree and it continues on the tree's slots;
-        see ``kvpool.cache.requests``."""
+        see ``kvpool.cache.requests``. Checked first, and the allocator's ``free`` comes first, as
+        ``cache_finished_req``."""
         plan = requests.plan_unfinished(self, req, chunked)
         if plan is None:
             return
+        self._check_locked(self._path(plan.last_node, "cache_unfinished_req: req.last_node"), "cache_unfinished_req: req.last_node")
+        job = self._prepare_insert(plan.insert, "cache_unfinished_req")
+        if self._checks_slots():
+            self._check_request_slots(plan.kv, plan.protected, plan.last_node, "cache_unfinished_req")
         kv, protected, aligned = plan.kv, plan.protected, plan.aligned
-        end = self.insert(plan.insert).prefix_len
-        self._free_slots([kv[protected:end]])
+        if job is not None:
+            staged = self._stage_insert(job)
+            try:
+                self._free_slots([kv[protected : job.cached]])
+            except BaseException:
+                self._unstage_insert(staged)
+                raise
+            self._complete_insert(job, staged)
         match = self.match_prefix(MatchPrefixParams(key=plan.insert.key))
         indices, last = match.device_indices, match.last_device_node
         if len(indices) != aligned:
@@ -210,8 +243,30 @@ class RadixCache(TreeCache):
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _inserted(self, last: TreeNode, chunked: bool) -> None:
-        """After an insert that ended on ``last`` (a hook for caches with a host tier)."""
+    def _run_insert(self, job: InsertJob) -> int:
+        """Carry out a checked insertion; returns its ``prefix_len``. With ``prev_prefix_len`` the
+        caller's slots of the tokens from there to ``prefix_len`` are freed first."""
+        staged = self._stage_insert(job)
+        try:
+            if job.prev is not None and job.prev < job.cached:
+                self._free_slots([job.value[job.prev : job.cached]])
+        except BaseException:
+            self._unstage_insert(staged)
+            raise
+        return self._complete_insert(job, staged)
+
+    def _stage_insert(self, job: InsertJob) -> Any:
+        """The part of an insertion that can fail, done before the tree changes (a tier below the
+        device backs the pages up here); ``_unstage_insert`` takes it back."""
+        return None
+
+    def _unstage_insert(self, staged: Any) -> None:
+        """Take back ``_stage_insert`` when a later step raised before the tree changed."""
+
+    def _complete_insert(self, job: InsertJob, staged: Any) -> int:
+        """The tree's part of an insertion (it cannot fail once checked); returns ``prefix_len``."""
+        cached, _ = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
+        return cached // self.elem_bytes
 
     def _evict_amount(self, params: Union[EvictParams, int]) -> int:
         """``params``' device tokens to evict, checked."""

@@ -12,7 +12,7 @@ changes the priority of one, pushes it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,9 +24,22 @@ from kvpool.cache.records import DeviceSlots
 from kvpool.errors import IntegrityError
 
 
-def device_record(node: TreeNode) -> Any:
-    """The node's ``DeviceSlots`` (the device queue's record)."""
-    return node.device
+class Undo:
+    """The steps a call has taken, to take back (newest first) when a later step of it raises: an
+    eviction detaches nodes before the allocator's ``free``, and puts them back if that raises."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], None]] = []
+
+    def add(self, step: Callable[[], None]) -> None:
+        """Record how to take back the step just taken."""
+        self.steps.append(step)
+
+    def run(self) -> None:
+        """Take every recorded step back, the last one first."""
+        for step in reversed(self.steps):
+            step()
+        self.steps = []
 
 
 class RadixTree:
@@ -50,7 +63,7 @@ class RadixTree:
         self.elem_bytes = BIGRAM_BYTES if is_eagle else TOKEN_BYTES
         self.page_bytes = page_size * self.elem_bytes
         self._child_key = child_key_fn(page_size, is_eagle)
-        self._queue = EvictionQueue(strategy, self._is_evictable, device_record)
+        self._queue = EvictionQueue(strategy)
         self._clock = 0
 
     def _reset_tree(self) -> None:
@@ -88,9 +101,11 @@ class RadixTree:
             end = pos + len(kb)
             if end <= n and enc.startswith(kb, pos):
                 node, pos = child, end
-            else:  # the match ends inside the child: only its first part was accessed
+            else:  # the match ends inside the child: split there; both parts count as accessed (SGLang's LRU)
+                child.access_tick, child.last_access_time = tick, now
                 node = self._split(child, common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes))
                 pos = n
+                self._touched(child)
             node.access_tick, node.last_access_time = tick, now
             node.hit_count += 1
             path.append(node)
@@ -114,9 +129,11 @@ class RadixTree:
             end = pos + len(kb)
             if end <= n and enc.startswith(kb, pos):
                 node, pos, split = child, end, False
-            else:  # the key leaves the child part-way: split it there
+            else:  # the key leaves the child part-way: split it there (both parts count as accessed)
+                child.access_tick, child.last_access_time = tick, now
                 m = common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
                 node, pos, split = self._split(child, m), pos + m, True
+                self._touched(child)
             node.access_tick, node.last_access_time = tick, now
             node.priority = max(node.priority, priority)
             if node.device is None:
@@ -134,12 +151,19 @@ class RadixTree:
         leaf.key = RadixKey.from_encoded(enc[pos:n], extra, self.is_eagle)
         leaf.device = DeviceSlots(value[pos // self.elem_bytes : n // self.elem_bytes].to(torch.int64, copy=True))
         leaf.child_key = child_key(enc, pos, extra)
-        leaf.access_tick = leaf.creation_tick = tick
+        self._clock += 1  # made after the walk stamped the path (SGLang's leaf is created after it too)
+        leaf.access_tick = leaf.creation_tick = self._clock
         node.children[leaf.child_key] = leaf
         self.evictable_size_ += len(leaf.device.value)
         self._queue.push(leaf)
         self._stored(leaf)
         return cached, leaf
+
+    def _touched(self, node: TreeNode) -> None:
+        """``node``'s access stamp changed outside the walked path (the second part of a split):
+        every queue that holds it takes its new priority (a tier with its own queue adds to this)."""
+        if self._is_evictable(node):
+            self._queue.push(node)
 
     def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Give a node of the tree that is not on the device the slots ``slots`` (a tier that keeps
@@ -176,35 +200,82 @@ class RadixTree:
         new.parent.children[new.child_key] = new
         return new
 
-    def _evict_leaves(self, num_tokens: int) -> list[torch.Tensor]:
+    def _evict_leaves(self, num_tokens: int, undo: Undo) -> list[torch.Tensor]:
         """Detach evictable leaves in the policy's order until ``num_tokens`` are gone (or none is
-        left); returns their slots, now the caller's to free."""
+        left); returns their slots, now the caller's to free (``undo`` puts the leaves back)."""
         freed: list[torch.Tensor] = []
         count = 0
         while count < num_tokens:
-            node = self._queue.pop()
+            node = self._pop_evictable()
             if node is None:
                 break
             freed.append(node.device.value)
             count += len(node.device.value)
-            self._remove_leaf(node)
+            self._remove_leaf(node, undo)
         return freed
 
-    def _remove_leaf(self, node: TreeNode) -> None:
+    def _pop_evictable(self) -> Optional[TreeNode]:
+        """The device queue's next evictable leaf (entries of nodes no longer evictable are dropped)."""
+        while True:
+            node = self._queue.pop()
+            if node is None or self._is_evictable(node):
+                return node
+
+    def _remove_leaf(self, node: TreeNode, undo: Optional[Undo] = None) -> None:
         """Take an evictable leaf off the device and out of the tree (its slots are the caller's to
         free now); its parent may become an evictable leaf."""
-        self._drop_device(node)
+        self._drop_device(node, undo)
         parent = node.parent
         del parent.children[node.child_key]
+        if undo is not None:
+            undo.add(lambda: parent.children.__setitem__(node.child_key, node))
         if self._is_evictable(parent):
             self._queue.push(parent)
 
-    def _drop_device(self, node: TreeNode) -> None:
+    def _drop_device(self, node: TreeNode, undo: Optional[Undo] = None) -> None:
         """Take an unlocked node's device record (its slots are the caller's to free now)."""
-        self.evictable_size_ -= len(node.device.value)
+        device = node.device
+        self.evictable_size_ -= len(device.value)
+        events = len(self.kv_event_queue)
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(removed_event(node, self.root_node, self.page_size, self.elem_bytes, MEDIUM_GPU))
         node.device = None
+        if undo is not None:
+            undo.add(lambda: self._restore_device(node, device, events))
+
+    def _restore_device(self, node: TreeNode, device: DeviceSlots, events: int) -> None:
+        node.device = device
+        self.evictable_size_ += len(device.value)
+        del self.kv_event_queue[events:]
+        if self._is_evictable(node):
+            self._queue.push(node)
+
+    def _peek(self, enc: bytes, n: int, extra: Any) -> tuple[int, list[torch.Tensor], Optional[TreeNode]]:
+        """What ``_insert`` of ``enc[:n]`` would find, changing nothing: the bytes the tree holds on
+        the device already, those slots, and the node that ends exactly at ``n`` (None if none does:
+        the insert will make it)."""
+        child_key = self._child_key
+        node = self.root_node
+        pos = cached = 0
+        slots = []
+        end = None
+        while pos < n:
+            child = node.children.get(child_key(enc, pos, extra))
+            if child is None:
+                break
+            kb = encoded(child.key)
+            whole = pos + len(kb) <= n and enc.startswith(kb, pos)
+            m = len(kb) if whole else common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+            pos += m
+            if child.device is not None:
+                slots.append(child.device.value[: m // self.elem_bytes])
+                cached = pos
+            if not whole:
+                break
+            node = child
+            if pos == n:
+                end = child
+        return cached, slots, end
 
     def _path(self, node: Any, what: str) -> list[TreeNode]:
         """``node`` and its ancestors below the root, checked to be attached to this tree."""

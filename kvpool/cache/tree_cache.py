@@ -7,6 +7,7 @@ request calls on it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Optional
 
 import torch
@@ -16,7 +17,7 @@ from kvpool.cache.events import AllBlocksCleared
 from kvpool.cache.evict_policy import make_strategy
 from kvpool.cache.key import RadixKey, encoded, to_bigram
 from kvpool.cache.node import TreeNode
-from kvpool.cache.params import CacheInitParams, MatchPrefixParams, MatchResult
+from kvpool.cache.params import CacheInitParams, InsertParams, MatchPrefixParams, MatchResult
 from kvpool.cache.tree import RadixTree
 from kvpool.checks import check_index, positive_int
 from kvpool.config import validate_enabled
@@ -28,8 +29,9 @@ class TreeCache(RadixTree):
     Parameters
     ----------
     params : CacheInitParams.
-    validate : also check, on every insert, that each page of slots is one aligned page (reads the
-        slots, a synchronisation on a GPU); ``KVPOOL_VALIDATE=1`` turns it on too.
+    validate : also check, on every insert, that each page of slots is one aligned page, and on a GPU
+        the slots given to every call against the allocator and the tree (a CPU cache always checks
+        those): reads them, a synchronisation on a GPU. ``KVPOOL_VALIDATE=1`` turns it on too.
 
     Raises
     ------
@@ -59,8 +61,7 @@ class TreeCache(RadixTree):
         self.enable_mamba_extra_buffer = bool(p.enable_mamba_extra_buffer)
         self.eviction_strategy = make_strategy(p.eviction_policy)
         self.eviction_policy = p.eviction_policy.lower()
-        allocator = self.token_to_kv_pool_allocator
-        self.device = torch.device(allocator.device) if allocator is not None else torch.device("cpu")
+        self.device = _device_of(self.token_to_kv_pool_allocator)
         self.validate = validate_enabled(validate)
         self.kv_event_queue: list[Any] = []
         self.metrics_collector = None
@@ -218,13 +219,25 @@ class TreeCache(RadixTree):
 
     # --- checks and helpers shared by the caches --------------------------------------------------
 
-    def _check_locked(self, path: list[TreeNode]) -> None:
+    def _check_locked(self, path: list[TreeNode], what: str = "dec_lock_ref") -> None:
         for n in path:
             if n.device.lock_ref < 1:
                 raise ValueError(
-                    f"dec_lock_ref: node {n.id} is not locked (lock_ref = {n.device.lock_ref}); each dec_lock_ref "
+                    f"{what}: node {n.id} is not locked (lock_ref = {n.device.lock_ref}); each dec_lock_ref "
                     "undoes one earlier inc_lock_ref of the node or of a node below it"
                 )
+
+    def _check_request_slots(self, kv: torch.Tensor, protected: int, last_node: TreeNode, what: str) -> None:
+        """A request's first ``protected`` slots are its ``last_node``'s path in the tree, and the rest
+        its own: handed out, each once, none in the tree (reads them: see ``_checks_slots``)."""
+        path = [n.device.value for n in reversed(self._path(last_node, what))]
+        tree = torch.cat(path).cpu() if path else kv[:0].cpu().to(torch.int64)
+        if tree.numel() != protected or not torch.equal(tree, kv[:protected].cpu().to(torch.int64)):
+            raise ValueError(
+                f"{what}: req's first {protected} slots (cache_protected_len) must be the {tree.numel()} slots of its "
+                "last_node's path in the tree"
+            )
+        self._check_given_slots(kv[protected:], 0, [], f"{what}: the request's own slots")
 
     def _match_key(self, params: Any) -> Optional[tuple[list[TreeNode], TreeNode]]:
         """``_match`` of ``params``' key (MatchPrefixParams or a RadixKey), checked; None when there is
@@ -241,6 +254,12 @@ class TreeCache(RadixTree):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
         if key.is_bigram and not self.is_eagle:
             raise ValueError("key must be a plain key (is_bigram=False): this cache was built with is_eagle=False")
+        try:
+            hash(key.extra_key)
+        except TypeError:
+            raise TypeError(
+                f"key.extra_key must be hashable (None, a str, an int, a tuple, ...), got {type(key.extra_key).__name__}"
+            ) from None
         enc = encoded(key)
         return to_bigram(enc) if self.is_eagle and not key.is_bigram else enc
 
@@ -262,6 +281,83 @@ class TreeCache(RadixTree):
         if self.validate and self.page_size > 1:
             self._check_pages(value[: len(enc) // self.page_bytes * self.page_size])
         return value
+
+    def _prepare_insert(self, params: InsertParams, what: str = "insert", peek: bool = True) -> Optional["InsertJob"]:
+        """``params`` checked, and what inserting it will find, changing nothing; None when there is
+        nothing to insert (a disabled cache, no whole page).
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad key, value, priority or prev_prefix_len, and (``_checks_slots``, over a kvpool
+            allocator) slots that are not handed out, repeated, or already in the tree elsewhere.
+        """
+        key = params.key
+        enc = self._key_bytes(key)
+        value = self._checked_value(key, enc, params.value)
+        priority = params.priority
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"{what}: priority must be an int, got {priority!r} ({type(priority).__name__})")
+        prev = params.prev_prefix_len
+        if prev is not None and (isinstance(prev, bool) or not isinstance(prev, int) or not 0 <= prev <= len(value)):
+            raise ValueError(f"{what}: prev_prefix_len must be None or an int in 0..{len(value)} (the key's tokens), got {prev!r}")
+        n = len(enc) // self.page_bytes * self.page_bytes
+        if self.disable or n == 0:
+            return None
+        owners = self._owners() if self._checks_slots() else None
+        cached, tree_slots, end = 0, [], None
+        if peek or owners is not None or prev is not None:
+            cached, tree_slots, end = self._peek(enc, n, key.extra_key)
+        if owners is not None:
+            elems = n // self.elem_bytes
+            self._check_given_slots(value[:elems], cached // self.elem_bytes, tree_slots, f"{what}: value", owners)
+        return InsertJob(enc, n, value, priority, key.extra_key, bool(params.chunked), cached // self.elem_bytes, prev, end)
+
+    def _checks_slots(self) -> bool:
+        """Whether calls check the slots they are given against the allocator and the tree: always on
+        the CPU, under ``validate`` on a GPU (where reading them is a synchronisation)."""
+        return self.validate or self.device.type == "cpu"
+
+    def _owners(self) -> Optional[torch.Tensor]:
+        """The allocator's holders per slot (a kvpool allocator's ``backup_state().owners``, on the
+        host), or None for an allocator that does not say (a test double, a simulated cache)."""
+        backup = getattr(self.token_to_kv_pool_allocator, "backup_state", None)
+        owners = getattr(backup(), "owners", None) if callable(backup) else None
+        return owners.cpu().to(torch.int64) if isinstance(owners, torch.Tensor) else None
+
+    def _check_given_slots(
+        self, slots: torch.Tensor, shared: int, tree_slots: list[torch.Tensor], what: str, owners: Optional[torch.Tensor] = None
+    ) -> None:
+        """Each of ``slots`` handed out by the allocator and listed once; none in the tree except the
+        first ``shared``, where they may be the tree's own slots for the same tokens (reads the slots
+        and the tree: see ``_checks_slots``). ``owners``: the allocator's, if read already."""
+        owners = self._owners() if owners is None else owners
+        if owners is None or slots.numel() == 0:
+            return
+        v = slots.cpu().to(torch.int64)
+        n_slots = owners.numel()
+        outside = ((v < 0) | (v >= n_slots)).nonzero()
+        if outside.numel():
+            i = int(outside[0])
+            raise ValueError(f"{what} must hold slots in 0..{n_slots - 1} handed out by the allocator, got {int(v[i])} at position {i}")
+        free = (owners[v] == 0).nonzero()
+        if free.numel():
+            i = int(free[0])
+            raise ValueError(
+                f"{what} must hold slots handed out by the allocator, got slot {int(v[i])} at position {i}, which is free "
+                "(never allocated, freed, or reserved)"
+            )
+        own = torch.zeros(v.numel(), dtype=torch.bool)
+        if shared:
+            held = torch.cat(tree_slots).cpu()[:shared] if tree_slots else v[:0]
+            own[: held.numel()] = v[: held.numel()] == held
+        mine = v[~own]
+        uniq, counts = torch.unique(mine, return_counts=True)
+        if bool((counts > 1).any()):
+            raise ValueError(f"{what} must list each slot once, got slot {int(uniq[counts > 1][0])} more than once")
+        in_tree = torch.isin(mine, self.all_values_flatten().cpu())
+        if bool(in_tree.any()):
+            raise ValueError(f"{what} must hold slots the tree does not own, got slot {int(mine[in_tree][0])}, already in the tree")
 
     def _check_pages(self, slots: torch.Tensor) -> None:
         p = self.page_size
@@ -290,3 +386,32 @@ class TreeCache(RadixTree):
     def _empty_match(self) -> MatchResult:
         root = self.root_node
         return MatchResult(torch.empty(0, dtype=torch.int64, device=self.device), root, root)
+
+
+@dataclasses.dataclass
+class InsertJob:
+    """An insertion checked by ``_prepare_insert``: the key's bytes and whole-page length ``n``, its
+    slots, priority and namespace, the ``cached`` elements the tree holds of it already, and the
+    node that ends where it ends (None: the insertion makes it)."""
+
+    enc: bytes
+    n: int
+    value: torch.Tensor
+    priority: int
+    extra: Any
+    chunked: bool
+    cached: int
+    prev: Optional[int]
+    end: Optional[TreeNode]
+
+
+def _device_of(allocator: Any) -> torch.device:
+    """The allocator's device; the CPU without an allocator or for a test double whose ``device`` is
+    not one (SGLang keeps such a value as it is and the tensors it makes are on the CPU)."""
+    device = getattr(allocator, "device", None) if allocator is not None else None
+    if isinstance(device, (torch.device, str, int)):
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            pass
+    return torch.device("cpu")
