@@ -1679,37 +1679,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
 #: cache failures). The state machines leave them out; the bad-input table and the atomicity tests
 #: keep them as strict expected failures until they are fixed. A key is a call's name in
 #: ``cache_bad_calls``, or "<cache kind>: <name>" for one kind only.
-_SLOTS_UNCHECKED = "insert takes slots the allocator never handed out or the tree holds already"
 CACHE_KNOWN_BAD: dict[str, str] = {
-    "cache_finished_req: a foreign last_node": "raises about last_node only after inserting and freeing",
-    "cache_finished_req: an evicted last_node": "raises about last_node only after inserting and freeing",
-    "cache_finished_req: an unlocked last_node": "raises about last_node only after inserting and freeing",
-    "cache_unfinished_req: a foreign last_node": "raises about last_node only after inserting",
-    "cache_unfinished_req: an evicted last_node": "raises about last_node only after inserting",
-    "cache_unfinished_req: an unlocked last_node": "raises only after inserting; MambaRadixCache accepts it",
     "cache_unfinished_req: cache_protected_len past the pages, no state known": "not checked when no state is known",
-    "insert: bool tokens": "RadixKey([True, ...]) is taken as token 1",
-    "match: bool tokens": "RadixKey([True, ...]) is taken as token 1",
-    "insert: unhashable extra_key": "a bare 'unhashable type' TypeError that does not name extra_key",
-    "match: unhashable extra_key": "a bare 'unhashable type' TypeError that does not name extra_key",
-    "insert: priority None": "a priority that is not an int is stored",
-    "insert: priority 1.5": "a priority that is not an int is stored",
-    "insert: priority 'x'": "a priority that is not an int is stored",
-    "priority policy: a priority that is not an int": "stored, or a TypeError after the node was inserted",
-    "insert: free slots": _SLOTS_UNCHECKED,
-    "insert: negative slots": _SLOTS_UNCHECKED,
-    "insert: slot 0 page": _SLOTS_UNCHECKED,
-    "insert: slots already in the tree": _SLOTS_UNCHECKED,
-    "insert: slots out of range": _SLOTS_UNCHECKED + " (the host tier raises an IndexError after inserting)",
-    "insert: value twice": _SLOTS_UNCHECKED,
-    "insert: mamba_value on meta": "the device of mamba_value is not checked",
-    "insert: mamba_value out of range": "a state slot the state pool never handed out is taken",
-    "insert: mamba_value slot 0": "a state slot the state pool never handed out is taken",
-    "insert: mamba_value the tree holds": "a state slot another node holds is taken",
-    "failing free in evict": "evict detaches nodes before the allocator's free, which can raise",
-    "failing free in cache_finished_req": "cache_finished_req inserts before the allocator's free, which can raise",
-    "failing free in cache_unfinished_req": "cache_unfinished_req inserts (and forks a state) before the free, which can raise",
-    "failing host backup": "a host backup that raises leaves the node inserted and its host slots allocated",
 }
 
 

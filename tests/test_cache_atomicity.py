@@ -125,7 +125,6 @@ def hybrid_request(eng: HybridEngine, tokens: list) -> SimReq:
     return req
 
 
-@pytest.mark.xfail(strict=True, reason="an int mamba_pool_idx raises AttributeError in a copy-on-write match")
 def test_a_copy_on_write_match_takes_an_int_state_slot():
     eng = HybridEngine(1, pages=64, states=8)
     eng.finish(eng.admit(seq(5)))
@@ -136,7 +135,6 @@ def test_a_copy_on_write_match_takes_an_int_state_slot():
     eng.check_state(req.mamba_pool_idx, (None, tuple(seq(5))))  # the snapshot's copy
 
 
-@pytest.mark.xfail(strict=True, reason="a free state slot is accepted as the copy-on-write target")
 def test_a_copy_on_write_match_refuses_a_free_state_slot():
     eng = HybridEngine(1, pages=64, states=8)
     eng.finish(eng.admit(seq(5)))
