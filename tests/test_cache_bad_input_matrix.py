@@ -14,14 +14,16 @@ import pytest
 from kvassert import Engine, HybridEngine, assert_unchanged, cache_bad_calls, cache_snapshot, device_nodes, known_bad, seq
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
 
-KINDS = ["radix-page-1", "radix-page-4", "hiradix-page-4", "mamba-page-1"]
+KINDS = ["radix-page-1", "radix-page-4", "hiradix-page-4", "mamba-page-1", "mamba-page-4"]
 
 
 def populated(kind: str) -> SimpleNamespace:
     """A cache of ``kind`` holding two cached prefixes (one evicted, its node kept as ``gone``) and
     two running requests (one continuing a cached prefix)."""
-    if kind.startswith("mamba"):
+    if kind == "mamba-page-1":
         eng = HybridEngine(1, pages=64, states=12)
+    elif kind == "mamba-page-4":
+        eng = HybridEngine(4, pages=16, states=16, extra=True)
     elif kind.startswith("hiradix"):
         eng = Engine("paged", 4, pages=16, host_policy="write_through")
     else:
@@ -37,10 +39,12 @@ def populated(kind: str) -> SimpleNamespace:
     left = [first] if first.value is None else []
     eng.admit(seq(2 * p, 700) + seq(p + 1, 900))
     eng.admit(seq(3 * p + 1, 1500))
+    if kind == "mamba-page-4":
+        eng.admit(seq(p - 1, 2500))  # shorter than a page: no state known yet
     foreign = RadixCache.create_simulated(page_size=p)
     foreign.insert(InsertParams(key=RadixKey(list(range(p)))))
     node = foreign.match_prefix(MatchPrefixParams(key=RadixKey(list(range(p))))).last_device_node
-    assert left and len(eng.running) == 2 and device_nodes(cache)
+    assert left and len(eng.running) >= 2 and device_nodes(cache)
     return SimpleNamespace(cache=cache, alloc=eng.alloc, page=p, size=eng.size, running=eng.running, gone=left,
                            foreign=node, eng=eng)  # fmt: skip
 

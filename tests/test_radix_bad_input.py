@@ -86,11 +86,13 @@ def test_a_cache_with_an_allocator_needs_the_slots():
 
 
 def test_validate_checks_that_each_page_is_one_aligned_page():
-    cache = RadixCache(None, PagedTokenToKVPoolAllocator(64, 4), 4, validate=True)
-    with pytest.raises(ValueError, match=r"whole aligned pages of 4 consecutive slots, got \[5, 6, 7, 8\] for page 1"):
-        cache.insert(InsertParams(key=RadixKey(seq(8)), value=T([4, 5, 6, 7, 5, 6, 7, 8])))
+    alloc = PagedTokenToKVPoolAllocator(64, 4)
+    assert alloc.alloc(16).tolist() == list(range(4, 20))
+    cache = RadixCache(None, alloc, 4, validate=True)
+    with pytest.raises(ValueError, match=r"whole aligned pages of 4 consecutive slots, got \[9, 10, 11, 12\] for page 1"):
+        cache.insert(InsertParams(key=RadixKey(seq(8)), value=T([4, 5, 6, 7, 9, 10, 11, 12])))
     assert cache.total_size() == 0
-    assert cache.insert(InsertParams(key=RadixKey(seq(9)), value=T([4, 5, 6, 7, 12, 13, 14, 15, 3]))).prefix_len == 0
+    assert cache.insert(InsertParams(key=RadixKey(seq(9)), value=T([4, 5, 6, 7, 12, 13, 14, 15, 16]))).prefix_len == 0
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import free_recorder, insert, match, seq, sim
-from kvpool.cache import EvictParams, EvictResult, TreeNode
+from kvassert import RefCache, device_pages, free_recorder, insert, match, seq, sim
+from kvpool.cache import EvictParams, EvictResult
 
 
 def test_locks_protect_the_node_and_its_ancestors():
@@ -72,32 +72,44 @@ def test_a_parent_whose_last_child_goes_is_evicted_at_its_own_priority():
                            st.lists(st.integers(1, 3), min_size=1, max_size=6), st.integers(0, 3)), max_size=40),
 )  # fmt: skip
 def test_each_eviction_takes_an_evictable_leaf_of_least_priority(policy, ops):
-    """Against a scan of every leaf: whichever way leaves became evictable (inserted, touched,
-    unlocked, uncovered by their last child's eviction), the one evicted has the least priority."""
+    """Against the reference model (``kvassert.RefCache``, the policies as the contract defines them):
+    whichever way leaves became evictable (inserted, touched, unlocked, uncovered by their last
+    child's eviction), the node evicted holds only unlocked pages with nothing cached below them, and
+    ranks least among the model's evictable leaves."""
     alloc, _ = free_recorder()
     cache = sim(1, mock_allocator=alloc, eviction_policy=policy)
-    held: list[TreeNode] = []
-    rank = cache.eviction_strategy.get_priority
+    ref = RefCache(1, policy)
+    held: list[tuple] = []
     for op, tokens, prio in ops:
         if op == "insert":
-            insert(cache, tokens, list(range(len(tokens))), priority=prio)
+            values = list(range(len(tokens)))
+            assert insert(cache, tokens, values, priority=prio) == ref.insert(None, tokens, values, prio)
         elif op == "match":
-            match(cache, tokens)
+            assert match(cache, tokens).device_indices.tolist() == ref.match(None, tokens)
         elif op == "lock":
             node = match(cache, tokens).last_device_node
-            if node is not cache.root_node:
+            n = len(ref.match(None, tokens))
+            if n:
                 cache.inc_lock_ref(node)
-                held.append(node)
+                ref.lock(None, tokens[:n], 1)
+                held.append((node, tokens[:n]))
         elif op == "unlock" and held:
-            cache.dec_lock_ref(held.pop(prio % len(held)))
+            node, locked = held.pop(prio % len(held))
+            cache.dec_lock_ref(node)
+            ref.lock(None, locked, -1)
         elif op == "evict":
-            leaves = [n for n in cache._nodes() if cache._is_evictable(n)]
+            leaves = {k for k, page in ref.pages.items() if page.lock == 0} - ref.with_children()
             if not leaves:
                 continue
-            least = min(rank(n) for n in leaves)
-            cache.evict(EvictParams(num_tokens=1))
-            gone = [n for n in leaves if n.value is None]
-            assert len(gone) == 1 and rank(gone[0]) == least
+            least = min(ref.rank(ref.pages[k]) for k in leaves)
+            assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted >= 1
+            gone = [k for k in ref.pages if k not in device_pages(cache)]
+            assert gone and all(ref.pages[k].lock == 0 and set(ref.below(k)) <= set(gone) for k in gone)
+            assert any(k in leaves and ref.rank(ref.pages[k]) == least for k in gone), "not a least-ranked leaf"
+            assert len({ref.rank(ref.pages[k]) for k in gone}) == 1, "more than one node evicted"
+            for k in gone:
+                del ref.pages[k]
+        assert {k: v[:2] for k, v in device_pages(cache).items()} == {k: (pg.slots, pg.lock) for k, pg in ref.pages.items()}
         cache.sanity_check()
 
 
