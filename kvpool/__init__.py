@@ -3,7 +3,9 @@
 from kvpool.cache import (
     CacheInitParams,
     EvictParams,
+    HiRadixCache,
     InsertParams,
+    MambaRadixCache,
     MatchPrefixParams,
     RadixCache,
     RadixKey,
@@ -16,7 +18,7 @@ from kvpool.kernels import (
     quantize,
     reference_set_kv_buffer,
 )
-from kvpool.host import LayerTransferCounter, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import HybridPoolHost, LayerTransferCounter, MambaPoolHost, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 # Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
 # kvpool.kernels.copy_rows stays the module.
 from kvpool.kernels.copy_rows import RowTable, copy_rows
@@ -45,7 +47,6 @@ from kvpool.pools import (
     mla_kv_bytes_per_token,
     plan_hybrid_pools,
 )
-from kvpool.pools.mamba_host import HybridPoolHost, MambaPoolHost
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "CacheInitParams",
     "EvictParams",
     "FusedPathUnavailable",
+    "HiRadixCache",
     "HybridLinearKVPool",
     "HybridPoolHost",
     "HybridReqToTokenPool",
@@ -73,6 +75,7 @@ __all__ = [
     "MambaCpuCopy",
     "MambaPool",
     "MambaPoolHost",
+    "MambaRadixCache",
     "MambaStateDType",
     "MambaStateShape",
     "MatchPrefixParams",

@@ -1,5 +1,17 @@
 """The prefix cache: a radix tree of cached token prefixes over kvpool's allocators, with SGLang's
-``RadixCache`` API (``kvpool.cache.radix_cache``) and its records, policies and events."""
+``RadixCache`` API, and its records, policies and events.
+
+The rooms, each importing only those listed before it:
+``key`` (``RadixKey`` and the bytes keys are compared in), ``records`` (each tier's per-node record:
+``DeviceSlots``, ``HostCopy``, ``StateSnapshot``), ``node`` (``TreeNode``), ``events``,
+``evict_policy`` (the policies and the eviction queue), ``params`` (SGLang's argument and result
+records), ``tree`` (``RadixTree``: structure, walks, its own consistency check), ``protocols`` (what
+the request code and the integrity check need from a cache), ``requests`` and ``mamba_requests``
+(what a request becomes: plans that change nothing), ``integrity`` (tree, allocator, table and
+requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
+``radix_cache`` (``RadixCache``), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
+``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
+"""
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.cache.evict_policy import (

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from kvpool.cache.key import decode
+from kvpool.cache.key import decode, encoded
 
 if TYPE_CHECKING:
     from kvpool.cache.node import TreeNode
@@ -88,7 +88,7 @@ def node_hashes(node: "TreeNode", root: "TreeNode", page_size: int, elem_bytes: 
         prior = parent.get_last_hash_value() if parent is not None and parent is not root else None
         if prior is None:
             prior = namespace_seed(node.key.extra_key)
-        node.hash_value = page_hashes(node.key._enc, page_size, elem_bytes, prior)
+        node.hash_value = page_hashes(encoded(node.key), page_size, elem_bytes, prior)
     return node.hash_value
 
 
@@ -98,7 +98,7 @@ def stored_events(node: "TreeNode", root: "TreeNode", page_size: int, elem_bytes
     parent = node.parent
     last = parent.get_last_hash_value() if parent is not None and parent is not root else None
     prev = hash_str_to_int64(last) if last is not None else None
-    tokens = decode(node.key._enc, node.key.is_bigram)
+    tokens = decode(encoded(node.key), node.key.is_bigram)
     events = []
     for i, digest in enumerate(hashes):
         h = hash_str_to_int64(digest)

@@ -2,16 +2,18 @@
 
 An evictable leaf is a node on the device, unlocked, with no child on the device. The queue keeps
 them ordered by the policy's priority, with lazy invalidation: a node that is pushed again (its
-priority changed, or it became evictable again) orphans its previous entry (the node records its
-live entry's sequence number), and an entry whose node is no longer an evictable leaf (locked, given
-a child) is dropped when it reaches the front. Entries that arrive in order (under LRU every new or
+priority changed, or it became evictable again) orphans its previous entry (the node's record
+keeps its live entry's sequence number), and an entry whose node is no longer an evictable leaf
+(locked, given a child) is skipped by the queue's owner when it reaches the front. Entries that arrive in order (under LRU every new or
 touched leaf: it is the most recent) go to the back of a deque, O(1); the others (a leaf unlocked or
 uncovered with an older access time) into a heap, O(log n); a pop takes the smaller front. No call
 scans the leaves. Both are rebuilt from their live entries once they hold twice the entries they
 held after the last rebuild, so orphaned entries cost O(1) amortised memory and time.
 
-Priorities use the tree's logical clock (``_tick``: the last access, ``_born``: creation), which
-orders operations exactly where ``time.monotonic()`` can tie.
+Priorities use the tree's logical clock (``access_tick``: the last access, ``creation_tick``:
+creation), which orders operations exactly where ``time.monotonic()`` can tie. A queue keeps its live
+entry for a node in that node's record of the queue's tier (``queue_entry``); a node that leaves the
+tier loses the record, and with it the entry.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from functools import partial
-from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from kvpool.cache.node import TreeNode
@@ -40,7 +40,7 @@ class LRUStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """The node's last access on the tree's clock."""
-        return node._tick
+        return node.access_tick
 
 
 class LFUStrategy(EvictionStrategy):
@@ -48,7 +48,7 @@ class LFUStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """(hits, last access)."""
-        return (node.hit_count, node._tick)
+        return (node.hit_count, node.access_tick)
 
 
 class FIFOStrategy(EvictionStrategy):
@@ -56,7 +56,7 @@ class FIFOStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """The node's creation on the tree's clock."""
-        return node._born
+        return node.creation_tick
 
 
 class MRUStrategy(EvictionStrategy):
@@ -64,7 +64,7 @@ class MRUStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """The last access, negated: the most recent is the smallest."""
-        return -node._tick
+        return -node.access_tick
 
 
 class FILOStrategy(EvictionStrategy):
@@ -72,7 +72,7 @@ class FILOStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """The creation, negated: the newest is the smallest."""
-        return -node._born
+        return -node.creation_tick
 
 
 class PriorityStrategy(EvictionStrategy):
@@ -80,7 +80,7 @@ class PriorityStrategy(EvictionStrategy):
 
     def get_priority(self, node: "TreeNode") -> Any:
         """(the highest priority inserted through the node, last access)."""
-        return (node.priority, node._tick)
+        return (node.priority, node.access_tick)
 
 
 STRATEGIES: dict[str, type[EvictionStrategy]] = {
@@ -113,87 +113,83 @@ class EvictionQueue:
     Parameters
     ----------
     strategy : the policy.
-    is_evictable : ``f(node) -> bool``, whether a node is evictable now.
-    entry : the node attribute this queue keeps its live entry in (one per queue a node can be in).
+    tier : the name of the tier record this queue keeps its live entry in (``node.records[tier]``,
+        ``kvpool.cache.records``), or None for the device tier's ``node.device``.
+
+    The queue never calls back into its owner: ``pop`` returns the node of the smallest live entry,
+    and the owner, which knows what evictable means for its tier, skips it when it is not.
     """
 
     _MIN_REBUILD = 1024
 
-    def __init__(
-        self, strategy: EvictionStrategy, is_evictable: Callable[["TreeNode"], bool], entry: str = "_entry"
-    ) -> None:
-        self._get, self._set = attrgetter(entry), partial(_set_attr, name=entry)
+    def __init__(self, strategy: EvictionStrategy, tier: Optional[str] = None) -> None:
+        self._tier = tier
         self.strategy = strategy
         self._priority = strategy.get_priority
-        self._is_evictable = is_evictable
         self._heap: list[tuple] = []
-        self._lane: deque[tuple] = deque()
+        self._in_order: deque[tuple] = deque()
         self._seq = 0
         self._rebuild_at = self._MIN_REBUILD
 
     def __len__(self) -> int:
         """Entries held, orphaned ones included (for tests of the bound)."""
-        return len(self._heap) + len(self._lane)
+        return len(self._heap) + len(self._in_order)
+
+    def _record(self, node: "TreeNode") -> Any:
+        return node.device if self._tier is None else node.records.get(self._tier)
 
     def push(self, node: "TreeNode") -> None:
         """``node`` is an evictable leaf now, at its current priority (orphans its earlier entry)."""
         self._seq += 1
         priority = self._priority(node)
-        self._set(node, (priority, self._seq))
+        self._record(node).queue_entry = (priority, self._seq)
         item = (priority, self._seq, node)
-        lane = self._lane
-        if not lane or lane[-1][0] <= priority:
-            lane.append(item)  # in order already (LRU's new and touched leaves): O(1) both ways
+        in_order = self._in_order
+        if not in_order or in_order[-1][0] <= priority:
+            in_order.append(item)  # in order already (LRU's new and touched leaves): O(1) both ways
         else:
             heapq.heappush(self._heap, item)
-        if len(self._heap) + len(lane) > self._rebuild_at:
+        if len(self._heap) + len(in_order) > self._rebuild_at:
             self._rebuild()
 
     def pop(self) -> Optional["TreeNode"]:
-        """The evictable leaf of smallest priority, removed from the queue; None if there is none."""
-        heap, lane = self._heap, self._lane
-        while heap or lane:
-            if lane and (not heap or lane[0] < heap[0]):
-                _, seq, node = lane.popleft()
+        """The node of the smallest live entry, its entry removed; None when none is left. It was an
+        evictable leaf when pushed: the caller checks that it still is (and pops again if not)."""
+        heap, in_order = self._heap, self._in_order
+        while heap or in_order:
+            if in_order and (not heap or in_order[0] < heap[0]):
+                item = in_order.popleft()
             else:
-                _, seq, node = heapq.heappop(heap)
-            entry = self._get(node)
-            if entry is None or entry[1] != seq:
-                continue  # orphaned by a later push
-            self._set(node, None)
-            if self._is_evictable(node):
+                item = heapq.heappop(heap)
+            node = item[2]
+            if self._live(item):
+                self._record(node).queue_entry = None
                 return node
         return None
 
     def holds(self, node: "TreeNode") -> bool:
         """``node`` has a live entry at its current priority (``check_integrity``)."""
-        entry = self._get(node)
+        record = self._record(node)
+        entry = None if record is None else record.queue_entry
         return entry is not None and entry[0] == self._priority(node)
 
     def clear(self) -> None:
         """Drop every entry (and each node's record of it): an empty queue."""
-        for _, _, node in (*self._heap, *self._lane):
-            self._set(node, None)
+        for _, _, node in (*self._heap, *self._in_order):
+            record = self._record(node)
+            if record is not None:
+                record.queue_entry = None
         self._heap = []
-        self._lane = deque()
+        self._in_order = deque()
         self._rebuild_at = self._MIN_REBUILD
 
     def _live(self, item: tuple) -> bool:
-        node = item[2]
-        entry = self._get(node)
-        if entry is None or entry[1] != item[1]:
-            return False
-        if self._is_evictable(node):
-            return True
-        self._set(node, None)
-        return False
+        """The item is its node's entry (not orphaned by a later push, and the node still in the tier)."""
+        record = self._record(item[2])
+        return record is not None and record.queue_entry is not None and record.queue_entry[1] == item[1]
 
     def _rebuild(self) -> None:
         self._heap = [item for item in self._heap if self._live(item)]
         heapq.heapify(self._heap)
-        self._lane = deque(item for item in self._lane if self._live(item))  # stays in order
-        self._rebuild_at = max(self._MIN_REBUILD, 2 * (len(self._heap) + len(self._lane)))
-
-
-def _set_attr(node: "TreeNode", value: Any, name: str) -> None:
-    setattr(node, name, value)
+        self._in_order = deque(item for item in self._in_order if self._live(item))  # stays in order
+        self._rebuild_at = max(self._MIN_REBUILD, 2 * (len(self._heap) + len(self._in_order)))

@@ -1,6 +1,8 @@
 """``HiRadixCache``: the prefix cache with kvpool's host tier below the device (SGLang's HiCache).
 
-A node's KV is on the device (``value``), on the host (``host_value``), or both. Nodes are backed up
+A node's KV is on the device (its ``DeviceSlots``, ``value``), on the host (its ``HostCopy`` record,
+``host_value``), or both: the host tier is this room (the tree below it keeps device nodes only,
+and asks this room about the others: ``_refill``, ``_off_device_problems``). Nodes are backed up
 to host slots when inserted (``write_through``), when reused (``write_through_selective``: a second
 hit) or when evicted (``write_back``). Evicting a backed-up node frees its device slots and keeps it
 in the tree, host only; a match that reaches such nodes reports them (``host_hit_length``,
@@ -22,15 +24,18 @@ from typing import Any, Optional, Union
 import torch
 
 from kvpool.cache.evict_policy import EvictionQueue
+from kvpool.cache.host_setup import host_tier_setup
+from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.records import HOST, DeviceSlots, HostCopy
+from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
-from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.pools.mla_pool import MLATokenToKVPool
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-IO_BACKENDS = ("kernel", "direct")
+
+#: A staged write-through backup the host had no room for.
+_NO_ROOM = object()
 
 
 class HiRadixCache(RadixCache):
@@ -38,8 +43,8 @@ class HiRadixCache(RadixCache):
 
     Parameters
     ----------
-    params : CacheInitParams (or its fields, as for ``RadixCache``); the allocator must have its
-        device pool as ``kvcache`` (``get_kvcache()``).
+    params : CacheInitParams (or its fields by keyword, as for ``RadixCache``); the allocator must
+        have its device pool as ``kvcache`` (``get_kvcache()``).
     server_args : SGLang's server arguments, read for ``hicache_ratio``, ``hicache_size``,
         ``hicache_mem_layout``, ``hicache_write_policy`` and ``hicache_io_backend`` when
         ``host_pool`` is not given (a storage backend, ``hicache_storage_backend``, must be None).
@@ -58,30 +63,13 @@ class HiRadixCache(RadixCache):
     """
 
     def __init__(
-        self, *args: Any, server_args: Any = None, host_pool: Any = None, write_policy: Optional[str] = None,
-        io_backend: Optional[str] = None, load_back_threshold: int = 10, validate: bool = False, **kwargs: Any,
+        self, params: Optional[CacheInitParams] = None, server_args: Any = None, *, host_pool: Any = None,
+        write_policy: Optional[str] = None, io_backend: Optional[str] = None, load_back_threshold: int = 10,
+        validate: bool = False, **legacy_fields: Any,
     ) -> None:  # fmt: skip
-        if len(args) == 2 and isinstance(args[0], CacheInitParams) and server_args is None:
-            args, server_args = args[:1], args[1]  # SGLang's HiRadixCache(params, server_args)
-        super().__init__(*args, validate=validate, **kwargs)
-        allocator = self.token_to_kv_pool_allocator
-        device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
-        if device_pool is None:
-            raise ValueError("token_to_kv_pool_allocator must be an allocator built with kvcache=<its device pool>")
-        policy = write_policy or getattr(server_args, "hicache_write_policy", None) or "write_through"
-        if policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
-        backend = io_backend or getattr(server_args, "hicache_io_backend", None) or "kernel"
-        if backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {backend!r}")
-        if getattr(server_args, "hicache_storage_backend", None) is not None:
-            raise ValueError(f"hicache_storage_backend must be None (no storage tier), got {server_args.hicache_storage_backend!r}")
-        if host_pool is None:
-            host_pool = _host_pool_from(device_pool, self.page_size, server_args)
-        if host_pool.device_pool is not device_pool:
-            raise ValueError("host_pool must be built over the allocator's device pool (allocator.get_kvcache())")
-        if host_pool.page_size != self.page_size:
-            raise ValueError(f"host_pool's page_size must be the cache's {self.page_size}, got {host_pool.page_size}")
+        super().__init__(params, validate=validate, **legacy_fields)
+        setup = host_tier_setup(self.token_to_kv_pool_allocator, self.page_size, server_args, host_pool, write_policy, io_backend)
+        device_pool, host_pool, policy, backend = setup
         self.token_to_kv_pool_host = host_pool
         self.kv_cache = device_pool
         self.write_policy = policy
@@ -90,21 +78,14 @@ class HiRadixCache(RadixCache):
         self.write_through_threshold = 1 if policy == "write_through" else 2
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
-        host_pool.clear()  # the cache owns every host page from now on
+        self._reset_host()  # the cache owns every host page from now on
 
     # --- SGLang's API ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every node, and free every host page (the device slots are not freed)."""
         super().reset()
-        self._host_queue = EvictionQueue(self.eviction_strategy, self._is_host_evictable, "_host_entry")
-        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
-        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
-        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
-        self._loads_started = 0
-        host = getattr(self, "token_to_kv_pool_host", None)
-        if host is not None:
-            host.clear()
+        self._reset_host()
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """As ``RadixCache.match_prefix``, through host-only nodes too: ``device_indices`` and
@@ -113,15 +94,15 @@ class HiRadixCache(RadixCache):
         walked = self._match_key(params)
         if walked is None:
             return self._empty_match()
-        values, node = walked
-        device = [v for v in values if v is not None]
+        path, node = walked
+        device = [n.device.value for n in path if n.device is not None]
         indices = torch.cat(device) if device else self._empty_match().device_indices
         last_device, host_hit = node, 0
-        while last_device.value is None:
-            host_hit += len(last_device.host_value)
+        while last_device.device is None:
+            host_hit += len(last_device.records[HOST].slots)
             last_device = last_device.parent
         last_host = node
-        while last_host.host_value is None:
+        while HOST not in last_host.records:
             last_host = last_host.parent
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
@@ -131,30 +112,58 @@ class HiRadixCache(RadixCache):
         """Free at least ``num_tokens`` device tokens, unlocked device leaves first in the policy's
         order: a backed-up node stays in the tree on the host; under ``write_back`` a node without a
         host copy is backed up first (when the host has room); any other leaf leaves the tree, with
-        the host-only nodes below it. The device slots go back in one ``free`` call."""
+        the host-only nodes below it. The device slots go back in one ``free`` call, before the host
+        slots of the nodes that left.
+
+        Raises
+        ------
+        ValueError
+            As ``RadixCache.evict``; nothing changes. If a write-back backup or the allocator's
+            ``free`` raises, the nodes go back as they were (host-only leaves evicted to make room
+            stay evicted) and the error propagates; if the host pool's ``free`` raises after that,
+            the device part stands.
+        """
         num = self._evict_amount(params)
+        undo = Undo()
         freed: list[torch.Tensor] = []
+        host_freed: list[torch.Tensor] = []
         count = 0
         written_back = False
         while count < num:
-            node = self._queue.pop()
+            node = self._pop_evictable()
             if node is None:
                 break
-            if node.host_value is None and self.write_policy == "write_back":
-                written_back |= self.write_backup(node, write_back=True) > 0
-            freed.append(node.value)
-            count += len(node.value)
-            if node.host_value is not None:
-                self._drop_device(node)
+            if HOST not in node.records and self.write_policy == "write_back":
+                try:
+                    backed = self.write_backup(node, write_back=True) > 0
+                except BaseException:
+                    undo.run()
+                    self._queue.push(node)  # popped, still an evictable leaf
+                    raise
+                if backed:
+                    written_back = True
+                    undo.add(lambda node=node: self.token_to_kv_pool_host.free(node.records.pop(HOST).slots))
+            freed.append(node.device.value)
+            count += len(node.device.value)
+            if HOST in node.records:
+                self._drop_device(node, undo)
+                if self._is_evictable(node.parent):
+                    self._queue.push(node.parent)
                 if self._is_host_evictable(node):
                     self._host_queue.push(node)
             else:
-                self._drop_host_subtree(node)
-                self._remove_leaf(node)
-        if written_back:
-            self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
-        if freed:
-            self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+                host_freed += self._detach_host_subtree(node, undo)
+                self._remove_leaf(node, undo)
+        try:
+            if written_back:
+                self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
+            if freed:
+                self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
+        except BaseException:
+            undo.run()  # the nodes go back on the device, and the backups of this call are dropped
+            raise
+        if host_freed:
+            self.token_to_kv_pool_host.free(torch.cat(host_freed))
         return EvictResult(num_tokens_evicted=count)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -162,23 +171,26 @@ class HiRadixCache(RadixCache):
         0), in the policy's order; they leave the tree. Returns the host tokens freed."""
         num = non_negative_int(num_tokens, "num_tokens")
         freed: list[torch.Tensor] = []
-        held: list[TreeNode] = []
+        protected: list[TreeNode] = []
         count = 0
         while count < num:
             node = self._host_queue.pop()
             if node is None:
                 break
-            if node.host_ref_counter > 0:
-                held.append(node)
+            if not self._is_host_evictable(node):
                 continue
-            freed.append(node.host_value)
-            count += len(node.host_value)
-            node.host_value = None
+            copy = node.records[HOST]
+            if copy.holds > 0:
+                protected.append(node)
+                continue
+            freed.append(copy.slots)
+            count += len(copy.slots)
+            del node.records[HOST]
             parent = node.parent
-            del parent.children[node._ck]
+            del parent.children[node.child_key]
             if self._is_host_evictable(parent):
                 self._host_queue.push(parent)
-        for node in held:
+        for node in protected:
             self._host_queue.push(node)
         if freed:
             self.token_to_kv_pool_host.free(torch.cat(freed))
@@ -187,21 +199,19 @@ class HiRadixCache(RadixCache):
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Back up a device node to new host slots (evicting host-only leaves for room); returns its
         tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
-        the backup has read its slots (``writing_check``)."""
-        host = self.token_to_kv_pool_host
-        n = len(node.value)
-        slots = host.alloc(n)
-        if slots is None:
-            self.evict_host(n)
-            slots = host.alloc(n)
-            if slots is None:
-                return 0
-        event = host.backup_from_device_all_layer(self.kv_cache, slots, node.value, self.io_backend)
-        node.host_value = slots
+        the backup has read its slots (``writing_check``). If the backup raises, its host slots are
+        freed again and the node stays without a host copy. (An insert's write-through backups are
+        copied before the tree changes and handed to this call to attach.)"""
+        staged, self._staged_copy = self._staged_copy, None
+        copy = self._back_up(node.device.value) if staged is None else staged
+        if copy is _NO_ROOM or copy is None:
+            return 0
+        slots, event = copy
+        node.records[HOST] = HostCopy(slots)
         if event is not None and not write_back:
             self.inc_lock_ref(node)
             self.ongoing_write_through.append((node, event))
-        return n
+        return len(node.device.value)
 
     def init_load_back(
         self, last_node: TreeNode, host_hit_length: int = 0, mem_quota: Optional[int] = None
@@ -224,19 +234,19 @@ class HiRadixCache(RadixCache):
         if not isinstance(last_node, TreeNode):
             raise TypeError(f"init_load_back: last_node must be a TreeNode, got {type(last_node).__name__}")
         empty = self._empty_match().device_indices
-        if last_node.value is not None:
+        if last_node.device is not None:
             self._path(last_node, "init_load_back")
             return empty, last_node
         chain = []
         node = last_node
-        while node.value is None:
-            if node.parent is None or node.parent.children.get(node._ck) is not node:
+        while node.device is None:
+            if node.parent is None or node.parent.children.get(node.child_key) is not node:
                 raise ValueError(f"init_load_back: last_node must be a node of this tree, got node {last_node.id}")
             chain.append(node)
             node = node.parent
         chain.reverse()
         ancestor = node
-        host_slots = torch.cat([n.host_value for n in chain])
+        host_slots = torch.cat([n.records[HOST].slots for n in chain])
         total = len(host_slots)
         delta = self.inc_lock_ref(ancestor)  # nothing above the chain may go while room is made
         for n in chain:
@@ -253,8 +263,9 @@ class HiRadixCache(RadixCache):
             return empty, ancestor
         offset = 0
         for n in chain:
-            self._adopt(n, device[offset : offset + len(n.host_value)])
-            offset += len(n.host_value)
+            tokens = len(n.records[HOST].slots)
+            self._refill(n, device[offset : offset + tokens])
+            offset += tokens
         self.inc_lock_ref(last_node)
         self._pending_loads.append((host_slots, device, last_node))
         return device, last_node
@@ -301,38 +312,166 @@ class HiRadixCache(RadixCache):
                 left.append((node, event))
         return left
 
-    def _inserted(self, last: TreeNode, chunked: bool) -> None:
-        """Count the insert as a hit on its path's device nodes and back up those that reached the
-        policy's threshold (write-through policies; chunked inserts do not count)."""
-        if self.write_policy == "write_back" or chunked:
-            return
+    def _stage_insert(self, job: Any) -> Any:
+        """Back up, before the tree changes, every device page of the insertion's path that the write
+        policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
+        threshold with this insert); returns the host slots and events, root side first (None for a
+        node the host had no room for). If a backup raises, the host slots taken so far are freed
+        and nothing else has changed."""
+        if self.write_policy == "write_back" or job.chunked:
+            return []
+        due, host_only = self._due_backups(job)
+        host = self.token_to_kv_pool_host
+        copies: list = []
+        for n in host_only:
+            n.protect_host()  # the path's host-only nodes must stay while room is made for the copies
+        try:
+            for slots in due:
+                copies.append(self._back_up(slots))
+        except BaseException:
+            self._unstage_insert(copies)
+            raise
+        finally:
+            for n in host_only:
+                n.release_host()
+        return copies
+
+    def _unstage_insert(self, staged: Any) -> None:
+        parts = [c[0] for c in staged or () if c is not None]
+        if parts:
+            self.token_to_kv_pool_host.free(torch.cat(parts))
+
+    def _complete_insert(self, job: Any, staged: Any) -> int:
+        """Insert, then count the insert as a hit on its path's device nodes without a host copy and
+        give those due the copies ``_stage_insert`` made (locked until each copy has read its slots)."""
+        cached, last = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
+        if self.write_policy == "write_back" or job.chunked:
+            return cached // self.elem_bytes
+        path = []
         node = last
-        due = []
         while node is not self.root_node:
-            if node.value is not None and node.host_value is None:
-                node.hit_count += 1
-                if node.hit_count >= self.write_through_threshold:
-                    due.append(node)
+            if node.device is not None and HOST not in node.records:
+                path.append(node)
             node = node.parent
-        for node in reversed(due):
-            self.write_backup(node)
+        copies = iter(staged)
+        for node in reversed(path):
+            node.hit_count += 1
+            if node.hit_count < self.write_through_threshold:
+                continue
+            copy = next(copies, None)
+            self._staged_copy = _NO_ROOM if copy is None else copy
+            self.write_backup(node)  # attaches the staged copy (or none: the host had no room)
+        return cached // self.elem_bytes
+
+    def _due_backups(self, job: Any) -> tuple[list[torch.Tensor], list[TreeNode]]:
+        """The device slots of each part of the insertion's path that ``_complete_insert`` will back
+        up (root side first), and the path's host-only nodes; reads the tree only."""
+        threshold = self.write_through_threshold
+        child_key = self._child_key
+        enc, n, node, pos = job.enc, job.n, self.root_node, 0
+        due, host_only = [], []
+        while pos < n:
+            child = node.children.get(child_key(enc, pos, job.extra))
+            if child is None:
+                break
+            kb = encoded(child.key)
+            whole = pos + len(kb) <= n and enc.startswith(kb, pos)
+            m = len(kb) if whole else common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+            pos += m
+            if child.device is None:
+                host_only.append(child)
+            elif HOST not in child.records and child.hit_count + 1 >= threshold:
+                due.append(child.device.value[: m // self.elem_bytes])
+            if not whole:
+                break
+            node = child
+        if pos < n and threshold <= 1:  # the new leaf, with its first hit
+            due.append(job.value[pos // self.elem_bytes : n // self.elem_bytes])
+        return due, host_only
+
+    def _back_up(self, device_slots: torch.Tensor) -> Optional[tuple[torch.Tensor, Any]]:
+        """Copy ``device_slots`` to new host slots (evicting host-only leaves for room): (host slots,
+        event), or None when the host has no room. The host slots are freed again if the copy raises."""
+        host = self.token_to_kv_pool_host
+        n = len(device_slots)
+        slots = host.alloc(n)
+        if slots is None:
+            self.evict_host(n)
+            slots = host.alloc(n)
+            if slots is None:
+                return None
+        try:
+            event = host.backup_from_device_all_layer(self.kv_cache, slots, device_slots, self.io_backend)
+        except BaseException:
+            host.free(slots)
+            raise
+        return slots, event
+
+    def _reset_host(self) -> None:
+        self._host_queue = EvictionQueue(self.eviction_strategy, HOST)
+        self.root_node.records[HOST] = HostCopy(torch.empty(0, dtype=torch.int64))  # ends every walk up
+        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
+        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
+        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
+        self._loads_started = 0
+        self._staged_copy: Any = None  # a write-through copy made before an insert, for write_backup
+        self.token_to_kv_pool_host.clear()
+
+    def _is_evictable(self, node: TreeNode) -> bool:
+        """On the device, unlocked, not the root, and no child on the device (host-only children may
+        remain)."""
+        device = node.device
+        if device is None or device.lock_ref or node.parent is None:
+            return False
+        return all(c.device is None for c in node.children.values())
+
+    def _touched(self, node: TreeNode) -> None:
+        super()._touched(node)
+        if self._is_host_evictable(node):
+            self._host_queue.push(node)
 
     def _is_host_evictable(self, node: TreeNode) -> bool:
-        return node.value is None and node.host_value is not None and not node.children and node.parent is not None
+        return node.device is None and HOST in node.records and not node.children and node.parent is not None
 
-    def _drop_host_subtree(self, node: TreeNode) -> None:
-        """Free the host copies of the host-only nodes below ``node`` and detach them."""
+    def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """A host-only node is on the device again, at ``slots`` (unlocked: it was evictable)."""
+        node.device = DeviceSlots(slots.to(torch.int64, copy=True))
+        self.evictable_size_ += len(slots)
+        if self._is_evictable(node):
+            self._queue.push(node)
+        self._stored(node)
+
+    def _off_device_problems(self, node: TreeNode) -> list[str]:
+        problems = []
+        if HOST not in node.records:
+            problems.append(f"node {node.id} is evicted with no host copy but still in the tree")
+        on_device = sum(c.device is not None for c in node.children.values())
+        if on_device:
+            problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
+        return problems
+
+    def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
+        """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
         freed = []
+        saved = []
         stack = list(node.children.values())
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            freed.append(n.host_value)
-            n.host_value = None
+            copy = n.records.pop(HOST)
+            saved.append((n, copy, n.children))
+            freed.append(copy.slots)
             n.children = {}
-        node.children = {}
-        if freed:
-            self.token_to_kv_pool_host.free(torch.cat(freed))
+        children, node.children = node.children, {}
+        undo.add(lambda: self._reattach_host_subtree(node, children, saved))
+        return freed
+
+    def _reattach_host_subtree(self, node: TreeNode, children: dict, saved: list) -> None:
+        node.children = children
+        for n, copy, below in saved:
+            n.records[HOST], n.children = copy, below
+            if self._is_host_evictable(n):
+                self._host_queue.push(n)
 
     def _alloc_device(self, n: int) -> Optional[torch.Tensor]:
         allocator = self.token_to_kv_pool_allocator
@@ -342,20 +481,9 @@ class HiRadixCache(RadixCache):
             slots = allocator.alloc(n)
         return slots
 
-    def _evict_amount(self, params: Union[EvictParams, int]) -> int:
-        if isinstance(params, EvictParams):
-            for name in ("swa_num_tokens", "mamba_num"):
-                if getattr(params, name):
-                    raise ValueError(f"{name} must be 0 for HiRadixCache (it holds full-attention KV only), got {getattr(params, name)!r}")
-            params = params.num_tokens
-        num = non_negative_int(params, "num_tokens")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
-        return num
-
-    def _integrity_problems(self) -> list[str]:
+    def _tier_problems(self) -> list[str]:
         host = self.token_to_kv_pool_host
-        parts = [n.host_value for n in self._nodes() if n is not self.root_node and n.host_value is not None]
+        parts = [n.records[HOST].slots for n in self._nodes() if n is not self.root_node and HOST in n.records]
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         problems = []
         if torch.unique(slots).numel() != slots.numel():
@@ -368,13 +496,3 @@ class HiRadixCache(RadixCache):
                 problems.append(f"node {node.id} is a host-only leaf missing from the host eviction queue")
         return problems
 
-
-def _host_pool_from(device_pool: Any, page_size: int, server_args: Any) -> Any:
-    """The host pool SGLang's ``HiRadixCache`` builds from its server arguments."""
-    if server_args is None:
-        raise ValueError("HiRadixCache needs host_pool= or SGLang's server_args (hicache_ratio, hicache_size, ...)")
-    cls = MLATokenToKVPoolHost if isinstance(device_pool, MLATokenToKVPool) else MHATokenToKVPoolHost
-    return cls(
-        device_pool, getattr(server_args, "hicache_ratio", 2.0), getattr(server_args, "hicache_size", 0), page_size,
-        getattr(server_args, "hicache_mem_layout", "layer_first"),
-    )  # fmt: skip

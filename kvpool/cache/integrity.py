@@ -1,22 +1,23 @@
 """``check_integrity``: the tree, its allocator, its request table and the running requests, checked
 together. Every slot the allocator has handed out must be owned by exactly one of the tree and a
-running request, and every slot either of them owns must be handed out once.
+running request, and every slot either of them owns must be handed out once. The cache reports its
+own tree's problems and slots (``RadixTree.tree_problems`` and its tiers'); this module compares
+them with the requests, the table and the allocator (the cache typed as
+``kvpool.cache.protocols.CheckedCache``).
 
 The checks read everything to the host; they are for tests and debugging.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
+from kvpool.cache.node import TreeNode
+from kvpool.cache.protocols import CheckedCache
 from kvpool.cache.requests import committed_len, protected_len
 from kvpool.errors import IntegrityError
-
-if TYPE_CHECKING:
-    from kvpool.cache.node import TreeNode
-    from kvpool.cache.radix_cache import RadixCache
 
 _SHOWN = 5  # examples listed per kind of problem
 
@@ -25,73 +26,19 @@ def _sample(xs: list[int]) -> str:
     return ", ".join(map(str, xs[:_SHOWN])) + (", ..." if len(xs) > _SHOWN else "")
 
 
-def tree_problems(cache: "RadixCache") -> tuple[list[str], list[torch.Tensor]]:
-    """What is wrong with the tree itself, and the slot tensors of its nodes."""
-    problems: list[str] = []
-    root, p, elem = cache.root_node, cache.page_size, cache._elem
-    evictable = protected = 0
-    values: list[torch.Tensor] = []
-    stack: list[tuple["TreeNode", Any]] = [(child, child.key.extra_key) for child in root.children.values()]
-    for ck, child in root.children.items():
-        if child.parent is not root or child._ck != ck:
-            problems.append(f"node {child.id} is filed under {ck!r} in the root but records parent/key {child._ck!r}")
-    if root._dev_children != sum(c.value is not None for c in root.children.values()):
-        problems.append(f"the root records {root._dev_children} children on the device, has another number")
-    while stack:
-        node, extra = stack.pop()
-        for ck, child in node.children.items():
-            if child.parent is not node or child._ck != ck:
-                problems.append(f"node {child.id} is filed under {ck!r} in node {node.id} but records otherwise")
-            stack.append((child, extra))
-        key = node.key
-        n = len(key._enc) // elem
-        where = f"node {node.id}"
-        if n == 0 or n % p:
-            problems.append(f"{where} holds {n} tokens, not a positive multiple of page_size = {p}")
-        if key.extra_key != extra or key.is_bigram != cache.is_eagle:
-            problems.append(f"{where} has extra_key {key.extra_key!r} below a node of extra_key {extra!r}")
-        if node._ck != cache._child_key(key._enc, 0, key.extra_key):
-            problems.append(f"{where} is filed under {node._ck!r}, not its first page's key")
-        device_children = sum(c.value is not None for c in node.children.values())
-        if node._dev_children != device_children:
-            problems.append(f"{where} records {node._dev_children} children on the device, has {device_children}")
-        if node.value is None:
-            if node.host_value is None:
-                problems.append(f"{where} is evicted with no host copy but still in the tree")
-            if device_children:
-                problems.append(f"{where} is on the host only but has {device_children} children on the device")
-            continue
-        if node.value.shape != (n,) or node.value.dtype != torch.int64:
-            problems.append(f"{where} has value of shape {tuple(node.value.shape)} {node.value.dtype} for {n} tokens")
-        values.append(node.value)
-        if node.lock_ref < 0:
-            problems.append(f"{where} has lock_ref {node.lock_ref} < 0")
-        below = sum(c.lock_ref for c in node.children.values())
-        if node.lock_ref < below:
-            problems.append(f"{where} has lock_ref {node.lock_ref}, below its children's total {below}")
-        if node.lock_ref:
-            protected += n
-        else:
-            evictable += n
-        if cache._is_evictable(node) and not cache._queue.holds(node):
-            problems.append(f"{where} is an evictable leaf missing from the eviction queue")
-    if (evictable, protected) != (cache.evictable_size_, cache.protected_size_):
-        problems.append(
-            f"evictable/protected sizes are recorded as {cache.evictable_size_}/{cache.protected_size_} but the "
-            f"nodes hold {evictable}/{protected}"
-        )
-    return problems, values
-
-
-def _path_slots(node: "TreeNode", root: "TreeNode") -> list[torch.Tensor]:
+def _path_slots(node: TreeNode, root: TreeNode) -> Optional[list[torch.Tensor]]:
+    """The device slots of ``node``'s path from the root, or None when a node on it is not on the
+    device or the path does not reach the root (a detached node)."""
     parts = []
-    while node is not None and node is not root:
+    while node is not root:
+        if node is None or node.value is None:
+            return None
         parts.append(node.value)
         node = node.parent
     return parts[::-1]
 
 
-def request_problems(cache: "RadixCache", requests: Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
+def request_problems(cache: CheckedCache, requests: Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
     """What is wrong with the running requests, and the slots each owns."""
     problems: list[str] = []
     owned: list[torch.Tensor] = []
@@ -106,24 +53,33 @@ def request_problems(cache: "RadixCache", requests: Iterable[Any]) -> tuple[list
         rows.add(row)
         if row in free_rows:
             problems.append(f"{where}: the row is free in the request table")
-        cpl = protected_len(req)
+        protected = protected_len(req)
         end = int(getattr(req, "kv_allocated_len", committed_len(req)))
         slots = pool.req_to_token[row, :end].to(torch.int64)
         last = req.last_node
+        if not isinstance(last, TreeNode):
+            problems.append(f"{where}: its last_node is a {type(last).__name__}, not a TreeNode")
+            owned.append(slots[protected:])
+            continue
         if last is not cache.root_node and (last.lock_ref < 1 or last.value is None):
             problems.append(f"{where}: its last_node {last.id} is {'evicted' if last.value is None else 'not locked'}")
         prefix = _path_slots(last, cache.root_node)
+        if prefix is None:  # an evicted last_node is reported above; otherwise a node above it is gone
+            if last.value is not None:
+                problems.append(f"{where}: its last_node {last.id}'s path to the root is not on the device (evicted or detached)")
+            owned.append(slots[protected:])
+            continue
         prefix_slots = torch.cat(prefix) if prefix else slots[:0]
-        if prefix_slots.numel() != cpl or not torch.equal(prefix_slots.cpu(), slots[:cpl].cpu()):
+        if prefix_slots.numel() != protected or not torch.equal(prefix_slots.cpu(), slots[:protected].cpu()):
             problems.append(
-                f"{where}: its first {cpl} slots (cache_protected_len) are not the {prefix_slots.numel()} slots of "
+                f"{where}: its first {protected} slots (cache_protected_len) are not the {prefix_slots.numel()} slots of "
                 "its last_node's path"
             )
-        owned.append(slots[cpl:])
+        owned.append(slots[protected:])
     return problems, owned
 
 
-def ownership_problems(cache: "RadixCache", tree: list[torch.Tensor], reqs: list[torch.Tensor]) -> list[str]:
+def ownership_problems(cache: CheckedCache, tree: list[torch.Tensor], reqs: list[torch.Tensor]) -> list[str]:
     """Each handed-out slot owned once, by the tree or a request; nothing else handed out; the tree's
     slots in whole pages. Only for kvpool's allocators (a simulated cache's "slots" are anything)."""
     allocator = cache.token_to_kv_pool_allocator
@@ -145,8 +101,9 @@ def ownership_problems(cache: "RadixCache", tree: list[torch.Tensor], reqs: list
         slots = slots[(slots >= 0) & (slots < n_slots)]
         claims.index_add_(0, slots, torch.ones_like(slots))
     p = cache.page_size
-    if tree and p > 1:
-        pages = torch.cat(tree).cpu().view(-1, p)
+    whole = [v for v in tree if v.numel() % p == 0]  # a node of a partial page is the tree check's report
+    if whole and p > 1:
+        pages = torch.cat(whole).cpu().view(-1, p)
         bad = int(((pages[:, 0] % p != 0) | ((pages[:, 1:] - pages[:, :-1]) != 1).any(1)).sum())
         if bad:
             problems.append(f"{bad} of the tree's pages are not {p} consecutive slots from a page start")
@@ -165,10 +122,22 @@ def ownership_problems(cache: "RadixCache", tree: list[torch.Tensor], reqs: list
     return problems
 
 
-def check_integrity(cache: "RadixCache", requests: Iterable[Any] = ()) -> None:
+def check_integrity(
+    cache: CheckedCache, requests: Iterable[Any], tree_problems: list[str], tree_slots: list[torch.Tensor],
+    table_check_args: dict,
+) -> None:
     """Check tree, allocator, request table and ``requests`` together; raise ``IntegrityError``
-    listing every problem (see ``RadixCache.check_integrity``)."""
-    problems, tree_slots = tree_problems(cache)
+    listing every problem (see ``RadixCache.check_integrity``).
+
+    Parameters
+    ----------
+    cache : the cache (its pools, root and page size).
+    requests : the running requests.
+    tree_problems, tree_slots : what the cache found wrong with its own tree and tiers, and the
+        device slot tensors of its nodes.
+    table_check_args : keywords for the request table's own ``check_integrity``.
+    """
+    problems = list(tree_problems)
     reqs = list(requests)
     if cache.req_to_token_pool is not None:
         req_problems, req_slots = request_problems(cache, reqs)
@@ -176,8 +145,7 @@ def check_integrity(cache: "RadixCache", requests: Iterable[Any] = ()) -> None:
     else:
         req_slots = []
     problems += ownership_problems(cache, tree_slots, req_slots)
-    problems += cache._integrity_problems()
-    for part, kwargs in ((cache.token_to_kv_pool_allocator, {}), (cache.req_to_token_pool, cache._table_check_args())):
+    for part, kwargs in ((cache.token_to_kv_pool_allocator, {}), (cache.req_to_token_pool, table_check_args)):
         check = getattr(part, "check_integrity", None)
         if callable(check):
             try:

@@ -133,10 +133,24 @@ def encode(token_ids: Any, is_bigram: bool = False) -> bytes:
         if is_bigram:
             if any(len(pair) != 2 for pair in token_ids):
                 raise ValueError
-            return struct.pack(f"<{2 * len(token_ids)}q", *chain.from_iterable(token_ids))
-        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+            enc = struct.pack(f"<{2 * len(token_ids)}q", *chain.from_iterable(token_ids))
+        else:
+            enc = struct.pack(f"<{len(token_ids)}q", *token_ids)
     except (struct.error, TypeError, ValueError):
         raise TypeError(_bad_token_message(token_ids, is_bigram)) from None
+    _refuse_bools(token_ids, enc, is_bigram)
+    return enc
+
+
+def _refuse_bools(token_ids: Sequence[Any], enc: bytes, is_bigram: bool) -> None:
+    """``struct`` packs True and False as 1 and 0; a bool is not a token id. Only the entries packed as
+    0 or 1 are looked at, so the check costs one vectorised pass."""
+    flat = np.frombuffer(enc, dtype="<i8")
+    suspects = np.flatnonzero((flat >> 1) == 0)
+    for i in suspects.tolist():
+        x = token_ids[i // 2][i % 2] if is_bigram else token_ids[i]
+        if isinstance(x, (bool, np.bool_)):
+            raise TypeError(_bad_token_message(token_ids, is_bigram))
 
 
 def _bad_token_message(token_ids: Sequence[Any], is_bigram: bool) -> str:
@@ -144,7 +158,7 @@ def _bad_token_message(token_ids: Sequence[Any], is_bigram: bool) -> str:
     for i, t in enumerate(token_ids):
         items = t if is_bigram and isinstance(t, (tuple, list)) and len(t) == 2 else (t,)
         for x in items:
-            if is_bigram and len(items) != 2 or isinstance(x, bool) or not isinstance(x, int) or not -(2**63) <= x < 2**63:
+            if is_bigram and len(items) != 2 or isinstance(x, (bool, np.bool_)) or not isinstance(x, int) or not -(2**63) <= x < 2**63:
                 return f"key.token_ids must hold {what}, got {t!r} ({type(t).__name__}) at position {i}"
     return f"key.token_ids must hold {what}"
 

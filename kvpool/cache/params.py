@@ -64,15 +64,19 @@ class InsertParams:
     """``insert``'s arguments.
 
     ``key``: the tokens; ``value``: Tensor [len(key)] of their device slots (None in a simulated cache:
-    the token ids stand in); ``priority``: for the priority policy (kept as the maximum along the
-    path). ``chunked``, ``mamba_value``, ``prev_prefix_len`` and ``swa_evicted_seqlen`` are SGLang's
-    fields for chunked prefill and the hybrid caches.
+    the token ids stand in); ``priority``: an int for the priority policy (kept as the maximum along
+    the path). ``prev_prefix_len``: None (the caller frees the slots
+    of the ``prefix_len`` tokens the tree held, SGLang's ``RadixCache``), or the tokens at the start
+    of ``value`` that are the tree's own slots from the caller's match: the insert then frees the
+    caller's slots of the tokens from there to ``prefix_len`` itself (SGLang's ``SWARadixCache``).
+    ``chunked``, ``mamba_value`` and ``swa_evicted_seqlen`` are SGLang's fields for chunked prefill and
+    the hybrid caches.
     """
 
     key: RadixKey
     value: Optional[torch.Tensor] = None
     mamba_value: Optional[torch.Tensor] = None
-    prev_prefix_len: int = 0
+    prev_prefix_len: Optional[int] = None
     swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0
@@ -130,19 +134,22 @@ _LEGACY_ORDER = (
 )  # fmt: skip
 
 
-def resolve_init_params(args: tuple, kwargs: dict) -> CacheInitParams:
-    """A cache constructor's arguments as ``CacheInitParams``: either one ``CacheInitParams`` (SGLang's
-    later 0.5 releases) or its fields as keywords, the first seven also positionally (earlier ones).
+def resolve_init_params(params: Any, args: tuple, kwargs: dict) -> CacheInitParams:
+    """A cache constructor's arguments as ``CacheInitParams``: either one ``CacheInitParams`` as
+    ``params`` (SGLang's later 0.5 releases, positionally or as ``params=``) or its fields as keywords,
+    the first seven also positionally from ``params`` on (earlier ones).
 
     Raises
     ------
     TypeError
         For an unknown or repeated argument, too many positional ones, or a missing pool/page size.
     """
-    if args and isinstance(args[0], CacheInitParams):
-        if len(args) > 1 or kwargs:
+    if isinstance(params, CacheInitParams):
+        if args or kwargs:
             raise TypeError("a cache takes either one CacheInitParams or its fields, not both")
-        return args[0]
+        return params
+    if params is not None or args:
+        args = (params, *args)
     if len(args) > len(_LEGACY_ORDER):
         raise TypeError(f"a cache takes at most {len(_LEGACY_ORDER)} positional arguments, got {len(args)}")
     named = dict(zip(_LEGACY_ORDER, args))

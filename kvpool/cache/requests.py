@@ -1,5 +1,9 @@
-"""How a scheduler's requests enter and leave the prefix cache (SGLang's ``cache_finished_req`` and
-``cache_unfinished_req``), and the small request protocol they read.
+"""What a scheduler's request becomes when it enters or leaves the prefix cache (SGLang's
+``cache_finished_req`` and ``cache_unfinished_req``), and the small request protocol that is read.
+
+``plan_finished`` and ``plan_unfinished`` read a request and the cache's request table, check them,
+and return a plan: the slots, the insertion and the lengths the cache's call then carries out. They
+change nothing and never call the cache (it is typed as ``kvpool.cache.protocols.RequestCache``).
 
 A request is any object with these attributes (SGLang's ``Req`` has them all):
 
@@ -31,16 +35,14 @@ caller's; so does the request's row, which the caller frees after ``cache_finish
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any, Optional
 
 import torch
 
 from kvpool.cache.key import RadixKey
-from kvpool.cache.params import InsertParams, MatchPrefixParams
-from kvpool.errors import IntegrityError
-
-if TYPE_CHECKING:
-    from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.params import InsertParams
+from kvpool.cache.protocols import RequestCache
 
 
 def committed_len(req: Any) -> int:
@@ -55,11 +57,11 @@ def committed_len(req: Any) -> int:
 
 def protected_len(req: Any) -> int:
     """Leading slots of ``req`` that belong to the tree."""
-    cpl = getattr(req, "cache_protected_len", None)
-    return int(cpl) if cpl is not None else len(req.prefix_indices)
+    protected = getattr(req, "cache_protected_len", None)
+    return int(protected) if protected is not None else len(req.prefix_indices)
 
 
-def _key_extent(cache: "RadixCache", num_tokens: int) -> tuple[int, int]:
+def key_extent(cache: RequestCache, num_tokens: int) -> tuple[int, int]:
     """(elements the tree can take, tokens of the key that yields them): whole pages, and for EAGLE
     one token more than the bigram elements."""
     extra = 1 if cache.is_eagle else 0
@@ -67,24 +69,61 @@ def _key_extent(cache: "RadixCache", num_tokens: int) -> tuple[int, int]:
     return aligned, aligned + extra if aligned else 0
 
 
-def _check_protected(cpl: int, aligned: int, what: str) -> None:
-    if not 0 <= cpl <= aligned:
+def check_protected(protected: int, aligned: int, what: str) -> None:
+    """``req.cache_protected_len`` must lie within the ``aligned`` tokens the tree can take.
+
+    Raises
+    ------
+    ValueError
+        If it does not.
+    """
+    if not 0 <= protected <= aligned:
         raise ValueError(
             f"{what}: req.cache_protected_len must be in 0..{aligned} (the tree's whole pages of its "
-            f"committed tokens), got {cpl}"
+            f"committed tokens), got {protected}"
         )
 
 
-def _free(cache: "RadixCache", parts: list[torch.Tensor]) -> None:
-    parts = [p for p in parts if p.numel()]
-    if parts:
-        cache.token_to_kv_pool_allocator.free(torch.cat(parts) if len(parts) > 1 else parts[0])
+@dataclasses.dataclass
+class FinishedPlan:
+    """What ``cache_finished_req`` does with a request.
+
+    ``kv``: its committed slots (a view of its table row); ``protected``: the leading ones the tree
+    owns; ``aligned``: the whole pages the tree can take; ``insert``: what goes into the tree (None:
+    nothing); ``last_node``: the node to unlock (None for a disabled cache). The cache frees
+    ``kv[protected:prefix_len]`` and ``kv[aligned:]`` after the insertion (all of ``kv[protected:]``
+    without one).
+    """
+
+    kv: torch.Tensor
+    protected: int
+    aligned: int
+    insert: Optional[InsertParams]
+    last_node: Any
 
 
-def cache_finished_req(cache: "RadixCache", req: Any, is_insert: bool = True) -> None:
+@dataclasses.dataclass
+class UnfinishedPlan:
+    """What ``cache_unfinished_req`` does with a request: ``insert`` its ``aligned`` whole computed
+    pages, free ``kv[protected:prefix_len]``, then continue on the tree's slots."""
+
+    row: Any
+    kv: torch.Tensor
+    protected: int
+    aligned: int
+    insert: InsertParams
+    last_node: Any
+
+
+def request_key(req: Any, tokens: list) -> RadixKey:
+    """The request's ``tokens`` as a key in its namespace (``req.extra_key``)."""
+    return RadixKey(tokens, getattr(req, "extra_key", None))
+
+
+def plan_finished(cache: RequestCache, req: Any, is_insert: bool = True) -> FinishedPlan:
     """A request leaves: with ``is_insert`` its whole pages go into the tree (finished), without it
     (retracted, or ``disable_finished_insert``) back to the allocator; the slots the tree held
-    already and the unaligned tail go back to the allocator, in one ``free``; its lock is released.
+    already and the unaligned tail go back to the allocator; its lock is released.
 
     Raises
     ------
@@ -92,29 +131,25 @@ def cache_finished_req(cache: "RadixCache", req: Any, is_insert: bool = True) ->
         If ``req.cache_protected_len`` is past the request's whole committed pages.
     """
     committed = committed_len(req)
-    row = req.req_pool_idx
     table = cache.req_to_token_pool.req_to_token
     if cache.disable:
-        _free(cache, [table[row, :committed]])
-        return
+        return FinishedPlan(table[req.req_pool_idx, :committed], 0, 0, None, None)
     tokens = (list(req.origin_input_ids) + list(req.output_ids))[:committed]
-    kv = table[row, : len(tokens)]
-    aligned, raw = _key_extent(cache, len(tokens))
-    cpl = protected_len(req)
-    _check_protected(cpl, aligned, "cache_finished_req")
-    end = aligned
+    kv = table[req.req_pool_idx, : len(tokens)]
+    aligned, raw = key_extent(cache, len(tokens))
+    protected = protected_len(req)
+    check_protected(protected, aligned, "cache_finished_req")
+    insert = None
     if is_insert and not cache.disable_finished_insert and aligned:
-        key = RadixKey(tokens[:raw], getattr(req, "extra_key", None))
-        priority = getattr(req, "priority", 0) or 0
-        end = cache.insert(InsertParams(key=key, value=kv[:raw], priority=priority)).prefix_len
-    _free(cache, [kv[cpl:end], kv[aligned:]])
-    cache.dec_lock_ref(req.last_node)
+        insert = InsertParams(key=request_key(req, tokens[:raw]), value=kv[:raw], priority=getattr(req, "priority", 0) or 0)
+    return FinishedPlan(kv, protected, aligned, insert, req.last_node)
 
 
-def cache_unfinished_req(cache: "RadixCache", req: Any, chunked: bool = False) -> None:
+def plan_unfinished(cache: RequestCache, req: Any, chunked: bool = False) -> Optional[UnfinishedPlan]:
     """A running request's whole computed pages (``fill_ids``) go into the tree; the slots of pages
     the tree held already go back to the allocator, and the request continues on the tree's slots:
     its table row, ``prefix_indices``, ``cache_protected_len`` and ``last_node`` (locked) are updated.
+    None for a disabled cache (nothing to do).
 
     Raises
     ------
@@ -122,25 +157,13 @@ def cache_unfinished_req(cache: "RadixCache", req: Any, chunked: bool = False) -
         If ``req.cache_protected_len`` is past the request's whole computed pages.
     """
     if cache.disable:
-        return
+        return None
     tokens = list(req.fill_ids)
     row = req.req_pool_idx
-    pool = cache.req_to_token_pool
-    kv = pool.req_to_token[row, : len(tokens)]
-    aligned, raw = _key_extent(cache, len(tokens))
-    cpl = protected_len(req)
-    _check_protected(cpl, aligned, "cache_unfinished_req")
-    key = RadixKey(tokens[:raw], getattr(req, "extra_key", None))
+    kv = cache.req_to_token_pool.req_to_token[row, : len(tokens)]
+    aligned, raw = key_extent(cache, len(tokens))
+    protected = protected_len(req)
+    check_protected(protected, aligned, "cache_unfinished_req")
     priority = getattr(req, "priority", 0) or 0
-    end = cache.insert(InsertParams(key=key, value=kv[:raw], chunked=chunked, priority=priority)).prefix_len
-    _free(cache, [kv[cpl:end]])
-    match = cache.match_prefix(MatchPrefixParams(key=key))
-    indices, last = match.device_indices, match.last_device_node
-    if len(indices) != aligned:
-        raise IntegrityError(f"cache_unfinished_req: the tree returned {len(indices)} slots for the {aligned} it was just given")
-    pool.write((row, slice(cpl, aligned)), indices[cpl:].to(kv.dtype))
-    req.cache_protected_len = aligned
-    cache.inc_lock_ref(last)
-    cache.dec_lock_ref(req.last_node)
-    req.prefix_indices = torch.cat((indices, kv[aligned:].to(indices.dtype))) if aligned < len(kv) else indices
-    req.last_node = last
+    insert = InsertParams(key=request_key(req, tokens[:raw]), value=kv[:raw], chunked=chunked, priority=priority)
+    return UnfinishedPlan(row, kv, protected, aligned, insert, req.last_node)

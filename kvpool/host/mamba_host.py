@@ -19,8 +19,7 @@ import torch
 
 from kvpool.checks import positive_int
 from kvpool.config import validate_enabled
-from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.host.pool import check_device_indices
+from kvpool.host.pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost, check_device_indices
 from kvpool.host.direct_backend import HOST_STAGING_BYTES, DirectBackend
 from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS, KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
