@@ -16,6 +16,7 @@ from kvassert import (
     SimReq,
     assert_unchanged,
     cache_snapshot,
+    device_pages,
     known_bad,
     seq,
 )
@@ -90,6 +91,23 @@ def test_a_free_that_raises_in_cache_unfinished_req_changes_nothing(kind):
         eng.cache.cache_unfinished_req(two)
     assert_unchanged(before, cache_snapshot(eng.cache), "cache_unfinished_req with a free that raises")
     eng.cache.check_integrity([two])
+
+
+@pytest.mark.parametrize("kind", cases("failing free in a write-back evict that made host room", ["hiradix"]))
+def test_a_free_that_raises_after_write_back_made_host_room_leaves_the_device_as_it_was(kind):
+    """Two leaves, host room for one: backing up the second evicts the first from the host; then the
+    allocator's free raises. The contract: the device tier as it was (host-only leaves evicted for
+    room may stay evicted)."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_back", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.finish(eng.admit(seq(9, 300)))
+    wrapper = failing_free(eng)
+    before = (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist())
+    wrapper.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.evict(EvictParams(num_tokens=100))
+    assert (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist()) == before
+    eng.cache.check_integrity()
 
 
 @pytest.mark.parametrize("kind", cases("failing host backup", ["hiradix"]))

@@ -186,14 +186,31 @@ def test_a_running_request_whose_last_node_is_not_locked(tree):
     assert_reports(tree.cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node {tree.n2.id} is not locked")
 
 
-@pytest.mark.xfail(strict=True, reason="check_integrity crashes with a TypeError on an evicted last_node")
 def test_a_running_request_whose_last_node_was_evicted(tree):
+    """Reported as evicted, and its path as off the device (the request's own slots stay its own)."""
     cache = tree.cache
-    cache.dec_lock_ref(tree.n2)
+    cache.dec_lock_ref(tree.n2)  # its lock dropped behind its back
     cache.evict(EvictParams(num_tokens=100))
     assert tree.n2.value is None
-    tree.r1.cache_protected_len = 0  # its prefix slots are gone with the node: only the node is wrong
-    assert_reports(cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node {tree.n2.id} is evicted")
+    row = tree.r1.req_pool_idx
+    got = problems(cache, tree.running)
+    assert got == [
+        f"request in row {row}: its last_node {tree.n2.id} is evicted",
+        f"request in row {row}: its last_node {tree.n2.id}'s path to the root is not on the device (evicted or detached)",
+    ], got
+
+
+def test_a_running_request_whose_last_node_is_not_a_node(tree):
+    tree.r1.last_node = "node"
+    assert_reports(tree.cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node is a str, not a TreeNode")
+
+
+def test_a_running_request_whose_last_node_is_of_another_tree(tree):
+    other = Tree()
+    other.cache.inc_lock_ref(other.n3)  # locked and on the device there: only its tree is wrong
+    tree.r1.last_node = other.n3
+    assert_reports(tree.cache, tree.running,
+                   rf"request in row {tree.r1.req_pool_idx}: its last_node {other.n3.id}'s path to the root is not on the device \(evicted or detached\)")  # fmt: skip
 
 
 def test_a_running_request_whose_protected_slots_are_not_its_nodes(tree):

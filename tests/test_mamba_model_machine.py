@@ -107,7 +107,7 @@ class MambaModelMachine(RuleBasedStateMachine):
                 if page.state is not None:
                     assert page.state_lock == 0, f"evicted a locked snapshot at {k}"
                     freed_states.append(page.state)
-                del self.ref.pages[k]
+                self.ref.drop(k)
                 pages += 1
                 continue
             assert now[k][0] == page.slots, f"page {k} moved"
