@@ -124,6 +124,24 @@ def test_a_host_backup_that_raises_leaves_nothing_behind(kind):
     eng.cache.check_integrity([req])
 
 
+@pytest.mark.parametrize("kind", cases("failing host backup after making host room", ["hiradix"]))
+def test_a_host_backup_that_raises_after_making_host_room_changes_nothing(kind):
+    """The host is full of a host-only leaf: the write-through backup of a new insert evicts it for
+    room, then raises. The contract: nothing changed."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=100))  # on the host only, filling it
+    req = eng.admit(seq(9, 300))
+    slots = eng.table.req_to_token[req.req_pool_idx, :8].to(torch.int64)
+    backup = FailingBackup(eng.host)
+    before = cache_snapshot(eng.cache)
+    backup.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.insert(InsertParams(key=RadixKey(seq(8, 300)), value=slots))
+    assert_unchanged(before, cache_snapshot(eng.cache), "insert with a host backup that raises after making room")
+    eng.cache.check_integrity([req])
+
+
 @pytest.mark.parametrize("priority", cases("priority policy: a priority that is not an int", [None, 1.5, "x", [1]]))
 def test_a_bad_priority_under_the_priority_policy_changes_nothing(priority):
     cache = RadixCache.create_simulated(eviction_policy="priority")

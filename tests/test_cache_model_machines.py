@@ -381,7 +381,7 @@ def machine_for(policy: str) -> type:
 
 for _policy in POLICIES:
     _case = machine_for(_policy).TestCase
-    _case.settings = machine_settings(8, 40)
+    _case.settings = machine_settings(20, 50)
     globals()[f"TestRadixModelMachine_{_policy}"] = _case
 del _case, _policy
 
@@ -467,6 +467,8 @@ class HiRadixModelMachine(RadixModelMachine):
             return
         tokens = [9] + self.tokens(data)  # a prefix not cached yet
         aligned = len(tokens) // self.page * self.page
+        if self.host.available_size() < aligned and known_bad(self.kind_name, "failing host backup after making host room"):
+            return
         slots = self.alloc.alloc(-(-len(tokens) // self.page) * self.page)
         if slots is None or not aligned:
             if slots is not None:
@@ -495,4 +497,4 @@ class HiRadixModelMachine(RadixModelMachine):
 
 
 TestHiRadixModelMachine = HiRadixModelMachine.TestCase
-TestHiRadixModelMachine.settings = machine_settings(30, 50)
+TestHiRadixModelMachine.settings = machine_settings(40, 50)
