@@ -381,7 +381,7 @@ def machine_for(policy: str) -> type:
 
 for _policy in POLICIES:
     _case = machine_for(_policy).TestCase
-    _case.settings = machine_settings(20, 50)
+    _case.settings = machine_settings(12, 50)
     globals()[f"TestRadixModelMachine_{_policy}"] = _case
 del _case, _policy
 
@@ -497,4 +497,4 @@ class HiRadixModelMachine(RadixModelMachine):
 
 
 TestHiRadixModelMachine = HiRadixModelMachine.TestCase
-TestHiRadixModelMachine.settings = machine_settings(40, 50)
+TestHiRadixModelMachine.settings = machine_settings(25, 50)

@@ -328,4 +328,4 @@ class MambaModelMachine(RuleBasedStateMachine):
 
 
 TestMambaModelMachine = MambaModelMachine.TestCase
-TestMambaModelMachine.settings = machine_settings(80, 50)
+TestMambaModelMachine.settings = machine_settings(40, 50)
