@@ -34,6 +34,10 @@ from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
 
 
+#: A staged write-through backup the host had no room for.
+_NO_ROOM = object()
+
+
 class HiRadixCache(RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
@@ -196,25 +200,18 @@ class HiRadixCache(RadixCache):
         """Back up a device node to new host slots (evicting host-only leaves for room); returns its
         tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
         the backup has read its slots (``writing_check``). If the backup raises, its host slots are
-        freed again and the node stays without a host copy."""
-        host = self.token_to_kv_pool_host
-        n = len(node.device.value)
-        slots = host.alloc(n)
-        if slots is None:
-            self.evict_host(n)
-            slots = host.alloc(n)
-            if slots is None:
-                return 0
-        try:
-            event = host.backup_from_device_all_layer(self.kv_cache, slots, node.device.value, self.io_backend)
-        except BaseException:
-            host.free(slots)  # no host slot without an owner
-            raise
+        freed again and the node stays without a host copy. (An insert's write-through backups are
+        copied before the tree changes and handed to this call to attach.)"""
+        staged, self._staged_copy = self._staged_copy, None
+        copy = self._back_up(node.device.value) if staged is None else staged
+        if copy is _NO_ROOM or copy is None:
+            return 0
+        slots, event = copy
         node.records[HOST] = HostCopy(slots)
         if event is not None and not write_back:
             self.inc_lock_ref(node)
             self.ongoing_write_through.append((node, event))
-        return n
+        return len(node.device.value)
 
     def init_load_back(
         self, last_node: TreeNode, host_hit_length: int = 0, mem_quota: Optional[int] = None
@@ -362,13 +359,8 @@ class HiRadixCache(RadixCache):
             if node.hit_count < self.write_through_threshold:
                 continue
             copy = next(copies, None)
-            if copy is None:
-                continue  # the host had no room for it
-            slots, event = copy
-            node.records[HOST] = HostCopy(slots)
-            if event is not None:
-                self.inc_lock_ref(node)
-                self.ongoing_write_through.append((node, event))
+            self._staged_copy = _NO_ROOM if copy is None else copy
+            self.write_backup(node)  # attaches the staged copy (or none: the host had no room)
         return cached // self.elem_bytes
 
     def _due_backups(self, job: Any) -> tuple[list[torch.Tensor], list[TreeNode]]:
@@ -422,6 +414,7 @@ class HiRadixCache(RadixCache):
         self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
         self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
         self._loads_started = 0
+        self._staged_copy: Any = None  # a write-through copy made before an insert, for write_backup
         self.token_to_kv_pool_host.clear()
 
     def _is_evictable(self, node: TreeNode) -> bool:

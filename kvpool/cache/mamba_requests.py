@@ -22,7 +22,7 @@ import torch
 
 from kvpool.cache.params import InsertParams
 from kvpool.cache.protocols import RequestCache
-from kvpool.cache.requests import check_protected, committed_len, protected_len, request_key
+from kvpool.cache.requests import check_protected, committed_len, key_extent, protected_len, request_key
 
 
 def known_state(cache: RequestCache, req: Any, length: int) -> tuple[int, torch.Tensor, Optional[int]]:
@@ -124,12 +124,13 @@ def plan_unfinished(cache: RequestCache, req: Any, chunked: bool = False) -> Hyb
     tokens = list(req.fill_ids)
     row = req.req_pool_idx
     kv = cache.req_to_token_pool.req_to_token[row, : len(tokens)]
-    known, state = 0, None
-    if not cache.disable:
-        known, state, _ = known_state(cache, req, len(tokens))
-    if known == 0:
+    if cache.disable:
         return HybridUnfinishedPlan(row, kv, 0, 0, None, None, None)
+    known, state, _ = known_state(cache, req, len(tokens))
     protected = protected_len(req)
+    if known == 0:  # nothing to cache; the request's tree part is still within its whole pages
+        check_protected(protected, key_extent(cache, len(tokens))[0], "cache_unfinished_req")
+        return HybridUnfinishedPlan(row, kv, 0, 0, None, None, None)
     check_protected(protected, known, "cache_unfinished_req")
     insert = InsertParams(
         key=request_key(req, tokens[:known]), value=kv[:known], chunked=chunked, priority=getattr(req, "priority", 0) or 0
