@@ -1718,7 +1718,6 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
 CACHE_KNOWN_BAD: dict[str, str] = {
     "failing host backup after making host room": "the host-only leaves evicted for the backup's room stay evicted",
     "failing free in a write-back evict that made host room": "the undo raises KeyError: 'host' and the device tier stays changed",
-    "cache_unfinished_req: cache_protected_len past the pages, no state known": "not checked when no state is known",
 }
 
 
