@@ -1711,9 +1711,9 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
     return calls
 
 
-#: Bad calls and faults the library still takes wrongly, each with what happens (the notes' list of
-#: cache failures). The state machines leave them out; the bad-input table and the atomicity tests
-#: keep them as strict expected failures until they are fixed. A key is a call's name in
+#: Bad calls and faults the library still handles against the contract, each with what happens. The
+#: state machines leave them out; the bad-input table and the atomicity tests keep them as strict
+#: expected failures, so that a fix shows up as one. A key is a call's name in
 #: ``cache_bad_calls``, or "<cache kind>: <name>" for one kind only.
 CACHE_KNOWN_BAD: dict[str, str] = {
     "failing host backup after making host room": "the host-only leaves evicted for the backup's room stay evicted",
