@@ -123,7 +123,7 @@ class RadixModelMachine(RuleBasedStateMachine):
 
     def evict(self, n: int) -> int:
         nodes = device_nodes(self.cache)
-        leaves = {k for k, pg in self.ref.pages.items() if pg.lock == 0} - self.ref.with_children()
+        leaves = self.evictable_leaves()
         evictable, available = self.ref.unlocked_tokens(), self.alloc.available_size()
         got = self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
         removed = self.absorb_eviction(leaves if self.check_order else None)
@@ -249,6 +249,17 @@ class RadixModelMachine(RuleBasedStateMachine):
         assert m.device_indices.tolist() == want
         self.tags.check(want, prefix_contents(extra, tokens, 0, len(want)), "a match")
 
+    @precondition(lambda self: self.ref.pages)
+    @rule(data=st.data())
+    def match_cached(self, data):
+        """A match of a cached prefix (a later access than its creation: LRU and FIFO part here)."""
+        extra, tokens = data.draw(st.sampled_from(sorted(self.ref.pages, key=repr)))
+        tokens = list(tokens)
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra)))
+        want = self.ref.match(extra, tokens)
+        assert m.device_indices.tolist() == want
+        self.tags.check(want, prefix_contents(extra, tokens, 0, len(want)), "a match")
+
     @rule(data=st.data(), extra=st.sampled_from([None, "tenant"]))
     def lock(self, data, extra):
         tokens = self.tokens(data)
@@ -266,10 +277,14 @@ class RadixModelMachine(RuleBasedStateMachine):
         self.cache.dec_lock_ref(node)
         self.ref.lock(extra, tokens, -1)
 
-    @precondition(lambda self: len(self.ref.pages) >= 3)
+    def evictable_leaves(self) -> set:
+        return {k for k, page in self.ref.pages.items() if page.lock == 0} - self.ref.with_children()
+
+    @precondition(lambda self: len(self.evictable_leaves()) >= 2)
     @rule()
     def evict_one_node(self):
-        """One token: exactly one leaf goes, the least in the policy's order."""
+        """One token, with two evictable leaves or more: exactly one goes, the least in the policy's
+        order."""
         self.evict(1)
 
     @precondition(lambda self: len(self.ref.pages) >= 3)
