@@ -489,19 +489,20 @@ class HiRadixModelMachine(RadixModelMachine):
             if slots is not None:
                 self.alloc.free(slots)
             return
+        self.tags.write(slots.tolist()[: len(tokens)], prefix_contents(extra, tokens, 0, len(tokens)))
         before = cache_snapshot(self.cache)
         self.backup.arm()
         try:
-            self.cache.insert(InsertParams(key=RadixKey(tokens, extra), value=slots[: len(tokens)]))
+            got = self.cache.insert(InsertParams(key=RadixKey(tokens, extra), value=slots[: len(tokens)]))
         except InjectedFault:
             assert_unchanged(before, cache_snapshot(self.cache), "insert with a host backup that raises")
             self.alloc.free(slots)
             return
         finally:
             self.backup.armed = False
-        self.ref.insert(extra, tokens[:aligned], slots.tolist()[:aligned], 0)  # the fault never fired
-        self.tags.write(slots.tolist()[: len(tokens)], prefix_contents(extra, tokens, 0, len(tokens)))
-        rest = slots[aligned:]
+        held = self.ref.insert(extra, tokens[:aligned], slots.tolist()[:aligned], 0)  # no backup was needed
+        assert got.prefix_len == held
+        rest = torch.cat((slots[:held], slots[aligned:]))  # the caller's copies of cached pages, and the tail
         if rest.numel():
             self.alloc.free(rest)
 
