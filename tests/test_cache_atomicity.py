@@ -16,6 +16,7 @@ from kvassert import (
     SimReq,
     assert_unchanged,
     cache_snapshot,
+    device_pages,
     known_bad,
     seq,
 )
@@ -92,6 +93,23 @@ def test_a_free_that_raises_in_cache_unfinished_req_changes_nothing(kind):
     eng.cache.check_integrity([two])
 
 
+@pytest.mark.parametrize("kind", cases("failing free in a write-back evict that made host room", ["hiradix"]))
+def test_a_free_that_raises_after_write_back_made_host_room_leaves_the_device_as_it_was(kind):
+    """Two leaves, host room for one: backing up the second evicts the first from the host; then the
+    allocator's free raises. The contract: the device tier as it was (host-only leaves evicted for
+    room may stay evicted)."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_back", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.finish(eng.admit(seq(9, 300)))
+    wrapper = failing_free(eng)
+    before = (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist())
+    wrapper.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.evict(EvictParams(num_tokens=100))
+    assert (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist()) == before
+    eng.cache.check_integrity()
+
+
 @pytest.mark.parametrize("kind", cases("failing host backup", ["hiradix"]))
 def test_a_host_backup_that_raises_leaves_nothing_behind(kind):
     eng = engine(kind)
@@ -103,6 +121,24 @@ def test_a_host_backup_that_raises_leaves_nothing_behind(kind):
     with pytest.raises(InjectedFault):
         eng.cache.insert(InsertParams(key=RadixKey(seq(8, 100)), value=slots))
     assert_unchanged(before, cache_snapshot(eng.cache), "insert with a host backup that raises")
+    eng.cache.check_integrity([req])
+
+
+@pytest.mark.parametrize("kind", cases("failing host backup after making host room", ["hiradix"]))
+def test_a_host_backup_that_raises_after_making_host_room_changes_nothing(kind):
+    """The host is full of a host-only leaf: the write-through backup of a new insert evicts it for
+    room, then raises. The contract: nothing changed."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=100))  # on the host only, filling it
+    req = eng.admit(seq(9, 300))
+    slots = eng.table.req_to_token[req.req_pool_idx, :8].to(torch.int64)
+    backup = FailingBackup(eng.host)
+    before = cache_snapshot(eng.cache)
+    backup.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.insert(InsertParams(key=RadixKey(seq(8, 300)), value=slots))
+    assert_unchanged(before, cache_snapshot(eng.cache), "insert with a host backup that raises after making room")
     eng.cache.check_integrity([req])
 
 

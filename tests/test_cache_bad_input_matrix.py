@@ -69,5 +69,5 @@ def test_a_bad_call_raises_naming_the_argument_and_changes_nothing(kind, name):
     ctx.cache.check_integrity(ctx.running.values())
 
 
-def test_the_table_is_large():
+def test_the_table_holds_at_least_200_bad_calls():
     assert len(CASES) >= 200

@@ -99,7 +99,6 @@ def test_a_node_whose_key_is_not_whole_pages(tree):
     ]
 
 
-@pytest.mark.xfail(strict=True, reason="the page check's view(-1, page_size) raises a RuntimeError on a partial page")
 def test_a_node_of_a_partial_page_with_a_slot_per_token(tree):
     """A key of 6 tokens with 6 slots (2 of a page the allocator handed out): reported, not a crash."""
     n3 = tree.n3
@@ -186,14 +185,25 @@ def test_a_running_request_whose_last_node_is_not_locked(tree):
     assert_reports(tree.cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node {tree.n2.id} is not locked")
 
 
-@pytest.mark.xfail(strict=True, reason="check_integrity crashes with a TypeError on an evicted last_node")
 def test_a_running_request_whose_last_node_was_evicted(tree):
     cache = tree.cache
-    cache.dec_lock_ref(tree.n2)
+    cache.dec_lock_ref(tree.n2)  # its lock dropped behind its back
     cache.evict(EvictParams(num_tokens=100))
     assert tree.n2.value is None
-    tree.r1.cache_protected_len = 0  # its prefix slots are gone with the node: only the node is wrong
     assert_reports(cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node {tree.n2.id} is evicted")
+
+
+def test_a_running_request_whose_last_node_is_not_a_node(tree):
+    tree.r1.last_node = "node"
+    assert_reports(tree.cache, tree.running, rf"request in row {tree.r1.req_pool_idx}: its last_node is a str, not a TreeNode")
+
+
+def test_a_running_request_whose_last_node_is_of_another_tree(tree):
+    other = Tree()
+    other.cache.inc_lock_ref(other.n3)  # locked and on the device there: only its tree is wrong
+    tree.r1.last_node = other.n3
+    assert_reports(tree.cache, tree.running,
+                   rf"request in row {tree.r1.req_pool_idx}: its last_node {other.n3.id}'s path to the root is not on the device \(evicted or detached\)")  # fmt: skip
 
 
 def test_a_running_request_whose_protected_slots_are_not_its_nodes(tree):

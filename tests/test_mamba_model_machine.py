@@ -4,7 +4,8 @@ state snapshots are the model's, every KV slot reads back the tag of its token p
 (``KVTags``), every snapshot and every request's state slot the tag of the state after exactly its
 tokens (``StateTags``, through copy-on-write forks too), the state pool holds exactly the tree's and
 the running requests' state slots, and ``check_integrity`` passes. Random bad calls must raise and
-change nothing; exhausted KV and state pools are refused or evicted for."""
+change nothing, so must an eviction or a finished request whose allocator ``free`` raises
+(``FailingFree``); exhausted KV and state pools are refused or evicted for."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvassert import (
+    FailingFree,
+    InjectedFault,
     KVTags,
     RefCache,
     SimReq,
@@ -47,8 +50,8 @@ class MambaModelMachine(RuleBasedStateMachine):
         self.page, self.size, self.extra = page, size, extra
         self.kind_name = f"mamba-page-{page}"
         self.pool = MHATokenToKVPool(size, page, torch.float32, 1, 1, 1, "cpu", fused="never", warmup=False)
-        self.alloc = (TokenToKVPoolAllocator(size, kvcache=self.pool, validate=True) if page == 1
-                      else PagedTokenToKVPoolAllocator(size, page, kvcache=self.pool, validate=True))  # fmt: skip
+        self.alloc = FailingFree(TokenToKVPoolAllocator(size, kvcache=self.pool, validate=True) if page == 1
+                                 else PagedTokenToKVPoolAllocator(size, page, kvcache=self.pool, validate=True))  # fmt: skip
         self.table = HybridReqToTokenPool(size=4, mamba_size=states, max_context_len=size + page, device="cpu",
                                           cache_params=STATE, enable_mamba_extra_buffer=extra)  # fmt: skip
         self.states = self.table.mamba_pool
@@ -107,7 +110,7 @@ class MambaModelMachine(RuleBasedStateMachine):
                 if page.state is not None:
                     assert page.state_lock == 0, f"evicted a locked snapshot at {k}"
                     freed_states.append(page.state)
-                del self.ref.pages[k]
+                self.ref.drop(k)
                 pages += 1
                 continue
             assert now[k][0] == page.slots, f"page {k} moved"
@@ -234,9 +237,17 @@ class MambaModelMachine(RuleBasedStateMachine):
         self.finish_req(self.pick(data), insert)
 
     def finish_req(self, req: SimReq, insert: bool) -> None:
-        tokens, extra, cpl = req.fill_ids[: req.kv_committed_len], req.extra_key, req.cache_protected_len
-        known, state = self.known(req, len(tokens))
+        before = self.before_finish(req)
         self.cache.cache_finished_req(req, is_insert=insert)
+        self.after_finish(req, insert, before)
+
+    def before_finish(self, req: SimReq) -> tuple:
+        tokens = req.fill_ids[: req.kv_committed_len]
+        return (tokens, req.extra_key, req.cache_protected_len, *self.known(req, len(tokens)))
+
+    def after_finish(self, req: SimReq, insert: bool, before: tuple) -> None:
+        """The model follows a ``cache_finished_req`` of ``req`` made, and the request leaves."""
+        tokens, extra, cpl, known, state = before
         if insert and known:
             row = self.table.req_to_token[req.req_pool_idx, :known].tolist()
             self.ref.insert(extra, tokens[:known], row, 0)
@@ -281,6 +292,34 @@ class MambaModelMachine(RuleBasedStateMachine):
         finally:
             if hog is not None:
                 self.states.free(hog)
+
+    def with_failing_free(self, call, what: str) -> None:
+        """``call()`` with the allocator's next free raising: it raises that, and changes nothing, or
+        frees nothing and completes (then the model follows it)."""
+        before = cache_snapshot(self.cache)
+        self.alloc.arm()
+        try:
+            call()
+        except InjectedFault:
+            assert_unchanged(before, cache_snapshot(self.cache), f"{what} with a free that raises")
+            return True
+        finally:
+            self.alloc.armed = False
+        return False
+
+    @precondition(lambda self: self.ref.pages and not known_bad(self.kind_name, "failing free in evict"))
+    @rule(n=st.integers(1, 40))
+    def free_fails_in_evict(self, n):
+        if not self.with_failing_free(lambda: self.cache.evict(EvictParams(num_tokens=n)), "evict"):
+            self.absorb()  # nothing was evictable: nothing freed
+
+    @precondition(lambda self: self.running and not known_bad(self.kind_name, "failing free in cache_finished_req"))
+    @rule(data=st.data())
+    def free_fails_in_finish(self, data):
+        req = self.pick(data)
+        before = self.before_finish(req)
+        if not self.with_failing_free(lambda: self.cache.cache_finished_req(req), "cache_finished_req"):
+            self.after_finish(req, True, before)  # nothing to free: it went through
 
     @rule(data=st.data())
     def bad_call(self, data):

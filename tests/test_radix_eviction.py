@@ -108,7 +108,7 @@ def test_each_eviction_takes_an_evictable_leaf_of_least_priority(policy, ops):
             assert any(k in leaves and ref.rank(ref.pages[k]) == least for k in gone), "not a least-ranked leaf"
             assert len({ref.rank(ref.pages[k]) for k in gone}) == 1, "more than one node evicted"
             for k in gone:
-                del ref.pages[k]
+                ref.drop(k)
         assert {k: v[:2] for k, v in device_pages(cache).items()} == {k: (pg.slots, pg.lock) for k, pg in ref.pages.items()}
         cache.sanity_check()
 
