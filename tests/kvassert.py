@@ -1792,15 +1792,16 @@ LONG_RUN_STEPS = 200
 
 
 def machine_settings(examples: int, steps: int) -> settings:
-    """Hypothesis settings for a state machine: ``examples`` runs of ``steps`` steps in CI, or the
-    long profile's step budget; no deadline; a failure prints the blob that reproduces it."""
+    """Hypothesis settings for a state machine: ``examples`` runs of ``steps`` steps in CI, derandomised
+    so that a CI run is reproducible, or the long profile's step budget from random seeds; no
+    deadline; a failure prints the blob that reproduces it."""
     if LONG_TESTS:
         examples, steps = max(1, -(-LONG_STEPS // LONG_RUN_STEPS)), LONG_RUN_STEPS
     extra = {}
     if os.environ.get("KVPOOL_NO_SHRINK") == "1":  # report a failure as found, unshrunk (debugging)
         extra["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     return settings(**extra,
-        max_examples=examples, stateful_step_count=steps, deadline=None, print_blob=True, derandomize=False,
+        max_examples=examples, stateful_step_count=steps, deadline=None, print_blob=True, derandomize=not LONG_TESTS,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
     )  # fmt: skip
 
