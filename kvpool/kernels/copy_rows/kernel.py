@@ -63,6 +63,8 @@ def copy_rows(
     EVEN: tl.constexpr,  # every buffer's row is a whole number of BLOCK_W chunks: no column mask
     ONE_PASS: tl.constexpr,
 ):
+    """Copy rows between buffers named by address tables: program p copies its share of the (dst, src)
+    row pairs, every buffer of the tables, skipping entries outside each buffer's rows."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     VEC: tl.constexpr = ALIGN // ELEM_BYTES

@@ -49,6 +49,9 @@ def commit_rows(
     EVEN: tl.constexpr,  # every buffer's row is a whole number of BLOCK_W chunks: no column mask
     HAS_TRACK: tl.constexpr,
 ):
+    """Copy, per request, the scratch row of its last accepted step into its state row (and its
+    track row), every buffer of the tables; a request that kept 0 steps, or whose slot is out of
+    range, is skipped."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for task in range(pid, n_tasks, programs):

@@ -444,6 +444,8 @@ def store_kv(
     I64: tl.constexpr,
     JOINED: tl.constexpr,
 ):
+    """Write one layer's K and V rows: load, divide by the scale, saturate, cast and scatter to
+    ``loc``, for the tokens of this program's tile; a slot outside ``[0, capacity)`` is skipped."""
     # 64-bit offsets unless every offset of the launch fits in 32 bits (the launcher checks the
     # inputs' and caches' extents); 64-bit arithmetic costs decode-sized writes measurable time.
     if I64:
