@@ -335,7 +335,7 @@ def test_qwen_a_match_without_its_state_fails_the_fp32_check(monkeypatch):
     zero state) part from HF."""
     from kvpool.cache import MambaRadixCache
 
-    monkeypatch.setattr(MambaRadixCache, "_fork_into", lambda self, node, req: True)
+    monkeypatch.setattr(MambaRadixCache, "_fork_into", lambda self, node, req, dst=None: True)
     res, hf = _serve_qwen_cached(QWEN_CACHED, torch.float32, True, hf=True)
     assert res.cached_tokens > 0 and not runners.compare(res.generations, hf).identical
 
