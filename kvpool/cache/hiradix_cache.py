@@ -106,6 +106,8 @@ class HiRadixCache(RadixCache):
             last_host = last_host.parent
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
+        if last_device is not node and self._is_evictable(last_device):
+            self._queue.push(last_device)  # a device leaf above host-only nodes: the walk stamped it too
         return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
