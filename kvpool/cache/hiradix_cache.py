@@ -144,7 +144,7 @@ class HiRadixCache(RadixCache):
                     raise
                 if backed:
                     written_back = True
-                    undo.add(lambda node=node: self.token_to_kv_pool_host.free(node.records.pop(HOST).slots))
+                    undo.add(lambda node=node: self._undo_write_back(node))
             freed.append(node.device.value)
             count += len(node.device.value)
             if HOST in node.records:
@@ -451,6 +451,17 @@ class HiRadixCache(RadixCache):
         if on_device:
             problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
         return problems
+
+    def _undo_write_back(self, node: TreeNode) -> None:
+        """Take back an evict's write-back backup of ``node`` (its device record is restored by its own
+        step): free the host copy, or, when a later backup of the same call made host room by evicting
+        that copy (and the node, a host-only leaf by then, from the tree), put the node back in the
+        tree without one."""
+        copy = node.records.pop(HOST, None)
+        if copy is not None:
+            self.token_to_kv_pool_host.free(copy.slots)
+        else:
+            node.parent.children[node.child_key] = node
 
     def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
         """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
