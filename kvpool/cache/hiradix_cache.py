@@ -106,8 +106,8 @@ class HiRadixCache(RadixCache):
             last_host = last_host.parent
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
-        if last_device is not node and self._is_evictable(last_device):
-            self._queue.push(last_device)  # a device leaf above host-only nodes: the walk stamped it too
+        if last_device is not node and self._is_evictable(last_device):  # stamped by the walk too
+            self._queue.push(last_device)
         return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
@@ -318,8 +318,8 @@ class HiRadixCache(RadixCache):
         """Back up, before the tree changes, every device page of the insertion's path that the write
         policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
         threshold with this insert); returns the host slots and events, root side first (None for a
-        node the host had no room for). If a backup raises, the host slots taken so far are freed
-        and nothing else has changed."""
+        node the host had no room for). If a backup raises, the host slots taken so far are freed and
+        nothing else has changed but the host-only leaves evicted for room (their slots may be written)."""
         if self.write_policy == "write_back" or job.chunked:
             return []
         due, host_only = self._due_backups(job)
@@ -453,10 +453,8 @@ class HiRadixCache(RadixCache):
         return problems
 
     def _undo_write_back(self, node: TreeNode) -> None:
-        """Take back an evict's write-back backup of ``node`` (its device record is restored by its own
-        step): free the host copy, or, when a later backup of the same call made host room by evicting
-        that copy (and the node, a host-only leaf by then, from the tree), put the node back in the
-        tree without one."""
+        """Take back an evict's write-back backup of ``node``: free the copy, or put the node back in
+        the tree if a later backup of the call evicted it (a host-only leaf by then) for room."""
         copy = node.records.pop(HOST, None)
         if copy is not None:
             self.token_to_kv_pool_host.free(copy.slots)
