@@ -160,6 +160,27 @@ def test_a_host_backup_that_raises_after_making_host_room_leaves_only_the_room_m
     eng.cache.check_integrity([req])
 
 
+@pytest.mark.parametrize("kind", cases("failing free after a backup made host room", ["hiradix"]))
+def test_a_free_that_raises_after_a_backup_made_host_room_in_cache_finished_req_leaves_only_the_room_made(kind):
+    """As above, in ``cache_finished_req``: the write-through copy of the request's pages evicts the
+    host-only leaf for room, then the allocator's ``free`` raises. The host-only leaf stays evicted;
+    nothing else changed (the request still holds its slots and its lock)."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=100))
+    req = eng.admit(seq(9, 300))
+    wrapper = failing_free(eng)
+    before = cache_snapshot(eng.cache)
+    gone = host_only_rows(before)
+    assert [len(row[5]) for row in gone] == [8] and eng.host.available_size() == 0
+    wrapper.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.cache_finished_req(req)
+    want = without_host_only_leaves(before, gone, eng.host.size)
+    assert_unchanged(want, cache_snapshot(eng.cache), "cache_finished_req with a free that raises after making room")
+    eng.cache.check_integrity([req])
+
+
 @pytest.mark.parametrize("priority", cases("priority policy: a priority that is not an int", [None, 1.5, "x", [1]]))
 def test_a_bad_priority_under_the_priority_policy_changes_nothing(priority):
     cache = RadixCache.create_simulated(eviction_policy="priority")
