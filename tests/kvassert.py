@@ -2142,8 +2142,6 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
 #: expected failures, so that a fix shows up as one. A key is a call's name in
 #: ``cache_bad_calls``, or "<cache kind>: <name>" for one kind only.
 CACHE_KNOWN_BAD: dict[str, str] = {
-    "failing host backup after making host room": "the host-only leaves evicted for the backup's room stay evicted",
-    "failing free in a write-back evict that made host room": "the undo raises KeyError: 'host' and the device tier stays changed",
 }
 
 

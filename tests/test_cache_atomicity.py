@@ -124,10 +124,25 @@ def test_a_host_backup_that_raises_leaves_nothing_behind(kind):
     eng.cache.check_integrity([req])
 
 
+def host_only_rows(snapshot: dict) -> list:
+    """The rows of ``snapshot``'s tree dump of nodes on the host only (no device slots, a host copy)."""
+    return [row for row in snapshot["tree"] if row[1] is not None and row[4] is None and row[5] is not None]
+
+
+def without_host_only_leaves(snapshot: dict, gone: list, host_size: int) -> dict:
+    """``snapshot`` as it is once the host-only nodes ``gone`` (rows of its tree dump) have left the
+    tree and their host slots are free: a host holding no other copy (the cases below fill it)."""
+    want = dict(snapshot)
+    want["tree"] = [row for row in snapshot["tree"] if row not in gone]
+    want["host pool"] = (host_size, [], None)
+    return want
+
+
 @pytest.mark.parametrize("kind", cases("failing host backup after making host room", ["hiradix"]))
-def test_a_host_backup_that_raises_after_making_host_room_changes_nothing(kind):
+def test_a_host_backup_that_raises_after_making_host_room_leaves_only_the_room_made(kind):
     """The host is full of a host-only leaf: the write-through backup of a new insert evicts it for
-    room, then raises. The contract: nothing changed."""
+    room, then raises. The contract: the host-only leaf evicted for room stays evicted (the copy may
+    have written its host slots); nothing else changed."""
     eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.125)  # 8 host slots
     eng.finish(eng.admit(seq(9, 100)))
     eng.cache.evict(EvictParams(num_tokens=100))  # on the host only, filling it
@@ -135,10 +150,34 @@ def test_a_host_backup_that_raises_after_making_host_room_changes_nothing(kind):
     slots = eng.table.req_to_token[req.req_pool_idx, :8].to(torch.int64)
     backup = FailingBackup(eng.host)
     before = cache_snapshot(eng.cache)
+    gone = host_only_rows(before)
+    assert [len(row[5]) for row in gone] == [8] and eng.host.available_size() == 0
     backup.arm()
     with pytest.raises(InjectedFault):
         eng.cache.insert(InsertParams(key=RadixKey(seq(8, 300)), value=slots))
-    assert_unchanged(before, cache_snapshot(eng.cache), "insert with a host backup that raises after making room")
+    want = without_host_only_leaves(before, gone, eng.host.size)
+    assert_unchanged(want, cache_snapshot(eng.cache), "insert with a host backup that raises after making room")
+    eng.cache.check_integrity([req])
+
+
+@pytest.mark.parametrize("kind", cases("failing free after a backup made host room", ["hiradix"]))
+def test_a_free_that_raises_after_a_backup_made_host_room_in_cache_finished_req_leaves_only_the_room_made(kind):
+    """As above, in ``cache_finished_req``: the write-through copy of the request's pages evicts the
+    host-only leaf for room, then the allocator's ``free`` raises. The host-only leaf stays evicted;
+    nothing else changed (the request still holds its slots and its lock)."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=100))
+    req = eng.admit(seq(9, 300))
+    wrapper = failing_free(eng)
+    before = cache_snapshot(eng.cache)
+    gone = host_only_rows(before)
+    assert [len(row[5]) for row in gone] == [8] and eng.host.available_size() == 0
+    wrapper.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.cache_finished_req(req)
+    want = without_host_only_leaves(before, gone, eng.host.size)
+    assert_unchanged(want, cache_snapshot(eng.cache), "cache_finished_req with a free that raises after making room")
     eng.cache.check_integrity([req])
 
 

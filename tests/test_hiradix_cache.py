@@ -225,3 +225,22 @@ def test_gpu_load_back_arrives_layer_by_layer_through_the_getters(io_backend):
     cache.check_hicache_events()
     assert last.lock_ref == 0
     cache.check_integrity()
+
+
+def test_a_match_through_host_only_nodes_requeues_the_device_leaf_it_passes():
+    eng = Engine("token", 1, pages=24, host_policy="write_through", host_ratio=0.5)  # 12 host slots
+    cache = eng.cache
+    long = [1, 2, 4, 3, 1, 1, 1]
+    cache.insert(InsertParams(key=RadixKey(long, "tenant"), value=eng.alloc.alloc(7)))
+    match(cache, long[:1], "tenant")  # splits the node after [1]
+    assert cache.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 6  # the rest is on the host only
+    other = eng.alloc.alloc(1)
+    cache.insert(InsertParams(key=RadixKey([3], "tenant"), value=other))  # a device leaf used after [1]
+    m = match(cache, long[:2], "tenant")  # [1] on the device, then a host-only part: [1] is used last
+    assert m.device_indices.numel() == 1 and m.host_hit_length == 1
+    head = m.last_device_node
+    cache.check_integrity()
+    assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 1
+    assert head.value is not None  # the least recently used leaf went: [3]
+    assert match(cache, [3], "tenant").host_hit_length == 1
+    cache.check_integrity()

@@ -106,6 +106,8 @@ class HiRadixCache(RadixCache):
             last_host = last_host.parent
         if self._is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
+        if last_device is not node and self._is_evictable(last_device):  # stamped by the walk too
+            self._queue.push(last_device)
         return MatchResult(indices, last_device, last_host, host_hit_length=host_hit)
 
     def evict(self, params: Union[EvictParams, int]) -> EvictResult:
@@ -142,7 +144,7 @@ class HiRadixCache(RadixCache):
                     raise
                 if backed:
                     written_back = True
-                    undo.add(lambda node=node: self.token_to_kv_pool_host.free(node.records.pop(HOST).slots))
+                    undo.add(lambda node=node: self._undo_write_back(node))
             freed.append(node.device.value)
             count += len(node.device.value)
             if HOST in node.records:
@@ -316,8 +318,8 @@ class HiRadixCache(RadixCache):
         """Back up, before the tree changes, every device page of the insertion's path that the write
         policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
         threshold with this insert); returns the host slots and events, root side first (None for a
-        node the host had no room for). If a backup raises, the host slots taken so far are freed
-        and nothing else has changed."""
+        node the host had no room for). If a backup raises, the host slots taken so far are freed and
+        nothing else has changed but the host-only leaves evicted for room (their slots may be written)."""
         if self.write_policy == "write_back" or job.chunked:
             return []
         due, host_only = self._due_backups(job)
@@ -449,6 +451,15 @@ class HiRadixCache(RadixCache):
         if on_device:
             problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
         return problems
+
+    def _undo_write_back(self, node: TreeNode) -> None:
+        """Take back an evict's write-back backup of ``node``: free the copy, or put the node back in
+        the tree if a later backup of the call evicted it (a host-only leaf by then) for room."""
+        copy = node.records.pop(HOST, None)
+        if copy is not None:
+            self.token_to_kv_pool_host.free(copy.slots)
+        else:
+            node.parent.children[node.child_key] = node
 
     def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
         """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
