@@ -154,4 +154,4 @@ class PrefixCaching:
             self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size(), mamba_num=self.cache.mamba_evictable_size()))
         else:
             self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
-        return self.slots_in_use()
+        return self.settled_slots_in_use()

@@ -278,9 +278,16 @@ class Scheduler:
         self.allocator.check_integrity()
         self.table.check_integrity()
 
+    def settled_slots_in_use(self) -> int:
+        """``slots_in_use()`` once the device has run every free: on a GPU the allocator's count of
+        freed pages comes back behind the queued work, so a leak check waits for it first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.slots_in_use()
+
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
 
     def leaked_slots(self) -> int:
         """Slots still held once every request finished."""
-        return self.slots_in_use()
+        return self.settled_slots_in_use()

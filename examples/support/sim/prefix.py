@@ -378,7 +378,7 @@ class PrefixScheduler:
             cache.evict(EvictParams(num_tokens=kv, mamba_num=cache.mamba_evictable_size()))
         else:
             cache.evict(EvictParams(num_tokens=kv))
-        held = self.slots_in_use()
+        held = self.settled_slots_in_use()
         if isinstance(cache, HiRadixCache):
             host = cache.token_to_kv_pool_host
             cache.evict_host(host.size)

@@ -251,6 +251,13 @@ class Scheduler:
         self.waiting.appendleft(r)
         self.retractions += 1
 
+    def settled_slots_in_use(self) -> int:
+        """``slots_in_use()`` once the device has run every free: on a GPU the allocator's count of
+        freed pages comes back behind the queued work, so a leak check waits for it first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.slots_in_use()
+
     def slots_in_use(self) -> int:
         return self.capacity - self.allocator.available_size()
 
@@ -261,7 +268,7 @@ class Scheduler:
 
     def leaked_slots(self) -> int:
         """Slots still held once no request runs."""
-        return self.slots_in_use()
+        return self.settled_slots_in_use()
 
     def _resume(self, r: Request, parked: int) -> None:
         """--host-tier: slots for a parked request's first ``parked`` positions, recorded in the
