@@ -5,9 +5,10 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 (the interpreter would not notice a construct the compiler rejects) and that the Hopper build keeps
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
-Usage: python scripts/cross_compile.py [--full | --copy-rows]   (TRITON_INTERPRET must not be set)
+Usage: python scripts/cross_compile.py [--full | --copy-rows | --allocator]   (TRITON_INTERPRET must not be set)
 ``--copy-rows`` compiles the row-copy kernel (kvpool/kernels/copy_rows/kernel.py) instead, for the plans the
-launcher makes, and counts its vector accesses and barriers.
+launcher makes, and counts its vector accesses and barriers. ``--allocator`` compiles the allocators'
+bookkeeping kernels (kvpool/kernels/allocator/kernel.py), every kind the launchers make.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvpool.kernels.allocator import kernel as AK  # noqa: E402
+from kvpool.kernels.allocator import launcher as AL  # noqa: E402
 from kvpool.kernels.copy_rows import kernel as CK  # noqa: E402
 from kvpool.kernels.store_kv import kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
@@ -150,11 +153,56 @@ COPY_VARIANTS = [
 ]
 
 
+def compile_allocator(target_name, name, consts, lens_type="i64"):
+    """Compile one of the allocator kernels with the constexprs a launcher passes (every integer
+    argument 32-bit, the common case; the kernels specialise on nothing else)."""
+    target, _ = TARGETS[target_name]
+    fn = getattr(AK, name)
+    names = list(fn.arg_names)
+    types = {
+        "hand_out": ["*i64", "*i64", f"*{lens_type}", f"*{lens_type}", f"*{lens_type}", "*i32", "*i32", "*i1", "*i1", "*i64"],
+        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64"],
+    }[name]  # fmt: skip
+    sig = dict(zip(names, types))
+    for n in names[len(types):]:
+        sig[n] = "constexpr" if n.isupper() else "i32"
+    const = dict(zip([n for n in names if n.isupper()], consts))
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    warps = AL.HAND_OUT_WARPS if name == "hand_out" else AL.GIVE_BACK_WARPS
+    triton.compile(src, target=target, options={"num_warps": warps})
+    return {"kernel": name, "target": target_name, "consts": list(consts), "lens": lens_type}
+
+
+def allocator_variants():
+    """The kinds the launchers make: on Hopper every hand-out kind with and without the validate
+    bookkeeping and every give-back destination, of slots and of pages; on the other targets and at
+    one slot per page, the extend hand-out and the free to the ring."""
+    hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK))  # noqa: E731
+    give = lambda page, dest, to, append=False: ("give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK))  # noqa: E731
+    for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
+        for ever in (False, True):
+            yield ("sm90", *hand(64, kind, ever))
+    for dest, to in ((AL.RING, AL.TO_TAIL), (AL.LIST, AL.TO_RELEASE), (AL.LIST, AL.TO_NONE)):
+        for append in (False, True):
+            yield ("sm90", *give(64, dest, to, append))
+    yield ("sm90", *hand(64, AL.EXTEND), "i32")
+    for target in TARGETS:
+        yield (target, *hand(1, AL.PLAIN))
+        yield (target, *give(1, AL.RING, AL.TO_TAIL))
+    for target in ("sm100", "sm80", "gfx942"):
+        yield (target, *hand(64, AL.EXTEND))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--full", action="store_true", help="every output kind, input type and scale kind")
     parser.add_argument("--copy-rows", action="store_true", help="the row-copy kernel's variants instead")
+    parser.add_argument("--allocator", action="store_true", help="the allocators' bookkeeping kernels instead")
     args = parser.parse_args()
+    if args.allocator:
+        for v in allocator_variants():
+            print(json.dumps(compile_allocator(*v)), flush=True)
+        return 0
     if args.copy_rows:
         for v in COPY_VARIANTS:
             print(json.dumps(compile_copy_rows(*v)), flush=True)

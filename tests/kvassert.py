@@ -1098,7 +1098,11 @@ class StandInJit:
         self.signature = inspect.signature(getattr(kernel, "fn", kernel))
         self.params = tuple(self.signature.parameters)
         self.constexprs = frozenset(n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation))
-        self.unspecialised = frozenset(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+        kwargs = getattr(kernel, "kwargs", {})
+        self.unspecialised = frozenset(kwargs.get("do_not_specialize") or ())
+        self.unaligned = frozenset(  # parameters (named or by position) not specialised on alignment
+            self.params[n] if isinstance(n, int) else n for n in kwargs.get("do_not_specialize_on_alignment") or ()
+        )
         self.fail_next = False
         self.on_direct = None
         self.launches = 0
@@ -1121,7 +1125,8 @@ class StandInJit:
         """The variant a launch with these parameter values needs: constexprs by value, runtime
         arguments by what Triton specialises them on."""
         return tuple(
-            ("constexpr", v) if n in self.constexprs else _specialisation(v, n not in self.unspecialised)
+            ("constexpr", v) if n in self.constexprs
+            else _specialisation(v, n not in (self.unaligned if isinstance(v, torch.Tensor) else self.unspecialised))
             for n, v in zip(self.params, values)
         )
 

@@ -28,6 +28,9 @@ from kvassert import (
     poison_,
 )
 from kvpool import MambaCacheParams, MambaPool, MambaStateShape, MHATokenToKVPool, reference_set_kv_buffer
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
+from kvpool.kernels.allocator import kernel as allocator_kernel
+from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.kernels.copy_rows import launcher as copy_rows
 from kvpool.kernels.copy_rows import kernel as copy_rows_kernel
 from kvpool.kernels.state_commit import launcher as state_commit
@@ -430,3 +433,55 @@ def test_a_launch_hook_keeps_triton_s_own_launch(jit):
     calls = compiled.calls
     bound.run(1, 1, 1, 0, bound.function, bound.metadata, None, None, None, *compiled.bound)
     assert compiled.calls == calls + 1, "the launch went through compiled[grid]"
+
+
+# --- the allocators' bookkeeping kernels' direct launches -----------------------------------------------
+
+
+@pytest.fixture
+def allocator_jits(monkeypatch):
+    """Both bookkeeping kernels behind JIT stand-ins, for CPU allocators, launch caches on and empty."""
+    if not store_kv.INTERPRETER:
+        pytest.skip("fakes the compiled kernels around Triton's interpreter")
+    jits = {}
+    for name, cache in (("hand_out", allocator_kernels.HAND_OUTS), ("give_back", allocator_kernels.GIVE_BACKS)):
+        jits[name] = StandInJit(getattr(allocator_kernel, name))
+        monkeypatch.setattr(allocator_kernel, name, jits[name])
+        monkeypatch.setattr(cache, "enabled", True)
+        monkeypatch.setattr(cache, "entries", {})
+    monkeypatch.setattr(allocator_kernels, "kernel_on_cpu", True)
+    return jits
+
+
+def test_allocator_calls_launch_directly_what_their_jit_launch_bound(allocator_jits):
+    """A scheduler's step twice over (allocations of every kind at other sizes and offsets, frees to
+    the ring, the release list and a free group): the second round launches only the compiled
+    stand-ins, each checked against the variant of its kind, and the free lists end as the PyTorch
+    path's do."""
+    results = []
+    for kernels in (False, True):
+        allocator_kernels.kernel_on_cpu = kernels
+        for need_sort in (False, True):
+            a = PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort)
+            for round_, n in enumerate((3, 6)):
+                before = {k: j.launches for k, j in allocator_jits.items()}
+                pre = torch.zeros(2, dtype=torch.int64)
+                seq = torch.tensor([n, n + 1])
+                first = a.alloc_extend(pre, pre, seq, seq, torch.tensor([-1, -1]), int(seq.sum()))
+                held = torch.tensor([n, n + 1])
+                last = torch.stack((first[n - 1], first[-1]))
+                nxt = a.alloc_decode(held + 1, held + 1, last)
+                whole = a.alloc(8)
+                a.free(first[: n // 2])
+                a.free_group_begin()
+                a.free(torch.cat((first[n // 2 :], nxt)))
+                a.free_group_end()
+                a.free(whole)
+                results.append((kernels, need_sort, round_, a.backup_state().free_pages.tolist()))
+                if kernels and round_ == 1:
+                    assert {k: j.launches for k, j in allocator_jits.items()} == before, "a launch went through the JIT"
+    allocator_kernels.kernel_on_cpu = True
+    half = len(results) // 2
+    assert [r[1:] for r in results[:half]] == [r[1:] for r in results[half:]]
+    for name, jit in allocator_jits.items():
+        assert any(c.direct for c in jit.handed), f"{name} never launched directly"

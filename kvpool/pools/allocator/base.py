@@ -15,6 +15,7 @@ import torch
 from kvpool.checks import non_negative_int, positive_int, resolve_device
 from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
+from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator import checks
 from kvpool.pools.allocator.checks import Indices
 from kvpool.pools.allocator.freelist import FreeLists, Take
@@ -191,6 +192,8 @@ class BaseTokenToKVPoolAllocator:
         take = self._plan_take(n // p)
         if take is None:
             return None
+        if allocator_kernels.on_kernels(self.device):
+            return self._hand_out_on_kernel(take, n, allocator_kernels.PLAIN, None)
         if p == 1:
             slots = take.pages.clone()  # callers may modify it; the free list must not follow
         else:
@@ -254,6 +257,12 @@ class BaseTokenToKVPoolAllocator:
             return
         if self.validate:
             slots = self._validated(slots)
+        if allocator_kernels.on_kernels(self.device):
+            group = None if self.is_not_in_free_group else self._group
+            books = (self._owners, self._live, self._page_free)
+            self._lists.take_back(torch.sort(slots).values, books, self.page_size, group)
+            self._lists.changed()
+            return
         pages, released, dropped = drop_holders(self._owners, self._live, self._page_free, slots, self.page_size)
         self._lists.add_rejected(dropped)
         if self.is_not_in_free_group:
@@ -272,8 +281,7 @@ class BaseTokenToKVPoolAllocator:
         self.is_not_in_free_group = True
         pending, self._group = self._group, []
         if pending:
-            pages = torch.cat(pending)
-            self._lists.give_back(pages, pages >= 0)
+            self._lists.give_back_pages(pending[0] if len(pending) == 1 else torch.cat(pending))
             self._lists.changed()
 
     def backup_state(self) -> AllocatorState:
@@ -325,7 +333,7 @@ class BaseTokenToKVPoolAllocator:
         if state.group_raw:
             pending = torch.cat(state.group_raw)
             if self.is_not_in_free_group:
-                self._lists.give_back(pending, pending >= 0)
+                self._lists.give_back_pages(pending)
             else:
                 self._group.append(pending)
         self._lists.changed()
@@ -370,6 +378,20 @@ class BaseTokenToKVPoolAllocator:
     def _plan_take(self, count: int) -> Optional[Take]:
         """The first ``count`` free pages, or None if too few; see ``FreeLists.plan``."""
         return self._lists.plan(count)
+
+    def _hand_out_on_kernel(
+        self, take: Take, n: int, kind: int, lens: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Commit an allocation of ``n`` slots in one launch of the bookkeeping kernel (``kind`` and
+        ``lens`` as for ``kvpool.kernels.allocator.hand_out``): the slots it returns are computed,
+        held and their pages taken off the free lists, as ``_hand_out`` does."""
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        allocator_kernels.hand_out(
+            out, take.source, take.start, take.cap, take.count, lens, self._owners, self._live, self._page_free,
+            self._ever, self._unrecorded, self.page_size, kind,
+        )  # fmt: skip
+        self._lists.commit(take)
+        return out
 
     def _hand_out(self, take: Take, slots: torch.Tensor, inside_range: bool) -> None:
         """Commit an allocation: ``take``'s pages leave the free lists and ``slots`` gain a holder.

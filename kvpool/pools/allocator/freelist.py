@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator.state import AllocatorState
 
 logger = logging.getLogger("kvpool")
@@ -34,12 +35,14 @@ class PageRing:
     pages : Tensor [F] int64 on the device, the initial contents (copied).
     capacity : entries the buffer holds (the allocator's page count: a consistent allocator never
         lists more pages than it has).
+    tail : Tensor [] int64 on the device, where the ring keeps its absolute end position (a view into
+        the allocator's counters, so that one copy brings every count back).
     """
 
-    def __init__(self, pages: torch.Tensor, capacity: int) -> None:
+    def __init__(self, pages: torch.Tensor, capacity: int, tail: torch.Tensor) -> None:
         self._cap = max(capacity, pages.numel(), 1)
         self._buf = torch.empty(self._cap + 1, dtype=torch.int64, device=pages.device)
-        self._tail = torch.zeros((), dtype=torch.int64, device=pages.device)  # absolute end position
+        self._tail = tail  # absolute end position
         self._head = 0  # absolute position of the first page
         self._known = 0  # pages the host knows are listed (a lower bound of tail - head)
         self.exact = True  # whether the host count is exact
@@ -55,6 +58,11 @@ class PageRing:
         return self._cap
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """Tensor [capacity + 1] int64: the circular buffer itself (its last entry is a sink)."""
+        return self._buf
+
+    @property
     def tail(self) -> torch.Tensor:
         """Tensor [] int64 on the device: the absolute end position (``head + true count``)."""
         return self._tail
@@ -66,6 +74,10 @@ class PageRing:
     def mark(self) -> tuple[int, int]:
         """``(head, known count)`` now, for ``observe`` of a later read of ``tail``."""
         return self._head, self._known
+
+    def front_at(self) -> int:
+        """Where the list starts in the buffer (``front(n)`` is ``buffer[(front_at() + r) % capacity]``)."""
+        return self._head % self._cap
 
     def front(self, n: int) -> torch.Tensor:
         """The first ``n`` pages (``n <= len(self)``): a view of the buffer unless the list wraps round
@@ -84,6 +96,11 @@ class PageRing:
         entries are the list, whatever the host knows of that count."""
         h = self._head % self._cap
         return torch.cat((self._buf[h : self._cap], self._buf[:h]))
+
+    def appended_on_device(self) -> None:
+        """Pages were appended by a kernel that moved the end on the device: the host count is now a
+        lower bound."""
+        self.exact = False
 
     def drop_front(self, n: int) -> None:
         """Remove the first ``n`` pages (``n <= len(self)``); reads and writes nothing on the device."""
@@ -194,10 +211,23 @@ class CountMirror:
 @dataclass(frozen=True)
 class Take:
     """Pages an allocation will take: the front of the free list, or of ``merged`` (the free and
-    release lists merged and sorted, which becomes the free list) when the free list is too short."""
+    release lists merged and sorted, which becomes the free list) when the free list is too short.
+    They are ``source[(start + r) % cap]`` for ``r < count`` (what the hand-out kernel reads);
+    ``pages`` is them as one tensor."""
 
-    pages: torch.Tensor
+    source: torch.Tensor
+    start: int
+    cap: int
+    count: int
     merged: Optional[torch.Tensor]
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """Tensor [count] int64: the pages (a view where they do not wrap round the buffer's end)."""
+        s, c, n = self.start, self.cap, self.count
+        if s + n <= c:
+            return self.source[s : s + n]
+        return torch.cat((self.source[s:c], self.source[: s + n - c]))
 
 
 class FreeLists:
@@ -223,12 +253,15 @@ class FreeLists:
     def __init__(self, num_pages: int, device: torch.device, need_sort: bool, eager: bool, name: str) -> None:
         self.need_sort, self.eager, self._name = need_sort, eager, name
         self._device, self._num_pages = device, num_pages
+        # The counts the device keeps, side by side so that one copy brings them back: the free
+        # ring's end, the release list's length, the rejected frees (never reset).
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
         # Pages freed under need_sort, in chunks as freed (-1: no page); counted on the device and,
         # as a lower bound until read, on the host.
         self._release: list[torch.Tensor] = []
-        self.release_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.release_count = self.counters[1]
         self.release_known, self._release_exact = 0, True
-        self._rejected = torch.zeros((), dtype=torch.int64, device=device)  # never reset
+        self._rejected = self.counters[2]
         self.rejected_seen, self._rejected_exact = 0, True
         self._mirror = CountMirror(3, device)
         self._changes = 0  # calls that left counts on the device, to tell whether a copy is the latest
@@ -237,7 +270,7 @@ class FreeLists:
     def reset(self) -> None:
         """Every page free, in order, and nothing released (rejected frees stay counted)."""
         pages = torch.arange(1, self._num_pages + 1, dtype=torch.int64, device=self._device)
-        self.ring = PageRing(pages, self._num_pages)
+        self.ring = PageRing(pages, self._num_pages, self.counters[0])
         self._clear_release()
 
     # --- counts ----------------------------------------------------------------------------------
@@ -251,9 +284,11 @@ class FreeLists:
         """Whether the host's counts are exact (no free's counts still on their way back)."""
         return self.ring.exact and self._release_exact
 
-    def add_rejected(self, dropped: torch.Tensor) -> None:
-        """Count ``dropped`` (a device scalar) rejected frees; nothing read back."""
-        self._rejected += dropped
+    def add_rejected(self, dropped: Optional[torch.Tensor]) -> None:
+        """Count ``dropped`` (a device scalar) rejected frees, or note that a kernel counted some in
+        ``counters``; nothing read back."""
+        if dropped is not None:
+            self._rejected += dropped
         self._rejected_exact = False
 
     def changed(self) -> None:
@@ -290,7 +325,7 @@ class FreeLists:
             self._release_exact = self._rejected_exact = True
 
     def _counters(self) -> torch.Tensor:
-        return torch.stack((self.ring.tail, self.release_count, self._rejected))
+        return self.counters
 
     def _note_rejected(self, total: int) -> None:
         if total <= self.rejected_seen:
@@ -310,21 +345,22 @@ class FreeLists:
         counts; reads the device only when they are short of ``count`` while a count is outstanding.
         O(count) unless the release list must be merged in."""
         self.poll()
-        if count > len(self.ring) and not self.exact():
+        ring = self.ring
+        if count > len(ring) and not self.exact():
             self.read()
-        if count <= len(self.ring):
-            return Take(self.ring.front(count), None)
-        if count > len(self.ring) + self.release_known:
+        if count <= len(ring):
+            return Take(ring.buffer, ring.front_at(), ring.capacity, count, None)
+        if count > len(ring) + self.release_known:
             return None
         merged = self._merged()
-        return Take(merged[:count], merged)
+        return Take(merged, 0, max(merged.numel(), 1), count, merged)
 
     def commit(self, take: Take) -> None:
         """Remove ``take``'s pages from the lists (after ``plan``, nothing changed in between)."""
         if take.merged is None:
-            self.ring.drop_front(take.pages.numel())
+            self.ring.drop_front(take.count)
         else:
-            self.ring.reset(take.merged[take.pages.numel() :])
+            self.ring.reset(take.merged[take.count :])
             self._clear_release()
 
     def give_back(self, pages: torch.Tensor, keep: torch.Tensor) -> None:
@@ -336,6 +372,63 @@ class FreeLists:
             self._release_exact = False
         else:
             self.ring.extend(pages, keep)
+
+    def take_back(
+        self,
+        slots: torch.Tensor,
+        books: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        page_size: int,
+        group: Optional[list[torch.Tensor]],
+    ) -> None:
+        """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, sorted ascending) drop
+        a holder in ``books`` (owners, live, page_free) and the pages they release go to ``group``
+        (a free group's pending list: one tensor, page or -1 per entry), the release list
+        (need_sort) or the free list's end; entries that do not count are added to the rejected
+        count. Nothing read back."""
+        owners, live, page_free = books
+        if group is not None or self.need_sort:
+            dest = torch.empty_like(slots)
+            to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
+            allocator_kernels.give_back(
+                slots, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to
+            )  # fmt: skip
+            if group is not None:
+                group.append(dest)
+            else:
+                self._release.append(dest)
+                self._release_exact = False
+        else:
+            ring = self.ring
+            allocator_kernels.give_back(
+                slots, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
+                allocator_kernels.RING, allocator_kernels.TO_TAIL,
+            )  # fmt: skip
+            ring.appended_on_device()
+        self.add_rejected(None)
+
+    def give_back_pages(self, pages: torch.Tensor) -> None:
+        """Append ``pages`` (int64 page ids, -1 for none: a free group's pending list) to the release
+        list (need_sort) or the free list: one launch of the bookkeeping kernel on kernels, else
+        ``give_back``; nothing read back."""
+        if not allocator_kernels.on_kernels(self._device):
+            self.give_back(pages, pages >= 0)
+            return
+        none = pages  # no bookkeeping in an append: any tensor stands in for it
+        if self.need_sort:
+            dest = torch.empty_like(pages)
+            allocator_kernels.give_back(
+                pages, none, none, none, dest, self.counters, 1, 1, allocator_kernels.LIST,
+                allocator_kernels.TO_RELEASE, append=True,
+            )  # fmt: skip
+            self._release.append(dest)
+            self._release_exact = False
+        else:
+            ring = self.ring
+            allocator_kernels.give_back(
+                pages, none, none, none, ring.buffer, self.counters, ring.capacity, 1, allocator_kernels.RING,
+                allocator_kernels.TO_TAIL, append=True,
+            )  # fmt: skip
+            ring.appended_on_device()
 
     def merge(self) -> None:
         """Move the release list into the free list, sorted (reads the counts first)."""
@@ -375,7 +468,7 @@ class FreeLists:
         self._mirror.drop()
         self.ring.restore(state.free_ring, state.free_count, state.free_known)
         self._release = [state.release_raw] if state.release_raw.numel() else []
-        self.release_count = state.release_count.clone()
+        self.release_count.copy_(state.release_count)
         self.release_known, self._release_exact = state.release_known, False
 
     def _clear_release(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from kvpool.checks import positive_int, resolve_device
+from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator import checks
 from kvpool.pools.allocator.base import BaseTokenToKVPoolAllocator, CopiesThroughKVCache
 from kvpool.pools.allocator.checks import ceil_div
@@ -106,10 +107,12 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
         pre_c = prefix_lens_cpu.to(torch.int64)
         seq_c = seq_lens_cpu.to(torch.int64)
         total = checks.extend_lengths(pre_c, seq_c, extend_num_tokens)
-        pre = prefix_lens.to(torch.int64)
-        seq = seq_lens.to(torch.int64)
-        last = last_loc.to(torch.int64)
-        self._check_batch("alloc_extend", pre, seq, last, pre_c, seq_c)
+        kernel = allocator_kernels.on_kernels(self.device)
+        if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
+            pre, seq, last = prefix_lens, seq_lens, last_loc
+        else:
+            pre, seq, last = prefix_lens.to(torch.int64), seq_lens.to(torch.int64), last_loc.to(torch.int64)
+            self._check_batch("alloc_extend", pre, seq, last, pre_c, seq_c)
 
         p = self.page_size
         take = self._plan_take(int((ceil_div(seq_c, p) - ceil_div(pre_c, p)).sum()))
@@ -117,6 +120,8 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             return None
         if total == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        if kernel:
+            return self._hand_out_on_kernel(take, total, allocator_kernels.EXTEND, (pre, seq, last))
         out = _extend_slots(take.pages, pre, seq, last, total, p)
         self._hand_out(take, out, inside_range=False)
         return out
@@ -148,9 +153,12 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
         checks.device_vector(last_loc, "last_loc", bs, self.device)
         seq_c = seq_lens_cpu.to(torch.int64)
         checks.decode_lengths(seq_c)
-        seq = seq_lens.to(torch.int64)
-        last = last_loc.to(torch.int64)
-        self._check_batch("alloc_decode", None, seq, last, None, seq_c)
+        kernel = allocator_kernels.on_kernels(self.device)
+        if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
+            seq, last = seq_lens, last_loc
+        else:
+            seq, last = seq_lens.to(torch.int64), last_loc.to(torch.int64)
+            self._check_batch("alloc_decode", None, seq, last, None, seq_c)
 
         p = self.page_size
         take = self._plan_take(int(((seq_c - 1) % p == 0).sum()))
@@ -158,6 +166,8 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             return None
         if bs == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        if kernel:
+            return self._hand_out_on_kernel(take, bs, allocator_kernels.DECODE, (seq, seq, last))
         out = last + 1
         if take.pages.numel():
             starts = (seq - 1) % p == 0

@@ -1,0 +1,159 @@
+"""The allocators' bookkeeping as Triton device code (the launchers are ``launcher.py``): one launch
+hands slots out, one takes them back, so a scheduler's allocator call costs one kernel launch rather
+than a chain of small PyTorch operations, and never waits for the device.
+
+The bookkeeping (:mod:`kvpool.pools.allocator`): ``owners`` [slots] int32 holders per slot, ``live``
+[pages + 1] int32 holders per page, ``page_free`` [pages + 1] bool, and the free list, a circular
+buffer of page ids whose front the host keeps and whose end (``counters[0]``) the device keeps.
+
+``hand_out`` writes the slots of an allocation and records them as held. The pages it takes are
+``ring[(head + r) % cap]`` for ``r < count``, chosen by the host from counts it knows. Three kinds:
+``PLAIN`` (``alloc(n)``: whole pages, slot ``t`` is offset ``t % PAGE`` of page ``t // PAGE``),
+``EXTEND`` (``alloc_extend``: request ``i``'s tokens ``prefix_lens[i]..seq_lens[i]-1`` first continue
+its last partial page from ``last_loc[i] + 1``, then fill fresh pages taken in request order) and
+``DECODE`` (one token per request, ``prefix_lens = seq_lens - 1``). The request of output ``t`` is
+found by counting the requests whose extensions end at or before ``t``, and the fresh pages before
+it likewise, so each program needs only the lengths, never a scan of another program. Every index is
+clamped into its tensor and every slot outside ``PAGE..slots-1`` is counted in ``unrecorded``
+instead of recorded: device lengths that disagree with the host's give wrong slots, never an access
+out of bounds.
+
+``give_back`` is a ``free``: over slots sorted ascending, one program walks blocks of entries in
+order. An entry counts if it is the first of its value, inside the handed-out range and held; it
+drops one holder of its slot and of its page. The entry whose atomic decrement takes a page's
+holder count to zero releases the page (unless the page is already listed free): exactly one entry
+per page, and since a page's entries are adjacent, released pages come out in ascending order, the
+order of the PyTorch path. ``RING`` appends them at the free list's end (position ``counters[0]``),
+``LIST`` writes each entry's page or -1 in place (the release list and free groups). ``APPEND``
+takes page ids instead of slots, no bookkeeping: entries >= 0 are appended to the ring.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PLAIN: tl.constexpr = tl.constexpr(0)
+EXTEND: tl.constexpr = tl.constexpr(1)
+DECODE: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit(
+    do_not_specialize=["head", "cap", "count", "bs", "total", "n_slots"],
+    do_not_specialize_on_alignment=list(range(10)),
+)
+def hand_out(
+    out_ptr, ring_ptr, pre_ptr, seq_ptr, last_ptr, owners_ptr, live_ptr, page_free_ptr, ever_ptr, unrecorded_ptr,
+    head, cap, count, bs, total, n_slots,
+    PAGE: tl.constexpr, KIND: tl.constexpr, HAS_EVER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_REQ: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = t < total
+    last_rank = tl.maximum(count - 1, 0)
+    if KIND == PLAIN:
+        rank = tl.minimum(t // PAGE, last_rank)
+        page = tl.load(ring_ptr + (head + rank) % cap, mask=valid & (count > 0), other=0)
+        slot = page * PAGE + t % PAGE
+    else:
+        # Per output: its request (requests whose extension ends at or before t), the tokens and the
+        # fresh pages of the requests before it, from the lengths alone.
+        req = tl.zeros([BLOCK], dtype=tl.int64)
+        before = tl.zeros([BLOCK], dtype=tl.int64)
+        fresh_before = tl.zeros([BLOCK], dtype=tl.int64)
+        carry = tl.zeros([1], dtype=tl.int64)
+        for j0 in range(0, bs, BLOCK_REQ):
+            j = j0 + tl.arange(0, BLOCK_REQ)
+            jm = j < bs
+            seq_j = tl.load(seq_ptr + j, mask=jm, other=0).to(tl.int64)
+            if KIND == DECODE:
+                pre_j = seq_j - 1
+            else:
+                pre_j = tl.load(pre_ptr + j, mask=jm, other=0).to(tl.int64)
+            ext_j = tl.where(jm, seq_j - pre_j, 0)
+            fresh_j = tl.where(jm, tl.cdiv(seq_j, PAGE) - tl.cdiv(pre_j, PAGE), 0)
+            ends_j = tl.cumsum(ext_j, 0) + carry
+            carry += tl.sum(ext_j, 0)
+            done = (ends_j[None, :] <= t[:, None]) & jm[None, :]
+            req += tl.sum(done.to(tl.int64), 1)
+            before += tl.sum(tl.where(done, ext_j[None, :], 0), 1)
+            fresh_before += tl.sum(tl.where(done, fresh_j[None, :], 0), 1)
+        req = tl.minimum(req, bs - 1)
+        seq_r = tl.load(seq_ptr + req, mask=valid, other=0).to(tl.int64)
+        if KIND == DECODE:
+            pre_r = seq_r - 1
+        else:
+            pre_r = tl.load(pre_ptr + req, mask=valid, other=0).to(tl.int64)
+        last_r = tl.load(last_ptr + req, mask=valid, other=0).to(tl.int64)
+        k = t - before
+        pos = pre_r + k
+        held = tl.cdiv(pre_r, PAGE)
+        rank = tl.minimum(tl.maximum(fresh_before + pos // PAGE - held, 0), last_rank)
+        page = tl.load(ring_ptr + (head + rank) % cap, mask=valid & (count > 0), other=0)
+        continues = (pos < held * PAGE) | (count == 0)
+        slot = tl.where(continues, last_r + 1 + k, page * PAGE + pos % PAGE)
+    tl.store(out_ptr + t, slot, mask=valid)
+    inside = valid & (slot >= PAGE) & (slot < n_slots)
+    at = tl.where(inside, slot, 0)
+    tl.atomic_add(owners_ptr + at, 1, mask=inside)
+    tl.atomic_add(live_ptr + at // PAGE, 1, mask=inside)
+    if HAS_EVER:
+        tl.store(ever_ptr + at, 1, mask=inside)
+    outside = tl.sum((valid & ~inside).to(tl.int64), 0)
+    if outside > 0:
+        tl.atomic_add(unrecorded_ptr, outside)
+    # The pages taken leave the free list: no longer listed free.
+    r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    taken = r < count
+    taken_page = tl.load(ring_ptr + (head + r) % cap, mask=taken, other=0)
+    taken &= (taken_page >= 0) & (taken_page < n_slots // PAGE)
+    tl.store(page_free_ptr + taken_page, 0, mask=taken)
+
+
+RING: tl.constexpr = tl.constexpr(0)
+LIST: tl.constexpr = tl.constexpr(1)
+
+
+@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(6)))
+def give_back(
+    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr,
+    n, n_slots, cap,
+    PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    lane = tl.arange(0, BLOCK)
+    tail = tl.load(counters_ptr)
+    placed = tl.zeros([1], dtype=tl.int64)
+    dropped = tl.zeros([1], dtype=tl.int64)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + lane
+        valid = i < n
+        s = tl.load(slots_ptr + i, mask=valid, other=0)
+        if APPEND:
+            page = s
+            released = valid & (s >= 0)
+        else:
+            prev = tl.load(slots_ptr + i - 1, mask=valid & (i > 0), other=-1)
+            first = (i == 0) | (s != prev)
+            inside = (s >= PAGE) & (s < n_slots)
+            at = tl.where(inside, s, 0)
+            holders = tl.load(owners_ptr + at, mask=valid & inside, other=0)
+            ok = valid & first & inside & (holders > 0)
+            tl.store(owners_ptr + at, holders - 1, mask=ok)
+            page = at // PAGE
+            was = tl.atomic_add(live_ptr + page, -1, mask=ok)
+            listed = tl.load(page_free_ptr + page, mask=ok, other=1) != 0
+            released = ok & (was == 1) & ~listed
+            tl.store(page_free_ptr + page, 1, mask=released)
+            dropped += tl.sum((valid & ~ok).to(tl.int64), 0)
+        if DEST == RING:
+            rank = tl.cumsum(released.to(tl.int64), 0) - 1
+            tl.store(dest_ptr + (tail + placed + rank) % cap, page, mask=released)
+        else:
+            tl.store(dest_ptr + i, tl.where(released, page, -1), mask=valid)
+        placed += tl.sum(released.to(tl.int64), 0)
+    if COUNT_AT >= 0:
+        at_count = counters_ptr + COUNT_AT + tl.arange(0, 1)
+        tl.store(at_count, tl.load(at_count) + placed)
+    if not APPEND:
+        at_rejected = counters_ptr + 2 + tl.arange(0, 1)
+        tl.store(at_rejected, tl.load(at_rejected) + dropped)

@@ -1,0 +1,136 @@
+"""Launchers of the allocators' bookkeeping kernels (``kernel.py``): one launch per ``alloc``,
+``alloc_extend``, ``alloc_decode`` or ``free``, through the compiled kernel's launcher after the
+first launch of a kind (:class:`~kvpool.kernels.launch.DirectLaunches`). The kernels specialise on
+no integer value and no address, so a kind is fixed by the dtypes alone and the cache stays small.
+
+Unchecked: the allocator has checked every argument; these only launch. The PyTorch path that
+defines the same results is in :mod:`kvpool.pools.allocator` (``ownership.py``, ``paged.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvpool.kernels.launch import TRITON_AVAILABLE, DirectLaunches, cdiv, kernel_params, uses_kernel
+
+kernel = None
+if TRITON_AVAILABLE:
+    from kvpool.kernels.allocator import kernel
+
+#: Test switch: set to True (under TRITON_INTERPRET=1, e.g. with pytest's monkeypatch.setattr) to
+#: run the kernels through Triton's interpreter for CPU allocators; while False, CPU allocators take
+#: the PyTorch path. CUDA allocators are not affected. Read at every call.
+kernel_on_cpu = False
+
+#: Kinds of ``hand_out``: ``alloc(n)``, ``alloc_extend``, ``alloc_decode``.
+PLAIN, EXTEND, DECODE = 0, 1, 2
+#: Where ``give_back`` puts released pages: appended to the free ring, or in place (page or -1).
+RING, LIST = 0, 1
+#: Which counter ``give_back`` adds the released pages to: the ring's end, the release list's count,
+#: or none (a free group's pages wait).
+TO_TAIL, TO_RELEASE, TO_NONE = 0, 1, -1
+
+#: Outputs per ``hand_out`` program, and requests per step of its loop over the lengths.
+HAND_OUT_BLOCK = 128
+HAND_OUT_REQ_BLOCK = 64
+#: Entries per step of ``give_back``'s single program.
+GIVE_BACK_BLOCK = 1024
+HAND_OUT_WARPS = 4
+GIVE_BACK_WARPS = 8
+
+HAND_OUT_PARAMS = (
+    "out_ptr", "ring_ptr", "pre_ptr", "seq_ptr", "last_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "ever_ptr",
+    "unrecorded_ptr", "head", "cap", "count", "bs", "total", "n_slots", "PAGE", "KIND", "HAS_EVER", "BLOCK",
+    "BLOCK_REQ",
+)  # fmt: skip
+GIVE_BACK_PARAMS = (
+    "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "n", "n_slots", "cap",
+    "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK",
+)  # fmt: skip
+
+HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
+GIVE_BACKS = DirectLaunches("allocator's give-back", kernel is not None and kernel_params(kernel.give_back) == GIVE_BACK_PARAMS)
+
+
+def on_kernels(device: torch.device) -> bool:
+    """Whether an allocator on ``device`` keeps its books with these kernels (compiled on CUDA; on
+    the CPU only under the interpreter with ``kernel_on_cpu``)."""
+    return uses_kernel(device, kernel_on_cpu)
+
+
+def _wide(*ints: int) -> tuple[bool, ...]:
+    """What the compiled kernel depends on of integer arguments it does not specialise on: whether
+    each needs 64 bits."""
+    return tuple(not -0x80000000 <= v <= 0x7FFFFFFF for v in ints)
+
+
+def hand_out(
+    out: torch.Tensor,
+    ring: torch.Tensor,
+    head: int,
+    cap: int,
+    count: int,
+    lens: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    owners: torch.Tensor,
+    live: torch.Tensor,
+    page_free: torch.Tensor,
+    ever: Optional[torch.Tensor],
+    unrecorded: torch.Tensor,
+    page_size: int,
+    kind: int,
+) -> None:
+    """Write the ``len(out)`` slots of an allocation into ``out`` and record them held, taking pages
+    ``ring[(head + r) % cap]``, ``r < count``. ``lens``: ``(prefix_lens, seq_lens, last_loc)`` for
+    ``EXTEND`` (``prefix_lens`` unused for ``DECODE``), None for ``PLAIN``."""
+    total = out.shape[0]
+    if total == 0 and count == 0:
+        return
+    pre, seq, last = lens if lens is not None else (out, out, out)
+    bs = seq.shape[0] if lens is not None else 0
+    n_slots = owners.shape[0]
+    ever_t = ever if ever is not None else page_free
+    tensors = (out, ring, pre, seq, last, owners, live, page_free, ever_t, unrecorded)
+    ints = (head, cap, count, bs, total, n_slots)
+    consts = (page_size, kind, ever is not None, HAND_OUT_BLOCK, HAND_OUT_REQ_BLOCK)
+    grid = (max(cdiv(max(total, count), HAND_OUT_BLOCK), 1), 1, 1)
+    key = None
+    if HAND_OUTS.enabled:
+        key = (out.device.index, consts, pre.dtype, seq.dtype, last.dtype, _wide(*ints))
+    HAND_OUTS.launch(
+        key, grid, tensors + ints + consts,
+        lambda: kernel.hand_out[grid[:1]](*tensors, *ints, *consts, num_warps=HAND_OUT_WARPS),  # type: ignore[union-attr]
+        out.device,
+    )  # fmt: skip
+
+
+def give_back(
+    entries: torch.Tensor,
+    owners: torch.Tensor,
+    live: torch.Tensor,
+    page_free: torch.Tensor,
+    dest: torch.Tensor,
+    counters: torch.Tensor,
+    cap: int,
+    page_size: int,
+    dest_kind: int,
+    count_at: int,
+    append: bool = False,
+) -> None:
+    """Take back ``entries`` (slots sorted ascending; page ids if ``append``) and put the pages they
+    release in ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]``
+    (``RING``), or in place, page or -1 (``LIST``, ``dest`` as long as ``entries``). Released pages
+    are added to ``counters[count_at]`` (unless ``TO_NONE``), dropped entries to ``counters[2]``."""
+    n = entries.shape[0]
+    if n == 0:
+        return
+    tensors = (entries, owners, live, page_free, dest, counters)
+    ints = (n, owners.shape[0], cap)
+    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK)
+    key = (entries.device.index, consts, _wide(*ints)) if GIVE_BACKS.enabled else None
+    GIVE_BACKS.launch(
+        key, (1, 1, 1), tensors + ints + consts,
+        lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=GIVE_BACK_WARPS),  # type: ignore[union-attr]
+        entries.device,
+    )  # fmt: skip

@@ -1,0 +1,209 @@
+"""The allocators' bookkeeping kernels (one launch per call on CUDA): every call on the kernel path
+returns what the PyTorch path returns and leaves the same bookkeeping, call after call, for the
+token and paged allocators, with and without ``need_sort`` and ``validate``, free groups, backups,
+bad frees and extensions that continue onto slots nobody holds; device lengths that disagree with
+the host's (unchecked on a GPU without validate) write every output and touch nothing outside the
+bookkeeping; both kernels compile for every GPU target.
+
+``cpu-kernel`` runs the kernels through Triton's interpreter on CPU allocators; ``cuda-kernel`` the
+compiled kernels on a GPU. The reference is always a CPU allocator on the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvassert import cross_compile
+from kvpool.kernels.allocator import launcher as allocator_kernels
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+
+@pytest.fixture(params=["cpu-kernel", pytest.param("cuda-kernel", marks=pytest.mark.gpu)])
+def kernel_device(request, monkeypatch):
+    """The device of the allocator under test, on the kernel path (the interpreter's on the CPU)."""
+    dev = request.param.split("-")[0]
+    if dev == "cpu":
+        if not allocator_kernels.kernel is not None or not _interpreter():
+            pytest.skip("the kernels on CPU tensors need TRITON_INTERPRET=1")
+        monkeypatch.setattr(allocator_kernels, "kernel_on_cpu", True)
+    return dev
+
+
+def _interpreter() -> bool:
+    from kvpool.kernels.launch import INTERPRETER
+
+    return INTERPRETER
+
+
+def _books(a) -> list[torch.Tensor]:
+    s = a.backup_state()
+    tensors = [s.free_pages, s.release_pages, s.owners, s.live, s.page_free, s.unrecorded, *s.free_group]
+    return [t.cpu() for t in tensors]
+
+
+class Twins:
+    """The same allocator twice, one under test (``device``, kernel path) and one reference (CPU,
+    PyTorch path); ``call`` makes the same call on both and compares results and bookkeeping."""
+
+    def __init__(self, device: str, page: int, token: bool, need_sort: bool, validate: bool, pages: int = 12) -> None:
+        def make(dev):
+            if token:
+                return TokenToKVPoolAllocator(pages, device=dev, need_sort=need_sort, validate=validate)
+            return PagedTokenToKVPoolAllocator(pages * page, page, device=dev, need_sort=need_sort, validate=validate)
+
+        self.device, self.page = device, page
+        with torch.device("cpu"):
+            self.ref = make("cpu")
+        self.dut = make(device)
+
+    def call(self, what: str, fn) -> object:
+        results = []
+        for a, dev, kernel in ((self.ref, "cpu", False), (self.dut, self.device, True)):
+            allocator_kernels.kernel_on_cpu, saved = kernel and dev == "cpu", allocator_kernels.kernel_on_cpu
+            try:
+                results.append(_outcome(lambda: fn(a, dev)))
+            finally:
+                allocator_kernels.kernel_on_cpu = saved
+        want, got = results
+        assert got == want, f"{what}: the kernel path gave {got}, the PyTorch path {want}"
+        for i, (w, g) in enumerate(zip(_books(self.ref), _books(self.dut))):
+            assert torch.equal(w, g), f"{what}: bookkeeping entry {i} differs: {g.tolist()} != {w.tolist()}"
+        assert self.dut.available_size() <= self.ref.available_size()
+        self.dut.errors()
+        assert self.dut.available_size() == self.ref.available_size(), what
+        assert self.dut.errors() == self.ref.errors(), what
+        return want
+
+
+def _outcome(fn) -> object:
+    try:
+        out = fn()
+    except (ValueError, IndexError) as exc:
+        return type(exc).__name__, str(exc)
+    return out.tolist() if isinstance(out, torch.Tensor) else out
+
+
+def _random_calls(tw: Twins, rng: random.Random, steps: int) -> None:
+    p, dut = tw.page, tw.dut
+    paged = isinstance(dut, PagedTokenToKVPoolAllocator)
+    n_slots = (dut.num_pages + 1) * p
+    for step in range(steps):
+        op = rng.choice(["alloc", "alloc", "extend", "decode", "free", "free", "bad free", "group", "backup"])
+        what = f"step {step}: {op}"
+        dtype = rng.choice([torch.int64, torch.int32])
+        if op == "alloc":
+            n = rng.randint(0, 3) * p
+            tw.call(f"{what}({n})", lambda a, d: a.alloc(n))
+        elif op == "extend" and paged:
+            reqs = []
+            for _ in range(rng.randint(1, 3)):
+                pre = rng.randint(0, 2 * p)
+                seq = pre + rng.randint(0, 2 * p)
+                last = -1 if pre % p == 0 else rng.randint(1, dut.num_pages) * p + pre % p - 1
+                reqs.append((pre, seq, last))
+            pre, seq, last = ([r[i] for r in reqs] for i in range(3))
+            total = sum(seq) - sum(pre)
+
+            def extend(a, d):
+                on = lambda xs: torch.tensor(xs, dtype=dtype, device=d)  # noqa: E731
+                return a.alloc_extend(on(pre), torch.tensor(pre), on(seq), torch.tensor(seq), on(last), total)
+
+            tw.call(f"{what}{reqs}", extend)
+        elif op == "decode" and paged:
+            seq = [rng.randint(1, 3 * p) for _ in range(rng.randint(1, 4))]
+            last = [rng.randint(1, dut.num_pages) * p + (s - 2) % p for s in seq]
+
+            def decode(a, d):
+                on = lambda xs: torch.tensor(xs, dtype=dtype, device=d)  # noqa: E731
+                return a.alloc_decode(on(seq), torch.tensor(seq), on(last))
+
+            tw.call(f"{what}{seq, last}", decode)
+        elif op == "free":
+            held = tw.ref.backup_state().owners.nonzero().flatten().tolist()
+            rng.shuffle(held)
+            chosen = held[: rng.randint(0, len(held))]
+            tw.call(f"{what}({chosen})", lambda a, d: a.free(torch.tensor(chosen, dtype=dtype, device=d)))
+        elif op == "bad free" and not dut.validate:
+            chosen = [rng.randint(-3, n_slots + 2 * p) for _ in range(rng.randint(1, 6))]
+            tw.call(f"{what}({chosen})", lambda a, d: a.free(torch.tensor(chosen, device=d)))
+        elif op == "group":
+            end = rng.random() < 0.5
+            tw.call(f"{what} end={end}", lambda a, d: a.free_group_end() if end else a.free_group_begin())
+        elif op == "backup":
+            n = rng.randint(0, 2) * p
+
+            def backup_alloc_restore(a, d):
+                state = a.backup_state()
+                out = a.alloc(n)
+                a.restore_state(state)
+                return out
+
+            tw.call(f"{what}({n})", backup_alloc_restore)
+
+
+@pytest.mark.parametrize("page,token", [(1, True), (1, False), (4, False)])
+@pytest.mark.parametrize("need_sort", [False, True])
+@pytest.mark.parametrize("validate", [False, True])
+def test_every_call_on_the_kernel_path_matches_the_pytorch_path(kernel_device, page, token, need_sort, validate):
+    for seed in range(3):
+        tw = Twins(kernel_device, page, token, need_sort, validate)
+        _random_calls(tw, random.Random(seed * 7 + page), 30)
+
+
+def test_a_large_free_crosses_blocks_and_keeps_pages_in_order(kernel_device, monkeypatch):
+    """More entries than one step of the give-back program, a page's slots split across two steps,
+    in shuffled order with repeats: the released pages come out ascending, as on the PyTorch path."""
+    monkeypatch.setattr(allocator_kernels, "GIVE_BACK_BLOCK", 16)
+    tw = Twins(kernel_device, 4, False, False, False, pages=20)
+    tw.call("alloc", lambda a, d: a.alloc(80))
+    order = list(range(4, 84))
+    random.Random(3).shuffle(order)
+    order += order[:5]
+    tw.call("free", lambda a, d: a.free(torch.tensor(order, device=d)))
+    assert tw.dut.free_pages.tolist() == list(range(1, 21))
+
+
+@pytest.mark.parametrize("kind", ["extend", "decode"])
+def test_device_lengths_that_disagree_with_the_host_write_every_output_and_stay_in_bounds(kernel_device, kind):
+    """The kernel given lengths whose sums are not the host's: every output entry is written, every
+    page read comes from the pages taken, and slots outside the handed-out range are counted in
+    ``unrecorded`` instead of recorded."""
+    dev = kernel_device
+    p, pages = 4, 6
+    n_slots = (pages + 1) * p
+    ring = torch.tensor([3, 5, 2, 6], dtype=torch.int64, device=dev)
+    owners = torch.zeros(n_slots, dtype=torch.int32, device=dev)
+    live = torch.zeros(pages + 1, dtype=torch.int32, device=dev)
+    page_free = torch.ones(pages + 1, dtype=torch.bool, device=dev)
+    unrecorded = torch.zeros((), dtype=torch.int64, device=dev)
+    on = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    # The host sized 9 outputs and 2 pages; the device's lengths say other things (negative
+    # extensions, continuations off the pool's end, a prefix longer than the sequence).
+    pre, seq, last = on([0, 7, 30]), on([12, 3, 41]), on([-1, 1000, -50])
+    out = torch.full((9,), -7, dtype=torch.int64, device=dev)
+    kind_id = allocator_kernels.EXTEND if kind == "extend" else allocator_kernels.DECODE
+    allocator_kernels.hand_out(out, ring, 1, 4, 2, (pre, seq, last), owners, live, page_free, None, unrecorded, p, kind_id)
+    got = out.cpu()
+    assert (got != -7).all(), f"outputs left unwritten: {got.tolist()}"
+    recorded = int(owners.sum())
+    inside = int(((got >= p) & (got < n_slots)).sum())
+    assert recorded == inside and int(live.sum()) == inside
+    assert int(unrecorded) == got.numel() - inside
+    taken = [5, 2]
+    assert page_free.cpu().tolist() == [i not in taken for i in range(pages + 1)]
+    fresh = got[(got >= p) & (got < n_slots)] // p
+    assert set(fresh.tolist()) <= set(taken) | set((((last.cpu() + 1).clamp(0) + torch.arange(20)[:, None]) // p).flatten().tolist())
+
+
+def test_the_bookkeeping_kernels_compile_for_every_target():
+    """Every kind the launchers make compiles for Hopper (the interpreter would not notice a construct
+    the compiler rejects), and the common kinds for every other target."""
+    compiled = cross_compile("--allocator")
+    assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
+    hopper = {(v["kernel"], *v["consts"][1:4]) for v in compiled if v["target"] == "sm90" and v["consts"][0] == 64}
+    hand_outs = {("hand_out", kind, ever, allocator_kernels.HAND_OUT_BLOCK) for kind in (0, 1, 2) for ever in (False, True)}
+    give_backs = {("give_back", dest, to, append) for dest, to in ((0, 0), (1, 1), (1, -1)) for append in (False, True)}
+    assert hopper == hand_outs | give_backs
