@@ -153,10 +153,14 @@ def test_every_call_on_the_kernel_path_matches_the_pytorch_path(kernel_device, p
         _random_calls(tw, random.Random(seed * 7 + page), 30)
 
 
-def test_a_large_free_crosses_blocks_and_keeps_pages_in_order(kernel_device, monkeypatch):
+@pytest.mark.parametrize("sorted_by", ["the kernel", "torch.sort"])
+def test_a_large_free_crosses_blocks_and_keeps_pages_in_order(kernel_device, monkeypatch, sorted_by):
     """More entries than one step of the give-back program, a page's slots split across two steps,
-    in shuffled order with repeats: the released pages come out ascending, as on the PyTorch path."""
+    in shuffled order with repeats, sorted by the kernel itself or (more than it sorts) by
+    ``torch.sort`` first: the released pages come out ascending, as on the PyTorch path."""
     monkeypatch.setattr(allocator_kernels, "GIVE_BACK_BLOCK", 16)
+    if sorted_by == "torch.sort":
+        monkeypatch.setattr(allocator_kernels, "GIVE_BACK_SORT_MAX", 32)
     tw = Twins(kernel_device, 4, False, False, False, pages=20)
     tw.call("alloc", lambda a, d: a.alloc(80))
     order = list(range(4, 84))
@@ -207,3 +211,5 @@ def test_the_bookkeeping_kernels_compile_for_every_target():
     hand_outs = {("hand_out", kind, ever, allocator_kernels.HAND_OUT_BLOCK) for kind in (0, 1, 2) for ever in (False, True)}
     give_backs = {("give_back", dest, to, append) for dest, to in ((0, 0), (1, 1), (1, -1)) for append in (False, True)}
     assert hopper == hand_outs | give_backs
+    sorts = {v["consts"][5] for v in compiled if v["kernel"] == "give_back" and v["target"] == "sm90"}
+    assert sorts == {0, 16, allocator_kernels.GIVE_BACK_SORT_MAX}

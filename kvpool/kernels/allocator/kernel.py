@@ -18,9 +18,10 @@ clamped into its tensor and every slot outside ``PAGE..slots-1`` is counted in `
 instead of recorded: device lengths that disagree with the host's give wrong slots, never an access
 out of bounds.
 
-``give_back`` is a ``free``: over slots sorted ascending, one program walks blocks of entries in
-order. An entry counts if it is the first of its value, inside the handed-out range and held; it
-drops one holder of its slot and of its page. The entry whose atomic decrement takes a page's
+``give_back`` is a ``free``: over slots sorted ascending (sorted by the program itself when there
+are at most ``SORT`` of them), one program walks blocks of entries in order. An entry counts if it
+is the first of its value, inside the handed-out range and held; it drops one holder of its slot
+and of its page. The entry whose atomic decrement takes a page's
 holder count to zero releases the page (unless the page is already listed free): exactly one entry
 per page, and since a page's entries are adjacent, released pages come out in ascending order, the
 order of the PyTorch path. ``RING`` appends them at the free list's end (position ``counters[0]``),
@@ -114,14 +115,22 @@ RING: tl.constexpr = tl.constexpr(0)
 LIST: tl.constexpr = tl.constexpr(1)
 
 
-@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(6)))
+@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(7)))
 def give_back(
-    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr,
+    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr,
     n, n_slots, cap,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
+    SORT: tl.constexpr,
 ):  # fmt: skip
     lane = tl.arange(0, BLOCK)
     tail = tl.load(counters_ptr)
+    if SORT > 0:
+        # Entries not sorted yet (at most SORT of them): sort them here, into sorted_ptr, and walk that.
+        j = tl.arange(0, SORT)
+        raw = tl.load(slots_ptr + j, mask=j < n, other=0x3FFFFFFFFFFFFFFF)
+        tl.store(sorted_ptr + j, tl.sort(raw, 0), mask=j < n)
+        tl.debug_barrier()  # every thread's stores visible before any reads a neighbour's
+        slots_ptr = sorted_ptr
     placed = tl.zeros([1], dtype=tl.int64)
     dropped = tl.zeros([1], dtype=tl.int64)
     for i0 in range(0, n, BLOCK):

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.launch import TRITON_AVAILABLE, DirectLaunches, cdiv, kernel_params, uses_kernel
+from kvpool.kernels.launch import TRITON_AVAILABLE, DirectLaunches, cdiv, kernel_params, next_pow2, uses_kernel
 
 kernel = None
 if TRITON_AVAILABLE:
@@ -37,6 +37,8 @@ HAND_OUT_BLOCK = 128
 HAND_OUT_REQ_BLOCK = 64
 #: Entries per step of ``give_back``'s single program.
 GIVE_BACK_BLOCK = 1024
+#: Most entries ``give_back`` sorts itself; a larger free is sorted by ``torch.sort`` first.
+GIVE_BACK_SORT_MAX = 4096
 HAND_OUT_WARPS = 4
 GIVE_BACK_WARPS = 8
 
@@ -46,8 +48,8 @@ HAND_OUT_PARAMS = (
     "BLOCK_REQ",
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
-    "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "n", "n_slots", "cap",
-    "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK",
+    "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "n",
+    "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -117,17 +119,22 @@ def give_back(
     dest_kind: int,
     count_at: int,
     append: bool = False,
+    scratch: Optional[torch.Tensor] = None,
 ) -> None:
-    """Take back ``entries`` (slots sorted ascending; page ids if ``append``) and put the pages they
-    release in ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]``
-    (``RING``), or in place, page or -1 (``LIST``, ``dest`` as long as ``entries``). Released pages
-    are added to ``counters[count_at]`` (unless ``TO_NONE``), dropped entries to ``counters[2]``."""
+    """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
+    ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
+    place, page or -1 (``LIST``, ``dest`` as long as ``entries``). Released pages are added to
+    ``counters[count_at]`` (unless ``TO_NONE``), dropped entries to ``counters[2]``.
+
+    Slots must come sorted ascending unless ``scratch`` (int64, ``GIVE_BACK_SORT_MAX`` entries) is
+    given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it."""
     n = entries.shape[0]
     if n == 0:
         return
-    tensors = (entries, owners, live, page_free, dest, counters)
+    sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
+    tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries)
     ints = (n, owners.shape[0], cap)
-    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK)
+    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort)
     key = (entries.device.index, consts, _wide(*ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,

@@ -260,7 +260,7 @@ class BaseTokenToKVPoolAllocator:
         if allocator_kernels.on_kernels(self.device):
             group = None if self.is_not_in_free_group else self._group
             books = (self._owners, self._live, self._page_free)
-            self._lists.take_back(torch.sort(slots).values, books, self.page_size, group)
+            self._lists.take_back(slots, books, self.page_size, group)
             self._lists.changed()
             return
         pages, released, dropped = drop_holders(self._owners, self._live, self._page_free, slots, self.page_size)

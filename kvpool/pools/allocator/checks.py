@@ -75,23 +75,26 @@ def _tensor(t: object, name: str) -> None:
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
 
 
-def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: object) -> int:
+def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: object, page_size: int) -> tuple[int, int]:
     """CPU lengths of ``alloc_extend``: ``0 <= prefix_lens <= seq_lens``, and ``extend_num_tokens``
-    their difference's sum; returns that sum."""
-    if pre_c.numel() and bool((pre_c < 0).any()):
-        raise ValueError(f"prefix_lens_cpu must be >= 0, got {pre_c.tolist()}")
-    short = (seq_c < pre_c).nonzero().flatten()
-    if short.numel():
-        i = int(short[0])
+    their difference's sum. Returns ``(tokens, fresh pages)``: that sum, and the pages the extension
+    takes, ``sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))``. A handful of
+    operations whatever the batch (this runs on every scheduler step)."""
+    ext = seq_c - pre_c
+    total = int(ext.sum())
+    if pre_c.numel() and int(torch.minimum(pre_c, ext).min()) < 0:
+        if bool((pre_c < 0).any()):
+            raise ValueError(f"prefix_lens_cpu must be >= 0, got {pre_c.tolist()}")
+        i = int((ext < 0).nonzero()[0])
         raise ValueError(
             f"seq_lens_cpu must be >= prefix_lens_cpu, got {int(seq_c[i])} < {int(pre_c[i])} for request {i}"
         )
-    total = int((seq_c - pre_c).sum())
     if isinstance(extend_num_tokens, bool) or not isinstance(extend_num_tokens, int):
         raise ValueError(f"extend_num_tokens must be an int, got {extend_num_tokens!r}")
     if extend_num_tokens != total:
         raise ValueError(f"extend_num_tokens must be sum(seq_lens - prefix_lens) = {total}, got {extend_num_tokens}")
-    return total
+    pages = ceil_div(torch.stack((seq_c, pre_c)), page_size).sum(1).tolist()
+    return total, pages[0] - pages[1]
 
 
 def decode_lengths(seq_c: torch.Tensor) -> None:

@@ -264,6 +264,7 @@ class FreeLists:
         self._rejected = self.counters[2]
         self.rejected_seen, self._rejected_exact = 0, True
         self._mirror = CountMirror(3, device)
+        self._sort_scratch: Optional[torch.Tensor] = None  # where the give-back kernel sorts a free
         self._changes = 0  # calls that left counts on the device, to tell whether a copy is the latest
         self.reset()
 
@@ -380,17 +381,25 @@ class FreeLists:
         page_size: int,
         group: Optional[list[torch.Tensor]],
     ) -> None:
-        """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, sorted ascending) drop
+        """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, any order) drop
         a holder in ``books`` (owners, live, page_free) and the pages they release go to ``group``
         (a free group's pending list: one tensor, page or -1 per entry), the release list
         (need_sort) or the free list's end; entries that do not count are added to the rejected
         count. Nothing read back."""
         owners, live, page_free = books
+        scratch = None
+        if slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
+            if self._sort_scratch is None:
+                self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
+            scratch = self._sort_scratch
+        else:
+            slots = torch.sort(slots).values
         if group is not None or self.need_sort:
             dest = torch.empty_like(slots)
             to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
             allocator_kernels.give_back(
-                slots, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to
+                slots, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to,
+                scratch=scratch,
             )  # fmt: skip
             if group is not None:
                 group.append(dest)
@@ -401,7 +410,7 @@ class FreeLists:
             ring = self.ring
             allocator_kernels.give_back(
                 slots, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
-                allocator_kernels.RING, allocator_kernels.TO_TAIL,
+                allocator_kernels.RING, allocator_kernels.TO_TAIL, scratch=scratch,
             )  # fmt: skip
             ring.appended_on_device()
         self.add_rejected(None)

@@ -106,7 +106,8 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             checks.device_vector(t, name, bs, self.device)
         pre_c = prefix_lens_cpu.to(torch.int64)
         seq_c = seq_lens_cpu.to(torch.int64)
-        total = checks.extend_lengths(pre_c, seq_c, extend_num_tokens)
+        p = self.page_size
+        total, fresh = checks.extend_lengths(pre_c, seq_c, extend_num_tokens, p)
         kernel = allocator_kernels.on_kernels(self.device)
         if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
             pre, seq, last = prefix_lens, seq_lens, last_loc
@@ -114,8 +115,7 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             pre, seq, last = prefix_lens.to(torch.int64), seq_lens.to(torch.int64), last_loc.to(torch.int64)
             self._check_batch("alloc_extend", pre, seq, last, pre_c, seq_c)
 
-        p = self.page_size
-        take = self._plan_take(int((ceil_div(seq_c, p) - ceil_div(pre_c, p)).sum()))
+        take = self._plan_take(fresh)
         if take is None:
             return None
         if total == 0:
