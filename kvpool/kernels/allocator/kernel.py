@@ -71,14 +71,19 @@ def hand_out(
                 pre_j = seq_j - 1
             else:
                 pre_j = tl.load(pre_ptr + j, mask=jm, other=0).to(tl.int64)
-            ext_j = tl.where(jm, seq_j - pre_j, 0)
             fresh_j = tl.where(jm, tl.cdiv(seq_j, PAGE) - tl.cdiv(pre_j, PAGE), 0)
-            ends_j = tl.cumsum(ext_j, 0) + carry
-            carry += tl.sum(ext_j, 0)
-            done = (ends_j[None, :] <= t[:, None]) & jm[None, :]
-            req += tl.sum(done.to(tl.int64), 1)
-            before += tl.sum(tl.where(done, ext_j[None, :], 0), 1)
+            if KIND == DECODE:  # one token each: output t is request t's
+                done = (j[None, :] < t[:, None]) & jm[None, :]
+            else:
+                ext_j = tl.where(jm, seq_j - pre_j, 0)
+                ends_j = tl.cumsum(ext_j, 0) + carry
+                carry += tl.sum(ext_j, 0)
+                done = (ends_j[None, :] <= t[:, None]) & jm[None, :]
+                req += tl.sum(done.to(tl.int64), 1)
+                before += tl.sum(tl.where(done, ext_j[None, :], 0), 1)
             fresh_before += tl.sum(tl.where(done, fresh_j[None, :], 0), 1)
+        if KIND == DECODE:
+            req, before = t, t
         req = tl.minimum(req, bs - 1)
         seq_r = tl.load(seq_ptr + req, mask=valid, other=0).to(tl.int64)
         if KIND == DECODE:
@@ -96,13 +101,13 @@ def hand_out(
     tl.store(out_ptr + t, slot, mask=valid)
     inside = valid & (slot >= PAGE) & (slot < n_slots)
     at = tl.where(inside, slot, 0)
-    tl.atomic_add(owners_ptr + at, 1, mask=inside)
-    tl.atomic_add(live_ptr + at // PAGE, 1, mask=inside)
+    tl.atomic_add(owners_ptr + at, 1, mask=inside, sem="relaxed")
+    tl.atomic_add(live_ptr + at // PAGE, 1, mask=inside, sem="relaxed")
     if HAS_EVER:
         tl.store(ever_ptr + at, 1, mask=inside)
     outside = tl.sum((valid & ~inside).to(tl.int64), 0)
     if outside > 0:
-        tl.atomic_add(unrecorded_ptr, outside)
+        tl.atomic_add(unrecorded_ptr, outside, sem="relaxed")
     # The pages taken leave the free list: no longer listed free.
     r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     taken = r < count
@@ -149,7 +154,7 @@ def give_back(
             ok = valid & first & inside & (holders > 0)
             tl.store(owners_ptr + at, holders - 1, mask=ok)
             page = at // PAGE
-            was = tl.atomic_add(live_ptr + page, -1, mask=ok)
+            was = tl.atomic_add(live_ptr + page, -1, mask=ok, sem="relaxed")
             listed = tl.load(page_free_ptr + page, mask=ok, other=1) != 0
             released = ok & (was == 1) & ~listed
             tl.store(page_free_ptr + page, 1, mask=released)

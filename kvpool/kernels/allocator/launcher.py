@@ -62,10 +62,10 @@ def on_kernels(device: torch.device) -> bool:
     return uses_kernel(device, kernel_on_cpu)
 
 
-def _wide(*ints: int) -> tuple[bool, ...]:
-    """What the compiled kernel depends on of integer arguments it does not specialise on: whether
-    each needs 64 bits."""
-    return tuple(not -0x80000000 <= v <= 0x7FFFFFFF for v in ints)
+def _wide(ints: tuple[int, ...]) -> bool:
+    """What the compiled kernel depends on of its integer arguments (all non-negative; it specialises
+    on no value): whether any needs 64 bits."""
+    return max(ints) > 0x7FFFFFFF
 
 
 def hand_out(
@@ -99,7 +99,7 @@ def hand_out(
     grid = (max(cdiv(max(total, count), HAND_OUT_BLOCK), 1), 1, 1)
     key = None
     if HAND_OUTS.enabled:
-        key = (out.device.index, consts, pre.dtype, seq.dtype, last.dtype, _wide(*ints))
+        key = (out.device.index, consts, pre.dtype, seq.dtype, last.dtype, _wide(ints))
     HAND_OUTS.launch(
         key, grid, tensors + ints + consts,
         lambda: kernel.hand_out[grid[:1]](*tensors, *ints, *consts, num_warps=HAND_OUT_WARPS),  # type: ignore[union-attr]
@@ -135,7 +135,7 @@ def give_back(
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries)
     ints = (n, owners.shape[0], cap)
     consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort)
-    key = (entries.device.index, consts, _wide(*ints)) if GIVE_BACKS.enabled else None
+    key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,
         lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=GIVE_BACK_WARPS),  # type: ignore[union-attr]

@@ -49,6 +49,32 @@ def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
 # --- 1. arguments on the host ------------------------------------------------------------------------
 
 
+#: Batches up to this many requests have their CPU lengths summed and checked in Python: below it a
+#: loop over a list costs less than the half-dozen tensor operations it replaces.
+SMALL_BATCH = 32
+
+
+def request_vectors(
+    cpu: tuple[object, ...], cpu_names: tuple[str, ...], dev: tuple[object, ...], dev_names: tuple[str, ...],
+    device: torch.device,
+) -> int:
+    """The per-request vectors of ``alloc_extend``/``alloc_decode``: ``cpu`` on the CPU, ``dev`` on
+    the allocator's ``device``, all 1-D integer tensors of one length, which is returned. The common
+    case is decided in one pass; a vector that fails gets :func:`lens_vector`'s or
+    :func:`device_vector`'s message."""
+    bs = cpu[0].shape[0] if type(cpu[0]) is torch.Tensor and cpu[0].dim() == 1 else -1  # type: ignore[union-attr]
+    for ts, where in ((cpu, CPU), (dev, device)):
+        for t in ts:
+            if not (type(t) is torch.Tensor and t.dtype in INTEGER_DTYPES and t.dim() == 1
+                    and t.shape[0] == bs and t.device == where):  # fmt: skip
+                bs = lens_vector(cpu[0], cpu_names[0])
+                for c, name in zip(cpu[1:], cpu_names[1:]):
+                    lens_vector(c, name, bs)
+                for d, name in zip(dev, dev_names):
+                    device_vector(d, name, bs, device)
+    return bs
+
+
 def lens_vector(t: object, name: str, bs: Optional[int] = None) -> int:
     """A 1-D integer tensor on the CPU with ``bs`` entries (any count if None); returns its length."""
     _tensor(t, name)
@@ -80,12 +106,22 @@ def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: 
     their difference's sum. Returns ``(tokens, fresh pages)``: that sum, and the pages the extension
     takes, ``sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))``. A handful of
     operations whatever the batch (this runs on every scheduler step)."""
-    ext = seq_c - pre_c
-    total = int(ext.sum())
-    if pre_c.numel() and int(torch.minimum(pre_c, ext).min()) < 0:
+    p = page_size
+    if pre_c.shape[0] <= SMALL_BATCH:
+        pre, seq = pre_c.tolist(), seq_c.tolist()
+        total = sum(seq) - sum(pre)
+        bad = bool(pre) and (min(pre) < 0 or min(map(int.__sub__, seq, pre)) < 0)
+        fresh = sum((s + p - 1) // p for s in seq) - sum((q + p - 1) // p for q in pre)
+    else:
+        ext = seq_c - pre_c
+        total = int(ext.sum())
+        bad = int(torch.minimum(pre_c, ext).min()) < 0
+        pages = ((torch.stack((seq_c, pre_c)) + (p - 1)) // p).sum(1).tolist()
+        fresh = pages[0] - pages[1]
+    if bad:
         if bool((pre_c < 0).any()):
             raise ValueError(f"prefix_lens_cpu must be >= 0, got {pre_c.tolist()}")
-        i = int((ext < 0).nonzero()[0])
+        i = int((seq_c < pre_c).nonzero()[0])
         raise ValueError(
             f"seq_lens_cpu must be >= prefix_lens_cpu, got {int(seq_c[i])} < {int(pre_c[i])} for request {i}"
         )
@@ -93,25 +129,34 @@ def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: 
         raise ValueError(f"extend_num_tokens must be an int, got {extend_num_tokens!r}")
     if extend_num_tokens != total:
         raise ValueError(f"extend_num_tokens must be sum(seq_lens - prefix_lens) = {total}, got {extend_num_tokens}")
-    pages = ceil_div(torch.stack((seq_c, pre_c)), page_size).sum(1).tolist()
-    return total, pages[0] - pages[1]
+    return total, fresh
 
 
-def decode_lengths(seq_c: torch.Tensor) -> None:
+def decode_lengths(seq_c: torch.Tensor, page_size: int) -> int:
     """The CPU lengths of ``alloc_decode``: each request's ``seq_lens`` at least 1 (it counts the new
-    token).
+    token). Returns the fresh pages the step takes (requests whose new token starts a page).
 
     Parameters
     ----------
     seq_c : Tensor [bs] of an integer dtype on the CPU (``seq_lens_cpu``).
+    page_size : slots per page.
 
     Raises
     ------
     ValueError
         If an entry is below 1, listing the lengths.
     """
-    if seq_c.numel() and bool((seq_c < 1).any()):
+    p = page_size
+    if seq_c.shape[0] <= SMALL_BATCH:
+        seq = seq_c.tolist()
+        bad = bool(seq) and min(seq) < 1
+        fresh = sum((s - 1) % p == 0 for s in seq)
+    else:
+        bad = int(seq_c.min()) < 1
+        fresh = int(((seq_c - 1) % p == 0).sum())
+    if bad:
         raise ValueError(f"seq_lens_cpu must be >= 1 (they count the new token), got {seq_c.tolist()}")
+    return fresh
 
 
 def free_index_slots(free_index: object, device: torch.device) -> torch.Tensor:

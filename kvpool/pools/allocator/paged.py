@@ -100,19 +100,19 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             When a continuing request's ``last_loc`` is outside the slot range (same condition as
             the offset).
         """
-        bs = checks.lens_vector(prefix_lens_cpu, "prefix_lens_cpu")
-        checks.lens_vector(seq_lens_cpu, "seq_lens_cpu", bs)
-        for t, name in ((prefix_lens, "prefix_lens"), (seq_lens, "seq_lens"), (last_loc, "last_loc")):
-            checks.device_vector(t, name, bs, self.device)
-        pre_c = prefix_lens_cpu.to(torch.int64)
-        seq_c = seq_lens_cpu.to(torch.int64)
+        checks.request_vectors(
+            (prefix_lens_cpu, seq_lens_cpu), ("prefix_lens_cpu", "seq_lens_cpu"),
+            (prefix_lens, seq_lens, last_loc), ("prefix_lens", "seq_lens", "last_loc"), self.device,
+        )  # fmt: skip
+        pre_c = _int64(prefix_lens_cpu)
+        seq_c = _int64(seq_lens_cpu)
         p = self.page_size
         total, fresh = checks.extend_lengths(pre_c, seq_c, extend_num_tokens, p)
         kernel = allocator_kernels.on_kernels(self.device)
         if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
             pre, seq, last = prefix_lens, seq_lens, last_loc
         else:
-            pre, seq, last = prefix_lens.to(torch.int64), seq_lens.to(torch.int64), last_loc.to(torch.int64)
+            pre, seq, last = _int64(prefix_lens), _int64(seq_lens), _int64(last_loc)
             self._check_batch("alloc_extend", pre, seq, last, pre_c, seq_c)
 
         take = self._plan_take(fresh)
@@ -148,20 +148,20 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
         ValueError, IndexError
             As ``alloc_extend``, with ``seq_lens - 1`` as the prefix lengths. Nothing changes.
         """
-        bs = checks.lens_vector(seq_lens_cpu, "seq_lens_cpu")
-        checks.device_vector(seq_lens, "seq_lens", bs, self.device)
-        checks.device_vector(last_loc, "last_loc", bs, self.device)
-        seq_c = seq_lens_cpu.to(torch.int64)
-        checks.decode_lengths(seq_c)
+        bs = checks.request_vectors(
+            (seq_lens_cpu,), ("seq_lens_cpu",), (seq_lens, last_loc), ("seq_lens", "last_loc"), self.device
+        )  # fmt: skip
+        seq_c = _int64(seq_lens_cpu)
+        p = self.page_size
+        fresh = checks.decode_lengths(seq_c, p)
         kernel = allocator_kernels.on_kernels(self.device)
         if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
             seq, last = seq_lens, last_loc
         else:
-            seq, last = seq_lens.to(torch.int64), last_loc.to(torch.int64)
+            seq, last = _int64(seq_lens), _int64(last_loc)
             self._check_batch("alloc_decode", None, seq, last, None, seq_c)
 
-        p = self.page_size
-        take = self._plan_take(int(((seq_c - 1) % p == 0).sum()))
+        take = self._plan_take(fresh)
         if take is None:
             return None
         if bs == 0:
@@ -211,6 +211,11 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             checks.continuations_against_state(
                 what, last, pre, seq, owners_at.view(bs, p), page_free_at.bool(), p
             )
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int64 (itself when it is already: ``.to`` costs a dispatch even then)."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 def _extend_slots(
