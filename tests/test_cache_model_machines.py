@@ -30,7 +30,7 @@ from kvassert import (
     device_nodes,
     device_pages,
     known_bad,
-    machine_settings,
+    machine_test,
     prefix_contents,
     tensor_digest,
 )
@@ -403,10 +403,8 @@ def machine_for(policy: str) -> type:
 
 
 for _policy in POLICIES:
-    _case = machine_for(_policy).TestCase
-    _case.settings = machine_settings(12, 50)
-    globals()[f"TestRadixModelMachine_{_policy}"] = _case
-del _case, _policy
+    globals()[f"TestRadixModelMachine_{_policy}"] = machine_test(machine_for(_policy), examples=12, steps=50)
+del _policy
 
 
 HOST_SETUPS = [(1, "token", 24), (4, "paged", 8)]
@@ -536,5 +534,4 @@ class HiRadixModelMachine(RadixModelMachine):
             self.cache.check_hicache_events()
 
 
-TestHiRadixModelMachine = HiRadixModelMachine.TestCase
-TestHiRadixModelMachine.settings = machine_settings(25, 50)
+TestHiRadixModelMachine = machine_test(HiRadixModelMachine, examples=25, steps=50)

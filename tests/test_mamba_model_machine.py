@@ -30,7 +30,7 @@ from kvassert import (
     device_nodes,
     device_pages,
     known_bad,
-    machine_settings,
+    machine_test,
     prefix_contents,
 )
 from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaStateShape, MHATokenToKVPool, PagedTokenToKVPoolAllocator
@@ -371,5 +371,4 @@ class MambaModelMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
 
 
-TestMambaModelMachine = MambaModelMachine.TestCase
-TestMambaModelMachine.settings = machine_settings(40, 50)
+TestMambaModelMachine = machine_test(MambaModelMachine, examples=40, steps=50)
