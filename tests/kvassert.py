@@ -28,10 +28,13 @@ import importlib.util
 import inspect
 import json
 import os
+import random
 import re
 import subprocess
 import sys
+import time
 import types
+import unittest
 import unittest.mock
 from fractions import Fraction
 from pathlib import Path
@@ -41,7 +44,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+import hypothesis
+import hypothesis.stateful
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import invariant
 
 from kvpool import (
     HybridReqToTokenPool,
@@ -1263,34 +1269,80 @@ def state_device(request, monkeypatch):
 
 # --- state machines: a bounded CI profile, a long one behind KVPOOL_LONG_TESTS=1 ---------------------
 
-#: ``KVPOOL_LONG_TESTS=1`` runs every state machine for at least ``KVPOOL_LONG_STEPS`` steps (100k).
+#: ``KVPOOL_LONG_TESTS=1`` runs every state machine until it has taken ``KVPOOL_LONG_STEPS`` steps
+#: (100000): ``LONG_RUNS`` runs of up to ``LONG_RUN_STEPS`` steps from each seed, one random seed after
+#: another (``KVPOOL_LONG_SEED`` the first: a seed's runs are the same whatever the budget, so that
+#: it repeats a failure); ``KVPOOL_NO_SHRINK=1`` reports a failure as found, unshrunk.
 LONG_TESTS = os.environ.get("KVPOOL_LONG_TESTS") == "1"
 LONG_STEPS = int(os.environ.get("KVPOOL_LONG_STEPS", "100000"))
+LONG_RUNS, LONG_RUN_STEPS = 10, 200
 
 
-def run_machine(machine: type, *, examples: int, steps: int, seed: int) -> tuple[int, list[int]]:
-    """Run ``machine`` (a RuleBasedStateMachine counting its steps in ``machine.steps_taken``):
-    ``examples`` runs of up to ``steps`` steps from ``seed`` in CI; under ``KVPOOL_LONG_TESTS=1``
-    rounds of 100 runs of up to 200 steps, seeds ``seed, seed + 1, ...``, until ``LONG_STEPS``
-    steps ran. Returns (steps run, seeds) and prints them on stderr."""
-    from hypothesis import HealthCheck
-    from hypothesis import seed as with_seed
-    from hypothesis import settings as hsettings
-    from hypothesis.stateful import run_state_machine_as_test
+def _counting(machine: type) -> type:
+    """``machine`` with a step counter (``steps_taken``, on the class): an invariant, which Hypothesis
+    checks once after every step (the initialize rule's included) and never before it. The class
+    reads as ``machine`` to Hypothesis (name, module, source), so a derandomised run draws the same
+    examples as ``machine`` itself."""
 
-    machine.steps_taken = 0
-    budget = LONG_STEPS if LONG_TESTS else 0
-    seeds: list[int] = []
-    while not seeds or machine.steps_taken < budget:
-        s = seed + len(seeds)
-        seeds.append(s)
-        run = hsettings(
-            max_examples=100 if LONG_TESTS else examples, stateful_step_count=200 if LONG_TESTS else steps,
-            deadline=None, database=None, suppress_health_check=list(HealthCheck),
-        )  # fmt: skip
-        run_state_machine_as_test(with_seed(s)(machine), settings=run)
-    print(f"{machine.__name__}: {machine.steps_taken} steps, seeds {seeds[0]}..{seeds[-1]}", file=sys.stderr)
-    return machine.steps_taken, seeds
+    class Counted(machine):  # type: ignore[misc, valid-type]
+        steps_taken = 0
+
+        @invariant()
+        def count_step(self) -> None:
+            type(self).steps_taken += 1
+
+    Counted.__name__, Counted.__qualname__, Counted.__module__ = machine.__name__, machine.__qualname__, machine.__module__
+    return Counted
+
+
+def run_machine(machine: type, *, examples: int, steps: int, seed: Optional[int] = None) -> int:
+    """Run the state machine ``machine``; returns the steps it took, and prints them on stderr.
+
+    CI: ``examples`` runs of up to ``steps`` steps, derandomised (from ``seed`` when given), so
+    that a CI run is reproducible. ``KVPOOL_LONG_TESTS=1``: ``LONG_RUNS`` runs of up to
+    ``LONG_RUN_STEPS`` steps per seed, one random seed after another (``seed`` ignored), until
+    ``LONG_STEPS`` steps were taken. No
+    deadline; a failure prints the blob that reproduces it (and, long, its seed)."""
+    counted = _counting(machine)
+    phases = {"phases": [Phase.explicit, Phase.reuse, Phase.generate]} if os.environ.get("KVPOOL_NO_SHRINK") == "1" else {}
+
+    def run(first: Optional[int], runs: int, length: int) -> None:
+        factory = counted if first is None else hypothesis.seed(first)(counted)
+        hypothesis.stateful.run_state_machine_as_test(factory, settings=settings(
+            max_examples=runs, stateful_step_count=length, deadline=None, database=None, print_blob=True,
+            derandomize=not LONG_TESTS, suppress_health_check=list(HealthCheck), **phases,
+        ))  # fmt: skip
+
+    start = time.monotonic()
+    if not LONG_TESTS:
+        run(seed, examples, steps)
+        seeds = "derandomised" if seed is None else f"seed {seed}"
+    else:
+        first = int(os.environ.get("KVPOOL_LONG_SEED") or random.randrange(2**32))
+        s = first
+        while counted.steps_taken < LONG_STEPS:
+            try:
+                run(s, LONG_RUNS, LONG_RUN_STEPS)
+            except BaseException:
+                print(f"{machine.__name__}: failed in the run from seed {s} (KVPOOL_LONG_SEED={s} repeats it)", file=sys.stderr)
+                raise
+            s += 1
+        seeds = f"seeds {first}..{s - 1}"
+    print(f"{machine.__name__}: {counted.steps_taken} steps, {seeds}, {time.monotonic() - start:.1f} s", file=sys.stderr)
+    return counted.steps_taken
+
+
+def machine_test(machine: type, *, examples: int, steps: int, seed: Optional[int] = None) -> type:
+    """A test case (one pytest id, named ``Test<machine>``) that runs ``run_machine(machine, ...)`` and
+    checks that it took steps."""
+
+    def runTest(self: unittest.TestCase) -> None:
+        assert run_machine(machine, examples=examples, steps=steps, seed=seed) > 0
+
+    name = f"Test{machine.__name__}"
+    return type(name, (unittest.TestCase,), {"runTest": runTest, "__qualname__": name, "__module__": machine.__module__})
+
+
 # ----------------------------------------------------------------------------------------------
 # The prefix caches: short forms of their calls, a record of a tree's contents, a scheduler over
 # the real allocators and request table (Engine), and one for hybrid models (HybridEngine).
@@ -1662,9 +1714,6 @@ class HybridEngine:
 # ----------------------------------------------------------------------------------------------
 # What a refused call must leave as it was: a snapshot of a cache, its allocator, request table,
 # KV pool, state pool and host pool, through their public attributes; injected faults; and the
-# state machines' settings (a bounded CI profile, a long one under KVPOOL_LONG_TESTS=1).
-
-
 def tensor_digest(tensors: Any) -> str:
     """SHA-256 of the bytes of a tensor, or of a list/tuple of tensors, in order."""
     h = hashlib.sha256()
@@ -1789,26 +1838,6 @@ class FailingBackup:
             self.armed = False
             raise InjectedFault("backup_from_device_all_layer: injected fault")
         return self.real(*args, **kwargs)
-
-
-#: The long profile of the state machines: ``KVPOOL_LONG_TESTS=1``, ``KVPOOL_LONG_STEPS`` steps per
-#: machine (default 100000), in runs of ``LONG_RUN_STEPS`` steps.
-LONG_RUN_STEPS = 200
-
-
-def machine_settings(examples: int, steps: int) -> settings:
-    """Hypothesis settings for a state machine: ``examples`` runs of ``steps`` steps in CI, derandomised
-    so that a CI run is reproducible, or the long profile's step budget from random seeds; no
-    deadline; a failure prints the blob that reproduces it."""
-    if LONG_TESTS:
-        examples, steps = max(1, -(-LONG_STEPS // LONG_RUN_STEPS)), LONG_RUN_STEPS
-    extra = {}
-    if os.environ.get("KVPOOL_NO_SHRINK") == "1":  # report a failure as found, unshrunk (debugging)
-        extra["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
-    return settings(**extra,
-        max_examples=examples, stateful_step_count=steps, deadline=None, print_blob=True, derandomize=not LONG_TESTS,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,20 +94,21 @@ def test_a_free_that_raises_in_cache_unfinished_req_changes_nothing(kind):
 
 
 @pytest.mark.parametrize("kind", cases("failing free in a write-back evict that made host room", ["hiradix"]))
-def test_a_free_that_raises_after_write_back_made_host_room_leaves_the_device_as_it_was(kind):
-    """Two leaves, host room for one: backing up the second evicts the first from the host; then the
-    allocator's free raises. The contract: the device tier as it was (host-only leaves evicted for
-    room may stay evicted)."""
+def test_a_free_that_raises_after_write_back_filled_the_host_changes_nothing(kind):
+    """Two leaves, host room for one: the first is written back, the second's backup finds no room
+    (the first stays on the host for the rest of the call), then the allocator's free raises. Nothing
+    changed: both leaves are back on the device, the first's new copy dropped."""
     eng = Engine("paged", 4, pages=16, host_policy="write_back", host_ratio=0.125)  # 8 host slots
     eng.finish(eng.admit(seq(9, 100)))
     eng.finish(eng.admit(seq(9, 300)))
     wrapper = failing_free(eng)
-    before = (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist())
+    before = cache_snapshot(eng.cache)
     wrapper.arm()
     with pytest.raises(InjectedFault):
         eng.cache.evict(EvictParams(num_tokens=100))
-    assert (device_pages(eng.cache), eng.cache.evictable_size(), eng.alloc.backup_state().owners.tolist()) == before
+    assert_unchanged(before, cache_snapshot(eng.cache), "evict with a free that raises after write-back filled the host")
     eng.cache.check_integrity()
+    eng.drain()
 
 
 @pytest.mark.parametrize("kind", cases("failing host backup", ["hiradix"]))
@@ -219,3 +220,25 @@ def test_a_copy_on_write_match_refuses_a_free_state_slot():
     with pytest.raises(ValueError, match="mamba_pool_idx"):
         eng.cache.match_prefix(MatchPrefixParams(key=RadixKey(seq(5)), cow_mamba=True, req=req))
     assert_unchanged(before, cache_snapshot(eng.cache), "a copy-on-write match into a free slot")
+
+
+def test_a_free_that_raises_after_write_back_made_host_room_puts_back_a_node_that_had_a_host_copy():
+    """A loaded-back leaf (on the device and on the host) and a newer leaf without a copy, host room
+    for one: the evict drops the first to the host, the second's write-back backup needs room, then
+    the allocator's free raises. Nothing may change: the first is back on the device with its host
+    copy, in the tree, and later calls find it there."""
+    eng = Engine("paged", 4, pages=16, host_policy="write_back", host_ratio=0.125)  # 8 host slots
+    eng.finish(eng.admit(seq(9, 100)))
+    eng.cache.evict(EvictParams(num_tokens=100))  # written back: on the host only, filling it
+    eng.finish(eng.admit(seq(9, 100)))  # loaded back: on the device and on the host
+    eng.cache.check_hicache_events()  # the load is done: unlocked
+    eng.finish(eng.admit(seq(9, 300)))  # newer, on the device only
+    assert eng.host.available_size() == 0
+    wrapper = failing_free(eng)
+    before = cache_snapshot(eng.cache)
+    wrapper.arm()
+    with pytest.raises(InjectedFault):
+        eng.cache.evict(EvictParams(num_tokens=100))
+    assert_unchanged(before, cache_snapshot(eng.cache), "evict with a free that raises after a backup needed room")
+    eng.cache.check_integrity()
+    eng.drain()

@@ -8,11 +8,10 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvassert import Engine, tree_state
+from kvassert import Engine, machine_test, tree_state
 from kvpool.cache import EvictParams, MatchPrefixParams, RadixKey, TreeNode
 
 
@@ -123,8 +122,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.eng.drain()
 
 
-TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(TestPrefixCacheMachine.settings, stateful_step_count=30)
+TestPrefixCacheMachine = machine_test(PrefixCacheMachine, examples=60, steps=30)
 
 
 HOST_POLICIES = ["write_through", "write_through_selective", "write_back"]
@@ -168,5 +166,4 @@ class HostTierMachine(PrefixCacheMachine):
         self.eng.cache.check_hicache_events()
 
 
-TestHostTierMachine = HostTierMachine.TestCase
-TestHostTierMachine.settings = settings(TestHostTierMachine.settings, stateful_step_count=30)
+TestHostTierMachine = machine_test(HostTierMachine, examples=60, steps=30)

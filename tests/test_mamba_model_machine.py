@@ -30,7 +30,7 @@ from kvassert import (
     device_nodes,
     device_pages,
     known_bad,
-    machine_settings,
+    machine_test,
     prefix_contents,
 )
 from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaStateShape, MHATokenToKVPool, PagedTokenToKVPoolAllocator
@@ -96,17 +96,21 @@ class MambaModelMachine(RuleBasedStateMachine):
             if page.state is not None and (delta > 0 or page.state_lock > 0):
                 page.state_lock += delta
 
-    def absorb(self) -> tuple[int, int]:
+    def absorb(self, again: Optional[dict] = None) -> tuple[int, int]:
         """Check what left the tree since the reference was last updated (pages, snapshots) and drop it
-        from the reference; returns (pages, snapshots) gone."""
+        from the reference; returns (pages, snapshots) gone. ``again``: pages the call inserted from a
+        request's own slots, by key (its slots for the page): one found with those slots left the tree
+        first (a snapshot evicted with its leaf for a fork's room) and came back, it is gone here."""
         now = device_pages(self.cache)
+        again = again or {}
+        gone = {k for k, pg in self.ref.pages.items() if k not in now or (now[k][0] != pg.slots and now[k][0] == again.get(k))}
         pages = 0
         freed_states = []
         for k in list(self.ref.pages):
             page = self.ref.pages[k]
-            if k not in now:
+            if k in gone:
                 assert page.lock == 0, f"evicted a locked page {k}"
-                assert all(d not in now for d in self.ref.below(k)), f"evicted page {k} but kept a page below it"
+                assert all(d in gone for d in self.ref.below(k)), f"evicted page {k} but kept a page below it"
                 if page.state is not None:
                     assert page.state_lock == 0, f"evicted a locked snapshot at {k}"
                     freed_states.append(page.state)
@@ -266,7 +270,8 @@ class MambaModelMachine(RuleBasedStateMachine):
         known, _ = self.known(req, len(tokens))
         row = self.table.req_to_token[req.req_pool_idx, : len(tokens)].tolist()
         self.cache.cache_unfinished_req(req)
-        self.absorb()  # a fork may evict a snapshot for room
+        mine = {k: tuple(row[len(k[1]) - self.page : len(k[1])]) for k in self.ref.keys(extra, tokens[:known])}
+        self.absorb(mine)  # a fork may evict a snapshot for room, with its leaf: the insert then takes the request's slots
         if known == 0 or known == cpl or req.cache_protected_len != known:
             return  # nothing new to cache, or no state slot for the copy
         self.ref.insert(extra, tokens[:known], row[:known], 0)
@@ -366,5 +371,4 @@ class MambaModelMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
 
 
-TestMambaModelMachine = MambaModelMachine.TestCase
-TestMambaModelMachine.settings = machine_settings(40, 50)
+TestMambaModelMachine = machine_test(MambaModelMachine, examples=40, steps=50)

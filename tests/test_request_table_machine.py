@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvassert import run_machine, state_params
+from kvassert import machine_test, state_params
 from kvpool import HybridReqToTokenPool
 
 PARAMS = state_params(conv=(3, 2), temporal=(1, 2, 3), layers=(1,))
@@ -31,8 +31,6 @@ class Req:
 
 
 class RequestTableMachine(RuleBasedStateMachine):
-    steps_taken = 0
-
     @initialize(rows=st.integers(1, 4), slots=st.integers(1, 10), extra=st.booleans(), spec=st.booleans())
     def setup(self, rows, slots, extra, spec):
         self.t = HybridReqToTokenPool(
@@ -238,7 +236,6 @@ class RequestTableMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_the_model(self):
-        type(self).steps_taken += 1
         if not hasattr(self, "t"):
             return
         t = self.t
@@ -265,6 +262,4 @@ def _with(req, **attrs):
     return req
 
 
-def test_request_table_machine():
-    steps, _ = run_machine(RequestTableMachine, examples=40, steps=40, seed=35)
-    assert steps > 0
+TestRequestTableMachine = machine_test(RequestTableMachine, examples=40, steps=40, seed=35)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvassert import run_machine, state_params
+from kvassert import machine_test, state_params
 from kvpool import HybridReqToTokenPool, MambaCpuCopy
 
 PAGE = 64  # tokens between track points
@@ -42,8 +42,6 @@ def rows_of(t: torch.Tensor, lead: int) -> torch.Tensor:
 
 
 class StatePoolMachine(RuleBasedStateMachine):
-    steps_taken = 0
-
     @initialize(k=st.integers(1, 16), rows=st.integers(1, 4), spare=st.integers(0, 5))
     def setup(self, k, rows, spare):
         self.table = HybridReqToTokenPool(
@@ -341,7 +339,6 @@ class StatePoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_the_model(self):
-        type(self).steps_taken += 1
         if not hasattr(self, "pool"):
             return
         self.table.check_integrity(external_slots=sorted(self.cache))
@@ -356,6 +353,4 @@ class StatePoolMachine(RuleBasedStateMachine):
             assert torch.equal(raw, pattern(torch.tensor(self.scratch), raw.shape[0], raw.shape[3])), "scratch changed"
 
 
-def test_state_pool_machine():
-    steps, _ = run_machine(StatePoolMachine, examples=40, steps=40, seed=34)
-    assert steps > 0
+TestStatePoolMachine = machine_test(StatePoolMachine, examples=40, steps=40, seed=34)

@@ -115,57 +115,65 @@ class HiRadixCache(RadixCache):
         order: a backed-up node stays in the tree on the host; under ``write_back`` a node without a
         host copy is backed up first (when the host has room); any other leaf leaves the tree, with
         the host-only nodes below it. The device slots go back in one ``free`` call, before the host
-        slots of the nodes that left.
+        slots of the nodes that left. A node the call moves to the host stays there for the rest of
+        the call: its backups make room from the host-only leaves of before the call only.
 
         Raises
         ------
         ValueError
             As ``RadixCache.evict``; nothing changes. If a write-back backup or the allocator's
-            ``free`` raises, the nodes go back as they were (host-only leaves evicted to make room
-            stay evicted) and the error propagates; if the host pool's ``free`` raises after that,
-            the device part stands.
+            ``free`` raises, the nodes go back as they were (host-only leaves of before the call
+            evicted to make room stay evicted) and the error propagates; if the host pool's ``free``
+            raises after that, the device part stands.
         """
         num = self._evict_amount(params)
+        host = self.token_to_kv_pool_host
         undo = Undo()
+        moved: list[HostCopy] = []  # the copies of the nodes this call moved to the host: held till it ends
         freed: list[torch.Tensor] = []
         host_freed: list[torch.Tensor] = []
         count = 0
         written_back = False
-        while count < num:
-            node = self._pop_evictable()
-            if node is None:
-                break
-            if HOST not in node.records and self.write_policy == "write_back":
-                try:
-                    backed = self.write_backup(node, write_back=True) > 0
-                except BaseException:
-                    undo.run()
-                    self._queue.push(node)  # popped, still an evictable leaf
-                    raise
-                if backed:
-                    written_back = True
-                    undo.add(lambda node=node: self._undo_write_back(node))
-            freed.append(node.device.value)
-            count += len(node.device.value)
-            if HOST in node.records:
-                self._drop_device(node, undo)
-                if self._is_evictable(node.parent):
-                    self._queue.push(node.parent)
-                if self._is_host_evictable(node):
-                    self._host_queue.push(node)
-            else:
-                host_freed += self._detach_host_subtree(node, undo)
-                self._remove_leaf(node, undo)
         try:
+            while count < num:
+                node = self._pop_evictable()
+                if node is None:
+                    break
+                if HOST not in node.records and self.write_policy == "write_back":
+                    try:
+                        backed = self.write_backup(node, write_back=True) > 0
+                    except BaseException:
+                        self._queue.push(node)  # popped, still an evictable leaf
+                        raise
+                    if backed:
+                        written_back = True
+                        undo.add(lambda node=node: host.free(node.records.pop(HOST).slots))  # the call's copy
+                freed.append(node.device.value)
+                count += len(node.device.value)
+                if HOST in node.records:
+                    self._drop_device(node, undo)
+                    copy = node.records[HOST]
+                    copy.holds += 1
+                    moved.append(copy)
+                    if self._is_evictable(node.parent):
+                        self._queue.push(node.parent)
+                    if self._is_host_evictable(node):
+                        self._host_queue.push(node)
+                else:
+                    host_freed += self._detach_host_subtree(node, undo)
+                    self._remove_leaf(node, undo)
             if written_back:
-                self.token_to_kv_pool_host.wait_for_backups()  # the slots' next writers come after the reads
+                host.wait_for_backups()  # the slots' next writers come after the reads
             if freed:
                 self.token_to_kv_pool_allocator.free(torch.cat(freed) if len(freed) > 1 else freed[0])
         except BaseException:
             undo.run()  # the nodes go back on the device, and the backups of this call are dropped
             raise
+        finally:
+            for copy in moved:
+                copy.holds -= 1
         if host_freed:
-            self.token_to_kv_pool_host.free(torch.cat(host_freed))
+            host.free(torch.cat(host_freed))
         return EvictResult(num_tokens_evicted=count)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -451,15 +459,6 @@ class HiRadixCache(RadixCache):
         if on_device:
             problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
         return problems
-
-    def _undo_write_back(self, node: TreeNode) -> None:
-        """Take back an evict's write-back backup of ``node``: free the copy, or put the node back in
-        the tree if a later backup of the call evicted it (a host-only leaf by then) for room."""
-        copy = node.records.pop(HOST, None)
-        if copy is not None:
-            self.token_to_kv_pool_host.free(copy.slots)
-        else:
-            node.parent.children[node.child_key] = node
 
     def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
         """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
