@@ -51,7 +51,7 @@ def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
 
 #: Batches up to this many requests have their CPU lengths summed and checked in Python: below it a
 #: loop over a list costs less than the half-dozen tensor operations it replaces.
-SMALL_BATCH = 32
+SMALL_BATCH = 128
 
 
 def request_vectors(
