@@ -6,7 +6,12 @@ Rows (wall time per call, the device synchronised before and after each timed ca
 * paged ``alloc_extend`` (page 64): 1, 8 and 64 new requests of 256..512 tokens each;
 * paged ``alloc_decode``: 1, 16, 128 and 512 running requests of 100..2000 tokens;
 * paged ``free`` of one finished request (1,000..3,000 tokens, whole pages);
-* token ``alloc(64)`` and ``free(64)`` at pool sizes from 64k to 32M slots (CPU: to 8M).
+* token ``alloc(64)`` and ``free(64)`` at pool sizes from 64k to 32M slots (CPU: to 8M);
+* the request tables' per-request calls, kvpool's only (SGLang's equivalents are Python lists,
+  ``ReqToTokenPool.alloc``/``free``, and a ``torch.cat`` onto its state free list, ``MambaPool.free``:
+  none of them waits): a ``ReqToTokenPool`` row taken and given back, a ``MambaPool`` state slot
+  taken and given back, and a ``HybridReqToTokenPool`` request admitted (a row and a state slot)
+  and finished (``free_mamba_cache`` then ``free``).
 
 The paged ``alloc_extend``/``alloc_decode`` calls are undone with ``backup_state``/``restore_state``
 outside the timing, so every timed call sees the same allocator; token ``alloc(64)`` is undone by
@@ -44,6 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
 
+from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, ReqToTokenPool  # noqa: E402
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 
 PAGE = 64
@@ -216,8 +222,33 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
             slots = a.alloc(64)
             add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)))
             del a
+    table_rows(device, timer, add)
     decode_rows(decode_bs[-1])
     return rows
+
+
+#: A small linear-attention state (Qwen3.5's layout at toy sizes): what the table rows allocate.
+STATES = MambaCacheParams(MambaStateShape(conv=(64, 3), temporal=(4, 16, 16)), (0, 1, 2))
+
+
+def table_rows(device: torch.device, timer: Timer, add: Callable[..., None]) -> None:
+    """kvpool's request tables: one request's calls, taken and given back."""
+    table = ReqToTokenPool(256, max_context_len=4096, device=device)
+    us = timer.per_call_us(lambda: None, lambda _: table.free(table.alloc(1)), lambda _, out: None)
+    add("request table alloc(1) + free", "ReqToTokenPool", "kvpool", us, timer.waits(lambda: table.free(table.alloc(1))))
+    states = MambaPool(size=256, cache_params=STATES, device=device)
+    us = timer.per_call_us(lambda: None, lambda _: states.free(states.alloc_slots(1)), lambda _, out: None)
+    add("state slot alloc(1) + free", "MambaPool", "kvpool", us, timer.waits(lambda: states.free(states.alloc_slots(1))))
+    hybrid = HybridReqToTokenPool(size=256, mamba_size=256, max_context_len=4096, device=device, cache_params=STATES)
+
+    def admit_and_finish() -> None:
+        req = types.SimpleNamespace(req_pool_idx=None, mamba_pool_idx=None)
+        hybrid.alloc([req])
+        hybrid.free_mamba_cache(req)
+        hybrid.free(req)
+
+    us = timer.per_call_us(lambda: None, lambda _: admit_and_finish(), lambda _, out: None)
+    add("request admitted + finished", "HybridReqToTokenPool", "kvpool", us, timer.waits(admit_and_finish))
 
 
 # --- report --------------------------------------------------------------------------------------------
