@@ -3,6 +3,9 @@
 Rows (wall time per call, the device synchronised before and after each timed call, median of
 ``--reps``; the first calls are never timed):
 
+* the floor: one launch of a one-kernel torch op, timed the same way (what any call that launches a
+  kernel costs at least; SGLang's token ``alloc`` launches none);
+
 * paged ``alloc_extend`` (page 64): 1, 8 and 64 new requests of 256..512 tokens each;
 * paged ``alloc_decode``: 1, 16, 128 and 512 running requests of 100..2000 tokens;
 * paged ``free`` of one finished request (1,000..3,000 tokens, whole pages);
@@ -180,6 +183,9 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
         rep.result["rows"] = rows
         rep.save()
 
+    # The floor of any call that launches a kernel: one launch of one small torch op, timed the same way.
+    x = torch.zeros(64, dtype=torch.int64, device=device)
+    add("one kernel launch (the floor)", "x.add_(1) on 64 int64", "torch", timer.per_call_us(lambda: None, lambda _: x.add_(1), lambda _, out: None), None)
     for bs in extend_bs:
         args = extend_inputs(bs, device, rng)
         for name, (_, Paged) in impls.items():
@@ -255,9 +261,12 @@ def table_rows(device: torch.device, timer: Timer, add: Callable[..., None]) -> 
 
 
 def markdown(result: dict) -> str:
-    rows = result.get("rows", [])
+    rows = [r for r in result.get("rows", []) if r["impl"] != "torch"]
+    floor = [r for r in result.get("rows", []) if r["impl"] == "torch"]
     lines = [result.get("sglang_note", ""), "",
              f"Device: {result.get('device')}; microseconds per call (median of {result.get('reps')}).", "",
+             *[f"The floor, {r['call'].removesuffix(' (the floor)')} ({r['case']}), timed the same way: {r['us']:.1f} us." for r in floor],
+             "",
              "| call | case | kvpool us | SGLang us | kvpool / SGLang | kvpool waits | SGLang waits |",
              "|---|---|---:|---:|---:|---|---|"]  # fmt: skip
     keys = list(dict.fromkeys((r["call"], r["case"]) for r in rows))
