@@ -1,5 +1,5 @@
 """The model runners' decode step on a GPU (examples/llama_runner.py, examples/qwen35_runner.py), and
-the share of a step spent in the pool's K/V writes.
+the shares of a step spent in the pool's K/V writes and in the scheduler's slot-allocator calls.
 
 ``--model llama``: Llama-3-8B's shape with 4 of its 32 layers (hidden 4096, 32 query / 8 KV heads x
 128, intermediate 14336, the full 128256-token vocabulary), random bf16 weights, an FP8 e4m3 pool
@@ -20,7 +20,8 @@ runner's whole loop: schedule, forward, greedy tokens to the host, bookkeeping.
    timed by ``time.perf_counter`` around each call: their host time over the steps' wall time (the
    call is asynchronous, so its host time is its cost to a host-bound eager step), per call (median,
    p90, max, mean), against a one-kernel torch op timed the same way right before each call (the
-   control: launch-queue waits hit both alike), and the writes that went through Triton's JIT.
+   control: launch-queue waits hit both alike), and the writes that went through Triton's JIT; in
+   the same steps, the host time inside the scheduler's slot-allocator calls over the wall time.
    Then ``--steps`` more in which each write is made twice in a row (the same bytes to the same
    slots), each timed: the second call finds the CPU's caches holding what the first loaded, so
    the two medians split a write's host time in the step into its own and what the model's work
@@ -134,20 +135,27 @@ class Case:
     def wrapped(self, wrapper: Callable[[Callable[..., None]], Callable[..., None]]):
         """Route the pool's K/V writes through ``wrapper(bound method)`` while the block runs: an
         instance attribute shadows each method until it is deleted again."""
-        return _Wrapped(self.write_pool, wrapper)
+        return _Shadowed(self.write_pool, WRITES, wrapper)
 
 
-class _Wrapped:
-    def __init__(self, pool: Any, wrapper: Callable) -> None:
-        self.pool, self.wrapper = pool, wrapper
+class _Shadowed:
+    """``wrapper(bound method)`` shadows each of ``names`` on ``obj`` (an instance attribute) while
+    the block runs."""
+
+    def __init__(self, obj: Any, names: tuple[str, ...], wrapper: Callable) -> None:
+        self.obj, self.names, self.wrapper = obj, names, wrapper
 
     def __enter__(self) -> None:
-        for name in WRITES:
-            setattr(self.pool, name, self.wrapper(getattr(self.pool, name)))
+        for name in self.names:
+            setattr(self.obj, name, self.wrapper(getattr(self.obj, name)))
 
     def __exit__(self, *exc: object) -> None:
-        for name in WRITES:
-            delattr(self.pool, name)
+        for name in self.names:
+            delattr(self.obj, name)
+
+
+#: The scheduler's calls of its slot allocator in a step, timed for the allocator's share.
+ALLOCATOR_CALLS = ("alloc", "alloc_extend", "alloc_decode", "free", "free_group_begin", "free_group_end")
 
 
 def _us_stats(prefix: str, seconds: list[float]) -> dict:
@@ -179,10 +187,25 @@ def host_share(case: Case, steps: int) -> dict:
 
         return timed
 
+    allocator_calls: list[float] = []
+
+    def allocator_timing(call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            out = call(*args, **kwargs)
+            allocator_calls.append(clock() - t0)
+            return out
+
+        return timed
+
+    allocator = case.sched.allocator
     jit_before = case.writer.jit_launches if case.writer is not None else 0
-    with case.wrapped(timing):
+    with case.wrapped(timing), _Shadowed(allocator, ALLOCATOR_CALLS, allocator_timing):
         wall = sum(case.timed_steps(steps)[0])
     return {
+        "allocator_host_share": sum(allocator_calls) / wall,
+        "allocator_calls_per_step": len(allocator_calls) / steps,
+        **_us_stats("allocator_host", allocator_calls),
         "set_kv_host_share": sum(calls) / wall,
         "set_kv_host_us_per_call": 1e6 * sum(calls) / max(len(calls), 1),
         "write_calls_per_step": len(calls) / steps,
@@ -306,11 +329,12 @@ def markdown(result: dict) -> str:
         f"{meta['model']}; {meta['pool']}; prompts of {meta['prompt_len']} tokens, then decode with every request live. "
         f"transformers {meta.get('transformers', 'unknown')}.",
         "",
-        "| batch | step | steps/s | tokens/s | step ms (p10-p90) | K/V write host share | host us/call (mean; median / p90 / max) "
+        "| batch | step | steps/s | tokens/s | step ms (p10-p90) | allocator host share (us/call median) "
+        "| K/V write host share | host us/call (mean; median / p90 / max) "
         "| control us/call (mean; median / p90 / max) | write twice in a row: first / again (median us) "
         "| writes through the JIT while timed"
         + (" | profiled host share | write kernels of the step | of GPU time | GPU busy" if profiled else "") + " | fused / reference calls |",
-        "|---|---|---:|---:|---|---:|---|---|---|---:|" + ("---:|---:|---:|---:|" if profiled else "") + "---|",
+        "|---|---|---:|---:|---|---|---:|---|---|---|---:|" + ("---:|---:|---:|---:|" if profiled else "") + "---|",
     ]  # fmt: skip
     for r in records:
         step = "decode" if not r.get("spec_width") else f"verify {r['spec_width']}"
@@ -321,7 +345,8 @@ def markdown(result: dict) -> str:
                 f"| {_pct(r.get('write_kernel_share_of_gpu_time'))} | {_pct(r.get('gpu_busy_share'))}") if profiled else ""  # fmt: skip
         lines.append(
             f"| {r['batch']} | {step} | {r['steps_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} "
-            f"({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}) | {_pct(r['set_kv_host_share'])} "
+            f"({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f}) "
+            f"| {_pct(r.get('allocator_host_share'))} ({_us(r.get('allocator_host_us_median'))}) | {_pct(r['set_kv_host_share'])} "
             f"| {_dist(r, 'set_kv_host', r['set_kv_host_us_per_call'])} | {_dist(r, 'control_host')} "
             f"| {_us(r.get('set_kv_first_us_median'))} / {_us(r.get('set_kv_again_us_median'))} "
             f"| {r.get('writer_jit_launches_while_timed', '-')}{prof} | {r['fused_calls']} / {r['reference_calls']} |"
@@ -329,7 +354,8 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "Step: schedule + forward + greedy tokens to the host, timed between CUDA synchronisations (median of "
-        f"{meta['steps']} after {meta['warmup']} warm-up steps); tokens/s counts the tokens the steps made. Host share: "
+        f"{meta['steps']} after {meta['warmup']} warm-up steps); tokens/s counts the tokens the steps made. Allocator host "
+        "share: time inside the scheduler's slot-allocator calls (perf_counter around each) over the steps' wall time. Host share: "
         "time inside the pool's K/V writes (perf_counter around each call) over the steps' wall time; control: a "
         "one-kernel torch op timed the same way right before each call (as long as the write: the launch queue makes "
         "every launch wait; much shorter: the time is the write's own); write twice in a row: further steps in which "
