@@ -48,6 +48,9 @@ def hand_out(
     head, cap, count, bs, total, n_slots,
     PAGE: tl.constexpr, KIND: tl.constexpr, HAS_EVER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_REQ: tl.constexpr,
 ):  # fmt: skip
+    """Write ``out[0:total]``, the slots of one allocation, and record each held (``owners``,
+    ``live``, ``ever`` if ``HAS_EVER``); the ``count`` pages taken from ``ring`` stop being listed free.
+    Program ``pid`` makes outputs ``pid * BLOCK ..`` and takes the pages of the same ranks."""
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = t < total
@@ -127,6 +130,9 @@ def give_back(
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
     SORT: tl.constexpr,
 ):  # fmt: skip
+    """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
+    put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
+    entries that did not count to ``counters[2]``."""
     lane = tl.arange(0, BLOCK)
     tail = tl.load(counters_ptr)
     if SORT > 0:
