@@ -2257,3 +2257,15 @@ def swa_allocator_snapshot(a) -> tuple:
     """Everything an SWATokenToKVPoolAllocator knows, as plain Python values."""
     return (allocator_snapshot(a.full_attn_allocator), allocator_snapshot(a.swa_attn_allocator),
             a.full_to_swa_index_mapping.tolist())  # fmt: skip
+
+
+def swa_as_on_gpu(a, lands: bool = True):
+    """Run an SWATokenToKVPoolAllocator on the CPU as on a GPU without validate: its parts' counts
+    copied back rather than read (``counts_copied_back``), device arguments unchecked, and frees
+    that hand the SWA part every entry, mapped or not (which entries are mapped is known only on the
+    device there)."""
+    for part in (a.full_attn_allocator, a.swa_attn_allocator):
+        counts_copied_back(part, lands)
+        part._cheap_device_checks = False
+    a._checked = False
+    return a
