@@ -5,7 +5,7 @@ A sliding-window (SWA) layer needs only the last window of each request's K/V, s
 ``size_swa`` slots where the full-attention layers have ``size``. Callers address both with the
 full pool's slots: a full-to-SWA index mapping (``register_mapping``; ``SWATokenToKVPoolAllocator``
 keeps it) translates them for the SWA layers. Every method takes the model's global layer ids. The
-rules are in docs/contract.md, "Sliding-window attention: SWAKVPool".
+rules are in docs/contract.md, "Sliding-window attention".
 """
 
 from __future__ import annotations

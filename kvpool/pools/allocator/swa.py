@@ -5,7 +5,7 @@ Callers hold full slots. Every allocation takes as many slots in each part and r
 full slot, its SWA slot in the mapping (an int64 tensor on the device, 0 = no SWA part, its last
 entry -1 so that -1 translates to -1). ``free_swa`` gives back only the SWA part of slots whose
 tokens left the window; ``free`` gives back both. The rules are in docs/contract.md,
-"Sliding-window attention: SWATokenToKVPoolAllocator".
+"Sliding-window attention".
 """
 
 from __future__ import annotations
