@@ -352,13 +352,16 @@ def test_no_call_waits_for_the_gpu():
     a = SWATokenToKVPoolAllocator(4096, 1024, 16, device="cuda")
     cuda = dict(device="cuda", dtype=torch.int64)
     first = a.alloc(64)
-    a.free(a.alloc(32))
+    a.free(a.alloc(32))  # its count comes back behind the queued work
+    pre, seq = torch.tensor([0, 64], **cuda), torch.tensor([20, 70], **cuda)
+    pre_cpu, seq_cpu, next_cpu = pre.cpu(), seq.cpu(), (seq + 1).cpu()
+    minus_one = torch.tensor([-1], **cuda)
+    torch.cuda.synchronize()
     with no_sync():
         state = a.backup_state()
-        pre, seq = torch.tensor([0, 64], **cuda), torch.tensor([20, 70], **cuda)
-        last = torch.stack((torch.tensor(-1, **cuda), first[-1]))
-        got = a.alloc_extend(pre, pre.cpu(), seq, seq.cpu(), last, 26)
-        step = a.alloc_decode(seq + 1, (seq + 1).cpu(), got[torch.tensor([19, 25], device="cuda")])
+        last = torch.cat((minus_one, first[-1:]))
+        got = a.alloc_extend(pre, pre_cpu, seq, seq_cpu, last, 26)
+        step = a.alloc_decode(seq + 1, next_cpu, torch.cat((got[19:20], got[25:26])))
         a.translate_loc_from_full_to_swa(step)
         a.free_swa(first[:16])
         a.free(torch.cat((first, got, step)))
@@ -366,3 +369,4 @@ def test_no_call_waits_for_the_gpu():
         a.restore_state(state)
     torch.cuda.synchronize()
     a.check_integrity()
+    assert a.errors().rejected_frees == 0
