@@ -80,6 +80,20 @@ def test_each_global_layer_reads_its_parts_buffers():
     assert pool.get_state_buf_infos()[1] == [13 * 32] * 3 + [13 * 4] * 3
 
 
+def test_sglangs_call_forms_build_the_pool_and_its_allocator():
+    from kvpool import SWATokenToKVPoolAllocator
+
+    pool = SWAKVPool(
+        size=32, size_swa=8, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=16,
+        swa_attention_layer_ids=[0, 1, 3], full_attention_layer_ids=[2], enable_kvcache_transpose=False,
+        device=DEVICE, swa_head_num=1, swa_head_dim=8, swa_v_head_dim=4, v_head_dim=12,
+    )  # fmt: skip
+    assert tuple(pool.get_value_buffer(2).shape) == (36, 2, 12) and tuple(pool.get_value_buffer(3).shape) == (12, 1, 4)
+    a = SWATokenToKVPoolAllocator(32, 8, page_size=4, dtype=torch.bfloat16, device=DEVICE, kvcache=pool, need_sort=False)
+    assert pool.full_to_swa_index_mapping is a.full_to_swa_index_mapping
+    assert a.full_to_swa_index_mapping.shape == (37,)
+
+
 @pytest.mark.parametrize("layer_id", [5, 99, -1])
 def test_a_layer_of_neither_kind_is_refused_by_every_call(layer_id):
     pool = registered()

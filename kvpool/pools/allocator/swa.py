@@ -118,10 +118,12 @@ class SWATokenToKVPoolAllocator:
 
     @property
     def size_full(self) -> int:
+        """Slots of the full part."""
         return self._size_full
 
     @property
     def size_swa(self) -> int:
+        """Slots of the SWA part."""
         return self._size_swa
 
     def available_size(self) -> int:
@@ -129,16 +131,20 @@ class SWATokenToKVPoolAllocator:
         return min(self.full_attn_allocator.available_size(), self.swa_attn_allocator.available_size())
 
     def full_available_size(self) -> int:
+        """The full part's ``available_size()`` (never waits)."""
         return self.full_attn_allocator.available_size()
 
     def swa_available_size(self) -> int:
+        """The SWA part's ``available_size()`` (never waits)."""
         return self.swa_attn_allocator.available_size()
 
     @property
     def is_not_in_free_group(self) -> bool:
+        """False between ``free_group_begin()`` and ``free_group_end()``."""
         return self.full_attn_allocator.is_not_in_free_group
 
     def get_kvcache(self) -> Optional[SWAKVPool]:
+        """The ``SWAKVPool`` given as ``kvcache`` (None if none was)."""
         return self._kvcache
 
     def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
@@ -315,6 +321,7 @@ class SWATokenToKVPoolAllocator:
         self.swa_attn_allocator.free_group_end()
 
     def merge_and_sort_free(self) -> None:
+        """Both parts merge their released pages into their free lists, sorted (reads the device)."""
         self.full_attn_allocator.merge_and_sort_free()
         self.swa_attn_allocator.merge_and_sort_free()
 
