@@ -96,13 +96,13 @@ class SWATokenToKVPoolAllocator:
         self.page_size, self.dtype, self.device = p, dtype, full.device
         self.need_sort, self.validate = full.need_sort, full.validate
         self._size_full, self._size_swa = full.size, swa.size
-        self._rows = full_pool.rows if full_pool is not None else full.size + p
-        self._swa_rows = swa_pool.rows if swa_pool is not None else swa.size + p
+        rows = full_pool.rows if full_pool is not None else full.size + p
+        swa_rows = swa_pool.rows if swa_pool is not None else swa.size + p
         # A CPU allocator reads its arguments for free, and validate reads them anyway: there the
         # second part's own checks may refuse what the first accepted, so the first is backed up.
         self._checked = self.device.type == "cpu" or self.validate
-        self.full_to_swa_index_mapping = torch.zeros(self._rows + 1, dtype=torch.int64, device=self.device)
-        self.full_to_swa_index_mapping[-1] = -1
+        self._map = SlotMapping(rows, swa_rows, p, self.device)
+        self.full_to_swa_index_mapping = self._map.tensor
         # Unmapped entries a GPU free handed the SWA part (it drops and counts them as rejected).
         self._padding = torch.zeros((), dtype=torch.int64, device=self.device)
         self._kvcache = kvcache
@@ -155,7 +155,7 @@ class SWATokenToKVPoolAllocator:
             raise ValueError(f"kv_indices must be an int32 or int64 tensor, got {got}")
         if kv_indices.device != self.device:
             raise ValueError(f"kv_indices must be on the allocator's device {self.device}, got {kv_indices.device}")
-        return translate_slots(self.full_to_swa_index_mapping, kv_indices).to(torch.int32)
+        return self._map.translate(kv_indices).to(torch.int32)
 
     # --- allocation ------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class SWATokenToKVPoolAllocator:
             return None
         full = self.full_attn_allocator.alloc(n)
         swa = self.swa_attn_allocator.alloc(n)
-        self._record(full, swa, inside=True)  # type: ignore[arg-type]
+        self._map.record(full, swa, inside=True)  # type: ignore[arg-type]
         return full
 
     def alloc_extend(
@@ -245,7 +245,7 @@ class SWATokenToKVPoolAllocator:
         and record the mapping. Both parts have room (``_room``). Where the SWA part's checks may
         refuse what the full part accepted (``_checked``) the full part is backed up first and put
         back; elsewhere its host checks, the full part's, have passed already."""
-        swa_last = translate_slots(self.full_to_swa_index_mapping, last_loc)
+        swa_last = self._map.translate(last_loc)
         backup = self.full_attn_allocator.backup_state() if self._checked else None
         full = call(self.full_attn_allocator, last_loc)
         try:
@@ -254,20 +254,8 @@ class SWATokenToKVPoolAllocator:
             if backup is not None:
                 self.full_attn_allocator.restore_state(backup)
             raise type(e)(f"the SWA part refused last_loc translated through the full-to-SWA mapping: {e}") from e
-        self._record(full, swa, inside=self._checked)  # type: ignore[arg-type]
+        self._map.record(full, swa, inside=self._checked)  # type: ignore[arg-type]
         return full  # type: ignore[return-value]
-
-    def _record(self, full: torch.Tensor, swa: torch.Tensor, inside: bool) -> None:
-        """``mapping[full] = swa``. Unless both are known to be in their parts' ranges (``inside``), a
-        full slot outside the pool (an unchecked ``last_loc`` on a GPU) is not recorded and a SWA slot
-        outside its pool is recorded as 0, so that no index leaves the mapping and slot 0 stays
-        unmapped; the parts' ``check_integrity`` report those slots."""
-        mapping, p = self.full_to_swa_index_mapping, self.page_size
-        if not inside:
-            ok = (full >= p) & (full < self._rows)
-            swa = torch.where(ok, torch.where((swa >= p) & (swa < self._swa_rows), swa, 0), -1)
-            full = torch.where(ok, full, self._rows)  # the last entry, which keeps its -1
-        mapping[full] = swa
 
     # --- giving back -----------------------------------------------------------------------------
 
@@ -296,8 +284,7 @@ class SWATokenToKVPoolAllocator:
             self._free_swa_slots(slots)
 
     def _free_swa_slots(self, slots: torch.Tensor) -> None:
-        mapping = self.full_to_swa_index_mapping
-        swa = translate_slots(mapping, slots)
+        swa = self._map.translate(slots)
         if self._checked:  # host tensors, or validate: which entries are mapped is read here
             swa = swa[swa > 0]
             if swa.numel():
@@ -307,8 +294,7 @@ class SWATokenToKVPoolAllocator:
             # (slot 0 or -1) without a wait, and counts them, which errors() takes back out.
             self.swa_attn_allocator.free(swa)
             self._padding += (swa <= 0).sum()
-        inside = (slots >= 0) & (slots < self._rows)
-        mapping[torch.where(inside, slots, self._rows)] = torch.where(inside, 0, -1)
+        self._map.clear(slots)
 
     def free_group_begin(self) -> None:
         """Both parts start a free group: pages freed until ``free_group_end()`` wait there."""
@@ -347,7 +333,7 @@ class SWATokenToKVPoolAllocator:
         m = state.mapping
         if not isinstance(m, torch.Tensor) or m.shape != self.full_to_swa_index_mapping.shape or m.dtype != torch.int64 \
                 or m.device != self.device:  # fmt: skip
-            raise ValueError(f"state.mapping must be a copy of this allocator's mapping ([{self._rows + 1}] int64)")
+            raise ValueError(f"state.mapping must be a copy of this allocator's mapping ([{self._map.rows + 1}] int64)")
         self.full_attn_allocator.restore_state(state.full)
         self.swa_attn_allocator.restore_state(state.swa)
         self.full_to_swa_index_mapping.copy_(m)
@@ -356,7 +342,7 @@ class SWATokenToKVPoolAllocator:
         """Every slot of both parts free, the mapping all 0 (its last entry stays -1)."""
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
-        self.full_to_swa_index_mapping[:-1].zero_()
+        self._map.reset()
 
     def errors(self) -> AllocatorErrors:
         """Both parts' bad calls so far, summed (entries with no SWA part that a GPU free handed the
@@ -388,10 +374,9 @@ class SWATokenToKVPoolAllocator:
                 part.check_integrity()
             except IntegrityError as e:
                 problems.append(f"{name} part: {e}")
-        problems += mapping_problems(
-            self.full_to_swa_index_mapping.cpu(), self.full_attn_allocator.backup_state().owners.cpu(),
-            self.swa_attn_allocator.backup_state().owners.cpu(), self.page_size,
-        )  # fmt: skip
+        problems += self._map.problems(
+            self.full_attn_allocator.backup_state().owners.cpu(), self.swa_attn_allocator.backup_state().owners.cpu()
+        )
         if problems:
             raise IntegrityError(f"{type(self).__name__} integrity check failed: " + "; ".join(problems))
 
@@ -411,39 +396,83 @@ class SWATokenToKVPoolAllocator:
         return self._kvcache
 
 
-def mapping_problems(mapping: torch.Tensor, full_owners: torch.Tensor, swa_owners: torch.Tensor, page_size: int) -> list[str]:
-    """Inconsistencies of a full-to-SWA ``mapping`` ([rows + 1] int64, host) with the parts' holder
-    counts per slot (host int32 tensors, as ``AllocatorState.owners``)."""
-    p, problems = page_size, []
-    if int(mapping[-1]) != -1:
-        problems.append(f"the mapping's last entry must be -1, got {int(mapping[-1])}")
-    m = mapping[:-1]
-    if bool((m[:p] != 0).any()):
-        problems.append(f"{int((m[:p] != 0).sum())} slots of page 0 mapped (first: {int((m[:p] != 0).nonzero()[0])})")
-    full = (m > 0).nonzero().flatten()
-    full = full[full >= p]
-    swa = m[full]
-    bad = (m < 0) | (m >= swa_owners.numel())
-    if bool(bad.any()):
-        problems.append(f"{int(bad.sum())} mapping entries outside 0..{swa_owners.numel() - 1} (first: full slot {int(bad.nonzero()[0])})")
-    keep = swa < swa_owners.numel()
-    full, swa = full[keep], swa[keep]
-    held_full = torch.zeros_like(m, dtype=torch.bool)
-    held_full[: min(m.numel(), full_owners.numel())] = full_owners[: m.numel()] > 0
-    for what, wrong in (
-        ("mapped full slots not held by the full part", ~held_full[full]),
-        ("mapped full slots whose SWA slot the SWA part does not hold", swa_owners[swa] <= 0),
-        ("mapped full slots whose SWA slot is on SWA page 0", swa < p),
-        ("mapped full slots at another page offset than their SWA slot", (full % p) != (swa % p)),
-    ):
-        if bool(wrong.any()):
-            problems.append(f"{int(wrong.sum())} {what} (first: full slot {int(full[wrong][0])})")
-    uniq, counts = torch.unique(swa, return_counts=True)
-    if bool((counts > 1).any()):
-        problems.append(f"{int((counts > 1).sum())} SWA slots mapped from more than one full slot (first: {int(uniq[counts > 1][0])})")
-    mapped = torch.zeros(swa_owners.numel(), dtype=torch.bool)
-    mapped[swa] = True
-    orphans = ((swa_owners > 0) & ~mapped).nonzero().flatten()
-    if orphans.numel():
-        problems.append(f"{orphans.numel()} SWA slots held but mapped from no full slot (first: {int(orphans[0])})")
-    return problems
+class SlotMapping:
+    """The full-to-SWA index mapping of an ``SWATokenToKVPoolAllocator``: ``tensor`` [rows + 1] int64
+    on the device, entry ``s`` the SWA slot of full slot ``s`` (0: none), the last entry -1. Every
+    update stays inside it and keeps the last entry, whatever slots it is given; nothing waits.
+
+    Parameters
+    ----------
+    rows, swa_rows : rows of the full and the SWA pool (``size + page_size``).
+    page_size : slots per page of both.
+    device : where the tensor lives.
+    """
+
+    def __init__(self, rows: int, swa_rows: int, page_size: int, device: torch.device) -> None:
+        self.rows, self.swa_rows, self.page_size = rows, swa_rows, page_size
+        self.tensor = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.tensor[-1] = -1
+
+    def translate(self, loc: torch.Tensor) -> torch.Tensor:
+        """``translate_slots(tensor, loc)``: int64 SWA slots, 0 unmapped, -1 outside the full pool."""
+        return translate_slots(self.tensor, loc)
+
+    def record(self, full: torch.Tensor, swa: torch.Tensor, inside: bool) -> None:
+        """``mapping[full] = swa``. Unless both are known to be in their parts' ranges (``inside``), a
+        full slot outside the pool (an unchecked ``last_loc`` on a GPU) is not recorded and a SWA slot
+        outside its pool is recorded as 0, so that no index leaves the mapping and slot 0 stays
+        unmapped; the parts' ``check_integrity`` report those slots."""
+        p = self.page_size
+        if not inside:
+            ok = (full >= p) & (full < self.rows)
+            swa = torch.where(ok, torch.where((swa >= p) & (swa < self.swa_rows), swa, 0), -1)
+            full = torch.where(ok, full, self.rows)  # the last entry, which keeps its -1
+        self.tensor[full] = swa
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """Set the entries of full ``slots`` (int64, any values) to 0; slots outside the full pool
+        change nothing."""
+        inside = (slots >= 0) & (slots < self.rows)
+        self.tensor[torch.where(inside, slots, self.rows)] = torch.where(inside, 0, -1)
+
+    def reset(self) -> None:
+        """Every entry 0 but the last (-1)."""
+        self.tensor[:-1].zero_()
+
+    def problems(self, full_owners: torch.Tensor, swa_owners: torch.Tensor) -> list[str]:
+        """Inconsistencies of the mapping (read to the host) with the parts' holder counts per slot
+        (host int32 tensors, as ``AllocatorState.owners``)."""
+        mapping = self.tensor.cpu()
+        p, problems = self.page_size, []
+        if int(mapping[-1]) != -1:
+            problems.append(f"the mapping's last entry must be -1, got {int(mapping[-1])}")
+        m = mapping[:-1]
+        if bool((m[:p] != 0).any()):
+            problems.append(f"{int((m[:p] != 0).sum())} slots of page 0 mapped (first: {int((m[:p] != 0).nonzero()[0])})")
+        full = (m > 0).nonzero().flatten()
+        full = full[full >= p]
+        swa = m[full]
+        bad = (m < 0) | (m >= swa_owners.numel())
+        if bool(bad.any()):
+            problems.append(f"{int(bad.sum())} mapping entries outside 0..{swa_owners.numel() - 1} (first: full slot {int(bad.nonzero()[0])})")
+        keep = swa < swa_owners.numel()
+        full, swa = full[keep], swa[keep]
+        held_full = torch.zeros_like(m, dtype=torch.bool)
+        held_full[: min(m.numel(), full_owners.numel())] = full_owners[: m.numel()] > 0
+        for what, wrong in (
+            ("mapped full slots not held by the full part", ~held_full[full]),
+            ("mapped full slots whose SWA slot the SWA part does not hold", swa_owners[swa] <= 0),
+            ("mapped full slots whose SWA slot is on SWA page 0", swa < p),
+            ("mapped full slots at another page offset than their SWA slot", (full % p) != (swa % p)),
+        ):
+            if bool(wrong.any()):
+                problems.append(f"{int(wrong.sum())} {what} (first: full slot {int(full[wrong][0])})")
+        uniq, counts = torch.unique(swa, return_counts=True)
+        if bool((counts > 1).any()):
+            problems.append(f"{int((counts > 1).sum())} SWA slots mapped from more than one full slot (first: {int(uniq[counts > 1][0])})")
+        mapped = torch.zeros(swa_owners.numel(), dtype=torch.bool)
+        mapped[swa] = True
+        orphans = ((swa_owners > 0) & ~mapped).nonzero().flatten()
+        if orphans.numel():
+            problems.append(f"{orphans.numel()} SWA slots held but mapped from no full slot (first: {int(orphans[0])})")
+        return problems
