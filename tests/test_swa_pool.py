@@ -14,6 +14,7 @@ from kvassert import (
     SWA_LAYERS,
     Layer,
     assert_same_bytes,
+    fused_runs,
     fill_random_,
     id_of,
     make_swa_pool,
@@ -38,7 +39,7 @@ def plain_twin(pool: SWAKVPool, part: str) -> MHATokenToKVPool:
     """A plain pool of one part's geometry holding the same bytes."""
     src = getattr(pool, f"{part}_kv_pool")
     twin = MHATokenToKVPool(src.size, src.page_size, src.dtype, src.head_num, src.head_dim, src.layer_num, DEVICE,
-                            v_head_dim=src.v_head_dim)  # fmt: skip
+                            v_head_dim=src.v_head_dim, fused="never")  # fmt: skip
     for mine, theirs in zip(twin.k_buffer + twin.v_buffer, src.k_buffer + src.v_buffer):
         mine.copy_(theirs)
     return twin
@@ -140,6 +141,23 @@ def test_a_sliding_window_layer_writes_the_bytes_of_a_plain_pool_at_the_translat
         full_twin.set_kv_buffer(None, loc_of(loc), k, v, k_scale, 1.5, layer_id_override=FULL_LAYERS.index(layer))
     assert_part_equals(pool, "full", full_twin, "full write")
     assert_part_equals(pool, "swa", swa_twin, "SWA part untouched by full writes")
+
+
+@fused_runs
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=id_of)
+def test_the_fused_write_at_the_translated_slots_equals_the_reference_path(dtype):
+    """The fused kernel (Triton's interpreter on the CPU) writing a SWA layer, against a plain pool's
+    reference path at the translated slots, bit for bit."""
+    pool = registered(dtype, fused="always")
+    twin = plain_twin(pool, "swa")
+    loc = [2, 24, 3, -1, 30, 9]
+    g = torch.Generator().manual_seed(8)
+    k = (torch.randn(6, 3, 16, generator=g) * 300).to(torch.bfloat16).to(DEVICE)
+    v = (torch.randn(6, 3, 8, generator=g) * 300).to(torch.bfloat16).to(DEVICE)
+    pool.set_kv_buffer(Layer(2), loc_of(loc), k, v, 0.37, 0.37)
+    twin.set_kv_buffer(None, loc_of(translated(loc, PAIRS, FULL_ROWS)), k, v, 0.37, 0.37, layer_id_override=1)
+    assert pool.swa_kv_pool.stats.fused_calls == 1 and twin.stats.reference_calls == 1
+    assert_part_equals(pool, "swa", twin, "fused SWA write")
 
 
 def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
@@ -311,7 +329,7 @@ def test_bad_construction_raises(kwargs, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=id_of)
-def test_the_fused_sliding_window_write_equals_a_plain_pools_fused_write(dtype):
+def test_on_a_gpu_the_fused_sliding_window_write_equals_the_reference_at_the_translated_slots(dtype):
     pool = make_swa_pool(dtype, size=4096, size_swa=1024, device="cuda", fused="always")
     pairs = {f: s for f, s in zip(range(1, 4097, 3), torch.randperm(1024).add(1).tolist())}
     pool.register_mapping(swa_mapping(4097, pairs, "cuda"))
