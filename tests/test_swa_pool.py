@@ -334,9 +334,13 @@ def test_on_a_gpu_the_fused_sliding_window_write_equals_the_reference_at_the_tra
     pairs = {f: s for f, s in zip(range(1, 4097, 3), torch.randperm(1024).add(1).tolist())}
     pool.register_mapping(swa_mapping(4097, pairs, "cuda"))
     twin = plain_twin(pool, "swa")
-    loc = torch.randint(-1, 4200, (777,), device="cuda")
-    k = torch.randn(777, 3, 16, device="cuda", dtype=torch.bfloat16) * 100
-    v = torch.randn(777, 3, 8, device="cuda", dtype=torch.bfloat16) * 100
+    # Every mapped slot once, in random order, one unmapped slot, padding and a slot past the full pool:
+    # no two tokens land on one SWA row (which of two duplicates wins is unspecified).
+    mapped = torch.tensor(sorted(pairs))[torch.randperm(len(pairs))].tolist()
+    loc = torch.tensor(mapped[:500] + [2, -1, 5000] + mapped[500:], device="cuda")
+    t = loc.numel()
+    k = torch.randn(t, 3, 16, device="cuda", dtype=torch.bfloat16) * 100
+    v = torch.randn(t, 3, 8, device="cuda", dtype=torch.bfloat16) * 100
     scale = torch.tensor([0.3], device="cuda")
     pool.set_kv_buffer(Layer(3), loc, k, v, scale, scale)
     swa_loc = torch.tensor(translated(loc.tolist(), pairs, 4097), device="cuda")
