@@ -3,8 +3,8 @@ request's full slots in token order, how many of its oldest tokens left the wind
 of every token still in it. Requests arrive (``alloc`` or ``alloc_extend``), grow (``alloc_extend``,
 ``alloc_decode``), slide their window (``free_swa``) and finish (``free``); snapshots are taken and
 restored; bad calls must raise and change nothing. Page sizes 1 and 4, with and without
-``need_sort``, on the CPU path and on the GPU path run on the CPU (counts copied back, landing or
-not).
+``need_sort``, on the CPU path (with and without ``validate``, which also refuses frees of slots
+nobody holds) and on the GPU path run on the CPU (counts copied back, landing or not).
 
 After every step: in each part the free pages plus the held pages are all its pages, the held
 slots are the model's, the mapping is the model's, and ``check_integrity`` passes.
@@ -37,14 +37,15 @@ def ceil_div(a: int, b: int) -> int:
 class SWAAllocatorMachine(RuleBasedStateMachine):
     @initialize(
         page=st.sampled_from([1, 4]), full_pages=st.integers(2, 8), swa_pages=st.integers(1, 6),
-        need_sort=st.booleans(), path=st.sampled_from(["cpu", "gpu", "gpu-busy"]),
+        need_sort=st.booleans(), path=st.sampled_from(["cpu", "validate", "gpu", "gpu-busy"]),
     )  # fmt: skip
     def setup(self, page, full_pages, swa_pages, need_sort, path):
         self.p = page
-        a = SWATokenToKVPoolAllocator(full_pages * page, swa_pages * page, page, need_sort=need_sort)
-        if path != "cpu":
+        size, size_swa = full_pages * page, swa_pages * page
+        a = SWATokenToKVPoolAllocator(size, size_swa, page, need_sort=need_sort, validate=path == "validate")
+        if path.startswith("gpu"):
             swa_as_on_gpu(a, lands=path == "gpu")
-        self.a, self.checked = a, path == "cpu"
+        self.a, self.checked, self.validate = a, not path.startswith("gpu"), path == "validate"
         self.reqs: dict[int, dict] = {}  # id -> {"full": [slots], "gone": tokens out of the window, "swa": {slot: swa}}
         self.next_id = 0
         self.saved = None
@@ -185,6 +186,11 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
                 calls[which % 2] = (lambda: ext(a, [n], [n + 1], [r["full"][-1] - 1]), ValueError)
             elif r["gone"] == 0 and n > 1:  # the token before last: wrong offset for a new page's start
                 calls[which % 2] = (lambda: ext(a, [n - 1], [n], [r["full"][-1] + 1]), (ValueError, IndexError))
+        if self.validate:  # a full slot nobody holds: a double free or one never allocated
+            held = {s for r in self.reqs.values() for s in r["full"]}
+            unheld = [s for s in range(p, a.size_full + p) if s not in held]
+            held_one = sorted(held)[:1]
+            calls[2 + which % 2] = (lambda: a.free(T(held_one + unheld[:1])), ValueError)
         call, error = calls[which]
         before = swa_allocator_snapshot(a)
         with pytest.raises(error):
