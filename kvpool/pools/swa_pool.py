@@ -113,9 +113,8 @@ class SWAKVPool:
                 f"got {enable_kvcache_transpose!r}"
             )
         if token_to_kv_pool_class is not MHATokenToKVPool:
-            raise ValueError(
-                f"token_to_kv_pool_class must be MHATokenToKVPool, got {getattr(token_to_kv_pool_class, '__name__', token_to_kv_pool_class)!r}"
-            )
+            got = getattr(token_to_kv_pool_class, "__name__", token_to_kv_pool_class)
+            raise ValueError(f"token_to_kv_pool_class must be MHATokenToKVPool, got {got!r}")
         swa = _layer_ids(swa_attention_layer_ids, "swa_attention_layer_ids")
         full = _layer_ids(full_attention_layer_ids, "full_attention_layer_ids")
         both = sorted(set(swa) & set(full))
@@ -311,7 +310,9 @@ class SWAKVPool:
         pool, i, is_swa = self._route_write(layer, layer_id_override)
         if is_swa:
             loc_2d = self._swa_slots(loc_2d, "loc_2d", 2, None)
-        pool.set_kv_buffer_prefix_valid(None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i)
+        pool.set_kv_buffer_prefix_valid(
+            None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i
+        )
 
     # --- moves and CPU copies --------------------------------------------------------------------
 
@@ -351,7 +352,8 @@ class SWAKVPool:
         n = indices.shape[0]
         for key, pool in (("full", self.full_kv_pool), ("swa", self.swa_kv_pool)):
             rows = (pool.layer_num, n, pool.head_num)
-            check_cpu_copy(kv_cache_cpu[key], pool.dtype, pool.store_dtype, 0, (*rows, pool.head_dim), (*rows, pool.v_head_dim))
+            k_shape, v_shape = (*rows, pool.head_dim), (*rows, pool.v_head_dim)
+            check_cpu_copy(kv_cache_cpu[key], pool.dtype, pool.store_dtype, 0, k_shape, v_shape)
         if self.validate:
             check_in_range([(indices, self.full_kv_pool.rows, "indices")], what="full slots")
         swa = translate_slots(mapping, indices)

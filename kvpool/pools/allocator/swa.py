@@ -240,7 +240,9 @@ class SWATokenToKVPoolAllocator:
                     return False
         return True
 
-    def _in_both(self, call: Callable[[Part, torch.Tensor], Optional[torch.Tensor]], last_loc: torch.Tensor) -> torch.Tensor:
+    def _in_both(
+        self, call: Callable[[Part, torch.Tensor], Optional[torch.Tensor]], last_loc: torch.Tensor
+    ) -> torch.Tensor:
         """Run an extension in the full part, then in the SWA part from the translated ``last_loc``,
         and record the mapping. Both parts have room (``_room``). Where the SWA part's checks may
         refuse what the full part accepted (``_checked``) the full part is backed up first and put
@@ -326,13 +328,13 @@ class SWATokenToKVPoolAllocator:
         before anything changes."""
         if not isinstance(state, SWAAllocatorState):
             raise ValueError(f"state must be an SWAAllocatorState from backup_state(), got {type(state).__name__}")
-        for name, part, sub in (("full", self.full_attn_allocator, state.full), ("swa", self.swa_attn_allocator, state.swa)):
-            if not isinstance(sub, AllocatorState) or (sub.page_size, sub.num_pages) != (part.page_size, part.num_pages) \
-                    or sub.owners.device != part.device:  # fmt: skip
+        parts = (("full", self.full_attn_allocator, state.full), ("swa", self.swa_attn_allocator, state.swa))
+        for name, part, sub in parts:
+            fits = isinstance(sub, AllocatorState) and sub.owners.device == part.device
+            if not (fits and (sub.page_size, sub.num_pages) == (part.page_size, part.num_pages)):
                 raise ValueError(f"state.{name} must be a snapshot of this allocator's {name} part")
-        m = state.mapping
-        if not isinstance(m, torch.Tensor) or m.shape != self.full_to_swa_index_mapping.shape or m.dtype != torch.int64 \
-                or m.device != self.device:  # fmt: skip
+        m, mine = state.mapping, self.full_to_swa_index_mapping
+        if not (isinstance(m, torch.Tensor) and (m.shape, m.dtype, m.device) == (mine.shape, mine.dtype, mine.device)):
             raise ValueError(f"state.mapping must be a copy of this allocator's mapping ([{self._map.rows + 1}] int64)")
         self.full_attn_allocator.restore_state(state.full)
         self.swa_attn_allocator.restore_state(state.swa)
@@ -392,7 +394,9 @@ class SWATokenToKVPoolAllocator:
 
     def _pool(self, what: str) -> SWAKVPool:
         if self._kvcache is None:
-            raise ValueError(f"{what} copies rows of the pool: construct SWATokenToKVPoolAllocator with kvcache=<an SWAKVPool>")
+            raise ValueError(
+                f"{what} copies rows of the pool: construct SWATokenToKVPoolAllocator with kvcache=<an SWAKVPool>"
+            )
         return self._kvcache
 
 
@@ -447,14 +451,17 @@ class SlotMapping:
         if int(mapping[-1]) != -1:
             problems.append(f"the mapping's last entry must be -1, got {int(mapping[-1])}")
         m = mapping[:-1]
-        if bool((m[:p] != 0).any()):
-            problems.append(f"{int((m[:p] != 0).sum())} slots of page 0 mapped (first: {int((m[:p] != 0).nonzero()[0])})")
+        page0 = (m[:p] != 0).nonzero().flatten()
+        if page0.numel():
+            problems.append(f"{page0.numel()} slots of page 0 mapped (first: {int(page0[0])})")
         full = (m > 0).nonzero().flatten()
         full = full[full >= p]
         swa = m[full]
-        bad = (m < 0) | (m >= swa_owners.numel())
-        if bool(bad.any()):
-            problems.append(f"{int(bad.sum())} mapping entries outside 0..{swa_owners.numel() - 1} (first: full slot {int(bad.nonzero()[0])})")
+        bad = ((m < 0) | (m >= swa_owners.numel())).nonzero().flatten()
+        if bad.numel():
+            problems.append(
+                f"{bad.numel()} mapping entries outside 0..{swa_owners.numel() - 1} (first: full slot {int(bad[0])})"
+            )
         keep = swa < swa_owners.numel()
         full, swa = full[keep], swa[keep]
         held_full = torch.zeros_like(m, dtype=torch.bool)
@@ -468,8 +475,9 @@ class SlotMapping:
             if bool(wrong.any()):
                 problems.append(f"{int(wrong.sum())} {what} (first: full slot {int(full[wrong][0])})")
         uniq, counts = torch.unique(swa, return_counts=True)
-        if bool((counts > 1).any()):
-            problems.append(f"{int((counts > 1).sum())} SWA slots mapped from more than one full slot (first: {int(uniq[counts > 1][0])})")
+        twice = uniq[counts > 1]
+        if twice.numel():
+            problems.append(f"{twice.numel()} SWA slots mapped from more than one full slot (first: {int(twice[0])})")
         mapped = torch.zeros(swa_owners.numel(), dtype=torch.bool)
         mapped[swa] = True
         orphans = ((swa_owners > 0) & ~mapped).nonzero().flatten()
