@@ -2211,3 +2211,61 @@ class StateTags:
         assert cid is not None, f"{what}: no state was ever computed for {content}"
         for view in self._views(int(slot)):
             assert torch.equal(view, self._pattern(view, cid)), f"{what}: state slot {int(slot)} holds another state than after {len(content[1])} tokens"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding-window pools and allocators: a pool with a mapping of the test's own, the slots it
+# translates to (computed in Python, not by the code under test), and snapshots of both.
+
+SWA_LAYERS, FULL_LAYERS = [0, 2, 3], [1, 4]  # global ids: three sliding-window layers, two full
+
+
+def make_swa_pool(dtype=torch.float8_e4m3fn, size=24, size_swa=12, page_size=1, device=DEVICE, **kw):
+    """An SWAKVPool of an odd geometry (H=3, D=16, Dv=8) over ``SWA_LAYERS`` and ``FULL_LAYERS``,
+    its buffers filled with random bytes."""
+    from kvpool import SWAKVPool
+
+    pool = SWAKVPool(size, size_swa, page_size, dtype, 3, 16, SWA_LAYERS, FULL_LAYERS, False, device,
+                     v_head_dim=8, **kw)  # fmt: skip
+    part_buffers = [b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in p.k_buffer + p.v_buffer]
+    fill_random_(part_buffers, seed=5)
+    return pool
+
+
+def swa_mapping(full_rows: int, pairs: dict[int, int], device=DEVICE) -> torch.Tensor:
+    """A full-to-SWA mapping [full_rows + 1] int64: full slot -> SWA slot for ``pairs``, 0 elsewhere,
+    -1 last."""
+    m = [0] * full_rows + [-1]
+    for f, s in pairs.items():
+        m[f] = s
+    return torch.tensor(m, dtype=torch.int64, device=device)
+
+
+def translated(loc: Sequence[int], pairs: dict[int, int], full_rows: int) -> list[int]:
+    """The SWA slots a write at full slots ``loc`` lands on, by the contract: the mapped slot, 0 for
+    an unmapped full slot, -1 (nothing) for a slot outside the full pool."""
+    return [pairs.get(s, 0) if 0 <= s < full_rows else -1 for s in loc]
+
+
+def pool_bytes(pool) -> list[torch.Tensor]:
+    """Copies of every K and V buffer of both parts of an SWAKVPool (or of one MHA pool), as bytes."""
+    parts = (pool.full_kv_pool, pool.swa_kv_pool) if hasattr(pool, "swa_kv_pool") else (pool,)
+    return [b.view(torch.uint8).clone() for p in parts for b in p.k_buffer + p.v_buffer]
+
+
+def swa_allocator_snapshot(a) -> tuple:
+    """Everything an SWATokenToKVPoolAllocator knows, as plain Python values."""
+    return (allocator_snapshot(a.full_attn_allocator), allocator_snapshot(a.swa_attn_allocator),
+            a.full_to_swa_index_mapping.tolist())  # fmt: skip
+
+
+def swa_as_on_gpu(a, lands: bool = True):
+    """Run an SWATokenToKVPoolAllocator on the CPU as on a GPU without validate: its parts' counts
+    copied back rather than read (``counts_copied_back``), device arguments unchecked, and frees
+    that hand the SWA part every entry, mapped or not (which entries are mapped is known only on the
+    device there)."""
+    for part in (a.full_attn_allocator, a.swa_attn_allocator):
+        counts_copied_back(part, lands)
+        part._cheap_device_checks = False
+    a._checked = False
+    return a

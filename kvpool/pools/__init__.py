@@ -7,6 +7,7 @@ from kvpool.pools.allocator import (
     TokenToKVPoolAllocator,
     alloc_extend_naive,
 )
+from kvpool.pools.allocator.swa import SWATokenToKVPoolAllocator
 from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
@@ -24,6 +25,7 @@ from kvpool.pools.sizing import (
     plan_hybrid_pools,
 )
 from kvpool.pools.state_params import MambaCacheParams, MambaStateDType, MambaStateShape
+from kvpool.pools.swa_pool import SWAKVPool
 
 __all__ = [
     "AllocatorState",
@@ -43,6 +45,8 @@ __all__ = [
     "PagedTokenToKVPoolAllocator",
     "PathStats",
     "ReqToTokenPool",
+    "SWAKVPool",
+    "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "alloc_extend_naive",
     "kv_bytes_per_token",

@@ -1,0 +1,393 @@
+"""``SWAKVPool``: the KV cache of a model that mixes sliding-window and full-attention layers
+(gpt-oss, Gemma 3, MiMo), as two ``MHATokenToKVPool`` behind one object.
+
+A sliding-window (SWA) layer needs only the last window of each request's K/V, so its pool has
+``size_swa`` slots where the full-attention layers have ``size``. Callers address both with the
+full pool's slots: a full-to-SWA index mapping (``register_mapping``; ``SWATokenToKVPoolAllocator``
+keeps it) translates them for the SWA layers. Every method takes the model's global layer ids. The
+rules are in docs/contract.md, "Sliding-window attention".
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of, non_negative_int
+from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
+from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.write_types import Scale
+
+GB = 1024**3
+
+
+def translate_slots(mapping: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """SWA slots of full slots ``loc`` through ``mapping`` (an int64 tensor ``[full rows + 1]`` whose
+    last entry is -1): ``mapping[loc]`` for ``0 <= loc < full rows``, -1 for every other entry.
+
+    One clamp and one gather, no synchronisation: an entry outside the full pool (negative
+    padding, or past the end) is clamped onto the last entry, -1, so it translates to padding and
+    never indexes out of bounds. A full slot with no SWA part (mapping 0) translates to 0, the SWA
+    pool's padding slot.
+
+    Parameters
+    ----------
+    mapping : Tensor [R + 1] int64, the full-to-SWA mapping (``mapping[R] == -1``).
+    loc : integer Tensor of any shape on ``mapping``'s device.
+
+    Returns
+    -------
+    Tensor of ``loc``'s shape, int64.
+
+    >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
+    tensor([ 5,  7, -1, -1,  0])
+    """
+    return mapping[loc.clamp(-1, mapping.shape[0] - 1)]
+
+
+class SWAKVPool:
+    """K/V buffers of a hybrid sliding-window model: ``full_kv_pool`` holds the full-attention
+    layers (``size`` slots), ``swa_kv_pool`` the sliding-window layers (``size_swa`` slots), both
+    ``MHATokenToKVPool`` with dense layer ids; this object takes global ids and full slots.
+
+    The positional order of the arguments is SGLang's, so SGLang call sites carry over; SGLang's
+    keyword arguments (passed through its ``**kwargs``) are keywords here.
+
+    Parameters
+    ----------
+    size, size_swa : usable slots of the full and the SWA pool.
+    page_size, dtype, head_num, head_dim : as for ``MHATokenToKVPool`` (both pools).
+    swa_attention_layer_ids, full_attention_layer_ids : global ids of the layers of each kind
+        (distinct, disjoint, at least one of each); dense id ``i`` of a pool is entry ``i``.
+    enable_kvcache_transpose : SGLang's; must be False.
+    device : where the buffers live.
+    token_to_kv_pool_class : SGLang's; must be ``MHATokenToKVPool`` (the default).
+    v_head_dim : V head dim of both pools (default ``head_dim``).
+    swa_head_num, swa_head_dim, swa_v_head_dim : the SWA pool's geometry where it differs.
+    enable_memory_saver, enable_alt_stream, enable_kv_cache_copy, fused, warmup, validate,
+        observe_amax : passed to both pools.
+
+    Attributes
+    ----------
+    full_kv_pool, swa_kv_pool : the two pools.
+    layers_mapping : dict, global id -> (dense id, is a SWA layer).
+    full_to_swa_index_mapping : the registered mapping, or None.
+
+    Examples
+    --------
+    >>> pool = SWAKVPool(64, 16, 1, torch.bfloat16, 2, 8, [0, 2], [1], False, "cpu")
+    >>> pool.get_key_buffer(2).shape, pool.get_key_buffer(1).shape
+    (torch.Size([17, 2, 8]), torch.Size([65, 2, 8]))
+    """
+
+    def __init__(
+        self,
+        size: int,
+        size_swa: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        swa_attention_layer_ids: Sequence[int],
+        full_attention_layer_ids: Sequence[int],
+        enable_kvcache_transpose: bool,
+        device: str | torch.device,
+        token_to_kv_pool_class: type = MHATokenToKVPool,
+        *,
+        v_head_dim: Optional[int] = None,
+        swa_head_num: Optional[int] = None,
+        swa_head_dim: Optional[int] = None,
+        swa_v_head_dim: Optional[int] = None,
+        enable_memory_saver: bool = False,
+        enable_alt_stream: bool = True,
+        enable_kv_cache_copy: bool = False,
+        fused: str = "auto",
+        warmup: bool = True,
+        validate: bool = False,
+        observe_amax: bool = False,
+    ) -> None:
+        if enable_kvcache_transpose not in (False, None):
+            raise ValueError(
+                f"enable_kvcache_transpose must be False (kvpool's buffers are [rows, H, D]), "
+                f"got {enable_kvcache_transpose!r}"
+            )
+        if token_to_kv_pool_class is not MHATokenToKVPool:
+            got = getattr(token_to_kv_pool_class, "__name__", token_to_kv_pool_class)
+            raise ValueError(f"token_to_kv_pool_class must be MHATokenToKVPool, got {got!r}")
+        swa = _layer_ids(swa_attention_layer_ids, "swa_attention_layer_ids")
+        full = _layer_ids(full_attention_layer_ids, "full_attention_layer_ids")
+        both = sorted(set(swa) & set(full))
+        if both:
+            raise ValueError(
+                f"swa_attention_layer_ids and full_attention_layer_ids must be disjoint, got {both} in both"
+            )
+        self.swa_attention_layer_ids, self.full_attention_layer_ids = swa, full
+        self.swa_layer_nums, self.full_layer_nums = len(swa), len(full)
+        self.layers_mapping: dict[int, tuple[int, bool]] = {g: (i, False) for i, g in enumerate(full)}
+        self.layers_mapping.update({g: (i, True) for i, g in enumerate(swa)})
+        common = dict(
+            enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, enable_alt_stream=enable_alt_stream,
+            enable_kv_cache_copy=enable_kv_cache_copy, fused=fused, warmup=warmup, validate=validate,
+            observe_amax=observe_amax,
+        )  # fmt: skip
+        self.full_kv_pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, len(full), device, **common)
+        self.swa_kv_pool = MHATokenToKVPool(
+            size_swa, page_size, dtype, head_num, head_dim, len(swa), device, swa_head_num=swa_head_num,
+            swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim, **common,
+        )  # fmt: skip
+        f = self.full_kv_pool
+        self.size, self.size_swa, self.page_size = f.size, self.swa_kv_pool.size, f.page_size
+        self.dtype, self.store_dtype, self.device, self.validate = f.dtype, f.store_dtype, f.device, f.validate
+        self.head_num, self.head_dim, self.v_head_dim = f.head_num, f.head_dim, f.v_head_dim
+        self.start_layer, self.layer_num = 0, len(full) + len(swa)
+        self.full_to_swa_index_mapping: Optional[torch.Tensor] = None
+        self.swa_loc: Optional[torch.Tensor] = None
+        self.mem_usage = sum(self.get_kv_size_bytes()) / GB
+
+    # --- layers and the mapping ------------------------------------------------------------------
+
+    def _route(self, layer_id: object) -> tuple[MHATokenToKVPool, int, bool]:
+        """(pool, dense id, is SWA) of global layer ``layer_id``; ValueError naming both kinds' ids."""
+        hit = self.layers_mapping.get(layer_id) if type(layer_id) is int else None  # type: ignore[call-overload]
+        if hit is None:
+            if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+                raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+            raise ValueError(
+                f"layer_id {layer_id} is not a layer of this pool: its sliding-window layers are "
+                f"{list(self.swa_attention_layer_ids)}, its full-attention layers {list(self.full_attention_layer_ids)}"
+            )
+        i, is_swa = hit
+        return (self.swa_kv_pool if is_swa else self.full_kv_pool), i, is_swa
+
+    def _route_write(self, layer: object, layer_id_override: Optional[int]) -> tuple[MHATokenToKVPool, int, bool]:
+        layer_id = getattr(layer, "layer_id", None) if layer_id_override is None else layer_id_override
+        if layer_id is None:
+            layer_id = layer_id_of(layer)  # raises for a missing layer or layer_id
+        return self._route(layer_id)
+
+    def register_mapping(self, full_to_swa_index_mapping: torch.Tensor) -> None:
+        """Use ``full_to_swa_index_mapping`` (kept by reference, so the allocator's updates apply) to
+        translate full slots for the SWA layers.
+
+        Parameters
+        ----------
+        full_to_swa_index_mapping : Tensor [size + page_size + 1] int64 on the pool's device: entry
+            ``s`` is the SWA slot of full slot ``s`` (0: none), the last entry is -1 (checked under
+            ``validate``, with every entry in ``0..size_swa + page_size - 1``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument, the expected and the actual value; nothing is registered.
+        """
+        m = full_to_swa_index_mapping
+        want = self.full_kv_pool.rows + 1
+        check_index(m, "full_to_swa_index_mapping", dtypes=(torch.int64,), dims="[size + page_size + 1]",
+                    length=want, per="one per full slot, then -1", device=self.device)  # fmt: skip
+        if self.validate:
+            if int(m[-1]) != -1:
+                raise ValueError(f"full_to_swa_index_mapping[-1] must be -1, got {int(m[-1])}")
+            check_in_range([(m[:-1], self.swa_kv_pool.rows, "full_to_swa_index_mapping")], what="SWA slots",
+                           negative_ok=False)  # fmt: skip
+        self.full_to_swa_index_mapping = m
+
+    def _mapping(self, what: str) -> torch.Tensor:
+        if self.full_to_swa_index_mapping is None:
+            raise ValueError(
+                f"{what} needs the full-to-SWA mapping: call register_mapping first (SWATokenToKVPoolAllocator "
+                "does when given this pool as kvcache)"
+            )
+        return self.full_to_swa_index_mapping
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        """SWA slots of full slots ``kv_indices`` (any shape, int32/int64, on the pool's device), int32
+        as in SGLang: ``mapping[s]`` for a slot of the full pool (0 where it has no SWA part), -1 for
+        any other entry (padding). No synchronisation.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a malformed ``kv_indices``, or no mapping registered.
+        """
+        mapping = self._mapping("translate_loc_from_full_to_swa")
+        _indices(kv_indices, "kv_indices", None, self.device)
+        return translate_slots(mapping, kv_indices).to(torch.int32)
+
+    def set_swa_loc(self, loc: Optional[torch.Tensor]) -> None:
+        """SGLang's override: SWA layers' writes use ``loc`` (SWA slots, [T] int32/int64 on the pool's
+        device) instead of translating theirs, until ``set_swa_loc(None)``."""
+        if loc is not None:
+            check_index(loc, "loc", dtypes=INDEX_DTYPES, dims="[T]", device=self.device)
+        self.swa_loc = loc
+
+    def _swa_slots(self, loc: object, name: str, ndim: int, tokens: object) -> torch.Tensor:
+        """``loc`` (full slots, checked) translated to SWA slots; IndexError under validate for an
+        entry past the full pool."""
+        _indices(loc, name, ndim, self.device, tokens)
+        mapping = self._mapping("a write to a sliding-window layer")
+        if self.validate:
+            check_in_range([(loc, self.full_kv_pool.rows, name)], what="full slots")  # type: ignore[list-item]
+        return translate_slots(mapping, loc)  # type: ignore[arg-type]
+
+    # --- getters ---------------------------------------------------------------------------------
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """K buffer of global layer ``layer_id`` (its part's), a ``dtype`` view."""
+        pool, i, _ = self._route(layer_id)
+        return pool.get_key_buffer(i)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """V buffer of global layer ``layer_id``, a ``dtype`` view."""
+        pool, i, _ = self._route(layer_id)
+        return pool.get_value_buffer(i)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K buffer, V buffer) of global layer ``layer_id``."""
+        pool, i, _ = self._route(layer_id)
+        return pool.get_kv_buffer(i)
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """(K bytes, V bytes) of both pools together."""
+        fk, fv = self.full_kv_pool.get_kv_size_bytes()
+        sk, sv = self.swa_kv_pool.get_kv_size_bytes()
+        return fk + sk, fv + sv
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The full pool's buffers for registration with a transfer engine, as SGLang lists them:
+        (addresses, byte lengths, bytes per page), K buffers of every layer then V buffers."""
+        return _buf_infos(self.full_kv_pool)
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The SWA pool's buffers, as ``get_contiguous_buf_infos`` lists the full pool's."""
+        return _buf_infos(self.swa_kv_pool)
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def set_kv_buffer(
+        self,
+        layer: object,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: Scale = None,
+        v_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """Write layer ``layer.layer_id`` (or ``layer_id_override``) for T tokens at full slots
+        ``loc``. A full-attention layer is its pool's ``set_kv_buffer``; a sliding-window layer's rows
+        go to the SWA slots ``translate_slots(mapping, loc)`` (or ``swa_loc`` when set), written by
+        the SWA pool's ``set_kv_buffer``: the same bytes as that write at those slots. A full slot
+        with no SWA part writes the SWA padding slot 0; a negative ``loc`` writes nothing.
+
+        Raises
+        ------
+        TypeError, ValueError, IndexError
+            As ``MHATokenToKVPool.set_kv_buffer``; also ``ValueError`` for a layer of neither kind,
+            a ``loc`` that is not [T] int32/int64 on the pool's device, or no mapping registered
+            (SWA layers). Nothing is written.
+        """
+        pool, i, is_swa = self._route_write(layer, layer_id_override)
+        if is_swa:
+            tokens = cache_k.shape[0] if isinstance(cache_k, torch.Tensor) and cache_k.dim() else None
+            loc = self.swa_loc if self.swa_loc is not None else self._swa_slots(loc, "loc", 1, tokens)
+        pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=i)
+
+    def set_kv_buffer_prefix_valid(
+        self,
+        layer: object,
+        loc_2d: torch.Tensor,
+        commit_lens: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: Scale = None,
+        v_scale: Scale = None,
+        layer_id_override: Optional[int] = None,
+    ) -> None:
+        """The verify write (``MHATokenToKVPool.set_kv_buffer_prefix_valid``) on a global layer; a
+        sliding-window layer's ``loc_2d`` (full slots, [bs, width]) is translated as for
+        ``set_kv_buffer``. Errors as there, nothing written."""
+        pool, i, is_swa = self._route_write(layer, layer_id_override)
+        if is_swa:
+            loc_2d = self._swa_slots(loc_2d, "loc_2d", 2, None)
+        pool.set_kv_buffer_prefix_valid(
+            None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i
+        )
+
+    # --- moves and CPU copies --------------------------------------------------------------------
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Every full layer's rows ``tgt_loc[i]`` become copies of rows ``src_loc[i]``
+        (``MHATokenToKVPool.move_kv_cache``), and every SWA layer's rows of the translated targets
+        copies of the translated sources (a slot with no SWA part is the SWA padding slot 0).
+        Both sides are checked, and translated, before either pool moves anything."""
+        mapping = self._mapping("move_kv_cache")
+        _indices(tgt_loc, "tgt_loc", 1, self.device)
+        _indices(src_loc, "src_loc", 1, self.device, tgt_loc.shape[0], "one per tgt_loc entry")
+        if self.validate:
+            rows = self.full_kv_pool.rows
+            check_in_range([(tgt_loc, rows, "tgt_loc"), (src_loc, rows, "src_loc")], what="full slots")
+        swa_tgt, swa_src = translate_slots(mapping, tgt_loc), translate_slots(mapping, src_loc)
+        self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
+        self.swa_kv_pool.move_kv_cache(swa_tgt, swa_src)
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, KVCpuCopy]:
+        """Both parts' rows of full slots ``indices`` in host memory, as SGLang's dict: ``"full"``,
+        the full pool's ``get_cpu_copy(indices)``, and ``"swa"``, the SWA pool's at the translated
+        slots (a slot with no SWA part copies the SWA padding row 0). Waits for the device."""
+        mapping = self._mapping("get_cpu_copy")
+        _indices(indices, "indices", 1, self.device)
+        full = self.full_kv_pool.get_cpu_copy(indices)  # checks the range: every entry a full slot
+        return {"full": full, "swa": self.swa_kv_pool.get_cpu_copy(translate_slots(mapping, indices))}
+
+    def load_cpu_copy(self, kv_cache_cpu: dict[str, KVCpuCopy], indices: torch.Tensor) -> None:
+        """Write a ``get_cpu_copy`` back at full slots ``indices``: its ``"full"`` rows there, its
+        ``"swa"`` rows at their translated SWA slots. Both copies are checked before either is
+        written (errors name ``kv_cache_cpu``)."""
+        mapping = self._mapping("load_cpu_copy")
+        if not isinstance(kv_cache_cpu, dict) or set(kv_cache_cpu) != {"full", "swa"}:
+            got = sorted(kv_cache_cpu) if isinstance(kv_cache_cpu, dict) else type(kv_cache_cpu).__name__
+            raise TypeError(f"kv_cache_cpu must be a dict with keys 'full' and 'swa' (from get_cpu_copy), got {got}")
+        _indices(indices, "indices", 1, self.device)
+        n = indices.shape[0]
+        for key, pool in (("full", self.full_kv_pool), ("swa", self.swa_kv_pool)):
+            rows = (pool.layer_num, n, pool.head_num)
+            k_shape, v_shape = (*rows, pool.head_dim), (*rows, pool.v_head_dim)
+            check_cpu_copy(kv_cache_cpu[key], pool.dtype, pool.store_dtype, 0, k_shape, v_shape)
+        if self.validate:
+            check_in_range([(indices, self.full_kv_pool.rows, "indices")], what="full slots")
+        swa = translate_slots(mapping, indices)
+        self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)
+        self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)
+
+
+def _layer_ids(ids: object, name: str) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
+    out = tuple(non_negative_int(x, f"{name}[{i}]") for i, x in enumerate(ids))
+    if not out:
+        raise ValueError(f"{name} must name at least one layer, got none")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must be distinct, got {list(out)}")
+    return out
+
+
+def _indices(
+    t: object, name: str, ndim: Optional[int], device: torch.device, length: object = None, per: str = "one per token"
+) -> None:
+    """``t`` an int32/int64 tensor on ``device`` (of ``ndim`` dims and ``length`` entries when given)."""
+    if ndim is None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        ndim = t.dim()
+    check_index(t, name, dtypes=INDEX_DTYPES, ndim=ndim, device=device,
+                length=length if isinstance(length, int) else None, per=per)  # fmt: skip
+
+
+def _buf_infos(pool: MHATokenToKVPool) -> tuple[list[int], list[int], list[int]]:
+    bufs = list(pool.k_buffer) + list(pool.v_buffer)
+    return (
+        [b.data_ptr() for b in bufs],
+        [b.nbytes for b in bufs],
+        [b[0].nbytes * pool.page_size for b in bufs],
+    )
