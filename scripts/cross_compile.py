@@ -178,7 +178,9 @@ def allocator_variants():
     bookkeeping and every give-back destination, of slots and of pages; on the other targets and at
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK))  # noqa: E731
-    give = lambda page, dest, to, append=False, sort=0: ("give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort))  # noqa: E731
+    give = lambda page, dest, to, append=False, sort=0, skip=False: (  # noqa: E731
+        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip)
+    )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):
             yield ("sm90", *hand(64, kind, ever))
@@ -189,6 +191,7 @@ def allocator_variants():
     for sort in (16, AL.GIVE_BACK_SORT_MAX):  # the smallest and the largest free the kernel sorts itself
         yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, sort))
         yield ("gfx942", *give(64, AL.RING, AL.TO_TAIL, False, sort))
+    yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, AL.GIVE_BACK_SORT_MAX, True))  # a SWA part's free
     for target in TARGETS:
         yield (target, *hand(1, AL.PLAIN))
         yield (target, *give(1, AL.RING, AL.TO_TAIL))

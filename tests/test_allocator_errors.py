@@ -128,3 +128,22 @@ def test_without_host_checks_disagreeing_lengths_never_raise_from_the_device_ops
     assert a.alloc_decode(T([0, 0]), T([1, 1]), T([-1, -1])).tolist() == [0, 0]
     with pytest.raises(IntegrityError, match="2 slots were handed out outside the range"):
         a.check_integrity()
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_padding_entries_are_skipped_uncounted_with_skip_padding(validate):
+    """``free(..., skip_padding=True)``: entries <= 0 change nothing, raise nothing and are not
+    counted; every other bad entry is still refused (validate) or dropped and counted."""
+    a = PagedTokenToKVPoolAllocator(64, 4, validate=validate)
+    held = a.alloc(8)
+    before = allocator_snapshot(a)
+    a.free(torch.tensor([0, -1, 0]), skip_padding=True)
+    assert allocator_snapshot(a) == before and a.errors().rejected_frees == 0
+    a.free(torch.cat((torch.tensor([0, -1]), held)), skip_padding=True)
+    assert a.available_size() == 64 and a.errors().rejected_frees == 0
+    if validate:
+        with pytest.raises(ValueError, match="free_index"):
+            a.free(torch.tensor([0, 40]), skip_padding=True)
+    else:
+        a.free(torch.tensor([0, 40]), skip_padding=True)
+        assert a.errors().rejected_frees == 1

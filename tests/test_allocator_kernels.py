@@ -128,7 +128,8 @@ def _random_calls(tw: Twins, rng: random.Random, steps: int) -> None:
             tw.call(f"{what}({chosen})", lambda a, d: a.free(torch.tensor(chosen, dtype=dtype, device=d)))
         elif op == "bad free" and not dut.validate:
             chosen = [rng.randint(-3, n_slots + 2 * p) for _ in range(rng.randint(1, 6))]
-            tw.call(f"{what}({chosen})", lambda a, d: a.free(torch.tensor(chosen, device=d)))
+            skip = rng.random() < 0.5
+            tw.call(f"{what}({chosen}, skip_padding={skip})", lambda a, d: a.free(torch.tensor(chosen, device=d), skip_padding=skip))
         elif op == "group":
             end = rng.random() < 0.5
             tw.call(f"{what} end={end}", lambda a, d: a.free_group_end() if end else a.free_group_begin())

@@ -128,11 +128,11 @@ def give_back(
     slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr,
     n, n_slots, cap,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
-    SORT: tl.constexpr,
+    SORT: tl.constexpr, SKIP_PADDING: tl.constexpr,
 ):  # fmt: skip
     """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
     put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
-    entries that did not count to ``counters[2]``."""
+    entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``)."""
     lane = tl.arange(0, BLOCK)
     tail = tl.load(counters_ptr)
     if SORT > 0:
@@ -164,7 +164,10 @@ def give_back(
             listed = tl.load(page_free_ptr + page, mask=ok, other=1) != 0
             released = ok & (was == 1) & ~listed
             tl.store(page_free_ptr + page, 1, mask=released)
-            dropped += tl.sum((valid & ~ok).to(tl.int64), 0)
+            if SKIP_PADDING:
+                dropped += tl.sum((valid & ~ok & (s > 0)).to(tl.int64), 0)
+            else:
+                dropped += tl.sum((valid & ~ok).to(tl.int64), 0)
         if DEST == RING:
             rank = tl.cumsum(released.to(tl.int64), 0) - 1
             tl.store(dest_ptr + (tail + placed + rank) % cap, page, mask=released)

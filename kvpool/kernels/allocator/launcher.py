@@ -49,7 +49,7 @@ HAND_OUT_PARAMS = (
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "n",
-    "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT",
+    "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -120,6 +120,7 @@ def give_back(
     count_at: int,
     append: bool = False,
     scratch: Optional[torch.Tensor] = None,
+    skip_padding: bool = False,
 ) -> None:
     """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
     ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
@@ -127,14 +128,15 @@ def give_back(
     ``counters[count_at]`` (unless ``TO_NONE``), dropped entries to ``counters[2]``.
 
     Slots must come sorted ascending unless ``scratch`` (int64, ``GIVE_BACK_SORT_MAX`` entries) is
-    given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it."""
+    given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it.
+    ``skip_padding``: entries <= 0 are not counted as dropped."""
     n = entries.shape[0]
     if n == 0:
         return
     sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries)
     ints = (n, owners.shape[0], cap)
-    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort)
+    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding))
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,

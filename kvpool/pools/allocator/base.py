@@ -231,7 +231,7 @@ class BaseTokenToKVPoolAllocator:
             "PagedTokenToKVPoolAllocator delegate it to their kvcache"
         )
 
-    def free(self, free_index: Indices) -> None:
+    def free(self, free_index: Indices, *, skip_padding: bool = False) -> None:
         """Give slots back. A page returns to the free list once all its handed-out slots are freed.
 
         Inside a free group the slots stop being held at once, but their pages become available only
@@ -240,6 +240,9 @@ class BaseTokenToKVPoolAllocator:
         Parameters
         ----------
         free_index : Tensor [N] integer, on ``device`` or the CPU, or a sequence of ints.
+        skip_padding : entries <= 0 are padding, skipped without an error or a count (a caller whose
+            index tensor holds them where it has no slot, as a full-to-SWA mapping does, frees it
+            without picking them out, which would wait for the device).
 
         Raises
         ------
@@ -256,14 +259,18 @@ class BaseTokenToKVPoolAllocator:
         if slots.numel() == 0:
             return
         if self.validate:
-            slots = self._validated(slots)
+            slots = self._validated(slots[slots > 0] if skip_padding else slots)
+            if slots.numel() == 0:
+                return
         if allocator_kernels.on_kernels(self.device):
             group = None if self.is_not_in_free_group else self._group
             books = (self._owners, self._live, self._page_free)
-            self._lists.take_back(slots, books, self.page_size, group)
+            self._lists.take_back(slots, books, self.page_size, group, skip_padding)
             self._lists.changed()
             return
-        pages, released, dropped = drop_holders(self._owners, self._live, self._page_free, slots, self.page_size)
+        pages, released, dropped = drop_holders(
+            self._owners, self._live, self._page_free, slots, self.page_size, skip_padding
+        )  # fmt: skip
         self._lists.add_rejected(dropped)
         if self.is_not_in_free_group:
             self._lists.give_back(pages, released)

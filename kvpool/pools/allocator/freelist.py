@@ -380,12 +380,13 @@ class FreeLists:
         books: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         page_size: int,
         group: Optional[list[torch.Tensor]],
+        skip_padding: bool = False,
     ) -> None:
         """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, any order) drop
         a holder in ``books`` (owners, live, page_free) and the pages they release go to ``group``
         (a free group's pending list: one tensor, page or -1 per entry), the release list
         (need_sort) or the free list's end; entries that do not count are added to the rejected
-        count. Nothing read back."""
+        count (padding, entries <= 0, aside if ``skip_padding``). Nothing read back."""
         owners, live, page_free = books
         scratch = None
         if slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
@@ -399,7 +400,7 @@ class FreeLists:
             to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
             allocator_kernels.give_back(
                 slots, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to,
-                scratch=scratch,
+                scratch=scratch, skip_padding=skip_padding,
             )  # fmt: skip
             if group is not None:
                 group.append(dest)
@@ -410,7 +411,7 @@ class FreeLists:
             ring = self.ring
             allocator_kernels.give_back(
                 slots, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
-                allocator_kernels.RING, allocator_kernels.TO_TAIL, scratch=scratch,
+                allocator_kernels.RING, allocator_kernels.TO_TAIL, scratch=scratch, skip_padding=skip_padding,
             )  # fmt: skip
             ring.appended_on_device()
         self.add_rejected(None)

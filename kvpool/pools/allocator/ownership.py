@@ -9,7 +9,8 @@ import torch
 
 
 def drop_holders(
-    owners: torch.Tensor, live: torch.Tensor, page_free: torch.Tensor, slots: torch.Tensor, page_size: int
+    owners: torch.Tensor, live: torch.Tensor, page_free: torch.Tensor, slots: torch.Tensor, page_size: int,
+    skip_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Drop one holder of each held slot in ``slots`` and mark free the pages left without holders.
 
@@ -27,12 +28,13 @@ def drop_holders(
     owners, live, page_free : the allocator's bookkeeping (updated in place).
     slots : Tensor [N] int64 on the bookkeeping's device, N >= 1.
     page_size : slots per page.
+    skip_padding : entries <= 0 (padding) change nothing and are not counted as dropped.
 
     Returns
     -------
     pages : Tensor [N] int64, ascending where ``released``: the released pages.
     released : Tensor [N] bool, one true entry per released page.
-    dropped : Tensor [] int64, the entries that did not count.
+    dropped : Tensor [] int64, the entries that did not count (padding aside with ``skip_padding``).
     """
     p = page_size
     n_slots = owners.numel()
@@ -47,7 +49,7 @@ def drop_holders(
         live.index_add_(0, at, minus)
         released = ok & (owners[at] == 0) & ~page_free[at]
         page_free[torch.where(released, at, 0)] = released  # page 0 only ever gets False
-        return at, released, s.numel() - ok.sum()
+        return at, released, _dropped(s, ok, skip_padding)
     page = at // p  # non-decreasing, except for entries at slot 0, whose page 0 is never released
     live.index_add_(0, page, minus)
     # One entry per run of a page (its first), and only for a run that freed something.
@@ -57,4 +59,11 @@ def drop_holders(
     freed = torch.zeros_like(minus).index_add_(0, run, ok.to(torch.int32))
     released = start & (freed[run] > 0) & (live[page] == 0) & ~page_free[page]
     page_free[torch.where(released, page, 0)] = released  # page 0 only ever gets False
-    return page, released, s.numel() - ok.sum()
+    return page, released, _dropped(s, ok, skip_padding)
+
+
+def _dropped(s: torch.Tensor, ok: torch.Tensor, skip_padding: bool) -> torch.Tensor:
+    """Entries of ``s`` that did not count, padding (entries <= 0) aside if ``skip_padding``."""
+    if skip_padding:
+        return (~ok & (s > 0)).sum()
+    return s.numel() - ok.sum()

@@ -103,8 +103,6 @@ class SWATokenToKVPoolAllocator:
         self._checked = self.device.type == "cpu" or self.validate
         self._map = SlotMapping(rows, swa_rows, p, self.device)
         self.full_to_swa_index_mapping = self._map.tensor
-        # Unmapped entries a GPU free handed the SWA part (it drops and counts them as rejected).
-        self._padding = torch.zeros((), dtype=torch.int64, device=self.device)
         self._kvcache = kvcache
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)
@@ -292,10 +290,9 @@ class SWATokenToKVPoolAllocator:
             if swa.numel():
                 self.swa_attn_allocator.free(swa)
         else:
-            # Which entries are mapped is known only on the device: the part drops the others
-            # (slot 0 or -1) without a wait, and counts them, which errors() takes back out.
-            self.swa_attn_allocator.free(swa)
-            self._padding += (swa <= 0).sum()
+            # Which entries are mapped is known only on the device: the part skips the others
+            # (slot 0 or -1, padding) without a wait and without counting them as bad frees.
+            self.swa_attn_allocator.free(swa, skip_padding=True)
         self._map.clear(slots)
 
     def free_group_begin(self) -> None:
@@ -350,7 +347,7 @@ class SWATokenToKVPoolAllocator:
         """Both parts' bad calls so far, summed (entries with no SWA part that a GPU free handed the
         SWA part are not counted). Waits for the device."""
         f, s = self.full_attn_allocator.errors(), self.swa_attn_allocator.errors()
-        return AllocatorErrors(f.rejected_frees + s.rejected_frees - int(self._padding), f.unrecorded + s.unrecorded)
+        return AllocatorErrors(f.rejected_frees + s.rejected_frees, f.unrecorded + s.unrecorded)
 
     def debug_print(self) -> str:
         """One line per part, for logs (reads the device)."""
