@@ -41,6 +41,7 @@ from kvpool.pools import (
     PathStats,
     ReqToTokenPool,
     SWAKVPool,
+    SWASizing,
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
     alloc_extend_naive,
@@ -48,6 +49,7 @@ from kvpool.pools import (
     max_pool_size,
     mla_kv_bytes_per_token,
     plan_hybrid_pools,
+    plan_swa_pools,
 )
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 
@@ -88,6 +90,7 @@ __all__ = [
     "ReqToTokenPool",
     "RowTable",
     "SWAKVPool",
+    "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",
     "TokenToKVPoolAllocator",
@@ -101,6 +104,7 @@ __all__ = [
     "max_pool_size",
     "mla_kv_bytes_per_token",
     "plan_hybrid_pools",
+    "plan_swa_pools",
     "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",

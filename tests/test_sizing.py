@@ -1,6 +1,7 @@
 """Sizing helper: bytes per token and the largest pool that fits a budget, checked against the
 bytes an MHATokenToKVPool and an MLATokenToKVPool actually allocate; for hybrid models, the split of
-one budget between KV slots, state slots and speculative scratch, against what the pools allocate."""
+one budget between KV slots, state slots and speculative scratch, and for sliding-window models
+between the full and SWA parts (and a draft pool), against what the pools allocate."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import kvpool.pools.sizing as sizing_module
 from kvassert import CACHE_DTYPES
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
-from kvpool.pools.sizing import KVGeometry, kv_bytes_per_token, max_pool_size, mla_kv_bytes_per_token, plan_hybrid_pools
+from kvpool.pools.sizing import (
+    KVGeometry,
+    kv_bytes_per_token,
+    max_pool_size,
+    mla_kv_bytes_per_token,
+    plan_hybrid_pools,
+    plan_swa_pools,
+)
+from kvpool.pools.swa_pool import SWAKVPool
 from kvpool.pools.state_params import MambaCacheParams, MambaStateShape
 
 def test_docstring_examples_run():
@@ -245,3 +254,68 @@ def test_too_small_for_tokens_per_request_names_the_bytes():
     state = MambaCacheParams(MambaStateShape(conv=(12, 3), temporal=(2, 4, 8)), layers=[0])
     with pytest.raises(ValueError, match=r"budget_bytes must be at least \d+ .* of 1 request"):
         plan_hybrid_pools(10_000, 1000, state, tokens_per_request=100)
+
+
+# --- sliding-window models: plan_swa_pools -----------------------------------------------------------
+
+
+def _pool_bytes(pool) -> int:
+    return sum(t.numel() * t.element_size() for t in pool.k_buffer + pool.v_buffer)
+
+
+@pytest.mark.parametrize("ratio,page", [(0.5, 4), (1.0, 1), (0.125, 16), (0.3, 8)])
+def test_swa_split_builds_pools_of_exactly_its_bytes_and_is_the_largest_that_fits(ratio, page):
+    """The sizes build an ``SWAKVPool`` whose two parts allocate exactly ``full_bytes`` and
+    ``swa_bytes`` (reserved pages included), within the budget; the SWA part holds the ratio's share
+    rounded down to pages; one page more of the full part would not fit."""
+    full = KVGeometry(2, 8, 2, torch.bfloat16)
+    swa = KVGeometry(1, 16, 3, torch.bfloat16)  # its own head count and dim
+    budget = 300_000
+    s = plan_swa_pools(budget, full, swa, ratio, page_size=page)
+    assert s.size % page == 0 and s.size_swa % page == 0 and s.size_swa >= page
+    assert s.size_swa == max(int(s.size * ratio) // page * page, page)
+    assert s.total_bytes <= budget and s.draft_size == 0 and s.draft_bytes == 0
+    bigger = s.size + page
+    bigger_swa = max(int(bigger * ratio) // page * page, page)
+    assert (bigger + page) * full.bytes_per_token + (bigger_swa + page) * swa.bytes_per_token > budget
+    pool = SWAKVPool(
+        s.size, s.size_swa, page, torch.bfloat16, 2, 8, [1, 3, 4], [0, 2], False, "cpu",
+        swa_head_num=1, swa_head_dim=16, warmup=False,
+    )  # fmt: skip
+    assert _pool_bytes(pool.full_kv_pool) == s.full_bytes
+    assert _pool_bytes(pool.swa_kv_pool) == s.swa_bytes
+
+
+def test_a_draft_pool_gets_the_full_parts_size_after_the_split():
+    """A draft model's pool holds every token its target's full part holds: ``draft_size == size``,
+    its bytes counted in the budget, so the split is made with it."""
+    full, swa = KVGeometry(8, 64, 18, torch.bfloat16), KVGeometry(8, 64, 18, torch.bfloat16)
+    draft = KVGeometry(8, 64, 1, torch.bfloat16)
+    alone = plan_swa_pools(2**28, full, swa, 0.5, page_size=64)
+    with_draft = plan_swa_pools(2**28, full, swa, 0.5, page_size=64, draft=draft)
+    assert with_draft.draft_size == with_draft.size < alone.size
+    assert with_draft.draft_bytes == (with_draft.size + 64) * draft.bytes_per_token
+    assert with_draft.total_bytes <= 2**28
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(swa_full_tokens_ratio=0), "swa_full_tokens_ratio"),
+        (dict(swa_full_tokens_ratio=1.5), "swa_full_tokens_ratio"),
+        (dict(swa_full_tokens_ratio=True), "swa_full_tokens_ratio"),
+        (dict(budget_bytes=-1), "budget_bytes"),
+        (dict(budget_bytes=1000), "budget_bytes must be at least"),
+        (dict(full="8 heads"), "full must be a KVGeometry"),
+        (dict(draft=3), "draft must be a KVGeometry"),
+        (dict(page_size=0), "page_size"),
+    ],
+)
+def test_a_bad_swa_split_names_its_argument(kwargs, match):
+    args = dict(budget_bytes=2**20, full=KVGeometry(2, 8, 2, torch.bfloat16), swa=KVGeometry(2, 8, 2, torch.bfloat16),
+                swa_full_tokens_ratio=0.5)  # fmt: skip
+    args.update(kwargs)
+    page = args.pop("page_size", 4)
+    draft = args.pop("draft", None)
+    with pytest.raises(ValueError, match=match):
+        plan_swa_pools(**args, page_size=page, draft=draft)

@@ -19,10 +19,12 @@ from kvpool.pools.req_to_token import ReqToTokenPool
 from kvpool.pools.sizing import (
     HybridSizing,
     KVGeometry,
+    SWASizing,
     kv_bytes_per_token,
     max_pool_size,
     mla_kv_bytes_per_token,
     plan_hybrid_pools,
+    plan_swa_pools,
 )
 from kvpool.pools.state_params import MambaCacheParams, MambaStateDType, MambaStateShape
 from kvpool.pools.swa_pool import SWAKVPool
@@ -46,6 +48,7 @@ __all__ = [
     "PathStats",
     "ReqToTokenPool",
     "SWAKVPool",
+    "SWASizing",
     "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "alloc_extend_naive",
@@ -53,4 +56,5 @@ __all__ = [
     "max_pool_size",
     "mla_kv_bytes_per_token",
     "plan_hybrid_pools",
+    "plan_swa_pools",
 ]

@@ -297,3 +297,113 @@ def plan_hybrid_pools(
         kv_size, mamba_size, requests if k else 0, requests, (kv_size + page_size) * kv_bytes_per_token,
         state_bytes, spec_bytes,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SWASizing:
+    """How one rank's memory budget splits for a model with sliding-window layers (an
+    ``SWAKVPool``), and for the draft model of speculative decoding beside it.
+
+    Attributes
+    ----------
+    size : slots of the full-attention part (``SWAKVPool``'s ``size``): the tokens that can be held.
+    size_swa : slots of the sliding-window part (``size_swa``), ``swa_full_tokens_ratio`` of ``size``
+        rounded down to whole pages (at least one page).
+    draft_size : slots of the draft model's pool (0 without one): ``size``, the full part's count
+        after the split, since a draft pool holds every token its target holds.
+    full_bytes, swa_bytes, draft_bytes : bytes each pool allocates, its reserved page included.
+    """
+
+    size: int
+    size_swa: int
+    draft_size: int
+    full_bytes: int
+    swa_bytes: int
+    draft_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all the pools: ``full_bytes + swa_bytes + draft_bytes``."""
+        return self.full_bytes + self.swa_bytes + self.draft_bytes
+
+
+def plan_swa_pools(
+    budget_bytes: int,
+    full: KVGeometry,
+    swa: KVGeometry,
+    swa_full_tokens_ratio: float,
+    *,
+    page_size: int = 1,
+    draft: Optional[KVGeometry] = None,
+) -> SWASizing:
+    """Split ``budget_bytes`` between the full-attention and sliding-window parts of an
+    ``SWAKVPool`` so that the SWA part holds ``swa_full_tokens_ratio`` as many tokens as the full
+    part (SGLang's ``--swa-full-tokens-ratio``, 0.8 by default there), and the pool of a draft model
+    (``draft``) as many as the full part.
+
+    The largest page-aligned ``size`` is taken whose pools fit exactly: ``(size + page_size)`` rows of
+    ``full`` (and of ``draft``) plus ``(size_swa + page_size)`` rows of ``swa``, with ``size_swa =
+    floor(size * ratio)`` rounded down to pages and at least one page. SGLang solves the same split
+    from its token count without the reserved pages and sizes a draft pool before it.
+
+    Parameters
+    ----------
+    budget_bytes : memory for the pools (non-negative int).
+    full, swa : the geometries of the full-attention layers and of the sliding-window layers
+        (``layer_num`` of each kind; the SWA layers may have their own head count and dims).
+    swa_full_tokens_ratio : SWA tokens per full token, in (0, 1].
+    page_size : the pools' page size.
+    draft : the draft model's geometry (its layers' KV), or None.
+
+    Returns
+    -------
+    SWASizing, whose sizes build pools that fit in ``budget_bytes``.
+
+    Raises
+    ------
+    ValueError
+        For a ratio outside (0, 1], or a budget that does not hold one page in each pool.
+
+    Examples
+    --------
+    >>> bf16 = torch.bfloat16  # gpt-oss-120b's 18 full and 18 sliding layers, 8 KV heads x 64
+    >>> s = plan_swa_pools(2**30, KVGeometry(8, 64, 18, bf16), KVGeometry(8, 64, 18, bf16), 0.5, page_size=64)
+    >>> s.size, s.size_swa, s.total_bytes <= 2**30
+    (19328, 9664, True)
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+    if isinstance(swa_full_tokens_ratio, bool) or not isinstance(swa_full_tokens_ratio, (int, float)) or not (
+        0 < swa_full_tokens_ratio <= 1
+    ):
+        raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {swa_full_tokens_ratio!r}")
+    for g, name in ((full, "full"), (swa, "swa"), (draft, "draft")):
+        if not (g is None and name == "draft") and not isinstance(g, KVGeometry):
+            raise ValueError(f"{name} must be a KVGeometry, got {type(g).__name__}")
+    p = positive_int(page_size, "page_size")
+    f = full.bytes_per_token + (draft.bytes_per_token if draft is not None else 0)
+    s = swa.bytes_per_token
+
+    def swa_size(size: int) -> int:
+        return max(int(size * swa_full_tokens_ratio) // p * p, p)
+
+    def fits(size: int) -> bool:
+        return (size + p) * f + (swa_size(size) + p) * s <= budget_bytes
+
+    # The exact split of the budget, then down by pages until the rounded sizes fit.
+    size = max(int((budget_bytes - p * (f + s)) / (f + swa_full_tokens_ratio * s)) // p * p, p)
+    while size > p and not fits(size):
+        size -= p
+    while fits(size + p):  # the SWA part's rounding down may leave room for more
+        size += p
+    if not fits(size):
+        raise ValueError(
+            f"budget_bytes must be at least {2 * p * (f + s)} (a reserved page and one more in each pool), "
+            f"got {budget_bytes}"
+        )
+    size_swa = swa_size(size)
+    draft_size = size if draft is not None else 0
+    return SWASizing(
+        size, size_swa, draft_size, (size + p) * full.bytes_per_token, (size_swa + p) * s,
+        (size + p) * draft.bytes_per_token if draft is not None else 0,
+    )  # fmt: skip
