@@ -183,12 +183,12 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
             r = self.reqs[min(self.reqs)]
             n = len(r["full"])
             if n % p:  # a last_loc one slot off the request's page offset
-                calls[which % 2] = (lambda: ext(a, [n], [n + 1], [r["full"][-1] - 1]), ValueError)
+                calls[which % 2] = (lambda: ext(a, [n], [n + 1], [r["full"][-1] - 1]), (ValueError, IndexError))
             elif r["gone"] == 0 and n > 1:  # the token before last: wrong offset for a new page's start
                 calls[which % 2] = (lambda: ext(a, [n - 1], [n], [r["full"][-1] + 1]), (ValueError, IndexError))
-        if self.validate:  # a full slot nobody holds: a double free or one never allocated
-            held = {s for r in self.reqs.values() for s in r["full"]}
-            unheld = [s for s in range(p, a.size_full + p) if s not in held]
+        held = {s for r in self.reqs.values() for s in r["full"]}
+        unheld = [s for s in range(p, a.size_full + p) if s not in held]
+        if self.validate and unheld:  # a full slot nobody holds: a double free or one never allocated
             held_one = sorted(held)[:1]
             calls[2 + which % 2] = (lambda: a.free(T(held_one + unheld[:1])), ValueError)
         call, error = calls[which]
