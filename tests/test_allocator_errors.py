@@ -147,3 +147,16 @@ def test_padding_entries_are_skipped_uncounted_with_skip_padding(validate):
     else:
         a.free(torch.tensor([0, 40]), skip_padding=True)
         assert a.errors().rejected_frees == 1
+
+
+@pytest.mark.parametrize("bs", [2, 129])  # the lengths are summed in Python up to 128 requests, as tensors above
+def test_lengths_past_the_bound_are_refused_and_change_nothing(bs):
+    """CPU lengths whose sums would overflow int64 on the tensor path: refused naming
+    ``seq_lens_cpu``, on both paths, before anything changes."""
+    big = 2**63 - 1
+    pre, seq = torch.full((bs,), big - 3), torch.full((bs,), big)
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    before = allocator_snapshot(a)
+    with pytest.raises(ValueError, match="seq_lens_cpu must be below"):
+        a.alloc_extend(pre, pre, seq, seq, torch.full((bs,), -1), 3 * bs)
+    assert allocator_snapshot(a) == before and a.available_size() == 64

@@ -214,3 +214,29 @@ def test_the_bookkeeping_kernels_compile_for_every_target():
     assert hopper == hand_outs | give_backs
     sorts = {v["consts"][5] for v in compiled if v["kernel"] == "give_back" and v["target"] == "sm90"}
     assert sorts == {0, 16, allocator_kernels.GIVE_BACK_SORT_MAX}
+
+
+@pytest.mark.parametrize("view", ["a table's column", "an expand", "every other entry"])
+def test_strided_views_free_and_extend_what_they_name(kernel_device, view):
+    """Index and length tensors that are views with strides (a column of a table, a stride-0 expand,
+    a slice with a step): the kernels read the entries the views name, as the PyTorch path does."""
+    tw = Twins(kernel_device, 4, False, False, False, pages=16)
+    tw.call("alloc", lambda a, d: a.alloc(16))
+
+    def strided(d):
+        held = torch.arange(4, 20, device=d)
+        if view == "a table's column":
+            return torch.stack((held, held + 100), 1)[:6, 0]
+        if view == "an expand":
+            return held[5:6].expand(3)
+        return held[::2]
+
+    tw.call(f"free of {view}", lambda a, d: a.free(strided(d)))
+    seq_c = torch.tensor([3, 5, 2])
+    seq_rows = torch.tensor([3, 7, 5, 7, 2, 7])
+
+    def extend(a, d):
+        z = torch.zeros(3, dtype=torch.int64, device=d)
+        return a.alloc_extend(z, z.cpu(), seq_rows.to(d)[::2], seq_c, torch.full((3,), -1, device=d), 10)
+
+    tw.call("alloc_extend with strided seq_lens", extend)

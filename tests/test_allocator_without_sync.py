@@ -120,3 +120,25 @@ def test_no_allocator_call_waits_for_the_gpu_without_validate(need_sort):
     assert paged.errors().rejected_frees == 0 and paged.available_size() == (1 << 16) - 128
     token.check_integrity()
     paged.check_integrity()
+
+
+@pytest.mark.gpu
+def test_on_a_second_gpu_the_counts_copied_back_are_waited_for_on_its_stream():
+    """An allocator on a device that is not the current one: the copy of a free's counts runs on
+    that device's stream, so its landing is judged there; a copy still queued behind that device's
+    work is not taken for the counts (which would count pages still held as free)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.cuda.set_device(0)
+    a = PagedTokenToKVPoolAllocator(4096, 4, device="cuda:1")
+    held = a.alloc(4096)
+    state = a.backup_state()
+    a.free(held)
+    torch.cuda.synchronize(1)
+    assert a.available_size() == 4096
+    with torch.cuda.device(1):
+        torch.cuda._sleep(2_000_000_000)  # the next copy waits behind this on cuda:1
+    a.restore_state(state)  # every slot held again
+    assert a.available_size() == 0 and a.alloc(16) is None
+    torch.cuda.synchronize(1)
+    a.check_integrity()

@@ -167,6 +167,19 @@ def test_need_sort_hands_out_low_pages_first_in_both_parts():
     a.check_integrity()
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32])
+def test_a_last_loc_of_any_integer_dtype_continues_both_parts(dtype):
+    """The parts take ``last_loc`` of any integer dtype; its translation for the SWA part does too."""
+    a = SWATokenToKVPoolAllocator(64, 20, 4)
+    first = ext(a, [0], [3], [-1])  # slots 4, 5, 6 in both parts
+    pre, seq = torch.tensor([3]), torch.tensor([5])
+    more = a.alloc_extend(pre, pre, seq, seq, torch.tensor([6], dtype=dtype), 2)
+    assert more.tolist() == [7, 8] and a.translate_loc_from_full_to_swa(more).tolist() == [7, 8]
+    step = a.alloc_decode(torch.tensor([6]), torch.tensor([6]), torch.tensor([8], dtype=dtype))
+    assert step.tolist() == [9] and first.tolist() == [4, 5, 6]
+    a.check_integrity()
+
+
 def test_on_a_gpu_unmapped_entries_of_a_free_are_dropped_by_the_swa_part_and_not_reported():
     a = swa_as_on_gpu(SWATokenToKVPoolAllocator(16, 8, 4))
     full = a.alloc(8)

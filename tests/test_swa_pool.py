@@ -175,6 +175,39 @@ def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
         assert torch.equal(a[rows], b[rows]), f"buffer {i}"
 
 
+def test_calibration_observes_each_layer_in_its_part_and_keys_the_scales_by_global_id():
+    """Maxima and calibrated scales of every layer are those of a plain pool of its part written
+    with the same rows at the same (translated) slots, keyed by the model's global layer ids."""
+    pool = registered(torch.float8_e4m3fn)
+    assert pool.kv_amax is None
+    pool.observe_amax()
+    twins = {part: plain_twin(pool, part) for part in ("swa", "full")}
+    for twin in twins.values():
+        twin.observe_amax()
+    loc = [1, 9, 3, -1, 17, 5]
+    g = torch.Generator().manual_seed(5)
+    for layer in sorted(SWA_LAYERS + FULL_LAYERS):
+        k = (torch.randn(len(loc), 3, 16, generator=g) * (layer + 1)).to(DEVICE)
+        v = (torch.randn(len(loc), 3, 8, generator=g) * (layer + 2)).to(DEVICE)
+        pool.set_kv_buffer(Layer(layer), loc_of(loc), k, v, 1.0, 1.0)
+        part, ids = ("swa", SWA_LAYERS) if layer in SWA_LAYERS else ("full", FULL_LAYERS)
+        at = translated(loc, PAIRS, FULL_ROWS) if part == "swa" else loc
+        twins[part].set_kv_buffer(None, loc_of(at), k, v, 1.0, 1.0, layer_id_override=ids.index(layer))
+    scales = pool.calibrated_scales(margin=1.25, per_head=True)
+    assert sorted(scales) == sorted(SWA_LAYERS + FULL_LAYERS)
+    for part, ids in (("swa", SWA_LAYERS), ("full", FULL_LAYERS)):
+        want = twins[part].calibrated_scales(margin=1.25, per_head=True)
+        for i, layer in enumerate(ids):
+            for got, expected in zip(scales[layer], want[i]):
+                assert_same_bytes(got.view(torch.uint8), expected.view(torch.uint8), f"layer {layer} scale")
+            assert_same_bytes(pool.kv_amax[layer].view(torch.uint8), twins[part].kv_amax[i].view(torch.uint8),
+                              f"layer {layer} maxima")  # fmt: skip
+    pool.reset_amax()
+    assert all(float(a.abs().sum()) == 0 for a in pool.kv_amax.values())
+    with pytest.raises(ValueError, match="enabled"):
+        pool.observe_amax("yes")
+
+
 def test_translate_loc_from_full_to_swa_matches_the_mapping_and_sglangs_int32():
     pool = registered()
     loc = [1, 3, -1, 25, 1000, 24, -7]

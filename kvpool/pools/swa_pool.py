@@ -360,6 +360,39 @@ class SWAKVPool:
         self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)
         self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)
 
+    # --- calibration -----------------------------------------------------------------------------
+
+    def observe_amax(self, enabled: bool = True) -> None:
+        """Both pools' ``observe_amax``: every write folds its maxima into its pool's ``kv_amax``."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be a bool, got {enabled!r}")
+        self.full_kv_pool.observe_amax(enabled)
+        self.swa_kv_pool.observe_amax(enabled)
+
+    def reset_amax(self) -> None:
+        """Both pools' ``reset_amax``."""
+        self.full_kv_pool.reset_amax()
+        self.swa_kv_pool.reset_amax()
+
+    @property
+    def kv_amax(self) -> Optional[dict[int, torch.Tensor]]:
+        """Each layer's maxima ``[2, heads]`` (K, V) keyed by global layer id (views of the pools'
+        ``kv_amax``), or None before observation was first enabled."""
+        full, swa = self.full_kv_pool.kv_amax, self.swa_kv_pool.kv_amax
+        if full is None or swa is None:
+            return None
+        return {g: (swa if is_swa else full)[i] for g, (i, is_swa) in self.layers_mapping.items()}
+
+    def calibrated_scales(
+        self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's calibrated ``(k_scale, v_scale)`` from its own pool's
+        ``MHATokenToKVPool.calibrated_scales`` (same rule, arguments and errors), keyed by global
+        layer id."""
+        full = self.full_kv_pool.calibrated_scales(margin, per_head, dtype)
+        swa = self.swa_kv_pool.calibrated_scales(margin, per_head, dtype)
+        return {g: (swa if is_swa else full)[i] for g, (i, is_swa) in sorted(self.layers_mapping.items())}
+
 
 def _layer_ids(ids: object, name: str) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):

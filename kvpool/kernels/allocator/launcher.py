@@ -62,10 +62,10 @@ def on_kernels(device: torch.device) -> bool:
     return uses_kernel(device, kernel_on_cpu)
 
 
-def _wide(ints: tuple[int, ...]) -> bool:
+def _wide(ints: tuple[int, ...]) -> tuple[bool, ...]:
     """What the compiled kernel depends on of its integer arguments (all non-negative; it specialises
-    on no value): whether any needs 64 bits."""
-    return max(ints) > 0x7FFFFFFF
+    on no value): which need 64 bits (Triton types each on its own)."""
+    return tuple(v > 0x7FFFFFFF for v in ints)
 
 
 def hand_out(
@@ -89,7 +89,9 @@ def hand_out(
     total = out.shape[0]
     if total == 0 and count == 0:
         return
-    pre, seq, last = lens if lens is not None else (out, out, out)
+    # The kernel reads entry j at base + j: a strided view (a column of a table, an expand) is
+    # copied first; a contiguous one is passed as it is.
+    pre, seq, last = (t.contiguous() for t in lens) if lens is not None else (out, out, out)
     bs = seq.shape[0] if lens is not None else 0
     n_slots = owners.shape[0]
     ever_t = ever if ever is not None else page_free
@@ -133,6 +135,7 @@ def give_back(
     n = entries.shape[0]
     if n == 0:
         return
+    entries = entries.contiguous()  # read at base + j (a strided view is copied first)
     sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries)
     ints = (n, owners.shape[0], cap)

@@ -49,6 +49,10 @@ def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
 # --- 1. arguments on the host ------------------------------------------------------------------------
 
 
+#: Sequence lengths must be below this (a trillion tokens): the sums of a batch's lengths and pages
+#: then fit in int64 whatever the batch, on the tensor path as in Python.
+MAX_SEQ_LEN = 2**40
+
 #: Batches up to this many requests have their CPU lengths summed and checked in Python: below it a
 #: loop over a list costs less than the half-dozen tensor operations it replaces.
 SMALL_BATCH = 128
@@ -102,22 +106,26 @@ def _tensor(t: object, name: str) -> None:
 
 
 def extend_lengths(pre_c: torch.Tensor, seq_c: torch.Tensor, extend_num_tokens: object, page_size: int) -> tuple[int, int]:
-    """CPU lengths of ``alloc_extend``: ``0 <= prefix_lens <= seq_lens``, and ``extend_num_tokens``
-    their difference's sum. Returns ``(tokens, fresh pages)``: that sum, and the pages the extension
+    """CPU lengths of ``alloc_extend``: ``0 <= prefix_lens <= seq_lens < MAX_SEQ_LEN``, and
+    ``extend_num_tokens`` their difference's sum. Returns ``(tokens, fresh pages)``: that sum, and the pages the extension
     takes, ``sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))``. A handful of
     operations whatever the batch (this runs on every scheduler step)."""
     p = page_size
     if pre_c.shape[0] <= SMALL_BATCH:
         pre, seq = pre_c.tolist(), seq_c.tolist()
+        longest = max(seq, default=0)
         total = sum(seq) - sum(pre)
         bad = bool(pre) and (min(pre) < 0 or min(map(int.__sub__, seq, pre)) < 0)
         fresh = sum((s + p - 1) // p for s in seq) - sum((q + p - 1) // p for q in pre)
     else:
+        longest = int(seq_c.max())
         ext = seq_c - pre_c
         total = int(ext.sum())
         bad = int(torch.minimum(pre_c, ext).min()) < 0
         pages = ((torch.stack((seq_c, pre_c)) + (p - 1)) // p).sum(1).tolist()
         fresh = pages[0] - pages[1]
+    if longest >= MAX_SEQ_LEN:
+        raise ValueError(f"seq_lens_cpu must be below {MAX_SEQ_LEN} tokens, got {longest}")
     if bad:
         if bool((pre_c < 0).any()):
             raise ValueError(f"prefix_lens_cpu must be >= 0, got {pre_c.tolist()}")

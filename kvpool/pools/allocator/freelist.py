@@ -184,6 +184,7 @@ class CountMirror:
 
     def __init__(self, n: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
+        self._device = device
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
         self._event = torch.cuda.Event() if cuda else None
         self._tag: Optional[object] = None
@@ -193,7 +194,8 @@ class CountMirror:
         back with them. A copy not yet polled is replaced."""
         self._host.copy_(counters, non_blocking=self._event is not None)
         if self._event is not None:
-            self._event.record()
+            # The copy runs on the counters' device's stream, which need not be the current device's.
+            self._event.record(torch.cuda.current_stream(self._device))
         self._tag = tag
 
     def poll(self) -> Optional[tuple[list[int], object]]:
@@ -345,6 +347,8 @@ class FreeLists:
         """The first ``count`` free pages, or None if too few. Changes nothing. Decided from the host
         counts; reads the device only when they are short of ``count`` while a count is outstanding.
         O(count) unless the release list must be merged in."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0 pages, got {count}")
         self.poll()
         ring = self.ring
         if count > len(ring) and not self.exact():

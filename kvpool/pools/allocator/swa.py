@@ -245,7 +245,8 @@ class SWATokenToKVPoolAllocator:
         and record the mapping. Both parts have room (``_room``). Where the SWA part's checks may
         refuse what the full part accepted (``_checked``) the full part is backed up first and put
         back; elsewhere its host checks, the full part's, have passed already."""
-        swa_last = self._map.translate(last_loc)
+        # The parts take any integer dtype; the translation indexes with it, so as int64.
+        swa_last = self._map.translate(last_loc if last_loc.dtype == torch.int64 else last_loc.to(torch.int64))
         backup = self.full_attn_allocator.backup_state() if self._checked else None
         full = call(self.full_attn_allocator, last_loc)
         try:
