@@ -33,7 +33,8 @@ equals HF's greedy ``generate`` of each prompt alone and the logits are within `
 (else exit 1); bf16 and FP8 pools report token agreement and KL against HF, and must generate what HF
 generates through a cache that rounds K/V as the pool does (HF's own sliding cache, which keeps the
 last ``sliding_window - 1`` tokens of a local layer); every slot of both parts is back at the end.
-The ``SWAKVPool`` has no calibration, so FP8 runs at scale 1.0 only.
+FP8 pools run at scale 1.0 and with the scales the pool's own calibration gives (each layer's from
+its part, keyed by layer id), when the ``SWAKVPool`` offers ``calibrated_scales``.
 
 ``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}``: the model is
 ``Gemma3ForCausalLM(Gemma3TextConfig(**config))`` built in float32 right after
@@ -44,7 +45,7 @@ The ``SWAKVPool`` has no calibration, so FP8 runs at scale 1.0 only.
     python examples/gemma3_runner.py --config small --device cuda --json out.json
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (``--prefix-cache`` is refused:
-there is no sliding-window radix cache in the runners yet; page size 1 is refused: the SWA allocator
+there is no sliding-window radix cache in the runners; page size 1 is refused: the SWA allocator
 extends requests page by page).
 
 Needs ``transformers`` >= 5 with ``gemma3`` (the ``model`` extra: ``pip install -e ".[model]"``).
@@ -324,11 +325,17 @@ def memory_line(m: dict[str, int]) -> str:
 RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(20, 40), new_tokens=(6, 20), page_size=4, chunk_size=16)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the description's paragraphs kept as written."""
+
+
 def make_parser() -> argparse.ArgumentParser:
+    paragraphs = __doc__.split("\n\n")
+    rule = next(t for t in paragraphs if t.startswith("The attention is"))
+    exits = next(t for t in paragraphs if t.startswith("Exit status"))
     p = argparse.ArgumentParser(
-        prog=PROGRAM, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Refused: --prefix-cache (no sliding-window radix cache in the runners) and --page-size 1 "
-        "(the SWA allocator extends requests page by page).",
+        prog=PROGRAM, description="\n\n".join(paragraphs[:2]), epilog=f"{rule}\n\n{exits}",
+        formatter_class=HelpFormatter,
     )  # fmt: skip
     p.add_argument("--config", choices=sorted(SHAPES), default="tiny", help="model shape preset")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
