@@ -275,3 +275,36 @@ def test_gemma3_runner_rejects_pools_of_another_geometry():
     other = gemma3_runner.SWAPools(pools.kv, pools.window + 1, pools.sizing, pools.all_layers_bytes)
     with pytest.raises(ValueError, match=r"pools must have \(KV heads, head_dim, SWA layers, full layers, window\)"):
         gemma3_runner.Gemma3Runner(model, other)
+
+
+def test_gemma3_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
+    """FP8 pool with every write on the fused kernel (Triton's interpreter without a GPU; a local
+    layer's write at the slots the mapping translates to) against the reference path: the writes are
+    bit-identical, so the generations are too."""
+    cfg = replace(TINY, prompts=2, batch=2, prompt_len=(12, 16), new_tokens=(3, 4), chunk_size=None,
+                  device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    arch = gemma3_runner.GEMMA3
+    model = arch.build_model(cfg)
+    prompts = runners.make_prompts(cfg)
+    dtype = torch.float8_e4m3fn
+    monkeypatch.setenv("KVPOOL_FUSED", "never")
+    reference = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    fused = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0
+    assert fused.allocators_ok and reference.allocators_ok
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.gpu
+def test_gemma3_on_cuda_every_write_takes_the_fused_kernel():
+    rep = gemma3_runner.run(replace(TINY, device="cuda"))
+    summary = gemma3_runner.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok, summary
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded.identical, summary
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+        assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
