@@ -265,7 +265,9 @@ def run(cfg: RunConfig, opts: GemmaOptions = GemmaOptions(), log: Optional[Any] 
     if cfg.prefix_cache:
         raise ValueError("--prefix-cache is not available for Gemma 3: the runners have no sliding-window radix cache")
     if cfg.page_size < 2:
-        raise ValueError(f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}")
+        raise ValueError(
+            f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}"
+        )
     if opts.json_path is not None and (cfg.model_dtype != "fp32" or "fp32" not in cfg.pool_dtypes):
         raise ValueError("--json describes an fp32 model's fp32 pool: needs --model-dtype fp32 and fp32 in --dtypes")
     report = rc.run(cfg, GEMMA3, log)
@@ -293,6 +295,7 @@ def format_summary(rep: Report) -> str:
     """The shared summary, with the window and, after each pool's lines, its sliding-window memory."""
     lines = rc.format_summary(rep).split("\n")
     out: list[str] = []
+    window = rep.config.shape.sliding_window  # type: ignore[attr-defined]
     runs = iter(rep.runs)
     block = None  # the run whose lines are being copied
     for line in lines:
@@ -301,7 +304,7 @@ def format_summary(rep: Report) -> str:
             block = None
         if line.startswith("  pool "):
             if not any(o.startswith("  window") for o in out):
-                out.append(f"  window      {rep.config.shape.sliding_window} tokens (local layers: q - window < k <= q)")  # type: ignore[attr-defined]
+                out.append(f"  window      {window} tokens (local layers: q - window < k <= q)")
             block = next(runs)
         out.append(line)
     return "\n".join(out)
