@@ -308,3 +308,25 @@ def test_gemma3_on_cuda_every_write_takes_the_fused_kernel():
             assert r.vs_rounded.identical, summary
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
         assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
+
+
+def test_gemma3_admission_waits_for_room_in_the_swa_part(report):
+    """A full part with room for every request and a SWA part with room for one request's largest
+    live window: requests run one at a time, and still generate what transformers generates."""
+    cfg = TINY
+    arch = gemma3_runner.GEMMA3
+    model = arch.build_model(cfg)
+    prompts = runners.make_prompts(cfg)
+    roomy = arch.make_pool(cfg, model, torch.float32)
+    step = min(cfg.prompt_len[1], cfg.chunk_size)
+    one = gemma3_runner.swa_pages(cfg.shape.sliding_window, cfg.page_size, step, cfg.max_context_len) * cfg.page_size
+    g = gemma3_runner.swa_geometry(model)
+    kv = gemma3_runner.SWAKVPool(
+        roomy.size, one, cfg.page_size, torch.float32, g.kv_heads, g.head_dim, g.swa_layers, g.full_layers, False, "cpu"
+    )  # fmt: skip
+    pools = gemma3_runner.SWAPools(kv, roomy.window, replace(roomy.sizing, size_swa=one), roomy.all_layers_bytes)
+    with runners.cpu_threads(cfg):
+        res = runners.serve(model, pools, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size)
+    (fp32,) = [r for r in report.runs if r.dtype == "fp32"]  # identical to HF's
+    assert res.peak_running == 1 and res.allocators_ok
+    assert [g.tokens for g in res.generations] == [g.tokens for g in fp32.result.generations]
