@@ -29,6 +29,7 @@ class ServeResult:
     accept_lengths: list[int] = field(default_factory=list)  # per request and verify step: drafts accepted
     prompt_tokens: int = 0  # with a prefix cache: the admitted prompts' tokens, and those it held
     cached_tokens: int = 0
+    memory: dict[str, int] = field(default_factory=dict)  # the scheduler's own figures (its ``memory``), if any
 
     @property
     def generated_tokens(self) -> int:
@@ -115,6 +116,7 @@ class Report:
     program: str
     model_name: str
     notes: list[str] = field(default_factory=list)
+    allocator_name: str = "PagedTokenToKVPoolAllocator"
 
     @property
     def fp32_check(self) -> Optional[bool]:

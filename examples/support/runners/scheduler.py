@@ -87,7 +87,7 @@ class Scheduler:
     A step prefills requests whose prompt is not all in the pool yet if there are any (in admission
     order, at most ``chunk_size`` prompt tokens in all; None: whole prompts), else decodes all running
     ones. A subclass that holds more per request than a table row overrides ``_take_row`` and
-    ``_give_back_row``.
+    ``_give_back_row``; one whose pool needs another allocator overrides ``_make_allocator``.
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class Scheduler:
             positive_int(chunk_size, "chunk_size")
         self.device = pool.device
         self.page_size = pool.page_size
-        self.allocator = PagedTokenToKVPoolAllocator(pool.size, pool.page_size, pool.dtype, pool.device, pool)
+        self.allocator = self._make_allocator(pool)
         self.capacity = self.allocator.available_size()
         self.table = self._make_table(max_running, max_context_len, pool.device)
         self.max_context_len = max_context_len
@@ -106,6 +106,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.peak_running = 0
+
+    def _make_allocator(self, pool: KVCache) -> Any:
+        return PagedTokenToKVPoolAllocator(pool.size, pool.page_size, pool.dtype, pool.device, pool)
 
     def _make_table(self, max_running: int, max_context_len: int, device: torch.device) -> Any:
         return ReqToTokenPool(max_running, max_context_len, device)

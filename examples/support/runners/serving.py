@@ -45,6 +45,7 @@ class Architecture:
 
     program = "model_runner"
     model_name = "PreTrainedModel"
+    allocator_name = "PagedTokenToKVPoolAllocator"  # what the scheduler allocates with (the summary names it)
 
     def build_model(self, cfg: RunConfig) -> PreTrainedModel:
         raise NotImplementedError
@@ -112,6 +113,7 @@ def serve(
     res.reasons = {k: v - reasons0.get(k, 0) for k, v in stats.reasons.items() if v != reasons0.get(k, 0)}
     res.prompt_tokens = getattr(sched, "prompt_tokens", 0)
     res.cached_tokens = getattr(sched, "cached_tokens", 0)
+    res.memory = dict(getattr(sched, "memory", {}))
     try:
         sched.check_integrity()
     except RuntimeError as e:
@@ -169,7 +171,10 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
     prompts = make_prompts(cfg)
     progress(f"HF generate of {len(prompts)} prompts (the reference)")
     hf = hf_reference(model, prompts)
-    report = Report(cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name)
+    report = Report(
+        cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name,
+        allocator_name=arch.allocator_name,
+    )  # fmt: skip
 
     def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
         dtype = DTYPES[name]

@@ -36,7 +36,7 @@ def format_summary(rep: Report) -> str:
         f"kvpool {rep.program}: {rep.model_name} ({cfg.shape.describe()}), {cfg.model_dtype} weights, "
         f"seed {cfg.seed}, on {rep.device}",
         f"  requests    {cfg.prompts} prompts of {lo}-{hi} tokens asking {cfg.new_tokens[0]}-{cfg.new_tokens[1]} "
-        f"new tokens, at most {cfg.batch} running{chunks}; PagedTokenToKVPoolAllocator(page_size={cfg.page_size})",
+        f"new tokens, at most {cfg.batch} running{chunks}; {rep.allocator_name}(page_size={cfg.page_size})",
         f"  reference   transformers {rep.transformers_version}: generate(do_sample=False) of each prompt alone; "
         f"'rounded': through a cache that rounds K/V as the pool does",
     ]

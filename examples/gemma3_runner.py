@@ -1,0 +1,369 @@
+"""Serve prompts with a Gemma 3 model whose KV cache lives in kvpool's sliding-window pool, and check it
+against transformers.
+
+Gemma 3 (``Gemma3ForCausalLM``, text only) has five local layers to one global: a local layer attends
+over a sliding window of the last ``sliding_window`` tokens (RoPE base 10,000), a global layer over the
+whole context (RoPE base 1,000,000). The model here is a small seeded random-init one built locally,
+with a window shorter than the prompts, so the window decides what each local layer sees.
+
+- The pool is an ``SWAKVPool``: the local layers' K/V in its SWA part, the global layers' in its full
+  part, the two parts sized by ``plan_swa_pools`` (the full part holds every token of the running
+  requests, the SWA part only their live windows). The scheduler keeps a ``ReqToTokenPool`` and a
+  ``SWATokenToKVPoolAllocator`` (page size > 1) and batches continuously, with chunked prefill; after
+  every step each request gives back, with ``free_swa``, the SWA part of its whole pages whose tokens
+  all left the window, and ``free`` gives back the rest when it finishes. Every step ends with the
+  allocator's ``check_integrity()``, a check that each request's live window is mapped, and a check
+  that the SWA part holds at most a live window and a page per request.
+- The model runner calls the HF modules for everything but attention: the embedding (scaled by
+  sqrt(hidden)), the RMSNorms (Gemma's ``1 + weight``, before and after attention and MLP), the q/k
+  norms, the projections, the local and global rotary embeddings, the MLP, the final norm, the LM head
+  and the final logit soft-capping. Each layer writes the step's K/V with ``pool.set_kv_buffer``
+  (global layer ids: the pool routes a local layer's write through the full-to-SWA mapping) and
+  attends over rows read back from its part: a global layer over each request's slots from
+  ``req_to_token``, a local layer over those of its window translated through the mapping
+  (``translate_loc_from_full_to_swa``); a key inside the window without a SWA slot is an error.
+
+The attention is transformers' eager attention: scores scaled by ``query_pre_attn_scalar ** -0.5``,
+no score soft-capping (HF's ``Gemma3Attention`` passes none, whatever ``attn_logit_softcapping``
+says), a causal mask, and for local layers the window rule of ``masking_utils.sliding_window_overlay``:
+the query at position q sees the keys at positions k with ``q - sliding_window < k <= q``.
+
+Checks, as the Llama runner's (docs there): with an fp32 model and an fp32 pool every generated token
+equals HF's greedy ``generate`` of each prompt alone and the logits are within ``LOGIT_RTOL``
+(else exit 1); bf16 and FP8 pools report token agreement and KL against HF, and must generate what HF
+generates through a cache that rounds K/V as the pool does (HF's own sliding cache, which keeps the
+last ``sliding_window - 1`` tokens of a local layer); every slot of both parts is back at the end.
+FP8 pools run at scale 1.0 and with the scales the pool's own calibration gives (each layer's from
+its part, keyed by layer id), when the ``SWAKVPool`` offers ``calibrated_scales``.
+
+``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}``: the model is
+``Gemma3ForCausalLM(Gemma3TextConfig(**config))`` built in float32 right after
+``torch.manual_seed(seed)``, so anyone can rebuild it and compare.
+
+    python examples/gemma3_runner.py                       # tiny config, a few seconds on a CPU
+    python examples/gemma3_runner.py --dtypes fp32 --sliding-window 6 --chunk-size 8
+    python examples/gemma3_runner.py --config small --device cuda --json out.json
+
+Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (``--prefix-cache`` is refused:
+there is no sliding-window radix cache in the runners; page size 1 is refused: the SWA allocator
+extends requests page by page).
+
+Needs ``transformers`` >= 5 with ``gemma3`` (the ``model`` extra: ``pip install -e ".[model]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
+from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
+from support.runners import (  # noqa: E402, F401  (re-exported: the tests use them here)
+    DTYPES,
+    KV_LEN_MULTIPLE,
+    LOGIT_RTOL,
+    Architecture,
+    ForwardBatch,
+    Report,
+    RunConfig,
+    Scales,
+    attention_mask,
+    grouped_attention,
+    make_prompts,
+    read_rows,
+    unit_scales,
+)
+from support.runners.gemma3_model import (  # noqa: E402, F401  (the tests use them here)
+    SHAPES,
+    GemmaShape,
+    StepMemory,
+    SWAPools,
+    SWAScheduler,
+    build_model,
+    make_pool,
+    plan_pools,
+    swa_geometry,
+    swa_pages,
+    text_config,
+)
+
+from kvpool import SWAKVPool  # noqa: E402
+
+from transformers import Gemma3ForCausalLM  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb  # noqa: E402
+
+PROGRAM = "gemma3_runner"
+
+
+# --- the model runner ------------------------------------------------------------------------------
+
+
+def window_keys(batch: ForwardBatch, kv: SWAKVPool, window: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a local layer reads in ``batch``: per request the positions from ``start - window + 1``
+    (its first query's oldest visible key) to its last token, as SWA slots ``[B, Lw]`` (0 where
+    padded) and the mask ``[B, 1, G*Tq, Lw]`` of the window rule ``q - window < k <= q``.
+
+    Raises RuntimeError if a visible key's full slot has no SWA slot (its SWA part was given back)."""
+    dev = batch.kv_slots.device
+    starts = torch.tensor(batch.starts, dtype=torch.int64, device=dev)
+    ends = starts + torch.tensor(batch.counts, dtype=torch.int64, device=dev)
+    first = (starts - window + 1).clamp(min=0)
+    span = int((ends - first).max())
+    width = -(-span // KV_LEN_MULTIPLE) * KV_LEN_MULTIPLE
+    pos = first[:, None] + torch.arange(width, device=dev)[None, :]  # [B, Lw]: each column's position
+    inside = pos < ends[:, None]
+    full = torch.where(inside, batch.kv_slots.gather(1, pos.clamp(max=batch.kv_slots.shape[1] - 1)), 0)
+    swa = kv.translate_loc_from_full_to_swa(full).to(torch.int64)
+    q = batch.q_positions[:, :, None]  # [B, Tq, 1]
+    sees = (pos[:, None, :] <= q) & (pos[:, None, :] > q - window)  # [B, Tq, Lw]
+    sees &= batch.token_mask[:, :, None]
+    if bool((sees & (swa[:, None, :] <= 0)).any()):
+        raise RuntimeError("a key inside a local layer's window has no SWA slot: its SWA part was given back")
+    sees[:, :, 0] |= ~batch.token_mask  # padded query rows see one key (every key masked would be NaN)
+    b, tq, lw = sees.shape
+    return swa, sees[:, None].expand(b, groups, tq, lw).reshape(b, 1, groups * tq, lw)
+
+
+class PooledGemmaAttention:
+    """One Gemma 3 attention layer: HF's projections, q/k norms and RoPE; K/V written to the
+    ``SWAKVPool`` under the global layer id and read back from the layer's part."""
+
+    def __init__(self, attn: torch.nn.Module, layer_id: int, kv: SWAKVPool) -> None:
+        self.attn = attn
+        self.layer_id = layer_id  # what set_kv_buffer reads from its ``layer`` argument
+        self.pool = kv
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        keys: tuple[torch.Tensor, torch.Tensor], k_scale: torch.Tensor, v_scale: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [T, hidden] (normed), cos/sin [T, head_dim] of the layer's kind, ``keys``: (slots of the
+        layer's part [B, L], mask [B, 1, G*Tq, L]); returns the attention output [T, hidden]."""
+        a, t = self.attn, x.shape[0]
+        q = a.q_norm(a.q_proj(x).view(t, -1, a.head_dim))
+        k = a.k_norm(a.k_proj(x).view(t, -1, a.head_dim))
+        v = a.v_proj(x).view(t, -1, a.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # heads on dim 1
+        self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
+        k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
+        slots, mask = keys
+        rows_k = read_rows(k_buf, slots, k_scale, q.dtype)
+        rows_v = read_rows(v_buf, slots, v_scale, q.dtype)
+        return a.o_proj(grouped_attention(q, rows_k, rows_v, batch, mask, a.scaling))
+
+
+class Gemma3Runner(rc.ModelRunner):
+    """Runs a ``Gemma3ForCausalLM``'s forward over a ``ForwardBatch`` with its KV cache in ``pools``.
+
+    Parameters
+    ----------
+    model : an HF ``Gemma3ForCausalLM`` (its modules are called; its own attention is not).
+    pools : ``SWAPools`` whose ``SWAKVPool`` has the model's KV heads and head_dim, its local layers
+        in the SWA part and its global layers in the full part.
+    scales : per layer ``(k_scale, v_scale)`` float32 tensors on the pool's device, a list in layer
+        order or a mapping from layer id (what the pool's calibration gives); default 1.0. Used by FP8
+        pools only.
+    """
+
+    def __init__(self, model: Gemma3ForCausalLM, pools: SWAPools, scales: Optional[rc.LayerScales] = None) -> None:
+        g, kv = swa_geometry(model), pools.kv
+        want = (g.kv_heads, g.head_dim, g.swa_layers, g.full_layers, g.window)
+        got = (kv.head_num, kv.head_dim, kv.swa_attention_layer_ids, kv.full_attention_layer_ids, pools.window)
+        if want != got:
+            raise ValueError(
+                f"pools must have (KV heads, head_dim, SWA layers, full layers, window) = {want} to hold this model, "
+                f"got {got}"
+            )
+        c = model.config
+        self.model, self.pools, self.window = model, pools, g.window
+        self.kinds = list(c.layer_types)
+        self.groups = c.num_attention_heads // c.num_key_value_heads
+        self.layers = [PooledGemmaAttention(layer.self_attn, i, kv) for i, layer in enumerate(model.model.layers)]
+        if isinstance(scales, Mapping):
+            scales = [scales[i] for i in sorted(scales)]
+        self.scales = scales if scales is not None else unit_scales(c.num_hidden_layers, kv.device)
+        if len(self.scales) != c.num_hidden_layers:
+            raise ValueError(
+                f"scales must have one (k_scale, v_scale) per layer ({c.num_hidden_layers}), got {len(self.scales)}"
+            )
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last token: [B, vocab] in the model's dtype."""
+        m, cap = self.model.model, self.model.config.final_logit_softcapping
+        x = m.embed_tokens(batch.input_ids)  # [T, hidden], scaled by sqrt(hidden)
+        rope = {}
+        for kind in set(self.kinds):
+            cos, sin = m.rotary_emb(x, batch.positions[None], kind)
+            rope[kind] = (cos[0], sin[0])
+        keys = {
+            "full_attention": (batch.kv_slots, attention_mask(batch, self.groups)),
+            "sliding_attention": window_keys(batch, self.pools.kv, self.window, self.groups),
+        }
+        for layer, attn, kind, (k_scale, v_scale) in zip(m.layers, self.layers, self.kinds, self.scales):
+            h = attn(layer.input_layernorm(x), *rope[kind], batch, keys[kind], k_scale, v_scale)
+            x = x + layer.post_attention_layernorm(h)
+            x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+        logits = self.model.lm_head(m.norm(x[batch.last_index]))
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class Gemma3(Architecture):
+    """Gemma 3's model, pools, runner and scheduler for the shared ``serve``/``run`` (``GEMMA3``)."""
+
+    program = PROGRAM
+    model_name = "Gemma3ForCausalLM"
+    allocator_name = "SWATokenToKVPoolAllocator"
+
+    def build_model(self, cfg: RunConfig) -> Gemma3ForCausalLM:
+        if not isinstance(cfg.shape, GemmaShape):
+            raise ValueError(f"shape must be a GemmaShape for Gemma 3, got {type(cfg.shape).__name__}")
+        return build_model(text_config(cfg.shape).to_dict(), DTYPES[cfg.model_dtype], cfg.device, cfg.seed)
+
+    def make_pool(self, cfg: RunConfig, model: Any, dtype: torch.dtype) -> SWAPools:
+        return make_pool(cfg, model, dtype)
+
+    def runner(self, model: Any, pool: Any, scales: Optional[Scales]) -> Gemma3Runner:
+        return Gemma3Runner(model, pool, scales)
+
+    def scheduler(
+        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
+    ) -> SWAScheduler:
+        if prefix_cache:
+            raise ValueError("prefix_cache must be False for Gemma 3: the runners have no sliding-window radix cache")
+        return SWAScheduler(pool, max_running, max_context_len, chunk_size)
+
+
+GEMMA3 = Gemma3()
+
+
+# --- the run, the report and --json -----------------------------------------------------------------
+
+
+def progress(msg: str) -> None:
+    print(f"{PROGRAM}: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class GemmaOptions:
+    """What the Gemma 3 runner adds to a ``RunConfig``: the JSON output."""
+
+    json_path: Optional[str] = None
+
+
+def run(cfg: RunConfig, opts: GemmaOptions = GemmaOptions(), log: Optional[Any] = None) -> Report:
+    """Build the model, serve the prompts on a pool of each dtype, compare each run with HF; then
+    ``--json``. ``log`` is told what starts."""
+    if cfg.prefix_cache:
+        raise ValueError("--prefix-cache is not available for Gemma 3: the runners have no sliding-window radix cache")
+    if cfg.page_size < 2:
+        raise ValueError(
+            f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}"
+        )
+    if opts.json_path is not None and (cfg.model_dtype != "fp32" or "fp32" not in cfg.pool_dtypes):
+        raise ValueError("--json describes an fp32 model's fp32 pool: needs --model-dtype fp32 and fp32 in --dtypes")
+    report = rc.run(cfg, GEMMA3, log)
+    if opts.json_path is not None:
+        write_json(opts.json_path, cfg, report)
+        (log or (lambda msg: None))(f"wrote {opts.json_path}")
+    return report
+
+
+def write_json(path: str, cfg: RunConfig, report: Report) -> None:
+    fp32 = next(r for r in report.runs if r.dtype == "fp32")
+    config = text_config(cfg.shape).to_dict()  # type: ignore[arg-type]
+    out = {
+        "model_type": config["model_type"],
+        "config": config,
+        "seed": cfg.seed,
+        "prompts": [list(p.tokens) for p in make_prompts(cfg)],
+        "fp32_tokens": [g.tokens for g in fp32.result.generations],
+    }
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def format_summary(rep: Report) -> str:
+    """The shared summary, with the window and, after each pool's lines, its sliding-window memory."""
+    lines = rc.format_summary(rep).split("\n")
+    out: list[str] = []
+    window = rep.config.shape.sliding_window  # type: ignore[attr-defined]
+    runs = iter(rep.runs)
+    block = None  # the run whose lines are being copied
+    for line in lines:
+        if block is not None and not line.startswith("    "):
+            out.append(memory_line(block.result.memory))
+            block = None
+        if line.startswith("  pool "):
+            if not any(o.startswith("  window") for o in out):
+                out.append(f"  window      {window} tokens (local layers: q - window < k <= q)")
+            block = next(runs)
+        out.append(line)
+    return "\n".join(out)
+
+
+def memory_line(m: dict[str, int]) -> str:
+    if not m:
+        return "    memory      -"
+    return (
+        f"    memory      SWA part at most {m['swa_peak']} slots held at a step's end ({m['swa_peak_running']} running, "
+        f"bound {m['swa_peak_bound']}: a live window and a page each), full part at most {m['full_peak']}; "
+        f"SWAKVPool of {m['size']} full + {m['size_swa']} SWA slots: {m['pool_bytes'] / 1024:,.0f} KiB, "
+        f"{m['all_layers_bytes'] / 1024:,.0f} KiB for every layer at {m['size']} slots"
+    )
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+#: The runner's defaults where they differ from ``RunConfig``'s: prompts longer than the window and
+#: than a prefill chunk, generation well past the window, pages of 4 (the window is not a page multiple).
+RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(20, 40), new_tokens=(6, 20), page_size=4, chunk_size=16)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the description's paragraphs kept as written."""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    paragraphs = __doc__.split("\n\n")
+    rule = next(t for t in paragraphs if t.startswith("The attention is"))
+    exits = next(t for t in paragraphs if t.startswith("Exit status"))
+    p = argparse.ArgumentParser(
+        prog=PROGRAM, description="\n\n".join(paragraphs[:2]), epilog=f"{rule}\n\n{exits}",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--config", choices=sorted(SHAPES), default="tiny", help="model shape preset")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--head-dim", type=int, help="override the preset's attention head_dim")
+    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
+    p.add_argument("--sliding-window", type=int, help="override the preset's window of the local layers (tokens)")
+    p.add_argument("--sliding-window-pattern", type=int,
+                   help="every N-th layer is global, the others local (Gemma 3: 6)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="write model_type, config, seed, prompts and the fp32 pool's tokens")
+    rc.add_run_arguments(p, **RUN_DEFAULTS)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, GemmaOptions]:
+    a = make_parser().parse_args(argv)
+    names = ("layers", "head_dim", "vocab", "sliding_window", "sliding_window_pattern")
+    overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))
+    return cfg, GemmaOptions(a.json)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return rc.run_main(argv, parse_args, PROGRAM, execute=lambda cfg, opts: run(cfg, opts, progress),  # type: ignore[arg-type]
+                       summary=format_summary)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
