@@ -155,7 +155,7 @@ class GptOssShape:
 SHAPES: dict[str, GptOssShape] = {
     "tiny": GptOssShape(),
     "small": GptOssShape(layers=8, hidden=256, heads=8, kv_heads=2, head_dim=64, intermediate=256, experts=8,
-                         top_k=4, vocab=1024, sliding_window=32),  # fmt: skip
+                         top_k=4, vocab=1024, sliding_window=16),  # fmt: skip
 }
 
 #: gpt-oss's RoPE (``GptOssConfig``'s default, with its base written out).
