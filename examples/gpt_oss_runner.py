@@ -107,7 +107,8 @@ class GptOssShape:
     whole context when odd, as gpt-oss's ``layer_types``. Every token goes to the ``top_k`` of
     ``experts`` experts its router scores highest. RoPE is YaRN at gpt-oss's parameters (base 150,000,
     factor 32 over 4,096 positions). The weights' std is ``init_std`` (HF's ``initializer_range``;
-    None: 2 / sqrt(hidden)), the sinks' included.
+    None: 1 / sqrt(hidden), which keeps a random model's attention from being all but one-hot), the
+    sinks' included.
     """
 
     layers: int = 4
@@ -179,7 +180,7 @@ def model_config(shape: GptOssShape) -> GptOssConfig:
         sliding_window=shape.sliding_window,
         layer_types=shape.layer_types,
         max_position_embeddings=131072,
-        initializer_range=shape.init_std or 2 * shape.hidden**-0.5,
+        initializer_range=shape.init_std or shape.hidden**-0.5,
         rope_parameters=dict(YARN),
         tie_word_embeddings=False,
         bos_token_id=None,

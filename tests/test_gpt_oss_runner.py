@@ -35,6 +35,10 @@ if HAS_GPT_OSS:
     )  # fmt: skip
     FP32 = replace(TINY, pool_dtypes=("fp32",))
     ARGS = ["--prompts", "3", "--batch", "2", "--prompt-len", "14", "24", "--new-tokens", "4", "10", "--device", "cpu"]
+# Against plain HF, measured on the CPU (seed 0): bf16 pool 9.7e-3 max rel logit error and 1.6e-5 mean
+# KL; FP8 e4m3 mean KL 9.9e-3 at scale 1.0, 1.4e-2 calibrated (routing flips to other experts where
+# the rounding crosses a near-tie). The bounds leave room for other devices.
+BF16_LOGIT_RTOL, BF16_KL, FP8_KL = 0.05, 1e-3, 5e-2
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,11 @@ def test_tiny_gpt_oss_generates_what_transformers_generates(report):
         s = r.result
         if r.dtype != "fp32":
             assert r.vs_rounded is not None and r.vs_rounded.identical, summary
-            assert not r.vs_hf.identical or r.vs_hf.mean_kl > 0, summary  # the rounding reached the logits
+            assert r.vs_hf.mean_kl > 0, summary  # the rounding reached the logits
+        if r.dtype == "bf16":
+            assert r.vs_hf.max_rel_logit_err < BF16_LOGIT_RTOL and r.vs_hf.mean_kl < BF16_KL, summary
+        if r.dtype == "fp8_e4m3":
+            assert r.vs_hf.mean_kl < FP8_KL, summary
         assert s.allocators_ok and s.leaked_slots == 0 and s.integrity_error is None, summary
         assert s.fused_calls + s.reference_calls == (s.prefill_steps + s.decode_steps) * TINY.shape.layers
         assert s.peak_running == TINY.batch and s.prefill_steps > len(prompts)  # chunked prefill
