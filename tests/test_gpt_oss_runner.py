@@ -76,6 +76,16 @@ def test_tiny_gpt_oss_generates_what_transformers_generates(report):
         assert m["size_swa"] < m["size"] and m["pool_bytes"] < m["all_layers_bytes"]
 
 
+def test_gpt_oss_a_bf16_model_on_a_bf16_pool_generates_what_transformers_generates():
+    """A pool of the model's own dtype stores what HF's cache holds, so the runner's sink attention,
+    in bf16 as HF's eager attention computes it, generates HF's tokens (measured: identical logits)."""
+    cfg = replace(FP32, model_dtype="bf16", pool_dtypes=("bf16",), prompts=3)
+    rep = gpt_oss_runner.run(cfg)
+    (bf16,) = rep.runs
+    assert bf16.vs_rounded is None and rep.ok, gpt_oss_runner.format_summary(rep)
+    assert bf16.vs_hf.identical and bf16.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, gpt_oss_runner.format_summary(rep)
+
+
 def _fp32_run_with(monkeypatch, name, replacement):
     monkeypatch.setattr(gpt_oss_runner, name, replacement)
     rep = gpt_oss_runner.run(FP32)
