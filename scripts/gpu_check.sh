@@ -11,7 +11,7 @@
 #             state pool. Reports go to $WORK/bench/NAME.{json,md,png} and all of them into
 #             $OUT/bench.tar.gz. The quick plan sweep takes under 10 minutes; FULL=1 runs the full one.
 #   examples  the examples on CUDA: the serving simulation (MHA, MLA, hybrid, calibration), the
-#             Llama, DeepSeek-V3, Qwen3.5 and Gemma 3 runners.
+#             Llama, DeepSeek-V3, Qwen3.5, Gemma 3 and gpt-oss runners.
 #   transfer  two GPUs: the transfer tests, the disaggregation example (Llama and Qwen3.5 geometries)
 #             and the transfer benchmark, both paths (staged and CUDA IPC; reports into
 #             $OUT/transfer.tar.gz).
@@ -94,6 +94,7 @@ for stage in ${*:-tests bench examples}; do
       step llama_runner "$STEP_LIMIT" python3 examples/llama_runner.py --config 8b-4layer --device cuda
       step deepseek_runner "$STEP_LIMIT" python3 examples/deepseek_runner.py --config v3-mla --device cuda
       step gemma3_runner "$STEP_LIMIT" python3 examples/gemma3_runner.py --config small --device cuda
+      step gpt_oss_runner "$STEP_LIMIT" python3 examples/gpt_oss_runner.py --config small --device cuda
       step qwen35_runner "$STEP_LIMIT" python3 examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 \
         --dtypes bf16 fp8_e4m3 --spec-dtypes bf16 fp8_e4m3 --page-size 64 ;;
     transfer)  # one test at a time: each uses both GPUs

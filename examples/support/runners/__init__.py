@@ -1,5 +1,5 @@
 """What the model runners in examples/ share (llama_runner.py, deepseek_runner.py, qwen35_runner.py,
-gemma3_runner.py): the scheduler, the request table, reading rows back from
+gemma3_runner.py, gpt_oss_runner.py): the scheduler, the request table, reading rows back from
 a pool, the Hugging Face references and the comparisons with them.
 
 A model family plugs in through an ``Architecture`` (build the seeded model of a ``RunConfig``, make its
@@ -23,8 +23,9 @@ The modules: ``config`` (``RunConfig``, the shared options), ``reference`` (prom
 ``scheduler`` (``Request``, ``ForwardBatch``, ``Scheduler``), ``attention`` (attention over pool
 rows), ``results`` (``ServeResult``, ``compare``, ``Report``), ``summary``, ``serving`` (``Architecture``,
 ``serve``, ``calibrate``, ``run``, ``run_main``), ``prefix`` (the scheduler on a prefix cache),
-``qwen35_model``/``qwen35_layers`` (the Qwen3.5 runner's model, pools and layers) and ``gemma3_model``
-(the Gemma 3 runner's model, sliding-window pool and the scheduler that frees SWA slots). This package re-exports the names the
+``qwen35_model``/``qwen35_layers`` (the Qwen3.5 runner's model, pools and layers), ``gemma3_model``
+(the Gemma 3 runner's model, sliding-window pool and the scheduler that frees SWA slots, which the
+gpt-oss runner uses too) and ``sliding`` (a sliding layer's keys and the SWA summary of both). This package re-exports the names the
 runners and benchmarks/bench_runner.py use, so ``from support import runners as rc`` reads as one
 module.
 """

@@ -1,7 +1,8 @@
 """The Gemma 3 runner's model, pools and scheduler: its shapes (``GemmaShape``, ``SHAPES``), the
 seeded ``Gemma3ForCausalLM``, which layers slide (``swa_geometry``), the ``SWAKVPool`` of a run sized
 by ``plan_swa_pools`` (``make_pool``, ``SWAPools``) and the scheduler that gives each request's
-sliding-window slots back as its tokens leave the window (``SWAScheduler``).
+sliding-window slots back as its tokens leave the window (``SWAScheduler``). The pools and the
+scheduler hold any model whose config has ``layer_types`` and ``sliding_window`` (the gpt-oss runner's too).
 
 The window rule is transformers' (``masking_utils.sliding_window_overlay`` and
 ``DynamicSlidingWindowLayer``): a query at position ``q`` of a sliding layer sees the keys at

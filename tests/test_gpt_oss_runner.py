@@ -1,0 +1,328 @@
+"""examples/gpt_oss_runner.py at a tiny size: a gpt-oss model (sliding-window and full layers
+alternating, attention sinks on every layer, a mixture of experts) with its K/V in an ``SWAKVPool``
+whose SWA slots the scheduler gives back as tokens leave the window: it must generate what
+transformers generates, hold no more than the live windows in the SWA part and give every slot back.
+Skipped without a transformers >= 5 that has gpt-oss."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvassert import dropping_last_token, load_example
+
+pytest.importorskip("transformers", minversion="5")
+
+try:
+    from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
+except ImportError:  # a transformers 5 without gpt-oss: its runner's tests are skipped
+    GptOssConfig = GptOssForCausalLM = None
+HAS_GPT_OSS = GptOssForCausalLM is not None
+pytestmark = pytest.mark.skipif(not HAS_GPT_OSS, reason="needs a transformers with gpt-oss (gpt_oss)")
+
+if HAS_GPT_OSS:
+    gpt_oss_runner = load_example("gpt_oss_runner")  # puts examples/ on sys.path, where the shared code is
+    from support import runners  # noqa: E402  (the shared scheduler and checks)
+
+    # 4 layers (2 sliding with a window of 8 tokens, 2 full), 4 prompts of 14-28 tokens asking 6-14
+    # more for 2 request rows, prefill chunks of 12 tokens, pages of 4 (the window spans two pages).
+    TINY = runners.RunConfig(
+        shape=gpt_oss_runner.SHAPES["tiny"], device="cpu", prompts=4, batch=2, prompt_len=(14, 28),
+        new_tokens=(6, 14), page_size=4, chunk_size=12,
+    )  # fmt: skip
+    FP32 = replace(TINY, pool_dtypes=("fp32",))
+    ARGS = ["--prompts", "3", "--batch", "2", "--prompt-len", "14", "24", "--new-tokens", "4", "10", "--device", "cpu"]
+# Against plain HF, measured on the CPU (seed 0): bf16 pool 9.7e-3 max rel logit error and 1.6e-5 mean
+# KL; FP8 e4m3 mean KL 9.9e-3 at scale 1.0, 1.4e-2 calibrated (routing flips to other experts where
+# the rounding crosses a near-tie). The bounds leave room for other devices.
+BF16_LOGIT_RTOL, BF16_KL, FP8_KL = 0.05, 1e-3, 5e-2
+
+
+@pytest.fixture(scope="module")
+def report():
+    return gpt_oss_runner.run(TINY)
+
+
+def test_tiny_gpt_oss_generates_what_transformers_generates(report):
+    prompts = runners.make_prompts(TINY)
+    window = TINY.shape.sliding_window
+    assert min(len(p.tokens) for p in prompts) > window  # the window decides what sliding layers see
+    assert max(len(p.tokens) for p in prompts) > 2 * TINY.chunk_size  # some prompt takes three chunks
+    assert max(p.new_tokens for p in prompts) > window  # decode slides the window past the prompt
+    summary = gpt_oss_runner.format_summary(report)
+    (fp32,) = [r for r in report.runs if r.dtype == "fp32"]
+    assert fp32.vs_hf.identical, summary
+    assert fp32.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, summary
+    assert fp32.vs_hf.compared_steps == fp32.vs_hf.tokens_total == sum(p.new_tokens for p in prompts)
+    assert report.fp32_check is True and report.ok, summary
+    assert [r.label for r in report.runs] == ["fp32", "bf16", "fp8_e4m3, scale 1.0", "fp8_e4m3, scale calibrated"]
+    for r in report.runs:
+        s = r.result
+        if r.dtype != "fp32":
+            assert r.vs_rounded is not None and r.vs_rounded.identical, summary
+            assert r.vs_hf.mean_kl > 0, summary  # the rounding reached the logits
+        if r.dtype == "bf16":
+            assert r.vs_hf.max_rel_logit_err < BF16_LOGIT_RTOL and r.vs_hf.mean_kl < BF16_KL, summary
+        if r.dtype == "fp8_e4m3":
+            assert r.vs_hf.mean_kl < FP8_KL, summary
+        assert s.allocators_ok and s.leaked_slots == 0 and s.integrity_error is None, summary
+        assert s.fused_calls + s.reference_calls == (s.prefill_steps + s.decode_steps) * TINY.shape.layers
+        assert s.peak_running == TINY.batch and s.prefill_steps > len(prompts)  # chunked prefill
+        m = s.memory
+        assert 0 < m["swa_peak"] <= m["swa_peak_bound"] and m["swa_peak"] < m["full_peak"], summary
+        assert m["size_swa"] < m["size"] and m["pool_bytes"] < m["all_layers_bytes"]
+
+
+def test_gpt_oss_a_bf16_model_on_a_bf16_pool_generates_what_transformers_generates():
+    """A pool of the model's own dtype stores what HF's cache holds, so the runner's sink attention,
+    in bf16 as HF's eager attention computes it, generates HF's tokens (measured: identical logits)."""
+    cfg = replace(FP32, model_dtype="bf16", pool_dtypes=("bf16",), prompts=3)
+    rep = gpt_oss_runner.run(cfg)
+    (bf16,) = rep.runs
+    assert bf16.vs_rounded is None and rep.ok, gpt_oss_runner.format_summary(rep)
+    assert bf16.vs_hf.identical and bf16.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, gpt_oss_runner.format_summary(rep)
+
+
+def _fp32_run_with(monkeypatch, name, replacement):
+    monkeypatch.setattr(gpt_oss_runner, name, replacement)
+    rep = gpt_oss_runner.run(FP32)
+    (fp32,) = rep.runs
+    return rep, fp32
+
+
+@pytest.mark.parametrize("variant", ["sinks zeroed", "sinks left out of the denominator"])
+def test_gpt_oss_attention_without_its_sinks_parts_from_transformers(monkeypatch, variant):
+    """The sinks are part of HF's softmax on every layer: a runner that zeroes them, or leaves their
+    column out, is off by far more than the fp32 tolerance and fails the check."""
+    attend = gpt_oss_runner.sink_attention
+
+    def no_sinks(q, keys, values, batch, mask, scale, sinks):
+        return attend(q, keys, values, batch, mask, scale, torch.zeros_like(sinks) if variant == "sinks zeroed" else None)
+
+    rep, fp32 = _fp32_run_with(monkeypatch, "sink_attention", no_sinks)
+    assert rep.fp32_check is False and not rep.ok and not fp32.vs_hf.identical
+    assert fp32.vs_hf.max_rel_logit_err > 100 * runners.LOGIT_RTOL, gpt_oss_runner.format_summary(rep)
+
+
+def test_gpt_oss_the_sinks_change_what_transformers_generates():
+    """The oracle's side: HF's own model with its sinks zeroed generates other tokens than with them,
+    so the identity above is one a model without sinks could not reach."""
+    with runners.cpu_threads(FP32):
+        model = gpt_oss_runner.GPT_OSS.build_model(FP32)
+        prompts = runners.make_prompts(FP32)
+        with_sinks = runners.hf_reference(model, prompts)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.zero_()
+        without = runners.hf_reference(model, prompts)
+    assert not runners.compare(without, with_sinks).identical
+
+
+def test_gpt_oss_the_window_changes_what_transformers_generates(report):
+    """The same weights with a window longer than every request generate other tokens: the runs above
+    reproduce a model whose sliding layers really slide."""
+    cfg = replace(TINY, shape=replace(TINY.shape, sliding_window=4096))
+    with runners.cpu_threads(cfg):
+        wide = runners.hf_reference(gpt_oss_runner.GPT_OSS.build_model(cfg), runners.make_prompts(cfg))
+    (fp32,) = [r for r in report.runs if r.dtype == "fp32"]
+    assert not runners.compare(fp32.result.generations, wide).identical
+
+
+def test_gpt_oss_a_window_one_token_short_fails_the_fp32_check(monkeypatch):
+    """The window rule is transformers' to the token: sliding layers that see one key fewer part from HF."""
+    keys = gpt_oss_runner.window_keys
+    rep, fp32 = _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w - 1, groups))
+    assert rep.fp32_check is False and not fp32.vs_hf.identical
+
+
+def test_gpt_oss_a_window_one_token_long_reads_a_slot_given_back(monkeypatch):
+    """A sliding layer that would see one key more than transformers' window reaches a token whose SWA
+    slot was given back, and the runner refuses to read it."""
+    keys = gpt_oss_runner.window_keys
+    with pytest.raises(RuntimeError, match="a key inside a local layer's window has no SWA slot"):
+        _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w + 1, groups))
+
+
+def _expected_swa_slots(kv_len: int, window: int, page: int) -> int:
+    """SWA slots a request holds once the whole pages of its tokens at positions <= kv_len - window
+    are given back: from the page of its oldest token inside the window to its last page."""
+    first_kept_page = max(0, kv_len - window + 1) // page
+    return (-(-kv_len // page) - first_kept_page) * page
+
+
+def test_gpt_oss_swa_slots_are_given_back_while_requests_run():
+    """Step by step: the full part holds every token of the running requests, the SWA part only the
+    pages of their live windows (at most a window and a page each), the mapping keeps every token in a
+    window, the allocator's integrity check passes; at the end every slot of both parts is back."""
+    cfg = TINY
+    arch = gpt_oss_runner.GPT_OSS
+    w, p = cfg.shape.sliding_window, cfg.page_size
+    with runners.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        pools = arch.make_pool(cfg, model, torch.float32)
+        prompts = runners.make_prompts(cfg)
+        sched = arch.scheduler(pools, cfg.batch, cfg.max_context_len, cfg.chunk_size)
+        runner = arch.runner(model, pools, None)
+        for rid, pr in enumerate(prompts):
+            sched.add(runners.Request(rid, list(pr.tokens), pr.new_tokens))
+        a = sched.allocator
+        steps = freed_steps = 0
+        while runner.step(sched, keep_logits=False) is not None:
+            steps += 1
+            a.check_integrity()
+            full_held = a.size_full - a.full_available_size()
+            swa_held = a.size_swa - a.swa_available_size()
+            assert full_held == sum(-(-r.kv_len // p) * p for r in sched.running)
+            assert swa_held == sum(_expected_swa_slots(r.kv_len, w, p) for r in sched.running)
+            assert swa_held <= len(sched.running) * (-(-(w + p - 2) // p) * p)  # a live window and a page each
+            freed_steps += swa_held < full_held
+            for r in sched.running:
+                swa = a.translate_loc_from_full_to_swa(sched.table.req_to_token[r.row, : r.kv_len].to(torch.int64))
+                live = max(0, r.kv_len - w + 1)
+                assert bool((swa[live:] > 0).all())  # every token a later query can see is there
+                assert bool((swa[: live // p * p] == 0).all())  # every whole page before the window is given back
+        assert sched.step_error is None and len(sched.finished) == len(prompts)
+        assert freed_steps > steps // 2  # the SWA part held less than the full part most of the run
+    assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+    assert sched.leaked_slots() == 0
+    sched.check_integrity()
+
+
+def test_gpt_oss_the_pool_rows_are_what_hf_caches():
+    """After one prefill of one prompt, each full layer's rows at the request's slots are HF's cached
+    keys and values, and each sliding layer's SWA rows at the translated slots of the last window - 1
+    tokens are what HF's sliding cache keeps."""
+    cfg = replace(TINY, chunk_size=None)
+    arch = gpt_oss_runner.GPT_OSS
+    model = arch.build_model(cfg)
+    pools = arch.make_pool(cfg, model, torch.float32)
+    tokens = runners.make_prompts(cfg)[0].tokens
+    sched = arch.scheduler(pools, 1, len(tokens) + 1, None)
+    sched.add(runners.Request(0, tokens, 2))
+    batch = sched.schedule()
+    with runners.cpu_threads(cfg), torch.no_grad():
+        sched.advance(batch, arch.runner(model, pools, None).forward(batch), keep_logits=False)
+        out = model(torch.tensor([tokens]), use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    full = sched.table.req_to_token[0, : len(tokens)].to(torch.int64)
+    w = cfg.shape.sliding_window
+    swa = pools.kv.translate_loc_from_full_to_swa(full[-(w - 1) :]).to(torch.int64)
+    assert bool((swa > 0).all())
+    for i, kind in enumerate(model.config.layer_types):
+        k_buf, v_buf = pools.kv.get_kv_buffer(i)
+        hf_k, hf_v = cache.layers[i].keys[0].transpose(0, 1), cache.layers[i].values[0].transpose(0, 1)  # [T, H, D]
+        rows = full if kind == "full_attention" else swa
+        assert hf_k.shape[0] == rows.shape[0]  # HF's sliding cache keeps window - 1 tokens
+        # Deeper layers' inputs went through attention computed on batched rows and by HF's eager
+        # attention: float32 rounding apart; a wrong or stale row is off by O(1).
+        torch.testing.assert_close(k_buf[rows], hf_k, rtol=runners.LOGIT_RTOL, atol=1e-5)
+        torch.testing.assert_close(v_buf[rows], hf_v, rtol=runners.LOGIT_RTOL, atol=1e-5)
+
+
+def test_gpt_oss_summary_help_and_exit_status(capsys):
+    assert gpt_oss_runner.main([*ARGS, "--dtypes", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "SWATokenToKVPoolAllocator(page_size=4)" in out and "window      8 tokens" in out
+    assert "pool fp32\n    vs HF       tokens identical" in out and "memory      SWA part at most" in out
+    assert "fp32 check  PASS" in out and out.rstrip().endswith("PASS")
+    for bad, message in (
+        (["--page-size", "1"], "page_size must be at least 2"),
+        (["--prefix-cache"], "--prefix-cache is not available for gpt-oss"),
+        (["--sliding-window", "1"], "sliding_window must be an int >= 2, got 1"),
+        (["--top-k", "5"], "top_k must be at most experts = 4, got 5"),
+        (["--json", "x.json", "--dtypes", "bf16"], "--json describes an fp32 model's fp32 pool"),
+    ):
+        assert gpt_oss_runner.main([*ARGS, *bad]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gpt_oss_runner.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "kvpool's sliding-window pool" in text and "--sliding-window SLIDING_WINDOW" in text
+    assert "q - sliding_window < k <= q" in text and "the sink's column dropped" in text
+    assert "Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments" in text
+
+
+def test_gpt_oss_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
+    """A pool that drops one token's K/V per write: attention reads a stale row, and the run says so."""
+    monkeypatch.setattr(gpt_oss_runner, "make_pool", dropping_last_token(gpt_oss_runner, "set_kv_buffer", lambda m: m.kv))
+    assert gpt_oss_runner.main([*ARGS, "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "fp32 check  FAILED" in out and out.rstrip().endswith("FAIL")
+
+
+def test_gpt_oss_json_rebuilds_with_transformers_alone(tmp_path, capsys):
+    path = tmp_path / "gpt_oss.json"
+    assert gpt_oss_runner.main([*ARGS, "--dtypes", "fp32", "--json", str(path)]) == 0
+    capsys.readouterr()
+    out = json.loads(path.read_text())
+    assert set(out) == {"model_type", "config", "seed", "prompts", "fp32_tokens"}
+    assert out["model_type"] == "gpt_oss" and out["config"]["sliding_window"] == 8
+    torch.manual_seed(out["seed"])
+    model = GptOssForCausalLM(GptOssConfig(**out["config"])).eval()
+    with torch.no_grad():
+        for prompt, tokens in zip(out["prompts"], out["fp32_tokens"]):
+            ids = torch.tensor([prompt])
+            res = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=len(tokens), min_new_tokens=len(tokens))  # fmt: skip
+            assert res[0, len(prompt) :].tolist() == tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sliding_window": 1}, "sliding_window must be an int >= 2, got 1"),
+        ({"layers": 1}, "layers must be at least 2"),
+        ({"kv_heads": 3}, "kv_heads must divide heads = 4, got 3"),
+        ({"head_dim": 15}, "head_dim must be even"),
+        ({"top_k": 5}, "top_k must be at most experts = 4, got 5"),
+    ],
+)
+def test_gpt_oss_shape_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gpt_oss_runner.GptOssShape(**kwargs)
+
+
+def test_gpt_oss_runner_rejects_pools_of_another_geometry():
+    cfg = TINY
+    model = gpt_oss_runner.GPT_OSS.build_model(cfg)
+    pools = gpt_oss_runner.make_pool(cfg, model, torch.float32)
+    other = gpt_oss_runner.SWAPools(pools.kv, pools.window + 1, pools.sizing, pools.all_layers_bytes)
+    with pytest.raises(ValueError, match=r"pools must have \(KV heads, head_dim, SWA layers, full layers, window\)"):
+        gpt_oss_runner.GptOssRunner(model, other)
+
+
+def test_gpt_oss_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
+    """FP8 pool with every write on the fused kernel (Triton's interpreter without a GPU; a sliding
+    layer's write at the slots the mapping translates to) against the reference path: the writes are
+    bit-identical, so the generations are too."""
+    cfg = replace(TINY, prompts=2, batch=2, prompt_len=(10, 12), new_tokens=(3, 4), chunk_size=None,
+                  device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    arch = gpt_oss_runner.GPT_OSS
+    model = arch.build_model(cfg)
+    prompts = runners.make_prompts(cfg)
+    dtype = torch.float8_e4m3fn
+    monkeypatch.setenv("KVPOOL_FUSED", "never")
+    reference = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    fused = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0
+    assert fused.allocators_ok and reference.allocators_ok
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_on_cuda_every_write_takes_the_fused_kernel():
+    rep = gpt_oss_runner.run(replace(TINY, device="cuda"))
+    summary = gpt_oss_runner.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok, summary
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded.identical, summary
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+        assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
