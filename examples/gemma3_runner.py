@@ -54,7 +54,6 @@ Needs ``transformers`` >= 5 with ``gemma3`` (the ``model`` extra: ``pip install 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -68,7 +67,6 @@ from support.runners import (  # noqa: E402, F401  (re-exported: the tests use t
     DTYPES,
     KV_LEN_MULTIPLE,
     LOGIT_RTOL,
-    Architecture,
     ForwardBatch,
     Report,
     RunConfig,
@@ -79,7 +77,7 @@ from support.runners import (  # noqa: E402, F401  (re-exported: the tests use t
     read_rows,
     unit_scales,
 )
-from support.runners.sliding import format_swa_summary, memory_line, window_keys  # noqa: E402, F401
+from support.runners.sliding import SlidingArchitecture, format_swa_summary, memory_line, run_sliding, window_keys  # noqa: E402, F401
 from support.runners.gemma3_model import (  # noqa: E402, F401  (the tests use them here)
     SHAPES,
     GemmaShape,
@@ -191,12 +189,12 @@ class Gemma3Runner(rc.ModelRunner):
         return logits
 
 
-class Gemma3(Architecture):
-    """Gemma 3's model, pools, runner and scheduler for the shared ``serve``/``run`` (``GEMMA3``)."""
+class Gemma3(SlidingArchitecture):
+    """Gemma 3's model and runner on the sliding-window pools, for the shared ``serve``/``run`` (``GEMMA3``)."""
 
     program = PROGRAM
     model_name = "Gemma3ForCausalLM"
-    allocator_name = "SWATokenToKVPoolAllocator"
+    label = "Gemma 3"
 
     def build_model(self, cfg: RunConfig) -> Gemma3ForCausalLM:
         if not isinstance(cfg.shape, GemmaShape):
@@ -208,13 +206,6 @@ class Gemma3(Architecture):
 
     def runner(self, model: Any, pool: Any, scales: Optional[Scales]) -> Gemma3Runner:
         return Gemma3Runner(model, pool, scales)
-
-    def scheduler(
-        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
-    ) -> SWAScheduler:
-        if prefix_cache:
-            raise ValueError("prefix_cache must be False for Gemma 3: the runners have no sliding-window radix cache")
-        return SWAScheduler(pool, max_running, max_context_len, chunk_size)
 
 
 GEMMA3 = Gemma3()
@@ -237,33 +228,7 @@ class GemmaOptions:
 def run(cfg: RunConfig, opts: GemmaOptions = GemmaOptions(), log: Optional[Any] = None) -> Report:
     """Build the model, serve the prompts on a pool of each dtype, compare each run with HF; then
     ``--json``. ``log`` is told what starts."""
-    if cfg.prefix_cache:
-        raise ValueError("--prefix-cache is not available for Gemma 3: the runners have no sliding-window radix cache")
-    if cfg.page_size < 2:
-        raise ValueError(
-            f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}"
-        )
-    if opts.json_path is not None and (cfg.model_dtype != "fp32" or "fp32" not in cfg.pool_dtypes):
-        raise ValueError("--json describes an fp32 model's fp32 pool: needs --model-dtype fp32 and fp32 in --dtypes")
-    report = rc.run(cfg, GEMMA3, log)
-    if opts.json_path is not None:
-        write_json(opts.json_path, cfg, report)
-        (log or (lambda msg: None))(f"wrote {opts.json_path}")
-    return report
-
-
-def write_json(path: str, cfg: RunConfig, report: Report) -> None:
-    fp32 = next(r for r in report.runs if r.dtype == "fp32")
-    config = text_config(cfg.shape).to_dict()  # type: ignore[arg-type]
-    out = {
-        "model_type": config["model_type"],
-        "config": config,
-        "seed": cfg.seed,
-        "prompts": [list(p.tokens) for p in make_prompts(cfg)],
-        "fp32_tokens": [g.tokens for g in fp32.result.generations],
-    }
-    with open(path, "w") as f:
-        json.dump(out, f)
+    return run_sliding(cfg, GEMMA3, opts.json_path, lambda c: text_config(c.shape).to_dict(), log)  # type: ignore[arg-type]
 
 
 def format_summary(rep: Report) -> str:

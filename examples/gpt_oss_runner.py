@@ -54,7 +54,6 @@ Needs ``transformers`` >= 5 with ``gpt_oss`` (the ``model`` extra: ``pip install
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -67,7 +66,6 @@ from support import runners as rc  # noqa: E402  (the shared scheduler, referenc
 from support.runners import (  # noqa: E402, F401  (re-exported: the tests use them here)
     DTYPES,
     LOGIT_RTOL,
-    Architecture,
     ForwardBatch,
     Report,
     RunConfig,
@@ -85,7 +83,7 @@ from support.runners.gemma3_model import (  # noqa: E402, F401  (the SWA pools a
     swa_geometry,
     swa_pages,
 )
-from support.runners.sliding import format_swa_summary, window_keys  # noqa: E402
+from support.runners.sliding import SlidingArchitecture, format_swa_summary, run_sliding, window_keys  # noqa: E402
 
 from kvpool import SWAKVPool  # noqa: E402
 from kvpool.checks import positive_int  # noqa: E402
@@ -311,12 +309,12 @@ class GptOssRunner(rc.ModelRunner):
         return self.model.lm_head(m.norm(x[batch.last_index]))
 
 
-class GptOss(Architecture):
-    """gpt-oss's model, pools, runner and scheduler for the shared ``serve``/``run`` (``GPT_OSS``)."""
+class GptOss(SlidingArchitecture):
+    """gpt-oss's model and runner on the sliding-window pools, for the shared ``serve``/``run`` (``GPT_OSS``)."""
 
     program = PROGRAM
     model_name = "GptOssForCausalLM"
-    allocator_name = "SWATokenToKVPoolAllocator"
+    label = "gpt-oss"
 
     def build_model(self, cfg: RunConfig) -> GptOssForCausalLM:
         if not isinstance(cfg.shape, GptOssShape):
@@ -328,13 +326,6 @@ class GptOss(Architecture):
 
     def runner(self, model: Any, pool: Any, scales: Optional[Scales]) -> GptOssRunner:
         return GptOssRunner(model, pool, scales)
-
-    def scheduler(
-        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
-    ) -> SWAScheduler:
-        if prefix_cache:
-            raise ValueError("prefix_cache must be False for gpt-oss: the runners have no sliding-window radix cache")
-        return SWAScheduler(pool, max_running, max_context_len, chunk_size)
 
 
 GPT_OSS = GptOss()
@@ -357,33 +348,7 @@ class GptOssOptions:
 def run(cfg: RunConfig, opts: GptOssOptions = GptOssOptions(), log: Optional[Any] = None) -> Report:
     """Build the model, serve the prompts on a pool of each dtype, compare each run with HF; then
     ``--json``. ``log`` is told what starts."""
-    if cfg.prefix_cache:
-        raise ValueError("--prefix-cache is not available for gpt-oss: the runners have no sliding-window radix cache")
-    if cfg.page_size < 2:
-        raise ValueError(
-            f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}"
-        )
-    if opts.json_path is not None and (cfg.model_dtype != "fp32" or "fp32" not in cfg.pool_dtypes):
-        raise ValueError("--json describes an fp32 model's fp32 pool: needs --model-dtype fp32 and fp32 in --dtypes")
-    report = rc.run(cfg, GPT_OSS, log)
-    if opts.json_path is not None:
-        write_json(opts.json_path, cfg, report)
-        (log or (lambda msg: None))(f"wrote {opts.json_path}")
-    return report
-
-
-def write_json(path: str, cfg: RunConfig, report: Report) -> None:
-    fp32 = next(r for r in report.runs if r.dtype == "fp32")
-    config = model_config(cfg.shape).to_dict()  # type: ignore[arg-type]
-    out = {
-        "model_type": config["model_type"],
-        "config": config,
-        "seed": cfg.seed,
-        "prompts": [list(p.tokens) for p in make_prompts(cfg)],
-        "fp32_tokens": [g.tokens for g in fp32.result.generations],
-    }
-    with open(path, "w") as f:
-        json.dump(out, f)
+    return run_sliding(cfg, GPT_OSS, opts.json_path, lambda c: model_config(c.shape).to_dict(), log)  # type: ignore[arg-type]
 
 
 def format_summary(rep: Report) -> str:
