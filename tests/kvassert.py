@@ -1048,6 +1048,23 @@ def small_sim_config():
     )  # fmt: skip
 
 
+def fused_and_reference_serve(monkeypatch, serve_on):
+    """An example runner's serving on two FP8 pools: ``serve_on(dtype)`` (build a pool of ``dtype``
+    and serve on it) with every write on the reference path (``KVPOOL_FUSED=never``), then on the fused
+    kernel (``always``: Triton's interpreter without a GPU). No write takes the other path, the fused
+    run makes as many writes as the reference run, and, the writes being bit-identical, the
+    generations are the same tokens and logits. Returns (reference, fused) for further checks."""
+    monkeypatch.setenv("KVPOOL_FUSED", "never")
+    reference = serve_on(torch.float8_e4m3fn)
+    monkeypatch.setenv("KVPOOL_FUSED", "always")
+    fused = serve_on(torch.float8_e4m3fn)
+    assert reference.fused_calls == 0 and fused.reference_calls == 0
+    assert fused.fused_calls == reference.reference_calls > 0
+    for a, b in zip(fused.generations, reference.generations):
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+    return reference, fused
+
+
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
     """A stand-in for an example model runner's ``make_pool`` (``runner``: the runner's module) whose
     pool (``pool_of`` the value made) drops the last token of every ``write_name`` call, as a padding

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import dropping_last_token, load_example
+from kvassert import dropping_last_token, fused_and_reference_serve, load_example
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -286,16 +286,10 @@ def test_gemma3_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
     arch = gemma3_runner.GEMMA3
     model = arch.build_model(cfg)
     prompts = runners.make_prompts(cfg)
-    dtype = torch.float8_e4m3fn
-    monkeypatch.setenv("KVPOOL_FUSED", "never")
-    reference = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
-    monkeypatch.setenv("KVPOOL_FUSED", "always")
-    fused = runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
-    assert reference.fused_calls == 0 and fused.reference_calls == 0
-    assert fused.fused_calls == reference.reference_calls > 0
+    reference, fused = fused_and_reference_serve(
+        monkeypatch, lambda dtype: runners.serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
+    )  # fmt: skip
     assert fused.allocators_ok and reference.allocators_ok
-    for a, b in zip(fused.generations, reference.generations):
-        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import dropping_last_token, load_example
+from kvassert import dropping_last_token, fused_and_reference_serve, load_example
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -117,15 +117,9 @@ def test_llama_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
     cfg = replace(LLAMA_TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
     model = llama_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
     prompts = llama_runner.make_prompts(cfg)
-    dtype = torch.float8_e4m3fn
-    monkeypatch.setenv("KVPOOL_FUSED", "never")
-    reference = llama_runner.serve(model, llama_runner.make_pool(cfg, model, dtype), prompts, cfg.batch)
-    monkeypatch.setenv("KVPOOL_FUSED", "always")
-    fused = llama_runner.serve(model, llama_runner.make_pool(cfg, model, dtype), prompts, cfg.batch)
-    assert reference.fused_calls == 0 and fused.reference_calls == 0
-    assert fused.fused_calls == reference.reference_calls > 0
-    for a, b in zip(fused.generations, reference.generations):
-        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+    fused_and_reference_serve(
+        monkeypatch, lambda dtype: llama_runner.serve(model, llama_runner.make_pool(cfg, model, dtype), prompts, cfg.batch)
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -352,15 +346,11 @@ def test_deepseek_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch
     cfg = replace(DEEPSEEK_TINY, prompts=3, new_tokens=(2, 4), device="cuda" if torch.cuda.is_available() else "cpu")
     model = deepseek_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)
     prompts = runners.make_prompts(cfg)
-    dtype, arch = torch.float8_e4m3fn, deepseek_runner.DeepseekV3()
-    monkeypatch.setenv("KVPOOL_FUSED", "never")
-    reference = runners.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
-    monkeypatch.setenv("KVPOOL_FUSED", "always")
-    fused = runners.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch)
-    assert reference.fused_calls == 0 and fused.reference_calls == 0
-    assert fused.fused_calls == reference.reference_calls > 0
-    for a, b in zip(fused.generations, reference.generations):
-        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+    arch = deepseek_runner.DeepseekV3()
+    fused_and_reference_serve(
+        monkeypatch,
+        lambda dtype: runners.serve(model, deepseek_runner.make_pool(cfg, model, dtype), prompts, cfg.batch, arch=arch),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
