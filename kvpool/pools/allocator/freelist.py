@@ -391,7 +391,6 @@ class FreeLists:
         (a free group's pending list: one tensor, page or -1 per entry), the release list
         (need_sort) or the free list's end; entries that do not count are added to the rejected
         count (padding, entries <= 0, aside if ``skip_padding``). Nothing read back."""
-        owners, live, page_free = books
         scratch = None
         if slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
             if self._sort_scratch is None:
@@ -399,25 +398,7 @@ class FreeLists:
             scratch = self._sort_scratch
         else:
             slots = torch.sort(slots).values
-        if group is not None or self.need_sort:
-            dest = torch.empty_like(slots)
-            to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
-            allocator_kernels.give_back(
-                slots, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to,
-                scratch=scratch, skip_padding=skip_padding,
-            )  # fmt: skip
-            if group is not None:
-                group.append(dest)
-            else:
-                self._release.append(dest)
-                self._release_exact = False
-        else:
-            ring = self.ring
-            allocator_kernels.give_back(
-                slots, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
-                allocator_kernels.RING, allocator_kernels.TO_TAIL, scratch=scratch, skip_padding=skip_padding,
-            )  # fmt: skip
-            ring.appended_on_device()
+        self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding)
         self.add_rejected(None)
 
     def give_back_pages(self, pages: torch.Tensor) -> None:
@@ -427,20 +408,37 @@ class FreeLists:
         if not allocator_kernels.on_kernels(self._device):
             self.give_back(pages, pages >= 0)
             return
-        none = pages  # no bookkeeping in an append: any tensor stands in for it
-        if self.need_sort:
-            dest = torch.empty_like(pages)
+        none = (pages, pages, pages)  # no bookkeeping in an append: any tensor stands in for it
+        self._give_back_on_kernel(pages, none, 1, None, append=True)
+
+    def _give_back_on_kernel(
+        self,
+        entries: torch.Tensor,
+        books: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        page_size: int,
+        group: Optional[list[torch.Tensor]],
+        **kernel_args: object,
+    ) -> None:
+        """One launch of the give-back kernel whose released pages go to ``group`` (in place, page or
+        -1 per entry), else the release list (need_sort, counted), else the free list's end."""
+        owners, live, page_free = books
+        if group is not None or self.need_sort:
+            dest = torch.empty_like(entries)
+            to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
             allocator_kernels.give_back(
-                pages, none, none, none, dest, self.counters, 1, 1, allocator_kernels.LIST,
-                allocator_kernels.TO_RELEASE, append=True,
+                entries, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to,
+                **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
-            self._release.append(dest)
-            self._release_exact = False
+            if group is not None:
+                group.append(dest)
+            else:
+                self._release.append(dest)
+                self._release_exact = False
         else:
             ring = self.ring
             allocator_kernels.give_back(
-                pages, none, none, none, ring.buffer, self.counters, ring.capacity, 1, allocator_kernels.RING,
-                allocator_kernels.TO_TAIL, append=True,
+                entries, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
+                allocator_kernels.RING, allocator_kernels.TO_TAIL, **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
             ring.appended_on_device()
 
