@@ -31,6 +31,12 @@ VECTOR = "a 1-D integer tensor"
 PER_REQUEST = "one per request"
 
 
+def as_int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int64 (itself when it is already: ``.to`` costs a dispatch even then, on every
+    scheduler step)."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
 def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
     """``ceil(x / d)`` element-wise, in integers: the pages that ``x`` slots fill at page size ``d``.
 

@@ -104,15 +104,15 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             (prefix_lens_cpu, seq_lens_cpu), ("prefix_lens_cpu", "seq_lens_cpu"),
             (prefix_lens, seq_lens, last_loc), ("prefix_lens", "seq_lens", "last_loc"), self.device,
         )  # fmt: skip
-        pre_c = _int64(prefix_lens_cpu)
-        seq_c = _int64(seq_lens_cpu)
+        pre_c = checks.as_int64(prefix_lens_cpu)
+        seq_c = checks.as_int64(seq_lens_cpu)
         p = self.page_size
         total, fresh = checks.extend_lengths(pre_c, seq_c, extend_num_tokens, p)
         kernel = allocator_kernels.on_kernels(self.device)
         if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
             pre, seq, last = prefix_lens, seq_lens, last_loc
         else:
-            pre, seq, last = _int64(prefix_lens), _int64(seq_lens), _int64(last_loc)
+            pre, seq, last = checks.as_int64(prefix_lens), checks.as_int64(seq_lens), checks.as_int64(last_loc)
             self._check_batch("alloc_extend", pre, seq, last, pre_c, seq_c)
 
         take = self._plan_take(fresh)
@@ -151,14 +151,14 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
         bs = checks.request_vectors(
             (seq_lens_cpu,), ("seq_lens_cpu",), (seq_lens, last_loc), ("seq_lens", "last_loc"), self.device
         )  # fmt: skip
-        seq_c = _int64(seq_lens_cpu)
+        seq_c = checks.as_int64(seq_lens_cpu)
         p = self.page_size
         fresh = checks.decode_lengths(seq_c, p)
         kernel = allocator_kernels.on_kernels(self.device)
         if kernel and not (self.validate or self._cheap_device_checks):  # the kernel reads any integer dtype
             seq, last = seq_lens, last_loc
         else:
-            seq, last = _int64(seq_lens), _int64(last_loc)
+            seq, last = checks.as_int64(seq_lens), checks.as_int64(last_loc)
             self._check_batch("alloc_decode", None, seq, last, None, seq_c)
 
         take = self._plan_take(fresh)
@@ -211,11 +211,6 @@ class PagedTokenToKVPoolAllocator(CopiesThroughKVCache, BaseTokenToKVPoolAllocat
             checks.continuations_against_state(
                 what, last, pre, seq, owners_at.view(bs, p), page_free_at.bool(), p
             )
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as int64 (itself when it is already: ``.to`` costs a dispatch even then)."""
-    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 def _extend_slots(

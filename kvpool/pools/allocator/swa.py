@@ -204,7 +204,7 @@ class SWATokenToKVPoolAllocator:
             (prefix_lens, seq_lens, last_loc), ("prefix_lens", "seq_lens", "last_loc"), self.device,
         )  # fmt: skip
         _, fresh = checks.extend_lengths(
-            prefix_lens_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64), extend_num_tokens, self.page_size
+            checks.as_int64(prefix_lens_cpu), checks.as_int64(seq_lens_cpu), extend_num_tokens, self.page_size
         )
         if not self._room(fresh * self.page_size):
             return None
@@ -222,7 +222,7 @@ class SWATokenToKVPoolAllocator:
         checks.request_vectors(
             (seq_lens_cpu,), ("seq_lens_cpu",), (seq_lens, last_loc), ("seq_lens", "last_loc"), self.device
         )  # fmt: skip
-        fresh = checks.decode_lengths(seq_lens_cpu.to(torch.int64), self.page_size)
+        fresh = checks.decode_lengths(checks.as_int64(seq_lens_cpu), self.page_size)
         if not self._room(fresh * self.page_size):
             return None
         return self._in_both(lambda part, last: part.alloc_decode(seq_lens, seq_lens_cpu, last), last_loc)
@@ -246,7 +246,7 @@ class SWATokenToKVPoolAllocator:
         refuse what the full part accepted (``_checked``) the full part is backed up first and put
         back; elsewhere its host checks, the full part's, have passed already."""
         # The parts take any integer dtype; the translation indexes with it, so as int64.
-        swa_last = self._map.translate(last_loc if last_loc.dtype == torch.int64 else last_loc.to(torch.int64))
+        swa_last = self._map.translate(checks.as_int64(last_loc))
         backup = self.full_attn_allocator.backup_state() if self._checked else None
         full = call(self.full_attn_allocator, last_loc)
         try:
