@@ -1065,6 +1065,53 @@ def fused_and_reference_serve(monkeypatch, serve_on):
     return reference, fused
 
 
+def _expected_swa_slots(kv_len: int, window: int, page: int) -> int:
+    """SWA slots a request holds once the whole pages of its tokens at positions <= kv_len - window
+    are given back: from the page of its oldest token inside the window to its last page."""
+    first_kept_page = max(0, kv_len - window + 1) // page
+    return (-(-kv_len // page) - first_kept_page) * page
+
+
+def serve_checking_swa_give_back(arch, cfg) -> None:
+    """Serve ``cfg``'s prompts with a sliding-window runner's ``arch`` (examples/support/runners),
+    checking step by step that the full part holds every token of the running requests and the SWA
+    part only the pages of their live windows (at most a window and a page each), that the mapping
+    keeps every token in a window and none of the whole pages before it, and that the allocator's
+    integrity check passes; at the end every slot of both parts is back."""
+    from support import runners
+
+    w, p = cfg.shape.sliding_window, cfg.page_size
+    with runners.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        pools = arch.make_pool(cfg, model, torch.float32)
+        prompts = runners.make_prompts(cfg)
+        sched = arch.scheduler(pools, cfg.batch, cfg.max_context_len, cfg.chunk_size)
+        runner = arch.runner(model, pools, None)
+        for rid, pr in enumerate(prompts):
+            sched.add(runners.Request(rid, list(pr.tokens), pr.new_tokens))
+        a = sched.allocator
+        steps = freed_steps = 0
+        while runner.step(sched, keep_logits=False) is not None:
+            steps += 1
+            a.check_integrity()
+            full_held = a.size_full - a.full_available_size()
+            swa_held = a.size_swa - a.swa_available_size()
+            assert full_held == sum(-(-r.kv_len // p) * p for r in sched.running)
+            assert swa_held == sum(_expected_swa_slots(r.kv_len, w, p) for r in sched.running)
+            assert swa_held <= len(sched.running) * (-(-(w + p - 2) // p) * p)  # a live window and a page each
+            freed_steps += swa_held < full_held
+            for r in sched.running:
+                swa = a.translate_loc_from_full_to_swa(sched.table.req_to_token[r.row, : r.kv_len].to(torch.int64))
+                live = max(0, r.kv_len - w + 1)
+                assert bool((swa[live:] > 0).all())  # every token a later query can see is there
+                assert bool((swa[: live // p * p] == 0).all())  # every whole page before the window is given back
+        assert sched.step_error is None and len(sched.finished) == len(prompts)
+        assert freed_steps > steps // 2  # the SWA part held less than the full part most of the run
+    assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+    assert sched.leaked_slots() == 0
+    sched.check_integrity()
+
+
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
     """A stand-in for an example model runner's ``make_pool`` (``runner``: the runner's module) whose
     pool (``pool_of`` the value made) drops the last token of every ``write_name`` call, as a padding
