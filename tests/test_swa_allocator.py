@@ -245,12 +245,12 @@ def test_with_a_pool_the_mapping_is_registered_and_writes_follow_it():
     a.alloc(3)
     full = a.alloc(2)  # full slots 4, 5 -> SWA slots 4, 5
     a.free_swa(T([4]))
-    x = torch.arange(2 * 48, dtype=torch.float32).view(2, 3, 16)
+    x = torch.arange(2 * 48, dtype=torch.float32, device=DEVICE).view(2, 3, 16)
     pool.set_kv_buffer(Layer(0), full, x, x[:, :, :8])
     k = pool.get_key_buffer(0)
     assert torch.equal(k[0], x[0]) and torch.equal(k[5], x[1])  # slot 4 has no SWA part: padding row 0
     copy = a.get_cpu_copy(full)
-    assert torch.equal(copy["swa"].k[0, 1].view(torch.float32), x[1])
+    assert torch.equal(copy["swa"].k[0, 1].view(torch.float32), x[1].cpu())
 
 
 @pytest.mark.parametrize("kwargs, message", [
