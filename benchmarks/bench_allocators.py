@@ -16,9 +16,12 @@ Rows (wall time per call, the device synchronised before and after each timed ca
   taken and given back, and a ``HybridReqToTokenPool`` request admitted (a row and a state slot)
   and finished (``free_mamba_cache`` then ``free``).
 
-The paged ``alloc_extend``/``alloc_decode`` calls are undone with ``backup_state``/``restore_state``
-outside the timing, so every timed call sees the same allocator; token ``alloc(64)`` is undone by
-freeing its slots, and ``free`` times giving back slots just handed out. Both allocators
+The paged ``alloc_extend`` calls are undone with ``backup_state``/``restore_state`` outside the
+timing, so every timed call sees the same allocator. The ``alloc_decode`` calls are not undone: each
+repeats the same step of the same running requests and takes the few fresh pages that step starts,
+as a server's steps follow each other with nothing restored in between (a restore before each call
+made kvpool's next call up to twice as slow on an H200, a cost no serving step pays). Token
+``alloc(64)`` is undone by freeing its slots, and ``free`` times giving back slots just handed out. Both allocators
 get the same tensors. On a GPU each call is also run once after a queued matrix multiply under
 ``torch.cuda.set_sync_debug_mode("error")``: "waits" says whether it synchronised.
 
@@ -203,8 +206,7 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
                 continue
             a = Paged(paged_slots, PAGE, None, device, None, False)
             dargs = running_requests(a, bs, device, random.Random(bs))
-            before, after = undo_alloc(a)
-            us = timer.per_call_us(before, lambda _: a.alloc_decode(*dargs), after)
+            us = timer.per_call_us(lambda: None, lambda _: a.alloc_decode(*dargs), lambda _, out: None)
             add("paged alloc_decode", f"{bs} requests", name, us, timer.waits(lambda: a.alloc_decode(*dargs)))
 
     # The largest decode batch comes last, so that every other row is in the report however long it takes.

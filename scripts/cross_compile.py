@@ -161,7 +161,7 @@ def compile_allocator(target_name, name, consts, lens_type="i64"):
     names = list(fn.arg_names)
     types = {
         "hand_out": ["*i64", "*i64", f"*{lens_type}", f"*{lens_type}", f"*{lens_type}", "*i32", "*i32", "*i1", "*i1", "*i64"],
-        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64"],
+        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64", "*i64"],
     }[name]  # fmt: skip
     sig = dict(zip(names, types))
     for n in names[len(types):]:
@@ -178,8 +178,8 @@ def allocator_variants():
     bookkeeping and every give-back destination, of slots and of pages; on the other targets and at
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK))  # noqa: E731
-    give = lambda page, dest, to, append=False, sort=0, skip=False: (  # noqa: E731
-        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip)
+    give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False: (  # noqa: E731
+        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror)
     )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):
@@ -188,13 +188,14 @@ def allocator_variants():
         for append in (False, True):
             yield ("sm90", *give(64, dest, to, append))
     yield ("sm90", *hand(64, AL.EXTEND), "i32")
-    for sort in (16, AL.GIVE_BACK_SORT_MAX):  # the smallest and the largest free the kernel sorts itself
-        yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, sort))
-        yield ("gfx942", *give(64, AL.RING, AL.TO_TAIL, False, sort))
-    yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, AL.GIVE_BACK_SORT_MAX, True))  # a SWA part's free
+    for sort in (16, AL.GIVE_BACK_SORT_MAX):  # the smallest and the largest free the kernel sorts itself,
+        # copying its counters to the host as a GPU allocator's free does
+        yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, sort, mirror=True))
+        yield ("gfx942", *give(64, AL.RING, AL.TO_TAIL, False, sort, mirror=True))
+    yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, AL.GIVE_BACK_SORT_MAX, True, True))  # a SWA part's free
     for target in TARGETS:
         yield (target, *hand(1, AL.PLAIN))
-        yield (target, *give(1, AL.RING, AL.TO_TAIL))
+        yield (target, *give(1, AL.RING, AL.TO_TAIL, mirror=True))
     for target in ("sm100", "sm80", "gfx942"):
         yield (target, *hand(64, AL.EXTEND))
 

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from kvassert import cross_compile
+from kvassert import counts_copied_back, cross_compile
 from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
@@ -152,6 +152,28 @@ def test_every_call_on_the_kernel_path_matches_the_pytorch_path(kernel_device, p
     for seed in range(3):
         tw = Twins(kernel_device, page, token, need_sort, validate)
         _random_calls(tw, random.Random(seed * 7 + page), 30)
+
+
+@pytest.mark.parametrize("page,token,need_sort", [(1, True, False), (4, False, False), (4, False, True)])
+def test_a_free_copies_its_counts_back_itself(kernel_device, monkeypatch, page, token, need_sort):
+    """With counts copied back rather than read (a GPU allocator without validate), the give-back
+    kernel writes the counters to the host mirror itself: a free launches no copy after it, and the
+    counts the host folds in match the PyTorch path's, call after call."""
+    from kvpool.pools.allocator.freelist import CountMirror
+
+    tw = Twins(kernel_device, page, token, need_sort, False)
+    if kernel_device == "cpu":
+        counts_copied_back(tw.dut)
+    copies = []
+    queue = CountMirror.queue
+    monkeypatch.setattr(CountMirror, "queue", lambda self, *args: copies.append(1) or queue(self, *args))
+    tw.call("alloc", lambda a, d: a.alloc(3 * page))
+    slots = tw.dut.backup_state().owners.nonzero().flatten().tolist()
+    before = len(copies)
+    tw.call("free", lambda a, d: a.free(torch.tensor(slots[:page] + [0, slots[0]], device=d)))
+    assert len(copies) == before, "a free launched a copy of its counts"
+    assert tw.dut.rejected_frees == tw.ref.rejected_frees == 2
+    _random_calls(tw, random.Random(page), 30)
 
 
 @pytest.mark.parametrize("sorted_by", ["the kernel", "torch.sort"])

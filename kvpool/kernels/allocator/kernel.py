@@ -123,16 +123,18 @@ RING: tl.constexpr = tl.constexpr(0)
 LIST: tl.constexpr = tl.constexpr(1)
 
 
-@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(7)))
+@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(8)))
 def give_back(
-    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr,
+    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr, mirror_ptr,
     n, n_slots, cap,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
-    SORT: tl.constexpr, SKIP_PADDING: tl.constexpr,
+    SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr,
 ):  # fmt: skip
     """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
     put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
-    entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``)."""
+    entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``).
+    ``MIRROR``: then copy ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU), so that
+    no copy needs launching after it."""
     lane = tl.arange(0, BLOCK)
     tail = tl.load(counters_ptr)
     if SORT > 0:
@@ -180,3 +182,7 @@ def give_back(
     if not APPEND:
         at_rejected = counters_ptr + 2 + tl.arange(0, 1)
         tl.store(at_rejected, tl.load(at_rejected) + dropped)
+    if MIRROR:
+        tl.debug_barrier()  # the counters' stores above visible to every thread
+        c = tl.arange(0, 4)
+        tl.store(mirror_ptr + c, tl.load(counters_ptr + c, mask=c < 3, other=0), mask=c < 3)

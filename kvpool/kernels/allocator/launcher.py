@@ -48,8 +48,8 @@ HAND_OUT_PARAMS = (
     "BLOCK_REQ",
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
-    "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "n",
-    "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
+    "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
+    "n", "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING", "MIRROR",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -62,9 +62,11 @@ def on_kernels(device: torch.device) -> bool:
     return uses_kernel(device, kernel_on_cpu)
 
 
-def _wide(ints: tuple[int, ...]) -> tuple[bool, ...]:
+def _wide(ints: tuple[int, ...]) -> object:
     """What the compiled kernel depends on of its integer arguments (all non-negative; it specialises
-    on no value): which need 64 bits (Triton types each on its own)."""
+    on no value): which need 64 bits (Triton types each on its own); False when none does."""
+    if max(ints) <= 0x7FFFFFFF:
+        return False
     return tuple(v > 0x7FFFFFFF for v in ints)
 
 
@@ -123,6 +125,7 @@ def give_back(
     append: bool = False,
     scratch: Optional[torch.Tensor] = None,
     skip_padding: bool = False,
+    mirror: Optional[torch.Tensor] = None,
 ) -> None:
     """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
     ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
@@ -131,15 +134,17 @@ def give_back(
 
     Slots must come sorted ascending unless ``scratch`` (int64, ``GIVE_BACK_SORT_MAX`` entries) is
     given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it.
-    ``skip_padding``: entries <= 0 are not counted as dropped."""
+    ``skip_padding``: entries <= 0 are not counted as dropped. ``mirror`` (int64, 3 entries; pinned
+    host memory for a GPU's counters): the kernel copies ``counters[0:3]`` there when it is done."""
     n = entries.shape[0]
     if n == 0:
         return
     entries = entries.contiguous()  # read at base + j (a strided view is copied first)
     sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
-    tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries)
+    tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries,
+               mirror if mirror is not None else counters)  # fmt: skip
     ints = (n, owners.shape[0], cap)
-    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding))
+    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None)
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from kvpool.kernels.allocator import launcher as allocator_kernels
+from kvpool.kernels.launch import current_raw_stream
 from kvpool.pools.allocator.state import AllocatorState
 
 logger = logging.getLogger("kvpool")
@@ -176,6 +177,9 @@ class CountMirror:
     """A pinned host copy of a few device counters, queued behind the device's work; ``poll`` returns
     it, without waiting, once it has landed (on a CPU device the copy is immediate).
 
+    The copy is either launched here (``queue``) or written by a kernel that changed the counters
+    (``host`` is where it writes; ``landed_behind`` then marks it): one launch fewer per call.
+
     Parameters
     ----------
     n : counters copied.
@@ -185,25 +189,39 @@ class CountMirror:
     def __init__(self, n: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self._device = device
-        self._host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
         self._event = torch.cuda.Event() if cuda else None
+        self._stream: Optional[tuple[int, torch.cuda.Stream]] = None  # (raw handle, stream object)
         self._tag: Optional[object] = None
 
     def queue(self, counters: torch.Tensor, tag: object) -> None:
         """Copy ``counters`` (1-D int64 on the device) once the work queued so far has run; ``tag`` comes
         back with them. A copy not yet polled is replaced."""
-        self._host.copy_(counters, non_blocking=self._event is not None)
+        self.host.copy_(counters, non_blocking=self._event is not None)
+        self.landed_behind(tag)
+
+    def landed_behind(self, tag: object) -> None:
+        """The last work queued writes the counters to ``host`` (a kernel that copies them there):
+        ``poll`` returns them, with ``tag``, once it has run. A copy not yet polled is replaced."""
         if self._event is not None:
             # The copy runs on the counters' device's stream, which need not be the current device's.
-            self._event.record(torch.cuda.current_stream(self._device))
+            self._event.record(self._current_stream())
         self._tag = tag
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The counters' device's current stream, its object kept while the raw handle is the same
+        (``torch.cuda.current_stream`` builds a new one each time)."""
+        raw = current_raw_stream(self._device.index if self._device.index is not None else torch.cuda.current_device())
+        if self._stream is None or self._stream[0] != raw:
+            self._stream = (raw, torch.cuda.current_stream(self._device))
+        return self._stream[1]
 
     def poll(self) -> Optional[tuple[list[int], object]]:
         """The latest copy and its tag if it has landed (once), else None; never waits."""
         if self._tag is None or (self._event is not None and not self._event.query()):
             return None
         tag, self._tag = self._tag, None
-        return self._host.tolist(), tag
+        return self.host.tolist(), tag
 
     def drop(self) -> None:
         """Forget the copy in flight (the counts it holds no longer apply)."""
@@ -268,6 +286,8 @@ class FreeLists:
         self._mirror = CountMirror(3, device)
         self._sort_scratch: Optional[torch.Tensor] = None  # where the give-back kernel sorts a free
         self._changes = 0  # calls that left counts on the device, to tell whether a copy is the latest
+        # Whether the last change of the counters was a kernel that also wrote them to the mirror.
+        self._mirrored = False
         self.reset()
 
     def reset(self) -> None:
@@ -292,15 +312,22 @@ class FreeLists:
         ``counters``; nothing read back."""
         if dropped is not None:
             self._rejected += dropped
+            self._mirrored = False
         self._rejected_exact = False
 
     def changed(self) -> None:
-        """After calls that left counts on the device: read them (eager) or queue their copy back."""
+        """After calls that left counts on the device: read them (eager) or queue their copy back
+        (none to launch when the kernel that changed them last wrote them to the mirror itself)."""
         self._changes += 1
+        mirrored, self._mirrored = self._mirrored, False
         if self.eager:
             self.read()
         elif not (self.exact() and self._rejected_exact):
-            self._mirror.queue(self._counters(), (self._changes, self.ring.mark(), self.release_known))
+            tag = (self._changes, self.ring.mark(), self.release_known)
+            if mirrored:
+                self._mirror.landed_behind(tag)
+            else:
+                self._mirror.queue(self._counters(), tag)
 
     def read(self) -> None:
         """Make every host count exact: one read of the device (a synchronisation on a GPU), skipped when
@@ -362,6 +389,7 @@ class FreeLists:
 
     def commit(self, take: Take) -> None:
         """Remove ``take``'s pages from the lists (after ``plan``, nothing changed in between)."""
+        self._mirrored = False
         if take.merged is None:
             self.ring.drop_front(take.count)
         else:
@@ -371,6 +399,7 @@ class FreeLists:
     def give_back(self, pages: torch.Tensor, keep: torch.Tensor) -> None:
         """Append the ``pages`` where ``keep`` to the release list (need_sort) or the free list, on the
         device: O(len(pages)), nothing read back."""
+        self._mirrored = False
         if self.need_sort:
             self._release.append(torch.where(keep, pages, -1))
             self.release_count += keep.sum()
@@ -422,6 +451,9 @@ class FreeLists:
         """One launch of the give-back kernel whose released pages go to ``group`` (in place, page or
         -1 per entry), else the release list (need_sort, counted), else the free list's end."""
         owners, live, page_free = books
+        # Where the counters are copied back from (not for an eager list, which reads them at once).
+        mirror = None if self.eager else self._mirror.host
+        kernel_args["mirror"] = mirror
         if group is not None or self.need_sort:
             dest = torch.empty_like(entries)
             to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
@@ -441,6 +473,7 @@ class FreeLists:
                 allocator_kernels.RING, allocator_kernels.TO_TAIL, **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
             ring.appended_on_device()
+        self._mirrored = mirror is not None
 
     def merge(self) -> None:
         """Move the release list into the free list, sorted (reads the counts first)."""
@@ -465,6 +498,7 @@ class FreeLists:
 
     def set_release(self, pages: torch.Tensor) -> None:
         """Make ``pages`` (int64, on the device) the release list."""
+        self._mirrored = False
         self._release = [pages] if pages.numel() else []
         self.release_count.fill_(pages.numel())
         self.release_known, self._release_exact = pages.numel(), True
@@ -472,11 +506,13 @@ class FreeLists:
 
     def set_free(self, pages: torch.Tensor) -> None:
         """Make ``pages`` (int64, on the device) the free list."""
+        self._mirrored = False
         self.ring.reset(pages)
         self._mirror.drop()
 
     def restore(self, state: AllocatorState) -> None:
         """Put back the lists of a snapshot (``AllocatorState``); reads nothing back."""
+        self._mirrored = False
         self._mirror.drop()
         self.ring.restore(state.free_ring, state.free_count, state.free_known)
         self._release = [state.release_raw] if state.release_raw.numel() else []
@@ -484,6 +520,7 @@ class FreeLists:
         self.release_known, self._release_exact = state.release_known, False
 
     def _clear_release(self) -> None:
+        self._mirrored = False
         self._release = []
         self.release_count.zero_()
         self.release_known, self._release_exact = 0, True
