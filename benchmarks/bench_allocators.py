@@ -14,7 +14,9 @@ Rows (wall time per call, the device synchronised before and after each timed ca
   ``ReqToTokenPool.alloc``/``free``, and a ``torch.cat`` onto its state free list, ``MambaPool.free``:
   none of them waits): a ``ReqToTokenPool`` row taken and given back, a ``MambaPool`` state slot
   taken and given back, and a ``HybridReqToTokenPool`` request admitted (a row and a state slot)
-  and finished (``free_mamba_cache`` then ``free``).
+  and finished (``free_mamba_cache`` then ``free``);
+* the sliding-window allocator's ``free_swa(64)`` (a request's tokens leaving the window) at the
+  smallest and largest pool size, kvpool's only (the target: flat in the pool's size).
 
 The paged ``alloc_extend`` calls are undone with ``backup_state``/``restore_state`` outside the
 timing, so every timed call sees the same allocator. The ``alloc_decode`` calls are not undone: each
@@ -55,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
 
-from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, ReqToTokenPool  # noqa: E402
+from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, ReqToTokenPool, SWATokenToKVPoolAllocator  # noqa: E402
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 
 PAGE = 64
@@ -231,6 +233,7 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
             add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)))
             del a
     table_rows(device, timer, add)
+    swa_rows(device, timer, add, [sizes[0], sizes[-1]])
     decode_rows(decode_bs[-1])
     return rows
 
@@ -257,6 +260,18 @@ def table_rows(device: torch.device, timer: Timer, add: Callable[..., None]) -> 
 
     us = timer.per_call_us(lambda: None, lambda _: admit_and_finish(), lambda _, out: None)
     add("request admitted + finished", "HybridReqToTokenPool", "kvpool", us, timer.waits(admit_and_finish))
+
+
+def swa_rows(device: torch.device, timer: Timer, add: Callable[..., None], sizes: list[int]) -> None:
+    """kvpool's sliding-window allocator at each pool size (the SWA part half the full part): one
+    request's 64 tokens leaving the window (``free_swa``), timed on slots just handed out."""
+    for size in sizes:
+        a = SWATokenToKVPoolAllocator(size, size // 2, 1, None, device)
+        a.free(a.alloc(size // 4))  # free lists that have taken slots back
+        us = timer.per_call_us(lambda: a.alloc(64), lambda s: a.free_swa(s), lambda s, out: a.free(s))
+        slots = a.alloc(64)
+        add("SWA free_swa(64)", f"{size:,} full slots", "kvpool", us, timer.waits(lambda: a.free_swa(slots)))
+        del a
 
 
 # --- report --------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ Sections (``--sections``, comma-separated; default ``host,write,moves``):
   pool observes maxima for calibration, and the speculative-decoding verify write
   (``set_kv_buffer_prefix_valid`` against a plain write of all bs x width tokens and a masked one).
 * ``moves``: ``move_kv_cache`` of 1, 16, 256 slots across 32 layers against a per-layer index copy.
+* ``swa``: the write of a sliding-window layer of an ``SWAKVPool`` (gpt-oss's geometry, H=8 D=64,
+  full-to-SWA mapping from an ``SWATokenToKVPoolAllocator``): ``set_kv_buffer`` at full slots
+  (translation and the SWA part's write), the SWA part's own write at the translated slots, and the
+  cast-only scatter of the same bytes to the translated slots (the ceiling).
 * ``plans``: every launch-plan candidate of the write (layouts x tiles) for each shape (the
   ``write`` section's, H=8 D=96, DeepSeek-V3's MLA row) against the one-program-per-token kernel and
   the cast-only scatter ceiling: GB/s and % of the ceiling for large writes, microseconds per write
@@ -29,7 +33,7 @@ per call of eager calls back to back. GB/s counts the bytes docs/contract.md def
 performance is measured"). Inputs are random (never zeros), slots random and distinct. Copy ceiling:
 a 2 GiB device-to-device ``copy_`` at the start and the end.
 
-Usage (on a GPU): python benchmarks/bench_write.py --out DIR [--quick] [--sections host,write,moves,plans]
+Usage (on a GPU): python benchmarks/bench_write.py --out DIR [--quick] [--sections host,write,moves,swa,plans]
 ``--cpu-smoke`` runs every section on the CPU at toy sizes (kernels in Triton's interpreter).
 """
 
@@ -54,7 +58,7 @@ import torch  # noqa: E402
 import peers  # noqa: E402
 from timing import DryClock, GpuClock, same_bytes_copy_gbps  # noqa: E402
 
-from kvpool import MHATokenToKVPool, reference_set_kv_buffer  # noqa: E402
+from kvpool import MHATokenToKVPool, SWAKVPool, SWATokenToKVPoolAllocator, reference_set_kv_buffer  # noqa: E402
 from kvpool.config import KernelOptions  # noqa: E402
 from kvpool.kernels.store_kv import writer as store_kv  # noqa: E402
 from kvpool.kernels.launch import Tile  # noqa: E402
@@ -71,6 +75,8 @@ MODELS = {  # name: (KV heads per rank, head_dim)
     "odd (H=3, D=96)": (3, 96),
 }
 MOVE_MODEL = "Llama-3-8B (H=8, D=128)"
+SWA_MODEL = "gpt-oss (H=8, D=64)"
+SWA_GEOMETRY = (8, 64)
 
 
 class M:
@@ -91,6 +97,8 @@ class M:
     PREFIX_MASKED = "torch.where mask + set_kv_buffer"
     MOVE = "kvpool move_kv_cache"
     MOVE_LOOP = "per-layer index copy loop"
+    SWA = "SWAKVPool.set_kv_buffer (SWA layer, full slots)"
+    SWA_PART = "SWA part's write at translated slots"
 
 
 WRITE_METHODS = [M.KVPOOL, M.DIVRN, M.REFERENCE, M.SGLANG, M.COMPILE, M.PER_HEAD, M.PER_TOKEN]
@@ -164,7 +172,7 @@ class Run:
     def __init__(self, plan: Plan, clock, rep: report.Report) -> None:
         self.plan, self.clock, self.rep = plan, clock, rep
         self.result = rep.result
-        self.result.update(plan=asdict(plan), records=[], host={}, prefix=[], moves={}, plans=[], sections_s={})
+        self.result.update(plan=asdict(plan), records=[], host={}, prefix=[], moves={}, swa=[], plans=[], sections_s={})
         self.dev = torch.device(plan.device)
 
     def section(self, name: str, fn) -> None:
@@ -448,6 +456,57 @@ def prefix_valid(run: Run, pool: MHATokenToKVPool, name: str, h: int, d: int, ge
             run.result["prefix"].append(rec)
             line.append(f"{method}=" + (f"{rec['graph_us']:.2f}" if "graph_us" in rec else "error"))
         run.rep.log(f"prefix-valid {name} bs={bs} width={width} (us per call in a graph): " + ", ".join(line))
+
+
+# --- a sliding-window layer ------------------------------------------------------------------------
+
+
+def bench_swa(run: Run) -> None:
+    """A sliding-window layer's write at full slots against the SWA part's own write at the translated
+    slots and the cast-only scatter of the same bytes there (cold device time; graph and wall at
+    decode sizes). The SWA part holds half the full part's slots; the tokens' full slots are handed
+    out by the allocator, so their SWA slots are the mapping's."""
+    plan, dev = run.plan, run.dev
+    h, d = SWA_GEOMETRY
+    size = plan.slots
+    swa_ids, full_ids = list(range(0, 2 * plan.layers, 2)), list(range(1, 2 * plan.layers, 2))
+    pool = SWAKVPool(size, size // 2, 1, FP8, h, d, swa_ids, full_ids, False, dev, fused="always", warmup=False)
+    alloc = SWATokenToKVPoolAllocator(size, size // 2, 1, None, dev, pool)
+    part = pool.swa_kv_pool
+    kv = [part.get_kv_buffer(i) for i in range(plan.layers)]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    scale = torch.tensor([SCALE], device=dev)
+    for t in plan.tokens:
+        if t > size // 2 or run.rep.over_budget(f"swa T={t}"):
+            continue
+        full = alloc.alloc(t)
+        full = full[torch.randperm(t, device=dev, generator=gen)]
+        swa_loc = pool.translate_loc_from_full_to_swa(full).to(torch.int64)
+        xk, xv = run.randn(t, h, d, gen=gen), run.randn(t, h, d, gen=gen)
+        nbytes, decode = bytes_moved(t, h, d), t <= plan.decode_max
+        base = {"model": SWA_MODEL, "H": h, "D": d, "T": t, "bytes": nbytes}
+        timer = lambda rec, fn: measure(run, rec, fn, nbytes, decode)  # noqa: E731
+        run.result["swa"].append({**base, "method": M.CEILING, **cast_scatter_ceiling(run, xk, xv, kv, swa_loc, timer)})
+        fns = {
+            M.SWA: lambda i: pool.set_kv_buffer(None, full, xk, xv, scale, scale, layer_id_override=swa_ids[i]),
+            M.SWA_PART: lambda i: part.set_kv_buffer(None, swa_loc, xk, xv, scale, scale, layer_id_override=i),
+        }
+        stored = lambda: torch.cat([kv[0][0][swa_loc].reshape(-1), kv[0][1][swa_loc].reshape(-1)]).view(torch.uint8)  # noqa: E731
+        expected: list = []  # the SWA layer write's bytes at the translated slots, after its first call
+        line = []
+        for method, fn in fns.items():
+            rec = {**base, "method": method}
+            check = (lambda: (stored() != expected[0]).float().mean().item()) if expected else None
+            if first_call(run, rec, fn, check):
+                expected.append(stored())
+                measure(run, rec, fn, nbytes, decode)
+            run.result["swa"].append(rec)
+            line.append(f"{method}=" + (f"{rec['gbps']:.0f}" if "gbps" in rec else "error"))
+        run.rep.log(f"swa T={t} (GB/s): " + ", ".join(line))
+        alloc.free(full)
+    del pool, alloc, part, kv
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # --- moves ---------------------------------------------------------------------------------------
@@ -845,7 +904,7 @@ def markdown(result: dict) -> str:
             rw = _value(b, "wall_us") / _value(a, "wall_us") if _value(a, "wall_us") and _value(b, "wall_us") else None
             out.append(f"| {n} | {(a or b).get('bytes', 0)} | {_cell_us(a)} | {_cell_us(b)} | {_f(rc, '.1f')}x | {_f(rw, '.1f')}x |")
     agree: dict = {}
-    for r in records + moves.get("records", []):
+    for r in records + moves.get("records", []) + result.get("swa", []):
         if "mismatch_frac" in r:
             agree.setdefault(r["method"], []).append(r["mismatch_frac"])
     if agree:
@@ -853,6 +912,21 @@ def markdown(result: dict) -> str:
                 "(moves: from the source rows). The Triton ports divide approximately, so a few differing bytes are expected there.", "",
                 "| method | cells | max | mean |", "|---|---:|---:|---:|"]  # fmt: skip
         out += [f"| {m} | {len(v)} | {max(v):.2e} | {sum(v) / len(v):.2e} |" for m, v in agree.items()]
+    swa = result.get("swa", [])
+    if swa:
+        sby = {(r["T"], r["method"]): r for r in swa}
+        sm = [M.CEILING, M.SWA, M.SWA_PART]
+        out += ["", f"## Sliding-window layer write: {SWA_MODEL}, SWA part of half the full part's slots", "",
+                "GB/s from the cold device time (percent of the cast-only scatter of the same bytes to the translated "
+                "slots); at decode sizes also microseconds per write, cold / graph / wall.", "",
+                "| T | " + " | ".join(sm) + " | set_kv_buffer / ceiling | decode us: " + " | decode us: ".join(sm[1:]) + " |",
+                "|---:|" + "---:|" * (len(sm) + 1 + len(sm) - 1)]  # fmt: skip
+        for t in sorted({r["T"] for r in swa}):
+            g = {m: _value(sby.get((t, m)), "gbps") for m in sm}
+            cells = [_f(g[m], ".0f") for m in sm]
+            pct = f"{100 * g[M.SWA] / g[M.CEILING]:.1f}%" if g[M.SWA] and g[M.CEILING] else ""
+            us = [_cell_us(sby.get((t, m))) if t <= plan.get("decode_max", 0) else "" for m in sm[1:]]
+            out.append(f"| {t} | " + " | ".join(cells) + f" | {pct} | " + " | ".join(us) + " |")
     cells = _sweep_cells(result)
     if cells:
         out += [
@@ -917,21 +991,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_common_arguments(parser, "write")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and calls (fits one 10-minute GPU call)")
-    parser.add_argument("--sections", default="host,write,moves", help="comma-separated subset of host,write,moves,plans")
+    parser.add_argument("--sections", default="host,write,moves", help="comma-separated subset of host,write,moves,swa,plans")
     args = parser.parse_args()
     plan = SMOKE_PLAN if args.cpu_smoke else QUICK if args.quick else FULL
     args.budget_s = plan.budget_s if args.budget_s is None else args.budget_s
     sections = args.sections.split(",")
-    if not set(sections) <= {"host", "write", "moves", "plans"}:
-        parser.error(f"--sections takes host, write, moves, plans; got {args.sections}")
+    if not set(sections) <= {"host", "write", "moves", "swa", "plans"}:
+        parser.error(f"--sections takes host, write, moves, swa, plans; got {args.sections}")
     if plan.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark runs on a GPU (--cpu-smoke checks the script on the CPU)")
     rep = report.Report(args, "bench_write", "K/V write", markdown, plot)
     rep.meta["plan"] = plan.name
     run = Run(plan, DryClock() if args.cpu_smoke else GpuClock(), rep)
     run.section("copy ceiling", lambda: rep.meta.update(ceiling_gbps=run.clock.copy_ceiling_gbps()))
-    stages = {"host": host_overhead, "moves": bench_moves, "write": bench_write, "plans": plan_sweep}
-    for name in ("host", "moves", "write", "plans"):  # moves before the long write section
+    stages = {"host": host_overhead, "moves": bench_moves, "write": bench_write, "swa": bench_swa, "plans": plan_sweep}
+    for name in ("host", "moves", "write", "swa", "plans"):  # moves before the long write section
         if name in sections:
             run.section(name, lambda fn=stages[name]: fn(run))
     run.section("copy ceiling (end)", lambda: rep.meta.update(ceiling_gbps_end=run.clock.copy_ceiling_gbps()))

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 SMOKES = {  # script: (extra arguments, report name)
-    "bench_write.py": (["--sections", "host,write,moves,plans"], "write"),
+    "bench_write.py": (["--sections", "host,write,moves,swa,plans"], "write"),
     "bench_mla.py": ([], "mla"),
     "bench_host_tier.py": ([], "host-tier"),
     "bench_runner.py": (["--model", "llama"], "runner-llama"),
