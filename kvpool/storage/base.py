@@ -98,8 +98,8 @@ class StorageStats:
     """Counters of one backend since it was made (``get_stats()`` returns a copy).
 
     hits, misses : pages read (``get`` returned data, a ``*_v1`` entry True) / not found.
-    corrupt : reads of a page that was there but failed its check (torn, corrupted, another key's,
-        another size); each is also a miss.
+    corrupt : reads of a page that was there but failed its check (torn, corrupted, another key's);
+        each is also a miss. A good page of another size than the reader's target is a miss only.
     writes, write_failures : pages stored / ``set`` calls that could not store their page (skips of a
         page already stored count as writes).
     evictions : pages the backend dropped to stay within its bound.
