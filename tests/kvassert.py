@@ -934,6 +934,34 @@ def host_tier_unchanged(pool, host, before):
     return all(torch.equal(a, b) for a, b in zip(before, host_tier_snapshot(pool, host)))
 
 
+def host_page_bytes(host: MHATokenToKVPoolHost, start: int) -> torch.Tensor:
+    """The bytes of the host page at slot ``start`` as the contract lays a stored page out, read
+    straight from the host buffers (not through the data-page calls): every layer's K rows, then
+    every layer's V rows, in the layout's order (``layer_first``: layer by layer; ``page_first``:
+    slot by slot, each slot's layers together)."""
+    ps, parts = host.page_size, []
+    for which in "kv":
+        rows = [host_rows(host, layer, which)[start : start + ps] for layer in range(host.layer_num)]
+        parts.append(torch.stack(rows, dim=0 if host.layout == "layer_first" else 1).reshape(-1))
+    return torch.cat(parts)
+
+
+def file_store(path, host=None, max_bytes: int = 1 << 20, **config):
+    """A ``HiCacheFile`` in ``path`` (a fresh directory under a pytest ``tmp_path``), its config from
+    ``config``, over ``host`` when given."""
+    from kvpool.storage import HiCacheFile, HiCacheStorageConfig
+
+    store = HiCacheFile(HiCacheStorageConfig(**config), str(path), max_bytes=max_bytes)
+    if host is not None:
+        store.register_mem_pool_host(host)
+    return store
+
+
+def directory_state(path) -> dict[str, bytes]:
+    """Every file in a directory and its bytes (temporary files included)."""
+    return {name: (Path(path) / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
 # ----------------------------------------------------------------------------------------------
 # Slot allocators: everything one knows as plain values, and alloc_extend / alloc_decode from lists.
 

@@ -41,7 +41,7 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 def encode_extra_key(extra_key: object, name: str = "extra_key") -> bytes:
     """The unambiguous bytes of an ``extra_key``: None, bool, int (int64 range), str, bytes, or a
-    tuple/list of these (nested), each with a type tag and, where it varies, a length.
+    tuple of these (nested), each with a type tag and, where it varies, a length.
 
     Raises
     ------
@@ -61,7 +61,7 @@ def encode_extra_key(extra_key: object, name: str = "extra_key") -> bytes:
         return b"S" + struct.pack("<Q", len(raw)) + raw
     if isinstance(extra_key, (bytes, bytearray)):
         return b"Y" + struct.pack("<Q", len(extra_key)) + bytes(extra_key)
-    if isinstance(extra_key, (tuple, list)):
+    if isinstance(extra_key, tuple):
         parts = [encode_extra_key(e, f"{name}[{i}]") for i, e in enumerate(extra_key)]
         return b"T" + struct.pack("<Q", len(parts)) + b"".join(parts)
     raise ValueError(
