@@ -26,7 +26,6 @@ import torch
 
 from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.host_setup import host_tier_setup
-from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
@@ -34,14 +33,11 @@ from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
 from kvpool.cache.storage_tier import StoragePolicy, storage_for
 from kvpool.cache.tree import Undo
+from kvpool.cache.write_through import NO_ROOM, WriteThroughInserts
 from kvpool.checks import non_negative_int
 
 
-#: A staged write-through backup the host had no room for.
-_NO_ROOM = object()
-
-
-class HiRadixCache(RadixCache):
+class HiRadixCache(WriteThroughInserts, RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
     Parameters
@@ -229,7 +225,7 @@ class HiRadixCache(RadixCache):
         copied before the tree changes and handed to this call to attach.)"""
         staged, self._staged_copy = self._staged_copy, None
         copy = self._back_up(node.device.value) if staged is None else staged
-        if copy is _NO_ROOM or copy is None:
+        if copy is NO_ROOM or copy is None:
             return 0
         slots, event = copy
         node.records[HOST] = HostCopy(slots)
@@ -382,83 +378,6 @@ class HiRadixCache(RadixCache):
             else:
                 left.append((node, event))
         return left
-
-    def _stage_insert(self, job: Any) -> Any:
-        """Back up, before the tree changes, every device page of the insertion's path that the write
-        policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
-        threshold with this insert); returns the host slots and events, root side first (None for a
-        node the host had no room for). If a backup raises, the host slots taken so far are freed and
-        nothing else has changed but the host-only leaves evicted for room (their slots may be written)."""
-        if self.write_policy == "write_back" or job.chunked:
-            return []
-        due, host_only = self._due_backups(job)
-        host = self.token_to_kv_pool_host
-        copies: list = []
-        for n in host_only:
-            n.protect_host()  # the path's host-only nodes must stay while room is made for the copies
-        try:
-            for slots in due:
-                copies.append(self._back_up(slots))
-        except BaseException:
-            self._unstage_insert(copies)
-            raise
-        finally:
-            for n in host_only:
-                n.release_host()
-        return copies
-
-    def _unstage_insert(self, staged: Any) -> None:
-        parts = [c[0] for c in staged or () if c is not None]
-        if parts:
-            self.token_to_kv_pool_host.free(torch.cat(parts))
-
-    def _complete_insert(self, job: Any, staged: Any) -> int:
-        """Insert, then count the insert as a hit on its path's device nodes without a host copy and
-        give those due the copies ``_stage_insert`` made (locked until each copy has read its slots)."""
-        cached, last = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
-        if self.write_policy == "write_back" or job.chunked:
-            return cached // self.elem_bytes
-        path = []
-        node = last
-        while node is not self.root_node:
-            if node.device is not None and HOST not in node.records:
-                path.append(node)
-            node = node.parent
-        copies = iter(staged)
-        for node in reversed(path):
-            node.hit_count += 1
-            if node.hit_count < self.write_through_threshold:
-                continue
-            copy = next(copies, None)
-            self._staged_copy = _NO_ROOM if copy is None else copy
-            self.write_backup(node)  # attaches the staged copy (or none: the host had no room)
-        return cached // self.elem_bytes
-
-    def _due_backups(self, job: Any) -> tuple[list[torch.Tensor], list[TreeNode]]:
-        """The device slots of each part of the insertion's path that ``_complete_insert`` will back
-        up (root side first), and the path's host-only nodes; reads the tree only."""
-        threshold = self.write_through_threshold
-        child_key = self._child_key
-        enc, n, node, pos = job.enc, job.n, self.root_node, 0
-        due, host_only = [], []
-        while pos < n:
-            child = node.children.get(child_key(enc, pos, job.extra))
-            if child is None:
-                break
-            kb = encoded(child.key)
-            whole = pos + len(kb) <= n and enc.startswith(kb, pos)
-            m = len(kb) if whole else common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
-            pos += m
-            if child.device is None:
-                host_only.append(child)
-            elif HOST not in child.records and child.hit_count + 1 >= threshold:
-                due.append(child.device.value[: m // self.elem_bytes])
-            if not whole:
-                break
-            node = child
-        if pos < n and threshold <= 1:  # the new leaf, with its first hit
-            due.append(job.value[pos // self.elem_bytes : n // self.elem_bytes])
-        return due, host_only
 
     def _back_up(self, device_slots: torch.Tensor) -> Optional[tuple[torch.Tensor, Any]]:
         """Copy ``device_slots`` to new host slots (evicting host-only leaves for room): (host slots,
