@@ -141,6 +141,7 @@ def test_wait_complete_holds_the_request_until_every_page_is_read(tmp_path):
         time.sleep(0.01)
     assert cache.pop_prefetch_loaded_tokens("r") == 12
     cache.check_integrity()
+    cache.storage_tier.close()
     b.drain()
 
 
@@ -155,6 +156,7 @@ def test_best_effort_lets_the_request_go_on_with_what_has_arrived(tmp_path):
     assert cache.check_prefetch_progress("s") and cache.pop_prefetch_loaded_tokens("s") == 12
     b.finish(b.admit(seq(13, 500)))
     assert b.loaded == 12
+    cache.storage_tier.close()
     b.drain()
 
 
@@ -167,6 +169,7 @@ def test_timeout_lets_the_request_go_on_once_the_time_is_up(tmp_path):
     assert cache.storage_tier.drain()
     cache.check_integrity()
     assert b.host.available_size() == b.host.size  # nothing of the late pages entered the host
+    cache.storage_tier.close()
     b.drain()
 
 

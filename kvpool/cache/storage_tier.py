@@ -178,6 +178,7 @@ class StorageTier:
         storage.register_mem_pool_host(self.host)
         self.page_size = cache.page_size
         self.page_enc_bytes = cache.page_bytes  # one page of key elements, as the tree encodes them
+        self.page_nbytes = sum(self.host.page_bytes)  # one stored page
         self.stats = StorageTierStats()
         self.ongoing_prefetch: dict[Any, PrefetchOp] = {}
         self.loaded_tokens: dict[Any, int] = {}
@@ -310,7 +311,7 @@ class StorageTier:
             for key in op.keys[:hits]:
                 if op.terminated:
                     break
-                page = torch.empty(sum(self.host.page_bytes), dtype=torch.uint8)
+                page = torch.empty(self.page_nbytes, dtype=torch.uint8)
                 if self.storage.get(key, page) is None:
                     break
                 with self._lock:
@@ -464,7 +465,18 @@ class StorageTier:
         return True
 
 
+    def close(self) -> None:
+        """Stop the worker threads once they have run what was queued (a closed tier queues no more)."""
+        for q in self._queues.values():
+            q.put(None)
+        self._queues = {}
+        self.policy = dataclasses.replace(self.policy, background=False)
+
+
 def _serve(q: queue.Queue) -> None:
     while True:
-        q.get()()
+        job = q.get()
+        if job is None:
+            return
+        job()
 
