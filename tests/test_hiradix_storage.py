@@ -267,3 +267,34 @@ def test_bad_prefetch_arguments_change_nothing(tmp_path, call, exc, match):
         call(eng.cache)
     assert eng.cache.storage_tier.ongoing_prefetch == {} and eng.cache.root_node.host_ref_counter == 0
     eng.cache.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_seeded_fault_run_loads_only_right_bytes_and_stays_consistent(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    policy = StoragePolicy(prefetch_threshold=0, background=False, backoff_s=0.0, max_backoff_s=0.0)
+    engines = []
+    for i in range(2):  # two engines on one directory, each behind its own faults
+        flaky = FaultyStorage(file_store(tmp_path / "kv", max_bytes=40_000), seed=seed * 10 + i, fail_rate=0.15,
+                              raise_rate=0.1, short_rate=0.2)  # fmt: skip
+        engines.append(engine(flaky, policy, pages=12, host_ratio=0.75))
+    engines[1].ids = engines[0].ids
+    stems = [seq(8, 100 * (k + 1)) for k in range(4)]
+    for _ in range(40):
+        eng = rng.choice(engines)
+        prompt = rng.choice(stems) + seq(rng.randrange(1, 9), rng.randrange(10_000, 10_004))
+        req = eng.admit(prompt, extra=rng.choice([None, "t"]))  # every loaded slot's bytes are checked
+        if req is not None:
+            eng.finish(req)
+        if rng.random() < 0.3:
+            eng.cache.evict(EvictParams(num_tokens=rng.randrange(4, 32)))
+        if rng.random() < 0.2:
+            eng.cache.evict_host(rng.randrange(4, 32))
+        eng.cache.check_hicache_events()
+        eng.cache.check_integrity(eng.running.values())
+    injected = {kind for e in engines for _, _, kind in e.cache.storage_tier.storage.log}
+    assert injected == {"fail", "raise", "short"} and sum(e.from_storage for e in engines) > 0
+    for eng in engines:
+        eng.drain()
