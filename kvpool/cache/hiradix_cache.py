@@ -348,7 +348,7 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         return True if self.storage_tier is None else self.storage_tier.progress(req_id)
 
     def terminate_prefetch(self, req_id: Any) -> None:
-        """Stop reading further pages for ``req_id`` (``check_prefetch_progress`` takes what came)."""
+        """Stop reading further pages for ``req_id``; ``check_prefetch_progress`` still ends it."""
         if self.storage_tier is not None:
             self.storage_tier.terminate(req_id)
 
