@@ -230,22 +230,28 @@ def test_storage_from_sglangs_server_args(tmp_path):
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4)
     args = SimpleNamespace(hicache_ratio=1.5, hicache_size=0, hicache_mem_layout="page_first", hicache_write_policy="write_through",
                            hicache_io_backend="direct", hicache_storage_backend="file", hicache_storage_prefetch_policy="timeout",
-                           hicache_storage_backend_extra_config=f'{{"file_path": "{tmp_path / "kv"}", "max_bytes": 100000}}',
+                           hicache_storage_backend_extra_config=f'{{"file_path": "{tmp_path / "kv"}", "max_bytes": 100000, '
+                                                                '"prefetch_threshold": 64, "prefetch_timeout_per_ki_token": 0.512}',
                            model_path="org/model")  # fmt: skip
     cache = HiRadixCache(params, args)
     tier = cache.storage_tier
-    assert cache.enable_storage and isinstance(tier.storage, HiCacheFile) and tier.policy.prefetch_policy == "timeout"
+    assert cache.enable_storage and isinstance(tier.storage, HiCacheFile)
+    assert (tier.policy.prefetch_policy, tier.policy.prefetch_threshold, tier.policy.prefetch_timeout_per_page_s) == ("timeout", 64, 0.002)
     assert tier.storage.file_path == str(tmp_path / "kv") and tier.storage.max_bytes == 100000
     assert tier.storage.storage_config.model_name == "org/model" and tier.storage.storage_config.is_page_first_layout
     for bad, msg in [
         ({"hicache_storage_backend": "mooncake"}, "hicache_storage_backend must be 'file' or None \\(pass other backends as storage=\\)"),
         ({"hicache_storage_prefetch_policy": "eager"}, "prefetch_policy must be one of best_effort, wait_complete, timeout"),
+        ({"hicache_storage_backend_extra_config": "{oops"}, "hicache_storage_backend_extra_config must be a dict or JSON of one"),
+        ({"hicache_storage_backend_extra_config": {"prefetch_threshold": -1, "file_path": str(tmp_path / "never")}},
+         "prefetch_threshold must be a non-negative int, got -1"),
     ]:
         fresh = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")
         p = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=PagedTokenToKVPoolAllocator(64, 4, kvcache=fresh), page_size=4)
         with pytest.raises(ValueError, match=msg):
             HiRadixCache(p, SimpleNamespace(**{**vars(args), **bad}))
         assert fresh.layer_transfer_counter is None  # refused before the cache touched the pool
+        assert not (tmp_path / "never").exists()  # or made a directory
     with pytest.raises(ValueError, match="storage_policy needs a storage backend"):
         HiRadixCache(params, SimpleNamespace(**{**vars(args), "hicache_storage_backend": None}), storage_policy=NOW)
     with pytest.raises(ValueError, match="storage must be a kvpool.storage.HiCacheStorage, got str"):

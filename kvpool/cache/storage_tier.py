@@ -121,8 +121,10 @@ def storage_for(server_args: Any, storage: Any, policy: Optional[StoragePolicy],
     """How a ``HiRadixCache`` makes its storage tier, checked before the cache changes anything: a
     function of the cache giving its ``StorageTier``, or None without storage. ``storage`` is a
     backend instance; without it ``server_args.hicache_storage_backend`` may name ``"file"``
-    (``HiCacheFile``; ``hicache_storage_backend_extra_config``, a dict or JSON, may give
-    ``file_path`` and ``max_bytes``), and ``hicache_storage_prefetch_policy`` the policy.
+    (``HiCacheFile``). Without ``policy`` it is made from ``hicache_storage_prefetch_policy`` and
+    SGLang's keys of ``hicache_storage_backend_extra_config`` (a dict or JSON of one):
+    ``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token`` (seconds
+    per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``.
 
     Raises
     ------
@@ -135,25 +137,39 @@ def storage_for(server_args: Any, storage: Any, policy: Optional[StoragePolicy],
         if policy is not None:
             raise ValueError("storage_policy needs a storage backend (storage=, or server_args.hicache_storage_backend)")
         return None
-    if storage is None:
-        storage = _named_storage(name, server_args, host_pool)
-    if not isinstance(storage, HiCacheStorage):
-        raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
+    extra = _extra_config(server_args)
     if policy is None:
-        policy = StoragePolicy(prefetch_policy=getattr(server_args, "hicache_storage_prefetch_policy", None) or "best_effort")
+        per_ki = extra.get("prefetch_timeout_per_ki_token", 0.25)
+        policy = StoragePolicy(
+            prefetch_policy=getattr(server_args, "hicache_storage_prefetch_policy", None) or "best_effort",
+            prefetch_threshold=extra.get("prefetch_threshold", 256),
+            prefetch_timeout_base_s=extra.get("prefetch_timeout_base", 1.0),
+            prefetch_timeout_per_page_s=per_ki * host_pool.page_size / 1024 if isinstance(per_ki, (int, float)) else per_ki,
+        )
     if not isinstance(policy, StoragePolicy):
         raise ValueError(f"storage_policy must be a StoragePolicy, got {type(policy).__name__}")
+    if storage is None:
+        storage = _named_storage(name, server_args, host_pool, extra)  # the last check: it makes the directory
+    if not isinstance(storage, HiCacheStorage):
+        raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
     return lambda cache: StorageTier(cache, storage, policy)
 
 
-def _named_storage(name: object, server_args: Any, host_pool: Any) -> HiCacheStorage:
-    if name != "file":
-        raise ValueError(f"hicache_storage_backend must be 'file' or None (pass other backends as storage=), got {name!r}")
+def _extra_config(server_args: Any) -> dict:
     extra = getattr(server_args, "hicache_storage_backend_extra_config", None) or {}
     if isinstance(extra, str):
-        extra = json.loads(extra)
+        try:
+            extra = json.loads(extra)
+        except ValueError as e:
+            raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {extra!r} ({e})") from None
     if not isinstance(extra, dict):
         raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {type(extra).__name__}")
+    return extra
+
+
+def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict) -> HiCacheStorage:
+    if name != "file":
+        raise ValueError(f"hicache_storage_backend must be 'file' or None (pass other backends as storage=), got {name!r}")
     config = HiCacheStorageConfig(
         model_name=getattr(server_args, "model_path", None), is_mla_model=isinstance(host_pool.device_pool, MLATokenToKVPool),
         is_page_first_layout=host_pool.layout == "page_first", extra_config=extra,
