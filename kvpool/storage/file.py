@@ -1,0 +1,404 @@
+"""``HiCacheFile``: the embedded storage backend, one directory of page files (SGLang's name; the
+rules are docs/contract.md, "Storage tier", "File backend").
+
+Each page is one file named by :func:`~kvpool.storage.keys.storage_digest` (64 hex characters and
+``.kvpage``), laid out as :mod:`kvpool.storage.record` says. A page is written to a temporary file
+in the same directory and renamed over its name (``os.replace``, atomic within a filesystem), so a
+writer that dies midway leaves only a temporary file, never a half page under a real name; every
+read checks the header, name, sizes and CRC-32, so a torn or corrupted page is a miss. The directory
+holds at most ``max_bytes`` of page files: beyond that the least recently used pages are removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import stat
+import tempfile
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from kvpool.checks import positive_int
+from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
+from kvpool.storage.keys import key_namespace, storage_digest, storage_name
+from kvpool.storage.record import HEADER, checksum, header, parse_header
+
+#: The directory's default bound: 8 GiB of page files.
+DEFAULT_MAX_BYTES = 8 << 30
+PAGE_SUFFIX = ".kvpage"
+TEMP_PREFIX = ".kvpage-tmp-"
+_PAGE_NAME = re.compile(r"^[0-9a-f]{64}\.kvpage$")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def default_file_path() -> str:
+    """The directory used without ``file_path``: ``kvpool-hicache-<uid>`` in the temporary directory
+    (one per user, so another user's directory is never picked up)."""
+    return os.path.join(tempfile.gettempdir(), f"kvpool-hicache-{os.geteuid()}")
+
+
+def owner_only_directory(path: object) -> str:
+    """``path`` as an absolute directory that exists, is not a symlink, belongs to this user and is
+    readable by its owner only, created (mode 0o700) if missing.
+
+    Raises
+    ------
+    ValueError
+        ``path`` not a non-empty str, or an existing entry that is a symlink, not a directory, owned
+        by another user, or open to group or others (its mode is shown; ``chmod 700`` it).
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"file_path must be a non-empty path, got {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # the umask may have taken bits from 0o700
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"file_path must be a directory (not a symlink or a file), got {path}")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"file_path must belong to this user (uid {os.geteuid()}), got {path} owned by uid {st.st_uid}")
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"file_path must be readable by its owner only (mode 0o700), got {path} with mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}"
+        )
+    return path
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    """Read until ``view`` is full or the file ends; the bytes read."""
+    got = 0
+    while got < view.nbytes:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable memoryview (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class HiCacheFile(HiCacheStorage):
+    """KV pages in one directory on a local disk (SGLang's ``HiCacheFile``: the same constructor and
+    interface, :class:`~kvpool.storage.base.HiCacheStorage`).
+
+    Parameters
+    ----------
+    storage_config : who is storing (:class:`~kvpool.storage.base.HiCacheStorageConfig`; None is the
+        default config). With :meth:`register_mem_pool_host` it makes the namespace pages are stored
+        under (:func:`~kvpool.storage.keys.key_namespace`).
+    file_path : the directory (default :func:`default_file_path`); created with mode 0o700. An
+        existing one must be a directory of this user's, mode 0o700 (else ValueError). Temporary
+        files left there by a writer that died are removed; the page files there are taken over,
+        least recently written first out.
+    max_bytes : the bound on the page files' total size (header, name and payload), >= 1. A page
+        larger than the bound is not stored (``set`` returns False).
+
+    Several threads may use one instance at once (writes take turns, reads do not wait for them; a
+    page evicted while it is being read is still read whole). Several processes may share a directory (each
+    names its own pages by namespace); each keeps the bound over the pages it wrote or found when
+    it was made, so give each one its own share of the disk.
+
+    Examples
+    --------
+    >>> store = HiCacheFile(HiCacheStorageConfig(model_name="llama"), "/tmp/kv", max_bytes=1 << 30)
+    >>> store.register_mem_pool_host(host_pool)
+    >>> keys = page_keys(token_ids, host_pool.page_size)
+    >>> store.batch_set_v1(keys, host_slots)             # [True, True, ...]
+    >>> store.batch_get_v1(keys, other_host_slots)        # the same bytes in other host pages
+    """
+
+    def __init__(
+        self,
+        storage_config: Optional[HiCacheStorageConfig] = None,
+        file_path: Optional[str] = None,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if storage_config is None:
+            storage_config = HiCacheStorageConfig()
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            raise ValueError(f"storage_config must be a HiCacheStorageConfig or None, got {type(storage_config).__name__}")
+        self.max_bytes = positive_int(max_bytes, "max_bytes")
+        self.storage_config = storage_config
+        self.file_path = owner_only_directory(default_file_path() if file_path is None else file_path)
+        self.namespace = key_namespace(storage_config)
+        self._lock = threading.Lock()  # the index and the counters
+        self._write_lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
+        self._bytes = 0
+        self._stats = StorageStats()
+        self._temp_ids = itertools.count()
+        self._adopt_directory()
+
+    # --- the directory -------------------------------------------------------------------------------
+
+    def _adopt_directory(self) -> None:
+        """Remove temporary files a dead writer left, index the page files oldest first, and trim."""
+        found = []
+        with os.scandir(self.file_path) as entries:
+            for e in entries:
+                if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+                    try:
+                        os.unlink(e.path)
+                    except FileNotFoundError:
+                        pass
+                elif _PAGE_NAME.match(e.name) and e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, e.name[:64], st.st_size))
+        with self._lock:
+            for _, digest, size in sorted(found):
+                self._index[digest] = size
+                self._bytes += size
+            self._trim(0)
+
+    def _path(self, digest: str) -> str:
+        return os.path.join(self.file_path, digest + PAGE_SUFFIX)
+
+    def _trim(self, room: int) -> None:
+        """Evict least recently used pages until ``room`` more bytes fit (lock held)."""
+        while self._index and self._bytes + room > self.max_bytes:
+            digest = next(iter(self._index))
+            self._forget(digest)
+            self._stats.evictions += 1
+            try:
+                os.unlink(self._path(digest))
+            except FileNotFoundError:
+                pass
+
+    def _forget(self, digest: str) -> None:
+        size = self._index.pop(digest, None)
+        if size is not None:
+            self._bytes -= size
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """As the interface says; the namespace takes in the host pool's page geometry."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.namespace = key_namespace(self.storage_config, mem_pool_host)
+
+    # --- one page ------------------------------------------------------------------------------------
+
+    def _store(self, key: str, payload: memoryview) -> bool:
+        """Write one page (temporary file, then rename); False when it cannot be stored. Writes are
+        serialised (reads are not), so the index and the files agree whatever the threads do."""
+        with self._write_lock:
+            return self._store_one(key, payload)
+
+    def _store_one(self, key: str, payload: memoryview) -> bool:
+        name = storage_name(self.namespace, key)
+        digest = storage_digest(self.namespace, key)
+        path = self._path(digest)
+        size = HEADER.size + len(name) + payload.nbytes
+        with self._lock:
+            if digest in self._index and os.path.exists(path):
+                self._index.move_to_end(digest)
+                self._stats.writes += 1
+                return True
+            if size > self.max_bytes:
+                self._stats.write_failures += 1
+                return False
+            self._forget(digest)
+            self._trim(size)
+            self._index[digest] = size  # reserved now, so concurrent writers keep the bound
+            self._bytes += size
+        temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            try:
+                _write_all(fd, header(name, payload))
+                _write_all(fd, payload)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except OSError:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            with self._lock:
+                self._forget(digest)
+                self._stats.write_failures += 1
+            return False
+        with self._lock:
+            self._stats.writes += 1
+        return True
+
+    def _load(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Read one page into ``target`` (or a new uint8 tensor): the tensor, or None for a miss."""
+        name = storage_name(self.namespace, key)
+        digest = storage_digest(self.namespace, key)
+        path = self._path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError:
+            outcome = "absent"
+        else:
+            try:
+                outcome, target = self._read_page(fd, name, target)
+            except OSError:
+                outcome = "absent"
+            finally:
+                os.close(fd)
+        with self._lock:
+            if outcome == "hit":
+                self._stats.hits += 1
+                if digest in self._index:
+                    self._index.move_to_end(digest)
+                return target
+            self._stats.misses += 1
+            if outcome != "corrupt":
+                if outcome == "absent":
+                    self._forget(digest)
+                return None
+            self._stats.corrupt += 1
+            self._forget(digest)
+        # A page that fails its check is removed, so the next write of the key stores it again.
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+
+    @staticmethod
+    def _read_page(fd: int, name: bytes, target: Optional[torch.Tensor]) -> tuple[str, Optional[torch.Tensor]]:
+        """("hit", the tensor read into), ("size", None) for a good header of a payload size other
+        than ``target``'s, or ("corrupt", None)."""
+        size = os.fstat(fd).st_size
+        raw = os.read(fd, HEADER.size + len(name))
+        parsed = parse_header(raw, name)
+        if parsed is None or size != len(raw) + parsed[0]:
+            return "corrupt", None
+        payload_len, crc = parsed
+        if target is None:
+            target = torch.empty(payload_len, dtype=torch.uint8)
+        elif target.numel() * target.element_size() != payload_len:
+            return "size", None
+        view = _as_bytes(target)
+        if _read_into(fd, view) != payload_len or checksum(name, view) != crc:
+            return "corrupt", None
+        return "hit", target
+
+    # --- the interface -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_target(target: object, size: object, name: str) -> Optional[torch.Tensor]:
+        if size is not None:
+            raise ValueError(f"{name.replace('location', 'sizes')} must be None (HiCacheFile reads into tensors), got {size!r}")
+        if target is None:
+            return None
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"{name} must be None or a CPU tensor (HiCacheFile reads into tensors), got {type(target).__name__}")
+        if target.device.type != "cpu" or not target.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, got device {target.device}, contiguous {target.is_contiguous()}")
+        return target
+
+    @staticmethod
+    def _check_value(value: object, target: object, size: object, name: str) -> memoryview:
+        if target is not None or size is not None:
+            raise ValueError(f"{name} must be given as a tensor (HiCacheFile takes no target_location / target_sizes)")
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name} must be a CPU tensor, got {got}")
+        return _as_bytes(value.detach().contiguous())
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        key = self.check_key(key)
+        target = self._check_target(target_location, target_sizes, "target_location")
+        return self._load(key, target)
+
+    def batch_get(
+        self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> list[Optional[torch.Tensor]]:
+        keys = self.check_keys(keys)
+        targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
+        sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
+        checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
+        return [self._load(k, t) for k, t in zip(keys, checked)]
+
+    def set(
+        self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> bool:
+        key = self.check_key(key)
+        return self._store(key, self._check_value(value, target_location, target_sizes, "value"))
+
+    def batch_set(
+        self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> bool:
+        keys = self.check_keys(keys)
+        if values is None:
+            raise ValueError("values must be a list of CPU tensors (one per key), got None")
+        vals = self.check_batch(values, "values", len(keys))
+        targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
+        sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
+        payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
+        return all(self._store(k, p) for k, p in zip(keys, payloads))
+
+    def exists(self, key: str) -> bool:
+        key = self.check_key(key)
+        return os.path.isfile(self._path(storage_digest(self.namespace, key)))
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says. Each page is read and checked in a scratch page first, and only a
+        good one is written to its host page (``set_from_flat_data_page``): a miss leaves its host
+        page as it was."""
+        starts = self.host_page_starts(keys, host_indices)
+        host = self.mem_pool_host
+        scratch = torch.empty(sum(host.page_bytes), dtype=torch.uint8)
+        flat = scratch.view(host.store_dtype)
+        done = []
+        for key, start in zip(keys, starts):
+            ok = self._load(key, scratch) is not None
+            if ok:
+                host.set_from_flat_data_page(start, flat)
+            done.append(ok)
+        return done
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says: each page's bytes are ``get_data_page(start)`` (which waits for a
+        backup still writing the page)."""
+        starts = self.host_page_starts(keys, host_indices)
+        host = self.mem_pool_host
+        return [self._store(key, _as_bytes(host.get_data_page(start))) for key, start in zip(keys, starts)]
+
+    def clear(self) -> None:
+        """Remove every page file of the directory (other files are left alone)."""
+        with self._lock:
+            with os.scandir(self.file_path) as entries:
+                for e in entries:
+                    if _PAGE_NAME.match(e.name):
+                        try:
+                            os.unlink(e.path)
+                        except FileNotFoundError:
+                            pass
+            self._index.clear()
+            self._bytes = 0
+
+    def get_stats(self) -> StorageStats:
+        with self._lock:
+            s = StorageStats(**vars(self._stats))
+            s.pages, s.bytes = len(self._index), self._bytes
+        return s
