@@ -36,13 +36,27 @@ last ``sliding_window - 1`` tokens of a local layer); every slot of both parts i
 FP8 pools run at scale 1.0 and with the scales the pool's own calibration gives (each layer's from
 its part, keyed by layer id), when the ``SWAKVPool`` offers ``calibrated_scales``.
 
-``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}``: the model is
+Speculative decoding (``--spec-width W``, default 4, 0 for none; on the pools of ``--spec-dtypes``):
+each decode step drafts ``W - 1`` tokens per request and verifies the block ``[last token, drafts]`` in
+one forward. The draft is the target itself on an fp8_e5m2 ``MHATokenToKVPool`` of every layer at
+the target's full slots (scale 1.0; sized with the SWA pools by ``plan_swa_pools``), which agrees with
+the target except where the rounding turns a near-tie. The scheduler gives each block's tokens slots
+in both parts; the verify forward attends over each layer's committed rows (a local layer over the
+translated slots of its window) plus the block's own K/V as the pool stores it; the accepted prefix
+is committed with ``set_kv_buffer_prefix_valid`` (the pool translates a local layer's slots) and the
+rejected slots go back to both parts with ``free``, before the pages that left the window go back
+with ``free_swa``. With an fp32 model the speculative tokens must equal the non-speculative run's on
+the same pool dtype (and, on fp32, HF's).
+
+``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}`` and, with a
+speculative run, ``"spec_tokens"`` (the fp32 pool's tokens without and with speculative decoding): the model is
 ``Gemma3ForCausalLM(Gemma3TextConfig(**config))`` built in float32 right after
 ``torch.manual_seed(seed)``, so anyone can rebuild it and compare.
 
     python examples/gemma3_runner.py                       # tiny config, a few seconds on a CPU
     python examples/gemma3_runner.py --dtypes fp32 --sliding-window 6 --chunk-size 8
     python examples/gemma3_runner.py --config small --device cuda --json out.json
+    python examples/gemma3_runner.py --dtypes fp32 --page-size 64 --prompt-len 70 90 --spec-width 6
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (``--prefix-cache`` is refused:
 there is no sliding-window radix cache in the runners; page size 1 is refused: the SWA allocator
