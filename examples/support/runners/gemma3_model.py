@@ -22,6 +22,7 @@ import torch
 from kvpool import KVGeometry, MHATokenToKVPool, SWAKVPool, SWASizing, SWATokenToKVPoolAllocator, plan_swa_pools
 from kvpool.checks import positive_int
 from kvpool.errors import IntegrityError
+from support.part_counts import PathCounts
 from support.runners.config import RunConfig
 from support.runners.scheduler import Request
 from support.runners.verify import VerifyScheduling
@@ -175,30 +176,6 @@ def swa_pages(window: int, page_size: int, step_tokens: int, tokens: int) -> int
     that left the window are given back: the kept tokens are at most ``window - 1`` live ones plus
     ``page_size - 1`` before them on the first kept page, and a step adds its tokens to them."""
     return -(-min(window + page_size - 2 + step_tokens, tokens) // page_size)
-
-
-class PathCounts:
-    """The write-path counts of both parts of an ``SWAKVPool``, read when asked (``serve`` takes
-    the difference of two readings)."""
-
-    def __init__(self, kv: SWAKVPool) -> None:
-        self.parts = (kv.full_kv_pool.stats, kv.swa_kv_pool.stats)
-
-    @property
-    def fused_calls(self) -> int:
-        return sum(s.fused_calls for s in self.parts)
-
-    @property
-    def reference_calls(self) -> int:
-        return sum(s.reference_calls for s in self.parts)
-
-    @property
-    def reasons(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.parts:
-            for k, v in s.reasons.items():
-                out[k] = out.get(k, 0) + v
-        return out
 
 
 @dataclass
