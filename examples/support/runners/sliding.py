@@ -7,13 +7,13 @@ step ``verify_window_keys``) and the summary with the window and each pool's sli
 (``format_swa_summary``).
 
 Speculative decoding (``spec_width``): the draft model is the target itself with its K/V in an FP8
-``MHATokenToKVPool`` of every layer at the target's full slots (``DRAFT_DTYPE``, scale 1.0; sized with
-the SWA pools by ``plan_swa_pools``; its sliding layers read every key and mask the window), so it
-agrees with the target except where the rounding turns a near-tie. A verify step attends over the committed rows of each layer's
-part (a sliding layer over the translated slots of the window before the block) plus the block's own
-K/V as the pool stores it, and commits the accepted prefix with ``set_kv_buffer_prefix_valid``, which
-writes a sliding layer's rows at the SWA slots the mapping translates the full slots to; the rejected
-slots go back to both parts with ``free``.
+``MHATokenToKVPool`` of every layer at the target's full slots (``DRAFT_DTYPE``, scale 1.0; sized
+with the SWA pools by ``plan_swa_pools``; its sliding layers read every key and mask the window), so
+it agrees with the target except where the rounding turns a near-tie. A verify step attends over the
+committed rows of each layer's part (a sliding layer over the translated slots of the window before
+the block) plus the block's own K/V as the pool stores it, and commits the accepted prefix with
+``set_kv_buffer_prefix_valid``, which writes a sliding layer's rows at the SWA slots the mapping
+translates the full slots to; the rejected slots go back to both parts with ``free``.
 
 The window rule is transformers' (``masking_utils.sliding_window_overlay``): the query at position
 ``q`` sees the keys at positions ``k`` with ``q - window < k <= q``.
