@@ -1077,7 +1077,8 @@ def serve_checking_swa_give_back(arch, cfg) -> None:
     checking step by step that the full part holds every token of the running requests and the SWA
     part only the pages of their live windows (at most a window and a page each), that the mapping
     keeps every token in a window and none of the whole pages before it, and that the allocator's
-    integrity check passes; at the end every slot of both parts is back."""
+    integrity check passes; at the end every slot of both parts is back. Returns the model runner
+    (with a speculative ``arch``, its tallies of drafts and accepted tokens)."""
     from support import runners
 
     w, p = cfg.shape.sliding_window, cfg.page_size

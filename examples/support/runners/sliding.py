@@ -229,7 +229,8 @@ class SlidingRunner(SpeculativeSteps, ModelRunner):
 @dataclass(frozen=True)
 class SlidingOptions:
     """What a sliding-window runner adds to a ``RunConfig``: the speculative runs (verify blocks of
-    ``spec_width`` tokens, None: none, on a pool of each of ``spec_dtypes``) and the JSON output."""
+    ``spec_width`` tokens, None: none, on a pool of each of ``spec_dtypes``; the command line's
+    ``--spec-width`` is 4 unless told otherwise) and the JSON output."""
 
     spec_width: Optional[int] = None
     spec_dtypes: tuple[str, ...] = ("fp32",)
