@@ -184,16 +184,18 @@ def test_gemma3_a_window_one_token_long_reads_a_slot_given_back(monkeypatch):
         gemma3_runner.run(cfg)
 
 
-def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch):
+@pytest.mark.parametrize("spec_width", [None, 4], ids=["decode", "verify"])
+def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch, spec_width):
     """A scheduler that gives back one page too many (never its last token's): its own step check
-    reports it, and the runner refuses to read the lost key at the next step."""
+    reports it, and the runner refuses to read the lost key at the next step (a decode step's, or a
+    verify step's committed keys)."""
     live_from = gemma3_runner.SWAScheduler.live_from
     monkeypatch.setattr(
         gemma3_runner.SWAScheduler, "live_from",
         lambda self, r: min(live_from(self, r) + self.page_size, (r.kv_len - 1) // self.page_size * self.page_size),
     )  # fmt: skip
-    cfg = TINY
-    arch = gemma3_runner.GEMMA3
+    cfg = replace(TINY, chunk_size=None)  # the whole prompt in one step: the next is a decode or verify step
+    arch = gemma3_runner.Gemma3(spec_width)
     model = arch.build_model(cfg)
     pools = arch.make_pool(cfg, model, torch.float32)
     sched = arch.scheduler(pools, cfg.batch, cfg.max_context_len, cfg.chunk_size)
@@ -201,7 +203,7 @@ def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch):
     pr = runners.make_prompts(cfg)[0]
     sched.add(runners.Request(0, list(pr.tokens), pr.new_tokens))
     with runners.cpu_threads(cfg):
-        runner.step(sched, keep_logits=False)
+        assert runner.step(sched, keep_logits=False) == "prefill" and not sched.running[0].prefilling
         assert "lost the SWA slot of a token inside its window" in sched.step_error
         with pytest.raises(RuntimeError, match="a key inside a local layer's window has no SWA slot"):
             runner.step(sched, keep_logits=False)
