@@ -410,11 +410,13 @@ class SWAScheduler(VerifyScheduling):
     @property
     def memory(self) -> dict[str, int]:
         """The run's memory figures: the most slots each part held at a step's end, the SWA bound at
-        that step, the pool's slots and bytes, and what a pool keeping every layer's K/V would take."""
+        that step, the pool's slots and bytes, what a pool keeping every layer's K/V would take, and
+        the draft model's pool (0 without one)."""
         peak = max(self.steps, key=lambda s: s.swa_held, default=StepMemory(0, 0, 0, 0, 0))
         s = self.pools.sizing
         return {
             "swa_peak": peak.swa_held, "swa_peak_running": peak.running, "swa_peak_bound": peak.swa_bound,
             "full_peak": max((m.full_held for m in self.steps), default=0), "size": s.size, "size_swa": s.size_swa,
             "pool_bytes": s.full_bytes + s.swa_bytes, "all_layers_bytes": self.pools.all_layers_bytes,
+            "draft_bytes": s.draft_bytes,
         }  # fmt: skip

@@ -401,4 +401,5 @@ def memory_line(m: dict[str, int]) -> str:
         f"bound {m['swa_peak_bound']}: a live window and a page each), full part at most {m['full_peak']}; "
         f"SWAKVPool of {m['size']} full + {m['size_swa']} SWA slots: {m['pool_bytes'] / 1024:,.0f} KiB, "
         f"{m['all_layers_bytes'] / 1024:,.0f} KiB for every layer at {m['size']} slots"
+        + (f"; the draft's pool {m['draft_bytes'] / 1024:,.0f} KiB" if m.get("draft_bytes") else "")
     )
