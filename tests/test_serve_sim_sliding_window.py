@@ -71,17 +71,19 @@ def test_sliding_window_runs_verify_every_byte_and_give_windows_back(monkeypatch
     assert res.pool_size == s.size + s.size_swa and s.size_swa <= cfg.swa_full_tokens_ratio * s.size
 
 
+@pytest.mark.parametrize("page_size", [16, 1], ids=["paged16", "token"])
 @pytest.mark.parametrize("model", MODELS)
-def test_sliding_window_spec_decode_writes_both_parts(monkeypatch, model):
+def test_sliding_window_spec_decode_writes_both_parts(monkeypatch, model, page_size):
     """Drafts written into both parts with set_kv_buffer_prefix_valid (a sliding layer's at the
     translated SWA slots), compacted with move_kv_cache, rejected slots of both parts freed: every
     accepted token checks out, the windows stay whole and exact, every slot comes back."""
-    cfg = replace(SMALL[model], spec_k=4, validate=True)
+    cfg = replace(SMALL[model], spec_k=4, page_size=page_size, validate=True)
     seen = held_exactly_what_the_windows_keep(monkeypatch)
     res = serve_sim.run(cfg)
     assert res.ok, serve_sim.format_summary(res)
     assert res.spec_steps > 0 and 0 < res.accepted_tokens < res.drafted_tokens and res.moved_slots == res.accepted_tokens
-    assert res.swa.given_back > 0 and res.swa.lost_window == 0 and seen and res.retractions > 0
+    assert res.swa.given_back > 0 and res.swa.lost_window == 0 and seen
+    assert res.retractions > 0 or page_size == 1, serve_sim.format_summary(res)
 
 
 def test_sliding_window_spec_decode_at_page_64():
