@@ -43,12 +43,6 @@ def _region(ptr: int, size: int) -> Any:
     return (ctypes.c_ubyte * size).from_address(ptr)
 
 
-class _Staging(threading.local):
-    """Per thread: a registered buffer for the headers of one batch."""
-
-    buf: Optional[np.ndarray] = None
-
-
 class MooncakeStore(HiCacheStorage):
     """KV pages in a Mooncake Store (SGLang's ``MooncakeStore``; the interface is
     :class:`~kvpool.storage.base.HiCacheStorage`).
@@ -106,8 +100,9 @@ class MooncakeStore(HiCacheStorage):
         self._set_namespace(key_namespace(storage_config))
         self._lock = threading.Lock()
         self._stats = StorageStats()
-        self._staging = _Staging()
-        self._registered: list[int] = []
+        self._registered: dict[int, object] = {}  # address -> the memory registered there
+        self._host_ptrs: list[int] = []
+        self._spare: list[np.ndarray] = []  # registered header buffers not in use
         self._down_until: Optional[float] = None
         self.last_error: Optional[str] = None
 
@@ -138,16 +133,25 @@ class MooncakeStore(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """As the interface says; the namespace takes in the host pool's page geometry, and the host
         pool's buffers are registered with the client for zero-copy page moves."""
+        if self.store is None:
+            raise RuntimeError("this MooncakeStore is closed")
         super().register_mem_pool_host(mem_pool_host)
         self._set_namespace(key_namespace(self.storage_config, mem_pool_host))
+        for ptr in self._host_ptrs:  # a host pool registered before
+            self.store.unregister_buffer(ptr)
+            self._registered.pop(ptr, None)
+        self._host_ptrs = []
         for buf in (mem_pool_host.k_buffer, mem_pool_host.v_buffer):
-            self._register(buf.data_ptr(), buf.numel() * buf.element_size())
+            self._host_ptrs.append(self._register(buf, buf.data_ptr(), buf.numel() * buf.element_size()))
 
-    def _register(self, ptr: int, size: int) -> None:
+    def _register(self, owner: object, ptr: int, size: int) -> int:
+        """Register ``size`` bytes at ``ptr`` with the client, keeping ``owner`` (the memory) alive
+        while they are registered: freed memory left registered would refuse a later region there."""
         rc = self.store.register_buffer(ptr, size)
         if rc != 0:
-            raise ConnectionError(f"Mooncake Store could not register {size} bytes of host memory (code {rc})")
-        self._registered.append(ptr)
+            raise RuntimeError(f"Mooncake Store could not register {size} bytes of host memory at {ptr:#x} (code {rc})")
+        self._registered[ptr] = owner
+        return ptr
 
     # --- reachability ----------------------------------------------------------------------------------
 
@@ -210,14 +214,20 @@ class MooncakeStore(HiCacheStorage):
             crc = zlib.crc32(part, crc)
         return crc == parsed[1]
 
-    def _staging_for(self, nbytes: int) -> np.ndarray:
-        """This thread's registered header buffer, at least ``nbytes`` long."""
-        buf = self._staging.buf
-        if buf is None or buf.nbytes < nbytes:
-            buf = np.zeros(max(nbytes, 4096), dtype=np.uint8)
-            self._register(buf.ctypes.data, buf.nbytes)
-            self._staging.buf = buf
+    def _take_staging(self, nbytes: int) -> np.ndarray:
+        """A registered header buffer of at least ``nbytes`` for one call (give it back with
+        ``_give_staging``); buffers stay registered until ``close``, so concurrent calls each get one."""
+        with self._lock:
+            for i, buf in enumerate(self._spare):
+                if buf.nbytes >= nbytes:
+                    return self._spare.pop(i)
+        buf = np.zeros(max(nbytes, 4096), dtype=np.uint8)
+        self._register(buf, buf.ctypes.data, buf.nbytes)
         return buf
+
+    def _give_staging(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._spare.append(buf)
 
     def _drop_corrupt(self, skey: str) -> None:
         # Removed so the next write of the key stores a good page; force skips the read lease.
@@ -240,6 +250,22 @@ class MooncakeStore(HiCacheStorage):
             all_sizes.append(s[0::2] + s[1::2])
         return all_ptrs, all_sizes
 
+    def _put_pages(self, skeys: list[str], heads: list[bytes], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """One batched put: each object is its header (from a registered staging buffer), then its
+        host blocks. Mooncake's code per object (0: stored)."""
+        staging = self._take_staging(sum(len(h) for h in heads))
+        try:
+            at, bufs = 0, []
+            for h in heads:
+                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
+                bufs.append(staging.ctypes.data + at)
+                at += len(h)
+            return self.store.batch_put_from_multi_buffers(
+                skeys, [[h] + p for h, p in zip(bufs, ptrs)], [[len(h)] + s for h, s in zip(heads, sizes)]
+            )  # fmt: skip
+        finally:
+            self._give_staging(staging)
+
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
@@ -253,39 +279,24 @@ class MooncakeStore(HiCacheStorage):
             return [False] * len(keys)
         skeys = [self.store_key(k) for k in keys]
         present = self.store.batch_is_exist(skeys)
-        done = [p == 1 for p in present]
-        todo = [i for i, p in enumerate(present) if p != 1]
         if any(p < 0 for p in present):
             self._failed(min(present), "batch_is_exist")
             self._count(write_failures=len(keys))
             return [False] * len(keys)
+        done = [p == 1 for p in present]
+        todo = [i for i, p in enumerate(present) if p != 1]
         if todo:
             heads = []
             for i in todo:
-                name = storage_name(self.namespace, keys[i])
                 parts = [_region(p, s) for p, s in zip(all_ptrs[i], all_sizes[i])]
-                heads.append(self._header(name, parts, sum(all_sizes[i])))
-            staging = self._staging_for(sum(len(h) for h in heads))
-            offsets, at = [], 0
-            for h in heads:
-                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
-                offsets.append(at)
-                at += len(h)
-            base = staging.ctypes.data
-            codes = self.store.batch_put_from_multi_buffers(
-                [skeys[i] for i in todo],
-                [[base + off] + all_ptrs[i] for off, i in zip(offsets, todo)],
-                [[len(h)] + all_sizes[i] for h, i in zip(heads, todo)],
-            )  # fmt: skip
-            for i, code in zip(todo, codes):
-                done[i] = code == 0
-            bad = [c for c in codes if c != 0]
-            if bad:
-                self._failed(min(bad), "batch_put_from_multi_buffers")
-            stored = sum(c == 0 for c in codes)
-            with self._lock:
-                self._stats.pages += stored
-                self._stats.bytes += sum(len(h) + sum(all_sizes[i]) for h, i, c in zip(heads, todo, codes) if c == 0)
+                heads.append(self._header(storage_name(self.namespace, keys[i]), parts, sum(all_sizes[i])))
+            codes = self._put_pages([skeys[i] for i in todo], heads, [all_ptrs[i] for i in todo], [all_sizes[i] for i in todo])
+            stored = [(i, h) for i, h, c in zip(todo, heads, codes) if c == 0]
+            for i, _ in stored:
+                done[i] = True
+            if len(stored) < len(todo):
+                self._failed(min(c for c in codes if c != 0), "batch_put_from_multi_buffers")
+            self._count(pages=len(stored), bytes=sum(len(h) + sum(all_sizes[i]) for i, h in stored))
         self._count(writes=sum(done), write_failures=len(keys) - sum(done))
         return done
 
@@ -304,25 +315,26 @@ class MooncakeStore(HiCacheStorage):
         skeys = [self.store_key(k) for k in keys]
         names = [storage_name(self.namespace, k) for k in keys]
         lens = [HEADER.size + len(n) for n in names]
-        staging = self._staging_for(sum(lens))
         offsets = np.cumsum([0] + lens[:-1]).tolist()
-        base = staging.ctypes.data
-        codes = self.store.batch_get_into_multi_buffers(
-            skeys, [[base + off] + p for off, p in zip(offsets, all_ptrs)], [[n] + s for n, s in zip(lens, all_sizes)]
-        )  # fmt: skip
+        staging = self._take_staging(sum(lens))
+        try:
+            base = staging.ctypes.data
+            codes = self.store.batch_get_into_multi_buffers(
+                skeys, [[base + off] + p for off, p in zip(offsets, all_ptrs)], [[n] + s for n, s in zip(lens, all_sizes)]
+            )  # fmt: skip
+            heads = [staging[off : off + n].tobytes() for off, n in zip(offsets, lens)]
+        finally:
+            self._give_staging(staging)
         done, corrupt = [], 0
         for i, code in enumerate(codes):
             payload_len = sum(all_sizes[i])
-            ok = code == lens[i] + payload_len
             if code < 0 and code != OBJECT_NOT_FOUND:
                 self._failed(code, "batch_get_into_multi_buffers")
-            if ok:
-                raw = staging[offsets[i] : offsets[i] + lens[i]].tobytes()
-                parts = [_region(p, s) for p, s in zip(all_ptrs[i], all_sizes[i])]
-                ok = self._verify(raw, names[i], parts, payload_len)
-                if not ok:
-                    corrupt += 1
-                    self._drop_corrupt(skeys[i])
+            ok = code == lens[i] + payload_len
+            if ok and not self._verify(heads[i], names[i], [_region(p, s) for p, s in zip(all_ptrs[i], all_sizes[i])], payload_len):
+                ok = False
+                corrupt += 1
+                self._drop_corrupt(skeys[i])
             done.append(ok)
         self._count(hits=sum(done), misses=len(keys) - sum(done), corrupt=corrupt)
         return done
@@ -476,5 +488,6 @@ class MooncakeStore(HiCacheStorage):
         for ptr in self._registered:
             store.unregister_buffer(ptr)
         self._registered.clear()
+        self._host_ptrs, self._spare = [], []
         store.close()
         self.store = None

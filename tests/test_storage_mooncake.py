@@ -1,0 +1,301 @@
+"""The Mooncake backend (``MooncakeStore``) shares pages between engines and never returns a wrong
+one: host pages stored by one engine's client are found and read byte for byte by another client of
+the same master, a missing key is a miss, a record under another key's name or with a flipped byte
+reads as a miss, ``clear`` drops only its own namespace, an absent master is a clear error at once,
+and a master stopped midway makes reads miss and writes fail, then serves again once restarted.
+
+Each module run starts one ``mooncake_master`` (HTTP metadata server on, every port on 127.0.0.1 and
+free) as a subprocess and kills it by its process id at the end, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kvassert import HOST_LAYOUTS, host_page_bytes, make_device_pool, make_host
+
+from kvpool.storage import HiCacheStorageConfig, page_keys
+from kvpool.storage.keys import storage_name
+from kvpool.storage.mooncake_config import MooncakeConfig, import_store_class
+from kvpool.storage.mooncake_master import MooncakeMaster, free_port
+from kvpool.storage.record import header
+
+try:
+    import_store_class()
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+from kvpool.storage.mooncake import MooncakeStore  # noqa: E402
+
+# Each client lends 16 MiB to the store: far more than these pages, little for the machine.
+SMALL = dict(global_segment_size=16 << 20, local_buffer_size=16 << 20, connect_timeout_s=0.5, retry_interval_s=0.5)
+
+
+def client(master: MooncakeMaster, **config) -> MooncakeStore:
+    return MooncakeStore(
+        HiCacheStorageConfig(**config), master_server_address=master.master_server_address,
+        metadata_server=master.metadata_server, **SMALL,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = MooncakeMaster().start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(master):
+    """Two clients of one master, as two engines on two machines would hold (same model)."""
+    a = client(master, model_name="m")
+    try:
+        b = client(master, model_name="m")
+    except BaseException:
+        a.close()
+        raise
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def over(store: MooncakeStore, host) -> MooncakeStore:
+    """``store`` registered on ``host`` and empty in that namespace."""
+    store.register_mem_pool_host(host)
+    store.clear()
+    return store
+
+
+def counted(store: MooncakeStore, before, *fields: str) -> tuple:
+    """How much each counter of ``store`` grew since ``before`` (a ``get_stats()``)."""
+    now = store.get_stats()
+    return tuple(getattr(now, f) - getattr(before, f) for f in fields)
+
+
+def host_pages(host) -> list[torch.Tensor]:
+    return [host_page_bytes(host, s).clone() for s in range(0, host.size, host.page_size)]
+
+
+# --- sharing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_an_engine_reads_the_pages_another_engine_stored(engines, layout):
+    host_a, host_b = make_host(make_device_pool(seed=0), layout, seed=1), make_host(make_device_pool(seed=2), layout, seed=3)
+    a, b = over(engines[0], host_a), over(engines[1], host_b)
+    src, dst = host_a.alloc(12), host_b.alloc(12)
+    keys = page_keys(list(range(500, 512)), host_a.page_size, extra_key="tenant-1")
+    expected = [host_page_bytes(host_a, int(s)).clone() for s in src[::4]]
+    untouched = {s: p for s, p in zip(range(0, host_b.size, 4), host_pages(host_b)) if s not in dst[::4].tolist()}
+
+    assert b.batch_exists(keys) == 0
+    sa, sb = a.get_stats(), b.get_stats()
+    assert a.batch_set_v1(keys, src) == [True, True, True]
+    assert b.batch_exists(keys) == 3 and all(b.exists(k) for k in keys)
+    assert b.batch_get_v1(keys, dst) == [True, True, True]
+    for i, start in enumerate(dst[::4].tolist()):
+        assert torch.equal(host_page_bytes(host_b, start), expected[i]), f"page {i}"
+    assert all(torch.equal(host_page_bytes(host_b, s), p) for s, p in untouched.items()), "another host page changed"
+    # The generic form reads the same record: the flat data page of the writer's host pool.
+    assert torch.equal(b.get(keys[1]), expected[1])
+    assert torch.equal(host_a.get_data_page(int(src[4])).view(torch.uint8), expected[1])
+    # Storing again sends nothing new and still reports the pages stored.
+    assert a.batch_set_v1(keys, src) == [True, True, True]
+    assert counted(a, sa, "writes", "write_failures") == (6, 0) and a.get_stats().pages == 3
+    assert counted(b, sb, "hits", "misses", "corrupt") == (4, 0, 0)
+
+
+def test_another_extra_key_or_geometry_is_another_page(engines):
+    host_a = make_host(make_device_pool(), "layer_first")
+    a, b = over(engines[0], host_a), over(engines[1], make_host(make_device_pool(), "layer_first"))
+    tokens = list(range(8))
+    assert a.batch_set_v1(page_keys(tokens, 4, extra_key="tenant-1"), host_a.alloc(8)) == [True, True]
+    assert b.batch_exists(page_keys(tokens, 4, extra_key="tenant-2")) == 0
+    assert b.batch_exists(page_keys(tokens, 4, extra_key="tenant-1")) == 2
+    # A host pool of other heads: another namespace, so the same keys name no page there.
+    b.register_mem_pool_host(make_host(make_device_pool(head_num=2), "layer_first"))
+    assert b.batch_exists(page_keys(tokens, 4, extra_key="tenant-1")) == 0
+
+
+# --- presence and misses ---------------------------------------------------------------------------
+
+
+def test_batch_exists_counts_the_leading_stored_pages(engines):
+    host = make_host(make_device_pool(), "page_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    keys = page_keys(list(range(16)), 4)
+    slots = host.alloc(16)
+    assert a.batch_set_v1([keys[0], keys[1], keys[3]], torch.cat([slots[:8], slots[12:]])) == [True] * 3
+    assert b.batch_exists(keys) == 2
+    assert [b.exists(k) for k in keys] == [True, True, False, True]
+    assert b.batch_exists([]) == 0
+
+
+def test_a_missing_key_is_a_miss(engines):
+    host = make_host(make_device_pool(), "layer_first")
+    b = over(engines[1], host)
+    before = b.get_stats()
+    (missing,) = page_keys([9, 9, 9, 9], 4)
+    assert b.batch_get_v1([missing], host.alloc(4)) == [False]
+    assert b.get(missing) is None and b.batch_get([missing, "another"]) == [None, None]
+    assert not b.exists(missing)
+    assert counted(b, before, "misses", "hits", "corrupt") == (4, 0, 0)
+
+
+def test_a_record_under_another_key_torn_or_flipped_is_a_miss(engines):
+    host = make_host(make_device_pool(), "page_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    good, swapped, flipped, torn = page_keys(list(range(16)), 4)
+    assert a.batch_set_v1([good], host.alloc(4)) == [True]
+    raw = a.store.get(a.store_key(good))
+    payload = raw[len(raw) - sum(host.page_bytes) :]
+    own = bytearray(header(storage_name(a.namespace, flipped), payload) + payload)
+    own[-1] ^= 0x01
+    # Another key's whole record (a swapped object, a digest collision), a record of its own key with
+    # one payload byte flipped, and one cut short by a byte, each put under its key by hand.
+    for key, record in ((swapped, raw), (flipped, bytes(own)), (torn, raw[:-1])):
+        assert a.store.put(a.store_key(key), record) == 0
+    before = b.get_stats()
+    assert b.batch_get_v1([swapped, flipped, torn, good], host.alloc(16)) == [False, False, False, True]
+    assert b.get(torn) is None and b.get(swapped) is None
+    assert counted(b, before, "hits", "misses", "corrupt") == (1, 5, 3)
+    # A record that failed its check is removed, so the key's next write stores a good page.
+    assert [b.exists(k) for k in (swapped, flipped, torn, good)] == [False, False, False, True]
+
+
+# --- pages as tensors --------------------------------------------------------------------------------
+
+
+def test_tensor_values_round_trip_in_any_dtype(engines):
+    a, b = engines
+    a.clear()
+    value = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    value.view(torch.int32)[0, 0] = 0x7FC00001  # a NaN payload must survive exactly
+    assert a.set("page-a", value) and a.set("page-a", value)
+    got = b.get("page-a")
+    assert got.dtype == torch.uint8 and torch.equal(got, value.reshape(-1).view(torch.uint8))
+    into = torch.empty(4, 6, dtype=torch.float32)
+    assert b.get("page-a", into) is into and torch.equal(into.view(torch.int32), value.view(torch.int32))
+    before = b.get_stats()
+    assert b.get("page-a", torch.empty(5, dtype=torch.float32)) is None  # another size: a miss, not corrupt
+    assert counted(b, before, "misses", "corrupt") == (1, 0) and b.exists("page-a")
+    assert a.batch_set(["b", "c"], [value[0], value[1:].t()]) is True
+    c_into = torch.empty(18, dtype=torch.float32)
+    got_b, got_c = b.batch_get(["b", "c"], [None, c_into])
+    assert torch.equal(got_b, value[0].view(torch.uint8)) and got_c is c_into
+    assert torch.equal(c_into, value[1:].t().reshape(-1))
+
+
+def test_clear_drops_only_its_own_namespace(engines):
+    host_a, host_b = make_host(make_device_pool(), "layer_first"), make_host(make_device_pool(head_num=2), "layer_first")
+    a, b = over(engines[0], host_a), over(engines[1], host_b)
+    keys = page_keys(list(range(8)), 4)
+    assert a.batch_set_v1(keys, host_a.alloc(8)) == [True, True]
+    assert b.batch_set_v1(keys, host_b.alloc(8)) == [True, True]
+    assert a.store_key(keys[0]) != b.store_key(keys[0])
+    a.clear()
+    assert a.batch_exists(keys) == 0 and a.get_stats().pages == 0
+    assert b.batch_exists(keys) == 2
+
+
+# --- the master -----------------------------------------------------------------------------------
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on TCP ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+def test_the_master_rpc_and_metrics_servers_listen_on_loopback_only(master):
+    assert master.pid is not None
+    for port in (master.rpc_port, master.metrics_port):
+        assert listening(port) == ["0100007F"], f"port {port}"  # 127.0.0.1
+
+
+def test_an_absent_master_is_a_clear_error_at_once():
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"master at 127.0.0.1:{port} does not accept connections"):
+        MooncakeStore(
+            master_server_address=f"127.0.0.1:{port}", metadata_server=f"http://127.0.0.1:{free_port()}/metadata", **SMALL
+        )  # fmt: skip
+    assert time.monotonic() - started < 5
+
+
+def test_a_master_stopped_midway_gives_misses_and_failures_then_serves_again():
+    host = make_host(make_device_pool(), "page_first")
+    keys = page_keys(list(range(16)), 4)
+    src, dst = host.alloc(16), host.alloc(16)
+    first = MooncakeMaster().start()
+    second = MooncakeMaster(rpc_port=first.rpc_port, http_port=first.http_port, metrics_port=first.metrics_port)
+    store = None
+    try:
+        store = client(first, model_name="m")
+        store.register_mem_pool_host(host)
+        assert store.batch_set_v1(keys, src) == [True] * 4
+        first.stop()
+        before = store.get_stats()
+        started = time.monotonic()
+        # In the order a cache's prefetch calls them: how much is stored, then the pages.
+        assert store.batch_exists(keys) == 0
+        assert store.batch_get_v1(keys, dst) == [False] * 4
+        assert store.batch_set_v1(keys, src) == [False] * 4
+        assert store.get(keys[0]) is None and store.set("x", torch.ones(4)) is False
+        assert not store.exists(keys[0]) and store.batch_get([keys[1]]) == [None]
+        assert time.monotonic() - started < 5, "calls waited on the stopped master"
+        assert counted(store, before, "misses", "write_failures", "hits", "writes") == (6, 5, 0, 0)
+        assert "Mooncake code" in store.last_error
+        # A master back on the same ports (empty): after the retry interval the client serves again.
+        second.start()
+        deadline = time.monotonic() + 30
+        while store.batch_set_v1(keys, src) != [True] * 4:
+            assert time.monotonic() < deadline, f"no write succeeded after the restart: {store.last_error}"
+            time.sleep(0.2)
+        assert store.batch_get_v1(keys, dst) == [True] * 4
+        for i in range(4):
+            assert torch.equal(host_page_bytes(host, int(dst[i * 4])), host_page_bytes(host, int(src[i * 4])))
+    finally:
+        if store is not None and second.pid is not None:
+            store.close()  # with no master, a close waits on it for ~13 s; the process exit frees it
+        first.stop()
+        second.stop()
+
+
+# --- configuration ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("master_server_address", "127.0.0.1", "master_server_address must be 'host:port'"),
+        ("master_server_address", "", "master_server_address must be a non-empty str"),
+        ("metadata_server", "127.0.0.1:8080", "metadata_server must be an http://host:port/... URL"),
+        ("global_segment_size", 0, "global_segment_size must be a positive int"),
+        ("local_buffer_size", 1.5, "local_buffer_size must be a positive int"),
+        ("retry_interval_s", 0, "retry_interval_s must be a number > 0"),
+        ("protocol", None, "protocol must be a non-empty str"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(field, value, message):
+    good = dict(master_server_address="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata")
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        MooncakeConfig(**{**good, field: value})
+    with pytest.raises(ValueError, match="must give metadata_server"):
+        MooncakeStore(HiCacheStorageConfig(extra_config={"master_server_address": "127.0.0.1:50051"}))
