@@ -52,6 +52,7 @@ class MooncakeStore(HiCacheStorage):
     storage_config : who is storing (:class:`~kvpool.storage.base.HiCacheStorageConfig`; None is the
         default). Its ``extra_config``, when it gives ``master_server_address`` and
         ``metadata_server``, supplies the :class:`MooncakeConfig` fields.
+    mem_pool_host : a host pool to register at once (SGLang passes it second), or None.
     mooncake_config : a :class:`MooncakeConfig` (instead of ``extra_config``).
     **settings : :class:`MooncakeConfig` fields, over either of the above.
 
@@ -65,7 +66,8 @@ class MooncakeStore(HiCacheStorage):
         The master or the metadata server does not accept connections within
         ``connect_timeout_s``, or the client's setup fails (before any page moves).
 
-    Several threads may use one instance at once. Once the master stops answering, reads are misses
+    ``global_segment_size`` is what this client (one rank) lends; SGLang's backend divides its setting
+    by ``tp_size`` instead. Several threads may use one instance at once. Once the master stops answering, reads are misses
     and writes False (counted, and ``last_error`` says why) without waiting on the network, and the
     master is probed again every ``retry_interval_s``; a master that comes back (empty, if it was
     restarted) serves again. Mooncake's master and client listen on more than the given addresses
@@ -83,6 +85,8 @@ class MooncakeStore(HiCacheStorage):
     def __init__(
         self,
         storage_config: Optional[HiCacheStorageConfig] = None,
+        mem_pool_host: Any = None,
+        *,
         mooncake_config: Optional[MooncakeConfig] = None,
         **settings: Any,
     ) -> None:
@@ -119,6 +123,8 @@ class MooncakeStore(HiCacheStorage):
                 f"Mooncake Store setup failed with code {rc} (master {c.master_server_address}, metadata "
                 f"{c.metadata_server}, local_hostname {c.local_hostname}, protocol {c.protocol})"
             )
+        if mem_pool_host is not None:
+            self.register_mem_pool_host(mem_pool_host)
 
     # --- naming --------------------------------------------------------------------------------------
 
