@@ -364,3 +364,5 @@ def test_bad_settings_are_refused_naming_the_field(field, value, message):
         MooncakeConfig(**{**good, field: value})
     with pytest.raises(ValueError, match="must give metadata_server"):
         MooncakeStore(HiCacheStorageConfig(extra_config={"master_server_address": "127.0.0.1:50051"}))
+    with pytest.raises(ValueError, match="unknown master_server_adress"):
+        MooncakeStore(master_server_adress="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata")

@@ -96,6 +96,9 @@ class MooncakeStore(HiCacheStorage):
             raise ValueError(f"storage_config must be a HiCacheStorageConfig or None, got {type(storage_config).__name__}")
         if mooncake_config is not None and not isinstance(mooncake_config, MooncakeConfig):
             raise ValueError(f"mooncake_config must be a MooncakeConfig or None, got {type(mooncake_config).__name__}")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(MooncakeConfig)})
+        if unknown:
+            raise ValueError(f"settings must be MooncakeConfig fields, got unknown {', '.join(unknown)}")
         if mooncake_config is None:
             mooncake_config = MooncakeConfig.from_dict({**(storage_config.extra_config or {}), **settings})
         elif settings:
@@ -201,24 +204,23 @@ class MooncakeStore(HiCacheStorage):
     # --- records -----------------------------------------------------------------------------------------
 
     @staticmethod
-    def _header(name: bytes, parts: list[Any], payload_len: int) -> bytes:
-        """The record header and name for a payload given as consecutive buffers."""
+    def _crc(name: bytes, parts: list[Any], payload_len: int) -> int:
+        """The record's CRC-32 (:func:`~kvpool.storage.record.checksum`) over a payload given as
+        consecutive buffers."""
         crc = checksum(name, b"", payload_len)
         for part in parts:
             crc = zlib.crc32(part, crc)
-        return HEADER.pack(MAGIC, VERSION, len(name), payload_len, crc, 0) + name
+        return crc
 
-    @staticmethod
-    def _verify(raw: bytes, name: bytes, parts: list[Any], payload_len: int) -> bool:
+    def _header(self, name: bytes, parts: list[Any], payload_len: int) -> bytes:
+        """The record header and name for a payload given as consecutive buffers."""
+        return HEADER.pack(MAGIC, VERSION, len(name), payload_len, self._crc(name, parts, payload_len), 0) + name
+
+    def _verify(self, raw: bytes, name: bytes, parts: list[Any], payload_len: int) -> bool:
         """Whether a read record's header names ``name``, its payload is ``payload_len`` bytes, and the
         CRC-32 over the header fields, the name and ``parts`` agrees."""
         parsed = parse_header(raw, name)
-        if parsed is None or parsed[0] != payload_len:
-            return False
-        crc = checksum(name, b"", payload_len)
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        return crc == parsed[1]
+        return parsed is not None and parsed[0] == payload_len and self._crc(name, parts, payload_len) == parsed[1]
 
     def _take_staging(self, nbytes: int) -> np.ndarray:
         """A registered header buffer of at least ``nbytes`` for one call (give it back with
@@ -373,27 +375,22 @@ class MooncakeStore(HiCacheStorage):
             self._count(misses=1)
             return None
         skey, name = self.store_key(key), storage_name(self.namespace, key)
+        head = HEADER.size + len(name)
         size = self.store.get_size(skey)
-        if size < 0:
-            if size != OBJECT_NOT_FOUND:
+        if size < 0 or (target is not None and size != head + target.numel() * target.element_size()):
+            if size < 0 and size != OBJECT_NOT_FOUND:
                 self._failed(size, "get_size")
-            self._count(misses=1)
+            self._count(misses=1)  # absent, or (as far as its size says) a page of another size
             return None
-        raw = self.store.get(skey) if size > 0 else b""
-        head = len(name) + HEADER.size
-        parsed = parse_header(raw[:head], name)
-        payload_len = len(raw) - head
-        if target is not None and parsed is not None and target.numel() * target.element_size() != payload_len:
-            self._count(misses=1)  # a good page of another size
-            return None
-        if parsed is None or not self._verify(raw[:head], name, [raw[head:]], payload_len):
-            self._count(misses=1, corrupt=1 if raw else 0)
-            if raw:
-                self._drop_corrupt(skey)
+        raw = self.store.get(skey)
+        payload = memoryview(raw)[head:]
+        if len(raw) != size or not self._verify(raw[:head], name, [payload], size - head):
+            self._count(misses=1, corrupt=1)
+            self._drop_corrupt(skey)
             return None
         if target is None:
-            target = torch.empty(payload_len, dtype=torch.uint8)
-        target.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw[head:]), dtype=torch.uint8))
+            target = torch.empty(size - head, dtype=torch.uint8)
+        target.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self._count(hits=1)
         return target
 
@@ -401,14 +398,19 @@ class MooncakeStore(HiCacheStorage):
         if not self._usable():
             self._count(write_failures=1)
             return False
-        name = storage_name(self.namespace, key)
-        head = self._header(name, [payload], payload.nbytes)
-        code = self.store.put_parts(self.store_key(key), head, payload)
+        skey, name = self.store_key(key), storage_name(self.namespace, key)
+        present = self.store.is_exist(skey)  # keys name their content: a stored page is not sent again
+        if present == 0:
+            code = self.store.put_parts(skey, self._header(name, [payload], payload.nbytes), payload)
+        else:
+            code = 0 if present == 1 else present
         if code != 0:
-            self._failed(code, "put_parts")
+            self._failed(code, "put_parts" if present == 0 else "is_exist")
             self._count(write_failures=1)
             return False
-        self._count(writes=1, pages=1, bytes=len(head) + payload.nbytes)
+        if present != 1:
+            self._count(pages=1, bytes=HEADER.size + len(name) + payload.nbytes)
+        self._count(writes=1)
         return True
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
