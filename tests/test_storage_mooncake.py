@@ -10,6 +10,7 @@ free) as a subprocess and kills it by its process id at the end, even when a tes
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -193,6 +194,27 @@ def test_tensor_values_round_trip_in_any_dtype(engines):
     assert torch.equal(c_into, value[1:].t().reshape(-1))
 
 
+def test_a_full_store_fails_the_write_and_a_batch_keeps_nothing_after_the_failure(engines):
+    a, b = engines
+    a.clear()
+    # The two clients lend 32 MiB in all: twelve 4 MiB pages cannot all fit.
+    values = [torch.full((4 << 20,), i, dtype=torch.uint8) for i in range(12)]
+    keys = [f"big-{i}" for i in range(12)]
+    before = a.get_stats()
+    assert a.batch_set(keys, values) is False
+    stored = [b.exists(k) for k in keys]
+    first_missing = stored.index(False)
+    assert not any(stored[first_missing:]), f"pages after the failed one stay stored: {stored}"
+    assert counted(a, before, "write_failures")[0] == 1
+    assert "Mooncake code" in a.last_error
+    for k, v, there in zip(keys, values, stored):
+        if there:
+            assert torch.equal(b.get(k), v)
+    a.clear()
+    assert a.set("after", values[0]) and torch.equal(b.get("after"), values[0])
+    a.clear()
+
+
 def test_clear_drops_only_its_own_namespace(engines):
     host_a, host_b = make_host(make_device_pool(), "layer_first"), make_host(make_device_pool(head_num=2), "layer_first")
     a, b = over(engines[0], host_a), over(engines[1], host_b)
@@ -270,8 +292,9 @@ def test_sglang_construction_with_extra_config_and_the_host_pool(master):
 # --- the master -----------------------------------------------------------------------------------
 
 
-def listening(port: int) -> list[str]:
-    """The local addresses (hex, as /proc/net/tcp writes them) listening on TCP ``port``."""
+def tcp_sockets() -> list[tuple[str, int, str, int, str, int]]:
+    """Every TCP socket of this machine's network namespace: (local address, local port, remote
+    address, remote port, state, inode), addresses in hex as /proc/net/tcp and tcp6 write them."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -279,17 +302,47 @@ def listening(port: int) -> list[str]:
         except FileNotFoundError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.rsplit(":", 1)
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.append(address)
+            f = line.split()
+            (la, lp), (ra, rp) = f[1].rsplit(":", 1), f[2].rsplit(":", 1)
+            found.append((la, int(lp, 16), ra, int(rp, 16), f[3], int(f[9])))
     return found
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses listening on TCP ``port``."""
+    return [la for la, lp, _, _, state, _ in tcp_sockets() if lp == port and state == "0A"]  # 0A: LISTEN
+
+
+def own_connections() -> list[tuple[str, str]]:
+    """(local, remote) addresses of this process's established TCP connections."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return [(la, ra) for la, _, ra, _, state, inode in tcp_sockets() if state == "01" and inode in inodes]
+
+
+LOOPBACK = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, and as IPv4-mapped IPv6
 
 
 def test_the_master_rpc_and_metrics_servers_listen_on_loopback_only(master):
     assert master.pid is not None
     for port in (master.rpc_port, master.metrics_port):
         assert listening(port) == ["0100007F"], f"port {port}"  # 127.0.0.1
+
+
+def test_two_engines_on_one_machine_talk_over_loopback_only(engines):
+    host = make_host(make_device_pool(), "page_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    keys = page_keys(list(range(8)), 4)
+    assert a.batch_set_v1(keys, host.alloc(8)) == [True, True] and b.batch_get_v1(keys, host.alloc(8)) == [True, True]
+    connections = own_connections()
+    assert connections, "no connection of the clients seen"
+    assert all(la in LOOPBACK and ra in LOOPBACK for la, ra in connections), connections
 
 
 def test_an_absent_master_is_a_clear_error_at_once():

@@ -31,8 +31,16 @@ import torch
 
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.mooncake_config import OBJECT_NOT_FOUND, RPC_FAIL, MooncakeConfig, check_reachable, import_store_class
+from kvpool.storage.mooncake_config import (
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    MooncakeConfig,
+    check_reachable,
+    import_store_class,
+    pin_transport_address,
+)
 from kvpool.storage.mooncake_master import port_open
+from kvpool.storage.mooncake_memory import RegisteredMemory
 from kvpool.storage.record import HEADER, MAGIC, VERSION, checksum, parse_header
 
 log = logging.getLogger(__name__)
@@ -107,20 +115,20 @@ class MooncakeStore(HiCacheStorage):
         self._set_namespace(key_namespace(storage_config))
         self._lock = threading.Lock()
         self._stats = StorageStats()
-        self._registered: dict[int, object] = {}  # address -> the memory registered there
-        self._host_ptrs: list[int] = []
-        self._spare: list[np.ndarray] = []  # registered header buffers not in use
         self._down_until: Optional[float] = None
         self.last_error: Optional[str] = None
 
         store_class = import_store_class()
         check_reachable(self.config)
+        if self.config.protocol == "tcp":
+            pin_transport_address(self.config)
         self.store = store_class()
         c = self.config
         rc = self.store.setup(
             c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size, c.protocol,
             c.device_name, c.master_server_address,
         )  # fmt: skip
+        self.memory = RegisteredMemory(self.store)
         if rc != 0:
             raise ConnectionError(
                 f"Mooncake Store setup failed with code {rc} (master {c.master_server_address}, metadata "
@@ -146,21 +154,7 @@ class MooncakeStore(HiCacheStorage):
             raise RuntimeError("this MooncakeStore is closed")
         super().register_mem_pool_host(mem_pool_host)
         self._set_namespace(key_namespace(self.storage_config, mem_pool_host))
-        for ptr in self._host_ptrs:  # a host pool registered before
-            self.store.unregister_buffer(ptr)
-            self._registered.pop(ptr, None)
-        self._host_ptrs = []
-        for buf in (mem_pool_host.k_buffer, mem_pool_host.v_buffer):
-            self._host_ptrs.append(self._register(buf, buf.data_ptr(), buf.numel() * buf.element_size()))
-
-    def _register(self, owner: object, ptr: int, size: int) -> int:
-        """Register ``size`` bytes at ``ptr`` with the client, keeping ``owner`` (the memory) alive
-        while they are registered: freed memory left registered would refuse a later region there."""
-        rc = self.store.register_buffer(ptr, size)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake Store could not register {size} bytes of host memory at {ptr:#x} (code {rc})")
-        self._registered[ptr] = owner
-        return ptr
+        self.memory.set_host([mem_pool_host.k_buffer, mem_pool_host.v_buffer])
 
     # --- reachability ----------------------------------------------------------------------------------
 
@@ -222,66 +216,17 @@ class MooncakeStore(HiCacheStorage):
         parsed = parse_header(raw, name)
         return parsed is not None and parsed[0] == payload_len and self._crc(name, parts, payload_len) == parsed[1]
 
-    def _take_staging(self, nbytes: int) -> np.ndarray:
-        """A registered header buffer of at least ``nbytes`` for one call (give it back with
-        ``_give_staging``); buffers stay registered until ``close``, so concurrent calls each get one."""
-        with self._lock:
-            for i, buf in enumerate(self._spare):
-                if buf.nbytes >= nbytes:
-                    return self._spare.pop(i)
-        buf = np.zeros(max(nbytes, 4096), dtype=np.uint8)
-        self._register(buf, buf.ctypes.data, buf.nbytes)
-        return buf
-
-    def _give_staging(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._spare.append(buf)
-
     def _drop_corrupt(self, skey: str) -> None:
         # Removed so the next write of the key stores a good page; force skips the read lease.
         self.store.remove(skey, True)
 
-    # --- pages by host index -------------------------------------------------------------------------
+    # --- the two moves: objects from and into registered memory -------------------------------------
 
-    def _host_parts(self, keys: list[str], host_indices: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-        """Per page of ``host_indices``: the host addresses and sizes of its bytes in flat page order
-        (every layer's K, then every layer's V), after every check."""
-        self.host_page_starts(keys, host_indices)
-        if not keys:
-            return [], []
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        per = len(ptrs) // len(keys)
-        all_ptrs, all_sizes = [], []
-        for i in range(len(keys)):
-            p, s = ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]
-            all_ptrs.append(p[0::2] + p[1::2])
-            all_sizes.append(s[0::2] + s[1::2])
-        return all_ptrs, all_sizes
-
-    def _put_pages(self, skeys: list[str], heads: list[bytes], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        """One batched put: each object is its header (from a registered staging buffer), then its
-        host blocks. Mooncake's code per object (0: stored)."""
-        staging = self._take_staging(sum(len(h) for h in heads))
-        try:
-            at, bufs = 0, []
-            for h in heads:
-                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
-                bufs.append(staging.ctypes.data + at)
-                at += len(h)
-            return self.store.batch_put_from_multi_buffers(
-                skeys, [[h] + p for h, p in zip(bufs, ptrs)], [[len(h)] + s for h, s in zip(heads, sizes)]
-            )  # fmt: skip
-        finally:
-            self._give_staging(staging)
-
-    def batch_set_v1(
-        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> list[bool]:
-        """As the interface says. Keys already in the store are not sent again; the others travel in
-        one batch, each as its header and then the host pool's blocks themselves."""
-        all_ptrs, all_sizes = self._host_parts(keys, host_indices)
-        if not keys:
-            return []
+    def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
+        """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
+        size)`` blocks in order) in one batch, each object its header (from a staging buffer) and
+        then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
+        after the first that fails are not left stored (``batch_set``'s rule)."""
         if not self._usable():
             self._count(write_failures=len(keys))
             return [False] * len(keys)
@@ -293,30 +238,41 @@ class MooncakeStore(HiCacheStorage):
             return [False] * len(keys)
         done = [p == 1 for p in present]
         todo = [i for i, p in enumerate(present) if p != 1]
-        if todo:
-            heads = []
-            for i in todo:
-                parts = [_region(p, s) for p, s in zip(all_ptrs[i], all_sizes[i])]
-                heads.append(self._header(storage_name(self.namespace, keys[i]), parts, sum(all_sizes[i])))
-            codes = self._put_pages([skeys[i] for i in todo], heads, [all_ptrs[i] for i in todo], [all_sizes[i] for i in todo])
-            stored = [(i, h) for i, h, c in zip(todo, heads, codes) if c == 0]
-            for i, _ in stored:
-                done[i] = True
-            if len(stored) < len(todo):
-                self._failed(min(c for c in codes if c != 0), "batch_put_from_multi_buffers")
-            self._count(pages=len(stored), bytes=sum(len(h) + sum(all_sizes[i]) for i, h in stored))
-        self._count(writes=sum(done), write_failures=len(keys) - sum(done))
+        if not todo:
+            self._count(writes=len(keys))
+            return done
+        heads = []
+        for i in todo:
+            parts = [_region(ptr, n) for ptr, n in regions[i]]
+            heads.append(self._header(storage_name(self.namespace, keys[i]), parts, sum(n for _, n in regions[i])))
+        with self.memory.staging(sum(len(h) for h in heads)) as staging:
+            at, ptrs, sizes = 0, [], []
+            for i, h in zip(todo, heads):
+                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
+                ptrs.append([staging.ctypes.data + at] + [ptr for ptr, _ in regions[i]])
+                sizes.append([len(h)] + [n for _, n in regions[i]])
+                at += len(h)
+            codes = self.store.batch_put_from_multi_buffers([skeys[i] for i in todo], ptrs, sizes)
+        failed = [i for i, c in zip(todo, codes) if c != 0]
+        if failed:
+            self._failed(min(c for c in codes if c != 0), "batch_put_from_multi_buffers")
+        later = [i for i, c in zip(todo, codes) if c == 0 and failed and i > failed[0]] if stop_at_failure else []
+        if later:
+            self.store.batch_remove([skeys[i] for i in later], True)
+        stored = [(i, h) for i, h, c in zip(todo, heads, codes) if c == 0 and i not in later]
+        for i, _ in stored:
+            done[i] = True
+        if stop_at_failure and failed:
+            done[failed[0] + 1 :] = [False] * (len(keys) - failed[0] - 1)
+        self._count(pages=len(stored), bytes=sum(len(h) + sum(n for _, n in regions[i]) for i, h in stored))
+        attempted = len(keys) if not (stop_at_failure and failed) else failed[0] + 1
+        self._count(writes=sum(done), write_failures=attempted - sum(done[:attempted]))
         return done
 
-    def batch_get_v1(
-        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> list[bool]:
-        """As the interface says. Pages are read straight into their host pages and checked there; a
-        page that fails its check leaves its host page's bytes unspecified (and is removed from the
-        store)."""
-        all_ptrs, all_sizes = self._host_parts(keys, host_indices)
-        if not keys:
-            return []
+    def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
+        there: True where the record is whole, of that size, names the key and its CRC-32 agrees. A
+        record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
             self._count(misses=len(keys))
             return [False] * len(keys)
@@ -324,22 +280,20 @@ class MooncakeStore(HiCacheStorage):
         names = [storage_name(self.namespace, k) for k in keys]
         lens = [HEADER.size + len(n) for n in names]
         offsets = np.cumsum([0] + lens[:-1]).tolist()
-        staging = self._take_staging(sum(lens))
-        try:
+        with self.memory.staging(sum(lens)) as staging:
             base = staging.ctypes.data
             codes = self.store.batch_get_into_multi_buffers(
-                skeys, [[base + off] + p for off, p in zip(offsets, all_ptrs)], [[n] + s for n, s in zip(lens, all_sizes)]
+                skeys, [[base + off] + [ptr for ptr, _ in r] for off, r in zip(offsets, regions)],
+                [[n] + [size for _, size in r] for n, r in zip(lens, regions)],
             )  # fmt: skip
             heads = [staging[off : off + n].tobytes() for off, n in zip(offsets, lens)]
-        finally:
-            self._give_staging(staging)
         done, corrupt = [], 0
         for i, code in enumerate(codes):
-            payload_len = sum(all_sizes[i])
+            payload_len = sum(n for _, n in regions[i])
             if code < 0 and code != OBJECT_NOT_FOUND:
                 self._failed(code, "batch_get_into_multi_buffers")
             ok = code == lens[i] + payload_len
-            if ok and not self._verify(heads[i], names[i], [_region(p, s) for p, s in zip(all_ptrs[i], all_sizes[i])], payload_len):
+            if ok and not self._verify(heads[i], names[i], [_region(ptr, n) for ptr, n in regions[i]], payload_len):
                 ok = False
                 corrupt += 1
                 self._drop_corrupt(skeys[i])
@@ -347,7 +301,40 @@ class MooncakeStore(HiCacheStorage):
         self._count(hits=sum(done), misses=len(keys) - sum(done), corrupt=corrupt)
         return done
 
-    # --- pages as tensors --------------------------------------------------------------------------------
+    # --- pages by host index (zero-copy) ---------------------------------------------------------------
+
+    def _host_regions(self, keys: list[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Per page of ``host_indices``: its blocks in the host buffers, in flat page order (every
+        layer's K, then every layer's V), after every check."""
+        self.host_page_starts(keys, host_indices)
+        if not keys:
+            return []
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // len(keys)
+        regions = []
+        for i in range(len(keys)):
+            blocks = list(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]))
+            regions.append(blocks[0::2] + blocks[1::2])  # the meta alternates K and V blocks
+        return regions
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says. Keys already in the store are not sent again; the others travel in
+        one batch, each as its header and then the host pool's blocks themselves."""
+        regions = self._host_regions(keys, host_indices)
+        return self._put(keys, regions) if keys else []
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says. Pages are read in one batch straight into their host pages and
+        checked there; a page that fails its check leaves its host page's bytes unspecified (and is
+        removed from the store)."""
+        regions = self._host_regions(keys, host_indices)
+        return self._get(keys, regions) if keys else []
+
+    # --- pages as tensors (through a registered staging buffer) ------------------------------------------
 
     @staticmethod
     def _check_target(target: object, size: object, name: str) -> Optional[torch.Tensor]:
@@ -362,79 +349,83 @@ class MooncakeStore(HiCacheStorage):
         return target
 
     @staticmethod
-    def _check_value(value: object, target: object, size: object, name: str) -> memoryview:
+    def _check_value(value: object, target: object, size: object, name: str) -> torch.Tensor:
         if target is not None or size is not None:
             raise ValueError(f"{name} must be given as a tensor (MooncakeStore takes no target_location / target_sizes)")
         if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
             got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{name} must be a CPU tensor, got {got}")
-        return memoryview(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return value.detach().contiguous().reshape(-1).view(torch.uint8)
 
-    def _load(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _store(self, keys: list[str], payloads: list[torch.Tensor], stop_at_failure: bool) -> list[bool]:
+        """Tensor payloads, copied into one registered staging buffer, then stored as ``_put``."""
+        with self.memory.staging(sum(p.numel() for p in payloads)) as staging:
+            regions, at = [], 0
+            for p in payloads:
+                torch.from_numpy(staging[at : at + p.numel()]).copy_(p)
+                regions.append([(staging.ctypes.data + at, p.numel())])
+                at += p.numel()
+            return self._put(keys, regions, stop_at_failure)
+
+    def _load(self, keys: list[str], targets: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Pages read through one registered staging buffer into ``targets`` (a new uint8 tensor of
+        the stored size where a target is None); None for a miss."""
+        if not keys:
+            return []
         if not self._usable():
-            self._count(misses=1)
-            return None
-        skey, name = self.store_key(key), storage_name(self.namespace, key)
-        head = HEADER.size + len(name)
-        size = self.store.get_size(skey)
-        if size < 0 or (target is not None and size != head + target.numel() * target.element_size()):
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        nbytes = []
+        for key, t in zip(keys, targets):
+            if t is not None:
+                nbytes.append(t.numel() * t.element_size())
+                continue
+            size = self.store.get_size(self.store_key(key))  # no target: the stored size decides
             if size < 0 and size != OBJECT_NOT_FOUND:
                 self._failed(size, "get_size")
-            self._count(misses=1)  # absent, or (as far as its size says) a page of another size
-            return None
-        raw = self.store.get(skey)
-        payload = memoryview(raw)[head:]
-        if len(raw) != size or not self._verify(raw[:head], name, [payload], size - head):
-            self._count(misses=1, corrupt=1)
-            self._drop_corrupt(skey)
-            return None
-        if target is None:
-            target = torch.empty(size - head, dtype=torch.uint8)
-        target.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._count(hits=1)
-        return target
-
-    def _store(self, key: str, payload: memoryview) -> bool:
-        if not self._usable():
-            self._count(write_failures=1)
-            return False
-        skey, name = self.store_key(key), storage_name(self.namespace, key)
-        present = self.store.is_exist(skey)  # keys name their content: a stored page is not sent again
-        if present == 0:
-            code = self.store.put_parts(skey, self._header(name, [payload], payload.nbytes), payload)
-        else:
-            code = 0 if present == 1 else present
-        if code != 0:
-            self._failed(code, "put_parts" if present == 0 else "is_exist")
-            self._count(write_failures=1)
-            return False
-        if present != 1:
-            self._count(pages=1, bytes=HEADER.size + len(name) + payload.nbytes)
-        self._count(writes=1)
-        return True
+            nbytes.append(max(size - HEADER.size - len(storage_name(self.namespace, key)), 0))
+        with self.memory.staging(sum(nbytes)) as staging:
+            regions, at = [], 0
+            for n in nbytes:
+                regions.append([(staging.ctypes.data + at, n)])
+                at += n
+            done = self._get(keys, regions)
+            out: list[Optional[torch.Tensor]] = []
+            at = 0
+            for ok, n, t in zip(done, nbytes, targets):
+                if ok:
+                    t = torch.empty(n, dtype=torch.uint8) if t is None else t
+                    t.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(staging[at : at + n]))
+                out.append(t if ok else None)
+                at += n
+            return out
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        """As the interface says; the page travels through a registered staging buffer."""
         key = self.check_key(key)
-        return self._load(key, self._check_target(target_location, target_sizes, "target_location"))
+        return self._load([key], [self._check_target(target_location, target_sizes, "target_location")])[0]
 
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> list[Optional[torch.Tensor]]:
+        """As the interface says, in one batch (and one size query per key without a target)."""
         keys = self.check_keys(keys)
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
-        return [self._load(k, t) for k, t in zip(keys, checked)]
+        return self._load(keys, checked)
 
     def set(
         self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
+        """As the interface says; the page travels through a registered staging buffer."""
         key = self.check_key(key)
-        return self._store(key, self._check_value(value, target_location, target_sizes, "value"))
+        return self._store([key], [self._check_value(value, target_location, target_sizes, "value")], False)[0]
 
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
+        """As the interface says, in one batch: pages after the first that fails are removed again."""
         keys = self.check_keys(keys)
         if values is None:
             raise ValueError("values must be a list of CPU tensors (one per key), got None")
@@ -442,7 +433,7 @@ class MooncakeStore(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
-        return all(self._store(k, p) for k, p in zip(keys, payloads))
+        return all(self._store(keys, payloads, True)) if keys else True
 
     # --- presence and housekeeping -------------------------------------------------------------------------
 
@@ -493,9 +484,6 @@ class MooncakeStore(HiCacheStorage):
         store = getattr(self, "store", None)
         if store is None:
             return
-        for ptr in self._registered:
-            store.unregister_buffer(ptr)
-        self._registered.clear()
-        self._host_ptrs, self._spare = [], []
+        self.memory.release_all()
         store.close()
         self.store = None

@@ -6,6 +6,7 @@ and the metadata server's addresses and what this client lends the store (SGLang
 from __future__ import annotations
 
 import dataclasses
+import os
 import urllib.parse
 from typing import Any
 
@@ -123,3 +124,14 @@ def check_reachable(config: MooncakeConfig) -> None:
                 f"{config.connect_timeout_s} s): start mooncake_master with -enable_http_metadata_server=true "
                 f"(see the README, 'Storage tier: Mooncake'), or pass its address"
             )
+
+
+def pin_transport_address(config: MooncakeConfig) -> None:
+    """Make Mooncake's TCP transport give peers ``local_hostname``'s address to connect to (its
+    ``MC_TCP_BIND_ADDRESS``; without it the transport offers the first active network interface's
+    address whatever ``local_hostname`` says, so two engines on 127.0.0.1 would talk over that
+    interface). A value already in the environment is left as it is; the setting is per process."""
+    host = config.local_hostname
+    if host.count(":") == 1:  # "host:port"
+        host = host.split(":")[0]
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
