@@ -1508,10 +1508,14 @@ class Engine:
     each slot's content (the namespace and the token prefix whose KV it holds), so a match can be
     checked slot by slot. With ``host_policy`` the cache is a ``HiRadixCache`` over an FP8 device pool
     and a host pool, every slot's K/V rows hold a pattern of its content, and every loaded slot's
-    bytes are checked against it."""
+    bytes are checked against it. With ``storage`` (a backend, and ``storage_policy``) the cache has
+    a storage tier too, and an admission prefetches the match's remainder from it first, as SGLang's
+    scheduler does (``wait=True``: asks ``check_prefetch_progress`` until it says go on); engines
+    that share ``ids`` write the same patterns, so one can check pages another stored."""
 
     def __init__(self, kind: str, page: int, pages: int, rows: int = 6, policy: str = "lru",
-                 host_policy: Optional[str] = None, layout: str = "layer_first", host_ratio: float = 2.0, **cache_kw):  # fmt: skip
+                 host_policy: Optional[str] = None, layout: str = "layer_first", host_ratio: float = 2.0,
+                 storage: Any = None, storage_policy: Any = None, **cache_kw):  # fmt: skip
         size = pages * page
         self.pool = None
         if host_policy is not None:
@@ -1530,11 +1534,27 @@ class Engine:
             self.cache = RadixCache(params)
         else:
             self.host = MHATokenToKVPoolHost(self.pool, host_ratio, 0, page, layout)
-            self.cache = HiRadixCache(params, host_pool=self.host, write_policy=host_policy, load_back_threshold=0)
+            self.cache = HiRadixCache(params, host_pool=self.host, write_policy=host_policy, load_back_threshold=0,
+                                      storage=storage, storage_policy=storage_policy)  # fmt: skip
         self.running: dict[int, SimReq] = {}
         self.content: dict[int, tuple] = {}
         self.ids: dict[tuple, int] = {}
         self.loaded = 0
+        self.from_storage = 0
+
+    def prefetch(self, rid: Any, tokens: list, extra: Any, wait: bool = True) -> Any:
+        """Match ``tokens``, prefetch what follows the match's last host copy from storage, and match
+        again once ``check_prefetch_progress`` lets the request go on."""
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra)))
+        node, depth = m.last_host_node, 0
+        while node is not self.cache.root_node:
+            depth, node = depth + len(node.key), node.parent
+        self.cache.prefetch_from_storage(rid, m.last_host_node, RadixKey(tokens[depth:], extra))
+        while not self.cache.check_prefetch_progress(rid):
+            assert wait, "the prefetch policy held the request back"
+            time.sleep(0.005)
+        self.from_storage += self.cache.pop_prefetch_loaded_tokens(rid)
+        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra)))
 
     def check_slots(self, slots: torch.Tensor, extra: Any, tokens: list) -> None:
         for i, s in enumerate(slots.tolist()):
@@ -1585,7 +1605,10 @@ class Engine:
         rows = self.table.alloc(1)
         if rows is None:
             return None
-        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
+        if isinstance(self.cache, HiRadixCache) and self.cache.enable_storage:
+            m = self.prefetch(rows[0], tokens[:-1], extra)
+        else:
+            m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
         prefix, last = m.device_indices, m.last_device_node
         assert len(prefix) % self.page == 0 and len(prefix) < len(tokens)
         self.check_slots(prefix, extra, tokens)

@@ -13,7 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
-import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -279,3 +279,33 @@ def test_the_directory_is_its_owners_only(tmp_path):
     with pytest.raises(ValueError, match="file_path must be a directory \\(not a symlink or a file\\)"):
         HiCacheFile(HiCacheStorageConfig(), str(link))
     assert os.listdir(open_dir) == []
+
+
+def test_threads_sharing_a_store_read_only_whole_pages_of_their_own_key(tmp_path):
+    page = 512
+    probe = file_store(tmp_path / "probe")
+    probe.set("k00", torch.zeros(page, dtype=torch.uint8))
+    store = file_store(tmp_path / "kv", max_bytes=6 * probe.get_stats().bytes)  # evicting all the time
+    value = {f"k{i:02d}": torch.full((page,), i, dtype=torch.uint8) for i in range(20)}
+    bad: list[str] = []
+
+    def work(seed: int) -> None:
+        for step in range(150):
+            key = f"k{(seed * 7 + step * 3) % 20:02d}"
+            if step % 2:
+                store.set(key, value[key])
+            else:
+                got = store.get(key)
+                if got is not None and not torch.equal(got, value[key]):
+                    bad.append(key)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+    stats = store.get_stats()
+    on_disk = page_files(store)
+    assert stats.pages == len(on_disk) <= 6 and stats.bytes <= store.max_bytes and stats.corrupt == 0
+    assert not [n for n in os.listdir(store.file_path) if n.startswith(file_module.TEMP_PREFIX)]

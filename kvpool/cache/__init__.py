@@ -3,13 +3,15 @@
 
 The rooms, each importing only those listed before it:
 ``key`` (``RadixKey`` and the bytes keys are compared in), ``records`` (each tier's per-node record:
-``DeviceSlots``, ``HostCopy``, ``StateSnapshot``), ``node`` (``TreeNode``), ``events``,
+``DeviceSlots``, ``HostCopy``, ``PageKeys``, ``StateSnapshot``), ``node`` (``TreeNode``), ``events``,
 ``evict_policy`` (the policies and the eviction queue), ``params`` (SGLang's argument and result
 records), ``tree`` (``RadixTree``: structure, walks, its own consistency check), ``protocols`` (what
 the request code and the integrity check need from a cache), ``requests`` and ``mamba_requests``
 (what a request becomes: plans that change nothing), ``integrity`` (tree, allocator, table and
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
-``radix_cache`` (``RadixCache``), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
+``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
+tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
+prefetch from it), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
 ``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
 """
 

@@ -14,7 +14,8 @@ when the host pool runs out (``evict_host``). Every copy is the host tier's, byt
 A backup or load in flight keeps its nodes locked until ``check_hicache_events()`` (or
 ``writing_check``/``loading_check``) sees it complete; a write-back eviction orders the compute
 stream after its backups (``wait_for_backups``), so the freed slots' next owners write after the
-backup read them.
+backup read them. With a storage backend, host copies are written through to it and a match's
+remainder is prefetched from it: that room is ``kvpool.cache.storage_tier``.
 """
 
 from __future__ import annotations
@@ -25,20 +26,18 @@ import torch
 
 from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.host_setup import host_tier_setup
-from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
+from kvpool.cache.storage_tier import StoragePolicy, storage_for
 from kvpool.cache.tree import Undo
+from kvpool.cache.write_through import NO_ROOM, WriteThroughInserts
 from kvpool.checks import non_negative_int
 
 
-#: A staged write-through backup the host had no room for.
-_NO_ROOM = object()
-
-
-class HiRadixCache(RadixCache):
+class HiRadixCache(WriteThroughInserts, RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
     Parameters
@@ -47,25 +46,31 @@ class HiRadixCache(RadixCache):
         have its device pool as ``kvcache`` (``get_kvcache()``).
     server_args : SGLang's server arguments, read for ``hicache_ratio``, ``hicache_size``,
         ``hicache_mem_layout``, ``hicache_write_policy`` and ``hicache_io_backend`` when
-        ``host_pool`` is not given (a storage backend, ``hicache_storage_backend``, must be None).
+        ``host_pool`` is not given, and ``hicache_storage_backend`` (``"file"``) with
+        ``hicache_storage_prefetch_policy`` when ``storage`` is not.
     host_pool : an ``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` over the allocator's device
         pool, with the cache's page size (instead of building one from ``server_args``).
     write_policy : ``"write_through"`` (default), ``"write_through_selective"`` or ``"write_back"``.
     io_backend : the host pool's backend, ``"kernel"`` (default) or ``"direct"``.
     load_back_threshold : host tokens below which ``init_load_back`` recomputes instead of loading.
+    storage : a ``kvpool.storage.HiCacheStorage`` below the host tier (None: none).
+    storage_policy : a ``kvpool.cache.storage_tier.StoragePolicy`` (prefetch policy, threshold,
+        back-off), with ``storage``.
     validate : as for ``RadixCache``.
 
     Raises
     ------
     ValueError
         For a missing allocator or device pool, a host pool over another device pool or page size,
-        an unknown write policy or backend, a storage backend, and as ``RadixCache``.
+        an unknown write policy or backend, a storage backend other than ``"file"`` named in
+        ``server_args``, a bad ``storage`` or ``storage_policy``, and as ``RadixCache``.
     """
 
     def __init__(
         self, params: Optional[CacheInitParams] = None, server_args: Any = None, *, host_pool: Any = None,
         write_policy: Optional[str] = None, io_backend: Optional[str] = None, load_back_threshold: int = 10,
-        validate: bool = False, **legacy_fields: Any,
+        storage: Any = None, storage_policy: Optional[StoragePolicy] = None, validate: bool = False,
+        **legacy_fields: Any,
     ) -> None:  # fmt: skip
         super().__init__(params, validate=validate, **legacy_fields)
         setup = host_tier_setup(self.token_to_kv_pool_allocator, self.page_size, server_args, host_pool, write_policy, io_backend)
@@ -76,16 +81,22 @@ class HiRadixCache(RadixCache):
         self.io_backend = backend
         self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
         self.write_through_threshold = 1 if policy == "write_through" else 2
+        make_tier = storage_for(server_args, storage, storage_policy, host_pool)  # checked before any change
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
         self._reset_host()  # the cache owns every host page from now on
+        self.storage_tier = None if make_tier is None else make_tier(self)
+        self.enable_storage = self.storage_tier is not None
 
     # --- SGLang's API ---------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every node, and free every host page (the device slots are not freed)."""
+        """Forget every node, and free every host page (the device slots are not freed); prefetches
+        in flight are dropped (storage keeps its pages)."""
         super().reset()
         self._reset_host()
+        if self.storage_tier is not None:
+            self.storage_tier.reset()
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """As ``RadixCache.match_prefix``, through host-only nodes too: ``device_indices`` and
@@ -214,10 +225,12 @@ class HiRadixCache(RadixCache):
         copied before the tree changes and handed to this call to attach.)"""
         staged, self._staged_copy = self._staged_copy, None
         copy = self._back_up(node.device.value) if staged is None else staged
-        if copy is _NO_ROOM or copy is None:
+        if copy is NO_ROOM or copy is None:
             return 0
         slots, event = copy
         node.records[HOST] = HostCopy(slots)
+        if self.storage_tier is not None:
+            self.storage_tier.backed_up(node, event)  # written through once the copy is complete
         if event is not None and not write_back:
             self.inc_lock_ref(node)
             self.ongoing_write_through.append((node, event))
@@ -307,9 +320,53 @@ class HiRadixCache(RadixCache):
         self.ongoing_load_back = self._release_done(self.ongoing_load_back)
 
     def check_hicache_events(self) -> None:
-        """``writing_check()`` and ``loading_check()`` (SGLang's scheduler calls it every step)."""
+        """``writing_check()`` and ``loading_check()`` (SGLang's scheduler calls it every step), and
+        the storage writes of host copies completed since."""
         self.writing_check()
         self.loading_check()
+        if self.storage_tier is not None:
+            self.storage_tier.poll()
+
+    # --- the storage tier (SGLang's names; the room is kvpool.cache.storage_tier) -------------------
+
+    def prefetch_from_storage(
+        self, req_id: Any, last_host_node: TreeNode, new_input_tokens: Any, last_hash: Optional[str] = None,
+        prefix_keys: Any = None, *, extra_key: Any = None,
+    ) -> None:  # fmt: skip
+        """Start fetching from storage the whole pages of ``new_input_tokens`` (a token list or
+        tensor, or a ``RadixKey``), the tokens that follow ``last_host_node``'s prefix (a match's
+        ``last_host_node``, or the root with ``extra_key`` or a ``RadixKey``'s); ``last_hash`` and
+        ``prefix_keys`` are SGLang's and not needed. Nothing starts below ``prefetch_threshold``
+        tokens, while storage backs off, or without storage. Raises ``TypeError``/``ValueError`` for
+        a node not of this tree, bad tokens, or a ``req_id`` with a prefetch in flight."""
+        if self.storage_tier is not None:
+            self.storage_tier.prefetch(req_id, last_host_node, new_input_tokens, extra_key)
+
+    def check_prefetch_progress(self, req_id: Any) -> bool:
+        """Whether ``req_id`` may be scheduled now under the prefetch policy (True when it has no
+        prefetch); when True, the pages fetched so far are host-only nodes of the tree."""
+        return True if self.storage_tier is None else self.storage_tier.progress(req_id)
+
+    def terminate_prefetch(self, req_id: Any) -> None:
+        """Stop reading further pages for ``req_id``; ``check_prefetch_progress`` still ends it."""
+        if self.storage_tier is not None:
+            self.storage_tier.terminate(req_id)
+
+    def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
+        """Tokens ``req_id``'s prefetch brought into the host tier (0 for none), once."""
+        return 0 if self.storage_tier is None else self.storage_tier.loaded_tokens.pop(req_id, 0)
+
+    def hang_host_leaf(self, node: TreeNode, enc: bytes, pos: int, end: int, extra: Any, host_slots: torch.Tensor) -> None:
+        """Hang ``enc[pos:end]`` below ``node`` (where ``branch_point`` left the walk) as a host-only
+        leaf holding ``host_slots`` (the storage tier's fetched pages)."""
+        leaf = TreeNode()
+        leaf.parent, leaf.child_key = node, self._child_key(enc, pos, extra)
+        leaf.key = RadixKey.from_encoded(enc[pos:end], extra, self.is_eagle)
+        leaf.records[HOST] = HostCopy(host_slots.to(torch.int64, copy=True))
+        self._clock += 1
+        leaf.access_tick = leaf.creation_tick = self._clock
+        node.children[leaf.child_key] = leaf
+        self._host_queue.push(leaf)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -321,83 +378,6 @@ class HiRadixCache(RadixCache):
             else:
                 left.append((node, event))
         return left
-
-    def _stage_insert(self, job: Any) -> Any:
-        """Back up, before the tree changes, every device page of the insertion's path that the write
-        policy backs up now (write-through policies, not chunked: a node whose hit count reaches the
-        threshold with this insert); returns the host slots and events, root side first (None for a
-        node the host had no room for). If a backup raises, the host slots taken so far are freed and
-        nothing else has changed but the host-only leaves evicted for room (their slots may be written)."""
-        if self.write_policy == "write_back" or job.chunked:
-            return []
-        due, host_only = self._due_backups(job)
-        host = self.token_to_kv_pool_host
-        copies: list = []
-        for n in host_only:
-            n.protect_host()  # the path's host-only nodes must stay while room is made for the copies
-        try:
-            for slots in due:
-                copies.append(self._back_up(slots))
-        except BaseException:
-            self._unstage_insert(copies)
-            raise
-        finally:
-            for n in host_only:
-                n.release_host()
-        return copies
-
-    def _unstage_insert(self, staged: Any) -> None:
-        parts = [c[0] for c in staged or () if c is not None]
-        if parts:
-            self.token_to_kv_pool_host.free(torch.cat(parts))
-
-    def _complete_insert(self, job: Any, staged: Any) -> int:
-        """Insert, then count the insert as a hit on its path's device nodes without a host copy and
-        give those due the copies ``_stage_insert`` made (locked until each copy has read its slots)."""
-        cached, last = self._insert(job.enc, job.n, job.value, job.priority, job.extra)
-        if self.write_policy == "write_back" or job.chunked:
-            return cached // self.elem_bytes
-        path = []
-        node = last
-        while node is not self.root_node:
-            if node.device is not None and HOST not in node.records:
-                path.append(node)
-            node = node.parent
-        copies = iter(staged)
-        for node in reversed(path):
-            node.hit_count += 1
-            if node.hit_count < self.write_through_threshold:
-                continue
-            copy = next(copies, None)
-            self._staged_copy = _NO_ROOM if copy is None else copy
-            self.write_backup(node)  # attaches the staged copy (or none: the host had no room)
-        return cached // self.elem_bytes
-
-    def _due_backups(self, job: Any) -> tuple[list[torch.Tensor], list[TreeNode]]:
-        """The device slots of each part of the insertion's path that ``_complete_insert`` will back
-        up (root side first), and the path's host-only nodes; reads the tree only."""
-        threshold = self.write_through_threshold
-        child_key = self._child_key
-        enc, n, node, pos = job.enc, job.n, self.root_node, 0
-        due, host_only = [], []
-        while pos < n:
-            child = node.children.get(child_key(enc, pos, job.extra))
-            if child is None:
-                break
-            kb = encoded(child.key)
-            whole = pos + len(kb) <= n and enc.startswith(kb, pos)
-            m = len(kb) if whole else common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
-            pos += m
-            if child.device is None:
-                host_only.append(child)
-            elif HOST not in child.records and child.hit_count + 1 >= threshold:
-                due.append(child.device.value[: m // self.elem_bytes])
-            if not whole:
-                break
-            node = child
-        if pos < n and threshold <= 1:  # the new leaf, with its first hit
-            due.append(job.value[pos // self.elem_bytes : n // self.elem_bytes])
-        return due, host_only
 
     def _back_up(self, device_slots: torch.Tensor) -> Optional[tuple[torch.Tensor, Any]]:
         """Copy ``device_slots`` to new host slots (evicting host-only leaves for room): (host slots,
@@ -504,5 +484,7 @@ class HiRadixCache(RadixCache):
         for node in self._nodes():
             if self._is_host_evictable(node) and not self._host_queue.holds(node):
                 problems.append(f"node {node.id} is a host-only leaf missing from the host eviction queue")
+        if self.storage_tier is not None:
+            problems += self.storage_tier.problems(self._nodes())
         return problems
 

@@ -21,9 +21,9 @@ def host_tier_setup(
     Raises
     ------
     ValueError
-        For an allocator without a device pool, an unknown write policy or backend, a storage
-        backend, no ``host_pool`` and no ``server_args``, or a host pool over another device pool or
-        page size.
+        For an allocator without a device pool, an unknown write policy or backend, no ``host_pool``
+        and no ``server_args``, or a host pool over another device pool or page size (the storage
+        tier is checked by ``kvpool.cache.storage_tier.storage_for``).
     """
     device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
     if device_pool is None:
@@ -34,8 +34,6 @@ def host_tier_setup(
     backend = io_backend or getattr(server_args, "hicache_io_backend", None) or "kernel"
     if backend not in IO_BACKENDS:
         raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {backend!r}")
-    if getattr(server_args, "hicache_storage_backend", None) is not None:
-        raise ValueError(f"hicache_storage_backend must be None (no storage tier), got {server_args.hicache_storage_backend!r}")
     if host_pool is None:
         host_pool = host_pool_from(device_pool, page_size, server_args)
     if host_pool.device_pool is not device_pool:

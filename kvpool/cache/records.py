@@ -1,10 +1,11 @@
 """Each tier's record on a tree node: the node carries one record per tier it is in.
 
-``DeviceSlots`` (the device tier, every cache), ``HostCopy`` (the host tier of ``HiRadixCache``) and
-``StateSnapshot`` (the linear-attention state of ``MambaRadixCache``). A node is on the device when
-it has a ``DeviceSlots`` record (``node.device``); the other tiers file their records in
-``node.records`` under their room's name (``HOST``, ``STATE``), so that a further tier is a further
-record type and name, not more fields on every node.
+``DeviceSlots`` (the device tier, every cache), ``HostCopy`` (the host tier of ``HiRadixCache``),
+``PageKeys`` (the storage tier's keys of a node's pages) and ``StateSnapshot`` (the linear-attention
+state of ``MambaRadixCache``). A node is on the device when it has a ``DeviceSlots`` record
+(``node.device``); the other tiers file their records in ``node.records`` under their room's name
+(``HOST``, ``STORAGE``, ``STATE``), so that a further tier is a further record type and name, not
+more fields on every node.
 
 Every record can be split when the tree cuts its node after ``tokens`` tokens: ``split`` returns the
 record of the first part (or None when that part has none) and keeps the rest. ``queue_entry`` is
@@ -18,8 +19,9 @@ from typing import Optional
 
 import torch
 
-#: The names the host and state tiers file their records under in ``node.records``.
+#: The names the host, storage and state tiers file their records under in ``node.records``.
 HOST = "host"
+STORAGE = "storage"
 STATE = "state"
 
 
@@ -57,6 +59,26 @@ class HostCopy:
         """The first ``tokens`` host slots as a new, unheld record; this one keeps the rest."""
         head = HostCopy(self.slots[:tokens].clone())
         self.slots = self.slots[tokens:].clone()
+        return head
+
+
+class PageKeys:
+    """The storage keys of a node's pages (``kvpool.storage.keys.page_keys`` of its whole prefix, one
+    per page of the node), computed once for the node's path."""
+
+    __slots__ = ("keys", "page_size", "queue_entry")
+
+    def __init__(self, keys: list[str], page_size: int) -> None:
+        self.keys = keys
+        self.page_size = page_size
+        self.queue_entry: Optional[tuple] = None
+
+    def split(self, tokens: int) -> "PageKeys":
+        """The keys of the first ``tokens`` tokens' pages as a new record; this one keeps the rest
+        (each key names its whole prefix, so the parts' keys are the same ones)."""
+        pages = tokens // self.page_size
+        head = PageKeys(self.keys[:pages], self.page_size)
+        self.keys = self.keys[pages:]
         return head
 
 

@@ -200,6 +200,27 @@ class RadixTree:
         new.parent.children[new.child_key] = new
         return new
 
+    def branch_point(self, enc: bytes, n: int, extra: Any) -> tuple[TreeNode, int]:
+        """Where a leaf for ``enc[:n]`` would hang: the deepest node whose prefix the tree holds (on
+        any tier) and how many bytes of ``enc`` that prefix is (whole pages). A node the key leaves
+        part-way is split there when the key goes on past it, so the leaf can hang below the split;
+        no stamps or counts change. (The storage tier hangs fetched pages with it.)"""
+        child_key = self._child_key
+        node, pos = self.root_node, 0
+        while pos < n:
+            child = node.children.get(child_key(enc, pos, extra))
+            if child is None:
+                break
+            kb = encoded(child.key)
+            if pos + len(kb) <= n and enc.startswith(kb, pos):
+                node, pos = child, pos + len(kb)
+                continue
+            m = common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+            if pos + m < n:
+                node = self._split(child, m)
+            return node if pos + m < n else child, pos + m
+        return node, pos
+
     def _evict_leaves(self, num_tokens: int, undo: Undo) -> list[torch.Tensor]:
         """Detach evictable leaves in the policy's order until ``num_tokens`` are gone (or none is
         left); returns their slots, now the caller's to free (``undo`` puts the leaves back)."""

@@ -20,6 +20,11 @@ Rules every backend keeps:
   write leaves under its key is what was there before (nothing, or the earlier whole page).
 - **Thread safety**: one backend may be called from several threads at once (SGLang's prefetch and
   backup threads); the host pool itself is only touched through its public page calls.
+
+``HiRadixCache``'s storage tier (``kvpool.cache.storage_tier``) calls ``register_mem_pool_host``
+once, then, from its worker threads, ``batch_set(keys, pages)`` (pages: 1-D CPU tensors in the flat
+data-page form), ``batch_exists(keys)`` and ``get(key, page)`` (``page``: a 1-D uint8 CPU tensor of
+one page's bytes), so those must work in every backend.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ class HiCacheFile(HiCacheStorage):
     max_bytes : the bound on the page files' total size (header, name and payload), >= 1. A page
         larger than the bound is not stored (``set`` returns False).
 
-    Several threads may use one instance at once. Several processes may share a directory (each
+    Several threads may use one instance at once (writes take turns, reads do not wait for them; a
+    page evicted while it is being read is still read whole). Several processes may share a directory (each
     names its own pages by namespace); each keeps the bound over the pages it wrote or found when
     it was made, so give each one its own share of the disk.
 
@@ -142,7 +143,8 @@ class HiCacheFile(HiCacheStorage):
         self.storage_config = storage_config
         self.file_path = owner_only_directory(default_file_path() if file_path is None else file_path)
         self.namespace = key_namespace(storage_config)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the index and the counters
+        self._write_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
         self._bytes = 0
         self._stats = StorageStats()
@@ -197,7 +199,12 @@ class HiCacheFile(HiCacheStorage):
     # --- one page ------------------------------------------------------------------------------------
 
     def _store(self, key: str, payload: memoryview) -> bool:
-        """Write one page (temporary file, then rename); False when it cannot be stored."""
+        """Write one page (temporary file, then rename); False when it cannot be stored. Writes are
+        serialised (reads are not), so the index and the files agree whatever the threads do."""
+        with self._write_lock:
+            return self._store_one(key, payload)
+
+    def _store_one(self, key: str, payload: memoryview) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)

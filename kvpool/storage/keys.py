@@ -76,6 +76,8 @@ def _as_int64(token_ids: object) -> np.ndarray:
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
         arr = token_ids.detach().cpu().numpy()
+    elif isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu":
+        arr = token_ids
     elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise ValueError(f"token_ids must be a sequence of ints or of (int, int) bigrams, got {type(token_ids).__name__}")
     else:
@@ -113,8 +115,8 @@ def page_keys(
 
     Parameters
     ----------
-    token_ids : a sequence (or 1-D integer tensor) of int64 tokens, or of (int, int) bigrams
-        (EAGLE's keys; an ``[n, 2]`` tensor).
+    token_ids : a sequence (or 1-D integer tensor or NumPy array) of int64 tokens, or of (int, int)
+        bigrams (EAGLE's keys; an ``[n, 2]`` tensor or array).
     page_size : tokens per page (>= 1).
     extra_key : the radix key's namespace (a LoRA id, a tenant's salt): see :func:`encode_extra_key`.
     prior_key : the key of the page before ``token_ids[0]`` (to continue a chain), or None when

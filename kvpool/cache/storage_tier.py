@@ -1,0 +1,498 @@
+"""The storage tier's room of ``HiRadixCache``: host pages written through to a storage backend, and
+prefetched back from it on a match (SGLang's HiCache storage; docs/contract.md, "With a storage
+tier").
+
+Write-through: once a node's host copy is complete (``backed_up``, then ``poll`` at every
+``check_hicache_events``), its pages are copied out of the host pool (``get_data_page``, on the
+caller's thread) and stored under their page keys (``kvpool.storage.keys.page_keys`` of the node's
+whole prefix, kept on the node as a ``PageKeys`` record) by a worker thread.
+
+Prefetch: ``prefetch_from_storage`` looks up the pages after a match's host part; a worker thread
+reads the ones storage holds, in order, into pages of its own (it never touches the host pool,
+which is not thread-safe). ``check_prefetch_progress`` decides by the policy when the request may go
+on (``best_effort``: at once, with what has arrived; ``wait_complete``: once every page is read;
+``timeout``: that, or once the time is up), then copies the pages that arrived into new host pages
+and hangs them in the tree as host-only nodes, from where ``init_load_back`` brings them to the
+device like any host hit.
+
+Storage failures (a call that returns a miss or False, or raises) never change the tree, the host
+pool or the device: a failed write leaves the page out of storage, a failed read ends the prefetch
+with the pages read so far, and the tier backs off (no writes and no prefetches for a while,
+doubling up to a bound) before trying again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from kvpool.cache.key import RadixKey, encoded
+from kvpool.cache.node import TreeNode
+from kvpool.cache.records import HOST, STORAGE, PageKeys
+from kvpool.checks import non_negative_int
+from kvpool.pools.mla_pool import MLATokenToKVPool
+from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig
+from kvpool.storage.file import HiCacheFile
+from kvpool.storage.keys import page_keys
+
+#: When a prefetch lets its request go on (SGLang's ``hicache_storage_prefetch_policy``).
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoragePolicy:
+    """How a ``HiRadixCache`` uses its storage tier.
+
+    Parameters
+    ----------
+    prefetch_policy : ``"best_effort"``, ``"wait_complete"`` or ``"timeout"`` (see the module).
+    prefetch_threshold : fewest tokens worth a prefetch: shorter remainders, and prefetches that
+        find fewer pages in storage, fetch nothing (SGLang's default, 256).
+    prefetch_timeout_base_s, prefetch_timeout_per_page_s : the ``timeout`` policy's limit, base plus
+        per page looked up.
+    backoff_s, max_backoff_s : the pause after a storage failure, doubled after each further one up
+        to the maximum, back to ``backoff_s`` after a success.
+    background : run storage calls on worker threads (False: on the caller's thread, in order, as
+        tests want).
+    """
+
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold: int = 256
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_page_s: float = 0.01
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    background: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, got {self.prefetch_policy!r}")
+        non_negative_int(self.prefetch_threshold, "prefetch_threshold")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s", "backoff_s", "max_backoff_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s must be >= backoff_s {self.backoff_s}, got {self.max_backoff_s}")
+        if not isinstance(self.background, bool):
+            raise ValueError(f"background must be a bool, got {self.background!r}")
+
+
+@dataclasses.dataclass
+class StorageTierStats:
+    """What the storage tier did: pages stored by write-through, write batches that failed (False or
+    raised), pages not written while backing off, prefetches started and failed, pages read, tokens
+    that entered the host tier from storage, and fetched tokens dropped (in the tree already, their
+    prefix gone meanwhile, or no host room)."""
+
+    pages_written: int = 0
+    write_failures: int = 0
+    writes_skipped: int = 0
+    prefetches: int = 0
+    prefetch_failures: int = 0
+    pages_read: int = 0
+    tokens_loaded: int = 0
+    tokens_dropped: int = 0
+
+
+class PrefetchOp:
+    """One request's prefetch: the whole key as bytes (``enc``, the match's host part then the new
+    tokens), where the fetched part starts (``start``, bytes), its page keys, the held host copy of
+    the node it continues, and the pages the worker has read so far."""
+
+    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "finished", "terminated")
+
+    def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, copy: Any) -> None:
+        self.enc, self.start, self.keys, self.extra, self.copy = enc, start, keys, extra, copy
+        self.started = time.monotonic()
+        self.pages: list[torch.Tensor] = []
+        self.finished = False
+        self.terminated = False
+
+
+def storage_for(server_args: Any, storage: Any, policy: Optional[StoragePolicy], host_pool: Any) -> Optional[Any]:
+    """How a ``HiRadixCache`` makes its storage tier, checked before the cache changes anything: a
+    function of the cache giving its ``StorageTier``, or None without storage. ``storage`` is a
+    backend instance; without it ``server_args.hicache_storage_backend`` may name ``"file"``
+    (``HiCacheFile``). Without ``policy`` it is made from ``hicache_storage_prefetch_policy`` and
+    SGLang's keys of ``hicache_storage_backend_extra_config`` (a dict or JSON of one):
+    ``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token`` (seconds
+    per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``.
+
+    Raises
+    ------
+    ValueError
+        Another backend name (pass it as ``storage=``), a ``storage`` that is not a
+        ``HiCacheStorage``, a ``storage_policy`` that is not a ``StoragePolicy`` or without storage.
+    """
+    name = getattr(server_args, "hicache_storage_backend", None)
+    if storage is None and name is None:
+        if policy is not None:
+            raise ValueError("storage_policy needs a storage backend (storage=, or server_args.hicache_storage_backend)")
+        return None
+    extra = _extra_config(server_args)
+    if policy is None:
+        per_ki = extra.get("prefetch_timeout_per_ki_token", 0.25)
+        policy = StoragePolicy(
+            prefetch_policy=getattr(server_args, "hicache_storage_prefetch_policy", None) or "best_effort",
+            prefetch_threshold=extra.get("prefetch_threshold", 256),
+            prefetch_timeout_base_s=extra.get("prefetch_timeout_base", 1.0),
+            prefetch_timeout_per_page_s=per_ki * host_pool.page_size / 1024 if isinstance(per_ki, (int, float)) else per_ki,
+        )
+    if not isinstance(policy, StoragePolicy):
+        raise ValueError(f"storage_policy must be a StoragePolicy, got {type(policy).__name__}")
+    if storage is None:
+        storage = _named_storage(name, server_args, host_pool, extra)  # the last check: it makes the directory
+    if not isinstance(storage, HiCacheStorage):
+        raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
+    return lambda cache: StorageTier(cache, storage, policy)
+
+
+def _extra_config(server_args: Any) -> dict:
+    extra = getattr(server_args, "hicache_storage_backend_extra_config", None) or {}
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError as e:
+            raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {extra!r} ({e})") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {type(extra).__name__}")
+    return extra
+
+
+def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict) -> HiCacheStorage:
+    if name != "file":
+        raise ValueError(f"hicache_storage_backend must be 'file' or None (pass other backends as storage=), got {name!r}")
+    config = HiCacheStorageConfig(
+        model_name=getattr(server_args, "model_path", None), is_mla_model=isinstance(host_pool.device_pool, MLATokenToKVPool),
+        is_page_first_layout=host_pool.layout == "page_first", extra_config=extra,
+    )  # fmt: skip
+    kwargs = {"max_bytes": extra["max_bytes"]} if "max_bytes" in extra else {}
+    return HiCacheFile(config, extra.get("file_path"), **kwargs)
+
+
+class StorageTier:
+    """The storage room of one ``HiRadixCache`` (made by the cache; see the module).
+
+    Parameters
+    ----------
+    cache : the ``HiRadixCache``.
+    storage : a :class:`~kvpool.storage.base.HiCacheStorage`; its host pool is registered here.
+    policy : a :class:`StoragePolicy`.
+    """
+
+    def __init__(self, cache: Any, storage: HiCacheStorage, policy: StoragePolicy) -> None:
+        self.cache, self.storage, self.policy = cache, storage, policy
+        self.host = cache.token_to_kv_pool_host
+        storage.register_mem_pool_host(self.host)
+        self.page_size = cache.page_size
+        self.page_enc_bytes = cache.page_bytes  # one page of key elements, as the tree encodes them
+        self.page_nbytes = sum(self.host.page_bytes)  # one stored page
+        self.stats = StorageTierStats()
+        self.ongoing_prefetch: dict[Any, PrefetchOp] = {}
+        self.loaded_tokens: dict[Any, int] = {}
+        self._lock = threading.Lock()
+        self._pending: list[tuple[TreeNode, Any, Any]] = []  # (node, its host copy, the backup's event)
+        self._backoff = policy.backoff_s
+        self._resume_at = 0.0
+        self._queues: dict[str, queue.Queue] = {}
+
+    # --- write-through ---------------------------------------------------------------------------
+
+    def backed_up(self, node: TreeNode, event: Any) -> None:
+        """``node`` has a new host copy, complete once ``event`` is (None: now); it is written to
+        storage at the next ``poll`` after that (at once for None)."""
+        self._pending.append((node, node.records[HOST], event))
+        if event is None:
+            self.poll()
+
+    def poll(self) -> None:
+        """Write the host copies whose backup completed, if they are still the node's."""
+        left = []
+        for node, copy, event in self._pending:
+            if event is not None and not event.query():
+                left.append((node, copy, event))
+            elif node.records.get(HOST) is copy and self._attached(node):
+                self._write(node, copy)
+        self._pending = left
+
+    def _write(self, node: TreeNode, copy: Any) -> None:
+        pages = len(copy.slots) // self.page_size
+        keys = self.keys_of(node)
+        if keys is None or not pages:
+            return
+        if time.monotonic() < self._resume_at:
+            self.stats.writes_skipped += pages
+            return
+        data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+        self._submit("write", lambda: self._run_write(keys, data))
+
+    def _run_write(self, keys: list[str], data: list[torch.Tensor]) -> None:
+        try:
+            ok = self.storage.batch_set(keys, data) is True
+        except Exception:
+            ok = False
+        with self._lock:
+            if ok:
+                self.stats.pages_written += len(keys)
+            else:
+                self.stats.write_failures += 1
+            self._settle(ok)
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def keys_of(self, node: TreeNode) -> Optional[list[str]]:
+        """The page keys of ``node``'s pages, computed once along its path; None when its
+        ``extra_key`` has no stable encoding (such keys are kept out of storage)."""
+        root, chain = self.cache.root_node, []
+        n = node
+        while n is not root and STORAGE not in n.records:
+            chain.append(n)
+            n = n.parent
+        prior = None if n is root else n.records[STORAGE].keys[-1]
+        try:
+            for n in reversed(chain):
+                keys = page_keys(self.elements(encoded(n.key)), self.page_size, n.key.extra_key, prior)
+                n.records[STORAGE] = PageKeys(keys, self.page_size)
+                prior = keys[-1]
+        except ValueError:
+            return None
+        return node.records[STORAGE].keys if node is not root else []
+
+    def elements(self, enc: bytes) -> np.ndarray:
+        """Key bytes as the int64 tokens (or ``[n, 2]`` bigrams) they encode."""
+        arr = np.frombuffer(enc, dtype="<i8")
+        return arr.reshape(-1, 2) if self.cache.is_eagle else arr
+
+    # --- prefetch --------------------------------------------------------------------------------
+
+    def prefetch(self, req_id: Any, last_host_node: TreeNode, new_input_tokens: Any, extra_key: Any = None) -> None:
+        """Start fetching the pages of ``new_input_tokens`` that follow ``last_host_node``'s prefix
+        (see ``HiRadixCache.prefetch_from_storage``)."""
+        if req_id in self.ongoing_prefetch:
+            raise ValueError(f"req_id {req_id!r} has a prefetch in flight already (check_prefetch_progress ends it)")
+        if not isinstance(last_host_node, TreeNode):
+            raise TypeError(f"last_host_node must be a TreeNode, got {type(last_host_node).__name__}")
+        root = self.cache.root_node
+        if last_host_node is not root and (HOST not in last_host_node.records or not self._attached(last_host_node)):
+            raise ValueError(f"last_host_node must be a node of this tree with a host copy, got node {last_host_node.id}")
+        extra = last_host_node.key.extra_key if last_host_node is not root else extra_key
+        if isinstance(new_input_tokens, RadixKey):
+            if last_host_node is not root and new_input_tokens.extra_key != extra:
+                raise ValueError(
+                    f"new_input_tokens' extra_key must be last_host_node's {extra!r}, got {new_input_tokens.extra_key!r}"
+                )
+            extra, new_input_tokens = new_input_tokens.extra_key, new_input_tokens.token_ids
+        prior = self.keys_of(last_host_node)
+        if prior is None:
+            return
+        keys = page_keys(new_input_tokens, self.page_size, extra, prior[-1] if prior else None)  # checks the tokens
+        if not keys:
+            return
+        tokens = new_input_tokens.cpu() if isinstance(new_input_tokens, torch.Tensor) else new_input_tokens
+        elements = np.asarray(tokens, dtype="<i8")[: len(keys) * self.page_size]
+        if (elements.ndim == 2) != bool(self.cache.is_eagle):
+            raise ValueError(
+                f"new_input_tokens must be {'(int, int) bigrams' if self.cache.is_eagle else 'tokens'} like the tree's keys, "
+                f"got shape {tuple(elements.shape)}"
+            )
+        if len(elements) < self.policy.prefetch_threshold or time.monotonic() < self._resume_at:
+            return
+        path, n = [], last_host_node
+        while n is not root:
+            path.append(encoded(n.key))
+            n = n.parent
+        start = sum(len(p) for p in path)
+        enc = b"".join(reversed(path)) + np.ascontiguousarray(elements, dtype="<i8").tobytes()
+        copy = last_host_node.records[HOST]
+        copy.holds += 1  # the node the pages hang below stays on the host meanwhile
+        op = PrefetchOp(enc, start, keys, extra, copy)
+        self.ongoing_prefetch[req_id] = op
+        self.stats.prefetches += 1
+        self._submit("prefetch", lambda: self._run_prefetch(op))
+
+    def _run_prefetch(self, op: PrefetchOp) -> None:
+        ok = True
+        try:
+            hits = self.storage.batch_exists(op.keys)
+            if hits * self.page_size < self.policy.prefetch_threshold:
+                hits = 0
+            for key in op.keys[:hits]:
+                if op.terminated:
+                    break
+                page = torch.empty(self.page_nbytes, dtype=torch.uint8)
+                if self.storage.get(key, page) is None:
+                    break
+                with self._lock:
+                    op.pages.append(page)
+        except Exception:
+            ok = False
+        with self._lock:
+            op.finished = True
+            self.stats.pages_read += len(op.pages)
+            if not ok:
+                self.stats.prefetch_failures += 1
+            self._settle(ok)
+
+    def progress(self, req_id: Any) -> bool:
+        """``HiRadixCache.check_prefetch_progress``: whether the request may go on now; when it may,
+        the pages read so far enter the host tier."""
+        op = self.ongoing_prefetch.get(req_id)
+        if op is None:
+            return True
+        policy = self.policy
+        with self._lock:
+            finished = op.finished
+        if not finished and policy.prefetch_policy != "best_effort":
+            limit = policy.prefetch_timeout_base_s + policy.prefetch_timeout_per_page_s * len(op.keys)
+            if policy.prefetch_policy == "wait_complete" or time.monotonic() - op.started <= limit:
+                return False
+        with self._lock:
+            op.terminated = True
+            pages = list(op.pages)
+        del self.ongoing_prefetch[req_id]
+        try:
+            self.loaded_tokens[req_id] = self._take(op, pages)
+        finally:
+            op.copy.holds -= 1
+        return True
+
+    def terminate(self, req_id: Any) -> None:
+        """Stop the worker reading further pages for ``req_id`` (what has arrived is still taken)."""
+        op = self.ongoing_prefetch.get(req_id)
+        if op is not None:
+            op.terminated = True
+
+    def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
+        """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
+        prefix they continue; returns the tokens that entered the host tier."""
+        tokens = len(pages) * self.page_size
+        if not tokens:
+            return 0
+        host, cache = self.host, self.cache
+        slots = host.alloc(tokens)
+        if slots is None:
+            cache.evict_host(tokens)
+            slots = host.alloc(tokens)
+        if slots is None:
+            self.stats.tokens_dropped += tokens
+            return 0
+        end = op.start + len(pages) * self.page_enc_bytes
+        node, pos = cache.branch_point(op.enc, end, op.extra)  # where the tree's copy of the prefix ends now
+        skip = max(0, (pos - op.start) // self.page_enc_bytes)
+        if pos < op.start or skip >= len(pages):  # the prefix left the tree meanwhile, or it has every page
+            host.free(slots)
+            self.stats.tokens_dropped += tokens
+            return 0
+        kept = slots[skip * self.page_size :]
+        try:
+            for i, page in enumerate(pages[skip:]):
+                host.set_from_flat_data_page(int(kept[i * self.page_size]), page.view(host.store_dtype))
+        except BaseException:
+            host.free(slots)
+            raise
+        if skip:
+            host.free(slots[: skip * self.page_size])
+        cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept)
+        loaded = len(kept)
+        self.stats.tokens_loaded += loaded
+        self.stats.tokens_dropped += tokens - loaded
+        return loaded
+
+    # --- housekeeping ----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop every prefetch and pending write (the cache was reset: its host pages are free)."""
+        for op in self.ongoing_prefetch.values():
+            op.terminated = True
+        self.ongoing_prefetch.clear()
+        self.loaded_tokens.clear()
+        self._pending = []
+
+    def problems(self, nodes: list[TreeNode]) -> list[str]:
+        """The storage room's part of ``check_integrity`` over the tree's ``nodes`` (the root first,
+        parents before children): a node's page keys are the chain of its prefix, one per page, and
+        its parent has keys too; every prefetch in flight holds its node's host copy."""
+        out = []
+        root = self.cache.root_node
+        last_key: dict[int, Optional[str]] = {}
+        for node in nodes[1:]:
+            record = node.records.get(STORAGE)
+            last_key[node.id] = None
+            if record is None:
+                continue
+            prior = None if node.parent is root else last_key.get(node.parent.id)
+            if node.parent is not root and prior is None:
+                out.append(f"node {node.id} has storage keys but its parent {node.parent.id} has none")
+                continue
+            want = page_keys(self.elements(encoded(node.key)), self.page_size, node.key.extra_key, prior)
+            if record.keys != want:
+                out.append(f"node {node.id}'s storage keys are not the chain of its prefix ({len(record.keys)} keys, {len(want)} pages)")
+            last_key[node.id] = want[-1]
+        holds: dict[int, int] = {}
+        for op in self.ongoing_prefetch.values():
+            holds[id(op.copy)] = holds.get(id(op.copy), 0) + 1
+            if op.copy.holds < holds[id(op.copy)]:
+                out.append("a prefetch in flight does not hold the host copy of the node it continues")
+        return out
+
+    def _attached(self, node: TreeNode) -> bool:
+        root = self.cache.root_node
+        while node is not root:
+            parent = node.parent
+            if parent is None or parent.children.get(node.child_key) is not node:
+                return False
+            node = parent
+        return True
+
+    def _settle(self, ok: bool) -> None:
+        """Back off after a failure, reset after a success (lock held)."""
+        if ok:
+            self._backoff = self.policy.backoff_s
+        else:
+            self._resume_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.policy.max_backoff_s)
+
+    def _submit(self, kind: str, job: Any) -> None:
+        if not self.policy.background:
+            job()
+            return
+        q = self._queues.get(kind)
+        if q is None:
+            q = self._queues[kind] = queue.Queue()
+            threading.Thread(target=_serve, args=(q,), name=f"kvpool-storage-{kind}", daemon=True).start()
+        q.put(job)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the workers have run every job queued so far; False if ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        for q in self._queues.values():
+            done = threading.Event()
+            q.put(done.set)
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+
+    def close(self) -> None:
+        """Stop the worker threads once they have run what was queued (a closed tier queues no more)."""
+        for q in self._queues.values():
+            q.put(None)
+        self._queues = {}
+        self.policy = dataclasses.replace(self.policy, background=False)
+
+
+def _serve(q: queue.Queue) -> None:
+    while True:
+        job = q.get()
+        if job is None:
+            return
+        job()
+
