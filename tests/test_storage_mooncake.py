@@ -1,6 +1,7 @@
 """The Mooncake backend (``MooncakeStore``) shares pages between engines and never returns a wrong
 one: host pages stored by one engine's client are found and read byte for byte by another client of
-the same master, a missing key is a miss, a record under another key's name or with a flipped byte
+the same master (and a prefix one engine's ``HiRadixCache`` wrote through is served to another's from
+the store), the two talk over loopback only, a missing key is a miss, a record under another key's name or with a flipped byte
 reads as a miss, ``clear`` drops only its own namespace, an absent master is a clear error at once,
 and a master stopped midway makes reads miss and writes fail, then serves again once restarted.
 
@@ -16,8 +17,9 @@ import time
 
 import pytest
 import torch
-from kvassert import HOST_LAYOUTS, host_page_bytes, make_device_pool, make_host
+from kvassert import HOST_LAYOUTS, Engine, host_page_bytes, make_device_pool, make_host, seq
 
+from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.storage import HiCacheStorageConfig, page_keys
 from kvpool.storage.keys import storage_name
 from kvpool.storage.mooncake_config import MooncakeConfig, import_store_class
@@ -123,6 +125,28 @@ def test_another_extra_key_or_geometry_is_another_page(engines):
     # A host pool of other heads: another namespace, so the same keys name no page there.
     b.register_mem_pool_host(make_host(make_device_pool(head_num=2), "layer_first"))
     assert b.batch_exists(page_keys(tokens, 4, extra_key="tenant-1")) == 0
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_the_prefix_caches_of_two_engines_share_a_prefix_through_the_store(engines, layout):
+    now = StoragePolicy(prefetch_threshold=0, background=False)
+    first = Engine("paged", 4, pages=16, host_policy="write_through", layout=layout, storage=engines[0], storage_policy=now)
+    engines[0].clear()
+    prompt = seq(13, 500)
+    first.finish(first.admit(prompt))
+    assert first.cache.storage_tier.stats.pages_written == 3
+    second = Engine("paged", 4, pages=16, host_policy="write_through", layout=layout, storage=engines[1], storage_policy=now)
+    second.ids = first.ids  # the same KV patterns, so the second engine checks the bytes of the first's pages
+    req = second.admit(prompt)  # prefetch from the store, host, device: every loaded slot's bytes checked
+    assert second.from_storage == 12 and second.loaded == 12 and req.cache_protected_len == 12
+    second.cache.check_integrity(second.running.values())
+    second.finish(req)
+    second.drain()
+    other = second.admit(seq(13, 500), extra="tenant-b")  # another extra_key: nothing from the store
+    assert second.from_storage == 12
+    second.finish(other)
+    second.drain()
+    first.drain()
 
 
 # --- presence and misses ---------------------------------------------------------------------------
