@@ -239,6 +239,34 @@ def test_a_full_store_fails_the_write_and_a_batch_keeps_nothing_after_the_failur
     a.clear()
 
 
+class FailingOnePut:
+    """A Mooncake client whose batched put reports the given entry as failed (the others as the real
+    client says), everything else passed through."""
+
+    def __init__(self, real, failing: int) -> None:
+        self.real, self.failing = real, failing
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes):
+        codes = self.real.batch_put_from_multi_buffers(keys, ptrs, sizes)
+        return [-200 if i == self.failing else c for i, c in enumerate(codes)]
+
+
+def test_a_batch_set_leaves_nothing_stored_after_its_failed_page(engines, monkeypatch):
+    a, b = engines
+    a.clear()
+    keys = ["first", "second", "third"]
+    values = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
+    monkeypatch.setattr(a, "store", FailingOnePut(a.store, failing=1))
+    assert a.batch_set(keys, values) is False
+    monkeypatch.undo()
+    assert [b.exists(k) for k in keys][::2] == [True, False]  # the third, sent beside the failure, removed
+    assert torch.equal(b.get("first"), values[0])
+    a.clear()
+
+
 def test_clear_drops_only_its_own_namespace(engines):
     host_a, host_b = make_host(make_device_pool(), "layer_first"), make_host(make_device_pool(head_num=2), "layer_first")
     a, b = over(engines[0], host_a), over(engines[1], host_b)

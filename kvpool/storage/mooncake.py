@@ -253,20 +253,22 @@ class MooncakeStore(HiCacheStorage):
                 sizes.append([len(h)] + [n for _, n in regions[i]])
                 at += len(h)
             codes = self.store.batch_put_from_multi_buffers([skeys[i] for i in todo], ptrs, sizes)
-        failed = [i for i, c in zip(todo, codes) if c != 0]
+        code_of = dict(zip(todo, codes))
+        failed = [i for i in todo if code_of[i] != 0]
+        end = len(keys)  # the entries this call answers for
         if failed:
-            self._failed(min(c for c in codes if c != 0), "batch_put_from_multi_buffers")
-        later = [i for i, c in zip(todo, codes) if c == 0 and failed and i > failed[0]] if stop_at_failure else []
-        if later:
-            self.store.batch_remove([skeys[i] for i in later], True)
-        stored = [(i, h) for i, h, c in zip(todo, heads, codes) if c == 0 and i not in later]
+            self._failed(code_of[failed[0]], "batch_put_from_multi_buffers")
+            if stop_at_failure:
+                end = failed[0] + 1
+                later = [i for i in todo if i >= end and code_of[i] == 0]
+                if later:  # stored beside the failure in the same batch: not left stored
+                    self.store.batch_remove([skeys[i] for i in later], True)
+        stored = [(i, h) for i, h in zip(todo, heads) if code_of[i] == 0 and i < end]
         for i, _ in stored:
             done[i] = True
-        if stop_at_failure and failed:
-            done[failed[0] + 1 :] = [False] * (len(keys) - failed[0] - 1)
+        done[end:] = [False] * (len(keys) - end)
         self._count(pages=len(stored), bytes=sum(len(h) + sum(n for _, n in regions[i]) for i, h in stored))
-        attempted = len(keys) if not (stop_at_failure and failed) else failed[0] + 1
-        self._count(writes=sum(done), write_failures=attempted - sum(done[:attempted]))
+        self._count(writes=sum(done), write_failures=sum(1 for i in failed if i < end))
         return done
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
