@@ -378,7 +378,8 @@ def own_connections() -> list[tuple[str, str]]:
     return [(la, ra) for la, _, ra, _, state, inode in tcp_sockets() if state == "01" and inode in inodes]
 
 
-LOOPBACK = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, and as IPv4-mapped IPv6
+# 127.0.0.1, the same as an IPv4-mapped IPv6 address, and ::1, as /proc/net/tcp and tcp6 write them
+LOOPBACK = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
 
 
 def test_the_master_rpc_and_metrics_servers_listen_on_loopback_only(master):
