@@ -17,8 +17,9 @@ import time
 
 import pytest
 import torch
-from kvassert import HOST_LAYOUTS, Engine, host_page_bytes, make_device_pool, make_host, seq
+from kvassert import HOST_LAYOUTS, Engine, fill_random_, host_page_bytes, make_device_pool, make_host, make_mla_pool, seq
 
+from kvpool import MLATokenToKVPoolHost
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.storage import HiCacheStorageConfig, page_keys
 from kvpool.storage.keys import storage_name
@@ -113,6 +114,21 @@ def test_an_engine_reads_the_pages_another_engine_stored(engines, layout):
     assert a.batch_set_v1(keys, src) == [True, True, True]
     assert counted(a, sa, "writes", "write_failures") == (6, 0) and a.get_stats().pages == 3
     assert counted(b, sb, "hits", "misses", "corrupt") == (4, 0, 0)
+
+
+def test_mla_host_pages_round_trip_between_engines(engines):
+    def mla_host(seed: int) -> MLATokenToKVPoolHost:
+        host = MLATokenToKVPoolHost(make_mla_pool(torch.float8_e4m3fn, page_size=4), 2.0, 0, 4, "layer_first")
+        fill_random_([host.k_buffer, host.v_buffer], seed)
+        return host
+
+    host_a, host_b = mla_host(1), mla_host(2)
+    a, b = over(engines[0], host_a), over(engines[1], host_b)
+    keys = page_keys(list(range(8)), 4)
+    src, dst = host_a.alloc(8), host_b.alloc(8)
+    assert a.batch_set_v1(keys, src) == [True, True] and b.batch_get_v1(keys, dst) == [True, True]
+    for i in (0, 4):
+        assert torch.equal(host_page_bytes(host_b, int(dst[i])), host_page_bytes(host_a, int(src[i])))
 
 
 def test_another_extra_key_or_geometry_is_another_page(engines):
