@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kvassert import HOST_LAYOUTS, Engine, fill_random_, host_page_bytes, make_device_pool, make_host, make_mla_pool, seq
 
-from kvpool import MLATokenToKVPoolHost
+from kvpool import CacheInitParams, HiRadixCache, MHATokenToKVPool, MLATokenToKVPoolHost, PagedTokenToKVPoolAllocator
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.storage import HiCacheStorageConfig, page_keys
 from kvpool.storage.keys import storage_name
@@ -355,6 +356,25 @@ def test_sglang_construction_with_extra_config_and_the_host_pool(master):
     with pytest.raises(RuntimeError, match="closed"):
         store.exists(keys[0])
     store.close()  # a second close does nothing
+
+
+def test_hiradix_cache_from_sglangs_server_args_names_the_mooncake_store(master):
+    pool = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")
+    alloc = PagedTokenToKVPoolAllocator(64, 4, kvcache=pool)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4)
+    extra = dict(master_server_address=master.master_server_address, metadata_server=master.metadata_server,
+                 global_segment_size=16 << 20, local_buffer_size=16 << 20, prefetch_threshold=0)  # fmt: skip
+    args = SimpleNamespace(hicache_ratio=1.5, hicache_size=0, hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+                           hicache_io_backend="direct", hicache_storage_backend="mooncake", hicache_storage_prefetch_policy="best_effort",
+                           hicache_storage_backend_extra_config=extra, model_path="org/model")  # fmt: skip
+    cache = HiRadixCache(params, args)
+    store = cache.storage_tier.storage
+    try:
+        assert isinstance(store, MooncakeStore) and store.mem_pool_host is cache.token_to_kv_pool_host
+        assert store.storage_config.model_name == "org/model" and store.config.global_segment_size == 16 << 20
+        assert cache.storage_tier.policy.prefetch_threshold == 0
+    finally:
+        store.close()
 
 
 # --- the master -----------------------------------------------------------------------------------

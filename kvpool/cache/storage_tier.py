@@ -41,6 +41,7 @@ from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig
 from kvpool.storage.file import HiCacheFile
 from kvpool.storage.keys import page_keys
+from kvpool.storage.mooncake import MooncakeStore
 
 #: When a prefetch lets its request go on (SGLang's ``hicache_storage_prefetch_policy``).
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -168,12 +169,16 @@ def _extra_config(server_args: Any) -> dict:
 
 
 def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict) -> HiCacheStorage:
-    if name != "file":
-        raise ValueError(f"hicache_storage_backend must be 'file' or None (pass other backends as storage=), got {name!r}")
+    if name not in ("file", "mooncake"):
+        raise ValueError(
+            f"hicache_storage_backend must be 'file', 'mooncake' or None (pass other backends as storage=), got {name!r}"
+        )
     config = HiCacheStorageConfig(
         model_name=getattr(server_args, "model_path", None), is_mla_model=isinstance(host_pool.device_pool, MLATokenToKVPool),
         is_page_first_layout=host_pool.layout == "page_first", extra_config=extra,
     )  # fmt: skip
+    if name == "mooncake":  # its connection settings are the extra config's MooncakeConfig keys
+        return MooncakeStore(config)
     kwargs = {"max_bytes": extra["max_bytes"]} if "max_bytes" in extra else {}
     return HiCacheFile(config, extra.get("file_path"), **kwargs)
 
