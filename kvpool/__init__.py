@@ -19,6 +19,7 @@ from kvpool.kernels import (
     reference_set_kv_buffer,
 )
 from kvpool.host import HybridPoolHost, LayerTransferCounter, MambaPoolHost, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import SWAKVPoolHost
 # Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
 # kvpool.kernels.copy_rows stays the module.
 from kvpool.kernels.copy_rows import RowTable, copy_rows
@@ -90,6 +91,7 @@ __all__ = [
     "ReqToTokenPool",
     "RowTable",
     "SWAKVPool",
+    "SWAKVPoolHost",
     "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",
