@@ -53,6 +53,7 @@ from kvpool.pools import (
     plan_swa_pools,
 )
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
+from kvpool.transfer import SWAKVReceiver, SWAKVSender, SWAKVTransfer
 
 __version__ = "0.1.0"
 
@@ -92,6 +93,9 @@ __all__ = [
     "RowTable",
     "SWAKVPool",
     "SWAKVPoolHost",
+    "SWAKVReceiver",
+    "SWAKVSender",
+    "SWAKVTransfer",
     "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",
