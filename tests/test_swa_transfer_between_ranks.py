@@ -109,10 +109,12 @@ def run_rank(rank: int, port: int, out: str) -> None:
             before = part_bytes(pool)
             error = None
             try:
+                loc, swa_loc = (case.send_loc, case.send_swa) if rank == 0 else (case.recv_loc, case.recv_swa)
+                swa_loc = None if swa_loc is None else torch.tensor(swa_loc)
                 if rank == 0:
-                    handle = SWAKVSender(pool).send(torch.tensor(case.send_loc), 1, None if case.send_swa is None else torch.tensor(case.send_swa))
+                    handle = SWAKVSender(pool).send(torch.tensor(loc), 1, swa_loc)
                 else:
-                    handle = SWAKVReceiver(pool).recv(torch.tensor(case.recv_loc), 0, None if case.recv_swa is None else torch.tensor(case.recv_swa))
+                    handle = SWAKVReceiver(pool).recv(torch.tensor(loc), 0, swa_loc)
                 handle.wait()
                 assert handle.is_completed() and handle.tokens == len(case.send_loc)
             except (ValueError, IndexError, TypeError) as e:

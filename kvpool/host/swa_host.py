@@ -100,8 +100,11 @@ class SWAKVPoolHost:
         self.swa_host = MHATokenToKVPoolHost(swa, host_to_device_ratio, swa_gb, page_size, layout, pin_memory,
                                              device, **options)  # fmt: skip
         f = self.full_host
-        self.size, self.page_size, self.layout, self.device, self.validate = f.size, f.page_size, f.layout, f.device, f.validate
-        self.layer_transfer_counter = SWALayerTransferCounters(f.layer_transfer_counter, self.swa_host.layer_transfer_counter)
+        self.size, self.page_size, self.layout, self.device = f.size, f.page_size, f.layout, f.device
+        self.validate = f.validate
+        self.layer_transfer_counter = SWALayerTransferCounters(
+            f.layer_transfer_counter, self.swa_host.layer_transfer_counter
+        )
         self._no_rows = torch.empty(0, dtype=torch.int64)
         self._no_device_rows = torch.empty(0, dtype=torch.int64, device=device_pool.device)
         self.clear()
@@ -276,7 +279,8 @@ class SWAKVPoolHost:
     ) -> None:  # fmt: skip
         mapping = self._mapping(device_pool, io_backend)
         full_layer = None if layer is None or layer[1] else layer[0]
-        t_full = self.full_host.check_load(device_pool.full_kv_pool, host_indices, device_indices, io_backend, full_layer)
+        full = device_pool.full_kv_pool
+        t_full = self.full_host.check_load(full, host_indices, device_indices, io_backend, full_layer)
         if t_full is None:
             return
         t_swa = None

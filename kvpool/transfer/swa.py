@@ -103,7 +103,8 @@ class _SWAEndpoint:
         rank = check_peer(peer, self.group, "dst" if self._role == SENDER else "src")
         check_backend(self.group, self.pool.device)
         sender, receiver = (rank, peer) if self._role == SENDER else (peer, rank)
-        where, role = f"kvpool transfer rank {sender} -> rank {receiver}", "sender" if self._role == SENDER else "receiver"
+        where = f"kvpool transfer rank {sender} -> rank {receiver}"
+        role = "sender" if self._role == SENDER else "receiver"
         swa = self.pool.swa_kv_pool
         loc_host, problem = check_slots(loc, self.pool.full_kv_pool.rows, where, role)
         swa_host = None
@@ -128,8 +129,10 @@ class _SWAEndpoint:
             where_, _, what = verdict.message.partition(": ")  # "kvpool transfer rank a -> rank b: ..."
             raise verdict.error(f"{where_}, sliding-window part: {what}")
         if self._role == SENDER:
-            return SWAKVTransfer(self.full.send(loc_host, peer), self.swa.send(swa_host, peer))  # type: ignore[attr-defined]
-        return SWAKVTransfer(self.full.recv(loc_host, peer), self.swa.recv(swa_host, peer))  # type: ignore[attr-defined]
+            full_done = self.full.send(loc_host, peer)  # type: ignore[attr-defined]
+            return SWAKVTransfer(full_done, self.swa.send(swa_host, peer))  # type: ignore[attr-defined]
+        full_done = self.full.recv(loc_host, peer)  # type: ignore[attr-defined]
+        return SWAKVTransfer(full_done, self.swa.recv(swa_host, peer))  # type: ignore[attr-defined]
 
 
 class SWAKVSender(_SWAEndpoint):
