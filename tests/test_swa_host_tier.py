@@ -164,31 +164,35 @@ def test_padding_keeps_host_rows_and_writes_nothing():
 # --- per-layer loads and the counter --------------------------------------------------------------
 
 
-def test_per_layer_loads_move_one_layer_of_its_part_with_the_counter_registered():
-    pool = registered("cpu", OLD, torch.bfloat16)
+def test_per_layer_loads_move_one_layer_of_its_part_with_the_counter_registered(device):
+    pool = registered(device, OLD, torch.bfloat16)
     host = SWAKVPoolHost(pool, 2.0, 0, 1, "page_first")
     pool.register_layer_transfer_counter(host.layer_transfer_counter)
     assert pool.full_kv_pool.layer_transfer_counter is host.full_host.layer_transfer_counter
     assert pool.swa_kv_pool.layer_transfer_counter is host.swa_host.layer_transfer_counter
     h = host.alloc(3)
-    host.backup_from_device_all_layer(pool, h, T([1, 3, 5]))
-    pool.register_mapping(swa_mapping(FULL_ROWS, NEW, "cpu"))
+    host.backup_from_device_all_layer(pool, h, T([1, 3, 5], device))
+    settle(host, device)
+    pool.register_mapping(swa_mapping(FULL_ROWS, NEW, device))
     full0, swa0 = part_bytes(pool, "full"), part_bytes(pool, "swa")
-    new = T([10, 11, 12])
+    new = T([10, 11, 12], device)
     full_pairs, swa_pairs = [(10, 1), (11, 3), (12, 5)], [(NEW[10], OLD[1]), (NEW[12], OLD[5])]
     host.load_to_device_per_layer(pool, h, new, SWA_LAYERS[1])  # global 2: dense SWA layer 1
+    settle(host, device)
     swa = [b.clone() for b in swa0]
     for buf in (1, 1 + len(SWA_LAYERS)):  # its K and V buffers
         swa[buf] = moved([swa0[buf]], swa_pairs)[0]
     assert_part(pool, "swa", swa, "one SWA layer")
     assert_part(pool, "full", full0, "no full layer")
     host.load_to_device_per_layer(pool, h, new, FULL_LAYERS[0])  # global 1: dense full layer 0
+    settle(host, device)
     full = [b.clone() for b in full0]
     for buf in (0, len(FULL_LAYERS)):
         full[buf] = moved([full0[buf]], full_pairs)[0]
     assert_part(pool, "full", full, "one full layer")
     host.load_to_device_all_layer(pool, h, new, background=True)
     host.wait_for_loads()
+    settle(host, device)
     assert [pool.get_key_buffer(g).shape[0] for g in (0, 1)] == [13, 25]  # getters pass the counters' waits
     assert_part(pool, "full", moved(full0, full_pairs), "every full layer")
     assert_part(pool, "swa", moved(swa0, swa_pairs), "every SWA layer")

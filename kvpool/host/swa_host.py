@@ -163,17 +163,19 @@ class SWAKVPoolHost:
 
     def _mapping(self, device_pool: object, io_backend: str) -> torch.Tensor:
         """The checks of a transfer's device pool and backend that involve the SWA part; the mapping."""
-        if not isinstance(device_pool, SWAKVPool):
-            raise TypeError(f"device_pool must be an SWAKVPool, got {type(device_pool).__name__}")
-        if device_pool.layers_mapping != self.device_pool.layers_mapping:
-            raise ValueError("device_pool must have the sliding-window and full-attention layer ids of the pool "
-                             "this host pool was built for")  # fmt: skip
+        if device_pool is not self.device_pool:  # (the pool built for passes these checks by construction)
+            if not isinstance(device_pool, SWAKVPool):
+                raise TypeError(f"device_pool must be an SWAKVPool, got {type(device_pool).__name__}")
+            if device_pool.layers_mapping != self.device_pool.layers_mapping:
+                raise ValueError("device_pool must have the sliding-window and full-attention layer ids of the "
+                                 "pool this host pool was built for")  # fmt: skip
+            # The SWA part's geometry, on an empty transfer (it copies nothing); the backend and the
+            # pinning are the full part's, checked by its own transfer.
+            self.swa_host.check_backup(device_pool.swa_kv_pool, self._no_rows, self._no_device_rows, io_backend)
         mapping = device_pool.full_to_swa_index_mapping
         if mapping is None:
             raise ValueError("device_pool needs its full-to-SWA mapping: call register_mapping first "
                              "(SWATokenToKVPoolAllocator does when given the pool as kvcache)")  # fmt: skip
-        # The SWA part's geometry, backend and pinning, on an empty transfer (it copies nothing).
-        self.swa_host.check_backup(device_pool.swa_kv_pool, self._no_rows, self._no_device_rows, io_backend)
         return mapping
 
     # --- transfers ------------------------------------------------------------------------------------
