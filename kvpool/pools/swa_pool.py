@@ -83,6 +83,7 @@ class SWAKVPool:
     full_kv_pool, swa_kv_pool : the two pools.
     layers_mapping : dict, global id -> (dense id, is a SWA layer).
     full_to_swa_index_mapping : the registered mapping, or None.
+    layer_transfer_counter : the registered ``SWALayerTransferCounters`` (a host tier's), or None.
 
     Examples
     --------
