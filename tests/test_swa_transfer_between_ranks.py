@@ -1,4 +1,5 @@
-"""KV transfer of an SWAKVPool between two ranks on CPU pools over gloo: the full rows of ``loc`` land
+"""KV transfer of an SWAKVPool between two ranks (CPU pools over gloo; two GPUs over NCCL, where the
+direct path may run): the full rows of ``loc`` land
 in the receiver's ``loc``, the SWA rows of the sender's translated slots in the receiver's translated
 slots (or in the SWA slots both name), byte for byte, nothing else changed; a transfer either part
 refuses raises the same error on both ranks with nothing moved, and the pair stays in step.
@@ -14,10 +15,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from kvassert import FULL_LAYERS, SWA_LAYERS, fill_random_, swa_mapping
+from kvassert import FULL_LAYERS, SWA_LAYERS, swa_mapping
 from transfer_ranks import free_port, spawn
 
 SENDER_MAP = {1: 7, 2: 11, 5: 1, 9: 4}  # full slot 3 has no SWA part
@@ -60,20 +62,24 @@ CASES = [
 ]
 
 
-def make_pool(case: SWACase, rank: int, salt: int):
+def make_pool(case: SWACase, rank: int, salt: int, device: str):
+    """Rank ``rank``'s pool in ``case``, its bytes drawn on the CPU from ``salt`` (so any rank can
+    rebuild any other's, whatever its device)."""
     from kvpool import SWAKVPool
 
     kw = dict(case.receiver) if rank == 1 else {}
     swa, full = kw.pop("swa", SWA_LAYERS), kw.pop("full", FULL_LAYERS)
-    pool = SWAKVPool(24, 12, 1, DTYPES[case.dtype], 3, 16, swa, full, False, "cpu", v_head_dim=8, warmup=False, **kw)
-    fill_random_([b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in p.k_buffer + p.v_buffer], seed=salt)
+    pool = SWAKVPool(24, 12, 1, DTYPES[case.dtype], 3, 16, swa, full, False, device, v_head_dim=8, warmup=False, **kw)
+    g = torch.Generator().manual_seed(salt)
+    for b in (b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in p.k_buffer + p.v_buffer):
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
     if case.mapped[rank]:
-        pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, SENDER_MAP if rank == 0 else RECEIVER_MAP, "cpu"))
+        pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, SENDER_MAP if rank == 0 else RECEIVER_MAP, device))
     return pool
 
 
 def part_bytes(pool) -> dict[str, list[torch.Tensor]]:
-    return {part: [b.view(torch.uint8).clone() for b in p.k_buffer + p.v_buffer]
+    return {part: [b.view(torch.uint8).cpu().clone() for b in p.k_buffer + p.v_buffer]
             for part, p in (("full", pool.full_kv_pool), ("swa", pool.swa_kv_pool))}  # fmt: skip
 
 
@@ -96,16 +102,22 @@ def expected_receiver(case: SWACase, sender: dict, receiver: dict) -> tuple[dict
     return out, loose
 
 
-def run_rank(rank: int, port: int, out: str) -> None:
+def run_rank(rank: int, port: int, out: str, backend: str) -> None:
     torch.set_num_threads(1)
     from kvpool import SWAKVReceiver, SWAKVSender
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=30))  # fmt: skip
+    device, kwargs = "cpu", {}
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30), **kwargs)  # fmt: skip
     outcomes = {}
     for idx, case in enumerate(CASES):
         try:
-            pool = make_pool(case, rank, salt=100 * idx + rank)
+            pool = make_pool(case, rank, 100 * idx + rank, device)
             before = part_bytes(pool)
             error = None
             try:
@@ -116,6 +128,8 @@ def run_rank(rank: int, port: int, out: str) -> None:
                 else:
                     handle = SWAKVReceiver(pool).recv(torch.tensor(loc), 0, swa_loc)
                 handle.wait()
+                if device != "cpu":
+                    torch.cuda.synchronize()
                 assert handle.is_completed() and handle.tokens == len(case.send_loc)
             except (ValueError, IndexError, TypeError) as e:
                 error = e
@@ -123,7 +137,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
             if rank == 0 or error is not None:
                 expected, loose = before, set()  # a sender is only read; a refusal moves nothing
             else:
-                sender = part_bytes(make_pool(case, 0, salt=100 * idx))
+                sender = part_bytes(make_pool(case, 0, 100 * idx, device))
                 expected, loose = expected_receiver(case, sender, before)
             for part in ("full", "swa"):
                 for i, (a, e) in enumerate(zip(after[part], expected[part])):
@@ -137,9 +151,13 @@ def run_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_swa_pools_move_both_parts_between_two_ranks(tmp_path):
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, two_gpus])])
+def test_swa_pools_move_both_parts_between_two_ranks(tmp_path, backend):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    spawn(run_rank, 2, (free_port(), str(tmp_path)), timeout=180)
+    spawn(run_rank, 2, (free_port(), str(tmp_path), backend), timeout=180)
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     for case in CASES:
         got = [r[case.name] for r in ranks]
