@@ -13,6 +13,7 @@ from kvassert import FULL_LAYERS, SWA_LAYERS, assert_same_bytes, make_swa_pool, 
 from kvassert import slots_of as T
 from kvassert import state_device  # noqa: F401 (a fixture)
 from kvpool import SWAKVPool, SWAKVPoolHost
+from kvpool.kernels.copy_rows import launcher as copy_rows_launcher
 from kvpool.pools.swa_pool import SWALayerTransferCounters
 
 META = torch.device("meta")
@@ -190,7 +191,10 @@ def test_per_layer_loads_move_one_layer_of_its_part_with_the_counter_registered(
     for buf in (0, len(FULL_LAYERS)):
         full[buf] = moved([full0[buf]], full_pairs)[0]
     assert_part(pool, "full", full, "one full layer")
-    host.load_to_device_all_layer(pool, h, new, background=True)
+    # Each part's worker copies on a CPU pool: two workers running Triton's interpreter at once trip
+    # over its global state (compiled kernels and torch copies do not), so interpreted runs queue in
+    # the call.
+    host.load_to_device_all_layer(pool, h, new, background=not copy_rows_launcher.kernel_on_cpu)
     host.wait_for_loads()
     settle(host, device)
     assert [pool.get_key_buffer(g).shape[0] for g in (0, 1)] == [13, 25]  # getters pass the counters' waits
