@@ -145,6 +145,68 @@ def test_a_second_backup_gives_back_the_swa_page_it_no_longer_needs():
     assert not host.has_swa_rows(h).any()
 
 
+def as_on_a_gpu(host: SWAKVPoolHost) -> SWAKVPoolHost:
+    """A CPU host pool that backs up as on a GPU without validate: without reading the mapping first."""
+    host._exact_backup = False
+    return host
+
+
+def test_a_backup_that_does_not_wait_keeps_the_right_rows_and_gives_back_unneeded_pages():
+    pool = registered("cpu", OLD)
+    host = as_on_a_gpu(SWAKVPoolHost(pool, 2.0, 0, 1, "layer_first"))
+    h = host.alloc(6)
+    old = [1, 3, 5, 9, 20, 17]
+    full0, swa0 = part_bytes(pool, "full"), part_bytes(pool, "swa")
+    host.backup_from_device_all_layer(pool, h, T(old))
+    assert host.swa_available_size() == host.swa_host.size - 6  # an SWA page for every page, for now
+    pool.register_mapping(swa_mapping(FULL_ROWS, NEW, "cpu"))
+    new = [10, 11, 12, 13, 14, 15]
+    host.load_to_device_all_layer(pool, h, T(new))  # before the host learns which pages needed one
+    assert_part(pool, "full", moved(full0, list(zip(new, old))), "full rows")
+    swa_pairs = [(NEW[n], OLD[o]) for n, o in zip(new, old) if o in OLD]
+    assert_part(pool, "swa", moved(swa0, swa_pairs), "SWA rows only where the device record says so")
+    assert host.has_swa_rows(h).tolist() == [True, False, True, True, False, True]
+    assert host.swa_available_size() == host.swa_host.size - 4  # slots 3 and 20 gave theirs back
+
+    # 18 more pages parked from slots without an SWA part take the rest of the SWA part, for now;
+    # a backup that needs two more pages first learns that those 18 needed none.
+    rest = host.alloc(18)
+    host.backup_from_device_all_layer(pool, rest, T([3] * 18))
+    assert host.swa_available_size() == 2
+    more = host.alloc(4)
+    pool.register_mapping(swa_mapping(FULL_ROWS, OLD, "cpu"))
+    host.backup_from_device_all_layer(pool, more, T([1, 2, 3, 5]))
+    assert host.swa_available_size() == host.swa_host.size - 4 - 4
+    assert host.has_swa_rows(more).tolist() == [True, True, False, True] and not host.has_swa_rows(rest).any()
+    assert host.swa_available_size() == host.swa_host.size - 4 - 3
+    # A page backed up again before its record is read keeps the newer record.
+    host.backup_from_device_all_layer(pool, more[:2], T([3, 3]))
+    host.backup_from_device_all_layer(pool, more[:2], T([1, 3]))
+    assert host.has_swa_rows(more).tolist() == [True, False, False, True]
+    pool.register_mapping(swa_mapping(FULL_ROWS, {16: 9}, "cpu"))  # SWA row 9: not yet written by this test
+    swa0 = part_bytes(pool, "swa")
+    host.load_to_device_all_layer(pool, more[:1], T([16]))
+    assert_part(pool, "swa", moved(swa0, [(9, OLD[1])]), "the newer backup's SWA row")
+    assert host.free(more) == 4 and host.free(rest) == 18 and host.free(h) == 6
+    assert host.swa_available_size() == host.swa_host.size
+    # A page freed before its record is read: the record is dropped, the page holds no SWA rows.
+    x = host.alloc(1)
+    host.backup_from_device_all_layer(pool, x, T([16]))  # mapped to SWA slot 9 now
+    assert host.free(x) == 1 and not host.has_swa_rows(x).any()
+    assert host.swa_available_size() == host.swa_host.size
+
+
+def test_a_backup_that_does_not_wait_still_refuses_when_the_swa_part_is_full():
+    pool = registered("cpu", OLD)
+    host = as_on_a_gpu(SWAKVPoolHost(pool, 2.0, 0, 1, "layer_first"))
+    host.backup_from_device_all_layer(pool, host.alloc(22), T([1] * 22))  # 22 of 24 SWA pages held for good
+    h = host.alloc(3)
+    before = host_state(host)
+    with pytest.raises(ValueError, match="sliding-window part has 2 free pages, this backup needs 3"):
+        host.backup_from_device_all_layer(pool, h, T([1, 2, 5]))
+    assert_host_state(host, before, "nothing changed")
+
+
 def test_padding_keeps_host_rows_and_writes_nothing():
     pool = registered("cpu", OLD)
     host = SWAKVPoolHost(pool, 2.0, 0, 1, "layer_first")

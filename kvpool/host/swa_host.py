@@ -5,15 +5,18 @@ Two host pools of the host tier's own kind, one per part: ``full_host`` over the
 layers, ``swa_host`` over the sliding-window layers, with the host memory split between them as the
 device parts split theirs. Callers hold host full slots only, as they hold device full slots only:
 this object keeps, per host page of the full part, the host page of the SWA part that holds its
-sliding-window rows (if any) and which of its slots hold one. A backup learns which device slots have
-an SWA part from the pool's full-to-SWA mapping; a load writes the SWA rows to the SWA slots the
-mapping gives the new full slots. Every call checks both parts before either copies anything.
+sliding-window rows (if any) and which of its slots hold one. Which device slots have an SWA part
+the full-to-SWA mapping says, on the device: on a GPU a backup does not wait to read it, but gives
+every page it parks an SWA page, records on the device which slots hold SWA rows (a load reads that
+record there), and gives back the pages that needed none once a later call finds the record has
+reached the host. A load writes the SWA rows to the SWA slots the mapping gives the new full slots.
+Every call checks both parts before either copies anything.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -26,6 +29,17 @@ from kvpool.host.schedule import Transfer
 from kvpool.pools.swa_pool import SWAKVPool, SWALayerTransferCounters, translate_slots
 
 _CPU = torch.device("cpu")
+
+
+class _Unknown(NamedTuple):
+    """A backup whose SWA parts are on their way to the host: its pages, their slots and backup
+    numbers then, and which entries have an SWA part (landed once ``event`` has; None on a CPU)."""
+
+    pages: np.ndarray
+    slots: np.ndarray
+    seqs: np.ndarray
+    flags: torch.Tensor
+    event: Optional[torch.cuda.Event]
 
 
 def part_bytes(part) -> int:
@@ -105,6 +119,9 @@ class SWAKVPoolHost:
         self.layer_transfer_counter = SWALayerTransferCounters(
             f.layer_transfer_counter, self.swa_host.layer_transfer_counter
         )
+        # Read which slots have an SWA part before a backup where that is free (a CPU pool) or
+        # checked anyway (validate); on a GPU learn it afterwards instead of waiting for the device.
+        self._exact_backup = device_pool.device.type == "cpu" or self.validate
         self._no_rows = torch.empty(0, dtype=torch.int64)
         self._no_device_rows = torch.empty(0, dtype=torch.int64, device=device_pool.device)
         self.clear()
@@ -121,13 +138,20 @@ class SWAKVPoolHost:
         self._has_swa = np.zeros(self.size, dtype=bool)
         self._generation = 0
         self._last_load: Optional[tuple] = None
+        # The same per-slot record on the device (what loads read), each page's backup number (a
+        # record that lands after a newer backup or a free of its page is dropped), and the backups
+        # whose record has not reached the host yet.
+        self._has_dev = torch.zeros(self.size, dtype=torch.bool, device=self.device_pool.device)
+        self._page_seq = np.zeros(self.full_host.page_num, dtype=np.int64)
+        self._unknown: list[_Unknown] = []
 
     def available_size(self) -> int:
         """Free host full slots (a multiple of ``page_size``)."""
         return self.full_host.available_size()
 
     def swa_available_size(self) -> int:
-        """Free slots of the SWA part (a backup takes a page of them per full page with SWA rows)."""
+        """Free slots of the SWA part. A backup takes a page of them per full page with SWA rows; on a
+        GPU, per full page it parks, until a later call learns which pages needed none."""
         return self.swa_host.available_size()
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -140,17 +164,43 @@ class SWAKVPoolHost:
         ``MHATokenToKVPoolHost.free``, before anything changes."""
         n = self.full_host.free(indices)  # checks everything first
         slots = indices.numpy().astype(np.int64)
-        self._release(slots[:: self.page_size] // self.page_size)
+        pages = slots[:: self.page_size] // self.page_size
+        self._release(pages)
+        self._page_seq[pages] += 1
         self._has_swa[slots] = False
         self._generation += 1
+        self._learn(wait=False)
         return n
 
     def has_swa_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
         """Which of ``host_indices`` (host full slots, an int32/int64 CPU tensor) hold sliding-window
-        rows: a bool CPU tensor of the same length."""
+        rows: a bool CPU tensor of the same length. On a GPU it first waits (host) for what earlier
+        backups read of the mapping to arrive."""
         check_index(host_indices, "host_indices", dtypes=INDEX_DTYPES, ndim=1, device=_CPU, where="cpu (host slots)")
         check_in_range([(host_indices, self.size, "host_indices")], what="host slots", negative_ok=False)
+        self._learn(wait=True)
         return torch.from_numpy(self._has_swa[host_indices.numpy()])
+
+    def _learn(self, wait: bool) -> None:
+        """Apply the records of earlier backups that have reached the host (``wait``: all of them,
+        waiting for each): which of their slots hold SWA rows, and their SWA pages back where a page
+        needed none. A record of a page backed up again or freed since is dropped."""
+        left: list[_Unknown] = []
+        for u in self._unknown:
+            if u.event is not None and not u.event.query():
+                if not wait:
+                    left.append(u)
+                    continue
+                u.event.synchronize()
+            current = self._page_seq[u.pages] == u.seqs
+            has = u.flags.numpy()
+            entries = np.repeat(current, self.page_size)
+            self._has_swa[u.slots[entries]] = has[entries]
+            idle = current & ~has.reshape(-1, self.page_size).any(axis=1)
+            if idle.any():
+                self._release(u.pages[idle])
+                self._generation += 1
+        self._unknown = left
 
     def _release(self, pages: np.ndarray) -> None:
         held = self._swa_page[pages]
@@ -192,10 +242,13 @@ class SWAKVPoolHost:
 
         Arguments and their checks are ``MHATokenToKVPoolHost.backup_from_device_all_layer``'s; a
         host page that held SWA rows from an earlier backup keeps its SWA page if it needs one again
-        and gives it back otherwise. Which device slots have an SWA part is read from the mapping on
-        the device: on CUDA that read waits for the work queued so far (one synchronisation). On
-        CUDA returns an event that completes once both parts' rows have been read; None on a CPU
-        pool (done on return).
+        and gives it back otherwise. Which device slots have an SWA part the mapping says on the
+        device. On CUDA (without ``validate``) the backup does not wait for it: it gives every page
+        an SWA page and decides on the device which rows to keep; the pages that needed none go
+        back once a later call (a backup, ``free``, ``has_swa_rows``) finds that record on the host,
+        and a backup short of SWA pages waits for the earlier records, then, still short, for its
+        own (one synchronisation). On CUDA returns an event that completes once both parts' rows
+        have been read; None on a CPU pool (done on return).
 
         Raises
         ------
@@ -208,8 +261,31 @@ class SWAKVPoolHost:
         t_full = self.full_host.check_backup(device_pool.full_kv_pool, host_indices, device_indices, io_backend)
         if t_full is None:
             return None
+        self._learn(wait=False)
+        parts = None
+        if not self._exact_backup:
+            for wait in (False, True):  # room for an SWA page per page, if need be once earlier ones are known
+                if wait:
+                    self._learn(wait=True)
+                if int((self._swa_page[t_full.pages] < 0).sum()) * self.page_size <= self.swa_host.available_size():
+                    parts = self._park_unknown(device_pool, mapping, t_full, device_indices)
+                    break
+        if parts is None:  # a CPU pool, validate, or an SWA part too full to guess: read the mapping now
+            parts = self._park_known(device_pool, mapping, t_full, device_indices)
+        t_swa = self.swa_host.check_backup(device_pool.swa_kv_pool, parts[0], parts[1], io_backend)
+        swa_event = self.swa_host.run_backup(t_swa, io_backend)
+        if swa_event is not None:  # the returned event covers both parts
+            self.full_host.backup_stream.wait_event(swa_event)  # type: ignore[union-attr]
+        return self.full_host.run_backup(t_full, io_backend)
+
+    def _park_known(
+        self, device_pool: SWAKVPool, mapping: torch.Tensor, t_full: Transfer, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A backup's SWA part, which slots have one read from the mapping first (on a GPU, a
+        synchronisation): an SWA page for each page with SWA rows, given back by pages that need
+        none now. Returns (host SWA slots, device SWA slots); raises before any bookkeeping changes."""
         ps = self.page_size
-        swa = translate_slots(mapping, device_indices).cpu().numpy()  # the synchronisation on CUDA
+        swa = translate_slots(mapping, device_indices).cpu().numpy()
         rows = device_pool.swa_kv_pool.rows
         bad = np.flatnonzero(swa >= rows)
         if bad.shape[0]:  # a corrupt mapping: refused here, so that the SWA part's own check cannot fail later
@@ -232,19 +308,49 @@ class SWAKVPoolHost:
                 f"free host pages first; nothing copied"
             )
         self._release(pages[gone])
-        got = self.swa_host.alloc(int(new.sum()) * ps)
-        self._swa_page[pages[new]] = got.numpy()[::ps] // ps  # type: ignore[union-attr]
+        self._take(pages[new])
         self._has_swa[t_full.slots] = has
-        self._generation += 1
+        self._record(t_full, torch.from_numpy(has).to(device_pool.device))
         kept = np.flatnonzero(needs)
         host_swa = torch.from_numpy(_page_slots(self._swa_page[pages[kept]], ps))
         entries = (kept[:, None] * ps + np.arange(ps)).reshape(-1)
-        dev_swa = torch.from_numpy(np.where(has[entries], swa[entries], -1)).to(device_pool.device)
-        t_swa = self.swa_host.check_backup(device_pool.swa_kv_pool, host_swa, dev_swa, io_backend)
-        swa_event = self.swa_host.run_backup(t_swa, io_backend)
-        if swa_event is not None:  # the returned event covers both parts
-            self.full_host.backup_stream.wait_event(swa_event)  # type: ignore[union-attr]
-        return self.full_host.run_backup(t_full, io_backend)
+        return host_swa, torch.from_numpy(np.where(has[entries], swa[entries], -1)).to(device_pool.device)
+
+    def _park_unknown(
+        self, device_pool: SWAKVPool, mapping: torch.Tensor, t_full: Transfer, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A backup's SWA part without waiting for the device: an SWA page for every page (the caller
+        checked there is room), the slots' SWA part decided on the device and recorded there, and a
+        copy of that record on its way to the host (:meth:`_learn` applies it)."""
+        pages = t_full.pages
+        self._take(pages[self._swa_page[pages] < 0])
+        swa = translate_slots(mapping, device_indices)
+        has = (swa > 0) & (swa < device_pool.swa_kv_pool.rows)  # a slot past the pool is never read
+        self._has_swa[t_full.slots] = False  # until the record arrives
+        self._record(t_full, has)
+        if has.device.type == "cpu":
+            flags, event = has.clone(), None
+        else:
+            flags = torch.empty(has.shape, dtype=torch.bool, pin_memory=True)
+            flags.copy_(has, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._unknown.append(_Unknown(pages.copy(), t_full.slots.copy(), self._page_seq[pages].copy(), flags, event))
+        host_swa = torch.from_numpy(_page_slots(self._swa_page[pages], self.page_size))
+        return host_swa, torch.where(has, swa, -1)
+
+    def _take(self, pages: np.ndarray) -> None:
+        """An SWA page for each of ``pages`` (the caller checked there is room)."""
+        if pages.shape[0]:
+            got = self.swa_host.alloc(pages.shape[0] * self.page_size)
+            self._swa_page[pages] = got.numpy()[:: self.page_size] // self.page_size  # type: ignore[union-attr]
+
+    def _record(self, t_full: Transfer, has: torch.Tensor) -> None:
+        """A backup of ``t_full``'s pages: their backup numbers move on, and the device record of
+        which slots hold SWA rows becomes ``has`` (on the pool's device)."""
+        self._page_seq[t_full.pages] += 1
+        self._generation += 1
+        self._has_dev[_to_device(torch.from_numpy(t_full.slots), has.device)] = has
 
     def _swa_load(
         self, device_pool: SWAKVPool, mapping: torch.Tensor, t_full: Transfer, host_indices: torch.Tensor,
@@ -265,15 +371,14 @@ class SWAKVPoolHost:
             if kept.shape[0]:
                 entries = (kept[:, None] * ps + np.arange(ps)).reshape(-1)
                 host_swa = torch.from_numpy(_page_slots(held[kept], ps))
-                keep = torch.from_numpy(self._has_swa[slots[entries]])
                 side = (host_swa, _to_device(torch.from_numpy(entries), device_pool.device),
-                        _to_device(keep, device_pool.device))  # fmt: skip
+                        _to_device(torch.from_numpy(slots[entries]), device_pool.device))  # fmt: skip
             self._last_load = (*key, side)
         if side is None:
             return None
-        host_swa, entries_dev, keep_dev = side
+        host_swa, entries_dev, slots_dev = side
         swa = translate_slots(mapping, device_indices[entries_dev])
-        return host_swa, torch.where(keep_dev & (swa > 0), swa, -1)
+        return host_swa, torch.where(self._has_dev[slots_dev] & (swa > 0), swa, -1)
 
     def _load(
         self, device_pool: SWAKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
