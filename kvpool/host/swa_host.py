@@ -334,7 +334,7 @@ class SWAKVPoolHost:
             flags = torch.empty(has.shape, dtype=torch.bool, pin_memory=True)
             flags.copy_(has, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(has.device))  # the stream the copy is queued on
         self._unknown.append(_Unknown(pages.copy(), t_full.slots.copy(), self._page_seq[pages].copy(), flags, event))
         host_swa = torch.from_numpy(_page_slots(self._swa_page[pages], self.page_size))
         return host_swa, torch.where(has, swa, -1)
