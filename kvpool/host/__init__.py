@@ -5,8 +5,9 @@
 ``layer_counter.py`` the per-layer load events a device pool's getters wait on, ``memory.py`` the
 pinned host buffers, ``pages.py`` the page allocator, ``mamba_host.py`` the hybrid models' state
 slots parked on the host (``MambaPoolHost``) and parked with their KV (``HybridPoolHost``),
-``swa_host.py`` a sliding-window model's two parts parked together (``SWAKVPoolHost``). The rules
-are docs/contract.md, "Host tier".
+``swa_host.py`` a sliding-window model's two parts parked together (``SWAKVPoolHost``) and
+``swa_pages.py`` its book of which SWA page holds a full page's SWA rows. The rules are
+docs/contract.md, "Host tier".
 """
 
 from kvpool.host.layer_counter import LayerTransferCounter

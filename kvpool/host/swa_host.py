@@ -4,19 +4,17 @@
 Two host pools of the host tier's own kind, one per part: ``full_host`` over the full-attention
 layers, ``swa_host`` over the sliding-window layers, with the host memory split between them as the
 device parts split theirs. Callers hold host full slots only, as they hold device full slots only:
-this object keeps, per host page of the full part, the host page of the SWA part that holds its
-sliding-window rows (if any) and which of its slots hold one. Which device slots have an SWA part
-the full-to-SWA mapping says, on the device: on a GPU a backup does not wait to read it, but gives
-every page it parks an SWA page, records on the device which slots hold SWA rows (a load reads that
-record there), and gives back the pages that needed none once a later call finds the record has
-reached the host. A load writes the SWA rows to the SWA slots the mapping gives the new full slots.
+its book (``swa_pages.py``) says, per host page of the full part, which page of the SWA part holds
+its sliding-window rows (if any) and which of its slots hold one. Which device slots have an SWA
+part the full-to-SWA mapping says, on the device; on a GPU a backup does not wait to read it (the
+book says how). A load writes the SWA rows to the SWA slots the mapping gives the new full slots.
 Every call checks both parts before either copies anything.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -26,20 +24,10 @@ from kvpool.host.direct_backend import HOST_STAGING_BYTES
 from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS
 from kvpool.host.pool import MHATokenToKVPoolHost
 from kvpool.host.schedule import Transfer
+from kvpool.host.swa_pages import SWAPages, page_slots, to_device
 from kvpool.pools.swa_pool import SWAKVPool, SWALayerTransferCounters, translate_slots
 
 _CPU = torch.device("cpu")
-
-
-class _Unknown(NamedTuple):
-    """A backup whose SWA parts are on their way to the host: its pages, their slots and backup
-    numbers then, and which entries have an SWA part (landed once ``event`` has; None on a CPU)."""
-
-    pages: np.ndarray
-    slots: np.ndarray
-    seqs: np.ndarray
-    flags: torch.Tensor
-    event: Optional[torch.cuda.Event]
 
 
 def part_bytes(part) -> int:
@@ -77,6 +65,7 @@ class SWAKVPoolHost:
     Attributes
     ----------
     full_host, swa_host : the parts' ``MHATokenToKVPoolHost`` (over ``full_kv_pool`` and ``swa_kv_pool``).
+    book : the ``SWAPages`` saying which SWA page holds each host full page's SWA rows.
     size, page_size, layout : the full part's: host full slots ``0..size-1`` in whole pages.
     layer_transfer_counter : an ``SWALayerTransferCounters`` of both parts' counters, for
         ``SWAKVPool.register_layer_transfer_counter``.
@@ -124,7 +113,8 @@ class SWAKVPoolHost:
         self._exact_backup = device_pool.device.type == "cpu" or self.validate
         self._no_rows = torch.empty(0, dtype=torch.int64)
         self._no_device_rows = torch.empty(0, dtype=torch.int64, device=device_pool.device)
-        self.clear()
+        self.book = SWAPages(f.page_num, f.page_size, self.swa_host, device_pool.device)
+        self._last_load: Optional[tuple] = None
 
     # --- host slots -----------------------------------------------------------------------------------
 
@@ -132,18 +122,8 @@ class SWAKVPoolHost:
         """Every page of both parts free again (contents are left as they are)."""
         self.full_host.clear()
         self.swa_host.clear()
-        # The SWA host page holding each full host page's sliding-window rows (-1: none), and which
-        # host full slots hold one; `_generation` changes with them (it keys the load's host side).
-        self._swa_page = np.full(self.full_host.page_num, -1, dtype=np.int64)
-        self._has_swa = np.zeros(self.size, dtype=bool)
-        self._generation = 0
-        self._last_load: Optional[tuple] = None
-        # The same per-slot record on the device (what loads read), each page's backup number (a
-        # record that lands after a newer backup or a free of its page is dropped), and the backups
-        # whose record has not reached the host yet.
-        self._has_dev = torch.zeros(self.size, dtype=torch.bool, device=self.device_pool.device)
-        self._page_seq = np.zeros(self.full_host.page_num, dtype=np.int64)
-        self._unknown: list[_Unknown] = []
+        self.book.clear()
+        self._last_load = None
 
     def available_size(self) -> int:
         """Free host full slots (a multiple of ``page_size``)."""
@@ -163,13 +143,7 @@ class SWAKVPoolHost:
         sliding-window rows; returns the number of full slots. Raises as
         ``MHATokenToKVPoolHost.free``, before anything changes."""
         n = self.full_host.free(indices)  # checks everything first
-        slots = indices.numpy().astype(np.int64)
-        pages = slots[:: self.page_size] // self.page_size
-        self._release(pages)
-        self._page_seq[pages] += 1
-        self._has_swa[slots] = False
-        self._generation += 1
-        self._learn(wait=False)
+        self.book.freed(indices.numpy().astype(np.int64))
         return n
 
     def has_swa_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
@@ -178,36 +152,7 @@ class SWAKVPoolHost:
         backups read of the mapping to arrive."""
         check_index(host_indices, "host_indices", dtypes=INDEX_DTYPES, ndim=1, device=_CPU, where="cpu (host slots)")
         check_in_range([(host_indices, self.size, "host_indices")], what="host slots", negative_ok=False)
-        self._learn(wait=True)
-        return torch.from_numpy(self._has_swa[host_indices.numpy()])
-
-    def _learn(self, wait: bool) -> None:
-        """Apply the records of earlier backups that have reached the host (``wait``: all of them,
-        waiting for each): which of their slots hold SWA rows, and their SWA pages back where a page
-        needed none. A record of a page backed up again or freed since is dropped."""
-        left: list[_Unknown] = []
-        for u in self._unknown:
-            if u.event is not None and not u.event.query():
-                if not wait:
-                    left.append(u)
-                    continue
-                u.event.synchronize()
-            current = self._page_seq[u.pages] == u.seqs
-            has = u.flags.numpy()
-            entries = np.repeat(current, self.page_size)
-            self._has_swa[u.slots[entries]] = has[entries]
-            idle = current & ~has.reshape(-1, self.page_size).any(axis=1)
-            if idle.any():
-                self._release(u.pages[idle])
-                self._generation += 1
-        self._unknown = left
-
-    def _release(self, pages: np.ndarray) -> None:
-        held = self._swa_page[pages]
-        held = held[held >= 0]
-        if held.shape[0]:
-            self.swa_host.free(torch.from_numpy(_page_slots(held, self.page_size)))
-        self._swa_page[pages] = -1
+        return torch.from_numpy(self.book.has_swa(host_indices.numpy()))
 
     # --- checks ---------------------------------------------------------------------------------------
 
@@ -261,13 +206,14 @@ class SWAKVPoolHost:
         t_full = self.full_host.check_backup(device_pool.full_kv_pool, host_indices, device_indices, io_backend)
         if t_full is None:
             return None
-        self._learn(wait=False)
+        book = self.book
+        book.learn(wait=False)
         parts = None
         if not self._exact_backup:
             for wait in (False, True):  # room for an SWA page per page, if need be once earlier ones are known
                 if wait:
-                    self._learn(wait=True)
-                if int((self._swa_page[t_full.pages] < 0).sum()) * self.page_size <= self.swa_host.available_size():
+                    book.learn(wait=True)
+                if book.missing(t_full.pages) * self.page_size <= self.swa_host.available_size():
                     parts = self._park_unknown(device_pool, mapping, t_full, device_indices)
                     break
         if parts is None:  # a CPU pool, validate, or an SWA part too full to guess: read the mapping now
@@ -295,24 +241,9 @@ class SWAKVPoolHost:
                 f"pool's {rows} rows; nothing copied"
             )
         has = swa > 0  # 0: no SWA part; -1: padding
-        pages = t_full.pages
-        needs = has.reshape(-1, ps).any(axis=1)
-        held = self._swa_page[pages]
-        new = needs & (held < 0)
-        gone = ~needs & (held >= 0)
-        free_pages = self.swa_host.available_size() // ps + int(gone.sum())
-        if int(new.sum()) > free_pages:
-            raise ValueError(
-                f"the host pool's sliding-window part has {free_pages} free pages, this backup needs "
-                f"{int(new.sum())} more (swa_available_size() is {self.swa_host.available_size()} slots): "
-                f"free host pages first; nothing copied"
-            )
-        self._release(pages[gone])
-        self._take(pages[new])
-        self._has_swa[t_full.slots] = has
-        self._record(t_full, torch.from_numpy(has).to(device_pool.device))
-        kept = np.flatnonzero(needs)
-        host_swa = torch.from_numpy(_page_slots(self._swa_page[pages[kept]], ps))
+        kept = self.book.park_known(t_full.pages, t_full.slots, has)
+        ps = self.page_size
+        host_swa = torch.from_numpy(page_slots(self.book.swa_page[t_full.pages[kept]], ps))
         entries = (kept[:, None] * ps + np.arange(ps)).reshape(-1)
         return host_swa, torch.from_numpy(np.where(has[entries], swa[entries], -1)).to(device_pool.device)
 
@@ -321,36 +252,12 @@ class SWAKVPoolHost:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A backup's SWA part without waiting for the device: an SWA page for every page (the caller
         checked there is room), the slots' SWA part decided on the device and recorded there, and a
-        copy of that record on its way to the host (:meth:`_learn` applies it)."""
-        pages = t_full.pages
-        self._take(pages[self._swa_page[pages] < 0])
+        copy of that record on its way to the host (``SWAPages.learn`` applies it)."""
         swa = translate_slots(mapping, device_indices)
         has = (swa > 0) & (swa < device_pool.swa_kv_pool.rows)  # a slot past the pool is never read
-        self._has_swa[t_full.slots] = False  # until the record arrives
-        self._record(t_full, has)
-        if has.device.type == "cpu":
-            flags, event = has.clone(), None
-        else:
-            flags = torch.empty(has.shape, dtype=torch.bool, pin_memory=True)
-            flags.copy_(has, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(has.device))  # the stream the copy is queued on
-        self._unknown.append(_Unknown(pages.copy(), t_full.slots.copy(), self._page_seq[pages].copy(), flags, event))
-        host_swa = torch.from_numpy(_page_slots(self._swa_page[pages], self.page_size))
+        self.book.park_unknown(t_full.pages, t_full.slots, has)
+        host_swa = torch.from_numpy(page_slots(self.book.swa_page[t_full.pages], self.page_size))
         return host_swa, torch.where(has, swa, -1)
-
-    def _take(self, pages: np.ndarray) -> None:
-        """An SWA page for each of ``pages`` (the caller checked there is room)."""
-        if pages.shape[0]:
-            got = self.swa_host.alloc(pages.shape[0] * self.page_size)
-            self._swa_page[pages] = got.numpy()[:: self.page_size] // self.page_size  # type: ignore[union-attr]
-
-    def _record(self, t_full: Transfer, has: torch.Tensor) -> None:
-        """A backup of ``t_full``'s pages: their backup numbers move on, and the device record of
-        which slots hold SWA rows becomes ``has`` (on the pool's device)."""
-        self._page_seq[t_full.pages] += 1
-        self._generation += 1
-        self._has_dev[_to_device(torch.from_numpy(t_full.slots), has.device)] = has
 
     def _swa_load(
         self, device_pool: SWAKVPool, mapping: torch.Tensor, t_full: Transfer, host_indices: torch.Tensor,
@@ -359,26 +266,26 @@ class SWAKVPoolHost:
         """The SWA part of a checked load: (host SWA slots, device SWA slots), or None when no host
         slot of it holds SWA rows. The host side is reused while ``host_indices`` and this pool's
         bookkeeping are unchanged (a controller loading layer by layer passes the same tensor)."""
-        key = (host_indices, host_indices._version, self._generation, device_pool.device)
+        key = (host_indices, host_indices._version, self.book.generation, device_pool.device)
         last = self._last_load
         if last is not None and last[0] is key[0] and last[1:4] == key[1:]:
             side = last[4]
         else:
             ps, slots = self.page_size, t_full.slots
-            held = self._swa_page[t_full.pages]
+            held = self.book.swa_page[t_full.pages]
             kept = np.flatnonzero(held >= 0)
             side = None
             if kept.shape[0]:
                 entries = (kept[:, None] * ps + np.arange(ps)).reshape(-1)
-                host_swa = torch.from_numpy(_page_slots(held[kept], ps))
-                side = (host_swa, _to_device(torch.from_numpy(entries), device_pool.device),
-                        _to_device(torch.from_numpy(slots[entries]), device_pool.device))  # fmt: skip
+                host_swa = torch.from_numpy(page_slots(held[kept], ps))
+                side = (host_swa, to_device(torch.from_numpy(entries), device_pool.device),
+                        to_device(torch.from_numpy(slots[entries]), device_pool.device))  # fmt: skip
             self._last_load = (*key, side)
         if side is None:
             return None
         host_swa, entries_dev, slots_dev = side
         swa = translate_slots(mapping, device_indices[entries_dev])
-        return host_swa, torch.where(self._has_dev[slots_dev] & (swa > 0), swa, -1)
+        return host_swa, torch.where(self.book.has_dev[slots_dev] & (swa > 0), swa, -1)
 
     def _load(
         self, device_pool: SWAKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
@@ -440,13 +347,3 @@ class SWAKVPoolHost:
         """The current stream waits for every backup of either part queued so far (a stream wait)."""
         self.full_host.wait_for_backups()
         self.swa_host.wait_for_backups()
-
-
-def _page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
-    """The slots of ``pages``, page after page."""
-    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, without waiting for the device (through pinned memory on CUDA)."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
