@@ -230,7 +230,6 @@ class SWAKVPoolHost:
         """A backup's SWA part, which slots have one read from the mapping first (on a GPU, a
         synchronisation): an SWA page for each page with SWA rows, given back by pages that need
         none now. Returns (host SWA slots, device SWA slots); raises before any bookkeeping changes."""
-        ps = self.page_size
         swa = translate_slots(mapping, device_indices).cpu().numpy()
         rows = device_pool.swa_kv_pool.rows
         bad = np.flatnonzero(swa >= rows)
