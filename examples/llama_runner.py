@@ -329,6 +329,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, Optiona
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     add_run_arguments(p)
     tiers.add_tier_arguments(p)
+    p.add_argument("--json", metavar="PATH", help="write each pool's token checks and cache tier counters")
     a = p.parse_args(argv)
     preset = SHAPES["8b-4layer" if a.llama3_8b_shape else a.config]
     names = ("layers", "hidden", "heads", "kv_heads", "vocab")

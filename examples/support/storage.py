@@ -105,7 +105,8 @@ def storage_options(a: argparse.Namespace, seed: int) -> Optional[StorageOptions
         if a.storage_faults:
             given.append("--storage-faults")
         if given:
-            raise ValueError(f"{', '.join(given)} need --storage file or --storage mooncake, got no --storage")
+            verb = "need" if len(given) > 1 else "needs"
+            raise ValueError(f"{', '.join(given)} {verb} --storage file or --storage mooncake, got no --storage")
         return None
     return StorageOptions(a.storage, a.storage_dir, a.mooncake_master, a.mooncake_metadata, a.storage_faults, seed)
 

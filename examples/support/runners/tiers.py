@@ -33,11 +33,10 @@ ServeOn = Callable[[bool, Optional[HostTier]], ServeResult]
 
 
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
-    """``--host-tier``, the storage options and ``--json`` (for a runner whose cache has a host tier)."""
+    """``--host-tier`` and the storage options."""
     p.add_argument("--host-tier", action="store_true",
                    help="--prefix-cache: a HiRadixCache, whose nodes are backed up to host memory and loaded back")  # fmt: skip
     add_storage_arguments(p)
-    p.add_argument("--json", metavar="PATH", help="write each pool's token checks and tier counters")
 
 
 def site_for(cfg: RunConfig) -> Any:
