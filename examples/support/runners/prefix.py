@@ -27,7 +27,6 @@ so another engine over the same store serves a prefix it never computed: storage
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,10 +37,6 @@ from kvpool.host import MHATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from support import cache_requests
 from support.storage import storage_policy
-
-#: Seconds an admission waits for its prefetch before the run is called stuck.
-PREFETCH_WAIT_S = 60.0
-
 
 @dataclass(frozen=True)
 class HostTier:
@@ -62,7 +57,7 @@ class PrefixCaching:
     """Mixed into support.runners.scheduler's ``Scheduler`` (or a subclass): the prefix cache's admission,
     insertion, eviction and release. ``prompt_tokens`` and ``cached_tokens`` count what admitted
     requests needed and what the tree held of it (loaded back from the host tier included:
-    ``host_loaded_tokens``, of which ``storage_loaded_tokens`` entered the host tier from storage)."""
+    ``host_loaded_tokens``, of which ``storage_loaded_tokens`` had been fetched from storage for it)."""
 
     def __init__(self, pool: Any, *args: Any, tiers: Optional[HostTier] = None, **kwargs: Any) -> None:
         super().__init__(pool, *args, **kwargs)  # type: ignore[call-arg]
@@ -130,7 +125,8 @@ class PrefixCaching:
             return None
         room = self.room()
         key = RadixKey(r.prompt[:-1])
-        m = self._lookup(r, key)
+        params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
+        m, fetched = cache_requests.match_with_storage(self.cache, r.rid, params)
         node, indices, loaded = m.last_device_node, m.device_indices, 0
         self.cache.inc_lock_ref(node)
         if self.tiered and m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
@@ -152,27 +148,8 @@ class PrefixCaching:
         self.prompt_tokens += len(r.prompt)
         self.cached_tokens += start
         self.host_loaded_tokens += loaded
+        self.storage_loaded_tokens += min(fetched, loaded)
         return need
-
-    def _lookup(self, r: Any, key: RadixKey) -> Any:
-        """``key``'s match; with storage, the pages after its host part prefetched first (the
-        request waits for them, as under SGLang's ``wait_complete``) and the key matched again."""
-        params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
-        m = self.cache.match_prefix(params)
-        if not self.tiered or not self.cache.enable_storage:
-            return m
-        node, depth = m.last_host_node, 0
-        while node is not self.cache.root_node:
-            depth, node = depth + len(node.key), node.parent
-        self.cache.prefetch_from_storage(r.rid, m.last_host_node, list(key.token_ids[depth:]))
-        deadline = time.monotonic() + PREFETCH_WAIT_S
-        while not self.cache.check_prefetch_progress(r.rid):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"request {r.rid}'s prefetch from storage did not finish within {PREFETCH_WAIT_S} s")
-            time.sleep(0.0005)
-        fetched = self.cache.pop_prefetch_loaded_tokens(r.rid)
-        self.storage_loaded_tokens += fetched
-        return self.cache.match_prefix(params) if fetched else m
 
     def _chunk(self, r: Any, budget: int) -> int:
         n = super()._chunk(r, budget)  # type: ignore[misc]
