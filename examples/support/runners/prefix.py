@@ -85,6 +85,7 @@ class PrefixCaching:
         self.cached_tokens = 0
         self.host_loaded_tokens = 0
         self.storage_loaded_tokens = 0
+        self.fetched: dict[int, int] = {}  # per waiting request: tokens fetched from storage for it
         self.storage_drained = True
         self.storage_stats: dict[str, int] = {}
 
@@ -127,6 +128,7 @@ class PrefixCaching:
         key = RadixKey(r.prompt[:-1])
         params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
         m, fetched = cache_requests.match_with_storage(self.cache, r.rid, params)
+        self.fetched[r.rid] = self.fetched.get(r.rid, 0) + fetched  # a refused admission loads them when retried
         node, indices, loaded = m.last_device_node, m.device_indices, 0
         self.cache.inc_lock_ref(node)
         if self.tiered and m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
@@ -148,7 +150,7 @@ class PrefixCaching:
         self.prompt_tokens += len(r.prompt)
         self.cached_tokens += start
         self.host_loaded_tokens += loaded
-        self.storage_loaded_tokens += min(fetched, loaded)
+        self.storage_loaded_tokens += min(self.fetched.pop(r.rid, 0), loaded)
         return need
 
     def _chunk(self, r: Any, budget: int) -> int:

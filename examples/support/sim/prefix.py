@@ -162,7 +162,7 @@ class PrefixStats:
     prompt_tokens: int = 0  # tokens the admitted requests needed in the pool before their next token
     matched_tokens: int = 0  # of them, found in the tree on the device
     loaded_tokens: int = 0  # of them, loaded back from the host tier
-    storage_tokens: int = 0  # of those, fetched from storage into the host tier first (--storage)
+    storage_tokens: int = 0  # of those, fetched from storage into the host tier for the request (--storage)
     evict_calls: int = 0  # evictions that freed something
     evicted_tokens: int = 0  # device tokens they freed
     evicted_states: int = 0  # state snapshots they freed (hybrid)
@@ -298,6 +298,7 @@ class PrefixScheduler:
         self.hybrid = isinstance(self.table, HybridReqToTokenPool)
         self.cache = make_cache(cfg, pool, self.allocator, self.table, self.stats, storage)
         self.loads: list[tuple[Any, int, torch.Tensor]] = []  # this step's host loads: (request, from, slots)
+        self.fetched: dict[int, int] = {}  # per waiting request: tokens fetched from storage for it
 
     def room(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
@@ -328,6 +329,7 @@ class PrefixScheduler:
         key = RadixKey(r.tokens[: target - 1])  # the last token is computed: its logits give the next
         params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
         m, fetched = cache_requests.match_with_storage(self.cache, r.rid, params)
+        self.fetched[r.rid] = self.fetched.get(r.rid, 0) + fetched  # a refused admission loads them when retried
         prefix, node, loaded = m.device_indices, m.last_device_node, 0
         if m.host_hit_length:
             start = prefix.numel() + m.host_hit_length
@@ -352,7 +354,7 @@ class PrefixScheduler:
         self.stats.prompt_tokens += target
         self.stats.matched_tokens += start - loaded
         self.stats.loaded_tokens += loaded
-        self.stats.storage_tokens += min(fetched, loaded)
+        self.stats.storage_tokens += min(self.fetched.pop(r.rid, 0), loaded)
         if loaded:
             self.loads.append((r, start - loaded, slots))
         if self.hybrid and start:
