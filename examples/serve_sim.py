@@ -106,6 +106,7 @@ REFUSED = (
         ("--calibrate", PREFIX_CACHE_REFUSES["calibrate"]),
     ))
     + "; --prefix-cache --model qwen3.5 with --host-tier (MambaRadixCache keeps its snapshots on the device); "
+    + "--storage without --prefix-cache --host-tier (the storage tier sits below the prefix cache's host tier); "
     + "; ".join(f"--model gemma3 or gpt-oss with {flag(name)} ({why})" for name, why in SWA_REFUSES.items())
     + "; --model gemma3 with fewer than 6 --layers (every 6th is global). "
     "--kv-budget-mib must hold the longest request plus a page (with --prefix-cache a conversation's last turn); "

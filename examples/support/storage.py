@@ -169,11 +169,12 @@ class StorageSite:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def open(self, model_name: str) -> Any:
+    def open(self, model_name: str, page_first: bool = False) -> Any:
         """A new backend on the site for one engine's cache, its pages under ``model_name`` (which
-        names the weights and how they are stored: pages of another pool dtype or scale never mix)."""
+        names the weights and how they are stored: pages of another pool dtype or scale never mix);
+        ``page_first``: the host pool's layout is ``"page_first"``."""
         o = self.options
-        config = HiCacheStorageConfig(model_name=model_name)
+        config = HiCacheStorageConfig(model_name=model_name, is_page_first_layout=page_first)
         if o.backend == "file":
             store: Any = HiCacheFile(config, self.directory, max_bytes=FILE_MAX_BYTES)
         else:

@@ -476,7 +476,8 @@ def run(cfg: Any) -> Any:
         parts, base = Parts(), _with(PrefixScheduler, Scheduler)
     result.prefix = PrefixStats()
     with StorageSite(cfg.storage) if cfg.storage is not None else contextlib.nullcontext(None) as site:
-        storage = site.open(f"serve_sim seed {cfg.seed}, {cfg.model} {cfg.dtype}") if site is not None else None
+        name = f"serve_sim seed {cfg.seed}, {cfg.model} {cfg.dtype}"
+        storage = site.open(name, page_first=cfg.host_layout == "page_first") if site is not None else None
         parts = replace(
             parts, scheduler=functools.partial(base, runner=runner, result=result, storage=storage),
             host_parking=lambda *args: None,  # the host tier is the cache's
