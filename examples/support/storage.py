@@ -19,12 +19,13 @@ import argparse
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.storage import HiCacheFile, HiCacheStorageConfig, MooncakeStore
 from kvpool.storage.faults import FaultyStorage
+from kvpool.storage.mooncake_config import import_store_class
 from kvpool.storage.mooncake_master import MooncakeMaster
 
 BACKENDS = ("file", "mooncake")
@@ -118,16 +119,6 @@ def storage_policy(page_size: int) -> StoragePolicy:
     return StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=page_size, backoff_s=0.001, max_backoff_s=0.01)
 
 
-@dataclass
-class FaultCounts:
-    """Faults the injectors of a site put into the calls, by kind."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def total(self) -> int:
-        return sum(self.counts.get(k, 0) for k in ("fail", "raise", "short"))
-
-
 class StorageSite:
     """Where one run's pages live, and the backends its engines open there (closed with the site).
 
@@ -157,8 +148,6 @@ class StorageSite:
                 self._temporary = o.directory is None
                 self.directory = tempfile.mkdtemp(prefix="kvpool-example-pages-") if self._temporary else o.directory
             elif o.master is None:
-                from kvpool.storage.mooncake_config import import_store_class
-
                 import_store_class()  # a missing Mooncake fails here, before a master is started
                 self.master = MooncakeMaster().start()
         except BaseException:
@@ -193,12 +182,13 @@ class StorageSite:
             self.stores.append(store)
         return store
 
-    def faults(self) -> FaultCounts:
-        """The faults injected so far into every backend of the site."""
-        out = FaultCounts()
+    def faults(self) -> dict[str, int]:
+        """The faults injected so far into every backend of the site, by kind (``KINDS`` of
+        ``kvpool.storage.faults``)."""
+        out: dict[str, int] = {}
         for s in self.stores:
-            for _, _, kind in getattr(s, "log", []) if isinstance(s, FaultyStorage) else []:
-                out.counts[kind] = out.counts.get(kind, 0) + 1
+            for _, _, kind in s.log if isinstance(s, FaultyStorage) else []:
+                out[kind] = out.get(kind, 0) + 1
         return out
 
     def close(self) -> None:

@@ -197,7 +197,7 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
             dtype = DTYPES[name]
             progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
             namespace = f"{arch.model_name} seed {cfg.seed}, {name} pool, scale {label}"  # pages of one pool and scale
-            faults = site.faults().counts if site is not None else {}
+            faults = site.faults() if site is not None else {}
             res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size,
                         prefix_cache=cfg.prefix_cache, tiers=tier_checks.engine_tiers(cfg, site, namespace))  # fmt: skip
             rounded = None

@@ -485,7 +485,7 @@ def run(cfg: Any) -> Any:
         )  # fmt: skip
         simulate(cfg, pool, runner, result, parts)
         if site is not None:
-            result.prefix.faults = site.faults().counts
+            result.prefix.faults = site.faults()
             if not result.prefix.storage_drained:
                 result.integrity_error = result.integrity_error or "the storage tier's writes did not finish"
     return result
