@@ -81,6 +81,16 @@ def test_a_second_engine_serves_the_prompts_from_storage_with_the_same_tokens(tm
     assert "tiers       tokens identical: engine 1 vs no cache" in summary
 
 
+def test_a_host_tier_without_storage_generates_the_same_tokens(hf_tokens):
+    rep = llama_runner.run(TIERED)
+    run, t = tiers_of(rep)
+    assert rep.ok and t.ok and t.second is None and not t.expect_hits
+    assert sorted(t.agreements) == ["engine 1 vs a device-only cache", "engine 1 vs no cache"] and t.identical
+    assert run.result.storage == {} and llama_runner.compare(run.result.generations, hf_tokens).identical
+    requests = next(line for line in llama_runner.format_summary(rep).split("\n") if line.startswith("  requests"))
+    assert requests.endswith("; a HiRadixCache with a host tier")  # and no storage below it
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_storage_faults_lose_no_data_and_leave_every_tree_consistent(backend, hf_tokens):
     """Failures, raised errors, short reads and writes and delays at p=0.25 each, seeded."""
@@ -159,3 +169,15 @@ def test_the_qwen35_runner_refuses_the_host_and_storage_tiers(capsys, flags):
     assert qwen35_runner.main(["--device", "cpu", "--prefix-cache", *flags]) == 2
     err = capsys.readouterr().err
     assert "MambaRadixCache, which has no host tier" in err and " and ".join(f for f in flags if f.startswith("--")) in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_on_cuda_a_second_engine_serves_the_prompts_from_storage(tmp_path, backend):
+    """The host tier's streams and events on a GPU: backups written through once complete, loads
+    read layer by layer; the tokens are still transformers'."""
+    where = dict(directory=str(tmp_path / "pages")) if backend == "file" else {}
+    rep = llama_runner.run(replace(TIERED, device="cuda", storage=StorageOptions(backend, **where)))
+    run, t = tiers_of(rep)
+    summary = llama_runner.format_summary(rep)
+    assert rep.ok and rep.fp32_check is True and t.identical and t.hits, summary

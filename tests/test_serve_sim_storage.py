@@ -129,3 +129,12 @@ def test_storage_command_line(capsys, monkeypatch):
     no_host = [a for a in CHAT_ARGS if a != "--host-tier"]
     assert serve_sim.main([*no_host, "--storage", "file"]) == 2
     assert "--storage file sits below the prefix cache's host tier: needs --prefix-cache --host-tier" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["file", pytest.param("mooncake", marks=needs_mooncake)])
+def test_storage_on_cuda(backend):
+    """The fused writes and the host tier's streams and events: a backup is written through to
+    storage once its copy completes, and every row reloaded, from storage or the host, verifies."""
+    res, stats, summary = run_chats(replace(CHATS, device="cuda", validate=True, storage=StorageOptions(backend)))
+    assert res.fused_calls > 0 and res.reload_mismatches == 0 and stats.storage["pages_written"] > 0, summary
