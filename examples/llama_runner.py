@@ -32,6 +32,14 @@ K/V element falls on the other side of a rounding boundary.
     python examples/llama_runner.py --config tiny --dtypes fp32 bf16
     python examples/llama_runner.py --config 8b-4layer --device cuda --prompts 16 --batch 8
     python examples/llama_runner.py --config tiny --prefix-cache   # prompts sharing prefixes on a RadixCache
+    python examples/llama_runner.py --config tiny --dtypes fp32 --prefix-cache --host-tier --storage file
+    python examples/llama_runner.py --config tiny --dtypes fp32 --prefix-cache --host-tier --storage mooncake \
+        --storage-faults 0.2 --json tiers.json   # its own mooncake_master on 127.0.0.1, faults injected
+
+With ``--host-tier`` the prefix cache is a ``HiRadixCache`` (a host tier below the device), with
+``--storage file|mooncake`` a storage tier below that (support/runners/tiers.py): each pool's run is
+checked against no cache, a device-only cache and a second engine that serves the prompts from what
+the first stored (tokens identical, tokens loaded from storage and from the host > 0).
 
 Exit status: 0 when the fp32 check passes (or was not requested) and the allocators are consistent,
 1 otherwise, 2 on bad arguments.
@@ -58,6 +66,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
+from support.runners import tiers  # noqa: E402  (--host-tier, --storage, --json)
+from support.runners.prefix import HostTier  # noqa: E402
 from support.runners import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
     DTYPES,
     KV_LEN_MULTIPLE,
@@ -284,10 +294,10 @@ def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MH
 def serve(
     model: PreTrainedModel, pool: KVCache, prompts: Sequence[Prompt], max_running: int,
     scales: Optional[Scales] = None, keep_logits: bool = True, arch: Architecture = LLAMA,
-    chunk_size: Optional[int] = None, prefix_cache: bool = False,
+    chunk_size: Optional[int] = None, prefix_cache: bool = False, tiers: Optional[HostTier] = None,
 ) -> ServeResult:  # fmt: skip
     """``support.runners.serve`` with Llama's architecture by default."""
-    return rc.serve(model, pool, prompts, max_running, scales, keep_logits, arch, chunk_size, prefix_cache)
+    return rc.serve(model, pool, prompts, max_running, scales, keep_logits, arch, chunk_size, prefix_cache, tiers)
 
 
 def calibrate(
@@ -305,7 +315,8 @@ def run(cfg: RunConfig, arch: Architecture = LLAMA) -> Report:
 # --- command line -----------------------------------------------------------------------------------
 
 
-def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, Optional[str]]:
+    """The run's config and the ``--json`` path (or None)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -317,15 +328,34 @@ def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
     p.add_argument("--kv-heads", type=int, help="override the preset's KV heads")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     add_run_arguments(p)
+    tiers.add_tier_arguments(p)
+    p.add_argument("--json", metavar="PATH", help="write each pool's token checks and cache tier counters")
     a = p.parse_args(argv)
     preset = SHAPES["8b-4layer" if a.llama3_8b_shape else a.config]
     names = ("layers", "hidden", "heads", "kv_heads", "vocab")
     overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
-    return run_config(a, replace(preset, **overrides))
+    return run_config(a, replace(preset, **overrides)), a.json
+
+
+def config_from_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
+    return parse_args(argv)[0]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_main(argv, lambda a: (config_from_args(a), LLAMA), LLAMA.program)
+    json_path: list[Optional[str]] = []
+
+    def parse(a: Optional[Sequence[str]]) -> tuple[RunConfig, Architecture]:
+        cfg, path = parse_args(a)
+        json_path.append(path)
+        return cfg, LLAMA
+
+    def execute(cfg: RunConfig, arch: Architecture) -> Report:
+        rep = rc.run(cfg, arch, lambda msg: print(f"{arch.program}: {msg}", file=sys.stderr, flush=True))
+        if json_path[0] is not None:
+            tiers.write_json(rep, json_path[0])
+        return rep
+
+    return run_main(argv, parse, LLAMA.program, execute)
 
 
 if __name__ == "__main__":

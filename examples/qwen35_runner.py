@@ -91,6 +91,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import DTYPES, Architecture, RunConfig, Scales  # noqa: E402
 from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
+from support.runners import tiers  # noqa: E402  (--host-tier and --storage, which it refuses)
 from support.runners.qwen35_layers import Qwen35Runner, SpecRunner  # noqa: E402
 from support.runners.verify import SpecReport, add_spec_runs, spec_check_line, spec_run_lines, with_spec_dtypes  # noqa: E402
 from support.runners.qwen35_model import (  # noqa: E402, F401  (the tests and benchmarks use them here)
@@ -268,7 +269,16 @@ def make_parser() -> argparse.ArgumentParser:
                    help="pool dtypes of the speculative runs")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write config, seed, prompts and the fp32 and speculative tokens")
     rc.add_run_arguments(p, **RUN_DEFAULTS)
+    tiers.add_tier_arguments(p)  # refused: see NO_HOST_TIER
     return p
+
+
+#: Why the runner refuses --host-tier and --storage.
+NO_HOST_TIER = (
+    "the Qwen3.5 runner's prefix cache is a MambaRadixCache, which has no host tier (its state snapshots stay on "
+    "the device), so there is no host or storage tier to serve from: leave out --host-tier and --storage "
+    "(examples/llama_runner.py runs them)"
+)
 
 
 #: The runner's defaults where they differ from ``RunConfig``'s: prompts longer than a prefill chunk,
@@ -278,6 +288,9 @@ RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(4, 40), new_
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOptions]:
     a = make_parser().parse_args(argv)
+    given = [flag for flag, on in (("--host-tier", a.host_tier), ("--storage", a.storage is not None)) if on]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: {NO_HOST_TIER}")
     names = {"layers": "layers", "head_dim": "head_dim", "vocab": "vocab", "full_attention_interval": "full_attention_interval"}
     overrides = {k: getattr(a, v) for k, v in names.items() if getattr(a, v) is not None}
     cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))

@@ -34,7 +34,14 @@ With ``--prefix-cache`` the requests are turns of multi-turn chats after a commo
 served on a prefix cache (``RadixCache``; with ``--host-tier`` a ``HiRadixCache``, with ``--model
 qwen3.5`` a ``MambaRadixCache``): each request prefills only what the tree does not hold, and a
 token's K/V derive from the token and its prefix rather than the request, so the rows the tree hands
-out are checked byte for byte like any others (support/sim/prefix.py).
+out are checked byte for byte like any others (support/sim/prefix.py). With ``--storage file`` or
+``--storage mooncake`` as well, host copies are written through to a storage tier (a page directory,
+or a Mooncake Store whose master the run starts on 127.0.0.1 unless ``--mooncake-master`` names one;
+support/storage.py) and each admission first fetches from it what follows its match's host part: the
+summary gives the hit rate of each tier (device, host, storage) and the prefill saved, and the rows
+fetched from storage are byte-checked like every reloaded row. ``--host-ratio`` below 1 makes the host
+tier drop pages that storage then serves back; ``--storage-faults P`` injects storage failures and
+delays, which must cost hits only.
 
     python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
     python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
@@ -49,6 +56,7 @@ out are checked byte for byte like any others (support/sim/prefix.py).
     python examples/serve_sim.py --model gemma3 --sliding-window 64 --page-size 64
     python examples/serve_sim.py --prefix-cache     # multi-turn chats on a prefix cache (RadixCache)
     python examples/serve_sim.py --prefix-cache --host-tier   # ... whose evicted nodes live on in host memory
+    python examples/serve_sim.py --prefix-cache --host-tier --host-ratio 0.5 --storage file   # ... and in storage
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -83,6 +91,7 @@ from support.sim.runner import Checker, MLAModelRunner, ModelRunner  # noqa: E40
 from support.sim.scheduler import Batch, Request, Scheduler  # noqa: E402, F401
 from support.sim.summary import format_summary  # noqa: E402
 from support.sim.values import checkpoint_scales, kv_values  # noqa: E402, F401
+from support.storage import add_storage_arguments, storage_options  # noqa: E402
 
 #: What --help says about the option combinations a run refuses, and why.
 REFUSED = (
@@ -97,6 +106,7 @@ REFUSED = (
         ("--calibrate", PREFIX_CACHE_REFUSES["calibrate"]),
     ))
     + "; --prefix-cache --model qwen3.5 with --host-tier (MambaRadixCache keeps its snapshots on the device); "
+    + "--storage without --prefix-cache --host-tier (the storage tier sits below the prefix cache's host tier); "
     + "; ".join(f"--model gemma3 or gpt-oss with {flag(name)} ({why})" for name, why in SWA_REFUSES.items())
     + "; --model gemma3 with fewer than 6 --layers (every 6th is global). "
     "--kv-budget-mib must hold the longest request plus a page (with --prefix-cache a conversation's last turn); "
@@ -166,6 +176,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
                    help="--prefix-cache: turns per conversation (each turn's user message: --prompt-len)")
     p.add_argument("--host-write-policy", choices=("write_through", "write_through_selective", "write_back"),
                    default=d.host_write_policy, help="--prefix-cache --host-tier: when tree nodes are backed up")
+    add_storage_arguments(p)
     a = p.parse_args(argv)
     layers = a.layers if a.layers is not None else max(d.layers, SWA_MODELS.get(a.model, 0))  # gemma3: one global
     cfg = SimConfig(
@@ -181,6 +192,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         prefix_cache=a.prefix_cache, few_shot_len=a.few_shot_len, turns=tuple(a.turns),
         host_write_policy=a.host_write_policy, sliding_window=a.sliding_window,
         swa_full_tokens_ratio=a.swa_full_tokens_ratio, long_context=a.long_context,
+        storage=storage_options(a, a.seed),
     )  # fmt: skip
     if a.kv_budget_mib is None and cfg.prefix_cache and cfg.model != HYBRID_MODEL:
         cfg = replace(cfg, kv_budget_mib=budget_for(cfg))

@@ -8,10 +8,13 @@ The scripts in ``examples/`` (``serve_sim.py``, ``llama_runner.py``, ``deepseek_
   configuration, scheduler, model runners, byte checks, loop and summary, and the hybrid,
   sliding-window, prefix-cache and calibration variants);
 - ``support.runners``: what the model runners share (the scheduler over a pool, Hugging Face
-  references and comparisons, the prefix-cache scheduler, speculative decoding's verify step) and
+  references and comparisons, the prefix-cache scheduler and its host and storage tiers' checks,
+  speculative decoding's verify step) and
   the Qwen3.5, Gemma 3 and gpt-oss runners' model pieces;
 - ``support.cache_requests``: the request fields and request-table calls both schedulers on a prefix
   cache use;
+- ``support.storage``: the storage options (``--storage file|mooncake``) and ``StorageSite``, where a
+  run's pages live and the backends its engines open there;
 - ``support.part_counts``: the write-path counts of an ``SWAKVPool``'s two parts as one pool's ``stats``;
 - ``support.progress``: the progress line every long run prints on stderr.
 """

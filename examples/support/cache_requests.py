@@ -1,17 +1,23 @@
 """What the examples' schedulers on a prefix cache share (support/sim/prefix.py, support/runners/prefix.py): the
 attributes the cache reads and writes on a request, under SGLang's ``Req`` names
 (``kvpool.cache.requests``), and the request-table calls around it: a row with its state slots, the
-room the tree gives up, and a hybrid request's state copied into its track slot."""
+room the tree gives up, a hybrid request's state copied into its track slot, and a match that
+fetches from a storage tier first."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from kvpool.cache import EvictParams, RadixCache
+from kvpool.cache import EvictParams, MatchPrefixParams, RadixCache
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
+
+
+#: Seconds an admission waits for its prefetch from storage before the run is called stuck.
+PREFETCH_WAIT_S = 60.0
 
 
 @dataclass(kw_only=True, eq=False)
@@ -82,3 +88,23 @@ def track(table: HybridReqToTokenPool, reqs: Sequence[Any], lengths: Sequence[in
     for r, n in zip(reqs, lengths):
         r.mamba_last_track_seqlen = n
         r.mamba_next_track_idx = table.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx)
+
+
+def match_with_storage(cache: Any, rid: Any, params: MatchPrefixParams) -> tuple[Any, int]:
+    """``params``' match and the tokens fetched from storage for it. With a storage tier, what
+    follows the match's host part is prefetched first (the request waits for every page, as under
+    SGLang's ``wait_complete``) and the key matched again; otherwise (0 fetched) the plain match."""
+    m = cache.match_prefix(params)
+    if not getattr(cache, "enable_storage", False):
+        return m, 0
+    node, depth = m.last_host_node, 0
+    while node is not cache.root_node:
+        depth, node = depth + len(node.key), node.parent
+    cache.prefetch_from_storage(rid, m.last_host_node, list(params.key.token_ids[depth:]))
+    deadline = time.monotonic() + PREFETCH_WAIT_S
+    while not cache.check_prefetch_progress(rid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"request {rid}'s prefetch from storage did not finish within {PREFETCH_WAIT_S} s")
+        time.sleep(0.0005)
+    fetched = cache.pop_prefetch_loaded_tokens(rid)
+    return (cache.match_prefix(params) if fetched else m), fetched

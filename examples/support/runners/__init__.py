@@ -23,6 +23,7 @@ The modules: ``config`` (``RunConfig``, the shared options), ``reference`` (prom
 ``scheduler`` (``Request``, ``ForwardBatch``, ``Scheduler``), ``attention`` (attention over pool
 rows), ``results`` (``ServeResult``, ``compare``, ``Report``), ``summary``, ``serving`` (``Architecture``,
 ``serve``, ``calibrate``, ``run``, ``run_main``), ``prefix`` (the scheduler on a prefix cache),
+``tiers`` (``--host-tier`` and ``--storage``: the runs and checks of the tiers below the device),
 ``qwen35_model``/``qwen35_layers`` (the Qwen3.5 runner's model, pools and layers), ``gemma3_model``
 (the Gemma 3 runner's model, sliding-window pool and the scheduler that frees SWA slots, which the
 gpt-oss runner uses too) and ``sliding`` (a sliding layer's keys and the SWA summary of both). This package re-exports the names the

@@ -14,6 +14,7 @@ import torch
 
 from kvpool.checks import positive_int
 from support.cli import DTYPES, check_device
+from support.storage import StorageOptions, storage_options
 
 try:
     import transformers
@@ -64,7 +65,9 @@ class RunConfig:
     rows); prompts beyond it wait for a finished request's row and pages. ``chunk_size`` is the most
     prompt tokens one prefill step takes (None: whole prompts); a longer prompt is prefilled in chunks
     over several steps. ``prefix_cache``: the prompts share prefixes (each after the first begins
-    with part of an earlier one) and the scheduler serves them on a prefix cache (support.runners.prefix).
+    with part of an earlier one) and the scheduler serves them on a prefix cache (support.runners.prefix);
+    ``host_tier``: the cache has a host tier (a ``HiRadixCache``), and ``storage`` a storage tier
+    below it (support.runners.tiers checks both against a device-only cache and no cache).
     """
 
     shape: Shape
@@ -82,6 +85,8 @@ class RunConfig:
     cpu_threads: Optional[int] = 1
     chunk_size: Optional[int] = None
     prefix_cache: bool = False
+    host_tier: bool = False
+    storage: Optional[StorageOptions] = None
 
     def __post_init__(self) -> None:
         for name in ("prompts", "batch", "page_size"):
@@ -102,6 +107,12 @@ class RunConfig:
         check_device(self.device)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
+        if self.host_tier and not self.prefix_cache:
+            raise ValueError("--host-tier is the prefix cache's host tier: needs --prefix-cache")
+        if self.storage is not None and not self.host_tier:
+            raise ValueError(f"--storage {self.storage.backend} sits below the host tier: needs --prefix-cache --host-tier")
+        if self.storage is not None and not isinstance(self.storage, StorageOptions):
+            raise ValueError(f"storage must be a StorageOptions or None, got {type(self.storage).__name__}")
 
     @property
     def max_context_len(self) -> int:
@@ -136,10 +147,14 @@ def add_run_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def run_config(a: argparse.Namespace, shape: Shape) -> RunConfig:
-    """The ``RunConfig`` of parsed ``add_run_arguments`` options and a model shape."""
+    """The ``RunConfig`` of parsed ``add_run_arguments`` options (and ``tiers.add_tier_arguments``'
+    where the runner takes them) and a model shape."""
+    tiers: dict[str, Any] = {}
+    if hasattr(a, "host_tier"):
+        tiers = dict(host_tier=a.host_tier, storage=storage_options(a, a.seed))
     return RunConfig(
         shape=shape, model_dtype=a.model_dtype, pool_dtypes=tuple(a.dtypes),
         prompts=a.prompts, batch=a.batch, prompt_len=tuple(a.prompt_len), new_tokens=tuple(a.new_tokens),
         page_size=a.page_size, seed=a.seed, device=a.device, calibrate=not a.no_calibrate,
-        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size or None, prefix_cache=a.prefix_cache,
+        cpu_threads=a.cpu_threads or None, chunk_size=a.chunk_size or None, prefix_cache=a.prefix_cache, **tiers,
     )  # fmt: skip

@@ -15,17 +15,37 @@ With pages above one token a hybrid request's state is known only where a step e
 chunks end at page boundaries (a prompt's last partial page is a chunk of its own) and after each
 step that ends on a boundary (prefill or decode) the state is copied into the request's next track
 slot (SGLang's ``mamba_ping_pong_track_buffer``): the snapshots the tree caches.
+
+With a ``HostTier`` (``--host-tier``) the cache is a ``HiRadixCache`` over a host pool: inserted
+nodes are backed up to host memory (``write_through``), evicted ones live on there, and a match that
+reaches them loads them back to the device before the step's forward reads them. With a storage
+backend on it (``--storage``) host copies are written through to storage too, and each admission
+first prefetches what follows its match's host part from storage (held until every page is read),
+so another engine over the same store serves a prefix it never computed: storage -> host -> device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from kvpool.cache import CacheInitParams, EvictParams, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.host import MHATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from support import cache_requests
+from support.storage import storage_policy
+
+@dataclass(frozen=True)
+class HostTier:
+    """The prefix cache's tiers below the device: ``host_ratio`` host slots per device slot in
+    ``layout``, and a storage backend below them (a ``kvpool.storage.HiCacheStorage``, or None)."""
+
+    host_ratio: float = 2.0
+    layout: str = "layer_first"
+    storage: Any = None
 
 
 def caching(scheduler_cls: type) -> type:
@@ -36,9 +56,10 @@ def caching(scheduler_cls: type) -> type:
 class PrefixCaching:
     """Mixed into support.runners.scheduler's ``Scheduler`` (or a subclass): the prefix cache's admission,
     insertion, eviction and release. ``prompt_tokens`` and ``cached_tokens`` count what admitted
-    requests needed and what the tree held of it."""
+    requests needed and what the tree held of it (loaded back from the host tier included:
+    ``host_loaded_tokens``, of which ``storage_loaded_tokens`` had been fetched from storage for it)."""
 
-    def __init__(self, pool: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, pool: Any, *args: Any, tiers: Optional[HostTier] = None, **kwargs: Any) -> None:
         super().__init__(pool, *args, **kwargs)  # type: ignore[call-arg]
         self.hybrid = isinstance(self.table, HybridReqToTokenPool)
         self.tracks = self.hybrid and self.page_size > 1
@@ -51,9 +72,31 @@ class PrefixCaching:
                 f"a hybrid prefix cache with page_size {self.page_size} needs a request table with "
                 f"enable_mamba_extra_buffer={self.tracks} (track slots), got {self.table.enable_mamba_extra_buffer}"
             )
-        self.cache = MambaRadixCache(params, mamba_cache_chunk_size=self.page_size) if self.hybrid else RadixCache(params)
+        if tiers is not None and self.hybrid:
+            raise ValueError("tiers must be None for a hybrid model: MambaRadixCache has no host tier")
+        if tiers is None:
+            self.cache = MambaRadixCache(params, mamba_cache_chunk_size=self.page_size) if self.hybrid else RadixCache(params)
+        else:
+            host = MHATokenToKVPoolHost(pool, tiers.host_ratio, 0, self.page_size, tiers.layout)
+            policy = storage_policy(self.page_size) if tiers.storage is not None else None
+            self.cache = HiRadixCache(params, host_pool=host, write_policy="write_through", load_back_threshold=0,
+                                      storage=tiers.storage, storage_policy=policy)  # fmt: skip
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.host_loaded_tokens = 0
+        self.storage_loaded_tokens = 0
+        self.fetched: dict[int, int] = {}  # per waiting request: tokens fetched from storage for it
+        self.storage_drained = True
+        self.storage_stats: dict[str, int] = {}
+
+    @property
+    def tiered(self) -> bool:
+        return isinstance(self.cache, HiRadixCache)
+
+    def schedule(self) -> Any:
+        if self.tiered:
+            self.cache.check_hicache_events()  # unlock finished backups and loads, write host copies through
+        return super().schedule()  # type: ignore[misc]
 
     def room(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
@@ -71,6 +114,8 @@ class PrefixCaching:
             self.running.append(r)
             out.append(r)
             free -= matched
+        if self.tiered:
+            self.cache.ready_to_load_host_cache()  # the device pool's getters wait for each layer's load
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 
@@ -81,20 +126,31 @@ class PrefixCaching:
             return None
         room = self.room()
         key = RadixKey(r.prompt[:-1])
-        m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None))
-        self.cache.inc_lock_ref(m.last_device_node)
-        start = m.device_indices.numel()
+        params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
+        m, fetched = cache_requests.match_with_storage(self.cache, r.rid, params)
+        self.fetched[r.rid] = self.fetched.get(r.rid, 0) + fetched  # a refused admission loads them when retried
+        node, indices, loaded = m.last_device_node, m.device_indices, 0
+        self.cache.inc_lock_ref(node)
+        if self.tiered and m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
+            slots, loaded_node = self.cache.init_load_back(m.last_host_node, m.host_hit_length)
+            if slots.numel():
+                self.cache.dec_lock_ref(node)
+                self.cache.inc_lock_ref(loaded_node)
+                node, indices, loaded = loaded_node, torch.cat((indices, slots)), slots.numel()
+        start = indices.numel()
         need = self.pages(r.final_kv_len) - start // self.page_size + (room - self.room()) // self.page_size
-        if need > free:
-            self.cache.dec_lock_ref(m.last_device_node)
+        if need > free:  # the loaded nodes stay in the tree, on the device
+            self.cache.dec_lock_ref(node)
             cache_requests.give_back_row(self.table, r)
             return None
         if start:
-            self.table.write((r.row, slice(0, start)), m.device_indices.to(torch.int32))
-        r.kv_len, r.cache_protected_len, r.prefix_indices = start, start, m.device_indices
-        r.last_node, r.mamba_last_track_seqlen = m.last_device_node, None
+            self.table.write((r.row, slice(0, start)), indices.to(torch.int32))
+        r.kv_len, r.cache_protected_len, r.prefix_indices = start, start, indices
+        r.last_node, r.mamba_last_track_seqlen = node, None
         self.prompt_tokens += len(r.prompt)
         self.cached_tokens += start
+        self.host_loaded_tokens += loaded
+        self.storage_loaded_tokens += min(self.fetched.pop(r.rid, 0), loaded)
         return need
 
     def _chunk(self, r: Any, budget: int) -> int:
@@ -149,9 +205,28 @@ class PrefixCaching:
         self.cache.check_integrity(self.running)
 
     def leaked_slots(self) -> int:
-        """Empty the tree, then count the slots still held."""
+        """Empty the tree (with a host tier: once storage has every write, and the host too), then
+        count the slots still held (host slots included)."""
+        if self.tiered:
+            return self._empty_tiers()
         if self.hybrid:
             self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size(), mamba_num=self.cache.mamba_evictable_size()))
         else:
             self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
         return self.settled_slots_in_use()
+
+    def _empty_tiers(self) -> int:
+        cache = self.cache
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every backup and load done: their nodes unlock
+        cache.check_hicache_events()
+        tier = cache.storage_tier
+        if tier is not None:
+            self.storage_drained = tier.drain()  # the next engine over this store reads every page written
+            tier.close()
+            self.storage_stats = dataclasses.asdict(tier.stats)
+        cache.evict(EvictParams(num_tokens=cache.evictable_size()))
+        held = self.settled_slots_in_use()
+        host = cache.token_to_kv_pool_host
+        cache.evict_host(host.size)
+        return held + host.size - host.available_size()

@@ -4,7 +4,7 @@ two runs' tokens and logits (``compare``, ``Agreement``), and the report of ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.nn.functional as F
 
@@ -30,6 +30,11 @@ class ServeResult:
     prompt_tokens: int = 0  # with a prefix cache: the admitted prompts' tokens, and those it held
     cached_tokens: int = 0
     memory: dict[str, int] = field(default_factory=dict)  # the scheduler's own figures (its ``memory``), if any
+    # With a host tier: cached tokens loaded back from the host, of which entered the host from storage;
+    # the storage tier's counters (StorageTierStats' fields).
+    host_loaded_tokens: int = 0
+    storage_loaded_tokens: int = 0
+    storage: dict[str, int] = field(default_factory=dict)
 
     @property
     def generated_tokens(self) -> int:
@@ -101,6 +106,7 @@ class PoolRun:
     result: ServeResult
     vs_hf: Agreement  # against HF's plain generate
     vs_rounded: Optional[Agreement]  # against HF through a RoundingCache (None: pool dtype = model dtype)
+    tiers: Any = None  # with --host-tier: the support.runners.tiers.TierCheck of this run
 
     @property
     def label(self) -> str:
@@ -128,4 +134,6 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return self.fp32_check is not False and all(r.result.allocators_ok for r in self.runs)
+        return self.fp32_check is not False and all(
+            r.result.allocators_ok and (r.tiers is None or r.tiers.ok) for r in self.runs
+        )

@@ -14,12 +14,13 @@ from transformers import PreTrainedModel
 
 from kvpool.pools.base import KVCache
 from support.progress import Progress
-from support.runners.prefix import caching
+from support.runners.prefix import HostTier, caching
 from support.runners.config import DTYPES, LayerScales, RunConfig, Scales
 from support.runners.reference import Generation, Prompt, hf_reference, make_prompts
 from support.runners.results import PoolRun, Report, ServeResult, compare
 from support.runners.scheduler import ForwardBatch, Request, Scheduler
 from support.runners.summary import format_summary
+from support.runners import tiers as tier_checks
 
 class ModelRunner:
     """A model runner: ``forward(batch) -> logits [B, vocab]`` of each request's last token, and
@@ -58,10 +59,15 @@ class Architecture:
 
     def scheduler(
         self, pool: KVCache, max_running: int, max_context_len: int, chunk_size: Optional[int],
-        prefix_cache: bool = False,
+        prefix_cache: bool = False, tiers: Optional[HostTier] = None,
     ) -> Scheduler:  # fmt: skip
-        cls = caching(Scheduler) if prefix_cache else Scheduler
-        return cls(pool, max_running, max_context_len, chunk_size)
+        """The scheduler (on a prefix cache with ``prefix_cache``, with ``tiers`` below its device
+        part; an architecture whose cache has no host tier leaves ``tiers`` out of its signature)."""
+        if tiers is not None and not prefix_cache:
+            raise ValueError("tiers (a host tier) need prefix_cache=True: the host tier is the prefix cache's")
+        if not prefix_cache:
+            return Scheduler(pool, max_running, max_context_len, chunk_size)
+        return caching(Scheduler)(pool, max_running, max_context_len, chunk_size, tiers=tiers)
 
     def reference_scales(self, model: PreTrainedModel, scales: Optional[Scales]) -> Optional[LayerScales]:
         """``scales`` (the runner's) by HF layer index, for ``hf_reference``'s rounding cache."""
@@ -79,14 +85,19 @@ def serve(
     arch: Optional[Architecture] = None,
     chunk_size: Optional[int] = None,
     prefix_cache: bool = False,
+    tiers: Optional[HostTier] = None,
 ) -> ServeResult:
     """Serve ``prompts`` to completion with continuous batching, at most ``max_running`` at once,
-    with ``arch``'s scheduler and model runner (on a prefix cache with ``prefix_cache``). The
-    result's path counts are the pool writes of this run."""
+    with ``arch``'s scheduler and model runner (on a prefix cache with ``prefix_cache``, with
+    ``tiers`` a host tier and storage below it). The result's path counts are the pool writes of
+    this run."""
     if arch is None:
         raise ValueError("arch must be a model family's Architecture, got None")
     max_context = max(len(p.tokens) + p.new_tokens for p in prompts)
-    sched = arch.scheduler(pool, max_running, max_context, chunk_size, prefix_cache)
+    if tiers is None:
+        sched = arch.scheduler(pool, max_running, max_context, chunk_size, prefix_cache)
+    else:
+        sched = arch.scheduler(pool, max_running, max_context, chunk_size, prefix_cache, tiers=tiers)  # type: ignore[call-arg]
     runner = arch.runner(model, pool, scales)
     for rid, p in enumerate(prompts):
         sched.add(Request(rid, list(p.tokens), p.new_tokens))
@@ -114,11 +125,16 @@ def serve(
     res.prompt_tokens = getattr(sched, "prompt_tokens", 0)
     res.cached_tokens = getattr(sched, "cached_tokens", 0)
     res.memory = dict(getattr(sched, "memory", {}))
+    res.host_loaded_tokens = getattr(sched, "host_loaded_tokens", 0)
+    res.storage_loaded_tokens = getattr(sched, "storage_loaded_tokens", 0)
     try:
         sched.check_integrity()
     except RuntimeError as e:
         res.integrity_error = str(e)
     res.leaked_slots = sched.leaked_slots()
+    res.storage = dict(getattr(sched, "storage_stats", {}))
+    if not getattr(sched, "storage_drained", True):
+        res.integrity_error = res.integrity_error or "the storage tier's writes did not finish"
     return res
 
 
@@ -175,31 +191,43 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
         cfg, str(model.device), transformers.__version__, [], arch.program, arch.model_name,
         allocator_name=arch.allocator_name,
     )  # fmt: skip
+    with tier_checks.site_for(cfg) as site:
 
-    def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
-        dtype = DTYPES[name]
-        progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
-        res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size,
-                    prefix_cache=cfg.prefix_cache)  # fmt: skip
-        rounded = None
-        if dtype != DTYPES[cfg.model_dtype]:
-            progress(f"HF generate through a cache that rounds K/V as the {name} pool does")
-            rounded = compare(res.generations, hf_reference(model, prompts, dtype, arch.reference_scales(model, scales)))
-        report.runs.append(PoolRun(name, label, res, compare(res.generations, hf), rounded))
+        def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
+            dtype = DTYPES[name]
+            progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
+            namespace = f"{arch.model_name} seed {cfg.seed}, {name} pool, scale {label}"  # pages of one pool and scale
+            faults = site.faults() if site is not None else {}
+            res = serve(model, pool, prompts, cfg.batch, scales=scales, arch=arch, chunk_size=cfg.chunk_size,
+                        prefix_cache=cfg.prefix_cache, tiers=tier_checks.engine_tiers(cfg, site, namespace))  # fmt: skip
+            rounded = None
+            if dtype != DTYPES[cfg.model_dtype]:
+                progress(f"HF generate through a cache that rounds K/V as the {name} pool does")
+                rounded = compare(res.generations, hf_reference(model, prompts, dtype, arch.reference_scales(model, scales)))
+            run = PoolRun(name, label, res, compare(res.generations, hf), rounded)
+            if cfg.host_tier:
+                progress(f"the {name} pool's tiers against no cache, a device-only cache" + (" and a second engine" if site else ""))
 
-    for name in cfg.pool_dtypes:
-        pool = arch.make_pool(cfg, model, DTYPES[name])
-        fp8 = DTYPES[name].itemsize == 1
-        record(name, pool, None, "1.0" if fp8 else "-")
-        if not (fp8 and cfg.calibrate):
-            continue
-        if hasattr(pool, "calibrated_scales"):
-            progress(f"calibrating the {name} pool's scales on the same prompts")
-            record(name, pool, calibrate(cfg, model, pool, prompts, arch), "calibrated")
-        else:
-            note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
-            if note not in report.notes:
-                report.notes.append(note)
+                def serve_on(prefix_cache: bool, tiers: Any) -> ServeResult:
+                    return serve(model, arch.make_pool(cfg, model, dtype), prompts, cfg.batch, scales=scales, arch=arch,
+                                 chunk_size=cfg.chunk_size, prefix_cache=prefix_cache, tiers=tiers)  # fmt: skip
+
+                run.tiers = tier_checks.check(cfg, res, serve_on, site, namespace, name, faults)
+            report.runs.append(run)
+
+        for name in cfg.pool_dtypes:
+            pool = arch.make_pool(cfg, model, DTYPES[name])
+            fp8 = DTYPES[name].itemsize == 1
+            record(name, pool, None, "1.0" if fp8 else "-")
+            if not (fp8 and cfg.calibrate):
+                continue
+            if hasattr(pool, "calibrated_scales"):
+                progress(f"calibrating the {name} pool's scales on the same prompts")
+                record(name, pool, calibrate(cfg, model, pool, prompts, arch), "calibrated")
+            else:
+                note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
+                if note not in report.notes:
+                    report.notes.append(note)
     return report
 
 

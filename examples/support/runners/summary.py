@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from support.runners.config import LOGIT_RTOL
 from support.runners.results import Agreement, Report
+from support.runners.tiers import tier_lines
 
 def agreement_line(a: Agreement) -> str:
     if a.identical:
@@ -32,11 +33,14 @@ def format_summary(rep: Report) -> str:
     cfg = rep.config
     lo, hi = cfg.prompt_len
     chunks = f", prefill chunks of {cfg.chunk_size} tokens" if cfg.chunk_size is not None else ""
+    tiers = ""
+    if cfg.host_tier:
+        tiers = "; a HiRadixCache with a host tier" + (f" over {cfg.storage.describe()} storage" if cfg.storage else "")
     lines = [
         f"kvpool {rep.program}: {rep.model_name} ({cfg.shape.describe()}), {cfg.model_dtype} weights, "
         f"seed {cfg.seed}, on {rep.device}",
         f"  requests    {cfg.prompts} prompts of {lo}-{hi} tokens asking {cfg.new_tokens[0]}-{cfg.new_tokens[1]} "
-        f"new tokens, at most {cfg.batch} running{chunks}; {rep.allocator_name}(page_size={cfg.page_size})",
+        f"new tokens, at most {cfg.batch} running{chunks}; {rep.allocator_name}(page_size={cfg.page_size}){tiers}",
         f"  reference   transformers {rep.transformers_version}: generate(do_sample=False) of each prompt alone; "
         f"'rounded': through a cache that rounds K/V as the pool does",
     ]
@@ -61,6 +65,8 @@ def format_summary(rep: Report) -> str:
                 f"    cache       {s.cached_tokens} of {s.prompt_tokens} prompt tokens matched in the prefix cache "
                 f"({rate:.0f}%), not prefilled"
             )
+        if r.tiers is not None:
+            lines += tier_lines(s, r.tiers)
         if not s.allocators_ok:
             problem = s.integrity_error or f"{s.leaked_slots} slots still held after every request finished"
             lines.append(f"    allocators  FAILED: {problem}")

@@ -10,6 +10,7 @@ import torch
 
 from kvpool.host import IO_BACKENDS, LAYOUTS
 from support.cli import DTYPES, check_device
+from support.storage import StorageOptions
 
 # Per-tensor scales as a checkpoint would carry them, for kv_values' base range [-16, 16). K values stay
 # in range after the divide; some V values (|x| > 448 * 0.03 = 13.4) saturate, so both the rounding
@@ -117,6 +118,10 @@ class SimConfig:
     few_shot_len: int = 256
     turns: tuple[int, int] = (1, 4)
     host_write_policy: str = "write_through"
+    # --storage file|mooncake (with --prefix-cache --host-tier): a storage tier below the host tier
+    # (support/storage.py): host copies are written through to it, and each admission first fetches
+    # from it what follows its match's host part.
+    storage: Optional[StorageOptions] = None
     # --model gemma3 / gpt-oss: the sliding layers' window (gpt-oss's is 128 tokens, Gemma 3's 1024;
     # 128 by default so that the window matters at serve_sim's default lengths), the SWA part's tokens
     # per full-part token (SGLang's --swa-full-tokens-ratio), and the context at which the summary
@@ -181,6 +186,13 @@ class SimConfig:
             self._check_sliding_window()
         if self.prefix_cache:
             self._check_prefix_cache()
+        if self.storage is not None:
+            if not isinstance(self.storage, StorageOptions):
+                raise ValueError(f"storage must be a StorageOptions or None, got {type(self.storage).__name__}")
+            if not (self.prefix_cache and self.host_tier):
+                raise ValueError(
+                    f"--storage {self.storage.backend} sits below the prefix cache's host tier: needs --prefix-cache --host-tier"
+                )
 
     def _check_sliding_window(self) -> None:
         """What ``--model gemma3`` / ``gpt-oss`` need and what they run without (``SWA_REFUSES``)."""

@@ -31,6 +31,8 @@ request snapshots its state into its track slots at every page boundary a step p
 from __future__ import annotations
 
 import bisect
+import contextlib
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field, replace
@@ -48,6 +50,7 @@ from support.sim import hybrid
 from support.sim.config import HYBRID_MODEL
 from support.sim.loop import Parts, SimResult, make_pool, make_runner, simulate
 from support.sim.scheduler import Request, Scheduler
+from support.storage import StorageSite, storage_policy
 
 VOCAB = 32_000
 #: The rolling hash of a prefix: key_i = (key_{i-1} * KEY_BASE + token_i + 1) mod KEY_MODULUS, below
@@ -159,6 +162,7 @@ class PrefixStats:
     prompt_tokens: int = 0  # tokens the admitted requests needed in the pool before their next token
     matched_tokens: int = 0  # of them, found in the tree on the device
     loaded_tokens: int = 0  # of them, loaded back from the host tier
+    storage_tokens: int = 0  # of those, fetched from storage into the host tier for the request (--storage)
     evict_calls: int = 0  # evictions that freed something
     evicted_tokens: int = 0  # device tokens they freed
     evicted_states: int = 0  # state snapshots they freed (hybrid)
@@ -166,10 +170,16 @@ class PrefixStats:
     host_evicted_tokens: int = 0  # host tier: tokens dropped from the host
     forks: int = 0  # hybrid: snapshots copied into a request's state slot
     integrity_checks: int = 0
+    storage: dict[str, int] = field(default_factory=dict)  # --storage: the storage tier's counters
+    faults: dict[str, int] = field(default_factory=dict)  # --storage-faults: faults injected, by kind
+    storage_drained: bool = True  # every storage write finished before the run's end
 
     @property
     def hit_rate(self) -> float:
         return (self.matched_tokens + self.loaded_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def tier_rate(self, tokens: int) -> str:
+        return f"{100 * tokens / self.prompt_tokens if self.prompt_tokens else 0.0:.1f}%"
 
     def summary_lines(self, res: Any) -> list[str]:
         """serve_sim's summary lines for these tallies (``res``: the run's ``SimResult``)."""
@@ -186,9 +196,30 @@ class PrefixStats:
                 f"{pad}host tier ({cfg.host_write_policy}, {cfg.host_layout}, {cfg.host_io_backend}): "
                 f"{self.backed_up_tokens} tokens backed up, {self.host_evicted_tokens} dropped from the host"
             )
+        if cfg.storage is not None:
+            lines += self.storage_lines(cfg, pad)
         if cfg.model == "qwen3.5":
             lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted")
         lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
+        return lines
+
+
+    def storage_lines(self, cfg: Any, pad: str) -> list[str]:
+        host = self.loaded_tokens - self.storage_tokens
+        st = self.storage
+        lines = [
+            f"{pad}hit rate by tier: device {self.tier_rate(self.matched_tokens)}, host {self.tier_rate(host)}, storage "
+            f"{self.tier_rate(self.storage_tokens)} ({self.matched_tokens} / {host} / {self.storage_tokens} tokens)",
+            f"{pad}storage tier {cfg.storage.describe()}: {st.get('pages_written', 0)} pages written, "
+            f"{st.get('pages_read', 0)} read ({st.get('tokens_loaded', 0)} tokens into the host, "
+            f"{st.get('tokens_dropped', 0)} dropped); {st.get('write_failures', 0)} write and "
+            f"{st.get('prefetch_failures', 0)} prefetch failures, {st.get('writes_skipped', 0)} pages skipped backing off",
+        ]
+        if self.faults:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
+            lines.append(f"{pad}faults injected into storage calls: {sum(self.faults.values())} ({kinds})")
+        if not self.storage_drained:
+            lines.append(f"{pad}storage writes FAILED to finish before the end of the run")
         return lines
 
 
@@ -226,8 +257,9 @@ def _with(mixin: type, base: type) -> type:
     return type(base.__name__, (mixin, base), {})
 
 
-def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixStats) -> RadixCache:
-    """The run's prefix cache over the scheduler's allocator and request table."""
+def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixStats, storage: Any = None) -> RadixCache:
+    """The run's prefix cache over the scheduler's allocator and request table (``storage``: a
+    backend below the host tier, or None)."""
     hybrid = isinstance(table, HybridReqToTokenPool)
     params = CacheInitParams(
         disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator, page_size=cfg.page_size,
@@ -243,7 +275,8 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
             raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
         cache = _with(TalliedHostTier, HiRadixCache)(
             params, host_pool=host, write_policy=cfg.host_write_policy, io_backend=cfg.host_io_backend,
-            validate=cfg.validate,
+            validate=cfg.validate, storage=storage,
+            storage_policy=storage_policy(cfg.page_size) if storage is not None else None,
         )  # fmt: skip
     else:
         cache = _with(TalliedCache, RadixCache)(params, validate=cfg.validate)
@@ -259,12 +292,13 @@ class PrefixScheduler:
     """serve_sim's scheduler (mixed into ``serve_sim.Scheduler`` or support.sim.hybrid's) on a prefix
     cache; ``runner`` checks rows loaded from the host tier and forked states, ``result`` tallies."""
 
-    def __init__(self, cfg: Any, pool: Any, *args: Any, runner: Any, result: Any, **kwargs: Any) -> None:
+    def __init__(self, cfg: Any, pool: Any, *args: Any, runner: Any, result: Any, storage: Any = None, **kwargs: Any) -> None:
         super().__init__(cfg, pool, *args, **kwargs)  # type: ignore[call-arg]
         self.runner, self.result, self.stats = runner, result, result.prefix
         self.hybrid = isinstance(self.table, HybridReqToTokenPool)
-        self.cache = make_cache(cfg, pool, self.allocator, self.table, self.stats)
+        self.cache = make_cache(cfg, pool, self.allocator, self.table, self.stats, storage)
         self.loads: list[tuple[Any, int, torch.Tensor]] = []  # this step's host loads: (request, from, slots)
+        self.fetched: dict[int, int] = {}  # per waiting request: tokens fetched from storage for it
 
     def room(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
@@ -293,7 +327,9 @@ class PrefixScheduler:
         room = self.room()  # what locking the match and loading it back take from it, the admission takes
         target = r.prompt_len + r.generated
         key = RadixKey(r.tokens[: target - 1])  # the last token is computed: its logits give the next
-        m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None))
+        params = MatchPrefixParams(key=key, cow_mamba=self.hybrid, req=r if self.hybrid else None)
+        m, fetched = cache_requests.match_with_storage(self.cache, r.rid, params)
+        self.fetched[r.rid] = self.fetched.get(r.rid, 0) + fetched  # a refused admission loads them when retried
         prefix, node, loaded = m.device_indices, m.last_device_node, 0
         if m.host_hit_length:
             start = prefix.numel() + m.host_hit_length
@@ -318,6 +354,7 @@ class PrefixScheduler:
         self.stats.prompt_tokens += target
         self.stats.matched_tokens += start - loaded
         self.stats.loaded_tokens += loaded
+        self.stats.storage_tokens += min(self.fetched.pop(r.rid, 0), loaded)
         if loaded:
             self.loads.append((r, start - loaded, slots))
         if self.hybrid and start:
@@ -373,6 +410,11 @@ class PrefixScheduler:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # every backup and load done: their nodes unlock
             cache.check_hicache_events()
+            tier = cache.storage_tier
+            if tier is not None:
+                self.stats.storage_drained = tier.drain()
+                tier.close()
+                self.stats.storage = dataclasses.asdict(tier.stats)
         kv = cache.evictable_size()
         if isinstance(cache, MambaRadixCache):
             cache.evict(EvictParams(num_tokens=kv, mamba_num=cache.mamba_evictable_size()))
@@ -433,10 +475,17 @@ def run(cfg: Any) -> Any:
         result = SimResult(cfg, pool.size, geometry.bytes_per_token, device=str(pool.device))
         parts, base = Parts(), _with(PrefixScheduler, Scheduler)
     result.prefix = PrefixStats()
-    parts = replace(
-        parts, scheduler=functools.partial(base, runner=runner, result=result),
-        host_parking=lambda *args: None,  # the host tier is the cache's
-        arrivals=lambda c: make_chats(c),
-    )  # fmt: skip
-    simulate(cfg, pool, runner, result, parts)
+    with StorageSite(cfg.storage) if cfg.storage is not None else contextlib.nullcontext(None) as site:
+        name = f"serve_sim seed {cfg.seed}, {cfg.model} {cfg.dtype}"
+        storage = site.open(name, page_first=cfg.host_layout == "page_first") if site is not None else None
+        parts = replace(
+            parts, scheduler=functools.partial(base, runner=runner, result=result, storage=storage),
+            host_parking=lambda *args: None,  # the host tier is the cache's
+            arrivals=lambda c: make_chats(c),
+        )  # fmt: skip
+        simulate(cfg, pool, runner, result, parts)
+        if site is not None:
+            result.prefix.faults = site.faults()
+            if not result.prefix.storage_drained:
+                result.integrity_error = result.integrity_error or "the storage tier's writes did not finish"
     return result
