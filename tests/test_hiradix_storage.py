@@ -17,7 +17,7 @@ import torch
 from kvassert import Engine, file_store, seq
 
 from kvpool import MHATokenToKVPool, PagedTokenToKVPoolAllocator
-from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache
+from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MatchPrefixParams, RadixKey
 from kvpool.cache.records import STORAGE
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.errors import IntegrityError
@@ -304,3 +304,24 @@ def test_a_seeded_fault_run_loads_only_right_bytes_and_stays_consistent(tmp_path
     assert injected == {"fail", "raise", "short"} and sum(e.from_storage for e in engines) > 0
     for eng in engines:
         eng.drain()
+
+
+def test_an_aborted_requests_prefetch_releases_its_hold_and_takes_nothing(tmp_path):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(17, 300)
+    a.finish(a.admit(prompt))
+    b = second(a, file_store(tmp_path / "kv"))
+    b.finish(b.admit(prompt[:5]))  # the first page is in b's tree, on the host too
+    cache = b.cache
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:16]))).last_host_node
+    assert node is not cache.root_node
+    cache.prefetch_from_storage("r", node, prompt[4:16])
+    assert node.host_ref_counter == 1
+    host_free = b.host.available_size()
+    cache.release_aborted_request("r")  # SGLang's scheduler, for a request aborted while waiting
+    assert cache.storage_tier.ongoing_prefetch == {} and node.host_ref_counter == 0
+    assert b.host.available_size() == host_free and cache.pop_prefetch_loaded_tokens("r") == 0
+    assert cache.check_prefetch_progress("r")  # nothing left to end
+    cache.check_integrity()
+    cache.release_aborted_request("never-prefetched")  # nothing to release
+    b.drain()  # the node leaves the host with the rest

@@ -352,6 +352,14 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         if self.storage_tier is not None:
             self.storage_tier.terminate(req_id)
 
+    def release_aborted_request(self, req_id: Any) -> None:
+        """End ``req_id``'s prefetch for a request aborted before it was scheduled (SGLang's scheduler
+        calls it instead of ``check_prefetch_progress``): the pages fetched are dropped, further reads
+        stop and the hold on ``last_host_node``'s host copy is released. Nothing for a request
+        without a prefetch."""
+        if self.storage_tier is not None:
+            self.storage_tier.abort(req_id)
+
     def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
         """Tokens ``req_id``'s prefetch brought into the host tier (0 for none), once."""
         return 0 if self.storage_tier is None else self.storage_tier.loaded_tokens.pop(req_id, 0)

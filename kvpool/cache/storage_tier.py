@@ -370,6 +370,18 @@ class StorageTier:
         if op is not None:
             op.terminated = True
 
+    def abort(self, req_id: Any) -> None:
+        """``HiRadixCache.release_aborted_request``: end ``req_id``'s prefetch without taking its pages
+        (the worker stops reading), and release its hold on the host copy."""
+        self.loaded_tokens.pop(req_id, None)
+        op = self.ongoing_prefetch.pop(req_id, None)
+        if op is None:
+            return
+        with self._lock:
+            op.terminated = True
+            self.stats.tokens_dropped += len(op.pages) * self.page_size
+        op.copy.holds -= 1
+
     def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
         """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
         prefix they continue; returns the tokens that entered the host tier."""
