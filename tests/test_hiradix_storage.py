@@ -325,3 +325,31 @@ def test_an_aborted_requests_prefetch_releases_its_hold_and_takes_nothing(tmp_pa
     cache.check_integrity()
     cache.release_aborted_request("never-prefetched")  # nothing to release
     b.drain()  # the node leaves the host with the rest
+
+
+def test_tensor_parallel_ranks_on_one_directory_never_read_each_others_pages(tmp_path):
+    args = SimpleNamespace(hicache_ratio=2.0, hicache_size=0, hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+                           hicache_io_backend="direct", hicache_storage_backend="file", hicache_storage_prefetch_policy="best_effort",
+                           hicache_storage_backend_extra_config={"file_path": str(tmp_path / "kv")}, model_path="org/model",
+                           tp_size=2)  # fmt: skip
+
+    def rank_cache(tp_cache_group):
+        pool = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")  # each rank holds its own 2 heads
+        alloc = PagedTokenToKVPoolAllocator(64, 4, kvcache=pool)
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4,
+                                 tp_cache_group=tp_cache_group)  # fmt: skip
+        return HiRadixCache(params, args)
+
+    def group(rank, size):  # the rank's tensor-parallel process group, as SGLang passes it
+        return SimpleNamespace(rank=lambda: rank, size=lambda: size)
+
+    ranks = [rank_cache(group(r, 2)) for r in range(2)]
+    stores = [c.storage_tier.storage for c in ranks]
+    assert [(s.storage_config.tp_rank, s.storage_config.tp_size) for s in stores] == [(0, 2), (1, 2)]
+    host = ranks[0].token_to_kv_pool_host
+    (key,) = page_keys([1, 2, 3, 4], 4)
+    assert stores[0].batch_set_v1([key], host.alloc(4)) == [True]
+    assert stores[0].exists(key) and not stores[1].exists(key)
+    with pytest.raises(ValueError, match="tp_cache_group must be the rank's tensor-parallel group .* tp_size 2, got None"):
+        rank_cache(None)
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [storage_digest(stores[0].namespace, key) + ".kvpage"]

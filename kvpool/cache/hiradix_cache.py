@@ -81,7 +81,9 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         self.io_backend = backend
         self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
         self.write_through_threshold = 1 if policy == "write_through" else 2
-        make_tier = storage_for(server_args, storage, storage_policy, host_pool)  # checked before any change
+        fields = vars(params) if params is not None else legacy_fields  # the ranks name the storage namespace
+        ranks = (fields.get("tp_cache_group"), (fields.get("pp_rank", 0), fields.get("pp_size", 1)))
+        make_tier = storage_for(server_args, storage, storage_policy, host_pool, *ranks)  # checked before any change
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
         self._reset_host()  # the cache owns every host page from now on
