@@ -353,3 +353,28 @@ def test_tensor_parallel_ranks_on_one_directory_never_read_each_others_pages(tmp
     with pytest.raises(ValueError, match="tp_cache_group must be the rank's tensor-parallel group .* tp_size 2, got None"):
         rank_cache(None)
     assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [storage_digest(stores[0].namespace, key) + ".kvpage"]
+
+
+def test_a_node_split_before_its_backup_completes_has_both_parts_written(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"))
+
+    class Pending:  # a backup still copying (a CUDA event), complete once the test says so
+        done = False
+
+        def query(self):
+            return Pending.done
+
+    real = eng.host.backup_from_device_all_layer
+    eng.host.backup_from_device_all_layer = lambda *a, **kw: (real(*a, **kw), Pending())[1]
+    prompt = seq(17, 100)
+    eng.finish(eng.admit(prompt))
+    eng.finish(eng.admit(prompt[:8] + seq(9, 5000)))  # splits the node after two pages, before the backup is done
+    assert eng.cache.storage_tier.stats.pages_written == 0
+    Pending.done = True
+    eng.cache.check_hicache_events()
+    eng.cache.check_integrity()
+    fresh = second(eng, file_store(tmp_path / "kv"))
+    fresh.finish(fresh.admit(prompt))
+    assert fresh.from_storage == 16
+    fresh.drain()
+    eng.drain()

@@ -217,7 +217,7 @@ class StorageTier:
         self.ongoing_prefetch: dict[Any, PrefetchOp] = {}
         self.loaded_tokens: dict[Any, int] = {}
         self._lock = threading.Lock()
-        self._pending: list[tuple[TreeNode, Any, Any]] = []  # (node, its host copy, the backup's event)
+        self._pending: list[tuple[TreeNode, Any, Any, torch.Tensor]] = []  # (node, its host copy, the backup's event, slots)
         self._backoff = policy.backoff_s
         self._resume_at = 0.0
         self._queues: dict[str, queue.Queue] = {}
@@ -227,18 +227,28 @@ class StorageTier:
     def backed_up(self, node: TreeNode, event: Any) -> None:
         """``node`` has a new host copy, complete once ``event`` is (None: now); it is written to
         storage at the next ``poll`` after that (at once for None)."""
-        self._pending.append((node, node.records[HOST], event))
+        copy = node.records[HOST]
+        self._pending.append((node, copy, event, copy.slots))
         if event is None:
             self.poll()
 
     def poll(self) -> None:
-        """Write the host copies whose backup completed, if they are still the node's."""
+        """Write the host copies whose backup completed, if they are still the node's (with the
+        parents a split gave the copy's first part meanwhile)."""
         left = []
-        for node, copy, event in self._pending:
+        for node, copy, event, slots in self._pending:
             if event is not None and not event.query():
-                left.append((node, copy, event))
+                left.append((node, copy, event, slots))
             elif node.records.get(HOST) is copy and self._attached(node):
-                self._write(node, copy)
+                parts, rest, n = [(node, copy)], len(slots) - len(copy.slots), node.parent
+                while rest > 0 and n is not self.cache.root_node:
+                    head = n.records.get(HOST)
+                    if head is None or len(head.slots) > rest or not torch.equal(head.slots, slots[rest - len(head.slots) : rest]):
+                        break
+                    parts.append((n, head))
+                    rest, n = rest - len(head.slots), n.parent
+                for part, part_copy in reversed(parts):  # the prefix's first pages first
+                    self._write(part, part_copy)
         self._pending = left
 
     def _write(self, node: TreeNode, copy: Any) -> None:
