@@ -31,7 +31,8 @@ from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, Match
 from kvpool.cache.radix_cache import RadixCache
 from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
-from kvpool.cache.storage_tier import StoragePolicy, storage_for
+from kvpool.cache.storage_setup import storage_for
+from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.cache.tree import Undo
 from kvpool.cache.write_through import NO_ROOM, WriteThroughInserts
 from kvpool.checks import non_negative_int
