@@ -117,6 +117,27 @@ def test_the_integrity_check_sees_wrong_storage_keys(tmp_path):
         eng.cache.check_integrity()
 
 
+def test_the_integrity_check_sees_keys_below_a_node_without_them_and_a_prefetch_without_its_hold(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"))
+    eng.finish(eng.admit(seq(17, 100)))
+    eng.finish(eng.admit(seq(9, 100) + seq(8, 5000)))  # a node of two pages with two children
+    cache = eng.cache
+    parent = next(iter(cache.root_node.children.values()))
+    child = next(iter(parent.children.values()))
+    keys = parent.records.pop(STORAGE)
+    with pytest.raises(IntegrityError, match=f"node {child.id} has storage keys but its parent {parent.id} has none"):
+        cache.check_integrity()
+    parent.records[STORAGE] = keys
+    cache.check_integrity()
+    cache.prefetch_from_storage("r", child, seq(8, 90_000))
+    child.records["host"].holds -= 1
+    with pytest.raises(IntegrityError, match="a prefetch in flight does not hold the host copy of the node it continues"):
+        cache.check_integrity()
+    child.records["host"].holds += 1
+    assert cache.check_prefetch_progress("r")
+    eng.drain()
+
+
 # --- prefetch policies (worker threads; the injector's sleep is a gate the test opens) -------------
 
 
