@@ -399,3 +399,21 @@ def test_a_node_split_before_its_backup_completes_has_both_parts_written(tmp_pat
     assert fresh.from_storage == 16
     fresh.drain()
     eng.drain()
+
+
+def test_writes_waiting_for_a_stalled_storage_hold_at_most_the_host_pools_size(tmp_path):
+    gate = threading.Event()
+    stalled = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"batch_set": {1}}, sleep=lambda s: gate.wait(30))
+    eng = engine(stalled, StoragePolicy(prefetch_threshold=0, background=True), host_ratio=4.0)
+    tier = eng.cache.storage_tier
+    host_pages = eng.host.size // eng.page
+    for i in range(2 * host_pages):  # each insert is a new page copied out of the host for storage
+        eng.finish(eng.admit(seq(5, 1000 * (i + 1))))
+        eng.cache.evict(EvictParams(num_tokens=eng.size))
+        eng.cache.evict_host(eng.host.size)  # room on the host: only storage's queue keeps the copies
+    assert tier.stats.writes_skipped >= host_pages - 1 and tier.queued_pages <= host_pages
+    gate.set()
+    assert tier.drain()
+    assert tier.queued_pages == 0 and tier.stats.pages_written + tier.stats.writes_skipped == 2 * host_pages
+    tier.close()
+    eng.drain()

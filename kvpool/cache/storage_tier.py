@@ -138,6 +138,10 @@ class StorageTier:
         self._pending: list[tuple[TreeNode, Any, Any, torch.Tensor]] = []  # (node, its host copy, the backup's event, slots)
         self._backoff = policy.backoff_s
         self._resume_at = 0.0
+        #: Pages copied out of the host for storage that a worker has not written yet, and their bound
+        #: (the host pool's size): beyond it writes are skipped, so a stalled store cannot fill memory.
+        self.queued_pages = 0
+        self.max_queued_pages = self.host.size // self.page_size
         self._queues: dict[str, queue.Queue] = {}
 
     # --- write-through ---------------------------------------------------------------------------
@@ -174,10 +178,17 @@ class StorageTier:
         keys = self.keys_of(node)
         if keys is None or not pages:
             return
-        if time.monotonic() < self._resume_at:
-            self.stats.writes_skipped += pages
-            return
-        data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+        with self._lock:
+            if time.monotonic() < self._resume_at or self.queued_pages + pages > self.max_queued_pages:
+                self.stats.writes_skipped += pages
+                return
+            self.queued_pages += pages
+        try:
+            data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+        except BaseException:
+            with self._lock:
+                self.queued_pages -= pages
+            raise
         self._submit("write", lambda: self._run_write(keys, data))
 
     def _run_write(self, keys: list[str], data: list[torch.Tensor]) -> None:
@@ -186,6 +197,7 @@ class StorageTier:
         except Exception:
             ok = False
         with self._lock:
+            self.queued_pages -= len(keys)
             if ok:
                 self.stats.pages_written += len(keys)
             else:
