@@ -417,3 +417,21 @@ def test_writes_waiting_for_a_stalled_storage_hold_at_most_the_host_pools_size(t
     assert tier.queued_pages == 0 and tier.stats.pages_written + tier.stats.writes_skipped == 2 * host_pages
     tier.close()
     eng.drain()
+
+
+def test_prefetches_in_flight_hold_at_most_the_host_pools_size(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"), host_ratio=2.0)
+    cache, host_pages = eng.cache, eng.host.size // eng.page
+    prompts = [seq(4 * (host_pages // 2 - 1), 1000 * (i + 1)) for i in range(3)]  # each a page short of half the host
+    for i, prompt in enumerate(prompts):  # the pages each read into memory until its request goes on
+        cache.prefetch_from_storage(f"r{i}", cache.root_node, prompt)
+    assert sorted(cache.storage_tier.ongoing_prefetch) == ["r0", "r1"]  # a third would pass the host's size
+    assert cache.check_prefetch_progress("r2") and cache.check_prefetch_progress("r0")
+    cache.prefetch_from_storage("r2", cache.root_node, prompts[2])  # room again
+    assert sorted(cache.storage_tier.ongoing_prefetch) == ["r1", "r2"]
+    cache.release_aborted_request("r1")
+    assert cache.check_prefetch_progress("r2") and cache.storage_tier.ongoing_prefetch == {}
+    cache.prefetch_from_storage("r3", cache.root_node, prompts[0] + prompts[1] + prompts[2])  # more than the host holds
+    assert cache.storage_tier.ongoing_prefetch == {}
+    cache.check_integrity()
+    eng.drain()

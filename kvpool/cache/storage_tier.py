@@ -142,6 +142,9 @@ class StorageTier:
         #: (the host pool's size): beyond it writes are skipped, so a stalled store cannot fill memory.
         self.queued_pages = 0
         self.max_queued_pages = self.host.size // self.page_size
+        #: Pages of the prefetches in flight (each may read them all into memory), and their bound.
+        self.prefetch_pages = 0
+        self.max_prefetch_pages = self.host.size // self.page_size
         self._queues: dict[str, queue.Queue] = {}
 
     # --- write-through ---------------------------------------------------------------------------
@@ -263,6 +266,8 @@ class StorageTier:
             )
         if len(elements) < self.policy.prefetch_threshold or time.monotonic() < self._resume_at:
             return
+        if self.prefetch_pages + len(keys) > self.max_prefetch_pages:
+            return
         path, n = [], last_host_node
         while n is not root:
             path.append(encoded(n.key))
@@ -273,6 +278,7 @@ class StorageTier:
         copy.holds += 1  # the node the pages hang below stays on the host meanwhile
         op = PrefetchOp(enc, start, keys, extra, copy)
         self.ongoing_prefetch[req_id] = op
+        self.prefetch_pages += len(keys)
         self.stats.prefetches += 1
         self._submit("prefetch", lambda: self._run_prefetch(op))
 
@@ -316,6 +322,7 @@ class StorageTier:
             op.terminated = True
             pages = list(op.pages)
         del self.ongoing_prefetch[req_id]
+        self.prefetch_pages -= len(op.keys)
         try:
             self.loaded_tokens[req_id] = self._take(op, pages)
         finally:
@@ -335,6 +342,7 @@ class StorageTier:
         op = self.ongoing_prefetch.pop(req_id, None)
         if op is None:
             return
+        self.prefetch_pages -= len(op.keys)
         with self._lock:
             op.terminated = True
             self.stats.tokens_dropped += len(op.pages) * self.page_size
@@ -383,6 +391,7 @@ class StorageTier:
         for op in self.ongoing_prefetch.values():
             op.terminated = True
         self.ongoing_prefetch.clear()
+        self.prefetch_pages = 0
         self.loaded_tokens.clear()
         self._pending = []
 
@@ -411,6 +420,9 @@ class StorageTier:
             holds[id(op.copy)] = holds.get(id(op.copy), 0) + 1
             if op.copy.holds < holds[id(op.copy)]:
                 out.append("a prefetch in flight does not hold the host copy of the node it continues")
+        in_flight = sum(len(op.keys) for op in self.ongoing_prefetch.values())
+        if self.prefetch_pages != in_flight:
+            out.append(f"the prefetches in flight count {self.prefetch_pages} pages but have {in_flight}")
         return out
 
     def _attached(self, node: TreeNode) -> bool:
