@@ -82,8 +82,9 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         self.io_backend = backend
         self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
         self.write_through_threshold = 1 if policy == "write_through" else 2
-        fields = vars(params) if params is not None else legacy_fields  # the ranks name the storage namespace
-        ranks = (fields.get("tp_cache_group"), (fields.get("pp_rank", 0), fields.get("pp_size", 1)))
+        rank_fields = (("tp_cache_group", None), ("pp_rank", 0), ("pp_size", 1))  # they name the storage namespace
+        group, pp_rank, pp_size = (getattr(params, k, d) if params is not None else legacy_fields.get(k, d) for k, d in rank_fields)
+        ranks = (group, (pp_rank, pp_size))
         make_tier = storage_for(server_args, storage, storage_policy, host_pool, *ranks)  # checked before any change
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
