@@ -339,3 +339,23 @@ def test_a_read_or_clear_while_a_page_is_written_keeps_the_bound(tmp_path, monke
     on_disk = page_files(store)
     stats = store.get_stats()
     assert len(on_disk) <= 2 and stats.pages == len(on_disk) and stats.bytes == len(on_disk) * one
+
+
+def test_a_store_opened_meanwhile_keeps_a_live_writers_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    writer = file_store(path)
+    real_replace = os.replace
+
+    def open_another_store_then_replace(src, dst):
+        file_store(path)  # another engine starts on the directory mid-write
+        real_replace(src, dst)
+
+    monkeypatch.setattr(file_module.os, "replace", open_another_store_then_replace)
+    assert writer.set("k", torch.full((64,), 3, dtype=torch.uint8))
+    monkeypatch.undo()
+    assert torch.equal(writer.get("k"), torch.full((64,), 3, dtype=torch.uint8))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale = path / f"{file_module.TEMP_PREFIX}{int(dead.stdout)}-1-0"
+    stale.write_bytes(b"half a page")
+    file_store(path)
+    assert not stale.exists()  # its writer is gone

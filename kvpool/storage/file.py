@@ -75,6 +75,18 @@ def owner_only_directory(path: object) -> str:
     return path
 
 
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process whose id a temporary file's name carries is running."""
+    try:
+        pid = int(temp_name[len(TEMP_PREFIX) :].split("-")[0])
+        os.kill(pid, 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return pid > 0
+
+
 def _write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
@@ -155,11 +167,14 @@ class HiCacheFile(HiCacheStorage):
     # --- the directory -------------------------------------------------------------------------------
 
     def _adopt_directory(self) -> None:
-        """Remove temporary files a dead writer left, index the page files oldest first, and trim."""
+        """Remove temporary files a dead writer left (a live one's are its write in flight), index the
+        page files oldest first, and trim."""
         found = []
         with os.scandir(self.file_path) as entries:
             for e in entries:
                 if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+                    if _writer_alive(e.name):
+                        continue
                     try:
                         os.unlink(e.path)
                     except FileNotFoundError:
