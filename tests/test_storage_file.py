@@ -359,3 +359,27 @@ def test_a_store_opened_meanwhile_keeps_a_live_writers_temporary_file(tmp_path, 
     stale.write_bytes(b"half a page")
     file_store(path)
     assert not stale.exists()  # its writer is gone
+
+
+def test_a_page_evicted_by_another_process_while_a_store_opens_is_skipped(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    first = file_store(path)
+    for k in "ab":
+        assert first.set(k, torch.full((16,), 1, dtype=torch.uint8))
+    real_scandir = os.scandir
+
+    class ListedThenEvicted:  # the directory as listed, one page removed (by another process) right after
+        def __init__(self, p):
+            self.entries = list(real_scandir(p))
+            os.unlink(self.entries[0].path)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(file_module.os, "scandir", ListedThenEvicted)
+    opened = file_store(path)
+    monkeypatch.undo()
+    assert opened.get_stats().pages == 1 and len(page_files(opened)) == 1

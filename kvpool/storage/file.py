@@ -180,7 +180,10 @@ class HiCacheFile(HiCacheStorage):
                     except FileNotFoundError:
                         pass
                 elif _PAGE_NAME.match(e.name) and e.is_file(follow_symlinks=False):
-                    st = e.stat(follow_symlinks=False)
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # evicted by another process since the listing
+                        continue
                     found.append((st.st_mtime_ns, e.name[:64], st.st_size))
         with self._lock:
             for _, digest, size in sorted(found):
