@@ -36,13 +36,27 @@ generates through a cache that rounds K/V as the pool does (HF's own sliding cac
 last ``sliding_window - 1`` tokens of a sliding layer); every slot of both parts is back at the end.
 FP8 pools run at scale 1.0 and with the scales the pool's own calibration gives.
 
-``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}``: the model is
+Speculative decoding (``--spec-width W``, default 4, 0 for none; on the pools of ``--spec-dtypes``):
+each decode step drafts ``W - 1`` tokens per request and verifies the block ``[last token, drafts]`` in
+one forward. The draft is the target itself on an fp8_e5m2 ``MHATokenToKVPool`` of every layer at
+the target's full slots (scale 1.0; sized with the SWA pools by ``plan_swa_pools``), which agrees with
+the target except where the rounding turns a near-tie. The scheduler gives each block's tokens slots
+in both parts; the verify forward attends over each layer's committed rows (a sliding layer over the
+translated slots of its window) plus the block's own K/V as the pool stores it; the accepted prefix
+is committed with ``set_kv_buffer_prefix_valid`` (the pool translates a sliding layer's slots) and the
+rejected slots go back to both parts with ``free``, before the pages that left the window go back
+with ``free_swa``. With an fp32 model the speculative tokens must equal the non-speculative run's on
+the same pool dtype (and, on fp32, HF's).
+
+``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}`` and, with a
+speculative run, ``"spec_tokens"`` (the fp32 pool's tokens without and with speculative decoding): the model is
 ``GptOssForCausalLM(GptOssConfig(**config))`` built in float32 right after ``torch.manual_seed(seed)``,
 so anyone can rebuild it and compare.
 
     python examples/gpt_oss_runner.py                       # tiny config, a few seconds on a CPU
     python examples/gpt_oss_runner.py --dtypes fp32 --sliding-window 6 --chunk-size 8
     python examples/gpt_oss_runner.py --config small --device cuda --json out.json
+    python examples/gpt_oss_runner.py --dtypes fp32 --page-size 64 --prompt-len 70 90 --spec-width 6
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (``--prefix-cache`` is refused:
 there is no sliding-window radix cache in the runners; page size 1 is refused: the SWA allocator
@@ -57,7 +71,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -83,7 +97,17 @@ from support.runners.gemma3_model import (  # noqa: E402, F401  (the SWA pools a
     swa_geometry,
     swa_pages,
 )
-from support.runners.sliding import SlidingArchitecture, format_swa_summary, run_sliding, window_keys  # noqa: E402
+from support.runners.sliding import (  # noqa: E402, F401  (the shared sliding-window frame; the tests use it here)
+    PooledKV,
+    SlidingArchitecture,
+    SlidingOptions,
+    SlidingRunner,
+    add_spec_arguments,
+    format_swa_summary,
+    run_sliding,
+    window_keys,
+)
+from support.runners.verify import SpecReport  # noqa: E402
 
 from kvpool import SWAKVPool  # noqa: E402
 from kvpool.checks import positive_int  # noqa: E402
@@ -230,12 +254,11 @@ def sink_attention(
 
 class PooledGptOssAttention:
     """One gpt-oss attention layer: HF's projections (with biases) and RoPE; K/V written to the
-    ``SWAKVPool`` under the global layer id and read back from the layer's part; the layer's sinks."""
+    ``SWAKVPool`` under the global layer id and read back from the layer's part (``PooledKV``); the layer's sinks."""
 
     def __init__(self, attn: torch.nn.Module, layer_id: int, kv: SWAKVPool) -> None:
         self.attn = attn
-        self.layer_id = layer_id  # what set_kv_buffer reads from its ``layer`` argument
-        self.pool = kv
+        self.kv = PooledKV(layer_id, kv)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
@@ -248,16 +271,14 @@ class PooledGptOssAttention:
         k = a.k_proj(x).view(t, -1, a.head_dim)
         v = a.v_proj(x).view(t, -1, a.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # heads on dim 1
-        self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
-        k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
         slots, mask = keys
-        rows_k = read_rows(k_buf, slots, k_scale, q.dtype)
-        rows_v = read_rows(v_buf, slots, v_scale, q.dtype)
+        rows_k, rows_v = self.kv.rows(batch, k, v, slots, k_scale, v_scale, q.dtype)
         return a.o_proj(sink_attention(q, rows_k, rows_v, batch, mask, a.scaling, a.sinks))
 
 
-class GptOssRunner(rc.ModelRunner):
-    """Runs a ``GptOssForCausalLM``'s forward over a ``ForwardBatch`` with its KV cache in ``pools``.
+class GptOssRunner(SlidingRunner):
+    """Runs a ``GptOssForCausalLM``'s forward over a ``ForwardBatch`` with its KV cache in ``pools``
+    (``SlidingRunner``: parameters, speculative decoding).
 
     Parameters
     ----------
@@ -267,46 +288,27 @@ class GptOssRunner(rc.ModelRunner):
     scales : per layer ``(k_scale, v_scale)`` float32 tensors on the pool's device, a list in layer
         order or a mapping from layer id (what the pool's calibration gives); default 1.0. Used by FP8
         pools only.
+    draft_pool : the draft's pool (``SWAPools.draft``) for speculative decoding, or None.
     """
 
-    def __init__(self, model: GptOssForCausalLM, pools: SWAPools, scales: Optional[rc.LayerScales] = None) -> None:
-        g, kv = swa_geometry(model), pools.kv
-        want = (g.kv_heads, g.head_dim, g.swa_layers, g.full_layers, g.window)
-        got = (kv.head_num, kv.head_dim, kv.swa_attention_layer_ids, kv.full_attention_layer_ids, pools.window)
-        if want != got:
-            raise ValueError(
-                f"pools must have (KV heads, head_dim, SWA layers, full layers, window) = {want} to hold this model, "
-                f"got {got}"
-            )
-        c = model.config
-        self.model, self.pools, self.window = model, pools, g.window
-        self.kinds = list(c.layer_types)
-        self.groups = c.num_attention_heads // c.num_key_value_heads
-        self.layers = [PooledGptOssAttention(layer.self_attn, i, kv) for i, layer in enumerate(model.model.layers)]
-        if isinstance(scales, Mapping):
-            scales = [scales[i] for i in sorted(scales)]
-        self.scales = scales if scales is not None else unit_scales(c.num_hidden_layers, kv.device)
-        if len(self.scales) != c.num_hidden_layers:
-            raise ValueError(
-                f"scales must have one (k_scale, v_scale) per layer ({c.num_hidden_layers}), got {len(self.scales)}"
-            )
+    attention = PooledGptOssAttention
 
-    @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last token: [B, vocab] in the model's dtype."""
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The residual stream after the planned layers, [T, hidden]."""
         m = self.model.model
         x = m.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = m.rotary_emb(x, batch.positions[None])  # YaRN: its attention factor is in cos and sin
         cos, sin = cos[0], sin[0]
-        keys = {
-            "full_attention": (batch.kv_slots, attention_mask(batch, self.groups)),
-            "sliding_attention": window_keys(batch, self.pools.kv, self.window, self.groups),
-        }
-        for layer, attn, kind, (k_scale, v_scale) in zip(m.layers, self.layers, self.kinds, self.scales):
-            x = x + attn(layer.input_layernorm(x), cos, sin, batch, keys[kind], k_scale, v_scale)
-            h, _ = layer.mlp(layer.post_attention_layernorm(x)[None])  # router and experts: [1, T, hidden]
+        keys = self.keys(batch)
+        for p in self.plan:
+            x = x + p.attn(p.layer.input_layernorm(x), cos, sin, batch, keys[p.kind], *p.scales)
+            h, _ = p.layer.mlp(p.layer.post_attention_layernorm(x)[None])  # router and experts: [1, T, hidden]
             x = x + h[0]
-        return self.model.lm_head(m.norm(x[batch.last_index]))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head of ``x`` [N, hidden]: [N, vocab]."""
+        return self.model.lm_head(self.model.model.norm(x))
 
 
 class GptOss(SlidingArchitecture):
@@ -322,10 +324,10 @@ class GptOss(SlidingArchitecture):
         return build_model(model_config(cfg.shape).to_dict(), DTYPES[cfg.model_dtype], cfg.device, cfg.seed)
 
     def make_pool(self, cfg: RunConfig, model: Any, dtype: torch.dtype) -> SWAPools:
-        return make_pool(cfg, model, dtype)
+        return make_pool(cfg, model, dtype, self.spec_width)
 
     def runner(self, model: Any, pool: Any, scales: Optional[Scales]) -> GptOssRunner:
-        return GptOssRunner(model, pool, scales)
+        return GptOssRunner(model, pool, scales, self.draft_pool(pool))
 
 
 GPT_OSS = GptOss()
@@ -338,17 +340,10 @@ def progress(msg: str) -> None:
     print(f"{PROGRAM}: {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
-class GptOssOptions:
-    """What the gpt-oss runner adds to a ``RunConfig``: the JSON output."""
-
-    json_path: Optional[str] = None
-
-
-def run(cfg: RunConfig, opts: GptOssOptions = GptOssOptions(), log: Optional[Any] = None) -> Report:
-    """Build the model, serve the prompts on a pool of each dtype, compare each run with HF; then
-    ``--json``. ``log`` is told what starts."""
-    return run_sliding(cfg, GPT_OSS, opts.json_path, lambda c: model_config(c.shape).to_dict(), log)  # type: ignore[arg-type]
+def run(cfg: RunConfig, opts: SlidingOptions = SlidingOptions(), log: Optional[Any] = None) -> SpecReport:
+    """Build the model, serve the prompts on a pool of each dtype, compare each run with HF; then the
+    speculative runs of ``opts`` and ``--json``. ``log`` is told what starts."""
+    return run_sliding(cfg, GptOss, opts, lambda c: model_config(c.shape).to_dict(), log)  # type: ignore[arg-type]
 
 
 def format_summary(rep: Report) -> str:
@@ -382,17 +377,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="override the preset's experts per token")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     p.add_argument("--sliding-window", type=int, help="override the preset's window of the sliding layers (tokens)")
-    p.add_argument("--json", metavar="PATH", help="write model_type, config, seed, prompts and the fp32 pool's tokens")
+    add_spec_arguments(p)
     rc.add_run_arguments(p, **RUN_DEFAULTS)
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, GptOssOptions]:
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, SlidingOptions]:
     a = make_parser().parse_args(argv)
     names = ("layers", "experts", "top_k", "vocab", "sliding_window")
     overrides = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))
-    return cfg, GptOssOptions(a.json)
+    return cfg, SlidingOptions(a.spec_width or None, tuple(a.spec_dtypes), a.json)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

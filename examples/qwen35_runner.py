@@ -79,20 +79,20 @@ Needs ``transformers`` >= 5 with ``qwen3_5_moe`` (the ``model`` extra: ``pip ins
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its shared code, support/
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
-from support.runners import DTYPES, Agreement, Architecture, RunConfig, Scales, ServeResult  # noqa: E402
+from support.runners import DTYPES, Architecture, RunConfig, Scales  # noqa: E402
 from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
 from support.runners.qwen35_layers import Qwen35Runner, SpecRunner  # noqa: E402
+from support.runners.verify import SpecReport, add_spec_runs, spec_check_line, spec_run_lines, with_spec_dtypes  # noqa: E402
 from support.runners.qwen35_model import (  # noqa: E402, F401  (the tests and benchmarks use them here)
     SHAPES,
     HybridPools,
@@ -154,33 +154,8 @@ class Qwen35(Architecture):
         return dict(zip(hybrid_geometry(model).full_layers, scales))
 
 
-@dataclass
-class SpecRun:
-    dtype: str
-    width: int
-    result: ServeResult
-    vs_plain: Agreement  # against the non-speculative run on a pool of the same dtype
-    vs_hf: Agreement
-
-
-@dataclass
-class QwenReport(rc.Report):
-    spec_runs: list[SpecRun] = field(default_factory=list)
-
-    @property
-    def spec_check(self) -> Optional[bool]:
-        """Speculative tokens identical to the non-speculative run's, with an fp32 model (None: not
-        run, or a 16-bit model, where the verify forward's wider matmuls may round differently from
-        one-token steps on a GPU and part at a near-tie: reported, not checked)."""
-        if not self.spec_runs or self.config.model_dtype != "fp32":
-            return None
-        return all(s.vs_plain.identical for s in self.spec_runs)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            super().ok and self.spec_check is not False and all(s.result.allocators_ok for s in self.spec_runs)
-        )
+#: The Qwen3.5 runner's report: the shared runs and the speculative ones.
+QwenReport = SpecReport
 
 
 @dataclass(frozen=True)
@@ -213,7 +188,7 @@ def run(cfg: RunConfig, opts: QwenOptions = QwenOptions(), log: Optional[Any] = 
         if opts.spec_width is None or "fp32" not in opts.spec_dtypes:
             raise ValueError("--json needs a speculative run on an fp32 pool (--spec-width >= 2, fp32 in --spec-dtypes)")
     if opts.spec_width is not None:  # each speculative run is compared with a plain run on its dtype
-        cfg = replace(cfg, pool_dtypes=cfg.pool_dtypes + tuple(d for d in opts.spec_dtypes if d not in cfg.pool_dtypes))
+        cfg = with_spec_dtypes(cfg, opts.spec_dtypes)
     with exact_fp32():
         return _run(cfg, opts, log)
 
@@ -232,24 +207,13 @@ class exact_fp32:
 
 
 def _run(cfg: RunConfig, opts: QwenOptions, log: Any) -> QwenReport:
-    base = rc.run(cfg, Qwen35(), log)
-    report = QwenReport(**{f.name: getattr(base, f.name) for f in dataclasses.fields(rc.Report)})
+    report = SpecReport.of(rc.run(cfg, Qwen35(), log))
     if opts.spec_width is None:
         return report
-    arch = Qwen35(opts.spec_width)
     with rc.cpu_threads(cfg):
-        model = arch.build_model(cfg)
-        prompts = rc.make_prompts(cfg)
-        hf = rc.hf_reference(model, prompts)
-        for name in opts.spec_dtypes:
-            log(f"serving on a {name} pool with speculative decoding (verify blocks of {opts.spec_width})")
-            plain = next(r for r in report.runs if r.dtype == name and r.scales in ("-", "1.0"))
-            pool = arch.make_pool(cfg, model, DTYPES[name])
-            res = rc.serve(model, pool, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size)
-            vs_plain = rc.compare(res.generations, plain.result.generations)
-            report.spec_runs.append(SpecRun(name, opts.spec_width, res, vs_plain, rc.compare(res.generations, hf)))
+        add_spec_runs(report, cfg, Qwen35(opts.spec_width), opts.spec_dtypes, log)
     if opts.json_path is not None:
-        write_json(opts.json_path, cfg, prompts, report)
+        write_json(opts.json_path, cfg, rc.make_prompts(cfg), report)
         log(f"wrote {opts.json_path}")
     return report
 
@@ -268,34 +232,20 @@ def write_json(path: str, cfg: RunConfig, prompts: Sequence[rc.Prompt], report: 
         json.dump(out, f)
 
 
+#: What the speculative runs draft with and commit with (the summary says so).
+SPEC_DRAFT = "the target without its linear-attention layers, K/V in a second pool at the target's slots"
+SPEC_COMMITS = "KV commits with set_kv_buffer_prefix_valid, state with commit(slots, accepted_steps)"
+
+
 def format_summary(rep: QwenReport) -> str:
     lines = rc.format_summary(rep).split("\n")[:-1]  # without the final PASS/FAIL
     for s in rep.spec_runs:
-        r = s.result
-        hist = {a: r.accept_lengths.count(a) for a in sorted(set(r.accept_lengths))}
-        rate = 100 * r.accepted_tokens / r.drafted_tokens if r.drafted_tokens else 0.0
-        lines.append(
-            f"  speculative pool {s.dtype}, verify blocks of {s.width} (last token + {s.width - 1} drafts); draft: the "
-            "target without its linear-attention layers, K/V in a second pool at the target's slots"
-        )
-        lines.append(f"    vs plain    {rc.agreement_line(s.vs_plain)}")
-        lines.append(f"    vs HF       {rc.agreement_line(s.vs_hf)}")
-        lines.append(
-            f"    served      {r.prefill_steps} prefill + {r.verify_steps} verify steps, {r.drafted_tokens} drafts, "
-            f"{r.accepted_tokens} accepted ({rate:.0f}%), drafts accepted per verify {hist}; KV commits with "
-            f"set_kv_buffer_prefix_valid, state with commit(slots, accepted_steps); KV writes fused {r.fused_calls}, "
-            f"reference {r.reference_calls}"
-        )
-        if not r.allocators_ok:
-            problem = r.integrity_error or f"{r.leaked_slots} slots still held after every request finished"
-            lines.append(f"    allocators  FAILED: {problem}")
+        lines += spec_run_lines(s, SPEC_DRAFT, SPEC_COMMITS)
     if rep.spec_runs and rep.config.prefix_cache:
         lines.append("  note        the speculative runs serve without the prefix cache (verify steps are not cached)")
-    check = rep.spec_check
+    check = spec_check_line(rep)
     if check is not None:
-        lines.append(f"  spec check  {'PASS' if check else 'FAILED'}: speculative tokens identical to the non-speculative run")
-    elif rep.spec_runs:
-        lines.append("  spec check  not run (needs --model-dtype fp32: a 16-bit model's verify forward may round apart)")
+        lines.append(check)
     lines.append("PASS" if rep.ok else "FAIL")
     return "\n".join(lines)
 

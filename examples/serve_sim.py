@@ -14,7 +14,14 @@ layer), written through both of its entry points, and the check covers the whole
 ``--model qwen3.5`` the model is hybrid, as Qwen3.5: every 4th layer is full attention (its K/V in a
 ``HybridLinearKVPool``) and the others are Gated DeltaNet layers whose per-request state lives in a
 ``MambaPool`` slot beside the request's row of a ``HybridReqToTokenPool``; the states are checked
-byte for byte too (support/sim/hybrid.py).
+byte for byte too (support/sim/hybrid.py). With ``--model gemma3`` (five sliding-window layers to one
+global) or ``--model gpt-oss`` (sliding and full layers alternating) the pool is an ``SWAKVPool``
+whose parts ``plan_swa_pools`` sizes from the budget at ``--swa-full-tokens-ratio``, the allocator a
+``SWATokenToKVPoolAllocator``, and after every step each running request gives back with
+``free_swa`` the SWA slots of its whole pages that left the ``--sliding-window``; the check reads a
+sliding layer's rows at the translated SWA slots of the tokens it holds (a token inside the window
+without one fails it), and the summary compares a request's KV bytes at ``--long-context`` tokens
+with a pool that keeps every layer's (support/sim/sliding.py).
 
 With ``--calibrate`` a calibration pass comes first, on the same pool: the request stream of ``--seed
 + 1`` for ``--calibrate-steps`` steps, written with ``pool.observe_amax(True)``; the run then writes
@@ -38,6 +45,8 @@ out are checked byte for byte like any others (support/sim/prefix.py).
     python examples/serve_sim.py --spec-decode 4    # speculative decoding: verify writes + moves
     python examples/serve_sim.py --calibrate        # calibrated per-layer scales, and their error
     python examples/serve_sim.py --model qwen3.5    # hybrid: KV of every 4th layer, state of the others
+    python examples/serve_sim.py --model gpt-oss --spec-decode 4   # sliding-window pools, verify writes in both parts
+    python examples/serve_sim.py --model gemma3 --sliding-window 64 --page-size 64
     python examples/serve_sim.py --prefix-cache     # multi-turn chats on a prefix cache (RadixCache)
     python examples/serve_sim.py --prefix-cache --host-tier   # ... whose evicted nodes live on in host memory
 
@@ -60,8 +69,11 @@ from support.sim.config import (  # noqa: E402, F401  (serve_sim's API, as disag
     MLA_MODELS,
     MODELS,
     PREFIX_CACHE_REFUSES,
+    SWA_MODELS,
+    SWA_REFUSES,
     WRITE_POLICIES,
     SimConfig,
+    flag,
 )
 from support.sim.loop import Arrivals, Parts, budget_for, make_pool, make_requests, make_runner, simulate  # noqa: E402, F401
 from support.sim.parking import CpuParking, HostParking, SpecDecode  # noqa: E402, F401
@@ -84,7 +96,9 @@ REFUSED = (
         ("--spec-decode", PREFIX_CACHE_REFUSES["spec_k"]),
         ("--calibrate", PREFIX_CACHE_REFUSES["calibrate"]),
     ))
-    + "; --prefix-cache --model qwen3.5 with --host-tier (MambaRadixCache keeps its snapshots on the device). "
+    + "; --prefix-cache --model qwen3.5 with --host-tier (MambaRadixCache keeps its snapshots on the device); "
+    + "; ".join(f"--model gemma3 or gpt-oss with {flag(name)} ({why})" for name, why in SWA_REFUSES.items())
+    + "; --model gemma3 with fewer than 6 --layers (every 6th is global). "
     "--kv-budget-mib must hold the longest request plus a page (with --prefix-cache a conversation's last turn); "
     "with --prefix-cache and no --kv-budget-mib the budget grows to hold two of them."
 )  # fmt: skip
@@ -97,7 +111,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     p.add_argument("--requests", type=int, default=d.requests, help="requests in the stream")
-    p.add_argument("--layers", type=int, default=d.layers, help="attention layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"attention layers (default {d.layers}; gemma3: {SWA_MODELS['gemma3']}, five local and one global)")
     p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="K and V head dim")
     p.add_argument("--page-size", type=int, default=d.page_size, help="1 selects the token allocator")
@@ -112,7 +127,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="pool element type")
     p.add_argument("--model", choices=MODELS, default=d.model,
                    help="mha: --heads x --head-dim K and V; deepseek-v3: MLA pool of latent rows (512 + 64); "
-                        "qwen3.5: hybrid, every 4th layer full attention, the others with a state per request")
+                        "qwen3.5: hybrid, every 4th layer full attention, the others with a state per request; "
+                        "gemma3: every 6th layer full attention, the others a sliding window (SWAKVPool); "
+                        "gpt-oss: sliding-window and full-attention layers alternating (SWAKVPool)")
+    p.add_argument("--sliding-window", type=int, default=d.sliding_window,
+                   help="gemma3, gpt-oss: the sliding layers' window in tokens (gpt-oss's own is 128, Gemma 3's 1024)")
+    p.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                   help="gemma3, gpt-oss: SWA-part slots per full-part slot, as SGLang's option")
+    p.add_argument("--long-context", type=int, default=d.long_context,
+                   help="gemma3, gpt-oss: the request length at which the summary compares KV bytes per request "
+                        "with a pool that keeps every layer's")
     p.add_argument("--device", default=d.device, help="cuda when available, else cpu")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds lengths and arrivals")
     p.add_argument("--cpu-threads", type=int, default=d.cpu_threads, help="torch intra-op threads (0: torch's default)")
@@ -143,8 +167,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--host-write-policy", choices=("write_through", "write_through_selective", "write_back"),
                    default=d.host_write_policy, help="--prefix-cache --host-tier: when tree nodes are backed up")
     a = p.parse_args(argv)
+    layers = a.layers if a.layers is not None else max(d.layers, SWA_MODELS.get(a.model, 0))  # gemma3: one global
     cfg = SimConfig(
-        requests=a.requests, layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
+        requests=a.requests, layers=layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size,
         kv_budget_mib=d.kv_budget_mib if a.kv_budget_mib is None else a.kv_budget_mib, max_running=a.max_running, chunk_size=a.chunk_size,
         prompt_len=tuple(a.prompt_len), output_len=tuple(a.output_len), arrival_every=a.arrival_every,
         dtype=a.dtype, model=a.model, device=a.device, seed=a.seed, max_steps=a.max_steps, validate=a.validate,
@@ -154,7 +179,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         cpu_park=a.cpu_park, spec_k=a.spec_decode,
         calibrate=a.calibrate, calibrate_steps=a.calibrate_steps, calibrate_per_head=a.calibrate_per_head,
         prefix_cache=a.prefix_cache, few_shot_len=a.few_shot_len, turns=tuple(a.turns),
-        host_write_policy=a.host_write_policy,
+        host_write_policy=a.host_write_policy, sliding_window=a.sliding_window,
+        swa_full_tokens_ratio=a.swa_full_tokens_ratio, long_context=a.long_context,
     )  # fmt: skip
     if a.kv_budget_mib is None and cfg.prefix_cache and cfg.model != HYBRID_MODEL:
         cfg = replace(cfg, kv_budget_mib=budget_for(cfg))

@@ -19,6 +19,7 @@ from kvpool.kernels import (
     reference_set_kv_buffer,
 )
 from kvpool.host import HybridPoolHost, LayerTransferCounter, MambaPoolHost, MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host import SWAKVPoolHost
 # Imported from the module, not re-exported by kvpool.kernels, so that the package attribute
 # kvpool.kernels.copy_rows stays the module.
 from kvpool.kernels.copy_rows import RowTable, copy_rows
@@ -52,6 +53,7 @@ from kvpool.pools import (
     plan_swa_pools,
 )
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
+from kvpool.transfer import SWAKVReceiver, SWAKVSender, SWAKVTransfer
 
 __version__ = "0.1.0"
 
@@ -90,6 +92,10 @@ __all__ = [
     "ReqToTokenPool",
     "RowTable",
     "SWAKVPool",
+    "SWAKVPoolHost",
+    "SWAKVReceiver",
+    "SWAKVSender",
+    "SWAKVTransfer",
     "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",

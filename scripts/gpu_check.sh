@@ -91,6 +91,8 @@ for stage in ${*:-tests bench examples}; do
       step serve_sim "$STEP_LIMIT" python3 examples/serve_sim.py
       step serve_sim_mla "$STEP_LIMIT" python3 examples/serve_sim.py --model deepseek-v3
       step serve_sim_qwen35 "$STEP_LIMIT" python3 examples/serve_sim.py --model qwen3.5
+      step serve_sim_gpt_oss "$STEP_LIMIT" python3 examples/serve_sim.py --model gpt-oss --spec-decode 4
+      step serve_sim_gemma3 "$STEP_LIMIT" python3 examples/serve_sim.py --model gemma3
       step serve_sim_calibrate "$STEP_LIMIT" python3 examples/serve_sim.py --calibrate
       step llama_runner "$STEP_LIMIT" python3 examples/llama_runner.py --config 8b-4layer --device cuda
       step deepseek_runner "$STEP_LIMIT" python3 examples/deepseek_runner.py --config v3-mla --device cuda

@@ -1105,7 +1105,8 @@ def serve_checking_swa_give_back(arch, cfg) -> None:
     checking step by step that the full part holds every token of the running requests and the SWA
     part only the pages of their live windows (at most a window and a page each), that the mapping
     keeps every token in a window and none of the whole pages before it, and that the allocator's
-    integrity check passes; at the end every slot of both parts is back."""
+    integrity check passes; at the end every slot of both parts is back. Returns the model runner
+    (with a speculative ``arch``, its tallies of drafts and accepted tokens)."""
     from support import runners
 
     w, p = cfg.shape.sliding_window, cfg.page_size
@@ -1138,6 +1139,29 @@ def serve_checking_swa_give_back(arch, cfg) -> None:
     assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
     assert sched.leaked_slots() == 0
     sched.check_integrity()
+    return runner
+
+
+def assert_speculative_runs(rep, summary: str, layers: int, prompts: int, every_length: bool = True) -> None:
+    """A sliding-window runner's report (``run`` with ``spec_width``): each speculative run generated
+    the plain run's tokens on its dtype (and, on fp32, HF's tokens with HF's logits), only in prefill
+    and verify steps, one write per layer and step, every slot given back and the SWA part within its
+    bound; each verify kept its accepted drafts plus the target's token. With ``every_length``, the
+    verify steps accepted every number of drafts from none to all somewhere in the run."""
+    from support import runners
+
+    assert rep.spec_runs and rep.spec_check is True and rep.ok, summary
+    for s in rep.spec_runs:
+        r = s.result
+        assert s.vs_plain.identical, summary
+        if s.dtype == "fp32":
+            assert s.vs_hf.identical and s.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, summary
+        assert r.decode_steps == 0 and r.verify_steps > 0 and r.allocators_ok, summary
+        assert r.fused_calls + r.reference_calls == (r.prefill_steps + r.verify_steps) * layers, summary
+        assert r.generated_tokens == prompts + len(r.accept_lengths) + r.accepted_tokens, summary
+        assert 0 < r.memory["swa_peak"] <= r.memory["swa_peak_bound"], summary
+        if every_length:
+            assert set(r.accept_lengths) == set(range(s.width)), summary
 
 
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):

@@ -11,7 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import dropping_last_token, fused_and_reference_serve, load_example, serve_checking_swa_give_back
+from kvassert import (
+    assert_speculative_runs,
+    dropping_last_token,
+    fused_and_reference_serve,
+    load_example,
+    serve_checking_swa_give_back,
+)
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -25,6 +31,7 @@ pytestmark = pytest.mark.skipif(not HAS_GEMMA3, reason="needs a transformers wit
 if HAS_GEMMA3:
     gemma3_runner = load_example("gemma3_runner")  # puts examples/ on sys.path, where the shared code is
     from support import runners  # noqa: E402  (the shared scheduler and checks)
+    from support.runners import sliding  # noqa: E402  (the sliding-window frame both runners share)
 
     # 6 layers (5 local with a window of 10 tokens, 1 global), 6 prompts of 20-40 tokens asking 6-20
     # more for 3 request rows, prefill chunks of 16 tokens, pages of 4: the runner's defaults.
@@ -132,7 +139,10 @@ def test_gemma3_summary_help_and_exit_status(capsys):
     assert "pool fp32\n    vs HF       tokens identical" in out
     assert "vs rounded  tokens identical" in out and "memory      SWA part at most" in out
     assert "fp32 check  PASS" in out and out.rstrip().endswith("PASS")
+    assert "speculative pool fp32, verify blocks of 4" in out and "spec check  PASS" in out  # on by default
     for bad, message in (
+        (["--spec-width", "1"], "spec_width must be an int >= 2 (the last token and a draft) or None, got 1"),
+        (["--json", "x.json", "--spec-dtypes", "bf16"], "--json with a speculative run describes its fp32 pool"),
         (["--page-size", "1"], "page_size must be at least 2"),
         (["--prefix-cache"], "--prefix-cache is not available for Gemma 3"),
         (["--sliding-window", "1"], "sliding_window must be an int >= 2, got 1"),
@@ -158,8 +168,8 @@ def test_gemma3_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
 
 def test_gemma3_a_window_one_token_short_fails_the_fp32_check(monkeypatch, capsys):
     """The window rule is transformers' to the token: local layers that see one key fewer part from HF."""
-    keys = gemma3_runner.window_keys
-    monkeypatch.setattr(gemma3_runner, "window_keys", lambda batch, kv, window, groups: keys(batch, kv, window - 1, groups))
+    keys = sliding.window_keys
+    monkeypatch.setattr(sliding, "window_keys", lambda batch, kv, window, groups: keys(batch, kv, window - 1, groups))
     assert gemma3_runner.main([*ARGS, "--dtypes", "fp32"]) == 1
     assert "fp32 check  FAILED" in capsys.readouterr().out
 
@@ -167,23 +177,25 @@ def test_gemma3_a_window_one_token_short_fails_the_fp32_check(monkeypatch, capsy
 def test_gemma3_a_window_one_token_long_reads_a_slot_given_back(monkeypatch):
     """A local layer that would see one key more than transformers' window reaches a token whose SWA
     slot was given back, and the runner refuses to read it."""
-    keys = gemma3_runner.window_keys
-    monkeypatch.setattr(gemma3_runner, "window_keys", lambda batch, kv, window, groups: keys(batch, kv, window + 1, groups))
+    keys = sliding.window_keys
+    monkeypatch.setattr(sliding, "window_keys", lambda batch, kv, window, groups: keys(batch, kv, window + 1, groups))
     cfg = replace(TINY, prompts=2, pool_dtypes=("fp32",))
     with pytest.raises(RuntimeError, match="a key inside a local layer's window has no SWA slot"):
         gemma3_runner.run(cfg)
 
 
-def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch):
+@pytest.mark.parametrize("spec_width", [None, 4], ids=["decode", "verify"])
+def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch, spec_width):
     """A scheduler that gives back one page too many (never its last token's): its own step check
-    reports it, and the runner refuses to read the lost key at the next step."""
+    reports it, and the runner refuses to read the lost key at the next step (a decode step's, or a
+    verify step's committed keys)."""
     live_from = gemma3_runner.SWAScheduler.live_from
     monkeypatch.setattr(
         gemma3_runner.SWAScheduler, "live_from",
         lambda self, r: min(live_from(self, r) + self.page_size, (r.kv_len - 1) // self.page_size * self.page_size),
     )  # fmt: skip
-    cfg = TINY
-    arch = gemma3_runner.GEMMA3
+    cfg = replace(TINY, chunk_size=None)  # the whole prompt in one step: the next is a decode or verify step
+    arch = gemma3_runner.Gemma3(spec_width)
     model = arch.build_model(cfg)
     pools = arch.make_pool(cfg, model, torch.float32)
     sched = arch.scheduler(pools, cfg.batch, cfg.max_context_len, cfg.chunk_size)
@@ -191,7 +203,7 @@ def test_gemma3_a_scheduler_that_frees_the_live_window_is_caught(monkeypatch):
     pr = runners.make_prompts(cfg)[0]
     sched.add(runners.Request(0, list(pr.tokens), pr.new_tokens))
     with runners.cpu_threads(cfg):
-        runner.step(sched, keep_logits=False)
+        assert runner.step(sched, keep_logits=False) == "prefill" and not sched.running[0].prefilling
         assert "lost the SWA slot of a token inside its window" in sched.step_error
         with pytest.raises(RuntimeError, match="a key inside a local layer's window has no SWA slot"):
             runner.step(sched, keep_logits=False)
@@ -204,7 +216,8 @@ def test_gemma3_json_rebuilds_with_transformers_alone(tmp_path, capsys):
     assert gemma3_runner.main([*ARGS, "--dtypes", "fp32", "--json", str(path)]) == 0
     capsys.readouterr()
     out = json.loads(path.read_text())
-    assert set(out) == {"model_type", "config", "seed", "prompts", "fp32_tokens"}
+    assert set(out) == {"model_type", "config", "seed", "prompts", "fp32_tokens", "spec_tokens"}
+    assert out["spec_tokens"] == out["fp32_tokens"]  # the speculative run (on by default) generated the same
     assert out["model_type"] == "gemma3_text" and out["config"]["sliding_window"] == 10
     torch.manual_seed(out["seed"])
     model = Gemma3ForCausalLM(Gemma3TextConfig(**out["config"])).eval()
@@ -286,3 +299,56 @@ def test_gemma3_admission_waits_for_room_in_the_swa_part(report):
     (fp32,) = [r for r in report.runs if r.dtype == "fp32"]  # identical to HF's
     assert res.peak_running == 1 and res.allocators_ok
     assert [g.tokens for g in res.generations] == [g.tokens for g in fp32.result.generations]
+
+
+# --- speculative decoding ----------------------------------------------------------------------------
+
+
+def test_gemma3_speculative_verify_generates_what_plain_decoding_and_transformers_generate():
+    """Verify blocks of 4 on fp32 and FP8 pools: the drafts' K/V go into both parts with the verify
+    write (a local layer's at the translated SWA slots), the rejected slots go back, and the greedy
+    tokens are the plain run's on each dtype, and on fp32 transformers' with its logits."""
+    cfg = replace(TINY, pool_dtypes=("fp32",), calibrate=False)
+    rep = gemma3_runner.run(cfg, gemma3_runner.SlidingOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3")))
+    summary = gemma3_runner.format_summary(rep)
+    assert [s.dtype for s in rep.spec_runs] == ["fp32", "fp8_e4m3"]
+    assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts)
+    assert "spec check  PASS" in summary and "rejected slots freed" in summary
+
+
+def test_gemma3_speculative_verify_at_page_64_gives_swa_pages_back():
+    """Pages of 64 tokens, a window of 10 and prompts longer than a page: the speculative run gives
+    back each whole page of SWA slots once it left the window while the full part keeps every token
+    (checked step by step), and still generates what transformers generates."""
+    cfg = replace(TINY, prompts=3, batch=2, prompt_len=(70, 90), new_tokens=(12, 20), page_size=64, chunk_size=None,
+                  pool_dtypes=("fp32",))  # fmt: skip
+    rep = gemma3_runner.run(cfg, gemma3_runner.SlidingOptions(spec_width=4))
+    assert_speculative_runs(rep, gemma3_runner.format_summary(rep), cfg.shape.layers, cfg.prompts, every_length=False)
+    runner = serve_checking_swa_give_back(gemma3_runner.Gemma3(4), cfg)
+    assert runner.accepted_tokens > 0 and 0 in runner.accept_lengths  # drafts accepted, and drafts rejected
+
+
+def test_gemma3_a_verify_write_one_token_short_fails_the_spec_check(monkeypatch):
+    """A verify step that commits every accepted prefix but its last token: later steps read a row
+    that was never written, and the speculative run parts from the plain one."""
+    commit = sliding.PooledKV.commit
+    monkeypatch.setattr(
+        sliding.PooledKV, "commit", lambda self, loc_2d, lens, k_scale, v_scale: commit(self, loc_2d, lens - 1, k_scale, v_scale)
+    )  # fmt: skip
+    cfg = replace(TINY, prompts=3, pool_dtypes=("fp32",))
+    rep = gemma3_runner.run(cfg, gemma3_runner.SlidingOptions(spec_width=4))
+    (spec,) = rep.spec_runs
+    assert rep.spec_check is False and not rep.ok and not spec.vs_plain.identical
+    assert "spec check  FAILED" in gemma3_runner.format_summary(rep)
+
+
+@pytest.mark.gpu
+def test_gemma3_on_cuda_speculative_verify_writes_take_the_fused_kernel():
+    """On a GPU every write of the speculative runs (prefill, and the verify write into both parts) is
+    fused, and the speculative tokens are the plain runs' on fp32 and FP8 pools."""
+    cfg = replace(TINY, device="cuda", pool_dtypes=("fp32",), calibrate=False)
+    rep = gemma3_runner.run(cfg, gemma3_runner.SlidingOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3")))
+    summary = gemma3_runner.format_summary(rep)
+    assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary

@@ -12,7 +12,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import dropping_last_token, fused_and_reference_serve, load_example, serve_checking_swa_give_back
+from kvassert import (
+    assert_speculative_runs,
+    dropping_last_token,
+    fused_and_reference_serve,
+    load_example,
+    serve_checking_swa_give_back,
+)
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -26,6 +32,7 @@ pytestmark = pytest.mark.skipif(not HAS_GPT_OSS, reason="needs a transformers wi
 if HAS_GPT_OSS:
     gpt_oss_runner = load_example("gpt_oss_runner")  # puts examples/ on sys.path, where the shared code is
     from support import runners  # noqa: E402  (the shared scheduler and checks)
+    from support.runners import sliding, verify  # noqa: E402  (the sliding-window frame, the verify step)
 
     # 4 layers (2 sliding with a window of 8 tokens, 2 full), 4 prompts of 14-28 tokens asking 6-14
     # more for 2 request rows, prefill chunks of 12 tokens, pages of 4 (the window spans two pages).
@@ -86,8 +93,8 @@ def test_gpt_oss_a_bf16_model_on_a_bf16_pool_generates_what_transformers_generat
     assert bf16.vs_hf.identical and bf16.vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, gpt_oss_runner.format_summary(rep)
 
 
-def _fp32_run_with(monkeypatch, name, replacement):
-    monkeypatch.setattr(gpt_oss_runner, name, replacement)
+def _fp32_run_with(monkeypatch, name, replacement, module=None):
+    monkeypatch.setattr(module or gpt_oss_runner, name, replacement)
     rep = gpt_oss_runner.run(FP32)
     (fp32,) = rep.runs
     return rep, fp32
@@ -133,17 +140,17 @@ def test_gpt_oss_the_window_changes_what_transformers_generates(report):
 
 def test_gpt_oss_a_window_one_token_short_fails_the_fp32_check(monkeypatch):
     """The window rule is transformers' to the token: sliding layers that see one key fewer part from HF."""
-    keys = gpt_oss_runner.window_keys
-    rep, fp32 = _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w - 1, groups))
+    keys = sliding.window_keys
+    rep, fp32 = _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w - 1, groups), sliding)
     assert rep.fp32_check is False and not fp32.vs_hf.identical
 
 
 def test_gpt_oss_a_window_one_token_long_reads_a_slot_given_back(monkeypatch):
     """A sliding layer that would see one key more than transformers' window reaches a token whose SWA
     slot was given back, and the runner refuses to read it."""
-    keys = gpt_oss_runner.window_keys
+    keys = sliding.window_keys
     with pytest.raises(RuntimeError, match="a key inside a local layer's window has no SWA slot"):
-        _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w + 1, groups))
+        _fp32_run_with(monkeypatch, "window_keys", lambda batch, kv, w, groups: keys(batch, kv, w + 1, groups), sliding)
 
 
 def test_gpt_oss_swa_slots_are_given_back_while_requests_run():
@@ -190,7 +197,9 @@ def test_gpt_oss_summary_help_and_exit_status(capsys):
     assert "SWATokenToKVPoolAllocator(page_size=4)" in out and "window      8 tokens" in out
     assert "pool fp32\n    vs HF       tokens identical" in out and "memory      SWA part at most" in out
     assert "fp32 check  PASS" in out and out.rstrip().endswith("PASS")
+    assert "speculative pool fp32, verify blocks of 4" in out and "spec check  PASS" in out  # on by default
     for bad, message in (
+        (["--spec-width", "1"], "spec_width must be an int >= 2 (the last token and a draft) or None, got 1"),
         (["--page-size", "1"], "page_size must be at least 2"),
         (["--prefix-cache"], "--prefix-cache is not available for gpt-oss"),
         (["--sliding-window", "1"], "sliding_window must be an int >= 2, got 1"),
@@ -221,7 +230,8 @@ def test_gpt_oss_json_rebuilds_with_transformers_alone(tmp_path, capsys):
     assert gpt_oss_runner.main([*ARGS, "--dtypes", "fp32", "--json", str(path)]) == 0
     capsys.readouterr()
     out = json.loads(path.read_text())
-    assert set(out) == {"model_type", "config", "seed", "prompts", "fp32_tokens"}
+    assert set(out) == {"model_type", "config", "seed", "prompts", "fp32_tokens", "spec_tokens"}
+    assert out["spec_tokens"] == out["fp32_tokens"]  # the speculative run (on by default) generated the same
     assert out["model_type"] == "gpt_oss" and out["config"]["sliding_window"] == 8
     torch.manual_seed(out["seed"])
     model = GptOssForCausalLM(GptOssConfig(**out["config"])).eval()
@@ -282,3 +292,58 @@ def test_gpt_oss_on_cuda_every_write_takes_the_fused_kernel():
             assert r.vs_rounded.identical, summary
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
         assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
+
+
+# --- speculative decoding ----------------------------------------------------------------------------
+
+
+def test_gpt_oss_speculative_verify_generates_what_plain_decoding_and_transformers_generate():
+    """Verify blocks of 4: the drafts' K/V go into both parts with the verify write (a sliding
+    layer's at the translated SWA slots), the rejected slots go back, and the greedy tokens are the
+    plain run's and transformers', with its logits."""
+    rep = gpt_oss_runner.run(FP32, gpt_oss_runner.SlidingOptions(spec_width=4))
+    summary = gpt_oss_runner.format_summary(rep)
+    assert [s.dtype for s in rep.spec_runs] == ["fp32"]
+    assert_speculative_runs(rep, summary, FP32.shape.layers, FP32.prompts)
+
+
+def test_gpt_oss_speculative_verify_at_page_64_gives_swa_pages_back():
+    """Pages of 64 tokens, a window of 8 and prompts longer than a page: the speculative run gives
+    back each whole page of SWA slots once it left the window while the full part keeps every token
+    (checked step by step), and still generates what transformers generates."""
+    cfg = replace(FP32, prompts=3, prompt_len=(66, 80), new_tokens=(10, 16), page_size=64, chunk_size=None)
+    rep = gpt_oss_runner.run(cfg, gpt_oss_runner.SlidingOptions(spec_width=4))
+    assert_speculative_runs(rep, gpt_oss_runner.format_summary(rep), cfg.shape.layers, cfg.prompts, every_length=False)
+    runner = serve_checking_swa_give_back(gpt_oss_runner.GptOss(4), cfg)
+    assert runner.accepted_tokens > 0 and 0 in runner.accept_lengths  # drafts accepted, and drafts rejected
+
+
+def test_gpt_oss_rejected_drafts_that_keep_their_swa_slots_are_caught(monkeypatch):
+    """A verify step that gives back only the full part of its rejected slots: the SWA part leaks
+    and the allocators' check reports it."""
+    advance_verify = verify.VerifyScheduling.advance_verify
+
+    def full_part_only(self, batch, tokens, logits):
+        self.allocator.free = self.allocator.full_attn_allocator.free  # this step's frees skip the SWA part
+        try:
+            advance_verify(self, batch, tokens, logits)
+        finally:
+            del self.allocator.free
+
+    monkeypatch.setattr(verify.VerifyScheduling, "advance_verify", full_part_only)
+    rep = gpt_oss_runner.run(replace(FP32, prompts=2), gpt_oss_runner.SlidingOptions(spec_width=4))
+    (spec,) = rep.spec_runs
+    assert not spec.result.allocators_ok and not rep.ok
+    assert "allocators  FAILED" in gpt_oss_runner.format_summary(rep)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_on_cuda_speculative_verify_writes_take_the_fused_kernel():
+    """On a GPU every write of the speculative runs (prefill, and the verify write into both parts) is
+    fused, and the speculative tokens are the plain runs' on fp32 and FP8 pools."""
+    cfg = replace(TINY, device="cuda", pool_dtypes=("fp32",), calibrate=False)
+    rep = gpt_oss_runner.run(cfg, gpt_oss_runner.SlidingOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3")))
+    summary = gpt_oss_runner.format_summary(rep)
+    assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary

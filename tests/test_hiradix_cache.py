@@ -153,8 +153,8 @@ def test_hiradix_takes_sglangs_server_args():
     cache = HiRadixCache(params, args)
     assert (cache.write_policy, cache.io_backend, cache.token_to_kv_pool_host.layout) == ("write_back", "direct", "page_first")
     assert cache.token_to_kv_pool_host.size == 96 and pool.layer_transfer_counter is cache.token_to_kv_pool_host.layer_transfer_counter
-    with pytest.raises(ValueError, match="hicache_storage_backend must be 'file' or None"):
-        HiRadixCache(params, SimpleNamespace(**{**vars(args), "hicache_storage_backend": "mooncake"}))
+    with pytest.raises(ValueError, match="hicache_storage_backend must be 'file', 'mooncake' or None"):
+        HiRadixCache(params, SimpleNamespace(**{**vars(args), "hicache_storage_backend": "nixl"}))
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,7 @@ def test_storage_from_sglangs_server_args(tmp_path):
     assert tier.storage.file_path == str(tmp_path / "kv") and tier.storage.max_bytes == 100000
     assert tier.storage.storage_config.model_name == "org/model" and tier.storage.storage_config.is_page_first_layout
     for bad, msg in [
-        ({"hicache_storage_backend": "mooncake"}, "hicache_storage_backend must be 'file' or None \\(pass other backends as storage=\\)"),
+        ({"hicache_storage_backend": "nixl"}, "hicache_storage_backend must be 'file', 'mooncake' or None \\(pass other backends as storage=\\)"),
         ({"hicache_storage_prefetch_policy": "eager"}, "prefetch_policy must be one of best_effort, wait_complete, timeout"),
         ({"hicache_storage_backend_extra_config": "{oops"}, "hicache_storage_backend_extra_config must be a dict or JSON of one"),
         ({"hicache_storage_backend_extra_config": {"prefetch_threshold": -1, "file_path": str(tmp_path / "never")}},

@@ -177,7 +177,7 @@ def test_mla_a_corrupted_latent_byte_fails_the_check():
 def test_mla_main_and_model_choice(capsys):
     assert serve_sim.main([*SMALL_SIM_ARGS, "--model", "deepseek-v3", "--kv-budget-mib", "0.25"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
-    with pytest.raises(ValueError, match="--model must be one of mha, deepseek-v3, qwen3.5, got 'llama'"):
+    with pytest.raises(ValueError, match="--model must be one of mha, deepseek-v3, qwen3.5, gemma3, gpt-oss, got 'llama'"):
         replace(SMALL, model="llama")
 
 

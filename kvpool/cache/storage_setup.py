@@ -11,6 +11,7 @@ from kvpool.cache.storage_tier import StoragePolicy, StorageTier
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig
 from kvpool.storage.file import HiCacheFile
+from kvpool.storage.mooncake import MooncakeStore
 
 
 def storage_for(
@@ -19,12 +20,14 @@ def storage_for(
     """How a ``HiRadixCache`` makes its storage tier, checked before the cache changes anything: a
     function of the cache giving its ``StorageTier``, or None without storage. ``storage`` is a
     backend instance; without it ``server_args.hicache_storage_backend`` may name ``"file"``
-    (``HiCacheFile``). Without ``policy`` it is made from ``hicache_storage_prefetch_policy`` and
+    (``HiCacheFile``) or ``"mooncake"`` (``MooncakeStore``, its settings in the extra config).
+    Without ``policy`` it is made from ``hicache_storage_prefetch_policy`` and
     SGLang's keys of ``hicache_storage_backend_extra_config`` (a dict or JSON of one):
     ``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token`` (seconds
-    per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``, whose namespace takes
-    the rank and size of ``tp_group`` (the cache's ``tp_cache_group``: ``rank()``, ``size()``) and the
-    pipeline stage ``pp`` (rank, size), so ranks sharing a directory never read each other's pages.
+    per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``. The backend's namespace
+    takes the rank and size of ``tp_group`` (the cache's ``tp_cache_group``: ``rank()``, ``size()``)
+    and the pipeline stage ``pp`` (rank, size), so ranks sharing a store never read each other's
+    pages.
 
     Raises
     ------
@@ -69,8 +72,10 @@ def _extra_config(server_args: Any) -> dict:
 
 
 def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict, tp_group: Any, pp: tuple) -> HiCacheStorage:
-    if name != "file":
-        raise ValueError(f"hicache_storage_backend must be 'file' or None (pass other backends as storage=), got {name!r}")
+    if name not in ("file", "mooncake"):
+        raise ValueError(
+            f"hicache_storage_backend must be 'file', 'mooncake' or None (pass other backends as storage=), got {name!r}"
+        )
     mla = isinstance(host_pool.device_pool, MLATokenToKVPool)
     if tp_group is not None:
         if not (callable(getattr(tp_group, "rank", None)) and callable(getattr(tp_group, "size", None))):
@@ -80,7 +85,7 @@ def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict, 
         tp_rank, tp_size = 0, getattr(server_args, "tp_size", 1)
         if not mla and isinstance(tp_size, int) and tp_size > 1:  # each rank's pages hold its own heads
             raise ValueError(
-                f"tp_cache_group must be the rank's tensor-parallel group with hicache_storage_backend='file' and "
+                f"tp_cache_group must be the rank's tensor-parallel group with hicache_storage_backend={name!r} and "
                 f"tp_size {tp_size}, got None (the ranks' pages would share one namespace)"
             )
         tp_size = 1
@@ -88,5 +93,7 @@ def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict, 
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp[0], pp_size=pp[1], model_name=getattr(server_args, "model_path", None),
         is_mla_model=mla, is_page_first_layout=host_pool.layout == "page_first", extra_config=extra,
     )  # fmt: skip
+    if name == "mooncake":  # its connection settings are the extra config's MooncakeConfig keys
+        return MooncakeStore(config)
     kwargs = {"max_bytes": extra["max_bytes"]} if "max_bytes" in extra else {}
     return HiCacheFile(config, extra.get("file_path"), **kwargs)

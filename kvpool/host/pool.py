@@ -287,11 +287,20 @@ class MHATokenToKVPoolHost:
         far, and the returned event completes when it has read every row: wait on it
         (``torch.cuda.current_stream().wait_event(e)``, or ``wait_for_backups()``) before
         overwriting the device slots. On a CPU pool the copy is done on return (None is returned)."""
+        return self.run_backup(self.check_backup(device_pool, host_indices, device_indices, io_backend), io_backend)
+
+    def check_backup(
+        self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel"
+    ) -> Optional[Transfer]:
+        """Every check of ``backup_from_device_all_layer``, copying nothing: the transfer to hand to
+        :meth:`run_backup`, or None when it moves nothing (a host pool above this one checks all
+        its parts before any copies)."""
         self._scheduler.drain()
-        t = self._transfer("backup", device_pool, host_indices, device_indices, io_backend, self._all_layers)
-        if t is None:
-            return None
-        return self._scheduler.backup(self._backends[io_backend], t)
+        return self._transfer("backup", device_pool, host_indices, device_indices, io_backend, self._all_layers)
+
+    def run_backup(self, t: Optional[Transfer], io_backend: str = "kernel") -> Optional[torch.cuda.Event]:
+        """Queue a backup :meth:`check_backup` returned (with the same ``io_backend``); its event on CUDA."""
+        return None if t is None else self._scheduler.backup(self._backends[io_backend], t)
 
     def load_to_device_per_layer(
         self,
@@ -306,9 +315,8 @@ class MHATokenToKVPoolHost:
         indices are padding, and device rows out of range are never written. On CUDA it is enqueued
         on ``load_stream`` after the compute stream's work so far, and records the layer's event in
         ``layer_transfer_counter``."""
-        layer = layer_index(layer_id, self.start_layer, self.end_layer, "the pool's")
-        t = self._load_transfer(device_pool, host_indices, device_indices, io_backend, [layer])
-        if t is not None:
+        t = self.check_load(device_pool, host_indices, device_indices, io_backend, layer_id)
+        if t is not None:  # the scheduler directly: a per-layer load's frames down to its copy are few
             self._scheduler.load(self._backends[io_backend], t)
 
     def load_to_device_all_layer(
@@ -341,7 +349,23 @@ class MHATokenToKVPoolHost:
         layers; on a CPU pool it does the copies). Without the counter registered, or for a
         one-layer pool, the load is queued before returning, as with ``background=False``. A host
         pool is not thread-safe: call it from one thread (the worker is its own)."""
-        t = self._load_transfer(device_pool, host_indices, device_indices, io_backend, self._all_layers)
+        t = self.check_load(device_pool, host_indices, device_indices, io_backend)
+        self.run_load(t, io_backend, background)
+
+    def check_load(
+        self, device_pool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str = "kernel",
+        layer_id: Optional[int] = None,
+    ) -> Optional[Transfer]:  # fmt: skip
+        """Every check of a load of layer ``layer_id`` (global id; None: every layer), copying
+        nothing: the transfer to hand to :meth:`run_load`, or None when it moves nothing."""
+        if layer_id is None:
+            return self._load_transfer(device_pool, host_indices, device_indices, io_backend, self._all_layers)
+        layer = layer_index(layer_id, self.start_layer, self.end_layer, "the pool's")
+        return self._load_transfer(device_pool, host_indices, device_indices, io_backend, [layer])
+
+    def run_load(self, t: Optional[Transfer], io_backend: str = "kernel", background: bool = False) -> None:
+        """Queue a load :meth:`check_load` returned (with the same ``io_backend``); ``background`` as
+        for ``load_to_device_all_layer``."""
         if t is not None:
             background = background and not t.together and self.layer_num > 1
             self._scheduler.load(self._backends[io_backend], t, background)

@@ -210,9 +210,14 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             self._attach(rows[-1], mains[-1], tracks[-1])
         for row, req in zip(rows, [None] * len(rows) if isinstance(need_size, int) else need_size):
             self._row_req[row] = req
-        self._write_mappings(rows, mains, tracks)
-        if not isinstance(need_size, int):
-            self._set_request_attributes(list(need_size), plans, rows, mains, tracks)
+        if rows:
+            # One copy to the device for what it needs of this call: rows, state slots, track slots.
+            n, flat = len(rows), [s for t in tracks for s in t]
+            ints = self._device_ints(rows + mains + flat, torch.int64)
+            rows_d, mains_d, flat_d = ints[:n], ints[n : 2 * n], ints[2 * n :]
+            self._write_mappings(rows_d, mains_d, flat_d)
+            if not isinstance(need_size, int):
+                self._set_request_attributes(list(need_size), plans, rows, mains_d, flat_d)
         return rows
 
     def _plan(
@@ -285,16 +290,13 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
                     raise ValueError(f"reqs[{pos}] names state slot {s}, which reqs[{slots[s]}] holds too")
                 slots[s] = pos
 
-    def _write_mappings(self, rows: list[int], mains: list[int], tracks: list[tuple[int, ...]]) -> None:
-        if not rows:
-            return
-        index = self._device_ints(rows, torch.int64)
-        self.req_index_to_mamba_index_mapping[index] = self._device_ints(mains, torch.int32)
+    def _write_mappings(self, rows: torch.Tensor, mains: torch.Tensor, flat: torch.Tensor) -> None:
+        """The device mappings of ``rows`` (int64 on the device) to their state slots ``mains`` and,
+        with the extra buffer, their track slots ``flat`` (row after row)."""
+        self.req_index_to_mamba_index_mapping[rows] = mains.to(torch.int32)
         if self.enable_mamba_extra_buffer:
-            flat = [s for t in tracks for s in t]
-            self.req_index_to_mamba_ping_pong_track_buffer_mapping[index] = self._device_ints(flat, torch.int32).view(
-                len(rows), self.mamba_ping_pong_track_buffer_size
-            )
+            track = flat.to(torch.int32).view(rows.shape[0], self.mamba_ping_pong_track_buffer_size)
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = track
 
     def _device_ints(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -302,15 +304,15 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _set_request_attributes(self, reqs, plans, rows, mains, tracks) -> None:
-        new_main = self._device_ints(mains, torch.int64)
-        flat = self._device_ints([s for t in tracks for s in t], torch.int64)
+    def _set_request_attributes(self, reqs, plans, rows, mains: torch.Tensor, flat: torch.Tensor) -> None:
+        """Each request's attributes: ``mains`` and ``flat`` (track slots, row after row) are int64 on
+        the device, one entry per request."""
         new_track = flat.view(len(reqs), self.track_slots_per_request)
         for i, (req, (row, _, track)) in enumerate(zip(reqs, plans)):
             if row is None:
                 req.req_pool_idx = rows[i]
             if getattr(req, "mamba_pool_idx", None) is None:
-                req.mamba_pool_idx = new_main[i]
+                req.mamba_pool_idx = mains[i]
             if self.enable_mamba_extra_buffer:
                 if getattr(req, "mamba_ping_pong_track_buffer", None) is None:
                     req.mamba_ping_pong_track_buffer = new_track[i]

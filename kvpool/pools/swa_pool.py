@@ -10,6 +10,7 @@ rules are in docs/contract.md, "Sliding-window attention".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -46,6 +47,15 @@ def translate_slots(mapping: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
     return mapping[loc.clamp(-1, mapping.shape[0] - 1)]
 
 
+@dataclass(frozen=True)
+class SWALayerTransferCounters:
+    """One layer-transfer counter per part of an ``SWAKVPool`` (``SWAKVPoolHost.layer_transfer_counter``):
+    ``full`` counts the full part's dense layers, ``swa`` the sliding-window part's."""
+
+    full: object
+    swa: object
+
+
 class SWAKVPool:
     """K/V buffers of a hybrid sliding-window model: ``full_kv_pool`` holds the full-attention
     layers (``size`` slots), ``swa_kv_pool`` the sliding-window layers (``size_swa`` slots), both
@@ -73,6 +83,7 @@ class SWAKVPool:
     full_kv_pool, swa_kv_pool : the two pools.
     layers_mapping : dict, global id -> (dense id, is a SWA layer).
     full_to_swa_index_mapping : the registered mapping, or None.
+    layer_transfer_counter : the registered ``SWALayerTransferCounters`` (a host tier's), or None.
 
     Examples
     --------
@@ -143,6 +154,7 @@ class SWAKVPool:
         self.start_layer, self.layer_num = 0, len(full) + len(swa)
         self.full_to_swa_index_mapping: Optional[torch.Tensor] = None
         self.swa_loc: Optional[torch.Tensor] = None
+        self.layer_transfer_counter: Optional[SWALayerTransferCounters] = None
         self.mem_usage = sum(self.get_kv_size_bytes()) / GB
 
     # --- layers and the mapping ------------------------------------------------------------------
@@ -229,6 +241,26 @@ class SWAKVPool:
         if self.validate:
             check_in_range([(loc, self.full_kv_pool.rows, name)], what="full slots")  # type: ignore[list-item]
         return translate_slots(mapping, loc)  # type: ignore[arg-type]
+
+    def register_layer_transfer_counter(self, layer_transfer_counter: Optional[SWALayerTransferCounters]) -> None:
+        """Make each part's getters wait for its layers' loads (``SWAKVPoolHost``'s per-layer loads: a
+        stream wait, never a host sync): ``layer_transfer_counter.full`` is registered on
+        ``full_kv_pool``, ``.swa`` on ``swa_kv_pool``. None removes both.
+
+        Raises
+        ------
+        TypeError
+            For anything but an ``SWALayerTransferCounters`` or None; nothing is registered.
+        """
+        c = layer_transfer_counter
+        if c is not None and not isinstance(c, SWALayerTransferCounters):
+            raise TypeError(
+                "layer_transfer_counter must be an SWALayerTransferCounters (SWAKVPoolHost.layer_transfer_counter) "
+                f"or None, got {type(c).__name__}"
+            )
+        self.full_kv_pool.register_layer_transfer_counter(None if c is None else c.full)
+        self.swa_kv_pool.register_layer_transfer_counter(None if c is None else c.swa)
+        self.layer_transfer_counter = c
 
     # --- getters ---------------------------------------------------------------------------------
 

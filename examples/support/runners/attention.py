@@ -4,6 +4,8 @@ causal mask (``attention_mask``)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -41,10 +43,13 @@ def grouped_attention(
     return out[batch.token_mask]
 
 
-def attention_mask(batch: ForwardBatch, groups: int) -> torch.Tensor:
+def attention_mask(batch: ForwardBatch, groups: int, window: Optional[int] = None) -> torch.Tensor:
     """[B, 1, G*Tq, L] bool: query row (g, j) of a request sees keys 0..position(j) (causal; the
-    request's own keys only, since position < its length)."""
+    request's own keys only, since position < its length); with ``window``, only the keys k with
+    ``position(j) - window < k`` of those (transformers' sliding-window rule)."""
     b, tq = batch.q_positions.shape
     keys = torch.arange(batch.kv_slots.shape[1], device=batch.kv_slots.device)
     base = keys[None, None, :] <= batch.q_positions[:, :, None]  # [B, Tq, L]
+    if window is not None:
+        base &= keys[None, None, :] > batch.q_positions[:, :, None] - window
     return base[:, None].expand(b, groups, tq, keys.shape[0]).reshape(b, 1, groups * tq, keys.shape[0])

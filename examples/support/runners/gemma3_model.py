@@ -1,7 +1,8 @@
 """The Gemma 3 runner's model, pools and scheduler: its shapes (``GemmaShape``, ``SHAPES``), the
 seeded ``Gemma3ForCausalLM``, which layers slide (``swa_geometry``), the ``SWAKVPool`` of a run sized
-by ``plan_swa_pools`` (``make_pool``, ``SWAPools``) and the scheduler that gives each request's
-sliding-window slots back as its tokens leave the window (``SWAScheduler``). The pools and the
+by ``plan_swa_pools`` (``make_pool``, ``SWAPools``; with speculative decoding the draft's pool too) and
+the scheduler that gives each request's sliding-window slots back as its tokens leave the window
+(``SWAScheduler``, with verify steps for speculative decoding). The pools and the
 scheduler hold any model whose config has ``layer_types`` and ``sliding_window`` (the gpt-oss runner's too).
 
 The window rule is transformers' (``masking_utils.sliding_window_overlay`` and
@@ -18,11 +19,13 @@ from typing import Any, Optional
 
 import torch
 
-from kvpool import KVGeometry, SWAKVPool, SWASizing, SWATokenToKVPoolAllocator, plan_swa_pools
+from kvpool import KVGeometry, MHATokenToKVPool, SWAKVPool, SWASizing, SWATokenToKVPoolAllocator, plan_swa_pools
 from kvpool.checks import positive_int
 from kvpool.errors import IntegrityError
+from support.part_counts import PathCounts
 from support.runners.config import RunConfig
-from support.runners.scheduler import Request, Scheduler
+from support.runners.scheduler import Request
+from support.runners.verify import VerifyScheduling
 
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -162,6 +165,10 @@ def swa_geometry(model: Gemma3ForCausalLM) -> SWAGeometry:
 
 # --- the pools ------------------------------------------------------------------------------------
 
+#: The draft model's K/V dtype: the target on an FP8 pool (scale 1.0) is a draft that agrees with it
+#: except where the rounding turns a near-tie, so verify steps accept anything from none to all drafts.
+DRAFT_DTYPE = torch.float8_e5m2
+
 
 def swa_pages(window: int, page_size: int, step_tokens: int, tokens: int) -> int:
     """The most SWA pages a request of ``tokens`` K/V tokens holds at once when at most
@@ -171,40 +178,19 @@ def swa_pages(window: int, page_size: int, step_tokens: int, tokens: int) -> int
     return -(-min(window + page_size - 2 + step_tokens, tokens) // page_size)
 
 
-class PathCounts:
-    """The write-path counts of both parts of an ``SWAKVPool``, read when asked (``serve`` takes
-    the difference of two readings)."""
-
-    def __init__(self, kv: SWAKVPool) -> None:
-        self.parts = (kv.full_kv_pool.stats, kv.swa_kv_pool.stats)
-
-    @property
-    def fused_calls(self) -> int:
-        return sum(s.fused_calls for s in self.parts)
-
-    @property
-    def reference_calls(self) -> int:
-        return sum(s.reference_calls for s in self.parts)
-
-    @property
-    def reasons(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.parts:
-            for k, v in s.reasons.items():
-                out[k] = out.get(k, 0) + v
-        return out
-
-
 @dataclass
 class SWAPools:
     """One run's ``SWAKVPool`` (``kv``: local layers in its SWA part, global layers in its full part),
-    the sliding window and the sizing it was built at. It stands where the shared code expects a KV
-    pool: size, page size, dtype and device are the pool's, ``stats`` counts both parts' writes."""
+    the sliding window and the sizing it was built at, and for speculative decoding the draft model's
+    pool (``draft``: every layer's K/V at the full part's slots, ``DRAFT_DTYPE``). It stands where the shared code
+    expects a KV pool: size, page size, dtype and device are the pool's, ``stats`` counts both parts'
+    writes."""
 
     kv: SWAKVPool
     window: int
     sizing: SWASizing
     all_layers_bytes: int  # what a pool keeping every layer's K/V at the full part's size would take
+    draft: Optional[MHATokenToKVPool] = None
     stats: PathCounts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -216,19 +202,24 @@ class SWAPools:
         return getattr(self.kv, name)
 
 
-def plan_pools(cfg: RunConfig, g: SWAGeometry, dtype: torch.dtype) -> tuple[SWASizing, int, int]:
+def plan_pools(
+    cfg: RunConfig, g: SWAGeometry, dtype: torch.dtype, verify_width: Optional[int] = None
+) -> tuple[SWASizing, int, int]:
     """``plan_swa_pools`` for ``cfg.batch`` of the longest requests: the full part holds their whole
-    length, the SWA part their largest live window (``swa_pages``); the budget is what those two
+    length, the SWA part their largest live window (``swa_pages``, a step adding a prefill chunk or a
+    verify block of ``verify_width`` tokens); with ``verify_width`` the draft pool (every layer in
+    ``DRAFT_DTYPE``, the draft model's K/V) holds what the full part holds. The budget is what those
     pools take, split at their ratio. Returns the sizing and the slots each part needs."""
     p = cfg.page_size
-    step = min(cfg.prompt_len[1], cfg.chunk_size or cfg.prompt_len[1])
+    step = max(min(cfg.prompt_len[1], cfg.chunk_size or cfg.prompt_len[1]), verify_width or 1)
     full_need = cfg.batch * -(-cfg.max_context_len // p) * p
     swa_need = cfg.batch * swa_pages(g.window, p, step, cfg.max_context_len) * p
     full = KVGeometry(g.kv_heads, g.head_dim, len(g.full_layers), dtype)
     swa = KVGeometry(g.kv_heads, g.head_dim, len(g.swa_layers), dtype)
-    budget = full.pool_bytes(full_need, p) + swa.pool_bytes(swa_need, p)
+    draft = KVGeometry(g.kv_heads, g.head_dim, len(g.full_layers) + len(g.swa_layers), DRAFT_DTYPE) if verify_width else None
+    budget = full.pool_bytes(full_need, p) + swa.pool_bytes(swa_need, p) + (draft.pool_bytes(full_need, p) if draft else 0)
     ratio = min(1.0, (swa_need + 0.5) / full_need)  # the half keeps the float product from rounding below
-    sizing = plan_swa_pools(budget, full, swa, ratio, page_size=p)
+    sizing = plan_swa_pools(budget, full, swa, ratio, page_size=p, draft=draft)
     if sizing.size < full_need or sizing.size_swa < swa_need:
         raise RuntimeError(
             f"plan_swa_pools gave ({sizing.size}, {sizing.size_swa}) slots for a budget that holds "
@@ -237,21 +228,31 @@ def plan_pools(cfg: RunConfig, g: SWAGeometry, dtype: torch.dtype) -> tuple[SWAS
     return sizing, full_need, swa_need
 
 
-def make_pool(cfg: RunConfig, model: Gemma3ForCausalLM, dtype: torch.dtype) -> SWAPools:
+def make_pool(
+    cfg: RunConfig, model: Gemma3ForCausalLM, dtype: torch.dtype, verify_width: Optional[int] = None
+) -> SWAPools:
     """An ``SWAKVPool`` of ``dtype`` with room for ``cfg.batch`` of the longest requests (admission
-    waits for the rest), its parts sized by ``plan_pools``."""
+    waits for the rest), its parts sized by ``plan_pools``; with ``verify_width`` (speculative
+    decoding's verify blocks) also the draft's ``MHATokenToKVPool`` of every layer in ``DRAFT_DTYPE``,
+    of the sizing's ``draft_size``."""
     if cfg.page_size < 2:
         raise ValueError(
             f"page_size must be at least 2 (SWATokenToKVPoolAllocator extends requests page by page), got {cfg.page_size}"
         )
     g = swa_geometry(model)
-    sizing, _, _ = plan_pools(cfg, g, dtype)
+    sizing, _, _ = plan_pools(cfg, g, dtype, verify_width)
     kv = SWAKVPool(
         sizing.size, sizing.size_swa, cfg.page_size, dtype, g.kv_heads, g.head_dim, g.swa_layers, g.full_layers,
         False, cfg.device,
     )  # fmt: skip
+    draft = None
+    if verify_width is not None:
+        draft = MHATokenToKVPool(
+            sizing.draft_size, cfg.page_size, DRAFT_DTYPE, g.kv_heads, g.head_dim, len(g.full_layers) + len(g.swa_layers),
+            cfg.device,
+        )  # fmt: skip
     every = KVGeometry(g.kv_heads, g.head_dim, len(g.swa_layers) + len(g.full_layers), dtype)
-    return SWAPools(kv, g.window, sizing, every.pool_bytes(sizing.size, cfg.page_size))
+    return SWAPools(kv, g.window, sizing, every.pool_bytes(sizing.size, cfg.page_size), draft)
 
 
 # --- the scheduler ---------------------------------------------------------------------------------
@@ -268,14 +269,17 @@ class StepMemory:
     swa_bound: int  # the most the running requests may hold in the SWA part: a live window and a page each
 
 
-class SWAScheduler(Scheduler):
-    """The shared scheduler on an ``SWATokenToKVPoolAllocator`` over ``pools``.
+class SWAScheduler(VerifyScheduling):
+    """The shared scheduler on an ``SWATokenToKVPoolAllocator`` over ``pools``; with
+    ``verify_width``, verify steps of speculative decoding in place of decode steps.
 
     After every step each running request gives back, with ``free_swa``, the SWA part of its whole
     pages whose tokens all left the window (positions ``<= kv_len - window``); its full slots stay
     until it finishes, when ``free`` gives back both parts of what is left. A request is admitted when
     the full part has pages for its whole length and the SWA part for the most it holds at once
-    (``swa_pages``), on top of what the running requests may still take. With ``check_each_step``,
+    (``swa_pages``, a step adding a prefill chunk or a verify block), on top of what the running
+    requests may still take; a verify step's rejected slots go back in both parts before the window's
+    pages are given back. With ``check_each_step``,
     every step ends with the allocator's ``check_integrity()``, a check that each running request's
     live window is mapped and the tokens before it are not, and that the SWA part holds no more than
     a live window and a page per request; the first failure is raised by ``check_integrity()``.
@@ -283,10 +287,11 @@ class SWAScheduler(Scheduler):
 
     def __init__(
         self, pools: SWAPools, max_running: int, max_context_len: int, chunk_size: Optional[int],
-        check_each_step: bool = True,
+        check_each_step: bool = True, verify_width: Optional[int] = None,
     ) -> None:  # fmt: skip
         self.pools = pools
         super().__init__(pools, max_running, max_context_len, chunk_size)  # type: ignore[arg-type]
+        self.verify_width = verify_width
         self.window = pools.window
         self.capacity = self.allocator.size_full
         self.swa_capacity = self.allocator.size_swa
@@ -299,7 +304,7 @@ class SWAScheduler(Scheduler):
         return SWATokenToKVPoolAllocator(pool.size, pool.size_swa, pool.page_size, pool.dtype, pool.device, pool.kv)
 
     def swa_pages(self, r: Request) -> int:
-        step = min(len(r.prompt), self.chunk_size or len(r.prompt))
+        step = max(min(len(r.prompt), self.chunk_size or len(r.prompt)), self.verify_width or 1)
         return swa_pages(self.window, self.page_size, step, r.final_kv_len)
 
     def add(self, r: Request) -> None:
@@ -338,6 +343,15 @@ class SWAScheduler(Scheduler):
 
     def advance(self, batch: Any, logits: torch.Tensor, keep_logits: bool) -> None:
         super().advance(batch, logits, keep_logits)  # frees the finished requests
+        self._release_windows()
+
+    def advance_verify(self, batch: Any, tokens: Any, logits: Any) -> None:
+        super().advance_verify(batch, tokens, logits)  # frees the rejected slots and the finished requests
+        self._release_windows()
+
+    def _release_windows(self) -> None:
+        """Each running request gives back the SWA part of its whole pages that left the window; then
+        the step's checks and memory figures."""
         self.allocator.free_group_begin()
         for r in self.running:
             start, end = self.released.get(r.rid, 0), self.live_from(r)
@@ -396,11 +410,13 @@ class SWAScheduler(Scheduler):
     @property
     def memory(self) -> dict[str, int]:
         """The run's memory figures: the most slots each part held at a step's end, the SWA bound at
-        that step, the pool's slots and bytes, and what a pool keeping every layer's K/V would take."""
+        that step, the pool's slots and bytes, what a pool keeping every layer's K/V would take, and
+        the draft model's pool (0 without one)."""
         peak = max(self.steps, key=lambda s: s.swa_held, default=StepMemory(0, 0, 0, 0, 0))
         s = self.pools.sizing
         return {
             "swa_peak": peak.swa_held, "swa_peak_running": peak.running, "swa_peak_bound": peak.swa_bound,
             "full_peak": max((m.full_held for m in self.steps), default=0), "size": s.size, "size_swa": s.size_swa,
             "pool_bytes": s.full_bytes + s.swa_bytes, "all_layers_bytes": self.pools.all_layers_bytes,
+            "draft_bytes": s.draft_bytes,
         }  # fmt: skip

@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from transformers import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-from kvpool import MambaPool, MHATokenToKVPool, reference_set_kv_buffer
+from kvpool import MambaPool, MHATokenToKVPool
 from support.runners.attention import attention_mask, grouped_attention, read_rows
-from support.runners.config import KV_LEN_MULTIPLE, Scales, unit_scales
-from support.runners.qwen35_model import HybridPools, HybridScheduler, hybrid_geometry
-from support.runners.scheduler import ForwardBatch, Scheduler
+from support.runners.config import Scales, unit_scales
+from support.runners.qwen35_model import HybridPools, hybrid_geometry
+from support.runners.scheduler import ForwardBatch
 from support.runners.serving import ModelRunner
+from support.runners.verify import SpeculativeSteps, as_stored, verify_keys, verify_mask
 
 # --- the model runner ------------------------------------------------------------------------------
 
@@ -70,40 +71,6 @@ class PooledGatedAttention:
         kb, vb = self.pending  # type: ignore[misc]
         self.pool.set_kv_buffer_prefix_valid(self, loc_2d, commit_lens, kb, vb, k_scale, v_scale)
         self.pending = None
-
-
-def as_stored(
-    k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k``/``v`` [N, H, D] as a pool of ``dtype`` stores them and ``read_rows`` reads them back:
-    written with kvpool's reference write into a scratch cache, then read."""
-    caches = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in (k, v)]
-    loc = torch.arange(k.shape[0], device=k.device)
-    reference_set_kv_buffer(k, v, caches[0], caches[1], loc, k_scale, v_scale)
-    every = loc[None]
-    return read_rows(caches[0], every, k_scale, k.dtype)[0], read_rows(caches[1], every, v_scale, v.dtype)[0]
-
-
-def verify_keys(prefix: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """[B, Lp + W rounded up to KV_LEN_MULTIPLE, H, D]: the committed rows, the block's, zero padding."""
-    keys = torch.cat([prefix, block], dim=1)
-    pad = -keys.shape[1] % KV_LEN_MULTIPLE
-    return F.pad(keys, (0, 0, 0, 0, 0, pad))
-
-
-def verify_mask(batch: ForwardBatch, groups: int) -> torch.Tensor:
-    """[B, 1, G*W, L] for ``verify_keys``: block query j sees the request's committed keys
-    (``kv_slots`` columns before its start) and block keys 0..j."""
-    b, w = batch.q_index.shape
-    lp = batch.kv_slots.shape[1]
-    dev = batch.kv_slots.device
-    starts = torch.tensor(batch.starts, device=dev)
-    committed = (torch.arange(lp, device=dev)[None, :] < starts[:, None])[:, None, :].expand(b, w, lp)
-    j = torch.arange(w, device=dev)
-    block = (j[None, :] <= j[:, None])[None].expand(b, w, w)
-    m = torch.cat([committed, block], dim=-1)
-    m = F.pad(m, (0, -m.shape[-1] % KV_LEN_MULTIPLE))
-    return m[:, None].expand(b, groups, w, m.shape[-1]).reshape(b, 1, groups * w, m.shape[-1])
 
 
 class PooledGatedDeltaNet:
@@ -253,84 +220,22 @@ class Qwen35Runner(ModelRunner):
 # --- speculative decoding --------------------------------------------------------------------------
 
 
-class SpecRunner(Qwen35Runner):
-    """``Qwen35Runner`` whose decode steps are verify steps (see the module docstring): drafts from
-    the target without its linear layers, K/V of the draft in ``draft_pool`` (same slots as the
-    target's), greedy acceptance, commit of the accepted prefix."""
+class SpecRunner(SpeculativeSteps, Qwen35Runner):
+    """``Qwen35Runner`` whose decode steps are verify steps (see the module docstring and
+    ``support.runners.verify``): drafts from the target without its linear layers, K/V of the draft
+    in ``draft_pool`` (same slots as the target's), greedy acceptance, commit of the accepted prefix
+    (K/V with the verify write, states with ``MambaPool.commit``)."""
 
     def __init__(self, model: Qwen3_5MoeForCausalLM, pool: HybridPools, scales: Optional[Scales],
                  draft_pool: MHATokenToKVPool) -> None:  # fmt: skip
         super().__init__(model, pool, scales)
-        self.draft = Qwen35Runner(model, draft_pool, self.scales, linear=False)
-        self.draft_len: dict[int, int] = {}  # rid -> tokens with draft K/V
-        self.drafted_tokens = 0
-        self.accepted_tokens = 0
-        self.accept_lengths: list[int] = []  # per request and verify step: drafts accepted
+        self.start_speculation(Qwen35Runner(model, draft_pool, self.scales, linear=False))
 
     @torch.no_grad()
-    def step(self, sched: Scheduler, keep_logits: bool) -> Optional[str]:
-        batch = sched.schedule()
-        if batch is None:
-            return None
-        if batch.is_prefill:
-            logits = self.forward(batch)
-            self.draft.forward(batch)  # the draft's K/V of the prompt, at the target's slots
-            for r, s, n in zip(batch.requests, batch.starts, batch.counts):
-                self.draft_len[r.rid] = s + n
-            sched.advance(batch, logits, keep_logits)
-            return "prefill"
-        self.fill_drafts(sched, batch)  # type: ignore[arg-type]
-        logits = self.model.lm_head(self.hidden(batch))  # [T, vocab], every block token
-        targets = logits.argmax(dim=-1).tolist()
-        ids = batch.input_ids.tolist()
-        host = logits.float().cpu() if keep_logits else None
-        tokens, kept, pos = [], [], 0
-        for w in batch.counts:
-            a = 0
-            while a < w - 1 and ids[pos + a + 1] == targets[pos + a]:
-                a += 1
-            tokens.append(targets[pos : pos + a + 1])
-            kept.append(list(host[pos : pos + a + 1]) if host is not None else [])
-            self.drafted_tokens += w - 1
-            self.accepted_tokens += a
-            self.accept_lengths.append(a)
-            pos += w
-        commit = torch.tensor([len(t) for t in tokens], dtype=torch.int64, device=batch.loc.device)
-        for attn, (k_scale, v_scale) in self.attention:
-            attn.commit(batch.loc_2d, commit, k_scale, v_scale)  # type: ignore[arg-type]
-        self.pool.table.mamba_pool.commit(batch.state_slots, commit)
-        for r, t, s, w in zip(batch.requests, tokens, batch.starts, batch.counts):
-            if w >= 2:  # the draft wrote the block's tokens up to the second last; those accepted stay
-                self.draft_len[r.rid] = s + min(len(t) - 1, w - 2) + 1
-        sched.advance_verify(batch, tokens, kept)  # type: ignore[attr-defined]
-        return "verify"
+    def verify_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.lm_head(self.hidden(batch))  # [T, vocab], every block token
 
-    def fill_drafts(self, sched: HybridScheduler, batch: ForwardBatch) -> None:
-        """Draft each request's ``counts[i] - 1`` tokens into ``batch.input_ids``: the draft catches up
-        on the committed tokens it has not seen (the last one at the block's first slot), then runs
-        one token at a time at the block's slots."""
-        reqs = [(i, r) for i, r in enumerate(batch.requests) if batch.counts[i] >= 2]
-        if not reqs:
-            return
-        dev = sched.device
-        first = [sum(batch.counts[:i]) for i in range(len(batch.counts))]
-        ids = batch.input_ids.tolist()
-        starts = [self.draft_len[r.rid] for _, r in reqs]
-        counts = [batch.starts[i] + 1 - s for (i, _), s in zip(reqs, starts)]
-        tokens = [t for (_, r), s, n in zip(reqs, starts, counts) for t in (r.prompt + r.output)[s : s + n]]
-        rows = torch.tensor([r.row for _, r in reqs], device=dev).repeat_interleave(torch.tensor(counts, device=dev))
-        cols = torch.tensor([s + j for s, n in zip(starts, counts) for j in range(n)], device=dev)
-        loc = sched.table.req_to_token[rows, cols].to(torch.int64)
-        step = sched.metadata([r for _, r in reqs], tokens, starts, counts, loc, False, None)
-        for j in range(1, max(batch.counts)):
-            for (i, _), d in zip(reqs, self.draft.forward(step).argmax(dim=-1).tolist()):
-                ids[first[i] + j] = d
-            reqs = [(i, r) for i, r in reqs if batch.counts[i] > j + 1]  # who still needs a draft
-            if not reqs:
-                break
-            at = torch.tensor([i for i, _ in reqs], device=dev)
-            step = sched.metadata(
-                [r for _, r in reqs], [ids[first[i] + j] for i, _ in reqs], [batch.starts[i] + j for i, _ in reqs],
-                [1] * len(reqs), batch.loc_2d[at, j], False, None,  # type: ignore[index]
-            )  # fmt: skip
-        batch.input_ids.copy_(torch.tensor(ids, dtype=torch.int64))
+    def commit(self, batch: ForwardBatch, commit_lens: torch.Tensor) -> None:
+        for attn, (k_scale, v_scale) in self.attention:
+            attn.commit(batch.loc_2d, commit_lens, k_scale, v_scale)  # type: ignore[arg-type]
+        self.pool.table.mamba_pool.commit(batch.state_slots, commit_lens)

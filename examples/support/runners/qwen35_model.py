@@ -6,14 +6,15 @@ pools of a run (``make_pool``) and the scheduler that gives each request a state
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from kvpool import HybridLinearKVPool, HybridReqToTokenPool, MambaCacheParams, MambaStateDType, MambaStateShape
 from kvpool.checks import positive_int
 from support.runners.config import RunConfig
-from support.runners.scheduler import ForwardBatch, Request, Scheduler
+from support.runners.scheduler import ForwardBatch, Request
+from support.runners.verify import VerifyScheduling
 
 try:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -241,10 +242,11 @@ def make_pool(cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype, 
 # --- the scheduler ---------------------------------------------------------------------------------
 
 
-class HybridScheduler(Scheduler):
+class HybridScheduler(VerifyScheduling):
     """The shared scheduler over a hybrid model's pools (each request holds a table row and a state
-    slot), and (``verify_width``) verify steps in place of decode steps: each decoding request gets
-    ``min(verify_width, tokens it still makes)`` slots, for its last token and its drafts."""
+    slot), and (``verify_width``) verify steps in place of decode steps (``VerifyScheduling``): each
+    decoding request gets ``min(verify_width, tokens it still makes)`` slots, for its last token and
+    its drafts."""
 
     def __init__(
         self, pools: HybridPools, max_running: int, max_context_len: int, chunk_size: Optional[int],
@@ -272,37 +274,6 @@ class HybridScheduler(Scheduler):
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
         batch.state_slots = self.table.get_mamba_indices(rows).to(torch.int64)
         return batch
-
-    def schedule(self) -> Optional[ForwardBatch]:
-        if self.verify_width is None:
-            return super().schedule()
-        self._admit()
-        prefilling = [r for r in self.running if r.prefilling]
-        if prefilling:
-            return self._prefill(prefilling)
-        return self._verify(list(self.running)) if self.running else None
-
-    def _verify(self, reqs: list[Request]) -> ForwardBatch:
-        widths = [min(self.verify_width, r.max_new_tokens - len(r.output)) for r in reqs]  # type: ignore[type-var]
-        starts = [r.kv_len for r in reqs]
-        loc = self.alloc_extend(reqs, widths)
-        self.record(reqs, starts, widths, loc)
-        ids = [t for r, w in zip(reqs, widths) for t in [r.output[-1]] + [0] * (w - 1)]  # drafts filled in later
-        batch = self.metadata(reqs, ids, starts, widths, loc, is_prefill=False, key_lens=starts)
-        batch.loc_2d = torch.where(batch.token_mask, loc[batch.q_index], -1)
-        return batch
-
-    def advance_verify(self, batch: ForwardBatch, tokens: Sequence[list[int]], logits: Sequence[list[torch.Tensor]]) -> None:
-        """Each request's accepted tokens (its committed block prefix is ``len(tokens[i])`` long);
-        the rejected slots go back; finished requests are freed."""
-        rejected = []
-        for i, (r, toks, w) in enumerate(zip(batch.requests, tokens, batch.counts)):
-            r.kv_len += len(toks)
-            r.output.extend(toks)
-            r.logits.extend(logits[i])
-            rejected.append(batch.loc_2d[i, len(toks) : w])  # type: ignore[index]
-        self.allocator.free(torch.cat(rejected))
-        self.finish([r for r in batch.requests if r.done])
 
     def slots_in_use(self) -> int:
         state = self.table.mamba_pool

@@ -26,7 +26,18 @@ LAYER_LOG2_MAGNITUDE = ((0, -10), (6, -3), (-3, -6), (3, -1))
 MLA_MODELS = {"deepseek-v3": (512, 64)}
 #: The hybrid linear-attention model (its pools, runner and checks: support/sim/hybrid.py).
 HYBRID_MODEL = "qwen3.5"
-MODELS = ("mha", *MLA_MODELS, HYBRID_MODEL)
+#: Models with sliding-window layers (their pools, scheduler and checks: support/sim/sliding.py): every
+#: N-th layer is full attention, the others slide. Gemma 3: five local layers to one global;
+#: gpt-oss: sliding and full layers alternating.
+SWA_MODELS = {"gemma3": 6, "gpt-oss": 2}
+MODELS = ("mha", *MLA_MODELS, HYBRID_MODEL, *SWA_MODELS)
+#: What a run with a SWA_MODELS model runs without, and why (the run refuses these options).
+SWA_REFUSES = {
+    "host_tier": "the host tier parks MHA, MLA and hybrid pools' rows",
+    "cpu_park": "a retracted request's tokens before its window have no SWA rows to copy",
+    "calibrate": "calibration runs on the MHA and MLA pools",
+    "prefix_cache": "serve_sim's prefix cache has no sliding-window tree",
+}
 # A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
 # values are kv_values' K half, so each layer's latent scale follows K's magnitude).
 LATENT_SCALE = V_SCALE
@@ -106,6 +117,13 @@ class SimConfig:
     few_shot_len: int = 256
     turns: tuple[int, int] = (1, 4)
     host_write_policy: str = "write_through"
+    # --model gemma3 / gpt-oss: the sliding layers' window (gpt-oss's is 128 tokens, Gemma 3's 1024;
+    # 128 by default so that the window matters at serve_sim's default lengths), the SWA part's tokens
+    # per full-part token (SGLang's --swa-full-tokens-ratio), and the context at which the summary
+    # compares a request's KV bytes with a pool that keeps every layer's.
+    sliding_window: int = 128
+    swa_full_tokens_ratio: float = 0.8
+    long_context: int = 131072
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -139,10 +157,10 @@ class SimConfig:
             raise ValueError("--host-tier and --cpu-park are two ways to park a retracted request: choose one")
         if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
             raise ValueError(f"--spec-decode must be a non-negative int, got {self.spec_k!r}")
-        if self.spec_k and self.model not in ("mha", HYBRID_MODEL):
+        if self.spec_k and self.model in MLA_MODELS:
             raise ValueError(
-                f"--spec-decode needs the MHA pool's set_kv_buffer_prefix_valid (--model mha or {HYBRID_MODEL}), "
-                f"got --model {self.model}"
+                f"--spec-decode needs the MHA pool's set_kv_buffer_prefix_valid (--model mha, {HYBRID_MODEL}, "
+                f"{' or '.join(SWA_MODELS)}), got --model {self.model}"
             )
         if self.model == HYBRID_MODEL and self.layers < 4:
             raise ValueError(f"--model {HYBRID_MODEL} needs --layers 4 or more (every 4th is full attention), got {self.layers}")
@@ -159,8 +177,31 @@ class SimConfig:
             )
         if self.calibrate_per_head and not self.calibrate:
             raise ValueError("--calibrate-per-head (the calibrated scales' shape) needs --calibrate")
+        if self.model in SWA_MODELS:
+            self._check_sliding_window()
         if self.prefix_cache:
             self._check_prefix_cache()
+
+    def _check_sliding_window(self) -> None:
+        """What ``--model gemma3`` / ``gpt-oss`` need and what they run without (``SWA_REFUSES``)."""
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 2:
+            raise ValueError(f"--sliding-window must be an int >= 2, got {w!r}")
+        r = self.swa_full_tokens_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be a number in (0, 1], got {r!r}")
+        n = self.long_context
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"--long-context must be a positive int, got {n!r}")
+        every = SWA_MODELS[self.model]
+        if self.layers < every:
+            raise ValueError(
+                f"--model {self.model} needs --layers {every} or more (layer i is full attention when (i + 1) % {every} == 0), "
+                f"got {self.layers}"
+            )
+        for name, why in SWA_REFUSES.items():
+            if getattr(self, name):
+                raise ValueError(f"--model {self.model} runs without {flag(name)} ({why})")
 
     def _check_prefix_cache(self) -> None:
         """What ``--prefix-cache`` needs and what it runs without (``REFUSED``)."""

@@ -63,6 +63,8 @@ class SimResult:
     state_mismatches: int = 0
     # --prefix-cache: hits, savings and evictions
     prefix: Optional[Any] = None  # a support.sim.prefix.PrefixStats
+    # --model gemma3 / gpt-oss: what the sliding window held and gave back
+    swa: Optional[Any] = None  # a support.sim.sliding.WindowStats
 
     @property
     def ok(self) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvpool import MLATokenToKVPool
-from support.sim import calibration, hybrid, prefix
-from support.sim.config import HYBRID_MODEL, SimConfig
+from support.sim import calibration, hybrid, prefix, sliding
+from support.sim.config import HYBRID_MODEL, SWA_MODELS, SimConfig
 from support.sim.loop import SimResult, make_pool, make_runner, simulate
 from support.sim.values import checkpoint_scales
 
@@ -27,6 +27,8 @@ def _run(cfg: SimConfig) -> SimResult:
         return prefix.run(cfg)
     if cfg.model == HYBRID_MODEL:
         return hybrid.run(cfg)
+    if cfg.model in SWA_MODELS:
+        return sliding.run(cfg)
     pool, geometry = make_pool(cfg)
     cal = calibration.calibrate(cfg, pool, geometry.bytes_per_token) if cfg.calibrate else None
     runner = make_runner(cfg, pool, None if cal is None else cal.scales)

@@ -50,9 +50,15 @@ class ModelRunner:
         """The buffers of ``layer`` that hold ``parts``, in the same order: its K and V buffers."""
         return self.pool.get_kv_buffer(layer)
 
+    def rows_of(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Where ``layer``'s buffers (``stored``) hold the tokens at ``slots``, and which of those
+        tokens they hold ([n] bool; None: all). A pool with layers of several parts overrides it."""
+        return slots, None
+
     def verify(self, r: Request, slots: torch.Tensor, start: int = 0) -> tuple[int, Optional[Mismatch]]:
         """Tokens of ``r`` whose stored bytes of any part (``parts``, in ``stored``) differ from what
-        was written, and the first one; ``slots`` hold its positions ``start..``."""
+        was written, and the first one; ``slots`` hold its positions ``start..`` (each layer's rows
+        at ``rows_of``, only the tokens it holds compared)."""
         n = slots.shape[0]
         rids = r.keys(start, start + n, self.pool.device)
         positions = torch.arange(start, start + n, dtype=torch.int64, device=self.pool.device)
@@ -60,10 +66,13 @@ class ModelRunner:
         first: Optional[Mismatch] = None
         for layer in self.layers:
             lid = layer.layer_id
+            rows, held = self.rows_of(lid, slots)
             # Part j is quantised with the layer's j-th scale (K: k_scale, V: v_scale; a latent row: k_scale).
             for (which, x), buf, scale in zip(self.parts(rids, positions, lid), self.stored(lid), self.scales[lid]):
                 expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
-                bad = (buf.view(torch.uint8)[slots] != expected).flatten(1).any(dim=1)
+                bad = (buf.view(torch.uint8)[rows] != expected).flatten(1).any(dim=1)
+                if held is not None:
+                    bad &= held
                 if first is None and bool(bad.any()):
                     first = Mismatch(r.rid, start + int(bad.nonzero()[0]), lid, which)
                 bad_any |= bad
@@ -105,7 +114,8 @@ class Checker:
     """Verifies requests against what was written and tallies the outcome in a ``SimResult``.
 
     With ``corrupt``, it first flips one stored byte of the first request it checks (its V, last
-    layer, middle token), as a stray write would, to show that the check fails.
+    layer, middle token, or the last one the layer holds), as a stray write would, to show that the
+    check fails.
     """
 
     def __init__(self, runner: ModelRunner, result: SimResult, corrupt: bool) -> None:
@@ -114,8 +124,10 @@ class Checker:
     def check(self, r: Request, slots: torch.Tensor) -> None:
         if self.corrupt_pending and slots.numel():
             last_layer = self.runner.layers[-1].layer_id
+            rows, held = self.runner.rows_of(last_layer, slots)
+            at = slots.numel() // 2 if held is None else int(held.nonzero()[-1])
             buf = self.runner.pool.get_value_buffer(last_layer).view(torch.uint8)
-            buf[slots[slots.numel() // 2], 0, 0] ^= 0x5A
+            buf[rows[at], 0, 0] ^= 0x5A
             self.corrupt_pending = False
         bad, first = self.runner.verify(r, slots)
         res = self.result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -77,19 +77,20 @@ class Scheduler:
         self.cfg = cfg
         self.device = pool.device
         self.page_size = cfg.page_size
-        self.allocator: Union[TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator]
-        if cfg.page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, self.device, pool, validate=cfg.validate)
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                pool.size, cfg.page_size, pool.dtype, self.device, pool, validate=cfg.validate
-            )
+        self.allocator = self.make_allocator(cfg, pool)
         self.capacity = self.allocator.available_size()
         self.table = ReqToTokenPool(cfg.max_running, cfg.max_context_len, self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions = 0
         self.host: Optional[Parking] = None  # --host-tier / --cpu-park
+
+    def make_allocator(self, cfg: SimConfig, pool: MHATokenToKVPool) -> Any:
+        """The slot allocator over ``pool`` (a model with more than one pool part swaps it): the token
+        allocator at ``--page-size 1``, else the paged one. Page size 1 allocates with ``alloc`` only."""
+        if cfg.page_size == 1:
+            return TokenToKVPoolAllocator(pool.size, pool.dtype, self.device, pool, validate=cfg.validate)
+        return PagedTokenToKVPoolAllocator(pool.size, cfg.page_size, pool.dtype, self.device, pool, validate=cfg.validate)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -189,7 +190,7 @@ class Scheduler:
         order (the paged allocator continues each request's last page). Public: speculative
         decoding's drafts and the disaggregated decode rank take slots the same way."""
         total = sum(end - start for _, start, end in plan)
-        if isinstance(self.allocator, TokenToKVPoolAllocator):
+        if self.page_size == 1:
             out = self.allocator.alloc(total)
         else:
             prefix = torch.tensor([s for _, s, _ in plan], dtype=torch.int64)
@@ -203,7 +204,7 @@ class Scheduler:
         return out
 
     def _alloc_decode(self, decode: list[Request]) -> torch.Tensor:
-        if isinstance(self.allocator, TokenToKVPoolAllocator):
+        if self.page_size == 1:
             out = self.allocator.alloc(len(decode))
         else:
             held = torch.tensor([r.kv_len for r in decode], dtype=torch.int64)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from support.sim import calibration
+from support.sim import calibration, sliding
 from support.sim.config import DTYPES, HYBRID_MODEL, MLA_MODELS
 from support.sim.result import SimResult
 
@@ -11,6 +11,8 @@ def format_summary(res: SimResult) -> str:
     allocator = "TokenToKVPoolAllocator"
     if cfg.page_size > 1:
         allocator = f"PagedTokenToKVPoolAllocator(page_size={cfg.page_size})"
+    if res.swa is not None:
+        allocator = f"SWATokenToKVPoolAllocator(page_size={cfg.page_size})"
     written = res.prefill_tokens + res.decode_tokens
     if cfg.model in MLA_MODELS:
         rank, rope = MLA_MODELS[cfg.model]
@@ -21,12 +23,17 @@ def format_summary(res: SimResult) -> str:
         parts = "K,V"
     else:
         shape, parts = f"{cfg.heads} KV heads x {cfg.head_dim}", "K,V"
+    pool = (
+        f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {cfg.kv_budget_mib:g} MiB budget), "
+        f"{cfg.max_running} request rows"
+    )
+    if res.swa is not None:
+        shape, pool = sliding.shape_and_pool_lines(res)
     kv_layers = cfg.layers // 4 if cfg.model == HYBRID_MODEL else cfg.layers  # the layers that keep K/V
     lines = [
         f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {shape}, "
         f"{DTYPES[cfg.dtype]} pool on {res.device}, {allocator}, seed {cfg.seed}",
-        f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {cfg.kv_budget_mib:g} MiB budget), "
-        f"{cfg.max_running} request rows",
+        pool,
         f"  served          {res.served}/{cfg.requests} requests in {res.steps} steps "
         f"({res.retractions} retractions, peak {res.peak_running} running)",
         f"  tokens written  {written} ({res.prefill_tokens} prefill + {res.decode_tokens} decode) "
@@ -42,6 +49,8 @@ def format_summary(res: SimResult) -> str:
         f"{res.verified_requests} requests, {res.verified_tokens} tokens x {kv_layers} layers x {parts} "
         f"byte-equal to kvpool.quantize"
     )
+    if res.swa is not None:
+        check += f" (sliding layers: the {res.swa.checked_tokens} tokens whose SWA rows they held, every window whole)"
     if res.mismatched_tokens:
         m = res.first_mismatch
         where = f"; first: request {m.rid} position {m.position} layer {m.layer} {m.which}" if m else ""
@@ -63,6 +72,8 @@ def format_summary(res: SimResult) -> str:
         lines.append(f"  allocators      FAILED: {res.leaked_slots} slots still held after every request finished")
     else:
         lines.append("  allocators      OK: integrity checks pass, no slot leaked")
+    if res.swa is not None:
+        lines += sliding.summary_lines(res)
     if res.prefix is not None:
         lines += res.prefix.summary_lines(res)
     if cfg.host_tier and res.prefix is None:

@@ -1,0 +1,491 @@
+"""``MooncakeStore``: KV pages in a Mooncake Store shared by engines on several machines (SGLang's
+name; the rules are docs/contract.md, "Storage tier").
+
+Every engine runs a store client that lends ``global_segment_size`` bytes of its memory to the
+store; one ``mooncake_master`` (with its HTTP metadata server, see
+:mod:`kvpool.storage.mooncake_master`) places pages in those segments. A page is one store object
+laid out exactly as a page file of the file backend (:mod:`kvpool.storage.record`: header, the name
+it belongs to, payload, CRC-32 over all three), under the store key ``kvpool-<namespace digest>-<page
+digest>`` (digests only, never caller text). Every read checks header, name, size and CRC-32, so a
+read never returns another prefix's or another namespace's page.
+
+The host-index forms move pages between the store and the registered host pool without a copy: the
+host pool's buffers are registered with the client, and each page travels as its header (from a small
+staging buffer) followed by the host pool's K and V blocks, in the flat page order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import logging
+import re
+import threading
+import time
+import zlib
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
+from kvpool.storage.keys import key_namespace, storage_digest, storage_name
+from kvpool.storage.mooncake_config import (
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    MooncakeConfig,
+    check_reachable,
+    import_store_class,
+    pin_transport_address,
+)
+from kvpool.storage.mooncake_master import port_open
+from kvpool.storage.mooncake_memory import RegisteredMemory
+from kvpool.storage.record import HEADER, MAGIC, VERSION, checksum, parse_header
+
+log = logging.getLogger(__name__)
+
+
+def _region(ptr: int, size: int) -> Any:
+    """``size`` bytes of host memory at ``ptr`` as a buffer (no copy)."""
+    return (ctypes.c_ubyte * size).from_address(ptr)
+
+
+class MooncakeStore(HiCacheStorage):
+    """KV pages in a Mooncake Store (SGLang's ``MooncakeStore``; the interface is
+    :class:`~kvpool.storage.base.HiCacheStorage`).
+
+    Parameters
+    ----------
+    storage_config : who is storing (:class:`~kvpool.storage.base.HiCacheStorageConfig`; None is the
+        default). Its ``extra_config``, when it gives ``master_server_address`` and
+        ``metadata_server``, supplies the :class:`MooncakeConfig` fields.
+    mem_pool_host : a host pool to register at once (SGLang passes it second), or None.
+    mooncake_config : a :class:`MooncakeConfig` (instead of ``extra_config``).
+    **settings : :class:`MooncakeConfig` fields, over either of the above.
+
+    Raises
+    ------
+    ValueError
+        Bad settings, or none given.
+    ImportError
+        Mooncake Store is not installed or cannot load (the message says what to install).
+    ConnectionError
+        The master or the metadata server does not accept connections within
+        ``connect_timeout_s``, or the client's setup fails (before any page moves).
+
+    ``global_segment_size`` is what this client (one rank) lends; SGLang's backend divides its setting
+    by ``tp_size`` instead. Several threads may use one instance at once. Once the master stops answering, reads are misses
+    and writes False (counted, and ``last_error`` says why) without waiting on the network, and the
+    master is probed again every ``retry_interval_s``; a master that comes back (empty, if it was
+    restarted) serves again. Mooncake's master and client listen on more than the given addresses
+    (see the README's "Storage tier: Mooncake"): keep the store on a trusted network.
+
+    Examples
+    --------
+    >>> store = MooncakeStore(HiCacheStorageConfig(model_name="llama"),
+    ...                       master_server_address="10.0.0.5:50051",
+    ...                       metadata_server="http://10.0.0.5:8080/metadata", local_hostname="10.0.0.7")
+    >>> store.register_mem_pool_host(host_pool)
+    >>> store.batch_set_v1(page_keys(token_ids, host_pool.page_size), host_slots)
+    """
+
+    def __init__(
+        self,
+        storage_config: Optional[HiCacheStorageConfig] = None,
+        mem_pool_host: Any = None,
+        *,
+        mooncake_config: Optional[MooncakeConfig] = None,
+        **settings: Any,
+    ) -> None:
+        if storage_config is None:
+            storage_config = HiCacheStorageConfig()
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            raise ValueError(f"storage_config must be a HiCacheStorageConfig or None, got {type(storage_config).__name__}")
+        if mooncake_config is not None and not isinstance(mooncake_config, MooncakeConfig):
+            raise ValueError(f"mooncake_config must be a MooncakeConfig or None, got {type(mooncake_config).__name__}")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(MooncakeConfig)})
+        if unknown:
+            raise ValueError(f"settings must be MooncakeConfig fields, got unknown {', '.join(unknown)}")
+        if mooncake_config is None:
+            mooncake_config = MooncakeConfig.from_dict({**(storage_config.extra_config or {}), **settings})
+        elif settings:
+            mooncake_config = dataclasses.replace(mooncake_config, **settings)
+        self.storage_config, self.config = storage_config, mooncake_config
+        self._set_namespace(key_namespace(storage_config))
+        self._lock = threading.Lock()
+        self._stats = StorageStats()
+        self._down_until: Optional[float] = None
+        self.last_error: Optional[str] = None
+
+        store_class = import_store_class()
+        check_reachable(self.config)
+        if self.config.protocol == "tcp":
+            pin_transport_address(self.config)
+        self.store = store_class()
+        c = self.config
+        rc = self.store.setup(
+            c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size, c.protocol,
+            c.device_name, c.master_server_address,
+        )  # fmt: skip
+        self.memory = RegisteredMemory(self.store)
+        if rc != 0:
+            raise ConnectionError(
+                f"Mooncake Store setup failed with code {rc} (master {c.master_server_address}, metadata "
+                f"{c.metadata_server}, local_hostname {c.local_hostname}, protocol {c.protocol})"
+            )
+        if mem_pool_host is not None:
+            self.register_mem_pool_host(mem_pool_host)
+
+    # --- naming --------------------------------------------------------------------------------------
+
+    def _set_namespace(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.key_prefix = "kvpool-" + hashlib.sha256(namespace.encode("utf-8", "surrogatepass")).hexdigest()[:32] + "-"
+
+    def store_key(self, key: str) -> str:
+        """The store key page ``key`` lives under in this namespace."""
+        return self.key_prefix + storage_digest(self.namespace, key)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """As the interface says; the namespace takes in the host pool's page geometry, and the host
+        pool's buffers are registered with the client for zero-copy page moves."""
+        if self.store is None:
+            raise RuntimeError("this MooncakeStore is closed")
+        super().register_mem_pool_host(mem_pool_host)
+        self._set_namespace(key_namespace(self.storage_config, mem_pool_host))
+        self.memory.set_host([mem_pool_host.k_buffer, mem_pool_host.v_buffer])
+
+    # --- reachability ----------------------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        """False while the master is known to be down (no network wait); probes it once the retry
+        interval has passed."""
+        if self.store is None:
+            raise RuntimeError("this MooncakeStore is closed")
+        with self._lock:
+            until = self._down_until
+            if until is None:
+                return True
+            if time.monotonic() < until:
+                return False
+            self._down_until = time.monotonic() + self.config.retry_interval_s
+        if port_open(*self.config.master_host_port(), timeout=self.config.connect_timeout_s):
+            with self._lock:
+                self._down_until = None
+            log.info("Mooncake master %s answers again", self.config.master_server_address)
+            return True
+        return False
+
+    def _failed(self, code: int, what: str) -> None:
+        """Note a failure code; RPC failures mark the master as down for the retry interval."""
+        self.last_error = f"{what} failed with Mooncake code {code}"
+        if code == RPC_FAIL:
+            with self._lock:
+                first = self._down_until is None
+                self._down_until = time.monotonic() + self.config.retry_interval_s
+            if first:
+                log.warning(
+                    "Mooncake master %s does not answer (%s): reads miss and writes fail until it does",
+                    self.config.master_server_address, self.last_error,
+                )  # fmt: skip
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    # --- records -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _crc(name: bytes, parts: list[Any], payload_len: int) -> int:
+        """The record's CRC-32 (:func:`~kvpool.storage.record.checksum`) over a payload given as
+        consecutive buffers."""
+        crc = checksum(name, b"", payload_len)
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        return crc
+
+    def _header(self, name: bytes, parts: list[Any], payload_len: int) -> bytes:
+        """The record header and name for a payload given as consecutive buffers."""
+        return HEADER.pack(MAGIC, VERSION, len(name), payload_len, self._crc(name, parts, payload_len), 0) + name
+
+    def _verify(self, raw: bytes, name: bytes, parts: list[Any], payload_len: int) -> bool:
+        """Whether a read record's header names ``name``, its payload is ``payload_len`` bytes, and the
+        CRC-32 over the header fields, the name and ``parts`` agrees."""
+        parsed = parse_header(raw, name)
+        return parsed is not None and parsed[0] == payload_len and self._crc(name, parts, payload_len) == parsed[1]
+
+    def _drop_corrupt(self, skey: str) -> None:
+        # Removed so the next write of the key stores a good page; force skips the read lease.
+        self.store.remove(skey, True)
+
+    # --- the two moves: objects from and into registered memory -------------------------------------
+
+    def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
+        """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
+        size)`` blocks in order) in one batch, each object its header (from a staging buffer) and
+        then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
+        after the first that fails are not left stored (``batch_set``'s rule)."""
+        if not self._usable():
+            self._count(write_failures=len(keys))
+            return [False] * len(keys)
+        skeys = [self.store_key(k) for k in keys]
+        present = self.store.batch_is_exist(skeys)
+        if any(p < 0 for p in present):
+            self._failed(min(present), "batch_is_exist")
+            self._count(write_failures=len(keys))
+            return [False] * len(keys)
+        done = [p == 1 for p in present]
+        todo = [i for i, p in enumerate(present) if p != 1]
+        if not todo:
+            self._count(writes=len(keys))
+            return done
+        heads = []
+        for i in todo:
+            parts = [_region(ptr, n) for ptr, n in regions[i]]
+            heads.append(self._header(storage_name(self.namespace, keys[i]), parts, sum(n for _, n in regions[i])))
+        with self.memory.staging(sum(len(h) for h in heads)) as staging:
+            at, ptrs, sizes = 0, [], []
+            for i, h in zip(todo, heads):
+                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
+                ptrs.append([staging.ctypes.data + at] + [ptr for ptr, _ in regions[i]])
+                sizes.append([len(h)] + [n for _, n in regions[i]])
+                at += len(h)
+            codes = self.store.batch_put_from_multi_buffers([skeys[i] for i in todo], ptrs, sizes)
+        code_of = dict(zip(todo, codes))
+        failed = [i for i in todo if code_of[i] != 0]
+        end = len(keys)  # the entries this call answers for
+        if failed:
+            self._failed(code_of[failed[0]], "batch_put_from_multi_buffers")
+            if stop_at_failure:
+                end = failed[0] + 1
+                later = [i for i in todo if i >= end and code_of[i] == 0]
+                if later:  # stored beside the failure in the same batch: not left stored
+                    self.store.batch_remove([skeys[i] for i in later], True)
+        stored = [(i, h) for i, h in zip(todo, heads) if code_of[i] == 0 and i < end]
+        for i, _ in stored:
+            done[i] = True
+        done[end:] = [False] * (len(keys) - end)
+        self._count(pages=len(stored), bytes=sum(len(h) + sum(n for _, n in regions[i]) for i, h in stored))
+        self._count(writes=sum(done), write_failures=sum(1 for i in failed if i < end))
+        return done
+
+    def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
+        there: True where the record is whole, of that size, names the key and its CRC-32 agrees. A
+        record that fails its check is removed from the store; its regions' bytes are unspecified."""
+        if not self._usable():
+            self._count(misses=len(keys))
+            return [False] * len(keys)
+        skeys = [self.store_key(k) for k in keys]
+        names = [storage_name(self.namespace, k) for k in keys]
+        lens = [HEADER.size + len(n) for n in names]
+        offsets = np.cumsum([0] + lens[:-1]).tolist()
+        with self.memory.staging(sum(lens)) as staging:
+            base = staging.ctypes.data
+            codes = self.store.batch_get_into_multi_buffers(
+                skeys, [[base + off] + [ptr for ptr, _ in r] for off, r in zip(offsets, regions)],
+                [[n] + [size for _, size in r] for n, r in zip(lens, regions)],
+            )  # fmt: skip
+            heads = [staging[off : off + n].tobytes() for off, n in zip(offsets, lens)]
+        done, corrupt = [], 0
+        for i, code in enumerate(codes):
+            payload_len = sum(n for _, n in regions[i])
+            if code < 0 and code != OBJECT_NOT_FOUND:
+                self._failed(code, "batch_get_into_multi_buffers")
+            ok = code == lens[i] + payload_len
+            if ok and not self._verify(heads[i], names[i], [_region(ptr, n) for ptr, n in regions[i]], payload_len):
+                ok = False
+                corrupt += 1
+                self._drop_corrupt(skeys[i])
+            done.append(ok)
+        self._count(hits=sum(done), misses=len(keys) - sum(done), corrupt=corrupt)
+        return done
+
+    # --- pages by host index (zero-copy) ---------------------------------------------------------------
+
+    def _host_regions(self, keys: list[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Per page of ``host_indices``: its blocks in the host buffers, in flat page order (every
+        layer's K, then every layer's V), after every check."""
+        self.host_page_starts(keys, host_indices)
+        if not keys:
+            return []
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // len(keys)
+        regions = []
+        for i in range(len(keys)):
+            blocks = list(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]))
+            regions.append(blocks[0::2] + blocks[1::2])  # the meta alternates K and V blocks
+        return regions
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says. Keys already in the store are not sent again; the others travel in
+        one batch, each as its header and then the host pool's blocks themselves."""
+        regions = self._host_regions(keys, host_indices)
+        return self._put(keys, regions) if keys else []
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
+        """As the interface says. Pages are read in one batch straight into their host pages and
+        checked there; a page that fails its check leaves its host page's bytes unspecified (and is
+        removed from the store)."""
+        regions = self._host_regions(keys, host_indices)
+        return self._get(keys, regions) if keys else []
+
+    # --- pages as tensors (through a registered staging buffer) ------------------------------------------
+
+    @staticmethod
+    def _check_target(target: object, size: object, name: str) -> Optional[torch.Tensor]:
+        if size is not None:
+            raise ValueError(f"{name.replace('location', 'sizes')} must be None (MooncakeStore reads into tensors), got {size!r}")
+        if target is None:
+            return None
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"{name} must be None or a CPU tensor (MooncakeStore reads into tensors), got {type(target).__name__}")
+        if target.device.type != "cpu" or not target.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, got device {target.device}, contiguous {target.is_contiguous()}")
+        return target
+
+    @staticmethod
+    def _check_value(value: object, target: object, size: object, name: str) -> torch.Tensor:
+        if target is not None or size is not None:
+            raise ValueError(f"{name} must be given as a tensor (MooncakeStore takes no target_location / target_sizes)")
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name} must be a CPU tensor, got {got}")
+        return value.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    def _store(self, keys: list[str], payloads: list[torch.Tensor], stop_at_failure: bool) -> list[bool]:
+        """Tensor payloads, copied into one registered staging buffer, then stored as ``_put``."""
+        with self.memory.staging(sum(p.numel() for p in payloads)) as staging:
+            regions, at = [], 0
+            for p in payloads:
+                torch.from_numpy(staging[at : at + p.numel()]).copy_(p)
+                regions.append([(staging.ctypes.data + at, p.numel())])
+                at += p.numel()
+            return self._put(keys, regions, stop_at_failure)
+
+    def _load(self, keys: list[str], targets: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Pages read through one registered staging buffer into ``targets`` (a new uint8 tensor of
+        the stored size where a target is None); None for a miss."""
+        if not keys:
+            return []
+        if not self._usable():
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        nbytes = []
+        for key, t in zip(keys, targets):
+            if t is not None:
+                nbytes.append(t.numel() * t.element_size())
+                continue
+            size = self.store.get_size(self.store_key(key))  # no target: the stored size decides
+            if size < 0 and size != OBJECT_NOT_FOUND:
+                self._failed(size, "get_size")
+            nbytes.append(max(size - HEADER.size - len(storage_name(self.namespace, key)), 0))
+        with self.memory.staging(sum(nbytes)) as staging:
+            regions, at = [], 0
+            for n in nbytes:
+                regions.append([(staging.ctypes.data + at, n)])
+                at += n
+            done = self._get(keys, regions)
+            out: list[Optional[torch.Tensor]] = []
+            at = 0
+            for ok, n, t in zip(done, nbytes, targets):
+                if ok:
+                    t = torch.empty(n, dtype=torch.uint8) if t is None else t
+                    t.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(staging[at : at + n]))
+                out.append(t if ok else None)
+                at += n
+            return out
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        """As the interface says; the page travels through a registered staging buffer."""
+        key = self.check_key(key)
+        return self._load([key], [self._check_target(target_location, target_sizes, "target_location")])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> list[Optional[torch.Tensor]]:
+        """As the interface says, in one batch (and one size query per key without a target)."""
+        keys = self.check_keys(keys)
+        targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
+        sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
+        checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
+        return self._load(keys, checked)
+
+    def set(
+        self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> bool:
+        """As the interface says; the page travels through a registered staging buffer."""
+        key = self.check_key(key)
+        return self._store([key], [self._check_value(value, target_location, target_sizes, "value")], False)[0]
+
+    def batch_set(
+        self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> bool:
+        """As the interface says, in one batch: pages after the first that fails are removed again."""
+        keys = self.check_keys(keys)
+        if values is None:
+            raise ValueError("values must be a list of CPU tensors (one per key), got None")
+        vals = self.check_batch(values, "values", len(keys))
+        targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
+        sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
+        payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
+        return all(self._store(keys, payloads, True)) if keys else True
+
+    # --- presence and housekeeping -------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        key = self.check_key(key)
+        if not self._usable():
+            return False
+        code = self.store.is_exist(self.store_key(key))
+        if code < 0:
+            self._failed(code, "is_exist")
+        return code == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """As the interface says, in one round trip."""
+        keys = self.check_keys(keys, "keys")
+        if not keys or not self._usable():
+            return 0
+        codes = self.store.batch_is_exist([self.store_key(k) for k in keys])
+        n = 0
+        while n < len(codes) and codes[n] == 1:
+            n += 1
+        if n < len(codes) and codes[n] < 0:
+            self._failed(codes[n], "batch_is_exist")
+        return n
+
+    def clear(self) -> None:
+        """Remove every page of this backend's namespace from the store (other namespaces' pages, of
+        other models, ranks or geometries, stay)."""
+        if not self._usable():
+            return
+        code = self.store.remove_by_regex("^" + re.escape(self.key_prefix), True)
+        if code < 0:
+            self._failed(code, "remove_by_regex")
+            return
+        with self._lock:
+            self._stats.pages, self._stats.bytes = 0, 0
+
+    def get_stats(self) -> StorageStats:
+        """A copy of the counters. ``pages`` / ``bytes`` are those this client stored since it was
+        made or last cleared (the store is shared: other clients' pages and the master's evictions
+        are not seen here)."""
+        with self._lock:
+            return StorageStats(**vars(self._stats))
+
+    def close(self) -> None:
+        """Unregister the buffers and leave the store (this client's segment and the pages in it go
+        with it). A call after it raises RuntimeError; a second ``close`` does nothing."""
+        store = getattr(self, "store", None)
+        if store is None:
+            return
+        self.memory.release_all()
+        store.close()
+        self.store = None
