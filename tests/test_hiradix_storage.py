@@ -17,7 +17,7 @@ import torch
 from kvassert import Engine, file_store, seq
 
 from kvpool import MHATokenToKVPool, PagedTokenToKVPoolAllocator
-from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache
+from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MatchPrefixParams, RadixKey
 from kvpool.cache.records import STORAGE
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.errors import IntegrityError
@@ -115,6 +115,27 @@ def test_the_integrity_check_sees_wrong_storage_keys(tmp_path):
     node.records[STORAGE].keys[0] = "0" * 64
     with pytest.raises(IntegrityError, match=f"node {node.id}'s storage keys are not the chain of its prefix"):
         eng.cache.check_integrity()
+
+
+def test_the_integrity_check_sees_keys_below_a_node_without_them_and_a_prefetch_without_its_hold(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"))
+    eng.finish(eng.admit(seq(17, 100)))
+    eng.finish(eng.admit(seq(9, 100) + seq(8, 5000)))  # a node of two pages with two children
+    cache = eng.cache
+    parent = next(iter(cache.root_node.children.values()))
+    child = next(iter(parent.children.values()))
+    keys = parent.records.pop(STORAGE)
+    with pytest.raises(IntegrityError, match=f"node {child.id} has storage keys but its parent {parent.id} has none"):
+        cache.check_integrity()
+    parent.records[STORAGE] = keys
+    cache.check_integrity()
+    cache.prefetch_from_storage("r", child, seq(8, 90_000))
+    child.records["host"].holds -= 1
+    with pytest.raises(IntegrityError, match="a prefetch in flight does not hold the host copy of the node it continues"):
+        cache.check_integrity()
+    child.records["host"].holds += 1
+    assert cache.check_prefetch_progress("r")
+    eng.drain()
 
 
 # --- prefetch policies (worker threads; the injector's sleep is a gate the test opens) -------------
@@ -304,3 +325,113 @@ def test_a_seeded_fault_run_loads_only_right_bytes_and_stays_consistent(tmp_path
     assert injected == {"fail", "raise", "short"} and sum(e.from_storage for e in engines) > 0
     for eng in engines:
         eng.drain()
+
+
+def test_an_aborted_requests_prefetch_releases_its_hold_and_takes_nothing(tmp_path):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(17, 300)
+    a.finish(a.admit(prompt))
+    b = second(a, file_store(tmp_path / "kv"))
+    b.finish(b.admit(prompt[:5]))  # the first page is in b's tree, on the host too
+    cache = b.cache
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:16]))).last_host_node
+    assert node is not cache.root_node
+    cache.prefetch_from_storage("r", node, prompt[4:16])
+    assert node.host_ref_counter == 1
+    host_free = b.host.available_size()
+    cache.release_aborted_request("r")  # SGLang's scheduler, for a request aborted while waiting
+    assert cache.storage_tier.ongoing_prefetch == {} and node.host_ref_counter == 0
+    assert b.host.available_size() == host_free and cache.pop_prefetch_loaded_tokens("r") == 0
+    assert cache.check_prefetch_progress("r")  # nothing left to end
+    cache.check_integrity()
+    cache.release_aborted_request("never-prefetched")  # nothing to release
+    b.drain()  # the node leaves the host with the rest
+
+
+def test_tensor_parallel_ranks_on_one_directory_never_read_each_others_pages(tmp_path):
+    args = SimpleNamespace(hicache_ratio=2.0, hicache_size=0, hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+                           hicache_io_backend="direct", hicache_storage_backend="file", hicache_storage_prefetch_policy="best_effort",
+                           hicache_storage_backend_extra_config={"file_path": str(tmp_path / "kv")}, model_path="org/model",
+                           tp_size=2)  # fmt: skip
+
+    def rank_cache(tp_cache_group):
+        pool = MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")  # each rank holds its own 2 heads
+        alloc = PagedTokenToKVPoolAllocator(64, 4, kvcache=pool)
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4,
+                                 tp_cache_group=tp_cache_group)  # fmt: skip
+        return HiRadixCache(params, args)
+
+    def group(rank, size):  # the rank's tensor-parallel process group, as SGLang passes it
+        return SimpleNamespace(rank=lambda: rank, size=lambda: size)
+
+    ranks = [rank_cache(group(r, 2)) for r in range(2)]
+    stores = [c.storage_tier.storage for c in ranks]
+    assert [(s.storage_config.tp_rank, s.storage_config.tp_size) for s in stores] == [(0, 2), (1, 2)]
+    host = ranks[0].token_to_kv_pool_host
+    (key,) = page_keys([1, 2, 3, 4], 4)
+    assert stores[0].batch_set_v1([key], host.alloc(4)) == [True]
+    assert stores[0].exists(key) and not stores[1].exists(key)
+    with pytest.raises(ValueError, match="tp_cache_group must be the rank's tensor-parallel group .* tp_size 2, got None"):
+        rank_cache(None)
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [storage_digest(stores[0].namespace, key) + ".kvpage"]
+
+
+def test_a_node_split_before_its_backup_completes_has_both_parts_written(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"))
+
+    class Pending:  # a backup still copying (a CUDA event), complete once the test says so
+        done = False
+
+        def query(self):
+            return Pending.done
+
+    real = eng.host.backup_from_device_all_layer
+    eng.host.backup_from_device_all_layer = lambda *a, **kw: (real(*a, **kw), Pending())[1]
+    prompt = seq(17, 100)
+    eng.finish(eng.admit(prompt))
+    eng.finish(eng.admit(prompt[:8] + seq(9, 5000)))  # splits the node after two pages, before the backup is done
+    assert eng.cache.storage_tier.stats.pages_written == 0
+    Pending.done = True
+    eng.cache.check_hicache_events()
+    eng.cache.check_integrity()
+    fresh = second(eng, file_store(tmp_path / "kv"))
+    fresh.finish(fresh.admit(prompt))
+    assert fresh.from_storage == 16
+    fresh.drain()
+    eng.drain()
+
+
+def test_writes_waiting_for_a_stalled_storage_hold_at_most_the_host_pools_size(tmp_path):
+    gate = threading.Event()
+    stalled = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"batch_set": {1}}, sleep=lambda s: gate.wait(30))
+    eng = engine(stalled, StoragePolicy(prefetch_threshold=0, background=True), host_ratio=4.0)
+    tier = eng.cache.storage_tier
+    host_pages = eng.host.size // eng.page
+    for i in range(2 * host_pages):  # each insert is a new page copied out of the host for storage
+        eng.finish(eng.admit(seq(5, 1000 * (i + 1))))
+        eng.cache.evict(EvictParams(num_tokens=eng.size))
+        eng.cache.evict_host(eng.host.size)  # room on the host: only storage's queue keeps the copies
+    assert tier.stats.writes_skipped >= host_pages - 1 and tier.queued_pages <= host_pages
+    gate.set()
+    assert tier.drain()
+    assert tier.queued_pages == 0 and tier.stats.pages_written + tier.stats.writes_skipped == 2 * host_pages
+    tier.close()
+    eng.drain()
+
+
+def test_prefetches_in_flight_hold_at_most_the_host_pools_size(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"), host_ratio=2.0)
+    cache, host_pages = eng.cache, eng.host.size // eng.page
+    prompts = [seq(4 * (host_pages // 2 - 1), 1000 * (i + 1)) for i in range(3)]  # each a page short of half the host
+    for i, prompt in enumerate(prompts):  # the pages each read into memory until its request goes on
+        cache.prefetch_from_storage(f"r{i}", cache.root_node, prompt)
+    assert sorted(cache.storage_tier.ongoing_prefetch) == ["r0", "r1"]  # a third would pass the host's size
+    assert cache.check_prefetch_progress("r2") and cache.check_prefetch_progress("r0")
+    cache.prefetch_from_storage("r2", cache.root_node, prompts[2])  # room again
+    assert sorted(cache.storage_tier.ongoing_prefetch) == ["r1", "r2"]
+    cache.release_aborted_request("r1")
+    assert cache.check_prefetch_progress("r2") and cache.storage_tier.ongoing_prefetch == {}
+    cache.prefetch_from_storage("r3", cache.root_node, prompts[0] + prompts[1] + prompts[2])  # more than the host holds
+    assert cache.storage_tier.ongoing_prefetch == {}
+    cache.check_integrity()
+    eng.drain()

@@ -5,6 +5,7 @@ as they were.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kvassert import directory_state, file_store, host_page_bytes, make_device_pool, make_host
@@ -124,6 +125,8 @@ def test_bad_store_arguments_create_nothing(tmp_path):
         (dict(token_ids=[1, 2**63]), r"token_ids\[1\] must be an int64 token .* got 9223372036854775808"),
         (dict(token_ids=torch.tensor([1.0, 2.0])), "token_ids must be an integer tensor, got torch.float32"),
         (dict(token_ids=torch.zeros(2, 3, dtype=torch.int64)), r"token_ids must be 1-D \(tokens\) or \[n, 2\] \(bigrams\), got shape \(2, 3\)"),
+        (dict(token_ids=np.array([1, 2**64 - 1], dtype=np.uint64)), r"token_ids must hold int64 tokens, got 18446744073709551615 \(uint64\)"),
+        (dict(token_ids=torch.tensor([2**63, 1], dtype=torch.uint64)), r"token_ids must hold int64 tokens, got 9223372036854775808"),
         (dict(page_size=0), "page_size must be a positive int, got 0"),
         (dict(extra_key=object()), "extra_key must be None, bool, int, str, bytes or a tuple of these .* got object"),
         (dict(extra_key=["a"]), "extra_key must be None, bool, int, str, bytes or a tuple of these .* got list"),

@@ -309,3 +309,77 @@ def test_threads_sharing_a_store_read_only_whole_pages_of_their_own_key(tmp_path
     on_disk = page_files(store)
     assert stats.pages == len(on_disk) <= 6 and stats.bytes <= store.max_bytes and stats.corrupt == 0
     assert not [n for n in os.listdir(store.file_path) if n.startswith(file_module.TEMP_PREFIX)]
+
+
+@pytest.mark.parametrize("meanwhile", ["get", "clear"])
+def test_a_read_or_clear_while_a_page_is_written_keeps_the_bound(tmp_path, monkeypatch, meanwhile):
+    page = torch.zeros(1000, dtype=torch.uint8)
+    probe = file_store(tmp_path / "probe")
+    probe.set("x", page)
+    one = probe.get_stats().bytes
+    store = file_store(tmp_path / "kv", max_bytes=2 * one)  # two pages fit, not three
+    real_replace = os.replace
+
+    other = threading.Thread(target=lambda: store.get("a") if meanwhile == "get" else store.clear(), daemon=True)
+
+    def replace_after_another_thread(src, dst):
+        # Another thread reads the key (a miss: the page is not renamed into place yet) or clears the
+        # store while this write is between its temporary file and the rename (a clear may wait).
+        other.start()
+        other.join(0.5)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(file_module.os, "replace", replace_after_another_thread)
+    assert store.set("a", page)
+    monkeypatch.undo()
+    other.join(10)
+    assert not other.is_alive()
+    for k in "bcd":
+        assert store.set(k, page)
+    on_disk = page_files(store)
+    stats = store.get_stats()
+    assert len(on_disk) <= 2 and stats.pages == len(on_disk) and stats.bytes == len(on_disk) * one
+
+
+def test_a_store_opened_meanwhile_keeps_a_live_writers_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    writer = file_store(path)
+    real_replace = os.replace
+
+    def open_another_store_then_replace(src, dst):
+        file_store(path)  # another engine starts on the directory mid-write
+        real_replace(src, dst)
+
+    monkeypatch.setattr(file_module.os, "replace", open_another_store_then_replace)
+    assert writer.set("k", torch.full((64,), 3, dtype=torch.uint8))
+    monkeypatch.undo()
+    assert torch.equal(writer.get("k"), torch.full((64,), 3, dtype=torch.uint8))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale = path / f"{file_module.TEMP_PREFIX}{int(dead.stdout)}-1-0"
+    stale.write_bytes(b"half a page")
+    file_store(path)
+    assert not stale.exists()  # its writer is gone
+
+
+def test_a_page_evicted_by_another_process_while_a_store_opens_is_skipped(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    first = file_store(path)
+    for k in "ab":
+        assert first.set(k, torch.full((16,), 1, dtype=torch.uint8))
+    real_scandir = os.scandir
+
+    class ListedThenEvicted:  # the directory as listed, one page removed (by another process) right after
+        def __init__(self, p):
+            self.entries = list(real_scandir(p))
+            os.unlink(self.entries[0].path)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(file_module.os, "scandir", ListedThenEvicted)
+    opened = file_store(path)
+    monkeypatch.undo()
+    assert opened.get_stats().pages == 1 and len(page_files(opened)) == 1

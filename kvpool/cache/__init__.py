@@ -11,7 +11,7 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
 tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
-prefetch from it), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
+prefetch from it), ``storage_setup`` (how a cache finds its storage tier), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
 ``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
 """
 

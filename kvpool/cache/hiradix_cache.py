@@ -31,7 +31,8 @@ from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, Match
 from kvpool.cache.radix_cache import RadixCache
 from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
-from kvpool.cache.storage_tier import StoragePolicy, storage_for
+from kvpool.cache.storage_setup import storage_for
+from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.cache.tree import Undo
 from kvpool.cache.write_through import NO_ROOM, WriteThroughInserts
 from kvpool.checks import non_negative_int
@@ -81,7 +82,10 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         self.io_backend = backend
         self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
         self.write_through_threshold = 1 if policy == "write_through" else 2
-        make_tier = storage_for(server_args, storage, storage_policy, host_pool)  # checked before any change
+        rank_fields = (("tp_cache_group", None), ("pp_rank", 0), ("pp_size", 1))  # they name the storage namespace
+        group, pp_rank, pp_size = (getattr(params, k, d) if params is not None else legacy_fields.get(k, d) for k, d in rank_fields)
+        ranks = (group, (pp_rank, pp_size))
+        make_tier = storage_for(server_args, storage, storage_policy, host_pool, *ranks)  # checked before any change
         if hasattr(device_pool, "register_layer_transfer_counter"):
             device_pool.register_layer_transfer_counter(host_pool.layer_transfer_counter)
         self._reset_host()  # the cache owns every host page from now on
@@ -351,6 +355,14 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         """Stop reading further pages for ``req_id``; ``check_prefetch_progress`` still ends it."""
         if self.storage_tier is not None:
             self.storage_tier.terminate(req_id)
+
+    def release_aborted_request(self, req_id: Any) -> None:
+        """End ``req_id``'s prefetch for a request aborted before it was scheduled (SGLang's scheduler
+        calls it instead of ``check_prefetch_progress``): the pages fetched are dropped, further reads
+        stop and the hold on ``last_host_node``'s host copy is released. Nothing for a request
+        without a prefetch."""
+        if self.storage_tier is not None:
+            self.storage_tier.abort(req_id)
 
     def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
         """Tokens ``req_id``'s prefetch brought into the host tier (0 for none), once."""

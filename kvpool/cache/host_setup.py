@@ -23,7 +23,7 @@ def host_tier_setup(
     ValueError
         For an allocator without a device pool, an unknown write policy or backend, no ``host_pool``
         and no ``server_args``, or a host pool over another device pool or page size (the storage
-        tier is checked by ``kvpool.cache.storage_tier.storage_for``).
+        tier is checked by ``kvpool.cache.storage_setup.storage_for``).
     """
     device_pool = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
     if device_pool is None:

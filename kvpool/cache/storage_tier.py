@@ -24,7 +24,6 @@ doubling up to a bound) before trying again.
 from __future__ import annotations
 
 import dataclasses
-import json
 import queue
 import threading
 import time
@@ -37,11 +36,8 @@ from kvpool.cache.key import RadixKey, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STORAGE, PageKeys
 from kvpool.checks import non_negative_int
-from kvpool.pools.mla_pool import MLATokenToKVPool
-from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig
-from kvpool.storage.file import HiCacheFile
+from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys
-from kvpool.storage.mooncake import MooncakeStore
 
 #: When a prefetch lets its request go on (SGLang's ``hicache_storage_prefetch_policy``).
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -118,71 +114,6 @@ class PrefetchOp:
         self.terminated = False
 
 
-def storage_for(server_args: Any, storage: Any, policy: Optional[StoragePolicy], host_pool: Any) -> Optional[Any]:
-    """How a ``HiRadixCache`` makes its storage tier, checked before the cache changes anything: a
-    function of the cache giving its ``StorageTier``, or None without storage. ``storage`` is a
-    backend instance; without it ``server_args.hicache_storage_backend`` may name ``"file"``
-    (``HiCacheFile``). Without ``policy`` it is made from ``hicache_storage_prefetch_policy`` and
-    SGLang's keys of ``hicache_storage_backend_extra_config`` (a dict or JSON of one):
-    ``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token`` (seconds
-    per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``.
-
-    Raises
-    ------
-    ValueError
-        Another backend name (pass it as ``storage=``), a ``storage`` that is not a
-        ``HiCacheStorage``, a ``storage_policy`` that is not a ``StoragePolicy`` or without storage.
-    """
-    name = getattr(server_args, "hicache_storage_backend", None)
-    if storage is None and name is None:
-        if policy is not None:
-            raise ValueError("storage_policy needs a storage backend (storage=, or server_args.hicache_storage_backend)")
-        return None
-    extra = _extra_config(server_args)
-    if policy is None:
-        per_ki = extra.get("prefetch_timeout_per_ki_token", 0.25)
-        policy = StoragePolicy(
-            prefetch_policy=getattr(server_args, "hicache_storage_prefetch_policy", None) or "best_effort",
-            prefetch_threshold=extra.get("prefetch_threshold", 256),
-            prefetch_timeout_base_s=extra.get("prefetch_timeout_base", 1.0),
-            prefetch_timeout_per_page_s=per_ki * host_pool.page_size / 1024 if isinstance(per_ki, (int, float)) else per_ki,
-        )
-    if not isinstance(policy, StoragePolicy):
-        raise ValueError(f"storage_policy must be a StoragePolicy, got {type(policy).__name__}")
-    if storage is None:
-        storage = _named_storage(name, server_args, host_pool, extra)  # the last check: it makes the directory
-    if not isinstance(storage, HiCacheStorage):
-        raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
-    return lambda cache: StorageTier(cache, storage, policy)
-
-
-def _extra_config(server_args: Any) -> dict:
-    extra = getattr(server_args, "hicache_storage_backend_extra_config", None) or {}
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except ValueError as e:
-            raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {extra!r} ({e})") from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"hicache_storage_backend_extra_config must be a dict or JSON of one, got {type(extra).__name__}")
-    return extra
-
-
-def _named_storage(name: object, server_args: Any, host_pool: Any, extra: dict) -> HiCacheStorage:
-    if name not in ("file", "mooncake"):
-        raise ValueError(
-            f"hicache_storage_backend must be 'file', 'mooncake' or None (pass other backends as storage=), got {name!r}"
-        )
-    config = HiCacheStorageConfig(
-        model_name=getattr(server_args, "model_path", None), is_mla_model=isinstance(host_pool.device_pool, MLATokenToKVPool),
-        is_page_first_layout=host_pool.layout == "page_first", extra_config=extra,
-    )  # fmt: skip
-    if name == "mooncake":  # its connection settings are the extra config's MooncakeConfig keys
-        return MooncakeStore(config)
-    kwargs = {"max_bytes": extra["max_bytes"]} if "max_bytes" in extra else {}
-    return HiCacheFile(config, extra.get("file_path"), **kwargs)
-
-
 class StorageTier:
     """The storage room of one ``HiRadixCache`` (made by the cache; see the module).
 
@@ -204,9 +135,16 @@ class StorageTier:
         self.ongoing_prefetch: dict[Any, PrefetchOp] = {}
         self.loaded_tokens: dict[Any, int] = {}
         self._lock = threading.Lock()
-        self._pending: list[tuple[TreeNode, Any, Any]] = []  # (node, its host copy, the backup's event)
+        self._pending: list[tuple[TreeNode, Any, Any, torch.Tensor]] = []  # (node, its host copy, the backup's event, slots)
         self._backoff = policy.backoff_s
         self._resume_at = 0.0
+        #: Pages copied out of the host for storage that a worker has not written yet, and their bound
+        #: (the host pool's size): beyond it writes are skipped, so a stalled store cannot fill memory.
+        self.queued_pages = 0
+        self.max_queued_pages = self.host.size // self.page_size
+        #: Pages of the prefetches in flight (each may read them all into memory), and their bound.
+        self.prefetch_pages = 0
+        self.max_prefetch_pages = self.host.size // self.page_size
         self._queues: dict[str, queue.Queue] = {}
 
     # --- write-through ---------------------------------------------------------------------------
@@ -214,18 +152,28 @@ class StorageTier:
     def backed_up(self, node: TreeNode, event: Any) -> None:
         """``node`` has a new host copy, complete once ``event`` is (None: now); it is written to
         storage at the next ``poll`` after that (at once for None)."""
-        self._pending.append((node, node.records[HOST], event))
+        copy = node.records[HOST]
+        self._pending.append((node, copy, event, copy.slots))
         if event is None:
             self.poll()
 
     def poll(self) -> None:
-        """Write the host copies whose backup completed, if they are still the node's."""
+        """Write the host copies whose backup completed, if they are still the node's (with the
+        parents a split gave the copy's first part meanwhile)."""
         left = []
-        for node, copy, event in self._pending:
+        for node, copy, event, slots in self._pending:
             if event is not None and not event.query():
-                left.append((node, copy, event))
+                left.append((node, copy, event, slots))
             elif node.records.get(HOST) is copy and self._attached(node):
-                self._write(node, copy)
+                parts, rest, n = [(node, copy)], len(slots) - len(copy.slots), node.parent
+                while rest > 0 and n is not self.cache.root_node:
+                    head = n.records.get(HOST)
+                    if head is None or len(head.slots) > rest or not torch.equal(head.slots, slots[rest - len(head.slots) : rest]):
+                        break
+                    parts.append((n, head))
+                    rest, n = rest - len(head.slots), n.parent
+                for part, part_copy in reversed(parts):  # the prefix's first pages first
+                    self._write(part, part_copy)
         self._pending = left
 
     def _write(self, node: TreeNode, copy: Any) -> None:
@@ -233,10 +181,17 @@ class StorageTier:
         keys = self.keys_of(node)
         if keys is None or not pages:
             return
-        if time.monotonic() < self._resume_at:
-            self.stats.writes_skipped += pages
-            return
-        data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+        with self._lock:
+            if time.monotonic() < self._resume_at or self.queued_pages + pages > self.max_queued_pages:
+                self.stats.writes_skipped += pages
+                return
+            self.queued_pages += pages
+        try:
+            data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+        except BaseException:
+            with self._lock:
+                self.queued_pages -= pages
+            raise
         self._submit("write", lambda: self._run_write(keys, data))
 
     def _run_write(self, keys: list[str], data: list[torch.Tensor]) -> None:
@@ -245,6 +200,7 @@ class StorageTier:
         except Exception:
             ok = False
         with self._lock:
+            self.queued_pages -= len(keys)
             if ok:
                 self.stats.pages_written += len(keys)
             else:
@@ -310,6 +266,8 @@ class StorageTier:
             )
         if len(elements) < self.policy.prefetch_threshold or time.monotonic() < self._resume_at:
             return
+        if self.prefetch_pages + len(keys) > self.max_prefetch_pages:
+            return
         path, n = [], last_host_node
         while n is not root:
             path.append(encoded(n.key))
@@ -320,6 +278,7 @@ class StorageTier:
         copy.holds += 1  # the node the pages hang below stays on the host meanwhile
         op = PrefetchOp(enc, start, keys, extra, copy)
         self.ongoing_prefetch[req_id] = op
+        self.prefetch_pages += len(keys)
         self.stats.prefetches += 1
         self._submit("prefetch", lambda: self._run_prefetch(op))
 
@@ -363,6 +322,7 @@ class StorageTier:
             op.terminated = True
             pages = list(op.pages)
         del self.ongoing_prefetch[req_id]
+        self.prefetch_pages -= len(op.keys)
         try:
             self.loaded_tokens[req_id] = self._take(op, pages)
         finally:
@@ -374,6 +334,19 @@ class StorageTier:
         op = self.ongoing_prefetch.get(req_id)
         if op is not None:
             op.terminated = True
+
+    def abort(self, req_id: Any) -> None:
+        """``HiRadixCache.release_aborted_request``: end ``req_id``'s prefetch without taking its pages
+        (the worker stops reading), and release its hold on the host copy."""
+        self.loaded_tokens.pop(req_id, None)
+        op = self.ongoing_prefetch.pop(req_id, None)
+        if op is None:
+            return
+        self.prefetch_pages -= len(op.keys)
+        with self._lock:
+            op.terminated = True
+            self.stats.tokens_dropped += len(op.pages) * self.page_size
+        op.copy.holds -= 1
 
     def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
         """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
@@ -418,6 +391,7 @@ class StorageTier:
         for op in self.ongoing_prefetch.values():
             op.terminated = True
         self.ongoing_prefetch.clear()
+        self.prefetch_pages = 0
         self.loaded_tokens.clear()
         self._pending = []
 
@@ -446,6 +420,9 @@ class StorageTier:
             holds[id(op.copy)] = holds.get(id(op.copy), 0) + 1
             if op.copy.holds < holds[id(op.copy)]:
                 out.append("a prefetch in flight does not hold the host copy of the node it continues")
+        in_flight = sum(len(op.keys) for op in self.ongoing_prefetch.values())
+        if self.prefetch_pages != in_flight:
+            out.append(f"the prefetches in flight count {self.prefetch_pages} pages but have {in_flight}")
         return out
 
     def _attached(self, node: TreeNode) -> bool:
@@ -484,7 +461,6 @@ class StorageTier:
             if not done.wait(max(0.0, deadline - time.monotonic())):
                 return False
         return True
-
 
     def close(self) -> None:
         """Stop the worker threads once they have run what was queued (a closed tier queues no more)."""

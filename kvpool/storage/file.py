@@ -75,6 +75,18 @@ def owner_only_directory(path: object) -> str:
     return path
 
 
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process whose id a temporary file's name carries is running."""
+    try:
+        pid = int(temp_name[len(TEMP_PREFIX) :].split("-")[0])
+        os.kill(pid, 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return pid > 0
+
+
 def _write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
@@ -146,6 +158,7 @@ class HiCacheFile(HiCacheStorage):
         self._lock = threading.Lock()  # the index and the counters
         self._write_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
+        self._writing: Optional[str] = None  # the digest being written (reserved, not renamed yet)
         self._bytes = 0
         self._stats = StorageStats()
         self._temp_ids = itertools.count()
@@ -154,17 +167,23 @@ class HiCacheFile(HiCacheStorage):
     # --- the directory -------------------------------------------------------------------------------
 
     def _adopt_directory(self) -> None:
-        """Remove temporary files a dead writer left, index the page files oldest first, and trim."""
+        """Remove temporary files a dead writer left (a live one's are its write in flight), index the
+        page files oldest first, and trim."""
         found = []
         with os.scandir(self.file_path) as entries:
             for e in entries:
                 if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
+                    if _writer_alive(e.name):
+                        continue
                     try:
                         os.unlink(e.path)
                     except FileNotFoundError:
                         pass
                 elif _PAGE_NAME.match(e.name) and e.is_file(follow_symlinks=False):
-                    st = e.stat(follow_symlinks=False)
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # evicted by another process since the listing
+                        continue
                     found.append((st.st_mtime_ns, e.name[:64], st.st_size))
         with self._lock:
             for _, digest, size in sorted(found):
@@ -221,6 +240,7 @@ class HiCacheFile(HiCacheStorage):
             self._trim(size)
             self._index[digest] = size  # reserved now, so concurrent writers keep the bound
             self._bytes += size
+            self._writing = digest  # a reader's miss meanwhile must not drop the reservation
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
@@ -236,10 +256,12 @@ class HiCacheFile(HiCacheStorage):
             except OSError:
                 pass
             with self._lock:
+                self._writing = None
                 self._forget(digest)
                 self._stats.write_failures += 1
             return False
         with self._lock:
+            self._writing = None
             self._stats.writes += 1
         return True
 
@@ -266,17 +288,18 @@ class HiCacheFile(HiCacheStorage):
                     self._index.move_to_end(digest)
                 return target
             self._stats.misses += 1
-            if outcome != "corrupt":
-                if outcome == "absent":
-                    self._forget(digest)
+            if outcome == "corrupt":
+                self._stats.corrupt += 1
+            if outcome == "size" or digest == self._writing:  # a write in flight replaces the file
                 return None
-            self._stats.corrupt += 1
             self._forget(digest)
-        # A page that fails its check is removed, so the next write of the key stores it again.
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+            if outcome == "corrupt":
+                # Removed (under the lock, so never a page written after this read), so the next
+                # write of the key stores it again.
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         return None
 
     @staticmethod
@@ -385,8 +408,9 @@ class HiCacheFile(HiCacheStorage):
         return [self._store(key, _as_bytes(host.get_data_page(start))) for key, start in zip(keys, starts)]
 
     def clear(self) -> None:
-        """Remove every page file of the directory (other files are left alone)."""
-        with self._lock:
+        """Remove every page file of the directory (other files are left alone), after a write in
+        flight has renamed its page."""
+        with self._write_lock, self._lock:
             with os.scandir(self.file_path) as entries:
                 for e in entries:
                     if _PAGE_NAME.match(e.name):

@@ -96,6 +96,8 @@ def _as_int64(token_ids: object) -> np.ndarray:
                     at = j if arr.ndim == 1 else j // 2
                     raise ValueError(f"token_ids[{at}] must be an int64 token or an (int, int) bigram, got {token_ids[at]!r}")
             arr = flat.astype(np.int64).reshape(arr.shape)
+    if arr.dtype.kind == "u" and arr.size and arr.max() > _INT64[1]:  # would wrap to a negative token
+        raise ValueError(f"token_ids must hold int64 tokens, got {int(arr.max())} ({arr.dtype})")
     if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 2):
         raise ValueError(f"token_ids must be 1-D (tokens) or [n, 2] (bigrams), got shape {tuple(arr.shape)}")
     return np.ascontiguousarray(arr, dtype="<i8")
