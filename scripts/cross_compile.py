@@ -161,7 +161,7 @@ def compile_allocator(target_name, name, consts, lens_type="i64"):
     names = list(fn.arg_names)
     types = {
         "hand_out": ["*i64", "*i64", f"*{lens_type}", f"*{lens_type}", f"*{lens_type}", "*i32", "*i32", "*i1", "*i1", "*i64"],
-        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64", "*i64"],
+        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64", "*i64", "*i64"],
     }[name]  # fmt: skip
     sig = dict(zip(names, types))
     for n in names[len(types):]:
@@ -178,8 +178,8 @@ def allocator_variants():
     bookkeeping and every give-back destination, of slots and of pages; on the other targets and at
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK))  # noqa: E731
-    give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False: (  # noqa: E731
-        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror)
+    give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False, mapped=False: (  # noqa: E731
+        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror, mapped)
     )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):
@@ -192,7 +192,8 @@ def allocator_variants():
         # copying its counters to the host as a GPU allocator's free does
         yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, sort, mirror=True))
         yield ("gfx942", *give(64, AL.RING, AL.TO_TAIL, False, sort, mirror=True))
-    yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, AL.GIVE_BACK_SORT_MAX, True, True))  # a SWA part's free
+    yield ("sm90", *give(64, AL.RING, AL.TO_TAIL, False, AL.GIVE_BACK_SORT_MAX, True, True, True))  # a SWA part's free
+    yield ("sm90", *give(1, AL.LIST, AL.TO_NONE, False, 16, True, True, True))  # ... in a free group, one slot a page
     for target in TARGETS:
         yield (target, *hand(1, AL.PLAIN))
         yield (target, *give(1, AL.RING, AL.TO_TAIL, mirror=True))

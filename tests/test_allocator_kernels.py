@@ -16,8 +16,9 @@ import random
 import pytest
 import torch
 
-from kvassert import counts_copied_back, cross_compile
+from kvassert import counts_copied_back, cross_compile, swa_allocator_snapshot, swa_as_on_gpu
 from kvpool.kernels.allocator import launcher as allocator_kernels
+from kvpool import SWATokenToKVPoolAllocator
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 
@@ -174,6 +175,63 @@ def test_a_free_copies_its_counts_back_itself(kernel_device, monkeypatch, page, 
     assert len(copies) == before, "a free launched a copy of its counts"
     assert tw.dut.rejected_frees == tw.ref.rejected_frees == 2
     _random_calls(tw, random.Random(page), 30)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_sliding_window_free_is_one_launch_that_matches_the_pytorch_path(kernel_device, monkeypatch, page):
+    """A sliding-window allocator's SWA part frees full slots through the mapping in one launch of the
+    give-back kernel (translated, freed with unmapped entries skipped, mapping cleared), with what
+    the PyTorch path leaves in both parts and the mapping, call after call: repeats, unmapped and
+    out-of-range entries, padding, frees inside a free group."""
+    import kvpool.pools.allocator.swa as swa_module
+
+    def make(dev):
+        a = SWATokenToKVPoolAllocator(24 * page, 12 * page, page, None, dev)
+        return swa_as_on_gpu(a) if dev == "cpu" else a
+
+    ref, dut = make("cpu"), make(kernel_device)
+    calls = []  # ("mapped" | "plain" | "translate") of the allocator under test
+    give_back, translate = allocator_kernels.give_back, swa_module.translate_slots
+
+    def counted_give_back(*args, **kwargs):
+        calls.append("mapped" if kwargs.get("mapping") is not None else "plain")
+        return give_back(*args, **kwargs)
+
+    def counted_translate(*args):
+        calls.append("translate")
+        return translate(*args)
+
+    monkeypatch.setattr(allocator_kernels, "give_back", counted_give_back)
+    monkeypatch.setattr(swa_module, "translate_slots", counted_translate)
+    rng = random.Random(page)
+    n_full = (24 + 1) * page
+    for step in range(40):
+        op = rng.choice(["alloc", "alloc", "free_swa", "free_swa", "free", "group"])
+        held = ref.full_attn_allocator.backup_state().owners.nonzero().flatten().tolist()
+        chosen = rng.sample(held, rng.randint(0, len(held))) + [rng.randint(-2, n_full + 3) for _ in range(rng.randint(0, 3))]
+        chosen += chosen[:1]
+        n = rng.randint(0, 3) * page
+        finished = held[: rng.randint(1, len(held))] if held else []
+        for a, dev in ((ref, "cpu"), (dut, kernel_device)):
+            allocator_kernels.kernel_on_cpu = a is dut and dev == "cpu"
+            calls.clear()
+            try:
+                if op == "alloc":
+                    a.alloc(n)
+                elif op == "free_swa" and chosen:
+                    a.free_swa(torch.tensor(chosen, device=dev))
+                    if a is dut:
+                        assert calls == ["mapped"], f"step {step}: free_swa made {calls}"
+                elif op == "free" and finished:
+                    a.free(torch.tensor(finished, device=dev))
+                    if a is dut:
+                        assert calls == ["plain", "mapped"], f"step {step}: free made {calls}"
+                elif op == "group":
+                    a.free_group_end() if step % 2 else a.free_group_begin()
+            finally:
+                allocator_kernels.kernel_on_cpu = False
+        assert swa_allocator_snapshot(dut) == swa_allocator_snapshot(ref), f"step {step}: {op}"
+        assert dut.errors() == ref.errors(), f"step {step}: {op}"
 
 
 @pytest.mark.parametrize("sorted_by", ["the kernel", "torch.sort"])

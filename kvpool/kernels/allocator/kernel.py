@@ -123,24 +123,32 @@ RING: tl.constexpr = tl.constexpr(0)
 LIST: tl.constexpr = tl.constexpr(1)
 
 
-@triton.jit(do_not_specialize=["n", "n_slots", "cap"], do_not_specialize_on_alignment=list(range(8)))
+@triton.jit(do_not_specialize=["n", "n_slots", "cap", "map_rows"], do_not_specialize_on_alignment=list(range(9)))
 def give_back(
-    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr, mirror_ptr,
-    n, n_slots, cap,
+    slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr, mirror_ptr, map_ptr,
+    n, n_slots, cap, map_rows,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
-    SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr,
+    SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr, MAPPED: tl.constexpr,
 ):  # fmt: skip
     """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
     put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
     entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``).
     ``MIRROR``: then copy ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU), so that
-    no copy needs launching after it."""
+    no copy needs launching after it. ``MAPPED`` (with ``SORT``): the entries are full slots of a
+    sliding-window allocator, taken back as their SWA slots ``map[entry]`` (-1 outside
+    ``0..map_rows-1``), whose mapping entries are then set to 0, every translation read first."""
     lane = tl.arange(0, BLOCK)
     tail = tl.load(counters_ptr)
     if SORT > 0:
         # Entries not sorted yet (at most SORT of them): sort them here, into sorted_ptr, and walk that.
         j = tl.arange(0, SORT)
         raw = tl.load(slots_ptr + j, mask=j < n, other=0x3FFFFFFFFFFFFFFF)
+        if MAPPED:
+            mapped = (j < n) & (raw >= 0) & (raw < map_rows)
+            swa = tl.load(map_ptr + tl.where(mapped, raw, 0), mask=mapped, other=-1)
+            tl.debug_barrier()  # every entry translated before any is cleared (an entry may repeat)
+            tl.store(map_ptr + raw, tl.zeros_like(swa), mask=mapped)
+            raw = tl.where(j < n, swa, 0x3FFFFFFFFFFFFFFF)
         tl.store(sorted_ptr + j, tl.sort(raw, 0), mask=j < n)
         tl.debug_barrier()  # every thread's stores visible before any reads a neighbour's
         slots_ptr = sorted_ptr

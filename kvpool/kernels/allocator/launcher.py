@@ -49,7 +49,8 @@ HAND_OUT_PARAMS = (
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
-    "n", "n_slots", "cap", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING", "MIRROR",
+    "map_ptr", "n", "n_slots", "cap", "map_rows", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
+    "MIRROR", "MAPPED",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -126,6 +127,7 @@ def give_back(
     scratch: Optional[torch.Tensor] = None,
     skip_padding: bool = False,
     mirror: Optional[torch.Tensor] = None,
+    mapping: Optional[torch.Tensor] = None,
 ) -> None:
     """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
     ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
@@ -135,16 +137,22 @@ def give_back(
     Slots must come sorted ascending unless ``scratch`` (int64, ``GIVE_BACK_SORT_MAX`` entries) is
     given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it.
     ``skip_padding``: entries <= 0 are not counted as dropped. ``mirror`` (int64, 3 entries; pinned
-    host memory for a GPU's counters): the kernel copies ``counters[0:3]`` there when it is done."""
+    host memory for a GPU's counters): the kernel copies ``counters[0:3]`` there when it is done.
+    ``mapping`` (a sliding-window allocator's full-to-SWA mapping, int64 ``[rows + 1]``; needs
+    ``scratch``): ``entries`` are full slots, taken back as their SWA slots, and their mapping
+    entries become 0 (``skip_padding`` should be set: unmapped entries translate to 0 or -1)."""
     n = entries.shape[0]
     if n == 0:
         return
     entries = entries.contiguous()  # read at base + j (a strided view is copied first)
     sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
+    if mapping is not None and not sort:
+        raise ValueError("give_back: a mapped free needs the kernel's own sort (scratch, at most GIVE_BACK_SORT_MAX entries)")
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries,
-               mirror if mirror is not None else counters)  # fmt: skip
-    ints = (n, owners.shape[0], cap)
-    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None)
+               mirror if mirror is not None else counters, mapping if mapping is not None else entries)  # fmt: skip
+    ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0)
+    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None,
+              mapping is not None)  # fmt: skip
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,

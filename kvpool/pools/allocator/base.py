@@ -278,6 +278,22 @@ class BaseTokenToKVPoolAllocator:
             self._group.append(torch.where(released, pages, -1))
         self._lists.changed()
 
+    def frees_through_mapping(self, n: int) -> bool:
+        """Whether ``free_through_mapping`` takes ``n`` slots: on the kernel path, without
+        ``validate``, at most ``GIVE_BACK_SORT_MAX`` of them."""
+        return allocator_kernels.on_kernels(self.device) and not self.validate and n <= allocator_kernels.GIVE_BACK_SORT_MAX
+
+    def free_through_mapping(self, full_slots: torch.Tensor, mapping: torch.Tensor) -> None:
+        """The SWA part's free of a sliding-window allocator in one launch: give back the slots
+        ``mapping[full_slots]`` as ``free(..., skip_padding=True)`` does (entries outside the
+        mapping, or mapped to 0, skipped) and set those mapping entries to 0, every entry translated
+        before any is cleared. ``full_slots``: int64 on the device, ``frees_through_mapping`` of its
+        length true; ``mapping``: int64 ``[rows + 1]`` on the device, its last entry -1. Unchecked."""
+        group = None if self.is_not_in_free_group else self._group
+        books = (self._owners, self._live, self._page_free)
+        self._lists.take_back(full_slots, books, self.page_size, group, True, mapping=mapping)
+        self._lists.changed()
+
     def free_group_begin(self) -> None:
         """Start batching frees: pages freed from now on become available at ``free_group_end()``.
         Calling it again inside a group keeps the group (and its pending frees) open."""

@@ -414,20 +414,24 @@ class FreeLists:
         page_size: int,
         group: Optional[list[torch.Tensor]],
         skip_padding: bool = False,
+        mapping: Optional[torch.Tensor] = None,
     ) -> None:
         """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, any order) drop
         a holder in ``books`` (owners, live, page_free) and the pages they release go to ``group``
         (a free group's pending list: one tensor, page or -1 per entry), the release list
         (need_sort) or the free list's end; entries that do not count are added to the rejected
-        count (padding, entries <= 0, aside if ``skip_padding``). Nothing read back."""
+        count (padding, entries <= 0, aside if ``skip_padding``). Nothing read back.
+
+        ``mapping`` (at most ``GIVE_BACK_SORT_MAX`` slots): ``slots`` are full slots of a
+        sliding-window allocator, freed as their SWA slots through it, whose entries become 0."""
         scratch = None
-        if slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
+        if mapping is not None or slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
             if self._sort_scratch is None:
                 self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
             scratch = self._sort_scratch
         else:
             slots = torch.sort(slots).values
-        self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding)
+        self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding, mapping=mapping)
         self.add_rejected(None)
 
     def give_back_pages(self, pages: torch.Tensor) -> None:

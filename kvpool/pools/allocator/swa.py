@@ -285,6 +285,11 @@ class SWATokenToKVPoolAllocator:
             self._free_swa_slots(slots)
 
     def _free_swa_slots(self, slots: torch.Tensor) -> None:
+        part = self.swa_attn_allocator
+        if not self._checked and part.frees_through_mapping(slots.numel()):
+            # One launch translates, frees (unmapped entries skipped) and clears the mapping.
+            part.free_through_mapping(slots, self._map.tensor)
+            return
         swa = self._map.translate(slots)
         if self._checked:  # host tensors, or validate: which entries are mapped is read here
             swa = swa[swa > 0]
