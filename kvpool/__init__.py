@@ -9,6 +9,7 @@ from kvpool.cache import (
     MatchPrefixParams,
     RadixCache,
     RadixKey,
+    SWARadixCache,
     TreeNode,
 )
 from kvpool.errors import FusedPathUnavailable, IntegrityError
@@ -90,6 +91,7 @@ __all__ = [
     "ReqToTokenPool",
     "RowTable",
     "SWAKVPool",
+    "SWARadixCache",
     "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",

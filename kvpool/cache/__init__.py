@@ -9,8 +9,10 @@ records), ``tree`` (``RadixTree``: structure, walks, its own consistency check),
 the request code and the integrity check need from a cache), ``requests`` and ``mamba_requests``
 (what a request becomes: plans that change nothing), ``integrity`` (tree, allocator, table and
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
-``radix_cache`` (``RadixCache``), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
-``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
+``radix_cache`` (``RadixCache``), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``),
+``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``) and the sliding-window room:
+``swa_plan`` (what an insertion does, and the window rule), ``swa_integrity`` (the SWA part of the
+check) and ``swa_radix_cache`` (``SWARadixCache``).
 """
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -37,6 +39,7 @@ from kvpool.cache.params import (
     MatchResult,
 )
 from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.swa_radix_cache import SWARadixCache
 
 __all__ = [
     "AllBlocksCleared",
@@ -62,5 +65,6 @@ __all__ = [
     "PriorityStrategy",
     "RadixCache",
     "RadixKey",
+    "SWARadixCache",
     "TreeNode",
 ]
