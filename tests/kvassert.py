@@ -68,6 +68,7 @@ from kvpool.cache import (
     MatchPrefixParams,
     RadixCache,
     RadixKey,
+    SWARadixCache,
 )
 
 import kvpool
@@ -1633,6 +1634,134 @@ class Engine:
         if isinstance(self.cache, HiRadixCache):
             self.cache.evict_host(self.host.size)
             assert self.host.available_size() == self.host.size and len(self.cache.root_node.children) == 0
+        self.cache.check_integrity()
+
+
+class SWAEngine:
+    """A scheduler on an SWARadixCache over an SWATokenToKVPoolAllocator (``validate`` on): as
+    ``Engine``, and as SGLang's ``ScheduleBatch._evict_swa``, each decode gives back the SWA part of
+    the request's own tokens that left its window (``free_swa``, whole pages, from
+    ``cache_protected_len`` on) and records it in ``req.swa_evicted_seqlen``. Every match is
+    checked: its slots hold its tokens' KV and its last window has SWA KV; a shortage evicts from
+    whichever part is short."""
+
+    def __init__(self, page: int, pages: int, swa_pages: int, window: int, rows: int = 6, policy: str = "lru",
+                 is_eagle: bool = False):  # fmt: skip
+        from kvpool import SWATokenToKVPoolAllocator
+
+        self.page, self.window, self.eagle = page, window, is_eagle
+        self.size, self.size_swa = pages * page, swa_pages * page
+        self.alloc = SWATokenToKVPoolAllocator(self.size, self.size_swa, page, validate=True)
+        self.table = ReqToTokenPool(rows, max_context_len=self.size + page, device="cpu")
+        self.cache = SWARadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
+            eviction_policy=policy, sliding_window_size=window, is_eagle=is_eagle,
+        ))  # fmt: skip
+        self.running: dict[int, SimReq] = {}
+        self.content: dict[int, tuple] = {}
+
+    def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per full slot: whether it has a SWA slot (the allocator's mapping)."""
+        return self.alloc.full_to_swa_index_mapping[slots.to(torch.int64)] > 0
+
+    def check_match(self, slots: torch.Tensor, extra: Any, tokens: list) -> None:
+        for i, s in enumerate(slots.tolist()):
+            assert self.content.get(s) == (extra, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds other KV"
+        tail = slots[max(len(slots) - self.window, 0) :]
+        assert bool(self.has_swa(tail).all()), "a match returned a prefix whose last window lacks SWA KV"
+
+    def _alloc(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        if self.page == 1:
+            return self.alloc.alloc(n)
+        one = int_tensor([1])
+        pre, sq = prefix * one, (prefix + n) * one
+        return self.alloc.alloc_extend(pre, pre.clone(), sq, sq.clone(), last * one, n)
+
+    def alloc_or_evict(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        got = self._alloc(n, prefix, last)
+        if got is None:
+            need = n + self.page
+            self.cache.evict(EvictParams(num_tokens=max(need - self.alloc.full_available_size(), 0),
+                                         swa_num_tokens=max(need - self.alloc.swa_available_size(), 0)))  # fmt: skip
+            got = self._alloc(n, prefix, last)
+        return got
+
+    def admit(self, tokens: list, extra: Any = None) -> Optional[SimReq]:
+        rows = self.table.alloc(1)
+        if rows is None:
+            return None
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
+        prefix, last = m.device_indices, m.last_device_node
+        assert len(prefix) % self.page == 0 and len(prefix) < len(tokens)
+        self.check_match(prefix, extra, tokens)
+        uuid = self.cache.inc_lock_ref(last)
+        p = len(prefix)
+        new = self.alloc_or_evict(len(tokens) - p, p, int(prefix[-1]) if p else -1)
+        if new is None:
+            self.cache.dec_lock_ref(last, uuid)
+            self.table.free(rows[0])
+            return None
+        row = rows[0]
+        self.table.write((row, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
+        for i, s in enumerate(new.tolist()):
+            self.content[s] = (extra, tuple(tokens[: p + i + 1]))
+        req = SimReq(row, list(tokens), extra, last_node=last, cache_protected_len=p, prefix_indices=prefix,
+                     kv_committed_len=len(tokens), kv_allocated_len=len(tokens))  # fmt: skip
+        req.swa_uuid_for_lock, req.swa_evicted_seqlen = uuid, 0
+        self.running[row] = req
+        return req
+
+    def slide(self, req: SimReq) -> None:
+        """Give back the SWA part of the request's own tokens that left its window."""
+        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        end = max(start, req.kv_committed_len - self.window) // self.page * self.page
+        if end > start:
+            self.alloc.free_swa(self.table.req_to_token[req.req_pool_idx, start:end])
+            req.swa_evicted_seqlen = end
+
+    def decode(self, req: SimReq, token: int) -> bool:
+        n = req.kv_committed_len
+        last = int(self.table.req_to_token[req.req_pool_idx, n - 1])
+        if self.page == 1:
+            got = self.alloc_or_evict(1, n, last)
+        else:
+            sq = int_tensor([n + 1])
+            got = self.alloc.alloc_decode(sq, sq.clone(), int_tensor([last]))
+            if got is None:
+                self.cache.evict(EvictParams(num_tokens=self.page, swa_num_tokens=self.page))
+                got = self.alloc.alloc_decode(sq, sq.clone(), int_tensor([last]))
+        if got is None:
+            return False
+        req.output_ids.append(token)
+        self.table.req_to_token[req.req_pool_idx, n] = int(got[0])
+        self.content[int(got[0])] = (req.extra_key, tuple(req.fill_ids))
+        req.kv_committed_len = req.kv_allocated_len = n + 1
+        self.slide(req)
+        return True
+
+    def chunk(self, req: SimReq) -> None:
+        self.cache.cache_unfinished_req(req)
+        row = self.table.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+        assert torch.equal(req.prefix_indices, row)
+        self.check_match(row[: req.cache_protected_len], req.extra_key, req.fill_ids)
+        for i, s in enumerate(row.tolist()):
+            assert self.content.get(s) == (req.extra_key, tuple(req.fill_ids[: i + 1])), f"row slot {s} at {i} holds other KV"
+
+    def finish(self, req: SimReq, insert: bool = True) -> None:
+        tokens = req.fill_ids[: req.kv_committed_len]
+        self.cache.cache_finished_req(req, is_insert=insert)
+        self.table.free(req.req_pool_idx)
+        del self.running[req.req_pool_idx]
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key)))
+        self.check_match(m.device_indices, req.extra_key, tokens)
+
+    def drain(self) -> None:
+        """Finish everything and evict the whole tree: every slot of both parts must be back."""
+        for req in list(self.running.values()):
+            self.finish(req)
+        self.cache.evict(EvictParams(num_tokens=self.size, swa_num_tokens=self.size_swa))
+        assert self.cache.total_size() == (0, 0)
+        assert (self.alloc.full_available_size(), self.alloc.swa_available_size()) == (self.size, self.size_swa)
         self.cache.check_integrity()
 
 
