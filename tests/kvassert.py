@@ -1712,9 +1712,14 @@ class SWAEngine:
         return req
 
     def slide(self, req: SimReq) -> None:
-        """Give back the SWA part of the request's own tokens that left its window."""
+        """Give back the SWA part of the request's own tokens that left its window, and of no token
+        in the last window of what the tree can take of it (its whole pages; with EAGLE keys one
+        token fewer, since a key of n tokens caches n - 1 slots), so that its cached tail keeps a
+        whole window."""
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
-        end = max(start, req.kv_committed_len - self.window) // self.page * self.page
+        n = req.kv_committed_len
+        cacheable = (n - (1 if self.eagle else 0)) // self.page * self.page
+        end = max(start, min(n, cacheable) - self.window) // self.page * self.page
         if end > start:
             self.alloc.free_swa(self.table.req_to_token[req.req_pool_idx, start:end])
             req.swa_evicted_seqlen = end
@@ -1931,7 +1936,8 @@ def tree_dump(cache: Any) -> list:
         rows.append((
             node.id, parent, tuple(node.key.token_ids), repr(node.key.extra_key), _listed(node.value),
             _listed(node.host_value), _listed(node.mamba_value), node.lock_ref, node.mamba_lock_ref,
-            node.host_ref_counter, node.hit_count, repr(node.priority), node.last_access_time,
+            node.host_ref_counter, node.swa_lock_ref, node.swa_uuid, node.swa_tombstone, node.hit_count,
+            repr(node.priority), node.last_access_time,
             node.creation_time, None if node.hash_value is None else tuple(node.hash_value),
         ))  # fmt: skip
         for ck in sorted(node.children, key=repr, reverse=True):
@@ -1947,8 +1953,12 @@ def cache_snapshot(cache: Any) -> dict:
     snap["sizes"] = (cache.evictable_size(), cache.protected_size(), cache.total_size())
     if hasattr(cache, "mamba_evictable_size"):
         snap["state sizes"] = (cache.mamba_evictable_size(), cache.mamba_protected_size())
+    if hasattr(cache, "swa_evictable_size"):
+        snap["swa sizes"] = (cache.swa_evictable_size(), cache.swa_protected_size())
     alloc = cache.token_to_kv_pool_allocator
-    if alloc is not None and hasattr(alloc, "backup_state"):
+    if alloc is not None and hasattr(alloc, "full_to_swa_index_mapping"):
+        snap["allocator"] = swa_allocator_snapshot(alloc)
+    elif alloc is not None and hasattr(alloc, "backup_state"):
         st = alloc.backup_state()
         snap["allocator"] = (
             alloc.available_size(), st.free_pages.tolist(), st.release_pages.tolist(),
