@@ -2252,6 +2252,7 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
     calls: dict[str, tuple] = {}
     bad = (TypeError, ValueError)
     hybrid = hasattr(cache, "mamba_evictable_size")
+    swa = hasattr(cache, "swa_evictable_size")
     key = RadixKey([7] * p + [8] * p, "bad-call")  # two pages nobody caches
     state = torch.tensor([0], dtype=torch.int64)
     if hybrid and cache.mamba_pool is not None:
@@ -2272,7 +2273,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             params.mamba_value = state
         return lambda: cache.insert(params)
 
-    owners = ctx.alloc.backup_state().owners
+    backup = ctx.alloc.backup_state()
+    owners = getattr(backup, "full", backup).owners  # an SWA allocator: the full part's (the slots calls take)
     tree = [nd for nd in device_nodes(cache) if nd.value is not None]
     tree_slots = cache.all_values_flatten()
     first = torch.arange(p, 2 * p)  # slots of page 1
@@ -2333,7 +2335,10 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
         calls["dec_lock_ref: an unlocked node"] = (lambda: cache.dec_lock_ref(unlocked[0]), bad, "not locked")
     for v in (-1, 1.5, True, None, "3"):
         calls[f"evict: num_tokens {v!r}"] = (lambda v=v: cache.evict(EvictParams(num_tokens=v)), bad, "num_tokens")
-    calls["evict: swa_num_tokens"] = (lambda: cache.evict(EvictParams(num_tokens=1, swa_num_tokens=1)), bad, "swa_num_tokens")
+    if swa:
+        calls.update(swa_bad_calls(ctx, ins, legit))
+    else:
+        calls["evict: swa_num_tokens"] = (lambda: cache.evict(EvictParams(num_tokens=1, swa_num_tokens=1)), bad, "swa_num_tokens")
     if hybrid:
         for v in (-1, 1.5, True):
             calls[f"evict: mamba_num {v!r}"] = (lambda v=v: cache.evict(EvictParams(num_tokens=0, mamba_num=v)), bad, "mamba_num")
@@ -2371,6 +2376,49 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             if unlocked and fresh:
                 calls[f"{how}: an unlocked last_node"] = (
                     lambda c=call, r=fresh[0]: c(twin(r, last_node=unlocked[0])), bad, "last_node")
+    return calls
+
+
+def swa_bad_calls(ctx: Any, ins: Callable, legit: Optional[torch.Tensor]) -> dict[str, tuple]:
+    """The bad calls only an SWARadixCache has: window counts, SWA-evicted lengths, lock ids, and
+    slots whose SWA KV does not match what the tree would take them as."""
+    cache, p = ctx.cache, ctx.page
+    bad = (TypeError, ValueError)
+    calls: dict[str, tuple] = {}
+    for v in (-1, 1.5, True, None):
+        calls[f"evict: swa_num_tokens {v!r}"] = (lambda v=v: cache.evict(EvictParams(swa_num_tokens=v)), bad, "swa_num_tokens")
+    if legit is not None:
+        for v in (-p, 1.5, True) + ((1,) if p > 1 else ()):
+            calls[f"insert: swa_evicted_seqlen {v!r}"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=v), bad, "swa_evicted_seqlen")
+        calls["insert: slots with SWA KV as a tombstone"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=p), bad, "no SWA KV before")
+    mapping = ctx.alloc.full_to_swa_index_mapping
+    for req in ctx.running.values():
+        row = cache.req_to_token_pool.req_to_token[req.req_pool_idx].to(torch.int64)
+        own = row[req.cache_protected_len : req.cache_protected_len + 2 * p]
+        if len(own) == 2 * p and int(mapping[own[0]]) == 0:
+            calls["insert: slots without SWA KV as live"] = (ins(value=own.clone(), prev_prefix_len=0), bad, "must have SWA KV")
+            break
+    locked = [r for r in ctx.running.values() if r.last_node is not cache.root_node]
+    if locked:
+        node = locked[0].last_node
+        calls["dec_lock_ref: a foreign swa_uuid_for_lock"] = (lambda: cache.dec_lock_ref(node, 10**9), bad, "swa_uuid_for_lock")
+    tombs = [nd for nd in device_nodes(cache) if nd.value is not None and nd.swa_tombstone]
+    if tombs:
+        calls["inc_lock_ref: a tombstone"] = (lambda: cache.inc_lock_ref(tombs[0]), bad, "tombstone")
+    reqs = [ctx.running[row] for row in sorted(ctx.running)]
+    if reqs:
+        req = reqs[0]
+
+        def twin(**changes: Any) -> Any:
+            other = dataclasses.replace(req, output_ids=list(req.output_ids))
+            for k, v in {**vars(req), **changes}.items():
+                setattr(other, k, v)
+            return other
+
+        for how, call in (("cache_finished_req", cache.cache_finished_req), ("cache_unfinished_req", cache.cache_unfinished_req)):
+            for v in (-p, 0.5) + ((1,) if p > 1 else ()):
+                calls[f"{how}: swa_evicted_seqlen {v!r}"] = (lambda c=call, v=v: c(twin(swa_evicted_seqlen=v)), bad, "swa_evicted_seqlen")
+            calls[f"{how}: a foreign swa_uuid_for_lock"] = (lambda c=call: c(twin(swa_uuid_for_lock=10**9)), bad, "swa_uuid_for_lock")
     return calls
 
 
