@@ -331,7 +331,7 @@ def test_the_integrity_check_adds_up_each_part():
     cache = eng.cache
     node = cache.root_node.children[next(iter(cache.root_node.children))]
     node.records.pop("swa")  # a tombstone leaf whose SWA slots nobody gives back
-    cache.swa_evictable_size_ -= 6
+    cache.windows.evictable_size -= 6
     with pytest.raises(IntegrityError) as err:
         cache.check_integrity()
     for what in ("tombstone leaf", "still maps 6 slots", "SWA part: free 10"):

@@ -11,8 +11,9 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``),
 ``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``) and the sliding-window room:
-``swa_plan`` (what an insertion does, and the window rule), ``swa_integrity`` (the SWA part of the
-check) and ``swa_radix_cache`` (``SWARadixCache``).
+``swa_plan`` (what an insertion does, and the window rule), ``swa_windows`` (the SWA tier's books:
+records, window locks, sizes, queue), ``swa_integrity`` (the SWA part of the check) and
+``swa_radix_cache`` (``SWARadixCache``).
 """
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored

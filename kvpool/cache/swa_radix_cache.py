@@ -19,13 +19,11 @@ prefix through the node needs only its full-attention KV. No leaf is a tombstone
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Iterable, Optional, Union
 
 import torch
 
 from kvpool.cache import integrity, requests, swa_integrity
-from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.key import common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import (
@@ -38,8 +36,9 @@ from kvpool.cache.params import (
     MatchResult,
     resolve_init_params,
 )
-from kvpool.cache.records import SWA, SWAWindow
+from kvpool.cache.records import SWA
 from kvpool.cache.swa_plan import Segment, SWAInsertPlan, not_taken, plan_insert, window_end
+from kvpool.cache.swa_windows import SWAWindows
 from kvpool.cache.tree import Undo
 from kvpool.cache.tree_cache import InsertJob, TreeCache
 from kvpool.checks import non_negative_int
@@ -82,9 +81,8 @@ class SWARadixCache(TreeCache):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window_size must be a positive int (the window in tokens), got {window!r}")
         self.sliding_window_size = window
-        self._uuids = itertools.count(1)
         super().__init__(p, validate=validate)
-        self._reset_windows()
+        self.windows = SWAWindows(self.eviction_strategy)
 
     # --- SGLang's API ---------------------------------------------------------------------------
 
@@ -95,7 +93,7 @@ class SWARadixCache(TreeCache):
     def reset(self) -> None:
         """Forget every node (their slots are not freed: clear the allocator too)."""
         super().reset()
-        self._reset_windows()
+        self.windows = SWAWindows(self.eviction_strategy)
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """The longest cached whole-page prefix whose last ``sliding_window_size`` tokens have SWA KV
@@ -118,7 +116,7 @@ class SWARadixCache(TreeCache):
         if walked is None:
             return self._empty_match()
         path, _ = walked
-        self._push_windows(path)
+        self.windows.push(path)
         pieces, pos = [], 0
         for node in path:
             pieces.append((pos, pos + len(node.device.value), SWA in node.records))
@@ -204,22 +202,21 @@ class SWARadixCache(TreeCache):
             full, swa = full + f, swa + s
         locked_leaves = []
         while swa < swa_num:
-            node = self._swa_queue.pop()
+            node = self.windows.queue.pop()
             if node is None:
                 break
-            if not self._is_window_evictable(node):
+            if not self.windows.evictable(node):
                 continue
             if node.children:
                 swa_parts.append(node.device.value)
                 swa += len(node.device.value)
-                self._drop_window(node, tombs)
+                self.windows.drop(node, tombs)
             elif node.device.lock_ref:
                 locked_leaves.append(node)  # a leaf locked in full keeps its window: it cannot be a tombstone
             else:
                 f, s = self._remove_with_tombstones(node, full_parts, gone)
                 full, swa = full + f, swa + s
-        for node in locked_leaves:
-            self._swa_queue.push(node)
+        self.windows.push(locked_leaves)
         alloc = self.token_to_kv_pool_allocator
         if alloc is not None:
             try:
@@ -255,32 +252,9 @@ class SWARadixCache(TreeCache):
         if self.disable:
             return None
         path = self._path(node, "inc_lock_ref")
-        held = 0
-        window = []
-        for n in path:
-            if held >= self.sliding_window_size:
-                break
-            if SWA not in n.records:
-                raise ValueError(
-                    f"inc_lock_ref: node must have SWA KV for its last sliding_window_size = {self.sliding_window_size} "
-                    f"tokens, got node {node.id}, whose window reaches tombstone node {n.id} (its SWA KV was freed)"
-                )
-            window.append(n)
-            held += len(n.device.value)
+        window, whole = self.windows.window_of(path, node, self.sliding_window_size, "inc_lock_ref")
         super().inc_lock_ref(node)
-        for n in window:
-            record = n.records[SWA]
-            if record.lock_ref == 0:
-                size = len(n.device.value)
-                self.swa_evictable_size_ -= size
-                self.swa_protected_size_ += size
-            record.lock_ref += 1
-        if held < self.sliding_window_size:
-            return None
-        end = window[-1].records[SWA]
-        if end.uuid is None:
-            end.uuid = next(self._uuids)
-        return end.uuid
+        return self.windows.lock(window, whole)
 
     def dec_lock_ref(self, node: TreeNode, swa_uuid_for_lock: Optional[int] = None) -> None:
         """Undo one ``inc_lock_ref(node)`` that returned ``swa_uuid_for_lock``: the full KV of the
@@ -294,20 +268,13 @@ class SWARadixCache(TreeCache):
         """
         if self.disable:
             return
-        path, window = self._unlock_span(node, swa_uuid_for_lock, "dec_lock_ref")
+        window = self._unlock_span(node, swa_uuid_for_lock, "dec_lock_ref")
         super().dec_lock_ref(node)
-        for n in window:
-            record = n.records[SWA]
-            record.lock_ref -= 1
-            if record.lock_ref == 0:
-                size = len(n.device.value)
-                self.swa_evictable_size_ += size
-                self.swa_protected_size_ -= size
-                self._swa_queue.push(n)
+        self.windows.unlock(window)
 
     def total_size(self) -> tuple[int, int]:
         """(full tokens, SWA tokens) in the tree (SGLang's pair)."""
-        return self.evictable_size_ + self.protected_size_, self.swa_evictable_size_ + self.swa_protected_size_
+        return self.evictable_size_ + self.protected_size_, self.windows.evictable_size + self.windows.protected_size
 
     def full_evictable_size(self) -> int:
         """Full tokens in nodes no lock holds."""
@@ -319,11 +286,11 @@ class SWARadixCache(TreeCache):
 
     def swa_evictable_size(self) -> int:
         """SWA tokens (of live nodes) no window lock holds: what ``swa_num_tokens`` may free."""
-        return self.swa_evictable_size_
+        return self.windows.evictable_size
 
     def swa_protected_size(self) -> int:
         """SWA tokens held by a lock's window."""
-        return self.swa_protected_size_
+        return self.windows.protected_size
 
     def available_and_evictable_str(self) -> str:
         """Two log lines: per part, the allocator's free slots plus the tree's evictable tokens."""
@@ -441,11 +408,6 @@ class SWARadixCache(TreeCache):
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _reset_windows(self) -> None:
-        self._swa_queue = EvictionQueue(self.eviction_strategy, SWA)
-        self.swa_evictable_size_ = 0
-        self.swa_protected_size_ = 0
-
     def _evicted_len(self, value: Any, name: str) -> int:
         e = non_negative_int(value, name)
         if e % self.page_size:
@@ -459,39 +421,9 @@ class SWARadixCache(TreeCache):
             return None
         return alloc.full_attn_allocator.backup_state().owners.cpu().to(torch.int64)
 
-    def _is_window_evictable(self, node: TreeNode) -> bool:
-        window = node.records.get(SWA)
-        return window is not None and window.lock_ref == 0 and node.parent is not None and node.device is not None
-
     def _touched(self, node: TreeNode) -> None:
         super()._touched(node)
-        if self._is_window_evictable(node):
-            self._swa_queue.push(node)
-
-    def _push_windows(self, path: list[TreeNode]) -> None:
-        """The nodes of ``path`` (root side first) take their new priorities in the SWA queue; on a
-        tie the one nearer the root is evicted first."""
-        for node in path:
-            if self._is_window_evictable(node):
-                self._swa_queue.push(node)
-
-    def _add_window(self, node: TreeNode) -> None:
-        node.records[SWA] = SWAWindow()
-        self.swa_evictable_size_ += len(node.device.value)
-
-    def _drop_window(self, node: TreeNode, undo: Undo) -> None:
-        """Take an unlocked node's window (its SWA slots are the caller's to free now)."""
-        window = node.records.pop(SWA)
-        size = len(node.device.value)
-        self.swa_evictable_size_ -= size
-
-        def back() -> None:
-            node.records[SWA] = window
-            self.swa_evictable_size_ += size
-            if self._is_window_evictable(node):
-                self._swa_queue.push(node)
-
-        undo.add(back)
+        self.windows.push((node,))
 
     def _remove_with_tombstones(self, node: TreeNode, full_parts: list, undo: Undo) -> tuple[int, int]:
         """Evict leaf ``node`` and the tombstones above it that become unlocked leaves; their full
@@ -503,35 +435,19 @@ class SWARadixCache(TreeCache):
             full += size
             if SWA in node.records:
                 swa += size
-                self._drop_window(node, undo)
+                self.windows.drop(node, undo)
             parent = node.parent
             self._remove_leaf(node, undo)
             if parent is self.root_node or SWA in parent.records or parent.children or parent.device.lock_ref:
                 return full, swa
             node = parent
 
-    def _unlock_span(self, node: Any, uuid: Optional[int], what: str) -> tuple[list[TreeNode], list[TreeNode]]:
-        """``node``'s path (checked to be locked) and the nodes of it whose window ``dec_lock_ref``
-        with ``uuid`` unlocks (checked to be locked there); changes nothing."""
+    def _unlock_span(self, node: Any, uuid: Optional[int], what: str) -> list[TreeNode]:
+        """The window ``dec_lock_ref(node, uuid)`` releases, with the full path checked to be locked;
+        changes nothing."""
         path = self._path(node, what)
         self._check_locked(path, what)
-        if uuid is None:
-            window = path
-        else:
-            ends = [i for i, n in enumerate(path) if n.swa_uuid == uuid]
-            if not ends:
-                raise ValueError(
-                    f"{what}: swa_uuid_for_lock must be the id inc_lock_ref(node) returned for node {path[0].id} (or None), "
-                    f"got {uuid!r}, which no node on its path has"
-                )
-            window = path[: ends[0] + 1]
-        for n in window:
-            if n.swa_lock_ref < 1:
-                raise ValueError(
-                    f"{what}: node {n.id} must be locked in its window (swa_lock_ref >= 1) to unlock it, got swa_lock_ref = "
-                    f"{n.swa_lock_ref}{' (a tombstone)' if SWA not in n.records else ''}"
-                )
-        return path, window
+        return self.windows.unlock_span(path, node, uuid, what)
 
     def _segments(self, enc: bytes, n: int, extra: Any) -> list[Segment]:
         """The existing nodes along ``enc[:n]``, changing nothing."""
@@ -580,7 +496,7 @@ class SWARadixCache(TreeCache):
             tomb = [end - start for start, end, live in plan.taken if not live and start == cached // eb]
             if tomb:
                 self._split(last, tomb[0] * eb)
-            self._add_window(last)
+            self.windows.add(last)
         path = []
         node = last
         while node is not self.root_node:
@@ -596,39 +512,13 @@ class SWARadixCache(TreeCache):
             if split:
                 self._split(node, split * eb)
             node.device.value = job.value[start + split : end].to(torch.int64, copy=True)
-            self._add_window(node)
+            self.windows.add(node)
         path = []
         node = last
         while node is not self.root_node:
             path.append(node)
             node = node.parent
-        self._push_windows(path[::-1])
+        self.windows.push(path[::-1])
 
     def _tier_problems(self) -> list[str]:
-        """The SWA records: no tombstone leaf, window locks within 0..lock_ref, the SWA sizes, every
-        evictable window queued."""
-        problems = []
-        evictable = protected = 0
-        for node in self._nodes():
-            if node is self.root_node or node.device is None:
-                continue
-            window = node.records.get(SWA)
-            if window is None:
-                if not node.children:
-                    problems.append(f"node {node.id} is a tombstone leaf (no SWA KV and no children)")
-                continue
-            size = len(node.device.value)
-            if not 0 <= window.lock_ref <= node.device.lock_ref:
-                problems.append(f"node {node.id} has swa_lock_ref {window.lock_ref} outside 0..lock_ref = {node.device.lock_ref}")
-            if window.lock_ref:
-                protected += size
-            else:
-                evictable += size
-                if not self._swa_queue.holds(node):
-                    problems.append(f"node {node.id}'s SWA KV is evictable but missing from the SWA eviction queue")
-        if (evictable, protected) != (self.swa_evictable_size_, self.swa_protected_size_):
-            problems.append(
-                f"SWA evictable/protected sizes are recorded as {self.swa_evictable_size_}/{self.swa_protected_size_} but "
-                f"the nodes hold {evictable}/{protected}"
-            )
-        return problems
+        return self.windows.problems(n for n in self._nodes() if n is not self.root_node)
