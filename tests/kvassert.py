@@ -2392,7 +2392,8 @@ def swa_bad_calls(ctx: Any, ins: Callable, legit: Optional[torch.Tensor]) -> dic
     if legit is not None:
         for v in (-p, 1.5, True) + ((1,) if p > 1 else ()):
             calls[f"insert: swa_evicted_seqlen {v!r}"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=v), bad, "swa_evicted_seqlen")
-        if not cache.is_eagle:  # an EAGLE key of 2p tokens caches one page: before swa_evicted_seqlen = p, so none
+        with_swa = bool((ctx.alloc.full_to_swa_index_mapping[legit] > 0).all())
+        if with_swa and not cache.is_eagle:  # an EAGLE key of 2p tokens caches one page: before swa_evicted_seqlen = p, so none
             calls["insert: slots with SWA KV as a tombstone"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=p), bad, "no SWA KV before")
     mapping = ctx.alloc.full_to_swa_index_mapping
     for req in ctx.running.values():

@@ -413,3 +413,53 @@ def test_a_disabled_cache_holds_nothing_and_gives_a_finished_request_all_its_slo
     req = SimReq(0, seq(4), kv_committed_len=4, last_node=cache.root_node)
     cache.cache_finished_req(req)
     assert alloc.full_available_size() == 64 and alloc.swa_available_size() == 32
+
+
+def test_a_tombstone_partly_before_the_callers_swa_evicted_length_revives_from_there_on():
+    cache, alloc = small(window=2)
+    put(cache, alloc, [1, 2, 3, 4])
+    put(cache, alloc, [1, 2, 3, 4, 5, 6], shared=4)
+    put(cache, alloc, [1, 2, 3, 4, 7, 8], shared=4)
+    top = cache.root_node.children[1]
+    for leaf in list(top.children.values()):
+        cache.inc_lock_ref(leaf)
+    cache.evict(EvictParams(swa_num_tokens=1))
+    for leaf in list(top.children.values()):
+        cache.dec_lock_ref(leaf, leaf.swa_uuid)
+    assert top.swa_tombstone
+    old = top.value.clone()
+    fresh = alloc.alloc(4)
+    alloc.free_swa(fresh[:2])  # the caller's first two tokens left its window
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=fresh, prev_prefix_len=0, swa_evicted_seqlen=2))
+    upper = cache.root_node.children[1]
+    lower = upper.children[3]
+    assert upper.swa_tombstone and upper.value.tolist() == old[:2].tolist()  # the tree's, still without SWA KV
+    assert not lower.swa_tombstone and lower.value.tolist() == fresh[2:].tolist()  # the caller's, with it
+    held = set(cache.all_values_flatten().tolist())
+    assert not held & {*old[2:].tolist(), *fresh[:2].tolist()}
+    assert alloc.full_available_size() == 64 - 8
+    cache.check_integrity()
+
+
+def test_an_unfinished_request_is_not_cached_past_where_its_match_would_end():
+    eng = SWAEngine(1, pages=64, swa_pages=32, window=3)
+    cache = eng.cache
+    a = eng.admit([1, 2, 3, 4, 5, 6, 0])
+    eng.finish(a)
+    b = eng.admit([1, 2, 3, 7, 8, 9, 0])  # shares [1, 2, 3]
+    b_leaf_locked = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 7, 8, 9]))).last_device_node
+    eng.chunk(b)
+    top = cache.root_node.children[1]
+    cache.evict(EvictParams(swa_num_tokens=6))  # [4, 5, 6] goes, then [1, 2, 3] becomes a tombstone
+    assert top.swa_tombstone and top.lock_ref > 0 and b_leaf_locked is not None
+    c = eng.admit([1, 2, 3, 10, 0])  # the window after the tombstone is too short: nothing matched
+    assert c.cache_protected_len == 0
+    before = dict(total=cache.total_size(), row=eng.table.req_to_token[c.req_pool_idx, :5].tolist())
+    eng.chunk(c)  # caching [10, 0] below the locked tombstone would give a leaf no match reaches
+    assert cache.total_size() == before["total"] and c.cache_protected_len == 0
+    assert eng.table.req_to_token[c.req_pool_idx, :5].tolist() == before["row"]
+    d = eng.admit([1, 2, 3, 12, 13, 14, 0])
+    eng.chunk(d)  # four tokens after the tombstone: a whole window, so cached and continued from the tree
+    assert d.cache_protected_len == 7 and cache.total_size()[0] == before["total"][0] + 4
+    cache.check_integrity(eng.running.values())
+    eng.drain()
