@@ -463,3 +463,18 @@ def test_an_unfinished_request_is_not_cached_past_where_its_match_would_end():
     assert d.cache_protected_len == 7 and cache.total_size()[0] == before["total"][0] + 4
     cache.check_integrity(eng.running.values())
     eng.drain()
+
+
+def test_pages_above_one_token_cache_whole_pages_only_and_pretty_print_shows_both_locks(capsys):
+    cache, alloc = small(window=4, page=4)
+    value = alloc.alloc(8)
+    assert cache.insert(InsertParams(key=RadixKey(seq(7)), value=value[:7], prev_prefix_len=0)).prefix_len == 0
+    assert cache.total_size() == (4, 4) and matched(cache, seq(7)) == value[:4].tolist()
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq(4)))).last_device_node
+    uuid = cache.inc_lock_ref(node)
+    cache.pretty_print()
+    out = capsys.readouterr().out
+    assert "fr=1 sr=1 ts=False" in out and "#full_tokens: 4, #swa_tokens: 4" in out
+    cache.dec_lock_ref(node, uuid)
+    alloc.free(value[4:])
+    cache.check_integrity()
