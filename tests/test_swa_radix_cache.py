@@ -4,14 +4,13 @@ EAGLE keys, reset, and what the integrity check and a failing free leave."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import SWAEngine, cache_snapshot, assert_unchanged, int_tensor as T, seq
+from kvassert import SWAEngine, SimReq, assert_unchanged, cache_snapshot, device_nodes, int_tensor as T, seq
 from kvpool import ReqToTokenPool, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvpool.cache import CacheInitParams, EvictParams, InsertParams, MatchPrefixParams, RadixKey, SWARadixCache
 from kvpool.cache.swa_plan import window_end
@@ -254,7 +253,7 @@ def test_requests_give_back_swa_slots_as_tokens_leave_the_window_and_share_what_
     tokens = a.fill_ids[: a.kv_committed_len]
     eng.finish(a)
     eng.cache.check_integrity()
-    assert any(n.swa_tombstone for n in eng.cache._nodes() if n is not eng.cache.root_node)
+    assert any(n.swa_tombstone for n in device_nodes(eng.cache))
     b = eng.admit(tokens + [9])  # the tree has the last window of these: the whole prefix is shared
     assert b.cache_protected_len == len(tokens) // page * page
     c = eng.admit(system + [1, 2, 5])  # ends inside the tombstone part: only what has its window
@@ -366,7 +365,7 @@ def test_a_failing_free_in_evict_puts_the_nodes_back_and_keeps_the_new_tombstone
     monkeypatch.undo()
     cache.check_integrity()
     assert alloc.full_available_size() == full_before and cache.total_size()[0] == 8
-    tombstones = [n for n in cache._nodes() if n is not cache.root_node and n.swa_tombstone]
+    tombstones = [n for n in device_nodes(cache) if n.swa_tombstone]
     assert tombstones and cache.total_size()[1] == 8 - sum(len(n.value) for n in tombstones)
 
 
@@ -408,8 +407,6 @@ def test_a_disabled_cache_holds_nothing_and_gives_a_finished_request_all_its_slo
     with pytest.raises(ValueError, match="disable=True"):
         cache.evict(EvictParams(num_tokens=1))
     cache.req_to_token_pool.write((0, slice(0, 4)), value.to(torch.int32))
-    from kvassert import SimReq
-
     req = SimReq(0, seq(4), kv_committed_len=4, last_node=cache.root_node)
     cache.cache_finished_req(req)
     assert alloc.full_available_size() == 64 and alloc.swa_available_size() == 32
