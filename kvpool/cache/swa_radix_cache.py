@@ -328,9 +328,9 @@ class SWARadixCache(TreeCache):
         job, splan = None, None
         if plan.last_node is not None:
             self._unlock_span(plan.last_node, uuid, "cache_finished_req: req.last_node")
+            e = self._evicted_len(getattr(req, "swa_evicted_seqlen", 0) or 0, "cache_finished_req: req.swa_evicted_seqlen")
             if plan.insert is not None:
                 plan.insert.prev_prefix_len = protected
-                e = self._evicted_len(getattr(req, "swa_evicted_seqlen", 0) or 0, "cache_finished_req: req.swa_evicted_seqlen")
                 job = self._prepare_insert(plan.insert, "cache_finished_req")
                 if job is not None:
                     splan = self._plan(job, protected, e, "cache_finished_req: the request's slots")
