@@ -233,4 +233,4 @@ class SWAModelMachine(RuleBasedStateMachine):
             self.eng.drain()
 
 
-TestSWAModelMachine = machine_test(SWAModelMachine, examples=25, steps=40)
+TestSWAModelMachine = machine_test(SWAModelMachine, examples=40, steps=50)
