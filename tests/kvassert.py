@@ -2398,7 +2398,7 @@ def swa_bad_calls(ctx: Any, ins: Callable, legit: Optional[torch.Tensor]) -> dic
     mapping = ctx.alloc.full_to_swa_index_mapping
     for req in ctx.running.values():
         row = cache.req_to_token_pool.req_to_token[req.req_pool_idx].to(torch.int64)
-        own = row[req.cache_protected_len : req.cache_protected_len + 2 * p]
+        own = row[req.cache_protected_len : min(req.cache_protected_len + 2 * p, req.kv_committed_len)]
         if len(own) == 2 * p and int(mapping[own[0]]) == 0:
             calls["insert: slots without SWA KV as live"] = (ins(value=own.clone(), prev_prefix_len=0), bad, "must have SWA KV")
             break
