@@ -475,3 +475,11 @@ def test_pages_above_one_token_cache_whole_pages_only_and_pretty_print_shows_bot
     cache.dec_lock_ref(node, uuid)
     alloc.free(value[4:])
     cache.check_integrity()
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    from kvpool.cache import swa_radix_cache
+
+    assert doctest.testmod(swa_radix_cache, extraglobs={"RadixKey": RadixKey}).failed == 0
