@@ -483,3 +483,20 @@ def test_the_docstring_example_runs():
     from kvpool.cache import swa_radix_cache
 
     assert doctest.testmod(swa_radix_cache, extraglobs={"RadixKey": RadixKey}).failed == 0
+
+
+def test_swa_eviction_takes_the_least_recently_used_window_first_and_on_a_path_the_upper_node():
+    cache, alloc = small(window=1)
+    for start in (10, 20, 30):
+        put(cache, alloc, [start, start + 1])
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([10, 11])))  # [20, 21] is now the oldest
+    assert cache.evict(EvictParams(swa_num_tokens=1)).swa_num_tokens_evicted == 2
+    assert matched(cache, [20, 21]) == [] and len(matched(cache, [30, 31])) == 2
+    put(cache, alloc, [10, 11, 12, 13], shared=2)  # one path: [10, 11] above [12, 13], touched together
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([10, 11, 12, 13])))
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([30, 31])))
+    res = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
+    assert cache.root_node.children[10].swa_tombstone  # the upper node of the tie went first, as a tombstone
+    assert len(matched(cache, [10, 11, 12, 13])) == 4  # window 1: the live leaf after it is enough
+    cache.check_integrity()
