@@ -9,6 +9,7 @@ from kvpool.cache import (
     MatchPrefixParams,
     RadixCache,
     RadixKey,
+    SWARadixCache,
     TreeNode,
 )
 from kvpool.errors import FusedPathUnavailable, IntegrityError
@@ -96,6 +97,7 @@ __all__ = [
     "SWAKVReceiver",
     "SWAKVSender",
     "SWAKVTransfer",
+    "SWARadixCache",
     "SWASizing",
     "SWATokenToKVPoolAllocator",
     "StateShard",

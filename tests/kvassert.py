@@ -68,6 +68,7 @@ from kvpool.cache import (
     MatchPrefixParams,
     RadixCache,
     RadixKey,
+    SWARadixCache,
 )
 
 import kvpool
@@ -1711,6 +1712,139 @@ class Engine:
         self.cache.check_integrity()
 
 
+class SWAEngine:
+    """A scheduler on an SWARadixCache over an SWATokenToKVPoolAllocator (``validate`` on): as
+    ``Engine``, and as SGLang's ``ScheduleBatch._evict_swa``, each decode gives back the SWA part of
+    the request's own tokens that left its window (``free_swa``, whole pages, from
+    ``cache_protected_len`` on) and records it in ``req.swa_evicted_seqlen``. Every match is
+    checked: its slots hold its tokens' KV and its last window has SWA KV; a shortage evicts from
+    whichever part is short."""
+
+    def __init__(self, page: int, pages: int, swa_pages: int, window: int, rows: int = 6, policy: str = "lru",
+                 is_eagle: bool = False):  # fmt: skip
+        from kvpool import SWATokenToKVPoolAllocator
+
+        self.page, self.window, self.eagle = page, window, is_eagle
+        self.size, self.size_swa = pages * page, swa_pages * page
+        self.alloc = SWATokenToKVPoolAllocator(self.size, self.size_swa, page, validate=True)
+        self.table = ReqToTokenPool(rows, max_context_len=self.size + page, device="cpu")
+        self.cache = SWARadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
+            eviction_policy=policy, sliding_window_size=window, is_eagle=is_eagle,
+        ))  # fmt: skip
+        self.running: dict[int, SimReq] = {}
+        self.content: dict[int, tuple] = {}
+
+    def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per full slot: whether it has a SWA slot (the allocator's mapping)."""
+        return self.alloc.full_to_swa_index_mapping[slots.to(torch.int64)] > 0
+
+    def check_match(self, slots: torch.Tensor, extra: Any, tokens: list) -> None:
+        for i, s in enumerate(slots.tolist()):
+            assert self.content.get(s) == (extra, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds other KV"
+        tail = slots[max(len(slots) - self.window, 0) :]
+        assert bool(self.has_swa(tail).all()), "a match returned a prefix whose last window lacks SWA KV"
+
+    def _alloc(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        if self.page == 1:
+            return self.alloc.alloc(n)
+        one = int_tensor([1])
+        pre, sq = prefix * one, (prefix + n) * one
+        return self.alloc.alloc_extend(pre, pre.clone(), sq, sq.clone(), last * one, n)
+
+    def alloc_or_evict(self, n: int, prefix: int, last: int) -> Optional[torch.Tensor]:
+        got = self._alloc(n, prefix, last)
+        if got is None:
+            need = n + self.page
+            self.cache.evict(EvictParams(num_tokens=max(need - self.alloc.full_available_size(), 0),
+                                         swa_num_tokens=max(need - self.alloc.swa_available_size(), 0)))  # fmt: skip
+            got = self._alloc(n, prefix, last)
+        return got
+
+    def admit(self, tokens: list, extra: Any = None) -> Optional[SimReq]:
+        rows = self.table.alloc(1)
+        if rows is None:
+            return None
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], extra)))
+        prefix, last = m.device_indices, m.last_device_node
+        assert len(prefix) % self.page == 0 and len(prefix) < len(tokens)
+        self.check_match(prefix, extra, tokens)
+        uuid = self.cache.inc_lock_ref(last)
+        p = len(prefix)
+        new = self.alloc_or_evict(len(tokens) - p, p, int(prefix[-1]) if p else -1)
+        if new is None:
+            self.cache.dec_lock_ref(last, uuid)
+            self.table.free(rows[0])
+            return None
+        row = rows[0]
+        self.table.write((row, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
+        for i, s in enumerate(new.tolist()):
+            self.content[s] = (extra, tuple(tokens[: p + i + 1]))
+        req = SimReq(row, list(tokens), extra, last_node=last, cache_protected_len=p, prefix_indices=prefix,
+                     kv_committed_len=len(tokens), kv_allocated_len=len(tokens))  # fmt: skip
+        req.swa_uuid_for_lock, req.swa_evicted_seqlen = uuid, 0
+        self.running[row] = req
+        return req
+
+    def slide(self, req: SimReq) -> None:
+        """Give back the SWA part of the request's own tokens that left its window, and of no token
+        in the last window of what the tree can take of it (its whole pages; with EAGLE keys one
+        token fewer, since a key of n tokens caches n - 1 slots), so that its cached tail keeps a
+        whole window."""
+        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        n = req.kv_committed_len
+        cacheable = (n - (1 if self.eagle else 0)) // self.page * self.page
+        end = max(start, min(n, cacheable) - self.window) // self.page * self.page
+        if end > start:
+            self.alloc.free_swa(self.table.req_to_token[req.req_pool_idx, start:end])
+            req.swa_evicted_seqlen = end
+
+    def decode(self, req: SimReq, token: int) -> bool:
+        n = req.kv_committed_len
+        last = int(self.table.req_to_token[req.req_pool_idx, n - 1])
+        if self.page == 1:
+            got = self.alloc_or_evict(1, n, last)
+        else:
+            sq = int_tensor([n + 1])
+            got = self.alloc.alloc_decode(sq, sq.clone(), int_tensor([last]))
+            if got is None:
+                self.cache.evict(EvictParams(num_tokens=self.page, swa_num_tokens=self.page))
+                got = self.alloc.alloc_decode(sq, sq.clone(), int_tensor([last]))
+        if got is None:
+            return False
+        req.output_ids.append(token)
+        self.table.req_to_token[req.req_pool_idx, n] = int(got[0])
+        self.content[int(got[0])] = (req.extra_key, tuple(req.fill_ids))
+        req.kv_committed_len = req.kv_allocated_len = n + 1
+        self.slide(req)
+        return True
+
+    def chunk(self, req: SimReq) -> None:
+        self.cache.cache_unfinished_req(req)
+        row = self.table.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+        assert torch.equal(req.prefix_indices, row)
+        self.check_match(row[: req.cache_protected_len], req.extra_key, req.fill_ids)
+        for i, s in enumerate(row.tolist()):
+            assert self.content.get(s) == (req.extra_key, tuple(req.fill_ids[: i + 1])), f"row slot {s} at {i} holds other KV"
+
+    def finish(self, req: SimReq, insert: bool = True) -> None:
+        tokens = req.fill_ids[: req.kv_committed_len]
+        self.cache.cache_finished_req(req, is_insert=insert)
+        self.table.free(req.req_pool_idx)
+        del self.running[req.req_pool_idx]
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key)))
+        self.check_match(m.device_indices, req.extra_key, tokens)
+
+    def drain(self) -> None:
+        """Finish everything and evict the whole tree: every slot of both parts must be back."""
+        for req in list(self.running.values()):
+            self.finish(req)
+        self.cache.evict(EvictParams(num_tokens=self.size, swa_num_tokens=self.size_swa))
+        assert self.cache.total_size() == (0, 0)
+        assert (self.alloc.full_available_size(), self.alloc.swa_available_size()) == (self.size, self.size_swa)
+        self.cache.check_integrity()
+
+
 STATE = MambaCacheParams(MambaStateShape(conv=(6, 3), temporal=(2, 3, 4)), layers=(1, 3))
 
 
@@ -1877,7 +2011,8 @@ def tree_dump(cache: Any) -> list:
         rows.append((
             node.id, parent, tuple(node.key.token_ids), repr(node.key.extra_key), _listed(node.value),
             _listed(node.host_value), _listed(node.mamba_value), node.lock_ref, node.mamba_lock_ref,
-            node.host_ref_counter, node.hit_count, repr(node.priority), node.last_access_time,
+            node.host_ref_counter, node.swa_lock_ref, node.swa_uuid, node.swa_tombstone, node.hit_count,
+            repr(node.priority), node.last_access_time,
             node.creation_time, None if node.hash_value is None else tuple(node.hash_value),
         ))  # fmt: skip
         for ck in sorted(node.children, key=repr, reverse=True):
@@ -1893,8 +2028,12 @@ def cache_snapshot(cache: Any) -> dict:
     snap["sizes"] = (cache.evictable_size(), cache.protected_size(), cache.total_size())
     if hasattr(cache, "mamba_evictable_size"):
         snap["state sizes"] = (cache.mamba_evictable_size(), cache.mamba_protected_size())
+    if hasattr(cache, "swa_evictable_size"):
+        snap["swa sizes"] = (cache.swa_evictable_size(), cache.swa_protected_size())
     alloc = cache.token_to_kv_pool_allocator
-    if alloc is not None and hasattr(alloc, "backup_state"):
+    if alloc is not None and hasattr(alloc, "full_to_swa_index_mapping"):
+        snap["allocator"] = swa_allocator_snapshot(alloc)
+    elif alloc is not None and hasattr(alloc, "backup_state"):
         st = alloc.backup_state()
         snap["allocator"] = (
             alloc.available_size(), st.free_pages.tolist(), st.release_pages.tolist(),
@@ -2188,6 +2327,7 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
     calls: dict[str, tuple] = {}
     bad = (TypeError, ValueError)
     hybrid = hasattr(cache, "mamba_evictable_size")
+    swa = hasattr(cache, "swa_evictable_size")
     key = RadixKey([7] * p + [8] * p, "bad-call")  # two pages nobody caches
     state = torch.tensor([0], dtype=torch.int64)
     if hybrid and cache.mamba_pool is not None:
@@ -2208,7 +2348,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             params.mamba_value = state
         return lambda: cache.insert(params)
 
-    owners = ctx.alloc.backup_state().owners
+    backup = ctx.alloc.backup_state()
+    owners = getattr(backup, "full", backup).owners  # an SWA allocator: the full part's (the slots calls take)
     tree = [nd for nd in device_nodes(cache) if nd.value is not None]
     tree_slots = cache.all_values_flatten()
     first = torch.arange(p, 2 * p)  # slots of page 1
@@ -2223,7 +2364,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
         calls["insert: priority None"] = (ins(priority=None), bad, "priority")
         calls["insert: priority 1.5"] = (ins(priority=1.5), bad, "priority")
         calls["insert: priority 'x'"] = (ins(priority="x"), bad, "priority")
-        calls["insert: value twice"] = (ins(value=torch.cat((legit[:p], legit[:p]))), bad, "value")
+        if not cache.is_eagle:  # an EAGLE key of 2p tokens caches p slots: the repeat lies past them
+            calls["insert: value twice"] = (ins(value=torch.cat((legit[:p], legit[:p]))), bad, "value")
         if hybrid:
             calls["insert: mamba_value of 2"] = (ins(mamba_value=slots_of(1, 2)), bad, "mamba_value")
             calls["insert: mamba_value float"] = (ins(mamba_value=torch.tensor([1.0])), bad, "mamba_value")
@@ -2242,7 +2384,8 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
     calls["insert: int8 value"] = (ins(value=torch.arange(p, 3 * p, dtype=torch.int8)), bad, "value")
     calls["insert: 0-D value"] = (ins(value=torch.tensor(p)), bad, "value")
     calls["insert: token_ids a str"] = (ins(k=RadixKey("ab" * p)), bad, "key.token_ids")
-    calls["insert: a bigram key in a plain cache"] = (ins(k=RadixKey([(7, 8)] * 2 * p, is_bigram=True)), bad, "is_eagle")
+    if not cache.is_eagle:
+        calls["insert: a bigram key in a plain cache"] = (ins(k=RadixKey([(7, 8)] * 2 * p, is_bigram=True)), bad, "is_eagle")
     calls["insert: negative slots"] = (ins(value=torch.arange(-2 * p, 0)), bad, "value")
     calls["insert: slots out of range"] = (ins(value=torch.arange(ctx.size + p, ctx.size + 3 * p)), bad, "value")
     calls["insert: slot 0 page"] = (ins(value=torch.cat((torch.arange(0, p), first))), bad, "value")
@@ -2269,7 +2412,10 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
         calls["dec_lock_ref: an unlocked node"] = (lambda: cache.dec_lock_ref(unlocked[0]), bad, "not locked")
     for v in (-1, 1.5, True, None, "3"):
         calls[f"evict: num_tokens {v!r}"] = (lambda v=v: cache.evict(EvictParams(num_tokens=v)), bad, "num_tokens")
-    calls["evict: swa_num_tokens"] = (lambda: cache.evict(EvictParams(num_tokens=1, swa_num_tokens=1)), bad, "swa_num_tokens")
+    if swa:
+        calls.update(swa_bad_calls(ctx, ins, legit))
+    else:
+        calls["evict: swa_num_tokens"] = (lambda: cache.evict(EvictParams(num_tokens=1, swa_num_tokens=1)), bad, "swa_num_tokens")
     if hybrid:
         for v in (-1, 1.5, True):
             calls[f"evict: mamba_num {v!r}"] = (lambda v=v: cache.evict(EvictParams(num_tokens=0, mamba_num=v)), bad, "mamba_num")
@@ -2307,6 +2453,51 @@ def cache_bad_calls(ctx: Any) -> dict[str, tuple]:
             if unlocked and fresh:
                 calls[f"{how}: an unlocked last_node"] = (
                     lambda c=call, r=fresh[0]: c(twin(r, last_node=unlocked[0])), bad, "last_node")
+    return calls
+
+
+def swa_bad_calls(ctx: Any, ins: Callable, legit: Optional[torch.Tensor]) -> dict[str, tuple]:
+    """The bad calls only an SWARadixCache has: window counts, SWA-evicted lengths, lock ids, and
+    slots whose SWA KV does not match what the tree would take them as."""
+    cache, p = ctx.cache, ctx.page
+    bad = (TypeError, ValueError)
+    calls: dict[str, tuple] = {}
+    for v in (-1, 1.5, True, None):
+        calls[f"evict: swa_num_tokens {v!r}"] = (lambda v=v: cache.evict(EvictParams(swa_num_tokens=v)), bad, "swa_num_tokens")
+    if legit is not None:
+        for v in (-p, 1.5, True) + ((1,) if p > 1 else ()):
+            calls[f"insert: swa_evicted_seqlen {v!r}"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=v), bad, "swa_evicted_seqlen")
+        with_swa = bool((ctx.alloc.full_to_swa_index_mapping[legit] > 0).all())
+        if with_swa and not cache.is_eagle:  # an EAGLE key of 2p tokens caches one page: before swa_evicted_seqlen = p, so none
+            calls["insert: slots with SWA KV as a tombstone"] = (ins(prev_prefix_len=0, swa_evicted_seqlen=p), bad, "no SWA KV before")
+    mapping = ctx.alloc.full_to_swa_index_mapping
+    for req in ctx.running.values():
+        row = cache.req_to_token_pool.req_to_token[req.req_pool_idx].to(torch.int64)
+        own = row[req.cache_protected_len : min(req.cache_protected_len + 2 * p, req.kv_committed_len)]
+        if len(own) == 2 * p and int(mapping[own[0]]) == 0:
+            calls["insert: slots without SWA KV as live"] = (ins(value=own.clone(), prev_prefix_len=0), bad, "must have SWA KV")
+            break
+    locked = [r for r in ctx.running.values() if r.last_node is not cache.root_node]
+    if locked:
+        node = locked[0].last_node
+        calls["dec_lock_ref: a foreign swa_uuid_for_lock"] = (lambda: cache.dec_lock_ref(node, 10**9), bad, "swa_uuid_for_lock")
+    tombs = [nd for nd in device_nodes(cache) if nd.value is not None and nd.swa_tombstone]
+    if tombs:
+        calls["inc_lock_ref: a tombstone"] = (lambda: cache.inc_lock_ref(tombs[0]), bad, "tombstone")
+    reqs = [ctx.running[row] for row in sorted(ctx.running)]
+    if reqs:
+        req = reqs[0]
+
+        def twin(**changes: Any) -> Any:
+            other = dataclasses.replace(req, output_ids=list(req.output_ids))
+            for k, v in {**vars(req), **changes}.items():
+                setattr(other, k, v)
+            return other
+
+        for how, call in (("cache_finished_req", cache.cache_finished_req), ("cache_unfinished_req", cache.cache_unfinished_req)):
+            for v in (-p, 0.5) + ((1,) if p > 1 else ()):
+                calls[f"{how}: swa_evicted_seqlen {v!r}"] = (lambda c=call, v=v: c(twin(swa_evicted_seqlen=v)), bad, "swa_evicted_seqlen")
+            calls[f"{how}: a foreign swa_uuid_for_lock"] = (lambda c=call: c(twin(swa_uuid_for_lock=10**9)), bad, "swa_uuid_for_lock")
     return calls
 
 

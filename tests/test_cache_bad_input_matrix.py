@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvassert import Engine, HybridEngine, assert_unchanged, cache_bad_calls, cache_snapshot, device_nodes, known_bad, seq
+from kvassert import Engine, HybridEngine, SWAEngine, assert_unchanged, cache_bad_calls, cache_snapshot, device_nodes, known_bad, seq
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
 
-KINDS = ["radix-page-1", "radix-page-4", "hiradix-page-4", "mamba-page-1", "mamba-page-4"]
+KINDS = ["radix-page-1", "radix-page-4", "hiradix-page-4", "mamba-page-1", "mamba-page-4", "swa-page-1", "swa-page-4"]
 
 
 def populated(kind: str) -> SimpleNamespace:
@@ -24,6 +24,9 @@ def populated(kind: str) -> SimpleNamespace:
         eng = HybridEngine(1, pages=64, states=12)
     elif kind == "mamba-page-4":
         eng = HybridEngine(4, pages=16, states=16, extra=True)
+    elif kind.startswith("swa"):
+        page = int(kind.rsplit("-", 1)[1])
+        eng = SWAEngine(page, pages=64 // page * 2 if page > 1 else 64, swa_pages=24 // page * 2 if page > 1 else 40, window=page)
     elif kind.startswith("hiradix"):
         eng = Engine("paged", 4, pages=16, host_policy="write_through")
     else:
@@ -41,6 +44,10 @@ def populated(kind: str) -> SimpleNamespace:
     eng.admit(seq(3 * p + 1, 1500))
     if kind == "mamba-page-4":
         eng.admit(seq(p - 1, 2500))  # shorter than a page: no state known yet
+    if kind.startswith("swa"):
+        slid = eng.admit(seq(p + 1, 3500))
+        for t in range(3 * p):  # its first tokens leave the window: their SWA KV goes back
+            eng.decode(slid, t)
     foreign = RadixCache.create_simulated(page_size=p)
     foreign.insert(InsertParams(key=RadixKey(list(range(p)))))
     node = foreign.match_prefix(MatchPrefixParams(key=RadixKey(list(range(p))))).last_device_node

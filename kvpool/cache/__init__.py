@@ -11,8 +11,11 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
 tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
-prefetch from it), ``storage_setup`` (how a cache finds its storage tier), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
-``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
+prefetch from it), ``storage_setup`` (how a cache finds its storage tier), ``hiradix_cache`` (the
+host tier's room, ``HiRadixCache``), ``mamba_radix_cache`` (the state tier's room,
+``MambaRadixCache``) and the sliding-window room: ``swa_plan`` (what an insertion does, and the
+window rule), ``swa_windows`` (the SWA tier's books: records, window locks, sizes, queue),
+``swa_integrity`` (the SWA part of the check) and ``swa_radix_cache`` (``SWARadixCache``).
 """
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -39,6 +42,7 @@ from kvpool.cache.params import (
     MatchResult,
 )
 from kvpool.cache.radix_cache import RadixCache
+from kvpool.cache.swa_radix_cache import SWARadixCache
 
 __all__ = [
     "AllBlocksCleared",
@@ -64,5 +68,6 @@ __all__ = [
     "PriorityStrategy",
     "RadixCache",
     "RadixKey",
+    "SWARadixCache",
     "TreeNode",
 ]

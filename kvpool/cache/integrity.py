@@ -86,7 +86,8 @@ def ownership_problems(cache: CheckedCache, tree: list[torch.Tensor], reqs: list
     backup = getattr(allocator, "backup_state", None)
     if not callable(backup):
         return []
-    owners = getattr(backup(), "owners", None)
+    state = backup()
+    owners = getattr(getattr(state, "full", state), "owners", None)  # an SWA allocator: its full part's
     if not isinstance(owners, torch.Tensor):
         return []  # not a kvpool allocator (a test double): nothing to compare with
     problems: list[str] = []

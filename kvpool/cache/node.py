@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from kvpool.cache.key import RadixKey
-from kvpool.cache.records import HOST, STATE, DeviceSlots, HostCopy
+from kvpool.cache.records import HOST, STATE, SWA, DeviceSlots, HostCopy
 
 
 class TreeNode:
@@ -39,7 +39,9 @@ class TreeNode:
     SGLang's attributes over the records: ``value`` (device slots, Tensor [len(key)] int64, or None),
     ``lock_ref`` (requests holding the node and the nodes below it; a locked node is never evicted),
     ``host_value`` and ``host_ref_counter`` (the host copy and its holders), ``mamba_value``
-    (Tensor [1] int64, the state slot after this node's last token) and ``mamba_lock_ref``.
+    (Tensor [1] int64, the state slot after this node's last token) and ``mamba_lock_ref``; in an
+    ``SWARadixCache``, ``full_lock_ref`` (= ``lock_ref``), ``swa_lock_ref``, ``swa_uuid`` and
+    ``swa_tombstone`` (its SWA KV freed, its full KV kept).
 
     Examples
     --------
@@ -160,6 +162,29 @@ class TreeNode:
         """Requests holding this node's state snapshot (0 without one)."""
         snapshot = self.records.get(STATE)
         return 0 if snapshot is None else snapshot.lock_ref
+
+    @property
+    def full_lock_ref(self) -> int:
+        """``lock_ref`` under ``SWARadixCache``'s name: requests holding the node's full KV."""
+        return self.lock_ref
+
+    @property
+    def swa_lock_ref(self) -> int:
+        """Requests whose sliding window holds this node's SWA KV (0 without any)."""
+        window = self.records.get(SWA)
+        return 0 if window is None else window.lock_ref
+
+    @property
+    def swa_uuid(self) -> Optional[int]:
+        """The id a lock whose window ended at this node returned (``SWARadixCache.inc_lock_ref``)."""
+        window = self.records.get(SWA)
+        return None if window is None else window.uuid
+
+    @property
+    def swa_tombstone(self) -> bool:
+        """In an ``SWARadixCache``: on the device without SWA KV (freed by ``evict``; the full KV
+        stays). Only that cache's nodes carry SWA KV, so for another cache's nodes this is True."""
+        return self.device is not None and SWA not in self.records
 
     # --- KV events ------------------------------------------------------------------------------
 

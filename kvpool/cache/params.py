@@ -70,7 +70,8 @@ class InsertParams:
     of ``value`` that are the tree's own slots from the caller's match: the insert then frees the
     caller's slots of the tokens from there to ``prefix_len`` itself (SGLang's ``SWARadixCache``).
     ``chunked``, ``mamba_value`` and ``swa_evicted_seqlen`` are SGLang's fields for chunked prefill and
-    the hybrid caches.
+    the hybrid caches (``swa_evicted_seqlen``: ``SWARadixCache``'s, the caller's slots before it have
+    no SWA KV).
     """
 
     key: RadixKey
@@ -92,7 +93,8 @@ class InsertResult:
 
 @dataclasses.dataclass
 class EvictParams:
-    """``num_tokens``: device tokens to free at least (whole nodes go, so more may be freed)."""
+    """``num_tokens``: device tokens to free at least (whole nodes go, so more may be freed);
+    ``swa_num_tokens``: ``SWARadixCache``'s SWA tokens, ``mamba_num``: ``MambaRadixCache``'s states."""
 
     num_tokens: int = 0
     swa_num_tokens: int = 0

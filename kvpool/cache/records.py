@@ -1,10 +1,11 @@
 """Each tier's record on a tree node: the node carries one record per tier it is in.
 
 ``DeviceSlots`` (the device tier, every cache), ``HostCopy`` (the host tier of ``HiRadixCache``),
-``PageKeys`` (the storage tier's keys of a node's pages) and ``StateSnapshot`` (the linear-attention
-state of ``MambaRadixCache``). A node is on the device when it has a ``DeviceSlots`` record
-(``node.device``); the other tiers file their records in ``node.records`` under their room's name
-(``HOST``, ``STORAGE``, ``STATE``), so that a further tier is a further record type and name, not
+``PageKeys`` (the storage tier's keys of a node's pages), ``StateSnapshot`` (the linear-attention
+state of ``MambaRadixCache``) and ``SWAWindow`` (the sliding-window layers' KV of
+``SWARadixCache``). A node is on the device when it has a ``DeviceSlots`` record (``node.device``);
+the other tiers file their records in ``node.records`` under their room's name (``HOST``,
+``STORAGE``, ``STATE``, ``SWA``), so that a further tier is a further record type and name, not
 more fields on every node.
 
 Every record can be split when the tree cuts its node after ``tokens`` tokens: ``split`` returns the
@@ -19,10 +20,11 @@ from typing import Optional
 
 import torch
 
-#: The names the host, storage and state tiers file their records under in ``node.records``.
+#: The names the host, storage, state and sliding-window tiers file their records under in ``node.records``.
 HOST = "host"
 STORAGE = "storage"
 STATE = "state"
+SWA = "swa"
 
 
 class DeviceSlots:
@@ -96,3 +98,26 @@ class StateSnapshot:
     def split(self, tokens: int) -> None:
         """None: the state is the one after the node's last token, so it stays with the second part."""
         return None
+
+
+class SWAWindow:
+    """A node's KV in the sliding-window layers: the SWA slots its device slots map to (through the
+    ``SWATokenToKVPoolAllocator``'s full-to-SWA mapping) are the tree's. A node without one in an
+    ``SWARadixCache`` is a tombstone (its SWA KV was freed, its full KV stays). ``lock_ref``: the
+    requests whose window holds it (SGLang's ``swa_lock_ref``); ``uuid``: set on the node where a
+    lock's window ended (SGLang's ``swa_uuid``), so that the unlock stops there."""
+
+    __slots__ = ("lock_ref", "uuid", "queue_entry")
+
+    def __init__(self, lock_ref: int = 0, uuid: Optional[int] = None) -> None:
+        self.lock_ref = lock_ref
+        self.uuid = uuid
+        self.queue_entry: Optional[tuple] = None
+
+    def split(self, tokens: int) -> "SWAWindow":
+        """The first part's record: the same locks (a window that held the node holds both parts),
+        and the ``uuid``, since a lock's window ends at the part nearer the root; this one keeps the
+        rest."""
+        head = SWAWindow(self.lock_ref, self.uuid)
+        self.uuid = None
+        return head

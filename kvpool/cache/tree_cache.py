@@ -49,7 +49,9 @@ class TreeCache(RadixTree):
         alloc_page = getattr(self.token_to_kv_pool_allocator, "page_size", None)
         if isinstance(alloc_page, int) and alloc_page != self.page_size:
             raise ValueError(f"page_size must be the allocator's page_size = {alloc_page}, got {self.page_size}")
-        unsupported = [("sliding_window_size", None), ("cache_ttl_seconds", None)]
+        unsupported = [("cache_ttl_seconds", None)]
+        if not self.supports_swa():
+            unsupported.append(("sliding_window_size", None))
         if not self.supports_mamba():
             unsupported.append(("enable_mamba_extra_buffer", False))
         for name, off in unsupported:
