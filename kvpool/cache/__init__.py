@@ -11,8 +11,9 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
 tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
-prefetch from it), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``) and
-``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``).
+prefetch from it), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``),
+``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``), ``himamba_host`` (a hybrid
+model's host tier and its parked states) and ``himamba_radix_cache`` (``HiMambaRadixCache``, both).
 """
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -25,6 +26,7 @@ from kvpool.cache.evict_policy import (
     MRUStrategy,
     PriorityStrategy,
 )
+from kvpool.cache.himamba_radix_cache import HiMambaRadixCache
 from kvpool.cache.hiradix_cache import HiRadixCache
 from kvpool.cache.key import RadixKey
 from kvpool.cache.mamba_radix_cache import MambaRadixCache
@@ -50,6 +52,7 @@ __all__ = [
     "EvictionStrategy",
     "FIFOStrategy",
     "FILOStrategy",
+    "HiMambaRadixCache",
     "HiRadixCache",
     "InsertParams",
     "InsertResult",
