@@ -1873,14 +1873,19 @@ class HiHybridEngine(HybridEngine):
         kw = dict(kvcache=self.kv, validate=True)
         self.alloc = TokenToKVPoolAllocator(size, **kw) if page == 1 else PagedTokenToKVPoolAllocator(size, page, **kw)
         self.host = HybridPoolHost(self.kv, host_ratio, 0, page, layout, state_host_to_device_ratio=state_ratio)
-        self.cache = HiMambaRadixCache(CacheInitParams(
-            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=page,
-            enable_mamba_extra_buffer=extra,
-        ), host_pool=self.host, write_policy=host_policy, load_back_threshold=0, mamba_cache_chunk_size=page)  # fmt: skip
+        self.cache = HiMambaRadixCache(self.cache_params(), host_pool=self.host, write_policy=host_policy,
+                                       load_back_threshold=0, mamba_cache_chunk_size=page)  # fmt: skip
         self.running: dict[int, SimReq] = {}
         self.content: dict[int, tuple] = {}
         self.ids: dict[tuple, int] = {}
         self.loaded = self.states_loaded = 0
+
+    def cache_params(self) -> CacheInitParams:
+        """The engine's pools as a cache's parameters."""
+        return CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=self.page,
+            enable_mamba_extra_buffer=self.extra,
+        )  # fmt: skip
 
     def state_pattern(self, content: tuple) -> list[torch.Tensor]:
         """The bytes ``write_state`` writes for ``content``, computed apart from any slot."""
@@ -2044,6 +2049,7 @@ def cache_snapshot(cache: Any) -> dict:
             int(st.unrecorded), getattr(alloc, "rejected_frees", None),
         )  # fmt: skip
         pool = alloc.get_kvcache()
+        pool = getattr(pool, "full_kv_pool", pool)  # a hybrid pool's full-attention layers
         if pool is not None:
             snap["kv pool"] = tensor_digest(list(pool.k_buffer) + list(pool.v_buffer))
     table = cache.req_to_token_pool
@@ -2063,6 +2069,12 @@ def cache_snapshot(cache: Any) -> dict:
         kv = [host.get_data_page(q * host.page_size, flat=True) for q in pages]
         snap["host pool"] = (host.available_size(), rows, tensor_digest(kv) if kv else None)
         snap["transfers"] = (len(cache.ongoing_write_through), len(cache.ongoing_load_back))
+    state_host = getattr(cache, "mamba_pool_host", None)
+    if state_host is not None:  # the host state slots the tree holds, and their bytes
+        held = [n.records["host_state"].slot for n in device_nodes(cache) if "host_state" in n.records]
+        slots = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+        parts = [t[:, slots] if state_host.layout == "layer_first" else t[slots] for t in (*state_host.conv, state_host.temporal)]
+        snap["state host"] = (state_host.available_size(), slots.tolist(), tensor_digest(parts))
     return snap
 
 

@@ -115,6 +115,8 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
                 self._mamba_queue.push(nd)  # their priority changed (root side first on ties)
             elif self._is_host_evictable(nd):
                 self._host_queue.push(nd)
+            if nd.device is not None and self._is_evictable(nd):
+                self._queue.push(nd)  # the last device node, above host-only ones, was stamped too
         branching = None
         if len(path) > end + 1:
             aligned = sum(map(self._tokens, path)) // self.mamba_cache_chunk_size * self.mamba_cache_chunk_size
