@@ -27,6 +27,7 @@ class Taken:
         self.host_kv: list[torch.Tensor] = []
         self.host_states: list[torch.Tensor] = []
         self.moved: list[HostCopy] = []
+        self.moved_nodes: list[TreeNode] = []
         self.backed_up = False
 
 
@@ -79,6 +80,7 @@ class HybridTierMoves:
             copy = node.records[HOST]
             copy.holds += 1
             out.moved.append(copy)
+            out.moved_nodes.append(node)
             if self._is_evictable(node.parent):
                 self._queue.push(node.parent)
             if self._is_host_evictable(node):
@@ -96,6 +98,27 @@ class HybridTierMoves:
             node = node.parent
             if node is self.root_node or node.children or STATE in node.records or node.lock_ref:
                 return freed
+
+    def _drop_host_leaf(self, node: TreeNode, out: Taken) -> int:
+        """Take the unheld host-only leaf ``node`` out of the tree with its host records (into
+        ``out``), and the unheld host-only parents without a state that it leaves as leaves; the
+        first parent that stays is queued as it now is. Returns the host tokens taken."""
+        count = 0
+        while True:
+            count += len(node.records[HOST].slots)
+            self._take_host_records(node, out, None)
+            parent = node.parent
+            del parent.children[node.child_key]
+            node = parent
+            if node.device is not None or node.parent is None or node.children:
+                break
+            if HOST_STATE in node.records or node.records[HOST].holds > 0:
+                break  # a host leaf with its state now, or held (its holder drops it if need be)
+        if self._is_host_evictable(node):
+            self._host_queue.push(node)
+        elif self._is_evictable(node):
+            self._queue.push(node)
+        return count
 
     def _take_host_state(self, node: TreeNode, out: Taken, undo: Optional[Undo]) -> None:
         parked = node.records.pop(HOST_STATE, None)

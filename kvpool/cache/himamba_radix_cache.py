@@ -217,6 +217,9 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
                 copy.holds -= 1
             for node in locked_leaves:
                 self._mamba_queue.push(node)
+        for node in out.moved_nodes:  # a host tombstone whose children left for room while it was held
+            if self._is_host_evictable(node) and HOST_STATE not in node.records and node.records[HOST].holds == 0:
+                self._drop_host_leaf(node, out)
         if out.states:
             self.mamba_pool.free(torch.cat(out.states))
         self._free_host(out)
@@ -240,20 +243,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             if node.records[HOST].holds > 0:
                 protected.append(node)
                 continue
-            while True:
-                count += len(node.records[HOST].slots)
-                self._take_host_records(node, out, None)
-                parent = node.parent
-                del parent.children[node.child_key]
-                node = parent
-                if not (node.device is None and node.parent is not None and not node.children):
-                    break
-                if HOST_STATE in node.records or node.records[HOST].holds > 0:
-                    break  # a host leaf with its state now (queued below), or held
-            if self._is_host_evictable(node):
-                self._host_queue.push(node)
-            elif self._is_evictable(node):
-                self._queue.push(node)
+            count += self._drop_host_leaf(node, out)
         for node in protected:
             self._host_queue.push(node)
         self._free_host(out)
@@ -329,8 +319,8 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             tokens = len(n.records[HOST].slots)
             HiRadixCache._refill(self, n, device[offset : offset + tokens])
             offset += tokens
-        for n, slot in zip(with_state, states.tolist()):
-            n.records[STATE] = StateSnapshot(torch.tensor([slot], dtype=torch.int64, device=states.device))
+        for i, n in enumerate(with_state):
+            n.records[STATE] = StateSnapshot(states[i : i + 1].clone())
             self.mamba_evictable_size_ += 1
             if self._is_mamba_evictable(n):
                 self._mamba_queue.push(n)
@@ -385,6 +375,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         self._loads_started = 0
         self._staged_copy: Any = None
         self._due: list[TreeNode] = []
+        self._chunked = False
         self.hybrid_host.kv_host.clear()
         self.hybrid_host.state_host.clear()
 
@@ -399,12 +390,16 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         cached, last = super()._insert(enc, n, value, priority, extra)
         if self._dropped:
             self.mamba_pool_host.free(torch.cat(self._dropped))
-        if self.write_policy != "write_back":
+        if self.write_policy != "write_back" and not self._chunked:
             node = last
             while node is not self.root_node:
                 self._due.append(node)
                 node = node.parent
         return cached, last
+
+    def _run_state_insert(self, job: Any, state: Optional[torch.Tensor]) -> Any:
+        self._chunked = job.chunked  # a chunk's pages are not backed up (as HiRadixCache's)
+        return super()._run_state_insert(job, state)
 
     def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
         """An insert gives a host-only node the caller's slots: it is on the device again without a
