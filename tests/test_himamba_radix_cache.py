@@ -226,6 +226,23 @@ def test_host_eviction_takes_leaves_with_their_states_and_the_tombstones_they_le
     cache.check_integrity()
 
 
+def test_a_host_tombstone_emptied_for_room_during_an_eviction_goes_when_the_eviction_ends():
+    eng = HiHybridEngine(1, pages=64, states=12, host_policy="write_back", state_ratio=2.5 / 12)  # two host states
+    cache, host = eng.cache, eng.host
+    p = seq(4, 100)
+    a, b = serve(eng, p + [1, 2]), serve(eng, p + [3, 4])
+    cache.evict(EvictParams(num_tokens=4))  # both leaves parked with their states, p a device tombstone
+    assert node_of(cache, p).device is not None and host.state_host.available_size() == 0
+    later = [serve(eng, seq(3, 500 + 10 * i)) for i in range(2)]  # used after p: evicted after it
+    cache.evict(EvictParams(num_tokens=eng.size))  # p moves first; each later state evicts a parked leaf for room
+    assert not any(n.key.token_ids[:4] == p for n in cache.root_node.children.values())
+    for tokens in later:
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens + [1]))).host_hit_length == 3
+    assert host.kv_host.available_size() == host.kv_host.size - 6
+    cache.check_integrity()
+    eng.drain()
+
+
 def _fail(*args, **kwargs):
     raise RuntimeError("injected")
 
