@@ -3,6 +3,7 @@
 from kvpool.cache import (
     CacheInitParams,
     EvictParams,
+    HiMambaRadixCache,
     HiRadixCache,
     InsertParams,
     MambaRadixCache,
@@ -61,6 +62,7 @@ __all__ = [
     "CacheInitParams",
     "EvictParams",
     "FusedPathUnavailable",
+    "HiMambaRadixCache",
     "HiRadixCache",
     "HybridLinearKVPool",
     "HybridPoolHost",
