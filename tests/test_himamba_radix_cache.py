@@ -152,6 +152,34 @@ def test_a_load_returns_the_device_tombstones_above_the_parked_part_too():
     eng.drain()
 
 
+@pytest.mark.parametrize("why", ["threshold", "quota", "no state slot", "no kv room"])
+def test_a_load_back_refused_changes_nothing_and_ends_on_the_device_part(why):
+    eng = HiHybridEngine(1, pages=64, states=4)
+    cache = eng.cache
+    a = serve(eng, seq(6, 100))
+    cache.evict(EvictParams(num_tokens=eng.size))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a + [1])))
+    held = []
+    if why == "threshold":
+        cache.load_back_threshold = 7
+    elif why == "no state slot":  # every state slot held by the table, none in the tree to evict
+        held = [eng.pool.alloc(1) for _ in range(eng.pool.available_size())]
+    elif why == "no kv room":
+        kv_held = eng.alloc.alloc(eng.alloc.available_size())
+    before = cache_snapshot(cache)
+    new, node = cache.init_load_back(m.last_host_node, m.host_hit_length, mem_quota=5 if why == "quota" else None)
+    assert len(new) == 0 and node is cache.root_node
+    assert_unchanged(before, cache_snapshot(cache), "a refused load")
+    for slot in held:
+        eng.pool.free(slot)
+    if why == "no kv room":
+        eng.alloc.free(kv_held)
+    cache.load_back_threshold = 0
+    req = eng.admit(a + [1])
+    assert req.cache_protected_len == 6 and eng.states_loaded == 1
+    eng.drain()
+
+
 def test_one_host_budget_is_split_between_kv_pages_and_state_slots_in_the_device_proportion():
     eng = HiHybridEngine(4, pages=24, states=12, extra=True)
     full, mamba = eng.kv.full_kv_pool, eng.pool

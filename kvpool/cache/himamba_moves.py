@@ -46,7 +46,8 @@ class HybridTierMoves:
             if slot is None:
                 return False
         try:
-            event = host.backup_from_device_all_layer(self.mamba_pool, slot, node.records[STATE].slot, self.io_backend)
+            device_slot = node.records[STATE].slot.to(self.mamba_pool.device)  # a snapshot given on the CPU too
+            event = host.backup_from_device_all_layer(self.mamba_pool, slot, device_slot, self.io_backend)
         except BaseException:
             host.free(slot)
             raise

@@ -301,12 +301,11 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         try:
             device = states = None
             if total >= self.load_back_threshold and (mem_quota is None or total <= mem_quota + delta):
-                device = self._alloc_device(total)
-                if device is not None:
-                    states = self._alloc_states(len(with_state))
-                    if states is None:
-                        self.token_to_kv_pool_allocator.free(device)
-                        device = None
+                states = self._alloc_states(len(with_state))  # the states first: they are fewer to give back
+                if states is not None:
+                    device = self._alloc_device(total)
+                    if device is None and len(states):
+                        self.mamba_pool.free(states)
         finally:
             for n in chain:
                 n.release_host()
