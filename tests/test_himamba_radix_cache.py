@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvassert import STATE as STATE_PARAMS
 from kvassert import HiHybridEngine, assert_unchanged, cache_snapshot, seq, int_tensor as T
-from kvpool import HybridLinearKVPool, HybridPoolHost, MHATokenToKVPoolHost, TokenToKVPoolAllocator
+from kvassert import state_device  # noqa: F401 (a fixture)
+from kvpool import HybridLinearKVPool, HybridPoolHost, HybridReqToTokenPool, MHATokenToKVPoolHost, TokenToKVPoolAllocator
 from kvpool.cache import CacheInitParams, EvictParams, HiMambaRadixCache, InsertParams, MatchPrefixParams, RadixKey
 from kvpool.cache.himamba_host import HOST_STATE
 from kvpool.cache.node import TreeNode
@@ -150,6 +152,48 @@ def test_a_load_returns_the_device_tombstones_above_the_parked_part_too():
     cache.check_hicache_events()
     cache.check_integrity()
     eng.drain()
+
+
+@pytest.fixture
+def device(state_device):
+    return state_device
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_a_round_trip_through_the_host_is_exact_on_every_device(device, io_backend):
+    table = HybridReqToTokenPool(size=2, mamba_size=4, max_context_len=16, device=device, cache_params=STATE_PARAMS)
+    mamba = table.mamba_pool
+    kv = HybridLinearKVPool(16, torch.float8_e4m3fn, 1, 2, 4, [0, 2], False, device, mamba, warmup=False)
+    alloc = TokenToKVPoolAllocator(16, device=device, kvcache=kv)
+    host = HybridPoolHost(kv, 2.0, 0, 1, "page_first")
+    cache = HiMambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=alloc,
+                                              page_size=1), host_pool=host, io_backend=io_backend, load_back_threshold=0)  # fmt: skip
+    slots, state = alloc.alloc(5), mamba.alloc(1)
+    kv_bufs = [b.view(torch.uint8) for b in kv.full_kv_pool.k_buffer + kv.full_kv_pool.v_buffer]
+    state_bufs = [t.view(torch.uint8) for t in (*mamba.conv, mamba.temporal)]
+    g = torch.Generator().manual_seed(3)
+    for buf in kv_bufs + state_bufs:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g).to(device))
+    kv_before = [b[slots].cpu() for b in kv_bufs]
+    state_before = [t[:, state].cpu() for t in state_bufs]
+    cache.insert(InsertParams(key=RadixKey(seq(5)), value=slots, mamba_value=state))  # backed up, KV and state
+    cache.evict(EvictParams(num_tokens=16))
+    for buf in kv_bufs + state_bufs:
+        buf.zero_()  # the freed slots' next owners write after the backups read them
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq(5) + [9])))
+    new, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert len(new) == 5 and node is m.last_host_node
+    cache.ready_to_load_host_cache()
+    host.wait_for_loads()
+    for b, before in zip(kv_bufs, kv_before):
+        assert torch.equal(b[new].cpu(), before)
+    for t, before in zip(state_bufs, state_before):
+        assert torch.equal(t[:, node.mamba_value].cpu(), before)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    cache.check_hicache_events()
+    assert not cache.ongoing_write_through and not cache.ongoing_load_back
+    cache.check_integrity()
 
 
 @pytest.mark.parametrize("why", ["threshold", "quota", "no state slot", "no kv room"])
