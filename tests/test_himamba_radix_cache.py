@@ -166,8 +166,8 @@ def test_a_round_trip_through_the_host_is_exact_on_every_device(device, io_backe
     kv = HybridLinearKVPool(16, torch.float8_e4m3fn, 1, 2, 4, [0, 2], False, device, mamba, warmup=False)
     alloc = TokenToKVPoolAllocator(16, device=device, kvcache=kv)
     host = HybridPoolHost(kv, 2.0, 0, 1, "page_first")
-    cache = HiMambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=alloc,
-                                              page_size=1), host_pool=host, io_backend=io_backend, load_back_threshold=0)  # fmt: skip
+    params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=alloc, page_size=1)
+    cache = HiMambaRadixCache(params, host_pool=host, io_backend=io_backend, load_back_threshold=0)
     slots, state = alloc.alloc(5), mamba.alloc(1)
     kv_bufs = [b.view(torch.uint8) for b in kv.full_kv_pool.k_buffer + kv.full_kv_pool.v_buffer]
     state_bufs = [t.view(torch.uint8) for t in (*mamba.conv, mamba.temporal)]
@@ -426,8 +426,8 @@ def test_construction_refuses_what_does_not_fit():
                                           token_to_kv_pool_allocator=TokenToKVPoolAllocator(16)), host_pool=eng.host)  # fmt: skip
     other = HybridLinearKVPool(16, torch.float8_e4m3fn, 1, 2, 4, [0, 2], False, "cpu", eng.pool, warmup=False)
     cases = [
-        (dict(host_pool=HybridPoolHost(other, 1.0, 0, 1, "layer_first")), "host_pool must be built over the allocator's device pool"),
-        (dict(host_pool=MHATokenToKVPoolHost(eng.kv.full_kv_pool, 1.0, 0, 1, "layer_first")), "host_pool must be a HybridPoolHost, got MHA"),
+        (dict(host_pool=HybridPoolHost(other, 1.0, 0, 1, "layer_first")), "host_pool must be built over the allocator's"),
+        (dict(host_pool=MHATokenToKVPoolHost(eng.kv.full_kv_pool, 1.0, 0, 1, "layer_first")), "must be a HybridPoolHost, got MHA"),
         (dict(host_pool=eng.host, write_policy="sometimes"), "write_policy must be one of"),
         (dict(host_pool=eng.host, io_backend="dma"), "io_backend must be one of"),
         (dict(server_args=SimpleNamespace(hicache_storage_backend="file")), "hicache_storage_backend must be None"),

@@ -51,7 +51,9 @@ class HiHybridMachine(RuleBasedStateMachine):
     def decode(self, data, steps):
         req = self.pick(data)
         for _ in range(steps):
-            if req.kv_committed_len + 1 > self.eng.table.max_context_len or not self.eng.decode(req, data.draw(st.integers(1, 2))):
+            if req.kv_committed_len + 1 > self.eng.table.max_context_len:
+                break
+            if not self.eng.decode(req, data.draw(st.integers(1, 2))):
                 break
 
     @precondition(lambda self: self.eng.running)

@@ -324,7 +324,8 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             if self._is_mamba_evictable(n):
                 self._mamba_queue.push(n)
         self.inc_lock_ref(last_node)
-        state_host = torch.cat([n.records[HOST_STATE].slot for n in with_state]) if with_state else torch.empty(0, dtype=torch.int64)
+        parked = [n.records[HOST_STATE].slot for n in with_state]
+        state_host = torch.cat(parked) if parked else torch.empty(0, dtype=torch.int64)
         self._pending_loads.append((host_slots, device, state_host, states, last_node))
         above = [n.device.value for n in reversed(served[:-1])]  # device tombstones after the device part
         return torch.cat([*above, device]) if above else device, last_node
