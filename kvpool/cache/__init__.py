@@ -13,7 +13,8 @@ requests checked together), ``tree_cache`` (``TreeCache``, what every cache shar
 tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
 prefetch from it), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``),
 ``mamba_radix_cache`` (the state tier's room, ``MambaRadixCache``), ``himamba_host`` (a hybrid
-model's host tier and its parked states) and ``himamba_radix_cache`` (``HiMambaRadixCache``, both).
+model's host tier and its parked states), ``himamba_moves`` (a hybrid node's moves between tiers) and
+``himamba_radix_cache`` (``HiMambaRadixCache``, both).
 """
 
 from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored

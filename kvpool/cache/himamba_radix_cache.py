@@ -1,5 +1,5 @@
 """``HiMambaRadixCache``: the hybrid models' prefix cache (``MambaRadixCache``) with a host tier
-below the device (SGLang's hierarchical cache for hybrid models).
+below the device (SGLang's name for its hierarchical cache for hybrid models).
 
 A node's KV is on the device, on the host, or both, as in ``HiRadixCache``; its state snapshot (the
 linear layers' state after its last token) is on the device (``StateSnapshot``, ``mamba_value``), on
@@ -7,7 +7,8 @@ the host beside its KV copy (``HostState``, ``kvpool.cache.himamba_host``), or o
 tombstone). The tiers move together: a node on the device keeps its state on the device (a backed-up
 state is a second copy, never the only one), a node on the host only keeps its state on the host,
 and a match never returns KV without the state after it. The host tier is a ``HybridPoolHost``: a
-node's KV pages and its state are backed up and loaded back by one call each.
+node's KV pages and its state are backed up through its two halves and loaded back by one
+``HybridPoolHost.load``.
 
 Backups follow ``HiRadixCache``'s write policies, made after the tree has changed (a backup that
 raises leaves the node in the tree without that host copy, and propagates). Evicting a node from the
