@@ -315,6 +315,18 @@ def test_a_host_tombstone_emptied_for_room_during_an_eviction_goes_when_the_evic
     eng.drain()
 
 
+def test_reset_frees_every_host_page_and_state_slot():
+    eng = HiHybridEngine(1, pages=64, states=12)
+    cache, host = eng.cache, eng.host
+    serve(eng, seq(6, 100))
+    cache.evict(EvictParams(num_tokens=eng.size))
+    assert host.kv_host.available_size() < host.kv_host.size and host.state_host.available_size() < host.state_host.size
+    cache.reset()
+    assert not cache.root_node.children and cache.total_size() == (0, 0)
+    assert host.kv_host.available_size() == host.kv_host.size and host.state_host.available_size() == host.state_host.size
+    cache.check_integrity()
+
+
 def _fail(*args, **kwargs):
     raise RuntimeError("injected")
 
