@@ -3,6 +3,7 @@
 from kvpool.cache import (
     CacheInitParams,
     EvictParams,
+    HiMambaRadixCache,
     HiRadixCache,
     InsertParams,
     MambaRadixCache,
@@ -64,6 +65,7 @@ __all__ = [
     "CacheInitParams",
     "EvictParams",
     "FusedPathUnavailable",
+    "HiMambaRadixCache",
     "HiRadixCache",
     "HybridLinearKVPool",
     "HybridPoolHost",

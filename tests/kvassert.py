@@ -50,6 +50,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import invariant
 
 from kvpool import (
+    HybridLinearKVPool,
+    HybridPoolHost,
     HybridReqToTokenPool,
     MambaCacheParams,
     MambaStateShape,
@@ -62,6 +64,7 @@ from kvpool import (
 from kvpool.cache import (
     CacheInitParams,
     EvictParams,
+    HiMambaRadixCache,
     HiRadixCache,
     InsertParams,
     MambaRadixCache,
@@ -1984,6 +1987,150 @@ class HybridEngine:
         self.cache.check_integrity()
 
 
+
+class HiHybridEngine(HybridEngine):
+    """``HybridEngine`` on a ``HiMambaRadixCache``: the allocator over an FP8 ``HybridLinearKVPool``
+    with the table's state pool, a ``HybridPoolHost`` below it. Every computed slot's K/V rows hold a
+    pattern of its content (as every state slot does), and an admission loads the match's host part
+    back as SGLang's scheduler does, checking every loaded KV row and state byte for byte against
+    the pattern of what it holds, then forks the loaded state into the request (a second match)."""
+
+    def __init__(self, page: int, pages: int, states: int, rows: int = 6, extra: bool = False,
+                 host_policy: str = "write_through", host_ratio: float = 2.0, state_ratio: Optional[float] = None,
+                 layout: str = "layer_first"):  # fmt: skip
+        size = pages * page
+        self.page, self.size, self.extra = page, size, extra
+        self.table = HybridReqToTokenPool(size=rows, mamba_size=states, max_context_len=size + page, device="cpu",
+                                          cache_params=STATE, enable_mamba_extra_buffer=extra)  # fmt: skip
+        self.pool = self.table.mamba_pool
+        self.kv = HybridLinearKVPool(size, torch.float8_e4m3fn, page, 2, 4, [0, 2], False, "cpu", self.pool, warmup=False)
+        kw = dict(kvcache=self.kv, validate=True)
+        self.alloc = TokenToKVPoolAllocator(size, **kw) if page == 1 else PagedTokenToKVPoolAllocator(size, page, **kw)
+        self.host = HybridPoolHost(self.kv, host_ratio, 0, page, layout, state_host_to_device_ratio=state_ratio)
+        self.cache = HiMambaRadixCache(self.cache_params(), host_pool=self.host, write_policy=host_policy,
+                                       load_back_threshold=0, mamba_cache_chunk_size=page)  # fmt: skip
+        self.running: dict[int, SimReq] = {}
+        self.content: dict[int, tuple] = {}
+        self.ids: dict[tuple, int] = {}
+        self.loaded = self.states_loaded = 0
+
+    def cache_params(self) -> CacheInitParams:
+        """The engine's pools as a cache's parameters."""
+        return CacheInitParams(
+            disable=False, req_to_token_pool=self.table, token_to_kv_pool_allocator=self.alloc, page_size=self.page,
+            enable_mamba_extra_buffer=self.extra,
+        )  # fmt: skip
+
+    def state_pattern(self, content: tuple) -> list[torch.Tensor]:
+        """The bytes ``write_state`` writes for ``content``, computed apart from any slot."""
+        cid = self.ids[content]
+        out = []
+        for b in self.state_bytes(0):
+            want = ((torch.arange(b.numel()).view(b.shape) * 3 + cid * 101) % 256).to(torch.uint8)
+            want[:, :4] = torch.tensor([(cid >> (8 * i)) % 256 for i in range(4)], dtype=torch.uint8)
+            out.append(want)
+        return out
+
+    def check_state_bytes(self, slot: int, content: tuple) -> None:
+        for got, want in zip(self.state_bytes(slot), self.state_pattern(content)):
+            assert torch.equal(got, want), f"state slot {slot} differs byte for byte from the state after {len(content[1])} tokens"
+
+    def _rows(self, layer: int, which: str) -> torch.Tensor:
+        inner = self.kv.full_kv_pool
+        buf = inner.k_buffer[layer] if which == "k" else inner.v_buffer[layer]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    def kv_pattern(self, contents: list, layer: int, which: str) -> torch.Tensor:
+        ids = torch.tensor([self.ids.setdefault(c, len(self.ids)) for c in contents], dtype=torch.int64)
+        width = self._rows(layer, which).shape[1]
+        rows = (ids[:, None] * 131 + torch.arange(width) * 7 + layer * 13 + (which == "v") * 57) % 256
+        rows[:, :4] = torch.stack([(ids >> (8 * b)) % 256 for b in range(4)], 1)
+        return rows.to(torch.uint8)
+
+    def check_kv_bytes(self, slots: list, contents: list) -> None:
+        for layer in range(self.kv.full_kv_pool.layer_num):
+            for which in "kv":
+                got, want = self._rows(layer, which)[int_tensor(slots)], self.kv_pattern(contents, layer, which)
+                assert torch.equal(got, want), f"{which} rows of layer {layer} differ from the KV written"
+
+    def compute(self, req: SimReq, start: int) -> None:
+        super().compute(req, start)
+        tokens = req.fill_ids
+        slots = self.table.req_to_token[req.req_pool_idx, start : len(tokens)].tolist()
+        contents = [(req.extra_key, tuple(tokens[: start + i + 1])) for i in range(len(slots))]
+        for layer in range(self.kv.full_kv_pool.layer_num):
+            for which in "kv":
+                self._rows(layer, which)[int_tensor(slots)] = self.kv_pattern(contents, layer, which)
+
+    def admit(self, tokens: list, extra: Any = None) -> Optional[SimReq]:
+        req = SimReq(-1, list(tokens), extra)
+        del req.req_pool_idx
+        req.mamba_pool_idx = None
+        req.mamba_last_track_seqlen = None
+        if self.table.alloc([req]) is None:
+            self.cache.evict(EvictParams(num_tokens=0, mamba_num=2))
+            if self.table.alloc([req]) is None:
+                return None
+        key = RadixKey(tokens[:-1], extra)
+        m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=True, req=req))
+        self.check_match(m, extra, tokens)
+        last = m.last_device_node
+        self.cache.inc_lock_ref(last)
+        if m.host_hit_length:
+            new, node = self.cache.init_load_back(m.last_host_node, m.host_hit_length)
+            self.cache.dec_lock_ref(last)
+            self.cache.inc_lock_ref(node)
+            last = node
+            if len(new):
+                assert len(new) == m.host_hit_length
+                self.cache.ready_to_load_host_cache()
+                p0 = len(m.device_indices)
+                contents = [(extra, tuple(tokens[: p0 + i + 1])) for i in range(len(new))]
+                self.check_kv_bytes(new.tolist(), contents)
+                self.check_state_bytes(int(node.mamba_value), contents[-1])
+                for s, c in zip(new.tolist(), contents):
+                    self.content[s] = c
+                self.loaded += len(new)
+                self.states_loaded += 1
+                m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=True, req=req))  # fork it
+                assert m.last_device_node is node and len(m.device_indices) == p0 + len(new)
+        p = len(m.device_indices)
+        self.check_match(m, extra, tokens)
+        if p:
+            self.check_state_bytes(int(req.mamba_pool_idx), (extra, tuple(tokens[:p])))  # forked into its own slot
+        new = self._alloc(len(tokens) - p, p, int(m.device_indices[-1]) if p else -1)
+        if new is None:
+            self.cache.evict(EvictParams(num_tokens=len(tokens) - p + self.page))
+            new = self._alloc(len(tokens) - p, p, int(m.device_indices[-1]) if p else -1)
+        if new is None:
+            self.cache.dec_lock_ref(last)
+            self.table.free_mamba_cache(req)
+            self.table.free(req)
+            return None
+        row = req.req_pool_idx
+        self.table.write((row, slice(0, len(tokens))), torch.cat((m.device_indices, new)).to(torch.int32))
+        for i, s in enumerate(new.tolist()):
+            self.content[s] = (extra, tuple(tokens[: p + i + 1]))
+        req.last_node, req.cache_protected_len, req.prefix_indices = last, p, m.device_indices
+        req.kv_committed_len = req.kv_allocated_len = len(tokens)
+        self.compute(req, p)
+        self.running[row] = req
+        return req
+
+    def drain(self) -> None:
+        """Finish everything, evict the whole tree from both tiers: every slot of every pool back."""
+        for req in list(self.running.values()):
+            self.finish(req)
+        self.cache.check_hicache_events()
+        self.cache.evict(EvictParams(num_tokens=self.size))
+        assert self.cache.total_size() == (0, 0) and self.alloc.available_size() == self.size
+        assert self.pool.available_size() == self.pool.size
+        self.cache.evict_host(self.host.kv_host.size)
+        assert self.host.kv_host.available_size() == self.host.kv_host.size
+        assert self.host.state_host.available_size() == self.host.state_host.size
+        assert not self.cache.root_node.children
+        self.cache.check_integrity()
+
 # ----------------------------------------------------------------------------------------------
 # What a refused call must leave as it was: a snapshot of a cache, its allocator, request table,
 # KV pool, state pool and host pool, through their public attributes; injected faults; and the
@@ -2041,6 +2188,7 @@ def cache_snapshot(cache: Any) -> dict:
             int(st.unrecorded), getattr(alloc, "rejected_frees", None),
         )  # fmt: skip
         pool = alloc.get_kvcache()
+        pool = getattr(pool, "full_kv_pool", pool)  # a hybrid pool's full-attention layers
         if pool is not None:
             snap["kv pool"] = tensor_digest(list(pool.k_buffer) + list(pool.v_buffer))
     table = cache.req_to_token_pool
@@ -2060,6 +2208,12 @@ def cache_snapshot(cache: Any) -> dict:
         kv = [host.get_data_page(q * host.page_size, flat=True) for q in pages]
         snap["host pool"] = (host.available_size(), rows, tensor_digest(kv) if kv else None)
         snap["transfers"] = (len(cache.ongoing_write_through), len(cache.ongoing_load_back))
+    state_host = getattr(cache, "mamba_pool_host", None)
+    if state_host is not None:  # the host state slots the tree holds, and their bytes
+        held = [n.records["host_state"].slot for n in device_nodes(cache) if "host_state" in n.records]
+        slots = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+        parts = [t[:, slots] if state_host.layout == "layer_first" else t[slots] for t in (*state_host.conv, state_host.temporal)]
+        snap["state host"] = (state_host.available_size(), slots.tolist(), tensor_digest(parts))
     return snap
 
 

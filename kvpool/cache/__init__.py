@@ -13,8 +13,10 @@ requests checked together), ``tree_cache`` (``TreeCache``, what every cache shar
 tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
 prefetch from it), ``storage_setup`` (how a cache finds its storage tier), ``hiradix_cache`` (the
 host tier's room, ``HiRadixCache``), ``mamba_radix_cache`` (the state tier's room,
-``MambaRadixCache``) and the sliding-window room: ``swa_plan`` (what an insertion does, and the
-window rule), ``swa_windows`` (the SWA tier's books: records, window locks, sizes, queue),
+``MambaRadixCache``), ``himamba_host`` (a hybrid model's host tier and its parked states),
+``himamba_moves`` (a hybrid node's moves between tiers), ``himamba_radix_cache``
+(``HiMambaRadixCache``, both) and the sliding-window room: ``swa_plan`` (what an insertion does, and
+the window rule), ``swa_windows`` (the SWA tier's books: records, window locks, sizes, queue),
 ``swa_integrity`` (the SWA part of the check) and ``swa_radix_cache`` (``SWARadixCache``).
 """
 
@@ -28,6 +30,7 @@ from kvpool.cache.evict_policy import (
     MRUStrategy,
     PriorityStrategy,
 )
+from kvpool.cache.himamba_radix_cache import HiMambaRadixCache
 from kvpool.cache.hiradix_cache import HiRadixCache
 from kvpool.cache.key import RadixKey
 from kvpool.cache.mamba_radix_cache import MambaRadixCache
@@ -54,6 +57,7 @@ __all__ = [
     "EvictionStrategy",
     "FIFOStrategy",
     "FILOStrategy",
+    "HiMambaRadixCache",
     "HiRadixCache",
     "InsertParams",
     "InsertResult",
