@@ -5,12 +5,13 @@ Each page is one file named by :func:`~kvpool.storage.keys.storage_digest` (64 h
 ``.kvpage``), laid out as :mod:`kvpool.storage.record` says. A page is written to a temporary file
 in the same directory and renamed over its name (``os.replace``, atomic within a filesystem), so a
 writer that dies midway leaves only a temporary file, never a half page under a real name; every
-read checks the header, name, sizes and CRC-32, so a torn or corrupted page is a miss. The directory
+read checks the header, name, sizes and checksum, so a torn or corrupted page is a miss. The directory
 holds at most ``max_bytes`` of page files: beyond that the least recently used pages are removed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -18,14 +19,14 @@ import stat
 import tempfile
 import threading
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import HEADER, checksum, header, parse_header
+from kvpool.storage.record import CHUNK_BYTES, HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -33,6 +34,8 @@ PAGE_SUFFIX = ".kvpage"
 TEMP_PREFIX = ".kvpage-tmp-"
 _PAGE_NAME = re.compile(r"^[0-9a-f]{64}\.kvpage$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Buffers per ``writev`` / ``readv`` call (the system's bound is at least 16 and usually 1024).
+_IOV_MAX = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)
 
 
 def default_file_path() -> str:
@@ -82,15 +85,52 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def _read_into(fd: int, view: memoryview) -> int:
-    """Read until ``view`` is full or the file ends; the bytes read."""
-    got = 0
-    while got < view.nbytes:
-        n = os.readv(fd, [view[got:]])
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` one after another (``writev``, as many at a time as the system takes)."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _read_full(fd: int, views: list[memoryview]) -> bool:
+    """Fill ``views`` in order from the file (``readv``); False when the file ends first."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.readv(fd, views[:_IOV_MAX])
         if n == 0:
-            break
-        got += n
-    return got
+            return False
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return True
+
+
+def _steps(parts: list[memoryview], step: int) -> list[list[memoryview]]:
+    """``parts`` cut into consecutive groups of about ``step`` bytes (a part larger than ``step``
+    is cut too): what one read brings in before its bytes are handed to the checksum."""
+    groups: list[list[memoryview]] = [[]]
+    room = step
+    for part in parts:
+        while part.nbytes:
+            take = min(room, part.nbytes)
+            groups[-1].append(part[:take])
+            part, room = part[take:], room - take
+            if room == 0:
+                groups.append([])
+                room = step
+    return [g for g in groups if g]
+
+
+def _region(ptr: int, size: int) -> memoryview:
+    """``size`` bytes of host memory at ``ptr`` as a writable memoryview (no copy)."""
+    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -198,17 +238,19 @@ class HiCacheFile(HiCacheStorage):
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, payload: memoryview) -> bool:
-        """Write one page (temporary file, then rename); False when it cannot be stored. Writes are
-        serialised (reads are not), so the index and the files agree whatever the threads do."""
+    def _store(self, key: str, parts: list[memoryview]) -> bool:
+        """Write one page, its payload given as consecutive buffers (temporary file, then rename);
+        False when it cannot be stored. Writes are serialised (reads are not), so the index and the
+        files agree whatever the threads do."""
         with self._write_lock:
-            return self._store_one(key, payload)
+            return self._store_one(key, parts)
 
-    def _store_one(self, key: str, payload: memoryview) -> bool:
+    def _store_one(self, key: str, parts: list[memoryview]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
-        size = HEADER.size + len(name) + payload.nbytes
+        payload_len = sum(p.nbytes for p in parts)
+        size = HEADER.size + len(name) + payload_len
         with self._lock:
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
@@ -222,15 +264,25 @@ class HiCacheFile(HiCacheStorage):
             self._index[digest] = size  # reserved now, so concurrent writers keep the bound
             self._bytes += size
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
+        # The payload's chunks are checksummed on the checksum threads while it is written; the
+        # header goes in last, over the zeros that kept its place.
+        job = checksum_of(name, parts)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
-                _write_all(fd, header(name, payload))
-                _write_all(fd, payload)
+                _write_all(fd, bytes(HEADER.size + len(name)))
+                if len(parts) == 1:
+                    _write_all(fd, parts[0])
+                else:
+                    _writev_all(fd, parts)
+                head = pack_header(name, payload_len, job.value())
+                if os.pwrite(fd, head, 0) != len(head):
+                    raise OSError(f"short write of the header of {temp}")
             finally:
                 os.close(fd)
             os.replace(temp, path)
         except OSError:
+            job.wait()
             try:
                 os.unlink(temp)
             except OSError:
@@ -243,8 +295,10 @@ class HiCacheFile(HiCacheStorage):
             self._stats.writes += 1
         return True
 
-    def _load(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Read one page into ``target`` (or a new uint8 tensor): the tensor, or None for a miss."""
+    def _load(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> bool:
+        """Read one page into the buffers ``parts_for(payload length)`` names (None: a size the caller
+        cannot take) and check it: True for a hit, False for a miss (the buffers' bytes are then
+        unspecified, or untouched where the header or the file's size already showed the miss)."""
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
@@ -254,7 +308,7 @@ class HiCacheFile(HiCacheStorage):
             outcome = "absent"
         else:
             try:
-                outcome, target = self._read_page(fd, name, target)
+                outcome = self._read_page(fd, name, parts_for)
             except OSError:
                 outcome = "absent"
             finally:
@@ -264,12 +318,12 @@ class HiCacheFile(HiCacheStorage):
                 self._stats.hits += 1
                 if digest in self._index:
                     self._index.move_to_end(digest)
-                return target
+                return True
             self._stats.misses += 1
             if outcome != "corrupt":
                 if outcome == "absent":
                     self._forget(digest)
-                return None
+                return False
             self._stats.corrupt += 1
             self._forget(digest)
         # A page that fails its check is removed, so the next write of the key stores it again.
@@ -277,26 +331,45 @@ class HiCacheFile(HiCacheStorage):
             os.unlink(path)
         except OSError:
             pass
-        return None
+        return False
 
     @staticmethod
-    def _read_page(fd: int, name: bytes, target: Optional[torch.Tensor]) -> tuple[str, Optional[torch.Tensor]]:
-        """("hit", the tensor read into), ("size", None) for a good header of a payload size other
-        than ``target``'s, or ("corrupt", None)."""
+    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[memoryview]]]) -> str:
+        """"hit", "size" for a good header of a payload size ``parts_for`` refuses, or "corrupt".
+        The payload is read a chunk at a time, each chunk checksummed on the checksum threads while
+        the next one is read."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, HEADER.size + len(name))
         parsed = parse_header(raw, name)
         if parsed is None or size != len(raw) + parsed[0]:
-            return "corrupt", None
+            return "corrupt"
         payload_len, crc = parsed
-        if target is None:
-            target = torch.empty(payload_len, dtype=torch.uint8)
-        elif target.numel() * target.element_size() != payload_len:
-            return "size", None
-        view = _as_bytes(target)
-        if _read_into(fd, view) != payload_len or checksum(name, view) != crc:
-            return "corrupt", None
-        return "hit", target
+        parts = parts_for(payload_len)
+        if parts is None:
+            return "size"
+        job = PayloadChecksum(name, payload_len)
+        for group in _steps(parts, CHUNK_BYTES):
+            if not _read_full(fd, group):
+                job.wait()
+                return "corrupt"
+            for g in group:
+                job.feed(g)
+        return "hit" if job.value() == crc else "corrupt"
+
+    def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Read one page into ``target`` (or a new uint8 tensor of the stored size): the tensor, or
+        None for a miss."""
+        made: list[torch.Tensor] = []
+
+        def parts_for(payload_len: int) -> Optional[list[memoryview]]:
+            if target is None:
+                made.append(torch.empty(payload_len, dtype=torch.uint8))
+                return [_as_bytes(made[0])]
+            return [_as_bytes(target)] if target.numel() * target.element_size() == payload_len else None
+
+        if not self._load(key, parts_for):
+            return None
+        return target if target is not None else made[0]
 
     # --- the interface -------------------------------------------------------------------------------
 
@@ -324,7 +397,7 @@ class HiCacheFile(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         key = self.check_key(key)
         target = self._check_target(target_location, target_sizes, "target_location")
-        return self._load(key, target)
+        return self._load_tensor(key, target)
 
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -333,13 +406,13 @@ class HiCacheFile(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
-        return [self._load(k, t) for k, t in zip(keys, checked)]
+        return [self._load_tensor(k, t) for k, t in zip(keys, checked)]
 
     def set(
         self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
         key = self.check_key(key)
-        return self._store(key, self._check_value(value, target_location, target_sizes, "value"))
+        return self._store(key, [self._check_value(value, target_location, target_sizes, "value")])
 
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -351,7 +424,7 @@ class HiCacheFile(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
-        return all(self._store(k, p) for k, p in zip(keys, payloads))
+        return all(self._store(k, [p]) for k, p in zip(keys, payloads))
 
     def exists(self, key: str) -> bool:
         key = self.check_key(key)
@@ -360,29 +433,24 @@ class HiCacheFile(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says. Each page is read and checked in a scratch page first, and only a
-        good one is written to its host page (``set_from_flat_data_page``): a miss leaves its host
-        page as it was."""
-        starts = self.host_page_starts(keys, host_indices)
-        host = self.mem_pool_host
-        scratch = torch.empty(sum(host.page_bytes), dtype=torch.uint8)
-        flat = scratch.view(host.store_dtype)
+        """As the interface says: each page is read straight into its host page's blocks and checked
+        there (a miss leaves that host page's bytes unspecified; one whose header, name or size
+        already tells it is a miss, before any payload byte is read, leaves it as it was)."""
+        regions = self.host_page_regions(keys, host_indices)
         done = []
-        for key, start in zip(keys, starts):
-            ok = self._load(key, scratch) is not None
-            if ok:
-                host.set_from_flat_data_page(start, flat)
-            done.append(ok)
+        for key, blocks in zip(keys, regions):
+            views = [_region(ptr, n) for ptr, n in blocks]
+            want = sum(n for _, n in blocks)
+            done.append(self._load(key, lambda n, views=views, want=want: views if n == want else None))
         return done
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says: each page's bytes are ``get_data_page(start)`` (which waits for a
-        backup still writing the page)."""
-        starts = self.host_page_starts(keys, host_indices)
-        host = self.mem_pool_host
-        return [self._store(key, _as_bytes(host.get_data_page(start))) for key, start in zip(keys, starts)]
+        """As the interface says: each page is written straight from its host page's blocks, in the
+        flat page order (after the host pool's transfers in flight are done)."""
+        regions = self.host_page_regions(keys, host_indices)
+        return [self._store(key, [_region(ptr, n) for ptr, n in blocks]) for key, blocks in zip(keys, regions)]
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone)."""
