@@ -85,23 +85,12 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    """Write ``views`` one after another (``writev``, as many at a time as the system takes)."""
+def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list[memoryview]) -> bool:
+    """``os.writev`` or ``os.readv`` of all of ``views`` in order, as many at a time as the system
+    takes; False when a read meets the end of the file first."""
     views = [v for v in views if v.nbytes]
     while views:
-        n = os.writev(fd, views[:_IOV_MAX])
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-def _read_full(fd: int, views: list[memoryview]) -> bool:
-    """Fill ``views`` in order from the file (``readv``); False when the file ends first."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = os.readv(fd, views[:_IOV_MAX])
+        n = move(fd, views[:_IOV_MAX])
         if n == 0:
             return False
         while views and n >= views[0].nbytes:
@@ -186,6 +175,7 @@ class HiCacheFile(HiCacheStorage):
         self._lock = threading.Lock()  # the index and the counters
         self._write_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
+        self._writing: set[str] = set()  # digests whose page a writer is putting in place now
         self._bytes = 0
         self._stats = StorageStats()
         self._temp_ids = itertools.count()
@@ -238,14 +228,20 @@ class HiCacheFile(HiCacheStorage):
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, parts: list[memoryview]) -> bool:
+    def _store(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum] = None) -> bool:
         """Write one page, its payload given as consecutive buffers (temporary file, then rename);
-        False when it cannot be stored. Writes are serialised (reads are not), so the index and the
-        files agree whatever the threads do."""
+        False when it cannot be stored. ``job``: its checksum, started ahead by the caller. Writes
+        are serialised (reads are not), so the index and the files agree whatever the threads do."""
         with self._write_lock:
-            return self._store_one(key, parts)
+            return self._store_one(key, parts, job)
 
-    def _store_one(self, key: str, parts: list[memoryview]) -> bool:
+    def _checksum_ahead(self, key: str, parts: list[memoryview]) -> Optional[PayloadChecksum]:
+        """The checksum of a page about to be written, started now (None for a page already stored)."""
+        if os.path.exists(self._path(storage_digest(self.namespace, key))):
+            return None
+        return checksum_of(storage_name(self.namespace, key), parts)
+
+    def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
@@ -255,18 +251,24 @@ class HiCacheFile(HiCacheStorage):
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
                 self._stats.writes += 1
+                if job is not None:
+                    job.wait()
                 return True
             if size > self.max_bytes:
                 self._stats.write_failures += 1
+                if job is not None:
+                    job.wait()
                 return False
             self._forget(digest)
             self._trim(size)
             self._index[digest] = size  # reserved now, so concurrent writers keep the bound
             self._bytes += size
+            self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
         # The payload's chunks are checksummed on the checksum threads while it is written; the
         # header goes in last, over the zeros that kept its place.
-        job = checksum_of(name, parts)
+        if job is None:
+            job = checksum_of(name, parts)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
@@ -274,7 +276,7 @@ class HiCacheFile(HiCacheStorage):
                 if len(parts) == 1:
                     _write_all(fd, parts[0])
                 else:
-                    _writev_all(fd, parts)
+                    _vectored(os.writev, fd, parts)
                 head = pack_header(name, payload_len, job.value())
                 if os.pwrite(fd, head, 0) != len(head):
                     raise OSError(f"short write of the header of {temp}")
@@ -288,10 +290,12 @@ class HiCacheFile(HiCacheStorage):
             except OSError:
                 pass
             with self._lock:
+                self._writing.discard(digest)
                 self._forget(digest)
                 self._stats.write_failures += 1
             return False
         with self._lock:
+            self._writing.discard(digest)
             self._stats.writes += 1
         return True
 
@@ -299,20 +303,29 @@ class HiCacheFile(HiCacheStorage):
         """Read one page into the buffers ``parts_for(payload length)`` names (None: a size the caller
         cannot take) and check it: True for a hit, False for a miss (the buffers' bytes are then
         unspecified, or untouched where the header or the file's size already showed the miss)."""
+        return self._finish(*self._begin(key, parts_for))
+
+    def _begin(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> tuple[str, Any]:
+        """Read one page as ``_load`` does, its chunks' checksums still running: ``(digest, outcome)``,
+        the outcome "absent", "size", "corrupt", or ``(checksum job, stored checksum)``."""
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
-        path = self._path(digest)
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+            fd = os.open(self._path(digest), os.O_RDONLY | _NOFOLLOW)
         except OSError:
-            outcome = "absent"
-        else:
-            try:
-                outcome = self._read_page(fd, name, parts_for)
-            except OSError:
-                outcome = "absent"
-            finally:
-                os.close(fd)
+            return digest, "absent"
+        try:
+            return digest, self._read_page(fd, name, parts_for)
+        except OSError:
+            return digest, "absent"
+        finally:
+            os.close(fd)
+
+    def _finish(self, digest: str, outcome: Any) -> bool:
+        """Wait for a read's checksum, count it, and remove a page that failed its check: True for a hit."""
+        if isinstance(outcome, tuple):
+            job, crc = outcome
+            outcome = "hit" if job.value() == crc else "corrupt"
         with self._lock:
             if outcome == "hit":
                 self._stats.hits += 1
@@ -320,24 +333,24 @@ class HiCacheFile(HiCacheStorage):
                     self._index.move_to_end(digest)
                 return True
             self._stats.misses += 1
-            if outcome != "corrupt":
-                if outcome == "absent":
-                    self._forget(digest)
+            if outcome == "corrupt":
+                self._stats.corrupt += 1
+            # A page being written now is the writer's to index (what this read saw is gone).
+            if outcome == "size" or digest in self._writing:
                 return False
-            self._stats.corrupt += 1
             self._forget(digest)
-        # A page that fails its check is removed, so the next write of the key stores it again.
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+            if outcome == "corrupt":  # removed, so the next write of the key stores it again
+                try:
+                    os.unlink(self._path(digest))
+                except OSError:
+                    pass
         return False
 
     @staticmethod
-    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[memoryview]]]) -> str:
-        """"hit", "size" for a good header of a payload size ``parts_for`` refuses, or "corrupt".
-        The payload is read a chunk at a time, each chunk checksummed on the checksum threads while
-        the next one is read."""
+    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[memoryview]]]) -> Any:
+        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
+        payload read, ``(its checksum job, the stored checksum)``. The payload is read a chunk at a
+        time, each chunk checksummed on the checksum threads while the next one is read."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, HEADER.size + len(name))
         parsed = parse_header(raw, name)
@@ -348,13 +361,17 @@ class HiCacheFile(HiCacheStorage):
         if parts is None:
             return "size"
         job = PayloadChecksum(name, payload_len)
-        for group in _steps(parts, CHUNK_BYTES):
-            if not _read_full(fd, group):
-                job.wait()
-                return "corrupt"
-            for g in group:
-                job.feed(g)
-        return "hit" if job.value() == crc else "corrupt"
+        try:
+            for group in _steps(parts, CHUNK_BYTES):
+                if not _vectored(os.readv, fd, group):
+                    job.wait()
+                    return "corrupt"
+                for g in group:
+                    job.feed(g)
+        except BaseException:
+            job.wait()
+            raise
+        return job, crc
 
     def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Read one page into ``target`` (or a new uint8 tensor of the stored size): the tensor, or
@@ -437,11 +454,17 @@ class HiCacheFile(HiCacheStorage):
         there (a miss leaves that host page's bytes unspecified; one whose header, name or size
         already tells it is a miss, before any payload byte is read, leaves it as it was)."""
         regions = self.host_page_regions(keys, host_indices)
-        done = []
+        done: list[bool] = []
+        pending = None  # the previous page, its checksum running while this one is read
         for key, blocks in zip(keys, regions):
             views = [_region(ptr, n) for ptr, n in blocks]
             want = sum(n for _, n in blocks)
-            done.append(self._load(key, lambda n, views=views, want=want: views if n == want else None))
+            started = self._begin(key, lambda n, views=views, want=want: views if n == want else None)
+            if pending is not None:
+                done.append(self._finish(*pending))
+            pending = started
+        if pending is not None:
+            done.append(self._finish(*pending))
         return done
 
     def batch_set_v1(
@@ -450,7 +473,15 @@ class HiCacheFile(HiCacheStorage):
         """As the interface says: each page is written straight from its host page's blocks, in the
         flat page order (after the host pool's transfers in flight are done)."""
         regions = self.host_page_regions(keys, host_indices)
-        return [self._store(key, [_region(ptr, n) for ptr, n in blocks]) for key, blocks in zip(keys, regions)]
+        pages = [[_region(ptr, n) for ptr, n in blocks] for blocks in regions]
+        done = []
+        ahead = self._checksum_ahead(keys[0], pages[0]) if keys else None
+        for i, (key, parts) in enumerate(zip(keys, pages)):
+            job = ahead
+            # The next page's checksum runs on the checksum threads while this one is written.
+            ahead = self._checksum_ahead(keys[i + 1], pages[i + 1]) if i + 1 < len(keys) else None
+            done.append(self._store(key, parts, job))
+        return done
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone)."""

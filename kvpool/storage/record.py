@@ -36,8 +36,8 @@ import os
 import struct
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
 
 MAGIC = b"KVPOOLPG"
 VERSION = 2
@@ -55,9 +55,12 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = 0
 
 
+_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
 def checksum_threads() -> int:
     """Threads that checksum payload chunks: one per core, at most 4."""
-    return max(1, min(4, os.cpu_count() or 1))
+    return _THREADS
 
 
 def _executor() -> Optional[ThreadPoolExecutor]:
@@ -73,17 +76,52 @@ def _executor() -> Optional[ThreadPoolExecutor]:
         return _pool
 
 
-def _crc_of(pieces: list[memoryview]) -> int:
-    crc = 0
-    for p in pieces:
-        crc = zlib.crc32(p, crc)
-    return crc
+class _Chunk:
+    """One chunk's CRC-32, computed by whichever thread claims it first: a checksum thread, or the
+    caller of ``result()``, which computes a chunk no thread has started rather than wait for one
+    (on a busy machine a thread may be scheduled late)."""
+
+    __slots__ = ("pieces", "crc", "error", "_claim", "_done")
+
+    def __init__(self, pieces: list[memoryview]) -> None:
+        self.pieces: Optional[list[memoryview]] = pieces
+        self.crc, self.error = 0, None
+        self._claim, self._done = threading.Lock(), threading.Event()
+
+    def run(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return
+        try:
+            crc = 0
+            for p in self.pieces or ():
+                crc = zlib.crc32(p, crc)
+            self.crc = crc
+        except BaseException as e:  # handed to result(); a checksum thread must not die silently
+            self.error = e
+        finally:
+            self.pieces = None
+            self._done.set()
+
+    def cancel(self) -> None:
+        """Claim it without computing it, or wait until the thread computing it is done."""
+        if self._claim.acquire(blocking=False):
+            self.pieces = None
+            self._done.set()
+        self._done.wait()
+
+    def result(self) -> int:
+        self.run()
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.crc
 
 
 class PayloadChecksum:
     """The checksum of one page, its payload handed in piece by piece (``feed``) in order; each full
-    chunk is checksummed on the shared threads as soon as it is complete, so the caller can write or
-    read the next bytes meanwhile. ``value()`` waits for the chunks and returns the checksum.
+    chunk is handed to the shared checksum threads as soon as it is complete, so the caller can write
+    or read the next bytes meanwhile. ``value()`` computes the chunks no thread has started, waits for
+    the others, and returns the checksum.
 
     The pieces must stay unchanged until ``value()`` returns.
 
@@ -96,7 +134,7 @@ class PayloadChecksum:
     def __init__(self, name: bytes, payload_len: int) -> None:
         self.name, self.payload_len = name, payload_len
         self._fed = 0
-        self._chunks: list[Union[int, Future]] = []
+        self._chunks: list[_Chunk] = []
         self._pending: list[memoryview] = []
         self._pending_bytes = 0
 
@@ -115,17 +153,18 @@ class PayloadChecksum:
                 self._close_chunk()
 
     def _close_chunk(self) -> None:
-        pieces, nbytes = self._pending, self._pending_bytes
+        chunk = _Chunk(self._pending)
+        pool = None if self._pending_bytes < INLINE_BYTES else _executor()
         self._pending, self._pending_bytes = [], 0
-        pool = None if nbytes < INLINE_BYTES else _executor()
-        self._chunks.append(_crc_of(pieces) if pool is None else pool.submit(_crc_of, pieces))
+        self._chunks.append(chunk)
+        if pool is not None:  # else ``value()`` computes it
+            pool.submit(chunk.run)
 
     def wait(self) -> None:
         """Wait until no thread reads the pieces fed so far (a caller giving up before the payload
         is whole calls it before it reuses them)."""
         for c in self._chunks:
-            if not isinstance(c, int):
-                c.exception()
+            c.cancel()
 
     def value(self) -> int:
         """The checksum (waits for the chunks still being checksummed)."""
@@ -133,7 +172,7 @@ class PayloadChecksum:
             raise ValueError(f"payload must be {self.payload_len} bytes, got {self._fed}")
         if self._pending_bytes:
             self._close_chunk()
-        crcs = [c if isinstance(c, int) else c.result() for c in self._chunks]
+        crcs = [c.result() for c in self._chunks]
         crc = zlib.crc32(_COVERED.pack(VERSION, len(self.name), self.payload_len))
         crc = zlib.crc32(self.name, crc)
         return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc)
