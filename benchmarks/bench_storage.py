@@ -315,6 +315,10 @@ def markdown(res: dict) -> str:
         f"{cfg['reps']} calls. Directory: `{cfg['dir']}` ({cfg['filesystem']}); no fsync (the backend does none); "
         "page cache warm (not dropped: that needs root). Mooncake: a master on 127.0.0.1, TCP transport, one client.",
         "",
+        f"Load average (1 min) {cfg.get('load_start', float('nan')):.1f} at the start and {cfg.get('load_end', float('nan')):.1f} "
+        "at the end of the run: other processes' share of the cores (above 0, the checksum threads and the I/O competed "
+        "with them for the cores; the plain and raw baselines run on one thread).",
+        "",
         "## Targets",
         "",
         *[f"- {v}" for v in verdicts(res)],
@@ -407,7 +411,7 @@ def main() -> int:
     rep.result.update(
         config=dict(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE).replace("torch.", ""), layout=LAYOUT,
                     pages=pages, reps=args.reps, dir=args.dir, filesystem=filesystem(args.dir),
-                    chunk_bytes=record.CHUNK_BYTES, checksum_threads=record.checksum_threads()),
+                    chunk_bytes=record.CHUNK_BYTES, checksum_threads=record.checksum_threads(), load_start=os.getloadavg()[0]),
         cases=[],
     )  # fmt: skip
     for page_size in page_sizes:
@@ -437,6 +441,7 @@ def main() -> int:
                     + ", ".join(f"{k} {100 * v:.0f}%" if k.endswith("ratio") else f"{k} {v:.2f} GB/s" for k, v in r.items()))  # fmt: skip
             rep.save()
         del p
+    rep.result["config"]["load_end"] = os.getloadavg()[0]
     rep.save(final=True)
     return 1 if rep.result["errors"] else 0
 
