@@ -397,6 +397,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=None, help="pages per batch call (default 32)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend's directory is made (default: the temp dir)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends to time")
+    parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes in tokens (default 64,4; quick 64)")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     if not backends or set(backends) - set(BACKENDS):
@@ -404,6 +405,10 @@ def main() -> int:
     if args.cpu_smoke:
         configure_smoke()
     page_sizes = PAGE_SIZES[:1] if args.quick else PAGE_SIZES
+    if args.page_sizes and not args.cpu_smoke:
+        page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
+        if not page_sizes or min(page_sizes) < 1:
+            parser.error(f"--page-sizes must be positive ints, got {args.page_sizes!r}")
     args.reps = args.reps or (1 if args.cpu_smoke else 3 if args.quick else 5)
     pages = args.pages or (4 if args.cpu_smoke else 32)
     rep = report.Report(args, "bench_storage", "Storage tier on the CPU", markdown, plot)

@@ -47,7 +47,9 @@ _COVERED = struct.Struct("<IIQ")
 #: The payload is checksummed in chunks of this many bytes (part of the format: changing it changes
 #: every checksum, so it goes with a new version).
 CHUNK_BYTES = 1 << 20
-#: Chunks shorter than this are checksummed on the calling thread (a thread hand-off costs more).
+#: A chunk whose pieces are on average shorter than this is checksummed on the calling thread:
+#: ``zlib.crc32`` hands the GIL over around every piece, which costs more than the piece's CRC when
+#: several threads take turns (a host page of a small page size is many small blocks).
 INLINE_BYTES = 64 << 10
 
 _pool_lock = threading.Lock()
@@ -154,7 +156,7 @@ class PayloadChecksum:
 
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending)
-        pool = None if self._pending_bytes < INLINE_BYTES else _executor()
+        pool = None if self._pending_bytes < INLINE_BYTES * len(self._pending) else _executor()
         self._pending, self._pending_bytes = [], 0
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
