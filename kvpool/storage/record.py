@@ -142,10 +142,15 @@ class PayloadChecksum:
 
     def feed(self, data: Any) -> None:
         """The next bytes of the payload (any buffer: bytes, memoryview, a ctypes array, ...)."""
-        view = memoryview(data).cast("B")
-        if self._fed + view.nbytes > self.payload_len:
-            raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + view.nbytes}")
-        self._fed += view.nbytes
+        view = data if isinstance(data, memoryview) and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
+        n = view.nbytes
+        if self._fed + n > self.payload_len:
+            raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
+        self._fed += n
+        if self._pending_bytes + n < CHUNK_BYTES:  # the usual case: a piece inside the chunk
+            self._pending.append(view)
+            self._pending_bytes += n
+            return
         while view.nbytes:
             take = min(CHUNK_BYTES - self._pending_bytes, view.nbytes)
             self._pending.append(view[:take])
