@@ -265,21 +265,17 @@ class HiCacheFile(HiCacheStorage):
             self._bytes += size
             self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
-        # The payload's chunks are checksummed on the checksum threads while it is written; the
-        # header goes in last, over the zeros that kept its place.
         if job is None:
             job = checksum_of(name, parts)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
-                _write_all(fd, bytes(HEADER.size + len(name)))
-                if len(parts) == 1:
-                    _write_all(fd, parts[0])
-                else:
-                    _vectored(os.writev, fd, parts)
                 head = pack_header(name, payload_len, job.value())
-                if os.pwrite(fd, head, 0) != len(head):
-                    raise OSError(f"short write of the header of {temp}")
+                if len(parts) == 1:
+                    _write_all(fd, head)
+                    _write_all(fd, parts[0])
+                else:  # a host page's blocks, behind the header, in one call
+                    _vectored(os.writev, fd, [memoryview(head), *parts])
             finally:
                 os.close(fd)
             os.replace(temp, path)
