@@ -136,3 +136,15 @@ def test_multi_chunk_host_pages_round_trip_and_a_damaged_one_touches_no_other_pa
     assert store.batch_get_v1(keys, dst) == [True, False]
     assert all(torch.equal(host_page_bytes(host, s), b) for s, b in others.items())
     assert store.get_stats().corrupt == 1 and not f.exists()
+
+
+def test_two_keys_read_into_one_host_page_are_both_checked_whole(tmp_path):
+    host = big_host()
+    store = file_store(tmp_path / "kv", host, max_bytes=64 * MIB)
+    src, dst = host.alloc(128), host.alloc(64)
+    keys = page_keys(list(range(128)), 64)
+    assert store.batch_set_v1(keys, src) == [True, True]
+    second = host_page_bytes(host, int(src[64]))
+    assert store.batch_get_v1(keys, torch.cat([dst, dst])) == [True, True]
+    assert torch.equal(host_page_bytes(host, int(dst[0])), second)
+    assert store.get_stats().corrupt == 0 and len(os.listdir(tmp_path / "kv")) == 2

@@ -451,14 +451,17 @@ class HiCacheFile(HiCacheStorage):
         already tells it is a miss, before any payload byte is read, leaves it as it was)."""
         regions = self.host_page_regions(keys, host_indices)
         done: list[bool] = []
-        pending = None  # the previous page, its checksum running while this one is read
+        pending, pending_at = None, None  # the previous page, its checksum running while this one is read
         for key, blocks in zip(keys, regions):
             views = [_region(ptr, n) for ptr, n in blocks]
             want = sum(n for _, n in blocks)
+            if pending is not None and blocks[:1] == pending_at:  # the same host page again: checked first
+                done.append(self._finish(*pending))
+                pending = None
             started = self._begin(key, lambda n, views=views, want=want: views if n == want else None)
             if pending is not None:
                 done.append(self._finish(*pending))
-            pending = started
+            pending, pending_at = started, blocks[:1]
         if pending is not None:
             done.append(self._finish(*pending))
         return done
