@@ -28,6 +28,8 @@ SMOKES = {  # script: (extra arguments, report name)
     "bench_state.py": ([], "state"),
     "bench_prefix_cache.py": ([], "prefix-cache"),
     "bench_allocators.py": ([], "allocators"),
+    # The file backend, and the Mooncake backend where Mooncake Store is installed (a skip otherwise).
+    "bench_storage.py": ([], "storage"),
     # Two ranks over gloo on CPU pools; the staged path alone (the direct path needs CUDA pools).
     "bench_transfer.py": (["--paths", "staged"], "transfer"),
 }

@@ -5,12 +5,13 @@ Each page is one file named by :func:`~kvpool.storage.keys.storage_digest` (64 h
 ``.kvpage``), laid out as :mod:`kvpool.storage.record` says. A page is written to a temporary file
 in the same directory and renamed over its name (``os.replace``, atomic within a filesystem), so a
 writer that dies midway leaves only a temporary file, never a half page under a real name; every
-read checks the header, name, sizes and CRC-32, so a torn or corrupted page is a miss. The directory
+read checks the header, name, sizes and checksum, so a torn or corrupted page is a miss. The directory
 holds at most ``max_bytes`` of page files: beyond that the least recently used pages are removed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -18,14 +19,14 @@ import stat
 import tempfile
 import threading
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import HEADER, checksum, header, parse_header
+from kvpool.storage.record import CHUNK_BYTES, HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -33,6 +34,8 @@ PAGE_SUFFIX = ".kvpage"
 TEMP_PREFIX = ".kvpage-tmp-"
 _PAGE_NAME = re.compile(r"^[0-9a-f]{64}\.kvpage$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Buffers per ``writev`` / ``readv`` call (the system's bound is at least 16 and usually 1024).
+_IOV_MAX = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)
 
 
 def default_file_path() -> str:
@@ -94,15 +97,41 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def _read_into(fd: int, view: memoryview) -> int:
-    """Read until ``view`` is full or the file ends; the bytes read."""
-    got = 0
-    while got < view.nbytes:
-        n = os.readv(fd, [view[got:]])
+def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list[memoryview]) -> bool:
+    """``os.writev`` or ``os.readv`` of all of ``views`` in order, as many at a time as the system
+    takes; False when a read meets the end of the file first."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = move(fd, views[:_IOV_MAX])
         if n == 0:
-            break
-        got += n
-    return got
+            return False
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return True
+
+
+def _steps(parts: list[memoryview], step: int) -> list[list[memoryview]]:
+    """``parts`` cut into consecutive groups of about ``step`` bytes (a part larger than ``step``
+    is cut too): what one read brings in before its bytes are handed to the checksum."""
+    groups: list[list[memoryview]] = [[]]
+    room = step
+    for part in parts:
+        while part.nbytes:
+            take = min(room, part.nbytes)
+            groups[-1].append(part[:take])
+            part, room = part[take:], room - take
+            if room == 0:
+                groups.append([])
+                room = step
+    return [g for g in groups if g]
+
+
+def _region(ptr: int, size: int) -> memoryview:
+    """``size`` bytes of host memory at ``ptr`` as a writable memoryview (no copy)."""
+    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -158,7 +187,7 @@ class HiCacheFile(HiCacheStorage):
         self._lock = threading.Lock()  # the index and the counters
         self._write_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
-        self._writing: Optional[str] = None  # the digest being written (reserved, not renamed yet)
+        self._writing: set[str] = set()  # digests whose page a writer is putting in place now
         self._bytes = 0
         self._stats = StorageStats()
         self._temp_ids = itertools.count()
@@ -217,109 +246,161 @@ class HiCacheFile(HiCacheStorage):
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, payload: memoryview) -> bool:
-        """Write one page (temporary file, then rename); False when it cannot be stored. Writes are
-        serialised (reads are not), so the index and the files agree whatever the threads do."""
+    def _store(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum] = None) -> bool:
+        """Write one page, its payload given as consecutive buffers (temporary file, then rename);
+        False when it cannot be stored. ``job``: its checksum, started ahead by the caller. Writes
+        are serialised (reads are not), so the index and the files agree whatever the threads do."""
         with self._write_lock:
-            return self._store_one(key, payload)
+            return self._store_one(key, parts, job)
 
-    def _store_one(self, key: str, payload: memoryview) -> bool:
+    def _checksum_ahead(self, key: str, parts: list[memoryview]) -> Optional[PayloadChecksum]:
+        """The checksum of a page about to be written, started now (None for a page already stored)."""
+        if os.path.exists(self._path(storage_digest(self.namespace, key))):
+            return None
+        return checksum_of(storage_name(self.namespace, key), parts)
+
+    def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
-        size = HEADER.size + len(name) + payload.nbytes
+        payload_len = sum(p.nbytes for p in parts)
+        size = HEADER.size + len(name) + payload_len
         with self._lock:
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
                 self._stats.writes += 1
+                if job is not None:
+                    job.wait()
                 return True
             if size > self.max_bytes:
                 self._stats.write_failures += 1
+                if job is not None:
+                    job.wait()
                 return False
             self._forget(digest)
             self._trim(size)
             self._index[digest] = size  # reserved now, so concurrent writers keep the bound
             self._bytes += size
-            self._writing = digest  # a reader's miss meanwhile must not drop the reservation
+            self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
+        if job is None:
+            job = checksum_of(name, parts)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
-                _write_all(fd, header(name, payload))
-                _write_all(fd, payload)
+                head = pack_header(name, payload_len, job.value())
+                if len(parts) == 1:
+                    _write_all(fd, head)
+                    _write_all(fd, parts[0])
+                else:  # a host page's blocks, behind the header, in one call
+                    _vectored(os.writev, fd, [memoryview(head), *parts])
             finally:
                 os.close(fd)
             os.replace(temp, path)
         except OSError:
+            job.wait()
             try:
                 os.unlink(temp)
             except OSError:
                 pass
             with self._lock:
-                self._writing = None
+                self._writing.discard(digest)
                 self._forget(digest)
                 self._stats.write_failures += 1
             return False
         with self._lock:
-            self._writing = None
+            self._writing.discard(digest)
             self._stats.writes += 1
         return True
 
-    def _load(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Read one page into ``target`` (or a new uint8 tensor): the tensor, or None for a miss."""
+    def _load(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> bool:
+        """Read one page into the buffers ``parts_for(payload length)`` names (None: a size the caller
+        cannot take) and check it: True for a hit, False for a miss (the buffers' bytes are then
+        unspecified, or untouched where the header or the file's size already showed the miss)."""
+        return self._finish(*self._begin(key, parts_for))
+
+    def _begin(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> tuple[str, Any]:
+        """Read one page as ``_load`` does, its chunks' checksums still running: ``(digest, outcome)``,
+        the outcome "absent", "size", "corrupt", or ``(checksum job, stored checksum)``."""
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
-        path = self._path(digest)
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+            fd = os.open(self._path(digest), os.O_RDONLY | _NOFOLLOW)
         except OSError:
-            outcome = "absent"
-        else:
-            try:
-                outcome, target = self._read_page(fd, name, target)
-            except OSError:
-                outcome = "absent"
-            finally:
-                os.close(fd)
+            return digest, "absent"
+        try:
+            return digest, self._read_page(fd, name, parts_for)
+        except OSError:
+            return digest, "absent"
+        finally:
+            os.close(fd)
+
+    def _finish(self, digest: str, outcome: Any) -> bool:
+        """Wait for a read's checksum, count it, and remove a page that failed its check: True for a hit."""
+        if isinstance(outcome, tuple):
+            job, crc = outcome
+            outcome = "hit" if job.value() == crc else "corrupt"
         with self._lock:
             if outcome == "hit":
                 self._stats.hits += 1
                 if digest in self._index:
                     self._index.move_to_end(digest)
-                return target
+                return True
             self._stats.misses += 1
             if outcome == "corrupt":
                 self._stats.corrupt += 1
-            if outcome == "size" or digest == self._writing:  # a write in flight replaces the file
-                return None
+            # A page being written now is the writer's to index (what this read saw is gone).
+            if outcome == "size" or digest in self._writing:
+                return False
             self._forget(digest)
-            if outcome == "corrupt":
-                # Removed (under the lock, so never a page written after this read), so the next
-                # write of the key stores it again.
+            if outcome == "corrupt":  # removed, so the next write of the key stores it again
                 try:
-                    os.unlink(path)
+                    os.unlink(self._path(digest))
                 except OSError:
                     pass
-        return None
+        return False
 
     @staticmethod
-    def _read_page(fd: int, name: bytes, target: Optional[torch.Tensor]) -> tuple[str, Optional[torch.Tensor]]:
-        """("hit", the tensor read into), ("size", None) for a good header of a payload size other
-        than ``target``'s, or ("corrupt", None)."""
+    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[memoryview]]]) -> Any:
+        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
+        payload read, ``(its checksum job, the stored checksum)``. The payload is read a chunk at a
+        time, each chunk checksummed on the checksum threads while the next one is read."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, HEADER.size + len(name))
         parsed = parse_header(raw, name)
         if parsed is None or size != len(raw) + parsed[0]:
-            return "corrupt", None
+            return "corrupt"
         payload_len, crc = parsed
-        if target is None:
-            target = torch.empty(payload_len, dtype=torch.uint8)
-        elif target.numel() * target.element_size() != payload_len:
-            return "size", None
-        view = _as_bytes(target)
-        if _read_into(fd, view) != payload_len or checksum(name, view) != crc:
-            return "corrupt", None
-        return "hit", target
+        parts = parts_for(payload_len)
+        if parts is None:
+            return "size"
+        job = PayloadChecksum(name, payload_len)
+        try:
+            for group in _steps(parts, CHUNK_BYTES):
+                if not _vectored(os.readv, fd, group):
+                    job.wait()
+                    return "corrupt"
+                for g in group:
+                    job.feed(g)
+        except BaseException:
+            job.wait()
+            raise
+        return job, crc
+
+    def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Read one page into ``target`` (or a new uint8 tensor of the stored size): the tensor, or
+        None for a miss."""
+        made: list[torch.Tensor] = []
+
+        def parts_for(payload_len: int) -> Optional[list[memoryview]]:
+            if target is None:
+                made.append(torch.empty(payload_len, dtype=torch.uint8))
+                return [_as_bytes(made[0])]
+            return [_as_bytes(target)] if target.numel() * target.element_size() == payload_len else None
+
+        if not self._load(key, parts_for):
+            return None
+        return target if target is not None else made[0]
 
     # --- the interface -------------------------------------------------------------------------------
 
@@ -347,7 +428,7 @@ class HiCacheFile(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         key = self.check_key(key)
         target = self._check_target(target_location, target_sizes, "target_location")
-        return self._load(key, target)
+        return self._load_tensor(key, target)
 
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -356,13 +437,13 @@ class HiCacheFile(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
-        return [self._load(k, t) for k, t in zip(keys, checked)]
+        return [self._load_tensor(k, t) for k, t in zip(keys, checked)]
 
     def set(
         self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
         key = self.check_key(key)
-        return self._store(key, self._check_value(value, target_location, target_sizes, "value"))
+        return self._store(key, [self._check_value(value, target_location, target_sizes, "value")])
 
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -374,7 +455,7 @@ class HiCacheFile(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
-        return all(self._store(k, p) for k, p in zip(keys, payloads))
+        return all(self._store(k, [p]) for k, p in zip(keys, payloads))
 
     def exists(self, key: str) -> bool:
         key = self.check_key(key)
@@ -383,29 +464,41 @@ class HiCacheFile(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says. Each page is read and checked in a scratch page first, and only a
-        good one is written to its host page (``set_from_flat_data_page``): a miss leaves its host
-        page as it was."""
-        starts = self.host_page_starts(keys, host_indices)
-        host = self.mem_pool_host
-        scratch = torch.empty(sum(host.page_bytes), dtype=torch.uint8)
-        flat = scratch.view(host.store_dtype)
-        done = []
-        for key, start in zip(keys, starts):
-            ok = self._load(key, scratch) is not None
-            if ok:
-                host.set_from_flat_data_page(start, flat)
-            done.append(ok)
+        """As the interface says: each page is read straight into its host page's blocks and checked
+        there (a miss leaves that host page's bytes unspecified; one whose header, name or size
+        already tells it is a miss, before any payload byte is read, leaves it as it was)."""
+        regions = self.host_page_regions(keys, host_indices)
+        done: list[bool] = []
+        pending, pending_at = None, None  # the previous page, its checksum running while this one is read
+        for key, blocks in zip(keys, regions):
+            views = [_region(ptr, n) for ptr, n in blocks]
+            want = sum(n for _, n in blocks)
+            if pending is not None and blocks[:1] == pending_at:  # the same host page again: checked first
+                done.append(self._finish(*pending))
+                pending = None
+            started = self._begin(key, lambda n, views=views, want=want: views if n == want else None)
+            if pending is not None:
+                done.append(self._finish(*pending))
+            pending, pending_at = started, blocks[:1]
+        if pending is not None:
+            done.append(self._finish(*pending))
         return done
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says: each page's bytes are ``get_data_page(start)`` (which waits for a
-        backup still writing the page)."""
-        starts = self.host_page_starts(keys, host_indices)
-        host = self.mem_pool_host
-        return [self._store(key, _as_bytes(host.get_data_page(start))) for key, start in zip(keys, starts)]
+        """As the interface says: each page is written straight from its host page's blocks, in the
+        flat page order (after the host pool's transfers in flight are done)."""
+        regions = self.host_page_regions(keys, host_indices)
+        pages = [[_region(ptr, n) for ptr, n in blocks] for blocks in regions]
+        done = []
+        ahead = self._checksum_ahead(keys[0], pages[0]) if keys else None
+        for i, (key, parts) in enumerate(zip(keys, pages)):
+            job = ahead
+            # The next page's checksum runs on the checksum threads while this one is written.
+            ahead = self._checksum_ahead(keys[i + 1], pages[i + 1]) if i + 1 < len(keys) else None
+            done.append(self._store(key, parts, job))
+        return done
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone), after a write in

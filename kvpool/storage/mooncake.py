@@ -5,8 +5,8 @@ Every engine runs a store client that lends ``global_segment_size`` bytes of its
 store; one ``mooncake_master`` (with its HTTP metadata server, see
 :mod:`kvpool.storage.mooncake_master`) places pages in those segments. A page is one store object
 laid out exactly as a page file of the file backend (:mod:`kvpool.storage.record`: header, the name
-it belongs to, payload, CRC-32 over all three), under the store key ``kvpool-<namespace digest>-<page
-digest>`` (digests only, never caller text). Every read checks header, name, size and CRC-32, so a
+it belongs to, payload, a checksum over all three), under the store key ``kvpool-<namespace digest>-<page
+digest>`` (digests only, never caller text). Every read checks header, name, size and checksum, so a
 read never returns another prefix's or another namespace's page.
 
 The host-index forms move pages between the store and the registered host pool without a copy: the
@@ -23,7 +23,6 @@ import logging
 import re
 import threading
 import time
-import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -41,7 +40,7 @@ from kvpool.storage.mooncake_config import (
 )
 from kvpool.storage.mooncake_master import port_open
 from kvpool.storage.mooncake_memory import RegisteredMemory
-from kvpool.storage.record import HEADER, MAGIC, VERSION, checksum, parse_header
+from kvpool.storage.record import HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -198,23 +197,11 @@ class MooncakeStore(HiCacheStorage):
     # --- records -----------------------------------------------------------------------------------------
 
     @staticmethod
-    def _crc(name: bytes, parts: list[Any], payload_len: int) -> int:
-        """The record's CRC-32 (:func:`~kvpool.storage.record.checksum`) over a payload given as
-        consecutive buffers."""
-        crc = checksum(name, b"", payload_len)
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        return crc
-
-    def _header(self, name: bytes, parts: list[Any], payload_len: int) -> bytes:
-        """The record header and name for a payload given as consecutive buffers."""
-        return HEADER.pack(MAGIC, VERSION, len(name), payload_len, self._crc(name, parts, payload_len), 0) + name
-
-    def _verify(self, raw: bytes, name: bytes, parts: list[Any], payload_len: int) -> bool:
-        """Whether a read record's header names ``name``, its payload is ``payload_len`` bytes, and the
-        CRC-32 over the header fields, the name and ``parts`` agrees."""
-        parsed = parse_header(raw, name)
-        return parsed is not None and parsed[0] == payload_len and self._crc(name, parts, payload_len) == parsed[1]
+    def _checksums(names: list[bytes], regions: list[list[tuple[int, int]]]) -> list[PayloadChecksum]:
+        """Each page's record checksum (:mod:`~kvpool.storage.record`) over its payload's registered
+        memory ``regions[i]``, all started at once: the chunks of every page are checksummed on the
+        shared threads together (``value()`` waits)."""
+        return [checksum_of(name, [_region(ptr, n) for ptr, n in r]) for name, r in zip(names, regions)]
 
     def _drop_corrupt(self, skey: str) -> None:
         # Removed so the next write of the key stores a good page; force skips the read lease.
@@ -241,10 +228,9 @@ class MooncakeStore(HiCacheStorage):
         if not todo:
             self._count(writes=len(keys))
             return done
-        heads = []
-        for i in todo:
-            parts = [_region(ptr, n) for ptr, n in regions[i]]
-            heads.append(self._header(storage_name(self.namespace, keys[i]), parts, sum(n for _, n in regions[i])))
+        names = [storage_name(self.namespace, keys[i]) for i in todo]
+        jobs = self._checksums(names, [regions[i] for i in todo])
+        heads = [pack_header(name, job.payload_len, job.value()) for name, job in zip(names, jobs)]
         with self.memory.staging(sum(len(h) for h in heads)) as staging:
             at, ptrs, sizes = 0, [], []
             for i, h in zip(todo, heads):
@@ -273,7 +259,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
-        there: True where the record is whole, of that size, names the key and its CRC-32 agrees. A
+        there: True where the record is whole, of that size, names the key and its checksum agrees. A
         record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
             self._count(misses=len(keys))
@@ -289,42 +275,34 @@ class MooncakeStore(HiCacheStorage):
                 [[n] + [size for _, size in r] for n, r in zip(lens, regions)],
             )  # fmt: skip
             heads = [staging[off : off + n].tobytes() for off, n in zip(offsets, lens)]
-        done, corrupt = [], 0
+        whole, stored = [], []  # pages read whole, and the checksum each one's header gives
         for i, code in enumerate(codes):
             payload_len = sum(n for _, n in regions[i])
             if code < 0 and code != OBJECT_NOT_FOUND:
                 self._failed(code, "batch_get_into_multi_buffers")
-            ok = code == lens[i] + payload_len
-            if ok and not self._verify(heads[i], names[i], [_region(ptr, n) for ptr, n in regions[i]], payload_len):
-                ok = False
+            if code == lens[i] + payload_len:
+                whole.append(i)
+                parsed = parse_header(heads[i], names[i])
+                stored.append(parsed[1] if parsed is not None and parsed[0] == payload_len else None)
+        jobs = self._checksums([names[i] for i in whole], [regions[i] for i in whole])
+        done, corrupt = [False] * len(keys), 0
+        for i, crc, job in zip(whole, stored, jobs):
+            if crc is not None and job.value() == crc:
+                done[i] = True
+            else:
                 corrupt += 1
                 self._drop_corrupt(skeys[i])
-            done.append(ok)
         self._count(hits=sum(done), misses=len(keys) - sum(done), corrupt=corrupt)
         return done
 
     # --- pages by host index (zero-copy) ---------------------------------------------------------------
-
-    def _host_regions(self, keys: list[str], host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
-        """Per page of ``host_indices``: its blocks in the host buffers, in flat page order (every
-        layer's K, then every layer's V), after every check."""
-        self.host_page_starts(keys, host_indices)
-        if not keys:
-            return []
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        per = len(ptrs) // len(keys)
-        regions = []
-        for i in range(len(keys)):
-            blocks = list(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]))
-            regions.append(blocks[0::2] + blocks[1::2])  # the meta alternates K and V blocks
-        return regions
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         """As the interface says. Keys already in the store are not sent again; the others travel in
         one batch, each as its header and then the host pool's blocks themselves."""
-        regions = self._host_regions(keys, host_indices)
+        regions = self.host_page_regions(keys, host_indices)
         return self._put(keys, regions) if keys else []
 
     def batch_get_v1(
@@ -333,7 +311,7 @@ class MooncakeStore(HiCacheStorage):
         """As the interface says. Pages are read in one batch straight into their host pages and
         checked there; a page that fails its check leaves its host page's bytes unspecified (and is
         removed from the store)."""
-        regions = self._host_regions(keys, host_indices)
+        regions = self.host_page_regions(keys, host_indices)
         return self._get(keys, regions) if keys else []
 
     # --- pages as tensors (through a registered staging buffer) ------------------------------------------

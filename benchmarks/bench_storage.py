@@ -1,0 +1,455 @@
+"""The storage tier on the CPU: the file backend against plain file I/O of the same bytes, and the
+Mooncake backend against Mooncake Store's own batch put and get of the same bytes.
+
+Pages are host-pool pages of Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, ``layer_first``
+host layout): 8 MiB at page size 64, 512 KiB at page size 4; a batch of ``--pages`` pages (32 by
+default) per call, random bytes, wall time of the whole batch, medians of ``--reps`` calls.
+
+* ``file``: ``HiCacheFile.batch_set_v1`` / ``batch_get_v1`` (host pages to files and back) against
+  the same bytes written and read with one ``open``/``write``/``close`` (``readv``) per page to files
+  in the same directory. The backend calls no ``fsync``, and neither does the plain write; each
+  write creates its files anew (the backend's are removed before each timed call, the plain ones
+  too). The page cache is not dropped (that needs root): every read is of warm, cached files.
+* ``mooncake``: ``MooncakeStore.batch_set_v1`` / ``batch_get_v1`` against the client's own
+  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the same host blocks (what
+  the backend calls, without the record header and its check) and ``batch_put_from`` /
+  ``batch_get_into`` of each page as one contiguous registered buffer, through a ``mooncake_master``
+  the benchmark starts on 127.0.0.1 (TCP transport) and stops by its process id. The ratio is taken
+  against the faster raw form. Skipped, saying why, where Mooncake Store is not installed.
+* ``checksum``: the page record's checksum (``kvpool.storage.record``) against one thread of
+  ``zlib.crc32`` over the same bytes and a ``memcpy`` of them (the machine's memory speed).
+
+Targets: the file backend's write and read >= 80% of the plain write and read; Mooncake's >= 90%
+of its raw batch put and get.
+
+Usage: python benchmarks/bench_storage.py --out DIR [--quick] [--dir PATH]
+``--cpu-smoke`` runs every path on a toy host pool (seconds); it checks the script, measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+from kvpool import MHATokenToKVPool  # noqa: E402
+from kvpool.host import MHATokenToKVPoolHost  # noqa: E402
+from kvpool.storage import HiCacheFile, HiCacheStorageConfig, page_keys  # noqa: E402
+from kvpool.storage import record  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+PAGE_SIZES = [64, 4]
+LAYOUT = "layer_first"
+BACKENDS = ["file", "mooncake"]
+TARGETS = {"file": 0.80, "mooncake": 0.90}
+
+
+def configure_smoke() -> None:
+    global LAYERS, HEADS, HEAD_DIM, PAGE_SIZES
+    LAYERS, HEADS, HEAD_DIM, PAGE_SIZES = 2, 2, 16, [4]
+
+
+def timed(fn, reps: int, before=None) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one untimed call; ``before()`` runs
+    untimed ahead of every call."""
+    times = []
+    for i in range(reps + 1):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, s: float) -> float:
+    return nbytes / s / 1e9
+
+
+# --- fixtures ---------------------------------------------------------------------------------------
+
+
+class Pages:
+    """A CPU host pool of ``2 * pages`` pages of random bytes: ``src`` pages to store, ``dst`` pages
+    to read into, their keys, and each source page's bytes in the stored (flat) order."""
+
+    def __init__(self, page_size: int, pages: int) -> None:
+        self.page_size, self.pages = page_size, pages
+        device = MHATokenToKVPool((pages + 1) * page_size, page_size, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", warmup=False)
+        self.host = MHATokenToKVPoolHost(device, 2.0, 0, page_size, LAYOUT, pin_memory=False)
+        del device
+        gen = torch.Generator().manual_seed(page_size)
+        for b in (self.host.k_buffer, self.host.v_buffer):
+            flat = b.view(-1).view(torch.uint8)
+            flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        n = pages * page_size
+        self.src, self.dst = self.host.alloc(n), self.host.alloc(n)
+        self.keys = page_keys(list(range(n)), page_size)
+        self.page_bytes = sum(self.host.page_bytes)
+        self.nbytes = pages * self.page_bytes
+        self.starts = self.src[::page_size].tolist()
+        self.flat = [self.host.get_data_page(s).view(torch.uint8) for s in self.starts]
+
+    def check_dst(self, what: str) -> None:
+        for i, s in enumerate(self.dst[:: self.page_size].tolist()):
+            if not torch.equal(self.host.get_data_page(s).view(torch.uint8), self.flat[i]):
+                raise RuntimeError(f"{what}: page {i} read back differs from the page stored")
+
+    def scramble_dst(self) -> None:
+        for s in self.dst[:: self.page_size].tolist():
+            self.host.set_from_flat_data_page(s, torch.zeros(self.page_bytes // 2, dtype=DTYPE))
+
+
+def _mb(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+# --- the file backend -------------------------------------------------------------------------------
+
+
+def plain_write(folder: str, flat: list[torch.Tensor]) -> None:
+    for i, t in enumerate(flat):
+        fd = os.open(os.path.join(folder, f"plain-{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(t.numpy()).cast("B")
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+
+def plain_read(folder: str, into: list[torch.Tensor]) -> None:
+    for i, t in enumerate(into):
+        fd = os.open(os.path.join(folder, f"plain-{i}"), os.O_RDONLY)
+        try:
+            view, got = memoryview(t.numpy()).cast("B"), 0
+            while got < view.nbytes:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise RuntimeError(f"plain-{i} is short")
+                got += n
+        finally:
+            os.close(fd)
+
+
+def remove_plain(folder: str, n: int) -> None:
+    for i in range(n):
+        try:
+            os.unlink(os.path.join(folder, f"plain-{i}"))
+        except FileNotFoundError:
+            pass
+
+
+def bench_file(args, rep: report.Report, p: Pages) -> dict:
+    root = tempfile.mkdtemp(prefix="kvpool-bench-storage-", dir=args.dir)
+    try:
+        store = HiCacheFile(HiCacheStorageConfig(model_name="bench"), os.path.join(root, "store"), max_bytes=4 * p.nbytes + (1 << 30))
+        store.register_mem_pool_host(p.host)
+        plain = os.path.join(root, "store")  # the plain files sit beside the pages, in the same directory
+        into = [torch.empty_like(t) for t in p.flat]
+
+        def store_write():
+            if not all(store.batch_set_v1(p.keys, p.src)):
+                raise RuntimeError("batch_set_v1 stored not every page")
+
+        def store_read():
+            if not all(store.batch_get_v1(p.keys, p.dst)):
+                raise RuntimeError("batch_get_v1 missed a page")
+
+        out = {"plain_write_s": timed(lambda: plain_write(plain, p.flat), args.reps, lambda: remove_plain(plain, p.pages))}
+        out["write_s"] = timed(store_write, args.reps, store.clear)
+        out["plain_read_s"] = timed(lambda: plain_read(plain, into), args.reps)
+        p.scramble_dst()
+        out["read_s"] = timed(store_read, args.reps)
+        p.check_dst("HiCacheFile.batch_get_v1")
+        for i, t in enumerate(into):
+            if not torch.equal(t, p.flat[i]):
+                raise RuntimeError(f"plain read of page {i} differs")
+        store.clear()
+        remove_plain(plain, p.pages)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+# --- the Mooncake backend ---------------------------------------------------------------------------
+
+
+def bench_mooncake(args, rep: report.Report, p: Pages) -> dict:
+    from kvpool.storage.mooncake import MooncakeStore
+    from kvpool.storage.mooncake_master import MooncakeMaster
+
+    segment = 4 * p.nbytes + (64 << 20)  # the backend's pages, the raw forms' and room
+    with MooncakeMaster() as master:
+        store = MooncakeStore(
+            HiCacheStorageConfig(model_name="bench"), master_server_address=master.master_server_address,
+            metadata_server=master.metadata_server, global_segment_size=segment, local_buffer_size=64 << 20,
+        )  # fmt: skip
+        try:
+            store.register_mem_pool_host(p.host)
+            client = store.store
+            ptrs, sizes = p.host.get_page_buffer_meta(p.src)
+            dptrs, dsizes = p.host.get_page_buffer_meta(p.dst)
+            per = len(ptrs) // p.pages
+            blocks = [(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]) for i in range(p.pages)]
+            dblocks = [(dptrs[i * per : (i + 1) * per], dsizes[i * per : (i + 1) * per]) for i in range(p.pages)]
+            raw_keys = [f"bench-raw-{i}" for i in range(p.pages)]
+            flat_keys = [f"bench-flat-{i}" for i in range(p.pages)]
+            # The contiguous form: every page's bytes one after another in one registered buffer.
+            contiguous = torch.cat(p.flat)
+            landing = torch.empty_like(contiguous)
+            for t in (contiguous, landing):
+                if client.register_buffer(t.data_ptr(), t.numel()) != 0:
+                    raise RuntimeError("register_buffer failed")
+            cptrs = [contiguous.data_ptr() + i * p.page_bytes for i in range(p.pages)]
+            lptrs = [landing.data_ptr() + i * p.page_bytes for i in range(p.pages)]
+
+            def check(codes, what):
+                if any(c != 0 for c in codes) if what.startswith("put") else any(c < 0 for c in codes):
+                    raise RuntimeError(f"{what} failed with codes {sorted(set(codes))}")
+
+            def raw_put():
+                check(client.batch_put_from_multi_buffers(raw_keys, [b[0] for b in blocks], [b[1] for b in blocks]), "put multi")
+
+            def raw_get():
+                check(client.batch_get_into_multi_buffers(raw_keys, [b[0] for b in dblocks], [b[1] for b in dblocks]), "get multi")
+
+            def flat_put():
+                check(client.batch_put_from(flat_keys, cptrs, [p.page_bytes] * p.pages), "put contiguous")
+
+            def flat_get():
+                check(client.batch_get_into(flat_keys, lptrs, [p.page_bytes] * p.pages), "get contiguous")
+
+            def store_put():
+                if not all(store.batch_set_v1(p.keys, p.src)):
+                    raise RuntimeError(f"batch_set_v1 stored not every page ({store.last_error})")
+
+            def store_get():
+                if not all(store.batch_get_v1(p.keys, p.dst)):
+                    raise RuntimeError(f"batch_get_v1 missed a page ({store.last_error})")
+
+            out = {}
+            out["raw_put_s"] = timed(raw_put, args.reps, lambda: client.batch_remove(raw_keys, True))
+            out["raw_flat_put_s"] = timed(flat_put, args.reps, lambda: client.batch_remove(flat_keys, True))
+            out["put_s"] = timed(store_put, args.reps, store.clear)
+            out["raw_get_s"] = timed(raw_get, args.reps)
+            out["raw_flat_get_s"] = timed(flat_get, args.reps)
+            p.scramble_dst()
+            out["get_s"] = timed(store_get, args.reps)
+            p.check_dst("MooncakeStore.batch_get_v1")
+            if not torch.equal(landing, contiguous):
+                raise RuntimeError("batch_get_into read back other bytes")
+            client.batch_remove(raw_keys + flat_keys, True)
+            store.clear()
+            for t in (contiguous, landing):
+                client.unregister_buffer(t.data_ptr())
+        finally:
+            store.close()
+    return out
+
+
+# --- the checksum -----------------------------------------------------------------------------------
+
+
+def bench_checksum(args, p: Pages) -> dict:
+    name = b"bench-page-name"
+    views = [memoryview(t.numpy()).cast("B") for t in p.flat]
+    dst = torch.empty_like(p.flat[0])
+    return {
+        "record_s": timed(lambda: [record.checksum(name, v) for v in views], args.reps),
+        "zlib_s": timed(lambda: [zlib.crc32(v) for v in views], args.reps),
+        "memcpy_s": timed(lambda: [dst.copy_(t) for t in p.flat], args.reps),
+    }
+
+
+# --- report -----------------------------------------------------------------------------------------
+
+
+def rates(case: dict) -> dict:
+    """GB/s of every timing in ``case`` (keys ending in ``_s``) and the ratios the targets judge."""
+    n, out = case["bytes"], {}
+    for k, v in case.items():
+        if k.endswith("_s"):
+            out[k[:-2]] = gbps(n, v)
+    if "write" in out:
+        out["write_ratio"] = out["write"] / out["plain_write"]
+        out["read_ratio"] = out["read"] / out["plain_read"]
+    if "put" in out:
+        out["put_ratio"] = out["put"] / max(out["raw_put"], out["raw_flat_put"])
+        out["get_ratio"] = out["get"] / max(out["raw_get"], out["raw_flat_get"])
+    return out
+
+
+def verdicts(res: dict) -> list[str]:
+    out = []
+    for backend, (a, b) in (("file", ("write", "read")), ("mooncake", ("put", "get"))):
+        cases = [c for c in res["cases"] if c["backend"] == backend]
+        if not cases:
+            out.append(f"{backend}: not measured in this run")
+            continue
+        target = TARGETS[backend]
+        for what in (a, b):
+            worst = min(rates(c)[f"{what}_ratio"] for c in cases)
+            out.append(f"{backend} {what} >= {100 * target:.0f}% of the plain/raw {what} at every page size: "
+                       f"{'met' if worst >= target else 'missed'} (worst {100 * worst:.0f}%)")  # fmt: skip
+    return out
+
+
+def markdown(res: dict) -> str:
+    cfg = res["config"]
+    lines = [
+        f"Host pages ({cfg['layers']} layers, {cfg['heads']} KV heads, head_dim {cfg['head_dim']}, {cfg['dtype']}, "
+        f"{cfg['layout']}), {cfg['pages']} pages per batch call, random bytes; wall time of the batch, medians of "
+        f"{cfg['reps']} calls. Directory: `{cfg['dir']}` ({cfg['filesystem']}); no fsync (the backend does none); "
+        "page cache warm (not dropped: that needs root). Mooncake: a master on 127.0.0.1, TCP transport, one client.",
+        "",
+        f"Load average (1 min) {cfg.get('load_start', float('nan')):.1f} at the start and {cfg.get('load_end', float('nan')):.1f} "
+        "at the end of the run: other processes' share of the cores (above 0, the checksum threads and the I/O competed "
+        "with them for the cores; the plain and raw baselines run on one thread).",
+        "",
+        "## Targets",
+        "",
+        *[f"- {v}" for v in verdicts(res)],
+        "",
+    ]
+    files = [c for c in res["cases"] if c["backend"] == "file"]
+    if files:
+        lines += ["## File backend against plain file I/O of the same bytes (GB/s)", "",
+                  "| page | page bytes | plain write | `batch_set_v1` | ratio | plain read | `batch_get_v1` | ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for c in files:
+            r = rates(c)
+            lines.append(f"| {c['page_size']} | {_mb(c['page_bytes'])} | {r['plain_write']:.2f} | {r['write']:.2f} | {100 * r['write_ratio']:.0f}% "
+                         f"| {r['plain_read']:.2f} | {r['read']:.2f} | {100 * r['read_ratio']:.0f}% |")  # fmt: skip
+        lines.append("")
+    moon = [c for c in res["cases"] if c["backend"] == "mooncake"]
+    if moon:
+        lines += ["## Mooncake backend against Mooncake's own batch put and get of the same bytes (GB/s)", "",
+                  "Raw forms: the host blocks themselves (`*_multi_buffers`, what the backend calls) and each page as one "
+                  "contiguous buffer (`batch_put_from` / `batch_get_into`); the ratio is against the faster.", "",
+                  "| page | page bytes | raw put, blocks | raw put, contiguous | `batch_set_v1` | ratio "
+                  "| raw get, blocks | raw get, contiguous | `batch_get_v1` | ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for c in moon:
+            r = rates(c)
+            lines.append(f"| {c['page_size']} | {_mb(c['page_bytes'])} | {r['raw_put']:.2f} | {r['raw_flat_put']:.2f} | {r['put']:.2f} "
+                         f"| {100 * r['put_ratio']:.0f}% | {r['raw_get']:.2f} | {r['raw_flat_get']:.2f} | {r['get']:.2f} | {100 * r['get_ratio']:.0f}% |")  # fmt: skip
+        lines.append("")
+    sums = [c for c in res["cases"] if c["backend"] == "checksum"]
+    if sums:
+        lines += ["## The page checksum against one thread of zlib.crc32 and a memcpy of the same bytes (GB/s)", "",
+                  f"The record's checksum: CRC-32 of each {_mb(res['config']['chunk_bytes'])} chunk of the payload, "
+                  f"on up to {res['config']['checksum_threads']} threads, then one CRC-32 over the header fields, the name and those CRCs.", "",
+                  "| page | page bytes | record checksum | zlib.crc32, one thread | memcpy |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for c in sums:
+            r = rates(c)
+            lines.append(f"| {c['page_size']} | {_mb(c['page_bytes'])} | {r['record']:.2f} | {r['zlib']:.2f} | {r['memcpy']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, fig) -> None:
+    """Each backend's share of the plain / raw rate, per page size and direction."""
+    ax = fig.subplots()
+    bars = []
+    for c in res["cases"]:
+        r = rates(c)
+        for what in ("write", "read", "put", "get"):
+            if f"{what}_ratio" in r:
+                bars.append((f"{c['backend']} {what}\npage {c['page_size']}", 100 * r[f"{what}_ratio"], TARGETS[c["backend"]]))
+    ax.bar(range(len(bars)), [b[1] for b in bars])
+    for i, b in enumerate(bars):
+        ax.plot([i - 0.4, i + 0.4], [100 * b[2]] * 2, "k--", linewidth=0.8)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("% of the plain / raw rate (dashed: target)")
+
+
+def filesystem(path: str) -> str:
+    """The type of the filesystem ``path`` is on (from /proc/mounts), or "unknown"."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and os.path.realpath(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, kind = parts[1], f"{parts[2]} at {parts[1]}"
+    except OSError:
+        pass
+    return kind
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_common_arguments(parser, "storage")
+    parser.add_argument("--quick", action="store_true", help="page size 64 only, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 5, quick 3)")
+    parser.add_argument("--pages", type=int, default=None, help="pages per batch call (default 32)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend's directory is made (default: the temp dir)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends to time")
+    parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes in tokens (default 64,4; quick 64)")
+    args = parser.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or set(backends) - set(BACKENDS):
+        parser.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends!r}")
+    if args.cpu_smoke:
+        configure_smoke()
+    page_sizes = PAGE_SIZES[:1] if args.quick else PAGE_SIZES
+    if args.page_sizes and not args.cpu_smoke:
+        page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
+        if not page_sizes or min(page_sizes) < 1:
+            parser.error(f"--page-sizes must be positive ints, got {args.page_sizes!r}")
+    args.reps = args.reps or (1 if args.cpu_smoke else 3 if args.quick else 5)
+    pages = args.pages or (4 if args.cpu_smoke else 32)
+    rep = report.Report(args, "bench_storage", "Storage tier on the CPU", markdown, plot)
+    rep.meta["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    rep.result.update(
+        config=dict(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE).replace("torch.", ""), layout=LAYOUT,
+                    pages=pages, reps=args.reps, dir=args.dir, filesystem=filesystem(args.dir),
+                    chunk_bytes=record.CHUNK_BYTES, checksum_threads=record.checksum_threads(), load_start=os.getloadavg()[0]),
+        cases=[],
+    )  # fmt: skip
+    for page_size in page_sizes:
+        p = Pages(page_size, pages)
+        base = dict(page_size=page_size, page_bytes=p.page_bytes, pages=pages, bytes=p.nbytes)
+        for backend in ["checksum", *backends]:
+            if rep.over_budget(f"{backend} page {page_size}"):
+                continue
+            try:
+                if backend == "mooncake":
+                    from kvpool.storage.mooncake_config import import_store_class
+
+                    try:
+                        import_store_class()
+                    except ImportError as exc:
+                        rep.result["skipped"].append(f"mooncake: {exc}")
+                        continue
+                run = {"checksum": lambda: bench_checksum(args, p), "file": lambda: bench_file(args, rep, p),
+                       "mooncake": lambda: bench_mooncake(args, rep, p)}[backend]  # fmt: skip
+                case = dict(backend=backend, **base, **run())
+            except Exception as exc:  # keep the other cases' results; report the failure
+                rep.error(f"{backend} page {page_size}", exc)
+                continue
+            rep.result["cases"].append(case)
+            r = rates(case)
+            rep.log(f"{backend} page {page_size} ({_mb(p.page_bytes)} x {pages}): "
+                    + ", ".join(f"{k} {100 * v:.0f}%" if k.endswith("ratio") else f"{k} {v:.2f} GB/s" for k, v in r.items()))  # fmt: skip
+            rep.save()
+        del p
+    rep.result["config"]["load_end"] = os.getloadavg()[0]
+    rep.save(final=True)
+    return 1 if rep.result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
