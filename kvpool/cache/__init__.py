@@ -10,11 +10,12 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 (what a request becomes: plans that change nothing), ``integrity`` (tree, allocator, table and
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
-tree changes), ``storage_tier`` (the storage tier's room: write-through to a storage backend and
-prefetch from it), ``storage_setup`` (how a cache finds its storage tier), ``hiradix_cache`` (the
-host tier's room, ``HiRadixCache``), ``mamba_radix_cache`` (the state tier's room,
-``MambaRadixCache``), ``himamba_host`` (a hybrid model's host tier and its parked states),
-``himamba_moves`` (a hybrid node's moves between tiers), ``himamba_radix_cache``
+tree changes), ``host_tier`` (``HostTier``, what both caches with a host tier inherit: backups, the
+transfers in flight, the tree's hooks for host-only nodes), ``storage_tier`` (the storage tier's
+room: write-through to a storage backend and prefetch from it), ``storage_setup`` (how a cache finds
+its storage tier), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``), ``mamba_radix_cache``
+(the state tier's room, ``MambaRadixCache``), ``himamba_host`` (a hybrid model's host tier and its
+parked states), ``himamba_moves`` (a hybrid node's moves between tiers), ``himamba_radix_cache``
 (``HiMambaRadixCache``, both) and the sliding-window room: ``swa_plan`` (what an insertion does, and
 the window rule), ``swa_windows`` (the SWA tier's books: records, window locks, sizes, queue),
 ``swa_integrity`` (the SWA part of the check) and ``swa_radix_cache`` (``SWARadixCache``).

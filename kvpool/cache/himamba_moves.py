@@ -12,7 +12,6 @@ from typing import Optional
 import torch
 
 from kvpool.cache.himamba_host import HOST_STATE, HostState
-from kvpool.cache.hiradix_cache import HiRadixCache
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STATE, HostCopy
 from kvpool.cache.tree import Undo
@@ -84,7 +83,7 @@ class HybridTierMoves:
             out.moved_nodes.append(node)
             if self._is_evictable(node.parent):
                 self._queue.push(node.parent)
-            if self._is_host_evictable(node):
+            if self.is_host_evictable(node):
                 self._host_queue.push(node)
             return tokens
         self._detach_host_below(node, out, undo)
@@ -115,7 +114,7 @@ class HybridTierMoves:
                 break
             if HOST_STATE in node.records or node.records[HOST].holds > 0:
                 break  # a host leaf with its state now, or held (its holder drops it if need be)
-        if self._is_host_evictable(node):
+        if self.is_host_evictable(node):
             self._host_queue.push(node)
         elif self._is_evictable(node):
             self._queue.push(node)
@@ -153,7 +152,7 @@ class HybridTierMoves:
             node.children = children
             for n, records, below in saved:
                 n.records, n.children = records, below
-                if self._is_host_evictable(n):
+                if self.is_host_evictable(n):
                     self._host_queue.push(n)
 
         undo.add(reattach)
@@ -165,8 +164,8 @@ class HybridTierMoves:
             self.mamba_pool_host.free(torch.cat(out.host_states))
 
     def _tier_problems(self) -> list[str]:
-        problems = HiRadixCache._tier_problems(self)  # the host KV copies
-        problems += [p for p in super()._tier_problems() if "tombstone leaf" not in p]  # the device states
+        # the host KV copies, then the device states, whose tombstone-leaf check gives way to the one below
+        problems = [p for p in super()._tier_problems() if "tombstone leaf" not in p]
         parked = []
         for node in self._nodes():
             if node is self.root_node:

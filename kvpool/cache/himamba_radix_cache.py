@@ -8,7 +8,9 @@ tombstone). The tiers move together: a node on the device keeps its state on the
 state is a second copy, never the only one), a node on the host only keeps its state on the host,
 and a match never returns KV without the state after it. The host tier is a ``HybridPoolHost``: a
 node's KV pages and its state are backed up through its two halves and loaded back by one
-``HybridPoolHost.load``.
+``HybridPoolHost.load``. What this cache shares with ``HiRadixCache`` (a KV backup and its
+attachment, the transfers in flight, the tree's hooks for host-only nodes) is
+``kvpool.cache.host_tier``.
 
 Backups follow ``HiRadixCache``'s write policies, made after the tree has changed (a backup that
 raises leaves the node in the tree without that host copy, and propagates). Evicting a node from the
@@ -25,20 +27,19 @@ from typing import Any, Optional, Union
 
 import torch
 
-from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.himamba_host import HOST_STATE, hybrid_host_setup
 from kvpool.cache.himamba_moves import HybridTierMoves, Taken
-from kvpool.cache.hiradix_cache import HiRadixCache
+from kvpool.cache.host_tier import HostTier
 from kvpool.cache.mamba_radix_cache import MambaRadixCache
 from kvpool.cache import mamba_requests
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, InsertParams, MatchPrefixParams, MatchResult
-from kvpool.cache.records import HOST, STATE, HostCopy, StateSnapshot
+from kvpool.cache.records import HOST, STATE, StateSnapshot
 from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
 
 
-class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
+class HiMambaRadixCache(HybridTierMoves, HostTier, MambaRadixCache):
     """A ``MambaRadixCache`` whose evicted nodes live on in a ``HybridPoolHost``, KV with state, and
     are loaded back together.
 
@@ -114,7 +115,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         for nd in path:
             if self._is_mamba_evictable(nd):
                 self._mamba_queue.push(nd)  # their priority changed (root side first on ties)
-            elif self._is_host_evictable(nd):
+            elif self.is_host_evictable(nd):
                 self._host_queue.push(nd)
             if nd.device is not None and self._is_evictable(nd):
                 self._queue.push(nd)  # the last device node, above host-only ones, was stamped too
@@ -219,7 +220,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             for node in locked_leaves:
                 self._mamba_queue.push(node)
         for node in out.moved_nodes:  # a host tombstone whose children left for room while it was held
-            if self._is_host_evictable(node) and HOST_STATE not in node.records and node.records[HOST].holds == 0:
+            if self.is_host_evictable(node) and HOST_STATE not in node.records and node.records[HOST].holds == 0:
                 self._drop_host_leaf(node, out)
         if out.states:
             self.mamba_pool.free(torch.cat(out.states))
@@ -239,7 +240,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             node = self._host_queue.pop()
             if node is None:
                 break
-            if not self._is_host_evictable(node):
+            if not self.is_host_evictable(node):
                 continue
             if node.records[HOST].holds > 0:
                 protected.append(node)
@@ -304,7 +305,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
             if total >= self.load_back_threshold and (mem_quota is None or total <= mem_quota + delta):
                 states = self._alloc_states(len(with_state))  # the states first: they are fewer to give back
                 if states is not None:
-                    device = self._alloc_device(total)
+                    device = self.alloc_device(total)
                     if device is None and len(states):
                         self.mamba_pool.free(states)
         finally:
@@ -317,7 +318,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         offset = 0
         for n in chain:
             tokens = len(n.records[HOST].slots)
-            HiRadixCache._refill(self, n, device[offset : offset + tokens])
+            super()._refill(n, device[offset : offset + tokens])  # the host tier's: the parked state stays
             offset += tokens
         for i, n in enumerate(with_state):
             n.records[STATE] = StateSnapshot(states[i : i + 1].clone())
@@ -350,40 +351,16 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
         self._loads_started += 1
         return self._loads_started - 1
 
-    # shared with HiRadixCache: in-flight transfers, backups of KV, the host tier's bookkeeping
-    write_backup = HiRadixCache.write_backup
-    writing_check = HiRadixCache.writing_check
-    loading_check = HiRadixCache.loading_check
-    check_hicache_events = HiRadixCache.check_hicache_events
-    _release_done = HiRadixCache._release_done
-    _back_up = HiRadixCache._back_up
-    _is_evictable = HiRadixCache._is_evictable
-    _is_host_evictable = HiRadixCache._is_host_evictable
-    _alloc_device = HiRadixCache._alloc_device
-    _off_device_problems = HiRadixCache._off_device_problems
-
     # --- internals ------------------------------------------------------------------------------
 
     def _tokens(self, node: TreeNode) -> int:
         return len(node.device.value) if node.device is not None else len(node.records[HOST].slots)
 
     def _reset_host(self) -> None:
-        self._host_queue = EvictionQueue(self.eviction_strategy, HOST)
-        self.root_node.records[HOST] = HostCopy(torch.empty(0, dtype=torch.int64))  # ends every walk up
-        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
-        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
-        self._pending_loads: list[tuple] = []
-        self._loads_started = 0
-        self._staged_copy: Any = None
+        super()._reset_host()  # the KV host pool (the hybrid host's kv_host) first
         self._due: list[TreeNode] = []
         self._chunked = False
-        self.hybrid_host.kv_host.clear()
         self.hybrid_host.state_host.clear()
-
-    def _touched(self, node: TreeNode) -> None:
-        super()._touched(node)
-        if self._is_host_evictable(node):
-            self._host_queue.push(node)
 
     def _insert(self, enc: bytes, n: int, value: torch.Tensor, priority: int, extra: Any) -> tuple[int, TreeNode]:
         """As the tree's, noting the path's device nodes without a host copy for the write policy."""
@@ -405,7 +382,7 @@ class HiMambaRadixCache(HybridTierMoves, MambaRadixCache):
     def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
         """An insert gives a host-only node the caller's slots: it is on the device again without a
         state there, so its parked state goes (the insert's own state may take its place)."""
-        HiRadixCache._refill(self, node, slots)
+        super()._refill(node, slots)
         parked = node.records.pop(HOST_STATE, None)
         if parked is not None:
             self._dropped.append(parked.slot)

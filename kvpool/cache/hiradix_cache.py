@@ -1,15 +1,16 @@
 """``HiRadixCache``: the prefix cache with kvpool's host tier below the device (SGLang's HiCache).
 
 A node's KV is on the device (its ``DeviceSlots``, ``value``), on the host (its ``HostCopy`` record,
-``host_value``), or both: the host tier is this room (the tree below it keeps device nodes only,
-and asks this room about the others: ``_refill``, ``_off_device_problems``). Nodes are backed up
-to host slots when inserted (``write_through``), when reused (``write_through_selective``: a second
-hit) or when evicted (``write_back``). Evicting a backed-up node frees its device slots and keeps it
-in the tree, host only; a match that reaches such nodes reports them (``host_hit_length``,
-``last_host_node``), ``init_load_back`` gives them device slots again and ``ready_to_load_host_cache``
-loads them through the host pool, layer by layer as the model reads them (the cache registers the
-host pool's layer-transfer counter on the device pool). Host-only leaves are evicted from the host
-when the host pool runs out (``evict_host``). Every copy is the host tier's, byte for byte.
+``host_value``), or both: the host tier is this room, with ``kvpool.cache.host_tier`` for what it
+shares with the hybrid models' cache (the tree below keeps device nodes only, and asks the host tier
+about the others: ``_refill``, ``_off_device_problems``). Nodes are backed up to host slots when
+inserted (``write_through``), when reused (``write_through_selective``: a second hit) or when
+evicted (``write_back``). Evicting a backed-up node frees its device slots and keeps it in the tree,
+host only; a match that reaches such nodes reports them (``host_hit_length``, ``last_host_node``),
+``init_load_back`` gives them device slots again and ``ready_to_load_host_cache`` loads them through
+the host pool, layer by layer as the model reads them (the cache registers the host pool's
+layer-transfer counter on the device pool). Host-only leaves are evicted from the host when the host
+pool runs out (``evict_host``). Every copy is the host tier's, byte for byte.
 
 A backup or load in flight keeps its nodes locked until ``check_hicache_events()`` (or
 ``writing_check``/``loading_check``) sees it complete; a write-back eviction orders the compute
@@ -24,8 +25,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from kvpool.cache.evict_policy import EvictionQueue
 from kvpool.cache.host_setup import host_tier_setup
+from kvpool.cache.host_tier import HostTier
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
@@ -34,11 +35,11 @@ from kvpool.cache.records import HOST, DeviceSlots, HostCopy
 from kvpool.cache.storage_setup import storage_for
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.cache.tree import Undo
-from kvpool.cache.write_through import NO_ROOM, WriteThroughInserts
+from kvpool.cache.write_through import WriteThroughInserts
 from kvpool.checks import non_negative_int
 
 
-class HiRadixCache(WriteThroughInserts, RadixCache):
+class HiRadixCache(WriteThroughInserts, HostTier, RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
     Parameters
@@ -119,7 +120,7 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         last_host = node
         while HOST not in last_host.records:
             last_host = last_host.parent
-        if self._is_host_evictable(node):
+        if self.is_host_evictable(node):
             self._host_queue.push(node)  # its priority changed
         if last_device is not node and self._is_evictable(last_device):  # stamped by the walk too
             self._queue.push(last_device)
@@ -172,7 +173,7 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
                     moved.append(copy)
                     if self._is_evictable(node.parent):
                         self._queue.push(node.parent)
-                    if self._is_host_evictable(node):
+                    if self.is_host_evictable(node):
                         self._host_queue.push(node)
                 else:
                     host_freed += self._detach_host_subtree(node, undo)
@@ -202,7 +203,7 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
             node = self._host_queue.pop()
             if node is None:
                 break
-            if not self._is_host_evictable(node):
+            if not self.is_host_evictable(node):
                 continue
             copy = node.records[HOST]
             if copy.holds > 0:
@@ -213,32 +214,13 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
             del node.records[HOST]
             parent = node.parent
             del parent.children[node.child_key]
-            if self._is_host_evictable(parent):
+            if self.is_host_evictable(parent):
                 self._host_queue.push(parent)
         for node in protected:
             self._host_queue.push(node)
         if freed:
             self.token_to_kv_pool_host.free(torch.cat(freed))
         return count
-
-    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Back up a device node to new host slots (evicting host-only leaves for room); returns its
-        tokens, or 0 when the host has no room. Unless ``write_back``, the node stays locked until
-        the backup has read its slots (``writing_check``). If the backup raises, its host slots are
-        freed again and the node stays without a host copy. (An insert's write-through backups are
-        copied before the tree changes and handed to this call to attach.)"""
-        staged, self._staged_copy = self._staged_copy, None
-        copy = self._back_up(node.device.value) if staged is None else staged
-        if copy is NO_ROOM or copy is None:
-            return 0
-        slots, event = copy
-        node.records[HOST] = HostCopy(slots)
-        if self.storage_tier is not None:
-            self.storage_tier.backed_up(node, event)  # written through once the copy is complete
-        if event is not None and not write_back:
-            self.inc_lock_ref(node)
-            self.ongoing_write_through.append((node, event))
-        return len(node.device.value)
 
     def init_load_back(
         self, last_node: TreeNode, host_hit_length: int = 0, mem_quota: Optional[int] = None
@@ -281,7 +263,7 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         try:
             device = None
             if total >= self.load_back_threshold and (mem_quota is None or total <= mem_quota + delta):
-                device = self._alloc_device(total)
+                device = self.alloc_device(total)
         finally:
             for n in chain:
                 n.release_host()
@@ -314,22 +296,6 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         self._pending_loads = []
         self._loads_started += 1
         return self._loads_started - 1
-
-    def writing_check(self, write_back: bool = False) -> None:
-        """Unlock the nodes whose backup has completed."""
-        self.ongoing_write_through = self._release_done(self.ongoing_write_through)
-
-    def loading_check(self) -> None:
-        """Unlock the nodes whose load has completed."""
-        self.ongoing_load_back = self._release_done(self.ongoing_load_back)
-
-    def check_hicache_events(self) -> None:
-        """``writing_check()`` and ``loading_check()`` (SGLang's scheduler calls it every step), and
-        the storage writes of host copies completed since."""
-        self.writing_check()
-        self.loading_check()
-        if self.storage_tier is not None:
-            self.storage_tier.poll()
 
     # --- the storage tier (SGLang's names; the room is kvpool.cache.storage_tier) -------------------
 
@@ -382,76 +348,6 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _release_done(self, ongoing: list[tuple[TreeNode, Any]]) -> list[tuple[TreeNode, Any]]:
-        left = []
-        for node, event in ongoing:
-            if event is None or event.query():
-                self.dec_lock_ref(node)
-            else:
-                left.append((node, event))
-        return left
-
-    def _back_up(self, device_slots: torch.Tensor) -> Optional[tuple[torch.Tensor, Any]]:
-        """Copy ``device_slots`` to new host slots (evicting host-only leaves for room): (host slots,
-        event), or None when the host has no room. The host slots are freed again if the copy raises."""
-        host = self.token_to_kv_pool_host
-        n = len(device_slots)
-        slots = host.alloc(n)
-        if slots is None:
-            self.evict_host(n)
-            slots = host.alloc(n)
-            if slots is None:
-                return None
-        try:
-            event = host.backup_from_device_all_layer(self.kv_cache, slots, device_slots, self.io_backend)
-        except BaseException:
-            host.free(slots)
-            raise
-        return slots, event
-
-    def _reset_host(self) -> None:
-        self._host_queue = EvictionQueue(self.eviction_strategy, HOST)
-        self.root_node.records[HOST] = HostCopy(torch.empty(0, dtype=torch.int64))  # ends every walk up
-        self.ongoing_write_through: list[tuple[TreeNode, Any]] = []
-        self.ongoing_load_back: list[tuple[TreeNode, Any]] = []
-        self._pending_loads: list[tuple[torch.Tensor, torch.Tensor, TreeNode]] = []
-        self._loads_started = 0
-        self._staged_copy: Any = None  # a write-through copy made before an insert, for write_backup
-        self.token_to_kv_pool_host.clear()
-
-    def _is_evictable(self, node: TreeNode) -> bool:
-        """On the device, unlocked, not the root, and no child on the device (host-only children may
-        remain)."""
-        device = node.device
-        if device is None or device.lock_ref or node.parent is None:
-            return False
-        return all(c.device is None for c in node.children.values())
-
-    def _touched(self, node: TreeNode) -> None:
-        super()._touched(node)
-        if self._is_host_evictable(node):
-            self._host_queue.push(node)
-
-    def _is_host_evictable(self, node: TreeNode) -> bool:
-        return node.device is None and HOST in node.records and not node.children and node.parent is not None
-
-    def _refill(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """A host-only node is on the device again, at ``slots`` (unlocked: it was evictable)."""
-        node.device = DeviceSlots(slots.to(torch.int64, copy=True))
-        self.evictable_size_ += len(slots)
-        if self._is_evictable(node):
-            self._queue.push(node)
-        self._stored(node)
-
-    def _off_device_problems(self, node: TreeNode) -> list[str]:
-        problems = []
-        if HOST not in node.records:
-            problems.append(f"node {node.id} is evicted with no host copy but still in the tree")
-        on_device = sum(c.device is not None for c in node.children.values())
-        if on_device:
-            problems.append(f"node {node.id} is on the host only but has {on_device} children on the device")
-        return problems
-
     def _detach_host_subtree(self, node: TreeNode, undo: Undo) -> list[torch.Tensor]:
         """Detach the host-only nodes below ``node``; returns their host slots, the caller's to free."""
         freed = []
@@ -472,31 +368,5 @@ class HiRadixCache(WriteThroughInserts, RadixCache):
         node.children = children
         for n, copy, below in saved:
             n.records[HOST], n.children = copy, below
-            if self._is_host_evictable(n):
+            if self.is_host_evictable(n):
                 self._host_queue.push(n)
-
-    def _alloc_device(self, n: int) -> Optional[torch.Tensor]:
-        allocator = self.token_to_kv_pool_allocator
-        slots = allocator.alloc(n)
-        if slots is None:
-            self.evict(EvictParams(num_tokens=n))
-            slots = allocator.alloc(n)
-        return slots
-
-    def _tier_problems(self) -> list[str]:
-        host = self.token_to_kv_pool_host
-        parts = [n.records[HOST].slots for n in self._nodes() if n is not self.root_node and HOST in n.records]
-        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        problems = []
-        if torch.unique(slots).numel() != slots.numel():
-            problems.append(f"{slots.numel() - torch.unique(slots).numel()} host slots held by two nodes")
-        allocated = host.size - host.available_size()
-        if allocated != slots.numel():
-            problems.append(f"the host pool has {allocated} slots allocated but the nodes hold {slots.numel()}")
-        for node in self._nodes():
-            if self._is_host_evictable(node) and not self._host_queue.holds(node):
-                problems.append(f"node {node.id} is a host-only leaf missing from the host eviction queue")
-        if self.storage_tier is not None:
-            problems += self.storage_tier.problems(self._nodes())
-        return problems
-

@@ -20,8 +20,9 @@ NO_ROOM = object()
 
 class WriteThroughInserts:
     """``RadixCache``'s insert hooks (``_stage_insert``, ``_unstage_insert``, ``_complete_insert``)
-    for a cache with a host tier, mixed into ``HiRadixCache``: they use its write policy, its
-    ``_back_up`` (a copy to new host slots) and ``write_backup`` (which attaches a staged copy)."""
+    for a cache with a host tier, mixed into ``HiRadixCache``: they use its write policy and
+    ``HostTier``'s ``back_up_slots`` (a copy to new host slots) and ``write_backup`` (which attaches
+    a staged copy)."""
 
     def _stage_insert(self, job: Any) -> Any:
         """Back up, before the tree changes, every device page of the insertion's path that the write
@@ -38,7 +39,7 @@ class WriteThroughInserts:
             n.protect_host()  # the path's host-only nodes must stay while room is made for the copies
         try:
             for slots in due:
-                copies.append(self._back_up(slots))
+                copies.append(self.back_up_slots(slots))
         except BaseException:
             self._unstage_insert(copies)
             raise
