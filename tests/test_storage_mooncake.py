@@ -36,7 +36,7 @@ except ImportError as e:
 from kvpool.storage.mooncake import MooncakeStore  # noqa: E402
 
 # Each client lends 16 MiB to the store: far more than these pages, little for the machine.
-SMALL = dict(global_segment_size=16 << 20, local_buffer_size=16 << 20, connect_timeout_s=0.5, retry_interval_s=0.5)
+SMALL = dict(global_segment_size=16 << 20, local_buffer_size=16 << 20, connect_timeout_s=3.0, retry_interval_s=0.5)
 
 
 def client(master: MooncakeMaster, **config) -> MooncakeStore:
