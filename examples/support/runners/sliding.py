@@ -265,7 +265,9 @@ def run_sliding(
     ``opts`` (each compared with the plain run on its dtype and with HF); then write
     ``opts.json_path`` (if given): ``model_type``, the HF ``config`` (``model_config(cfg)``),
     ``seed``, ``prompts``, the fp32 pool's tokens and, with speculative runs, the fp32 speculative
-    run's (``spec_tokens``). ``log`` is told what starts."""
+    run's (``spec_tokens``); with a prefix cache, ``prefix_cache``: the fp32 run's prompt tokens,
+    those matched, what evictions freed in each part, the nodes they made tombstones and the most
+    tombstones at a step's end. ``log`` is told what starts."""
     json_path, plain = opts.json_path, arch(None)
     if cfg.page_size < 2:
         raise ValueError(
@@ -295,6 +297,13 @@ def run_sliding(
         for s in report.spec_runs:
             if s.dtype == "fp32":
                 out["spec_tokens"] = [g.tokens for g in s.result.generations]
+        if cfg.prefix_cache:
+            res, m = fp32.result, fp32.result.memory
+            out["prefix_cache"] = {
+                "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+                **{k: m[k] for k in ("cache_full_evicted", "cache_swa_evicted", "tombstoned_nodes", "tombstoned_tokens",
+                                     "tombstones_peak")},
+            }  # fmt: skip
         with open(json_path, "w") as f:
             json.dump(out, f)
         log(f"wrote {json_path}")

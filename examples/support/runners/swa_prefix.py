@@ -50,6 +50,14 @@ def window_tokens(cache: SWARadixCache, node: Any) -> int:
     return held
 
 
+def release_span(r: Any, window: int, page_size: int) -> tuple[int, int]:
+    """The positions ``[start, end)`` of running request ``r`` whose SWA part it gives back now: its
+    own (from ``cache_protected_len``) not given back yet (from ``swa_evicted_seqlen``), up to the
+    last window of its whole pages (page-aligned)."""
+    start = max(r.swa_evicted_seqlen, r.cache_protected_len)
+    return start, max(start, r.kv_len // page_size * page_size - window) // page_size * page_size
+
+
 class SWAPrefixCaching:
     """Mixed into ``SWAScheduler``: the ``SWARadixCache``'s admission, insertion, eviction and
     release. ``prompt_tokens`` and ``cached_tokens`` count what admitted requests needed and what the
@@ -192,8 +200,7 @@ class SWAPrefixCaching:
         a, p = self.allocator, self.page_size
         a.free_group_begin()
         for r in self.running:
-            start = max(r.swa_evicted_seqlen, r.cache_protected_len)
-            end = max(start, r.kv_len // p * p - self.window) // p * p
+            start, end = release_span(r, self.window, p)
             if end > start:
                 a.free_swa(self.table.req_to_token[r.row, start:end].to(torch.int64))
                 r.swa_evicted_seqlen = end
