@@ -40,14 +40,24 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.cache import (
+    CacheInitParams,
+    EvictParams,
+    HiRadixCache,
+    MambaRadixCache,
+    MatchPrefixParams,
+    RadixCache,
+    RadixKey,
+    SWARadixCache,
+)
+from kvpool.pools.allocator.swa import SWATokenToKVPoolAllocator
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from support import cache_requests
 from support.cache_requests import CacheRequest
-from support.sim import hybrid
-from support.sim.config import HYBRID_MODEL
+from support.sim import hybrid, sliding
+from support.sim.config import HYBRID_MODEL, SWA_MODELS
 from support.sim.loop import Parts, SimResult, make_pool, make_runner, simulate
 from support.sim.scheduler import Request, Scheduler
 from support.storage import StorageSite, storage_policy
@@ -166,6 +176,9 @@ class PrefixStats:
     evict_calls: int = 0  # evictions that freed something
     evicted_tokens: int = 0  # device tokens they freed
     evicted_states: int = 0  # state snapshots they freed (hybrid)
+    evicted_swa_tokens: int = 0  # SWA tokens they freed (sliding-window models)
+    tombstoned_nodes: int = 0  # live nodes they made tombstones: SWA KV freed, full KV kept
+    tombstoned_tokens: int = 0
     backed_up_tokens: int = 0  # host tier: tokens backed up
     host_evicted_tokens: int = 0  # host tier: tokens dropped from the host
     forks: int = 0  # hybrid: snapshots copied into a request's state slot
@@ -198,6 +211,11 @@ class PrefixStats:
             )
         if cfg.storage is not None:
             lines += self.storage_lines(cfg, pad)
+        if cfg.model in SWA_MODELS:
+            lines.append(
+                f"{pad}SWARadixCache: evictions freed {self.evicted_swa_tokens} SWA tokens and made {self.tombstoned_nodes} "
+                f"nodes ({self.tombstoned_tokens} tokens) tombstones (SWA KV freed, full KV kept)"
+            )
         if cfg.model == "qwen3.5":
             lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted")
         lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
@@ -231,12 +249,29 @@ class TalliedCache:
     counting = True
 
     def evict(self, params: Any) -> Any:
+        swa = self.counting and self.supports_swa()  # type: ignore[attr-defined]
+        live = {n.id for n in tree_nodes(self) if not n.swa_tombstone} if swa else set()
         result = super().evict(params)  # type: ignore[misc]
-        if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted):
+        if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted or result.swa_num_tokens_evicted):
             self.stats.evict_calls += 1
             self.stats.evicted_tokens += result.num_tokens_evicted
             self.stats.evicted_states += result.mamba_num_evicted
+            self.stats.evicted_swa_tokens += result.swa_num_tokens_evicted
+        for n in tree_nodes(self) if live else ():
+            if n.swa_tombstone and n.id in live:
+                self.stats.tombstoned_nodes += 1
+                self.stats.tombstoned_tokens += len(n.value)
         return result
+
+
+def tree_nodes(cache: Any) -> list:
+    """A tree's nodes but the root."""
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
 
 
 class TalliedHostTier(TalliedCache):
@@ -267,6 +302,9 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
     )  # fmt: skip
     if hybrid:
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
+    elif isinstance(allocator, SWATokenToKVPoolAllocator):
+        params.sliding_window_size = cfg.sliding_window
+        cache = _with(TalliedCache, SWARadixCache)(params, validate=cfg.validate)
     elif cfg.host_tier:
         host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
         try:
@@ -339,10 +377,10 @@ class PrefixScheduler:
                 prefix, loaded = torch.cat((prefix, slots)), slots.numel()
         start = prefix.numel()
         end = min(target, start + budget)
-        self.cache.inc_lock_ref(node)
+        lock = self.cache.inc_lock_ref(node)  # an SWARadixCache's: swa_uuid_for_lock
         taken = self.pages_for(end) - start // self.page_size + (room - self.room()) // self.page_size
         if taken > pages:
-            self.cache.dec_lock_ref(node)
+            self.cache.dec_lock_ref(*((node, lock) if self.cache.supports_swa() else (node,)))
             cache_requests.give_back_row(self.table, r)
             return None
         if start:
@@ -350,6 +388,8 @@ class PrefixScheduler:
         r.kv_len, r.prefill_target = start, target
         r.last_node, r.cache_protected_len, r.prefix_indices = node, start, prefix
         r.mamba_last_track_seqlen = None
+        if self.cache.supports_swa():
+            r.swa_uuid_for_lock, r.swa_evicted_seqlen = lock, 0
         self.stats.lookups += 1
         self.stats.prompt_tokens += target
         self.stats.matched_tokens += start - loaded
@@ -469,6 +509,10 @@ def run(cfg: Any) -> Any:
                          runner_mixin=RunnerWithTracks if extra else None)  # fmt: skip
         pool, runner, result, parts = b.pool, b.runner, b.result, b.parts
         base = functools.partial(_with(PrefixScheduler, _with(hybrid.SchedulerWithStates, Scheduler)), table=b.table)
+    elif cfg.model in SWA_MODELS:
+        pool, runner, result, parts = sliding.build(cfg)
+        windows = parts.scheduler
+        base = functools.partial(sliding.on_cache(_with(PrefixScheduler, windows.func)), **windows.keywords)
     else:
         pool, geometry = make_pool(cfg)
         runner = make_runner(cfg, pool)
