@@ -14,6 +14,12 @@ full-to-SWA mapping); ``--spec-decode`` writes the drafts into both parts with
 ``set_kv_buffer_prefix_valid``, compacts them with ``move_kv_cache`` and frees the rejected slots of
 both parts.
 
+With ``--prefix-cache`` the chats run on an ``SWARadixCache`` (support/sim/prefix.py builds it over
+this module's parts; ``WindowsOnCache``): a step may take what both parts have free or the tree can
+evict; a request gives back the SWA part of its own pages before the last window of its whole pages
+(so its cached tail keeps a whole window) and records it in ``swa_evicted_seqlen``; evictions free
+full KV from leaves and SWA KV from inner nodes, which become tombstones, and the summary counts them.
+
 The byte check: a full layer's rows of every token, a sliding layer's rows of the tokens whose SWA
 part it still holds (at their translated slots), each compared with what was written; a token
 inside the window whose SWA slot was given back counts as a mismatch. The summary adds the most
