@@ -40,17 +40,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from kvpool.cache import (
-    CacheInitParams,
-    EvictParams,
-    HiRadixCache,
-    MambaRadixCache,
-    MatchPrefixParams,
-    RadixCache,
-    RadixKey,
-    SWARadixCache,
-)
-from kvpool.pools.allocator.swa import SWATokenToKVPoolAllocator
+from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.cache.swa_radix_cache import SWARadixCache
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -211,11 +202,6 @@ class PrefixStats:
             )
         if cfg.storage is not None:
             lines += self.storage_lines(cfg, pad)
-        if cfg.model in SWA_MODELS:
-            lines.append(
-                f"{pad}SWARadixCache: evictions freed {self.evicted_swa_tokens} SWA tokens and made {self.tombstoned_nodes} "
-                f"nodes ({self.tombstoned_tokens} tokens) tombstones (SWA KV freed, full KV kept)"
-            )
         if cfg.model == "qwen3.5":
             lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted")
         lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
@@ -249,29 +235,18 @@ class TalliedCache:
     counting = True
 
     def evict(self, params: Any) -> Any:
-        swa = self.counting and self.supports_swa()  # type: ignore[attr-defined]
-        live = {n.id for n in tree_nodes(self) if not n.swa_tombstone} if swa else set()
+        live = sliding.live_nodes(self) if self.counting and self.supports_swa() else set()  # type: ignore[attr-defined]
         result = super().evict(params)  # type: ignore[misc]
         if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted or result.swa_num_tokens_evicted):
             self.stats.evict_calls += 1
             self.stats.evicted_tokens += result.num_tokens_evicted
             self.stats.evicted_states += result.mamba_num_evicted
             self.stats.evicted_swa_tokens += result.swa_num_tokens_evicted
-        for n in tree_nodes(self) if live else ():
-            if n.swa_tombstone and n.id in live:
-                self.stats.tombstoned_nodes += 1
-                self.stats.tombstoned_tokens += len(n.value)
+        if live:
+            nodes, tokens = sliding.new_tombstones(self, live)
+            self.stats.tombstoned_nodes += nodes
+            self.stats.tombstoned_tokens += tokens
         return result
-
-
-def tree_nodes(cache: Any) -> list:
-    """A tree's nodes but the root."""
-    out, stack = [], list(cache.root_node.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
 
 
 class TalliedHostTier(TalliedCache):
@@ -302,7 +277,7 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
     )  # fmt: skip
     if hybrid:
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
-    elif isinstance(allocator, SWATokenToKVPoolAllocator):
+    elif cfg.model in SWA_MODELS:
         params.sliding_window_size = cfg.sliding_window
         cache = _with(TalliedCache, SWARadixCache)(params, validate=cfg.validate)
     elif cfg.host_tier:

@@ -175,6 +175,28 @@ class WindowsOnCache:
         r.swa_evicted_seqlen, r.swa_uuid_for_lock = 0, None
 
 
+def tree_nodes(cache: Any) -> list:
+    """A prefix cache's nodes but the root."""
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def live_nodes(cache: Any) -> set[int]:
+    """The ids of an ``SWARadixCache``'s nodes with SWA KV."""
+    return {n.id for n in tree_nodes(cache) if not n.swa_tombstone}
+
+
+def new_tombstones(cache: Any, live: set[int]) -> tuple[int, int]:
+    """The nodes (and their tokens) among ``live`` (``live_nodes`` before a change) that are
+    tombstones now."""
+    tombs = [n for n in tree_nodes(cache) if n.swa_tombstone and n.id in live]
+    return len(tombs), sum(len(n.value) for n in tombs)
+
+
 def on_cache(scheduler_cls: type) -> type:
     """``scheduler_cls`` (a prefix-cache scheduler over ``SchedulerWithWindows``) with ``WindowsOnCache``."""
     return _with(WindowsOnCache, scheduler_cls)
@@ -292,13 +314,19 @@ def summary_lines(res: SimResult) -> list[str]:
     cfg, s = res.config, res.swa
     n = cfg.long_context
     ours, every = request_bytes(cfg, n)
+    cached = []
+    if res.prefix is not None:
+        cached.append(
+            f"  tombstones      the SWARadixCache's evictions freed {res.prefix.evicted_swa_tokens} SWA tokens and made "
+            f"{res.prefix.tombstoned_nodes} nodes ({res.prefix.tombstoned_tokens} tokens) tombstones (SWA KV freed, full KV kept)"
+        )
     return [
         f"  window          {s.window} tokens; {s.given_back} tokens' SWA slots given back with free_swa as they "
         f"left it; at a step's end the SWA part held at most {s.swa_peak}/{s.size_swa} slots, the full part "
         f"{s.full_peak}/{s.size}",
         f"  long context    a request of {n:,} tokens keeps {ours / GiB:.3f} GiB of K/V on these pools, "
         f"{every / GiB:.3f} GiB on a pool that keeps every layer's ({100 * ours / every:.1f}%)",
-    ]
+    ] + cached
 
 
 def shape_and_pool_lines(res: SimResult) -> tuple[str, str]:
