@@ -48,8 +48,19 @@ rejected slots go back to both parts with ``free``, before the pages that left t
 with ``free_swa``. With an fp32 model the speculative tokens must equal the non-speculative run's on
 the same pool dtype (and, on fp32, HF's).
 
+With ``--prefix-cache`` the prompts share prefixes and the scheduler serves them on an
+``SWARadixCache`` (support/runners/swa_prefix.py): admission matches each prompt but its last token
+(a match ends where the last window of its tokens has SWA KV), locks it and prefills only the rest;
+prefill chunks and finished requests go into the tree; an allocation that finds a part short evicts
+from the tree (SWA KV alone from an inner node, which becomes a tombstone that keeps its full KV).
+Each request gives back the SWA part of its own pages before the last window of its whole pages, so
+its cached tail keeps a whole window. Every step ends with the cache's ``check_integrity`` over the
+running requests (tree, allocator, table); the summary and ``--json`` give the tokens matched, the
+evictions and the tombstones, and the tokens must still be transformers' (fp32).
+
 ``--json PATH`` writes ``{"model_type", "config", "seed", "prompts", "fp32_tokens"}`` and, with a
-speculative run, ``"spec_tokens"`` (the fp32 pool's tokens without and with speculative decoding): the model is
+speculative run, ``"spec_tokens"`` (the fp32 pool's tokens without and with speculative decoding), with
+``--prefix-cache`` ``"prefix_cache"`` (the fp32 run's prompt and matched tokens, evictions and tombstones): the model is
 ``Gemma3ForCausalLM(Gemma3TextConfig(**config))`` built in float32 right after
 ``torch.manual_seed(seed)``, so anyone can rebuild it and compare.
 
@@ -57,10 +68,10 @@ speculative run, ``"spec_tokens"`` (the fp32 pool's tokens without and with spec
     python examples/gemma3_runner.py --dtypes fp32 --sliding-window 6 --chunk-size 8
     python examples/gemma3_runner.py --config small --device cuda --json out.json
     python examples/gemma3_runner.py --dtypes fp32 --page-size 64 --prompt-len 70 90 --spec-width 6
+    python examples/gemma3_runner.py --prefix-cache --sliding-window 6 --prompt-len 30 60 --prompts 8 --chunk-size 8
 
-Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (``--prefix-cache`` is refused:
-there is no sliding-window radix cache in the runners; page size 1 is refused: the SWA allocator
-extends requests page by page).
+Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments (page size 1 is refused: the SWA
+allocator extends requests page by page).
 
 Needs ``transformers`` >= 5 with ``gemma3`` (the ``model`` extra: ``pip install -e ".[model]"``).
 """

@@ -32,7 +32,9 @@ layer, on the run's first requests) with scale 1.0, the checkpoint's scales and 
 
 With ``--prefix-cache`` the requests are turns of multi-turn chats after a common few-shot prompt,
 served on a prefix cache (``RadixCache``; with ``--host-tier`` a ``HiRadixCache``, with ``--model
-qwen3.5`` a ``MambaRadixCache``): each request prefills only what the tree does not hold, and a
+qwen3.5`` a ``MambaRadixCache``, with ``--model gemma3`` or ``gpt-oss`` an ``SWARadixCache``, whose
+SWA eviction makes tombstones and whose requests keep the SWA KV of the last window of their whole
+pages): each request prefills only what the tree does not hold, and a
 token's K/V derive from the token and its prefix rather than the request, so the rows the tree hands
 out are checked byte for byte like any others (support/sim/prefix.py). With ``--storage file`` or
 ``--storage mooncake`` as well, host copies are written through to a storage tier (a page directory,

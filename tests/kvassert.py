@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import inspect
+import io
 import json
 import os
 import random
@@ -1144,6 +1145,91 @@ def serve_checking_swa_give_back(arch, cfg) -> None:
     assert sched.leaked_slots() == 0
     sched.check_integrity()
     return runner
+
+
+def serve_on_swa_prefix_cache(arch, cfg) -> tuple[Any, list[list[int]], list[list[int]]]:
+    """Serve ``cfg``'s prompts (``prefix_cache`` set: they share prefixes) with a sliding-window
+    runner's ``arch`` on its ``SWARadixCache``, checking after every step, from the allocator's
+    counts and mapping, that each part holds exactly the tree's tokens plus the running requests' own
+    (whole pages from ``cache_protected_len``; in the SWA part from what each gave back), that every
+    token inside a running request's window has an SWA slot and none it gave back does, and that the
+    tree's live nodes map to SWA slots and its tombstones do not. At the end every slot of both
+    parts is back. Returns the scheduler, the generated tokens and HF's (fp32 pool)."""
+    from support import runners
+
+    w, p = cfg.shape.sliding_window, cfg.page_size
+    with runners.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        pools = arch.make_pool(cfg, model, torch.float32)
+        prompts = runners.make_prompts(cfg)
+        sched = arch.scheduler(pools, cfg.batch, cfg.max_context_len, cfg.chunk_size, True)
+        runner = arch.runner(model, pools, None)
+        for rid, pr in enumerate(prompts):
+            sched.add(runners.Request(rid, list(pr.tokens), pr.new_tokens))
+        a, cache = sched.allocator, sched.cache
+        while runner.step(sched, keep_logits=False) is not None:
+            assert sched.step_error is None, sched.step_error
+            tree_full = tree_swa = 0
+            stack = list(cache.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                swa = a.full_to_swa_index_mapping[node.value]
+                tree_full += len(node.value)
+                if node.swa_tombstone:
+                    assert bool((swa == 0).all()), f"tombstone node {node.id} maps to SWA slots"
+                else:
+                    assert bool((swa > 0).all()), f"live node {node.id} lost an SWA slot"
+                    tree_swa += len(node.value)
+            own_full = own_swa = 0
+            for r in sched.running:
+                end = -(-r.kv_len // p) * p
+                own_full += end - r.cache_protected_len
+                kept = max(r.cache_protected_len, r.swa_evicted_seqlen)
+                own_swa += end - kept
+                swa = a.translate_loc_from_full_to_swa(sched.table.req_to_token[r.row, : r.kv_len].to(torch.int64))
+                assert bool((swa[max(0, r.kv_len - w + 1) :] > 0).all()), f"request {r.rid} lost a token of its window"
+                assert bool((swa[r.cache_protected_len : kept] == 0).all()), f"request {r.rid} maps a slot it gave back"
+            assert a.size_full - a.full_available_size() == tree_full + own_full
+            assert a.size_swa - a.swa_available_size() == tree_swa + own_swa
+        assert len(sched.finished) == len(prompts)
+        sched.check_integrity()
+        assert sched.leaked_slots() == 0
+        assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+        tokens = [r.output for r in sorted(sched.finished, key=lambda r: r.rid)]
+        hf = [g.tokens for g in runners.hf_reference(model, prompts)]
+    return sched, tokens, hf
+
+
+def assert_swa_prefix_cache_serves(module, arch, cfg, argv: list, json_path) -> None:
+    """A sliding-window runner (``module``, its ``arch``) on its prefix cache at ``cfg`` (and ``argv``,
+    the same run's command line): requests hit the cache, its SWA eviction makes tombstones, every
+    step's accounting holds (``serve_on_swa_prefix_cache``) and the tokens are HF's and the run's
+    without a cache; the command line (with its speculative run) passes and reports the hits in the
+    summary and ``--json``."""
+    from support import runners
+
+    sched, tokens, hf = serve_on_swa_prefix_cache(arch, cfg)
+    assert tokens == hf
+    assert sched.cached_tokens > 0 and sched.prompt_tokens > sched.cached_tokens
+    assert sched.swa_evicted > 0 and sched.tombstoned_nodes > 0 and sched.tombstones_peak > 0
+    with runners.cpu_threads(cfg):
+        model = arch.build_model(cfg)
+        plain = runners.serve(model, arch.make_pool(cfg, model, torch.float32), runners.make_prompts(cfg), cfg.batch,
+                              keep_logits=False, arch=arch, chunk_size=cfg.chunk_size)  # fmt: skip
+    assert [g.tokens for g in plain.generations] == tokens
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert module.main([*argv, "--prefix-cache", "--dtypes", "fp32", "--json", str(json_path)]) == 0
+    summary = out.getvalue()
+    assert f"    cache       {sched.cached_tokens} of {sched.prompt_tokens} prompt tokens matched" in summary
+    assert f"which made {sched.tombstoned_nodes} nodes ({sched.tombstoned_tokens} tokens) tombstones" in summary
+    assert summary.count("prompt tokens matched") == 2 and "spec check  PASS" in summary  # the speculative run too
+    assert "allocators  OK" in summary and summary.rstrip().endswith("PASS")
+    report = json.loads(Path(json_path).read_text())
+    assert report["fp32_tokens"] == tokens and report["spec_tokens"] == tokens
+    assert report["prefix_cache"]["cached_tokens"] == sched.cached_tokens
+    assert report["prefix_cache"]["tombstoned_nodes"] == sched.tombstoned_nodes
 
 
 def assert_speculative_runs(rep, summary: str, layers: int, prompts: int, every_length: bool = True) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from kvassert import (
     assert_speculative_runs,
+    assert_swa_prefix_cache_serves,
     dropping_last_token,
     fused_and_reference_serve,
     load_example,
@@ -40,6 +41,13 @@ if HAS_GEMMA3:
     ARGS = [
         "--prompts", "3", "--batch", "2", "--prompt-len", "14", "30", "--new-tokens", "4", "12", "--device", "cpu",
     ]  # fmt: skip
+    # On the prefix cache: 8 prompts of 30-60 tokens sharing prefixes, a window of 6, chunks of 8: the
+    # tree outgrows both parts, so allocations evict from it and its SWA eviction makes tombstones.
+    PREFIX_ARGS = ["--sliding-window", "6", "--prompts", "8", "--prompt-len", "30", "60", "--chunk-size", "8", "--device", "cpu"]
+    PREFIX = replace(
+        TINY, shape=replace(TINY.shape, sliding_window=6), prompts=8, prompt_len=(30, 60), chunk_size=8,
+        prefix_cache=True, pool_dtypes=("fp32",),
+    )  # fmt: skip
 # Against plain HF, measured on the CPU (seed 0): bf16 pool 3.9e-3 max rel logit error and 8e-6 mean
 # KL; FP8 e4m3 mean KL 1.9e-3 at scale 1.0, 1.8e-3 calibrated. The bounds leave room for other devices.
 BF16_LOGIT_RTOL, BF16_KL, FP8_KL = 0.05, 1e-3, 2e-2
@@ -144,7 +152,6 @@ def test_gemma3_summary_help_and_exit_status(capsys):
         (["--spec-width", "1"], "spec_width must be an int >= 2 (the last token and a draft) or None, got 1"),
         (["--json", "x.json", "--spec-dtypes", "bf16"], "--json with a speculative run describes its fp32 pool"),
         (["--page-size", "1"], "page_size must be at least 2"),
-        (["--prefix-cache"], "--prefix-cache is not available for Gemma 3"),
         (["--sliding-window", "1"], "sliding_window must be an int >= 2, got 1"),
         (["--json", "x.json", "--dtypes", "bf16"], "--json describes an fp32 model's fp32 pool"),
     ):
@@ -155,7 +162,7 @@ def test_gemma3_summary_help_and_exit_status(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "kvpool's sliding-window pool" in text and "--sliding-window SLIDING_WINDOW" in text
-    assert "q - sliding_window < k <= q" in text and "``--prefix-cache`` is refused" in text
+    assert "q - sliding_window < k <= q" in text and "2 on bad arguments (page size 1 is refused" in text
 
 
 def test_gemma3_a_lost_write_fails_the_fp32_check(monkeypatch, capsys):
@@ -352,3 +359,45 @@ def test_gemma3_on_cuda_speculative_verify_writes_take_the_fused_kernel():
     assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
     for r in [*rep.runs, *rep.spec_runs]:
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+
+
+def test_gemma3_on_the_prefix_cache_requests_hit_and_tombstones_appear(tmp_path):
+    """Shared prompts are matched, SWA eviction makes tombstones, each part holds exactly the tree's
+    and the running requests' slots after every step, and the tokens are transformers' and the run's
+    without a cache (with the speculative run's too)."""
+    assert_swa_prefix_cache_serves(gemma3_runner, gemma3_runner.GEMMA3, PREFIX, PREFIX_ARGS, tmp_path / "prefix.json")
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ("live window", "lacks SWA KV for 1 of its last 6 tokens"),
+        ("the tree's slots", "is live but 8 of its slots map to no SWA slot"),
+    ],
+)
+def test_gemma3_a_prefix_cache_scheduler_that_gives_back_too_much_is_caught(monkeypatch, rule, message):
+    """A request that keeps only what the model reads (window - 1 tokens, not the tree's last window),
+    or that gives back the SWA slots of its cached prefix (the tree's): the cache's check at the end
+    of the step says so."""
+    from support.runners import swa_prefix
+
+    def release(r, window, page):
+        if rule == "live window":
+            start = max(r.swa_evicted_seqlen, r.cache_protected_len)
+            return start, max(start, max(0, r.kv_len - window + 1) // page * page)
+        return r.swa_evicted_seqlen, max(r.swa_evicted_seqlen, (r.kv_len - window) // page * page)
+
+    monkeypatch.setattr(swa_prefix, "release_span", release)
+    arch = gemma3_runner.GEMMA3
+    model = arch.build_model(PREFIX)
+    pools = arch.make_pool(PREFIX, model, torch.float32)
+    sched = arch.scheduler(pools, PREFIX.batch, PREFIX.max_context_len, PREFIX.chunk_size, True)
+    runner = arch.runner(model, pools, None)
+    for rid, pr in enumerate(runners.make_prompts(PREFIX)):
+        sched.add(runners.Request(rid, list(pr.tokens), pr.new_tokens))
+    with runners.cpu_threads(PREFIX):
+        while sched.step_error is None and runner.step(sched, keep_logits=False) is not None:
+            pass
+    assert sched.step_error is not None and message in sched.step_error
+    with pytest.raises(RuntimeError, match=message):
+        sched.check_integrity()

@@ -14,6 +14,7 @@ import torch
 
 from kvassert import (
     assert_speculative_runs,
+    assert_swa_prefix_cache_serves,
     dropping_last_token,
     fused_and_reference_serve,
     load_example,
@@ -42,6 +43,16 @@ if HAS_GPT_OSS:
     )  # fmt: skip
     FP32 = replace(TINY, pool_dtypes=("fp32",))
     ARGS = ["--prompts", "3", "--batch", "2", "--prompt-len", "14", "24", "--new-tokens", "4", "10", "--device", "cpu"]
+    # On the prefix cache: 8 prompts of 20-40 tokens sharing prefixes, a window of 6, chunks of 8: the
+    # tree outgrows both parts, so allocations evict from it and its SWA eviction makes tombstones.
+    PREFIX = replace(
+        TINY, shape=replace(TINY.shape, sliding_window=6), prompts=8, prompt_len=(20, 40), chunk_size=8,
+        prefix_cache=True, pool_dtypes=("fp32",),
+    )  # fmt: skip
+    PREFIX_ARGS = [
+        "--sliding-window", "6", "--prompts", "8", "--batch", "2", "--prompt-len", "20", "40", "--new-tokens", "6", "14",
+        "--chunk-size", "8", "--device", "cpu",
+    ]  # fmt: skip
 # Against plain HF, measured on the CPU (seed 0): bf16 pool 9.7e-3 max rel logit error and 1.6e-5 mean
 # KL; FP8 e4m3 mean KL 9.9e-3 at scale 1.0, 1.4e-2 calibrated (routing flips to other experts where
 # the rounding crosses a near-tie). The bounds leave room for other devices.
@@ -201,7 +212,6 @@ def test_gpt_oss_summary_help_and_exit_status(capsys):
     for bad, message in (
         (["--spec-width", "1"], "spec_width must be an int >= 2 (the last token and a draft) or None, got 1"),
         (["--page-size", "1"], "page_size must be at least 2"),
-        (["--prefix-cache"], "--prefix-cache is not available for gpt-oss"),
         (["--sliding-window", "1"], "sliding_window must be an int >= 2, got 1"),
         (["--top-k", "5"], "top_k must be at most experts = 4, got 5"),
         (["--json", "x.json", "--dtypes", "bf16"], "--json describes an fp32 model's fp32 pool"),
@@ -347,3 +357,10 @@ def test_gpt_oss_on_cuda_speculative_verify_writes_take_the_fused_kernel():
     assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
     for r in [*rep.runs, *rep.spec_runs]:
         assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+
+
+def test_gpt_oss_on_the_prefix_cache_requests_hit_and_tombstones_appear(tmp_path):
+    """Shared prompts are matched, SWA eviction makes tombstones, each part holds exactly the tree's
+    and the running requests' slots after every step, and the tokens are transformers' and the run's
+    without a cache (with the speculative run's too)."""
+    assert_swa_prefix_cache_serves(gpt_oss_runner, gpt_oss_runner.GPT_OSS, PREFIX, PREFIX_ARGS, tmp_path / "prefix.json")

@@ -25,6 +25,16 @@ SMALL = {
     "gemma3": replace(small_sim_config(), model="gemma3", layers=6, sliding_window=16, kv_budget_mib=0.15),
 }
 MODELS = sorted(SMALL)
+# Chats of 1-3 turns after a 40-token few-shot prompt on the prefix cache (an SWARadixCache), budgets
+# in which the tree competes with the running requests for both parts, so it is evicted from both
+# and its SWA eviction makes tombstones.
+CHATS = {
+    model: replace(
+        cfg, requests=16, prompt_len=(4, 24), output_len=(2, 16), arrival_every=1.0, prefix_cache=True,
+        few_shot_len=40, turns=(1, 3), kv_budget_mib={"gpt-oss": 0.06, "gemma3": 0.15}[model],
+    )
+    for model, cfg in SMALL.items()
+}  # fmt: skip
 
 
 def held_exactly_what_the_windows_keep(monkeypatch) -> list[int]:
@@ -137,7 +147,6 @@ def test_sliding_window_command_line(capsys):
         (["--model", "gpt-oss", "--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio must be a number in (0, 1]"),
         (["--model", "gpt-oss", "--host-tier"], "--model gpt-oss runs without --host-tier"),
         (["--model", "gpt-oss", "--cpu-park"], "--model gpt-oss runs without --cpu-park"),
-        (["--model", "gpt-oss", "--prefix-cache"], "--model gpt-oss runs without --prefix-cache"),
         (["--model", "gpt-oss", "--kv-budget-mib", "0.01"], "--kv-budget-mib must hold the longest request"),
     ):
         assert serve_sim.main([*SMALL_SIM_ARGS, *bad]) == 2
@@ -155,3 +164,73 @@ def test_sliding_window_on_the_fused_kernel(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res = serve_sim.run(replace(SMALL["gpt-oss"], requests=4, output_len=(2, 10), spec_k=3, device=device))
     assert res.ok and res.reference_calls == 0 and res.fused_calls > 0, serve_sim.format_summary(res)
+
+
+def held_exactly_the_tree_and_the_windows(monkeypatch) -> list[int]:
+    """Make every ``release_windows`` of a prefix-cache run check, after its frees, that each part
+    holds exactly the tree's tokens (the SWA part: of its live nodes) plus each running request's own
+    pages from ``cache_protected_len`` (the SWA part: from what it gave back), that live nodes map to
+    SWA slots and tombstones do not, and that every token in a running request's window has its SWA
+    slot; returns the tombstones seen at each call."""
+    release = sliding.SchedulerWithWindows.release_windows
+    seen: list[int] = []
+
+    def checked(self) -> None:
+        release(self)
+        a, p, w = self.allocator, self.page_size, self.window
+        tree_full = tree_swa = tombs = 0
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            mapped = a.full_to_swa_index_mapping[node.value]
+            tree_full += len(node.value)
+            if node.swa_tombstone:
+                tombs += 1
+                assert bool((mapped == 0).all())
+            else:
+                tree_swa += len(node.value)
+                assert bool((mapped > 0).all())
+        own_full = own_swa = 0
+        for r in self.running:
+            end = -(-r.kv_len // p) * p
+            own_full += end - r.cache_protected_len
+            own_swa += end - max(r.cache_protected_len, r.swa_evicted_seqlen)
+            swa = a.translate_loc_from_full_to_swa(self.table.req_to_token[r.row, : r.kv_len].to(torch.int64))
+            assert bool((swa[max(0, r.kv_len - w + 1) :] > 0).all())  # every token a later query reads
+        assert a.size_full - a.full_available_size() == tree_full + own_full
+        assert a.size_swa - a.swa_available_size() == tree_swa + own_swa
+        seen.append(tombs)
+
+    monkeypatch.setattr(sliding.SchedulerWithWindows, "release_windows", checked)
+    return seen
+
+
+@pytest.mark.parametrize("page_size", [16, 4], ids=["paged16", "paged4"])
+@pytest.mark.parametrize("model", MODELS)
+def test_sliding_window_chats_hit_the_prefix_cache_and_every_row_verifies(monkeypatch, model, page_size):
+    """With --validate, check_integrity of tree, allocator, table and running requests before every
+    step; every full row and held SWA row, the cached ones included, byte-equal to what was written."""
+    cfg = replace(CHATS[model], page_size=page_size, validate=True)
+    seen = held_exactly_the_tree_and_the_windows(monkeypatch)
+    res = serve_sim.run(cfg)
+    summary = serve_sim.format_summary(res)
+    stats = res.prefix
+    assert res.ok and res.served == res.verified_requests == cfg.requests, summary
+    assert stats.matched_tokens > 0 and stats.evicted_swa_tokens > 0, summary
+    assert stats.tombstoned_nodes > 0 and max(seen) > 0, summary  # SWA eviction kept full KV of inner nodes
+    assert stats.integrity_checks == res.steps + 1 and len(seen) >= res.forward_steps
+    assert res.verified_tokens > res.prefill_tokens + res.decode_tokens  # cached rows were checked too
+    assert res.swa.lost_window == 0 and res.leaked_slots == 0
+    assert f"made {stats.tombstoned_nodes} nodes ({stats.tombstoned_tokens} tokens) tombstones" in summary
+
+
+def test_sliding_window_prefix_cache_command_line(capsys):
+    args = [*SMALL_SIM_ARGS, "--model", "gpt-oss", "--sliding-window", "16", "--prefix-cache", "--few-shot-len", "40",
+            "--prompt-len", "4", "24", "--output-len", "2", "16", "--requests", "16", "--kv-budget-mib", "0.06"]  # fmt: skip
+    assert serve_sim.main(args) == 0
+    out = capsys.readouterr().out
+    assert "prefix cache    SWARadixCache(page_size=16, lru)" in out and "tombstones (SWA KV freed" in out
+    assert "every window whole" in out and out.rstrip().endswith("PASS")
+    assert serve_sim.main([*args, "--corrupt"]) == 1  # one flipped byte: the check fails the run
+    assert "FAIL" in capsys.readouterr().out

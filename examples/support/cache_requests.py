@@ -74,7 +74,13 @@ def give_back_row(table: Any, r: Any) -> None:
 
 
 def make_room(cache: RadixCache, allocator: Any, tokens: int) -> None:
-    """Evict from the tree what ``allocator`` lacks of ``tokens`` free slots."""
+    """Evict from the tree what ``allocator`` lacks of ``tokens`` free slots (an ``SWARadixCache``:
+    what each part lacks, full KV from leaves and SWA KV from any unlocked node)."""
+    if cache.supports_swa():
+        full, swa = tokens - allocator.full_available_size(), tokens - allocator.swa_available_size()
+        if full > 0 or swa > 0:
+            cache.evict(EvictParams(num_tokens=max(full, 0), swa_num_tokens=max(swa, 0)))
+        return
     short = tokens - allocator.available_size()
     if short > 0:
         cache.evict(EvictParams(num_tokens=short))

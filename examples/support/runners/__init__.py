@@ -17,7 +17,8 @@ pool, make its model runner); ``serve``, ``calibrate`` and ``run`` do the rest:
   token agreement, logit error and KL; ``run`` serves on a pool of each dtype and compares;
   ``format_summary`` prints it.
 - ``RunConfig.prefix_cache`` (``--prefix-cache``): prompts that share prefixes, served on a prefix cache
-  (``support.runners.prefix``): each prefills only what the tree does not hold.
+  (``support.runners.prefix``; the sliding-window runners' on an ``SWARadixCache``,
+  ``support.runners.swa_prefix``): each prefills only what the tree does not hold.
 
 The modules: ``config`` (``RunConfig``, the shared options), ``reference`` (prompts, HF references),
 ``scheduler`` (``Request``, ``ForwardBatch``, ``Scheduler``), ``attention`` (attention over pool
@@ -26,7 +27,7 @@ rows), ``results`` (``ServeResult``, ``compare``, ``Report``), ``summary``, ``se
 ``tiers`` (``--host-tier`` and ``--storage``: the runs and checks of the tiers below the device),
 ``qwen35_model``/``qwen35_layers`` (the Qwen3.5 runner's model, pools and layers), ``gemma3_model``
 (the Gemma 3 runner's model, sliding-window pool and the scheduler that frees SWA slots, which the
-gpt-oss runner uses too) and ``sliding`` (a sliding layer's keys and the SWA summary of both). This package re-exports the names the
+gpt-oss runner uses too), ``swa_prefix`` (that scheduler on an ``SWARadixCache``) and ``sliding`` (a sliding layer's keys and the SWA summary of both). This package re-exports the names the
 runners and benchmarks/bench_runner.py use, so ``from support import runners as rc`` reads as one
 module.
 """

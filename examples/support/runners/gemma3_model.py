@@ -178,6 +178,19 @@ def swa_pages(window: int, page_size: int, step_tokens: int, tokens: int) -> int
     return -(-min(window + page_size - 2 + step_tokens, tokens) // page_size)
 
 
+def cached_swa_pages(window: int, page_size: int, step_tokens: int, prompt_len: int, tokens: int, locked: int = 0) -> int:
+    """The most SWA pages a request of ``tokens`` K/V tokens and a ``prompt_len``-token prompt keeps
+    alive at once on a prefix cache (support.runners.swa_prefix), its own and those its lock holds in
+    the tree. Its own: it keeps the last window of its whole pages (``ceil(window / page) * page``
+    slots, and the partial page after them), plus a step's tokens. Its lock: the window the match
+    locked (``locked`` tokens) and what later insertions of its prompt add to it, at most a window
+    and an inserted step's pages."""
+    p = page_size
+    own = min(-(-window // p) * p + p - 1 + step_tokens, tokens)
+    lock = locked + min(prompt_len, window + step_tokens + p)
+    return -(-own // p) + -(-lock // p)
+
+
 @dataclass
 class SWAPools:
     """One run's ``SWAKVPool`` (``kv``: local layers in its SWA part, global layers in its full part),
@@ -207,13 +220,18 @@ def plan_pools(
 ) -> tuple[SWASizing, int, int]:
     """``plan_swa_pools`` for ``cfg.batch`` of the longest requests: the full part holds their whole
     length, the SWA part their largest live window (``swa_pages``, a step adding a prefill chunk or a
-    verify block of ``verify_width`` tokens); with ``verify_width`` the draft pool (every layer in
+    verify block of ``verify_width`` tokens; on a prefix cache ``cached_swa_pages`` without a match,
+    the tree holding the rest of both parts); with ``verify_width`` the draft pool (every layer in
     ``DRAFT_DTYPE``, the draft model's K/V) holds what the full part holds. The budget is what those
     pools take, split at their ratio. Returns the sizing and the slots each part needs."""
     p = cfg.page_size
     step = max(min(cfg.prompt_len[1], cfg.chunk_size or cfg.prompt_len[1]), verify_width or 1)
     full_need = cfg.batch * -(-cfg.max_context_len // p) * p
-    swa_need = cfg.batch * swa_pages(g.window, p, step, cfg.max_context_len) * p
+    if cfg.prefix_cache:
+        swa_need = cfg.batch * cached_swa_pages(g.window, p, step, cfg.prompt_len[1], cfg.max_context_len) * p
+        swa_need = min(swa_need, full_need)  # no part holds more SWA slots than full ones
+    else:
+        swa_need = cfg.batch * swa_pages(g.window, p, step, cfg.max_context_len) * p
     full = KVGeometry(g.kv_heads, g.head_dim, len(g.full_layers), dtype)
     swa = KVGeometry(g.kv_heads, g.head_dim, len(g.swa_layers), dtype)
     draft = KVGeometry(g.kv_heads, g.head_dim, len(g.full_layers) + len(g.swa_layers), DRAFT_DTYPE) if verify_width else None
@@ -370,8 +388,8 @@ class SWAScheduler(VerifyScheduling):
                 self.step_error = f"after step {len(self.steps) + 1}: {e}"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the free counts the device sends back, before reading them
-        a, p = self.allocator, self.page_size
-        bound = len(self.running) * swa_pages(self.window, p, 0, self.max_context_len) * p
+        a = self.allocator
+        bound = self.swa_bound()
         step = StepMemory(
             len(self.running), sum(r.kv_len for r in self.running), a.size_full - a.full_available_size(),
             a.size_swa - a.swa_available_size(), bound,
@@ -379,9 +397,17 @@ class SWAScheduler(VerifyScheduling):
         self.steps.append(step)
         if self.check_each_step and self.step_error is None and step.swa_held > bound:
             self.step_error = (
-                f"after step {len(self.steps)}: the SWA part holds {step.swa_held} slots, more than a live window "
-                f"and a page for each of the {step.running} running requests ({bound})"
+                f"after step {len(self.steps)}: the SWA part holds {step.swa_held} slots, more than its bound for the "
+                f"{step.running} running requests ({bound}: {self.swa_bound_rule})"
             )
+
+    swa_bound_rule = "a live window and a page each"
+
+    def swa_bound(self) -> int:
+        """The most SWA slots the allocator may have handed out at a step's end: a live window and a
+        page per running request."""
+        p = self.page_size
+        return len(self.running) * swa_pages(self.window, p, 0, self.max_context_len) * p
 
     def _check_windows(self) -> None:
         """Each running request's tokens in the window are mapped to SWA slots; those before its kept

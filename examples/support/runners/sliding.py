@@ -38,6 +38,7 @@ from support.runners.scheduler import ForwardBatch
 from support.runners.serving import Architecture, ModelRunner, cpu_threads
 from support.runners.serving import run as run_architecture
 from support.runners.summary import format_summary
+from support.runners.swa_prefix import swa_caching
 from support.runners.verify import (
     SpecReport,
     SpeculativeSteps,
@@ -72,9 +73,8 @@ class SlidingArchitecture(Architecture):
     def scheduler(
         self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
     ) -> SWAScheduler:
-        if prefix_cache:
-            raise ValueError(f"prefix_cache must be False for {self.label}: the runners have no sliding-window radix cache")
-        return SWAScheduler(pool, max_running, max_context_len, chunk_size, verify_width=self.spec_width)
+        cls = swa_caching() if prefix_cache else SWAScheduler
+        return cls(pool, max_running, max_context_len, chunk_size, verify_width=self.spec_width)
 
     def draft_pool(self, pools: SWAPools) -> Optional[MHATokenToKVPool]:
         """The draft's pool of ``pools`` when this architecture decodes speculatively, else None."""
@@ -265,10 +265,10 @@ def run_sliding(
     ``opts`` (each compared with the plain run on its dtype and with HF); then write
     ``opts.json_path`` (if given): ``model_type``, the HF ``config`` (``model_config(cfg)``),
     ``seed``, ``prompts``, the fp32 pool's tokens and, with speculative runs, the fp32 speculative
-    run's (``spec_tokens``). ``log`` is told what starts."""
+    run's (``spec_tokens``); with a prefix cache, ``prefix_cache``: the fp32 run's prompt tokens,
+    those matched, what evictions freed in each part, the nodes they made tombstones and the most
+    tombstones at a step's end. ``log`` is told what starts."""
     json_path, plain = opts.json_path, arch(None)
-    if cfg.prefix_cache:
-        raise ValueError(f"--prefix-cache is not available for {plain.label}: the runners have no sliding-window radix cache")
     if cfg.page_size < 2:
         raise ValueError(
             f"page_size must be at least 2 (the SWA allocator extends requests page by page), got {cfg.page_size}"
@@ -297,6 +297,13 @@ def run_sliding(
         for s in report.spec_runs:
             if s.dtype == "fp32":
                 out["spec_tokens"] = [g.tokens for g in s.result.generations]
+        if cfg.prefix_cache:
+            res, m = fp32.result, fp32.result.memory
+            out["prefix_cache"] = {
+                "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+                **{k: m[k] for k in ("cache_full_evicted", "cache_swa_evicted", "tombstoned_nodes", "tombstoned_tokens",
+                                     "tombstones_peak")},
+            }  # fmt: skip
         with open(json_path, "w") as f:
             json.dump(out, f)
         log(f"wrote {json_path}")
@@ -385,6 +392,8 @@ def format_swa_summary(rep: Report, window: int, sliding: str) -> str:
         out.pop()  # the final PASS/FAIL, said again below
         for s in spec_runs:
             out += spec_run_lines(s, SPEC_DRAFT, SPEC_COMMITS)
+            if rep.config.prefix_cache:
+                out.append(cache_line(s.result))
             out.append(memory_line(s.result.memory))
         check = spec_check_line(rep)  # type: ignore[arg-type]
         if check is not None:
@@ -393,13 +402,32 @@ def format_swa_summary(rep: Report, window: int, sliding: str) -> str:
     return "\n".join(out)
 
 
+def cache_line(r: Any) -> str:
+    """A run's prefix-cache hits (a ``ServeResult``'s), as the shared summary prints them."""
+    rate = 100 * r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+    return (
+        f"    cache       {r.cached_tokens} of {r.prompt_tokens} prompt tokens matched in the prefix cache ({rate:.0f}%), "
+        "not prefilled"
+    )
+
+
 def memory_line(m: dict[str, int]) -> str:
     if not m:
         return "    memory      -"
-    return (
+    cached = "tombstones_peak" in m
+    rule = "a window and a page of its own each, and the tree's SWA KV" if cached else "a live window and a page each"
+    line = (
         f"    memory      SWA part at most {m['swa_peak']} slots held at a step's end ({m['swa_peak_running']} running, "
-        f"bound {m['swa_peak_bound']}: a live window and a page each), full part at most {m['full_peak']}; "
+        f"bound {m['swa_peak_bound']}: {rule}), full part at most {m['full_peak']}; "
         f"SWAKVPool of {m['size']} full + {m['size_swa']} SWA slots: {m['pool_bytes'] / 1024:,.0f} KiB, "
         f"{m['all_layers_bytes'] / 1024:,.0f} KiB for every layer at {m['size']} slots"
         + (f"; the draft's pool {m['draft_bytes'] / 1024:,.0f} KiB" if m.get("draft_bytes") else "")
     )
+    if cached:
+        line += (
+            f"\n    evicted     from the tree for room: {m['cache_full_evicted']} full tokens, {m['cache_swa_evicted']} "
+            f"SWA tokens, which made {m['tombstoned_nodes']} nodes ({m['tombstoned_tokens']} tokens) tombstones (SWA KV "
+            f"freed, full KV kept); at most {m['tombstones_peak']} tombstones ({m['tombstone_tokens_peak']} tokens) "
+            "in the tree at a step's end"
+        )
+    return line

@@ -37,7 +37,6 @@ SWA_REFUSES = {
     "host_tier": "the host tier parks MHA, MLA and hybrid pools' rows",
     "cpu_park": "a retracted request's tokens before its window have no SWA rows to copy",
     "calibrate": "calibration runs on the MHA and MLA pools",
-    "prefix_cache": "serve_sim's prefix cache has no sliding-window tree",
 }
 # A latent row is quantized with one scale; V's, so that some values saturate here too (the row's
 # values are kv_values' K half, so each layer's latent scale follows K's magnitude).

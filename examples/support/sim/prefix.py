@@ -41,13 +41,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
+from kvpool.cache.swa_radix_cache import SWARadixCache
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from support import cache_requests
 from support.cache_requests import CacheRequest
-from support.sim import hybrid
-from support.sim.config import HYBRID_MODEL
+from support.sim import hybrid, sliding
+from support.sim.config import HYBRID_MODEL, SWA_MODELS
 from support.sim.loop import Parts, SimResult, make_pool, make_runner, simulate
 from support.sim.scheduler import Request, Scheduler
 from support.storage import StorageSite, storage_policy
@@ -166,6 +167,9 @@ class PrefixStats:
     evict_calls: int = 0  # evictions that freed something
     evicted_tokens: int = 0  # device tokens they freed
     evicted_states: int = 0  # state snapshots they freed (hybrid)
+    evicted_swa_tokens: int = 0  # SWA tokens they freed (sliding-window models)
+    tombstoned_nodes: int = 0  # live nodes they made tombstones: SWA KV freed, full KV kept
+    tombstoned_tokens: int = 0
     backed_up_tokens: int = 0  # host tier: tokens backed up
     host_evicted_tokens: int = 0  # host tier: tokens dropped from the host
     forks: int = 0  # hybrid: snapshots copied into a request's state slot
@@ -231,11 +235,17 @@ class TalliedCache:
     counting = True
 
     def evict(self, params: Any) -> Any:
+        live = sliding.live_nodes(self) if self.counting and self.supports_swa() else set()  # type: ignore[attr-defined]
         result = super().evict(params)  # type: ignore[misc]
-        if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted):
+        if self.counting and (result.num_tokens_evicted or result.mamba_num_evicted or result.swa_num_tokens_evicted):
             self.stats.evict_calls += 1
             self.stats.evicted_tokens += result.num_tokens_evicted
             self.stats.evicted_states += result.mamba_num_evicted
+            self.stats.evicted_swa_tokens += result.swa_num_tokens_evicted
+        if live:
+            nodes, tokens = sliding.new_tombstones(self, live)
+            self.stats.tombstoned_nodes += nodes
+            self.stats.tombstoned_tokens += tokens
         return result
 
 
@@ -267,6 +277,9 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
     )  # fmt: skip
     if hybrid:
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
+    elif cfg.model in SWA_MODELS:
+        params.sliding_window_size = cfg.sliding_window
+        cache = _with(TalliedCache, SWARadixCache)(params, validate=cfg.validate)
     elif cfg.host_tier:
         host_cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPool) else MHATokenToKVPoolHost
         try:
@@ -339,10 +352,10 @@ class PrefixScheduler:
                 prefix, loaded = torch.cat((prefix, slots)), slots.numel()
         start = prefix.numel()
         end = min(target, start + budget)
-        self.cache.inc_lock_ref(node)
+        lock = self.cache.inc_lock_ref(node)  # an SWARadixCache's: swa_uuid_for_lock
         taken = self.pages_for(end) - start // self.page_size + (room - self.room()) // self.page_size
         if taken > pages:
-            self.cache.dec_lock_ref(node)
+            self.cache.dec_lock_ref(*((node, lock) if self.cache.supports_swa() else (node,)))
             cache_requests.give_back_row(self.table, r)
             return None
         if start:
@@ -350,6 +363,8 @@ class PrefixScheduler:
         r.kv_len, r.prefill_target = start, target
         r.last_node, r.cache_protected_len, r.prefix_indices = node, start, prefix
         r.mamba_last_track_seqlen = None
+        if self.cache.supports_swa():
+            r.swa_uuid_for_lock, r.swa_evicted_seqlen = lock, 0
         self.stats.lookups += 1
         self.stats.prompt_tokens += target
         self.stats.matched_tokens += start - loaded
@@ -469,6 +484,10 @@ def run(cfg: Any) -> Any:
                          runner_mixin=RunnerWithTracks if extra else None)  # fmt: skip
         pool, runner, result, parts = b.pool, b.runner, b.result, b.parts
         base = functools.partial(_with(PrefixScheduler, _with(hybrid.SchedulerWithStates, Scheduler)), table=b.table)
+    elif cfg.model in SWA_MODELS:
+        pool, runner, result, parts = sliding.build(cfg)
+        windows = parts.scheduler
+        base = functools.partial(sliding.on_cache(_with(PrefixScheduler, windows.func)), **windows.keywords)
     else:
         pool, geometry = make_pool(cfg)
         runner = make_runner(cfg, pool)

@@ -14,6 +14,12 @@ full-to-SWA mapping); ``--spec-decode`` writes the drafts into both parts with
 ``set_kv_buffer_prefix_valid``, compacts them with ``move_kv_cache`` and frees the rejected slots of
 both parts.
 
+With ``--prefix-cache`` the chats run on an ``SWARadixCache`` (support/sim/prefix.py builds it over
+this module's parts; ``WindowsOnCache``): a step may take what both parts have free or the tree can
+evict; a request gives back the SWA part of its own pages before the last window of its whole pages
+(so its cached tail keeps a whole window) and records it in ``swa_evicted_seqlen``; evictions free
+full KV from leaves and SWA KV from inner nodes, which become tombstones, and the summary counts them.
+
 The byte check: a full layer's rows of every token, a sliding layer's rows of the tokens whose SWA
 part it still holds (at their translated slots), each compared with what was written; a token
 inside the window whose SWA slot was given back counts as a mismatch. The summary adds the most
@@ -99,11 +105,11 @@ class WindowStats:
 
 class SchedulerWithWindows:
     """Allocates in both parts; after every step each running request gives back the SWA part of its
-    whole pages that left the window; ``stats`` records what each part holds then."""
+    whole pages that left the window; ``window_stats`` records what each part holds then."""
 
     def __init__(self, cfg: Any, pool: SWAKVPool, stats: WindowStats) -> None:
         super().__init__(cfg, pool)  # type: ignore[call-arg]
-        self.stats, self.window = stats, cfg.sliding_window
+        self.window_stats, self.window = stats, cfg.sliding_window
         self.released: dict[int, int] = {}  # rid -> tokens whose SWA part was given back (a page multiple)
 
     def make_allocator(self, cfg: Any, pool: SWAKVPool) -> SWATokenToKVPoolAllocator:
@@ -121,20 +127,79 @@ class SchedulerWithWindows:
         a = self.allocator  # type: ignore[attr-defined]
         a.free_group_begin()
         for r in self.running:  # type: ignore[attr-defined]
-            start, end = self.released.get(r.rid, 0), live_from(r.kv_len, self.window, self.page_size)  # type: ignore[attr-defined]
+            start, end = self.release_span(r)
             if end > start:
                 a.free_swa(self.table.req_to_token[r.row, start:end].to(torch.int64))  # type: ignore[attr-defined]
-                self.released[r.rid] = end
-                self.stats.given_back += end - start
+                self.mark_released(r, end)
+                self.window_stats.given_back += end - start
         a.free_group_end()
         if self.device.type == "cuda":  # type: ignore[attr-defined]
             torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]  # the free counts, before reading them
-        self.stats.swa_peak = max(self.stats.swa_peak, a.size_swa - a.swa_available_size())
-        self.stats.full_peak = max(self.stats.full_peak, a.size_full - a.full_available_size())
+        self.window_stats.swa_peak = max(self.window_stats.swa_peak, a.size_swa - a.swa_available_size())
+        self.window_stats.full_peak = max(self.window_stats.full_peak, a.size_full - a.full_available_size())
+
+    def release_span(self, r: Any) -> tuple[int, int]:
+        """The positions ``[start, end)`` whose SWA part running request ``r`` gives back now: from
+        what it gave back before to the page of its oldest token in the window."""
+        return self.released.get(r.rid, 0), live_from(r.kv_len, self.window, self.page_size)  # type: ignore[attr-defined]
+
+    def mark_released(self, r: Any, end: int) -> None:
+        self.released[r.rid] = end
 
     def release(self, r: Any) -> None:
         self.released.pop(r.rid, None)  # a retracted request starts again from position 0
         super().release(r)  # type: ignore[misc]
+
+
+class WindowsOnCache:
+    """Mixed over serve_sim's prefix-cache scheduler on the sliding-window pools (an
+    ``SWARadixCache``): a step may take what both parts have free or evictable; a request gives back
+    the SWA part of its own pages (from ``cache_protected_len``) before the last window of its whole
+    pages, so that its cached tail keeps a whole window and a match can end there, and records it in
+    ``swa_evicted_seqlen``, which the cache reads; a retracted request starts again from nothing."""
+
+    def room(self) -> int:
+        a, c = self.allocator, self.cache  # type: ignore[attr-defined]
+        return min(a.full_available_size() + c.full_evictable_size(), a.swa_available_size() + c.swa_evictable_size())
+
+    def release_span(self, r: Any) -> tuple[int, int]:
+        p = self.page_size  # type: ignore[attr-defined]
+        start = max(r.swa_evicted_seqlen, r.cache_protected_len)
+        return start, max(start, r.kv_len // p * p - self.window) // p * p  # type: ignore[attr-defined]
+
+    def mark_released(self, r: Any, end: int) -> None:
+        r.swa_evicted_seqlen = end
+
+    def retract(self, r: Any) -> None:
+        super().retract(r)  # type: ignore[misc]
+        r.swa_evicted_seqlen, r.swa_uuid_for_lock = 0, None
+
+
+def tree_nodes(cache: Any) -> list:
+    """A prefix cache's nodes but the root."""
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def live_nodes(cache: Any) -> set[int]:
+    """The ids of an ``SWARadixCache``'s nodes with SWA KV."""
+    return {n.id for n in tree_nodes(cache) if not n.swa_tombstone}
+
+
+def new_tombstones(cache: Any, live: set[int]) -> tuple[int, int]:
+    """The nodes (and their tokens) among ``live`` (``live_nodes`` before a change) that are
+    tombstones now."""
+    tombs = [n for n in tree_nodes(cache) if n.swa_tombstone and n.id in live]
+    return len(tombs), sum(len(n.value) for n in tombs)
+
+
+def on_cache(scheduler_cls: type) -> type:
+    """``scheduler_cls`` (a prefix-cache scheduler over ``SchedulerWithWindows``) with ``WindowsOnCache``."""
+    return _with(WindowsOnCache, scheduler_cls)
 
     def slots_in_use(self) -> int:
         a = self.allocator  # type: ignore[attr-defined]
@@ -249,13 +314,19 @@ def summary_lines(res: SimResult) -> list[str]:
     cfg, s = res.config, res.swa
     n = cfg.long_context
     ours, every = request_bytes(cfg, n)
+    cached = []
+    if res.prefix is not None:
+        cached.append(
+            f"  tombstones      the SWARadixCache's evictions freed {res.prefix.evicted_swa_tokens} SWA tokens and made "
+            f"{res.prefix.tombstoned_nodes} nodes ({res.prefix.tombstoned_tokens} tokens) tombstones (SWA KV freed, full KV kept)"
+        )
     return [
         f"  window          {s.window} tokens; {s.given_back} tokens' SWA slots given back with free_swa as they "
         f"left it; at a step's end the SWA part held at most {s.swa_peak}/{s.size_swa} slots, the full part "
         f"{s.full_peak}/{s.size}",
         f"  long context    a request of {n:,} tokens keeps {ours / GiB:.3f} GiB of K/V on these pools, "
         f"{every / GiB:.3f} GiB on a pool that keeps every layer's ({100 * ours / every:.1f}%)",
-    ]
+    ] + cached
 
 
 def shape_and_pool_lines(res: SimResult) -> tuple[str, str]:
