@@ -121,6 +121,8 @@ class Qwen35(Architecture):
     program = PROGRAM
     model_name = "Qwen3_5MoeForCausalLM"
 
+    speculative_prefix_cache = False  # its verify steps are not cached: the speculative runs serve without
+
     def __init__(self, spec_width: Optional[int] = None) -> None:
         if spec_width is not None and (isinstance(spec_width, bool) or not isinstance(spec_width, int) or spec_width < 2):
             raise ValueError(f"spec_width must be an int >= 2 (the last token and a draft) or None, got {spec_width!r}")

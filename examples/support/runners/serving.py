@@ -47,6 +47,9 @@ class Architecture:
     program = "model_runner"
     model_name = "PreTrainedModel"
     allocator_name = "PagedTokenToKVPoolAllocator"  # what the scheduler allocates with (the summary names it)
+    #: Whether the speculative runs (``verify.add_spec_runs``) serve on the prefix cache too when
+    #: the run has one; an architecture whose verify steps the cache does not take says False.
+    speculative_prefix_cache = True
 
     def build_model(self, cfg: RunConfig) -> PreTrainedModel:
         raise NotImplementedError

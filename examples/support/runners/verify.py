@@ -265,7 +265,8 @@ def add_spec_runs(
         log(f"serving on a {name} pool with speculative decoding (verify blocks of {arch.spec_width})")
         plain = next(r for r in report.runs if r.dtype == name and r.scales in ("-", "1.0"))
         pool = arch.make_pool(cfg, model, DTYPES[name])
-        res = serve(model, pool, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=cfg.prefix_cache)
+        cached = cfg.prefix_cache and arch.speculative_prefix_cache
+        res = serve(model, pool, prompts, cfg.batch, arch=arch, chunk_size=cfg.chunk_size, prefix_cache=cached)
         vs_plain = compare(res.generations, plain.result.generations)
         report.spec_runs.append(SpecRun(name, arch.spec_width, res, vs_plain, compare(res.generations, hf)))
 
