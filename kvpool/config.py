@@ -9,6 +9,9 @@ Each is read when an object is built (a pool, an allocator, a host pool, a K/V w
 public write functions build their writer on the first call for a cache geometry), with one
 exception: ``fused_fp8_set_kv_buffer`` and ``reference_set_kv_buffer`` called with ``validate=None``
 read ``KVPOOL_VALIDATE`` on every call. Nothing else in the package reads ``os.environ``.
+
+One setting is written, not read: ``MC_TCP_BIND_ADDRESS``, Mooncake's, when a ``MooncakeStore``
+connects (:func:`default_mooncake_bind_address`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ def fused_mode(requested: str) -> FusedMode:
     if mode not in FUSED_MODES:
         raise ValueError(f"{source} must be one of {', '.join(FUSED_MODES)}, got {mode!r}")
     return mode  # type: ignore[return-value]
+
+
+def default_mooncake_bind_address(host: str) -> None:
+    """Make Mooncake's TCP transport offer peers ``host`` (its ``MC_TCP_BIND_ADDRESS``) unless the
+    environment already names an address; the setting is per process."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
 
 
 def validate_enabled(requested: bool) -> bool:

@@ -127,16 +127,20 @@ class FaultyStorage(HiCacheStorage):
     # --- the host pool and housekeeping pass through --------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The wrapped backend's, and kept here for the short reads that scribble on host pages."""
         self.storage.register_mem_pool_host(mem_pool_host)
         self.mem_pool_host = mem_pool_host
 
     def clear(self) -> None:
+        """The wrapped backend's (no fault injected)."""
         self.storage.clear()
 
     def get_stats(self) -> StorageStats:
+        """The wrapped backend's counters (the injected faults are in ``log``)."""
         return self.storage.get_stats()
 
     def close(self) -> None:
+        """The wrapped backend's (no fault injected)."""
         self.storage.close()
 
     # --- reads ---------------------------------------------------------------------------------------
@@ -148,6 +152,8 @@ class FaultyStorage(HiCacheStorage):
         host.set_from_flat_data_page(int(host_indices[i * ps]), page)
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        """The wrapped backend's ``get``, unless this call fails (None) or reads short (the target's
+        second half scribbled over, then None)."""
         faults = self._faults("get")
         if "fail" in faults:
             return None
@@ -161,6 +167,8 @@ class FaultyStorage(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> list[Optional[torch.Tensor]]:
+        """The wrapped backend's ``batch_get``, unless this call fails (all None) or reads short (the
+        second half of the pages scribbled over and None)."""
         faults = self._faults("batch_get")
         if "fail" in faults:
             return [None] * len(keys)
@@ -174,12 +182,15 @@ class FaultyStorage(HiCacheStorage):
         return got
 
     def exists(self, key: str) -> bool:
+        """The wrapped backend's ``exists``, unless this call fails or reads short (False)."""
         faults = self._faults("exists")
         if faults & {"fail", "short"}:
             return False
         return self.storage.exists(key)
 
     def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """The wrapped backend's ``batch_exists``, unless this call fails (0) or reads short (at most
+        half the keys)."""
         faults = self._faults("batch_exists")
         if "fail" in faults:
             return 0
@@ -189,6 +200,8 @@ class FaultyStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
+        """The wrapped backend's ``batch_get_v1``, unless this call fails (all False) or reads short
+        (the second half's host pages scribbled over and False)."""
         faults = self._faults("batch_get_v1")
         if "fail" in faults:
             return [False] * len(keys)
@@ -202,6 +215,8 @@ class FaultyStorage(HiCacheStorage):
     # --- writes --------------------------------------------------------------------------------------
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """The wrapped backend's ``set``, unless this call fails or writes short (False, nothing
+        stored)."""
         faults = self._faults("set")
         if faults & {"fail", "short"}:
             return False
@@ -210,6 +225,8 @@ class FaultyStorage(HiCacheStorage):
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
+        """The wrapped backend's ``batch_set``, unless this call fails (False) or writes short (the
+        first half stored, then False)."""
         faults = self._faults("batch_set")
         if "fail" in faults:
             return False
@@ -223,6 +240,8 @@ class FaultyStorage(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
+        """The wrapped backend's ``batch_set_v1``, unless this call fails (all False) or writes short
+        (the first half stored, the rest False)."""
         faults = self._faults("batch_set_v1")
         if "fail" in faults:
             return [False] * len(keys)

@@ -426,6 +426,9 @@ class HiCacheFile(HiCacheStorage):
         return _as_bytes(value.detach().contiguous())
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        """As :meth:`HiCacheStorage.get`: the page of ``key`` read into ``target_location`` (a
+        contiguous CPU tensor of the page's size) or a new uint8 tensor; None for a miss (absent,
+        torn, corrupt, foreign or of another size)."""
         key = self.check_key(key)
         target = self._check_target(target_location, target_sizes, "target_location")
         return self._load_tensor(key, target)
@@ -433,6 +436,7 @@ class HiCacheFile(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> list[Optional[torch.Tensor]]:
+        """As :meth:`HiCacheStorage.batch_get`: :meth:`get` of each key, every argument checked first."""
         keys = self.check_keys(keys)
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
@@ -442,12 +446,16 @@ class HiCacheFile(HiCacheStorage):
     def set(
         self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
+        """As :meth:`HiCacheStorage.set`: ``value`` (a CPU tensor) stored as the page of ``key``,
+        renamed into place; False when the write fails."""
         key = self.check_key(key)
         return self._store(key, [self._check_value(value, target_location, target_sizes, "value")])
 
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> bool:
+        """As :meth:`HiCacheStorage.batch_set`: :meth:`set` of each key in order, stopping at the first
+        failure; every argument checked first."""
         keys = self.check_keys(keys)
         if values is None:
             raise ValueError("values must be a list of CPU tensors (one per key), got None")
@@ -458,6 +466,7 @@ class HiCacheFile(HiCacheStorage):
         return all(self._store(k, [p]) for k, p in zip(keys, payloads))
 
     def exists(self, key: str) -> bool:
+        """Whether a page file of ``key`` is in the directory (its contents are checked only when read)."""
         key = self.check_key(key)
         return os.path.isfile(self._path(storage_digest(self.namespace, key)))
 
@@ -515,6 +524,7 @@ class HiCacheFile(HiCacheStorage):
             self._bytes = 0
 
     def get_stats(self) -> StorageStats:
+        """A copy of the counters, with the pages and bytes the directory holds now."""
         with self._lock:
             s = StorageStats(**vars(self._stats))
             s.pages, s.bytes = len(self._index), self._bytes

@@ -418,6 +418,8 @@ class MooncakeStore(HiCacheStorage):
     # --- presence and housekeeping -------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
+        """Whether the store holds an object under ``key``'s store key (False while the master is
+        unreachable; its contents are checked only when read)."""
         key = self.check_key(key)
         if not self._usable():
             return False

@@ -6,11 +6,11 @@ and the metadata server's addresses and what this client lends the store (SGLang
 from __future__ import annotations
 
 import dataclasses
-import os
 import urllib.parse
 from typing import Any
 
 from kvpool.checks import positive_int
+from kvpool.config import default_mooncake_bind_address
 from kvpool.storage.mooncake_master import port_open
 
 #: Mooncake's result codes this backend tells apart (mooncake-store's ``ErrorCode``).
@@ -93,12 +93,14 @@ class MooncakeConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
     def master_host_port(self) -> tuple[str, int]:
+        """``master_server_address`` as ``(host, port)``; ``ValueError`` unless it is ``host:port``."""
         host, sep, port = self.master_server_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"master_server_address must be 'host:port', got {self.master_server_address!r}")
         return host, int(port)
 
     def metadata_host_port(self) -> tuple[str, int]:
+        """The metadata server's ``(host, port)`` from its URL (port 0 when it names none)."""
         url = urllib.parse.urlsplit(self.metadata_server)
         return url.hostname or "", url.port or 0
 
@@ -134,4 +136,4 @@ def pin_transport_address(config: MooncakeConfig) -> None:
     host = config.local_hostname
     if host.count(":") == 1:  # "host:port"
         host = host.split(":")[0]
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+    default_mooncake_bind_address(host)

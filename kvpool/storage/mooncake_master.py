@@ -119,14 +119,17 @@ class MooncakeMaster:
 
     @property
     def pid(self) -> Optional[int]:
+        """The master's process id while it runs, else None."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     @property
     def master_server_address(self) -> str:
+        """``host:rpc_port``, what a store's ``master_server_address`` takes."""
         return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
+        """The URL of its built-in HTTP metadata server, what a store's ``metadata_server`` takes."""
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def command(self) -> list[str]:

@@ -30,6 +30,8 @@ class RegisteredMemory:
         self._spare: list[np.ndarray] = []
 
     def register(self, owner: object, ptr: int, size: int) -> int:
+        """Register ``size`` bytes at ``ptr`` with the client, kept alive by ``owner`` while registered;
+        returns ``ptr``. ``RuntimeError`` when Mooncake refuses."""
         rc = self.client.register_buffer(ptr, size)
         if rc != 0:
             raise RuntimeError(f"Mooncake Store could not register {size} bytes of host memory at {ptr:#x} (code {rc})")
@@ -38,6 +40,7 @@ class RegisteredMemory:
         return ptr
 
     def unregister(self, ptr: int) -> None:
+        """Unregister the memory at ``ptr`` and drop its owner."""
         self.client.unregister_buffer(ptr)
         with self._lock:
             self._owners.pop(ptr, None)
