@@ -500,3 +500,21 @@ def test_swa_eviction_takes_the_least_recently_used_window_first_and_on_a_path_t
     assert cache.root_node.children[10].swa_tombstone  # the upper node of the tie went first, as a tombstone
     assert len(matched(cache, [10, 11, 12, 13])) == 4  # window 1: the live leaf after it is enough
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["match", "insert"])
+def test_a_split_leaves_the_upper_part_older_on_the_tie_so_swa_eviction_takes_it_first(how):
+    cache, alloc = small(window=1)
+    put(cache, alloc, [1, 2, 3, 4])
+    put(cache, alloc, [9, 9])
+    if how == "match":  # splits [1, 2, 3, 4] into [1, 2] above [3, 4], both touched together
+        cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
+    else:  # the same split by an insert going on into a new leaf [5, 6] beside [3, 4]
+        value = torch.cat((cache.root_node.children[1].value[:2], alloc.alloc(2)))
+        cache.insert(InsertParams(key=RadixKey([1, 2, 5, 6]), value=value, prev_prefix_len=2))
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([9, 9])))
+    res = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
+    assert cache.root_node.children[1].swa_tombstone  # the upper part became the tombstone; no full KV was lost
+    assert len(matched(cache, [1, 2, 3, 4])) == 4
+    cache.check_integrity()
