@@ -518,3 +518,24 @@ def test_a_split_leaves_the_upper_part_older_on_the_tie_so_swa_eviction_takes_it
     assert cache.root_node.children[1].swa_tombstone  # the upper part became the tombstone; no full KV was lost
     assert len(matched(cache, [1, 2, 3, 4])) == 4
     cache.check_integrity()
+
+
+class PoppingReq(SimReq):
+    """SGLang's ``Req``: reading the committed length with ``pop_committed_kv_cache`` marks it freed."""
+
+    kv_committed_freed = False
+
+    def pop_committed_kv_cache(self) -> int:
+        assert not self.kv_committed_freed, "committed KV cache already freed"
+        self.kv_committed_freed = True
+        return self.kv_committed_len
+
+
+def test_the_integrity_check_reads_a_running_request_without_popping_its_committed_kv():
+    eng = SWAEngine(1, pages=64, swa_pages=32, window=2)
+    req = eng.admit(seq(5, 100))
+    req.__class__ = PoppingReq
+    eng.cache.check_integrity([req])
+    assert not req.kv_committed_freed  # the request is still running: only cache_finished_req pops it
+    eng.finish(req)
+    eng.cache.check_integrity()
