@@ -337,6 +337,15 @@ def test_the_integrity_check_adds_up_each_part():
         assert what in str(err.value)
 
 
+def test_the_integrity_check_reports_an_evictable_window_missing_from_the_swa_queue():
+    cache, alloc = small(window=2)
+    put(cache, alloc, [1, 2, 3, 4])
+    cache.check_integrity()
+    assert cache.windows.queue.pop() is cache.root_node.children[1]  # taken out behind the cache's back
+    with pytest.raises(IntegrityError, match=r"node \d+'s SWA KV is evictable but missing from the SWA eviction queue"):
+        cache.check_integrity()
+
+
 def _fail(*args, **kwargs):
     raise RuntimeError("injected fault")
 
