@@ -548,3 +548,11 @@ def test_the_integrity_check_reads_a_running_request_without_popping_its_committ
     assert not req.kv_committed_freed  # the request is still running: only cache_finished_req pops it
     eng.finish(req)
     eng.cache.check_integrity()
+
+
+def test_a_simulated_cache_takes_prev_prefix_len_over_a_held_prefix_with_nothing_to_give_back():
+    cache = SWARadixCache.create_simulated(sliding_window_size=2)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=T([5, 6, 7]), prev_prefix_len=0))
+    res = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=T([8, 9, 10, 11]), prev_prefix_len=0))
+    assert res.prefix_len == 3 and matched(cache, [1, 2, 3, 4]) == [5, 6, 7, 11]
+    cache.check_integrity()
