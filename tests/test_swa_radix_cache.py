@@ -393,6 +393,19 @@ def test_a_failing_free_in_cache_finished_req_changes_nothing(monkeypatch):
     eng.drain()
 
 
+@pytest.mark.parametrize("how", ["cache_finished_req", "cache_unfinished_req"])
+def test_a_request_whose_protected_slots_are_not_its_path_is_refused_with_nothing_changed(how):
+    eng = SWAEngine(1, pages=32, swa_pages=16, window=2)
+    eng.finish(eng.admit(seq(5)))
+    req = eng.admit(seq(5) + [7, 8])
+    assert req.cache_protected_len == 5
+    req.last_node, req.swa_uuid_for_lock = eng.cache.root_node, None  # its five protected slots are no path of it
+    before = cache_snapshot(eng.cache)
+    with pytest.raises(ValueError, match="cache_protected_len"):
+        getattr(eng.cache, how)(req)
+    assert_unchanged(before, cache_snapshot(eng.cache), f"a refused {how}")
+
+
 def test_construction_needs_an_swa_allocator_and_a_window():
     table = ReqToTokenPool(2, 16, "cpu")
     for alloc, window, what in (
