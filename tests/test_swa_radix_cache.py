@@ -569,3 +569,18 @@ def test_a_simulated_cache_takes_prev_prefix_len_over_a_held_prefix_with_nothing
     res = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=T([8, 9, 10, 11]), prev_prefix_len=0))
     assert res.prefix_len == 3 and matched(cache, [1, 2, 3, 4]) == [5, 6, 7, 11]
     cache.check_integrity()
+
+
+def test_an_unlocked_window_keeps_the_upper_node_older_on_the_tie_so_swa_eviction_takes_it_first():
+    cache, alloc = small(window=4)
+    put(cache, alloc, [1, 2])
+    put(cache, alloc, [1, 2, 3, 4], shared=2)  # [1, 2] above the leaf [3, 4]
+    put(cache, alloc, [9, 9])
+    last = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node  # touched together
+    uuid = cache.inc_lock_ref(last)  # a request's window holds both
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([9, 9])))
+    cache.dec_lock_ref(last, uuid)  # both evictable again, on the same tick
+    res = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
+    assert cache.root_node.children[1].swa_tombstone and len(matched(cache, [1, 2, 3, 4])) == 0
+    cache.check_integrity()
