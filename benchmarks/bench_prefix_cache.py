@@ -21,8 +21,14 @@ Implementations, each on the same calls:
 - ``sglang``: SGLang's ``radix_cache.py`` imported from a wheel (``--sglang-wheel``, e.g. from
   ``pip download sglang==0.5.9 --no-deps``) with its GPU-side imports stubbed; absent otherwise.
 
+Sliding-window rows (``prefix_cache_swa``): ``SWARadixCache``'s steady-state match on the same chat
+tree, and its SWA eviction (``evict(EvictParams(swa_num_tokens=16))``) on trees as large as the
+smallest and the largest of ``--leaves`` (in chains of three nodes), kvpool's against SGLang's
+``SWARadixCache`` from the same wheel.
+
 Targets: kvpool's steady-state match at least 3x faster per matched token than the baseline (page
-size 1), and kvpool's largest-tree eviction within 2x of its smallest-tree eviction.
+size 1), kvpool's largest-tree eviction within 2x of its smallest-tree eviction, and the same for
+its SWA eviction.
 
 Usage: python benchmarks/bench_prefix_cache.py --out DIR [--quick] [--sglang-wheel PATH]
 ``--cpu-smoke`` runs a small workload (seconds): it checks the script.
@@ -47,6 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
+import prefix_cache_swa  # noqa: E402
 
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
 
@@ -373,6 +380,7 @@ def markdown(result: dict) -> str:
     ]  # fmt: skip
     for r in result["evict"]:
         lines.append(f"| {r['impl']} | {r['page']} | {r['leaves']} | {r['order']} | {r['evict_us_median']:.1f} | {r['evict_us_max']:.1f} |")
+    lines += prefix_cache_swa.swa_markdown(result)
     lines += ["", "## Targets", ""]
     for t in result["targets"]:
         lines.append(f"- {t['name']}: {t['value']} ({'met' if t['met'] else 'MISSED'})")
@@ -456,6 +464,8 @@ def main() -> int:
                     r = run_evict(lambda: make(p), n, count, args.seed, order)
                     r.update(impl=name, page=p)
                     evict.append(r)
+    swa = prefix_cache_swa.swa_rows(steps, repeats, [leaves[0], leaves[-1]], args.seed, args.sglang_wheel, load_sglang, log)
+
     def row(rows: list, **kw: Any) -> Optional[dict]:
         return next((r for r in rows if all(r[k] == v for k, v in kw.items())), None)
 
@@ -473,8 +483,9 @@ def main() -> int:
                     "name": f"kvpool eviction ({order}) at {ev[-1]['leaves']} leaves / at {ev[0]['leaves']} (page {p}), <= 2x",
                     "value": f"{growth:.2f}x", "met": growth <= 2,
                 })  # fmt: skip
+    targets += prefix_cache_swa.swa_targets(swa)
     rep.result.update(chat_requests=len(steps), inserted_tokens=chat[0]["inserted_tokens"], repeats=repeats, chat=chat,
-                      evict=evict, targets=targets, sglang_note=note)  # fmt: skip
+                      evict=evict, targets=targets, sglang_note=note, **swa)  # fmt: skip
     rep.save(final=True)
     return 0 if all(t["met"] for t in targets) else 1
 

@@ -1810,10 +1810,10 @@ class SWAEngine:
     whichever part is short."""
 
     def __init__(self, page: int, pages: int, swa_pages: int, window: int, rows: int = 6, policy: str = "lru",
-                 is_eagle: bool = False):  # fmt: skip
+                 is_eagle: bool = False, sglang_slide: bool = False):  # fmt: skip
         from kvpool import SWATokenToKVPoolAllocator
 
-        self.page, self.window, self.eagle = page, window, is_eagle
+        self.page, self.window, self.eagle, self.sglang_slide = page, window, is_eagle, sglang_slide
         self.size, self.size_swa = pages * page, swa_pages * page
         self.alloc = SWATokenToKVPoolAllocator(self.size, self.size_swa, page, validate=True)
         self.table = ReqToTokenPool(rows, max_context_len=self.size + page, device="cpu")
@@ -1879,10 +1879,11 @@ class SWAEngine:
         """Give back the SWA part of the request's own tokens that left its window, and of no token
         in the last window of what the tree can take of it (its whole pages; with EAGLE keys one
         token fewer, since a key of n tokens caches n - 1 slots), so that its cached tail keeps a
-        whole window."""
+        whole window. With ``sglang_slide``, as SGLang's scheduler does: everything before the last
+        window of its committed tokens (its cached tail may then be shorter than the window)."""
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         n = req.kv_committed_len
-        cacheable = (n - (1 if self.eagle else 0)) // self.page * self.page
+        cacheable = n if self.sglang_slide else (n - (1 if self.eagle else 0)) // self.page * self.page
         end = max(start, min(n, cacheable) - self.window) // self.page * self.page
         if end > start:
             self.alloc.free_swa(self.table.req_to_token[req.req_pool_idx, start:end])

@@ -337,6 +337,15 @@ def test_the_integrity_check_adds_up_each_part():
         assert what in str(err.value)
 
 
+def test_the_integrity_check_reports_an_evictable_window_missing_from_the_swa_queue():
+    cache, alloc = small(window=2)
+    put(cache, alloc, [1, 2, 3, 4])
+    cache.check_integrity()
+    assert cache.windows.queue.pop() is cache.root_node.children[1]  # taken out behind the cache's back
+    with pytest.raises(IntegrityError, match=r"node \d+'s SWA KV is evictable but missing from the SWA eviction queue"):
+        cache.check_integrity()
+
+
 def _fail(*args, **kwargs):
     raise RuntimeError("injected fault")
 
@@ -382,6 +391,19 @@ def test_a_failing_free_in_cache_finished_req_changes_nothing(monkeypatch):
     monkeypatch.undo()
     eng.cache.check_integrity(eng.running.values())
     eng.drain()
+
+
+@pytest.mark.parametrize("how", ["cache_finished_req", "cache_unfinished_req"])
+def test_a_request_whose_protected_slots_are_not_its_path_is_refused_with_nothing_changed(how):
+    eng = SWAEngine(1, pages=32, swa_pages=16, window=2)
+    eng.finish(eng.admit(seq(5)))
+    req = eng.admit(seq(5) + [7, 8])
+    assert req.cache_protected_len == 5
+    req.last_node, req.swa_uuid_for_lock = eng.cache.root_node, None  # its five protected slots are no path of it
+    before = cache_snapshot(eng.cache)
+    with pytest.raises(ValueError, match="cache_protected_len"):
+        getattr(eng.cache, how)(req)
+    assert_unchanged(before, cache_snapshot(eng.cache), f"a refused {how}")
 
 
 def test_construction_needs_an_swa_allocator_and_a_window():
@@ -499,4 +521,66 @@ def test_swa_eviction_takes_the_least_recently_used_window_first_and_on_a_path_t
     assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
     assert cache.root_node.children[10].swa_tombstone  # the upper node of the tie went first, as a tombstone
     assert len(matched(cache, [10, 11, 12, 13])) == 4  # window 1: the live leaf after it is enough
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["match", "insert"])
+def test_a_split_leaves_the_upper_part_older_on_the_tie_so_swa_eviction_takes_it_first(how):
+    cache, alloc = small(window=1)
+    put(cache, alloc, [1, 2, 3, 4])
+    put(cache, alloc, [9, 9])
+    if how == "match":  # splits [1, 2, 3, 4] into [1, 2] above [3, 4], both touched together
+        cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
+    else:  # the same split by an insert going on into a new leaf [5, 6] beside [3, 4]
+        value = torch.cat((cache.root_node.children[1].value[:2], alloc.alloc(2)))
+        cache.insert(InsertParams(key=RadixKey([1, 2, 5, 6]), value=value, prev_prefix_len=2))
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([9, 9])))
+    res = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
+    assert cache.root_node.children[1].swa_tombstone  # the upper part became the tombstone; no full KV was lost
+    assert len(matched(cache, [1, 2, 3, 4])) == 4
+    cache.check_integrity()
+
+
+class PoppingReq(SimReq):
+    """SGLang's ``Req``: reading the committed length with ``pop_committed_kv_cache`` marks it freed."""
+
+    kv_committed_freed = False
+
+    def pop_committed_kv_cache(self) -> int:
+        assert not self.kv_committed_freed, "committed KV cache already freed"
+        self.kv_committed_freed = True
+        return self.kv_committed_len
+
+
+def test_the_integrity_check_reads_a_running_request_without_popping_its_committed_kv():
+    eng = SWAEngine(1, pages=64, swa_pages=32, window=2)
+    req = eng.admit(seq(5, 100))
+    req.__class__ = PoppingReq
+    eng.cache.check_integrity([req])
+    assert not req.kv_committed_freed  # the request is still running: only cache_finished_req pops it
+    eng.finish(req)
+    eng.cache.check_integrity()
+
+
+def test_a_simulated_cache_takes_prev_prefix_len_over_a_held_prefix_with_nothing_to_give_back():
+    cache = SWARadixCache.create_simulated(sliding_window_size=2)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=T([5, 6, 7]), prev_prefix_len=0))
+    res = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=T([8, 9, 10, 11]), prev_prefix_len=0))
+    assert res.prefix_len == 3 and matched(cache, [1, 2, 3, 4]) == [5, 6, 7, 11]
+    cache.check_integrity()
+
+
+def test_an_unlocked_window_keeps_the_upper_node_older_on_the_tie_so_swa_eviction_takes_it_first():
+    cache, alloc = small(window=4)
+    put(cache, alloc, [1, 2])
+    put(cache, alloc, [1, 2, 3, 4], shared=2)  # [1, 2] above the leaf [3, 4]
+    put(cache, alloc, [9, 9])
+    last = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node  # touched together
+    uuid = cache.inc_lock_ref(last)  # a request's window holds both
+    cache.match_prefix(MatchPrefixParams(key=RadixKey([9, 9])))
+    cache.dec_lock_ref(last, uuid)  # both evictable again, on the same tick
+    res = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 2)
+    assert cache.root_node.children[1].swa_tombstone and len(matched(cache, [1, 2, 3, 4])) == 0
     cache.check_integrity()

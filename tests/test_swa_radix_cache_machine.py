@@ -7,7 +7,8 @@ no window lock holds it; its slots change only when a tombstone no lock holds co
 every match is the one the model computes page by page with the window rule, an eviction that
 frees less than asked leaves nothing of that part evictable, every KV slot read back holds its
 token prefix, and ``check_integrity`` passes. Random bad calls and a failing ``free_swa`` / ``free``
-change nothing. Page sizes 1 and 4, plain and EAGLE keys; the long profile under
+change nothing. Page sizes 1 and 4, plain and EAGLE keys, SWA slots given back keeping the last
+window of what the tree can take or, as SGLang's scheduler does, of the committed tokens; the long profile under
 ``KVPOOL_LONG_TESTS=1``."""
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from kvassert import SWAEngine, assert_unchanged, cache_bad_calls, cache_snapsho
 from kvpool.cache import EvictParams, InsertParams, MatchPrefixParams, RadixCache, RadixKey
 
 #: (page size, full pages, SWA pages, window, EAGLE keys)
-SETUPS = [(1, 80, 24, 3, False), (1, 80, 30, 5, True), (4, 24, 8, 4, False), (4, 24, 10, 6, True)]
+# (page, pages, SWA pages, window, EAGLE keys, SWA slots given back as SGLang's scheduler does)
+SETUPS = [(1, 80, 24, 3, False, False), (1, 80, 30, 5, True, False), (4, 24, 8, 4, False, False), (4, 24, 10, 6, True, False),
+          (1, 80, 24, 3, False, True), (4, 24, 10, 6, True, True)]  # fmt: skip
 
 
 def page_table(cache: Any) -> dict[tuple, tuple]:
@@ -65,8 +68,8 @@ def model_match(table: dict, elems: list, extra: Any, page: int, window: int) ->
 class SWAModelMachine(RuleBasedStateMachine):
     @initialize(setup=st.sampled_from(SETUPS), seed=st.integers(0, 7))
     def setup(self, setup, seed):
-        page, pages, swa_pages, window, eagle = setup
-        self.eng = SWAEngine(page, pages=pages, swa_pages=swa_pages, window=window, rows=5, is_eagle=eagle)
+        page, pages, swa_pages, window, eagle, sglang_slide = setup
+        self.eng = SWAEngine(page, pages=pages, swa_pages=swa_pages, window=window, rows=5, is_eagle=eagle, sglang_slide=sglang_slide)
         self.cache, self.alloc = self.eng.cache, self.eng.alloc
         self.page, self.window, self.eagle = page, window, eagle
         self.kind_name = f"swa-page-{page}"

@@ -38,6 +38,15 @@ def _path_slots(node: TreeNode, root: TreeNode) -> Optional[list[torch.Tensor]]:
     return parts[::-1]
 
 
+def running_committed_len(req: Any) -> int:
+    """A running request's committed length, read without ``pop_committed_kv_cache`` (SGLang's
+    ``Req`` marks its KV freed when that is called, which only ``cache_finished_req`` may do):
+    ``kv_committed_len`` when the request has it, else ``committed_len``."""
+    if hasattr(req, "kv_committed_len"):
+        return int(req.kv_committed_len)
+    return committed_len(req)
+
+
 def request_problems(cache: CheckedCache, requests: Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
     """What is wrong with the running requests, and the slots each owns."""
     problems: list[str] = []
@@ -54,7 +63,7 @@ def request_problems(cache: CheckedCache, requests: Iterable[Any]) -> tuple[list
         if row in free_rows:
             problems.append(f"{where}: the row is free in the request table")
         protected = protected_len(req)
-        end = int(getattr(req, "kv_allocated_len", committed_len(req)))
+        end = int(req.kv_allocated_len) if hasattr(req, "kv_allocated_len") else running_committed_len(req)
         slots = pool.req_to_token[row, :end].to(torch.int64)
         last = req.last_node
         if not isinstance(last, TreeNode):

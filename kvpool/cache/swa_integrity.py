@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvpool.cache.requests import committed_len, protected_len
+from kvpool.cache.integrity import running_committed_len
+from kvpool.cache.requests import protected_len
 
 _SHOWN = 5
 
@@ -61,13 +62,13 @@ def swa_problems(cache: Any, reqs: list) -> list[str]:
     window = cache.sliding_window_size
     table = cache.req_to_token_pool
     for req in reqs if table is not None else ():
-        end = int(getattr(req, "kv_allocated_len", committed_len(req)))
+        committed = running_committed_len(req)
+        end = int(req.kv_allocated_len) if hasattr(req, "kv_allocated_len") else committed
         row = table.req_to_token[req.req_pool_idx, :end].cpu().to(torch.int64)
         own = row[protected_len(req) :]
         own = own[(own >= 0) & (own < rows)]
         held_full += own.numel()
         held_swa += int((mapping[own] > 0).sum())
-        committed = committed_len(req)
         tail = row[max(committed - window, 0) : committed]
         tail = tail[(tail >= 0) & (tail < rows)]
         lacking = mapping[tail] <= 0

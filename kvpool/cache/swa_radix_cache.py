@@ -81,6 +81,7 @@ class SWARadixCache(TreeCache):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window_size must be a positive int (the window in tokens), got {window!r}")
         self.sliding_window_size = window
+        self._split_tails: list[TreeNode] = []
         super().__init__(p, validate=validate)
         self.windows = SWAWindows(self.eviction_strategy)
 
@@ -94,6 +95,7 @@ class SWARadixCache(TreeCache):
         """Forget every node (their slots are not freed: clear the allocator too)."""
         super().reset()
         self.windows = SWAWindows(self.eviction_strategy)
+        self._split_tails = []
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """The longest cached whole-page prefix whose last ``sliding_window_size`` tokens have SWA KV
@@ -116,7 +118,7 @@ class SWARadixCache(TreeCache):
         if walked is None:
             return self._empty_match()
         path, _ = walked
-        self.windows.push(path)
+        self._push_walked(path)
         pieces, pos = [], 0
         for node in path:
             pieces.append((pos, pos + len(node.device.value), SWA in node.records))
@@ -422,8 +424,17 @@ class SWARadixCache(TreeCache):
         return alloc.full_attn_allocator.backup_state().owners.cpu().to(torch.int64)
 
     def _touched(self, node: TreeNode) -> None:
+        """The lower part of a split takes its SWA queue entry after the walked path's (see
+        ``_push_walked``): on the tie the upper part is older, as if it were still one node."""
         super()._touched(node)
-        self.windows.push((node,))
+        self._split_tails.append(node)
+
+    def _push_walked(self, path: list[TreeNode]) -> None:
+        """The walked ``path`` (root first) and then the lower parts of the nodes the walk split
+        take their new priorities in the SWA queue."""
+        tails, self._split_tails = self._split_tails, []
+        self.windows.push(path)
+        self.windows.push(tails)
 
     def _remove_with_tombstones(self, node: TreeNode, full_parts: list, undo: Undo) -> tuple[int, int]:
         """Evict leaf ``node`` and the tombstones above it that become unlocked leaves; their full
@@ -518,7 +529,7 @@ class SWARadixCache(TreeCache):
         while node is not self.root_node:
             path.append(node)
             node = node.parent
-        self.windows.push(path[::-1])
+        self._push_walked(path[::-1])
 
     def _tier_problems(self) -> list[str]:
         return self.windows.problems(n for n in self._nodes() if n is not self.root_node)

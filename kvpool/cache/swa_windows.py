@@ -135,7 +135,10 @@ class SWAWindows:
         return nodes
 
     def unlock(self, nodes: list[TreeNode]) -> None:
-        """Release one window lock of ``nodes`` (from ``unlock_span``)."""
+        """Release one window lock of ``nodes`` (from ``unlock_span``, the locked node first); the
+        nodes it leaves unlocked are queued nearer the root first, so that on a tie the upper one is
+        evicted first."""
+        freed = []
         for n in nodes:
             record = n.records[SWA]
             record.lock_ref -= 1
@@ -143,7 +146,9 @@ class SWAWindows:
                 size = len(n.device.value)
                 self.evictable_size += size
                 self.protected_size -= size
-                self.queue.push(n)
+                freed.append(n)
+        for n in reversed(freed):
+            self.queue.push(n)
 
     def problems(self, nodes: Iterable[TreeNode]) -> list[str]:
         """What is wrong with the SWA records of ``nodes`` (the tree's, root excluded): a tombstone

@@ -372,9 +372,10 @@ class TreeCache(RadixTree):
             )
 
     def _free_slots(self, parts: list[torch.Tensor]) -> None:
-        """Give ``parts`` (device slots) back to the allocator in one ``free``."""
+        """Give ``parts`` (device slots) back to the allocator in one ``free`` (a simulated cache
+        without one has nothing to give back)."""
         parts = [p for p in parts if p.numel()]
-        if parts:
+        if parts and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def _tier_problems(self) -> list[str]:
