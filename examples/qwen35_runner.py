@@ -75,7 +75,9 @@ cache has no storage tier yet.
 ``--json PATH`` writes ``{"config": <the text config's to_dict()>, "seed": S, "prompts": [[ids]],
 "fp32_tokens": [[ids]], "spec_tokens": [[ids]]}`` (generated tokens of the fp32 pool without and with
 speculative decoding); the model is ``Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))`` built in
-float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compare.
+float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compare. With
+``--host-tier`` it also has ``"runs"``: each pool run's cache counters (``host_loaded_tokens``,
+``host_loaded_states``, ...) and tier checks, as the Llama runner's ``--json`` writes them.
 
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
@@ -245,6 +247,8 @@ def write_json(path: str, cfg: RunConfig, prompts: Sequence[rc.Prompt], report: 
         "fp32_tokens": [g.tokens for g in fp32.result.generations],
         "spec_tokens": [g.tokens for g in spec.result.generations],
     }
+    if cfg.host_tier:
+        out["runs"] = tiers.report_json(report)["runs"]
     with open(path, "w") as f:
         json.dump(out, f)
 
