@@ -81,7 +81,7 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
 
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
-    python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0   # KV and states parked on the host
+    python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0 --prompts 12 --batch 1   # nodes move to the host and back
     python examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 --dtypes bf16 fp8_e4m3
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments.

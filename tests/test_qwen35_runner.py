@@ -516,12 +516,10 @@ def test_qwen_host_tier_command_line_summary_and_json(host_tier_prompts, tmp_pat
 @pytest.mark.gpu
 def test_qwen_on_cuda_a_host_tier_loads_kv_and_states_back_with_the_same_tokens(host_tier_prompts):
     """The host pools' streams on a GPU: KV loaded layer by layer, the state's load before the fork."""
-    _, hf = host_tier_prompts
     rep = qwen35_runner.run(replace(QWEN_HOST, device="cuda"), qwen35_runner.QwenOptions(spec_width=None))
     (run,) = rep.runs
     summary = qwen35_runner.format_summary(rep)
-    assert rep.ok and run.tiers.identical and run.result.host_loaded_states > 0, summary
-    assert runners.compare(run.result.generations, hf).identical, summary
+    assert rep.ok and rep.fp32_check is True and run.tiers.identical and run.result.host_loaded_states > 0, summary
 
 
 @qwen35
