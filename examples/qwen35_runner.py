@@ -62,13 +62,26 @@ request's state slot and only the rest of the prompt is prefilled; with pages ab
 prefill chunks end at page boundaries, where each request's state is copied into its track slots (the
 snapshots the tree caches). The speculative runs serve without the cache.
 
+With ``--prefix-cache --host-tier`` the cache is a ``HiMambaRadixCache`` over a ``HybridPoolHost``
+(examples/support/runners/tiers.py checks it): nodes are backed up to host memory, KV pages with
+their state snapshots (write-through); a node evicted from the device lives on there, and a match
+that reaches it loads its KV and its state back together, then matches again with ``cow_mamba`` to
+fork the loaded state into the request's slot. The cache's integrity is checked after every step;
+the same prompts are served again with no cache and with a device-only ``MambaRadixCache``, and the
+tokens must be the same (an fp32 pool's are also transformers'); the summary and ``--json`` count the
+tokens and the state snapshots loaded back from the host. ``--storage`` is refused: the hybrid
+cache has no storage tier yet.
+
 ``--json PATH`` writes ``{"config": <the text config's to_dict()>, "seed": S, "prompts": [[ids]],
 "fp32_tokens": [[ids]], "spec_tokens": [[ids]]}`` (generated tokens of the fp32 pool without and with
 speculative decoding); the model is ``Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))`` built in
-float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compare.
+float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compare. With
+``--host-tier`` it also has ``"runs"``: each pool run's cache counters (``host_loaded_tokens``,
+``host_loaded_states``, ...) and tier checks, as the Llama runner's ``--json`` writes them.
 
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
+    python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0 --prompts 12 --batch 1   # nodes move to the host and back
     python examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 --dtypes bf16 fp8_e4m3
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments.
@@ -91,7 +104,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import DTYPES, Architecture, RunConfig, Scales  # noqa: E402
 from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
-from support.runners import tiers  # noqa: E402  (--host-tier and --storage, which it refuses)
+from support.runners import tiers  # noqa: E402  (--host-tier, and --storage, which it refuses)
 from support.runners.qwen35_layers import Qwen35Runner, SpecRunner  # noqa: E402
 from support.runners.verify import SpecReport, add_spec_runs, spec_check_line, spec_run_lines, with_spec_dtypes  # noqa: E402
 from support.runners.qwen35_model import (  # noqa: E402, F401  (the tests and benchmarks use them here)
@@ -144,12 +157,17 @@ class Qwen35(Architecture):
         return SpecRunner(model, pool, scales, draft_pool)
 
     def scheduler(
-        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False
-    ) -> HybridScheduler:
+        self, pool: Any, max_running: int, max_context_len: int, chunk_size: Optional[int], prefix_cache: bool = False,
+        tiers: Optional[prefix.HostTier] = None,
+    ) -> HybridScheduler:  # fmt: skip
+        """On a ``MambaRadixCache`` with ``prefix_cache``, a ``HiMambaRadixCache`` with ``tiers`` too."""
         if prefix_cache and self.spec_width is not None:
             raise ValueError("prefix_cache must be False for a speculative run (spec_width set): its verify steps are not cached")
-        cls = prefix.caching(HybridScheduler) if prefix_cache else HybridScheduler
-        return cls(pool, max_running, max_context_len, chunk_size, self.spec_width)
+        if tiers is not None and not prefix_cache:
+            raise ValueError("tiers (a host tier) need prefix_cache=True: the host tier is the prefix cache's")
+        if not prefix_cache:
+            return HybridScheduler(pool, max_running, max_context_len, chunk_size, self.spec_width)
+        return prefix.caching(HybridScheduler)(pool, max_running, max_context_len, chunk_size, self.spec_width, tiers=tiers)
 
     def reference_scales(self, model: Any, scales: Optional[rc.LayerScales]) -> Optional[rc.LayerScales]:
         if scales is None or isinstance(scales, Mapping):
@@ -231,6 +249,8 @@ def write_json(path: str, cfg: RunConfig, prompts: Sequence[rc.Prompt], report: 
         "fp32_tokens": [g.tokens for g in fp32.result.generations],
         "spec_tokens": [g.tokens for g in spec.result.generations],
     }
+    if cfg.host_tier:
+        out["runs"] = tiers.report_json(report)["runs"]
     with open(path, "w") as f:
         json.dump(out, f)
 
@@ -241,7 +261,8 @@ SPEC_COMMITS = "KV commits with set_kv_buffer_prefix_valid, state with commit(sl
 
 
 def format_summary(rep: QwenReport) -> str:
-    lines = rc.format_summary(rep).split("\n")[:-1]  # without the final PASS/FAIL
+    text = rc.format_summary(rep).replace("; a HiRadixCache with a host tier", "; a HiMambaRadixCache with a host tier")
+    lines = text.split("\n")[:-1]  # without the final PASS/FAIL
     for s in rep.spec_runs:
         lines += spec_run_lines(s, SPEC_DRAFT, SPEC_COMMITS)
     if rep.spec_runs and rep.config.prefix_cache:
@@ -271,15 +292,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help="pool dtypes of the speculative runs")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write config, seed, prompts and the fp32 and speculative tokens")
     rc.add_run_arguments(p, **RUN_DEFAULTS)
-    tiers.add_tier_arguments(p)  # refused: see NO_HOST_TIER
+    tiers.add_tier_arguments(p)  # --storage is refused: see NO_STORAGE_TIER
     return p
 
 
-#: Why the runner refuses --host-tier and --storage.
-NO_HOST_TIER = (
-    "the Qwen3.5 runner's prefix cache is a MambaRadixCache, which has no host tier (its state snapshots stay on "
-    "the device), so there is no host or storage tier to serve from: leave out --host-tier and --storage "
-    "(examples/llama_runner.py runs them)"
+#: Why the runner refuses --storage.
+NO_STORAGE_TIER = (
+    "the hybrid cache (HiMambaRadixCache) has no storage tier yet: its KV pages and state snapshots stop at the "
+    "host tier; leave out --storage (--prefix-cache --host-tier runs without it; examples/llama_runner.py runs storage)"
 )
 
 
@@ -290,9 +310,8 @@ RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(4, 40), new_
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOptions]:
     a = make_parser().parse_args(argv)
-    given = [flag for flag, on in (("--host-tier", a.host_tier), ("--storage", a.storage is not None)) if on]
-    if given:
-        raise ValueError(f"{' and '.join(given)}: {NO_HOST_TIER}")
+    if a.storage is not None:
+        raise ValueError(f"--storage {a.storage}: {NO_STORAGE_TIER}")
     names = {"layers": "layers", "head_dim": "head_dim", "vocab": "vocab", "full_attention_interval": "full_attention_interval"}
     overrides = {k: getattr(a, v) for k, v in names.items() if getattr(a, v) is not None}
     cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))

@@ -32,9 +32,11 @@ layer, on the run's first requests) with scale 1.0, the checkpoint's scales and 
 
 With ``--prefix-cache`` the requests are turns of multi-turn chats after a common few-shot prompt,
 served on a prefix cache (``RadixCache``; with ``--host-tier`` a ``HiRadixCache``, with ``--model
-qwen3.5`` a ``MambaRadixCache``, with ``--model gemma3`` or ``gpt-oss`` an ``SWARadixCache``, whose
-SWA eviction makes tombstones and whose requests keep the SWA KV of the last window of their whole
-pages): each request prefills only what the tree does not hold, and a
+qwen3.5`` a ``MambaRadixCache``, and with both a ``HiMambaRadixCache``, whose nodes park their KV
+pages and state snapshots on the host together and load them back together, the loaded state forked
+into the request's slot and checked; with ``--model gemma3`` or ``gpt-oss`` an ``SWARadixCache``,
+whose SWA eviction makes tombstones and whose requests keep the SWA KV of the last window of their
+whole pages): each request prefills only what the tree does not hold, and a
 token's K/V derive from the token and its prefix rather than the request, so the rows the tree hands
 out are checked byte for byte like any others (support/sim/prefix.py). With ``--storage file`` or
 ``--storage mooncake`` as well, host copies are written through to a storage tier (a page directory,
@@ -107,7 +109,7 @@ REFUSED = (
         ("--spec-decode", PREFIX_CACHE_REFUSES["spec_k"]),
         ("--calibrate", PREFIX_CACHE_REFUSES["calibrate"]),
     ))
-    + "; --prefix-cache --model qwen3.5 with --host-tier (MambaRadixCache keeps its snapshots on the device); "
+    + "; --prefix-cache --model qwen3.5 with --storage (the hybrid cache has no storage tier yet); "
     + "--storage without --prefix-cache --host-tier (the storage tier sits below the prefix cache's host tier); "
     + "; ".join(f"--model gemma3 or gpt-oss with {flag(name)} ({why})" for name, why in SWA_REFUSES.items())
     + "; --model gemma3 with fewer than 6 --layers (every 6th is global). "

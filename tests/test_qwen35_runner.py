@@ -1,7 +1,7 @@
 """examples/qwen35_runner.py at a tiny size: a hybrid Qwen3.5 (Gated DeltaNet + gated attention and
 MoE) with its K/V in a KV pool and its linear-attention state in a state pool, with and without
 speculative decoding, with the allocators and the request table, and on a prefix cache
-(MambaRadixCache): it must generate what transformers generates. Skipped without a transformers >= 5
+(MambaRadixCache, and HiMambaRadixCache with a host tier): it must generate what transformers generates. Skipped without a transformers >= 5
 that has Qwen3.5 (the ``model`` extra)."""
 
 from __future__ import annotations
@@ -398,3 +398,132 @@ def test_qwen_on_cuda_a_bf16_model_reports_without_failing_on_rounding():
     assert "spec check  not run (needs --model-dtype fp32" in summary
     for r in [*rep.runs, *rep.spec_runs]:
         assert r.result.allocators_ok and r.result.reference_calls == 0, summary
+
+
+# --- --prefix-cache --host-tier: KV pages and state snapshots parked on the host and loaded back -----
+
+if HAS_QWEN35:
+    # One request row: the device pool holds one request's pages, so each prompt evicts the tree
+    # nodes of the one before it to the host.
+    QWEN_HOST = replace(QWEN_TINY, prompts=4, batch=1, new_tokens=(2, 4), pool_dtypes=("fp32",), calibrate=False,
+                        prefix_cache=True, host_tier=True)  # fmt: skip
+
+
+def _host_tier_prompts(cfg):
+    """Two unrelated prompts of 36 tokens, then one that begins with the first's 32 tokens and one
+    with the second's 20: the first's nodes are on the host when the third arrives, and come back
+    with their state snapshots (tracked at the chunk ends 16 and 32)."""
+    rng = torch.Generator().manual_seed(cfg.seed)
+    a, b, c, d = (torch.randint(cfg.shape.vocab, (n,), generator=rng).tolist() for n in (36, 36, 6, 3))
+    Prompt = runners.Prompt
+    return [Prompt(a, 3), Prompt(b, 3), Prompt(a[:32] + c, 3), Prompt(b[:20] + d, 2)]
+
+
+@pytest.fixture
+def host_tier_prompts(monkeypatch):
+    """The runner's prompts are ``_host_tier_prompts``'s; returns them with HF's generations."""
+    from support.runners import serving, verify
+
+    prompts = _host_tier_prompts(QWEN_HOST)
+    for module in (serving, verify, runners):  # the plain runs, the speculative runs, --json
+        monkeypatch.setattr(module, "make_prompts", lambda cfg: prompts)
+    model = qwen35_runner.Qwen35().build_model(QWEN_HOST)
+    with qwen35_runner.exact_fp32(), runners.cpu_threads(QWEN_HOST):
+        return prompts, runners.hf_reference(model, prompts)
+
+
+@qwen35
+def test_qwen_a_host_tier_loads_kv_and_states_back_with_the_same_tokens(host_tier_prompts, monkeypatch):
+    """HiMambaRadixCache: the tokens of the tiered run, of a device-only MambaRadixCache and of no
+    cache are transformers'; KV and states came back from the host; the cache's integrity is
+    checked after every step; every device and host slot is given back."""
+    from kvpool.cache import HiMambaRadixCache
+
+    _, hf = host_tier_prompts
+    checks, check = [], HiMambaRadixCache.check_integrity
+    monkeypatch.setattr(HiMambaRadixCache, "check_integrity", lambda self, *a: checks.append(1) or check(self, *a))
+    rep = qwen35_runner.run(QWEN_HOST, qwen35_runner.QwenOptions(spec_width=None))
+    summary = qwen35_runner.format_summary(rep)
+    (run,) = rep.runs
+    t, s = run.tiers, run.result
+    assert rep.ok and t.ok and t.required and t.identical and t.second is None, summary
+    assert s.host_loaded_tokens >= 32 and s.host_loaded_states > 0 and s.storage_loaded_tokens == 0, summary
+    assert len(checks) >= s.prefill_steps + s.decode_steps + 1  # after every step, and at the end
+    assert s.cached_tokens > t.device_only.cached_tokens  # the device alone had evicted what the host served
+    for served in (s, t.device_only, t.no_cache):
+        vs_hf = runners.compare(served.generations, hf)
+        assert vs_hf.identical and vs_hf.max_rel_logit_err <= runners.LOGIT_RTOL, summary
+        assert served.integrity_error is None and served.leaked_slots == 0  # host pages and host states too
+    assert "; a HiMambaRadixCache with a host tier" in summary
+    assert f"{s.host_loaded_tokens} loaded back from the host (0 of them fetched from storage), with " \
+           f"{s.host_loaded_states} state snapshots loaded back beside their KV" in summary  # fmt: skip
+
+
+@qwen35
+def test_qwen_a_loaded_prefix_served_without_its_loaded_state_fails_the_fp32_check(host_tier_prompts, monkeypatch):
+    """Control: the loads start but the loaded state is not forked into the request's slot (no second
+    match): the request continues the loaded KV from the device part's state, and its logits part
+    from HF's far beyond LOGIT_RTOL."""
+    from support.runners import prefix
+
+    monkeypatch.setattr(prefix.PrefixCaching, "_fork_loaded", lambda self, params, node, indices: self.cache.ready_to_load_host_cache())
+    rep = qwen35_runner.run(QWEN_HOST, qwen35_runner.QwenOptions(spec_width=None))
+    (run,) = rep.runs
+    assert run.result.host_loaded_tokens > 0 and run.vs_hf.max_rel_logit_err > 10 * runners.LOGIT_RTOL
+    assert rep.fp32_check is False and not rep.ok and qwen35_runner.format_summary(rep).endswith("FAIL")
+
+
+@qwen35
+def test_qwen_a_failed_integrity_check_after_a_step_fails_the_run(host_tier_prompts, monkeypatch):
+    from kvpool.cache import HiMambaRadixCache
+    from kvpool.errors import IntegrityError
+    from support.runners.prefix import HostTier
+
+    calls, check = [], HiMambaRadixCache.check_integrity
+
+    def failing_third(self, *a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise IntegrityError("a planted contradiction")
+        return check(self, *a)
+
+    monkeypatch.setattr(HiMambaRadixCache, "check_integrity", failing_third)
+    prompts, _ = host_tier_prompts
+    arch = qwen35_runner.Qwen35()
+    model = arch.build_model(QWEN_HOST)
+    pools = arch.make_pool(QWEN_HOST, model, torch.float32)
+    res = runners.serve(model, pools, prompts, 1, arch=arch, chunk_size=QWEN_HOST.chunk_size, prefix_cache=True,
+                        tiers=HostTier())  # fmt: skip
+    assert res.integrity_error == "after step 3: a planted contradiction" and not res.allocators_ok
+
+
+@qwen35
+def test_qwen_host_tier_command_line_summary_and_json(host_tier_prompts, tmp_path, capsys):
+    path = tmp_path / "qwen.json"
+    args = ["--device", "cpu", "--dtypes", "fp32", "--no-calibrate", "--batch", "1", "--new-tokens", "2", "4",
+            "--prefix-cache", "--host-tier", "--spec-width", "2", "--json", str(path)]  # fmt: skip
+    assert qwen35_runner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "    engine 1    " in out and "state snapshots loaded back beside their KV" in out and out.rstrip().endswith("PASS")
+    doc = json.loads(path.read_text())
+    (run,) = doc["runs"]
+    assert run["host_loaded_tokens"] > 0 and run["host_loaded_states"] > 0 and run["allocators_ok"]
+    assert run["tokens_identical_to_hf"] and run["tiers"]["ok"] and all(run["tiers"]["tokens_identical"].values())
+    assert doc["prompts"] == [p.tokens for p in host_tier_prompts[0]]
+
+
+@qwen35
+@pytest.mark.gpu
+def test_qwen_on_cuda_a_host_tier_loads_kv_and_states_back_with_the_same_tokens(host_tier_prompts):
+    """The host pools' streams on a GPU: KV loaded layer by layer, the state's load before the fork."""
+    rep = qwen35_runner.run(replace(QWEN_HOST, device="cuda"), qwen35_runner.QwenOptions(spec_width=None))
+    (run,) = rep.runs
+    summary = qwen35_runner.format_summary(rep)
+    assert rep.ok and rep.fp32_check is True and run.tiers.identical and run.result.host_loaded_states > 0, summary
+
+
+@qwen35
+def test_qwen_storage_is_refused_the_hybrid_cache_has_no_storage_tier(capsys):
+    assert qwen35_runner.main(["--device", "cpu", "--prefix-cache", "--host-tier", "--storage", "file"]) == 2
+    err = capsys.readouterr().err
+    assert "--storage file: the hybrid cache (HiMambaRadixCache) has no storage tier yet" in err

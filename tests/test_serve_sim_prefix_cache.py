@@ -1,8 +1,8 @@
 """examples/serve_sim.py --prefix-cache: multi-turn chats after a common few-shot prompt on a prefix
-cache (RadixCache; HiRadixCache with --host-tier; MambaRadixCache with --model qwen3.5), run in-process
-at a small size: every row the tree hands out, reloads or forks is checked byte for byte, and a slot
-given back while the tree holds it, a corrupted cached or host byte, or a fork without its copy fails
-the run."""
+cache (RadixCache; HiRadixCache with --host-tier; MambaRadixCache with --model qwen3.5; HiMambaRadixCache
+with both), run in-process at a small size: every row the tree hands out, reloads or forks is checked
+byte for byte, and a slot given back while the tree holds it, a corrupted cached or host byte, or a
+fork without its copy fails the run."""
 
 from __future__ import annotations
 
@@ -157,6 +157,31 @@ def test_hybrid_a_match_without_its_state_fails_the_state_check(monkeypatch):
     assert not res.ok and res.state_mismatches > 0 and res.mismatched_tokens == 0
 
 
+@pytest.mark.parametrize(
+    "how", [dict(page_size=16), dict(page_size=1), dict(host_write_policy="write_back", host_io_backend="direct")],
+    ids=["track-slots", "token", "write-back-direct"],
+)
+def test_hybrid_host_tier_loads_kv_and_states_back_checked(how):
+    """HiMambaRadixCache: evicted nodes park their KV pages and state snapshots on the host; a match
+    that reaches them loads both back, forks the loaded state into the request's slot, and both are
+    checked (the rows byte for byte, the state against its recurrence); nothing stays held."""
+    cfg = replace(HYBRID_CHATS, host_tier=True, validate=True, **how)
+    res, stats, summary = run_chats(cfg)
+    assert stats.loaded_tokens > 0 and stats.loaded_states > 0 and res.reloaded_tokens == stats.loaded_tokens, summary
+    assert res.reload_mismatches == 0 and res.state_mismatches == 0 and res.state_checked == res.served + stats.forks
+    assert stats.integrity_checks == res.steps + 1 and res.leaked_slots == 0
+    assert "HiMambaRadixCache" in summary and f"{stats.loaded_states} loaded back from the host" in summary
+    plain = serve_sim.run(replace(cfg, host_tier=False))
+    assert stats.hit_rate > plain.prefix.hit_rate and res.prefill_tokens < plain.prefill_tokens
+
+
+def test_hybrid_a_load_without_forking_its_state_fails_the_state_check(monkeypatch):
+    """Control: the loads start but the loaded state is not forked into the request's slot."""
+    monkeypatch.setattr(prefix_sim.hybrid, "fork_loaded", lambda cache, params, node, prefix: cache.ready_to_load_host_cache())
+    res = serve_sim.run(replace(HYBRID_CHATS, host_tier=True))
+    assert res.prefix.loaded_tokens > 0 and not res.ok and res.state_mismatches > 0 and res.reload_mismatches == 0
+
+
 def test_prefix_cache_command_line(capsys):
     args = [*SMALL_SIM_ARGS, "--prefix-cache", "--few-shot-len", "40", "--turns", "1", "3", "--prompt-len", "4", "24",
             "--output-len", "2", "16", "--kv-budget-mib", "0.06", "--requests", "16"]  # fmt: skip
@@ -165,11 +190,14 @@ def test_prefix_cache_command_line(capsys):
     assert "prefix cache    RadixCache(page_size=16, lru): " in out and out.rstrip().endswith("PASS")
     assert serve_sim.main([*args, "--host-tier", "--host-write-policy", "write_back"]) == 0
     assert "HiRadixCache" in capsys.readouterr().out
+    assert serve_sim.main([*args, "--model", "qwen3.5", "--layers", "4", "--kv-budget-mib", "0.3", "--host-tier"]) == 0
+    assert "prefix cache    HiMambaRadixCache(page_size=16, lru): " in capsys.readouterr().out
     for bad, message in (
         (["--cpu-park"], "--prefix-cache runs without --cpu-park"),
         (["--spec-decode", "2"], "--prefix-cache runs without --spec-decode"),
         (["--turns", "3", "1"], "--turns must be a range MIN MAX with 1 <= MIN <= MAX, got 3 1"),
-        (["--model", "qwen3.5", "--layers", "4", "--host-tier"], "has no host tier"),
+        (["--model", "qwen3.5", "--layers", "4", "--host-tier", "--storage", "file"],
+         r"--storage file with --model qwen3.5: the hybrid cache \(HiMambaRadixCache\) has no storage tier yet"),
     ):
         assert serve_sim.main([*args, *bad]) == 2
         assert re.search(message, capsys.readouterr().err)
@@ -178,8 +206,8 @@ def test_prefix_cache_command_line(capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "how", [dict(), dict(host_tier=True), dict(host_tier=True, host_write_policy="write_back", host_io_backend="direct"),
-            dict(model="qwen3.5", layers=4, kv_budget_mib=0.3)],  # fmt: skip
-    ids=["radix", "hiradix-write-through", "hiradix-write-back-direct", "hybrid"],
+            dict(model="qwen3.5", layers=4, kv_budget_mib=0.3), dict(model="qwen3.5", layers=4, kv_budget_mib=0.3, host_tier=True)],  # fmt: skip
+    ids=["radix", "hiradix-write-through", "hiradix-write-back-direct", "hybrid", "himamba"],
 )
 def test_prefix_cache_on_cuda(how):
     """The fused writes, the host tier's streams and events (backups and layer-by-layer loads in
@@ -188,3 +216,5 @@ def test_prefix_cache_on_cuda(how):
     assert res.fused_calls > 0 and stats.matched_tokens > 0 and res.leaked_slots == 0, summary
     if how.get("host_tier"):
         assert stats.loaded_tokens > 0 and res.reload_mismatches == 0, summary
+    if how.get("host_tier") and how.get("model"):
+        assert stats.loaded_states > 0 and res.state_mismatches == 0, summary

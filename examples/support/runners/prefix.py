@@ -22,6 +22,10 @@ reaches them loads them back to the device before the step's forward reads them.
 backend on it (``--storage``) host copies are written through to storage too, and each admission
 first prefetches what follows its match's host part from storage (held until every page is read),
 so another engine over the same store serves a prefix it never computed: storage -> host -> device.
+For a hybrid model the tiered cache is a ``HiMambaRadixCache`` over a ``HybridPoolHost``: a node's
+KV pages and its state snapshot are backed up, parked and loaded back together, and after the load
+the request matches again with ``cow_mamba`` to fork the loaded state into its slot (it has no
+storage tier). The tiered hybrid scheduler checks the cache's integrity after every step.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from typing import Any, Optional
 
 import torch
 
-from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
-from kvpool.host import MHATokenToKVPoolHost
+from kvpool.cache import (
+    CacheInitParams, EvictParams, HiMambaRadixCache, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey,
+)  # fmt: skip
+from kvpool.cache.himamba_host import HOST_STATE
+from kvpool.host import HybridPoolHost, MHATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from support import cache_requests
 from support.storage import storage_policy
@@ -57,7 +64,8 @@ class PrefixCaching:
     """Mixed into support.runners.scheduler's ``Scheduler`` (or a subclass): the prefix cache's admission,
     insertion, eviction and release. ``prompt_tokens`` and ``cached_tokens`` count what admitted
     requests needed and what the tree held of it (loaded back from the host tier included:
-    ``host_loaded_tokens``, of which ``storage_loaded_tokens`` had been fetched from storage for it)."""
+    ``host_loaded_tokens``, of which ``storage_loaded_tokens`` had been fetched from storage for it;
+    for a hybrid model ``host_loaded_states``, the state snapshots loaded back with them)."""
 
     def __init__(self, pool: Any, *args: Any, tiers: Optional[HostTier] = None, **kwargs: Any) -> None:
         super().__init__(pool, *args, **kwargs)  # type: ignore[call-arg]
@@ -72,10 +80,14 @@ class PrefixCaching:
                 f"a hybrid prefix cache with page_size {self.page_size} needs a request table with "
                 f"enable_mamba_extra_buffer={self.tracks} (track slots), got {self.table.enable_mamba_extra_buffer}"
             )
-        if tiers is not None and self.hybrid:
-            raise ValueError("tiers must be None for a hybrid model: MambaRadixCache has no host tier")
+        if tiers is not None and self.hybrid and tiers.storage is not None:
+            raise ValueError("tiers.storage must be None for a hybrid model: HiMambaRadixCache has no storage tier yet")
         if tiers is None:
             self.cache = MambaRadixCache(params, mamba_cache_chunk_size=self.page_size) if self.hybrid else RadixCache(params)
+        elif self.hybrid:
+            host = HybridPoolHost(self.allocator.get_kvcache(), tiers.host_ratio, 0, self.page_size, tiers.layout)
+            self.cache = HiMambaRadixCache(params, host_pool=host, write_policy="write_through", load_back_threshold=0,
+                                           mamba_cache_chunk_size=self.page_size)  # fmt: skip
         else:
             host = MHATokenToKVPoolHost(pool, tiers.host_ratio, 0, self.page_size, tiers.layout)
             policy = storage_policy(self.page_size) if tiers.storage is not None else None
@@ -85,13 +97,16 @@ class PrefixCaching:
         self.cached_tokens = 0
         self.host_loaded_tokens = 0
         self.storage_loaded_tokens = 0
+        self.host_loaded_states: Optional[int] = 0 if self.hybrid else None
+        self.step_integrity_error: Optional[str] = None  # the first failed check after a step (tiered hybrid)
+        self.steps_checked = 0
         self.fetched: dict[int, int] = {}  # per waiting request: tokens fetched from storage for it
         self.storage_drained = True
         self.storage_stats: dict[str, int] = {}
 
     @property
     def tiered(self) -> bool:
-        return isinstance(self.cache, HiRadixCache)
+        return isinstance(self.cache, (HiRadixCache, HiMambaRadixCache))
 
     def schedule(self) -> Any:
         if self.tiered:
@@ -132,11 +147,15 @@ class PrefixCaching:
         node, indices, loaded = m.last_device_node, m.device_indices, 0
         self.cache.inc_lock_ref(node)
         if self.tiered and m.host_hit_length:  # as SGLang's PrefillAdder: load back under the device prefix's lock
+            states = self._parked_states(m.last_host_node) if self.hybrid else 0
             slots, loaded_node = self.cache.init_load_back(m.last_host_node, m.host_hit_length)
             if slots.numel():
                 self.cache.dec_lock_ref(node)
                 self.cache.inc_lock_ref(loaded_node)
                 node, indices, loaded = loaded_node, torch.cat((indices, slots)), slots.numel()
+                if self.hybrid:
+                    self._fork_loaded(params, node, indices)
+                    self.host_loaded_states += states  # type: ignore[operator]
         start = indices.numel()
         need = self.pages(r.final_kv_len) - start // self.page_size + (room - self.room()) // self.page_size
         if need > free:  # the loaded nodes stay in the tree, on the device
@@ -152,6 +171,26 @@ class PrefixCaching:
         self.host_loaded_tokens += loaded
         self.storage_loaded_tokens += min(self.fetched.pop(r.rid, 0), loaded)
         return need
+
+    def _parked_states(self, node: Any) -> int:
+        """The state snapshots parked on the host from ``node`` (a match's ``last_host_node``) up to
+        its first ancestor on the device: those ``init_load_back`` loads with the KV."""
+        n = 0
+        while node.device is None:
+            n += HOST_STATE in node.records
+            node = node.parent
+        return n
+
+    def _fork_loaded(self, params: MatchPrefixParams, node: Any, indices: torch.Tensor) -> None:
+        """Start the prepared loads and fork the loaded state into the request's slot: a second
+        match with ``cow_mamba``, which must now end on ``node`` with ``indices``."""
+        self.cache.ready_to_load_host_cache()
+        again = self.cache.match_prefix(params)
+        if again.last_device_node is not node or not torch.equal(again.device_indices, indices):
+            raise RuntimeError(
+                f"the match after a load back must end on the loaded node {node.id} with {indices.numel()} slots, got "
+                f"node {again.last_device_node.id} with {again.device_indices.numel()}"
+            )
 
     def _chunk(self, r: Any, budget: int) -> int:
         n = super()._chunk(r, budget)  # type: ignore[misc]
@@ -181,6 +220,12 @@ class PrefixCaching:
             for r in batch.requests:
                 if r.row is not None:
                     self.cache.cache_unfinished_req(r, chunked=r.prefilling)
+        if self.tiered and self.hybrid and self.step_integrity_error is None:
+            try:
+                self.check_integrity()
+            except RuntimeError as e:  # kept for the end of the serve, which reports it
+                self.step_integrity_error = f"after step {self.steps_checked + 1}: {e}"
+            self.steps_checked += 1
 
     def _track(self, batch: Any) -> None:
         at = [i for i, (r, n) in enumerate(zip(batch.requests, batch.counts)) if (r.kv_len + n) % self.page_size == 0]
@@ -201,7 +246,10 @@ class PrefixCaching:
         self.finished.extend(done)
 
     def check_integrity(self) -> None:
-        """Tree, allocator, request table and running requests together (``IntegrityError``)."""
+        """Tree, allocator, request table and running requests together (``IntegrityError``); with
+        the tiered hybrid cache also the first failure after a step."""
+        if self.step_integrity_error is not None:
+            raise RuntimeError(self.step_integrity_error)
         self.cache.check_integrity(self.running)
 
     def leaked_slots(self) -> int:
@@ -225,8 +273,15 @@ class PrefixCaching:
             self.storage_drained = tier.drain()  # the next engine over this store reads every page written
             tier.close()
             self.storage_stats = dataclasses.asdict(tier.stats)
-        cache.evict(EvictParams(num_tokens=cache.evictable_size()))
+        if self.hybrid:
+            cache.evict(EvictParams(num_tokens=cache.evictable_size(), mamba_num=cache.mamba_evictable_size()))
+        else:
+            cache.evict(EvictParams(num_tokens=cache.evictable_size()))
         held = self.settled_slots_in_use()
         host = cache.token_to_kv_pool_host
         cache.evict_host(host.size)
-        return held + host.size - host.available_size()
+        held += host.size - host.available_size()
+        if self.hybrid:
+            states = cache.mamba_pool_host
+            held += states.size - states.available_size()
+        return held

@@ -256,6 +256,11 @@ class HybridScheduler(VerifyScheduling):
         super().__init__(pools, max_running, max_context_len, chunk_size)  # type: ignore[arg-type]
         self.verify_width = verify_width
 
+    def _make_allocator(self, pool: HybridPools) -> Any:
+        """The shared allocator over the ``HybridLinearKVPool`` itself (what a ``HiMambaRadixCache``
+        finds its device pool through)."""
+        return super()._make_allocator(pool.kv)
+
     def _make_table(self, max_running: int, max_context_len: int, device: torch.device) -> HybridReqToTokenPool:
         table = self.pools.table
         if max_context_len > table.max_context_len or max_running > table.size:

@@ -31,9 +31,11 @@ class ServeResult:
     cached_tokens: int = 0
     memory: dict[str, int] = field(default_factory=dict)  # the scheduler's own figures (its ``memory``), if any
     # With a host tier: cached tokens loaded back from the host, of which entered the host from storage;
+    # a hybrid model's state snapshots loaded back with them (None for a model without states);
     # the storage tier's counters (StorageTierStats' fields).
     host_loaded_tokens: int = 0
     storage_loaded_tokens: int = 0
+    host_loaded_states: Optional[int] = None
     storage: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -130,6 +130,7 @@ def serve(
     res.memory = dict(getattr(sched, "memory", {}))
     res.host_loaded_tokens = getattr(sched, "host_loaded_tokens", 0)
     res.storage_loaded_tokens = getattr(sched, "storage_loaded_tokens", 0)
+    res.host_loaded_states = getattr(sched, "host_loaded_states", None)
     try:
         sched.check_integrity()
     except RuntimeError as e:

@@ -109,6 +109,8 @@ def engine_line(label: str, s: ServeResult) -> str:
         f"{s.cached_tokens - s.host_loaded_tokens} on the device, {s.host_loaded_tokens} loaded back from the host "
         f"({s.storage_loaded_tokens} of them fetched from storage)"
     )
+    if s.host_loaded_states is not None:
+        line += f", with {s.host_loaded_states} state snapshots loaded back beside their KV"
     st = s.storage
     if st:
         line += (
@@ -144,7 +146,8 @@ def tier_lines(first: ServeResult, t: TierCheck) -> list[str]:
 def _counters(s: ServeResult) -> dict[str, Any]:
     return {
         "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "host_loaded_tokens": s.host_loaded_tokens,
-        "storage_loaded_tokens": s.storage_loaded_tokens, "storage": dict(s.storage), "allocators_ok": s.allocators_ok,
+        "storage_loaded_tokens": s.storage_loaded_tokens, "host_loaded_states": s.host_loaded_states,
+        "storage": dict(s.storage), "allocators_ok": s.allocators_ok,
     }  # fmt: skip
 
 

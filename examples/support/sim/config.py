@@ -225,10 +225,10 @@ class SimConfig:
         for name in ("cpu_park", "spec_k", "calibrate"):
             if getattr(self, name):
                 raise ValueError(f"--prefix-cache runs without {flag(name)} ({PREFIX_CACHE_REFUSES[name]})")
-        if self.model == HYBRID_MODEL and self.host_tier:
+        if self.model == HYBRID_MODEL and self.storage is not None:
             raise ValueError(
-                f"--prefix-cache with --model {HYBRID_MODEL} has no host tier (MambaRadixCache keeps its state "
-                "snapshots on the device): leave out --host-tier"
+                f"--storage {getattr(self.storage, 'backend', self.storage)} with --model {HYBRID_MODEL}: the hybrid cache (HiMambaRadixCache) has "
+                "no storage tier yet (its KV pages and state snapshots stop at the host tier): leave out --storage"
             )
 
     @property

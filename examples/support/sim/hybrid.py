@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from kvpool import HybridLinearKVPool, HybridPoolHost, HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape
+from kvpool.cache.himamba_host import HOST_STATE
 from kvpool.pools.sizing import KVGeometry, plan_hybrid_pools
 from support.sim.config import DTYPES
 from support.sim.loop import Parts, SimResult, simulate
@@ -278,6 +279,37 @@ class HostParkingWithStates:
         self.result.reload_mismatches += bad
         self.result.state_checked += 1
         self.result.state_mismatches += self.runner.verify_state(r, n)
+
+
+def host_pool(cfg: Any, pool: HybridLinearKVPool) -> HybridPoolHost:
+    """``--host-tier``'s host pool for the hybrid prefix cache: KV pages and state slots, each
+    ``--host-ratio`` of their device pool."""
+    try:
+        return HybridPoolHost(pool, cfg.host_ratio, 0, cfg.page_size, cfg.host_layout, validate=cfg.validate)
+    except ValueError as e:  # too few host slots for a page
+        raise ValueError(f"--host-ratio {cfg.host_ratio:g} is too small: {e}") from None
+
+
+def parked_states(node: Any) -> int:
+    """The state snapshots parked on the host from ``node`` (a match's ``last_host_node``) up to its
+    first ancestor on the device: those ``init_load_back`` loads with the KV."""
+    n = 0
+    while node.device is None:
+        n += HOST_STATE in node.records
+        node = node.parent
+    return n
+
+
+def fork_loaded(cache: Any, params: Any, node: Any, prefix: torch.Tensor) -> None:
+    """Start the loads a ``HiMambaRadixCache`` prepared and fork the loaded state into the request's
+    slot: a second match with ``cow_mamba``, which must end on ``node`` with the slots ``prefix``."""
+    cache.ready_to_load_host_cache()
+    again = cache.match_prefix(params)
+    if again.last_device_node is not node or not torch.equal(again.device_indices, prefix):
+        raise RuntimeError(
+            f"the match after a load back must end on the loaded node {node.id} with {prefix.numel()} slots, got "
+            f"node {again.last_device_node.id} with {again.device_indices.numel()}"
+        )
 
 
 class CpuParkingWithStates:

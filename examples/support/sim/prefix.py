@@ -25,7 +25,9 @@ The cache is a ``RadixCache``; with ``--host-tier`` a ``HiRadixCache`` over a ho
 nodes backed up by ``--host-write-policy`` live on in host memory and are loaded back when matched);
 with ``--model qwen3.5`` a ``MambaRadixCache``: nodes carry state snapshots, a match is forked into
 the request's state slot and checked against its recurrence, and (pages above one token) each
-request snapshots its state into its track slots at every page boundary a step passes.
+request snapshots its state into its track slots at every page boundary a step passes; with both, a
+``HiMambaRadixCache`` over a ``HybridPoolHost``: KV pages and state snapshots move to the host and
+back together, and a load is forked into the request's slot by a second match (both checked).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 
 from kvpool.cache import CacheInitParams, EvictParams, HiRadixCache, MambaRadixCache, MatchPrefixParams, RadixCache, RadixKey
 from kvpool.cache.swa_radix_cache import SWARadixCache
+from kvpool.cache import HiMambaRadixCache
 from kvpool.host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.pools.hybrid_req_pool import HybridReqToTokenPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
@@ -173,6 +176,7 @@ class PrefixStats:
     backed_up_tokens: int = 0  # host tier: tokens backed up
     host_evicted_tokens: int = 0  # host tier: tokens dropped from the host
     forks: int = 0  # hybrid: snapshots copied into a request's state slot
+    loaded_states: int = 0  # hybrid host tier: snapshots loaded back from the host with their KV
     integrity_checks: int = 0
     storage: dict[str, int] = field(default_factory=dict)  # --storage: the storage tier's counters
     faults: dict[str, int] = field(default_factory=dict)  # --storage-faults: faults injected, by kind
@@ -203,10 +207,10 @@ class PrefixStats:
         if cfg.storage is not None:
             lines += self.storage_lines(cfg, pad)
         if cfg.model == "qwen3.5":
-            lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted")
+            loaded = f", {self.loaded_states} loaded back from the host" if cfg.host_tier else ""
+            lines.append(f"{pad}state snapshots: {self.forks} forked into requests' slots (each checked), {self.evicted_states} evicted{loaded}")
         lines.append(f"{pad}check_integrity of tree, allocator, request table and running requests: {self.integrity_checks} checks")
         return lines
-
 
     def storage_lines(self, cfg: Any, pad: str) -> list[str]:
         host = self.loaded_tokens - self.storage_tokens
@@ -267,15 +271,24 @@ def _with(mixin: type, base: type) -> type:
     return type(base.__name__, (mixin, base), {})
 
 
+#: The caches with a host tier.
+TIERED = (HiRadixCache, HiMambaRadixCache)
+
+
 def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixStats, storage: Any = None) -> RadixCache:
     """The run's prefix cache over the scheduler's allocator and request table (``storage``: a
     backend below the host tier, or None)."""
-    hybrid = isinstance(table, HybridReqToTokenPool)
+    states = isinstance(table, HybridReqToTokenPool)
     params = CacheInitParams(
         disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator, page_size=cfg.page_size,
-        enable_mamba_extra_buffer=hybrid and cfg.page_size > 1,
+        enable_mamba_extra_buffer=states and cfg.page_size > 1,
     )  # fmt: skip
-    if hybrid:
+    if states and cfg.host_tier:
+        cache = _with(TalliedHostTier, HiMambaRadixCache)(
+            params, host_pool=hybrid.host_pool(cfg, pool), write_policy=cfg.host_write_policy,
+            io_backend=cfg.host_io_backend, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate,
+        )  # fmt: skip
+    elif states:
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
     elif cfg.model in SWA_MODELS:
         params.sliding_window_size = cfg.sliding_window
@@ -317,7 +330,7 @@ class PrefixScheduler:
         return self.allocator.available_size() + self.cache.evictable_size()
 
     def schedule(self, with_decode: bool = True) -> Any:
-        if isinstance(self.cache, HiRadixCache):
+        if isinstance(self.cache, TIERED):
             self.cache.check_hicache_events()  # unlock the nodes whose transfers are done
         if self.cfg.validate:
             self.check_integrity()
@@ -347,9 +360,13 @@ class PrefixScheduler:
         if m.host_hit_length:
             start = prefix.numel() + m.host_hit_length
             new = self.pages_for(min(target, start + budget)) - start // self.page_size
+            states = hybrid.parked_states(m.last_host_node) if self.hybrid else 0
             slots, node = self.cache.init_load_back(m.last_host_node, m.host_hit_length, (pages - new) * self.page_size)
             if slots.numel():
                 prefix, loaded = torch.cat((prefix, slots)), slots.numel()
+                if self.hybrid:  # the loaded state into the request's slot (checked below)
+                    hybrid.fork_loaded(self.cache, params, node, prefix)
+                    self.stats.loaded_states += states
         start = prefix.numel()
         end = min(target, start + budget)
         lock = self.cache.inc_lock_ref(node)  # an SWARadixCache's: swa_uuid_for_lock
@@ -421,7 +438,7 @@ class PrefixScheduler:
         """Empty the tree (device, host and states), then count what is still held anywhere."""
         cache = self.cache
         cache.counting = False
-        if isinstance(cache, HiRadixCache):
+        if isinstance(cache, TIERED):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # every backup and load done: their nodes unlock
             cache.check_hicache_events()
@@ -436,10 +453,12 @@ class PrefixScheduler:
         else:
             cache.evict(EvictParams(num_tokens=kv))
         held = self.settled_slots_in_use()
-        if isinstance(cache, HiRadixCache):
+        if isinstance(cache, TIERED):
             host = cache.token_to_kv_pool_host
             cache.evict_host(host.size)
             held += host.size - host.available_size()
+        if isinstance(cache, HiMambaRadixCache):
+            held += cache.mamba_pool_host.size - cache.mamba_pool_host.available_size()
         if self.hybrid:
             held += self.table.mamba_pool.size - self.table.mamba_pool.available_size()
         return held
