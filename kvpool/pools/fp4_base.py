@@ -19,6 +19,7 @@ from kvpool.checks import (
     positive_int,
     resolve_device,
 )
+from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import RowTable, checked_copy
 from kvpool.kernels.store_fp4 import FP4_DTYPE
 
@@ -100,7 +101,7 @@ class Fp4KVCache:
         self.device = resolve_device(device)
         if not isinstance(validate, bool):
             raise ValueError(f"validate must be a bool, got {validate!r}")
-        self.validate = validate
+        self.validate = validate_enabled(validate)
         self.layer_transfer_counter = None
 
     @property

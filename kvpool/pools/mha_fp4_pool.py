@@ -10,8 +10,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from kvpool.checks import positive_int
-from kvpool.kernels.store_fp4 import FP4_BLOCK, dequantize_fp4, write_fp4_reference
+from kvpool.config import fused_mode
+from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.store_fp4 import FP4_BLOCK, dequantize_fp4
+from kvpool.kernels.store_fp4.writer import fp4_cache_verdict, write_fp4
 from kvpool.kernels.store_kv.checks import check_loc, check_rows, check_scale, check_values
+from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.pools.base import HasLayerId, check_sglang_keywords
 from kvpool.pools.fp4_base import Fp4KVCache
 from kvpool.write_types import Scale
@@ -62,7 +66,12 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
     head_dim, v_head_dim : multiples of 16 (``v_head_dim`` defaults to ``head_dim``).
     swa_head_num, swa_head_dim, swa_v_head_dim : SGLang's; when given they replace the geometry.
     enable_memory_saver, enable_alt_stream, enable_kv_cache_copy : SGLang's (memory saver: False).
-    validate : check slot range and scale values on every write (one synchronisation each).
+    fused : ``"auto"`` (the fused Triton write where the gate allows: CUDA, no scale; else the
+        reference), ``"always"`` (raise ``FusedPathUnavailable`` with the gate's reason instead; on
+        the CPU it runs the kernel through Triton's interpreter), ``"never"``. ``KVPOOL_FUSED``
+        overrides it.
+    validate : check slot range and scale values on every write (one synchronisation each);
+        ``KVPOOL_VALIDATE=1`` turns it on too.
     out_dtype : what the dequantizing getters return (SGLang's: ``torch.bfloat16``).
 
     Examples
@@ -94,6 +103,7 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         enable_alt_stream: bool = True,
         enable_kv_cache_copy: bool = False,
         *,
+        fused: str = "auto",
         validate: bool = False,
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -113,6 +123,13 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
             "k_scale_buffer": self._new_buffer((h * d // FP4_BLOCK,)),
             "v_scale_buffer": self._new_buffer((h * dv // FP4_BLOCK,)),
         })  # fmt: skip
+        self.fused_mode = fused_mode(fused)
+        #: The gate's verdict on these buffers, ``(eligible, reason)``; the scales decide the rest.
+        self.fused_verdict = fp4_cache_verdict(self.device, d, dv, self.fused_mode)
+        if self.fused_mode == "always" and not self.fused_verdict[0]:
+            raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
+        #: Writes per path, and why the reference path ran.
+        self.stats = PathStats()
 
     # --- readers ---------------------------------------------------------------------------------
 
@@ -177,6 +194,9 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         ------
         TypeError, ValueError, IndexError
             On malformed arguments, before anything is written.
+        FusedPathUnavailable
+            With ``fused="always"``, when the gate refuses the write (a scale), before anything is
+            written.
         """
         i = self._write_index(layer, layer_id_override)
         h, dev = self.head_num, self.device
@@ -189,7 +209,8 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         v_scale = check_scale(v_scale, "v_scale", h, dev)
         if self.validate:
             check_values(loc, "loc", self.rows, k_scale, v_scale)
-        write_fp4_reference(
-            cache_k, cache_v, (self.k_buffer[i], self.k_scale_buffer[i]), (self.v_buffer[i], self.v_scale_buffer[i]),
+        write_fp4(
+            self.fused_verdict, self.fused_mode, self.stats, cache_k, cache_v,
+            (self.k_buffer[i], self.k_scale_buffer[i]), (self.v_buffer[i], self.v_scale_buffer[i]),
             loc, _scale_tensor(k_scale, h, dev), _scale_tensor(v_scale, h, dev),
         )  # fmt: skip

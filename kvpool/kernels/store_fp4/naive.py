@@ -25,10 +25,8 @@ from typing import Optional
 
 import torch
 
+from kvpool.kernels.formats import FP4_DTYPE
 from kvpool.kernels.store_kv.naive import scatter_rows
-
-#: The pools' element type (two e2m1 values a byte). None on a torch without it.
-FP4_DTYPE: Optional[torch.dtype] = getattr(torch, "float4_e2m1fn_x2", None)
 
 #: Elements sharing one scale byte.
 FP4_BLOCK = 16
