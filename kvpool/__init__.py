@@ -55,6 +55,7 @@ from kvpool.pools import (
 from kvpool.kernels.store_fp4 import dequantize_fp4, quantize_fp4
 from kvpool.pools.fp4_base import Fp4CpuCopy
 from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
+from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 from kvpool.transfer import SWAKVReceiver, SWAKVSender, SWAKVTransfer
 
@@ -81,6 +82,7 @@ __all__ = [
     "MHATokenToKVPoolFP4",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
+    "MLATokenToKVPoolFP4",
     "MLATokenToKVPoolHost",
     "MambaCacheParams",
     "MambaCpuCopy",

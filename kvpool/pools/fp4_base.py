@@ -21,7 +21,7 @@ from kvpool.checks import (
 )
 from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import RowTable, checked_copy
-from kvpool.kernels.store_fp4 import FP4_DTYPE
+from kvpool.kernels.store_fp4 import FP4_BLOCK, FP4_DTYPE
 
 #: SGLang's ``--kv-cache-dtype`` name for this format: what the FP4 pools take as ``dtype`` on a torch
 #: without ``torch.float4_e2m1fn_x2`` (they take either on a torch with it).
@@ -39,6 +39,14 @@ def check_fp4_dtype(dtype: object) -> Fp4Dtype:
         spelled = " or ".join(str(a) if isinstance(a, torch.dtype) else repr(a) for a in accepted)
         raise ValueError(f"dtype must be {spelled} for an FP4 pool, got {dtype!r}")
     return FP4_DTYPE if FP4_DTYPE is not None else FP4_DTYPE_NAME
+
+
+def fp4_dim(value: object, name: str) -> int:
+    """A positive multiple of 16 (a row part of whole scale blocks), else ValueError naming it."""
+    dim = positive_int(value, name)
+    if dim % FP4_BLOCK:
+        raise ValueError(f"{name} must be a multiple of {FP4_BLOCK} for an FP4 pool (one scale per 16 elements), got {dim}")
+    return dim
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.config import fused_mode
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.store_fp4 import FP4_BLOCK, dequantize_fp4
+from kvpool.kernels.store_fp4 import FP4_BLOCK, dequantize_fp4, fp4_scale_tensor
 from kvpool.kernels.store_fp4.writer import fp4_cache_verdict, write_fp4
 from kvpool.kernels.store_kv.checks import check_loc, check_rows, check_scale, check_values
 from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.pools.base import HasLayerId, check_sglang_keywords
-from kvpool.pools.fp4_base import Fp4KVCache
+from kvpool.pools.fp4_base import Fp4KVCache, fp4_dim
 from kvpool.write_types import Scale
 
 
@@ -28,24 +28,6 @@ class Fp4Layer(NamedTuple):
     v: torch.Tensor  # [rows, H, Dv // 2] uint8
     k_scale: torch.Tensor  # [rows, H * D // 16] uint8, 2 ** (byte - 127) per 16 elements of the row
     v_scale: torch.Tensor  # [rows, H * Dv // 16] uint8
-
-
-def _fp4_dim(value: object, name: str) -> int:
-    dim = positive_int(value, name)
-    if dim % FP4_BLOCK:
-        raise ValueError(f"{name} must be a multiple of {FP4_BLOCK} for an FP4 pool (one scale per 16 elements), got {dim}")
-    return dim
-
-
-def _scale_tensor(scale: Scale, heads: int, device: torch.device) -> Optional[torch.Tensor]:
-    """A checked scale as a float32 device tensor that broadcasts over [T, H, D] (a device tensor:
-    CUDA divides by a Python scalar through its reciprocal)."""
-    if scale is None:
-        return None
-    if isinstance(scale, torch.Tensor):
-        s = scale.detach().to(torch.float32)
-        return s.reshape(1, heads, 1) if s.numel() == heads and heads != 1 else s.reshape(1, 1, 1)
-    return torch.full((1, 1, 1), scale, dtype=torch.float32, device=device)
 
 
 class MHATokenToKVPoolFP4(Fp4KVCache):
@@ -110,9 +92,9 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         check_sglang_keywords(enable_memory_saver, enable_alt_stream, enable_kv_cache_copy)
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer, validate)
         self.head_num = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
-        self.head_dim = _fp4_dim(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
+        self.head_dim = fp4_dim(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
         v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
-        self.v_head_dim = self.head_dim if v_dim is None else _fp4_dim(v_dim, "v_head_dim")
+        self.v_head_dim = self.head_dim if v_dim is None else fp4_dim(v_dim, "v_head_dim")
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
         self.out_dtype = out_dtype
@@ -212,5 +194,5 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         write_fp4(
             self.fused_verdict, self.fused_mode, self.stats, cache_k, cache_v,
             (self.k_buffer[i], self.k_scale_buffer[i]), (self.v_buffer[i], self.v_scale_buffer[i]),
-            loc, _scale_tensor(k_scale, h, dev), _scale_tensor(v_scale, h, dev),
+            loc, fp4_scale_tensor(k_scale, h, dev), fp4_scale_tensor(v_scale, h, dev),
         )  # fmt: skip

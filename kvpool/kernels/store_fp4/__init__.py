@@ -10,6 +10,7 @@ from kvpool.kernels.store_fp4.naive import (
     NON_FINITE_SCALE,
     dequantize_fp4,
     fp4_block_exponents,
+    fp4_scale_tensor,
     quantize_fp4,
     write_fp4_reference,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "NON_FINITE_SCALE",
     "dequantize_fp4",
     "fp4_block_exponents",
+    "fp4_scale_tensor",
     "quantize_fp4",
     "write_fp4_reference",
 ]

@@ -146,6 +146,18 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (values * factor).reshape(t, h, d).to(dtype)
 
 
+def fp4_scale_tensor(scale: object, heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    """A checked scale (None, a float, or a tensor of one element or one per head) as a float32
+    device tensor that broadcasts over [T, H, D]: a device tensor because CUDA divides by a Python
+    scalar through its reciprocal, which is not the correctly rounded quotient."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        s = scale.detach().to(torch.float32)
+        return s.reshape(1, heads, 1) if s.numel() == heads and heads != 1 else s.reshape(1, 1, 1)
+    return torch.full((1, 1, 1), float(scale), dtype=torch.float32, device=device)  # type: ignore[arg-type]
+
+
 def scale_divided(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """``x / scale`` as SGLang's FP4 pool divides it before quantizing: in float32, correctly
     rounded, then rounded back to ``x``'s dtype (out of place; SGLang divides its input in place).
