@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvassert import DEVICE, assert_same_bytes, fill_random_, fp4_oracle, fp4_unpacked, id_of, sglang_kvfp4
+from kvassert import DEVICE, assert_same_bytes, fill_random_, fp4_oracle, id_of, sglang_kvfp4
 from kvpool import Fp4CpuCopy, KVGeometry, MHATokenToKVPoolFP4, dequantize_fp4, kv_bytes_per_token
 
 FP4 = torch.float4_e2m1fn_x2

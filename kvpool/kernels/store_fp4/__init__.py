@@ -1,12 +1,14 @@
-"""SGLang's KV FP4 format (e2m1 values, one exponent scale byte per 16 elements): the PyTorch
-reference quantizer and dequantizer (``naive.py``) and the reference write into an FP4 pool."""
+"""The FP4 write, as one unit: SGLang's KV FP4 format (e2m1 values, one exponent scale byte per 16
+elements), its PyTorch reference quantizer, dequantizer and write (``naive.py``), the fused Triton
+write (``kernel.py``) and the one decision between them (``writer.py``). What it stores:
+docs/contract.md, "FP4 pools"."""
 
+from kvpool.kernels.formats import FP4_DTYPE
 from kvpool.kernels.store_fp4.naive import (
     E2M1_BOUNDS,
     E2M1_MAX,
     E2M1_VALUES,
     FP4_BLOCK,
-    FP4_DTYPE,
     NON_FINITE_SCALE,
     dequantize_fp4,
     fp4_block_exponents,

@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.formats import FP4_DTYPE
 from kvpool.kernels.store_kv.naive import scatter_rows
 
 #: Elements sharing one scale byte.
