@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvassert import DEVICE, assert_same_bytes, fused_runs, id_of
 from kvpool import FusedPathUnavailable, MHATokenToKVPoolFP4
@@ -89,3 +91,19 @@ def test_auto_takes_the_reference_path_where_the_gate_refuses_and_says_why():
         assert p.stats.reference_calls == 2 and p.stats.reasons == {p.fused_verdict[1]: 2}
     else:
         assert p.stats.fused_calls == 1 and list(p.stats.reasons) == ["k_scale/v_scale given: the fused FP4 kernel writes unscaled inputs"]
+
+
+@fused_runs
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=2 * H * D, max_size=2 * H * D),
+    st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_any_rows_fused_are_the_reference_rows(values, dtype):
+    k = torch.tensor(values, dtype=torch.float32).reshape(2, H, D).to(dtype).to(DEVICE)
+    v = k[..., :DV]
+    loc = torch.tensor([3, 8], device=DEVICE)
+    fused, reference = pool("always"), pool("never")
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
+        assert_same_bytes(a, b, name)

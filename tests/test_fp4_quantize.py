@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvassert import DEVICE, assert_same_bytes, fp4_oracle, fp4_unpacked, id_of, sglang_kvfp4
 from kvpool.kernels.store_fp4 import FP4_DTYPE, dequantize_fp4, quantize_fp4
@@ -85,6 +87,18 @@ def test_matches_the_oracle_of_the_rule(dtype):
     differ = fp4_unpacked(packed) != codes
     assert not differ.any(), f"{int(differ.sum())} codes differ, first at {tuple(np.argwhere(differ)[0])}"
     assert_same_bytes(x, before, "input")  # never modified
+
+
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=32, max_size=32),
+    st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_any_two_blocks_match_the_oracle(values, dtype):
+    x = torch.tensor(values, dtype=torch.float32).reshape(1, 2, 16).to(dtype).to(DEVICE)
+    packed, scales = quantize_fp4(x)
+    codes, expected_scales = fp4_oracle(x)
+    np.testing.assert_array_equal(scales.cpu().numpy(), expected_scales)
+    np.testing.assert_array_equal(fp4_unpacked(packed), codes)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=id_of)
