@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvassert import DEVICE, assert_same_bytes, fused_runs, id_of
@@ -94,6 +94,7 @@ def test_auto_takes_the_reference_path_where_the_gate_refuses_and_says_why():
 
 
 @fused_runs
+@settings(max_examples=20)  # each example is two interpreted launches on a CPU
 @given(
     st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=2 * H * D, max_size=2 * H * D),
     st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
