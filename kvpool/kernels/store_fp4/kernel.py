@@ -80,6 +80,8 @@ def store_fp4_kv(
     K_BLOCKS_P2: tl.constexpr,
     V_BLOCKS_P2: tl.constexpr,
 ):
+    """One program per token: rows ``loc[t]`` of the code and scale buffers become the FP4 of K and
+    V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < rows):
