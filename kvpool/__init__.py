@@ -54,6 +54,10 @@ from kvpool.pools import (
     plan_hybrid_pools,
     plan_swa_pools,
 )
+from kvpool.kernels.store_fp4 import dequantize_fp4, quantize_fp4
+from kvpool.pools.fp4_base import Fp4CpuCopy
+from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
+from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 from kvpool.transfer import SWAKVReceiver, SWAKVSender, SWAKVTransfer
 
@@ -64,6 +68,7 @@ __all__ = [
     "BaseTokenToKVPoolAllocator",
     "CacheInitParams",
     "EvictParams",
+    "Fp4CpuCopy",
     "FusedPathUnavailable",
     "HiMambaRadixCache",
     "HiRadixCache",
@@ -77,8 +82,10 @@ __all__ = [
     "KVGeometry",
     "LayerTransferCounter",
     "MHATokenToKVPool",
+    "MHATokenToKVPoolFP4",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
+    "MLATokenToKVPoolFP4",
     "MLATokenToKVPoolHost",
     "MambaCacheParams",
     "MambaCpuCopy",
@@ -110,11 +117,13 @@ __all__ = [
     "KVSender",
     "KVTransfer",
     "alloc_extend_naive",
+    "dequantize_fp4",
     "kv_bytes_per_token",
     "max_pool_size",
     "mla_kv_bytes_per_token",
     "plan_hybrid_pools",
     "plan_swa_pools",
+    "quantize_fp4",
     "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",

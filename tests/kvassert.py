@@ -2840,3 +2840,78 @@ def swa_as_on_gpu(a, lands: bool = True):
         part._cheap_device_checks = False
     a._checked = False
     return a
+
+
+# ----------------------------------------------------------------------------------------------
+# FP4 (SGLang's KV FP4): SGLang's own quantizer from its wheel, and an oracle written from the rule.
+
+#: Where the FP4 tests look for SGLang's wheel (``pip download --no-deps sglang==0.5.9 -d /tmp/sgl``).
+SGLANG_WHEEL = Path("/tmp/sgl/sglang-0.5.9-py3-none-any.whl")
+_KVFP4_SOURCE = "sglang/srt/layers/quantization/kvfp4_tensor.py"
+
+
+def sglang_kvfp4() -> Any:
+    """SGLang's ``KVFP4QuantizeUtil`` read from the wheel's ``kvfp4_tensor.py`` (it imports torch
+    only), loaded by path under a private module name; skips the test without the wheel or without a
+    C++ compiler (its functions are ``torch.compile``d, as SGLang runs them)."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    if not SGLANG_WHEEL.exists():
+        pytest.skip(f"SGLang's wheel is not at {SGLANG_WHEEL} (pip download --no-deps sglang==0.5.9 -d /tmp/sgl)")
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler (SGLang's quantizer is compiled)")
+    cached = sys.modules.get("kvpool_tests_sglang_kvfp4")
+    if cached is not None:
+        return cached.KVFP4QuantizeUtil
+    with zipfile.ZipFile(SGLANG_WHEEL) as z:
+        source = z.read(_KVFP4_SOURCE).decode()
+    path = os.path.join(tempfile.mkdtemp(prefix="sglang-kvfp4-"), "kvfp4_tensor.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("kvpool_tests_sglang_kvfp4", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kvpool_tests_sglang_kvfp4"] = mod
+    spec.loader.exec_module(mod)
+    return mod.KVFP4QuantizeUtil
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp4_oracle(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [T, H, D] uint8, scale bytes [T, H * D // 16] uint8) from the FP4 rule of
+    docs/contract.md, written independently of kvpool: the exponent from Python's ``math.frexp``
+    of float32(amax / 6) (NumPy's float32 division), each code the nearest e2m1 value of
+    ``x / 2**e`` in exact arithmetic, a tie going to the larger magnitude, the sign bit iff the
+    float32 quotient is below zero; a block holding inf or NaN gets byte 0 and codes 0."""
+    import math
+
+    t, h, d = x.shape
+    xs = x.detach().cpu().to(torch.float32).numpy().reshape(t, h * d // 16, 16)
+    codes = np.zeros(xs.shape, dtype=np.uint8)
+    scales = np.zeros(xs.shape[:2], dtype=np.uint8)
+    for i in range(xs.shape[0]):
+        for b in range(xs.shape[1]):
+            block = xs[i, b]
+            if not np.all(np.isfinite(block)):
+                continue
+            ratio = max(float(np.float32(np.abs(block).max()) / np.float32(6.0)), float(np.float32(1e-10)))
+            mant, exp = math.frexp(ratio)  # ratio = mant * 2**exp, 0.5 <= mant < 1
+            e = exp - 1 if mant == 0.5 else exp
+            scales[i, b] = e + 127
+            for j, value in enumerate(block):
+                q = np.float32(value) / np.float32(2.0**e)
+                mag = abs(Fraction(float(q)))
+                best = min(range(8), key=lambda c: (abs(mag - Fraction(_E2M1[c])), -c))
+                codes[i, b, j] = best | (8 if q < 0 else 0)
+    return codes.reshape(t, h, d), scales
+
+
+def fp4_unpacked(packed: torch.Tensor) -> np.ndarray:
+    """The codes of packed FP4 bytes [..., D // 2] as [..., D] (element 2j in the low nibble)."""
+    p = packed.detach().cpu().numpy()
+    out = np.empty((*p.shape[:-1], 2 * p.shape[-1]), dtype=np.uint8)
+    out[..., 0::2], out[..., 1::2] = p & 0x0F, p >> 4
+    return out

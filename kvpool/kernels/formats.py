@@ -48,6 +48,10 @@ CACHE_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
 )
 
+#: SGLang's FP4 KV format (two e2m1 values a byte, an exponent scale byte per 16 elements): the FP4
+#: pools' element type, None on a torch without it (kvpool/kernels/store_fp4).
+FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
+
 #: Element types that may be written into a cache.
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.formats import CACHE_DTYPES, INPUT_DTYPES, SCALE_HEAD, SCALE_TENSOR
+from kvpool.kernels.formats import CACHE_DTYPES, FP4_DTYPE, INPUT_DTYPES, SCALE_HEAD, SCALE_TENSOR
 
 #: Largest head_dim the kernel takes: a [BLOCK_H, next_pow2(head_dim)] tile must fit one program.
 MAX_HEAD_DIM = 1024
@@ -64,7 +64,7 @@ def cache_verdict(
         return False, f"device type {device.type!r} has no Triton backend here"
     elif interpreter:
         return False, "TRITON_INTERPRET=1 is set, and the interpreter takes CPU tensors only"
-    if cache_dtype not in CACHE_DTYPES:
+    if cache_dtype not in CACHE_DTYPES and (FP4_DTYPE is None or cache_dtype != FP4_DTYPE):
         return False, f"cache dtype {cache_dtype} is not supported"
     if head_dim > MAX_HEAD_DIM or v_head_dim > MAX_HEAD_DIM:
         return False, f"head_dim {max(head_dim, v_head_dim)} exceeds the fused kernel's limit of {MAX_HEAD_DIM}"

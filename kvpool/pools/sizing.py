@@ -19,7 +19,12 @@ import torch
 
 from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.formats import CACHE_DTYPES, store_dtype_for
+from kvpool.kernels.store_fp4 import FP4_BLOCK, FP4_DTYPE
 from kvpool.pools.state_params import MambaCacheParams
+
+
+#: Element types the sizing takes: every pool dtype, FP4 included where torch has it.
+SIZED_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + ((FP4_DTYPE,) if FP4_DTYPE is not None else ())
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,8 @@ class KVGeometry:
     ----------
     head_num, head_dim : KV heads on this rank and the K head dim.
     layer_num : layers held by this rank.
-    dtype : cache element type (FP8 takes one byte per element).
+    dtype : cache element type (FP8 takes one byte per element; ``torch.float4_e2m1fn_x2``, the FP4
+        pools', half a byte per element and one scale byte per 16: 9/16 of a byte).
     v_head_dim : V head dim; None means ``head_dim``. 0 for an MLA geometry (no V buffer).
     kv_lora_rank : MLA only (build it with :meth:`mla`): the latent part of the row, whose width
         ``head_dim`` is ``kv_lora_rank + qk_rope_head_dim`` with ``head_num`` 1.
@@ -57,8 +63,10 @@ class KVGeometry:
         positive_int(self.head_num, "head_num")
         positive_int(self.head_dim, "head_dim")
         positive_int(self.layer_num, "layer_num")
-        if self.dtype not in CACHE_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))}, got {self.dtype}")
+        if self.dtype not in SIZED_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, SIZED_DTYPES))}, got {self.dtype}")
+        if self.dtype is FP4_DTYPE and self.head_dim % FP4_BLOCK:
+            raise ValueError(f"head_dim must be a multiple of {FP4_BLOCK} for FP4, got {self.head_dim}")
         if self.kv_lora_rank is not None:  # MLA: one latent row per token and layer, no V buffer
             positive_int(self.kv_lora_rank, "kv_lora_rank")
             if self.head_num != 1:
@@ -75,6 +83,8 @@ class KVGeometry:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         else:
             positive_int(self.v_head_dim, "v_head_dim")
+            if self.dtype is FP4_DTYPE and self.v_head_dim % FP4_BLOCK:
+                raise ValueError(f"v_head_dim must be a multiple of {FP4_BLOCK} for FP4, got {self.v_head_dim}")
 
     @classmethod
     def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int, dtype: torch.dtype) -> "KVGeometry":
@@ -96,7 +106,11 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one slot takes across all layers, K and V together (MLA: the latent row)."""
+        """Bytes one slot takes across all layers, K and V together (MLA: the latent row); FP4
+        counts its scale bytes (72 bytes per head and token at head_dim 128, against 128 for FP8)."""
+        if self.dtype is FP4_DTYPE:
+            per_head = (self.head_dim + self.v_head_dim) * (FP4_BLOCK // 2 + 1) // FP4_BLOCK  # type: ignore[operator]
+            return self.layer_num * self.head_num * per_head
         element = store_dtype_for(self.dtype).itemsize
         return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * element  # type: ignore[operator]
 

@@ -1,0 +1,110 @@
+"""The fused FP4 write (docs/contract.md, "FP4 pools"): K and V in one launch, bit-identical to the
+reference path for every input, NaN and infinities included; the gate and the modes as the FP8
+write's. On a CPU the kernel runs through Triton's interpreter (``fused="always"``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvassert import DEVICE, assert_same_bytes, fused_runs, id_of
+from kvpool import FusedPathUnavailable, MHATokenToKVPoolFP4
+
+FP4 = torch.float4_e2m1fn_x2
+H, D, DV, SIZE = 3, 48, 32, 20
+
+
+def pool(fused: str, **kw) -> MHATokenToKVPoolFP4:
+    p = MHATokenToKVPoolFP4(SIZE, 1, FP4, H, D, 1, DEVICE, v_head_dim=DV, fused=fused, **kw)
+    for name in p.part_names:
+        getattr(p, name)[0].fill_(0xA5)
+    return p
+
+
+def stored(p: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
+    return [getattr(p, name)[0] for name in p.part_names]
+
+
+def special_rows(t: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Blocks at many magnitudes, with zeros, subnormals, infinities, NaN and amaxes of 6 * 2**k."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, heads * dim // 16, 16, generator=g)
+    x *= torch.exp2(torch.randint(-40, 40, (t, heads * dim // 16, 1), generator=g).float())
+    x[0, 0] = 0
+    x[0, 1, :3] = torch.tensor([1e-40, -1e-41, 6e-8])
+    x[1, 0, 2], x[1, 1, 0], x[2, 0, 9] = float("inf"), float("-inf"), float("nan")
+    x[3, :] = 6 * 2.0 ** torch.randint(-20, 20, (heads * dim // 16, 1), generator=g).float()
+    x[4, 0, :] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -0.0])
+    return x.reshape(t, heads, dim).to(dtype).to(DEVICE)
+
+
+@fused_runs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=id_of)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv_slice"])
+def test_fused_write_is_the_reference_write_bit_for_bit(dtype, strided):
+    k, v = special_rows(7, H, D, dtype, 1), special_rows(7, H, DV, dtype, 2)
+    if strided:  # K and V sliced out of one wider projection, as a fused QKV output is
+        qkv = torch.zeros(7, 3 * H, D, dtype=dtype, device=DEVICE)
+        qkv[:, H : 2 * H] = k
+        qkv[:, 2 * H :, :DV] = v
+        k, v = qkv[:, H : 2 * H], qkv[:, 2 * H :, :DV]
+    loc = torch.tensor([4, -1, 9, 2, SIZE + 1, 17, 0], device=DEVICE)
+    fused, reference = pool("always"), pool("never")
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert fused.stats.fused_calls == 1 and reference.stats.reference_calls == 1
+    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
+        assert_same_bytes(a, b, name)
+
+
+@fused_runs
+def test_int32_slots_and_an_empty_write():
+    k, v = special_rows(5, H, D, torch.bfloat16, 3), special_rows(5, H, DV, torch.bfloat16, 4)
+    fused, reference = pool("always"), pool("never")
+    for p in (fused, reference):
+        p.set_kv_buffer(None, torch.tensor([5, 6, 7, 1, 3], dtype=torch.int32, device=DEVICE), k, v, layer_id_override=0)
+        p.set_kv_buffer(None, torch.zeros(0, dtype=torch.int64, device=DEVICE), k[:0], v[:0], layer_id_override=0)
+    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
+        assert_same_bytes(a, b, name)
+
+
+@fused_runs
+def test_a_scaled_write_is_refused_by_the_gate_before_anything_is_written():
+    p = pool("always")
+    before = [b.clone() for b in stored(p)]
+    k, v = special_rows(5, H, D, torch.bfloat16, 5)[:2], special_rows(5, H, DV, torch.bfloat16, 6)[:2]
+    with pytest.raises(FusedPathUnavailable, match="k_scale/v_scale given"):
+        p.set_kv_buffer(None, torch.tensor([1, 2], device=DEVICE), k, v, k_scale=0.5, layer_id_override=0)
+    for a, b in zip(stored(p), before):
+        assert_same_bytes(a, b, "buffer")
+
+
+def test_auto_takes_the_reference_path_where_the_gate_refuses_and_says_why():
+    p = pool("auto")
+    k, v = special_rows(5, H, D, torch.bfloat16, 7)[:2], special_rows(5, H, DV, torch.bfloat16, 8)[:2]
+    p.set_kv_buffer(None, torch.tensor([1, 2], device=DEVICE), k, v, k_scale=0.5, layer_id_override=0)
+    p.set_kv_buffer(None, torch.tensor([3, 4], device=DEVICE), k, v, layer_id_override=0)
+    if DEVICE == "cpu":  # the interpreter runs only with fused="always"
+        assert not p.fused_verdict[0] and "device is cpu" in p.fused_verdict[1]
+        assert p.stats.reference_calls == 2 and p.stats.reasons == {p.fused_verdict[1]: 2}
+    else:
+        assert p.stats.fused_calls == 1 and list(p.stats.reasons) == ["k_scale/v_scale given: the fused FP4 kernel writes unscaled inputs"]
+
+
+@fused_runs
+@settings(max_examples=20)  # each example is two interpreted launches on a CPU
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=64, max_size=64),
+    st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_any_rows_fused_are_the_reference_rows(values, dtype):
+    k = torch.tensor(values, dtype=torch.float32).reshape(2, 1, 32).to(dtype).to(DEVICE)  # 2 tokens, 2 blocks each
+    v = k[..., 16:]
+    loc = torch.tensor([3, 8], device=DEVICE)
+    fused, reference = (MHATokenToKVPoolFP4(10, 1, FP4, 1, 32, 1, DEVICE, v_head_dim=16, fused=f) for f in ("always", "never"))
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
+        assert_same_bytes(a, b, name)
