@@ -177,6 +177,9 @@ def test_a_round_trip_through_the_host_is_exact_on_every_device(device, io_backe
     kv_before = [b[slots].cpu() for b in kv_bufs]
     state_before = [t[:, state].cpu() for t in state_bufs]
     cache.insert(InsertParams(key=RadixKey(seq(5)), value=slots, mamba_value=state))  # backed up, KV and state
+    if device == "cuda":
+        torch.cuda.synchronize()  # the backups done: a node still being backed up stays locked on the device
+    cache.check_hicache_events()
     cache.evict(EvictParams(num_tokens=16))
     for buf in kv_bufs + state_bufs:
         buf.zero_()  # the freed slots' next owners write after the backups read them
