@@ -318,6 +318,21 @@ class HiCacheStorage(ABC):
             raise ValueError(f"{name} must be None or a list of {count} entries (one per key), got {got}")
         return list(items)
 
+    def check_target(self, target: object, size: object, name: str) -> Optional[torch.Tensor]:
+        """A ``get``'s ``target_location`` (None, or a contiguous CPU tensor to read the page into)
+        with its ``target_sizes`` None (backends that read into tensors take no sizes); ValueError
+        naming ``name`` (or its ``sizes`` twin) otherwise."""
+        backend = type(self).__name__
+        if size is not None:
+            raise ValueError(f"{name.replace('location', 'sizes')} must be None ({backend} reads into tensors), got {size!r}")
+        if target is None:
+            return None
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"{name} must be None or a CPU tensor ({backend} reads into tensors), got {type(target).__name__}")
+        if target.device.type != "cpu" or not target.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, got device {target.device}, contiguous {target.is_contiguous()}")
+        return target
+
     def host_page_starts(self, keys: Sequence[str], host_indices: object) -> list[int]:
         """The first host slot of each page of ``host_indices`` for a ``*_v1`` call over ``keys``,
         after every check (see :meth:`batch_get_v1`'s Raises)."""

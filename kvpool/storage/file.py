@@ -405,18 +405,6 @@ class HiCacheFile(HiCacheStorage):
     # --- the interface -------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_target(target: object, size: object, name: str) -> Optional[torch.Tensor]:
-        if size is not None:
-            raise ValueError(f"{name.replace('location', 'sizes')} must be None (HiCacheFile reads into tensors), got {size!r}")
-        if target is None:
-            return None
-        if not isinstance(target, torch.Tensor):
-            raise ValueError(f"{name} must be None or a CPU tensor (HiCacheFile reads into tensors), got {type(target).__name__}")
-        if target.device.type != "cpu" or not target.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor, got device {target.device}, contiguous {target.is_contiguous()}")
-        return target
-
-    @staticmethod
     def _check_value(value: object, target: object, size: object, name: str) -> memoryview:
         if target is not None or size is not None:
             raise ValueError(f"{name} must be given as a tensor (HiCacheFile takes no target_location / target_sizes)")
@@ -430,7 +418,7 @@ class HiCacheFile(HiCacheStorage):
         contiguous CPU tensor of the page's size) or a new uint8 tensor; None for a miss (absent,
         torn, corrupt, foreign or of another size)."""
         key = self.check_key(key)
-        target = self._check_target(target_location, target_sizes, "target_location")
+        target = self.check_target(target_location, target_sizes, "target_location")
         return self._load_tensor(key, target)
 
     def batch_get(
@@ -440,7 +428,7 @@ class HiCacheFile(HiCacheStorage):
         keys = self.check_keys(keys)
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
-        checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
+        checked = [self.check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
         return [self._load_tensor(k, t) for k, t in zip(keys, checked)]
 
     def set(

@@ -317,18 +317,6 @@ class MooncakeStore(HiCacheStorage):
     # --- pages as tensors (through a registered staging buffer) ------------------------------------------
 
     @staticmethod
-    def _check_target(target: object, size: object, name: str) -> Optional[torch.Tensor]:
-        if size is not None:
-            raise ValueError(f"{name.replace('location', 'sizes')} must be None (MooncakeStore reads into tensors), got {size!r}")
-        if target is None:
-            return None
-        if not isinstance(target, torch.Tensor):
-            raise ValueError(f"{name} must be None or a CPU tensor (MooncakeStore reads into tensors), got {type(target).__name__}")
-        if target.device.type != "cpu" or not target.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor, got device {target.device}, contiguous {target.is_contiguous()}")
-        return target
-
-    @staticmethod
     def _check_value(value: object, target: object, size: object, name: str) -> torch.Tensor:
         if target is not None or size is not None:
             raise ValueError(f"{name} must be given as a tensor (MooncakeStore takes no target_location / target_sizes)")
@@ -383,7 +371,7 @@ class MooncakeStore(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         """As the interface says; the page travels through a registered staging buffer."""
         key = self.check_key(key)
-        return self._load([key], [self._check_target(target_location, target_sizes, "target_location")])[0]
+        return self._load([key], [self.check_target(target_location, target_sizes, "target_location")])[0]
 
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -392,7 +380,7 @@ class MooncakeStore(HiCacheStorage):
         keys = self.check_keys(keys)
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
-        checked = [self._check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
+        checked = [self.check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
         return self._load(keys, checked)
 
     def set(
