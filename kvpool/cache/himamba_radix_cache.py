@@ -33,7 +33,7 @@ from kvpool.cache.host_tier import HostTier
 from kvpool.cache.mamba_radix_cache import MambaRadixCache
 from kvpool.cache import mamba_requests
 from kvpool.cache.node import TreeNode
-from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, InsertParams, MatchPrefixParams, MatchResult
+from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, InsertParams, MatchPrefixParams, MatchResult, evict_counts
 from kvpool.cache.records import HOST, STATE, StateSnapshot
 from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
@@ -171,16 +171,7 @@ class HiMambaRadixCache(HybridTierMoves, HostTier, MambaRadixCache):
             raises, the nodes go back as they were (host-only leaves evicted for room stay evicted)
             and the error propagates; if a later ``free`` raises, the parts before it stand.
         """
-        if isinstance(params, EvictParams):
-            if params.swa_num_tokens:
-                raise ValueError(f"swa_num_tokens must be 0 for HiMambaRadixCache, got {params.swa_num_tokens!r}")
-            num, states = params.num_tokens, params.mamba_num
-        else:
-            num, states = params, 0
-        num = non_negative_int(num, "num_tokens")
-        states = non_negative_int(states, "mamba_num")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
+        num, states = evict_counts(params, "HiMambaRadixCache", "it holds no sliding-window KV", "mamba_num", self.disable)
         out = Taken()
         undo = Undo()
         locked_leaves: list[TreeNode] = []

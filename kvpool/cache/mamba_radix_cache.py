@@ -27,6 +27,7 @@ from kvpool.cache.params import (
     CacheInitParams,
     EvictParams,
     EvictResult,
+    evict_counts,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -36,7 +37,7 @@ from kvpool.cache.params import (
 from kvpool.cache.records import STATE, StateSnapshot
 from kvpool.cache.tree import Undo
 from kvpool.cache.tree_cache import TreeCache
-from kvpool.checks import check_index, non_negative_int, positive_int
+from kvpool.checks import check_index, positive_int
 from kvpool.errors import IntegrityError
 
 
@@ -169,16 +170,7 @@ class MambaRadixCache(TreeCache):
             allocator's ``free`` raises, the nodes and snapshots are put back and the error
             propagates; if the state pool's ``free`` raises after it, the KV part stands.
         """
-        if isinstance(params, EvictParams):
-            if params.swa_num_tokens:
-                raise ValueError(f"swa_num_tokens must be 0 for MambaRadixCache, got {params.swa_num_tokens!r}")
-            num, states = params.num_tokens, params.mamba_num
-        else:
-            num, states = params, 0
-        num = non_negative_int(num, "num_tokens")
-        states = non_negative_int(states, "mamba_num")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
+        num, states = evict_counts(params, "MambaRadixCache", "it holds no sliding-window KV", "mamba_num", self.disable)
         kv: list[torch.Tensor] = []
         freed_states: list[torch.Tensor] = []
         undo = Undo()

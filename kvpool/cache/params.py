@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from kvpool.cache.key import RadixKey
+from kvpool.checks import non_negative_int
 
 
 @dataclasses.dataclass
@@ -99,6 +100,26 @@ class EvictParams:
     num_tokens: int = 0
     swa_num_tokens: int = 0
     mamba_num: int = 0
+
+
+def evict_counts(params: object, cache: str, holds: str, also: Optional[str], disabled: bool) -> tuple[int, int]:
+    """What ``evict(params)`` asks of cache ``cache`` (which ``holds`` what the message says):
+    ``params`` is an ``EvictParams`` or a number of device tokens. Returns ``(num_tokens, the count
+    of field also)`` (0 without ``also``: ``"swa_num_tokens"`` or ``"mamba_num"``), each checked to
+    be a non-negative int; a non-zero count of a field the cache does not take, or any call on a
+    ``disabled`` cache, raises ``ValueError`` naming it."""
+    num, other = params, 0
+    if isinstance(params, EvictParams):
+        for name in ("swa_num_tokens", "mamba_num"):
+            if name != also and getattr(params, name):
+                raise ValueError(f"{name} must be 0 for {cache} ({holds}), got {getattr(params, name)!r}")
+        num, other = params.num_tokens, getattr(params, also) if also else 0
+    num = non_negative_int(num, "num_tokens")
+    if also:
+        other = non_negative_int(other, also)
+    if disabled:
+        raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
+    return num, other
 
 
 @dataclasses.dataclass

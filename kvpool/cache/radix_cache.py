@@ -26,6 +26,7 @@ from kvpool.cache.params import (
     CacheInitParams,
     EvictParams,
     EvictResult,
+    evict_counts,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -34,7 +35,6 @@ from kvpool.cache.params import (
 )
 from kvpool.cache.tree import Undo
 from kvpool.cache.tree_cache import InsertJob, TreeCache
-from kvpool.checks import non_negative_int
 from kvpool.errors import IntegrityError
 
 __all__ = ["RadixCache", "RadixKey", "TreeNode"]
@@ -270,14 +270,4 @@ class RadixCache(TreeCache):
 
     def _evict_amount(self, params: Union[EvictParams, int]) -> int:
         """``params``' device tokens to evict, checked."""
-        if isinstance(params, EvictParams):
-            for name in ("swa_num_tokens", "mamba_num"):
-                if getattr(params, name):
-                    raise ValueError(
-                        f"{name} must be 0 for {type(self).__name__} (it holds full-attention KV only), got {getattr(params, name)!r}"
-                    )
-            params = params.num_tokens
-        num = non_negative_int(params, "num_tokens")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
-        return num
+        return evict_counts(params, type(self).__name__, "it holds full-attention KV only", None, self.disable)[0]

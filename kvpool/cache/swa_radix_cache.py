@@ -30,6 +30,7 @@ from kvpool.cache.params import (
     CacheInitParams,
     EvictParams,
     EvictResult,
+    evict_counts,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -182,16 +183,7 @@ class SWARadixCache(TreeCache):
             nothing changes. If ``free_swa`` raises, nothing changes; if ``free`` raises after it,
             the nodes that left are put back and the new tombstones stay (their SWA slots are free).
         """
-        if isinstance(params, EvictParams):
-            if params.mamba_num:
-                raise ValueError(f"mamba_num must be 0 for SWARadixCache (it holds no states), got {params.mamba_num!r}")
-            num, swa_num = params.num_tokens, params.swa_num_tokens
-        else:
-            num, swa_num = params, 0
-        num = non_negative_int(num, "num_tokens")
-        swa_num = non_negative_int(swa_num, "swa_num_tokens")
-        if self.disable:
-            raise ValueError(f"evict: this cache was built with disable=True and holds nothing to evict (num_tokens = {num})")
+        num, swa_num = evict_counts(params, "SWARadixCache", "it holds no states", "swa_num_tokens", self.disable)
         gone, tombs = Undo(), Undo()
         full_parts: list[torch.Tensor] = []
         swa_parts: list[torch.Tensor] = []
