@@ -1254,6 +1254,20 @@ def assert_speculative_runs(rep, summary: str, layers: int, prompts: int, every_
             assert set(r.accept_lengths) == set(range(s.width)), summary
 
 
+def assert_speculative_writes_fused_on_cuda(runner, tiny) -> None:
+    """A sliding-window runner (``runner``: its module) on a GPU with ``tiny``'s config: every write of
+    the speculative runs (prefill, and the verify write into both parts) is fused, and the
+    speculative tokens are the plain runs' on fp32 and FP8 pools."""
+    from dataclasses import replace
+
+    cfg = replace(tiny, device="cuda", pool_dtypes=("fp32",), calibrate=False)
+    rep = runner.run(cfg, runner.SlidingOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3")))
+    summary = runner.format_summary(rep)
+    assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
+    for r in [*rep.runs, *rep.spec_runs]:
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+
+
 def dropping_last_token(runner, write_name: str, pool_of=lambda made: made):
     """A stand-in for an example model runner's ``make_pool`` (``runner``: the runner's module) whose
     pool (``pool_of`` the value made) drops the last token of every ``write_name`` call, as a padding

@@ -14,6 +14,7 @@ import torch
 
 from kvassert import (
     assert_speculative_runs,
+    assert_speculative_writes_fused_on_cuda,
     assert_swa_prefix_cache_serves,
     dropping_last_token,
     fused_and_reference_serve,
@@ -351,12 +352,7 @@ def test_gpt_oss_rejected_drafts_that_keep_their_swa_slots_are_caught(monkeypatc
 def test_gpt_oss_on_cuda_speculative_verify_writes_take_the_fused_kernel():
     """On a GPU every write of the speculative runs (prefill, and the verify write into both parts) is
     fused, and the speculative tokens are the plain runs' on fp32 and FP8 pools."""
-    cfg = replace(TINY, device="cuda", pool_dtypes=("fp32",), calibrate=False)
-    rep = gpt_oss_runner.run(cfg, gpt_oss_runner.SlidingOptions(spec_width=4, spec_dtypes=("fp32", "fp8_e4m3")))
-    summary = gpt_oss_runner.format_summary(rep)
-    assert_speculative_runs(rep, summary, cfg.shape.layers, cfg.prompts, every_length=False)
-    for r in [*rep.runs, *rep.spec_runs]:
-        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+    assert_speculative_writes_fused_on_cuda(gpt_oss_runner, TINY)
 
 
 def test_gpt_oss_on_the_prefix_cache_requests_hit_and_tombstones_appear(tmp_path):
