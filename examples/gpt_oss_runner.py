@@ -116,6 +116,7 @@ from support.runners.sliding import (  # noqa: E402, F401  (the shared sliding-w
     add_spec_arguments,
     format_swa_summary,
     run_sliding,
+    sliding_parser,
     window_keys,
 )
 from support.runners.verify import SpecReport  # noqa: E402
@@ -370,18 +371,8 @@ def format_summary(rep: Report) -> str:
 RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(20, 40), new_tokens=(6, 20), page_size=4, chunk_size=16)
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, the description's paragraphs kept as written."""
-
-
 def make_parser() -> argparse.ArgumentParser:
-    paragraphs = __doc__.split("\n\n")
-    rule = next(t for t in paragraphs if t.startswith("The attention is"))
-    exits = next(t for t in paragraphs if t.startswith("Exit status"))
-    p = argparse.ArgumentParser(
-        prog=PROGRAM, description="\n\n".join(paragraphs[:2]), epilog=f"{rule}\n\n{exits}",
-        formatter_class=HelpFormatter,
-    )  # fmt: skip
+    p = sliding_parser(PROGRAM, __doc__)
     p.add_argument("--config", choices=sorted(SHAPES), default="tiny", help="model shape preset")
     p.add_argument("--layers", type=int, help="override the preset's layer count (even layers slide, odd are full)")
     p.add_argument("--experts", type=int, help="override the preset's expert count")

@@ -243,6 +243,22 @@ class SlidingOptions:
                 raise ValueError(f"spec dtype must be one of {', '.join(DTYPES)}, got {d!r}")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the description's paragraphs kept as written."""
+
+
+def sliding_parser(program: str, doc: str) -> argparse.ArgumentParser:
+    """A sliding-window runner's parser: ``doc``'s first two paragraphs as the description, its
+    paragraphs on the attention rule and the exit status as the epilog."""
+    paragraphs = doc.split("\n\n")
+    rule = next(t for t in paragraphs if t.startswith("The attention is"))
+    exits = next(t for t in paragraphs if t.startswith("Exit status"))
+    return argparse.ArgumentParser(
+        prog=program, description="\n\n".join(paragraphs[:2]), epilog=f"{rule}\n\n{exits}",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+
+
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """The sliding-window runners' options for the speculative runs and the JSON output."""
     p.add_argument("--spec-width", type=int, default=4,
