@@ -1254,6 +1254,21 @@ def assert_speculative_runs(rep, summary: str, layers: int, prompts: int, every_
             assert set(r.accept_lengths) == set(range(s.width)), summary
 
 
+def assert_every_write_fused_on_cuda(runner, tiny) -> None:
+    """A sliding-window runner (``runner``: its module) on a GPU with ``tiny``'s config: every write
+    fused, the tokens transformers' (fp32) or the rounded reference's, the SWA part within its bound."""
+    from dataclasses import replace
+
+    rep = runner.run(replace(tiny, device="cuda"))
+    summary = runner.format_summary(rep)
+    assert rep.fp32_check is True and rep.ok, summary
+    for r in rep.runs:
+        if r.dtype != "fp32":
+            assert r.vs_rounded.identical, summary
+        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
+        assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
+
+
 def assert_speculative_writes_fused_on_cuda(runner, tiny) -> None:
     """A sliding-window runner (``runner``: its module) on a GPU with ``tiny``'s config: every write of
     the speculative runs (prefill, and the verify write into both parts) is fused, and the

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvassert import (
+    assert_every_write_fused_on_cuda,
     assert_speculative_runs,
     assert_speculative_writes_fused_on_cuda,
     assert_swa_prefix_cache_serves,
@@ -277,14 +278,7 @@ def test_gemma3_the_fused_kernel_serves_the_same_tokens_and_logits(monkeypatch):
 
 @pytest.mark.gpu
 def test_gemma3_on_cuda_every_write_takes_the_fused_kernel():
-    rep = gemma3_runner.run(replace(TINY, device="cuda"))
-    summary = gemma3_runner.format_summary(rep)
-    assert rep.fp32_check is True and rep.ok, summary
-    for r in rep.runs:
-        if r.dtype != "fp32":
-            assert r.vs_rounded.identical, summary
-        assert r.result.reference_calls == 0 and r.result.fused_calls > 0, summary
-        assert r.result.memory["swa_peak"] <= r.result.memory["swa_peak_bound"], summary
+    assert_every_write_fused_on_cuda(gemma3_runner, TINY)
 
 
 def test_gemma3_admission_waits_for_room_in_the_swa_part(report):
