@@ -160,7 +160,7 @@ def test_a_free_copies_its_counts_back_itself(kernel_device, monkeypatch, page, 
     """With counts copied back rather than read (a GPU allocator without validate), the give-back
     kernel writes the counters to the host mirror itself: a free launches no copy after it, and the
     counts the host folds in match the PyTorch path's, call after call."""
-    from kvpool.pools.allocator.freelist import CountMirror
+    from kvpool.pools.allocator.count_mirror import CountMirror
 
     tw = Twins(kernel_device, page, token, need_sort, False)
     if kernel_device == "cpu":

@@ -8,8 +8,8 @@ waiting for it. The host keeps a count that is exact or, after such an append, a
 page it counts is listed, so pages taken within it are always real. Reading the end (``read``,
 a synchronisation on a GPU) makes the count exact again.
 
-``CountMirror`` copies device counters to pinned host memory behind the work queued so far and tells,
-without waiting, once the copy has landed; the allocator folds it into its host counts then.
+``FreeLists`` keeps the free ring, the release list and their counts, with the counts' copy back
+to the host in a ``CountMirror`` (:mod:`kvpool.pools.allocator.count_mirror`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from kvpool.kernels.allocator import launcher as allocator_kernels
-from kvpool.kernels.launch import current_raw_stream
+from kvpool.pools.allocator.count_mirror import CountMirror
 from kvpool.pools.allocator.state import AllocatorState
 
 logger = logging.getLogger("kvpool")
@@ -171,61 +171,6 @@ class PageRing:
         self._buf[: self._cap] = rotated
         self._tail.copy_(count)
         self._head, self._known, self.exact = 0, known, False
-
-
-class CountMirror:
-    """A pinned host copy of a few device counters, queued behind the device's work; ``poll`` returns
-    it, without waiting, once it has landed (on a CPU device the copy is immediate).
-
-    The copy is either launched here (``queue``) or written by a kernel that changed the counters
-    (``host`` is where it writes; ``landed_behind`` then marks it): one launch fewer per call.
-
-    Parameters
-    ----------
-    n : counters copied.
-    device : the counters' device.
-    """
-
-    def __init__(self, n: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self._device = device
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-        self._event = torch.cuda.Event() if cuda else None
-        self._stream: Optional[tuple[int, torch.cuda.Stream]] = None  # (raw handle, stream object)
-        self._tag: Optional[object] = None
-
-    def queue(self, counters: torch.Tensor, tag: object) -> None:
-        """Copy ``counters`` (1-D int64 on the device) once the work queued so far has run; ``tag`` comes
-        back with them. A copy not yet polled is replaced."""
-        self.host.copy_(counters, non_blocking=self._event is not None)
-        self.landed_behind(tag)
-
-    def landed_behind(self, tag: object) -> None:
-        """The last work queued writes the counters to ``host`` (a kernel that copies them there):
-        ``poll`` returns them, with ``tag``, once it has run. A copy not yet polled is replaced."""
-        if self._event is not None:
-            # The copy runs on the counters' device's stream, which need not be the current device's.
-            self._event.record(self._current_stream())
-        self._tag = tag
-
-    def _current_stream(self) -> torch.cuda.Stream:
-        """The counters' device's current stream, its object kept while the raw handle is the same
-        (``torch.cuda.current_stream`` builds a new one each time)."""
-        raw = current_raw_stream(self._device.index if self._device.index is not None else torch.cuda.current_device())
-        if self._stream is None or self._stream[0] != raw:
-            self._stream = (raw, torch.cuda.current_stream(self._device))
-        return self._stream[1]
-
-    def poll(self) -> Optional[tuple[list[int], object]]:
-        """The latest copy and its tag if it has landed (once), else None; never waits."""
-        if self._tag is None or (self._event is not None and not self._event.query()):
-            return None
-        tag, self._tag = self._tag, None
-        return self.host.tolist(), tag
-
-    def drop(self) -> None:
-        """Forget the copy in flight (the counts it holds no longer apply)."""
-        self._tag = None
 
 
 @dataclass(frozen=True)
