@@ -2874,8 +2874,9 @@ def swa_as_on_gpu(a, lands: bool = True):
 # ----------------------------------------------------------------------------------------------
 # FP4 (SGLang's KV FP4): SGLang's own quantizer from its wheel, and an oracle written from the rule.
 
-#: Where the FP4 tests look for SGLang's wheel (``pip download --no-deps sglang==0.5.9 -d /tmp/sgl``).
-SGLANG_WHEEL = Path("/tmp/sgl/sglang-0.5.9-py3-none-any.whl")
+#: Where the FP4 tests look for SGLang's wheel: ``$KVPOOL_SGLANG_WHEEL``, else the checkout's ``.sgl/``
+#: (``pip download --no-deps sglang==0.5.9 -d .sgl``, ignored by git).
+SGLANG_WHEEL = Path(os.environ.get("KVPOOL_SGLANG_WHEEL") or ROOT / ".sgl" / "sglang-0.5.9-py3-none-any.whl")
 _KVFP4_SOURCE = "sglang/srt/layers/quantization/kvfp4_tensor.py"
 
 
@@ -2888,7 +2889,9 @@ def sglang_kvfp4() -> Any:
     import zipfile
 
     if not SGLANG_WHEEL.exists():
-        pytest.skip(f"SGLang's wheel is not at {SGLANG_WHEEL} (pip download --no-deps sglang==0.5.9 -d /tmp/sgl)")
+        pytest.skip(
+            f"SGLang's wheel is not at {SGLANG_WHEEL} (pip download --no-deps sglang==0.5.9 -d .sgl, or set KVPOOL_SGLANG_WHEEL)"
+        )
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("torch.compile on CPU needs a C++ compiler (SGLang's quantizer is compiled)")
     cached = sys.modules.get("kvpool_tests_sglang_kvfp4")
