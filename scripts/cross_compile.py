@@ -46,7 +46,7 @@ TARGETS = {
 
 def compile_variant(
     target_name, heads, head_dim, out_kind, in_type, k_kind, v_kind, loc_type="i64", prefix=False, observe=False,
-    i64=True, flat=False, joined=False, v_head_dim=None,
+    i64=True, flat=False, joined=False, v_head_dim=None, mapped=False,
 ):  # fmt: skip
     target, soft = TARGETS[target_name]
     names = list(K.store_kv.arg_names)
@@ -62,7 +62,7 @@ def compile_variant(
         "commit_ptr": f"*{loc_type}", "k_amax_ptr": "*fp32", "v_amax_ptr": "*fp32",
         "k_scale_value": "fp32", "v_scale_value": "fp32", "k_scale_stride": "i32", "v_scale_stride": "i32",
         "T": "i32", "capacity": "i32", "width": "i32", "stride_loc": "i32", "stride_loc_row": "i32",
-        "stride_commit": "i32",
+        "stride_commit": "i32", "map_ptr": "*i64", "map_rows": "i32",
     }  # fmt: skip
     assert tuple(names[: len(PER_CALL)]) == PER_CALL, "the kernel's per-call arguments moved"
     strides = [n for n in names if n.startswith("stride_") and n not in ("stride_loc", "stride_loc_row", "stride_commit")]
@@ -71,7 +71,7 @@ def compile_variant(
         BLOCK_H=plan.block_h, BLOCK_D=plan.block_d, BLOCK_HV=plan.block_hv, BLOCK_DV=plan.block_dv,
         BLOCK_D2=plan.block_d2, BLOCK_DV2=plan.block_dv2,
         K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=out_kind, SOFT_CAST=soft, FAST_DIV=not soft,
-        PREFIX=prefix, OBSERVE=observe, I64=i64, JOINED=plan.joined,
+        PREFIX=prefix, OBSERVE=observe, I64=i64, JOINED=plan.joined, MAPPED=mapped,
     )  # fmt: skip
     # As Triton specializes a contiguous launch: unit head_dim strides, the rest divisible by 16.
     for n in strides:
@@ -89,7 +89,7 @@ def compile_variant(
     compiled = triton.compile(src, target=target, options={"num_warps": plan.num_warps})
     info = {"target": target_name, "H": heads, "D": head_dim, "out_kind": out_kind, "in": in_type,
             "k_kind": k_kind, "v_kind": v_kind, "soft": soft, "prefix": prefix, "observe": observe,
-            "i64": i64, "flat": flat, "joined": joined, "DV": v_head_dim}  # fmt: skip
+            "i64": i64, "flat": flat, "joined": joined, "DV": v_head_dim, "mapped": mapped}  # fmt: skip
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
@@ -237,6 +237,10 @@ def main() -> int:
             ("sm90", 8, 96, 0, "bf16", 2, 2, "i64", False, False, False, True),
             ("sm90", 8, 96, 0, "bf16", 2, 2, "i64", False, False, False, False),
             ("sm90", 1, 512, 0, "bf16", 2, 2, "i64", False, False, False, False, True, 64),  # the MLA pool's plan
+            # a sliding-window layer's write through the full-to-SWA mapping: plain and verify write
+            ("sm90", 8, 64, 0, "bf16", 2, 2, "i64", False, False, False, False, False, None, True),
+            ("sm90", 8, 64, 0, "bf16", 2, 2, "i32", True, False, False, False, False, None, True),
+            ("gfx942", 8, 64, 0, "bf16", 2, 2, "i64", False, False, False, False, False, None, True),
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)

@@ -161,6 +161,50 @@ def test_the_fused_write_at_the_translated_slots_equals_the_reference_path(dtype
     assert_part_equals(pool, "swa", twin, "fused SWA write")
 
 
+@fused_runs
+def test_the_fused_write_and_verify_write_read_the_mapping_in_their_own_launch(monkeypatch):
+    """A sliding-window layer's fused write and verify write translate their full slots inside the
+    kernel: with the host-side translation made to fail, both still land every row at its
+    translated slot (unmapped, padding and out-of-pool entries included), bit for bit."""
+    import kvpool.kernels.store_kv.writer as writer_module
+    import kvpool.pools.swa_pool as swa_module
+
+    def no_translation(*args):
+        raise AssertionError("a fused sliding-window write translated its slots outside the kernel")
+
+    pool = registered(torch.float8_e4m3fn, fused="always")
+    twin = plain_twin(pool, "swa")
+    monkeypatch.setattr(writer_module, "translate_slots", no_translation)
+    monkeypatch.setattr(swa_module, "translate_slots", no_translation)
+    g = torch.Generator().manual_seed(11)
+    loc = [5, 3, -1, 25, 17, 1]
+    k = (torch.randn(6, 3, 16, generator=g) * 300).to(torch.bfloat16).to(DEVICE)
+    v = (torch.randn(6, 3, 8, generator=g) * 300).to(torch.bfloat16).to(DEVICE)
+    pool.set_kv_buffer(Layer(0), loc_of(loc).to(torch.int32), k, v, 0.37, 0.37)
+    loc_2d, commit = [[1, 2, 9], [24, 3, 40]], loc_of([2, 3])
+    pool.set_kv_buffer_prefix_valid(Layer(3), loc_of(loc_2d), commit, k, v, 0.5, 0.5)
+    monkeypatch.undo()
+    twin.set_kv_buffer(None, loc_of(translated(loc, PAIRS, FULL_ROWS)), k, v, 0.37, 0.37, layer_id_override=0)
+    swa_2d = [translated(row, PAIRS, FULL_ROWS) for row in loc_2d]
+    twin.set_kv_buffer_prefix_valid(None, loc_of(swa_2d), commit, k, v, 0.5, 0.5, layer_id_override=2)
+    assert pool.swa_kv_pool.stats.fused_calls == 2
+    assert_part_equals(pool, "swa", twin, "fused writes through the mapping")
+
+
+def test_a_slot_map_of_the_wrong_kind_is_refused_before_anything_is_written():
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE)
+    before = pool_bytes(pool)
+    k = torch.ones(2, 2, 8, device=DEVICE)
+    for bad, error, message in (
+        ([0, 1], TypeError, "slot_map must be a torch.Tensor"),
+        (torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), ValueError, "slot_map must be int64, got torch.int32"),
+        (torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), ValueError, "slot_map must be 1-D"),
+    ):
+        with pytest.raises(error, match=message):
+            pool.set_kv_buffer(None, loc_of([1, 2]), k, k, layer_id_override=0, slot_map=bad)
+    assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
+
+
 def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
     pool = registered(torch.bfloat16)
     before = pool_bytes(pool)
@@ -384,3 +428,24 @@ def test_on_a_gpu_the_fused_sliding_window_write_equals_the_reference_at_the_tra
     twin.set_kv_buffer(None, swa_loc, k, v, scale, scale, layer_id_override=2)
     assert pool.swa_kv_pool.stats.fused_calls >= 1
     assert_part_equals(pool, "swa", twin, "fused SWA write")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_sliding_window_write_is_one_kernel_and_compiles_nothing():
+    """After construction (whose warmup compiles the mapped variants), a sliding-window layer's
+    write runs exactly one CUDA kernel, the write itself, and launches nothing through the JIT."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool = make_swa_pool(torch.float8_e4m3fn, size=4096, size_swa=1024, device="cuda")
+    pool.register_mapping(swa_mapping(4097, {f: f % 1000 + 1 for f in range(1, 4097, 2)}, "cuda"))
+    loc = torch.arange(1, 257, device="cuda")
+    k = torch.randn(256, 3, 16, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(256, 3, 8, device="cuda", dtype=torch.bfloat16)
+    jit_before = pool.swa_kv_pool.writer.jit_launches
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pool.set_kv_buffer(Layer(2), loc, k, v, 0.5, 0.5)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 1 and "store_kv" in kernels[0], kernels
+    assert pool.swa_kv_pool.writer.jit_launches == jit_before

@@ -28,14 +28,20 @@ def compiled() -> list[dict]:
     return cross_compile()
 
 
+@pytest.fixture(scope="module")
+def plain(compiled) -> list[dict]:
+    """The variants that write to the slots as given (no slot map)."""
+    return [v for v in compiled if not v["mapped"]]
+
+
 def test_the_write_kernel_compiles_for_every_target(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 16
+    assert len(compiled) == 19
 
 
-def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
+def test_hopper_build_uses_wide_accesses_and_hardware_fp8(plain):
     [fp8] = [
-        v for v in compiled
+        v for v in plain
         if v["target"] == "sm90" and v["D"] == 128 and v["out_kind"] == 0
         and not (v["prefix"] or v["observe"]) and v["i64"]
     ]  # fmt: skip
@@ -46,18 +52,18 @@ def test_hopper_build_uses_wide_accesses_and_hardware_fp8(compiled):
     assert fp8["cvt_satfinite"] > 0 and fp8["fma_rn"] > fp8["div_rn"] > 0
     # The cast saturates by itself (no clamp); the division clamps its input with NaN-keeping min/max.
     assert fp8["max_nan"] > 0
-    [e5m2] = [v for v in compiled if v["target"] == "sm90" and v["out_kind"] == 1]
+    [e5m2] = [v for v in plain if v["target"] == "sm90" and v["out_kind"] == 1]
     assert e5m2["cvt_satfinite"] > 0
-    [soft] = [v for v in compiled if v["target"] == "sm80" and v["out_kind"] == 0]
+    [soft] = [v for v in plain if v["target"] == "sm80" and v["out_kind"] == 0]
     assert soft["soft"] and soft["cvt_satfinite"] == 0, "no FP8 conversion instruction before sm_89"
 
 
-def test_prefix_and_observe_variants_keep_the_fast_write(compiled):
+def test_prefix_and_observe_variants_keep_the_fast_write(plain):
     """The verify write (PREFIX) and the calibrating write (OBSERVE) are the same vectorised write;
     only the observing one carries an atomic max, and the plain one has none."""
     by = {
         (v["prefix"], v["observe"]): v
-        for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["out_kind"] == 0 and v["i64"]
+        for v in plain if v["target"] == "sm90" and v["H"] == 8 and v["out_kind"] == 0 and v["i64"]
     }  # fmt: skip
     for v in by.values():
         assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["cvt_satfinite"] > 0
@@ -65,22 +71,22 @@ def test_prefix_and_observe_variants_keep_the_fast_write(compiled):
     assert by[(False, False)]["atom_max"] == 0 and by[(True, False)]["atom_max"] == 0
 
 
-def test_32_bit_offsets_and_two_piece_rows_compile_to_the_fast_write(compiled):
+def test_32_bit_offsets_and_two_piece_rows_compile_to_the_fast_write(plain):
     """The 32-bit-offset variant does less 64-bit address arithmetic than the 64-bit one; the odd
     shape's flat plan (288 = 256 + 32 per row, 32-bit offsets) keeps 16-byte loads and the
     hardware cast."""
-    [wide] = [v for v in compiled if v["target"] == "sm90" and v["H"] == 8 and v["i64"] and not (v["prefix"] or v["observe"]) and v["out_kind"] == 0]
-    [narrow] = [v for v in compiled if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 128) and not v["i64"]]
+    [wide] = [v for v in plain if v["target"] == "sm90" and v["H"] == 8 and v["i64"] and not (v["prefix"] or v["observe"]) and v["out_kind"] == 0]
+    [narrow] = [v for v in plain if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 128) and not v["i64"]]
     assert narrow["mul_wide"] < wide["mul_wide"], (narrow, wide)
     assert narrow["ld_v4"] > 0 and narrow["st_v4"] > 0 and narrow["cvt_satfinite"] > 0
-    [odd] = [v for v in compiled if v["target"] == "sm90" and v["flat"] and v["H"] == 3]
+    [odd] = [v for v in plain if v["target"] == "sm90" and v["flat"] and v["H"] == 3]
     assert odd["ld_v4"] > 0 and odd["cvt_satfinite"] > 0
 
 
-def test_the_row_plan_of_heads_cut_in_two_pieces_compiles_to_wider_accesses(compiled):
+def test_the_row_plan_of_heads_cut_in_two_pieces_compiles_to_wider_accesses(plain):
     """H=8, D=96: a large write's row plan (each row one run, 512 + 256) issues 16-byte stores and
     more 16-byte loads than the per-head plan (every head 64 + 32), which has no 16-byte store."""
-    by = {v["flat"]: v for v in compiled if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 96)}
+    by = {v["flat"]: v for v in plain if v["target"] == "sm90" and (v["H"], v["D"]) == (8, 96)}
     assert by[True]["st_v4"] > by[False]["st_v4"] and by[True]["ld_v4"] > by[False]["ld_v4"], by
     assert by[True]["cvt_satfinite"] > 0 and not by[True]["i64"]
 
@@ -91,6 +97,17 @@ def test_joined_plan_compiles_to_the_fast_write(compiled):
     [mla] = [v for v in compiled if v["joined"]]
     assert (mla["H"], mla["D"], mla["DV"]) == (1, 512, 64)
     assert mla["ld_v4"] > 0 and mla["st_v4"] > 0 and mla["cvt_satfinite"] > 0 and mla["fma_rn"] > mla["div_rn"] > 0
+
+
+def test_the_write_through_a_slot_map_keeps_the_fast_write(compiled):
+    """A sliding-window layer's write reads the full-to-SWA mapping in the same launch: the plain
+    and verify writes through the map keep 16-byte loads and stores and the hardware cast, and
+    compile for AMD too."""
+    mapped = [v for v in compiled if v["mapped"]]
+    assert {(v["target"], v["prefix"]) for v in mapped} == {("sm90", False), ("sm90", True), ("gfx942", False)}
+    for v in mapped:
+        if v["target"] == "sm90":
+            assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["cvt_satfinite"] > 0, v
 
 
 @gpu

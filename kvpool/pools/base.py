@@ -296,17 +296,20 @@ class KVCache:
         """(input dtype, loc dtype, scale) combinations compiled at construction."""
         return [(i, l, s) for i in INPUT_DTYPES for l in LOC_DTYPES for s in self._warmup_scales()]
 
-    def _warmup_calls(self) -> list[Callable[[], None]]:
+    def _warmup_calls(self, **write_options: object) -> list[Callable[[], None]]:
         """Calls that compile and run every kernel variant a first real write would meet, writing
-        zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write):
-        one write per token band of the plan (all tokens but the first skipped)."""
+        zeros to the padding slot 0 only (each subclass's ``_warmup_write`` makes one such write,
+        with ``write_options``): one write per token band of the plan (all tokens but the first
+        skipped)."""
         return [
-            functools.partial(self._warmup_write, *variant, tokens)
+            functools.partial(self._warmup_write, *variant, tokens, **write_options)
             for variant in self.warmup_variants()
             for tokens in self._writer.band_tokens
         ]
 
-    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
+    def _warmup_write(
+        self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int, **write_options: object
+    ) -> None:
         raise NotImplementedError
 
     def _warmup_loc(self, tokens: int, loc_dtype: torch.dtype) -> torch.Tensor:
@@ -315,14 +318,15 @@ class KVCache:
         loc[0] = 0
         return loc
 
-    def _warmup(self) -> None:
-        """Compile each variant once on the pool's device. Each call writes zeros to slot 0 of the
-        first layer: the padding slot, which no allocator hands out (at construction the buffers
-        are still zero there, so nothing changes at all)."""
+    def _warmup(self, **write_options: object) -> None:
+        """Compile each variant once on the pool's device (the variants of writes with
+        ``write_options``, e.g. a ``slot_map``). Each call writes zeros to slot 0 of the first
+        layer: the padding slot, which no allocator hands out (at construction the buffers are
+        still zero there, so nothing changes at all)."""
         if not self._writer.fused_possible or self.device.type != "cuda":
             return
         start = time.perf_counter()
-        calls = self._warmup_calls()
+        calls = self._warmup_calls(**write_options)
         with torch.cuda.device(self.device), self._writer.uncounted():
             for call in calls:
                 call()

@@ -7,9 +7,10 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import positive_int
+from kvpool.checks import check_index, positive_int
 from kvpool.kernels.store_kv.checks import check_write
 from kvpool.kernels.store_kv.op import store_kv_op
+from kvpool.kernels.store_kv.writer import translate_slots
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
 from kvpool.write_types import POOL_NAMES, ArgNames, Geometry, Scale
 
@@ -17,6 +18,13 @@ PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
 
 #: Whether torch.compile is tracing the caller (bound once: one call, no attribute lookups).
 _is_compiling = torch.compiler.is_compiling
+
+
+def check_slot_map(slot_map: object, device: torch.device) -> None:
+    """``slot_map`` a one-dimensional int64 tensor on ``device`` (a write's slot map)."""
+    if type(slot_map) is torch.Tensor and slot_map.dtype is torch.int64 and slot_map.dim() == 1 and slot_map.device == device:
+        return
+    check_index(slot_map, "slot_map", dtypes=(torch.int64,), ndim=1, device=device, dims="[M]", per="one per slot of loc's pool")
 
 
 class MHATokenToKVPool(KVCache):
@@ -148,6 +156,8 @@ class MHATokenToKVPool(KVCache):
         k_scale: Scale = None,
         v_scale: Scale = None,
         layer_id_override: Optional[int] = None,
+        *,
+        slot_map: Optional[torch.Tensor] = None,
     ) -> None:
         """Write one layer's K/V rows for T tokens: row ``loc[t]`` of the layer's buffers becomes
         ``q(cache_k[t], k_scale)`` and ``q(cache_v[t], v_scale)`` (docs/contract.md, "The write").
@@ -163,6 +173,10 @@ class MHATokenToKVPool(KVCache):
             head. Read on the device when the kernel runs (so a CUDA graph replays the current value).
             Ignored by 16-bit and fp32 pools.
         layer_id_override : global layer id; takes precedence over ``layer.layer_id``.
+        slot_map : Tensor [M] int64 on the pool's device, or None. When given, ``loc`` holds another
+            pool's slots and token ``t`` goes to row ``slot_map[loc[t]]`` (nothing for an entry
+            outside ``[0, M)``): ``SWAKVPool``'s sliding-window layers pass the full-to-SWA mapping,
+            which the fused kernel reads in the same launch.
 
         Raises
         ------
@@ -175,12 +189,16 @@ class MHATokenToKVPool(KVCache):
         safe to capture in a CUDA graph and to call from ``torch.compile(fullgraph=True)`` code.
         """
         i = self._write_index(layer, layer_id_override)
+        if slot_map is not None:
+            check_slot_map(slot_map, self.device)
         if _is_compiling():
+            if slot_map is not None:
+                loc = translate_slots(slot_map, loc)
             self._write_compiled(i, loc, cache_k, cache_v, k_scale, v_scale)
             return
         self._writer.write(
             self.k_buffer[i], self.v_buffer[i], loc, cache_k, cache_v, k_scale, v_scale, POOL_NAMES,
-            self._amax_views[i] if self._observing else None,  # type: ignore[index]
+            self._amax_views[i] if self._observing else None, slot_map=slot_map,  # type: ignore[index]
         )  # fmt: skip
 
     def set_kv_buffer_prefix_valid(
@@ -193,6 +211,8 @@ class MHATokenToKVPool(KVCache):
         k_scale: Scale = None,
         v_scale: Scale = None,
         layer_id_override: Optional[int] = None,
+        *,
+        slot_map: Optional[torch.Tensor] = None,
     ) -> None:
         """The speculative-decoding verify write: of each request's ``width`` draft tokens, write
         only the first ``commit_lens[i]`` (the accepted prefix); the others write nothing.
@@ -208,7 +228,7 @@ class MHATokenToKVPool(KVCache):
         commit_lens : Tensor [bs], int32/int64, on the pool's device. Values <= 0 write nothing for
             that request; values >= width write all its tokens (``validate`` requires 0..width).
         cache_k, cache_v : Tensor [bs * width, head_num, head_dim] / [bs * width, head_num, v_head_dim].
-        k_scale, v_scale : as for :meth:`set_kv_buffer`.
+        k_scale, v_scale, slot_map : as for :meth:`set_kv_buffer`.
 
         Raises
         ------
@@ -217,9 +237,11 @@ class MHATokenToKVPool(KVCache):
             committed slot out of range or a ``commit_lens`` value outside ``0..width``.
         """
         i = self._write_index(layer, layer_id_override)
+        if slot_map is not None:
+            check_slot_map(slot_map, self.device)
         self._writer.write(
             self.k_buffer[i], self.v_buffer[i], loc_2d, cache_k, cache_v, k_scale, v_scale, PREFIX_NAMES,
-            self._amax_for(i), commit_lens,
+            self._amax_for(i), commit_lens, slot_map,
         )  # fmt: skip
 
     def _write_compiled(
@@ -235,12 +257,25 @@ class MHATokenToKVPool(KVCache):
 
     # --- warmup ----------------------------------------------------------------------------------
 
-    def _warmup_write(self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int) -> None:
+    def warm_mapped_writes(self) -> None:
+        """Compile, on CUDA with warmup on, the variants of writes through a ``slot_map`` (as
+        construction compiles the plain ones), so that ``SWAKVPool``'s first sliding-window write
+        does not compile. The warmup's map sends the padding slot 0 to itself: it writes zeros to
+        slot 0 only, whatever mapping is registered later."""
+        if self._warm:
+            self._warmup(slot_map=torch.tensor([0, -1], dtype=torch.int64, device=self.device))
+
+    def _warmup_write(
+        self, in_dtype: torch.dtype, loc_dtype: torch.dtype, scale: Scale, tokens: int,
+        slot_map: Optional[torch.Tensor] = None,
+    ) -> None:  # fmt: skip
         dev = self.device
         k = torch.zeros((tokens, self.head_num, self.head_dim), dtype=in_dtype, device=dev)
         v = torch.zeros((tokens, self.head_num, self.v_head_dim), dtype=in_dtype, device=dev)
         loc = self._warmup_loc(tokens, loc_dtype)
-        self._writer.write(self.k_buffer[0], self.v_buffer[0], loc, k, v, scale, scale, POOL_NAMES, self._amax_for(0))
+        self._writer.write(
+            self.k_buffer[0], self.v_buffer[0], loc, k, v, scale, scale, POOL_NAMES, self._amax_for(0), slot_map=slot_map
+        )
 
     def _amax_heads(self) -> tuple[int, int]:
         return self.head_num, self.head_num

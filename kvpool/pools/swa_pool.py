@@ -16,35 +16,12 @@ from typing import Optional, Sequence
 import torch
 
 from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of, non_negative_int
+from kvpool.kernels.store_kv.writer import translate_slots
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.write_types import Scale
 
 GB = 1024**3
-
-
-def translate_slots(mapping: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    """SWA slots of full slots ``loc`` through ``mapping`` (an int64 tensor ``[full rows + 1]`` whose
-    last entry is -1): ``mapping[loc]`` for ``0 <= loc < full rows``, -1 for every other entry.
-
-    One clamp and one gather, no synchronisation: an entry outside the full pool (negative
-    padding, or past the end) is clamped onto the last entry, -1, so it translates to padding and
-    never indexes out of bounds. A full slot with no SWA part (mapping 0) translates to 0, the SWA
-    pool's padding slot.
-
-    Parameters
-    ----------
-    mapping : Tensor [R + 1] int64, the full-to-SWA mapping (``mapping[R] == -1``).
-    loc : integer Tensor of any shape on ``mapping``'s device.
-
-    Returns
-    -------
-    Tensor of ``loc``'s shape, int64.
-
-    >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
-    tensor([ 5,  7, -1, -1,  0])
-    """
-    return mapping[loc.clamp(-1, mapping.shape[0] - 1)]
 
 
 @dataclass(frozen=True)
@@ -150,6 +127,8 @@ class SWAKVPool:
         f = self.full_kv_pool
         self.size, self.size_swa, self.page_size = f.size, self.swa_kv_pool.size, f.page_size
         self.dtype, self.store_dtype, self.device, self.validate = f.dtype, f.store_dtype, f.device, f.validate
+        if not self.validate:  # sliding-window layers' writes read the mapping in their own launch
+            self.swa_kv_pool.warm_mapped_writes()
         self.head_num, self.head_dim, self.v_head_dim = f.head_num, f.head_dim, f.v_head_dim
         self.start_layer, self.layer_num = 0, len(full) + len(swa)
         self.full_to_swa_index_mapping: Optional[torch.Tensor] = None
@@ -233,6 +212,14 @@ class SWAKVPool:
             check_index(loc, "loc", dtypes=INDEX_DTYPES, dims="[T]", device=self.device)
         self.swa_loc = loc
 
+    def _slot_map(self, loc: object, name: str, ndim: int, tokens: object) -> Optional[torch.Tensor]:
+        """The mapping for a sliding-window layer's write to read in its own launch (``loc`` checked);
+        None under ``validate``, whose writes translate first (``_swa_slots``) to range-check."""
+        if self.validate:
+            return None
+        _indices(loc, name, ndim, self.device, tokens)
+        return self._mapping("a write to a sliding-window layer")
+
     def _swa_slots(self, loc: object, name: str, ndim: int, tokens: object) -> torch.Tensor:
         """``loc`` (full slots, checked) translated to SWA slots; IndexError under validate for an
         entry past the full pool."""
@@ -310,7 +297,9 @@ class SWAKVPool:
         ``loc``. A full-attention layer is its pool's ``set_kv_buffer``; a sliding-window layer's rows
         go to the SWA slots ``translate_slots(mapping, loc)`` (or ``swa_loc`` when set), written by
         the SWA pool's ``set_kv_buffer``: the same bytes as that write at those slots. A full slot
-        with no SWA part writes the SWA padding slot 0; a negative ``loc`` writes nothing.
+        with no SWA part writes the SWA padding slot 0; a negative ``loc`` writes nothing. The
+        fused kernel reads the mapping itself (one launch, the slots translated inside it); under
+        ``validate`` the slots are range-checked and translated first.
 
         Raises
         ------
@@ -320,9 +309,16 @@ class SWAKVPool:
             (SWA layers). Nothing is written.
         """
         pool, i, is_swa = self._route_write(layer, layer_id_override)
-        if is_swa:
+        if is_swa and self.swa_loc is not None:
+            loc = self.swa_loc
+        elif is_swa:
             tokens = cache_k.shape[0] if isinstance(cache_k, torch.Tensor) and cache_k.dim() else None
-            loc = self.swa_loc if self.swa_loc is not None else self._swa_slots(loc, "loc", 1, tokens)
+            slot_map = self._slot_map(loc, "loc", 1, tokens)
+            if slot_map is None:
+                loc = self._swa_slots(loc, "loc", 1, tokens)
+            else:
+                pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=i, slot_map=slot_map)
+                return
         pool.set_kv_buffer(None, loc, cache_k, cache_v, k_scale, v_scale, layer_id_override=i)
 
     def set_kv_buffer_prefix_valid(
@@ -340,10 +336,13 @@ class SWAKVPool:
         sliding-window layer's ``loc_2d`` (full slots, [bs, width]) is translated as for
         ``set_kv_buffer``. Errors as there, nothing written."""
         pool, i, is_swa = self._route_write(layer, layer_id_override)
+        slot_map = None
         if is_swa:
-            loc_2d = self._swa_slots(loc_2d, "loc_2d", 2, None)
+            slot_map = self._slot_map(loc_2d, "loc_2d", 2, None)
+            if slot_map is None:
+                loc_2d = self._swa_slots(loc_2d, "loc_2d", 2, None)
         pool.set_kv_buffer_prefix_valid(
-            None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i
+            None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i, slot_map=slot_map
         )
 
     # --- moves and CPU copies --------------------------------------------------------------------

@@ -6,7 +6,8 @@ rounded float32, saturate, round to nearest even (natively, or with integer oper
 see ``_convert``), and scatter each row to its slot. Grid: axis 0 walks token blocks, axis 1 the
 blocks of K and then of V; with ``JOINED`` one program loads a token block's K and V rows, then
 stores both. With ``PREFIX`` it is the verify write: token ``i * width + j`` is written only when
-``j < commit_lens[i]``. Per-element work is kept small: large writes are otherwise instruction-bound.
+``j < commit_lens[i]``. With ``MAPPED`` each loaded slot is translated through a slot map first
+(a sliding-window pool's full-to-SWA mapping), in the same launch. Per-element work is kept small: large writes are otherwise instruction-bound.
 """
 
 from __future__ import annotations
@@ -298,10 +299,15 @@ def _load_block(
 
 
 @triton.jit
-def _slot_ok(slot, write_ok, capacity, I64: tl.constexpr):
+def _slot_ok(slot, write_ok, capacity, map_ptr, map_rows, MAPPED: tl.constexpr, I64: tl.constexpr):
     """(slot narrowed to the offset width, whether the token's row is written). Called after the
-    rows' loads are issued, so they do not wait for the slots. The range check runs on the slot as
-    loaded (int32 or int64); only then may it be narrowed."""
+    rows' loads are issued, so they do not wait for the slots. With ``MAPPED`` the loaded slot is
+    first translated through ``map_ptr`` (``map_ptr[slot]`` for a slot in ``[0, map_rows)``, -1,
+    skipped, for any other). The range check runs on the slot as loaded (int32 or int64); only
+    then may it be narrowed."""
+    if MAPPED:
+        in_map = write_ok & (slot >= 0) & (slot < map_rows)
+        slot = tl.load(map_ptr + slot, mask=in_map, other=-1)
     row_ok = write_ok & (slot >= 0) & (slot < capacity)
     return (slot.to(tl.int64) if I64 else slot.to(tl.int32)), row_ok
 
@@ -360,10 +366,10 @@ def _store_block(
 @triton.jit
 def _store_head_block(
     src_ptr, dst_ptr, scale_ptr, scale_value, scale_stride, amax_ptr, slot, offs_t, token_ok, write_ok,
-    head_block, d_block, capacity, stride_st, stride_sh, stride_sd, stride_ct, stride_ch, stride_cd,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-    SCALE_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr, FAST_DIV: tl.constexpr,
-    OBSERVE: tl.constexpr, I64: tl.constexpr,
+    head_block, d_block, capacity, map_ptr, map_rows, stride_st, stride_sh, stride_sd, stride_ct, stride_ch,
+    stride_cd, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr, SCALE_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr,
+    FAST_DIV: tl.constexpr, OBSERVE: tl.constexpr, MAPPED: tl.constexpr, I64: tl.constexpr,
 ):  # fmt: skip
     """One block of one tensor (K or V): its loads, then its slots' range check, then its stores
     (``slot`` as loaded; arguments as for ``_load_block`` and ``_store_block``)."""
@@ -371,7 +377,7 @@ def _store_head_block(
         src_ptr, scale_ptr, scale_value, scale_stride, offs_t, token_ok, head_block, d_block,
         stride_st, stride_sh, stride_sd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, SCALE_KIND, I64,
     )  # fmt: skip
-    dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+    dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, map_ptr, map_rows, MAPPED, I64)
     _store_block(
         dst_ptr, amax_ptr, dst_slot, row_ok, scale, raw, raw2, head_block, d_block, stride_ct, stride_ch, stride_cd,
         H, D, BLOCK_H, BLOCK_D, BLOCK_D2, SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
@@ -387,7 +393,7 @@ def _store_head_block(
 @triton.jit(
     do_not_specialize=[
         "T", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "k_scale_stride", "v_scale_stride",
-        "commit_ptr", "width", "stride_loc_row", "stride_commit", "k_amax_ptr", "v_amax_ptr",
+        "commit_ptr", "width", "stride_loc_row", "stride_commit", "k_amax_ptr", "v_amax_ptr", "map_ptr", "map_rows",
     ]
 )  # fmt: skip
 def store_kv(
@@ -409,6 +415,8 @@ def store_kv(
     width,  # PREFIX: loc is [T // width, width]
     stride_loc_row,  # PREFIX: loc's stride along rows
     stride_commit,
+    map_ptr,  # [map_rows] int64 slot of each loc entry (MAPPED only; else any pointer)
+    map_rows,
     capacity,
     stride_loc,  # loc's stride along tokens (along width, PREFIX)
     stride_kt,
@@ -443,6 +451,7 @@ def store_kv(
     OBSERVE: tl.constexpr,
     I64: tl.constexpr,
     JOINED: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     """Write one layer's K and V rows: load, divide by the scale, saturate, cast and scatter to
     ``loc``, for the tokens of this program's tile; a slot outside ``[0, capacity)`` is skipped."""
@@ -484,7 +493,7 @@ def store_kv(
             v_ptr, v_scale_ptr, v_scale_value, v_scale_stride, offs_t, token_ok, 0, 0,
             stride_vt, stride_vh, stride_vd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, I64,
         )  # fmt: skip
-        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, I64)
+        dst_slot, row_ok = _slot_ok(slot, write_ok, capacity, map_ptr, map_rows, MAPPED, I64)
         _store_block(
             k_cache_ptr, k_amax_ptr, dst_slot, row_ok, k_scale, k_raw, k_raw2, 0, 0, stride_kct, stride_kch, stride_kcd,
             H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV, OBSERVE, I64,
@@ -496,15 +505,15 @@ def store_kv(
     elif b < K_BLOCKS:
         _store_head_block(
             k_ptr, k_cache_ptr, k_scale_ptr, k_scale_value, k_scale_stride, k_amax_ptr, slot, offs_t, token_ok,
-            write_ok, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity, stride_kt, stride_kh, stride_kd, stride_kct,
-            stride_kch, stride_kcd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST, FAST_DIV,
-            OBSERVE, I64,
+            write_ok, b // K_D_BLOCKS, b % K_D_BLOCKS, capacity, map_ptr, map_rows, stride_kt, stride_kh, stride_kd,
+            stride_kct, stride_kch, stride_kcd, H, D, BLOCK_H, BLOCK_D, BLOCK_D2, K_SCALE_KIND, OUT_KIND, SOFT_CAST,
+            FAST_DIV, OBSERVE, MAPPED, I64,
         )  # fmt: skip
     else:
         b -= K_BLOCKS
         _store_head_block(
             v_ptr, v_cache_ptr, v_scale_ptr, v_scale_value, v_scale_stride, v_amax_ptr, slot, offs_t, token_ok,
-            write_ok, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity, stride_vt, stride_vh, stride_vd, stride_vct,
-            stride_vch, stride_vcd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND, SOFT_CAST,
-            FAST_DIV, OBSERVE, I64,
+            write_ok, b // V_D_BLOCKS, b % V_D_BLOCKS, capacity, map_ptr, map_rows, stride_vt, stride_vh, stride_vd,
+            stride_vct, stride_vch, stride_vcd, HV, DV, BLOCK_HV, BLOCK_DV, BLOCK_DV2, V_SCALE_KIND, OUT_KIND,
+            SOFT_CAST, FAST_DIV, OBSERVE, MAPPED, I64,
         )  # fmt: skip

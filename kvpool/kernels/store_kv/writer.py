@@ -60,7 +60,7 @@ _I32_LIMIT = 2**31
 PER_CALL = (
     "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "loc_ptr", "k_scale_ptr", "v_scale_ptr", "commit_ptr",
     "k_amax_ptr", "v_amax_ptr", "k_scale_value", "v_scale_value", "k_scale_stride", "v_scale_stride", "T", "width",
-    "stride_loc_row", "stride_commit",
+    "stride_loc_row", "stride_commit", "map_ptr", "map_rows",
 )  # fmt: skip
 FIXED = (
     "capacity", "stride_loc", "stride_kt", "stride_kh", "stride_kd", "stride_vt", "stride_vh", "stride_vd",
@@ -69,6 +69,7 @@ FIXED = (
 CONSTEXPRS = (
     "H", "D", "HV", "DV", "BLOCK_T", "BLOCK_H", "BLOCK_D", "BLOCK_HV", "BLOCK_DV", "BLOCK_D2", "BLOCK_DV2",
     "K_SCALE_KIND", "V_SCALE_KIND", "OUT_KIND", "SOFT_CAST", "FAST_DIV", "PREFIX", "OBSERVE", "I64", "JOINED",
+    "MAPPED",
 )  # fmt: skip
 PARAMS = PER_CALL + FIXED + CONSTEXPRS
 _SIGNATURE_OK = kernel is not None and kernel_params(kernel.store_kv) == PARAMS
@@ -193,6 +194,7 @@ class KVWriter:
         names: ArgNames,
         amax: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         commit_lens: object = PLAIN_WRITE,
+        slot_map: Optional[torch.Tensor] = None,
     ) -> None:
         """Check, classify and perform one write: the fused kernel when the gate allows, else the
         reference path, or ``FusedPathUnavailable`` in ``"always"`` mode; counted in ``stats``.
@@ -200,12 +202,18 @@ class KVWriter:
         ``k_store``/``v_store`` are the caches in storage dtype (uint8 for FP8); ``loc``, ``k``, ``v``
         and the scales are the caller's, named in errors by ``names``. ``amax`` = (K maxima [H], V
         maxima [Hv]) float32 makes the write also fold its per-head max |x| into them (calibration).
-        ``commit_lens`` makes it a verify write (``loc`` [bs, width]). Bad input raises before
-        anything is written; under ``validate`` slot range and scale values are checked too.
+        ``commit_lens`` makes it a verify write (``loc`` [bs, width]). ``slot_map`` (int64 [M] on the
+        device, the caller's checked mapping) makes ``loc`` slots of another pool: entry ``s`` in
+        ``[0, M)`` writes slot ``slot_map[s]``, any other entry nothing; the fused kernel reads the
+        map itself (one launch), the reference path and ``validate`` translate first. Bad input
+        raises before anything is written; under ``validate`` slot range and scale values are
+        checked too.
 
         A plain write of tensors of this geometry on the device, with scales None, a float in range
         or a one-element float32 tensor on the device, is recognised with a few comparisons; a key
         found in the memo was checked when it was made. Anything else is checked in full."""
+        if slot_map is not None and (self.validate or not maps_in_kernel(slot_map, self._device)):
+            loc, slot_map = translate_slots(slot_map, loc), None  # type: ignore[arg-type]
         call_key = None
         if commit_lens is PLAIN_WRITE and type(loc) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
             loc_shape = loc.shape
@@ -253,9 +261,13 @@ class KVWriter:
             call_key = self._key_of(key, k, v, loc, amax, tokens)
         if not self.caches_aligned:
             call_key += (k_store.data_ptr() & 15, v_store.data_ptr() & 15)
+        if slot_map is not None:
+            call_key += (MAPPED_KEY,)
         entry = self._entries.get(call_key)
         if entry is None:
-            entry, k_scale, v_scale = self._new_entry(call_key, k, v, loc, k_scale, v_scale, names, commit_lens)
+            entry, k_scale, v_scale = self._new_entry(
+                call_key, k, v, loc, k_scale, v_scale, names, commit_lens, slot_map is not None
+            )
         if self.validate:
             if commit_lens is PLAIN_WRITE:
                 check_values(loc, names.loc, self.capacity, k_scale, v_scale)  # type: ignore[arg-type]
@@ -264,6 +276,8 @@ class KVWriter:
         if tokens == 0:
             return
         if entry.refused is not None:
+            if slot_map is not None:
+                loc = translate_slots(slot_map, loc)  # type: ignore[arg-type]
             self._fall_back(entry.refused, k_store, v_store, loc, k, v, k_scale, v_scale, amax, commit_lens)
             return
         self.stats.fused_calls += 1
@@ -281,6 +295,7 @@ class KVWriter:
             k_scale if k_kind == SCALE_VALUE else 1.0, v_scale if v_kind == SCALE_VALUE else 1.0,
             k_scale.stride(0) if k_kind == SCALE_HEAD else 0, v_scale.stride(0) if v_kind == SCALE_HEAD else 0,  # type: ignore
             tokens, width, stride_row, stride_commit,
+            loc if slot_map is None else slot_map, 0 if slot_map is None else slot_map.shape[0],
         )  # fmt: skip
         bound = self.launches.entries.get(entry)
         if bound is not None and tokens <= entry.max_tokens:
@@ -322,7 +337,9 @@ class KVWriter:
             v.data_ptr() & 15, self._device_index(),
         )  # fmt: skip
 
-    def _new_entry(self, call_key, k, v, loc, k_scale, v_scale, names, commit_lens) -> tuple[_Entry, Scale, Scale]:
+    def _new_entry(
+        self, call_key, k, v, loc, k_scale, v_scale, names, commit_lens, mapped: bool
+    ) -> tuple[_Entry, Scale, Scale]:
         """The entry of a kind of call seen for the first time: the full checks, the gate, the plan."""
         key, k_scale, v_scale = check_write(self.geometry, k, v, loc, k_scale, v_scale, names, commit_lens)
         amax_none, tokens = call_key[8], k.shape[0]
@@ -337,7 +354,7 @@ class KVWriter:
             entry = _Entry(None) if ok else _Entry(reason)
             if ok:
                 strides = call_key[10:13]
-                self._plan_entry(entry, key, *strides, observe=not call_key[8], tokens=k.shape[0])
+                self._plan_entry(entry, key, *strides, observe=not call_key[8], tokens=k.shape[0], mapped=mapped)
         if len(self._entries) >= LAUNCH_CACHE_ENTRIES:
             del self._entries[next(iter(self._entries))]
         self._entries[call_key] = entry
@@ -358,7 +375,9 @@ class KVWriter:
             layout=self.layout, chunk=self.chunk,
         )  # fmt: skip
 
-    def _plan_entry(self, entry: _Entry, key: tuple, kst: tuple, vst: tuple, lst: tuple, observe: bool, tokens: int) -> None:
+    def _plan_entry(
+        self, entry: _Entry, key: tuple, kst: tuple, vst: tuple, lst: tuple, observe: bool, tokens: int, mapped: bool
+    ) -> None:
         k_kind, v_kind = entry.k_kind, entry.v_kind = key[3], key[4]
         p = entry.plan = self.plan(kst, vst, (k_kind, v_kind), observe, tokens)
         entry.block_t, entry.grid_y = p.block_t, p.grid_y
@@ -372,6 +391,7 @@ class KVWriter:
             BLOCK_D=p.block_d, BLOCK_HV=p.block_hv, BLOCK_DV=p.block_dv, BLOCK_D2=p.block_d2, BLOCK_DV2=p.block_dv2,
             K_SCALE_KIND=k_kind, V_SCALE_KIND=v_kind, OUT_KIND=OUT_KIND[self.geometry.cache_dtype], SOFT_CAST=self.soft_cast,
             FAST_DIV=self.fast_div, PREFIX=key[7] is not None, OBSERVE=observe, I64=False, JOINED=p.joined,
+            MAPPED=mapped,
         )  # fmt: skip
         entry.direct_args = entry.fixed_args + tuple(consts[n] for n in CONSTEXPRS)
         entry.constexprs = {**consts, "num_warps": p.num_warps}
@@ -422,6 +442,31 @@ class KVWriter:
             if step > 0:
                 most = min(most, room // step + 1)
         return most
+
+
+#: The last entry of the key of a call whose slots go through a slot map.
+MAPPED_KEY = "slot_map"
+
+
+def maps_in_kernel(slot_map: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernel can read ``slot_map`` itself: one contiguous int64 dimension on the
+    writer's device, short enough for 32-bit offsets."""
+    return (
+        slot_map.dtype == torch.int64 and slot_map.dim() == 1 and slot_map.stride(0) == 1
+        and slot_map.device == device and slot_map.shape[0] < _I32_LIMIT
+    )  # fmt: skip
+
+
+def translate_slots(slot_map: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """``slot_map[s]`` for each entry ``s`` of ``loc`` in ``[0, len(slot_map))``, -1 for any other
+    (int64, ``loc``'s shape): what a mapped write writes, as one clamp and one gather, no
+    synchronisation. ``slot_map``'s last entry must be -1 (an entry outside the map is clamped onto
+    it), as a sliding-window pool's full-to-SWA mapping's is.
+
+    >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
+    tensor([ 5,  7, -1, -1,  0])
+    """
+    return slot_map[loc.clamp(-1, slot_map.shape[0] - 1)]
 
 
 def _view(plan: LaunchPlan, kst: Sequence[int], vst: Sequence[int]) -> tuple:
