@@ -170,7 +170,7 @@ def test_quantize_and_both_writes_store_the_literals(dtype, in_dtype):
         write(x, x, k_cache, v_cache, torch.tensor([1], device=DEVICE))
         assert_same_bytes(k_cache[1:2].view(torch.uint8).cpu(), expected, f"{write.__name__} K row")
         assert_same_bytes(v_cache[1:2].view(torch.uint8).cpu(), expected, f"{write.__name__} V row")
-        assert (k_cache[[0, 2]].view(torch.uint8) == 0xFF).all(), "rows not named by loc are untouched"
+        assert (k_cache.view(torch.uint8)[[0, 2]] == 0xFF).all(), "rows not named by loc are untouched"
 
 
 def test_oracle_encoders_agree_on_bf16_and_fp16_patterns():
