@@ -35,7 +35,7 @@ from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_c
 from kvpool.kernels.store_kv.writer import PER_CALL  # noqa: E402
 from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
 
-OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32"}
+OUT_TYPES = {0: "u8", 1: "u8", 2: "bf16", 3: "fp16", 4: "fp32", 5: "u8", 6: "u8"}  # formats.OUT_KIND
 TARGETS = {
     "sm90": (GPUTarget("cuda", 90, 32), False),
     "sm100": (GPUTarget("cuda", 100, 32), False),
@@ -100,6 +100,12 @@ def compile_variant(
         info["max_nan"] = ptx.count("max.NaN.f32")
         info["mul_wide"] = ptx.count("mul.wide.s32") + ptx.count("mul.lo.s64")
         info["atom_max"] = len(re.findall(r"atom\.global(?:\.\w+)*\.max", ptx)) + len(re.findall(r"red\.global(?:\.\w+)*\.max", ptx))
+    gcn = compiled.asm.get("amdgcn")
+    if gcn is not None:
+        # The hardware FP8 conversions of gfx942 (e4m3fnuz "fp8", e5m2fnuz "bf8"), which the write
+        # does not use; and the stores, to show the kernel was built.
+        info["cvt_fp8"] = len(re.findall(r"v_cvt_(?:pk|sr)_(?:fp8|bf8)_f32", gcn))
+        info["stores"] = len(re.findall(r"global_store|buffer_store", gcn))
     return info
 
 
@@ -216,7 +222,7 @@ def main() -> int:
             print(json.dumps(compile_copy_rows(*v)), flush=True)
         return 0
     if args.full:
-        variants = itertools.product(TARGETS, [(3, 96), (8, 128)], range(5), ["bf16", "fp16", "fp32"], range(4))
+        variants = itertools.product(TARGETS, [(3, 96), (8, 128)], OUT_TYPES, ["bf16", "fp16", "fp32"], range(4))
         variants = [(t, h, d, o, i, s, s) for t, (h, d), o, i, s in variants]
     else:
         variants = [
@@ -241,6 +247,13 @@ def main() -> int:
             ("sm90", 8, 64, 0, "bf16", 2, 2, "i64", False, False, False, False, False, None, True),
             ("sm90", 8, 64, 0, "bf16", 2, 2, "i32", True, False, False, False, False, None, True),
             ("gfx942", 8, 64, 0, "bf16", 2, 2, "i64", False, False, False, False, False, None, True),
+            # The fnuz formats (out kinds 5 and 6): MI300-class GPUs, and NVIDIA ones, which encode
+            # them with integer operations
+            ("gfx942", 8, 128, 5, "bf16", 2, 2),
+            ("gfx942", 3, 96, 6, "fp16", 1, 1),
+            ("gfx942", 1, 512, 5, "bf16", 2, 2, "i64", False, False, False, False, True, 64),
+            ("sm90", 8, 128, 5, "bf16", 2, 2),
+            ("sm90", 3, 96, 6, "bf16", 3, 3),
         ]
     for v in variants:
         print(json.dumps(compile_variant(*v)), flush=True)

@@ -107,6 +107,8 @@ def skip_fused_without_interpreter(name: str) -> None:
 # Dtypes and test ids.
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+#: The FP8 formats of MI300-class GPUs (no infinities, no -0, NaN 0x80): their own tests.
+FNUZ = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 CACHE_DTYPES = FP8 + [torch.bfloat16, torch.float16, torch.float32]
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -373,6 +375,7 @@ class Fmt:
     bias: int
     saturating: bool  # FP8 writes clamp to +-fmax; the IEEE casts overflow to inf
     has_inf: bool
+    fnuz: bool = False  # every exponent finite, no -0: 0x80 is the one NaN
 
     @property
     def width(self) -> int:
@@ -392,6 +395,8 @@ class Fmt:
         """Code of the largest finite positive value."""
         if self.name == "e4m3fn":  # no infinities: only S.1111.111 is NaN
             return (((1 << self.ebits) - 1) << self.mbits) | ((1 << self.mbits) - 2)
+        if self.fnuz:  # every code but 0x80 is a number
+            return (1 << (self.width - 1)) - 1
         return (((1 << self.ebits) - 2) << self.mbits) | ((1 << self.mbits) - 1)
 
     @property
@@ -400,7 +405,9 @@ class Fmt:
 
     @property
     def nan_code(self) -> int:
-        """One quiet NaN code (the oracle's canonical NaN)."""
+        """One quiet NaN code (the oracle's canonical NaN; for fnuz formats the only one)."""
+        if self.fnuz:
+            return self.sign_bit
         return (1 << (self.width - 1)) - 1
 
     @property
@@ -408,6 +415,8 @@ class Fmt:
         return decode_exact(self.max_code, self)
 
     def is_nan_code(self, codes: np.ndarray) -> np.ndarray:
+        if self.fnuz:
+            return np.asarray(codes).astype(np.int64) == self.sign_bit
         mag = np.asarray(codes).astype(np.int64) & (self.sign_bit - 1)
         if self.name == "e4m3fn":
             return mag == self.nan_code
@@ -419,6 +428,8 @@ E5M2 = Fmt("e5m2", ebits=5, mbits=2, bias=15, saturating=True, has_inf=True)
 BF16 = Fmt("bfloat16", ebits=8, mbits=7, bias=127, saturating=False, has_inf=True)
 FP16 = Fmt("float16", ebits=5, mbits=10, bias=15, saturating=False, has_inf=True)
 FP32 = Fmt("float32", ebits=8, mbits=23, bias=127, saturating=False, has_inf=True)
+E4M3FNUZ = Fmt("e4m3fnuz", ebits=4, mbits=3, bias=8, saturating=True, has_inf=False, fnuz=True)
+E5M2FNUZ = Fmt("e5m2fnuz", ebits=5, mbits=2, bias=16, saturating=True, has_inf=False, fnuz=True)
 
 FORMAT_OF = {
     torch.float8_e4m3fn: E4M3FN,
@@ -426,6 +437,8 @@ FORMAT_OF = {
     torch.bfloat16: BF16,
     torch.float16: FP16,
     torch.float32: FP32,
+    torch.float8_e4m3fnuz: E4M3FNUZ,
+    torch.float8_e5m2fnuz: E5M2FNUZ,
 }
 _UINT_OF_WIDTH = {8: (torch.uint8, np.uint8), 16: (torch.int16, np.uint16), 32: (torch.int32, np.uint32)}
 
@@ -441,7 +454,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def codes_of(t: torch.Tensor) -> np.ndarray:
-    """The bit patterns of a tensor of one of the five cache/input formats, as unsigned NumPy ints."""
+    """The bit patterns of a tensor of one of the cache/input formats, as unsigned NumPy ints."""
     fmt = FORMAT_OF[t.dtype]
     tdt, ndt = _UINT_OF_WIDTH[fmt.width]
     return _dense(t).view(tdt).numpy().view(ndt).copy()
@@ -484,7 +497,8 @@ def encode_f32(y: np.ndarray, fmt: Fmt) -> np.ndarray:
     """Round float32 values ``y`` to ``fmt`` (RNE), returning codes (int64 array, same shape).
 
     FP8 formats saturate: |y| > fmax and +-inf give +-fmax. IEEE formats overflow to +-inf.
-    The sign of zero is kept (-0.0 and negative values that round to zero give the sign bit alone).
+    The sign of zero is kept (-0.0 and negative values that round to zero give the sign bit alone),
+    except in the fnuz formats, which have no -0: every zero result is code 0.
     NaN gives ``fmt.nan_code``.
     """
     y = np.ascontiguousarray(y, dtype=np.float32)
@@ -532,6 +546,8 @@ def encode_f32(y: np.ndarray, fmt: Fmt) -> np.ndarray:
         mag = np.where(over, fmt.inf_code, mag)
     mag = np.where(is_zero, 0, mag)
     codes = (sign << (fmt.width - 1)) | mag
+    if fmt.fnuz:
+        codes = np.where(mag == 0, 0, codes)
     codes = np.where(is_nan, fmt.nan_code, codes)
     return codes.astype(np.int64)
 
@@ -546,7 +562,7 @@ def q_codes(x: torch.Tensor, cache_dtype: torch.dtype, scale=None) -> np.ndarray
     """Codes of q(x, s) for x [T, H, D]; the scale is ignored unless the cache is FP8."""
     fmt = FORMAT_OF[cache_dtype]
     x32 = float32_of(x)
-    if cache_dtype in FP8:
+    if cache_dtype in FP8 or cache_dtype in FNUZ:
         s = scale_float32(scale, x.shape[1]).reshape(1, -1, 1)
         y = divide_f32(x32, s)
     else:
@@ -586,13 +602,14 @@ def encode_exact(y: float, fmt: Fmt) -> int:
         return fmt.nan_code
     negative = np.signbit(np.float64(y))
     sign = fmt.sign_bit if negative else 0
+    zero = 0 if fmt.fnuz else sign  # what a result that rounds to zero stores
     if y in (float("inf"), float("-inf")):
         return sign | (fmt.max_code if fmt.saturating else fmt.inf_code)
     a = abs(Fraction(y))
     if fmt.saturating and a > fmt.fmax:
         return sign | fmt.max_code
     if a == 0:
-        return sign
+        return zero
     # find E with 2**E <= a < 2**(E+1)
     E = a.numerator.bit_length() - a.denominator.bit_length()
     if Fraction(2) ** E > a:
@@ -603,7 +620,7 @@ def encode_exact(y: float, fmt: Fmt) -> int:
     ulp = Fraction(2) ** (Eeff - fmt.mbits)
     n = _rne_fraction(a / ulp)
     if n == 0:
-        return sign
+        return zero
     mag = ((Eeff + fmt.bias) << fmt.mbits) + n - (1 << fmt.mbits)
     if not fmt.saturating and mag >= fmt.inf_code:
         mag = fmt.inf_code
@@ -615,6 +632,8 @@ def decode_exact(code: int, fmt: Fmt) -> Fraction | float:
     code = int(code)
     negative = bool(code & fmt.sign_bit)
     mag = code & (fmt.sign_bit - 1)
+    if fmt.fnuz and code == fmt.sign_bit:
+        return float("nan")
     e = mag >> fmt.mbits
     m = mag & ((1 << fmt.mbits) - 1)
     if fmt.name == "e4m3fn" and mag == fmt.nan_code:

@@ -1,6 +1,6 @@
 """The write kernel compiled for real GPU targets (NVIDIA sm_80/90/100, AMD gfx942) on a machine
 without one, with the Hopper build keeping the instructions its speed depends on (wide accesses,
-hardware FP8), for every plan and variant.
+hardware FP8), for every plan and variant, and the fnuz formats built with the integer encoder.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def plain(compiled) -> list[dict]:
 
 def test_the_write_kernel_compiles_for_every_target(compiled):
     assert {v["target"] for v in compiled} == {"sm90", "sm100", "sm80", "gfx942"}
-    assert len(compiled) == 19
+    assert len(compiled) == 24
 
 
 def test_hopper_build_uses_wide_accesses_and_hardware_fp8(plain):
@@ -94,7 +94,7 @@ def test_the_row_plan_of_heads_cut_in_two_pieces_compiles_to_wider_accesses(plai
 def test_joined_plan_compiles_to_the_fast_write(compiled):
     """The MLA pool's joined plan (one program writes the 512 latent and 64 rotary values of its
     tokens) keeps 16-byte loads and stores, the hardware cast and the FMA division for both parts."""
-    [mla] = [v for v in compiled if v["joined"]]
+    [mla] = [v for v in compiled if v["joined"] and v["target"] == "sm90"]
     assert (mla["H"], mla["D"], mla["DV"]) == (1, 512, 64)
     assert mla["ld_v4"] > 0 and mla["st_v4"] > 0 and mla["cvt_satfinite"] > 0 and mla["fma_rn"] > mla["div_rn"] > 0
 
@@ -108,6 +108,24 @@ def test_the_write_through_a_slot_map_keeps_the_fast_write(compiled):
     for v in mapped:
         if v["target"] == "sm90":
             assert v["ld_v4"] > 0 and v["st_v4"] > 0 and v["cvt_satfinite"] > 0, v
+
+
+def test_fnuz_formats_compile_for_gfx942_and_hopper_with_the_integer_encoder(compiled):
+    """e4m3fnuz and e5m2fnuz (out kinds 5 and 6) compile for gfx942, the MLA pool's joined plan
+    included, with no hardware FP8 conversion (``v_cvt_pk_fp8_f32`` / ``v_cvt_pk_bf8_f32``, which
+    Triton emits for a native cast to float8e4b8 / float8e5b16); on Hopper the fnuz writes keep the
+    16-byte accesses and the FMA division but have no cvt.rn.satfinite (no fnuz conversion there)."""
+    fnuz = [v for v in compiled if v["out_kind"] in (5, 6)]
+    amd = [v for v in fnuz if v["target"] == "gfx942"]
+    assert {v["out_kind"] for v in amd} == {5, 6} and any(v["joined"] for v in amd)
+    for v in amd:
+        assert v["soft"] and v["cvt_fp8"] == 0 and v["stores"] > 0, v
+    hopper = [v for v in fnuz if v["target"] == "sm90"]
+    assert {v["out_kind"] for v in hopper} == {5, 6}
+    for v in hopper:
+        assert not v["soft"] and v["cvt_satfinite"] == 0 and v["fma_rn"] > v["div_rn"] > 0, v
+    [wide] = [v for v in hopper if (v["H"], v["D"]) == (8, 128)]
+    assert wide["ld_v4"] > 0 and wide["st_v4"] > 0
 
 
 @gpu

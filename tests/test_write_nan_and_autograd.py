@@ -49,6 +49,8 @@ EXPECTED_NAN_BITS = {
     torch.bfloat16: 0x7FFF,
     torch.float16: 0x7FFF,
     torch.float32: 0x7FFFFFFF,
+    torch.float8_e4m3fnuz: 0x80,  # the fnuz formats' only NaN
+    torch.float8_e5m2fnuz: 0x80,
 }
 
 #: NaNs of both signs per input format: quiet, signalling (lowest payload bit only), all-ones,

@@ -1,11 +1,13 @@
 """Element formats a KV cache can hold, and the facts about each that the write paths need.
 
 The FP8 constants are the format definitions (OCP FP8: e4m3fn has no infinities and one NaN
-mantissa pattern; e5m2 is IEEE-like). The kind numbers below (``OUT_KIND``, ``SCALE_*``) are the
-fused kernel's compile-time constants: the kernel, its launcher, the argument checks and the gate read
-them from here, so a write is classified once, in these terms. ``NAN_BITS`` is read by the kernel and
-by the reference path alike. (The kernel's integer FP8 encoder spells each format's exponent bias,
-mantissa width and largest finite value as literals, which match ``FP8_FORMATS``.)
+mantissa pattern; e5m2 is IEEE-like; the fnuz formats of MI300-class GPUs, e4m3fnuz and e5m2fnuz,
+have no infinities, no negative zero and one NaN, the pattern 0x80 that would be -0). The kind
+numbers below (``OUT_KIND``, ``SCALE_*``) are the fused kernel's compile-time constants: the kernel,
+its launcher, the argument checks and the gate read them from here, so a write is classified once,
+in these terms. ``NAN_BITS`` is read by the kernel and by the reference path alike. (The kernel's
+integer FP8 encoder spells each format's exponent bias, mantissa width, largest finite value and
+zero rule as literals, which match ``FP8_FORMATS``.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class Fp8Format:
     exp_bias: int
     mant_bits: int
     max_finite: float
+    #: False for the fnuz formats: a result that rounds to zero is stored as 0x00 whatever its sign
+    #: (0x80 is their NaN).
+    signed_zero: bool = True
 
     @property
     def min_normal(self) -> float:
@@ -37,15 +42,24 @@ class Fp8Format:
 FP8_FORMATS: dict[torch.dtype, Fp8Format] = {
     torch.float8_e4m3fn: Fp8Format(torch.float8_e4m3fn, exp_bias=7, mant_bits=3, max_finite=448.0),
     torch.float8_e5m2: Fp8Format(torch.float8_e5m2, exp_bias=15, mant_bits=2, max_finite=57344.0),
+    torch.float8_e4m3fnuz: Fp8Format(
+        torch.float8_e4m3fnuz, exp_bias=8, mant_bits=3, max_finite=240.0, signed_zero=False
+    ),
+    torch.float8_e5m2fnuz: Fp8Format(
+        torch.float8_e5m2fnuz, exp_bias=16, mant_bits=2, max_finite=57344.0, signed_zero=False
+    ),
 }
 
-#: Element types a cache (pool) may hold.
+#: Element types a cache (pool) may hold. (A transfer header names a dtype by its position here:
+#: new types go at the end.)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e4m3fn,
     torch.float8_e5m2,
     torch.bfloat16,
     torch.float16,
     torch.float32,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 )
 
 #: SGLang's FP4 KV format (two e2m1 values a byte, an exponent scale byte per 16 elements): the FP4
@@ -64,6 +78,8 @@ OUT_KIND: dict[torch.dtype, int] = {
     torch.bfloat16: 2,
     torch.float16: 3,
     torch.float32: 4,
+    torch.float8_e4m3fnuz: 5,
+    torch.float8_e5m2fnuz: 6,
 }
 
 #: Scale kinds (compile-time constants of the kernel): no scale; a Python float passed by value
@@ -72,7 +88,8 @@ OUT_KIND: dict[torch.dtype, int] = {
 SCALE_NONE, SCALE_VALUE, SCALE_TENSOR, SCALE_HEAD = 0, 1, 2, 3
 
 #: The bits a NaN is stored as whenever a write converts between element types: the format's
-#: positive NaN with every exponent and mantissa bit set. Hardware and torch disagree about NaN
+#: positive NaN with every exponent and mantissa bit set (for the fnuz formats their only NaN,
+#: 0x80). Hardware and torch disagree about NaN
 #: payloads and signs (torch's own CPU conversions differ between its scalar and vector code), so
 #: both write paths store this pattern explicitly. A write whose input already has the cache's
 #: type copies the bits as they are, NaN payloads included.
@@ -82,6 +99,8 @@ NAN_BITS: dict[torch.dtype, int] = {
     torch.bfloat16: 0x7FFF,
     torch.float16: 0x7FFF,
     torch.float32: 0x7FFFFFFF,
+    torch.float8_e4m3fnuz: 0x80,
+    torch.float8_e5m2fnuz: 0x80,
 }
 
 

@@ -399,7 +399,7 @@ class KVCache:
         target = self.dtype if dtype is None else dtype
         if target not in FP8_FORMATS:
             raise ValueError(
-                f"dtype must be an FP8 format (torch.float8_e4m3fn or torch.float8_e5m2) for calibrated scales, "
+                f"dtype must be an FP8 format ({', '.join(map(str, FP8_FORMATS))}) for calibrated scales, "
                 f"got {target}" + (" (the pool's own dtype; pass dtype=...)" if dtype is None else "")
             )
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (0 < margin < math.inf):

@@ -42,7 +42,8 @@ class MHATokenToKVPool(KVCache):
     size : usable slots (the allocators hand out ``1..size``).
     page_size : slots per page; the buffers carry ``page_size`` extra rows, as SGLang's do.
     dtype : cache element type: ``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.bfloat16``,
-        ``torch.float16`` or ``torch.float32``.
+        ``torch.float16``, ``torch.float32``, or the MI300-class FP8 formats
+        ``torch.float8_e4m3fnuz`` and ``torch.float8_e5m2fnuz``.
     head_num, head_dim : KV heads on this rank and the K head dim.
     layer_num : layers held by this rank (pipeline parallelism: consecutive global ids).
     device : where the buffers live. ``"cpu"`` works (reference path only). On CUDA, writes launch

@@ -45,7 +45,8 @@ class MLATokenToKVPool(KVCache):
     size : usable slots (the allocators hand out ``1..size``).
     page_size : slots per page; the buffers carry ``page_size`` extra rows, as SGLang's do.
     dtype : cache element type: ``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.bfloat16``,
-        ``torch.float16`` or ``torch.float32``.
+        ``torch.float16``, ``torch.float32``, or the MI300-class FP8 formats
+        ``torch.float8_e4m3fnuz`` and ``torch.float8_e5m2fnuz``.
     kv_lora_rank : latent values per token (DeepSeek-V3: 512).
     qk_rope_head_dim : rotary key values per token, stored after the latent ones (DeepSeek-V3: 64).
     layer_num : layers held by this rank (pipeline parallelism: consecutive global ids).

@@ -98,10 +98,8 @@ def check_cache(cache: object, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be 3-D [slots, H, D], got shape {tuple(cache.shape)}")
     if cache.dtype not in CACHE_DTYPES:
         hint = " (pass the FP8 view, not its uint8 storage)" if cache.dtype == torch.uint8 else ""
-        raise ValueError(
-            f"{name} must be float8_e4m3fn, float8_e5m2, bfloat16, float16 or float32, "
-            f"got {cache.dtype}{hint}"
-        )
+        expected = ", ".join(str(d).replace("torch.", "") for d in CACHE_DTYPES)
+        raise ValueError(f"{name} must be one of {expected}, got {cache.dtype}{hint}")
     if cache.requires_grad:
         # The fused path writes through the data pointer and the reference path writes in place;
         # neither may touch a tensor autograd tracks, so both refuse it here, identically.

@@ -24,21 +24,29 @@ OUT_E5M2 = tl.constexpr(formats.OUT_KIND[torch.float8_e5m2])
 OUT_BF16 = tl.constexpr(formats.OUT_KIND[torch.bfloat16])
 OUT_FP16 = tl.constexpr(formats.OUT_KIND[torch.float16])
 OUT_FP32 = tl.constexpr(formats.OUT_KIND[torch.float32])
+OUT_E4M3FNUZ = tl.constexpr(formats.OUT_KIND[torch.float8_e4m3fnuz])
+OUT_E5M2FNUZ = tl.constexpr(formats.OUT_KIND[torch.float8_e5m2fnuz])
 SCALE_NONE = tl.constexpr(formats.SCALE_NONE)
 SCALE_VALUE = tl.constexpr(formats.SCALE_VALUE)
 SCALE_TENSOR = tl.constexpr(formats.SCALE_TENSOR)
 SCALE_HEAD = tl.constexpr(formats.SCALE_HEAD)
 FP8_NAN = tl.constexpr(formats.NAN_BITS[torch.float8_e4m3fn])
 assert formats.NAN_BITS[torch.float8_e5m2] == formats.NAN_BITS[torch.float8_e4m3fn]
+FNUZ_NAN = tl.constexpr(formats.NAN_BITS[torch.float8_e4m3fnuz])
+assert formats.NAN_BITS[torch.float8_e5m2fnuz] == formats.NAN_BITS[torch.float8_e4m3fnuz]
 HALF_NAN = tl.constexpr(formats.NAN_BITS[torch.bfloat16])
 assert formats.NAN_BITS[torch.float16] == formats.NAN_BITS[torch.bfloat16]
 F32_NAN = tl.constexpr(formats.NAN_BITS[torch.float32])
 
 
 @triton.jit
-def _fp8_bits_soft(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINITE: tl.constexpr):
-    """float32 -> FP8 code (int32 in [0, 255]): saturate finite and infinite values, NaN to FP8_NAN,
-    round to nearest even, keep the sign of zero."""
+def _fp8_bits_soft(
+    y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINITE: tl.constexpr, NAN_CODE: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
+):  # fmt: skip
+    """float32 -> FP8 code (int32 in [0, 255]): saturate finite and infinite values, NaN to NAN_CODE,
+    round to nearest even; a zero result keeps its sign with ``SIGNED_ZERO``, and is 0x00 without
+    (the fnuz formats, where 0x80 is the NaN)."""
     is_nan = y != y
     sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.where(is_nan, 0.0, tl.abs(y))
@@ -56,8 +64,12 @@ def _fp8_bits_soft(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, MAX_FINIT
     SUB_SCALE: tl.constexpr = 2.0 ** (EXP_BIAS + MANT_BITS - 1)
     MIN_NORMAL: tl.constexpr = 2.0 ** (1 - EXP_BIAS)
     sub = (a * SUB_SCALE + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(a < MIN_NORMAL, sub, normal) | sign
-    return tl.where(is_nan, FP8_NAN, code)
+    mag = tl.where(a < MIN_NORMAL, sub, normal)
+    if SIGNED_ZERO:
+        code = mag | sign
+    else:
+        code = tl.where(mag == 0, 0, mag | sign)
+    return tl.where(is_nan, NAN_CODE, code)
 
 
 @triton.jit
@@ -91,17 +103,24 @@ def _convert(x, OUT_KIND: tl.constexpr, SOFT_CAST: tl.constexpr):
     Soft (``SOFT_CAST=True``): round-to-nearest-even with integer operations on the float32 bits,
     bit-exact everywhere, including Triton's CPU interpreter (whose own float->fp8/bf16 conversions
     are wrong) and GPUs with no FP8 conversion. fp16 and fp32 outputs select their NaN pattern on
-    both branches: their casts (and the interpreter's) keep NaN signs and payloads."""
+    both branches: their casts (and the interpreter's) keep NaN signs and payloads.
+    The fnuz formats take the integer encoder on every target: NVIDIA GPUs have no conversion to
+    them, and the saturation, NaN and zero behaviour of Triton's AMD conversion (``float8e4b8``,
+    ``float8e5b16``) is not checked against the write's definition on an MI300-class GPU."""
     if OUT_KIND == OUT_E4M3:
         if SOFT_CAST:
-            out = _fp8_bits_soft(x, 3, 7, 448.0).to(tl.uint8)
+            out = _fp8_bits_soft(x, 3, 7, 448.0, FP8_NAN, True).to(tl.uint8)
         else:
             out = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif OUT_KIND == OUT_E5M2:
         if SOFT_CAST:
-            out = _fp8_bits_soft(x, 2, 15, 57344.0).to(tl.uint8)
+            out = _fp8_bits_soft(x, 2, 15, 57344.0, FP8_NAN, True).to(tl.uint8)
         else:
             out = x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    elif OUT_KIND == OUT_E4M3FNUZ:
+        out = _fp8_bits_soft(x, 3, 8, 240.0, FNUZ_NAN, False).to(tl.uint8)
+    elif OUT_KIND == OUT_E5M2FNUZ:
+        out = _fp8_bits_soft(x, 2, 16, 57344.0, FNUZ_NAN, False).to(tl.uint8)
     elif OUT_KIND == OUT_BF16:
         if SOFT_CAST:
             out = _bf16_bits_soft(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -149,7 +149,8 @@ def fused_fp8_set_kv_buffer(
     k, v : Tensor [T, H, D] and [T, Hv, Dv], bfloat16/float16/float32, any strides (slices of a
         fused QKV projection need no copy). Never modified.
     k_cache, v_cache : Tensor [slots, H, D] and [slots, Hv, Dv], float8_e4m3fn, float8_e5m2,
-        bfloat16, float16 or float32, head_dim contiguous, not requiring grad.
+        float8_e4m3fnuz, float8_e5m2fnuz, bfloat16, float16 or float32, head_dim contiguous, not
+        requiring grad.
     cache_loc : Tensor [T], int32 or int64. Negative entries write nothing; entries >= slots are
         never written (``validate=True`` raises IndexError for them instead).
     k_scale, v_scale : None, a positive float, or a float32 tensor with 1 (per tensor) or H (per
@@ -199,7 +200,7 @@ def reference_set_kv_buffer(
     ----------
     k, v : Tensor [T, H, D] and [T, Hv, Dv], bfloat16/float16/float32, any strides. Never modified.
     k_cache, v_cache : Tensor [slots, H, D] and [slots, Hv, Dv], float8_e4m3fn, float8_e5m2,
-        bfloat16, float16 or float32, not requiring grad.
+        float8_e4m3fnuz, float8_e5m2fnuz, bfloat16, float16 or float32, not requiring grad.
     cache_loc : Tensor [T], int32 or int64. Negative entries are padding and write nothing; entries
         >= slots are never written (``validate=True`` raises IndexError for them instead).
     k_scale, v_scale : None, a positive float, or a float tensor with 1 or H elements (FP8 caches
