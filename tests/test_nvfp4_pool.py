@@ -60,7 +60,7 @@ def test_buffers_and_global_scales_are_sglangs_layout():
                         ("k_scale_buffer", (ROWS, H, D // 16)), ("v_scale_buffer", (ROWS, H, DV // 16))):  # fmt: skip
         for b in getattr(pool, name):
             assert tuple(b.shape) == shape and b.dtype == torch.uint8 and not b.any(), name
-    assert pool.k_global_scales.dtype == torch.float32 and pool.k_global_scales.device == torch.device(DEVICE)
+    assert pool.k_global_scales.dtype == torch.float32 and pool.k_global_scales.device == pool.device
     assert pool.k_global_scales.tolist() == K_G and pool.v_global_scales.tolist() == [1.25, float(torch.tensor(0.01))]
     assert pool.global_scale_values == ((0.5, 1.25), (3.0, float(torch.tensor(0.01))))
     default = make_pool(k_global_scales=None, v_global_scales=2.0)
