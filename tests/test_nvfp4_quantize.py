@@ -177,3 +177,13 @@ def test_bad_arguments_name_the_argument(args, error, message):
     scale = {None: None, 1.0: _g(1.0), "two": torch.ones(2, device=DEVICE)}[g]
     with pytest.raises(error, match=message):
         quantize_nvfp4(torch.zeros(shape, device=DEVICE), scale)
+
+
+def test_dequantize_refuses_mismatched_buffers_naming_them():
+    packed = torch.zeros(2, 3, 16, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"scales must have shape \(2, 3, 2\) for packed \(2, 3, 16\), got \(2, 6\)"):
+        dequantize_nvfp4(packed, torch.zeros(2, 6, dtype=torch.uint8, device=DEVICE), _g(1.0))
+    with pytest.raises(ValueError, match="packed and scales must be uint8"):
+        dequantize_nvfp4(packed.float(), torch.zeros(2, 3, 2, dtype=torch.uint8, device=DEVICE), _g(1.0))
+    with pytest.raises(ValueError, match="global_scale must be a float32 tensor of one element, got float"):
+        dequantize_nvfp4(packed, torch.zeros(2, 3, 2, dtype=torch.uint8, device=DEVICE), 1.0)

@@ -43,8 +43,10 @@ def _check_rows(x: torch.Tensor, name: str) -> tuple[int, int, int]:
 
 
 def _check_global_scale(global_scale: object, device: torch.device) -> torch.Tensor:
-    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32 or global_scale.numel() != 1:
-        got = f"{global_scale.dtype} with {global_scale.numel()} elements" if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
+    if not isinstance(global_scale, torch.Tensor):
+        raise ValueError(f"global_scale must be a float32 tensor of one element, got {type(global_scale).__name__}")
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        got = f"{global_scale.dtype} with {global_scale.numel()} elements"
         raise ValueError(f"global_scale must be a float32 tensor of one element, got {got}")
     if global_scale.device != device:
         raise ValueError(f"global_scale must be on {device}, got {global_scale.device}")
@@ -127,7 +129,8 @@ def dequantize_nvfp4(
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"packed and scales must be uint8, got {packed.dtype} and {scales.dtype}")
     if tuple(scales.shape) != (t, h, d // FP4_BLOCK) or d % FP4_BLOCK:
-        raise ValueError(f"scales must have shape {(t, h, d // FP4_BLOCK)} for packed {tuple(packed.shape)}, got {tuple(scales.shape)}")
+        want = (t, h, d // FP4_BLOCK)
+        raise ValueError(f"scales must have shape {want} for packed {tuple(packed.shape)}, got {tuple(scales.shape)}")
     g = _check_global_scale(global_scale, packed.device).reshape(1, 1, 1, 1)
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(t, h, d // FP4_BLOCK, FP4_BLOCK)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
