@@ -55,6 +55,7 @@ from kvpool.pools import (
     plan_swa_pools,
 )
 from kvpool.kernels.store_fp4 import dequantize_fp4, quantize_fp4
+from kvpool.kernels.store_nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from kvpool.pools.fp4_base import Fp4CpuCopy
 from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
 from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
@@ -118,12 +119,14 @@ __all__ = [
     "KVTransfer",
     "alloc_extend_naive",
     "dequantize_fp4",
+    "dequantize_nvfp4",
     "kv_bytes_per_token",
     "max_pool_size",
     "mla_kv_bytes_per_token",
     "plan_hybrid_pools",
     "plan_swa_pools",
     "quantize_fp4",
+    "quantize_nvfp4",
     "copy_rows",
     "fused_eligibility",
     "fused_fp8_set_kv_buffer",

@@ -2966,3 +2966,85 @@ def fp4_unpacked(packed: torch.Tensor) -> np.ndarray:
     out = np.empty((*p.shape[:-1], 2 * p.shape[-1]), dtype=np.uint8)
     out[..., 0::2], out[..., 1::2] = p & 0x0F, p >> 4
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4 (two-level: e4m3 block scales, a float32 global scale): an oracle written from the rule, and
+# SGLang's ``NVFP4KVQuantizeUtil`` from a wheel that has it.
+
+#: Where the NVFP4 tests look for a SGLang wheel with ``NVFP4KVQuantizeUtil`` (0.5.9 has none):
+#: ``$KVPOOL_SGLANG_NVFP4_WHEEL``, else the checkout's ``.sgl/`` (``pip download --no-deps
+#: sglang==0.5.23 -d .sgl``, ignored by git).
+SGLANG_NVFP4_WHEEL = Path(
+    os.environ.get("KVPOOL_SGLANG_NVFP4_WHEEL") or ROOT / ".sgl" / "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+)
+
+#: The 127 finite non-negative e4m3fn values by code (0x00..0x7E), exact.
+E4M3_VALUES = tuple(Fraction(m, 512) if e == 0 else Fraction(8 + m, 8) * Fraction(2) ** (e - 7) for e in range(16) for m in range(8))[:127]
+
+
+def _nearest_even(value: Fraction, table: Sequence[Fraction]) -> int:
+    """The code of the entry of ``table`` (ascending) nearest ``value``; a tie goes to the even code."""
+    return min(range(len(table)), key=lambda c: (abs(value - table[c]), c & 1))
+
+
+def nvfp4_oracle(x: torch.Tensor, global_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [T, H, D] uint8, block scale bytes [T, H, D // 16] uint8) from the NVFP4 rule of
+    docs/contract.md, written independently of kvpool: NumPy's float32 divisions, then each e4m3
+    scale and e2m1 code the nearest value in exact arithmetic over the formats' tables (ties to the
+    even code), the sign bit of the element; a non-finite block gets byte 0 and codes 0."""
+    t, h, d = x.shape
+    xs = x.detach().cpu().to(torch.float32).numpy().reshape(t, h, d // 16, 16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ys = xs / np.float32(global_scale)
+    e2m1 = [Fraction(v) for v in _E2M1]
+    codes = np.zeros(ys.shape, dtype=np.uint8)
+    scales = np.zeros(ys.shape[:3], dtype=np.uint8)
+    for idx in np.ndindex(*ys.shape[:3]):
+        block = ys[idx]
+        if not np.all(np.isfinite(block)):
+            continue
+        c = _nearest_even(Fraction(float(np.float32(np.abs(block).max()) / np.float32(6.0))), E4M3_VALUES)
+        scales[idx] = c
+        for j, y in enumerate(block):
+            sign = 8 if np.signbit(y) else 0
+            mag = 0
+            if c:
+                q = np.float32(y) / np.float32(float(E4M3_VALUES[c]))
+                mag = _nearest_even(abs(Fraction(float(q))), e2m1)
+            codes[idx + (j,)] = mag | sign
+    return codes.reshape(t, h, d), scales
+
+
+def sglang_nvfp4(sm: int) -> Any:
+    """SGLang's ``NVFP4KVQuantizeUtil`` read from the wheel's ``kvfp4_tensor.py``, loaded by path
+    under a private module name, with its one SGLang import (``get_platform``) answered as by a GPU
+    of compute capability ``sm`` (90: its pure-PyTorch dequantizer; 100: flashinfer's kernels).
+    Skips the test without the wheel."""
+    import tempfile
+    import zipfile
+
+    if not SGLANG_NVFP4_WHEEL.exists():
+        pytest.skip(
+            f"no SGLang wheel with NVFP4KVQuantizeUtil at {SGLANG_NVFP4_WHEEL} "
+            "(pip download --no-deps sglang==0.5.23 -d .sgl, or set KVPOOL_SGLANG_NVFP4_WHEEL)"
+        )
+    name = f"kvpool_tests_sglang_nvfp4_sm{sm}"
+    cached = sys.modules.get(name)
+    if cached is not None:
+        return cached.NVFP4KVQuantizeUtil
+    with zipfile.ZipFile(SGLANG_NVFP4_WHEEL) as z:
+        source = z.read(_KVFP4_SOURCE).decode()
+    wanted = "from sglang.srt.runtime_context import get_platform"
+    if wanted not in source:
+        pytest.fail(f"{SGLANG_NVFP4_WHEEL}'s kvfp4_tensor.py no longer imports get_platform as expected")
+    path = os.path.join(tempfile.mkdtemp(prefix="sglang-nvfp4-"), "kvfp4_tensor.py")
+    with open(path, "w") as f:
+        f.write(source.replace(wanted, "get_platform = _kvpool_platform"))
+    platform = types.SimpleNamespace(is_sm90=sm == 90, is_sm100=sm == 100, is_sm120=sm == 120)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    mod._kvpool_platform = lambda: platform
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod.NVFP4KVQuantizeUtil

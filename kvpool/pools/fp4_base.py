@@ -60,11 +60,14 @@ class Fp4CpuCopy:
         ``part_names`` order (an MHA pool: K codes, V codes, K scales, V scales). Pinned on CUDA.
     part_names : the buffers' names, as the pool's attributes call them.
     start_layer : the global id of layer 0.
+    global_scales : per layer ``(k, v)``, the float32 global scales of an NVFP4 pool the rows were
+        quantized with (empty for a format without them): a copy loads only into a pool with the same.
     """
 
     parts: tuple[torch.Tensor, ...]
     part_names: tuple[str, ...]
     start_layer: int
+    global_scales: tuple[tuple[float, float], ...] = ()
 
     def __len__(self) -> int:
         return self.parts[0].shape[1]
@@ -111,6 +114,8 @@ class Fp4KVCache:
             raise ValueError(f"validate must be a bool, got {validate!r}")
         self.validate = validate_enabled(validate)
         self.layer_transfer_counter = None
+        #: Per layer ``(k, v)`` global scales, for a format that has them (CPU copies carry them).
+        self.global_scale_values: tuple[tuple[float, float], ...] = ()
 
     @property
     def rows(self) -> int:
@@ -191,7 +196,7 @@ class Fp4KVCache:
         parts = tuple(
             torch.empty((self.layer_num, n, *b.shape[1:]), dtype=torch.uint8, pin_memory=pinned) for b in self._parts[0]
         )
-        copy = Fp4CpuCopy(parts, self.part_names, self.start_layer)
+        copy = Fp4CpuCopy(parts, self.part_names, self.start_layer, self.global_scale_values)
         if n:
             host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -235,6 +240,11 @@ class Fp4KVCache:
             raise ValueError(f"kv_cache_cpu must hold the buffers {list(self.part_names)}, got {list(copy.part_names)}")
         if copy.start_layer != self.start_layer:
             raise ValueError(f"kv_cache_cpu must start at layer {self.start_layer}, got {copy.start_layer}")
+        if copy.global_scales != self.global_scale_values:
+            raise ValueError(
+                f"kv_cache_cpu.global_scales must be this pool's per-layer (k, v) global scales "
+                f"{self.global_scale_values}, got {copy.global_scales}"
+            )
         for name, t, mine in zip(self.part_names, copy.parts, self._parts[0]):
             want = (self.layer_num, n, *mine.shape[1:])
             if not isinstance(t, torch.Tensor):

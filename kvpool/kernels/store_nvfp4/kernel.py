@@ -1,0 +1,116 @@
+"""The fused NVFP4 write's Triton kernel: for one token per program, K and V rows in one launch:
+division by the layer's global scale, block amax, e4m3 block scale, e2m1 rounding, packing and the
+scatter of codes and scale bytes. Bit-identical to ``naive.write_nvfp4_reference``
+(docs/contract.md, "NVFP4"): every division is ``div_rn``, and the e4m3 conversions are integer
+operations (Triton's interpreter converts to FP8 wrongly, and not every GPU converts natively)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e4m3_code(s):
+    """Non-negative float32 (or +inf) to its e4m3fn code: round to nearest even, saturating at 448."""
+    a = tl.minimum(s, 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range: round the 23-bit mantissa to 3 bits, ties to even (a carry moves into the
+    # exponent, the rounding up to the next binade), then rebias the exponent from 127 to 7.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range (below 2**-6): the code is a / 2**-9 rounded to an integer; adding 2**23 makes
+    # the float32 adder round it, ties to even. 8 is the smallest normal's code, so the ranges meet.
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """An e4m3fn code in 0..0x7E as its float32 value (exact)."""
+    e = code >> 3
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _e2m1_code(q, y):
+    """e2m1 code of a scaled value ``q``: round to nearest even, saturating at 6; 0x8 from the sign
+    bit of ``y`` (so -0.0 keeps it)."""
+    m = tl.abs(q)
+    mag = (
+        (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+        + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    )  # fmt: skip
+    return mag | ((y.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _nvfp4_row(
+    x_ptr,  # [T, H, D] input rows, any strides
+    t,  # int64 token index
+    sx_t, sx_h, sx_d,  # input strides (elements)
+    g_ptr,  # [1] float32 global scale of this tensor
+    codes_ptr,  # uint8 row of the packed buffer [rows, H, D // 2] at the slot
+    scale_ptr,  # uint8 row of the scale buffer [rows, H, D // 16] at the slot
+    D: tl.constexpr,  # head dim
+    BLOCKS: tl.constexpr,  # H * D // 16
+    BLOCKS_P2: tl.constexpr,  # next power of two of BLOCKS
+):
+    b = tl.arange(0, BLOCKS_P2)[:, None]  # block of the row (D is a multiple of 16: one head each)
+    i = tl.arange(0, 8)[None, :]  # pair within the block
+    live = b < BLOCKS
+    even = b * 16 + 2 * i  # flat index of the pair's first element in the row
+    odd = even + 1
+    base = x_ptr + t * sx_t
+    x0 = tl.load(base + (even // D) * sx_h + (even % D) * sx_d, mask=live, other=0.0).to(tl.float32)
+    x1 = tl.load(base + (odd // D) * sx_h + (odd % D) * sx_d, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr)
+    y0, y1 = tl.div_rn(x0, g), tl.div_rn(x1, g)
+    a0, a1 = tl.abs(y0), tl.abs(y1)
+    # inf and NaN are found by comparison (a NaN fails both), not through max, whose NaN rule varies.
+    bad = ((a0 == float("inf")) | (a0 != a0) | (a1 == float("inf")) | (a1 != a1)).to(tl.int32)
+    non_finite = tl.max(bad, axis=1) > 0  # [BLOCKS_P2]
+    amax = tl.max(tl.maximum(tl.where(a0 == a0, a0, 0.0), tl.where(a1 == a1, a1, 0.0)), axis=1)
+    scale = tl.where(non_finite, 0, _e4m3_code(tl.div_rn(amax, 6.0)))
+    has_scale = (scale != 0)[:, None]
+    block = tl.where(has_scale, _e4m3_value(scale)[:, None], 1.0)
+    q0 = tl.where(has_scale, tl.div_rn(y0, block), 0.0)
+    q1 = tl.where(has_scale, tl.div_rn(y1, block), 0.0)
+    packed = tl.where(non_finite[:, None], 0, _e2m1_code(q0, y0) | (_e2m1_code(q1, y1) << 4))
+    tl.store(codes_ptr + even // 2, packed.to(tl.uint8), mask=live)
+    blocks = tl.arange(0, BLOCKS_P2)
+    tl.store(scale_ptr + blocks, scale.to(tl.uint8), mask=blocks < BLOCKS)
+
+
+@triton.jit
+def store_nvfp4_kv(
+    k_ptr,  # [T, H, D] K rows, bf16/fp16/fp32, any strides
+    v_ptr,  # [T, H, Dv] V rows
+    loc_ptr,  # [T] int32/int64 slots
+    k_codes_ptr,  # [rows, H, D // 2] uint8, contiguous rows
+    v_codes_ptr,  # [rows, H, Dv // 2] uint8
+    k_scale_ptr,  # [rows, H, D // 16] uint8 (e4m3fn bits)
+    v_scale_ptr,  # [rows, H, Dv // 16] uint8
+    k_global_ptr,  # [1] float32, the layer's K global scale
+    v_global_ptr,  # [1] float32, the layer's V global scale
+    rows,  # slots in the buffers
+    sk_t, sk_h, sk_d,  # K input strides
+    sv_t, sv_h, sv_d,  # V input strides
+    k_codes_row, v_codes_row, k_scale_row, v_scale_row,  # buffer row strides (bytes)
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    K_BLOCKS: tl.constexpr,
+    V_BLOCKS: tl.constexpr,
+    K_BLOCKS_P2: tl.constexpr,
+    V_BLOCKS_P2: tl.constexpr,
+):
+    """One program per token: rows ``loc[t]`` of the code and scale buffers become the NVFP4 of K
+    and V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    if (slot >= 0) & (slot < rows):
+        _nvfp4_row(k_ptr, t, sk_t, sk_h, sk_d, k_global_ptr, k_codes_ptr + slot * k_codes_row,
+                   k_scale_ptr + slot * k_scale_row, D, K_BLOCKS, K_BLOCKS_P2)  # fmt: skip
+        _nvfp4_row(v_ptr, t, sv_t, sv_h, sv_d, v_global_ptr, v_codes_ptr + slot * v_codes_row,
+                   v_scale_ptr + slot * v_scale_row, DV, V_BLOCKS, V_BLOCKS_P2)  # fmt: skip
