@@ -3048,3 +3048,22 @@ def sglang_nvfp4(sm: int) -> Any:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod.NVFP4KVQuantizeUtil
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token-head FP8 (docs/contract.md, "Per-token-head FP8"): the oracle, from the format
+# definitions in NumPy (nothing of kvpool's, none of torch's conversions).
+
+
+def token_head_oracle(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [T, H, D] int64, scales [T, H] float32) of per-token-head FP8: ``s = max(float32(amax /
+    fmax), 2**-126)`` with ``amax`` over the finite elements of each head's row, then the codes of
+    ``RNE(clamp(float32(x) / s))`` with NaN stored as the format's ``nan_code``."""
+    fmt = FORMAT_OF[cache_dtype]
+    x32 = float32_of(x)
+    mag = np.abs(x32)
+    with np.errstate(invalid="ignore"):
+        amax = np.where(np.isfinite(mag), mag, np.float32(0)).max(axis=2).astype(np.float32)
+    scales = np.maximum(divide_f32(amax, np.float32(float(fmt.fmax))), np.float32(2.0**-126)).astype(np.float32)
+    codes = encode_f32(divide_f32(x32, scales[:, :, None]), fmt)
+    return np.where(fmt.is_nan_code(codes), fmt.nan_code, codes), scales
