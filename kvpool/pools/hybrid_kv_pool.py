@@ -2,7 +2,8 @@
 
 Models such as Qwen3.5 and Qwen3-Next interleave full-attention layers, which keep K/V per token,
 with linear-attention layers, which keep a fixed-size state per request (``MambaPool``). This pool
-holds one ``MHATokenToKVPool`` (or ``MLATokenToKVPool``) over the full-attention layers alone,
+holds one ``MHATokenToKVPool`` (or ``MLATokenToKVPool``, or with ``kv_scale_mode="per_token_head"``
+an ``MHATokenToKVPoolFP8PerTokenHead``) over the full-attention layers alone,
 densely numbered, and takes the model's global layer ids everywhere: a linear layer's id raises
 ``ValueError`` naming it and the full-attention layers.
 """
@@ -16,8 +17,10 @@ import torch
 from kvpool.checks import dense_layer_index, layer_id_of, non_negative_int, positive_int
 from kvpool.pools.cpu_copy import KVCpuCopy
 from kvpool.pools.mamba_pool import MambaPool
+from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead, check_kv_scale_mode
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.mla_pool import MLATokenToKVPool
+from kvpool.pools.row_parts import PartsCpuCopy
 from kvpool.write_types import Scale
 
 GB = 1024**3
@@ -53,6 +56,9 @@ class HybridLinearKVPool:
     use_mla, kv_lora_rank, qk_rope_head_dim : an ``MLATokenToKVPool`` inside instead.
     start_layer : SGLang's; kept as ``start_layer`` (layer ids are global either way).
     v_head_dim, fused, warmup, validate, observe_amax : passed to the inner pool (keyword-only).
+    kv_scale_mode : ``"static"`` (the scales each write is given) or ``"per_token_head"`` (an FP8
+        ``dtype`` with a scale per token and head computed at write time: the inner pool is an
+        ``MHATokenToKVPoolFP8PerTokenHead``; MHA only, no ``observe_amax``).
 
     Attributes
     ----------
@@ -91,7 +97,9 @@ class HybridLinearKVPool:
         warmup: bool = True,
         validate: bool = False,
         observe_amax: bool = False,
+        kv_scale_mode: str = "static",
     ) -> None:
+        per_token_head = check_kv_scale_mode(kv_scale_mode) == "per_token_head"
         if enable_kvcache_transpose not in (False, None):
             raise ValueError(
                 f"enable_kvcache_transpose must be False (kvpool's buffers are [rows, H, D]), "
@@ -122,12 +130,23 @@ class HybridLinearKVPool:
         self.use_mla = use_mla
         self.start_layer = 0 if start_layer is None else non_negative_int(start_layer, "start_layer")
         options = dict(fused=fused, warmup=warmup, validate=validate, observe_amax=observe_amax)
-        if use_mla:
+        self.full_kv_pool: MHATokenToKVPool | MLATokenToKVPool | MHATokenToKVPoolFP8PerTokenHead
+        if per_token_head:
+            if use_mla or observe_amax:
+                raise ValueError(
+                    "kv_scale_mode='per_token_head' needs MHA layers and no calibration (use_mla=False, "
+                    f"observe_amax=False), got use_mla={use_mla!r}, observe_amax={observe_amax!r}"
+                )
+            self.full_kv_pool = MHATokenToKVPoolFP8PerTokenHead(
+                size, page_size, dtype, head_num, head_dim, len(ids), device, enable_memory_saver, v_head_dim,
+                fused=fused, warmup=warmup, validate=validate,
+            )  # fmt: skip
+        elif use_mla:
             if v_head_dim is not None:
                 raise ValueError(
                     f"v_head_dim must be None with use_mla (the rotary part is qk_rope_head_dim), got {v_head_dim!r}"
                 )
-            self.full_kv_pool: MHATokenToKVPool | MLATokenToKVPool = MLATokenToKVPool(
+            self.full_kv_pool = MLATokenToKVPool(
                 size, page_size, dtype, positive_int(kv_lora_rank, "kv_lora_rank"),
                 positive_int(qk_rope_head_dim, "qk_rope_head_dim"), len(ids), device, enable_memory_saver, **options,
             )  # fmt: skip
@@ -217,7 +236,7 @@ class HybridLinearKVPool:
         layer_id_override: Optional[int] = None,
     ) -> None:
         """The verify write of ``MHATokenToKVPool`` on a global layer (MHA only)."""
-        if not isinstance(self.full_kv_pool, MHATokenToKVPool):
+        if isinstance(self.full_kv_pool, MLATokenToKVPool):
             raise ValueError("set_kv_buffer_prefix_valid needs an MHA pool inside, and this one uses MLA")
         i = self._dense_of(layer, layer_id_override)
         self.full_kv_pool.set_kv_buffer_prefix_valid(
@@ -256,14 +275,15 @@ class HybridLinearKVPool:
         """Every full-attention layer's rows ``tgt_loc[i]`` become copies of rows ``src_loc[i]``."""
         self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
 
-    def get_cpu_copy(self, indices: torch.Tensor) -> KVCpuCopy:
-        """The inner pool's ``get_cpu_copy`` (KV rows only; layer ``l`` of the copy is
-        ``full_attention_layer_ids[l]``). The state of the same requests: ``mamba_pool.get_cpu_copy``."""
+    def get_cpu_copy(self, indices: torch.Tensor) -> KVCpuCopy | PartsCpuCopy:
+        """The inner pool's ``get_cpu_copy`` (KV rows only, with their scales in a per-token-head pool;
+        layer ``l`` of the copy is ``full_attention_layer_ids[l]``). The state of the same requests:
+        ``mamba_pool.get_cpu_copy``."""
         return self.full_kv_pool.get_cpu_copy(indices)
 
-    def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: torch.Tensor) -> None:
+    def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy | PartsCpuCopy, indices: torch.Tensor) -> None:
         """The inner pool's ``load_cpu_copy``: a ``get_cpu_copy``'s KV rows back into slots ``indices``."""
-        self.full_kv_pool.load_cpu_copy(kv_cache_cpu, indices)
+        self.full_kv_pool.load_cpu_copy(kv_cache_cpu, indices)  # type: ignore[arg-type]
 
     def register_layer_transfer_counter(self, layer_transfer_counter: object) -> None:
         """Registered on the inner pool: its getters wait for the load of dense layer ``i``."""

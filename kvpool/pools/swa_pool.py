@@ -11,15 +11,21 @@ rules are in docs/contract.md, "Sliding-window attention".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of, non_negative_int
 from kvpool.kernels.store_kv.writer import translate_slots
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
+from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead, check_kv_scale_mode
 from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.row_parts import PartsCpuCopy
 from kvpool.write_types import Scale
+
+#: What each part of the pool is: ``MHATokenToKVPool``, or with ``kv_scale_mode="per_token_head"``
+#: ``MHATokenToKVPoolFP8PerTokenHead``.
+PartPool = Union[MHATokenToKVPool, MHATokenToKVPoolFP8PerTokenHead]
 
 GB = 1024**3
 
@@ -54,6 +60,9 @@ class SWAKVPool:
     swa_head_num, swa_head_dim, swa_v_head_dim : the SWA pool's geometry where it differs.
     enable_memory_saver, enable_alt_stream, enable_kv_cache_copy, fused, warmup, validate,
         observe_amax : passed to both pools.
+    kv_scale_mode : ``"static"`` (the scales each write is given) or ``"per_token_head"`` (an FP8
+        ``dtype`` with a scale per token and head computed at write time: both pools are
+        ``MHATokenToKVPoolFP8PerTokenHead``; no ``observe_amax``).
 
     Attributes
     ----------
@@ -94,7 +103,14 @@ class SWAKVPool:
         warmup: bool = True,
         validate: bool = False,
         observe_amax: bool = False,
+        kv_scale_mode: str = "static",
     ) -> None:
+        per_token_head = check_kv_scale_mode(kv_scale_mode) == "per_token_head"
+        if per_token_head and observe_amax:
+            raise ValueError(
+                "observe_amax must be False with kv_scale_mode='per_token_head' (each row's scale is computed "
+                f"when it is written), got {observe_amax!r}"
+            )
         if enable_kvcache_transpose not in (False, None):
             raise ValueError(
                 f"enable_kvcache_transpose must be False (kvpool's buffers are [rows, H, D]), "
@@ -117,10 +133,12 @@ class SWAKVPool:
         common = dict(
             enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, enable_alt_stream=enable_alt_stream,
             enable_kv_cache_copy=enable_kv_cache_copy, fused=fused, warmup=warmup, validate=validate,
-            observe_amax=observe_amax,
         )  # fmt: skip
-        self.full_kv_pool = MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, len(full), device, **common)
-        self.swa_kv_pool = MHATokenToKVPool(
+        part: type = MHATokenToKVPoolFP8PerTokenHead if per_token_head else MHATokenToKVPool
+        if not per_token_head:
+            common["observe_amax"] = observe_amax
+        self.full_kv_pool: PartPool = part(size, page_size, dtype, head_num, head_dim, len(full), device, **common)
+        self.swa_kv_pool: PartPool = part(
             size_swa, page_size, dtype, head_num, head_dim, len(swa), device, swa_head_num=swa_head_num,
             swa_head_dim=swa_head_dim, swa_v_head_dim=swa_v_head_dim, **common,
         )  # fmt: skip
@@ -138,7 +156,7 @@ class SWAKVPool:
 
     # --- layers and the mapping ------------------------------------------------------------------
 
-    def _route(self, layer_id: object) -> tuple[MHATokenToKVPool, int, bool]:
+    def _route(self, layer_id: object) -> tuple[PartPool, int, bool]:
         """(pool, dense id, is SWA) of global layer ``layer_id``; ValueError naming both kinds' ids."""
         hit = self.layers_mapping.get(layer_id) if type(layer_id) is int else None  # type: ignore[call-overload]
         if hit is None:
@@ -151,7 +169,7 @@ class SWAKVPool:
         i, is_swa = hit
         return (self.swa_kv_pool if is_swa else self.full_kv_pool), i, is_swa
 
-    def _route_write(self, layer: object, layer_id_override: Optional[int]) -> tuple[MHATokenToKVPool, int, bool]:
+    def _route_write(self, layer: object, layer_id_override: Optional[int]) -> tuple[PartPool, int, bool]:
         layer_id = getattr(layer, "layer_id", None) if layer_id_override is None else layer_id_override
         if layer_id is None:
             layer_id = layer_id_of(layer)  # raises for a missing layer or layer_id
@@ -362,7 +380,7 @@ class SWAKVPool:
         self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
         self.swa_kv_pool.move_kv_cache(swa_tgt, swa_src)
 
-    def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, KVCpuCopy]:
+    def get_cpu_copy(self, indices: torch.Tensor) -> dict[str, KVCpuCopy | PartsCpuCopy]:
         """Both parts' rows of full slots ``indices`` in host memory, as SGLang's dict: ``"full"``,
         the full pool's ``get_cpu_copy(indices)``, and ``"swa"``, the SWA pool's at the translated
         slots (a slot with no SWA part copies the SWA padding row 0). Waits for the device."""
@@ -371,7 +389,7 @@ class SWAKVPool:
         full = self.full_kv_pool.get_cpu_copy(indices)  # checks the range: every entry a full slot
         return {"full": full, "swa": self.swa_kv_pool.get_cpu_copy(translate_slots(mapping, indices))}
 
-    def load_cpu_copy(self, kv_cache_cpu: dict[str, KVCpuCopy], indices: torch.Tensor) -> None:
+    def load_cpu_copy(self, kv_cache_cpu: dict[str, KVCpuCopy | PartsCpuCopy], indices: torch.Tensor) -> None:
         """Write a ``get_cpu_copy`` back at full slots ``indices``: its ``"full"`` rows there, its
         ``"swa"`` rows at their translated SWA slots. Both copies are checked before either is
         written (errors name ``kv_cache_cpu``)."""
@@ -382,14 +400,17 @@ class SWAKVPool:
         _indices(indices, "indices", 1, self.device)
         n = indices.shape[0]
         for key, pool in (("full", self.full_kv_pool), ("swa", self.swa_kv_pool)):
+            if isinstance(pool, MHATokenToKVPoolFP8PerTokenHead):
+                pool.check_cpu_copy(kv_cache_cpu[key], n)
+                continue
             rows = (pool.layer_num, n, pool.head_num)
             k_shape, v_shape = (*rows, pool.head_dim), (*rows, pool.v_head_dim)
             check_cpu_copy(kv_cache_cpu[key], pool.dtype, pool.store_dtype, 0, k_shape, v_shape)
         if self.validate:
             check_in_range([(indices, self.full_kv_pool.rows, "indices")], what="full slots")
         swa = translate_slots(mapping, indices)
-        self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)
-        self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)
+        self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)  # type: ignore[arg-type]
+        self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)  # type: ignore[arg-type]
 
     # --- calibration -----------------------------------------------------------------------------
 
@@ -448,8 +469,10 @@ def _indices(
                 length=length if isinstance(length, int) else None, per=per)  # fmt: skip
 
 
-def _buf_infos(pool: MHATokenToKVPool) -> tuple[list[int], list[int], list[int]]:
-    bufs = list(pool.k_buffer) + list(pool.v_buffer)
+def _buf_infos(pool: PartPool) -> tuple[list[int], list[int], list[int]]:
+    """Every buffer of ``pool`` (a per-token-head pool's scales after its codes)."""
+    names = pool.part_names if isinstance(pool, MHATokenToKVPoolFP8PerTokenHead) else ("k_buffer", "v_buffer")
+    bufs = [b for name in names for b in getattr(pool, name)]
     return (
         [b.data_ptr() for b in bufs],
         [b.nbytes for b in bufs],
