@@ -59,6 +59,8 @@ from kvpool.kernels.store_nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from kvpool.pools.fp4_base import Fp4CpuCopy
 from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
 from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
+from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
+from kvpool.pools.row_parts import PartsCpuCopy
 from kvpool.transfer import KVPoll, KVReceiver, KVSender, KVTransfer, StateShard, recv_kv, send_kv
 from kvpool.transfer import SWAKVReceiver, SWAKVSender, SWAKVTransfer
 
@@ -84,6 +86,7 @@ __all__ = [
     "LayerTransferCounter",
     "MHATokenToKVPool",
     "MHATokenToKVPoolFP4",
+    "MHATokenToKVPoolFP8PerTokenHead",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPool",
     "MLATokenToKVPoolFP4",
@@ -97,6 +100,7 @@ __all__ = [
     "MambaStateShape",
     "MatchPrefixParams",
     "PagedTokenToKVPoolAllocator",
+    "PartsCpuCopy",
     "PathStats",
     "RadixCache",
     "RadixKey",
