@@ -37,7 +37,7 @@ class PartsCpuCopy:
         return self.parts[0].shape[1]
 
     def layers(self) -> list[torch.Tensor]:
-        """The per-layer row blocks, layer by layer, in a pool's ``row_table`` order."""
+        """The per-layer row blocks, layer by layer, in a pool's ``parts_table`` order."""
         return [p[layer] for layer in range(self.parts[0].shape[0]) for p in self.parts]
 
 
@@ -47,8 +47,10 @@ class RowPartsCache:
     them, named, to ``_init_parts``.
 
     Attributes (SGLang names): ``size``, ``page_size``, ``layer_num``, ``start_layer``, ``end_layer``,
-    ``device``, ``layer_transfer_counter``; kvpool's: ``row_table`` over every buffer of every layer,
-    ``part_names``, ``validate``.
+    ``device``, ``layer_transfer_counter``; kvpool's: ``parts_table`` over every buffer of every
+    layer, ``part_names``, ``validate``. The table is deliberately not called ``row_table``: the host
+    tier and transfers between ranks read a device pool's ``row_table`` as two buffers per layer (K,
+    V), so they refuse a pool without one rather than copy its codes without their scales.
     """
 
     def __init__(
@@ -94,7 +96,7 @@ class RowPartsCache:
         self._parts = [tuple(parts[n][i] for n in self.part_names) for i in range(self.layer_num)]
         #: Every buffer of every layer, layer by layer in ``part_names`` order: moves and CPU copies
         #: copy rows of all of them in one launch.
-        self.row_table = RowTable.of([b for layer in self._parts for b in layer])
+        self.parts_table = RowTable.of([b for layer in self._parts for b in layer])
 
     # --- layers ----------------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class RowPartsCache:
         tgt_loc, src_loc : Tensor [n], int32/int64, on the pool's device. Negative slots are padding;
             slots >= ``size + page_size`` are never read or written (IndexError under ``validate``).
         """
-        table = self.row_table
+        table = self.parts_table
         checked_copy(table, tgt_loc, table, src_loc, None, self.validate, ("tgt_loc", "src_loc"))
 
     def get_cpu_copy(self, indices: torch.Tensor) -> PartsCpuCopy:
@@ -160,7 +162,7 @@ class RowPartsCache:
         if n:
             host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(host, positions, self.row_table, indices, None, False, ("positions", "indices"))
+            checked_copy(host, positions, self.parts_table, indices, None, False, ("positions", "indices"))
             if pinned:
                 torch.cuda.current_stream(self.device).synchronize()
         return copy
@@ -191,7 +193,7 @@ class RowPartsCache:
         parts = tuple(p.to(self.device, non_blocking=True) for p in copy.parts) if cuda else copy.parts
         staged = RowTable.of(PartsCpuCopy(parts, copy.part_names, copy.start_layer).layers(), non_blocking=cuda)
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+        checked_copy(self.parts_table, indices, staged, positions, None, False, ("indices", "positions"))
 
     def check_cpu_copy(self, copy: object, n: int) -> PartsCpuCopy:
         """``copy`` if ``load_cpu_copy`` can write it to ``n`` slots of this pool: a PartsCpuCopy of
