@@ -120,3 +120,14 @@ def test_inputs_are_never_modified_and_scales_are_float32_on_the_inputs_device()
 def test_malformed_arguments_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import kvpool.kernels.store_fp8_token.naive as naive
+    import kvpool.pools.mha_fp8_token_pool as pool_module
+
+    for module in (naive, pool_module):
+        result = doctest.testmod(module, extraglobs={"torch": torch})
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -19,7 +19,7 @@ else:  # pragma: no cover - exercised only where triton is absent
     store_fp8_token_kv = None
 
 #: Warps of a program, by the elements of its [next_pow2(H), next_pow2(D)] tile: about 256 elements
-#: a warp, 1 to 16 warps (a starting point, not tuned on hardware yet).
+#: a warp, 1 to 16 warps (a starting point, not measured on hardware).
 ELEMS_PER_WARP = 256
 MAX_WARPS = 16
 
