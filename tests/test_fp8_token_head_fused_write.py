@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, FP8, INPUT_DTYPES, assert_same_bytes, fused_runs, id_of, spread_rows
+from kvassert import DEVICE, FP8, INPUT_DTYPES, INTERPRETER, assert_same_bytes, fused_runs, id_of, spread_rows
 from kvpool import FusedPathUnavailable
 from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 
@@ -100,6 +100,24 @@ def test_any_rows_fused_are_the_reference_rows(values, in_dtype, dtype):
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert_same_pools(fused, reference)
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_write_through_a_slot_map_is_the_write_at_the_mapped_slots(mode):
+    if mode == "always" and DEVICE == "cpu" and not INTERPRETER:
+        pytest.skip("fused kernel on CPU tensors needs TRITON_INTERPRET=1")
+    k, v = special_rows(4, D, torch.bfloat16, 10), special_rows(4, DV, torch.bfloat16, 11)
+    slot_map = torch.tensor([0, 7, 0, 12, 3, -1], device=DEVICE)  # another pool's 5 slots, then -1
+    mapped, expected = pool(mode), pool(mode)
+    mapped.set_kv_buffer(None, torch.tensor([1, 3, 9, 4], device=DEVICE), k, v, layer_id_override=0, slot_map=slot_map)
+    expected.set_kv_buffer(None, torch.tensor([7, 12, -1, 3], device=DEVICE), k, v, layer_id_override=0)
+    assert_same_pools(mapped, expected)
+    before = [b.clone() for b in stored(mapped)]
+    with pytest.raises(ValueError, match="slot_map must be int64"):
+        mapped.set_kv_buffer(None, torch.tensor([1, 3, 9, 4], device=DEVICE), k, v, layer_id_override=0,
+                             slot_map=slot_map.to(torch.int32))  # fmt: skip
+    for name, a, b in zip(mapped.part_names, stored(mapped), before):
+        assert_same_bytes(a, b, name)
 
 
 @fused_runs

@@ -54,8 +54,10 @@ def test_the_hybrid_pools_full_attention_part_is_a_per_token_head_pool():
         pool.get_key_buffer(4)
 
 
-def test_the_swa_pools_parts_are_per_token_head_pools_addressed_by_full_slots():
-    pool = SWAKVPool(24, 12, 1, E4M3, H, D, [0, 2], [1], False, DEVICE, v_head_dim=DV, kv_scale_mode="per_token_head")
+@pytest.mark.parametrize("validate", [False, True], ids=["mapped_in_the_write", "translated_first"])
+def test_the_swa_pools_parts_are_per_token_head_pools_addressed_by_full_slots(validate):
+    pool = SWAKVPool(24, 12, 1, E4M3, H, D, [0, 2], [1], False, DEVICE, v_head_dim=DV, kv_scale_mode="per_token_head",
+                     validate=validate)  # fmt: skip
     assert all(isinstance(p, MHATokenToKVPoolFP8PerTokenHead) for p in (pool.full_kv_pool, pool.swa_kv_pool))
     pairs = {3: 5, 4: 6, 9: 2}
     pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, pairs))

@@ -26,8 +26,9 @@ from kvpool.kernels.store_kv.checks import (
     check_values,
 )
 from kvpool.kernels.store_kv.naive import prefix_slots
-from kvpool.kernels.store_kv.writer import PathStats
+from kvpool.kernels.store_kv.writer import PathStats, translate_slots
 from kvpool.pools.base import HasLayerId, check_sglang_keywords
+from kvpool.pools.mha_pool import check_slot_map
 from kvpool.pools.row_parts import RowPartsCache
 from kvpool.write_types import Scale
 
@@ -186,6 +187,8 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         k_scale: Scale = None,
         v_scale: Scale = None,
         layer_id_override: Optional[int] = None,
+        *,
+        slot_map: Optional[torch.Tensor] = None,
     ) -> None:
         """Write one layer's K/V rows for T tokens: row ``loc[t]`` of the code buffers becomes the FP8
         of ``cache_k[t]`` and ``cache_v[t]`` with one scale per head, and the same row of the scale
@@ -201,6 +204,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         k_scale, v_scale : checked as for ``MHATokenToKVPool.set_kv_buffer``, then not used: each row's
             own scale replaces a checkpoint's (SGLang's layers pass theirs on every write).
         layer_id_override : global layer id; takes precedence over ``layer.layer_id``.
+        slot_map : Tensor [M] int64 on the pool's device, or None: as for
+            ``MHATokenToKVPool.set_kv_buffer`` (``loc`` holds another pool's slots, token ``t`` goes to
+            row ``slot_map[loc[t]]``); translated by one gather before the write's launch.
 
         Raises
         ------
@@ -215,6 +221,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         t = self._check_inputs(cache_k, cache_v)
         check_loc(loc, "loc", t, self.device)
         k_scale, v_scale = self._check_scales(k_scale, v_scale)
+        if slot_map is not None:
+            check_slot_map(slot_map, self.device)
+            loc = translate_slots(slot_map, loc)
         if self.validate:
             check_values(loc, "loc", self.rows, k_scale, v_scale)
         self._write(i, cache_k, cache_v, loc)
@@ -229,11 +238,13 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         k_scale: Scale = None,
         v_scale: Scale = None,
         layer_id_override: Optional[int] = None,
+        *,
+        slot_map: Optional[torch.Tensor] = None,
     ) -> None:
         """The speculative-decoding verify write (``MHATokenToKVPool.set_kv_buffer_prefix_valid``'s
         rules): token ``(i, j)`` (input row ``i * width + j``) is written to slot ``loc_2d[i, j]`` as
         :meth:`set_kv_buffer` writes a token, iff ``j < commit_lens[i]``. ``commit_lens`` is read on
-        the device (no synchronisation).
+        the device (no synchronisation). ``slot_map`` as for :meth:`set_kv_buffer`.
 
         Raises
         ------
@@ -246,6 +257,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         check_loc_2d(loc_2d, "loc_2d", t, self.device)
         check_commit_lens(commit_lens, loc_2d.shape[0], self.device)
         k_scale, v_scale = self._check_scales(k_scale, v_scale)
+        if slot_map is not None:
+            check_slot_map(slot_map, self.device)
+            loc_2d = translate_slots(slot_map, loc_2d)
         if self.validate:
             check_prefix_values(loc_2d, commit_lens, self.rows, k_scale, v_scale)
         self._write(i, cache_k, cache_v, prefix_slots(loc_2d, commit_lens))
@@ -279,6 +293,10 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
             for loc_dtype in LOC_DTYPES:
                 self._write(0, k, v, torch.full((1,), -1, dtype=loc_dtype, device=dev))
         self.stats = PathStats()
+
+    def warm_mapped_writes(self) -> None:
+        """Nothing to compile: a write through a ``slot_map`` translates its slots first and then runs
+        the plain write's kernel, which construction compiled (``SWAKVPool`` calls this)."""
 
     # --- calibration (not used: every row carries its own scale) ---------------------------------
 
