@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, FP8, INPUT_DTYPES, INTERPRETER, assert_same_bytes, fused_runs, id_of, spread_rows
+from kvassert import DEVICE, FP8, INPUT_DTYPES, INTERPRETER, assert_same_bytes, fused_runs, gpu, id_of, spread_rows
 from kvpool import FusedPathUnavailable
 from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 
@@ -149,3 +149,49 @@ def test_never_counts_its_reason_and_always_raises_where_the_gate_refuses(monkey
     monkeypatch.setattr("kvpool.kernels.store_fp8_token.writer.store_fp8_token_kv", None)
     with pytest.raises(FusedPathUnavailable, match="fused='always' but triton is not installed"):
         pool("always")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FP8, ids=id_of)
+@pytest.mark.parametrize("heads, dim, v_dim, tokens", [(8, 128, 128, 3000), (2, 256, 256, 1000), (3, 96, 80, 777)],
+                         ids=["llama_h8_d128", "qwen_h2_d256", "odd_h3_d96"])  # fmt: skip
+def test_on_cuda_model_shapes_and_every_bf16_pattern_store_the_reference_bytes(dtype, heads, dim, v_dim, tokens):
+    g = torch.Generator(device="cuda").manual_seed(heads * dim)
+    k = torch.randn(tokens, heads, dim, device="cuda", generator=g) * torch.exp2(
+        torch.randint(-30, 30, (tokens, heads, 1), device="cuda", generator=g).float())  # fmt: skip
+    k = k.to(torch.bfloat16)
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
+    flat = k.view(-1)
+    n = min(flat.numel(), patterns.numel())
+    flat[:n] = patterns[:n]  # every bf16 bit pattern (subnormals, NaN payloads, infinities) somewhere
+    v = k[..., :v_dim].flip(0)
+    loc = torch.randperm(tokens + 16, device="cuda", generator=g)[:tokens]
+    fused, reference = (MHATokenToKVPoolFP8PerTokenHead(tokens + 16, 1, dtype, heads, dim, 1, "cuda", v_head_dim=v_dim,
+                                                        fused=mode) for mode in ("always", "never"))  # fmt: skip
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert fused.stats.fused_calls == 1 and reference.stats.reference_calls == 1
+    assert_same_pools(fused, reference)
+
+
+@gpu
+def test_a_captured_write_replays_with_the_current_rows_and_slots():
+    t = 64
+    fused, reference = pool("always"), pool("never")
+    static_k = torch.zeros(t, H, D, dtype=torch.bfloat16, device="cuda")
+    static_v = torch.zeros(t, H, DV, dtype=torch.bfloat16, device="cuda")
+    static_loc = torch.full((t,), -1, device="cuda")
+    fused.set_kv_buffer(None, static_loc, static_k, static_v, layer_id_override=0)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.set_kv_buffer(None, static_loc, static_k, static_v, layer_id_override=0)
+    for step in range(3):
+        static_k.copy_(special_rows(t, D, torch.bfloat16, 20 + step))
+        static_v.copy_(special_rows(t, DV, torch.bfloat16, 30 + step))
+        static_loc.copy_(torch.randperm(SIZE + 1, device="cuda")[: min(t, SIZE + 1)].repeat(4)[:t])
+        static_loc[SIZE + 1 :] = -1  # each slot once; the rest padding
+        graph.replay()
+        reference.set_kv_buffer(None, static_loc, static_k, static_v, layer_id_override=0)
+        torch.cuda.synchronize()
+        assert_same_pools(fused, reference)
