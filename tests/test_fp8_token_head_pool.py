@@ -92,6 +92,9 @@ def test_the_constructor_refuses_what_it_cannot_hold():
         make_pool(head_dim=0)
     with pytest.raises(ValueError, match="enable_memory_saver must be False"):
         make_pool(enable_memory_saver=True)
+    unusable = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=r"^device must be a device this torch can use: .*got '" + unusable):
+        make_pool(device=unusable)
 
 
 def _bad_calls():
