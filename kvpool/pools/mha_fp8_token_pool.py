@@ -14,7 +14,7 @@ from kvpool.checks import positive_int
 from kvpool.config import fused_mode
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.formats import FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES
-from kvpool.kernels.store_fp8_token import dequantize_token_head
+from kvpool.kernels.store_fp8_token import dequantize_token_head, mapped_slots
 from kvpool.kernels.store_fp8_token.writer import token_head_cache_verdict, write_token_head
 from kvpool.kernels.store_kv.checks import (
     check_commit_lens,
@@ -26,7 +26,7 @@ from kvpool.kernels.store_kv.checks import (
     check_values,
 )
 from kvpool.kernels.store_kv.naive import prefix_slots
-from kvpool.kernels.store_kv.writer import PathStats, translate_slots
+from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.pools.base import HasLayerId, check_sglang_keywords
 from kvpool.pools.mha_pool import check_slot_map
 from kvpool.pools.row_parts import RowPartsCache
@@ -141,7 +141,8 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
             raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
         #: Writes per path, and why the reference path ran.
         self.stats = PathStats()
-        if warmup and self.device.type == "cuda" and self.fused_verdict[0] and self.fused_mode != "never":
+        self._warm = bool(warmup) and self.device.type == "cuda" and self.fused_verdict[0] and self.fused_mode != "never"
+        if self._warm:
             self._warmup()
 
     # --- readers ---------------------------------------------------------------------------------
@@ -206,7 +207,8 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         layer_id_override : global layer id; takes precedence over ``layer.layer_id``.
         slot_map : Tensor [M] int64 on the pool's device, or None: as for
             ``MHATokenToKVPool.set_kv_buffer`` (``loc`` holds another pool's slots, token ``t`` goes to
-            row ``slot_map[loc[t]]``); translated by one gather before the write's launch.
+            row ``slot_map[loc[t]]``, nothing for an entry outside ``[0, M)``), read by the fused
+            kernel in the same launch.
 
         Raises
         ------
@@ -223,10 +225,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         k_scale, v_scale = self._check_scales(k_scale, v_scale)
         if slot_map is not None:
             check_slot_map(slot_map, self.device)
-            loc = translate_slots(slot_map, loc)
         if self.validate:
-            check_values(loc, "loc", self.rows, k_scale, v_scale)
-        self._write(i, cache_k, cache_v, loc)
+            check_values(loc if slot_map is None else mapped_slots(slot_map, loc), "loc", self.rows, k_scale, v_scale)
+        self._write(i, cache_k, cache_v, loc, slot_map)
 
     def set_kv_buffer_prefix_valid(
         self,
@@ -259,10 +260,10 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         k_scale, v_scale = self._check_scales(k_scale, v_scale)
         if slot_map is not None:
             check_slot_map(slot_map, self.device)
-            loc_2d = translate_slots(slot_map, loc_2d)
         if self.validate:
-            check_prefix_values(loc_2d, commit_lens, self.rows, k_scale, v_scale)
-        self._write(i, cache_k, cache_v, prefix_slots(loc_2d, commit_lens))
+            rows_2d = loc_2d if slot_map is None else mapped_slots(slot_map, loc_2d)
+            check_prefix_values(rows_2d, commit_lens, self.rows, k_scale, v_scale)
+        self._write(i, cache_k, cache_v, prefix_slots(loc_2d, commit_lens), slot_map)
 
     def _check_inputs(self, cache_k: object, cache_v: object) -> int:
         """T of checked ``cache_k`` and ``cache_v``."""
@@ -279,24 +280,30 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
             check_scale(v_scale, "v_scale", self.head_num, self.device),
         )
 
-    def _write(self, i: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
+    def _write(
+        self, i: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, slot_map: Optional[torch.Tensor] = None
+    ) -> None:
         k_store, v_store = (self.k_buffer[i], self.k_scale_buffer[i]), (self.v_buffer[i], self.v_scale_buffer[i])
-        write_token_head(self.fused_verdict, self.fused_mode, self.stats, k, v, k_store, v_store, loc, self.dtype)
+        write_token_head(
+            self.fused_verdict, self.fused_mode, self.stats, k, v, k_store, v_store, loc, self.dtype, slot_map
+        )
 
-    def _warmup(self) -> None:
-        """Compile the kernel for every input and loc dtype on the pool's device, writing nothing
-        (every slot is -1), and uncounted."""
+    def _warmup(self, slot_map: Optional[torch.Tensor] = None) -> None:
+        """Compile the kernel for every input and loc dtype on the pool's device (with ``slot_map``,
+        its mapped variants), writing nothing (every slot is -1), and uncounted."""
         h, dev = self.head_num, self.device
         for in_dtype in INPUT_DTYPES:
             k = torch.zeros((1, h, self.head_dim), dtype=in_dtype, device=dev)
             v = torch.zeros((1, h, self.v_head_dim), dtype=in_dtype, device=dev)
             for loc_dtype in LOC_DTYPES:
-                self._write(0, k, v, torch.full((1,), -1, dtype=loc_dtype, device=dev))
+                self._write(0, k, v, torch.full((1,), -1, dtype=loc_dtype, device=dev), slot_map)
         self.stats = PathStats()
 
     def warm_mapped_writes(self) -> None:
-        """Nothing to compile: a write through a ``slot_map`` translates its slots first and then runs
-        the plain write's kernel, which construction compiled (``SWAKVPool`` calls this)."""
+        """Compile, on CUDA with warmup on, the kernel's variants for writes through a ``slot_map``
+        (``SWAKVPool`` calls this for its sliding-window part), writing nothing."""
+        if self._warm:
+            self._warmup(slot_map=torch.full((1,), -1, dtype=torch.int64, device=self.device))
 
     # --- calibration (not used: every row carries its own scale) ---------------------------------
 

@@ -95,17 +95,19 @@ def _token_head_row(
     tl.store(scale_ptr + slot * ss_r + h * ss_h, s, mask=h < H)
 
 
-@triton.jit(do_not_specialize=["loc_ptr", "stride_loc"])
+@triton.jit(do_not_specialize=["loc_ptr", "stride_loc", "map_ptr", "map_len"])
 def store_fp8_token_kv(
     k_ptr,  # [T, H, D] K rows, bf16/fp16/fp32, any strides
     v_ptr,  # [T, H, DV] V rows
-    loc_ptr,  # [T] int32/int64 slots; outside 0..rows - 1: skipped
+    loc_ptr,  # [T] int32/int64 slots (MAPPED: indices into map); outside 0..rows - 1: skipped
+    map_ptr,  # [map_len] int64 slot map (MAPPED only; else any pointer)
     k_codes_ptr,  # [rows, H, D] uint8
     v_codes_ptr,  # [rows, H, DV] uint8
     k_scale_ptr,  # [rows, H] float32
     v_scale_ptr,  # [rows, H] float32
     rows,
     stride_loc,
+    map_len,
     sk_t, sk_h, sk_d,  # K input strides
     sv_t, sv_h, sv_d,  # V input strides
     skc_r, skc_h, skc_d,  # K codes strides
@@ -120,11 +122,16 @@ def store_fp8_token_kv(
     BLOCK_DV: tl.constexpr,
     E4M3: tl.constexpr,
     SOFT_CAST: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
-    """One program per token: rows ``loc[t]`` of the code and scale buffers become the per-token-head
-    FP8 of K and V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
+    """One program per token: rows ``loc[t]`` (``MAPPED``: ``map[loc[t]]``, -1 for an index outside
+    the map) of the code and scale buffers become the per-token-head FP8 of K and V row ``t``; a
+    slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
+    if MAPPED:
+        inside = (slot >= 0) & (slot < map_len)
+        slot = tl.load(map_ptr + tl.where(inside, slot, 0), mask=inside, other=-1)
     if (slot >= 0) & (slot < rows):
         _token_head_row(k_ptr, t, sk_t, sk_h, sk_d, k_codes_ptr, skc_r, skc_h, skc_d, k_scale_ptr, sks_r, sks_h,
                         slot, H, D, BLOCK_H, BLOCK_D, E4M3, SOFT_CAST)  # fmt: skip

@@ -18,6 +18,8 @@ Reading back, an element is ``float32(code) * s`` (float32 multiplication, corre
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kvpool.kernels.formats import FP8_FORMATS, NAN_BITS
@@ -117,6 +119,19 @@ def dequantize_token_head(
     return values.to(out_dtype)
 
 
+def mapped_slots(slot_map: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """``slot_map[s]`` for each entry ``s`` of ``loc`` in ``[0, len(slot_map))``, -1 for any other:
+    the rows a write through a slot map writes (int64, ``loc``'s shape; no synchronisation).
+
+    >>> mapped_slots(torch.tensor([0, 5, 0, 7]), torch.tensor([1, 3, -1, 9, 2]))
+    tensor([ 5,  7, -1, -1,  0])
+    """
+    m = slot_map.shape[0]
+    slots = loc.to(torch.int64)
+    inside = (slots >= 0) & (slots < m)
+    return torch.where(inside, slot_map[slots.clamp(0, max(m - 1, 0))], -1) if m else torch.full_like(slots, -1)
+
+
 def write_token_head_reference(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -124,9 +139,11 @@ def write_token_head_reference(
     v_store: tuple[torch.Tensor, torch.Tensor],
     loc: torch.Tensor,
     dtype: torch.dtype,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """The per-token-head write on checked arguments: quantize ``k`` and ``v``, then scatter codes
-    and scales to ``loc`` (negative and out-of-range slots write nothing; no synchronisation).
+    and scales to ``loc`` (negative and out-of-range slots write nothing; no synchronisation), or
+    to ``mapped_slots(slot_map, loc)`` with a slot map.
 
     Parameters
     ----------
@@ -134,9 +151,12 @@ def write_token_head_reference(
     k_store, v_store : (codes [rows, H, D] uint8, scales [rows, H] float32).
     loc : Tensor [T], int32/int64.
     dtype : the FP8 format.
+    slot_map : Tensor [M] int64, or None.
     """
     if k.shape[0] == 0:
         return
+    if slot_map is not None:
+        loc = mapped_slots(slot_map, loc)
     for x, (codes_buf, scale_buf) in ((k, k_store), (v, v_store)):
         codes, scales = quantize_token_head(x, dtype)
         scatter_rows(codes_buf, loc, codes)

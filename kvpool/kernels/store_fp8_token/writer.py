@@ -4,6 +4,8 @@ write's)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kvpool.config import FusedMode
@@ -43,18 +45,22 @@ def launch_token_head_write(
     v_store: tuple[torch.Tensor, torch.Tensor],
     loc: torch.Tensor,
     dtype: torch.dtype,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
-    """One launch, one program per token, writing K and V codes and scales (checked arguments)."""
+    """One launch, one program per token, writing K and V codes and scales (checked arguments); with
+    ``slot_map`` the kernel reads each token's row from it."""
     t, h, d = k.shape
     dv = v.shape[2]
     (kc, ks), (vc, vs) = k_store, v_store
     block_h = next_pow2(h)
     warps = min(MAX_WARPS, max(1, block_h * next_pow2(max(d, dv)) // ELEMS_PER_WARP))
+    mapped = slot_map is not None
     store_fp8_token_kv[(t,)](
-        k, v, loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
+        k, v, loc, slot_map if mapped else loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
+        slot_map.shape[0] if mapped else 0,  # type: ignore[union-attr]
         *k.stride(), *v.stride(), *kc.stride(), *vc.stride(), *ks.stride(), *vs.stride(),
         H=h, D=d, DV=dv, BLOCK_H=block_h, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
-        E4M3=dtype == torch.float8_e4m3fn, SOFT_CAST=not native_cast_ok(k.device), num_warps=warps,
+        E4M3=dtype == torch.float8_e4m3fn, SOFT_CAST=not native_cast_ok(k.device), MAPPED=mapped, num_warps=warps,
     )  # fmt: skip
 
 
@@ -68,6 +74,7 @@ def write_token_head(
     v_store: tuple[torch.Tensor, torch.Tensor],
     loc: torch.Tensor,
     dtype: torch.dtype,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """The per-token-head write on checked arguments, on the path ``cache_ok`` (the gate's verdict on
     the pool's buffers) and ``mode`` choose, counted in ``stats``.
@@ -78,6 +85,8 @@ def write_token_head(
     k_store, v_store : (codes [rows, H, D] uint8, scales [rows, H] float32), contiguous rows.
     loc : Tensor [T] int32/int64.
     dtype : the FP8 format.
+    slot_map : Tensor [M] int64, or None: token ``t`` goes to row ``slot_map[loc[t]]`` (nothing for
+        an index outside ``[0, M)``), read in the same launch on the fused path.
 
     Raises
     ------
@@ -88,10 +97,10 @@ def write_token_head(
     if ok:
         stats.fused_calls += 1
         if k.shape[0]:
-            launch_token_head_write(k, v, k_store, v_store, loc, dtype)
+            launch_token_head_write(k, v, k_store, v_store, loc, dtype, slot_map)
         return
     if mode == "always":
         raise FusedPathUnavailable(f"fused='always' but {reason}")
     stats.reference_calls += 1
     stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-    write_token_head_reference(k, v, k_store, v_store, loc, dtype)
+    write_token_head_reference(k, v, k_store, v_store, loc, dtype, slot_map)
