@@ -86,6 +86,8 @@ def test_write_stores_the_oracles_codes_and_scales_at_loc_and_nothing_else(dtype
 def test_the_constructor_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2 for a per-token-head FP8 pool, got torch.bfloat16"):
         make_pool(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2 for a per-token-head FP8 pool, got torch.float8_e4m3fnuz"):
+        make_pool(dtype=torch.float8_e4m3fnuz)
     with pytest.raises(ValueError, match="out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got torch.int8"):
         make_pool(out_dtype=torch.int8)
     with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):

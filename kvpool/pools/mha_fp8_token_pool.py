@@ -13,8 +13,8 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.config import fused_mode
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.formats import FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES
-from kvpool.kernels.store_fp8_token import dequantize_token_head, mapped_slots
+from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES
+from kvpool.kernels.store_fp8_token import TOKEN_HEAD_DTYPES, dequantize_token_head, mapped_slots
 from kvpool.kernels.store_fp8_token.writer import token_head_cache_verdict, write_token_head
 from kvpool.kernels.store_kv.checks import (
     check_commit_lens,
@@ -115,7 +115,7 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         check_sglang_keywords(enable_memory_saver, enable_alt_stream, enable_kv_cache_copy)
-        if dtype not in FP8_FORMATS:
+        if dtype not in TOKEN_HEAD_DTYPES:
             raise ValueError(
                 f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2 for a per-token-head FP8 pool, got {dtype!r}"
             )

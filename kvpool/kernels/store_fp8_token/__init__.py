@@ -5,6 +5,7 @@ PyTorch reference quantizer, dequantizer and write (``naive.py``), the fused Tri
 
 from kvpool.kernels.store_fp8_token.naive import (
     MIN_TOKEN_SCALE,
+    TOKEN_HEAD_DTYPES,
     dequantize_token_head,
     mapped_slots,
     quantize_token_head,
@@ -14,6 +15,7 @@ from kvpool.kernels.store_fp8_token.naive import (
 
 __all__ = [
     "MIN_TOKEN_SCALE",
+    "TOKEN_HEAD_DTYPES",
     "dequantize_token_head",
     "mapped_slots",
     "quantize_token_head",

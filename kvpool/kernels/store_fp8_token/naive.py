@@ -29,6 +29,10 @@ from kvpool.write_types import F32_MIN_NORMAL
 #: The smallest scale a row stores (the smallest normal float32): an all-zero row's scale.
 MIN_TOKEN_SCALE = F32_MIN_NORMAL
 
+#: The FP8 formats a per-token-head row may hold (the fnuz formats of MI300-class GPUs are not among
+#: them: no NaN code of 0x7f and no negative zero, which this rule and its kernel spell out).
+TOKEN_HEAD_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def _check_rows(x: object, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -39,7 +43,7 @@ def _check_rows(x: object, name: str) -> torch.Tensor:
 
 
 def _check_fp8(dtype: object) -> float:
-    if dtype not in FP8_FORMATS:
+    if dtype not in TOKEN_HEAD_DTYPES:
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
     return FP8_FORMATS[dtype].max_finite  # type: ignore[index]
 
