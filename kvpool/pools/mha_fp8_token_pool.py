@@ -136,12 +136,15 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         })  # fmt: skip
         self.fused_mode = fused_mode(fused)
         #: The gate's verdict on these buffers, ``(eligible, reason)``: nothing else decides the path.
-        self.fused_verdict = token_head_cache_verdict(self.device, dtype, self.head_dim, self.v_head_dim, self.fused_mode)
+        self.fused_verdict = token_head_cache_verdict(
+            self.device, dtype, self.head_dim, self.v_head_dim, self.fused_mode
+        )
         if self.fused_mode == "always" and not self.fused_verdict[0]:
             raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
         #: Writes per path, and why the reference path ran.
         self.stats = PathStats()
-        self._warm = bool(warmup) and self.device.type == "cuda" and self.fused_verdict[0] and self.fused_mode != "never"
+        fused_here = self.device.type == "cuda" and self.fused_verdict[0] and self.fused_mode != "never"
+        self._warm = bool(warmup) and fused_here
         if self._warm:
             self._warmup()
 
@@ -269,9 +272,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         """T of checked ``cache_k`` and ``cache_v``."""
         check_rows(cache_k, "cache_k", self.head_num, self.head_dim, self.device)
         check_rows(cache_v, "cache_v", self.head_num, self.v_head_dim, self.device)
-        t = cache_k.shape[0]  # type: ignore[union-attr]
-        if cache_v.shape[0] != t:  # type: ignore[union-attr]
-            raise ValueError(f"cache_v must have T={t} tokens (cache_k's), got {cache_v.shape[0]}")  # type: ignore[union-attr]
+        t, tv = cache_k.shape[0], cache_v.shape[0]  # type: ignore[union-attr]
+        if tv != t:
+            raise ValueError(f"cache_v must have T={t} tokens (cache_k's), got {tv}")
         return t
 
     def _check_scales(self, k_scale: Scale, v_scale: Scale) -> tuple[Scale, Scale]:
@@ -324,7 +327,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
     def reset_amax(self) -> None:
         """Nothing to reset."""
 
-    def calibrated_scales(self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None) -> list:
+    def calibrated_scales(
+        self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> list:
         """Raises ``ValueError``: each row's scale is computed when it is written."""
         raise ValueError(
             "calibrated_scales needs a pool with static scales (kv_scale_mode='static'): a per-token-head "

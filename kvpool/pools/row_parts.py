@@ -210,11 +210,15 @@ class RowPartsCache:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"kv_cache_cpu.{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != want:
-                raise ValueError(f"kv_cache_cpu.{name} must have shape {want} ([layers, len(indices), ...]), got {tuple(t.shape)}")
+                raise ValueError(
+                    f"kv_cache_cpu.{name} must have shape {want} ([layers, len(indices), ...]), got {tuple(t.shape)}"
+                )
             if t.dtype != mine.dtype:
                 raise ValueError(f"kv_cache_cpu.{name} must be {mine.dtype}, got {t.dtype}")
             if t.device.type != "cpu":
                 raise ValueError(f"kv_cache_cpu.{name} must be in host memory, got {t.device}")
             if t.numel() and not t[0, 0].is_contiguous():
-                raise ValueError(f"kv_cache_cpu.{name} must have contiguous rows (as get_cpu_copy makes them), got strides {t.stride()}")
+                raise ValueError(
+                    f"kv_cache_cpu.{name} must have contiguous rows (as get_cpu_copy makes them), got strides {t.stride()}"
+                )
         return copy

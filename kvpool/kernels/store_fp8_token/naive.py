@@ -118,7 +118,8 @@ def dequantize_token_head(
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
         raise ValueError(f"scales must be a float32 tensor, got {getattr(scales, 'dtype', type(scales).__name__)}")
     if tuple(scales.shape) != tuple(codes.shape[:2]):
-        raise ValueError(f"scales must have shape {tuple(codes.shape[:2])} ([R, H] of codes), got {tuple(scales.shape)}")
+        want = tuple(codes.shape[:2])
+        raise ValueError(f"scales must have shape {want} ([R, H] of codes), got {tuple(scales.shape)}")
     values = codes.view(dtype).to(torch.float32) * scales.unsqueeze(-1)
     return values.to(out_dtype)
 
