@@ -102,14 +102,16 @@ class StorageTierStats:
 class PrefetchOp:
     """One request's prefetch: the whole key as bytes (``enc``, the match's host part then the new
     tokens), where the fetched part starts (``start``, bytes), its page keys, the held host copy of
-    the node it continues, and the pages the worker has read so far."""
+    the node it continues, the pages the worker has read so far, and what a subclass's ``fetch``
+    read beside them (``beside``: a hybrid model's state)."""
 
-    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "finished", "terminated")
+    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "beside", "finished", "terminated")
 
     def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, copy: Any) -> None:
         self.enc, self.start, self.keys, self.extra, self.copy = enc, start, keys, extra, copy
         self.started = time.monotonic()
         self.pages: list[torch.Tensor] = []
+        self.beside: Optional[torch.Tensor] = None
         self.finished = False
         self.terminated = False
 
@@ -288,14 +290,7 @@ class StorageTier:
             hits = self.storage.batch_exists(op.keys)
             if hits * self.page_size < self.policy.prefetch_threshold:
                 hits = 0
-            for key in op.keys[:hits]:
-                if op.terminated:
-                    break
-                page = torch.empty(self.page_nbytes, dtype=torch.uint8)
-                if self.storage.get(key, page) is None:
-                    break
-                with self._lock:
-                    op.pages.append(page)
+            self.fetch(op, hits)
         except Exception:
             ok = False
         with self._lock:
@@ -304,6 +299,18 @@ class StorageTier:
             if not ok:
                 self.stats.prefetch_failures += 1
             self._settle(ok)
+
+    def fetch(self, op: PrefetchOp, hits: int) -> None:
+        """Read the first ``hits`` pages of ``op`` in order into ``op.pages`` (on a worker thread),
+        until one misses or ``op`` is terminated; a subclass that reads more per page overrides it."""
+        for key in op.keys[:hits]:
+            if op.terminated:
+                break
+            page = torch.empty(self.page_nbytes, dtype=torch.uint8)
+            if self.storage.get(key, page) is None:
+                break
+            with self._lock:
+                op.pages.append(page)
 
     def progress(self, req_id: Any) -> bool:
         """``HiRadixCache.check_prefetch_progress``: whether the request may go on now; when it may,
@@ -359,7 +366,10 @@ class StorageTier:
         if slots is None:
             cache.evict_host(tokens)
             slots = host.alloc(tokens)
-        if slots is None:
+        reserved = self.reserve(op) if slots is not None else None
+        if slots is None or reserved is False:
+            if slots is not None:
+                host.free(slots)
             self.stats.tokens_dropped += tokens
             return 0
         end = op.start + len(pages) * self.page_enc_bytes
@@ -367,6 +377,7 @@ class StorageTier:
         skip = max(0, (pos - op.start) // self.page_enc_bytes)
         if pos < op.start or skip >= len(pages):  # the prefix left the tree meanwhile, or it has every page
             host.free(slots)
+            self.release(reserved)
             self.stats.tokens_dropped += tokens
             return 0
         kept = slots[skip * self.page_size :]
@@ -375,14 +386,27 @@ class StorageTier:
                 host.set_from_flat_data_page(int(kept[i * self.page_size]), page.view(host.store_dtype))
         except BaseException:
             host.free(slots)
+            self.release(reserved)
             raise
         if skip:
             host.free(slots[: skip * self.page_size])
-        cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept)
+        self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
         loaded = len(kept)
         self.stats.tokens_loaded += loaded
         self.stats.tokens_dropped += tokens - loaded
         return loaded
+
+    def reserve(self, op: PrefetchOp) -> Any:
+        """What ``op``'s leaf needs besides its host pages, taken before the tree is looked at (False:
+        no room, the pages are dropped); None here. A subclass gives it back in ``release`` and hands
+        it to the new leaf in ``hang``."""
+        return None
+
+    def release(self, reserved: Any) -> None:
+        """Give back what ``reserve`` took, for a leaf that is not hung."""
+
+    def hang(self, leaf: TreeNode, op: PrefetchOp, reserved: Any) -> None:
+        """``op``'s fetched pages hang in the tree as ``leaf``, with what ``reserve`` took."""
 
     # --- housekeeping ----------------------------------------------------------------------------
 
