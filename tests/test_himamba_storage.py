@@ -197,3 +197,25 @@ def test_reset_drops_prefetches_and_keeps_storage(tmp_path):
     req = a.admit(prompt + [2])
     assert req.cache_protected_len == 8 and a.from_storage == 8
     a.drain()
+
+
+def test_bad_input_is_refused_before_anything_changes(tmp_path):
+    eng = engine(file_store(tmp_path / "kv"), host_policy="write_back")
+    serve(eng, seq(6, 20), extra="t")
+    node = eng.cache.root_node.children[next(iter(eng.cache.root_node.children))]
+    assert node.device is not None and "host" not in node.records  # on the device only (write_back)
+    free = eng.host.state_host.available_size()
+    for call, error, message in (
+        (lambda: eng.cache.prefetch_from_storage("r", node, RadixKey([1, 2], "u")), ValueError, "extra_key must be last_host_node's 't'"),
+        (lambda: eng.cache.prefetch_from_storage("r", node, 7), ValueError, "new_input_tokens must be a token list"),
+        (lambda: eng.cache.prefetch_from_storage("r", object(), [1]), TypeError, "last_host_node must be a TreeNode"),
+        (lambda: eng.host.state_host.set_from_flat_data_page(0, torch.zeros(3, dtype=torch.uint8)), ValueError, "must hold"),
+        (lambda: eng.host.state_host.set_from_flat_data_page(0, torch.zeros(eng.host.state_host.slot_bytes)), ValueError,
+         "1-D uint8 CPU tensor"),
+        (lambda: eng.host.state_host.get_data_page(eng.host.state_host.size), ValueError, "index must be a host slot in"),
+    ):
+        with pytest.raises(error, match=message):
+            call()
+    assert not eng.cache.storage_tier.ongoing_prefetch and eng.host.state_host.available_size() == free
+    eng.cache.check_integrity()
+    eng.drain()

@@ -126,11 +126,20 @@ class HiMambaRadixCache(HybridTierMoves, StorageCalls, HostTier, MambaRadixCache
             path = self._path(last_host_node, "prefetch_from_storage")  # leaf first; raises for a node not of this tree
             after = next((i for i, n in enumerate(path) if HOST in n.records), len(path))
             anchor = path[after] if after < len(path) else self.root_node
-            if isinstance(new_input_tokens, RadixKey):
-                new_input_tokens = new_input_tokens.token_ids
-            tokens = new_input_tokens.tolist() if isinstance(new_input_tokens, torch.Tensor) else list(new_input_tokens)
-            head = [t for n in reversed(path[:after]) for t in n.key.token_ids]
             extra_key = last_host_node.key.extra_key
+            if isinstance(new_input_tokens, RadixKey):
+                if new_input_tokens.extra_key != extra_key:
+                    raise ValueError(
+                        f"new_input_tokens' extra_key must be last_host_node's {extra_key!r}, got {new_input_tokens.extra_key!r}"
+                    )
+                new_input_tokens = new_input_tokens.token_ids
+            if isinstance(new_input_tokens, torch.Tensor):
+                tokens = new_input_tokens.tolist()
+            elif isinstance(new_input_tokens, (list, tuple)):
+                tokens = list(new_input_tokens)
+            else:
+                raise ValueError(f"new_input_tokens must be a token list or tensor, or a RadixKey, got {type(new_input_tokens).__name__}")
+            head = [t for n in reversed(path[:after]) for t in n.key.token_ids]
             last_host_node, new_input_tokens = anchor, head + tokens
         super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, extra_key=extra_key)
 

@@ -170,6 +170,7 @@ class StateStorageTier(StorageTier):
         return slot
 
     def release(self, reserved: Any) -> None:
+        """Free the host state slot ``reserve`` took."""
         if reserved is not None:
             self.state_host.free(reserved)
 
@@ -180,5 +181,6 @@ class StateStorageTier(StorageTier):
     # --- housekeeping ------------------------------------------------------------------------------
 
     def reset(self) -> None:
+        """``StorageTier.reset``, and the state writes pending (their host slots are free)."""
         super().reset()
         self._pending_states = []
