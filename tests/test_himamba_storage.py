@@ -8,6 +8,8 @@ integrity check covers the storage tier.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -22,6 +24,13 @@ from kvpool.pools.state_params import MambaCacheParams, MambaStateDType, MambaSt
 from kvpool.storage import page_keys
 from kvpool.storage.faults import FaultyStorage
 from kvpool.storage.keys import state_geometry, state_key
+from kvpool.storage.mooncake_config import import_store_class
+
+try:
+    import_store_class()
+    NO_MOONCAKE = None
+except ImportError as e:
+    NO_MOONCAKE = str(e)
 
 NOW = StoragePolicy(prefetch_threshold=0, background=False)
 
@@ -219,3 +228,64 @@ def test_bad_input_is_refused_before_anything_changes(tmp_path):
     assert not eng.cache.storage_tier.ongoing_prefetch and eng.host.state_host.available_size() == free
     eng.cache.check_integrity()
     eng.drain()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_worker_threads_fetch_kv_and_state_behind_a_slow_store(tmp_path, policy):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(10, 800)
+    serve(a, prompt)
+    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_rate=1.0, delay_s=0.01)
+    policy = StoragePolicy(prefetch_policy=policy, prefetch_threshold=0, prefetch_timeout_base_s=20.0)
+    b = second(a, slow, policy=policy)
+    req = b.admit(prompt + [3])  # waits until the worker has read every page and the state
+    assert b.from_storage == 10 and b.states_loaded == 1 and req.cache_protected_len == 10
+    assert b.cache.storage_tier.drain()
+    b.drain()
+    b.cache.storage_tier.close()
+
+
+def test_best_effort_takes_nothing_before_the_pages_and_their_state_are_both_read(tmp_path):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(10, 900)
+    serve(a, prompt)
+    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_rate=1.0, delay_s=0.05)
+    b = second(a, slow, policy=StoragePolicy(prefetch_policy="best_effort", prefetch_threshold=0))
+    m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
+    b.cache.prefetch_from_storage("r", m.last_host_node, prompt)
+    assert b.cache.check_prefetch_progress("r") and b.cache.pop_prefetch_loaded_tokens("r") == 0  # at once: nothing yet
+    assert not b.cache.root_node.children
+    assert b.cache.storage_tier.drain()
+    b.cache.check_integrity()
+    assert b.host.kv_host.available_size() == b.host.kv_host.size
+    assert b.host.state_host.available_size() == b.host.state_host.size
+    b.cache.storage_tier.close()
+    b.drain()
+
+
+@pytest.mark.skipif(NO_MOONCAKE is not None, reason=NO_MOONCAKE or "")
+def test_two_engines_share_kv_and_states_through_a_mooncake_store():
+    from kvpool.storage import HiCacheStorageConfig
+    from kvpool.storage.mooncake import MooncakeStore
+    from kvpool.storage.mooncake_master import MooncakeMaster
+
+    small = dict(global_segment_size=16 << 20, local_buffer_size=16 << 20, connect_timeout_s=3.0, retry_interval_s=0.5)
+    with MooncakeMaster() as master:
+        def client():
+            return MooncakeStore(HiCacheStorageConfig(model_name="m"), master_server_address=master.master_server_address,
+                                 metadata_server=master.metadata_server, **small)  # fmt: skip
+
+        store_a, store_b = client(), client()
+        try:
+            a = engine(store_a, 4)
+            prompt = seq(17, 400)
+            serve(a, prompt)
+            assert a.cache.storage_tier.stats.states_written >= 1
+            b = second(a, store_b)
+            req = b.admit(prompt + [1] * 4)
+            assert b.from_storage == 16 and b.states_loaded == 1 and req.cache_protected_len == 16
+            b.drain()
+            a.drain()
+        finally:
+            store_a.close()
+            store_b.close()
