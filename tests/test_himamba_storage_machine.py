@@ -10,6 +10,7 @@ byte against what its content wrote (``HiHybridEngine``), whichever tier it came
 from __future__ import annotations
 
 import random
+import tempfile
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -43,8 +44,6 @@ class HiHybridStorageMachine(RuleBasedStateMachine):
         host=st.sampled_from(["write_through", "write_through_selective", "write_back"]), seed=st.integers(0, 3),
     )  # fmt: skip
     def setup(self, setup, policy, host, seed):
-        import tempfile
-
         page, extra = setup
         self.dir = tempfile.TemporaryDirectory()
         self.stores = []
@@ -128,9 +127,9 @@ class HiHybridStorageMachine(RuleBasedStateMachine):
                 check_match_has_its_states(eng.cache, RadixKey(stem))
 
     def teardown(self):
+        for store in getattr(self, "stores", ()):
+            store.rates.update(dict.fromkeys(store.rates, 0.0))
         for eng in getattr(self, "engines", ()):
-            for store in self.stores:
-                store.rates.update(dict.fromkeys(store.rates, 0.0))
             eng.drain()
         if hasattr(self, "dir"):
             self.dir.cleanup()
@@ -142,8 +141,6 @@ TestHiHybridStorageMachine = machine_test(HiHybridStorageMachine, examples=20, s
 def test_storage_serves_hits_under_random_scheduling():
     """The machine's runs reach storage: a wiped prefix comes back from it (not a test that cannot fail:
     it counts what the engines loaded from storage over a fixed schedule)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         engines = [HiHybridEngine(1, 96, 8, storage=FaultyStorage(file_store(d), seed=i, fail_rate=0.1),
                                   storage_policy=StoragePolicy(prefetch_threshold=0, background=False, backoff_s=0.0))
