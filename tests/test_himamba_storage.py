@@ -289,3 +289,24 @@ def test_two_engines_share_kv_and_states_through_a_mooncake_store():
         finally:
             store_a.close()
             store_b.close()
+
+
+def test_a_host_tombstone_takes_the_state_storage_holds_for_it(tmp_path):
+    """The tree holds a prefix's KV on the host without its state (a tombstone, its children parked):
+    a prefetch that finds that state in storage gives it to the tombstone, and a match ends there."""
+    a = engine(file_store(tmp_path / "kv"))
+    b = second(a, file_store(tmp_path / "kv"))
+    p = seq(4, 100)
+    serve(b, p + [1, 2])
+    serve(b, p + [3, 4])  # the node of p is a split: no state of its own
+    serve(a, p)  # storage: the state after p too
+    assert a.cache.storage_tier.stats.states_written == 1
+    b.cache.check_hicache_events()
+    b.cache.evict(EvictParams(num_tokens=b.size, mamba_num=b.pool.size))
+    inner = b.cache.root_node.children[next(iter(b.cache.root_node.children))]
+    assert list(inner.key.token_ids) == p and inner.device is None and HOST_STATE not in inner.records
+    req = b.admit(p + [9])  # prefetch: the pages are in the tree, the state is taken by the tombstone
+    assert b.cache.storage_tier.stats.states_adopted == 1 and b.from_storage == 0
+    assert req.cache_protected_len == 4 and b.states_loaded == 1  # loaded back from the host, state checked
+    b.cache.check_integrity(b.running.values())
+    b.drain()

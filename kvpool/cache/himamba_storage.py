@@ -13,7 +13,9 @@ when there is none): the pages past it would be KV without its state, which the 
 so they count as dropped (``states_missing``). The pages and the state become visible to
 ``check_prefetch_progress`` together, once both are read; the fetched part then hangs in the tree as
 a host-only leaf whose state is parked on the host, where ``init_load_back`` finds it like any
-parked state (storage -> host -> device).
+parked state (storage -> host -> device). When the tree holds those pages already, as far as a
+host-only node without a state (a tombstone on the host) that ends exactly there, that node takes
+the state.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from kvpool.cache.himamba_host import HOST_STATE, HostState
+from kvpool.cache.key import encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.storage_tier import PrefetchOp, StorageTier, StorageTierStats
 from kvpool.storage.keys import state_geometry, state_key
@@ -33,12 +36,14 @@ from kvpool.storage.keys import state_geometry, state_key
 @dataclasses.dataclass
 class StateStorageStats(StorageTierStats):
     """``StorageTierStats``, and the state snapshots: written, state writes that failed, read by
-    prefetches, and prefetches whose pages had no state in storage (their pages dropped)."""
+    prefetches, prefetches whose pages had no state in storage (their pages dropped), and states
+    taken by a host tombstone the tree held already (``adopt``)."""
 
     states_written: int = 0
     state_write_failures: int = 0
     states_read: int = 0
     states_missing: int = 0
+    states_adopted: int = 0
 
 
 class StateStorageTier(StorageTier):
@@ -177,6 +182,22 @@ class StateStorageTier(StorageTier):
     def hang(self, leaf: TreeNode, op: PrefetchOp, reserved: Any) -> None:
         """The leaf's state is parked on the host: a match reaches it as far as its state."""
         leaf.records[HOST_STATE] = HostState(reserved)
+
+    def adopt(self, node: TreeNode, op: PrefetchOp, reserved: Any) -> bool:
+        """The tree holds the fetched KV already: a host-only node without a state (a tombstone on
+        the host) that ends exactly where the fetched state belongs takes it, and a match can end
+        there again."""
+        end = op.start + len(op.pages) * self.page_enc_bytes
+        if node.device is not None or HOST_STATE in node.records or node is self.cache.root_node:
+            return False
+        depth, n = 0, node
+        while n is not self.cache.root_node:
+            depth, n = depth + len(encoded(n.key)), n.parent
+        if depth != end:
+            return False
+        node.records[HOST_STATE] = HostState(reserved)
+        self.stats.states_adopted += 1
+        return True
 
     # --- housekeeping ------------------------------------------------------------------------------
 
