@@ -310,3 +310,26 @@ def test_a_host_tombstone_takes_the_state_storage_holds_for_it(tmp_path):
     assert req.cache_protected_len == 4 and b.states_loaded == 1  # loaded back from the host, state checked
     b.cache.check_integrity(b.running.values())
     b.drain()
+
+
+def test_a_host_write_that_raises_while_taking_the_fetch_leaves_both_host_pools_as_they_were(tmp_path, monkeypatch):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(8, 555)
+    serve(a, prompt)
+    b = second(a, file_store(tmp_path / "kv"))
+    kv_free, state_free = b.host.kv_host.available_size(), b.host.state_host.available_size()
+
+    def broken(index, data_page):
+        raise RuntimeError("host memory fault")
+
+    monkeypatch.setattr(b.host.state_host, "set_from_flat_data_page", broken)
+    b.cache.prefetch_from_storage("r", b.cache.root_node, prompt)
+    with pytest.raises(RuntimeError, match="host memory fault"):
+        b.cache.check_prefetch_progress("r")
+    assert b.host.kv_host.available_size() == kv_free and b.host.state_host.available_size() == state_free
+    assert not b.cache.root_node.children and not b.cache.storage_tier.ongoing_prefetch
+    b.cache.check_integrity()
+    monkeypatch.undo()
+    req = b.admit(prompt + [1])  # storage still serves it
+    assert req.cache_protected_len == 8 and b.from_storage == 8
+    b.drain()

@@ -14,11 +14,12 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 @dataclasses.dataclass(frozen=True)
 class StoragePolicy:
-    """How a ``HiRadixCache`` uses its storage tier.
+    """How a ``HiRadixCache`` or ``HiMambaRadixCache`` uses its storage tier.
 
     Parameters
     ----------
-    prefetch_policy : ``"best_effort"``, ``"wait_complete"`` or ``"timeout"`` (see the module).
+    prefetch_policy : ``"best_effort"``, ``"wait_complete"`` or ``"timeout"`` (see
+        ``kvpool.cache.storage_tier``).
     prefetch_threshold : fewest tokens worth a prefetch: shorter remainders, and prefetches that
         find fewer pages in storage, fetch nothing (SGLang's default, 256).
     prefetch_timeout_base_s, prefetch_timeout_per_page_s : the ``timeout`` policy's limit, base plus

@@ -324,7 +324,11 @@ class StorageTier:
         if slots is None:
             cache.evict_host(tokens)
             slots = host.alloc(tokens)
-        reserved = self.reserve(op) if slots is not None else None
+        try:
+            reserved = self.reserve(op) if slots is not None else None
+        except BaseException:
+            host.free(slots)
+            raise
         if slots is None or reserved is False:
             if slots is not None:
                 host.free(slots)
