@@ -69,8 +69,10 @@ that reaches it loads its KV and its state back together, then matches again wit
 fork the loaded state into the request's slot. The cache's integrity is checked after every step;
 the same prompts are served again with no cache and with a device-only ``MambaRadixCache``, and the
 tokens must be the same (an fp32 pool's are also transformers'); the summary and ``--json`` count the
-tokens and the state snapshots loaded back from the host. ``--storage`` is refused: the hybrid
-cache has no storage tier yet.
+tokens and the state snapshots loaded back from the host. With ``--storage file|mooncake`` as well,
+host copies and state snapshots are written through to a storage tier, and a second engine (a fresh
+pool, cache and host pool over the same store) serves the prompts from what the first stored:
+KV pages with their states, storage -> host -> device, with the same tokens again.
 
 ``--json PATH`` writes ``{"config": <the text config's to_dict()>, "seed": S, "prompts": [[ids]],
 "fp32_tokens": [[ids]], "spec_tokens": [[ids]]}`` (generated tokens of the fp32 pool without and with
@@ -82,6 +84,7 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
     python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0 --prompts 12 --batch 1   # nodes move to the host and back
+    python examples/qwen35_runner.py --prefix-cache --host-tier --storage file --spec-width 0 --batch 1   # ... and to storage
     python examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 --dtypes bf16 fp8_e4m3
 
 Exit status: 0 when the checks pass, 1 otherwise, 2 on bad arguments.
@@ -104,7 +107,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import DTYPES, Architecture, RunConfig, Scales  # noqa: E402
 from support.runners import prefix  # noqa: E402  (the scheduler on a prefix cache)
-from support.runners import tiers  # noqa: E402  (--host-tier, and --storage, which it refuses)
+from support.runners import tiers  # noqa: E402  (--host-tier, --storage)
 from support.runners.qwen35_layers import Qwen35Runner, SpecRunner  # noqa: E402
 from support.runners.verify import SpecReport, add_spec_runs, spec_check_line, spec_run_lines, with_spec_dtypes  # noqa: E402
 from support.runners.qwen35_model import (  # noqa: E402, F401  (the tests and benchmarks use them here)
@@ -292,15 +295,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="pool dtypes of the speculative runs")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write config, seed, prompts and the fp32 and speculative tokens")
     rc.add_run_arguments(p, **RUN_DEFAULTS)
-    tiers.add_tier_arguments(p)  # --storage is refused: see NO_STORAGE_TIER
+    tiers.add_tier_arguments(p)
     return p
-
-
-#: Why the runner refuses --storage.
-NO_STORAGE_TIER = (
-    "the hybrid cache (HiMambaRadixCache) has no storage tier yet: its KV pages and state snapshots stop at the "
-    "host tier; leave out --storage (--prefix-cache --host-tier runs without it; examples/llama_runner.py runs storage)"
-)
 
 
 #: The runner's defaults where they differ from ``RunConfig``'s: prompts longer than a prefill chunk,
@@ -310,8 +306,6 @@ RUN_DEFAULTS: dict[str, Any] = dict(prompts=6, batch=3, prompt_len=(4, 40), new_
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, QwenOptions]:
     a = make_parser().parse_args(argv)
-    if a.storage is not None:
-        raise ValueError(f"--storage {a.storage}: {NO_STORAGE_TIER}")
     names = {"layers": "layers", "head_dim": "head_dim", "vocab": "vocab", "full_attention_interval": "full_attention_interval"}
     overrides = {k: getattr(a, v) for k, v in names.items() if getattr(a, v) is not None}
     cfg = rc.run_config(a, replace(SHAPES[a.config], **overrides))

@@ -43,7 +43,9 @@ out are checked byte for byte like any others (support/sim/prefix.py). With ``--
 or a Mooncake Store whose master the run starts on 127.0.0.1 unless ``--mooncake-master`` names one;
 support/storage.py) and each admission first fetches from it what follows its match's host part: the
 summary gives the hit rate of each tier (device, host, storage) and the prefill saved, and the rows
-fetched from storage are byte-checked like every reloaded row. ``--host-ratio`` below 1 makes the host
+fetched from storage are byte-checked like every reloaded row. With ``--model qwen3.5`` the state
+snapshots are stored beside their KV pages and fetched with them (a prefix comes from storage only
+as far as a state stored with it), and a state loaded from storage is checked like any forked one. ``--host-ratio`` below 1 makes the host
 tier drop pages that storage then serves back; ``--storage-faults P`` injects storage failures and
 delays, which must cost hits only.
 
@@ -61,6 +63,7 @@ delays, which must cost hits only.
     python examples/serve_sim.py --prefix-cache     # multi-turn chats on a prefix cache (RadixCache)
     python examples/serve_sim.py --prefix-cache --host-tier   # ... whose evicted nodes live on in host memory
     python examples/serve_sim.py --prefix-cache --host-tier --host-ratio 0.5 --storage file   # ... and in storage
+    python examples/serve_sim.py --prefix-cache --host-tier --host-ratio 0.5 --storage file --model qwen3.5   # KV and states
 
 Exit status: 0 when every request's K/V verified and the allocators are consistent, 1 otherwise.
 """
@@ -109,8 +112,7 @@ REFUSED = (
         ("--spec-decode", PREFIX_CACHE_REFUSES["spec_k"]),
         ("--calibrate", PREFIX_CACHE_REFUSES["calibrate"]),
     ))
-    + "; --prefix-cache --model qwen3.5 with --storage (the hybrid cache has no storage tier yet); "
-    + "--storage without --prefix-cache --host-tier (the storage tier sits below the prefix cache's host tier); "
+    + "; --storage without --prefix-cache --host-tier (the storage tier sits below the prefix cache's host tier); "
     + "; ".join(f"--model gemma3 or gpt-oss with {flag(name)} ({why})" for name, why in SWA_REFUSES.items())
     + "; --model gemma3 with fewer than 6 --layers (every 6th is global). "
     "--kv-budget-mib must hold the longest request plus a page (with --prefix-cache a conversation's last turn); "

@@ -2132,7 +2132,7 @@ class HiHybridEngine(HybridEngine):
 
     def __init__(self, page: int, pages: int, states: int, rows: int = 6, extra: bool = False,
                  host_policy: str = "write_through", host_ratio: float = 2.0, state_ratio: Optional[float] = None,
-                 layout: str = "layer_first"):  # fmt: skip
+                 layout: str = "layer_first", storage: Any = None, storage_policy: Any = None):  # fmt: skip
         size = pages * page
         self.page, self.size, self.extra = page, size, extra
         self.table = HybridReqToTokenPool(size=rows, mamba_size=states, max_context_len=size + page, device="cpu",
@@ -2143,11 +2143,26 @@ class HiHybridEngine(HybridEngine):
         self.alloc = TokenToKVPoolAllocator(size, **kw) if page == 1 else PagedTokenToKVPoolAllocator(size, page, **kw)
         self.host = HybridPoolHost(self.kv, host_ratio, 0, page, layout, state_host_to_device_ratio=state_ratio)
         self.cache = HiMambaRadixCache(self.cache_params(), host_pool=self.host, write_policy=host_policy,
-                                       load_back_threshold=0, mamba_cache_chunk_size=page)  # fmt: skip
+                                       load_back_threshold=0, mamba_cache_chunk_size=page, storage=storage,
+                                       storage_policy=storage_policy)  # fmt: skip
         self.running: dict[int, SimReq] = {}
         self.content: dict[int, tuple] = {}
         self.ids: dict[tuple, int] = {}
-        self.loaded = self.states_loaded = 0
+        self.loaded = self.states_loaded = self.from_storage = 0
+
+    def prefetch(self, rid: Any, key: RadixKey) -> None:
+        """Prefetch from storage what follows ``key``'s match's ``last_host_node``, waiting until
+        ``check_prefetch_progress`` lets the request go on."""
+        m = self.cache.match_prefix(MatchPrefixParams(key=key))
+        node, depth = m.last_host_node, 0
+        while node is not self.cache.root_node:
+            depth, node = depth + len(node.key), node.parent
+        self.cache.prefetch_from_storage(rid, m.last_host_node, RadixKey(list(key.token_ids[depth:]), key.extra_key))
+        deadline = time.monotonic() + 30
+        while not self.cache.check_prefetch_progress(rid):
+            assert time.monotonic() < deadline, f"request {rid}'s prefetch did not finish"
+            time.sleep(0.002)
+        self.from_storage += self.cache.pop_prefetch_loaded_tokens(rid)
 
     def cache_params(self) -> CacheInitParams:
         """The engine's pools as a cache's parameters."""
@@ -2207,6 +2222,8 @@ class HiHybridEngine(HybridEngine):
             if self.table.alloc([req]) is None:
                 return None
         key = RadixKey(tokens[:-1], extra)
+        if self.cache.enable_storage:
+            self.prefetch(req.req_pool_idx, key)
         m = self.cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=True, req=req))
         self.check_match(m, extra, tokens)
         last = m.last_device_node

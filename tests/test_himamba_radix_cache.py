@@ -19,6 +19,7 @@ from kvpool.cache import CacheInitParams, EvictParams, HiMambaRadixCache, Insert
 from kvpool.cache.himamba_host import HOST_STATE
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import STATE, StateSnapshot
+from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.errors import IntegrityError
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
@@ -445,7 +446,10 @@ def test_construction_refuses_what_does_not_fit():
         (dict(host_pool=MHATokenToKVPoolHost(eng.kv.full_kv_pool, 1.0, 0, 1, "layer_first")), "must be a HybridPoolHost, got MHA"),
         (dict(host_pool=eng.host, write_policy="sometimes"), "write_policy must be one of"),
         (dict(host_pool=eng.host, io_backend="dma"), "io_backend must be one of"),
-        (dict(server_args=SimpleNamespace(hicache_storage_backend="file")), "hicache_storage_backend must be None"),
+        (dict(host_pool=eng.host, server_args=SimpleNamespace(hicache_storage_backend="redis")),
+         "hicache_storage_backend must be 'file', 'mooncake' or None .* got 'redis'"),
+        (dict(host_pool=eng.host, storage=object()), "storage must be a kvpool.storage.HiCacheStorage, got object"),
+        (dict(host_pool=eng.host, storage_policy=StoragePolicy()), "storage_policy needs a storage backend"),
         (dict(server_args=SimpleNamespace(hicache_size=-1)), r"hicache_size must be a number of GB .* got -1"),
         (dict(server_args=SimpleNamespace(hicache_ratio=0)), "hicache_ratio must be a positive number, got 0"),
         ({}, "needs host_pool= or SGLang's server_args"),

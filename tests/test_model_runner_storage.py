@@ -3,8 +3,8 @@ tiered cache (a HiRadixCache over a host pool, its host copies written through t
 the tokens of a device-only cache, of no cache and of transformers; a second engine (a fresh pool,
 cache and host pool over the same store) serves the prompts from what the first stored, loading
 tokens from storage and from the host; injected storage failures and delays lose nothing and leave
-every tree, allocator and host pool consistent; the counters are in the summary and in --json. The
-Qwen3.5 runner refuses --storage (its HiMambaRadixCache has no storage tier). The Mooncake runs start their
+every tree, allocator and host pool consistent; the counters are in the summary and in --json
+(the Qwen3.5 runner's storage runs are tests/test_qwen35_runner_storage.py). The Mooncake runs start their
 own master on 127.0.0.1 (or join one) and skip, with the import error, where Mooncake cannot load.
 Skipped without transformers >= 5 (the ``model`` extra)."""
 
@@ -25,7 +25,6 @@ from kvpool.storage.mooncake_master import MooncakeMaster
 pytest.importorskip("transformers", minversion="5")
 
 llama_runner = load_example("llama_runner")  # puts examples/ on sys.path, where the shared code is
-qwen35_runner = load_example("qwen35_runner")
 from support import storage as example_storage  # noqa: E402
 from support.storage import StorageOptions  # noqa: E402
 
@@ -162,12 +161,6 @@ def test_bad_tier_options_exit_2_naming_them(capsys):
     ):
         assert llama_runner.main(args) == 2
         assert re.search(message, capsys.readouterr().err)
-
-
-@pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_the_qwen35_runner_refuses_the_storage_tier(capsys, backend):
-    assert qwen35_runner.main(["--device", "cpu", "--prefix-cache", "--host-tier", "--storage", backend]) == 2
-    assert f"--storage {backend}: the hybrid cache (HiMambaRadixCache) has no storage tier yet" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

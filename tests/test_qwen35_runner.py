@@ -520,10 +520,3 @@ def test_qwen_on_cuda_a_host_tier_loads_kv_and_states_back_with_the_same_tokens(
     (run,) = rep.runs
     summary = qwen35_runner.format_summary(rep)
     assert rep.ok and rep.fp32_check is True and run.tiers.identical and run.result.host_loaded_states > 0, summary
-
-
-@qwen35
-def test_qwen_storage_is_refused_the_hybrid_cache_has_no_storage_tier(capsys):
-    assert qwen35_runner.main(["--device", "cpu", "--prefix-cache", "--host-tier", "--storage", "file"]) == 2
-    err = capsys.readouterr().err
-    assert "--storage file: the hybrid cache (HiMambaRadixCache) has no storage tier yet" in err

@@ -50,8 +50,8 @@ def hybrid_host_setup(
     ------
     ValueError
         For an allocator whose device pool is not a ``HybridLinearKVPool`` over ``mamba_pool``, no
-        ``mamba_pool``, an unknown write policy or backend, a storage backend named in
-        ``server_args``, no ``host_pool`` and no ``server_args``, or a host pool that is not a
+        ``mamba_pool``, an unknown write policy or backend, no ``host_pool`` and no ``server_args``,
+        or a host pool that is not a
         ``HybridPoolHost`` over that device pool with the cache's page size.
     """
     if mamba_pool is None:
@@ -70,9 +70,6 @@ def hybrid_host_setup(
     backend = io_backend or getattr(server_args, "hicache_io_backend", None) or "kernel"
     if backend not in IO_BACKENDS:
         raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {backend!r}")
-    storage = getattr(server_args, "hicache_storage_backend", None)
-    if storage is not None:
-        raise ValueError(f"hicache_storage_backend must be None for HiMambaRadixCache (host tier only), got {storage!r}")
     if host_pool is None:
         host_pool = hybrid_host_pool_from(device_pool, page_size, server_args)
     if not isinstance(host_pool, HybridPoolHost):

@@ -51,6 +51,8 @@ class HybridTierMoves:
             host.free(slot)
             raise
         node.records[HOST_STATE] = HostState(slot)
+        if self.storage_tier is not None:
+            self.storage_tier.state_backed_up(node, event)  # written through once the copy is complete
         if event is not None and lock:
             self.inc_lock_ref(node)
             self.ongoing_write_through.append((node, event))

@@ -29,17 +29,22 @@ import torch
 
 from kvpool.cache.himamba_host import HOST_STATE, hybrid_host_setup
 from kvpool.cache.himamba_moves import HybridTierMoves, Taken
+from kvpool.cache.himamba_storage import StateStorageTier
 from kvpool.cache.host_tier import HostTier
 from kvpool.cache.mamba_radix_cache import MambaRadixCache
 from kvpool.cache import mamba_requests
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, InsertParams, MatchPrefixParams, MatchResult, evict_counts
+from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, STATE, StateSnapshot
+from kvpool.cache.storage_calls import StorageCalls
+from kvpool.cache.storage_setup import storage_for
+from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.cache.tree import Undo
 from kvpool.checks import non_negative_int
 
 
-class HiMambaRadixCache(HybridTierMoves, HostTier, MambaRadixCache):
+class HiMambaRadixCache(HybridTierMoves, StorageCalls, HostTier, MambaRadixCache):
     """A ``MambaRadixCache`` whose evicted nodes live on in a ``HybridPoolHost``, KV with state, and
     are loaded back together.
 
@@ -53,25 +58,35 @@ class HiMambaRadixCache(HybridTierMoves, HostTier, MambaRadixCache):
         ``hicache_write_policy`` and ``hicache_io_backend`` when ``host_pool`` is not given.
     host_pool : a ``HybridPoolHost`` over the allocator's device pool with the cache's page size.
     write_policy, io_backend, load_back_threshold : as for ``HiRadixCache``.
+    storage, storage_policy : a storage backend below the host tier and its policy, as for
+        ``HiRadixCache`` (or ``server_args.hicache_storage_backend``); the states are stored beside
+        the KV pages (``kvpool.cache.himamba_storage``).
     mamba_cache_chunk_size, validate : as for ``MambaRadixCache``.
 
     Raises
     ------
     ValueError
         As ``MambaRadixCache``, and for a device pool or host pool that does not fit (see
-        ``hybrid_host_setup``), an unknown write policy or backend, or a storage backend.
+        ``hybrid_host_setup``), an unknown write policy or backend, and a storage backend or policy
+        as ``HiRadixCache`` refuses it.
     """
 
     def __init__(
         self, params: Optional[CacheInitParams] = None, server_args: Any = None, *, host_pool: Any = None,
         write_policy: Optional[str] = None, io_backend: Optional[str] = None, load_back_threshold: int = 10,
-        mamba_cache_chunk_size: int = 64, validate: bool = False, **legacy_fields: Any,
+        storage: Any = None, storage_policy: Optional[StoragePolicy] = None, mamba_cache_chunk_size: int = 64,
+        validate: bool = False, **legacy_fields: Any,
     ) -> None:  # fmt: skip
         super().__init__(params, mamba_cache_chunk_size=mamba_cache_chunk_size, validate=validate, **legacy_fields)
         setup = hybrid_host_setup(
             self.token_to_kv_pool_allocator, self.mamba_pool, self.page_size, server_args, host_pool, write_policy, io_backend
         )  # fmt: skip
         device_pool, host_pool, policy, backend = setup
+        rank_fields = (("tp_cache_group", None), ("pp_rank", 0), ("pp_size", 1))  # they name the storage namespace
+        group, pp_rank, pp_size = (getattr(params, k, d) if params is not None else legacy_fields.get(k, d) for k, d in rank_fields)
+        make_tier = storage_for(
+            server_args, storage, storage_policy, host_pool.kv_host, group, (pp_rank, pp_size), StateStorageTier
+        )  # checked before any change
         self.load_back_threshold = non_negative_int(load_back_threshold, "load_back_threshold")
         self.hybrid_host = host_pool
         self.token_to_kv_pool_host = host_pool.kv_host
@@ -81,18 +96,52 @@ class HiMambaRadixCache(HybridTierMoves, HostTier, MambaRadixCache):
         self.write_policy = policy
         self.io_backend = backend
         self.write_through_threshold = 1 if policy == "write_through" else 2
-        self.storage_tier = None
-        self.enable_storage = False
         device_pool.register_layer_transfer_counter(host_pool.kv_host.layer_transfer_counter)
         self._reset_host()  # the cache owns every host page and host state slot from now on
+        self.storage_tier = None if make_tier is None else make_tier(self)
+        self.enable_storage = self.storage_tier is not None
 
     # --- SGLang's API ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every node, and free every host page and host state slot (device slots are not
-        freed)."""
+        freed); prefetches in flight are dropped (storage keeps its pages and states)."""
         super().reset()
         self._reset_host()
+        if self.storage_tier is not None:
+            self.storage_tier.reset()
+
+    def prefetch_from_storage(
+        self, req_id: Any, last_host_node: TreeNode, new_input_tokens: Any, last_hash: Optional[str] = None,
+        prefix_keys: Any = None, *, extra_key: Any = None,
+    ) -> None:  # fmt: skip
+        """As ``HiRadixCache.prefetch_from_storage``, with the states: what storage holds is fetched
+        as far as its deepest state (``kvpool.cache.himamba_storage``). ``last_host_node`` may be a
+        match's ``last_host_node`` on the device without a host copy yet (a write policy that has
+        not backed it up): the fetch then starts after its deepest ancestor with one, its tokens
+        first. Raises as ``HiRadixCache.prefetch_from_storage``."""
+        if self.storage_tier is None:
+            return
+        if isinstance(last_host_node, TreeNode) and last_host_node is not self.root_node and HOST not in last_host_node.records:
+            path = self._path(last_host_node, "prefetch_from_storage")  # leaf first; raises for a node not of this tree
+            after = next((i for i, n in enumerate(path) if HOST in n.records), len(path))
+            anchor = path[after] if after < len(path) else self.root_node
+            extra_key = last_host_node.key.extra_key
+            if isinstance(new_input_tokens, RadixKey):
+                if new_input_tokens.extra_key != extra_key:
+                    raise ValueError(
+                        f"new_input_tokens' extra_key must be last_host_node's {extra_key!r}, got {new_input_tokens.extra_key!r}"
+                    )
+                new_input_tokens = new_input_tokens.token_ids
+            if isinstance(new_input_tokens, torch.Tensor):
+                tokens = new_input_tokens.tolist()
+            elif isinstance(new_input_tokens, (list, tuple)):
+                tokens = list(new_input_tokens)
+            else:
+                raise ValueError(f"new_input_tokens must be a token list or tensor, or a RadixKey, got {type(new_input_tokens).__name__}")
+            head = [t for n in reversed(path[:after]) for t in n.key.token_ids]
+            last_host_node, new_input_tokens = anchor, head + tokens
+        super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, extra_key=extra_key)
 
     def match_prefix(self, params: Union[MatchPrefixParams, Any], **kwargs: Any) -> MatchResult:
         """As ``MambaRadixCache.match_prefix`` for the device part: ``device_indices`` and

@@ -30,8 +30,8 @@ from kvpool.cache.host_tier import HostTier
 from kvpool.cache.node import TreeNode
 from kvpool.cache.params import CacheInitParams, EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from kvpool.cache.radix_cache import RadixCache
-from kvpool.cache.key import RadixKey
 from kvpool.cache.records import HOST, DeviceSlots, HostCopy
+from kvpool.cache.storage_calls import StorageCalls
 from kvpool.cache.storage_setup import storage_for
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.cache.tree import Undo
@@ -39,7 +39,7 @@ from kvpool.cache.write_through import WriteThroughInserts
 from kvpool.checks import non_negative_int
 
 
-class HiRadixCache(WriteThroughInserts, HostTier, RadixCache):
+class HiRadixCache(WriteThroughInserts, StorageCalls, HostTier, RadixCache):
     """A ``RadixCache`` whose evicted nodes can live on in a host pool and be loaded back.
 
     Parameters
@@ -296,55 +296,6 @@ class HiRadixCache(WriteThroughInserts, HostTier, RadixCache):
         self._pending_loads = []
         self._loads_started += 1
         return self._loads_started - 1
-
-    # --- the storage tier (SGLang's names; the room is kvpool.cache.storage_tier) -------------------
-
-    def prefetch_from_storage(
-        self, req_id: Any, last_host_node: TreeNode, new_input_tokens: Any, last_hash: Optional[str] = None,
-        prefix_keys: Any = None, *, extra_key: Any = None,
-    ) -> None:  # fmt: skip
-        """Start fetching from storage the whole pages of ``new_input_tokens`` (a token list or
-        tensor, or a ``RadixKey``), the tokens that follow ``last_host_node``'s prefix (a match's
-        ``last_host_node``, or the root with ``extra_key`` or a ``RadixKey``'s); ``last_hash`` and
-        ``prefix_keys`` are SGLang's and not needed. Nothing starts below ``prefetch_threshold``
-        tokens, while storage backs off, or without storage. Raises ``TypeError``/``ValueError`` for
-        a node not of this tree, bad tokens, or a ``req_id`` with a prefetch in flight."""
-        if self.storage_tier is not None:
-            self.storage_tier.prefetch(req_id, last_host_node, new_input_tokens, extra_key)
-
-    def check_prefetch_progress(self, req_id: Any) -> bool:
-        """Whether ``req_id`` may be scheduled now under the prefetch policy (True when it has no
-        prefetch); when True, the pages fetched so far are host-only nodes of the tree."""
-        return True if self.storage_tier is None else self.storage_tier.progress(req_id)
-
-    def terminate_prefetch(self, req_id: Any) -> None:
-        """Stop reading further pages for ``req_id``; ``check_prefetch_progress`` still ends it."""
-        if self.storage_tier is not None:
-            self.storage_tier.terminate(req_id)
-
-    def release_aborted_request(self, req_id: Any) -> None:
-        """End ``req_id``'s prefetch for a request aborted before it was scheduled (SGLang's scheduler
-        calls it instead of ``check_prefetch_progress``): the pages fetched are dropped, further reads
-        stop and the hold on ``last_host_node``'s host copy is released. Nothing for a request
-        without a prefetch."""
-        if self.storage_tier is not None:
-            self.storage_tier.abort(req_id)
-
-    def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
-        """Tokens ``req_id``'s prefetch brought into the host tier (0 for none), once."""
-        return 0 if self.storage_tier is None else self.storage_tier.loaded_tokens.pop(req_id, 0)
-
-    def hang_host_leaf(self, node: TreeNode, enc: bytes, pos: int, end: int, extra: Any, host_slots: torch.Tensor) -> None:
-        """Hang ``enc[pos:end]`` below ``node`` (where ``branch_point`` left the walk) as a host-only
-        leaf holding ``host_slots`` (the storage tier's fetched pages)."""
-        leaf = TreeNode()
-        leaf.parent, leaf.child_key = node, self._child_key(enc, pos, extra)
-        leaf.key = RadixKey.from_encoded(enc[pos:end], extra, self.is_eagle)
-        leaf.records[HOST] = HostCopy(host_slots.to(torch.int64, copy=True))
-        self._clock += 1
-        leaf.access_tick = leaf.creation_tick = self._clock
-        node.children[leaf.child_key] = leaf
-        self._host_queue.push(leaf)
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from kvpool.storage.mooncake import MooncakeStore
 
 
 def storage_for(
-    server_args: Any, storage: Any, policy: Optional[StoragePolicy], host_pool: Any, tp_group: Any = None, pp: tuple = (0, 1)
+    server_args: Any, storage: Any, policy: Optional[StoragePolicy], host_pool: Any, tp_group: Any = None, pp: tuple = (0, 1),
+    tier_cls: type = StorageTier,
 ) -> Optional[Any]:
     """How a ``HiRadixCache`` makes its storage tier, checked before the cache changes anything: a
     function of the cache giving its ``StorageTier``, or None without storage. ``storage`` is a
@@ -27,7 +28,8 @@ def storage_for(
     per 1024 tokens); ``file_path`` and ``max_bytes`` go to ``HiCacheFile``. The backend's namespace
     takes the rank and size of ``tp_group`` (the cache's ``tp_cache_group``: ``rank()``, ``size()``)
     and the pipeline stage ``pp`` (rank, size), so ranks sharing a store never read each other's
-    pages.
+    pages. ``tier_cls`` is the tier made (a ``StorageTier`` subclass: ``HiMambaRadixCache``'s stores
+    its states too); ``host_pool`` is the KV host pool.
 
     Raises
     ------
@@ -56,7 +58,7 @@ def storage_for(
         storage = _named_storage(name, server_args, host_pool, extra, tp_group, pp)  # the last check: it makes the directory
     if not isinstance(storage, HiCacheStorage):
         raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
-    return lambda cache: StorageTier(cache, storage, policy)
+    return lambda cache: tier_cls(cache, storage, policy)
 
 
 def _extra_config(server_args: Any) -> dict:

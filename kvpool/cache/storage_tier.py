@@ -18,7 +18,8 @@ device like any host hit.
 Storage failures (a call that returns a miss or False, or raises) never change the tree, the host
 pool or the device: a failed write leaves the page out of storage, a failed read ends the prefetch
 with the pages read so far, and the tier backs off (no writes and no prefetches for a while,
-doubling up to a bound) before trying again.
+doubling up to a bound) before trying again. A subclass stores more beside the pages through
+``fetch`` and the hooks of ``_take`` (``kvpool.cache.himamba_storage``: a hybrid model's states).
 """
 
 from __future__ import annotations
@@ -35,52 +36,9 @@ import torch
 from kvpool.cache.key import RadixKey, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STORAGE, PageKeys
-from kvpool.checks import non_negative_int
+from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
 from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys
-
-#: When a prefetch lets its request go on (SGLang's ``hicache_storage_prefetch_policy``).
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoragePolicy:
-    """How a ``HiRadixCache`` uses its storage tier.
-
-    Parameters
-    ----------
-    prefetch_policy : ``"best_effort"``, ``"wait_complete"`` or ``"timeout"`` (see the module).
-    prefetch_threshold : fewest tokens worth a prefetch: shorter remainders, and prefetches that
-        find fewer pages in storage, fetch nothing (SGLang's default, 256).
-    prefetch_timeout_base_s, prefetch_timeout_per_page_s : the ``timeout`` policy's limit, base plus
-        per page looked up.
-    backoff_s, max_backoff_s : the pause after a storage failure, doubled after each further one up
-        to the maximum, back to ``backoff_s`` after a success.
-    background : run storage calls on worker threads (False: on the caller's thread, in order, as
-        tests want).
-    """
-
-    prefetch_policy: str = "best_effort"
-    prefetch_threshold: int = 256
-    prefetch_timeout_base_s: float = 1.0
-    prefetch_timeout_per_page_s: float = 0.01
-    backoff_s: float = 0.5
-    max_backoff_s: float = 30.0
-    background: bool = True
-
-    def __post_init__(self) -> None:
-        if self.prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch_policy must be one of {', '.join(PREFETCH_POLICIES)}, got {self.prefetch_policy!r}")
-        non_negative_int(self.prefetch_threshold, "prefetch_threshold")
-        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s", "backoff_s", "max_backoff_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
-        if self.max_backoff_s < self.backoff_s:
-            raise ValueError(f"max_backoff_s must be >= backoff_s {self.backoff_s}, got {self.max_backoff_s}")
-        if not isinstance(self.background, bool):
-            raise ValueError(f"background must be a bool, got {self.background!r}")
-
 
 @dataclasses.dataclass
 class StorageTierStats:
@@ -102,14 +60,16 @@ class StorageTierStats:
 class PrefetchOp:
     """One request's prefetch: the whole key as bytes (``enc``, the match's host part then the new
     tokens), where the fetched part starts (``start``, bytes), its page keys, the held host copy of
-    the node it continues, and the pages the worker has read so far."""
+    the node it continues, the pages the worker has read so far, and what a subclass's ``fetch``
+    read beside them (``beside``: a hybrid model's state)."""
 
-    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "finished", "terminated")
+    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "beside", "finished", "terminated")
 
     def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, copy: Any) -> None:
         self.enc, self.start, self.keys, self.extra, self.copy = enc, start, keys, extra, copy
         self.started = time.monotonic()
         self.pages: list[torch.Tensor] = []
+        self.beside: Optional[torch.Tensor] = None
         self.finished = False
         self.terminated = False
 
@@ -288,14 +248,7 @@ class StorageTier:
             hits = self.storage.batch_exists(op.keys)
             if hits * self.page_size < self.policy.prefetch_threshold:
                 hits = 0
-            for key in op.keys[:hits]:
-                if op.terminated:
-                    break
-                page = torch.empty(self.page_nbytes, dtype=torch.uint8)
-                if self.storage.get(key, page) is None:
-                    break
-                with self._lock:
-                    op.pages.append(page)
+            self.fetch(op, hits)
         except Exception:
             ok = False
         with self._lock:
@@ -304,6 +257,18 @@ class StorageTier:
             if not ok:
                 self.stats.prefetch_failures += 1
             self._settle(ok)
+
+    def fetch(self, op: PrefetchOp, hits: int) -> None:
+        """Read the first ``hits`` pages of ``op`` in order into ``op.pages`` (on a worker thread),
+        until one misses or ``op`` is terminated; a subclass that reads more per page overrides it."""
+        for key in op.keys[:hits]:
+            if op.terminated:
+                break
+            page = torch.empty(self.page_nbytes, dtype=torch.uint8)
+            if self.storage.get(key, page) is None:
+                break
+            with self._lock:
+                op.pages.append(page)
 
     def progress(self, req_id: Any) -> bool:
         """``HiRadixCache.check_prefetch_progress``: whether the request may go on now; when it may,
@@ -359,7 +324,14 @@ class StorageTier:
         if slots is None:
             cache.evict_host(tokens)
             slots = host.alloc(tokens)
-        if slots is None:
+        try:
+            reserved = self.reserve(op) if slots is not None else None
+        except BaseException:
+            host.free(slots)
+            raise
+        if slots is None or reserved is False:
+            if slots is not None:
+                host.free(slots)
             self.stats.tokens_dropped += tokens
             return 0
         end = op.start + len(pages) * self.page_enc_bytes
@@ -367,6 +339,8 @@ class StorageTier:
         skip = max(0, (pos - op.start) // self.page_enc_bytes)
         if pos < op.start or skip >= len(pages):  # the prefix left the tree meanwhile, or it has every page
             host.free(slots)
+            if pos < end or not self.adopt(node, op, reserved):
+                self.release(reserved)
             self.stats.tokens_dropped += tokens
             return 0
         kept = slots[skip * self.page_size :]
@@ -375,14 +349,34 @@ class StorageTier:
                 host.set_from_flat_data_page(int(kept[i * self.page_size]), page.view(host.store_dtype))
         except BaseException:
             host.free(slots)
+            self.release(reserved)
             raise
         if skip:
             host.free(slots[: skip * self.page_size])
-        cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept)
+        self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
         loaded = len(kept)
         self.stats.tokens_loaded += loaded
         self.stats.tokens_dropped += tokens - loaded
         return loaded
+
+    # A subclass's hooks for what a leaf needs besides its host pages (a hybrid model's state):
+    # ``reserve`` takes it before the tree is looked at (False: no room, the pages are dropped),
+    # ``hang`` gives it to the new leaf, ``adopt`` to ``node`` when the tree holds every fetched
+    # page up to it already (False: not taken), ``release`` gives back what nothing took.
+
+    def reserve(self, op: PrefetchOp) -> Any:
+        """What ``op``'s leaf needs besides its host pages (None here)."""
+        return None
+
+    def release(self, reserved: Any) -> None:
+        """Give back what ``reserve`` took and nothing took."""
+
+    def hang(self, leaf: TreeNode, op: PrefetchOp, reserved: Any) -> None:
+        """``op``'s fetched pages hang in the tree as ``leaf``, with what ``reserve`` took."""
+
+    def adopt(self, node: TreeNode, op: PrefetchOp, reserved: Any) -> bool:
+        """Whether ``node`` takes what ``reserve`` took (False here)."""
+        return False
 
     # --- housekeeping ----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kvpool.checks import positive_int
@@ -108,6 +109,9 @@ class MambaPoolHost:
         conv_buf, ssm_buf, self._pinned = host_buffers(
             (*lead, sum(conv_bytes)), (*lead, params.temporal_bytes), torch.uint8, self.pin_memory
         )
+        self._slot_axis = 1 if layout == "layer_first" else 0
+        self._bufs = (conv_buf, ssm_buf)  # a slot's bytes: conv_buf's, then ssm_buf's ([layers, bytes] each)
+        self.slot_bytes = layers * (sum(conv_bytes) + params.temporal_bytes)
         offsets = [sum(conv_bytes[:c]) for c in range(len(conv_bytes))]
         self.conv = tuple(
             conv_buf[..., o : o + b].view(params.dtype.conv).view(*lead, *shape)
@@ -153,6 +157,41 @@ class MambaPoolHost:
     def get_size_per_token(self) -> int:
         """Bytes of one slot over every layer (SGLang's name: a state slot is this tier's token)."""
         return self.size_per_slot
+
+    # --- a slot's bytes (what a storage tier stores) -------------------------------------------------
+
+    def get_data_page(self, index: int) -> torch.Tensor:
+        """Host slot ``index``'s bytes, every layer, as a new 1-D uint8 tensor of ``slot_bytes``: the
+        convolution windows of every layer ([layers, conv bytes]), then the SSM states ([layers, SSM
+        bytes]); the same bytes in either layout. Waits (on the host) for a backup still writing it."""
+        slot = self._slot(index)
+        self._scheduler.sync_pages(np.array([slot]), for_write=False)
+        return torch.cat([b.select(self._slot_axis, slot).reshape(-1) for b in self._bufs])
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Write ``get_data_page``'s form of a slot at host slot ``index``. Checked (a 1-D uint8 CPU
+        tensor of ``slot_bytes``) before anything is written; waits for transfers still using the slot."""
+        slot = self._slot(index)
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
+        if data_page.dtype != torch.uint8 or data_page.dim() != 1 or data_page.device.type != "cpu":
+            raise ValueError(
+                f"data_page must be a 1-D uint8 CPU tensor, got {data_page.dtype} of shape {tuple(data_page.shape)} on "
+                f"{data_page.device}"
+            )
+        if data_page.shape[0] != self.slot_bytes:
+            raise ValueError(f"data_page must hold {self.slot_bytes} bytes (one slot, every layer), got {data_page.shape[0]}")
+        self._scheduler.sync_pages(np.array([slot]), for_write=True)
+        at = 0
+        for b in self._bufs:
+            view = b.select(self._slot_axis, slot)
+            view.copy_(data_page[at : at + view.numel()].view(view.shape))
+            at += view.numel()
+
+    def _slot(self, index: object) -> int:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.size:
+            raise ValueError(f"index must be a host slot in [0, {self.size}), got {index!r}")
+        return int(index)
 
     # --- transfers -----------------------------------------------------------------------------------
 

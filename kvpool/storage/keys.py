@@ -15,6 +15,12 @@ kind (a byte: 1 tokens, 2 EAGLE bigrams), its element count (uint64) and its ele
 whole prefix and its ``extra_key``, not only its own page. Python's ``hash()`` (salted per
 process) is never used.
 
+A hybrid model's state snapshot after a page (the linear layers' state once the prefix through that
+page is computed) has a key of its own, :func:`state_key`: a digest of another tag, the state pool's
+geometry (:func:`state_geometry`) and the page's key, so it never equals a page key, another
+prefix's state key, or the key of a state laid out differently (another model's layers, shapes or
+dtypes).
+
 Where a page is stored is a second digest, of the backend's namespace (model, ranks, page geometry:
 :func:`key_namespace`) and the key: :func:`storage_name` / :func:`storage_digest`. File names and
 store keys are that digest, never text a caller passed.
@@ -35,6 +41,7 @@ from kvpool.checks import positive_int
 _SEED_TAG = b"kvpool.storage.seed\x00"
 _PAGE_TAG = b"kvpool.storage.page\x00"
 _NAME_TAG = b"kvpool.storage.name\x00"
+_STATE_TAG = b"kvpool.storage.state\x00"
 _SEED = hashlib.sha256(_SEED_TAG).digest()
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -198,3 +205,36 @@ def storage_digest(namespace: str, key: str) -> str:
     """Where a page is stored: SHA-256 of :func:`storage_name`, 64 hex characters (a file name, a
     store key). Never built from the caller's text itself."""
     return hashlib.sha256(storage_name(namespace, key)).hexdigest()
+
+
+def state_geometry(state_host: Any) -> str:
+    """What a state snapshot's bytes mean, as canonical JSON: the state pool's layers, the shapes and
+    dtypes of its convolution windows and SSM state, and the bytes of one slot. ``state_host`` is a
+    ``kvpool.host.MambaPoolHost`` (its ``device_pool.cache_params`` and ``slot_bytes``)."""
+    params = state_host.device_pool.cache_params
+    fields = {
+        "format": 1,
+        "layers": list(params.layers),
+        "conv": [list(s) for s in params.shape.conv],
+        "temporal": list(params.shape.temporal),
+        "dtypes": [str(params.dtype.conv), str(params.dtype.temporal)],
+        "slot_bytes": state_host.slot_bytes,
+    }
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+def state_key(page_key: str, geometry: str) -> str:
+    """The key of the state snapshot after the page ``page_key`` (its whole prefix) in a state pool
+    of ``geometry`` (:func:`state_geometry`): SHA-256 of a tag, the geometry (UTF-8, its length as
+    uint32 little-endian in front) and the page key's 32 digest bytes, as 64 hex characters.
+
+    Raises
+    ------
+    ValueError
+        ``page_key`` not a page key, ``geometry`` not a str.
+    """
+    digest = check_key_digest(page_key, "page_key")
+    if not isinstance(geometry, str):
+        raise ValueError(f"geometry must be a str (state_geometry's JSON), got {type(geometry).__name__}")
+    g = geometry.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(_STATE_TAG + struct.pack("<I", len(g)) + g + digest).hexdigest()

@@ -23,9 +23,10 @@ backend on it (``--storage``) host copies are written through to storage too, an
 first prefetches what follows its match's host part from storage (held until every page is read),
 so another engine over the same store serves a prefix it never computed: storage -> host -> device.
 For a hybrid model the tiered cache is a ``HiMambaRadixCache`` over a ``HybridPoolHost``: a node's
-KV pages and its state snapshot are backed up, parked and loaded back together, and after the load
-the request matches again with ``cow_mamba`` to fork the loaded state into its slot (it has no
-storage tier). The tiered hybrid scheduler checks the cache's integrity after every step.
+KV pages and its state snapshot are backed up, parked, written through to storage and loaded back
+together (a prefix comes from storage only as far as a state stored with it), and after the load
+the request matches again with ``cow_mamba`` to fork the loaded state into its slot. The tiered
+hybrid scheduler checks the cache's integrity after every step.
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ class PrefixCaching:
                 f"a hybrid prefix cache with page_size {self.page_size} needs a request table with "
                 f"enable_mamba_extra_buffer={self.tracks} (track slots), got {self.table.enable_mamba_extra_buffer}"
             )
-        if tiers is not None and self.hybrid and tiers.storage is not None:
-            raise ValueError("tiers.storage must be None for a hybrid model: HiMambaRadixCache has no storage tier yet")
         if tiers is None:
             self.cache = MambaRadixCache(params, mamba_cache_chunk_size=self.page_size) if self.hybrid else RadixCache(params)
         elif self.hybrid:
             host = HybridPoolHost(self.allocator.get_kvcache(), tiers.host_ratio, 0, self.page_size, tiers.layout)
+            policy = storage_policy(self.page_size) if tiers.storage is not None else None
             self.cache = HiMambaRadixCache(params, host_pool=host, write_policy="write_through", load_back_threshold=0,
+                                           storage=tiers.storage, storage_policy=policy,
                                            mamba_cache_chunk_size=self.page_size)  # fmt: skip
         else:
             host = MHATokenToKVPoolHost(pool, tiers.host_ratio, 0, self.page_size, tiers.layout)

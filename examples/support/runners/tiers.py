@@ -1,8 +1,9 @@
 """The model runners' cache tiers below the device (``--prefix-cache --host-tier [--storage
 file|mooncake]``) and their checks.
 
-A pool's run with a host tier serves the prompts on a ``HiRadixCache`` (support.runners.prefix),
-its host copies written through to the storage backend. ``check`` then serves the same prompts on
+A pool's run with a host tier serves the prompts on a ``HiRadixCache`` (a ``HiMambaRadixCache`` for
+a hybrid model, its state snapshots beside the KV) (support.runners.prefix), its host copies
+written through to the storage backend. ``check`` then serves the same prompts on
 fresh pools three more times: with no cache, with a device-only cache, and, with storage, as a
 second engine (a fresh cache and host pool over the same store, as a restarted engine or another
 one would be), whose prompts' prefixes come from storage: storage -> host -> device. The tokens of
@@ -117,6 +118,8 @@ def engine_line(label: str, s: ServeResult) -> str:
             f"; storage: {st['pages_written']} pages written, {st['pages_read']} read, {st['write_failures']} write and "
             f"{st['prefetch_failures']} prefetch failures, {st['writes_skipped']} pages skipped backing off"
         )
+        if "states_written" in st:  # a hybrid model's state snapshots, stored beside their KV
+            line += f", {st['states_written']} state snapshots written, {st['states_read']} read"
     return line
 
 

@@ -118,8 +118,8 @@ class SimConfig:
     turns: tuple[int, int] = (1, 4)
     host_write_policy: str = "write_through"
     # --storage file|mooncake (with --prefix-cache --host-tier): a storage tier below the host tier
-    # (support/storage.py): host copies are written through to it, and each admission first fetches
-    # from it what follows its match's host part.
+    # (support/storage.py): host copies (with --model qwen3.5 their state snapshots too) are written
+    # through to it, and each admission first fetches from it what follows its match's host part.
     storage: Optional[StorageOptions] = None
     # --model gemma3 / gpt-oss: the sliding layers' window (gpt-oss's is 128 tokens, Gemma 3's 1024;
     # 128 by default so that the window matters at serve_sim's default lengths), the SWA part's tokens
@@ -225,11 +225,6 @@ class SimConfig:
         for name in ("cpu_park", "spec_k", "calibrate"):
             if getattr(self, name):
                 raise ValueError(f"--prefix-cache runs without {flag(name)} ({PREFIX_CACHE_REFUSES[name]})")
-        if self.model == HYBRID_MODEL and self.storage is not None:
-            raise ValueError(
-                f"--storage {getattr(self.storage, 'backend', self.storage)} with --model {HYBRID_MODEL}: the hybrid cache (HiMambaRadixCache) has "
-                "no storage tier yet (its KV pages and state snapshots stop at the host tier): leave out --storage"
-            )
 
     @property
     def max_context_len(self) -> int:

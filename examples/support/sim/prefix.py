@@ -223,6 +223,11 @@ class PrefixStats:
             f"{st.get('tokens_dropped', 0)} dropped); {st.get('write_failures', 0)} write and "
             f"{st.get('prefetch_failures', 0)} prefetch failures, {st.get('writes_skipped', 0)} pages skipped backing off",
         ]
+        if "states_written" in st:  # the hybrid cache's state snapshots, stored beside their KV
+            lines.append(
+                f"{pad}state snapshots in storage: {st['states_written']} written, {st['states_read']} read, "
+                f"{st['state_write_failures']} write failures, {st['states_missing']} prefetches without one"
+            )
         if self.faults:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
             lines.append(f"{pad}faults injected into storage calls: {sum(self.faults.values())} ({kinds})")
@@ -287,6 +292,7 @@ def make_cache(cfg: Any, pool: Any, allocator: Any, table: Any, stats: PrefixSta
         cache = _with(TalliedHostTier, HiMambaRadixCache)(
             params, host_pool=hybrid.host_pool(cfg, pool), write_policy=cfg.host_write_policy,
             io_backend=cfg.host_io_backend, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate,
+            storage=storage, storage_policy=storage_policy(cfg.page_size) if storage is not None else None,
         )  # fmt: skip
     elif states:
         cache = _with(TalliedCache, MambaRadixCache)(params, mamba_cache_chunk_size=cfg.page_size, validate=cfg.validate)
