@@ -268,7 +268,7 @@ class BaseTokenToKVPoolAllocator:
         if slots.numel() == 0:
             return
         if self.validate:
-            slots = self._validated(slots[slots > 0] if skip_padding else slots)
+            slots = checks.held_once(slots[slots > 0] if skip_padding else slots, self._owners, self._ever, self.page_size)
             if slots.numel() == 0:
                 return
         if allocator_kernels.on_kernels(self.device):
@@ -439,23 +439,6 @@ class BaseTokenToKVPoolAllocator:
     def _books(self) -> Books:
         """The bookkeeping a launch updates: ``(owners, live, page_free, unrecorded)``."""
         return self._owners, self._live, self._page_free, self._unrecorded
-
-    def _validated(self, slots: torch.Tensor) -> torch.Tensor:
-        """Under validate: raise ``ValueError`` for a slot that is not held or is listed twice (reading
-        the device), else return the slots."""
-        p = self.page_size
-        n_slots = self._owners.numel()
-        ok = (slots >= p) & (slots < n_slots) & (self._owners[slots.clamp(0, n_slots - 1)] > 0)
-        if not bool(ok.all()):
-            i = int((~ok).nonzero()[0])
-            s = int(slots[i])
-            ever = self._ever
-            freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
-            raise checks.bad_free(s, i, p, n_slots, freed_before)
-        dup = checks.listed_twice(slots)
-        if dup is not None:
-            raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
-        return slots
 
 
 class CopiesThroughKVCache:
