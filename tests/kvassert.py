@@ -1,6 +1,6 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
 byte comparison that explains a mismatch, the independent oracle of the K/V write, the write's
-bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots, the
+bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots and launch counts, the
 cross-compilation probe, loading an example script as a module, a stand-in for a compiled
 Triton kernel that checks direct launches on the CPU, small state pools with the paths they run on,
 and the state machines' bounded and long profiles.
