@@ -25,7 +25,9 @@ as a server's steps follow each other with nothing restored in between (a restor
 made kvpool's next call up to twice as slow on an H200, a cost no serving step pays). Token
 ``alloc(64)`` is undone by freeing its slots, and ``free`` times giving back slots just handed out. Both allocators
 get the same tensors. On a GPU each call is also run once after a queued matrix multiply under
-``torch.cuda.set_sync_debug_mode("error")``: "waits" says whether it synchronised.
+``torch.cuda.set_sync_debug_mode("error")``: "waits" says whether it synchronised; and once under
+the profiler: "kernels" counts the kernels it launched (kvpool's token ``alloc`` lends a view of its
+free list and launches none; its slots are recorded held by the next ``free``'s one launch).
 
 SGLang's ``allocator.py`` is imported from its wheel (``--sglang-wheel``, e.g. from ``pip download
 sglang==0.5.9 --no-deps``) with ``sglang.srt.utils`` replaced by the three helpers it imports. Its
@@ -111,6 +113,7 @@ class Timer:
     def __init__(self, device: torch.device, reps: int) -> None:
         self.cuda = device.type == "cuda"
         self.reps = reps
+        self._profiler_counts: Optional[bool] = None  # whether the profiler counts kernels here
 
     def sync(self) -> None:
         if self.cuda:
@@ -131,6 +134,28 @@ class Timer:
             if i >= 2:
                 times.append((t1 - t0) * 1e6)
         return statistics.median(times)
+
+    def kernels(self, call: Callable[[], Any]) -> Optional[int]:
+        """How many kernels ``call()`` launches on the GPU (None on the CPU, or where the profiler does
+        not count one kernel for a one-kernel op)."""
+        if not self.cuda:
+            return None
+        if self._profiler_counts is None:
+            x = torch.zeros(64, device="cuda")
+            self._profiler_counts = self._count(lambda: x.add_(1)) == 1
+        return self._count(call) if self._profiler_counts else None
+
+    def _count(self, call: Callable[[], Any]) -> Optional[int]:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.sync()
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                self.sync()
+        except RuntimeError:
+            return None
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
     def waits(self, call: Callable[[], Any]) -> Optional[bool]:
         """Whether ``call()`` synchronises with a kernel queued before it (None on the CPU)."""
@@ -181,10 +206,12 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
     rng = random.Random(0)
     cpu = device.type == "cpu"
 
-    def add(call: str, case: str, impl: str, us: Optional[float], waits: Optional[bool], note: str = "") -> None:
-        rows.append(dict(call=call, case=case, impl=impl, us=us, waits=waits, note=note))
+    def add(call: str, case: str, impl: str, us: Optional[float], waits: Optional[bool], note: str = "",
+            kernels: Optional[int] = None) -> None:  # fmt: skip
+        rows.append(dict(call=call, case=case, impl=impl, us=us, waits=waits, note=note, kernels=kernels))
         figure = f"{us:.1f} us" if us is not None else note
-        rep.log(f"{call} {case} {impl}: {figure}" + ("" if waits is None else f", waits={waits}"))
+        rep.log(f"{call} {case} {impl}: {figure}" + ("" if waits is None else f", waits={waits}")
+                + ("" if kernels is None else f", kernels={kernels}"))  # fmt: skip
         rep.result["rows"] = rows
         rep.save()
 
@@ -227,10 +254,12 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
             a = Token(size, None, device, None, False)
             a.free(a.alloc(size // 2))  # a free list that has taken slots back
             us = timer.per_call_us(lambda: None, lambda _: a.alloc(64), lambda _, out: a.free(out))
-            add("token alloc(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.alloc(64)))
+            add("token alloc(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.alloc(64)),
+                kernels=timer.kernels(lambda: a.alloc(64)))  # fmt: skip
             us = timer.per_call_us(lambda: a.alloc(64), lambda s: a.free(s), lambda s, out: None)
-            slots = a.alloc(64)
-            add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)))
+            slots, more = a.alloc(64), a.alloc(64)
+            add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)),
+                kernels=timer.kernels(lambda: a.free(more)))  # fmt: skip
             del a
     table_rows(device, timer, add)
     swa_rows(device, timer, add, [sizes[0], sizes[-1]])
@@ -284,8 +313,8 @@ def markdown(result: dict) -> str:
              f"Device: {result.get('device')}; microseconds per call (median of {result.get('reps')}).", "",
              *[f"The floor, {r['call'].removesuffix(' (the floor)')} ({r['case']}), timed the same way: {r['us']:.1f} us." for r in floor],
              "",
-             "| call | case | kvpool us | SGLang us | kvpool / SGLang | kvpool waits | SGLang waits |",
-             "|---|---|---:|---:|---:|---|---|"]  # fmt: skip
+             "| call | case | kvpool us | SGLang us | kvpool / SGLang | kvpool waits | SGLang waits | kvpool kernels | SGLang kernels |",
+             "|---|---|---:|---:|---:|---|---|---:|---:|"]  # fmt: skip
     keys = list(dict.fromkeys((r["call"], r["case"]) for r in rows))
     for call, case in keys:
         got = {r["impl"]: r for r in rows if (r["call"], r["case"]) == (call, case)}
@@ -297,8 +326,11 @@ def markdown(result: dict) -> str:
         def waits(r: Optional[dict]) -> str:
             return "-" if r is None or r["waits"] is None else ("yes" if r["waits"] else "no")
 
+        def kernels(r: Optional[dict]) -> str:
+            return "-" if r is None or r.get("kernels") is None else str(r["kernels"])
+
         ratio = f"{k['us'] / s['us']:.2f}x" if k and s and k["us"] and s["us"] else "-"
-        lines.append(f"| {call} | {case} | {us(k)} | {us(s)} | {ratio} | {waits(k)} | {waits(s)} |")
+        lines.append(f"| {call} | {case} | {us(k)} | {us(s)} | {ratio} | {waits(k)} | {waits(s)} | {kernels(k)} | {kernels(s)} |")
     if result.get("targets"):
         lines += ["", "| target | value | met |", "|---|---|---|"]
         lines += [f"| {t['name']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]

@@ -167,7 +167,7 @@ def compile_allocator(target_name, name, consts, lens_type="i64"):
     names = list(fn.arg_names)
     types = {
         "hand_out": ["*i64", "*i64", f"*{lens_type}", f"*{lens_type}", f"*{lens_type}", "*i32", "*i32", "*i1", "*i1", "*i64"],
-        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64", "*i64", "*i64"],
+        "give_back": ["*i64", "*i32", "*i32", "*i1", "*i64", "*i64", "*i64", "*i64", "*i64", "*i64", "*i64", "*i64"],
     }[name]  # fmt: skip
     sig = dict(zip(names, types))
     for n in names[len(types):]:

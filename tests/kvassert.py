@@ -1,6 +1,6 @@
 """What the tests share: the device they run on, dtypes and test ids, pools and their buffers, the
 byte comparison that explains a mismatch, the independent oracle of the K/V write, the write's
-bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots, the
+bad-input targets, small MLA pools, the host tier's CPU pools, allocator snapshots and launch counts, the
 cross-compilation probe, loading an example script as a module, a stand-in for a compiled
 Triton kernel that checks direct launches on the CPU, small state pools with the paths they run on,
 and the state machines' bounded and long profiles.
@@ -49,6 +49,7 @@ import hypothesis
 import hypothesis.stateful
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import invariant
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpool import (
     HybridLinearKVPool,
@@ -1024,6 +1025,54 @@ def counts_copied_back(a, lands: bool = True):
     if not lands:
         a._lists._mirror.poll = lambda: None
     return a
+
+
+def records_at_once(a):
+    """``a`` (a fresh allocator) recording each ``alloc``'s slots held in the call itself, as under
+    validate, instead of lending a view of its free list and recording them at its next launch."""
+    from kvpool.pools.allocator.freelist import FreeLists
+
+    lists = a._lists
+    a._lists = FreeLists(a.num_pages, a.device, a.need_sort, lists.eager, type(a).__name__, lends=False)
+    return a
+
+
+class AllocatorLaunches(TorchDispatchMode):
+    """Counts what a block launches on the device: torch operations that are not views (each one a
+    kernel on a GPU) in ``ops``, and launches of the allocators' bookkeeping kernels in ``kernels``
+    (by the launcher's name; what a launch runs inside, the interpreter's operations on the CPU, is
+    not counted)."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        from kvpool.kernels.allocator import launcher
+
+        self.ops: list[str] = []
+        self.kernels: list[str] = []
+        self._launching = False
+        for name in ("hand_out", "give_back"):
+            real = getattr(launcher, name)
+            monkeypatch.setattr(launcher, name, self._counted(name, real))
+
+    def _counted(self, name: str, real: Callable) -> Callable:
+        def launch(*args, **kwargs):
+            self.kernels.append(name)
+            self._launching = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._launching = False
+
+        return launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and not self._launching:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def clear(self) -> None:
+        self.ops.clear()
+        self.kernels.clear()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@ hands slots out, one takes them back, so a scheduler's allocator call costs one 
 than a chain of small PyTorch operations, and never waits for the device.
 
 The bookkeeping (:mod:`kvpool.pools.allocator`): ``owners`` [slots] int32 holders per slot, ``live``
-[pages + 1] int32 holders per page, ``page_free`` [pages + 1] bool, and the free list, a circular
-buffer of page ids whose front the host keeps and whose end (``counters[0]``) the device keeps.
+[pages + 1] int32 holders per page, ``page_free`` [pages + 1] bool, and the free list, a buffer
+of page ids whose front the host keeps and whose end (``counters[0]``) the device keeps (positions
+are taken modulo its capacity, a guard only: the host moves the list to a fresh buffer before the
+end could reach it).
 
 ``hand_out`` writes the slots of an allocation and records them as held. The pages it takes are
 ``ring[(head + r) % cap]`` for ``r < count``, chosen by the host from counts it knows. Three kinds:
@@ -27,6 +29,11 @@ per page, and since a page's entries are adjacent, released pages come out in as
 order of the PyTorch path. ``RING`` appends them at the free list's end (position ``counters[0]``),
 ``LIST`` writes each entry's page or -1 in place (the release list and free groups). ``APPEND``
 takes page ids instead of slots, no bookkeeping: entries >= 0 are appended to the ring.
+
+A token allocator's ``alloc`` launches nothing: it lends a view of the free list's front and leaves
+its pages unrecorded. Every ``give_back`` launch (and for one slot per page only) first records the
+pages lent since the last one as held, from the allocator's own copy of the list, then takes its
+entries back: a slot freed right after it was lent is held when its free is checked.
 """
 
 from __future__ import annotations
@@ -123,10 +130,14 @@ RING: tl.constexpr = tl.constexpr(0)
 LIST: tl.constexpr = tl.constexpr(1)
 
 
-@triton.jit(do_not_specialize=["n", "n_slots", "cap", "map_rows"], do_not_specialize_on_alignment=list(range(9)))
+@triton.jit(
+    do_not_specialize=["n", "n_slots", "cap", "map_rows", "mark_start", "mark_count"],
+    do_not_specialize_on_alignment=list(range(12)),
+)
 def give_back(
     slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr, mirror_ptr, map_ptr,
-    n, n_slots, cap, map_rows,
+    lent_ptr, mark_ptr, unrecorded_ptr,
+    n, n_slots, cap, map_rows, mark_start, mark_count,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
     SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr, MAPPED: tl.constexpr,
 ):  # fmt: skip
@@ -136,8 +147,30 @@ def give_back(
     ``MIRROR``: then copy ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU), so that
     no copy needs launching after it. ``MAPPED`` (with ``SORT``): the entries are full slots of a
     sliding-window allocator, taken back as their SWA slots ``map[entry]`` (-1 outside
-    ``0..map_rows-1``), whose mapping entries are then set to 0, every translation read first."""
+    ``0..map_rows-1``), whose mapping entries are then set to 0, every translation read first.
+    ``RING`` also writes each released page to ``lent`` (the copy of the free list that ``alloc``
+    lends views of) at the same position.
+
+    First (``PAGE`` 1), the ``mark_count`` pages at ``mark[mark_start..]``, lent by ``alloc`` since
+    the last launch, are recorded held (a page outside ``1..n_slots-1`` is counted in
+    ``unrecorded`` instead), so that a free of one of them frees a held slot, and a second free of
+    it is caught."""
     lane = tl.arange(0, BLOCK)
+    if PAGE == 1:
+        outside = tl.zeros([1], dtype=tl.int64)
+        for r0 in range(0, mark_count, BLOCK):
+            r = r0 + lane
+            lent = r < mark_count
+            page = tl.load(mark_ptr + mark_start + r, mask=lent, other=0)
+            inside = lent & (page >= 1) & (page < n_slots)
+            at = tl.where(inside, page, 0)
+            tl.atomic_add(owners_ptr + at, 1, mask=inside, sem="relaxed")
+            tl.atomic_add(live_ptr + at, 1, mask=inside, sem="relaxed")
+            tl.store(page_free_ptr + at, 0, mask=inside)
+            outside += tl.sum((lent & ~inside).to(tl.int64), 0)
+        at_unrecorded = unrecorded_ptr + tl.arange(0, 1)
+        tl.store(at_unrecorded, tl.load(at_unrecorded) + outside, mask=outside > 0)
+        tl.debug_barrier()  # every hold recorded before a free reads one
     tail = tl.load(counters_ptr)
     if SORT > 0:
         # Entries not sorted yet (at most SORT of them): sort them here, into sorted_ptr, and walk that.
@@ -180,7 +213,9 @@ def give_back(
                 dropped += tl.sum((valid & ~ok).to(tl.int64), 0)
         if DEST == RING:
             rank = tl.cumsum(released.to(tl.int64), 0) - 1
-            tl.store(dest_ptr + (tail + placed + rank) % cap, page, mask=released)
+            pos = (tail + placed + rank) % cap
+            tl.store(dest_ptr + pos, page, mask=released)
+            tl.store(lent_ptr + pos, page, mask=released)
         else:
             tl.store(dest_ptr + i, tl.where(released, page, -1), mask=valid)
         placed += tl.sum(released.to(tl.int64), 0)

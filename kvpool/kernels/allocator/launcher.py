@@ -1,5 +1,6 @@
-"""Launchers of the allocators' bookkeeping kernels (``kernel.py``): one launch per ``alloc``,
-``alloc_extend``, ``alloc_decode`` or ``free``, through the compiled kernel's launcher after the
+"""Launchers of the allocators' bookkeeping kernels (``kernel.py``): one launch per paged ``alloc``,
+``alloc_extend``, ``alloc_decode`` or ``free`` (a token allocator's ``alloc`` launches none: its
+slots are recorded held by the next ``give_back``), through the compiled kernel's launcher after the
 first launch of a kind (:class:`~kvpool.kernels.launch.DirectLaunches`). The kernels specialise on
 no integer value and no address, so a kind is fixed by the dtypes alone and the cache stays small.
 
@@ -49,7 +50,7 @@ HAND_OUT_PARAMS = (
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
-    "map_ptr", "n", "n_slots", "cap", "map_rows", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
+    "map_ptr", "lent_ptr", "mark_ptr", "unrecorded_ptr", "n", "n_slots", "cap", "map_rows", "mark_start", "mark_count", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
     "MIRROR", "MAPPED",
 )  # fmt: skip
 
@@ -128,6 +129,8 @@ def give_back(
     skip_padding: bool = False,
     mirror: Optional[torch.Tensor] = None,
     mapping: Optional[torch.Tensor] = None,
+    lent: Optional[torch.Tensor] = None,
+    mark: Optional[tuple[torch.Tensor, int, int, torch.Tensor]] = None,
 ) -> None:
     """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
     ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
@@ -140,17 +143,26 @@ def give_back(
     host memory for a GPU's counters): the kernel copies ``counters[0:3]`` there when it is done.
     ``mapping`` (a sliding-window allocator's full-to-SWA mapping, int64 ``[rows + 1]``; needs
     ``scratch``): ``entries`` are full slots, taken back as their SWA slots, and their mapping
-    entries become 0 (``skip_padding`` should be set: unmapped entries translate to 0 or -1)."""
+    entries become 0 (``skip_padding`` should be set: unmapped entries translate to 0 or -1).
+    ``lent`` (``RING``): a second copy of the ring the released pages are written to as well.
+    ``mark`` (``page_size`` 1): ``(ring, start, count, unrecorded)``, the ``count`` pages lent out
+    at ``ring[start..]``, recorded held before anything is taken back (a page outside the slot range
+    counted in ``unrecorded``)."""
     n = entries.shape[0]
-    if n == 0:
+    marks = mark[2] if mark is not None else 0
+    if n == 0 and marks == 0:
         return
+    if marks and page_size != 1:
+        raise ValueError(f"give_back: pages lent out are recorded for page_size 1 only, got page_size {page_size}")
     entries = entries.contiguous()  # read at base + j (a strided view is copied first)
     sort = next_pow2(max(n, 16)) if scratch is not None and not append else 0
     if mapping is not None and not sort:
         raise ValueError("give_back: a mapped free needs the kernel's own sort (scratch, at most GIVE_BACK_SORT_MAX entries)")
+    mark_ring, mark_start, _, unrecorded = mark if mark is not None else (entries, 0, 0, counters)
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries,
-               mirror if mirror is not None else counters, mapping if mapping is not None else entries)  # fmt: skip
-    ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0)
+               mirror if mirror is not None else counters, mapping if mapping is not None else entries,
+               lent if lent is not None else dest, mark_ring, unrecorded)  # fmt: skip
+    ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0, mark_start, marks)
     consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None,
               mapping is not None)  # fmt: skip
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None

@@ -9,15 +9,23 @@ pool) must fit it: at most the pool's ``size``, in the pool's ``page_size``.
 
 The modules: ``base.py`` (the page allocator and the token allocator), ``paged.py`` (the paged
 allocator's ``alloc_extend``/``alloc_decode``), ``freelist.py`` (the free and release lists and the
-host counts that never wait), ``ownership.py`` (what a free does to the per-slot bookkeeping),
+host counts that never wait), ``free_queue.py`` (the free list's buffer), ``ownership.py`` (what a free does to the per-slot bookkeeping),
 ``checks.py`` (what is checked), ``state.py`` (the snapshot and its integrity check).
 docs/contract.md, "Allocators and the request table", has the rules users rely on.
 
 Bookkeeping, in tensors on ``device`` as in SGLang:
 
-- ``free_pages``: page ids ready to be handed out, in a ring buffer of ``num_pages`` entries whose
-  front the host keeps and whose end the device keeps, so that taking pages and giving them back
-  cost the pages moved, never the pages listed. ``release_pages``: pages freed under ``need_sort``,
+- ``free_pages``: page ids ready to be handed out, in a buffer whose front the host keeps and whose
+  end the device keeps, so that taking pages and giving them back cost the pages moved, never the
+  pages listed. The paged allocators' is a ring of ``num_pages`` entries. A token allocator's (one
+  slot per page, without ``validate``) is never written where it has handed slots out: ``alloc``
+  returns a view of its front, launching nothing, and the list moves to a fresh buffer when its end
+  would run past (one copy of the list per ``num_pages // 2`` slots handed out). The slots lent so
+  are recorded held (``owners``, ``live``, ``page_free`` below) by the next launch that takes slots
+  back, before it takes any, or by PyTorch operations before anything else reads or replaces the
+  books (``backup_state``, ``check_integrity``, ``errors``, another kind of allocation, an
+  assignment to ``free_pages``, a merge); the view handed out is a second copy of the list, so a
+  caller writing into it changes nothing the allocator records. ``release_pages``: pages freed under ``need_sort``,
   kept in chunks as freed and merged into ``free_pages``, sorted, when an allocation needs them.
   ``free_group``: pages freed inside a free group, made available by ``free_group_end()``. Chunks
   freed on the device hold -1 where an entry released no page.
@@ -46,7 +54,8 @@ page, so a ``last_loc`` naming another request's last slot passes even ``validat
 requests collide, and ``validate`` raises, when the other one continues.
 
 No call waits for the device without ``validate``, except an allocation the host counts fall short
-of. ``alloc``, ``alloc_extend`` and ``alloc_decode`` are sized by host counts (the CPU lengths).
+of. ``alloc``, ``alloc_extend`` and ``alloc_decode`` are sized by host counts (the CPU lengths);
+a token allocator's ``alloc`` also launches nothing.
 ``free`` decides on the device which entries count and which pages come back, appends those pages
 at the ring's end there, and leaves the counts on the device: the host's free count is then a
 lower bound (every page it counts is free), brought up to date from a copy of the device counts
@@ -87,7 +96,9 @@ Where kvpool deliberately differs from SGLang's allocators
    the snapshot stay pending if a group is open at restore time and become available if not.
    ``available_size()`` on a GPU may lag behind frees whose counts have not come back (it never
    counts more than is free); SGLang's counts every slot it was given at once.
-8. ``alloc`` returns a new tensor (SGLang's token allocator returns a view of its free list).
+8. The token allocator's ``alloc`` returns a view of its free list, as SGLang's does, but kvpool never
+   writes where it points and records the slots from its own copy; under ``validate``, and on the
+   paged allocator, ``alloc`` returns a new tensor.
 9. ``BaseTokenToKVPoolAllocator`` is the complete page allocator, and its constructor builds the
    state itself rather than relying on a subclass's ``clear()``; SGLang's is abstract.
 10. ``get_cpu_copy``/``load_cpu_copy`` accept ``mamba_indices`` only as None: kvpool's pools hold no

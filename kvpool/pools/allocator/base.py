@@ -18,8 +18,8 @@ from kvpool.errors import IntegrityError
 from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator import checks
 from kvpool.pools.allocator.checks import Indices
-from kvpool.pools.allocator.freelist import FreeLists, Take
-from kvpool.pools.allocator.ownership import drop_holders
+from kvpool.pools.allocator.freelist import Books, FreeLists, Take
+from kvpool.pools.allocator.ownership import add_holders, drop_holders
 from kvpool.pools.allocator.state import AllocatorErrors, AllocatorState, integrity_problems
 
 
@@ -80,9 +80,11 @@ class BaseTokenToKVPoolAllocator:
         # Counts a free leaves on the device (pages released, entries dropped) are read at once on a
         # CPU allocator and under validate, where reading costs nothing or is paid for anyway;
         # elsewhere they are copied back behind the queued work, or read when something waits anyway.
-        self._lists = FreeLists(
-            self.num_pages, self.device, self.need_sort, self.device.type == "cpu" or self.validate, type(self).__name__
-        )
+        eager = self.device.type == "cpu" or self.validate
+        # One slot per page without validate: alloc lends a view of the free list and its slots are
+        # recorded held by the next launch that happens anyway (see kvpool.pools.allocator).
+        lends = self.page_size == 1 and not self.validate
+        self._lists = FreeLists(self.num_pages, self.device, self.need_sort, eager, type(self).__name__, lends)
         # On a CPU allocator the device arguments are already on the host, so comparing them costs
         # nothing; elsewhere it costs a synchronisation and runs only under validate.
         self._cheap_device_checks = self.device.type == "cpu"
@@ -102,15 +104,15 @@ class BaseTokenToKVPoolAllocator:
 
     @property
     def free_pages(self) -> torch.Tensor:
-        """Tensor [F] int64: the pages ready to be handed out, oldest free first (a view of the free
-        list's buffer, valid until the next call that changes the allocator; reads the counts, a
-        synchronisation on a GPU after a ``free``). Assigning a 1-D integer tensor replaces the list
-        (no check: ``check_integrity()`` reports an inconsistent one)."""
+        """Tensor [F] int64: the pages ready to be handed out, oldest free first (a new tensor; reads
+        the counts, a synchronisation on a GPU after a ``free``). Assigning a 1-D integer tensor
+        replaces the list (no check: ``check_integrity()`` reports an inconsistent one)."""
         self._lists.read()
-        return self._lists.ring.contents()
+        return self._lists.queue.contents().clone()
 
     @free_pages.setter
     def free_pages(self, pages: torch.Tensor) -> None:
+        self._lists.mark_lent(self._books())
         self._lists.set_free(checks.page_list(pages, "free_pages").to(device=self.device, dtype=torch.int64))
 
     @property
@@ -147,6 +149,7 @@ class BaseTokenToKVPoolAllocator:
 
     def errors(self) -> AllocatorErrors:
         """The bad calls survived so far, every queued call counted (waits for the device)."""
+        self._lists.mark_lent(self._books())
         self._lists.read()
         return AllocatorErrors(rejected_frees=self._lists.rejected_seen, unrecorded=int(self._unrecorded))
 
@@ -160,11 +163,12 @@ class BaseTokenToKVPoolAllocator:
     def debug_print(self) -> str:
         """One line on the free lists and holdings, for logs (reads the device)."""
         lists = self._lists
+        lists.mark_lent(self._books())
         lists.read()
         held = int((self._live[1:] > 0).sum())
         pending = sum(t.numel() for t in self.free_group)
         return (
-            f"{type(self).__name__}: {self.available_size()} slots available ({len(lists.ring)} free "
+            f"{type(self).__name__}: {self.available_size()} slots available ({len(lists.queue)} free "
             f"+ {lists.release_known} released pages), {held} pages held, {pending} pages pending in a "
             f"free group, {lists.rejected_seen} frees rejected"
         )
@@ -178,7 +182,10 @@ class BaseTokenToKVPoolAllocator:
 
         Returns
         -------
-        Tensor [need_size] int64 on ``device`` (a new tensor), or None when fewer are free.
+        Tensor [need_size] int64 on ``device``, or None when fewer are free. With one slot per page
+        and without ``validate`` it is a view of the free list's buffer (as in SGLang), made without
+        a launch; the allocator never writes where it points, and writing into it changes nothing
+        the allocator keeps. Otherwise a new tensor.
 
         Raises
         ------
@@ -192,6 +199,8 @@ class BaseTokenToKVPoolAllocator:
         take = self._plan_take(n // p)
         if take is None:
             return None
+        if take.merged is None and self._lists.queue.lends:
+            return self._lists.lend(take)  # no launch: recorded held by the next one
         if allocator_kernels.on_kernels(self.device):
             return self._hand_out_on_kernel(take, n, allocator_kernels.PLAIN, None)
         if p == 1:
@@ -259,21 +268,21 @@ class BaseTokenToKVPoolAllocator:
         if slots.numel() == 0:
             return
         if self.validate:
-            slots = self._validated(slots[slots > 0] if skip_padding else slots)
+            slots = checks.held_once(slots[slots > 0] if skip_padding else slots, self._owners, self._ever, self.page_size)
             if slots.numel() == 0:
                 return
         if allocator_kernels.on_kernels(self.device):
             group = None if self.is_not_in_free_group else self._group
-            books = (self._owners, self._live, self._page_free)
-            self._lists.take_back(slots, books, self.page_size, group, skip_padding)
+            self._lists.take_back(slots, self._books(), self.page_size, group, skip_padding)
             self._lists.changed()
             return
+        self._lists.mark_lent(self._books())  # a slot lent and not recorded yet is held
         pages, released, dropped = drop_holders(
             self._owners, self._live, self._page_free, slots, self.page_size, skip_padding
         )  # fmt: skip
         self._lists.add_rejected(dropped)
         if self.is_not_in_free_group:
-            self._lists.give_back(pages, released)
+            self._lists.give_back(pages, released, self._books())
         else:
             self._group.append(torch.where(released, pages, -1))
         self._lists.changed()
@@ -290,8 +299,7 @@ class BaseTokenToKVPoolAllocator:
         before any is cleared. ``full_slots``: int64 on the device, ``frees_through_mapping`` of its
         length true; ``mapping``: int64 ``[rows + 1]`` on the device, its last entry -1. Unchecked."""
         group = None if self.is_not_in_free_group else self._group
-        books = (self._owners, self._live, self._page_free)
-        self._lists.take_back(full_slots, books, self.page_size, group, True, mapping=mapping)
+        self._lists.take_back(full_slots, self._books(), self.page_size, group, True, mapping=mapping)
         self._lists.changed()
 
     def free_group_begin(self) -> None:
@@ -304,18 +312,21 @@ class BaseTokenToKVPoolAllocator:
         self.is_not_in_free_group = True
         pending, self._group = self._group, []
         if pending:
-            self._lists.give_back_pages(pending[0] if len(pending) == 1 else torch.cat(pending))
+            self._lists.give_back_pages(pending[0] if len(pending) == 1 else torch.cat(pending), self._books())
             self._lists.changed()
 
     def backup_state(self) -> AllocatorState:
         """Snapshot of the free lists and holdings, for ``restore_state`` (speculative allocation).
-        Copies the bookkeeping on the device; reads nothing back."""
+        Copies the bookkeeping on the device (the slots lent by ``alloc`` recorded held first); reads
+        nothing back."""
+        self._lists.mark_lent(self._books())
+        queue = self._lists.queue
         return AllocatorState(
             page_size=self.page_size,
             num_pages=self.num_pages,
-            free_ring=self._lists.ring.rotated(),
-            free_count=self._lists.ring.count(),
-            free_known=len(self._lists.ring),
+            free_ring=queue.rotated(),
+            free_count=queue.count(),
+            free_known=len(queue),
             release_raw=self._lists.release_raw().clone(),
             release_count=self._lists.release_count.clone(),
             release_known=self._lists.release_known,
@@ -356,7 +367,7 @@ class BaseTokenToKVPoolAllocator:
         if state.group_raw:
             pending = torch.cat(state.group_raw)
             if self.is_not_in_free_group:
-                self._lists.give_back_pages(pending)
+                self._lists.give_back_pages(pending, self._books())
             else:
                 self._group.append(pending)
         self._lists.changed()
@@ -364,6 +375,7 @@ class BaseTokenToKVPoolAllocator:
     def merge_and_sort_free(self) -> None:
         """Move the pages freed under ``need_sort`` into the free list, sorted (low pages first).
         Waits for the device if a free's count is not read yet."""
+        self._lists.mark_lent(self._books())
         self._lists.merge()
 
     def check_integrity(self) -> None:
@@ -408,6 +420,7 @@ class BaseTokenToKVPoolAllocator:
         """Commit an allocation of ``n`` slots in one launch of the bookkeeping kernel (``kind`` and
         ``lens`` as for ``kvpool.kernels.allocator.hand_out``): the slots it returns are computed,
         held and their pages taken off the free lists, as ``_hand_out`` does."""
+        self._lists.mark_lent(self._books())
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         allocator_kernels.hand_out(
             out, take.source, take.start, take.cap, take.count, lens, self._owners, self._live, self._page_free,
@@ -417,43 +430,15 @@ class BaseTokenToKVPoolAllocator:
         return out
 
     def _hand_out(self, take: Take, slots: torch.Tensor, inside_range: bool) -> None:
-        """Commit an allocation: ``take``'s pages leave the free lists and ``slots`` gain a holder.
-
-        Slots not known to be ``inside_range`` (cut from free pages) are masked: one outside the
-        handed-out range (from an unchecked ``last_loc``) is counted in ``unrecorded`` instead, so that
-        no index leaves the bookkeeping tensors.
-        """
-        if inside_range:
-            at, add = slots, torch.ones_like(slots, dtype=torch.int32)
-        else:
-            inside = (slots >= self.page_size) & (slots < self._owners.numel())
-            at, add = torch.where(inside, slots, 0), inside.to(torch.int32)
-        # Everything above only computed; from here on the state changes, with in-range indices.
-        self._page_free.index_fill_(0, take.pages, False)  # a scalar fill: no value copied to the device
+        """Commit an allocation: ``take``'s pages leave the free lists and ``slots`` gain a holder
+        (``ownership.add_holders``: slots not known to be ``inside_range`` are masked)."""
+        self._lists.mark_lent(self._books())
+        add_holders(self._books(), self._ever, take.pages, slots, self.page_size, inside_range)
         self._lists.commit(take)
-        self._owners.index_add_(0, at, add)
-        self._live.index_add_(0, at // self.page_size, add)
-        if not inside_range:
-            self._unrecorded += add.numel() - add.sum()
-        if self._ever is not None:
-            self._ever[at] = True
 
-    def _validated(self, slots: torch.Tensor) -> torch.Tensor:
-        """Under validate: raise ``ValueError`` for a slot that is not held or is listed twice (reading
-        the device), else return the slots."""
-        p = self.page_size
-        n_slots = self._owners.numel()
-        ok = (slots >= p) & (slots < n_slots) & (self._owners[slots.clamp(0, n_slots - 1)] > 0)
-        if not bool(ok.all()):
-            i = int((~ok).nonzero()[0])
-            s = int(slots[i])
-            ever = self._ever
-            freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
-            raise checks.bad_free(s, i, p, n_slots, freed_before)
-        dup = checks.listed_twice(slots)
-        if dup is not None:
-            raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
-        return slots
+    def _books(self) -> Books:
+        """The bookkeeping a launch updates: ``(owners, live, page_free, unrecorded)``."""
+        return self._owners, self._live, self._page_free, self._unrecorded
 
 
 class CopiesThroughKVCache:

@@ -319,3 +319,21 @@ def listed_twice(slots: torch.Tensor) -> Optional[int]:
     ordered = torch.sort(slots).values
     dups = ordered[1:][ordered[1:] == ordered[:-1]]
     return int(dups[0]) if dups.numel() else None
+
+
+def held_once(slots: torch.Tensor, owners: torch.Tensor, ever: Optional[torch.Tensor], page_size: int) -> torch.Tensor:
+    """Under validate: ``slots`` (a free's, int64 on the bookkeeping's device), each held (``owners``)
+    and listed once, else ``ValueError`` naming the first that is not (reads the device); ``ever``
+    (slots ever handed out) tells a double free from a slot never allocated."""
+    p = page_size
+    n_slots = owners.numel()
+    ok = (slots >= p) & (slots < n_slots) & (owners[slots.clamp(0, n_slots - 1)] > 0)
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0])
+        s = int(slots[i])
+        freed_before = bool(ever[s]) if ever is not None and 0 <= s < n_slots else None
+        raise bad_free(s, i, p, n_slots, freed_before)
+    dup = listed_twice(slots)
+    if dup is not None:
+        raise ValueError(f"free_index must list each slot once, got slot {dup} more than once (a double free)")
+    return slots

@@ -1,15 +1,17 @@
-"""The allocator's free list and the counts it reads back without waiting.
+"""The allocator's free lists and the counts it reads back without waiting.
 
-``PageRing`` is a first-in first-out list of page ids in one preallocated buffer on the allocator's
-device: taking pages from the front and giving pages back at the end cost time proportional to the
-pages moved, never to the pages listed. Its front is kept on the host, its end on the device, so
-that ``free`` can append pages whose number only the device knows (the pages that came back) without
-waiting for it. The host keeps a count that is exact or, after such an append, a lower bound: every
-page it counts is listed, so pages taken within it are always real. Reading the end (``read``,
-a synchronisation on a GPU) makes the count exact again.
+The free list is a ``PageQueue`` (:mod:`kvpool.pools.allocator.free_queue`): taking pages from the
+front and giving pages back at the end cost time proportional to the pages moved, never to the pages
+listed. Its front is kept on the host, its end on the device, so that ``free`` can append pages
+whose number only the device knows (the pages that came back) without waiting for it. The host
+keeps a count that is exact or, after such an append, a lower bound: every page it counts is listed,
+so pages taken within it are always real. Reading the end (``read``, a synchronisation on a GPU)
+makes the count exact again.
 
-``FreeLists`` keeps the free ring, the release list and their counts, with the counts' copy back
-to the host in a ``CountMirror`` (:mod:`kvpool.pools.allocator.count_mirror`).
+``FreeLists`` keeps the free queue, the release list and their counts, with the counts' copy back
+to the host in a ``CountMirror`` (:mod:`kvpool.pools.allocator.count_mirror`), and records the
+pages a token allocator's ``alloc`` lent (``lend``) held in the next launch that takes slots back
+(or, on the PyTorch path and before anything else reads or moves the books, in ``mark_lent``).
 """
 
 from __future__ import annotations
@@ -22,155 +24,17 @@ import torch
 
 from kvpool.kernels.allocator import launcher as allocator_kernels
 from kvpool.pools.allocator.count_mirror import CountMirror
+from kvpool.pools.allocator.free_queue import PageQueue
+from kvpool.pools.allocator.ownership import add_holders
 from kvpool.pools.allocator.state import AllocatorState
 
 logger = logging.getLogger("kvpool")
 
-
-class PageRing:
-    """Page ids in order, oldest first, in a circular buffer of ``capacity`` entries (plus one sink
-    entry that masked writes go to).
-
-    Parameters
-    ----------
-    pages : Tensor [F] int64 on the device, the initial contents (copied).
-    capacity : entries the buffer holds (the allocator's page count: a consistent allocator never
-        lists more pages than it has).
-    tail : Tensor [] int64 on the device, where the ring keeps its absolute end position (a view into
-        the allocator's counters, so that one copy brings every count back).
-    """
-
-    def __init__(self, pages: torch.Tensor, capacity: int, tail: torch.Tensor) -> None:
-        self._cap = max(capacity, pages.numel(), 1)
-        self._buf = torch.empty(self._cap + 1, dtype=torch.int64, device=pages.device)
-        self._tail = tail  # absolute end position
-        self._head = 0  # absolute position of the first page
-        self._known = 0  # pages the host knows are listed (a lower bound of tail - head)
-        self.exact = True  # whether the host count is exact
-        self.reset(pages)
-
-    def __len__(self) -> int:
-        """Pages the host knows are listed; exact when ``exact``, else a lower bound."""
-        return self._known
-
-    @property
-    def capacity(self) -> int:
-        """Pages the ring can list at once (every page of the allocator)."""
-        return self._cap
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        """Tensor [capacity + 1] int64: the circular buffer itself (its last entry is a sink)."""
-        return self._buf
-
-    @property
-    def tail(self) -> torch.Tensor:
-        """Tensor [] int64 on the device: the absolute end position (``head + true count``)."""
-        return self._tail
-
-    def count(self) -> torch.Tensor:
-        """Tensor [] int64 on the device: the true count (a new tensor; nothing read back)."""
-        return self._tail - self._head
-
-    def mark(self) -> tuple[int, int]:
-        """``(head, known count)`` now, for ``observe`` of a later read of ``tail``."""
-        return self._head, self._known
-
-    def front_at(self) -> int:
-        """Where the list starts in the buffer (``front(n)`` is ``buffer[(front_at() + r) % capacity]``)."""
-        return self._head % self._cap
-
-    def front(self, n: int) -> torch.Tensor:
-        """The first ``n`` pages (``n <= len(self)``): a view of the buffer unless the list wraps round
-        its end, then a new tensor; either way valid only until the buffer is written again."""
-        cap, h = self._cap, self._head % self._cap
-        if h + n <= cap:
-            return self._buf[h : h + n]
-        return torch.cat((self._buf[h:cap], self._buf[: h + n - cap]))
-
-    def contents(self) -> torch.Tensor:
-        """Every listed page in order (``exact`` must hold)."""
-        return self.front(self._known)
-
-    def rotated(self) -> torch.Tensor:
-        """The whole buffer as a new tensor [capacity], starting at the front: its first ``tail - head``
-        entries are the list, whatever the host knows of that count."""
-        h = self._head % self._cap
-        return torch.cat((self._buf[h : self._cap], self._buf[:h]))
-
-    def appended_on_device(self) -> None:
-        """Pages were appended by a kernel that moved the end on the device: the host count is now a
-        lower bound."""
-        self.exact = False
-
-    def drop_front(self, n: int) -> None:
-        """Remove the first ``n`` pages (``n <= len(self)``); reads and writes nothing on the device."""
-        self._head += n
-        self._known -= n
-
-    def extend(self, pages: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
-        """Append ``pages`` (1-D int64 on the buffer's device) at the end, or only those where ``keep``
-        (bool, same length) is true, in order; reads nothing from the device. O(len(pages)).
-
-        Without ``keep`` the host count grows by ``len(pages)``; with it the count stays (a lower
-        bound) until ``read`` or ``observe``.
-        """
-        m = pages.numel()
-        if m == 0:
-            return
-        if keep is None and self.exact and self._known + m > self._cap:
-            # Only a list made inconsistent from outside (an assignment to free_pages) gets here.
-            self.reset(torch.cat((self.contents(), pages)))
-            return
-        if keep is None:
-            rank = torch.arange(m, dtype=torch.int64, device=pages.device)
-            pos = (self._tail + rank) % self._cap
-            added: torch.Tensor | int = m
-        else:
-            pos = torch.where(keep, (self._tail + torch.cumsum(keep, 0) - 1) % self._cap, self._cap)
-            added = keep.sum()
-        self._buf[pos] = pages
-        self._tail += added
-        if keep is None:
-            self._known += m
-        else:
-            self.exact = False
-
-    def read(self, tail: int) -> None:
-        """Make the host count exact from ``tail``, the end read from the device (``int(self.tail)``)."""
-        self._known = tail - self._head
-        self.exact = True
-
-    def observe(self, tail: int, mark: tuple[int, int], exact: bool) -> None:
-        """Fold in ``tail``, the end as it was when ``mark()`` returned ``mark`` (and nothing was reset
-        since): the pages the device had listed beyond the host count then are listed now too.
-        ``exact``: no page was appended by the device since, so the count becomes exact."""
-        head, known = mark
-        self._known += max(tail - head - known, 0)
-        self.exact = self.exact or exact
-
-    def reset(self, pages: torch.Tensor) -> None:
-        """Make ``pages`` (1-D, on the buffer's device) the whole list, copied into the buffer; it grows
-        when they do not fit."""
-        m = pages.numel()
-        if pages.untyped_storage().data_ptr() == self._buf.untyped_storage().data_ptr():
-            pages = pages.clone()  # a view of this buffer (``free_pages = free_pages[k:]``)
-        if m > self._cap:
-            self._cap = m
-            self._buf = torch.empty(m + 1, dtype=torch.int64, device=self._buf.device)
-        self._buf[:m] = pages
-        self._head, self._known, self.exact = 0, m, True
-        self._tail.fill_(m)
-
-    def restore(self, rotated: torch.Tensor, count: torch.Tensor, known: int) -> None:
-        """Put back a ``rotated()`` buffer whose first ``count`` (device) entries are the list, of which
-        the host knows ``known``; reads nothing from the device."""
-        if rotated.numel() != self._cap:
-            self._cap = rotated.numel()
-            self._buf = torch.empty(self._cap + 1, dtype=torch.int64, device=self._buf.device)
-        self._buf[: self._cap] = rotated
-        self._tail.copy_(count)
-        self._head, self._known, self.exact = 0, known, False
+#: The bookkeeping a launch updates: ``(owners, live, page_free, unrecorded)``.
+Books = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: Most lent pages the give-back kernel records itself (its one program walks them); more are
+#: recorded by PyTorch operations first.
+MARK_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -213,13 +77,16 @@ class FreeLists:
     need_sort : freed pages go to the release list, merged into the free list sorted when needed.
     eager : read the counts after every change.
     name : the allocator's class name, for the warning on the first rejected free.
+    lends : the free queue keeps a copy to ``lend`` views of (a token allocator without validate).
     """
 
-    def __init__(self, num_pages: int, device: torch.device, need_sort: bool, eager: bool, name: str) -> None:
-        self.need_sort, self.eager, self._name = need_sort, eager, name
+    def __init__(
+        self, num_pages: int, device: torch.device, need_sort: bool, eager: bool, name: str, lends: bool = False
+    ) -> None:
+        self.need_sort, self.eager, self._name, self._lends = need_sort, eager, name, lends
         self._device, self._num_pages = device, num_pages
         # The counts the device keeps, side by side so that one copy brings them back: the free
-        # ring's end, the release list's length, the rejected frees (never reset).
+        # queue's end, the release list's length, the rejected frees (never reset).
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
         # Pages freed under need_sort, in chunks as freed (-1: no page); counted on the device and,
         # as a lower bound until read, on the host.
@@ -238,7 +105,7 @@ class FreeLists:
     def reset(self) -> None:
         """Every page free, in order, and nothing released (rejected frees stay counted)."""
         pages = torch.arange(1, self._num_pages + 1, dtype=torch.int64, device=self._device)
-        self.ring = PageRing(pages, self._num_pages, self.counters[0])
+        self.queue = PageQueue(pages, self._num_pages, self.counters[0], self._lends)
         self._clear_release()
 
     # --- counts ----------------------------------------------------------------------------------
@@ -246,11 +113,11 @@ class FreeLists:
     def available(self) -> int:
         """Pages ``plan`` can take (a lower bound until ``read``); never waits."""
         self.poll()
-        return len(self.ring) + self.release_known
+        return len(self.queue) + self.release_known
 
     def exact(self) -> bool:
         """Whether the host's counts are exact (no free's counts still on their way back)."""
-        return self.ring.exact and self._release_exact
+        return self.queue.exact and self._release_exact
 
     def add_rejected(self, dropped: Optional[torch.Tensor]) -> None:
         """Count ``dropped`` (a device scalar) rejected frees, or note that a kernel counted some in
@@ -268,7 +135,7 @@ class FreeLists:
         if self.eager:
             self.read()
         elif not (self.exact() and self._rejected_exact):
-            tag = (self._changes, self.ring.mark(), self.release_known)
+            tag = (self._changes, self.queue.mark(), self.release_known)
             if mirrored:
                 self._mirror.landed_behind(tag)
             else:
@@ -281,7 +148,7 @@ class FreeLists:
             return
         tail, release, rejected = self._counters().tolist()
         self._mirror.drop()
-        self.ring.read(tail)
+        self.queue.read(tail)
         self.release_known, self._release_exact = release, True
         self._note_rejected(rejected)
         self._rejected_exact = True
@@ -293,7 +160,7 @@ class FreeLists:
             return
         (tail, release, rejected), (changes, mark, release_known) = got
         latest = changes == self._changes  # nothing left counts on the device since the copy
-        self.ring.observe(tail, mark, latest)
+        self.queue.observe(tail, mark, latest)
         self.release_known += max(release - release_known, 0)
         self._note_rejected(rejected)
         if latest:
@@ -322,26 +189,43 @@ class FreeLists:
         if count < 0:
             raise ValueError(f"count must be >= 0 pages, got {count}")
         self.poll()
-        ring = self.ring
-        if count > len(ring) and not self.exact():
+        queue = self.queue
+        if count > len(queue) and not self.exact():
             self.read()
-        if count <= len(ring):
-            return Take(ring.buffer, ring.front_at(), ring.capacity, count, None)
-        if count > len(ring) + self.release_known:
+        if count <= len(queue):
+            return Take(queue.buffer, queue.front_at(), queue.capacity, count, None)
+        if count > len(queue) + self.release_known:
             return None
         merged = self._merged()
         return Take(merged, 0, max(merged.numel(), 1), count, merged)
 
     def commit(self, take: Take) -> None:
-        """Remove ``take``'s pages from the lists (after ``plan``, nothing changed in between)."""
+        """Remove ``take``'s pages from the lists (after ``plan``, nothing changed in between), recorded
+        held by the caller (after ``mark_lent``)."""
         self._mirrored = False
         if take.merged is None:
-            self.ring.drop_front(take.count)
+            self.queue.drop_front(take.count)
         else:
-            self.ring.reset(take.merged[take.count :])
+            self.queue.reset(take.merged[take.count :])
             self._clear_release()
 
-    def give_back(self, pages: torch.Tensor, keep: torch.Tensor) -> None:
+    def lend(self, take: Take) -> torch.Tensor:
+        """Remove ``take``'s pages (the free list's front, one slot per page: ``queue.lends``) and return
+        them as a view of the queue's lent copy, recorded held by the next launch that takes slots
+        back or by ``mark_lent``; launches nothing."""
+        self._mirrored = False
+        return self.queue.lend(take.count)
+
+    def mark_lent(self, books: Books) -> None:
+        """Record held the pages lent since the last record, by PyTorch operations (nothing read
+        back; nothing to do when none are lent)."""
+        start, count = self.queue.unmarked()
+        if count:
+            pages = self.queue.buffer[start : start + count]
+            add_holders(books, None, None, pages, 1, inside_range=False)
+            self.queue.marked()
+
+    def give_back(self, pages: torch.Tensor, keep: torch.Tensor, books: Books) -> None:
         """Append the ``pages`` where ``keep`` to the release list (need_sort) or the free list, on the
         device: O(len(pages)), nothing read back."""
         self._mirrored = False
@@ -350,22 +234,24 @@ class FreeLists:
             self.release_count += keep.sum()
             self._release_exact = False
         else:
-            self.ring.extend(pages, keep)
+            self._make_room(books)
+            self.queue.extend(pages, keep)
 
     def take_back(
         self,
         slots: torch.Tensor,
-        books: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        books: Books,
         page_size: int,
         group: Optional[list[torch.Tensor]],
         skip_padding: bool = False,
         mapping: Optional[torch.Tensor] = None,
     ) -> None:
         """A ``free`` in one launch of the bookkeeping kernel: ``slots`` (int64, any order) drop
-        a holder in ``books`` (owners, live, page_free) and the pages they release go to ``group``
-        (a free group's pending list: one tensor, page or -1 per entry), the release list
-        (need_sort) or the free list's end; entries that do not count are added to the rejected
-        count (padding, entries <= 0, aside if ``skip_padding``). Nothing read back.
+        a holder in ``books`` and the pages they release go to ``group`` (a free group's pending
+        list: one tensor, page or -1 per entry), the release list (need_sort) or the free list's
+        end; entries that do not count are added to the rejected count (padding, entries <= 0,
+        aside if ``skip_padding``). The pages lent since the last launch are recorded held first.
+        Nothing read back.
 
         ``mapping`` (at most ``GIVE_BACK_SORT_MAX`` slots): ``slots`` are full slots of a
         sliding-window allocator, freed as their SWA slots through it, whose entries become 0."""
@@ -379,31 +265,47 @@ class FreeLists:
         self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding, mapping=mapping)
         self.add_rejected(None)
 
-    def give_back_pages(self, pages: torch.Tensor) -> None:
+    def give_back_pages(self, pages: torch.Tensor, books: Books) -> None:
         """Append ``pages`` (int64 page ids, -1 for none: a free group's pending list) to the release
-        list (need_sort) or the free list: one launch of the bookkeeping kernel on kernels, else
-        ``give_back``; nothing read back."""
+        list (need_sort) or the free list: one launch of the bookkeeping kernel on kernels (which
+        records the pages lent first), else ``give_back``; nothing read back."""
         if not allocator_kernels.on_kernels(self._device):
-            self.give_back(pages, pages >= 0)
+            self.give_back(pages, pages >= 0, books)
             return
-        none = (pages, pages, pages)  # no bookkeeping in an append: any tensor stands in for it
-        self._give_back_on_kernel(pages, none, 1, None, append=True)
+        self._give_back_on_kernel(pages, books, 1, None, append=True)
+
+    def _make_room(self, books: Books) -> None:
+        """Before an append to the free queue: move it to a fresh buffer if the end could run past its
+        buffer (the pages lent are recorded first, since their places are not copied)."""
+        if self.queue.needs_room():
+            self.mark_lent(books)
+            self.queue.compact()
 
     def _give_back_on_kernel(
         self,
         entries: torch.Tensor,
-        books: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        books: Books,
         page_size: int,
         group: Optional[list[torch.Tensor]],
         **kernel_args: object,
     ) -> None:
         """One launch of the give-back kernel whose released pages go to ``group`` (in place, page or
-        -1 per entry), else the release list (need_sort, counted), else the free list's end."""
-        owners, live, page_free = books
+        -1 per entry), else the release list (need_sort, counted), else the free list's end. The
+        pages lent since the last launch are recorded held in it first (by ``mark_lent`` before it
+        when there are more than ``MARK_MAX``)."""
+        owners, live, page_free, unrecorded = books
+        queue = self.queue
+        to_queue = group is None and not self.need_sort
+        if to_queue:
+            self._make_room(books)
+        if queue.unmarked()[1] > MARK_MAX:
+            self.mark_lent(books)
+        start, count = queue.unmarked()
+        kernel_args["mark"] = (queue.buffer, start, count, unrecorded) if count else None
         # Where the counters are copied back from (not for an eager list, which reads them at once).
         mirror = None if self.eager else self._mirror.host
         kernel_args["mirror"] = mirror
-        if group is not None or self.need_sort:
+        if not to_queue:
             dest = torch.empty_like(entries)
             to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
             allocator_kernels.give_back(
@@ -416,25 +318,25 @@ class FreeLists:
                 self._release.append(dest)
                 self._release_exact = False
         else:
-            ring = self.ring
             allocator_kernels.give_back(
-                entries, owners, live, page_free, ring.buffer, self.counters, ring.capacity, page_size,
-                allocator_kernels.RING, allocator_kernels.TO_TAIL, **kernel_args,  # type: ignore[arg-type]
+                entries, owners, live, page_free, queue.buffer, self.counters, queue.capacity, page_size,
+                allocator_kernels.RING, allocator_kernels.TO_TAIL, lent=queue.lent, **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
-            ring.appended_on_device()
+            queue.appended_on_device()
+        queue.marked()
         self._mirrored = mirror is not None
 
     def merge(self) -> None:
         """Move the release list into the free list, sorted (reads the counts first)."""
         self.read()
         if self.release_known:
-            self.ring.reset(self._merged())
+            self.queue.reset(self._merged())
         self._clear_release()
 
     def _merged(self) -> torch.Tensor:
         """The free and release lists together, sorted (a new tensor); the counts must be exact."""
         raw = self.release_raw()
-        both = torch.sort(torch.cat((self.ring.contents(), raw))).values
+        both = torch.sort(torch.cat((self.queue.contents(), raw))).values
         return both[raw.numel() - self.release_known :]  # the -1 entries (no page) sort first
 
     def release_raw(self) -> torch.Tensor:
@@ -456,14 +358,14 @@ class FreeLists:
     def set_free(self, pages: torch.Tensor) -> None:
         """Make ``pages`` (int64, on the device) the free list."""
         self._mirrored = False
-        self.ring.reset(pages)
+        self.queue.reset(pages)
         self._mirror.drop()
 
     def restore(self, state: AllocatorState) -> None:
         """Put back the lists of a snapshot (``AllocatorState``); reads nothing back."""
         self._mirrored = False
         self._mirror.drop()
-        self.ring.restore(state.free_ring, state.free_count, state.free_known)
+        self.queue.restore(state.free_ring, state.free_count, state.free_known)
         self._release = [state.release_raw] if state.release_raw.numel() else []
         self.release_count.copy_(state.release_count)
         self.release_known, self._release_exact = state.release_known, False

@@ -1,11 +1,53 @@
-"""``drop_holders``: what a ``free`` does to the per-slot bookkeeping, on the device, with no read back.
+"""``add_holders`` and ``drop_holders``: what an allocation and a ``free`` do to the per-slot
+bookkeeping, on the device, with no read back.
 
 How the bookkeeping works is in :mod:`kvpool.pools.allocator`.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+
+def add_holders(
+    books: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ever: Optional[torch.Tensor],
+    taken: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    page_size: int,
+    inside_range: bool,
+) -> None:
+    """Record ``slots`` held (one more holder each) and the pages ``taken`` no longer listed free.
+
+    Slots not known to be ``inside_range`` (cut from free pages) are masked: one outside the
+    handed-out range (from an unchecked ``last_loc``, or a free list assigned from outside) is
+    counted in ``unrecorded`` instead, so that no index leaves the bookkeeping tensors; ``taken``
+    None means the pages of the slots recorded (one slot per page).
+
+    Parameters
+    ----------
+    books : ``(owners, live, page_free, unrecorded)``, the allocator's bookkeeping (updated in place).
+    ever : bool per slot, set for the slots recorded (validate's record of slots ever handed out), or None.
+    taken : Tensor [P] int64 page ids, or None.
+    slots : Tensor [N] int64 on the bookkeeping's device.
+    page_size : slots per page.
+    inside_range : every slot is in ``page_size..owners.numel()-1``.
+    """
+    owners, live, page_free, unrecorded = books
+    if inside_range:
+        at, add = slots, torch.ones_like(slots, dtype=torch.int32)
+    else:
+        inside = (slots >= page_size) & (slots < owners.numel())
+        at, add = torch.where(inside, slots, 0), inside.to(torch.int32)
+    page_free.index_fill_(0, at // page_size if taken is None else taken, False)  # a scalar fill: no copy to the device
+    owners.index_add_(0, at, add)
+    live.index_add_(0, at // page_size, add)
+    if not inside_range:
+        unrecorded += add.numel() - add.sum()
+    if ever is not None:
+        ever[at] = True
 
 
 def drop_holders(
