@@ -61,6 +61,18 @@ def test_the_checksum_is_the_contracts_however_the_payload_is_fed(n):
     assert tuple(job.value()) == want
 
 
+@pytest.mark.parametrize("block", [8, 4096, 65536])
+def test_blocks_laid_out_at_a_stride_are_summed_as_the_contract_says(block):
+    # A host page's K blocks of consecutive layers, then its V blocks: writable, equally long,
+    # equally far apart (summed in place as one strided array), then a block of another size.
+    k, v = bytearray(random_bytes(12 * block, 5)), bytearray(random_bytes(9 * block + 24, 6))
+    mk, mv = memoryview(k), memoryview(v)
+    pieces = [mk[i * 3 * block : i * 3 * block + block] for i in range(4)] + [mv[i * 2 * block : i * 2 * block + block] for i in range(5)]
+    pieces.append(mv[len(v) - 24 :])
+    payload = b"".join(bytes(p) for p in pieces)
+    assert tuple(record.checksum_of(b"n", pieces).value()) == contract_checksum(b"n", payload)
+
+
 def test_the_sums_wrap_at_two_to_the_64():
     payload = b"\xff" * (8 * 600)  # every word 2**64 - 1, past a row of words and into a tail
     assert tuple(record.checksum(b"n", payload)) == contract_checksum(b"n", payload)

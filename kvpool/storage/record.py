@@ -41,6 +41,7 @@ collision) or another size reads as a miss.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import threading
@@ -70,6 +71,7 @@ DIRECT_BYTES = 32 << 10
 _ROW = 256
 _ROW_WEIGHTS = np.arange(1, _ROW + 1, dtype=np.uint64)
 _ROW_STARTS = np.arange(CHUNK_BYTES // 8 // _ROW + 1, dtype=np.uint64) * np.uint64(_ROW)
+_WORD_INDEX = np.arange(CHUNK_BYTES // 8, dtype=np.uint64)
 _scratch = threading.local()
 
 
@@ -99,25 +101,75 @@ def _word_sums(words: np.ndarray) -> tuple[int, int]:
     return a & _MASK, b & _MASK
 
 
+def _address(piece: memoryview) -> Optional[int]:
+    """Where a writable buffer's bytes are, or None (a read-only one)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(piece))
+    except (TypeError, ValueError):
+        return None
+
+
+def _run(pieces: list[memoryview], i: int) -> tuple[int, int, int]:
+    """``(count, first address, stride)`` of the pieces from ``pieces[i]`` on that are equally long
+    (whole words), word-aligned and equally far apart in memory (a host page's K or V blocks of
+    consecutive layers); a count below 2 when there is no such run."""
+    n = pieces[i].nbytes
+    if n % 8 or i + 1 >= len(pieces) or pieces[i + 1].nbytes != n:
+        return 1, 0, 0
+    first, second = _address(pieces[i]), _address(pieces[i + 1])
+    if first is None or second is None or first % 8 or (second - first) % 8 or second - first < n:
+        return 1, 0, 0
+    stride, count = second - first, 2
+    while i + count < len(pieces) and pieces[i + count].nbytes == n and _address(pieces[i + count]) == first + count * stride:
+        count += 1
+    return count, first, stride
+
+
+def _run_sums(first: int, stride: int, words: int, count: int) -> tuple[int, int]:
+    """``_word_sums`` of ``count`` pieces of ``words`` words, ``stride`` bytes apart from ``first``,
+    read in place as one strided array (two passes over them whatever their number)."""
+    span = (ctypes.c_uint64 * ((count - 1) * (stride // 8) + words)).from_address(first)
+    m = np.lib.stride_tricks.as_strided(np.frombuffer(span, dtype="<u8"), shape=(count, words), strides=(stride, 8))
+    r, c = m.sum(1, dtype=np.uint64), m.sum(0, dtype=np.uint64)
+    a = int(r.sum(dtype=np.uint64))
+    b = a + words * int(np.dot(_WORD_INDEX[:count], r)) + int(np.dot(_WORD_INDEX[:words], c))
+    return a & _MASK, b & _MASK
+
+
 def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
     """The sums ``(A, B)`` of consecutive buffers (together at most :data:`CHUNK_BYTES`) as if they
-    began a payload: long whole-word pieces summed in place, the others gathered first."""
+    began a payload: runs of equally long, equally spaced pieces summed in place together, other long
+    whole-word pieces summed in place one by one, the rest gathered first."""
     a = b = 0
     off = fill = start = 0  # bytes so far; bytes gathered, from byte ``start``
     buf = None
 
-    def add(words: np.ndarray, at: int) -> None:
+    def add(sums: tuple[int, int], at: int) -> None:
         nonlocal a, b
-        pa, pb = _word_sums(words)
-        a, b = a + pa, b + pb + at * pa
+        a, b = a + sums[0], b + sums[1] + at * sums[0]
 
-    for p in pieces:
+    def flush() -> None:
+        nonlocal fill
+        words = -(-fill // 8)
+        buf[fill : words * 8] = bytes(words * 8 - fill)
+        add(_word_sums(np.frombuffer(buf, dtype="<u8", count=words)), start // 8)
+        fill = 0
+
+    i = 0
+    while i < len(pieces):
+        p = pieces[i]
         n = p.nbytes
+        count, first, stride = _run(pieces, i) if off % 8 == 0 else (1, 0, 0)
+        if count > 1:
+            if fill:
+                flush()
+            add(_run_sums(first, stride, n // 8, count), off // 8)
+            off, i = off + count * n, i + count
+            continue
         if n >= DIRECT_BYTES and n % 8 == 0 and off % 8 == 0:
             if fill:
-                add(np.frombuffer(buf, dtype="<u8", count=fill // 8), start // 8)
-                fill = 0
-            add(np.frombuffer(p, dtype="<u8"), off // 8)
+                flush()
+            add(_word_sums(np.frombuffer(p, dtype="<u8")), off // 8)
         elif n:
             if buf is None:
                 buf = getattr(_scratch, "buf", None)
@@ -127,11 +179,9 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
                 start = off
             buf[fill : fill + n] = p
             fill += n
-        off += n
+        off, i = off + n, i + 1
     if fill:
-        words = -(-fill // 8)
-        buf[fill : words * 8] = bytes(words * 8 - fill)
-        add(np.frombuffer(buf, dtype="<u8", count=words), start // 8)
+        flush()
     return a & _MASK, b & _MASK
 
 
