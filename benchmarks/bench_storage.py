@@ -22,10 +22,17 @@ from the rest of the machine: their ratio is what the targets judge.
   sums of the payload, on the checksum threads) against one thread of ``zlib.crc32`` over the same
   bytes (a CRC-32 of the payload, for scale) and a ``memcpy`` of them (the machine's memory speed).
 
+* ``--ttft llama,qwen3.5``: time to first token of a repeated long prompt served from storage (a
+  fresh engine: nothing on the device or in host memory) against recomputing it, through the model
+  runners (benchmarks/storage_ttft.py says how): Llama-3-8B's shape with 4 layers and Qwen3.5-397B's
+  in 4 layers on a GPU, the runners' tiny shapes on a CPU. A model whose cache refuses a storage
+  tier is skipped, saying why.
+
 Targets: the file backend's write and read >= 80% of the plain write and read; Mooncake's >= 90%
 of its raw batch put and get.
 
-Usage: python benchmarks/bench_storage.py --out DIR [--quick] [--dir PATH]
+Usage: python benchmarks/bench_storage.py --out DIR [--quick] [--dir PATH] [--ttft llama,qwen3.5]
+(on a GPU, the time to first token alone: ``--backends none --ttft llama,qwen3.5``).
 ``--cpu-smoke`` runs every path on a toy host pool (seconds); it checks the script, measures nothing.
 """
 
@@ -364,6 +371,10 @@ def markdown(res: dict) -> str:
         for c in sums:
             r = rates(c)
             lines.append(f"| {c['page_size']} | {_mb(c['page_bytes'])} | {r['record']:.2f} | {r['zlib']:.2f} | {r['memcpy']:.2f} |")
+    if res.get("ttft") or res.get("ttft_skipped"):
+        import storage_ttft
+
+        lines += ["", *storage_ttft.markdown(res.get("ttft", []), res.get("ttft_skipped", []))]
     return "\n".join(lines) + "\n"
 
 
@@ -406,10 +417,17 @@ def main() -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend's directory is made (default: the temp dir)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends to time")
     parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes in tokens (default 64,4; quick 64)")
+    parser.add_argument("--ttft", default="", help="comma-separated models (llama, qwen3.5) whose time to first token from storage is measured")
+    parser.add_argument("--ttft-storage", choices=BACKENDS, default="file", help="the storage tier of the time-to-first-token cases")
+    parser.add_argument("--ttft-prompt-len", type=int, default=None, help="prompt tokens (default 8192 on a GPU, 256 on a CPU)")
+    parser.add_argument("--ttft-reps", type=int, default=None, help="timed engines of each kind (default 5, smoke 1)")
     args = parser.parse_args()
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or set(backends) - set(BACKENDS):
-        parser.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends!r}")
+    backends = [] if args.backends == "none" else [b for b in args.backends.split(",") if b]
+    if (not backends and args.backends != "none") or set(backends) - set(BACKENDS):
+        parser.error(f"--backends must name some of {', '.join(BACKENDS)} (or be none), got {args.backends!r}")
+    ttft = [m for m in args.ttft.split(",") if m]
+    if set(ttft) - {"llama", "qwen3.5"}:
+        parser.error(f"--ttft must name some of llama, qwen3.5, got {args.ttft!r}")
     if args.cpu_smoke:
         configure_smoke()
     page_sizes = PAGE_SIZES[:1] if args.quick else PAGE_SIZES
@@ -427,7 +445,7 @@ def main() -> int:
                     chunk_bytes=record.CHUNK_BYTES, checksum_threads=record.checksum_threads(), load_start=os.getloadavg()[0]),
         cases=[],
     )  # fmt: skip
-    for page_size in page_sizes:
+    for page_size in page_sizes if backends else []:
         p = Pages(page_size, pages)
         base = dict(page_size=page_size, page_bytes=p.page_bytes, pages=pages, bytes=p.nbytes)
         for backend in ["checksum", *backends]:
@@ -454,6 +472,10 @@ def main() -> int:
                     + ", ".join(f"{k} {100 * v:.0f}%" if k.endswith("ratio") else f"{k} {v:.2f} GB/s" for k, v in r.items()))  # fmt: skip
             rep.save()
         del p
+    if ttft:
+        import storage_ttft
+
+        storage_ttft.run_cases(args, rep, ttft)
     rep.result["config"]["load_end"] = os.getloadavg()[0]
     rep.save(final=True)
     return 1 if rep.result["errors"] else 0
