@@ -12,6 +12,7 @@ import os
 import struct
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from kvassert import file_store, host_page_bytes, make_device_pool, make_host
@@ -42,6 +43,7 @@ def random_bytes(n: int, seed: int) -> bytes:
 
 def test_the_header_is_the_contracts():
     assert record.VERSION == 3 and HEADER.size == 48 and CHUNK_BYTES % 8 == 0
+    assert [record.payload_offset(n) for n in (0, 16, 17, 80)] == [64, 64, 128, 128]
 
 
 @pytest.mark.parametrize("n", [0, 1, 9, 2055, 65535, MIB - 1, MIB, MIB + 1, 3 * MIB + 5])
@@ -71,6 +73,15 @@ def test_blocks_laid_out_at_a_stride_are_summed_as_the_contract_says(block):
     pieces.append(mv[len(v) - 24 :])
     payload = b"".join(bytes(p) for p in pieces)
     assert tuple(record.checksum_of(b"n", pieces).value()) == contract_checksum(b"n", payload)
+
+
+def test_host_memory_regions_are_summed_as_the_contract_says():
+    # (address, size) regions: K-like blocks at a stride, one alone, then some of odd sizes and places.
+    mem = np.frombuffer(bytearray(random_bytes(1 << 16, 8)), dtype=np.uint8)
+    base = mem.ctypes.data
+    regions = [(base + i * 4096, 1024) for i in range(5)] + [(base + 30000, 8 * 70), (base + 40001, 13), (base + 50000, 256)]
+    payload = b"".join(mem[r - base : r - base + n].tobytes() for r, n in regions)
+    assert tuple(record.checksum_of_regions(b"n", regions).value()) == contract_checksum(b"n", payload)
 
 
 def test_the_sums_wrap_at_two_to_the_64():
@@ -154,7 +165,7 @@ def test_multi_chunk_tensor_pages_round_trip_and_a_flip_or_swap_on_disk_is_a_mis
     assert torch.equal(store.get("k"), value)
     (f,) = [tmp_path / "kv" / n for n in os.listdir(tmp_path / "kv")]
     whole = f.read_bytes()
-    start = HEADER.size + len(storage_name(store.namespace, "k"))
+    start = record.payload_offset(len(storage_name(store.namespace, "k")))
     for damaged in (
         whole[: start + 2 * MIB + 9] + bytes([whole[start + 2 * MIB + 9] ^ 1]) + whole[start + 2 * MIB + 10 :],
         whole[:start] + whole[start + MIB : start + 2 * MIB] + whole[start : start + MIB] + whole[start + 2 * MIB :],
@@ -181,7 +192,7 @@ def test_multi_chunk_host_pages_round_trip_and_a_damaged_one_touches_no_other_pa
     name = storage_name(store.namespace, keys[1])
     (f,) = [tmp_path / "kv" / n for n in os.listdir(tmp_path / "kv") if (tmp_path / "kv" / n).read_bytes()[HEADER.size :].startswith(name)]
     raw = bytearray(f.read_bytes())
-    raw[HEADER.size + len(name) + CHUNK_BYTES + 3] ^= 0x80
+    raw[record.payload_offset(len(name)) + CHUNK_BYTES + 3] ^= 0x80
     f.write_bytes(bytes(raw))
     others = {s: host_page_bytes(host, s) for s in range(0, host.size, 64) if s != int(dst[64])}
     assert store.batch_get_v1(keys, dst) == [True, False]

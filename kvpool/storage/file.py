@@ -26,7 +26,7 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import CHUNK_BYTES, HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
+from kvpool.storage.record import CHUNK_BYTES, PayloadChecksum, checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -253,18 +253,18 @@ class HiCacheFile(HiCacheStorage):
         with self._write_lock:
             return self._store_one(key, parts, job)
 
-    def _checksum_ahead(self, key: str, parts: list[memoryview]) -> Optional[PayloadChecksum]:
-        """The checksum of a page about to be written, started now (None for a page already stored)."""
+    def _checksum_ahead(self, key: str, blocks: list[tuple[int, int]]) -> Optional[PayloadChecksum]:
+        """The checksum of a host page about to be written from ``blocks``, started now (None for a page already stored)."""
         if os.path.exists(self._path(storage_digest(self.namespace, key))):
             return None
-        return checksum_of(storage_name(self.namespace, key), parts)
+        return checksum_of_regions(storage_name(self.namespace, key), blocks)
 
     def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
         payload_len = sum(p.nbytes for p in parts)
-        size = HEADER.size + len(name) + payload_len
+        size = payload_offset(len(name)) + payload_len
         with self._lock:
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
@@ -366,7 +366,7 @@ class HiCacheFile(HiCacheStorage):
         payload read, ``(its checksum job, the stored checksum)``. The payload is read a chunk at a
         time, each chunk checksummed on the checksum threads while the next one is read."""
         size = os.fstat(fd).st_size
-        raw = os.read(fd, HEADER.size + len(name))
+        raw = os.read(fd, payload_offset(len(name)))
         parsed = parse_header(raw, name)
         if parsed is None or size != len(raw) + parsed[0]:
             return "corrupt"
@@ -489,11 +489,11 @@ class HiCacheFile(HiCacheStorage):
         regions = self.host_page_regions(keys, host_indices)
         pages = [[_region(ptr, n) for ptr, n in blocks] for blocks in regions]
         done = []
-        ahead = self._checksum_ahead(keys[0], pages[0]) if keys else None
+        ahead = self._checksum_ahead(keys[0], regions[0]) if keys else None
         for i, (key, parts) in enumerate(zip(keys, pages)):
             job = ahead
             # The next page's checksum runs on the checksum threads while this one is written.
-            ahead = self._checksum_ahead(keys[i + 1], pages[i + 1]) if i + 1 < len(keys) else None
+            ahead = self._checksum_ahead(keys[i + 1], regions[i + 1]) if i + 1 < len(keys) else None
             done.append(self._store(key, parts, job))
         return done
 

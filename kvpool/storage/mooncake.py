@@ -16,7 +16,6 @@ staging buffer) followed by the host pool's K and V blocks, in the flat page ord
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -40,14 +39,9 @@ from kvpool.storage.mooncake_config import (
 )
 from kvpool.storage.mooncake_master import port_open
 from kvpool.storage.mooncake_memory import RegisteredMemory
-from kvpool.storage.record import HEADER, checksum_of, pack_header, parse_header
+from kvpool.storage.record import checksum_of_regions, pack_header, parse_header, payload_offset
 
 log = logging.getLogger(__name__)
-
-
-def _region(ptr: int, size: int) -> Any:
-    """``size`` bytes of host memory at ``ptr`` as a buffer (no copy)."""
-    return (ctypes.c_ubyte * size).from_address(ptr)
 
 
 #: A batch of this many pages or more travels in several calls, so checksums and transfers overlap.
@@ -235,11 +229,11 @@ class MooncakeStore(HiCacheStorage):
             return done
         names = [storage_name(self.namespace, keys[i]) for i in todo]
         # Every page's checksum started at once, on the checksum threads (``value()`` waits).
-        jobs = [checksum_of(name, [_region(ptr, n) for ptr, n in regions[i]]) for name, i in zip(names, todo)]
+        jobs = [checksum_of_regions(name, regions[i]) for name, i in zip(names, todo)]
         heads: list[bytes] = []
         codes: list[int] = []
         try:
-            with self.memory.staging(sum(HEADER.size + len(n) for n in names)) as staging:
+            with self.memory.staging(sum(payload_offset(len(n)) for n in names)) as staging:
                 at = 0
                 # In groups: a group is sent while the checksum threads go on with the next ones.
                 for group in _groups(len(todo)):
@@ -285,7 +279,7 @@ class MooncakeStore(HiCacheStorage):
             return [False] * len(keys)
         skeys = [self.store_key(k) for k in keys]
         names = [storage_name(self.namespace, k) for k in keys]
-        lens = [HEADER.size + len(n) for n in names]
+        lens = [payload_offset(len(n)) for n in names]
         offsets = np.cumsum([0] + lens[:-1]).tolist()
         payload_lens = [sum(n for _, n in r) for r in regions]
         codes: list[int] = []
@@ -312,7 +306,7 @@ class MooncakeStore(HiCacheStorage):
                         parsed = parse_header(staging[offsets[i] : offsets[i] + lens[i]].tobytes(), names[i])
                         stored[i] = parsed[1] if parsed is not None and parsed[0] == payload_lens[i] else None
                         if stored[i] is not None:
-                            jobs[i] = checksum_of(names[i], [_region(ptr, n) for ptr, n in regions[i]])
+                            jobs[i] = checksum_of_regions(names[i], regions[i])
                             pending.setdefault(regions[i][0][0] if regions[i] else -1, []).append(i)
         except BaseException:
             for job in jobs.values():
@@ -387,7 +381,7 @@ class MooncakeStore(HiCacheStorage):
             size = self.store.get_size(self.store_key(key))  # no target: the stored size decides
             if size < 0 and size != OBJECT_NOT_FOUND:
                 self._failed(size, "get_size")
-            nbytes.append(max(size - HEADER.size - len(storage_name(self.namespace, key)), 0))
+            nbytes.append(max(size - payload_offset(len(storage_name(self.namespace, key))), 0))
         with self.memory.staging(sum(nbytes)) as staging:
             regions, at = [], 0
             for n in nbytes:

@@ -13,7 +13,8 @@ checksums over all three (docs/contract.md, "Storage tier", "Page format").
     32      8     payload sum A, uint64 (below)
     40      8     payload weighted sum B, uint64
     48      N     name: kvpool.storage.keys.storage_name(namespace, key)
-    48+N    P     payload: the page's bytes (a host pool's flat data page)
+    48+N          zero bytes up to O, the next multiple of 64
+    O       P     payload: the page's bytes (a host pool's flat data page)
 
 All integers little-endian. The payload is read as little-endian uint64 words ``w[0], w[1], ...``
 (the last one zero-padded when P is not a multiple of 8); ``A`` is the sum of the words and ``B``
@@ -57,6 +58,8 @@ HEADER = struct.Struct("<8sIIQIIQQ")
 #: The header fields the header checksum covers ahead of the name (version, name length, payload length).
 _COVERED = struct.Struct("<IIQ")
 _SUMS = struct.Struct("<QQ")
+#: The payload begins at a multiple of this many bytes (a cache line).
+ALIGN = 64
 _MASK = (1 << 64) - 1
 #: The payload is checksummed in chunks of this many bytes (a multiple of 8; the sums do not
 #: depend on it), one chunk per task of the checksum threads.
@@ -185,6 +188,42 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
     return a & _MASK, b & _MASK
 
 
+def region_sums(regions: list[tuple[int, int]]) -> tuple[int, int]:
+    """:func:`chunk_sums` of host memory given as ``(address, size)`` regions: runs of equally long,
+    equally spaced word-aligned regions summed in place together, single ones in place alone."""
+    a = b = off = i = 0
+    while i < len(regions):
+        ptr, n = regions[i]
+        if n % 8 or ptr % 8 or not n:  # the rest as buffers (``off`` is whole words here)
+            sa, sb = chunk_sums([_view(p, m) for p, m in regions[i:] if m])
+            return (a + sa) & _MASK, (b + sb + (off // 8) * sa) & _MASK
+        count, stride = 1, 0
+        if i + 1 < len(regions) and regions[i + 1][1] == n:
+            stride = regions[i + 1][0] - ptr
+            if stride >= n and stride % 8 == 0:
+                count = 2
+                while i + count < len(regions) and regions[i + count] == (ptr + count * stride, n):
+                    count += 1
+        if count > 1:
+            sa, sb = _run_sums(ptr, stride, n // 8, count)
+        else:
+            sa, sb = _word_sums(np.frombuffer((ctypes.c_uint64 * (n // 8)).from_address(ptr), dtype="<u8"))
+        a, b = a + sa, b + sb + (off // 8) * sa
+        off, i = off + count * n, i + count
+    return a & _MASK, b & _MASK
+
+
+def _view(ptr: int, n: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * n).from_address(ptr)).cast("B")
+
+
+def _sums(pieces: list[Any]) -> tuple[int, int]:
+    """The sums of a chunk's pieces: buffers, ``(address, size)`` regions, or both."""
+    if all(isinstance(p, tuple) for p in pieces):
+        return region_sums(pieces)
+    return chunk_sums([_view(*p) if isinstance(p, tuple) else p for p in pieces])
+
+
 def digest_of(name: bytes, payload_len: int, a: int, b: int) -> Digest:
     """The digest of a page of ``name`` whose ``payload_len`` bytes have the sums ``a``, ``b``."""
     crc = zlib.crc32(_COVERED.pack(VERSION, len(name), payload_len))
@@ -235,7 +274,7 @@ class _Chunk:
         if not self._claim.acquire(blocking=False):
             return
         try:
-            self.sums = chunk_sums(self.pieces or [])
+            self.sums = _sums(self.pieces or [])
         except BaseException as e:  # handed to result(); a checksum thread must not die silently
             self.error = e
         finally:
@@ -275,7 +314,7 @@ class PayloadChecksum:
         self.name, self.payload_len = name, payload_len
         self._fed = 0
         self._chunks: list[_Chunk] = []
-        self._pending: list[memoryview] = []
+        self._pending: list[Any] = []  # buffers, or (address, size) regions
         self._pending_bytes = 0
 
     def feed(self, data: Any) -> None:
@@ -296,6 +335,22 @@ class PayloadChecksum:
             view = view[take:]
             if self._pending_bytes == CHUNK_BYTES:
                 self._close_chunk()
+
+    def feed_regions(self, regions: list[tuple[int, int]]) -> None:
+        """The next bytes of the payload as host memory, ``(address, size)`` regions in order (the
+        memory must stay allocated and unchanged until ``value()`` returns)."""
+        n = sum(size for _, size in regions)
+        if self._fed + n > self.payload_len:
+            raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
+        self._fed += n
+        for ptr, size in regions:
+            while size:
+                take = min(CHUNK_BYTES - self._pending_bytes, size)
+                self._pending.append((ptr, take))
+                self._pending_bytes += take
+                ptr, size = ptr + take, size - take
+                if self._pending_bytes == CHUNK_BYTES:
+                    self._close_chunk()
 
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending)
@@ -334,14 +389,30 @@ def checksum_of(name: bytes, parts: list[Any]) -> PayloadChecksum:
     return job
 
 
+def checksum_of_regions(name: bytes, regions: list[tuple[int, int]]) -> PayloadChecksum:
+    """A :class:`PayloadChecksum` of a payload in host memory, ``(address, size)`` regions in order,
+    all fed (``value()`` waits for their chunks)."""
+    job = PayloadChecksum(name, sum(n for _, n in regions))
+    job.feed_regions(regions)
+    return job
+
+
 def checksum(name: bytes, payload: Any) -> Digest:
     """The digest of a page of ``name`` and ``payload`` (one buffer)."""
     return checksum_of(name, [payload]).value()
 
 
+def payload_offset(name_len: int) -> int:
+    """Where the payload of a page whose name is ``name_len`` bytes long begins: after the header
+    and the name, zero bytes up to a multiple of :data:`ALIGN` (a copy between a file's page cache
+    and a buffer whose offsets differ by less than a cache line is markedly slower)."""
+    return -(-(HEADER.size + name_len) // ALIGN) * ALIGN
+
+
 def pack_header(name: bytes, payload_len: int, digest: Digest) -> bytes:
-    """The header and name of a page of ``name`` with a payload of ``payload_len`` bytes and ``digest``."""
-    return HEADER.pack(MAGIC, VERSION, len(name), payload_len, digest.crc, 0, digest.a, digest.b) + name
+    """The header, name and padding of a page of ``name`` with a payload of ``payload_len`` bytes and ``digest``."""
+    head = HEADER.pack(MAGIC, VERSION, len(name), payload_len, digest.crc, 0, digest.a, digest.b) + name
+    return head + bytes(payload_offset(len(name)) - len(head))
 
 
 def header(name: bytes, payload: Any) -> bytes:
@@ -350,13 +421,14 @@ def header(name: bytes, payload: Any) -> bytes:
 
 
 def parse_header(raw: bytes, name: bytes) -> Optional[tuple[int, Digest]]:
-    """``(payload length, digest)`` from the first ``HEADER.size + len(name)`` bytes of a stored page,
-    or None when they are short, of another format, name another page than ``name``, or fail the
-    header checksum (before any payload byte is read)."""
-    if len(raw) != HEADER.size + len(name):
+    """``(payload length, digest)`` from the first ``payload_offset(len(name))`` bytes of a stored
+    page, or None when they are short, of another format, name another page than ``name``, have a
+    padding byte that is not zero, or fail the header checksum (before any payload byte is read)."""
+    end = HEADER.size + len(name)
+    if len(raw) != payload_offset(len(name)):
         return None
     magic, version, name_len, payload_len, crc, _, a, b = HEADER.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or name_len != len(name) or raw[HEADER.size :] != name:
+    if magic != MAGIC or version != VERSION or name_len != len(name) or raw[HEADER.size : end] != name or any(raw[end:]):
         return None
     digest = digest_of(name, payload_len, a, b)
     return (payload_len, digest) if digest.crc == crc else None
