@@ -219,7 +219,7 @@ def _view(ptr: int, n: int) -> memoryview:
 
 def _sums(pieces: list[Any]) -> tuple[int, int]:
     """The sums of a chunk's pieces: buffers, ``(address, size)`` regions, or both."""
-    if all(isinstance(p, tuple) for p in pieces):
+    if all(type(p) is tuple for p in pieces):
         return region_sums(pieces)
     return chunk_sums([_view(*p) if isinstance(p, tuple) else p for p in pieces])
 
@@ -344,6 +344,10 @@ class PayloadChecksum:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
         for ptr, size in regions:
+            if self._pending_bytes + size < CHUNK_BYTES:  # the usual case: a region inside the chunk
+                self._pending.append((ptr, size))
+                self._pending_bytes += size
+                continue
             while size:
                 take = min(CHUNK_BYTES - self._pending_bytes, size)
                 self._pending.append((ptr, take))
