@@ -93,7 +93,8 @@ class Setup:
         self.tokens = torch.randint(self.model.config.vocab_size, (self.prompt_len,), generator=g).tolist()
 
     def describe(self) -> str:
-        return f"{self.name} {self.config} ({self.shape.describe()}), {self.cfg.model_dtype} weights, {self.pool_dtype} pool, page size {self.page_size}"
+        return (f"{self.name} {self.config} ({self.shape.describe()}), {self.cfg.model_dtype} weights, "
+                f"{self.pool_dtype} pool, page size {self.page_size}")
 
     def serve(self, tiers: Any) -> dict:
         """The prompt on a fresh pool and scheduler (a tiered prefix cache with ``tiers``): seconds
@@ -200,6 +201,7 @@ def markdown(cases: list[dict], skipped: list[str]) -> list[str]:
     for c in cases:
         same = "same" if c["first_token_storage"] == c["first_token_recompute"] else "differ"
         lines.append(f"| {c['describe']} | {c['backend']} | {c['prompt_len']} | {1e3 * c['storage_s']:.1f} ms ({c['storage_tokens']}) "
-                     f"| {1e3 * c['recompute_s']:.1f} ms | {c['speedup']:.2f}x | {c['first_token_storage']} / {c['first_token_recompute']} ({same}) |")  # fmt: skip
+                     f"| {1e3 * c['recompute_s']:.1f} ms | {c['speedup']:.2f}x "
+                     f"| {c['first_token_storage']} / {c['first_token_recompute']} ({same}) |")  # fmt: skip
     lines += [f"- skipped: {s}" for s in skipped]
     return lines + [""]

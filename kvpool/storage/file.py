@@ -254,7 +254,7 @@ class HiCacheFile(HiCacheStorage):
             return self._store_one(key, parts, job)
 
     def _checksum_ahead(self, key: str, blocks: list[tuple[int, int]]) -> Optional[PayloadChecksum]:
-        """The checksum of a host page about to be written from ``blocks``, started now (None for a page already stored)."""
+        """The checksum of a host page about to be written from ``blocks``, started now (None: stored)."""
         if os.path.exists(self._path(storage_digest(self.namespace, key))):
             return None
         return checksum_of_regions(storage_name(self.namespace, key), blocks)
@@ -314,9 +314,10 @@ class HiCacheFile(HiCacheStorage):
         return True
 
     def _load(self, key: str, parts_for: Callable[[int], Optional[list[Any]]]) -> bool:
-        """Read one page into the buffers or ``(address, size)`` regions ``parts_for(payload length)`` names (None: a size the caller
-        cannot take) and check it: True for a hit, False for a miss (the buffers' bytes are then
-        unspecified, or untouched where the header or the file's size already showed the miss)."""
+        """Read one page into the writable buffers or ``(address, size)`` regions ``parts_for(payload
+        length)`` names (None: a size the caller cannot take) and check it: True for a hit, False for
+        a miss (their bytes are then unspecified, or untouched where the header or the file's size
+        already showed the miss)."""
         return self._finish(*self._begin(key, parts_for))
 
     def _begin(self, key: str, parts_for: Callable[[int], Optional[list[Any]]]) -> tuple[str, Any]:

@@ -272,7 +272,8 @@ class MooncakeStore(HiCacheStorage):
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
-        there (in up to 4 calls, a call's pages checked while the next ones are read): True where the record is whole, of that size, names the key and its checksum agrees. A
+        there (in up to 4 calls, a call's pages checked while the next ones are read): True where
+        the record is whole, of that size, names the key and its checksum agrees. A
         record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
             self._count(misses=len(keys))

@@ -264,8 +264,8 @@ class _Chunk:
 
     __slots__ = ("pieces", "sums", "error", "_claim", "_done")
 
-    def __init__(self, pieces: list[memoryview]) -> None:
-        self.pieces: Optional[list[memoryview]] = pieces
+    def __init__(self, pieces: list[Any]) -> None:
+        self.pieces: Optional[list[Any]] = pieces  # buffers, or (address, size) regions
         self.sums: tuple[int, int] = (0, 0)
         self.error: Optional[BaseException] = None
         self._claim, self._done = threading.Lock(), threading.Event()
@@ -344,6 +344,8 @@ class PayloadChecksum:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
         for ptr, size in regions:
+            if not size:
+                continue
             if self._pending_bytes + size < CHUNK_BYTES:  # the usual case: a region inside the chunk
                 self._pending.append((ptr, size))
                 self._pending_bytes += size
