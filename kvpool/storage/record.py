@@ -64,8 +64,9 @@ _MASK = (1 << 64) - 1
 #: The payload is checksummed in chunks of this many bytes (a multiple of 8; the sums do not
 #: depend on it), one chunk per task of the checksum threads.
 CHUNK_BYTES = 1 << 20
-#: A chunk whose pieces are on average shorter than this is checksummed on the calling thread:
-#: the pieces are gathered into one buffer under the GIL, which threads taking turns would slow.
+#: A chunk of buffers on average shorter than this is checksummed on the calling thread: they are
+#: gathered into one buffer under the GIL, which threads taking turns would slow (host memory given
+#: as regions is summed in place, in runs, and goes to the checksum threads whatever its blocks).
 INLINE_BYTES = 64 << 10
 #: Pieces at least this long (and whole words) are summed where they lie; shorter ones are gathered
 #: into a per-thread buffer first (a numpy call costs about a microsecond whatever its length).
@@ -360,7 +361,8 @@ class PayloadChecksum:
 
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending)
-        pool = None if self._pending_bytes < INLINE_BYTES * len(self._pending) else _executor()
+        gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
+        pool = None if gathered else _executor()
         self._pending, self._pending_bytes = [], 0
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
