@@ -419,7 +419,9 @@ def main() -> int:
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends to time")
     parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes in tokens (default 64,4; quick 64)")
     parser.add_argument("--ttft", default="", help="comma-separated models (llama, qwen3.5) whose time to first token from storage is measured")
-    parser.add_argument("--ttft-storage", choices=BACKENDS, default="file", help="the storage tier of the time-to-first-token cases")
+    parser.add_argument("--ttft-storage", choices=BACKENDS, default="file",
+                        help="the storage tier of the time-to-first-token cases (mooncake: each engine lends 64 MiB, "
+                             "less than the pages of a GPU run's 8192-token prompt: pass a shorter --ttft-prompt-len)")  # fmt: skip
     parser.add_argument("--ttft-prompt-len", type=int, default=None, help="prompt tokens (default 8192 on a GPU, 256 on a CPU)")
     parser.add_argument("--ttft-reps", type=int, default=None, help="timed engines of each kind (default 5, smoke 1)")
     args = parser.parse_args()
