@@ -3,7 +3,9 @@ Mooncake backend against Mooncake Store's own batch put and get of the same byte
 
 Pages are host-pool pages of Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, ``layer_first``
 host layout): 8 MiB at page size 64, 512 KiB at page size 4; a batch of ``--pages`` pages (32 by
-default) per call, random bytes, wall time of the whole batch, medians of ``--reps`` calls.
+default) per call, random bytes, wall time of the whole batch, medians of ``--reps`` calls. Each
+backend and its ceilings are timed in alternation, call by call, so that both meet the same load
+from the rest of the machine: their ratio is what the targets judge.
 
 * ``file``: ``HiCacheFile.batch_set_v1`` / ``batch_get_v1`` (host pages to files and back) against
   the same bytes written and read with one ``open``/``write``/``close`` (``readv``) per page to files
@@ -16,13 +18,21 @@ default) per call, random bytes, wall time of the whole batch, medians of ``--re
   ``batch_get_into`` of each page as one contiguous registered buffer, through a ``mooncake_master``
   the benchmark starts on 127.0.0.1 (TCP transport) and stops by its process id. The ratio is taken
   against the faster raw form. Skipped, saying why, where Mooncake Store is not installed.
-* ``checksum``: the page record's checksum (``kvpool.storage.record``) against one thread of
-  ``zlib.crc32`` over the same bytes and a ``memcpy`` of them (the machine's memory speed).
+* ``checksum``: the page record's checksums (``kvpool.storage.record``: two vectorised uint64
+  sums of the payload, on the checksum threads) against one thread of ``zlib.crc32`` over the same
+  bytes (a CRC-32 of the payload, for scale) and a ``memcpy`` of them (the machine's memory speed).
+
+* ``--ttft llama,qwen3.5``: time to first token of a repeated long prompt served from storage (a
+  fresh engine: nothing on the device or in host memory) against recomputing it, through the model
+  runners (benchmarks/storage_ttft.py says how): Llama-3-8B's shape with 4 layers and Qwen3.5-397B's
+  in 4 layers on a GPU, the runners' tiny shapes on a CPU. A model whose cache refuses a storage
+  tier is skipped, saying why.
 
 Targets: the file backend's write and read >= 80% of the plain write and read; Mooncake's >= 90%
 of its raw batch put and get.
 
-Usage: python benchmarks/bench_storage.py --out DIR [--quick] [--dir PATH]
+Usage: python benchmarks/bench_storage.py --out DIR [--quick] [--dir PATH] [--ttft llama,qwen3.5]
+(on a GPU, the time to first token alone: ``--backends none --ttft llama,qwen3.5``).
 ``--cpu-smoke`` runs every path on a toy host pool (seconds); it checks the script, measures nothing.
 """
 
@@ -63,15 +73,23 @@ def configure_smoke() -> None:
 def timed(fn, reps: int, before=None) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls after one untimed call; ``before()`` runs
     untimed ahead of every call."""
-    times = []
+    return timed_together({"t": (fn, before)}, reps)["t"]
+
+
+def timed_together(cases: dict, reps: int) -> dict:
+    """Median seconds of each of ``cases`` (name -> ``(fn, before or None)``) over ``reps`` rounds
+    after one untimed round; a round calls each case once, in turn, so a backend and its ceiling
+    share whatever else the machine is doing at the time (their ratio is what the targets judge)."""
+    times: dict = {name: [] for name in cases}
     for i in range(reps + 1):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, (fn, before) in cases.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def gbps(nbytes: int, s: float) -> float:
@@ -168,11 +186,10 @@ def bench_file(args, rep: report.Report, p: Pages) -> dict:
             if not all(store.batch_get_v1(p.keys, p.dst)):
                 raise RuntimeError("batch_get_v1 missed a page")
 
-        out = {"plain_write_s": timed(lambda: plain_write(plain, p.flat), args.reps, lambda: remove_plain(plain, p.pages))}
-        out["write_s"] = timed(store_write, args.reps, store.clear)
-        out["plain_read_s"] = timed(lambda: plain_read(plain, into), args.reps)
+        out = timed_together({"plain_write_s": (lambda: plain_write(plain, p.flat), lambda: remove_plain(plain, p.pages)),
+                              "write_s": (store_write, store.clear)}, args.reps)  # fmt: skip
         p.scramble_dst()
-        out["read_s"] = timed(store_read, args.reps)
+        out.update(timed_together({"plain_read_s": (lambda: plain_read(plain, into), None), "read_s": (store_read, None)}, args.reps))
         p.check_dst("HiCacheFile.batch_get_v1")
         for i, t in enumerate(into):
             if not torch.equal(t, p.flat[i]):
@@ -240,14 +257,12 @@ def bench_mooncake(args, rep: report.Report, p: Pages) -> dict:
                 if not all(store.batch_get_v1(p.keys, p.dst)):
                     raise RuntimeError(f"batch_get_v1 missed a page ({store.last_error})")
 
-            out = {}
-            out["raw_put_s"] = timed(raw_put, args.reps, lambda: client.batch_remove(raw_keys, True))
-            out["raw_flat_put_s"] = timed(flat_put, args.reps, lambda: client.batch_remove(flat_keys, True))
-            out["put_s"] = timed(store_put, args.reps, store.clear)
-            out["raw_get_s"] = timed(raw_get, args.reps)
-            out["raw_flat_get_s"] = timed(flat_get, args.reps)
+            out = timed_together({"raw_put_s": (raw_put, lambda: client.batch_remove(raw_keys, True)),
+                                  "raw_flat_put_s": (flat_put, lambda: client.batch_remove(flat_keys, True)),
+                                  "put_s": (store_put, store.clear)}, args.reps)  # fmt: skip
             p.scramble_dst()
-            out["get_s"] = timed(store_get, args.reps)
+            gets = {"raw_get_s": (raw_get, None), "raw_flat_get_s": (flat_get, None), "get_s": (store_get, None)}
+            out.update(timed_together(gets, args.reps))
             p.check_dst("MooncakeStore.batch_get_v1")
             if not torch.equal(landing, contiguous):
                 raise RuntimeError("batch_get_into read back other bytes")
@@ -267,11 +282,11 @@ def bench_checksum(args, p: Pages) -> dict:
     name = b"bench-page-name"
     views = [memoryview(t.numpy()).cast("B") for t in p.flat]
     dst = torch.empty_like(p.flat[0])
-    return {
-        "record_s": timed(lambda: [record.checksum(name, v) for v in views], args.reps),
-        "zlib_s": timed(lambda: [zlib.crc32(v) for v in views], args.reps),
-        "memcpy_s": timed(lambda: [dst.copy_(t) for t in p.flat], args.reps),
-    }
+    return timed_together({
+        "record_s": (lambda: [record.checksum(name, v) for v in views], None),
+        "zlib_s": (lambda: [zlib.crc32(v) for v in views], None),
+        "memcpy_s": (lambda: [dst.copy_(t) for t in p.flat], None),
+    }, args.reps)  # fmt: skip
 
 
 # --- report -----------------------------------------------------------------------------------------
@@ -350,12 +365,17 @@ def markdown(res: dict) -> str:
     sums = [c for c in res["cases"] if c["backend"] == "checksum"]
     if sums:
         lines += ["## The page checksum against one thread of zlib.crc32 and a memcpy of the same bytes (GB/s)", "",
-                  f"The record's checksum: CRC-32 of each {_mb(res['config']['chunk_bytes'])} chunk of the payload, "
-                  f"on up to {res['config']['checksum_threads']} threads, then one CRC-32 over the header fields, the name and those CRCs.", "",
+                  f"The record's checksums: a uint64 sum and a position-weighted uint64 sum of the payload's words, "
+                  f"{_mb(res['config']['chunk_bytes'])} chunks on up to {res['config']['checksum_threads']} threads, then one "
+                  "CRC-32 over the header fields, the name and the two sums. zlib.crc32 of the payload is for scale.", "",
                   "| page | page bytes | record checksum | zlib.crc32, one thread | memcpy |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
         for c in sums:
             r = rates(c)
             lines.append(f"| {c['page_size']} | {_mb(c['page_bytes'])} | {r['record']:.2f} | {r['zlib']:.2f} | {r['memcpy']:.2f} |")
+    if res.get("ttft") or res.get("ttft_skipped"):
+        import storage_ttft
+
+        lines += ["", *storage_ttft.markdown(res.get("ttft", []), res.get("ttft_skipped", []))]
     return "\n".join(lines) + "\n"
 
 
@@ -398,10 +418,19 @@ def main() -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend's directory is made (default: the temp dir)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends to time")
     parser.add_argument("--page-sizes", default=None, help="comma-separated page sizes in tokens (default 64,4; quick 64)")
+    parser.add_argument("--ttft", default="", help="comma-separated models (llama, qwen3.5) whose time to first token from storage is measured")
+    parser.add_argument("--ttft-storage", choices=BACKENDS, default="file",
+                        help="the storage tier of the time-to-first-token cases (mooncake: each engine lends 64 MiB, "
+                             "less than the pages of a GPU run's 8192-token prompt: pass a shorter --ttft-prompt-len)")  # fmt: skip
+    parser.add_argument("--ttft-prompt-len", type=int, default=None, help="prompt tokens (default 8192 on a GPU, 256 on a CPU)")
+    parser.add_argument("--ttft-reps", type=int, default=None, help="timed engines of each kind (default 5, smoke 1)")
     args = parser.parse_args()
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or set(backends) - set(BACKENDS):
-        parser.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends!r}")
+    backends = [] if args.backends == "none" else [b for b in args.backends.split(",") if b]
+    if (not backends and args.backends != "none") or set(backends) - set(BACKENDS):
+        parser.error(f"--backends must name some of {', '.join(BACKENDS)} (or be none), got {args.backends!r}")
+    ttft = [m for m in args.ttft.split(",") if m]
+    if set(ttft) - {"llama", "qwen3.5"}:
+        parser.error(f"--ttft must name some of llama, qwen3.5, got {args.ttft!r}")
     if args.cpu_smoke:
         configure_smoke()
     page_sizes = PAGE_SIZES[:1] if args.quick else PAGE_SIZES
@@ -419,7 +448,7 @@ def main() -> int:
                     chunk_bytes=record.CHUNK_BYTES, checksum_threads=record.checksum_threads(), load_start=os.getloadavg()[0]),
         cases=[],
     )  # fmt: skip
-    for page_size in page_sizes:
+    for page_size in page_sizes if backends else []:
         p = Pages(page_size, pages)
         base = dict(page_size=page_size, page_bytes=p.page_bytes, pages=pages, bytes=p.nbytes)
         for backend in ["checksum", *backends]:
@@ -446,6 +475,10 @@ def main() -> int:
                     + ", ".join(f"{k} {100 * v:.0f}%" if k.endswith("ratio") else f"{k} {v:.2f} GB/s" for k, v in r.items()))  # fmt: skip
             rep.save()
         del p
+    if ttft:
+        import storage_ttft
+
+        storage_ttft.run_cases(args, rep, ttft)
     rep.result["config"]["load_end"] = os.getloadavg()[0]
     rep.save(final=True)
     return 1 if rep.result["errors"] else 0

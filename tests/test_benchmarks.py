@@ -31,6 +31,9 @@ SMOKES = {  # script: (extra arguments, report name)
     "bench_allocators.py": ([], "allocators"),
     # The file backend, and the Mooncake backend where Mooncake Store is installed (a skip otherwise).
     "bench_storage.py": ([], "storage"),
+    # Time to first token from storage against recomputing, the Llama runner's tiny shape (and Qwen3.5's,
+    # a skip saying why while its cache takes no storage tier).
+    "bench_storage.py ttft": (["--backends", "none", "--ttft", "llama,qwen3.5"], "storage"),
     # Two ranks over gloo on CPU pools; the staged path alone (the direct path needs CUDA pools).
     "bench_transfer.py": (["--paths", "staged"], "transfer"),
 }

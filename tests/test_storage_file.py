@@ -23,7 +23,7 @@ from kvassert import HOST_LAYOUTS, directory_state, file_store, host_page_bytes,
 from kvpool.storage import HiCacheFile, HiCacheStorageConfig, page_keys
 from kvpool.storage import file as file_module
 from kvpool.storage.keys import storage_name
-from kvpool.storage.record import HEADER
+from kvpool.storage.record import HEADER, payload_offset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_a_writer_killed_midway_leaves_no_page(tmp_path):
     # What the writer got down before it died: the header, the name and half the payload, in a
     # temporary file only.
     assert len(temps) == 1, os.listdir(path)
-    assert (path / temps[0]).stat().st_size == HEADER.size + len(storage_name(store.namespace, "victim")) + 2048
+    assert (path / temps[0]).stat().st_size == payload_offset(len(storage_name(store.namespace, "victim"))) + 2048
     assert len(page_files(store)) == 1
     assert not store.exists("victim") and store.get("victim") is None
     # A store opened later removes the dead writer's file and keeps the page that was whole.
@@ -174,7 +174,7 @@ def test_a_torn_page_is_a_miss_and_is_written_again(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "where", ["magic", "version", "name length", "payload length", "crc", "name", "payload first", "payload last"]
+    "where", ["magic", "version", "name length", "payload length", "crc", "name", "padding", "payload first", "payload last"]
 )
 def test_a_flipped_byte_is_a_miss(tmp_path, where):
     store = file_store(tmp_path / "kv")
@@ -185,7 +185,7 @@ def test_a_flipped_byte_is_a_miss(tmp_path, where):
     name_len = int.from_bytes(raw[12:16], "little")
     at = {
         "magic": 0, "version": 8, "name length": 12, "payload length": 16, "crc": 24, "name": HEADER.size + 5,
-        "payload first": HEADER.size + name_len, "payload last": len(raw) - 1,
+        "padding": payload_offset(name_len) - 1, "payload first": payload_offset(name_len), "payload last": len(raw) - 1,
     }[where]  # fmt: skip
     raw[at] ^= 0x01
     f.write_bytes(bytes(raw))

@@ -212,6 +212,22 @@ def test_a_record_under_another_key_torn_or_flipped_is_a_miss(engines):
     assert [b.exists(k) for k in (swapped, flipped, torn, good)] == [False, False, False, True]
 
 
+def test_a_batch_read_in_groups_checks_a_page_before_a_later_page_lands_on_it(engines):
+    # Eight pages travel in several calls; the last is read into the first one's host page, which
+    # must have been checked (a hit) before the last one's bytes arrive there.
+    host = make_host(make_device_pool(size=96), "layer_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    src = host.alloc(32)
+    keys = page_keys(list(range(32)), 4)
+    assert a.batch_set_v1(keys, src) == [True] * 8
+    last = host_page_bytes(host, int(src[28])).clone()
+    dst = host.alloc(28)
+    before = b.get_stats()
+    assert b.batch_get_v1(keys, torch.cat([dst, dst[:4]])) == [True] * 8
+    assert counted(b, before, "hits", "corrupt") == (8, 0)
+    assert torch.equal(host_page_bytes(host, int(dst[0])), last)
+
+
 # --- pages as tensors --------------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import CHUNK_BYTES, HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
+from kvpool.storage.record import CHUNK_BYTES, PayloadChecksum, checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -113,16 +113,16 @@ def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list
     return True
 
 
-def _steps(parts: list[memoryview], step: int) -> list[list[memoryview]]:
-    """``parts`` cut into consecutive groups of about ``step`` bytes (a part larger than ``step``
-    is cut too): what one read brings in before its bytes are handed to the checksum."""
-    groups: list[list[memoryview]] = [[]]
+def _steps(regions: list[tuple[int, int]], step: int) -> list[list[tuple[int, int]]]:
+    """``(address, size)`` regions cut into consecutive groups of about ``step`` bytes (a region
+    larger than ``step`` is cut too): what one read brings in before it is handed to the checksum."""
+    groups: list[list[tuple[int, int]]] = [[]]
     room = step
-    for part in parts:
-        while part.nbytes:
-            take = min(room, part.nbytes)
-            groups[-1].append(part[:take])
-            part, room = part[take:], room - take
+    for ptr, n in regions:
+        while n:
+            take = min(room, n)
+            groups[-1].append((ptr, take))
+            ptr, n, room = ptr + take, n - take, room - take
             if room == 0:
                 groups.append([])
                 room = step
@@ -253,18 +253,18 @@ class HiCacheFile(HiCacheStorage):
         with self._write_lock:
             return self._store_one(key, parts, job)
 
-    def _checksum_ahead(self, key: str, parts: list[memoryview]) -> Optional[PayloadChecksum]:
-        """The checksum of a page about to be written, started now (None for a page already stored)."""
+    def _checksum_ahead(self, key: str, blocks: list[tuple[int, int]]) -> Optional[PayloadChecksum]:
+        """The checksum of a host page about to be written from ``blocks``, started now (None: stored)."""
         if os.path.exists(self._path(storage_digest(self.namespace, key))):
             return None
-        return checksum_of(storage_name(self.namespace, key), parts)
+        return checksum_of_regions(storage_name(self.namespace, key), blocks)
 
     def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
         payload_len = sum(p.nbytes for p in parts)
-        size = HEADER.size + len(name) + payload_len
+        size = payload_offset(len(name)) + payload_len
         with self._lock:
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
@@ -313,13 +313,14 @@ class HiCacheFile(HiCacheStorage):
             self._stats.writes += 1
         return True
 
-    def _load(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> bool:
-        """Read one page into the buffers ``parts_for(payload length)`` names (None: a size the caller
-        cannot take) and check it: True for a hit, False for a miss (the buffers' bytes are then
-        unspecified, or untouched where the header or the file's size already showed the miss)."""
+    def _load(self, key: str, parts_for: Callable[[int], Optional[list[Any]]]) -> bool:
+        """Read one page into the writable buffers or ``(address, size)`` regions ``parts_for(payload
+        length)`` names (None: a size the caller cannot take) and check it: True for a hit, False for
+        a miss (their bytes are then unspecified, or untouched where the header or the file's size
+        already showed the miss)."""
         return self._finish(*self._begin(key, parts_for))
 
-    def _begin(self, key: str, parts_for: Callable[[int], Optional[list[memoryview]]]) -> tuple[str, Any]:
+    def _begin(self, key: str, parts_for: Callable[[int], Optional[list[Any]]]) -> tuple[str, Any]:
         """Read one page as ``_load`` does, its chunks' checksums still running: ``(digest, outcome)``,
         the outcome "absent", "size", "corrupt", or ``(checksum job, stored checksum)``."""
         name = storage_name(self.namespace, key)
@@ -361,12 +362,12 @@ class HiCacheFile(HiCacheStorage):
         return False
 
     @staticmethod
-    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[memoryview]]]) -> Any:
+    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[Any]]]) -> Any:
         """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
         payload read, ``(its checksum job, the stored checksum)``. The payload is read a chunk at a
         time, each chunk checksummed on the checksum threads while the next one is read."""
         size = os.fstat(fd).st_size
-        raw = os.read(fd, HEADER.size + len(name))
+        raw = os.read(fd, payload_offset(len(name)))
         parsed = parse_header(raw, name)
         if parsed is None or size != len(raw) + parsed[0]:
             return "corrupt"
@@ -374,14 +375,14 @@ class HiCacheFile(HiCacheStorage):
         parts = parts_for(payload_len)
         if parts is None:
             return "size"
+        regions = [p if isinstance(p, tuple) else (ctypes.addressof(ctypes.c_char.from_buffer(p)), p.nbytes) for p in parts if len(p)]
         job = PayloadChecksum(name, payload_len)
         try:
-            for group in _steps(parts, CHUNK_BYTES):
-                if not _vectored(os.readv, fd, group):
+            for group in _steps(regions, CHUNK_BYTES):
+                if not _vectored(os.readv, fd, [_region(ptr, n) for ptr, n in group]):
                     job.wait()
                     return "corrupt"
-                for g in group:
-                    job.feed(g)
+                job.feed_regions(group)
         except BaseException:
             job.wait()
             raise
@@ -468,12 +469,11 @@ class HiCacheFile(HiCacheStorage):
         done: list[bool] = []
         pending, pending_at = None, None  # the previous page, its checksum running while this one is read
         for key, blocks in zip(keys, regions):
-            views = [_region(ptr, n) for ptr, n in blocks]
             want = sum(n for _, n in blocks)
             if pending is not None and blocks[:1] == pending_at:  # the same host page again: checked first
                 done.append(self._finish(*pending))
                 pending = None
-            started = self._begin(key, lambda n, views=views, want=want: views if n == want else None)
+            started = self._begin(key, lambda n, blocks=blocks, want=want: blocks if n == want else None)
             if pending is not None:
                 done.append(self._finish(*pending))
             pending, pending_at = started, blocks[:1]
@@ -489,11 +489,11 @@ class HiCacheFile(HiCacheStorage):
         regions = self.host_page_regions(keys, host_indices)
         pages = [[_region(ptr, n) for ptr, n in blocks] for blocks in regions]
         done = []
-        ahead = self._checksum_ahead(keys[0], pages[0]) if keys else None
+        ahead = self._checksum_ahead(keys[0], regions[0]) if keys else None
         for i, (key, parts) in enumerate(zip(keys, pages)):
             job = ahead
             # The next page's checksum runs on the checksum threads while this one is written.
-            ahead = self._checksum_ahead(keys[i + 1], pages[i + 1]) if i + 1 < len(keys) else None
+            ahead = self._checksum_ahead(keys[i + 1], regions[i + 1]) if i + 1 < len(keys) else None
             done.append(self._store(key, parts, job))
         return done
 

@@ -5,8 +5,8 @@ Every engine runs a store client that lends ``global_segment_size`` bytes of its
 store; one ``mooncake_master`` (with its HTTP metadata server, see
 :mod:`kvpool.storage.mooncake_master`) places pages in those segments. A page is one store object
 laid out exactly as a page file of the file backend (:mod:`kvpool.storage.record`: header, the name
-it belongs to, payload, a checksum over all three), under the store key ``kvpool-<namespace digest>-<page
-digest>`` (digests only, never caller text). Every read checks header, name, size and checksum, so a
+it belongs to, payload, checksums over all three), under the store key ``kvpool-<namespace digest>-<page
+digest>`` (digests only, never caller text). Every read checks header, name, size and checksums, so a
 read never returns another prefix's or another namespace's page.
 
 The host-index forms move pages between the store and the registered host pool without a copy: the
@@ -16,7 +16,6 @@ staging buffer) followed by the host pool's K and V blocks, in the flat page ord
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -40,14 +39,20 @@ from kvpool.storage.mooncake_config import (
 )
 from kvpool.storage.mooncake_master import port_open
 from kvpool.storage.mooncake_memory import RegisteredMemory
-from kvpool.storage.record import HEADER, PayloadChecksum, checksum_of, pack_header, parse_header
+from kvpool.storage.record import checksum_of_regions, pack_header, parse_header, payload_offset
 
 log = logging.getLogger(__name__)
 
 
-def _region(ptr: int, size: int) -> Any:
-    """``size`` bytes of host memory at ``ptr`` as a buffer (no copy)."""
-    return (ctypes.c_ubyte * size).from_address(ptr)
+#: A batch of this many pages or more travels in several calls, so checksums and transfers overlap.
+PIPELINE_PAGES = 4
+_PIPELINE_GROUPS = 4
+
+
+def _groups(n: int) -> list[range]:
+    """``range(n)`` cut into consecutive groups: one below :data:`PIPELINE_PAGES` pages, else up to 4."""
+    k = 1 if n < PIPELINE_PAGES else min(_PIPELINE_GROUPS, n)
+    return [range(n * g // k, n * (g + 1) // k) for g in range(k)]
 
 
 class MooncakeStore(HiCacheStorage):
@@ -196,13 +201,6 @@ class MooncakeStore(HiCacheStorage):
 
     # --- records -----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _checksums(names: list[bytes], regions: list[list[tuple[int, int]]]) -> list[PayloadChecksum]:
-        """Each page's record checksum (:mod:`~kvpool.storage.record`) over its payload's registered
-        memory ``regions[i]``, all started at once: the chunks of every page are checksummed on the
-        shared threads together (``value()`` waits)."""
-        return [checksum_of(name, [_region(ptr, n) for ptr, n in r]) for name, r in zip(names, regions)]
-
     def _drop_corrupt(self, skey: str) -> None:
         # Removed so the next write of the key stores a good page; force skips the read lease.
         self.store.remove(skey, True)
@@ -211,7 +209,8 @@ class MooncakeStore(HiCacheStorage):
 
     def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
         """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
-        size)`` blocks in order) in one batch, each object its header (from a staging buffer) and
+        size)`` blocks in order) in one batch (sent in up to 4 calls, a call's pages sent while the next ones'
+        checksums are computed), each object its header (from a staging buffer) and
         then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
         after the first that fails are not left stored (``batch_set``'s rule)."""
         if not self._usable():
@@ -229,16 +228,30 @@ class MooncakeStore(HiCacheStorage):
             self._count(writes=len(keys))
             return done
         names = [storage_name(self.namespace, keys[i]) for i in todo]
-        jobs = self._checksums(names, [regions[i] for i in todo])
-        heads = [pack_header(name, job.payload_len, job.value()) for name, job in zip(names, jobs)]
-        with self.memory.staging(sum(len(h) for h in heads)) as staging:
-            at, ptrs, sizes = 0, [], []
-            for i, h in zip(todo, heads):
-                staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
-                ptrs.append([staging.ctypes.data + at] + [ptr for ptr, _ in regions[i]])
-                sizes.append([len(h)] + [n for _, n in regions[i]])
-                at += len(h)
-            codes = self.store.batch_put_from_multi_buffers([skeys[i] for i in todo], ptrs, sizes)
+        # Every page's checksum started at once, on the checksum threads (``value()`` waits).
+        jobs = [checksum_of_regions(name, regions[i]) for name, i in zip(names, todo)]
+        heads: list[bytes] = []
+        codes: list[int] = []
+        try:
+            with self.memory.staging(sum(payload_offset(len(n)) for n in names)) as staging:
+                at = 0
+                # In groups: a group is sent while the checksum threads go on with the next ones.
+                for group in _groups(len(todo)):
+                    ptrs, sizes = [], []
+                    for g in group:
+                        i, h = todo[g], pack_header(names[g], jobs[g].payload_len, jobs[g].value())
+                        heads.append(h)
+                        staging[at : at + len(h)] = np.frombuffer(h, dtype=np.uint8)
+                        ptrs.append([staging.ctypes.data + at] + [ptr for ptr, _ in regions[i]])
+                        sizes.append([len(h)] + [n for _, n in regions[i]])
+                        at += len(h)
+                    codes += self.store.batch_put_from_multi_buffers([skeys[todo[g]] for g in group], ptrs, sizes)
+                    if stop_at_failure and any(c != 0 for c in codes):
+                        break
+        finally:
+            for job in jobs[len(codes) :]:  # not sent: no thread may still read their regions
+                job.wait()
+        todo = todo[: len(codes)]
         code_of = dict(zip(todo, codes))
         failed = [i for i in todo if code_of[i] != 0]
         end = len(keys)  # the entries this call answers for
@@ -259,35 +272,53 @@ class MooncakeStore(HiCacheStorage):
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
-        there: True where the record is whole, of that size, names the key and its checksum agrees. A
+        there (in up to 4 calls, a call's pages checked while the next ones are read): True where
+        the record is whole, of that size, names the key and its checksum agrees. A
         record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
             self._count(misses=len(keys))
             return [False] * len(keys)
         skeys = [self.store_key(k) for k in keys]
         names = [storage_name(self.namespace, k) for k in keys]
-        lens = [HEADER.size + len(n) for n in names]
+        lens = [payload_offset(len(n)) for n in names]
         offsets = np.cumsum([0] + lens[:-1]).tolist()
-        with self.memory.staging(sum(lens)) as staging:
-            base = staging.ctypes.data
-            codes = self.store.batch_get_into_multi_buffers(
-                skeys, [[base + off] + [ptr for ptr, _ in r] for off, r in zip(offsets, regions)],
-                [[n] + [size for _, size in r] for n, r in zip(lens, regions)],
-            )  # fmt: skip
-            heads = [staging[off : off + n].tobytes() for off, n in zip(offsets, lens)]
-        whole, stored = [], []  # pages read whole, and the checksum each one's header gives
+        payload_lens = [sum(n for _, n in r) for r in regions]
+        codes: list[int] = []
+        jobs: dict[int, Any] = {}  # page -> its checksum job, for pages read whole
+        stored: dict[int, Any] = {}  # page -> the digest its header gives (None: a bad header)
+        checked: dict[int, bool] = {}  # page -> whether its checksum agreed, where known already
+        pending: dict[int, list[int]] = {}  # a region's first address -> pages checked there, still running
+        try:
+            with self.memory.staging(sum(lens)) as staging:
+                base = staging.ctypes.data
+                # In groups: a group's checksums run on the checksum threads while the next is read.
+                for group in _groups(len(keys)):
+                    for i in group:  # a host page an earlier group's page was read into: checked first
+                        for j in pending.pop(regions[i][0][0] if regions[i] else -1, ()):
+                            checked[j] = jobs[j].value() == stored[j]
+                    codes += self.store.batch_get_into_multi_buffers(
+                        [skeys[i] for i in group],
+                        [[base + offsets[i]] + [ptr for ptr, _ in regions[i]] for i in group],
+                        [[lens[i]] + [size for _, size in regions[i]] for i in group],
+                    )  # fmt: skip
+                    for i in group:
+                        if codes[i] != lens[i] + payload_lens[i]:
+                            continue
+                        parsed = parse_header(staging[offsets[i] : offsets[i] + lens[i]].tobytes(), names[i])
+                        stored[i] = parsed[1] if parsed is not None and parsed[0] == payload_lens[i] else None
+                        if stored[i] is not None:
+                            jobs[i] = checksum_of_regions(names[i], regions[i])
+                            pending.setdefault(regions[i][0][0] if regions[i] else -1, []).append(i)
+        except BaseException:
+            for job in jobs.values():
+                job.wait()
+            raise
         for i, code in enumerate(codes):
-            payload_len = sum(n for _, n in regions[i])
             if code < 0 and code != OBJECT_NOT_FOUND:
                 self._failed(code, "batch_get_into_multi_buffers")
-            if code == lens[i] + payload_len:
-                whole.append(i)
-                parsed = parse_header(heads[i], names[i])
-                stored.append(parsed[1] if parsed is not None and parsed[0] == payload_len else None)
-        jobs = self._checksums([names[i] for i in whole], [regions[i] for i in whole])
         done, corrupt = [False] * len(keys), 0
-        for i, crc, job in zip(whole, stored, jobs):
-            if crc is not None and job.value() == crc:
+        for i, digest in stored.items():
+            if checked[i] if i in checked else digest is not None and jobs[i].value() == digest:
                 done[i] = True
             else:
                 corrupt += 1
@@ -301,14 +332,14 @@ class MooncakeStore(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         """As the interface says. Keys already in the store are not sent again; the others travel in
-        one batch, each as its header and then the host pool's blocks themselves."""
+        one batch (up to 4 calls), each as its header and then the host pool's blocks themselves."""
         regions = self.host_page_regions(keys, host_indices)
         return self._put(keys, regions) if keys else []
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says. Pages are read in one batch straight into their host pages and
+        """As the interface says. Pages are read in one batch (up to 4 calls) straight into their host pages and
         checked there; a page that fails its check leaves its host page's bytes unspecified (and is
         removed from the store)."""
         regions = self.host_page_regions(keys, host_indices)
@@ -351,7 +382,7 @@ class MooncakeStore(HiCacheStorage):
             size = self.store.get_size(self.store_key(key))  # no target: the stored size decides
             if size < 0 and size != OBJECT_NOT_FOUND:
                 self._failed(size, "get_size")
-            nbytes.append(max(size - HEADER.size - len(storage_name(self.namespace, key)), 0))
+            nbytes.append(max(size - payload_offset(len(storage_name(self.namespace, key))), 0))
         with self.memory.staging(sum(nbytes)) as staging:
             regions, at = [], 0
             for n in nbytes:
