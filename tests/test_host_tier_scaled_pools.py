@@ -9,61 +9,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvassert import DEVICE, HOST_LAYOUTS, fill_random_
+from kvassert import (
+    DEVICE,
+    HOST_LAYOUTS,
+    SCALED_KINDS,
+    SCALED_START,
+    scaled_dev_rows,
+    scaled_host,
+    scaled_host_rows,
+    scaled_parts,
+    scaled_pool,
+)
 
 from kvpool.host.pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
-from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
-from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
 from kvpool.pools.mha_pool import MHATokenToKVPool
 
-START = 2  # global layer ids 2..3
-NVFP4_SCALES = dict(k_global_scales=[0.5, 3.0], v_global_scales=[2.0, 0.25])
-
-
-def _pool(kind: str, device: str, seed: int = 0, **over):
-    """A tiny 2-layer pool of ``kind`` with random bytes in every part (NaN patterns included)."""
-    common = dict(start_layer=START)
-    if kind == "fp4":
-        pool = MHATokenToKVPoolFP4(20, 2, "fp4_e2m1", 3, 32, 2, device, v_head_dim=16, **common)
-    elif kind == "nvfp4":
-        pool = MHATokenToKVPoolFP4(20, 2, "nvfp4", 3, 32, 2, device, v_head_dim=16, **{**NVFP4_SCALES, **over}, **common)
-    elif kind == "mla_fp4":
-        pool = MLATokenToKVPoolFP4(20, 2, "fp4_e2m1", 32, 16, 2, device, **common)
-    else:
-        pool = MHATokenToKVPoolFP8PerTokenHead(20, 2, torch.float8_e4m3fn, 3, 8, 2, device, v_head_dim=4, **common)
-    fill_random_(_device_parts(pool), seed)
-    return pool
-
-
-KINDS = ["fp4", "nvfp4", "mla_fp4", "fp8_token_head"]
-
-
-def _device_parts(pool) -> list[torch.Tensor]:
-    return [b for name in pool.part_names for b in getattr(pool, name)]
-
-
-def _host(pool, layout: str, **kw):
-    cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPoolFP4) else MHATokenToKVPoolHost
-    host = cls(pool, 2.0, 0, 2, layout, **kw)
-    fill_random_(host.buffers, 9)
-    return host
-
-
-def _host_layer(host, part: int, layer: int) -> torch.Tensor:
-    """[size, row bytes] uint8 of one part of one layer (0-based) on the host."""
-    buf = host.buffers[part]
-    rows = buf[layer] if host.layout == "layer_first" else buf[:, layer]
-    return rows.reshape(host.size, -1).view(torch.uint8)
-
-
-def _dev_layer(pool, part: int, layer: int) -> torch.Tensor:
-    """[rows, row bytes] uint8 of one part of one layer (0-based) on the device, on the CPU."""
-    return getattr(pool, pool.part_names[part])[layer].reshape(pool.rows, -1).view(torch.uint8).cpu()
+START = SCALED_START
+KINDS = SCALED_KINDS
 
 
 def _snapshot(pool) -> list[torch.Tensor]:
-    return [b.view(torch.uint8).cpu().clone() for b in _device_parts(pool)]
+    return [b.view(torch.uint8).cpu().clone() for b in scaled_parts(pool)]
 
 
 def _backends(kind: str) -> list[str]:
@@ -75,8 +41,8 @@ def _backends(kind: str) -> list[str]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_backup_then_loads_carry_every_part_byte_for_byte(kind, layout, device):
     for backend in _backends(kind):
-        pool = _pool(kind, device)
-        host = _host(pool, layout)
+        pool = scaled_pool(kind, device)
+        host = scaled_host(pool, layout)
         assert len(host.buffers) == len(pool.part_names)
         h = host.alloc(6)
         h = torch.cat((h[4:], h[:4]))  # pages out of order
@@ -87,11 +53,11 @@ def test_backup_then_loads_carry_every_part_byte_for_byte(kind, layout, device):
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool))), "a backup changed the device pool"
         for layer in range(2):
             for part in range(len(pool.part_names)):
-                assert torch.equal(_host_layer(host, part, layer)[h], _dev_layer(pool, part, layer)[d.cpu()]), (
+                assert torch.equal(scaled_host_rows(host, part, layer)[h], scaled_dev_rows(pool, part, layer)[d.cpu()]), (
                     f"{backend}: host {pool.part_names[part]} layer {layer} differs from the device rows"
                 )
         # Per-layer loads into a fresh pool, other slots: each layer's parts land, nothing else moves.
-        fresh = _pool(kind, device, seed=4)
+        fresh = scaled_pool(kind, device, seed=4)
         target = torch.tensor([9, 10, 3, 4, 11, 12], device=device)
         untouched = torch.ones(fresh.rows, dtype=torch.bool)
         untouched[target.cpu()] = False
@@ -101,27 +67,27 @@ def test_backup_then_loads_carry_every_part_byte_for_byte(kind, layout, device):
             host.wait_for_loads()
             for part in range(len(pool.part_names)):
                 name = pool.part_names[part]
-                got, src = _dev_layer(fresh, part, layer), _dev_layer(pool, part, layer)
+                got, src = scaled_dev_rows(fresh, part, layer), scaled_dev_rows(pool, part, layer)
                 assert torch.equal(got[target.cpu()], src[d.cpu()]), f"{backend}: {name} layer {layer} not loaded"
                 old = prior[part * 2 + layer].reshape(fresh.rows, -1)
                 assert torch.equal(got[untouched], old[untouched]), f"{backend}: {name} rows not named changed"
                 if layer == 0:  # layer 1 is not loaded yet: every part of it is as it was
-                    assert torch.equal(_dev_layer(fresh, part, 1), prior[part * 2 + 1].reshape(fresh.rows, -1))
+                    assert torch.equal(scaled_dev_rows(fresh, part, 1), prior[part * 2 + 1].reshape(fresh.rows, -1))
         # Every layer at once into a third pool.
-        third = _pool(kind, device, seed=5)
+        third = scaled_pool(kind, device, seed=5)
         host.load_to_device_all_layer(third, h, target, backend)
         host.wait_for_loads()
         for layer in range(2):
             for part in range(len(pool.part_names)):
-                assert torch.equal(_dev_layer(third, part, layer)[target.cpu()], _dev_layer(pool, part, layer)[d.cpu()])
+                assert torch.equal(scaled_dev_rows(third, part, layer)[target.cpu()], scaled_dev_rows(pool, part, layer)[d.cpu()])
 
 
 @pytest.mark.parametrize("device", [DEVICE])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_flat_data_pages_hold_every_part(kind, layout, device):
-    pool = _pool(kind, device)
-    host = _host(pool, layout)
+    pool = scaled_pool(kind, device)
+    host = scaled_host(pool, layout)
     h = host.alloc(4)
     d = torch.tensor([1, 2, 13, 14], device=device)
     host.backup_from_device_all_layer(pool, h, d)
@@ -134,19 +100,19 @@ def test_flat_data_pages_hold_every_part(kind, layout, device):
     assert pages[0].dtype == host.store_dtype and pages[0].numel() * pages[0].element_size() == sum(host.page_bytes)
     assert host.get_dummy_flat_data_page().shape == pages[0].shape
     # Into another host pool's pages, then to a fresh device pool: the device rows come back exact.
-    other = _host(pool, layout)
+    other = scaled_host(pool, layout)
     h2 = other.alloc(4)
     other.set_from_flat_data_page(int(h2[0]), pages[0].clone())
     other.set_from_flat_data_page(int(h2[2]), pages[1].clone())
     for a, b in zip(other.get_data_page(int(h2[0]), flat=False), host.get_data_page(int(h[0]), flat=False)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    fresh = _pool(kind, device, seed=6)
+    fresh = scaled_pool(kind, device, seed=6)
     target = torch.tensor([7, 8, 3, 4], device=device)
     other.load_to_device_all_layer(fresh, h2, target)
     other.wait_for_loads()
     for layer in range(2):
         for part in range(len(pool.part_names)):
-            assert torch.equal(_dev_layer(fresh, part, layer)[target.cpu()], _dev_layer(pool, part, layer)[d.cpu()])
+            assert torch.equal(scaled_dev_rows(fresh, part, layer)[target.cpu()], scaled_dev_rows(pool, part, layer)[d.cpu()])
     ptrs, sizes = host.get_page_buffer_meta(h[:2])
     assert sum(sizes) == sum(host.page_bytes) and len(ptrs) == len(sizes)
     with pytest.raises(ValueError, match="data_page must be 1-D"):
@@ -155,13 +121,13 @@ def test_flat_data_pages_hold_every_part(kind, layout, device):
 
 @pytest.mark.parametrize("device", [DEVICE])
 def test_nvfp4_host_pages_need_the_global_scales_they_were_saved_under(device):
-    pool = _pool("nvfp4", device)
-    host = _host(pool, "page_first")
+    pool = scaled_pool("nvfp4", device)
+    host = scaled_host(pool, "page_first")
     assert host.global_scales == ((0.5, 2.0), (3.0, 0.25))
     h = host.alloc(2)
     d = torch.tensor([1, 2], device=device)
     host.backup_from_device_all_layer(pool, h, d)
-    other = _pool("nvfp4", device, seed=3, k_global_scales=[0.5, 4.0])
+    other = scaled_pool("nvfp4", device, seed=3, k_global_scales=[0.5, 4.0])
     before = _snapshot(other)
     with pytest.raises(ValueError, match="NVFP4 global scales the host pages were saved under"):
         host.load_to_device_per_layer(other, h, d, START, "kernel")
@@ -173,14 +139,14 @@ def test_nvfp4_host_pages_need_the_global_scales_they_were_saved_under(device):
         host.load_to_device_all_layer(pool, h, d)
     with pytest.raises(ValueError, match="NVFP4 global scales"):
         host.backup_from_device_all_layer(pool, h, d)
-    same = _pool("nvfp4", device, seed=3)  # equal scales: loads
+    same = scaled_pool("nvfp4", device, seed=3)  # equal scales: loads
     host.load_to_device_all_layer(same, h, torch.tensor([5, 6], device=device))
 
 
 @pytest.mark.parametrize("device", [DEVICE])
 def test_a_device_pool_of_another_format_or_kind_is_refused(device):
-    fp4, nvfp4 = _pool("fp4", device), _pool("nvfp4", device)
-    host = _host(fp4, "layer_first")
+    fp4, nvfp4 = scaled_pool("fp4", device), scaled_pool("nvfp4", device)
+    host = scaled_host(fp4, "layer_first")
     h = host.alloc(2)
     d = torch.tensor([1, 2], device=device)
     with pytest.raises(ValueError, match="parts of the pool this host pool was built for"):
@@ -189,9 +155,9 @@ def test_a_device_pool_of_another_format_or_kind_is_refused(device):
     kv_host = MHATokenToKVPoolHost(kv, 2.0, 0, 2, "layer_first")
     with pytest.raises(ValueError, match="device_pool must have dtype"):
         kv_host.load_to_device_all_layer(fp4, kv_host.alloc(2), d)
-    token = _pool("fp8_token_head", device)
+    token = scaled_pool("fp8_token_head", device)
     with pytest.raises(ValueError, match="device_pool must have head_dim"):
-        _host(token, "layer_first").load_to_device_all_layer(kv, h, d)
+        scaled_host(token, "layer_first").load_to_device_all_layer(kv, h, d)
     with pytest.raises(TypeError, match="MLATokenToKVPool or MLATokenToKVPoolFP4, got MHATokenToKVPoolFP4"):
         MLATokenToKVPoolHost(fp4, 2.0, 0, 2, "layer_first")
     with pytest.raises(TypeError, match="device_pool must be an MHATokenToKVPool, .* got object"):
@@ -201,8 +167,8 @@ def test_a_device_pool_of_another_format_or_kind_is_refused(device):
 @pytest.mark.parametrize("device", [DEVICE])
 @pytest.mark.parametrize("kind", ["fp4", "nvfp4", "fp8_token_head"])
 def test_the_direct_backend_refuses_pools_with_four_parts(kind, device):
-    pool = _pool(kind, device)
-    host = _host(pool, "page_first")
+    pool = scaled_pool(kind, device)
+    host = scaled_host(pool, "page_first")
     h = host.alloc(2)
     before = [b.clone() for b in host.buffers]
     with pytest.raises(TypeError, match=f"{type(pool).__name__} has 4 .*use io_backend='kernel'"):
