@@ -136,3 +136,29 @@ def host_part_buffers(
         region[at : at + nbytes].view(dtype).view(shape) for (shape, dtype), at, nbytes in zip(specs, starts, sizes)
     ]
     return buffers, handle
+
+
+def page_buffer_meta(
+    buffers: list[torch.Tensor], layout: str, layer_num: int, page_size: int, firsts: list[int]
+) -> tuple[list[int], list[int]]:
+    """Host addresses and byte sizes of the pages starting at host slots ``firsts`` of ``buffers``
+    (one per part, ``[layer_num, size, ...]`` or ``[size, layer_num, ...]`` as ``layout`` says):
+    ``page_first``: per page, each part's block (every layer of the page); ``layer_first``: per
+    page, per layer, each part's block."""
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    bases = [b.data_ptr() for b in buffers]
+    rows = [b[0, 0].nbytes for b in buffers]
+    if layout == "page_first":
+        blocks = [page_size * layer_num * r for r in rows]
+        for s in firsts:
+            ptrs += [base + s * layer_num * r for base, r in zip(bases, rows)]
+            sizes += blocks
+    else:
+        size = buffers[0].shape[1]
+        blocks = [page_size * r for r in rows]
+        for s in firsts:
+            for layer in range(layer_num):
+                ptrs += [base + (layer * size + s) * r for base, r in zip(bases, rows)]
+                sizes += blocks
+    return ptrs, sizes

@@ -23,7 +23,14 @@ from kvpool.config import validate_enabled
 from kvpool.host.direct_backend import HOST_STAGING_BYTES, DirectBackend
 from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS, KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
-from kvpool.host.memory import LAYOUTS, check_host_memory, host_part_buffers, host_slots, layer_views
+from kvpool.host.memory import (
+    LAYOUTS,
+    check_host_memory,
+    host_part_buffers,
+    host_slots,
+    layer_views,
+    page_buffer_meta,
+)
 from kvpool.host.pages import HostPages
 from kvpool.host.parts import LayerParts, device_rows, global_scales, layer_parts
 from kvpool.host.schedule import Transfer, TransferScheduler
@@ -414,19 +421,6 @@ class MHATokenToKVPoolHost:
 
     # --- pages for a storage tier (SGLang names) -----------------------------------------------------
 
-    def _page_index(self, index: object) -> int:
-        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.dtype.is_floating_point:
-            index = int(index)
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"index must be an int (the page's first host slot), got {type(index).__name__}")
-        index = int(index)
-        if not 0 <= index < self.size or index % self.page_size:
-            raise IndexError(
-                f"index must be the first slot of a page (a multiple of {self.page_size} in 0..{self.size - 1}), "
-                f"got {index}"
-            )
-        return index
-
     def _page_views(self, index: int) -> tuple[torch.Tensor, ...]:
         sl = slice(index, index + self.page_size)
         if self.layout == "layer_first":
@@ -448,7 +442,7 @@ class MHATokenToKVPoolHost:
         with scales), each in the layout's order (``layer_first``: [layers, page_size, ...];
         ``page_first``: [page_size, layers, ...]). ``flat=False``: the parts' views themselves ((K, V)
         for a K/V pool). Waits (on the host) for a backup still writing the page."""
-        index = self._page_index(index)
+        index = self._pages.page_index(index)
         self._scheduler.sync_pages(np.array([index // self.page_size]), for_write=False)
         views = self._page_views(index)
         if not flat:
@@ -463,7 +457,7 @@ class MHATokenToKVPoolHost:
         """Write a page in ``get_data_page``'s flat form at host slot ``index``. Checked (a 1-D CPU
         tensor of the storage dtype and the page's size) before anything is written; waits for
         transfers still using the page."""
-        index = self._page_index(index)
+        index = self._pages.page_index(index)
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
         numel = self._flat_numel()
@@ -489,25 +483,8 @@ class MHATokenToKVPoolHost:
         storage I/O, as SGLang's: ``page_first``: per page, each part's block (K's then V's; every
         layer of the page); ``layer_first``: per page, per layer, each part's block."""
         self._scheduler.drain()
-        slots = self._pages.slots(indices, "indices")
-        firsts = slots[:: self.page_size].tolist()
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        bases = [b.data_ptr() for b in self.buffers]
-        rows = self.part_row_bytes
-        if self.layout == "page_first":
-            page_bytes = self.page_bytes
-            for s in firsts:
-                ptrs += [base + s * self.layer_num * r for base, r in zip(bases, rows)]
-                sizes += page_bytes
-        else:
-            blocks = [self.page_size * r for r in rows]
-            for s in firsts:
-                for layer in range(self.layer_num):
-                    row = layer * self.size + s
-                    ptrs += [base + row * r for base, r in zip(bases, rows)]
-                    sizes += blocks
-        return ptrs, sizes
+        firsts = self._pages.slots(indices, "indices")[:: self.page_size].tolist()
+        return page_buffer_meta(self.buffers, self.layout, self.layer_num, self.page_size, firsts)
 
 
 class MLATokenToKVPoolHost(MHATokenToKVPoolHost):
