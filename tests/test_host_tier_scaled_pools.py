@@ -1,6 +1,7 @@
 """The host tier over pools whose rows carry scales beside their codes (the FP4 pools in both
 formats, the per-token-head FP8 pool): every part of a layer (codes and scales) goes device -> host
--> device byte for byte, by backup, whole and per-layer loads and flat data pages; an NVFP4 pool's
+-> device byte for byte, by backup, whole and per-layer loads and flat data pages (and through the
+SWA host tier over per-token-head parts); an NVFP4 pool's
 global scales must be those the host pages were saved under; what the host tier cannot move is
 refused before anything is copied.
 """
@@ -14,15 +15,19 @@ from kvassert import (
     HOST_LAYOUTS,
     SCALED_KINDS,
     SCALED_START,
+    fill_random_,
     scaled_dev_rows,
     scaled_host,
     scaled_host_rows,
     scaled_parts,
     scaled_pool,
+    swa_mapping,
 )
 
 from kvpool.host.pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from kvpool.host.swa_host import SWAKVPoolHost
 from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.swa_pool import SWAKVPool
 
 START = SCALED_START
 KINDS = SCALED_KINDS
@@ -176,3 +181,28 @@ def test_the_direct_backend_refuses_pools_with_four_parts(kind, device):
     with pytest.raises(TypeError, match="use io_backend='kernel'"):
         host.load_to_device_per_layer(pool, h, torch.tensor([1, 2], device=device), START, "direct")
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, host.buffers))
+
+
+@pytest.mark.parametrize("device", [DEVICE])
+def test_the_swa_host_tier_carries_both_parts_scales(device):
+    def swa_pool(seed: int) -> SWAKVPool:
+        pool = SWAKVPool(24, 12, 1, torch.float8_e4m3fn, 2, 16, [0, 2], [1], False, device, v_head_dim=8,
+                         kv_scale_mode="per_token_head")  # fmt: skip
+        pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, {3: 5, 4: 6, 9: 2}, device))
+        fill_random_(scaled_parts(pool.full_kv_pool) + scaled_parts(pool.swa_kv_pool), seed)
+        return pool
+
+    pool, fresh = swa_pool(0), swa_pool(1)
+    host = SWAKVPoolHost(pool, 2.0, 0, 1, "layer_first")
+    h = host.alloc(3)
+    slots = torch.tensor([3, 4, 9], device=device)
+    host.backup_from_device_all_layer(pool, h, slots)
+    host.wait_for_backups()
+    host.load_to_device_all_layer(fresh, h, slots)
+    host.wait_for_loads()
+    for part, rows in (("full_kv_pool", [3, 4, 9]), ("swa_kv_pool", [5, 6, 2])):
+        src, dst = getattr(pool, part), getattr(fresh, part)
+        for i, name in enumerate(src.part_names):
+            for layer in range(src.layer_num):
+                got, want = scaled_dev_rows(dst, i, layer)[rows], scaled_dev_rows(src, i, layer)[rows]
+                assert torch.equal(got, want), f"{part}.{name} layer {layer}"
