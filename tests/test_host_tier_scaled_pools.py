@@ -37,17 +37,13 @@ def _snapshot(pool) -> list[torch.Tensor]:
     return [b.view(torch.uint8).cpu().clone() for b in scaled_parts(pool)]
 
 
-def _backends(kind: str) -> list[str]:
-    return ["kernel", "direct"] if kind == "mla_fp4" else ["kernel"]
-
-
 @pytest.mark.parametrize("device", [DEVICE])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_backup_then_loads_carry_every_part_byte_for_byte(kind, layout, device):
-    for backend in _backends(kind):
+    for backend, staging in (("kernel", None), ("direct", 1 << 20), ("direct", 150)):
         pool = scaled_pool(kind, device)
-        host = scaled_host(pool, layout)
+        host = scaled_host(pool, layout, **({} if staging is None else dict(staging_bytes=staging)))
         assert len(host.buffers) == len(pool.part_names)
         h = host.alloc(6)
         h = torch.cat((h[4:], h[:4]))  # pages out of order
@@ -167,20 +163,6 @@ def test_a_device_pool_of_another_format_or_kind_is_refused(device):
         MLATokenToKVPoolHost(fp4, 2.0, 0, 2, "layer_first")
     with pytest.raises(TypeError, match="device_pool must be an MHATokenToKVPool, .* got object"):
         MHATokenToKVPoolHost(object(), 2.0, 0, 2, "layer_first")
-
-
-@pytest.mark.parametrize("device", [DEVICE])
-@pytest.mark.parametrize("kind", ["fp4", "nvfp4", "fp8_token_head"])
-def test_the_direct_backend_refuses_pools_with_four_parts(kind, device):
-    pool = scaled_pool(kind, device)
-    host = scaled_host(pool, "page_first")
-    h = host.alloc(2)
-    before = [b.clone() for b in host.buffers]
-    with pytest.raises(TypeError, match=f"{type(pool).__name__} has 4 .*use io_backend='kernel'"):
-        host.backup_from_device_all_layer(pool, h, torch.tensor([1, 2], device=device), "direct")
-    with pytest.raises(TypeError, match="use io_backend='kernel'"):
-        host.load_to_device_per_layer(pool, h, torch.tensor([1, 2], device=device), START, "direct")
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, host.buffers))
 
 
 @pytest.mark.parametrize("device", [DEVICE])

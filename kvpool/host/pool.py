@@ -190,10 +190,10 @@ class MHATokenToKVPoolHost:
         self.layer_transfer_counter = LayerTransferCounter(self.layer_num, device_pool.device)
         self._scheduler = TransferScheduler(device_pool.device, self.page_num, self.layer_transfer_counter)
         self.load_stream, self.backup_stream = self._scheduler.load_stream, self._scheduler.backup_stream
-        n = len(self.buffers)
-        self._backends = {"kernel": KernelBackend(self.row_table, self.kernel_programs, n)}
-        if n == 2 and self.buffers[0].dtype == self.buffers[1].dtype:  # the direct backend's staging: two parts
-            self._backends["direct"] = DirectBackend(layout, *self.buffers, self.row_table, self.staging_bytes)
+        self._backends = {
+            "kernel": KernelBackend(self.row_table, self.kernel_programs, len(self.buffers)),
+            "direct": DirectBackend(layout, self.buffers, self.row_table, self.staging_bytes),
+        }
         self._all_layers = list(range(self.layer_num))
         # The last load's host side (host_indices, its version, backend, device pool, transfer): a
         # controller loading layer by layer passes the same host_indices each time.
@@ -262,11 +262,6 @@ class MHATokenToKVPoolHost:
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
         self._check_device_pool(device_pool)
-        if io_backend not in self._backends:
-            raise TypeError(
-                f"io_backend='direct' moves two buffers of one dtype per layer; {self.parts.kind} has "
-                f"{len(self.buffers)} ({', '.join(self.parts.names)}): use io_backend='kernel'"
-            )
         if io_backend == "kernel" and device_pool.device.type == "cuda" and not self.pin_memory:
             raise ValueError(
                 "io_backend='kernel' reads host memory from the GPU and needs pin_memory=True; got "
