@@ -1,7 +1,7 @@
 """The host tier over pools whose rows carry scales beside their codes (the FP4 pools in both
 formats, the per-token-head FP8 pool): every part of a layer (codes and scales) goes device -> host
 -> device byte for byte, by backup, whole and per-layer loads and flat data pages (and through the
-SWA host tier over per-token-head parts); an NVFP4 pool's
+SWA and hybrid host tiers over per-token-head parts); an NVFP4 pool's
 global scales must be those the host pages were saved under; what the host tier cannot move is
 refused before anything is copied.
 """
@@ -16,6 +16,7 @@ from kvassert import (
     SCALED_KINDS,
     SCALED_START,
     fill_random_,
+    make_state_pool,
     scaled_dev_rows,
     scaled_host,
     scaled_host_rows,
@@ -24,8 +25,10 @@ from kvassert import (
     swa_mapping,
 )
 
+from kvpool.host.mamba_host import HybridPoolHost
 from kvpool.host.pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from kvpool.host.swa_host import SWAKVPoolHost
+from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_pool import MHATokenToKVPool
 from kvpool.pools.swa_pool import SWAKVPool
 
@@ -188,3 +191,26 @@ def test_the_swa_host_tier_carries_both_parts_scales(device):
             for layer in range(src.layer_num):
                 got, want = scaled_dev_rows(dst, i, layer)[rows], scaled_dev_rows(src, i, layer)[rows]
                 assert torch.equal(got, want), f"{part}.{name} layer {layer}"
+
+
+@pytest.mark.parametrize("device", [DEVICE])
+def test_the_hybrid_host_tier_carries_the_full_attention_scales(device):
+    def hybrid(seed: int) -> HybridLinearKVPool:
+        pool = HybridLinearKVPool(12, torch.float8_e4m3fn, 1, 2, 16, [0, 3], False, device,
+                                  make_state_pool(device, seed=seed), kv_scale_mode="per_token_head")  # fmt: skip
+        fill_random_(scaled_parts(pool.full_kv_pool), seed)
+        return pool
+
+    pool, fresh = hybrid(0), hybrid(1)
+    host = HybridPoolHost(pool, 2.0, 0, 1, "page_first")
+    assert len(host.kv_host.buffers) == 4
+    kv_h, state_h = host.kv_host.alloc(3), host.state_host.alloc(1)
+    slots, states = torch.tensor([2, 5, 7], device=device), torch.tensor([1], device=device)
+    host.backup(kv_h, slots, state_h, states)
+    host.wait_for_backups()
+    host.kv_host.load_to_device_all_layer(fresh.full_kv_pool, kv_h, slots)
+    host.kv_host.wait_for_loads()
+    src, dst = pool.full_kv_pool, fresh.full_kv_pool
+    for i, name in enumerate(src.part_names):
+        for layer in range(src.layer_num):
+            assert torch.equal(scaled_dev_rows(dst, i, layer)[[2, 5, 7]], scaled_dev_rows(src, i, layer)[[2, 5, 7]]), name
