@@ -138,7 +138,10 @@ def test_nvfp4_host_pages_need_the_global_scales_they_were_saved_under(device):
     with pytest.raises(ValueError, match="NVFP4 global scales"):
         host.load_to_device_all_layer(other, h, d)
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(other))), "a refused load wrote"
+    host.load_to_device_per_layer(pool, h, d, START, "kernel")  # a layer-by-layer load begins
     pool.set_global_scales(START, 1.0, 1.0)  # the pages were saved under the old ones
+    with pytest.raises(ValueError, match="NVFP4 global scales"):  # the same host_indices: still checked
+        host.load_to_device_per_layer(pool, h, d, START + 1, "kernel")
     with pytest.raises(ValueError, match="set_global_scales before building the host pool"):
         host.load_to_device_all_layer(pool, h, d)
     with pytest.raises(ValueError, match="NVFP4 global scales"):

@@ -287,6 +287,7 @@ class MHATokenToKVPoolHost:
             and last[1] == host_indices._version
             and last[2] == io_backend
             and last[3] is device_pool
+            and global_scales(device_pool) == self.global_scales  # else _transfer refuses it
         ):
             prev: Transfer = last[4]
             rows = prev.device_rows.rows
