@@ -3133,3 +3133,59 @@ def token_head_oracle(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[np.nda
     scales = np.maximum(divide_f32(amax, np.float32(float(fmt.fmax))), np.float32(2.0**-126)).astype(np.float32)
     codes = encode_f32(divide_f32(x32, scales[:, :, None]), fmt)
     return np.where(fmt.is_nan_code(codes), fmt.nan_code, codes), scales
+
+
+# --- host tier and storage over pools with scales beside their codes ----------------------------------
+
+#: The pools whose rows carry scales: both FP4 formats (MHA), the FP4 latent pool, per-token-head FP8.
+SCALED_KINDS = ["fp4", "nvfp4", "mla_fp4", "fp8_token_head"]
+SCALED_START = 2  # their global layer ids: 2..3
+NVFP4_GLOBAL_SCALES = dict(k_global_scales=[0.5, 3.0], v_global_scales=[2.0, 0.25])
+
+
+def scaled_pool(kind: str, device: str, seed: int = 0, **over):
+    """A tiny 2-layer pool of ``kind`` (``SCALED_KINDS``) with random bytes in every part."""
+    from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
+    from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
+    from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
+
+    common = dict(start_layer=SCALED_START)
+    if kind == "fp4":
+        pool = MHATokenToKVPoolFP4(20, 2, "fp4_e2m1", 3, 32, 2, device, v_head_dim=16, **common)
+    elif kind == "nvfp4":
+        scales = {**NVFP4_GLOBAL_SCALES, **over}
+        pool = MHATokenToKVPoolFP4(20, 2, "nvfp4", 3, 32, 2, device, v_head_dim=16, **scales, **common)
+    elif kind == "mla_fp4":
+        pool = MLATokenToKVPoolFP4(20, 2, "fp4_e2m1", 32, 16, 2, device, **common)
+    else:
+        pool = MHATokenToKVPoolFP8PerTokenHead(20, 2, torch.float8_e4m3fn, 3, 8, 2, device, v_head_dim=4, **common)
+    fill_random_(scaled_parts(pool), seed)
+    return pool
+
+
+def scaled_parts(pool) -> list:
+    """Every buffer of every layer of a pool with ``part_names``, part by part."""
+    return [b for name in pool.part_names for b in getattr(pool, name)]
+
+
+def scaled_host(pool, layout: str, seed: int = 9, **kw):
+    """A host pool (page size 2, twice the device slots) over ``pool``, random bytes in every part."""
+    from kvpool.host.pool import MLATokenToKVPoolHost
+    from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
+
+    cls = MLATokenToKVPoolHost if isinstance(pool, MLATokenToKVPoolFP4) else MHATokenToKVPoolHost
+    host = cls(pool, 2.0, 0, 2, layout, **kw)
+    fill_random_(host.buffers, seed)
+    return host
+
+
+def scaled_host_rows(host, part: int, layer: int) -> torch.Tensor:
+    """[size, row bytes] uint8 of one part of one layer (0-based) on the host."""
+    buf = host.buffers[part]
+    rows = buf[layer] if host.layout == "layer_first" else buf[:, layer]
+    return rows.reshape(host.size, -1).view(torch.uint8)
+
+
+def scaled_dev_rows(pool, part: int, layer: int) -> torch.Tensor:
+    """[rows, row bytes] uint8 of one part of one layer (0-based) of a device pool, on the CPU."""
+    return getattr(pool, pool.part_names[part])[layer].reshape(pool.rows, -1).view(torch.uint8).cpu()

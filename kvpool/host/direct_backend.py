@@ -5,7 +5,8 @@ them on the host would synchronise), so rows are gathered into (or scattered fro
 buffer laid out like the host buffers, with one row-copy launch per piece; the host side is known
 on the host (``host_indices`` are CPU data), so every run of consecutive host slots at consecutive
 staging positions is one ``cudaMemcpyAsync`` per contiguous block (:func:`runs`, :func:`segments`):
-per K/V for ``page_first`` (a token's layers are contiguous), per layer and K/V for ``layer_first``.
+per part for ``page_first`` (a token's layers are contiguous), per layer and part for
+``layer_first``. The parts are a layer's buffers: K and V, or codes and the scales beside them.
 
 A pair whose device row is skipped (negative: padding; past the pool's rows) leaves its host row as
 it was: before a backup's staging goes out, those positions get the host row's own bytes back.
@@ -88,7 +89,7 @@ def segments(
 
 
 def copy_segments(copies, *, to_host: bool) -> None:
-    """The copy-engine calls for one piece: per K/V, (segments ``(host offset, staging view)``, host
+    """The copy-engine calls for one piece: per part, (segments ``(host offset, staging view)``, host
     buffer, host offset added to every segment), one ``cudaMemcpyAsync`` per segment on the current
     stream."""
     for seg, host, shift in copies:
@@ -110,17 +111,28 @@ def _staged_segments(seg: list, staged: torch.Tensor) -> list:
 
 @dataclass
 class _StagingHalf:
-    """One staging buffer: K/V in the host layout with ``slots`` slots (all layers) and, over the same
-    memory, a one-layer K/V pair with ``layer_slots`` slots."""
+    """One staging buffer: every part in the host layout with ``slots`` slots (all layers) and, over
+    the same memory, one layer's parts with ``layer_slots`` slots; ``flats`` / ``layer_flats`` are
+    each part's bytes."""
 
     slots: int
     table: RowTable
-    k_flat: torch.Tensor
-    v_flat: torch.Tensor
+    flats: tuple[torch.Tensor, ...]
     layer_slots: int
     layer_table: RowTable
-    layer_k_flat: torch.Tensor
-    layer_v_flat: torch.Tensor
+    layer_flats: tuple[torch.Tensor, ...]
+
+
+#: Where each part starts in a staging buffer: a multiple of this, so every part's dtype can view it.
+_ALIGN = 16
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """Aligned offsets of consecutive regions of ``sizes`` bytes, and their end as the last entry."""
+    at = [0]
+    for n in sizes:
+        at.append(at[-1] + (n + _ALIGN - 1) // _ALIGN * _ALIGN)
+    return at
 
 
 @dataclass
@@ -141,25 +153,23 @@ class DirectBackend:
     Parameters
     ----------
     layout : ``"layer_first"`` or ``"page_first"``.
-    k_buffer, v_buffer : the host buffers (``[layer_num, size, H, D]`` or ``[size, layer_num, H, D]``).
-    host_rows : their row table, ``K0, V0, K1, V1, ...``.
+    buffers : the host buffers of a layer's parts (K and V, or codes and scales; each
+        ``[layer_num, size, ...]`` or ``[size, layer_num, ...]``, of its own dtype).
+    host_rows : their row table, ``K0, V0, K1, V1, ...`` (every part of a layer in turn).
     staging_bytes : size of each of the two staging buffers per direction.
     """
 
-    def __init__(
-        self, layout: str, k_buffer: torch.Tensor, v_buffer: torch.Tensor, host_rows: RowTable, staging_bytes: int
-    ) -> None:
+    def __init__(self, layout: str, buffers, host_rows: RowTable, staging_bytes: int) -> None:
         self.layout = layout
-        lead = tuple(k_buffer.shape[:2])
+        lead = tuple(buffers[0].shape[:2])
         self.layer_num, self.size = lead if layout == "layer_first" else lead[::-1]
-        self.dtype = k_buffer.dtype
-        self.k_row, self.v_row = tuple(k_buffer.shape[2:]), tuple(v_buffer.shape[2:])
-        self.k_row_bytes = k_buffer[0, 0].numel() * k_buffer.element_size()
-        self.v_row_bytes = v_buffer[0, 0].numel() * v_buffer.element_size()
-        self.k_flat = k_buffer.view(-1).view(torch.uint8)
-        self.v_flat = v_buffer.view(-1).view(torch.uint8)
+        self.dtypes = tuple(b.dtype for b in buffers)
+        self.part_rows = tuple(tuple(b.shape[2:]) for b in buffers)
+        self.row_bytes = tuple(b[0, 0].nbytes for b in buffers)
+        self.flats = tuple(b.view(-1).view(torch.uint8) for b in buffers)
         self.rows = host_rows
-        self.layer_rows = [host_rows.select(2 * i, 2 * i + 2) for i in range(self.layer_num)]
+        n = len(buffers)
+        self.layer_rows = [host_rows.select(n * i, n * i + n) for i in range(self.layer_num)]
         self.staging_bytes = staging_bytes
         self._staging: dict[str, _Staging] = {}
 
@@ -180,25 +190,22 @@ class DirectBackend:
 
     def _make_half(self, device: torch.device) -> _StagingHalf:
         cuda = device.type == "cuda"
-        token_bytes = self.k_row_bytes + self.v_row_bytes
+        token_bytes = sum(self.row_bytes)
         slots = max(1, self.staging_bytes // (self.layer_num * token_bytes))
         layer_slots = max(1, self.staging_bytes // token_bytes)
-        mem = torch.empty(max(slots * self.layer_num, layer_slots) * token_bytes, dtype=torch.uint8, device=device)
-        k_bytes = slots * self.layer_num * self.k_row_bytes
-        v_bytes = slots * self.layer_num * self.v_row_bytes
+        at = _starts([slots * self.layer_num * r for r in self.row_bytes])
+        layer_at = _starts([layer_slots * r for r in self.row_bytes])
+        mem = torch.empty(max(at[-1], layer_at[-1]), dtype=torch.uint8, device=device)
         lead = (self.layer_num, slots) if self.layout == "layer_first" else (slots, self.layer_num)
-        k = mem[:k_bytes].view(self.dtype).view(*lead, *self.k_row)
-        v = mem[k_bytes : k_bytes + v_bytes].view(self.dtype).view(*lead, *self.v_row)
-        k_layers, v_layers = layer_views(k, self.layout), layer_views(v, self.layout)
-        table = RowTable.of([t for pair in zip(k_layers, v_layers) for t in pair], non_blocking=cuda)
-        lk_bytes, lv_bytes = layer_slots * self.k_row_bytes, layer_slots * self.v_row_bytes
-        lk = mem[:lk_bytes].view(self.dtype).view(layer_slots, *self.k_row)
-        lv = mem[lk_bytes : lk_bytes + lv_bytes].view(self.dtype).view(layer_slots, *self.v_row)
-        layer_table = RowTable.of([lk, lv], non_blocking=cuda)
-        return _StagingHalf(
-            slots, table, mem[:k_bytes], mem[k_bytes : k_bytes + v_bytes],
-            layer_slots, layer_table, mem[:lk_bytes], mem[lk_bytes : lk_bytes + lv_bytes],
-        )  # fmt: skip
+        flats, layer_flats, parts, layer_parts = [], [], [], []
+        for j, (r, dtype, row) in enumerate(zip(self.row_bytes, self.dtypes, self.part_rows)):
+            flats.append(mem[at[j] : at[j] + slots * self.layer_num * r])
+            parts.append(layer_views(flats[-1].view(dtype).view(*lead, *row), self.layout))
+            layer_flats.append(mem[layer_at[j] : layer_at[j] + layer_slots * r])
+            layer_parts.append(layer_flats[-1].view(dtype).view(layer_slots, *row))
+        table = RowTable.of([t for layer in zip(*parts) for t in layer], non_blocking=cuda)
+        layer_table = RowTable.of(layer_parts, non_blocking=cuda)
+        return _StagingHalf(slots, table, tuple(flats), layer_slots, layer_table, tuple(layer_flats))
 
     # --- a transfer ---------------------------------------------------------------------------------
 
@@ -223,17 +230,17 @@ class DirectBackend:
         s_slots = st.halves[0].slots if all_layers else st.halves[0].layer_slots  # a chunk's slots
         chunks = [(j, min(n, j + s_slots)) for j in range(0, n, s_slots)]
         # Per chunk, once for every layer that moves it: its positions in the staging buffer, its
-        # device slots, and its copy plan per K/V (host runs; a layer's plan is layer 0's moved by a
+        # device slots, and its copy plan per part (host runs; a layer's plan is layer 0's moved by a
         # fixed host offset).
         first = None if all_layers else 0
         plans = {}
         for j0, j1 in chunks:
             run = runs(slots[j0:j1])
-            k_seg, v_seg = (
+            segs = tuple(
                 segments(self.layout, run, row, self.size, self.layer_num, s_slots, first).tolist()
-                for row in (self.k_row_bytes, self.v_row_bytes)
+                for row in self.row_bytes
             )
-            plans[(j0, j1)] = (st.positions[: j1 - j0], d_idx[j0:j1], k_seg, v_seg)
+            plans[(j0, j1)] = (st.positions[: j1 - j0], d_idx[j0:j1], segs)
         per_layer = self.size if self.layout == "layer_first" else 1  # rows between a row's layers
         if all_layers:
             pieces: list[tuple[int, int, Optional[int]]] = [(j0, j1, None) for j0, j1 in chunks]
@@ -251,21 +258,20 @@ class DirectBackend:
             for k, (j0, j1, layer) in enumerate(pieces):
                 h = k % 2
                 half = st.halves[h]
-                pos, dev, k_seg, v_seg = plans[(j0, j1)]
+                pos, dev, segs = plans[(j0, j1)]
                 if layer is None:
-                    s_table, k_flat, v_flat = half.table, half.k_flat, half.v_flat
+                    s_table, flats = half.table, half.flats
                     d_table, h_table, shift = t.device_rows, self.rows, 0
                 else:
-                    s_table, k_flat, v_flat = half.layer_table, half.layer_k_flat, half.layer_v_flat
+                    s_table, flats = half.layer_table, half.layer_flats
                     d_table, h_table, shift = t.device_layers[layer], self.layer_rows[layer], layer * per_layer
                 # The staging side of a chunk's segments is the same for every layer: its views are
                 # made once per chunk and buffer (a slice costs the host as much as the copy call).
                 seg_views = views.get((j0, h))
                 if seg_views is None:
-                    seg_views = views[(j0, h)] = (_staged_segments(k_seg, k_flat), _staged_segments(v_seg, v_flat))
-                copies = (
-                    (seg_views[0], self.k_flat, shift * self.k_row_bytes),
-                    (seg_views[1], self.v_flat, shift * self.v_row_bytes),
+                    seg_views = views[(j0, h)] = tuple(_staged_segments(g, f) for g, f in zip(segs, flats))
+                copies = tuple(
+                    (seg_views[j], self.flats[j], shift * self.row_bytes[j]) for j in range(len(self.flats))
                 )
                 if backup:
                     if prefill:

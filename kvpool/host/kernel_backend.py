@@ -34,11 +34,12 @@ class KernelBackend:
     ----------
     host_rows : the host buffers' row table, ``K0, V0, K1, V1, ...`` (on the device for pinned ones).
     programs : the grid cap.
+    parts : buffers per layer in ``host_rows`` (2 for K/V; a pool with scales has more).
     """
 
-    def __init__(self, host_rows: RowTable, programs: int) -> None:
+    def __init__(self, host_rows: RowTable, programs: int, parts: int = 2) -> None:
         self.rows = host_rows
-        self.layer_rows = [host_rows.select(2 * i, 2 * i + 2) for i in range(len(host_rows) // 2)]
+        self.layer_rows = [host_rows.select(parts * i, parts * i + parts) for i in range(len(host_rows) // parts)]
         self.programs = programs
         # Later copies of a transfer take its first copy's checked indices and sibling tables, so
         # they skip the checks (the host's cost per layer delays the model's work queued after it).

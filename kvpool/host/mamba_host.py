@@ -132,7 +132,7 @@ class MambaPoolHost:
         self._backends = {"kernel": KernelBackend(self.row_table, positive_int(kernel_programs, "kernel_programs"))}
         if len(conv_bytes) == 1:  # the copy engine's plan takes two buffers per layer
             self._backends["direct"] = DirectBackend(
-                layout, conv_buf, ssm_buf, self.row_table, positive_int(staging_bytes, "staging_bytes")
+                layout, (conv_buf, ssm_buf), self.row_table, positive_int(staging_bytes, "staging_bytes")
             )
 
     # --- slots (SGLang names) ------------------------------------------------------------------------

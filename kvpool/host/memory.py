@@ -103,24 +103,62 @@ class PinnedRegion:
 def host_buffers(
     k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[PinnedRegion]]:
-    """The K and V host buffers, and the pinned region holding them (None when not pinned).
+    """The K and V host buffers, and the pinned region holding them (None when not pinned): two
+    buffers of one dtype, as :func:`host_part_buffers` makes them."""
+    (k, v), handle = host_part_buffers([(k_shape, dtype), (v_shape, dtype)], pin)
+    return k, v, handle
+
+
+def host_part_buffers(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
+) -> tuple[list[torch.Tensor], Optional[PinnedRegion]]:
+    """One host buffer per ``(shape, dtype)`` of ``specs``, and the pinned region holding them all
+    (None when not pinned).
 
     Pinned buffers are page-locked in place, at their exact size (the caching host allocator would
     round a block up to a power of two): one allocation with a page of slack at each end, so that
     the registered range is whole pages no other allocation shares (registering a page twice
-    fails). The region stays registered while the returned handle lives; views kept past it are
-    plain host memory."""
+    fails); each buffer starts on a page of its own. The region stays registered while the returned
+    handle lives; views kept past it are plain host memory."""
     if not pin:
-        return torch.empty(k_shape, dtype=dtype), torch.empty(v_shape, dtype=dtype), None
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs], None
     page = os.sysconf("SC_PAGE_SIZE")
-    k_bytes = math.prod(k_shape) * dtype.itemsize
-    v_bytes = math.prod(v_shape) * dtype.itemsize
-    k_span = (k_bytes + page - 1) // page * page
-    span = k_span + (v_bytes + page - 1) // page * page
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts = [0]
+    for nbytes in sizes:
+        starts.append(starts[-1] + (nbytes + page - 1) // page * page)
+    span = starts[-1]
     raw = torch.empty(span + 2 * page, dtype=torch.uint8)
     start = -raw.data_ptr() % page
     region = raw[start : start + span]
     handle = PinnedRegion(raw, region.data_ptr(), span)
-    k = region[:k_bytes].view(dtype).view(k_shape)
-    v = region[k_span : k_span + v_bytes].view(dtype).view(v_shape)
-    return k, v, handle
+    buffers = [
+        region[at : at + nbytes].view(dtype).view(shape) for (shape, dtype), at, nbytes in zip(specs, starts, sizes)
+    ]
+    return buffers, handle
+
+
+def page_buffer_meta(
+    buffers: list[torch.Tensor], layout: str, layer_num: int, page_size: int, firsts: list[int]
+) -> tuple[list[int], list[int]]:
+    """Host addresses and byte sizes of the pages starting at host slots ``firsts`` of ``buffers``
+    (one per part, ``[layer_num, size, ...]`` or ``[size, layer_num, ...]`` as ``layout`` says):
+    ``page_first``: per page, each part's block (every layer of the page); ``layer_first``: per
+    page, per layer, each part's block."""
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    bases = [b.data_ptr() for b in buffers]
+    rows = [b[0, 0].nbytes for b in buffers]
+    if layout == "page_first":
+        blocks = [page_size * layer_num * r for r in rows]
+        for s in firsts:
+            ptrs += [base + s * layer_num * r for base, r in zip(bases, rows)]
+            sizes += blocks
+    else:
+        size = buffers[0].shape[1]
+        blocks = [page_size * r for r in rows]
+        for s in firsts:
+            for layer in range(layer_num):
+                ptrs += [base + (layer * size + s) * r for base, r in zip(bases, rows)]
+                sizes += blocks
+    return ptrs, sizes

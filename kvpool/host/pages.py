@@ -96,6 +96,21 @@ class HostPages:
 
     # --- checks ---------------------------------------------------------------------------------
 
+    def page_index(self, index: object) -> int:
+        """``index`` (an int, or a one-element integer tensor) if it is the first slot of a page.
+        Raises ``TypeError`` or ``IndexError`` naming ``index``."""
+        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.dtype.is_floating_point:
+            index = int(index)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"index must be an int (the page's first host slot), got {type(index).__name__}")
+        index = int(index)
+        if not 0 <= index < self.size or index % self.page_size:
+            raise IndexError(
+                f"index must be the first slot of a page (a multiple of {self.page_size} in 0..{self.size - 1}), "
+                f"got {index}"
+            )
+        return index
+
     def slots(self, indices: object, name: str) -> np.ndarray:
         """``indices`` (a 1-D int32/int64 CPU tensor of whole aligned pages in range) as int64 NumPy.
 

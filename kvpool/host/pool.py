@@ -23,16 +23,26 @@ from kvpool.config import validate_enabled
 from kvpool.host.direct_backend import HOST_STAGING_BYTES, DirectBackend
 from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS, KernelBackend
 from kvpool.host.layer_counter import LayerTransferCounter
-from kvpool.host.memory import LAYOUTS, check_host_memory, host_buffers, host_slots, layer_views
+from kvpool.host.memory import (
+    LAYOUTS,
+    check_host_memory,
+    host_part_buffers,
+    host_slots,
+    layer_views,
+    page_buffer_meta,
+)
 from kvpool.host.pages import HostPages
+from kvpool.host.parts import LayerParts, device_rows, global_scales, layer_parts
 from kvpool.host.schedule import Transfer, TransferScheduler
 from kvpool.kernels.row_table import RowTable
+from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
 from kvpool.pools.mla_pool import MLATokenToKVPool
 
 IO_BACKENDS = ("kernel", "direct")
 
-# What a device pool passed to a transfer must share with the one the host pool was built for.
-_GEOMETRY = ("layer_num", "start_layer", "head_num", "head_dim", "v_head_dim", "dtype", "store_dtype", "device")
+# What a device pool passed to a transfer must share with the one the host pool was built for (and
+# its parts: names, row shapes, dtypes and format).
+_GEOMETRY = ("layer_num", "start_layer", "dtype", "store_dtype", "device")
 
 
 def check_device_indices(
@@ -51,7 +61,9 @@ def check_device_indices(
 
 
 class MHATokenToKVPoolHost:
-    """Host-memory KV pages for a device ``MHATokenToKVPool``, with SGLang's API.
+    """Host-memory KV pages for a device ``MHATokenToKVPool``, with SGLang's API; also for the pools
+    whose rows carry scales beside their codes (``MHATokenToKVPoolFP4`` in either format,
+    ``MHATokenToKVPoolFP8PerTokenHead``): every buffer of a layer travels, codes and scales together.
 
     Parameters
     ----------
@@ -72,7 +84,8 @@ class MHATokenToKVPoolHost:
 
     Size in slots: ``host_size * 1e9 / size_per_token`` when ``host_size > 0``, else
     ``device_pool.size * host_to_device_ratio``, rounded down to whole pages; ``size_per_token`` is
-    ``layer_num * head_num * (head_dim + v_head_dim)`` bytes of the storage dtype.
+    ``layer_num * head_num * (head_dim + v_head_dim)`` bytes of the storage dtype for a K/V pool,
+    and the bytes of one row of every part of every layer for a pool with scales.
 
     Attributes
     ----------
@@ -80,8 +93,15 @@ class MHATokenToKVPoolHost:
     v_head_dim : as the names say (layers use the device pool's global ids).
     dtype : the device pool's element type; ``store_dtype`` what the buffers hold (uint8 for FP8;
         SGLang's host pool calls that one ``dtype``).
-    k_buffer, v_buffer : the host buffers (shapes as ``layout`` says).
-    row_table : the host buffers' rows, ``K0, V0, K1, V1, ...`` like the device pool's.
+    k_buffer, v_buffer : the host buffers (shapes as ``layout`` says); a pool with scales has one
+        host buffer per device part, under the device pool's names (``k_scale_buffer``, ...).
+    buffers : every host buffer, in the device pool's part order (``parts``).
+    parts : the device pool's layer parts (:class:`~kvpool.host.parts.LayerParts`).
+    global_scales : an NVFP4 pool's per-layer ``(k, v)`` global scales, as the device pool had
+        them when this pool was built (empty otherwise); a transfer to or from a device pool with
+        other global scales raises ``ValueError``.
+    row_table : the host buffers' rows, ``K0, V0, K1, V1, ...`` like the device pool's (every part
+        of a layer in turn for a pool with scales).
     load_stream, backup_stream : the transfer streams (None on a CPU pool).
     layer_transfer_counter : per-layer load events, for ``register_layer_transfer_counter``.
 
@@ -114,12 +134,8 @@ class MHATokenToKVPoolHost:
         kernel_programs: int = HOST_KERNEL_PROGRAMS,
         staging_bytes: int = HOST_STAGING_BYTES,
     ) -> None:
-        for name in _GEOMETRY + ("row_table", "size", "page_size"):
-            if not hasattr(device_pool, name):
-                raise TypeError(
-                    f"device_pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(device_pool).__name__} "
-                    f"(no .{name})"
-                )
+        #: What each layer of the device pool holds and this pool mirrors: every part (codes and scales).
+        self.parts: LayerParts = layer_parts(device_pool)
         self.device_pool = device_pool
         self.page_size = positive_int(page_size, "page_size")
         if layout not in LAYOUTS:
@@ -135,13 +151,15 @@ class MHATokenToKVPoolHost:
         self.layer_num = device_pool.layer_num
         self.start_layer = device_pool.start_layer
         self.end_layer = device_pool.start_layer + device_pool.layer_num - 1
-        self.head_num, self.head_dim = device_pool.head_num, device_pool.head_dim
-        self.v_head_dim = device_pool.v_head_dim
+        self.head_num = getattr(device_pool, "head_num", None)
+        self.head_dim = getattr(device_pool, "head_dim", None)
+        self.v_head_dim = getattr(device_pool, "v_head_dim", None)
         self.dtype, self.store_dtype = device_pool.dtype, device_pool.store_dtype
-        esz = self.store_dtype.itemsize
-        self.k_row_bytes = self.head_num * self.head_dim * esz
-        self.v_row_bytes = self.head_num * self.v_head_dim * esz
-        self.size_per_token = self.layer_num * (self.k_row_bytes + self.v_row_bytes)
+        #: An NVFP4 pool's per-layer (k, v) global scales when this pool was built: every page it holds
+        #: was saved under them, so a transfer refuses a device pool with others.
+        self.global_scales = global_scales(device_pool)
+        self.part_row_bytes = self.parts.row_bytes
+        self.size_per_token = self.layer_num * sum(self.part_row_bytes)
 
         size = host_slots(host_size, host_to_device_ratio, device_pool.size, self.size_per_token)
         self.page_num = size // self.page_size
@@ -156,13 +174,14 @@ class MHATokenToKVPoolHost:
         cuda = device_pool.device.type == "cuda"
         self.pin_memory = bool(pin_memory) and cuda
         lead = (self.layer_num, self.size) if layout == "layer_first" else (self.size, self.layer_num)
-        self.k_buffer, self.v_buffer, self._pinned = host_buffers(
-            (*lead, self.head_num, self.head_dim), (*lead, self.head_num, self.v_head_dim), self.store_dtype,
-            self.pin_memory,
-        )  # fmt: skip
-        layers = zip(layer_views(self.k_buffer, layout), layer_views(self.v_buffer, layout))
+        self.buffers, self._pinned = host_part_buffers(
+            [((*lead, *row), dtype) for row, dtype in zip(self.parts.rows, self.parts.dtypes)], self.pin_memory
+        )
+        for name, buf in zip(self.parts.names, self.buffers):
+            setattr(self, name, buf)
+        layers = zip(*(layer_views(b, layout) for b in self.buffers))
         self.row_table = RowTable.of(
-            [t for pair in layers for t in pair],
+            [t for parts in layers for t in parts],
             table_device=device_pool.device if self.pin_memory else None,
             pinned=self.pin_memory or None,
         )
@@ -172,8 +191,8 @@ class MHATokenToKVPoolHost:
         self._scheduler = TransferScheduler(device_pool.device, self.page_num, self.layer_transfer_counter)
         self.load_stream, self.backup_stream = self._scheduler.load_stream, self._scheduler.backup_stream
         self._backends = {
-            "kernel": KernelBackend(self.row_table, self.kernel_programs),
-            "direct": DirectBackend(layout, self.k_buffer, self.v_buffer, self.row_table, self.staging_bytes),
+            "kernel": KernelBackend(self.row_table, self.kernel_programs, len(self.buffers)),
+            "direct": DirectBackend(layout, self.buffers, self.row_table, self.staging_bytes),
         }
         self._all_layers = list(range(self.layer_num))
         # The last load's host side (host_indices, its version, backend, device pool, transfer): a
@@ -208,18 +227,33 @@ class MHATokenToKVPoolHost:
     # --- checks --------------------------------------------------------------------------------------
 
     def _tables(self, device_pool) -> tuple[RowTable, list[RowTable]]:
-        """A device pool's row table (``K0, V0, K1, V1, ...``) and its per-layer (K, V) pairs."""
-        table = device_pool.row_table
-        return table, [table.select(2 * i, 2 * i + 2) for i in range(self.layer_num)]
+        """A device pool's row table (every part of every layer: ``K0, V0, K1, V1, ...`` for a K/V
+        pool) and each layer's parts."""
+        table, n = device_rows(device_pool), len(self.buffers)
+        return table, [table.select(n * i, n * i + n) for i in range(self.layer_num)]
 
     def _check_device_pool(self, device_pool: object) -> None:
-        for name in _GEOMETRY:
-            want = getattr(self.device_pool, name)
-            got = getattr(device_pool, name, "<missing>")
-            if got != want:
+        if device_pool is not self.device_pool:
+            parts = layer_parts(device_pool)
+            for name in ("head_num", "head_dim", "v_head_dim") + _GEOMETRY:
+                want = getattr(self.device_pool, name, None)
+                got = getattr(device_pool, name, None)
+                if got != want:
+                    raise ValueError(
+                        f"device_pool must have {name}={want} like the pool this host pool was built for, got {got}"
+                    )
+            if parts != self.parts:
                 raise ValueError(
-                    f"device_pool must have {name}={want} like the pool this host pool was built for, got {got}"
+                    f"device_pool must have the parts of the pool this host pool was built for "
+                    f"({self.parts.kind}, {self.parts.fmt}: {dict(zip(self.parts.names, self.parts.rows))}), got "
+                    f"{parts.kind}, {parts.fmt}: {dict(zip(parts.names, parts.rows))}"
                 )
+        scales = global_scales(device_pool)
+        if scales != self.global_scales:
+            raise ValueError(
+                f"device_pool must have the NVFP4 global scales the host pages were saved under "
+                f"{self.global_scales} (per layer (k, v)), got {scales}: set_global_scales before building the host pool"
+            )
 
     def _transfer(
         self, direction: str, device_pool, host_indices, device_indices, io_backend: str, layers: list[int]
@@ -253,6 +287,7 @@ class MHATokenToKVPoolHost:
             and last[1] == host_indices._version
             and last[2] == io_backend
             and last[3] is device_pool
+            and global_scales(device_pool) == self.global_scales  # else _transfer refuses it
         ):
             prev: Transfer = last[4]
             rows = prev.device_rows.rows
@@ -382,106 +417,89 @@ class MHATokenToKVPoolHost:
 
     # --- pages for a storage tier (SGLang names) -----------------------------------------------------
 
-    def _page_index(self, index: object) -> int:
-        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.dtype.is_floating_point:
-            index = int(index)
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"index must be an int (the page's first host slot), got {type(index).__name__}")
-        index = int(index)
-        if not 0 <= index < self.size or index % self.page_size:
-            raise IndexError(
-                f"index must be the first slot of a page (a multiple of {self.page_size} in 0..{self.size - 1}), "
-                f"got {index}"
-            )
-        return index
-
-    def _page_views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _page_views(self, index: int) -> tuple[torch.Tensor, ...]:
         sl = slice(index, index + self.page_size)
         if self.layout == "layer_first":
-            return self.k_buffer[:, sl], self.v_buffer[:, sl]
-        return self.k_buffer[sl], self.v_buffer[sl]
+            return tuple(b[:, sl] for b in self.buffers)
+        return tuple(b[sl] for b in self.buffers)
 
     @property
-    def page_bytes(self) -> tuple[int, int]:
-        """Bytes of one page of every layer: (K, V)."""
-        return self.page_size * self.layer_num * self.k_row_bytes, self.page_size * self.layer_num * self.v_row_bytes
+    def page_bytes(self) -> tuple[int, ...]:
+        """Bytes of one page of every layer, per part: (K, V) for a K/V pool; codes then scales, in
+        the device pool's ``part_names`` order, for a pool with scales beside its codes."""
+        return tuple(self.page_size * self.layer_num * r for r in self.part_row_bytes)
+
+    def _flat_numel(self) -> int:
+        return sum(self.page_bytes) // self.store_dtype.itemsize
 
     def get_data_page(self, index: int, flat: bool = True):
         """The page starting at host slot ``index``, every layer. ``flat=True``: a new 1-D tensor of
-        the storage dtype, K's bytes then V's, each in the layout's order (``layer_first``: [layers,
-        page_size, H, D]; ``page_first``: [page_size, layers, H, D]). ``flat=False``: the (K, V)
-        views themselves. Waits (on the host) for a backup still writing the page."""
-        index = self._page_index(index)
+        the storage dtype, the bytes of each part in turn (K's then V's; codes then scales for a pool
+        with scales), each in the layout's order (``layer_first``: [layers, page_size, ...];
+        ``page_first``: [page_size, layers, ...]). ``flat=False``: the parts' views themselves ((K, V)
+        for a K/V pool). Waits (on the host) for a backup still writing the page."""
+        index = self._pages.page_index(index)
         self._scheduler.sync_pages(np.array([index // self.page_size]), for_write=False)
-        k, v = self._page_views(index)
+        views = self._page_views(index)
         if not flat:
-            return k, v
-        return torch.cat((k.reshape(-1), v.reshape(-1)))
+            return views
+        return torch.cat([v.view(torch.uint8).reshape(-1) for v in views]).view(self.store_dtype)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """A zero page in ``get_data_page``'s flat form."""
-        return torch.zeros(sum(self.page_bytes) // self.k_buffer.element_size(), dtype=self.store_dtype)
+        return torch.zeros(self._flat_numel(), dtype=self.store_dtype)
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         """Write a page in ``get_data_page``'s flat form at host slot ``index``. Checked (a 1-D CPU
         tensor of the storage dtype and the page's size) before anything is written; waits for
         transfers still using the page."""
-        index = self._page_index(index)
+        index = self._pages.page_index(index)
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
-        numel = sum(self.page_bytes) // self.k_buffer.element_size()
+        numel = self._flat_numel()
         if data_page.dtype != self.store_dtype:
             raise ValueError(f"data_page must be {self.store_dtype}, got {data_page.dtype}")
         if data_page.dim() != 1 or data_page.shape[0] != numel:
+            what = "K then V" if self.parts.kv_only else "every part"
             raise ValueError(
-                f"data_page must be 1-D with {numel} elements (one page, K then V), got shape {tuple(data_page.shape)}"
+                f"data_page must be 1-D with {numel} elements (one page, {what}), got shape {tuple(data_page.shape)}"
             )
         if data_page.device.type != "cpu":
             raise ValueError(f"data_page must be on cpu, got {data_page.device}")
         self._scheduler.sync_pages(np.array([index // self.page_size]), for_write=True)
-        k, v = self._page_views(index)
-        nk = k.numel()
-        k.copy_(data_page[:nk].view(k.shape))
-        v.copy_(data_page[nk:].view(v.shape))
+        data = data_page.view(torch.uint8)
+        at = 0
+        for view in self._page_views(index):
+            dst = view.view(torch.uint8)
+            dst.copy_(data[at : at + dst.numel()].view(dst.shape))
+            at += dst.numel()
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
-        storage I/O, as SGLang's: ``page_first``: per page, K's block then V's (every layer of the
-        page); ``layer_first``: per page, per layer, K's block then V's."""
+        storage I/O, as SGLang's: ``page_first``: per page, each part's block (K's then V's; every
+        layer of the page); ``layer_first``: per page, per layer, each part's block."""
         self._scheduler.drain()
-        slots = self._pages.slots(indices, "indices")
-        firsts = slots[:: self.page_size].tolist()
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        kb, vb = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
-        if self.layout == "page_first":
-            k_size, v_size = self.page_bytes
-            for s in firsts:
-                ptrs += [kb + s * self.layer_num * self.k_row_bytes, vb + s * self.layer_num * self.v_row_bytes]
-                sizes += [k_size, v_size]
-        else:
-            k_size, v_size = self.page_size * self.k_row_bytes, self.page_size * self.v_row_bytes
-            for s in firsts:
-                for layer in range(self.layer_num):
-                    row = layer * self.size + s
-                    ptrs += [kb + row * self.k_row_bytes, vb + row * self.v_row_bytes]
-                    sizes += [k_size, v_size]
-        return ptrs, sizes
+        firsts = self._pages.slots(indices, "indices")[:: self.page_size].tolist()
+        return page_buffer_meta(self.buffers, self.layout, self.layer_num, self.page_size, firsts)
 
 
 class MLATokenToKVPoolHost(MHATokenToKVPoolHost):
-    """Host-memory KV pages for a device ``MLATokenToKVPool``: SGLang's name, and the arguments,
-    API and behaviour of :class:`MHATokenToKVPoolHost`.
+    """Host-memory KV pages for a device ``MLATokenToKVPool`` or ``MLATokenToKVPoolFP4``: SGLang's
+    name, and the arguments, API and behaviour of :class:`MHATokenToKVPoolHost`.
 
-    A latent row travels as the device pool presents it to row copies: a K part (its
-    ``kv_lora_rank`` latent columns) and a V part (its ``qk_rope_head_dim`` rotary columns), so
-    ``k_buffer`` holds the latent parts and ``v_buffer`` the rotary parts (``head_num`` 1), and a
-    flat data page is the page's latent parts, then its rotary parts. ``size_per_token`` is
-    ``layer_num * (kv_lora_rank + qk_rope_head_dim)`` bytes of the storage dtype.
+    A latent row travels as the device pool presents it to row copies: an ``MLATokenToKVPool``'s as
+    a K part (its ``kv_lora_rank`` latent columns) and a V part (its ``qk_rope_head_dim`` rotary
+    columns), so ``k_buffer`` holds the latent parts and ``v_buffer`` the rotary parts (``head_num``
+    1), and a flat data page is the page's latent parts, then its rotary parts; ``size_per_token``
+    is ``layer_num * (kv_lora_rank + qk_rope_head_dim)`` bytes of the storage dtype. An
+    ``MLATokenToKVPoolFP4``'s as its packed codes and their scale bytes (``kv_buffer``,
+    ``kv_scale_buffer``).
     """
 
     def __init__(self, device_pool, *args, **kwargs) -> None:
-        if not isinstance(device_pool, MLATokenToKVPool):
-            raise TypeError(f"device_pool must be an MLATokenToKVPool, got {type(device_pool).__name__}")
+        if not isinstance(device_pool, (MLATokenToKVPool, MLATokenToKVPoolFP4)):
+            raise TypeError(
+                f"device_pool must be an MLATokenToKVPool or MLATokenToKVPoolFP4, got {type(device_pool).__name__}"
+            )
         super().__init__(device_pool, *args, **kwargs)
         self.kv_lora_rank, self.qk_rope_head_dim = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim

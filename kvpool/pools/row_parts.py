@@ -48,9 +48,10 @@ class RowPartsCache:
 
     Attributes (SGLang names): ``size``, ``page_size``, ``layer_num``, ``start_layer``, ``end_layer``,
     ``device``, ``layer_transfer_counter``; kvpool's: ``parts_table`` over every buffer of every
-    layer, ``part_names``, ``validate``. The table is deliberately not called ``row_table``: the host
-    tier and transfers between ranks read a device pool's ``row_table`` as two buffers per layer (K,
-    V), so they refuse a pool without one rather than copy its codes without their scales.
+    layer, ``part_names``, ``validate``. The table is deliberately not called ``row_table``: code
+    that reads a pool's ``row_table`` as two buffers per layer (K, V) finds none, rather than copy
+    the codes without their scales; the host tier reads ``part_names`` and this table and copies
+    every part.
     """
 
     def __init__(

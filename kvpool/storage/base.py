@@ -361,15 +361,17 @@ class HiCacheStorage(ABC):
 
     def host_page_regions(self, keys: Sequence[str], host_indices: object) -> list[list[tuple[int, int]]]:
         """Per page of ``host_indices`` (after :meth:`host_page_starts`'s checks): its ``(address, size)``
-        blocks in the host buffers, in the flat page order (every layer's K, then every layer's V), for
-        I/O straight to and from the host pool. Waits for the host pool's transfers in flight."""
+        blocks in the host buffers, in the flat page order (every layer's K, then every layer's V; a
+        host pool with scales beside its codes: every layer of each part in turn), for I/O straight to
+        and from the host pool. Waits for the host pool's transfers in flight."""
         self.host_page_starts(keys, host_indices)
         if not keys:
             return []
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         per = len(ptrs) // len(keys)
+        parts = len(getattr(self.mem_pool_host, "buffers", (None, None)))  # K and V, or every part
         regions = []
         for i in range(len(keys)):
             blocks = list(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per]))
-            regions.append(blocks[0::2] + blocks[1::2])  # the meta alternates K and V blocks
+            regions.append([b for j in range(parts) for b in blocks[j::parts]])  # the meta cycles through the parts
         return regions

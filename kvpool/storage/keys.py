@@ -168,7 +168,13 @@ def key_namespace(config: Any, host_pool: Any = None) -> str:
     same on every tensor-parallel rank, so its ``tp_rank`` / ``tp_size`` are left out; the pipeline
     stage is kept (each holds its own layers). The geometry names the element and storage dtypes,
     page size, layers (count and first id), heads, head dims and layout, so a page is only ever read
-    back into a host pool that lays its bytes out the same way.
+    back into a host pool that lays its bytes out the same way. For a pool whose rows carry scales
+    beside their codes it also names the stored format (``"torch.float4_e2m1fn_x2/nvfp4"``, ...,
+    ``"torch.float8_e4m3fn/fp8_per_token_head"``), each part's name and row shape, and an NVFP4
+    pool's per-layer global scales: an FP8 page is never read into an FP4 pool, nor an NVFP4 page
+    into a pool that reads its codes under other global scales. A static-scale FP8 pool does not
+    know the scales its writes were given: a caller names them in ``extra_config["kv_scales"]``
+    (any JSON value), and they become part of the namespace.
     """
     fields: dict[str, Any] = {
         "format": 1,
@@ -190,6 +196,14 @@ def key_namespace(config: Any, host_pool: Any = None) -> str:
             "layout": host_pool.layout,
             "page_bytes": list(host_pool.page_bytes),
         }
+        parts = getattr(host_pool, "parts", None)
+        if parts is not None and not parts.kv_only:
+            fields["geometry"]["format"] = parts.fmt
+            fields["geometry"]["parts"] = [[n, list(r), str(d)] for n, r, d in zip(parts.names, parts.rows, parts.dtypes)]
+        if getattr(host_pool, "global_scales", ()):
+            fields["geometry"]["global_scales"] = [list(kv) for kv in host_pool.global_scales]
+    if config.extra_config and "kv_scales" in config.extra_config:
+        fields["kv_scales"] = config.extra_config["kv_scales"]
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 

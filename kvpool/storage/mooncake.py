@@ -158,7 +158,8 @@ class MooncakeStore(HiCacheStorage):
             raise RuntimeError("this MooncakeStore is closed")
         super().register_mem_pool_host(mem_pool_host)
         self._set_namespace(key_namespace(self.storage_config, mem_pool_host))
-        self.memory.set_host([mem_pool_host.k_buffer, mem_pool_host.v_buffer])
+        buffers = getattr(mem_pool_host, "buffers", None)  # every part of a pool with scales beside its codes
+        self.memory.set_host(list(buffers) if buffers is not None else [mem_pool_host.k_buffer, mem_pool_host.v_buffer])
 
     # --- reachability ----------------------------------------------------------------------------------
 

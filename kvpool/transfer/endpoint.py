@@ -123,7 +123,16 @@ AnyPool = Union[MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool]
 
 
 def _check_pool(pool: object) -> None:
-    if not isinstance(pool, POOLS):
+    inner = pool.full_kv_pool if isinstance(pool, HybridLinearKVPool) else pool
+    names = getattr(inner, "part_names", None)
+    if names is not None:  # its rows carry scales beside the codes, which the wire layout has no room for
+        within = f" (the full-attention pool of a {type(pool).__name__})" if inner is not pool else ""
+        raise TypeError(
+            f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(inner).__name__}{within}: its rows "
+            f"keep scales beside their codes ({', '.join(names)}), and a transfer between ranks moves K and V "
+            f"rows only; move its pages through the host tier or a storage backend instead"
+        )
+    if not isinstance(pool, POOLS) or not isinstance(inner, (MHATokenToKVPool, MLATokenToKVPool)):
         raise TypeError(
             f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}; a "
             f"HybridLinearKVPool, which holds one, is taken too"
