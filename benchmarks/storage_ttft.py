@@ -82,9 +82,14 @@ class Setup:
         self.shape = module.SHAPES[self.config]
         self.arch = module.LLAMA if model == "llama" else module.Qwen35(None)
         model_dtype = "bf16" if device.type == "cuda" else "fp32"
+        # A hybrid model's state is kept where a prefill chunk ends: its prompt is prefilled as its
+        # whole pages but the last, then the rest, so a state sits where a later match stops (both
+        # paths prefill so). A plain model's prompt is one chunk.
+        chunk = (self.prompt_len - 1) // self.page_size * self.page_size if model == "qwen3.5" else None
         self.cfg = self.rc.RunConfig(
             shape=self.shape, model_dtype=model_dtype, pool_dtypes=(pool_dtype,), prompts=1, batch=1,
             prompt_len=(self.prompt_len, self.prompt_len), new_tokens=(1, 1), page_size=self.page_size, device=str(device),
+            chunk_size=chunk,
         )  # fmt: skip
         #: The tiered engines' pools are made for a prefix cache (a hybrid model's state slots for the tree).
         self.tiered_cfg = dataclasses.replace(self.cfg, prefix_cache=True, host_tier=True)
@@ -102,7 +107,7 @@ class Setup:
         afterwards (its storage writes drained)."""
         pool = self.arch.make_pool(self.cfg if tiers is None else self.tiered_cfg, self.model, self.rc.DTYPES[self.pool_dtype])
         try:
-            sched = self.arch.scheduler(pool, 1, self.cfg.max_context_len, None, tiers is not None, tiers=tiers)
+            sched = self.arch.scheduler(pool, 1, self.cfg.max_context_len, self.cfg.chunk_size, tiers is not None, tiers=tiers)
         except ValueError as exc:
             if tiers is not None:
                 raise Refused(str(exc)) from exc
