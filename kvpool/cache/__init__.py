@@ -21,7 +21,7 @@ the window rule), ``swa_windows`` (the SWA tier's books: records, window locks, 
 ``swa_integrity`` (the SWA part of the check) and ``swa_radix_cache`` (``SWARadixCache``).
 """
 
-from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvpool.cache.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.cache.evict_policy import (
     EvictionStrategy,
     FIFOStrategy,
@@ -65,6 +65,8 @@ __all__ = [
     "LFUStrategy",
     "LRUStrategy",
     "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_EXTERNAL",
     "MEDIUM_GPU",
     "MRUStrategy",
     "MatchPrefixParams",
