@@ -11,8 +11,10 @@ the request code and the integrity check need from a cache), ``requests`` and ``
 requests checked together), ``tree_cache`` (``TreeCache``, what every cache shares),
 ``radix_cache`` (``RadixCache``), ``write_through`` (an insert's host backups, staged before the
 tree changes), ``host_tier`` (``HostTier``, what both caches with a host tier inherit: backups, the
-transfers in flight, the tree's hooks for host-only nodes), ``storage_tier`` (the storage tier's
-room: write-through to a storage backend and prefetch from it), ``storage_setup`` (how a cache finds
+transfers in flight, the tree's hooks for host-only nodes), ``storage_events`` (the storage tier's
+KV events), ``storage_workers`` (its worker threads), ``storage_integrity`` (its part of the check),
+``storage_tier`` (the storage tier's room: write-through to a storage backend and prefetch from
+it), ``storage_setup`` (how a cache finds
 its storage tier), ``hiradix_cache`` (the host tier's room, ``HiRadixCache``), ``mamba_radix_cache``
 (the state tier's room, ``MambaRadixCache``), ``himamba_host`` (a hybrid model's host tier and its
 parked states), ``himamba_moves`` (a hybrid node's moves between tiers), ``himamba_radix_cache``
@@ -21,7 +23,7 @@ the window rule), ``swa_windows`` (the SWA tier's books: records, window locks, 
 ``swa_integrity`` (the SWA part of the check) and ``swa_radix_cache`` (``SWARadixCache``).
 """
 
-from kvpool.cache.events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvpool.cache.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.cache.evict_policy import (
     EvictionStrategy,
     FIFOStrategy,
@@ -65,6 +67,8 @@ __all__ = [
     "LFUStrategy",
     "LRUStrategy",
     "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_EXTERNAL",
     "MEDIUM_GPU",
     "MRUStrategy",
     "MatchPrefixParams",

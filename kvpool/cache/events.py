@@ -22,9 +22,12 @@ from kvpool.cache.key import decode, encoded
 if TYPE_CHECKING:
     from kvpool.cache.node import TreeNode
 
-#: Storage tiers an event names (SGLang's values).
+#: Storage tiers an event names (SGLang's ``StorageMedium`` values): the device, pinned host memory,
+#: a store on this machine's disks (``HiCacheFile``) and one shared across machines (``MooncakeStore``).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU_PINNED"
+MEDIUM_DISK = "DISK"
+MEDIUM_EXTERNAL = "EXTERNAL"
 
 
 @dataclasses.dataclass
@@ -82,13 +85,18 @@ def page_hashes(enc: bytes, page_elems: int, elem_bytes: int, prior: Optional[st
 
 
 def node_hashes(node: "TreeNode", root: "TreeNode", page_size: int, elem_bytes: int) -> list[str]:
-    """``node.hash_value``, computed (and kept on the node) from its parent's last page hash."""
-    if node.hash_value is None:
-        parent = node.parent
+    """``node.hash_value``, computed (and kept on the node) from its parent's last page hash; the
+    ancestors that have none yet (host-only nodes hung from storage) get theirs first."""
+    chain, n = [], node
+    while n is not None and n is not root and n.hash_value is None:
+        chain.append(n)
+        n = n.parent
+    for n in reversed(chain):
+        parent = n.parent
         prior = parent.get_last_hash_value() if parent is not None and parent is not root else None
         if prior is None:
-            prior = namespace_seed(node.key.extra_key)
-        node.hash_value = page_hashes(encoded(node.key), page_size, elem_bytes, prior)
+            prior = namespace_seed(n.key.extra_key)
+        n.hash_value = page_hashes(encoded(n.key), page_size, elem_bytes, prior)
     return node.hash_value
 
 

@@ -118,8 +118,8 @@ class HiMambaRadixCache(HybridTierMoves, StorageCalls, HostTier, MambaRadixCache
         """As ``HiRadixCache.prefetch_from_storage``, with the states: what storage holds is fetched
         as far as its deepest state (``kvpool.cache.himamba_storage``). ``last_host_node`` may be a
         match's ``last_host_node`` on the device without a host copy yet (a write policy that has
-        not backed it up): the fetch then starts after its deepest ancestor with one, its tokens
-        first. Raises as ``HiRadixCache.prefetch_from_storage``."""
+        not backed it up): the fetch then continues its deepest ancestor with one, and the pages the
+        tree holds between are not read again. Raises as ``HiRadixCache.prefetch_from_storage``."""
         if self.storage_tier is None:
             return
         if isinstance(last_host_node, TreeNode) and last_host_node is not self.root_node and HOST not in last_host_node.records:

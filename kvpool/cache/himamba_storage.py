@@ -29,6 +29,7 @@ import torch
 from kvpool.cache.himamba_host import HOST_STATE, HostState
 from kvpool.cache.key import encoded
 from kvpool.cache.node import TreeNode
+from kvpool.cache.records import STATE
 from kvpool.cache.storage_tier import PrefetchOp, StorageTier, StorageTierStats
 from kvpool.storage.keys import state_geometry, state_key
 
@@ -49,8 +50,8 @@ class StateStorageStats(StorageTierStats):
 class StateStorageTier(StorageTier):
     """The storage room of one ``HiMambaRadixCache`` (made by the cache; see the module)."""
 
-    def __init__(self, cache: Any, storage: Any, policy: Any) -> None:
-        super().__init__(cache, storage, policy)
+    def __init__(self, cache: Any, storage: Any, policy: Any, owns_storage: bool = False) -> None:
+        super().__init__(cache, storage, policy, owns_storage)
         self.state_host = cache.mamba_pool_host
         self.geometry = state_geometry(self.state_host)
         self.state_nbytes = self.state_host.slot_bytes
@@ -66,15 +67,20 @@ class StateStorageTier(StorageTier):
 
     def state_backed_up(self, node: TreeNode, event: Any) -> None:
         """``node`` has a new host state, complete once ``event`` is (None: now); it is written to
-        storage at the next ``poll`` after that (at once for None)."""
+        storage at the next ``poll`` after that (at once for None; nothing once closed)."""
+        if self.closed:
+            return
         self._pending_states.append((node, node.records[HOST_STATE], event))
         if event is None:
-            self.poll()
+            self.write_due()
 
-    def poll(self) -> None:
-        """``StorageTier.poll`` (the KV pages first), then the host states whose backup completed, if
-        they are still their node's."""
-        super().poll()
+    def write_due(self) -> None:
+        """``StorageTier.write_due`` (the KV pages first), then the host states whose backup
+        completed, if they are still their node's."""
+        super().write_due()
+        if self.closed:
+            self._pending_states = []
+            return
         pending, self._pending_states, left = self._pending_states, [], []
         for node, record, event in pending:
             if event is not None and not event.query():
@@ -98,7 +104,7 @@ class StateStorageTier(StorageTier):
             with self._lock:
                 self.queued_pages -= 1
             raise
-        self._submit("write", lambda: self._run_state_write(key, data))
+        self.workers.submit("write", lambda: self._run_state_write(key, data))
 
     def _run_state_write(self, key: str, data: torch.Tensor) -> None:
         try:
@@ -128,6 +134,7 @@ class StateStorageTier(StorageTier):
                     break
                 page = torch.empty(self.page_nbytes, dtype=torch.uint8)
                 if self.storage.get(key, page) is None:
+                    self.events.missing(key)
                     break
                 pages.append(page)
         except Exception as e:
@@ -155,6 +162,16 @@ class StateStorageTier(StorageTier):
                 self.stats.tokens_dropped += len(pages) * self.page_size
         if error is not None:
             raise error
+
+    def held_pages(self, node: TreeNode, enc: bytes, start: int, extra: Any) -> int:
+        """As ``StorageTier.held_pages``, but one page fewer when the tree has no state where the held
+        part ends: that page is read again, for the state after it that storage may hold (a host
+        tombstone there takes it, ``adopt``)."""
+        end_node, node_end, pos = self.cache.held_below(node, enc, start, extra)
+        pages = (pos - start) // self.page_enc_bytes
+        if pages and not (pos == node_end and (STATE in end_node.records or HOST_STATE in end_node.records)):
+            pages -= 1
+        return pages
 
     def reserve(self, op: PrefetchOp) -> Any:
         """A host state slot holding the fetched state (evicting host-only leaves for room), or False."""

@@ -1,6 +1,7 @@
 """SGLang's storage-tier calls of the caches with a host tier (``HiRadixCache``,
 ``HiMambaRadixCache``): start a prefetch, poll it, stop it, end it for an aborted request, the tokens
-it loaded, and the hook the storage tier hangs fetched pages with. Each call hands on to the cache's
+it loaded, ``close``, and the tree walks the storage tier uses (how far the tree holds a prefetch's
+tokens, and the hook it hangs fetched pages with). Each call hands on to the cache's
 ``storage_tier`` (``kvpool.cache.storage_tier``), and does nothing without one. Mixed into both
 caches, whose tree and host queue it uses.
 """
@@ -11,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvpool.cache.key import RadixKey
+from kvpool.cache.key import RadixKey, common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, HostCopy
 
@@ -27,9 +28,12 @@ class StorageCalls:
         """Start fetching from storage the whole pages of ``new_input_tokens`` (a token list or
         tensor, or a ``RadixKey``), the tokens that follow ``last_host_node``'s prefix (a match's
         ``last_host_node``, or the root with ``extra_key`` or a ``RadixKey``'s); ``last_hash`` and
-        ``prefix_keys`` are SGLang's and not needed. Nothing starts below ``prefetch_threshold``
-        tokens, while storage backs off, or without storage. Raises ``TypeError``/``ValueError`` for
-        a node not of this tree, bad tokens, or a ``req_id`` with a prefetch in flight."""
+        ``prefix_keys`` are SGLang's and not needed. The pages the tree holds already below
+        ``last_host_node`` (on the device or the host) are not read. In an EAGLE cache the tokens
+        may be plain (turned into bigrams as a key is) or ``(int, int)`` bigrams. Nothing starts
+        below ``prefetch_threshold`` tokens to read, while storage backs off, or without storage.
+        Raises ``TypeError``/``ValueError`` for a node not of this tree, bad tokens, or a ``req_id``
+        with a prefetch in flight, and ``RuntimeError`` once the storage tier is closed."""
         if self.storage_tier is not None:
             self.storage_tier.prefetch(req_id, last_host_node, new_input_tokens, extra_key)
 
@@ -54,6 +58,44 @@ class StorageCalls:
     def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
         """Tokens ``req_id``'s prefetch brought into the host tier (0 for none), once."""
         return 0 if self.storage_tier is None else self.storage_tier.loaded_tokens.pop(req_id, 0)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the storage tier (idempotent; nothing without one): the host copies whose backup is
+        complete are written, prefetches in flight are dropped (their holds released), the worker
+        threads finish what was queued and are joined, the pages announced in storage are withdrawn
+        (``BlockRemoved`` of the storage medium), and a backend the cache made from its server
+        arguments is closed. The device and host tiers work on; afterwards ``prefetch_from_storage``
+        raises ``RuntimeError``, host copies are no longer written to storage and ``enable_storage``
+        is False.
+
+        Raises
+        ------
+        TimeoutError
+            A worker still runs a storage call after ``timeout_s`` seconds (the tier is closed all the
+            same; call again to wait for it).
+        """
+        self.enable_storage = False
+        if self.storage_tier is not None:
+            self.storage_tier.close(timeout_s)
+
+    def held_below(self, node: TreeNode, enc: bytes, pos: int, extra: Any) -> tuple[TreeNode, int, int]:
+        """How far the tree holds ``enc`` (the tree's key bytes) below ``node``, whose prefix ends at
+        ``pos``, on any tier: the deepest node whose whole key it holds, where that node ends, and
+        where the held part ends (whole pages, inside a child of that node when it goes on past
+        it). Reads the tree only."""
+        child_key, n, end = self._child_key, len(enc), pos
+        while pos < n:
+            child = node.children.get(child_key(enc, pos, extra))
+            if child is None:
+                break
+            kb = encoded(child.key)
+            if pos + len(kb) <= n and enc.startswith(kb, pos):
+                node, pos = child, pos + len(kb)
+                end = pos
+                continue
+            pos += common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+            break
+        return node, end, pos
 
     def hang_host_leaf(self, node: TreeNode, enc: bytes, pos: int, end: int, extra: Any, host_slots: torch.Tensor) -> TreeNode:
         """Hang ``enc[pos:end]`` below ``node`` (where ``branch_point`` left the walk) as a host-only

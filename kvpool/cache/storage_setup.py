@@ -29,7 +29,8 @@ def storage_for(
     takes the rank and size of ``tp_group`` (the cache's ``tp_cache_group``: ``rank()``, ``size()``)
     and the pipeline stage ``pp`` (rank, size), so ranks sharing a store never read each other's
     pages. ``tier_cls`` is the tier made (a ``StorageTier`` subclass: ``HiMambaRadixCache``'s stores
-    its states too); ``host_pool`` is the KV host pool.
+    its states too); ``host_pool`` is the KV host pool. A backend made here is the tier's to close
+    (``close``); one given as ``storage`` stays the caller's.
 
     Raises
     ------
@@ -54,11 +55,12 @@ def storage_for(
         )
     if not isinstance(policy, StoragePolicy):
         raise ValueError(f"storage_policy must be a StoragePolicy, got {type(policy).__name__}")
+    owns = storage is None  # the cache closes what it made
     if storage is None:
         storage = _named_storage(name, server_args, host_pool, extra, tp_group, pp)  # the last check: it makes the directory
     if not isinstance(storage, HiCacheStorage):
         raise ValueError(f"storage must be a kvpool.storage.HiCacheStorage, got {type(storage).__name__}")
-    return lambda cache: tier_cls(cache, storage, policy)
+    return lambda cache: tier_cls(cache, storage, policy, owns)
 
 
 def _extra_config(server_args: Any) -> dict:

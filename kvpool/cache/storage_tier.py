@@ -20,12 +20,18 @@ pool or the device: a failed write leaves the page out of storage, a failed read
 with the pages read so far, and the tier backs off (no writes and no prefetches for a while,
 doubling up to a bound) before trying again. A subclass stores more beside the pages through
 ``fetch`` and the hooks of ``_take`` (``kvpool.cache.himamba_storage``: a hybrid model's states).
+
+A prefetch reads only what the tree lacks: the pages of ``new_input_tokens`` that the tree holds
+already below ``last_host_node`` (on the device or the host) are skipped (``held_pages``). With
+EAGLE's bigram keys (``is_eagle``) the tokens are turned into bigrams as the tree turns a key, so the
+page keys are those of the pages the tree stores. The pages written and the pages found missing are
+announced as KV events (``kvpool.cache.storage_events``). ``close`` ends the tier: the queued writes
+are done, the workers joined, and storage work asked for afterwards is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from typing import Any, Optional
@@ -33,12 +39,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvpool.cache.key import RadixKey, encoded
+from kvpool.cache.key import RadixKey, encoded, to_bigram
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STORAGE, PageKeys
+from kvpool.cache.storage_events import StorageEvents, storage_medium
+from kvpool.cache.storage_integrity import storage_problems
 from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
+from kvpool.cache.storage_workers import StorageWorkers
 from kvpool.storage.base import HiCacheStorage
-from kvpool.storage.keys import page_keys
+from kvpool.storage.keys import page_keys, token_array
 
 @dataclasses.dataclass
 class StorageTierStats:
@@ -82,10 +91,11 @@ class StorageTier:
     cache : the ``HiRadixCache``.
     storage : a :class:`~kvpool.storage.base.HiCacheStorage`; its host pool is registered here.
     policy : a :class:`StoragePolicy`.
+    owns_storage : ``close`` closes ``storage`` too (the cache made it from its server arguments).
     """
 
-    def __init__(self, cache: Any, storage: HiCacheStorage, policy: StoragePolicy) -> None:
-        self.cache, self.storage, self.policy = cache, storage, policy
+    def __init__(self, cache: Any, storage: HiCacheStorage, policy: StoragePolicy, owns_storage: bool = False) -> None:
+        self.cache, self.storage, self.policy, self.owns_storage = cache, storage, policy, owns_storage
         self.host = cache.token_to_kv_pool_host
         storage.register_mem_pool_host(self.host)
         self.page_size = cache.page_size
@@ -105,21 +115,33 @@ class StorageTier:
         #: Pages of the prefetches in flight (each may read them all into memory), and their bound.
         self.prefetch_pages = 0
         self.max_prefetch_pages = self.host.size // self.page_size
-        self._queues: dict[str, queue.Queue] = {}
+        self.events = StorageEvents(cache, storage_medium(storage))
+        self.workers = StorageWorkers(policy.background)
+        self.closed = False
 
     # --- write-through ---------------------------------------------------------------------------
 
     def backed_up(self, node: TreeNode, event: Any) -> None:
         """``node`` has a new host copy, complete once ``event`` is (None: now); it is written to
-        storage at the next ``poll`` after that (at once for None)."""
+        storage at the next ``poll`` after that (at once for None; nothing once closed)."""
+        if self.closed:
+            return
         copy = node.records[HOST]
         self._pending.append((node, copy, event, copy.slots))
         if event is None:
-            self.poll()
+            self.write_due()
 
     def poll(self) -> None:
+        """``check_hicache_events``: write what is due (``write_due``), and turn what the workers
+        did since into KV events."""
+        self.write_due()
+        self.events.publish()
+
+    def write_due(self) -> None:
         """Write the host copies whose backup completed, if they are still the node's (with the
-        parents a split gave the copy's first part meanwhile)."""
+        parents a split gave the copy's first part meanwhile); nothing once closed."""
+        if self.closed:
+            return
         left = []
         for node, copy, event, slots in self._pending:
             if event is not None and not event.query():
@@ -148,17 +170,20 @@ class StorageTier:
             self.queued_pages += pages
         try:
             data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
+            announced = self.events.pages_of(node, keys)
         except BaseException:
             with self._lock:
                 self.queued_pages -= pages
             raise
-        self._submit("write", lambda: self._run_write(keys, data))
+        self.workers.submit("write", lambda: self._run_write(keys, data, announced))
 
-    def _run_write(self, keys: list[str], data: list[torch.Tensor]) -> None:
+    def _run_write(self, keys: list[str], data: list[torch.Tensor], announced: list) -> None:
         try:
             ok = self.storage.batch_set(keys, data) is True
         except Exception:
             ok = False
+        if ok:
+            self.events.stored(announced)
         with self._lock:
             self.queued_pages -= len(keys)
             if ok:
@@ -196,7 +221,9 @@ class StorageTier:
 
     def prefetch(self, req_id: Any, last_host_node: TreeNode, new_input_tokens: Any, extra_key: Any = None) -> None:
         """Start fetching the pages of ``new_input_tokens`` that follow ``last_host_node``'s prefix
-        (see ``HiRadixCache.prefetch_from_storage``)."""
+        and that the tree lacks (see ``HiRadixCache.prefetch_from_storage``)."""
+        if self.closed:
+            raise RuntimeError("prefetch_from_storage: the cache's storage tier is closed (close() was called)")
         if req_id in self.ongoing_prefetch:
             raise ValueError(f"req_id {req_id!r} has a prefetch in flight already (check_prefetch_progress ends it)")
         if not isinstance(last_host_node, TreeNode):
@@ -211,41 +238,57 @@ class StorageTier:
                     f"new_input_tokens' extra_key must be last_host_node's {extra!r}, got {new_input_tokens.extra_key!r}"
                 )
             extra, new_input_tokens = new_input_tokens.extra_key, new_input_tokens.token_ids
+        elements = self.tree_elements(new_input_tokens)
         prior = self.keys_of(last_host_node)
         if prior is None:
             return
-        keys = page_keys(new_input_tokens, self.page_size, extra, prior[-1] if prior else None)  # checks the tokens
-        if not keys:
-            return
-        tokens = new_input_tokens.cpu() if isinstance(new_input_tokens, torch.Tensor) else new_input_tokens
-        elements = np.asarray(tokens, dtype="<i8")[: len(keys) * self.page_size]
-        if (elements.ndim == 2) != bool(self.cache.is_eagle):
-            raise ValueError(
-                f"new_input_tokens must be {'(int, int) bigrams' if self.cache.is_eagle else 'tokens'} like the tree's keys, "
-                f"got shape {tuple(elements.shape)}"
-            )
-        if len(elements) < self.policy.prefetch_threshold or time.monotonic() < self._resume_at:
-            return
-        if self.prefetch_pages + len(keys) > self.max_prefetch_pages:
+        keys = page_keys(elements, self.page_size, extra, prior[-1] if prior else None)  # checks the extra_key
+        if not keys or time.monotonic() < self._resume_at:
             return
         path, n = [], last_host_node
         while n is not root:
             path.append(encoded(n.key))
             n = n.parent
         start = sum(len(p) for p in path)
-        enc = b"".join(reversed(path)) + np.ascontiguousarray(elements, dtype="<i8").tobytes()
+        enc = b"".join(reversed(path)) + elements[: len(keys) * self.page_size].tobytes()
+        held = self.held_pages(last_host_node, enc, start, extra)
+        keys, start = keys[held:], start + held * self.page_enc_bytes
+        if not keys or len(keys) * self.page_size < self.policy.prefetch_threshold:
+            return
+        if self.prefetch_pages + len(keys) > self.max_prefetch_pages:
+            return
         copy = last_host_node.records[HOST]
         copy.holds += 1  # the node the pages hang below stays on the host meanwhile
         op = PrefetchOp(enc, start, keys, extra, copy)
         self.ongoing_prefetch[req_id] = op
         self.prefetch_pages += len(keys)
         self.stats.prefetches += 1
-        self._submit("prefetch", lambda: self._run_prefetch(op))
+        self.workers.submit("prefetch", lambda: self._run_prefetch(op))
+
+    def tree_elements(self, tokens: Any) -> np.ndarray:
+        """``tokens`` (ints, or ``(int, int)`` bigrams) as the elements the tree's keys hold: int64
+        ``[n]``, or ``[n, 2]`` bigrams in an EAGLE cache, where plain tokens become their bigrams as
+        the tree turns a key (element i is tokens i and i + 1). Raises ``ValueError`` for bad
+        tokens, and for bigrams given to a cache of plain keys."""
+        elements = token_array(tokens)
+        if self.cache.is_eagle and elements.ndim == 1:
+            elements = np.frombuffer(to_bigram(elements.tobytes()), dtype="<i8").reshape(-1, 2)
+        if elements.ndim == 2 and not self.cache.is_eagle:
+            raise ValueError(f"new_input_tokens must be tokens like the tree's keys (is_eagle=False), got shape {tuple(elements.shape)}")
+        return elements
+
+    def held_pages(self, node: TreeNode, enc: bytes, start: int, extra: Any) -> int:
+        """How many whole pages of ``enc`` from ``start`` (the bytes after ``node``'s prefix) the tree
+        holds below ``node`` already, on any tier: the prefetch reads none of them."""
+        _, _, pos = self.cache.held_below(node, enc, start, extra)
+        return (pos - start) // self.page_enc_bytes
 
     def _run_prefetch(self, op: PrefetchOp) -> None:
         ok = True
         try:
             hits = self.storage.batch_exists(op.keys)
+            if hits < len(op.keys):
+                self.events.missing(op.keys[hits])
             if hits * self.page_size < self.policy.prefetch_threshold:
                 hits = 0
             self.fetch(op, hits)
@@ -266,6 +309,7 @@ class StorageTier:
                 break
             page = torch.empty(self.page_nbytes, dtype=torch.uint8)
             if self.storage.get(key, page) is None:
+                self.events.missing(key)
                 break
             with self._lock:
                 op.pages.append(page)
@@ -388,36 +432,11 @@ class StorageTier:
         self.prefetch_pages = 0
         self.loaded_tokens.clear()
         self._pending = []
+        self.events.forget()
 
     def problems(self, nodes: list[TreeNode]) -> list[str]:
-        """The storage room's part of ``check_integrity`` over the tree's ``nodes`` (the root first,
-        parents before children): a node's page keys are the chain of its prefix, one per page, and
-        its parent has keys too; every prefetch in flight holds its node's host copy."""
-        out = []
-        root = self.cache.root_node
-        last_key: dict[int, Optional[str]] = {}
-        for node in nodes[1:]:
-            record = node.records.get(STORAGE)
-            last_key[node.id] = None
-            if record is None:
-                continue
-            prior = None if node.parent is root else last_key.get(node.parent.id)
-            if node.parent is not root and prior is None:
-                out.append(f"node {node.id} has storage keys but its parent {node.parent.id} has none")
-                continue
-            want = page_keys(self.elements(encoded(node.key)), self.page_size, node.key.extra_key, prior)
-            if record.keys != want:
-                out.append(f"node {node.id}'s storage keys are not the chain of its prefix ({len(record.keys)} keys, {len(want)} pages)")
-            last_key[node.id] = want[-1]
-        holds: dict[int, int] = {}
-        for op in self.ongoing_prefetch.values():
-            holds[id(op.copy)] = holds.get(id(op.copy), 0) + 1
-            if op.copy.holds < holds[id(op.copy)]:
-                out.append("a prefetch in flight does not hold the host copy of the node it continues")
-        in_flight = sum(len(op.keys) for op in self.ongoing_prefetch.values())
-        if self.prefetch_pages != in_flight:
-            out.append(f"the prefetches in flight count {self.prefetch_pages} pages but have {in_flight}")
-        return out
+        """The storage room's part of ``check_integrity`` (``kvpool.cache.storage_integrity``)."""
+        return storage_problems(self, nodes)
 
     def _attached(self, node: TreeNode) -> bool:
         root = self.cache.root_node
@@ -436,38 +455,33 @@ class StorageTier:
             self._resume_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.policy.max_backoff_s)
 
-    def _submit(self, kind: str, job: Any) -> None:
-        if not self.policy.background:
-            job()
-            return
-        q = self._queues.get(kind)
-        if q is None:
-            q = self._queues[kind] = queue.Queue()
-            threading.Thread(target=_serve, args=(q,), name=f"kvpool-storage-{kind}", daemon=True).start()
-        q.put(job)
-
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until the workers have run every job queued so far; False if ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        for q in self._queues.values():
-            done = threading.Event()
-            q.put(done.set)
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        return True
+        return self.workers.drain(timeout_s)
 
-    def close(self) -> None:
-        """Stop the worker threads once they have run what was queued (a closed tier queues no more)."""
-        for q in self._queues.values():
-            q.put(None)
-        self._queues = {}
-        self.policy = dataclasses.replace(self.policy, background=False)
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the tier (idempotent): write the host copies whose backup is complete, end every
+        prefetch in flight (as ``abort``: its pages are dropped, its hold released), let the workers
+        finish what was queued and join them, withdraw the pages announced as KV events, and close
+        the backend if the cache made it. Afterwards ``prefetch`` raises and host copies are no longer
+        written through.
 
-
-def _serve(q: queue.Queue) -> None:
-    while True:
-        job = q.get()
-        if job is None:
-            return
-        job()
-
+        Raises
+        ------
+        TimeoutError
+            A worker still runs a storage call after ``timeout_s`` seconds; the tier is closed all
+            the same, and the worker ends once that call returns.
+        """
+        if not self.closed:
+            self.write_due()
+            self._pending = []
+            for req_id in list(self.ongoing_prefetch):
+                self.abort(req_id)
+            self.closed = True
+        alive = self.workers.stop(timeout_s)
+        if alive:
+            raise TimeoutError(f"storage workers {', '.join(alive)} still run a storage call after {timeout_s} s")
+        self.events.withdraw_all()
+        if self.owns_storage:
+            self.owns_storage = False
+            self.storage.close()

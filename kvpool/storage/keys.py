@@ -77,8 +77,10 @@ def encode_extra_key(extra_key: object, name: str = "extra_key") -> bytes:
     )
 
 
-def _as_int64(token_ids: object) -> np.ndarray:
-    """``token_ids`` as int64 ``[n]`` (tokens) or ``[n, 2]`` (bigrams), checked."""
+def token_array(token_ids: object) -> np.ndarray:
+    """``token_ids`` (a sequence, tensor or NumPy array of int64 tokens or (int, int) bigrams) as a
+    contiguous little-endian int64 array, ``[n]`` or ``[n, 2]``; ``ValueError`` naming the first bad
+    entry otherwise."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
@@ -147,7 +149,7 @@ def page_keys(
     True
     """
     page_size = positive_int(page_size, "page_size")
-    elements = _as_int64(token_ids)
+    elements = token_array(token_ids)
     extra = encode_extra_key(extra_key)
     prev = _SEED if prior_key is None else check_key_digest(prior_key, "prior_key")
     kind = b"\x01" if elements.ndim == 1 else b"\x02"
