@@ -205,6 +205,19 @@ def test_a_slot_map_of_the_wrong_kind_is_refused_before_anything_is_written():
     assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
 
 
+@pytest.mark.parametrize("fused", ["never", pytest.param("always", marks=fused_runs)])
+def test_a_slot_map_not_ending_in_minus_one_writes_nothing_for_entries_outside_it(fused):
+    """``slot_map`` is any int64 map: a negative entry of ``loc`` and one past the map write nothing
+    on either path, though the map's last entry is a real slot."""
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE, fused=fused)
+    before = pool_bytes(pool)
+    k = torch.full((3, 2, 8), 2.0, device=DEVICE)
+    pool.set_kv_buffer(None, loc_of([-1, 5, 2]), k, k, layer_id_override=0, slot_map=loc_of([3, 6]))
+    after = pool_bytes(pool)
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert torch.equal(a, b), f"buffer {i}: a slot outside the map was written"
+
+
 def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
     pool = registered(torch.bfloat16)
     before = pool_bytes(pool)

@@ -459,14 +459,19 @@ def maps_in_kernel(slot_map: torch.Tensor, device: torch.device) -> bool:
 
 def translate_slots(slot_map: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
     """``slot_map[s]`` for each entry ``s`` of ``loc`` in ``[0, len(slot_map))``, -1 for any other
-    (int64, ``loc``'s shape): what a mapped write writes, as one clamp and one gather, no
-    synchronisation. ``slot_map``'s last entry must be -1 (an entry outside the map is clamped onto
-    it), as a sliding-window pool's full-to-SWA mapping's is.
+    (int64, ``loc``'s shape): what a mapped write writes, as one clamp, one gather and one select,
+    no synchronisation, whatever the map's last entry.
 
     >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
     tensor([ 5,  7, -1, -1,  0])
+    >>> translate_slots(torch.tensor([3, 6]), torch.tensor([-1, 1, 2]))
+    tensor([-1,  6, -1])
     """
-    return slot_map[loc.clamp(-1, slot_map.shape[0] - 1)]
+    m = slot_map.shape[0]
+    if m == 0:
+        return torch.full(loc.shape, -1, dtype=torch.int64, device=loc.device)
+    inside = (loc >= 0) & (loc < m)
+    return torch.where(inside, slot_map[loc.clamp(0, m - 1)], -1)
 
 
 def _view(plan: LaunchPlan, kst: Sequence[int], vst: Sequence[int]) -> tuple:
