@@ -21,10 +21,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from kvpool.checks import resolve_device
+from kvpool.checks import check_index, resolve_device
 from kvpool.config import KernelOptions
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.formats import OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
+from kvpool.kernels.formats import LOC_DTYPES, OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
 from kvpool.kernels.gate import cache_verdict, input_verdict
 from kvpool.kernels.launch import (
     INTERPRETER,
@@ -213,6 +213,9 @@ class KVWriter:
         or a one-element float32 tensor on the device, is recognised with a few comparisons; a key
         found in the memo was checked when it was made. Anything else is checked in full."""
         if slot_map is not None and (self.validate or not maps_in_kernel(slot_map, self._device)):
+            plain = commit_lens is PLAIN_WRITE
+            check_index(loc, names.loc, ndim=1 if plain else 2, dims="[T]" if plain else "[bs, width]", dtypes=LOC_DTYPES,
+                        device=self._device)
             loc, slot_map = translate_slots(slot_map, loc), None  # type: ignore[arg-type]
         call_key = None
         if commit_lens is PLAIN_WRITE and type(loc) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
