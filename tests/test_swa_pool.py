@@ -235,6 +235,26 @@ def test_a_bad_loc_with_a_slot_map_is_refused_by_name_under_validate(strided_map
     assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
 
 
+def test_a_bad_loc_with_a_slot_map_is_refused_by_name_as_torch_compile_traces_it(monkeypatch):
+    """The write as torch.compile traces it translates the slots before its checks; a malformed
+    ``loc`` is still refused with an error naming it, nothing written."""
+    import kvpool.pools.mha_pool as mha_module
+
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE)
+    before = pool_bytes(pool)
+    k = torch.ones(2, 2, 8, device=DEVICE)
+    monkeypatch.setattr(mha_module, "_is_compiling", lambda: True)
+    for bad, error, message in (
+        ([1, 2], TypeError, "loc must be a torch.Tensor, got list"),
+        (torch.tensor([1.0, 2.0], device=DEVICE), ValueError, "loc must be int32 or int64, got torch.float32"),
+    ):
+        with pytest.raises(error, match=message):
+            pool.set_kv_buffer(None, bad, k, k, layer_id_override=0, slot_map=loc_of([3, 4, 5, -1]))
+    assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
+    pool.set_kv_buffer(None, loc_of([1, 7]), k, k, layer_id_override=0, slot_map=loc_of([3, 4, 5, -1]))
+    assert torch.equal(pool.k_buffer[0][4], k[0].to(torch.bfloat16)) and pool_bytes(pool)[0][[0, 1, 2, 3, 5, 6, 7, 8]].eq(0).all()
+
+
 def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
     pool = registered(torch.bfloat16)
     before = pool_bytes(pool)
