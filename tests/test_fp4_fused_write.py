@@ -108,3 +108,20 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype):
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
         assert_same_bytes(a, b, name)
+
+
+@fused_runs
+@pytest.mark.parametrize("layout", ["every_other", "broadcast"])
+def test_strided_slots_fused_are_the_reference_rows(layout):
+    """``loc`` with any stride (every other entry of a longer tensor, one slot broadcast to every
+    token) names the same rows on both paths."""
+    k, v = special_rows(5, H, D, torch.bfloat16, 12)[1:], special_rows(5, H, DV, torch.bfloat16, 13)[1:]
+    if layout == "every_other":
+        loc = torch.tensor([6, 1, -1, 2, 11, 3, 0, 4], device=DEVICE)[::2]
+    else:
+        loc = torch.tensor([8], device=DEVICE).expand(4)
+    fused, reference = pool("always"), pool("never")
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
+        assert_same_bytes(a, b, name)

@@ -221,6 +221,17 @@ def test_a_cpu_copy_of_another_geometry_is_refused_and_nothing_written():
         assert_same_bytes(a, b, "buffer")
 
 
+def test_a_cpu_copy_missing_a_buffer_is_refused_by_name_and_nothing_written():
+    pool = make_pool()
+    fill_random_(buffers(pool), seed=15)
+    before = snapshot(pool)
+    copy = pool.get_cpu_copy(torch.tensor([1], device=DEVICE))
+    short = Fp4CpuCopy(copy.parts[:3], copy.part_names, copy.start_layer)  # the V scales left out
+    with pytest.raises(ValueError, match=r"kv_cache_cpu must hold 4 buffers \(one per name\), got 3"):
+        pool.load_cpu_copy(short, torch.tensor([2], device=DEVICE))
+    for a, b in zip(buffers(pool), before):
+        assert_same_bytes(a, b, "buffer")
+
 def test_sizes_count_the_scale_bytes():
     assert kv_bytes_per_token(1, 128, None, 1, FP4) // 2 == 72  # per head and token, K alone
     assert kv_bytes_per_token(1, 128, None, 1, torch.float8_e4m3fn) // 2 == 128

@@ -195,3 +195,17 @@ def test_a_captured_write_replays_with_the_current_rows_and_slots():
         reference.set_kv_buffer(None, static_loc, static_k, static_v, layer_id_override=0)
         torch.cuda.synchronize()
         assert_same_pools(fused, reference)
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_strided_slot_map_is_read_at_its_strides(mode):
+    """A slot map that is a view with a stride (every other entry of a longer tensor) maps each
+    entry of ``loc`` to the same row on both paths."""
+    if mode == "always" and DEVICE == "cpu" and not INTERPRETER:
+        pytest.skip("fused kernel on CPU tensors needs TRITON_INTERPRET=1")
+    k, v = special_rows(4, D, torch.bfloat16, 14)[1:], special_rows(4, DV, torch.bfloat16, 15)[1:]
+    slot_map = torch.tensor([0, 9, 7, 9, 0, 9, 12, 9, 3, 9, -1], device=DEVICE)[::2]  # 0, 7, 0, 12, 3, -1
+    mapped, expected = pool(mode), pool(mode)
+    mapped.set_kv_buffer(None, torch.tensor([1, 3, 4], device=DEVICE), k, v, layer_id_override=0, slot_map=slot_map)
+    expected.set_kv_buffer(None, torch.tensor([7, 12, 3], device=DEVICE), k, v, layer_id_override=0)
+    assert_same_pools(mapped, expected)

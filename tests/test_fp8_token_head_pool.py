@@ -212,6 +212,16 @@ def test_a_cpu_copy_of_another_pool_is_refused_and_nothing_written():
     assert_unchanged(pool, before, "after refused loads")
 
 
+def test_a_cpu_copy_missing_a_buffer_is_refused_by_name_and_nothing_written():
+    pool = make_pool()
+    fill_random_(buffers(pool), seed=17)
+    before = snapshot(pool)
+    copy = pool.get_cpu_copy(torch.tensor([1], device=DEVICE))
+    short = PartsCpuCopy(copy.parts[:3], copy.part_names, 0)  # the V scales left out
+    with pytest.raises(ValueError, match=r"kv_cache_cpu must hold 4 buffers \(one per name\), got 3"):
+        pool.load_cpu_copy(short, torch.tensor([2], device=DEVICE))
+    assert_unchanged(pool, before, "after a refused load")
+
 def test_sizes_count_the_scales():
     k_bytes, v_bytes = make_pool().get_kv_size_bytes()
     assert k_bytes == 2 * ROWS * H * (D + 4) and v_bytes == 2 * ROWS * H * (DV + 4)

@@ -205,6 +205,56 @@ def test_a_slot_map_of_the_wrong_kind_is_refused_before_anything_is_written():
     assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
 
 
+@pytest.mark.parametrize("fused", ["never", pytest.param("always", marks=fused_runs)])
+def test_a_slot_map_not_ending_in_minus_one_writes_nothing_for_entries_outside_it(fused):
+    """``slot_map`` is any int64 map: a negative entry of ``loc`` and one past the map write nothing
+    on either path, though the map's last entry is a real slot."""
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE, fused=fused)
+    before = pool_bytes(pool)
+    k = torch.full((3, 2, 8), 2.0, device=DEVICE)
+    pool.set_kv_buffer(None, loc_of([-1, 5, 2]), k, k, layer_id_override=0, slot_map=loc_of([3, 6]))
+    after = pool_bytes(pool)
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert torch.equal(a, b), f"buffer {i}: a slot outside the map was written"
+
+
+@pytest.mark.parametrize("strided_map", [False, True], ids=["contiguous_map", "strided_map"])
+def test_a_bad_loc_with_a_slot_map_is_refused_by_name_under_validate(strided_map):
+    """With ``validate`` (and with a map the kernel cannot read itself) the slots are translated
+    before the write; a malformed ``loc`` is still refused with an error naming it, nothing written."""
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE, validate=True)
+    before = pool_bytes(pool)
+    k = torch.ones(2, 2, 8, device=DEVICE)
+    slot_map = loc_of([3, 0, 4, 0, 5, 0, -1])[::2] if strided_map else loc_of([3, 4, 5, -1])
+    for bad, error, message in (
+        ([1, 2], TypeError, "loc must be a torch.Tensor, got list"),
+        (torch.tensor([1.0, 2.0], device=DEVICE), ValueError, "loc must be int32 or int64, got torch.float32"),
+    ):
+        with pytest.raises(error, match=message):
+            pool.set_kv_buffer(None, bad, k, k, layer_id_override=0, slot_map=slot_map)
+    assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
+
+
+def test_a_bad_loc_with_a_slot_map_is_refused_by_name_as_torch_compile_traces_it(monkeypatch):
+    """The write as torch.compile traces it translates the slots before its checks; a malformed
+    ``loc`` is still refused with an error naming it, nothing written."""
+    import kvpool.pools.mha_pool as mha_module
+
+    pool = MHATokenToKVPool(8, 1, torch.bfloat16, 2, 8, 1, DEVICE)
+    before = pool_bytes(pool)
+    k = torch.ones(2, 2, 8, device=DEVICE)
+    monkeypatch.setattr(mha_module, "_is_compiling", lambda: True)
+    for bad, error, message in (
+        ([1, 2], TypeError, "loc must be a torch.Tensor, got list"),
+        (torch.tensor([1.0, 2.0], device=DEVICE), ValueError, "loc must be int32 or int64, got torch.float32"),
+    ):
+        with pytest.raises(error, match=message):
+            pool.set_kv_buffer(None, bad, k, k, layer_id_override=0, slot_map=loc_of([3, 4, 5, -1]))
+    assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pool), before))
+    pool.set_kv_buffer(None, loc_of([1, 7]), k, k, layer_id_override=0, slot_map=loc_of([3, 4, 5, -1]))
+    assert torch.equal(pool.k_buffer[0][4], k[0].to(torch.bfloat16)) and pool_bytes(pool)[0][[0, 1, 2, 3, 5, 6, 7, 8]].eq(0).all()
+
+
 def test_an_unmapped_full_slot_writes_only_the_swa_padding_slot():
     pool = registered(torch.bfloat16)
     before = pool_bytes(pool)

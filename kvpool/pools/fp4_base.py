@@ -245,6 +245,8 @@ class Fp4KVCache:
                 f"kv_cache_cpu.global_scales must be this pool's per-layer (k, v) global scales "
                 f"{self.global_scale_values}, got {copy.global_scales}"
             )
+        if len(copy.parts) != len(self.part_names):
+            raise ValueError(f"kv_cache_cpu must hold {len(self.part_names)} buffers (one per name), got {len(copy.parts)}")
         for name, t, mine in zip(self.part_names, copy.parts, self._parts[0]):
             want = (self.layer_num, n, *mine.shape[1:])
             if not isinstance(t, torch.Tensor):

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from kvpool.checks import check_index, positive_int
+from kvpool.kernels.formats import LOC_DTYPES
 from kvpool.kernels.store_kv.checks import check_write
 from kvpool.kernels.store_kv.op import store_kv_op
 from kvpool.kernels.store_kv.writer import translate_slots
@@ -194,6 +195,7 @@ class MHATokenToKVPool(KVCache):
             check_slot_map(slot_map, self.device)
         if _is_compiling():
             if slot_map is not None:
+                check_index(loc, "loc", dims="[T]", dtypes=LOC_DTYPES, device=self.device)
                 loc = translate_slots(slot_map, loc)
             self._write_compiled(i, loc, cache_k, cache_v, k_scale, v_scale)
             return

@@ -206,6 +206,8 @@ class RowPartsCache:
             raise ValueError(f"kv_cache_cpu must hold the buffers {list(self.part_names)}, got {list(copy.part_names)}")
         if copy.start_layer != self.start_layer:
             raise ValueError(f"kv_cache_cpu must start at layer {self.start_layer}, got {copy.start_layer}")
+        if len(copy.parts) != len(self.part_names):
+            raise ValueError(f"kv_cache_cpu must hold {len(self.part_names)} buffers (one per name), got {len(copy.parts)}")
         for name, t, mine in zip(self.part_names, copy.parts, self._parts[0]):
             want = (self.layer_num, n, *mine.shape[1:])
             if not isinstance(t, torch.Tensor):

@@ -70,6 +70,7 @@ def store_fp4_kv(
     k_scale_ptr,  # [rows, H * D // 16] uint8
     v_scale_ptr,  # [rows, H * Dv // 16] uint8
     rows,  # slots in the buffers
+    stride_loc,  # loc's stride (elements)
     sk_t, sk_h, sk_d,  # K input strides
     sv_t, sv_h, sv_d,  # V input strides
     k_codes_row, v_codes_row, k_scale_row, v_scale_row,  # buffer row strides (bytes)
@@ -83,7 +84,7 @@ def store_fp4_kv(
     """One program per token: rows ``loc[t]`` of the code and scale buffers become the FP4 of K and
     V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(loc_ptr + t).to(tl.int64)
+    slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
     if (slot >= 0) & (slot < rows):
         _fp4_row(k_ptr, t, sk_t, sk_h, sk_d, k_codes_ptr + slot * k_codes_row, k_scale_ptr + slot * k_scale_row,
                  D, K_BLOCKS, K_BLOCKS_P2)  # fmt: skip

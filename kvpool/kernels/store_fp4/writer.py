@@ -53,7 +53,7 @@ def launch_fp4_write(
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
     store_fp4_kv[(t,)](
-        k, v, loc, kc, vc, ks, vs, kc.shape[0],
+        k, v, loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
         *k.stride(), *v.stride(), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb),
     )  # fmt: skip

@@ -55,6 +55,8 @@ def launch_token_head_write(
     block_h = next_pow2(h)
     warps = min(MAX_WARPS, max(1, block_h * next_pow2(max(d, dv)) // ELEMS_PER_WARP))
     mapped = slot_map is not None
+    if mapped:
+        slot_map = slot_map.contiguous()  # type: ignore[union-attr]  # the kernel reads entry s at s
     store_fp8_token_kv[(t,)](
         k, v, loc, slot_map if mapped else loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
         slot_map.shape[0] if mapped else 0,  # type: ignore[union-attr]

@@ -21,10 +21,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from kvpool.checks import resolve_device
+from kvpool.checks import check_index, resolve_device
 from kvpool.config import KernelOptions
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.formats import OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
+from kvpool.kernels.formats import LOC_DTYPES, OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
 from kvpool.kernels.gate import cache_verdict, input_verdict
 from kvpool.kernels.launch import (
     INTERPRETER,
@@ -213,6 +213,9 @@ class KVWriter:
         or a one-element float32 tensor on the device, is recognised with a few comparisons; a key
         found in the memo was checked when it was made. Anything else is checked in full."""
         if slot_map is not None and (self.validate or not maps_in_kernel(slot_map, self._device)):
+            plain = commit_lens is PLAIN_WRITE
+            check_index(loc, names.loc, ndim=1 if plain else 2, dims="[T]" if plain else "[bs, width]", dtypes=LOC_DTYPES,
+                        device=self._device)
             loc, slot_map = translate_slots(slot_map, loc), None  # type: ignore[arg-type]
         call_key = None
         if commit_lens is PLAIN_WRITE and type(loc) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
@@ -459,14 +462,19 @@ def maps_in_kernel(slot_map: torch.Tensor, device: torch.device) -> bool:
 
 def translate_slots(slot_map: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
     """``slot_map[s]`` for each entry ``s`` of ``loc`` in ``[0, len(slot_map))``, -1 for any other
-    (int64, ``loc``'s shape): what a mapped write writes, as one clamp and one gather, no
-    synchronisation. ``slot_map``'s last entry must be -1 (an entry outside the map is clamped onto
-    it), as a sliding-window pool's full-to-SWA mapping's is.
+    (int64, ``loc``'s shape): what a mapped write writes, as one clamp, one gather and one select,
+    no synchronisation, whatever the map's last entry.
 
     >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
     tensor([ 5,  7, -1, -1,  0])
+    >>> translate_slots(torch.tensor([3, 6]), torch.tensor([-1, 1, 2]))
+    tensor([-1,  6, -1])
     """
-    return slot_map[loc.clamp(-1, slot_map.shape[0] - 1)]
+    m = slot_map.shape[0]
+    if m == 0:
+        return torch.full(loc.shape, -1, dtype=torch.int64, device=loc.device)
+    inside = (loc >= 0) & (loc < m)
+    return torch.where(inside, slot_map[loc.clamp(0, m - 1)], -1)
 
 
 def _view(plan: LaunchPlan, kst: Sequence[int], vst: Sequence[int]) -> tuple:
