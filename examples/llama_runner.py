@@ -68,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import tiers  # noqa: E402  (--host-tier, --storage, --json)
 from support.runners.prefix import HostTier  # noqa: E402
+from support.runners.formats import POOL_FORMATS, PoolFormat  # noqa: E402
 from support.runners import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
     DTYPES,
     KV_LEN_MULTIPLE,
@@ -267,6 +268,7 @@ class LlamaArchitecture(Architecture):
 
     program = "llama_runner"
     model_name = "LlamaForCausalLM"
+    pool_formats = {name: "" for name in POOL_FORMATS}  # MHATokenToKVPoolFP4 and the per-token-head pool
 
     def build_model(self, cfg: RunConfig) -> PreTrainedModel:
         return build_model(cfg.shape, DTYPES[cfg.model_dtype], cfg.device, cfg.seed)  # type: ignore[arg-type]
@@ -281,10 +283,13 @@ class LlamaArchitecture(Architecture):
 LLAMA = LlamaArchitecture()
 
 
-def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MHATokenToKVPool:
-    """A pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest)."""
+def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype | PoolFormat) -> KVCache:
+    """A pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest); for
+    a ``PoolFormat``, its pool, whose getters dequantize to the model's dtype."""
     heads, head_dim, layers = kv_geometry(model)
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
+    if isinstance(dtype, PoolFormat):
+        return dtype.mha_pool(pages * cfg.page_size, cfg.page_size, heads, head_dim, layers, cfg.device, model.dtype)
     return MHATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, heads, head_dim, layers, cfg.device)
 
 
