@@ -138,6 +138,12 @@ class Qwen35(Architecture):
     model_name = "Qwen3_5MoeForCausalLM"
 
     speculative_prefix_cache = False  # its verify steps are not cached: the speculative runs serve without
+    pool_formats = {
+        "fp8_e4m3_per_token_head": "",
+        "fp8_e5m2_per_token_head": "",
+        "fp4_e2m1": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
+        "nvfp4": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
+    }
 
     def __init__(self, spec_width: Optional[int] = None) -> None:
         if spec_width is not None and (isinstance(spec_width, bool) or not isinstance(spec_width, int) or spec_width < 2):
