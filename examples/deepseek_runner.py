@@ -72,7 +72,7 @@ from support.runners import (  # noqa: E402
 )
 
 from kvpool import MLATokenToKVPool, MLATokenToKVPoolFP4  # noqa: E402
-from support.runners.formats import PoolFormat  # noqa: E402
+from support.runners.formats import PoolFormat, write_scales  # noqa: E402
 from kvpool.checks import positive_int  # noqa: E402
 
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
@@ -270,7 +270,7 @@ class PooledMLA:
         latent, k_rot = a.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         latent = a.kv_a_layernorm(latent)[:, None, :]  # [T, 1, kv_lora_rank]
         q_rot, k_rot = self.rope(q_rot, k_rot[:, None, :], cos, sin)  # heads on dim 1; k_rot [T, 1, rope]
-        self.pool.set_mla_kv_buffer(self, batch.loc, latent, k_rot, k_scale)
+        self.pool.set_mla_kv_buffer(self, batch.loc, latent, k_rot, write_scales(self.pool, k_scale, None)[0])
         if self.form == "absorbed":
             out = self._absorbed(q_nope, q_rot, batch, mask, k_scale)
         else:

@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import tiers  # noqa: E402  (--host-tier, --storage, --json)
 from support.runners.prefix import HostTier  # noqa: E402
-from support.runners.formats import POOL_FORMATS, PoolFormat  # noqa: E402
+from support.runners.formats import POOL_FORMATS, PoolFormat, write_scales  # noqa: E402
 from support.runners import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
     DTYPES,
     KV_LEN_MULTIPLE,
@@ -213,7 +213,7 @@ class PooledAttention:
         k = attn.k_proj(x).view(t, -1, attn.head_dim)
         v = attn.v_proj(x).view(t, -1, attn.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # heads on dim 1
-        self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
+        self.pool.set_kv_buffer(self, batch.loc, k, v, *write_scales(self.pool, k_scale, v_scale))
         k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
         keys = read_rows(k_buf, batch.kv_slots, k_scale, q.dtype)
         values = read_rows(v_buf, batch.kv_slots, v_scale, q.dtype)

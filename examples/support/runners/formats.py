@@ -127,6 +127,14 @@ def check_formats(names: Sequence[str], supported: dict[str, str], program: str)
             raise ValueError(f"--dtypes {name} is not run by {program}: {supported.get(name, 'no pool of this format')}")
 
 
+def write_scales(pool: Any, k_scale: Any, v_scale: Any) -> tuple[Any, Any]:
+    """The scales a runner's write hands ``pool``: the layer's, except for an FP4 pool, which gets
+    None (its block scales are computed at write time, and its fused write takes no scale)."""
+    from kvpool import MHATokenToKVPoolFP4, MLATokenToKVPoolFP4
+
+    return (None, None) if isinstance(pool, (MHATokenToKVPoolFP4, MLATokenToKVPoolFP4)) else (k_scale, v_scale)
+
+
 def per_token_head_rows(pool: Any, layer_id: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """A per-token-head pool's (K, V) rows of ``layer_id`` dequantized to ``dtype`` from its codes and
     scales (``get_fp8_buffers``; of a ``HybridLinearKVPool``'s full-attention part by its dense id),
