@@ -36,6 +36,10 @@ made dense, the ``small`` preset's bf16 and FP8 KL divergences drop about 60x an
 its products in another order than HF's expanded form, so it can part from HF at near-ties where the
 expanded form does not; in an fp32 model both forms agree with HF to ~1e-6.
 
+With ``--dtypes fp4_e2m1`` the rows live in an ``MLATokenToKVPoolFP4`` (``kv_lora_rank`` and
+``qk_rope_head_dim`` multiples of 16: the ``small`` and ``v3-mla`` presets), dequantized on reading;
+NVFP4 and per-token-head FP8 are refused (no MLA pool stores them).
+
     python examples/deepseek_runner.py                          # GPU if there is one, else CPU
     python examples/deepseek_runner.py --config tiny --dtypes fp32 bf16 --attention expanded
     python examples/deepseek_runner.py --config v3-mla --device cuda   # DeepSeek-V3's 512 + 64 rows

@@ -28,7 +28,14 @@ way the pool does (docs/contract.md, "The write": divide by the scale, saturate,
 on reading): there the tokens should be identical, and the logits agree to ~1e-6 except where one
 K/V element falls on the other side of a rounding boundary.
 
+The pool formats that keep scales beside their codes are ``--dtypes`` names too (support/runners/formats.py):
+``fp4_e2m1`` (SGLang's FP4, ``MHATokenToKVPoolFP4``), ``nvfp4`` (two-level NVFP4, global scale 1.0) and
+``fp8_e4m3_per_token_head`` / ``fp8_e5m2_per_token_head`` (``MHATokenToKVPoolFP8PerTokenHead``): their
+getters dequantize to the model's dtype, the rounded reference rounds by each format's rule, and a note
+gives the round-trip error of HF's K/V in each format beside bf16 and per-tensor FP8.
+
     python examples/llama_runner.py                          # GPU if there is one, else CPU
+    python examples/llama_runner.py --config tiny --dtypes fp32 fp8_e4m3 fp4_e2m1 nvfp4 fp8_e4m3_per_token_head
     python examples/llama_runner.py --config tiny --dtypes fp32 bf16
     python examples/llama_runner.py --config 8b-4layer --device cuda --prompts 16 --batch 8
     python examples/llama_runner.py --config tiny --prefix-cache   # prompts sharing prefixes on a RadixCache

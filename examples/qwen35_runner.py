@@ -81,6 +81,10 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
 ``--host-tier`` it also has ``"runs"``: each pool run's cache counters (``host_loaded_tokens``,
 ``host_loaded_states``, ...) and tier checks, as the Llama runner's ``--json`` writes them.
 
+With ``--dtypes fp8_e4m3_per_token_head`` (or ``fp8_e5m2_per_token_head``) the full-attention part is
+built with ``kv_scale_mode="per_token_head"`` and read from its codes and scales; the FP4 formats are
+refused (``HybridLinearKVPool`` builds no FP4 part).
+
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
     python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0 --prompts 12 --batch 1   # nodes move to the host and back
