@@ -1,5 +1,5 @@
 """The model runners on the pools that keep scales beside their codes, at a tiny size on the CPU: Llama
-on SGLang's FP4 (``fp4_e2m1``), NVFP4 and per-token-head FP8, DeepSeek-V3 on the FP4 MLA pool, Qwen3.5
+on SGLang's FP4 (``fp4_e2m1``), NVFP4 and per-token-head FP8 (and on the fnuz FP8 dtypes), DeepSeek-V3 on the FP4 MLA pool, Qwen3.5
 on per-token-head FP8 in its hybrid pool. Each run's tokens are identical to HF generating through a
 cache that rounds K/V by the format's rule (written apart from kvpool, in
 examples/support/runners/formats.py, and checked here bit for bit against what the pools read back),
@@ -27,7 +27,8 @@ from support.runners.formats import POOL_FORMATS, round_trip_errors  # noqa: E40
 FORMATS = tuple(POOL_FORMATS)
 TINY = dict(prompts=4, batch=3, prompt_len=(4, 24), new_tokens=(3, 8), page_size=4, seed=0, device="cpu",
             calibrate=False)  # fmt: skip
-LLAMA = llama_runner.RunConfig(shape=llama_runner.SHAPES["tiny"], pool_dtypes=("fp32", "fp8_e4m3", *FORMATS), **TINY)
+FNUZ = ("fp8_e4m3fnuz", "fp8_e5m2fnuz")  # plain pool dtypes: per-tensor scales, the MI300 formats
+LLAMA = llama_runner.RunConfig(shape=llama_runner.SHAPES["tiny"], pool_dtypes=("fp32", "fp8_e4m3", *FORMATS, *FNUZ), **TINY)
 # DeepSeek-V3's tiny shape with a rotary part of 16 (the FP4 pool's blocks): latent rows 32 + 16.
 DEEPSEEK = deepseek_runner.RunConfig(
     shape=replace(deepseek_runner.SHAPES["tiny"], qk_rope_head_dim=16), pool_dtypes=("fp32", "fp4_e2m1"), **TINY
@@ -50,7 +51,7 @@ def _check(rep, formats):
         assert r.vs_hf.tokens_total == r.vs_rounded.tokens_total > 0
         assert r.result.allocators_ok
     (note,) = [n for n in rep.notes if n.startswith("K/V round-trip error")]
-    assert all(f" {name} " in note for name in ("bf16", "fp8_e4m3 per tensor", *formats))
+    assert all(f" {name} " in note for name in ("bf16", "fp8_e4m3 per tensor", *formats) if name not in FNUZ)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def llama_report():
 
 
 def test_llama_on_every_format_generates_what_the_rounded_reference_generates(llama_report):
-    _check(llama_report, FORMATS)
+    _check(llama_report, FORMATS + FNUZ)
     runs = {r.dtype: r for r in llama_report.runs}
     assert runs["fp4_e2m1"].scales == "exponent per 16" and runs["fp4_e2m1"].label == "fp4_e2m1, scale exponent per 16"
     # FP4 parts from plain HF more than FP8 does (its K/V error is ~4x per-tensor FP8's).
