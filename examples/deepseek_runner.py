@@ -36,6 +36,10 @@ made dense, the ``small`` preset's bf16 and FP8 KL divergences drop about 60x an
 its products in another order than HF's expanded form, so it can part from HF at near-ties where the
 expanded form does not; in an fp32 model both forms agree with HF to ~1e-6.
 
+With ``--dtypes fp4_e2m1`` the rows live in an ``MLATokenToKVPoolFP4`` (``kv_lora_rank`` and
+``qk_rope_head_dim`` multiples of 16: the ``small`` and ``v3-mla`` presets), dequantized on reading;
+NVFP4 and per-token-head FP8 are refused (no MLA pool stores them).
+
     python examples/deepseek_runner.py                          # GPU if there is one, else CPU
     python examples/deepseek_runner.py --config tiny --dtypes fp32 bf16 --attention expanded
     python examples/deepseek_runner.py --config v3-mla --device cuda   # DeepSeek-V3's 512 + 64 rows
@@ -71,7 +75,8 @@ from support.runners import (  # noqa: E402
     unit_scales,
 )
 
-from kvpool import MLATokenToKVPool  # noqa: E402
+from kvpool import MLATokenToKVPool, MLATokenToKVPoolFP4  # noqa: E402
+from support.runners.formats import PoolFormat, write_scales  # noqa: E402
 from kvpool.checks import positive_int  # noqa: E402
 
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
@@ -228,10 +233,19 @@ def mla_geometry(model: DeepseekV3ForCausalLM) -> tuple[int, int, int]:
     return c.kv_lora_rank, c.qk_rope_head_dim, c.num_hidden_layers
 
 
-def make_pool(cfg: RunConfig, model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> MLATokenToKVPool:
-    """An MLA pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest)."""
+def make_pool(
+    cfg: RunConfig, model: DeepseekV3ForCausalLM, dtype: torch.dtype | PoolFormat
+) -> MLATokenToKVPool | MLATokenToKVPoolFP4:
+    """An MLA pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest);
+    for the ``fp4_e2m1`` format an ``MLATokenToKVPoolFP4``, whose getters dequantize to the model's
+    dtype (``kv_lora_rank`` and ``qk_rope_head_dim`` multiples of 16)."""
     rank, rope, layers = mla_geometry(model)
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
+    if isinstance(dtype, PoolFormat):
+        if dtype.kind != "fp4":
+            raise ValueError(f"dtype must be fp4_e2m1 or a torch dtype for an MLA pool, got {dtype.name}")
+        return MLATokenToKVPoolFP4(pages * cfg.page_size, cfg.page_size, dtype.name, rank, rope, layers, cfg.device,
+                                   out_dtype=model.dtype)  # fmt: skip
     return MLATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, rank, rope, layers, cfg.device)
 
 
@@ -260,7 +274,7 @@ class PooledMLA:
         latent, k_rot = a.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         latent = a.kv_a_layernorm(latent)[:, None, :]  # [T, 1, kv_lora_rank]
         q_rot, k_rot = self.rope(q_rot, k_rot[:, None, :], cos, sin)  # heads on dim 1; k_rot [T, 1, rope]
-        self.pool.set_mla_kv_buffer(self, batch.loc, latent, k_rot, k_scale)
+        self.pool.set_mla_kv_buffer(self, batch.loc, latent, k_rot, write_scales(self.pool, k_scale, None)[0])
         if self.form == "absorbed":
             out = self._absorbed(q_nope, q_rot, batch, mask, k_scale)
         else:
@@ -291,7 +305,7 @@ class PooledMLA:
         ``[W_UK c, k_rot]`` and values ``W_UV c``. Returns [T, heads * v_head_dim]."""
         a = self.attn
         b, tq = batch.q_index.shape
-        fp8 = self.pool.dtype.itemsize == 1
+        fp8 = isinstance(self.pool, MLATokenToKVPool) and self.pool.dtype.itemsize == 1  # an FP4 pool dequantizes
         read = torch.float32 if fp8 else q_nope.dtype
         nope, rope = self.pool.get_mla_kv_buffer(self, batch.kv_slots.reshape(-1), dst_dtype=read)
         if fp8:  # dequantise: the write divided both parts by the one k_scale
@@ -360,6 +374,13 @@ class DeepseekV3(Architecture):
     an MLA pool, and this runner with attention in ``form``."""
 
     program = "deepseek_runner"
+    pool_formats = {
+        "fp4_e2m1": "",
+        "nvfp4": "MLATokenToKVPoolFP4 stores exponent scales only",
+        "fp8_e4m3_per_token_head": "there is no per-token-head MLA pool",
+        "fp8_e5m2_per_token_head": "there is no per-token-head MLA pool",
+    }
+    kv_parts = ("latent", "rotary key")
 
     def __init__(self, form: str = "absorbed") -> None:
         if form not in ATTENTION_FORMS:

@@ -28,7 +28,14 @@ way the pool does (docs/contract.md, "The write": divide by the scale, saturate,
 on reading): there the tokens should be identical, and the logits agree to ~1e-6 except where one
 K/V element falls on the other side of a rounding boundary.
 
+The pool formats that keep scales beside their codes are ``--dtypes`` names too (support/runners/formats.py):
+``fp4_e2m1`` (SGLang's FP4, ``MHATokenToKVPoolFP4``), ``nvfp4`` (two-level NVFP4, global scale 1.0) and
+``fp8_e4m3_per_token_head`` / ``fp8_e5m2_per_token_head`` (``MHATokenToKVPoolFP8PerTokenHead``): their
+getters dequantize to the model's dtype, the rounded reference rounds by each format's rule, and a note
+gives the round-trip error of HF's K/V in each format beside bf16 and per-tensor FP8.
+
     python examples/llama_runner.py                          # GPU if there is one, else CPU
+    python examples/llama_runner.py --config tiny --dtypes fp32 fp8_e4m3 fp4_e2m1 nvfp4 fp8_e4m3_per_token_head
     python examples/llama_runner.py --config tiny --dtypes fp32 bf16
     python examples/llama_runner.py --config 8b-4layer --device cuda --prompts 16 --batch 8
     python examples/llama_runner.py --config tiny --prefix-cache   # prompts sharing prefixes on a RadixCache
@@ -68,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: its
 from support import runners as rc  # noqa: E402  (the shared scheduler, references and checks)
 from support.runners import tiers  # noqa: E402  (--host-tier, --storage, --json)
 from support.runners.prefix import HostTier  # noqa: E402
+from support.runners.formats import POOL_FORMATS, PoolFormat, write_scales  # noqa: E402
 from support.runners import (  # noqa: E402, F401  (re-exported: the tests and benchmarks use them here)
     DTYPES,
     KV_LEN_MULTIPLE,
@@ -212,7 +220,7 @@ class PooledAttention:
         k = attn.k_proj(x).view(t, -1, attn.head_dim)
         v = attn.v_proj(x).view(t, -1, attn.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # heads on dim 1
-        self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
+        self.pool.set_kv_buffer(self, batch.loc, k, v, *write_scales(self.pool, k_scale, v_scale))
         k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
         keys = read_rows(k_buf, batch.kv_slots, k_scale, q.dtype)
         values = read_rows(v_buf, batch.kv_slots, v_scale, q.dtype)
@@ -267,6 +275,7 @@ class LlamaArchitecture(Architecture):
 
     program = "llama_runner"
     model_name = "LlamaForCausalLM"
+    pool_formats = {name: "" for name in POOL_FORMATS}  # MHATokenToKVPoolFP4 and the per-token-head pool
 
     def build_model(self, cfg: RunConfig) -> PreTrainedModel:
         return build_model(cfg.shape, DTYPES[cfg.model_dtype], cfg.device, cfg.seed)  # type: ignore[arg-type]
@@ -281,10 +290,13 @@ class LlamaArchitecture(Architecture):
 LLAMA = LlamaArchitecture()
 
 
-def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> MHATokenToKVPool:
-    """A pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest)."""
+def make_pool(cfg: RunConfig, model: LlamaForCausalLM, dtype: torch.dtype | PoolFormat) -> KVCache:
+    """A pool with room for ``cfg.batch`` of the longest requests (admission waits for the rest); for
+    a ``PoolFormat``, its pool, whose getters dequantize to the model's dtype."""
     heads, head_dim, layers = kv_geometry(model)
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
+    if isinstance(dtype, PoolFormat):
+        return dtype.mha_pool(pages * cfg.page_size, cfg.page_size, heads, head_dim, layers, cfg.device, model.dtype)
     return MHATokenToKVPool(pages * cfg.page_size, cfg.page_size, dtype, heads, head_dim, layers, cfg.device)
 
 

@@ -81,6 +81,10 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
 ``--host-tier`` it also has ``"runs"``: each pool run's cache counters (``host_loaded_tokens``,
 ``host_loaded_states``, ...) and tier checks, as the Llama runner's ``--json`` writes them.
 
+With ``--dtypes fp8_e4m3_per_token_head`` (or ``fp8_e5m2_per_token_head``) the full-attention part is
+built with ``kv_scale_mode="per_token_head"`` and read from its codes and scales; the FP4 formats are
+refused (``HybridLinearKVPool`` builds no FP4 part).
+
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
     python examples/qwen35_runner.py --prefix-cache --host-tier --spec-width 0 --prompts 12 --batch 1   # nodes move to the host and back
@@ -138,6 +142,12 @@ class Qwen35(Architecture):
     model_name = "Qwen3_5MoeForCausalLM"
 
     speculative_prefix_cache = False  # its verify steps are not cached: the speculative runs serve without
+    pool_formats = {
+        "fp8_e4m3_per_token_head": "",
+        "fp8_e5m2_per_token_head": "",
+        "fp4_e2m1": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
+        "nvfp4": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
+    }
 
     def __init__(self, spec_width: Optional[int] = None) -> None:
         if spec_width is not None and (isinstance(spec_width, bool) or not isinstance(spec_width, int) or spec_width < 2):

@@ -23,6 +23,13 @@ sliding layer's rows at the translated SWA slots of the tokens it holds (a token
 without one fails it), and the summary compares a request's KV bytes at ``--long-context`` tokens
 with a pool that keeps every layer's (support/sim/sliding.py).
 
+With ``--dtype fp4_e2m1`` the pool is SGLang's FP4 pool (``MHATokenToKVPoolFP4``; with ``--model
+deepseek-v3`` ``MLATokenToKVPoolFP4``), with ``--dtype nvfp4`` its two-level NVFP4 format (the
+checkpoint's per-layer scales as global scales), and with ``--kv-scales per-token-head`` FP8 with a
+scale per token and head computed at write time (``MHATokenToKVPoolFP8PerTokenHead``); the check then
+compares codes and scales byte for byte with kvpool's reference quantizers (support/sim/formats.py).
+The summary gives every run's bytes and tokens per GiB.
+
 With ``--calibrate`` a calibration pass comes first, on the same pool: the request stream of ``--seed
 + 1`` for ``--calibrate-steps`` steps, written with ``pool.observe_amax(True)``; the run then writes
 and checks with ``pool.calibrated_scales()`` instead of the checkpoint's scales, and the summary
@@ -52,6 +59,8 @@ delays, which must cost hits only.
     python examples/serve_sim.py                    # GPU (fused kernel) if there is one, else CPU
     python examples/serve_sim.py --model deepseek-v3   # MLA pool, 4 layers of DeepSeek-V3's geometry
     python examples/serve_sim.py --page-size 1      # token allocator
+    python examples/serve_sim.py --dtype fp4_e2m1   # SGLang's FP4 pool (--dtype nvfp4: two-level NVFP4)
+    python examples/serve_sim.py --kv-scales per-token-head   # FP8 with a scale per token and head
     python examples/serve_sim.py --corrupt          # flip one stored byte: the check must fail
     python examples/serve_sim.py --host-tier        # park retracted requests' KV in host memory
     python examples/serve_sim.py --cpu-park         # ... with pool.get_cpu_copy / load_cpu_copy
@@ -80,7 +89,10 @@ from kvpool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402, F401  (the 
 from kvpool.host import IO_BACKENDS, LAYOUTS  # noqa: E402
 from support.sim.config import (  # noqa: E402, F401  (serve_sim's API, as disagg_sim.py and the tests use it)
     DTYPES,
+    FORMAT_REFUSES,
+    FP4_DTYPES,
     HYBRID_MODEL,
+    KV_SCALES,
     MLA_MODELS,
     MODELS,
     PREFIX_CACHE_REFUSES,
@@ -107,6 +119,10 @@ REFUSED = (
     "--spec-decode with --model deepseek-v3 (the MLA pool has no verify write); "
     "--calibrate with --model qwen3.5 (calibration runs on the MHA and MLA pools); "
     "--calibrate with a --dtype other than fp8_e4m3 or fp8_e5m2; "
+    "--kv-scales per-token-head with a --dtype other than fp8_e4m3 or fp8_e5m2; "
+    "--dtype fp4_e2m1 with a --model other than mha or deepseek-v3, --dtype nvfp4 or --kv-scales per-token-head "
+    "with a --model other than mha, and any of them with "
+    + ", ".join(f"{flag(name)} ({why})" for name, why in FORMAT_REFUSES.items()) + "; "
     + "; ".join(f"--prefix-cache with {flag} ({why})" for flag, why in (
         ("--cpu-park", PREFIX_CACHE_REFUSES["cpu_park"]),
         ("--spec-decode", PREFIX_CACHE_REFUSES["spec_k"]),
@@ -140,7 +156,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
     p.add_argument("--prompt-len", type=int, nargs=2, default=d.prompt_len, metavar=("MIN", "MAX"), help="uniform")
     p.add_argument("--output-len", type=int, nargs=2, default=d.output_len, metavar=("MIN", "MAX"), help="uniform")
     p.add_argument("--arrival-every", type=float, default=d.arrival_every, help="mean steps between arrivals")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="pool element type")
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), *FP4_DTYPES], default=d.dtype,
+                   help="pool element type (fp4_e2m1: SGLang's FP4 pool, exponent scales per 16 elements; nvfp4: "
+                        "two-level NVFP4, the checkpoint's per-layer scales as global scales; fp8_*fnuz: MI300's FP8)")
+    p.add_argument("--kv-scales", choices=KV_SCALES, default=d.kv_scales,
+                   help="FP8 scales: the checkpoint's per tensor (static), or one per token and head computed when "
+                        "each row is written (per-token-head: MHATokenToKVPoolFP8PerTokenHead)")
     p.add_argument("--model", choices=MODELS, default=d.model,
                    help="mha: --heads x --head-dim K and V; deepseek-v3: MLA pool of latent rows (512 + 64); "
                         "qwen3.5: hybrid, every 4th layer full attention, the others with a state per request; "
@@ -198,7 +219,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimConfig:
         prefix_cache=a.prefix_cache, few_shot_len=a.few_shot_len, turns=tuple(a.turns),
         host_write_policy=a.host_write_policy, sliding_window=a.sliding_window,
         swa_full_tokens_ratio=a.swa_full_tokens_ratio, long_context=a.long_context,
-        storage=storage_options(a, a.seed),
+        storage=storage_options(a, a.seed), kv_scales=a.kv_scales,
     )  # fmt: skip
     if a.kv_budget_mib is None and cfg.prefix_cache and cfg.model != HYBRID_MODEL:
         cfg = replace(cfg, kv_budget_mib=budget_for(cfg))

@@ -14,6 +14,9 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
+    # The FP8 formats of MI300-class GPUs (SGLang's fp8_e4m3 cache on gfx942 stores e4m3fnuz).
+    "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "fp8_e5m2fnuz": torch.float8_e5m2fnuz,
 }
 
 

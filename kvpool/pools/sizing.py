@@ -20,11 +20,26 @@ import torch
 from kvpool.checks import non_negative_int, positive_int
 from kvpool.kernels.formats import CACHE_DTYPES, store_dtype_for
 from kvpool.kernels.store_fp4 import FP4_BLOCK, FP4_DTYPE
+from kvpool.kernels.store_fp8_token import TOKEN_HEAD_DTYPES
+from kvpool.pools.fp4_base import FP4_DTYPE_NAME
+from kvpool.pools.mha_fp8_token_pool import check_kv_scale_mode
+from kvpool.pools.nvfp4_scales import NVFP4
 from kvpool.pools.state_params import MambaCacheParams
 
 
-#: Element types the sizing takes: every pool dtype, FP4 included where torch has it.
-SIZED_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + ((FP4_DTYPE,) if FP4_DTYPE is not None else ())
+#: Element types the sizing takes: every pool dtype, FP4 included where torch has it, and the FP4
+#: pools' names (``"fp4_e2m1"``: exponent scales; ``"nvfp4"``: two-level NVFP4).
+SIZED_DTYPES: tuple[object, ...] = (
+    CACHE_DTYPES + ((FP4_DTYPE,) if FP4_DTYPE is not None else ()) + (FP4_DTYPE_NAME, NVFP4)
+)
+
+#: Bytes of one per-token-head scale (float32, one per token, head and K or V).
+TOKEN_HEAD_SCALE_BYTES = 4
+
+#: Bytes of an NVFP4 pool's global scales per layer (one float32 for K, one for V).
+NVFP4_GLOBAL_SCALE_BYTES = 8
+
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -35,11 +50,16 @@ class KVGeometry:
     ----------
     head_num, head_dim : KV heads on this rank and the K head dim.
     layer_num : layers held by this rank.
-    dtype : cache element type (FP8 takes one byte per element; ``torch.float4_e2m1fn_x2``, the FP4
-        pools', half a byte per element and one scale byte per 16: 9/16 of a byte).
+    dtype : cache element type (FP8, the fnuz formats included, takes one byte per element;
+        ``torch.float4_e2m1fn_x2`` or ``"fp4_e2m1"``, the FP4 pools' exponent-scale format, and
+        ``"nvfp4"``, their two-level format (MHA only), half a byte per element and one scale byte
+        per 16: 9/16 of a byte; NVFP4 adds 8 bytes of global scales per layer, not per token).
     v_head_dim : V head dim; None means ``head_dim``. 0 for an MLA geometry (no V buffer).
     kv_lora_rank : MLA only (build it with :meth:`mla`): the latent part of the row, whose width
         ``head_dim`` is ``kv_lora_rank + qk_rope_head_dim`` with ``head_num`` 1.
+    kv_scale_mode : ``"static"`` (default) or ``"per_token_head"``: an
+        ``MHATokenToKVPoolFP8PerTokenHead`` (FP8 e4m3fn or e5m2, MHA only), whose float32 scale
+        per token and head adds 4 bytes per head for K and 4 for V.
 
     Examples
     --------
@@ -50,6 +70,10 @@ class KVGeometry:
     16368
     >>> KVGeometry.mla(kv_lora_rank=512, qk_rope_head_dim=64, layer_num=61, dtype=torch.bfloat16).bytes_per_token
     70272
+    >>> KVGeometry(8, 128, 32, "nvfp4").bytes_per_token  # 72 bytes per head for K and for V
+    36864
+    >>> KVGeometry(8, 128, 32, torch.float8_e4m3fn, kv_scale_mode="per_token_head").tokens_per_gib
+    15887
     """
 
     head_num: int
@@ -58,14 +82,27 @@ class KVGeometry:
     dtype: torch.dtype
     v_head_dim: Optional[int] = None
     kv_lora_rank: Optional[int] = None
+    kv_scale_mode: str = "static"
 
     def __post_init__(self) -> None:
         positive_int(self.head_num, "head_num")
         positive_int(self.head_dim, "head_dim")
         positive_int(self.layer_num, "layer_num")
-        if self.dtype not in SIZED_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(map(str, SIZED_DTYPES))}, got {self.dtype}")
-        if self.dtype is FP4_DTYPE and self.head_dim % FP4_BLOCK:
+        if not any(self.dtype is d or (isinstance(d, str) and self.dtype == d) for d in SIZED_DTYPES):
+            raise ValueError(f"dtype must be one of {', '.join(map(repr, SIZED_DTYPES))}, got {self.dtype!r}")
+        if check_kv_scale_mode(self.kv_scale_mode) == "per_token_head":
+            if self.dtype not in TOKEN_HEAD_DTYPES:
+                raise ValueError(
+                    f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2 with kv_scale_mode='per_token_head', "
+                    f"got {self.dtype!r}"
+                )
+            if self.kv_lora_rank is not None:
+                raise ValueError("kv_scale_mode must be 'static' for an MLA geometry (no per-token-head MLA pool), "
+                                 "got 'per_token_head'")  # fmt: skip
+        if self.dtype == NVFP4 and self.kv_lora_rank is not None:
+            raise ValueError("dtype must not be 'nvfp4' for an MLA geometry (MLATokenToKVPoolFP4 stores exponent scales), "
+                             "got 'nvfp4'")  # fmt: skip
+        if self.is_fp4 and self.head_dim % FP4_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {FP4_BLOCK} for FP4, got {self.head_dim}")
         if self.kv_lora_rank is not None:  # MLA: one latent row per token and layer, no V buffer
             positive_int(self.kv_lora_rank, "kv_lora_rank")
@@ -83,7 +120,7 @@ class KVGeometry:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         else:
             positive_int(self.v_head_dim, "v_head_dim")
-            if self.dtype is FP4_DTYPE and self.v_head_dim % FP4_BLOCK:
+            if self.is_fp4 and self.v_head_dim % FP4_BLOCK:
                 raise ValueError(f"v_head_dim must be a multiple of {FP4_BLOCK} for FP4, got {self.v_head_dim}")
 
     @classmethod
@@ -93,6 +130,11 @@ class KVGeometry:
         positive_int(kv_lora_rank, "kv_lora_rank")
         positive_int(qk_rope_head_dim, "qk_rope_head_dim")
         return cls(1, kv_lora_rank + qk_rope_head_dim, layer_num, dtype, v_head_dim=0, kv_lora_rank=kv_lora_rank)
+
+    @property
+    def is_fp4(self) -> bool:
+        """Whether the cache is FP4 (either format: 9/16 of a byte per element)."""
+        return (FP4_DTYPE is not None and self.dtype is FP4_DTYPE) or self.dtype in (FP4_DTYPE_NAME, NVFP4)
 
     @property
     def is_mla(self) -> bool:
@@ -106,23 +148,41 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one slot takes across all layers, K and V together (MLA: the latent row); FP4
-        counts its scale bytes (72 bytes per head and token at head_dim 128, against 128 for FP8)."""
-        if self.dtype is FP4_DTYPE:
-            per_head = (self.head_dim + self.v_head_dim) * (FP4_BLOCK // 2 + 1) // FP4_BLOCK  # type: ignore[operator]
-            return self.layer_num * self.head_num * per_head
-        element = store_dtype_for(self.dtype).itemsize
-        return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * element  # type: ignore[operator]
+        """Bytes one slot takes across all layers, K and V together (MLA: the latent row), scales
+        included: FP4 counts its scale bytes (72 bytes per head and token at head_dim 128, against
+        128 for FP8), per-token-head FP8 its float32 scale per head for K and for V."""
+        dims = self.head_dim + self.v_head_dim  # type: ignore[operator]
+        if self.is_fp4:
+            return self.layer_num * self.head_num * dims * (FP4_BLOCK // 2 + 1) // FP4_BLOCK
+        per_head = dims * store_dtype_for(self.dtype).itemsize  # type: ignore[arg-type]
+        if self.kv_scale_mode == "per_token_head":
+            per_head += 2 * TOKEN_HEAD_SCALE_BYTES
+        return self.layer_num * self.head_num * per_head
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes the pool allocates whatever its size: an NVFP4 pool's global scales (8 per layer),
+        else 0."""
+        return self.layer_num * NVFP4_GLOBAL_SCALE_BYTES if self.dtype == NVFP4 else 0
+
+    @property
+    def tokens_per_gib(self) -> int:
+        """Slots one GiB holds: ``2**30 // bytes_per_token`` (reserved rows and ``fixed_bytes``
+        left out: the figure to compare formats by)."""
+        return GIB // self.bytes_per_token
 
     def pool_bytes(self, size: int, page_size: int = 1) -> int:
-        """Bytes an ``MHATokenToKVPool(size, page_size, ...)`` (for an MLA geometry, an
-        ``MLATokenToKVPool``) of this geometry allocates."""
+        """Bytes a pool of this geometry built with ``(size, page_size)`` allocates: an
+        ``MHATokenToKVPool`` (MLA: ``MLATokenToKVPool``), or the FP4 or per-token-head FP8 pool its
+        ``dtype`` and ``kv_scale_mode`` name, every buffer included."""
         positive_int(size, "size")
         positive_int(page_size, "page_size")
-        return (size + page_size) * self.bytes_per_token
+        return (size + page_size) * self.bytes_per_token + self.fixed_bytes
 
     def max_pool_size(self, budget_bytes: int, page_size: int = 1) -> int:
         """The largest pool ``size`` whose buffers fit in ``budget_bytes`` (see ``max_pool_size``)."""
+        if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool) and budget_bytes >= 0:
+            budget_bytes = max(budget_bytes - self.fixed_bytes, 0)
         return max_pool_size(budget_bytes, self.bytes_per_token, page_size)
 
 

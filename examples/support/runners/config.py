@@ -27,6 +27,8 @@ if int(transformers.__version__.split(".")[0]) < 5:
         f"the model runners need transformers >= 5, found {transformers.__version__}: pip install -e '.[model]'"
     )
 
+from support.runners.formats import POOL_FORMATS, PoolFormat  # noqa: E402  (after the check: it needs transformers)
+
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
 #: fp32 model + fp32 pool: the largest allowed max|logits - HF| / max|HF logits| of any step.
 LOGIT_RTOL = 1e-4
@@ -36,6 +38,11 @@ KV_LEN_MULTIPLE = 16
 Scales = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_scale, v_scale), float32 on the device
 #: Scales by HF layer index, for a reference cache: a list, or a mapping when only some layers hold K/V.
 LayerScales = Union[Scales, Mapping[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def pool_kind(name: str) -> "torch.dtype | PoolFormat":
+    """What a ``--dtypes`` name builds a pool of: a torch dtype, or a ``PoolFormat``."""
+    return POOL_FORMATS[name] if name in POOL_FORMATS else DTYPES[name]
 
 
 def unit_scales(layers: int, device: str | torch.device) -> Scales:
@@ -102,8 +109,8 @@ class RunConfig:
         if not self.pool_dtypes:
             raise ValueError("pool_dtypes must name at least one pool dtype, got none")
         for d in self.pool_dtypes:
-            if d not in DTYPES:
-                raise ValueError(f"pool dtype must be one of {', '.join(DTYPES)}, got {d!r}")
+            if d not in DTYPES and d not in POOL_FORMATS:
+                raise ValueError(f"pool dtype must be one of {', '.join([*DTYPES, *POOL_FORMATS])}, got {d!r}")
         check_device(self.device)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads}")
@@ -128,7 +135,9 @@ def add_run_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
     replace ``RunConfig``'s for this runner."""
     d = {**_DEFAULTS, **defaults}
     p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=d["model_dtype"], help="weights and activations")
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(d["pool_dtypes"]), help="pool dtypes")
+    p.add_argument("--dtypes", nargs="+", choices=[*sorted(DTYPES), *POOL_FORMATS], default=list(d["pool_dtypes"]),
+                   help="pool dtypes, and pool formats: fp4_e2m1 (SGLang's FP4), nvfp4, fp8_e4m3_per_token_head, "
+                        "fp8_e5m2_per_token_head (a scale per token and head)")
     p.add_argument("--prompts", type=int, default=d["prompts"], help="prompts to serve")
     p.add_argument("--batch", type=int, default=d["batch"], help="most requests running at once")
     p.add_argument("--prompt-len", type=int, nargs=2, default=d["prompt_len"], metavar=("MIN", "MAX"),

@@ -16,6 +16,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 from kvpool import MambaPool, MHATokenToKVPool
 from support.runners.attention import attention_mask, grouped_attention, read_rows
 from support.runners.config import Scales, unit_scales
+from support.runners.formats import per_token_head_rows
 from support.runners.qwen35_model import HybridPools, hybrid_geometry
 from support.runners.scheduler import ForwardBatch
 from support.runners.serving import ModelRunner
@@ -51,12 +52,14 @@ class PooledGatedAttention:
         """The attention output [T, hidden]; a verify batch attends over the committed rows and the
         block's own K/V and keeps them in ``pending`` for ``commit``."""
         q, gate, k, v = self.project(x, cos, sin)
-        k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
         if batch.loc_2d is None:
             self.pool.set_kv_buffer(self, batch.loc, k, v, k_scale, v_scale)
+            # A per-token-head pool's rows are read from its codes and scales after the write.
+            k_buf, v_buf = per_token_head_rows(self.pool, self.layer_id, q.dtype) or self.pool.get_kv_buffer(self.layer_id)
             keys = read_rows(k_buf, batch.kv_slots, k_scale, q.dtype)
             values = read_rows(v_buf, batch.kv_slots, v_scale, q.dtype)
         else:
+            k_buf, v_buf = self.pool.get_kv_buffer(self.layer_id)
             b, w = batch.q_index.shape
             kb, vb = k[batch.q_index].reshape(b * w, *k.shape[1:]), v[batch.q_index].reshape(b * w, *v.shape[1:])
             self.pending = (kb, vb)

@@ -13,6 +13,7 @@ import torch
 from kvpool import HybridLinearKVPool, HybridReqToTokenPool, MambaCacheParams, MambaStateDType, MambaStateShape
 from kvpool.checks import positive_int
 from support.runners.config import RunConfig
+from support.runners.formats import PoolFormat
 from support.runners.scheduler import ForwardBatch, Request
 from support.runners.verify import VerifyScheduling
 
@@ -218,12 +219,15 @@ def state_params(model: Qwen3_5MoeForCausalLM) -> MambaCacheParams:
     return MambaCacheParams(shape, hybrid_geometry(model).linear_layers, MambaStateDType(model.dtype, torch.float32))
 
 
-def make_pool(cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype, spec_steps: Optional[int] = None) -> HybridPools:
+def make_pool(
+    cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype | PoolFormat, spec_steps: Optional[int] = None
+) -> HybridPools:
     """A KV pool of ``dtype`` over the full-attention layers with room for ``cfg.batch`` of the longest
     requests, and a request table of ``cfg.batch`` rows with a state slot each (``spec_steps`` verify
     steps of scratch per batch position). With ``cfg.prefix_cache`` (and no ``spec_steps``) as many
     state slots again for the tree's snapshots, and with pages above one token two track slots per
-    request (``enable_mamba_extra_buffer``)."""
+    request (``enable_mamba_extra_buffer``). A per-token-head ``PoolFormat`` gives the KV pool's
+    full-attention part a scale per token and head (``kv_scale_mode="per_token_head"``)."""
     g = hybrid_geometry(model)
     tracks = cfg.prefix_cache and spec_steps is None and cfg.page_size > 1
     states = cfg.batch if not cfg.prefix_cache else 2 * cfg.batch * (3 if tracks else 1)  # half for the tree's snapshots
@@ -232,9 +236,14 @@ def make_pool(cfg: RunConfig, model: Qwen3_5MoeForCausalLM, dtype: torch.dtype, 
         cache_params=state_params(model), enable_mamba_extra_buffer=tracks, speculative_num_draft_tokens=spec_steps,
     )  # fmt: skip
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
+    mode = "static"
+    if isinstance(dtype, PoolFormat):  # the per-token-head formats (the hybrid pool has no FP4 part)
+        if dtype.kind != "token_head":
+            raise ValueError(f"dtype must be a per-token-head format or a torch dtype for the hybrid pool, got {dtype.name}")
+        dtype, mode = dtype.fp8, "per_token_head"  # type: ignore[assignment]
     kv = HybridLinearKVPool(
         pages * cfg.page_size, dtype, cfg.page_size, g.kv_heads, g.head_dim, g.full_layers, False, cfg.device,
-        table.mamba_pool,
+        table.mamba_pool, kv_scale_mode=mode,
     )  # fmt: skip
     return HybridPools(kv, table)
 

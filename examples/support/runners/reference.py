@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from support.runners.config import LayerScales, RunConfig, unit_scales
+from support.runners.formats import PoolFormat
 
 @dataclass(frozen=True)
 class Prompt:
@@ -50,10 +51,13 @@ class Generation:
     logits: Optional[torch.Tensor] = None  # [len(tokens), vocab] float32 on the CPU
 
 
-def round_like_pool(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+def round_like_pool(x: torch.Tensor, dtype: "torch.dtype | PoolFormat", scale: torch.Tensor) -> torch.Tensor:
     """``x`` [B, H, L, D] as a pool of ``dtype`` stores it and the runner reads it back, written out
     from docs/contract.md, "The write" (not through kvpool): FP8 divides by the scale (per tensor or
-    per head), saturates, casts, and multiplies back; 16-bit and fp32 pools cast."""
+    per head), saturates, casts, and multiplies back; 16-bit and fp32 pools cast; a ``PoolFormat``
+    (FP4, NVFP4, per-token-head FP8) rounds as its own rule says (``scale`` unused: the runs give 1.0)."""
+    if isinstance(dtype, PoolFormat):
+        return dtype.round(x)
     if dtype.itemsize == 1:
         fmax = torch.finfo(dtype).max
         s = scale.reshape(-1, 1, 1)

@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 from kvpool.pools.base import KVCache
 from support.progress import Progress
 from support.runners.prefix import HostTier, caching
-from support.runners.config import DTYPES, LayerScales, RunConfig, Scales
+from support.runners.config import DTYPES, LayerScales, RunConfig, Scales, pool_kind
+from support.runners.formats import POOL_FORMATS, captured_kv, check_formats, round_trip_errors, round_trip_note
 from support.runners.reference import Generation, Prompt, hf_reference, make_prompts
 from support.runners.results import PoolRun, Report, ServeResult, compare
 from support.runners.scheduler import ForwardBatch, Request, Scheduler
@@ -50,6 +51,11 @@ class Architecture:
     #: Whether the speculative runs (``verify.add_spec_runs``) serve on the prefix cache too when
     #: the run has one; an architecture whose verify steps the cache does not take says False.
     speculative_prefix_cache = True
+    #: The ``POOL_FORMATS`` names this model family has a pool for (value ``""``), and those it
+    #: refuses with the reason (a name missing is refused as having no pool of its format).
+    pool_formats: Mapping[str, str] = {}
+    #: What HF's attention hands its cache as K and V (the round-trip note names them).
+    kv_parts = ("K", "V")
 
     def build_model(self, cfg: RunConfig) -> PreTrainedModel:
         raise NotImplementedError
@@ -186,6 +192,10 @@ class cpu_threads:
 
 
 def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) -> Report:
+    formats = [name for name in cfg.pool_dtypes if name in POOL_FORMATS]
+    check_formats(formats, arch.pool_formats, arch.program)
+    if formats and cfg.host_tier:
+        raise ValueError(f"--dtypes {formats[0]} runs without --host-tier (the host tier copies K and V, not the scales beside them)")
     progress(f"building the model ({cfg.shape.describe()}) on {cfg.device}")
     model = arch.build_model(cfg)
     prompts = make_prompts(cfg)
@@ -198,7 +208,7 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
     with tier_checks.site_for(cfg) as site:
 
         def record(name: str, pool: KVCache, scales: Optional[LayerScales], label: str) -> None:
-            dtype = DTYPES[name]
+            dtype = pool_kind(name)
             progress(f"serving on a {name} pool" + (f", scale {label}" if label != "-" else ""))
             namespace = f"{arch.model_name} seed {cfg.seed}, {name} pool, scale {label}"  # pages of one pool and scale
             faults = site.faults() if site is not None else {}
@@ -220,8 +230,12 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
             report.runs.append(run)
 
         for name in cfg.pool_dtypes:
-            pool = arch.make_pool(cfg, model, DTYPES[name])
-            fp8 = DTYPES[name].itemsize == 1
+            kind = pool_kind(name)
+            pool = arch.make_pool(cfg, model, kind)  # type: ignore[arg-type]
+            if not isinstance(kind, torch.dtype):  # a format whose scales the write computes
+                record(name, pool, None, kind.scale_label)
+                continue
+            fp8 = kind.itemsize == 1
             record(name, pool, None, "1.0" if fp8 else "-")
             if not (fp8 and cfg.calibrate):
                 continue
@@ -232,6 +246,9 @@ def _run(cfg: RunConfig, arch: Architecture, progress: Callable[[str], None]) ->
                 note = f"FP8 with calibrated scales: not run ({type(pool).__name__} has no calibrated_scales)"
                 if note not in report.notes:
                     report.notes.append(note)
+    if formats:
+        progress("round-trip error of HF's K/V in each format")
+        report.notes.append(round_trip_note(round_trip_errors(captured_kv(model, prompts), formats), arch.kv_parts))
     return report
 
 

@@ -49,8 +49,29 @@ PREFIX_CACHE_REFUSES = {
     "spec_k": "the cache's scheduler does not schedule verify steps",
     "calibrate": "the calibration pass serves the plain request stream, not the chats",
 }
+#: The --dtype names of SGLang's FP4 KV formats (its --kv-cache-dtype names) and the FP4 pool's
+#: ``fp4_format`` each selects (support/sim/formats.py).
+FP4_DTYPES = {"fp4_e2m1": "fp4_mx_block16", "nvfp4": "nvfp4"}
+#: --kv-scales: the FP8 scales each write is given (``static``: the checkpoint's, per tensor), or a
+#: scale per token and head computed when each row is written (``MHATokenToKVPoolFP8PerTokenHead``).
+KV_SCALES = ("static", "per-token-head")
+#: What a run of a pool that keeps scales beside its codes (--dtype fp4_e2m1 / nvfp4, --kv-scales
+#: per-token-head) runs without, and why (the run refuses these options).
+FORMAT_REFUSES = {
+    "host_tier": "the host tier copies K and V buffers, not the scales beside them",
+    "cpu_park": "the parked copy is checked as K and V buffers, not with the scales beside them",
+    "spec_k": "the verify steps are checked against per-tensor FP8",
+    "calibrate": "these pools' scales are not calibrated",
+    "prefix_cache": "the prefix cache's reloads are checked against per-tensor FP8",
+}
 #: The command-line flag of each SimConfig field whose flag is not its name with dashes.
 FLAGS = {"spec_k": "--spec-decode"}
+
+
+def pool_dtype(name: str) -> object:
+    """What a pool is built with for a --dtype name: its torch dtype, or an FP4 name as it is (the FP4
+    pool's ``dtype`` argument, also ``KVGeometry``'s)."""
+    return name if name in FP4_DTYPES else DTYPES[name]
 
 
 def flag(field_name: str) -> str:
@@ -128,6 +149,9 @@ class SimConfig:
     sliding_window: int = 128
     swa_full_tokens_ratio: float = 0.8
     long_context: int = 131072
+    # --kv-scales per-token-head: FP8 with a scale per token and head computed at write time
+    # (support/sim/formats.py), instead of the checkpoint's per-tensor scales.
+    kv_scales: str = "static"
 
     def __post_init__(self) -> None:
         for name in ("requests", "layers", "heads", "head_dim", "page_size", "max_running", "chunk_size"):
@@ -142,10 +166,11 @@ class SimConfig:
             raise ValueError(f"--kv-budget-mib must be > 0, got {self.kv_budget_mib}")
         if not self.arrival_every >= 0:
             raise ValueError(f"--arrival-every must be >= 0, got {self.arrival_every}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype not in FP4_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join([*DTYPES, *FP4_DTYPES])}, got {self.dtype!r}")
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        self._check_scaled_format()
         check_device(self.device)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be a positive int (0 on the command line: torch's choice), got {self.cpu_threads}")
@@ -192,6 +217,35 @@ class SimConfig:
                 raise ValueError(
                     f"--storage {self.storage.backend} sits below the prefix cache's host tier: needs --prefix-cache --host-tier"
                 )
+
+    @property
+    def scaled_format(self) -> bool:
+        """Whether the pool keeps scales beside its codes (FP4, or FP8 with per-token-head scales)."""
+        return self.dtype in FP4_DTYPES or self.kv_scales == "per-token-head"
+
+    def _check_scaled_format(self) -> None:
+        """What --dtype fp4_e2m1 / nvfp4 and --kv-scales per-token-head need and run without."""
+        if self.kv_scales not in KV_SCALES:
+            raise ValueError(f"--kv-scales must be one of {', '.join(KV_SCALES)}, got {self.kv_scales!r}")
+        if self.kv_scales == "per-token-head" and self.dtype not in ("fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"--kv-scales per-token-head needs --dtype fp8_e4m3 or fp8_e5m2, got {self.dtype!r}")
+        if not self.scaled_format:
+            return
+        what = f"--dtype {self.dtype}" if self.dtype in FP4_DTYPES else "--kv-scales per-token-head"
+        models = ("mha", *MLA_MODELS) if self.dtype == "fp4_e2m1" else ("mha",)
+        if self.model not in models:
+            if self.dtype in FP4_DTYPES and self.model in MLA_MODELS:
+                why = "MLATokenToKVPoolFP4 stores exponent scales only"
+            elif self.dtype in FP4_DTYPES:
+                why = "HybridLinearKVPool and SWAKVPool build no FP4 part"
+            else:
+                why = "the simulation checks per-token-head rows in the MHA pool only"
+            raise ValueError(f"{what} runs with --model {' or '.join(models)} ({why}), got --model {self.model}")
+        for name, why in FORMAT_REFUSES.items():
+            if getattr(self, name):
+                raise ValueError(f"{what} runs without {flag(name)} ({why})")
+        if self.dtype in FP4_DTYPES and self.model == "mha" and self.head_dim % 16:
+            raise ValueError(f"{what} needs a --head-dim that is a multiple of 16 (one scale per 16 elements), got {self.head_dim}")
 
     def _check_sliding_window(self) -> None:
         """What ``--model gemma3`` / ``gpt-oss`` need and what they run without (``SWA_REFUSES``)."""

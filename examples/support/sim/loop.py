@@ -13,6 +13,7 @@ from kvpool import MHATokenToKVPool, MLATokenToKVPool
 from kvpool.pools.sizing import KVGeometry
 from support.progress import Progress
 from support.sim.config import DTYPES, MLA_MODELS, SimConfig
+from support.sim.formats import ScaledMLAModelRunner, ScaledModelRunner, make_scaled_pool, scaled_geometry
 from support.sim.parking import CpuParking, HostParking, SpecDecode
 from support.sim.result import SimResult
 from support.sim.runner import Checker, MLAModelRunner, ModelRunner
@@ -71,7 +72,9 @@ class Parts:
 
 
 def geometry_of(cfg: SimConfig) -> KVGeometry:
-    """The K/V geometry of ``cfg``'s pool (MHA, or MLA for an ``MLA_MODELS`` name)."""
+    """The K/V geometry of ``cfg``'s pool (MHA, or MLA for an ``MLA_MODELS`` name; scales included)."""
+    if cfg.scaled_format:
+        return scaled_geometry(cfg)
     mla = MLA_MODELS.get(cfg.model)
     if mla is None:
         return KVGeometry(cfg.heads, cfg.head_dim, cfg.layers, DTYPES[cfg.dtype])
@@ -96,7 +99,7 @@ def make_pool(cfg: SimConfig) -> tuple[Union[MHATokenToKVPool, MLATokenToKVPool]
     ValueError
         If the budget does not hold the longest request plus a page.
     """
-    dtype = DTYPES[cfg.dtype]
+    dtype = DTYPES.get(cfg.dtype)
     mla = MLA_MODELS.get(cfg.model)
     geometry = geometry_of(cfg)
     try:
@@ -110,11 +113,15 @@ def make_pool(cfg: SimConfig) -> tuple[Union[MHATokenToKVPool, MLATokenToKVPool]
             f"--kv-budget-mib must hold the longest request ({longest} tokens{LONGEST_NOTE if cfg.prefix_cache else ''}) "
             f"plus a page, about {need:.2f} MiB here, got {cfg.kv_budget_mib:g} MiB = {size} slots"
         )
+    if cfg.scaled_format:
+        return make_scaled_pool(cfg, size), geometry  # type: ignore[return-value]
     if mla is None:
         return MHATokenToKVPool(size, cfg.page_size, dtype, cfg.heads, cfg.head_dim, cfg.layers, cfg.device), geometry
     return MLATokenToKVPool(size, cfg.page_size, dtype, *mla, cfg.layers, cfg.device), geometry
 
 def make_runner(cfg: SimConfig, pool: MHATokenToKVPool, scales: Optional[Scales] = None) -> ModelRunner:
+    if cfg.scaled_format:
+        return (ScaledMLAModelRunner if cfg.model in MLA_MODELS else ScaledModelRunner)(cfg, pool, scales)  # type: ignore[arg-type]
     if isinstance(pool, MLATokenToKVPool):
         return MLAModelRunner(cfg, pool, scales)
     return ModelRunner(cfg, pool, scales)

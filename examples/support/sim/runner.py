@@ -50,6 +50,16 @@ class ModelRunner:
         """The buffers of ``layer`` that hold ``parts``, in the same order: its K and V buffers."""
         return self.pool.get_kv_buffer(layer)
 
+    def stored_bytes(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per part of ``parts``, the uint8 views of the buffers of ``layer`` that hold it: one here
+        (a pool that keeps scales beside its codes has two)."""
+        return [(buf.view(torch.uint8),) for buf in self.stored(layer)]
+
+    def expected_bytes(self, x: torch.Tensor, scale: torch.Tensor, layer: int, part: int) -> tuple[torch.Tensor, ...]:
+        """What a write of rows ``x`` (part ``part`` of ``layer``, with its ``scale``) stores, as
+        uint8 per buffer of ``stored_bytes``: here ``kvpool.quantize``'s bytes."""
+        return (quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8),)
+
     def rows_of(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Where ``layer``'s buffers (``stored``) hold the tokens at ``slots``, and which of those
         tokens they hold ([n] bool; None: all). A pool with layers of several parts overrides it."""
@@ -68,9 +78,11 @@ class ModelRunner:
             lid = layer.layer_id
             rows, held = self.rows_of(lid, slots)
             # Part j is quantised with the layer's j-th scale (K: k_scale, V: v_scale; a latent row: k_scale).
-            for (which, x), buf, scale in zip(self.parts(rids, positions, lid), self.stored(lid), self.scales[lid]):
-                expected = quantize(x, self.pool.dtype, scale).contiguous().view(torch.uint8)
-                bad = (buf.view(torch.uint8)[rows] != expected).flatten(1).any(dim=1)
+            parts = zip(self.parts(rids, positions, lid), self.stored_bytes(lid), self.scales[lid])
+            for j, ((which, x), bufs, scale) in enumerate(parts):
+                bad = torch.zeros(n, dtype=torch.bool, device=self.pool.device)
+                for buf, expected in zip(bufs, self.expected_bytes(x, scale, lid, j), strict=True):
+                    bad |= (buf[rows] != expected).flatten(1).any(dim=1)
                 if held is not None:
                     bad &= held
                 if first is None and bool(bad.any()):
@@ -126,8 +138,8 @@ class Checker:
             last_layer = self.runner.layers[-1].layer_id
             rows, held = self.runner.rows_of(last_layer, slots)
             at = slots.numel() // 2 if held is None else int(held.nonzero()[-1])
-            buf = self.runner.pool.get_value_buffer(last_layer).view(torch.uint8)
-            buf[rows[at], 0, 0] ^= 0x5A
+            buf = self.runner.stored_bytes(last_layer)[-1][0]  # the last part's codes: V, or the latent row
+            buf[(rows[at],) + (0,) * (buf.dim() - 1)] ^= 0x5A
             self.corrupt_pending = False
         bad, first = self.runner.verify(r, slots)
         res = self.result

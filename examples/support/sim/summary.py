@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from support.sim import calibration, sliding
-from support.sim.config import DTYPES, HYBRID_MODEL, MLA_MODELS
+from support.sim.config import HYBRID_MODEL, MLA_MODELS
+from support.sim.formats import format_name
 from support.sim.result import SimResult
 
 def format_summary(res: SimResult) -> str:
@@ -24,7 +25,8 @@ def format_summary(res: SimResult) -> str:
     else:
         shape, parts = f"{cfg.heads} KV heads x {cfg.head_dim}", "K,V"
     pool = (
-        f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {cfg.kv_budget_mib:g} MiB budget), "
+        f"  pool            {res.pool_size} slots ({res.bytes_per_token} B/token, {2**30 // res.bytes_per_token:,} tokens/GiB, "
+        f"{cfg.kv_budget_mib:g} MiB budget), "
         f"{cfg.max_running} request rows"
     )
     if res.swa is not None:
@@ -32,7 +34,7 @@ def format_summary(res: SimResult) -> str:
     kv_layers = cfg.layers // 4 if cfg.model == HYBRID_MODEL else cfg.layers  # the layers that keep K/V
     lines = [
         f"kvpool serve_sim: {cfg.requests} requests, {cfg.layers} layers x {shape}, "
-        f"{DTYPES[cfg.dtype]} pool on {res.device}, {allocator}, seed {cfg.seed}",
+        f"{format_name(cfg)} pool on {res.device}, {allocator}, seed {cfg.seed}",
         pool,
         f"  served          {res.served}/{cfg.requests} requests in {res.steps} steps "
         f"({res.retractions} retractions, peak {res.peak_running} running)",
@@ -47,7 +49,7 @@ def format_summary(res: SimResult) -> str:
     lines.append(f"  wall time       {res.wall_s:.2f} s ({rate:,.0f} tokens/s)")
     check = (
         f"{res.verified_requests} requests, {res.verified_tokens} tokens x {kv_layers} layers x {parts} "
-        f"byte-equal to kvpool.quantize"
+        f"byte-equal to {'the reference quantizer, codes and scales' if cfg.scaled_format else 'kvpool.quantize'}"
     )
     if res.swa is not None:
         check += f" (sliding layers: the {res.swa.checked_tokens} tokens whose SWA rows they held, every window whole)"
