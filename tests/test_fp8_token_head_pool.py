@@ -236,10 +236,3 @@ def test_calibration_is_refused_since_every_row_carries_its_scale():
     assert pool.kv_amax is None
     with pytest.raises(ValueError, match="calibrated_scales needs a pool with static scales"):
         pool.calibrated_scales()
-
-
-def test_the_host_tier_refuses_the_pool_rather_than_leave_its_scales_behind():
-    from kvpool import MHATokenToKVPoolHost
-
-    with pytest.raises(TypeError, match=r"got MHATokenToKVPoolFP8PerTokenHead \(no .row_table\)"):
-        MHATokenToKVPoolHost(make_pool(), 2.0, 0, 1, "layer_first", pin_memory=False)

@@ -171,5 +171,5 @@ def test_host_tier_parks_and_reloads_latent_rows(copy_path, layout, backend):
 
 def test_host_tier_takes_only_an_mla_pool():
     mha = kvpool.MHATokenToKVPool(8, 1, torch.float8_e4m3fn, 1, R, 1, "cpu", v_head_dim=ROPE, warmup=False)
-    with pytest.raises(TypeError, match="device_pool must be an MLATokenToKVPool, got MHATokenToKVPool"):
+    with pytest.raises(TypeError, match="device_pool must be an MLATokenToKVPool or MLATokenToKVPoolFP4, got MHATokenToKVPool"):
         MLATokenToKVPoolHost(mha, 2.0, 0, 1, "layer_first")
