@@ -184,11 +184,15 @@ def masked_loc_write(pool, layer_id, loc_2d, commit_lens, k, v, k_scale, v_scale
 
 
 @triton.jit
-def _cast_scatter_part(src_ptr, dst_ptr, loc_ptr, T, stride_dst, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _cast_scatter_part(src_ptr, dst_ptr, loc_ptr, map_ptr, T, stride_dst, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                       MAPPED: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element of the [T, ROW] input rows
     ok = offs < T * ROW
     t = offs // ROW
-    slot = tl.load(loc_ptr + t, mask=ok, other=0).to(tl.int64)
+    slot = tl.load(loc_ptr + t, mask=ok, other=0)
+    if MAPPED:
+        slot = tl.load(map_ptr + slot, mask=ok, other=0)
+    slot = slot.to(tl.int64)
     x = tl.load(src_ptr + offs, mask=ok)
     tl.store(dst_ptr + slot * stride_dst + (offs - t * ROW), x.to(dst_ptr.dtype.element_ty), mask=ok)
 
@@ -199,33 +203,36 @@ def _cast_scatter_kernel(
     v_ptr,  # [T, V_ROW]
     kc_ptr,  # [slots, ROW] cache rows (stride stride_kc)
     vc_ptr,  # [slots, V_ROW]
-    loc_ptr,  # [T] slots, all valid
+    loc_ptr,  # [T] slots, all valid (MAPPED: indices into map_ptr, whose entries are valid slots)
+    map_ptr,  # [M] slot of each loc entry (MAPPED only)
     T,
     stride_kc,
     stride_vc,
     ROW: tl.constexpr,
     V_ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     if tl.program_id(1) == 0:
-        _cast_scatter_part(k_ptr, kc_ptr, loc_ptr, T, stride_kc, ROW, BLOCK)
+        _cast_scatter_part(k_ptr, kc_ptr, loc_ptr, map_ptr, T, stride_kc, ROW, BLOCK, MAPPED)
     else:
-        _cast_scatter_part(v_ptr, vc_ptr, loc_ptr, T, stride_vc, V_ROW, BLOCK)
+        _cast_scatter_part(v_ptr, vc_ptr, loc_ptr, map_ptr, T, stride_vc, V_ROW, BLOCK, MAPPED)
 
 
 #: (elements per program, warps) of the cast-only scatter; a run takes the best of them.
 CAST_SCATTER_TILES = ((1024, 4), (2048, 4), (4096, 8))
 
 
-def cast_scatter(k, v, k_cache, v_cache, loc, block=2048, warps=4):
+def cast_scatter(k, v, k_cache, v_cache, loc, block=2048, warps=4, slot_map=None):
     """k [T, H, D], v [T, Hv, Dv] contiguous; k_cache/v_cache [slots, H, D] / [slots, Hv, Dv] of the
-    cache type (rows contiguous); loc [T] valid slots. One launch, K and V on grid axis 1."""
+    cache type (rows contiguous); loc [T] valid slots, or with ``slot_map`` (int64 [M], contiguous)
+    indices into it whose entries are valid slots. One launch, K and V on grid axis 1."""
     t = k.shape[0]
     if t == 0:
         return
     row, v_row = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
     grid = (triton.cdiv(t * max(row, v_row), block), 2)
     _cast_scatter_kernel[grid](
-        k, v, k_cache, v_cache, loc, t, k_cache.stride(0), v_cache.stride(0), ROW=row, V_ROW=v_row, BLOCK=block,
-        num_warps=warps,
+        k, v, k_cache, v_cache, loc, loc if slot_map is None else slot_map, t, k_cache.stride(0), v_cache.stride(0),
+        ROW=row, V_ROW=v_row, BLOCK=block, MAPPED=slot_map is not None, num_warps=warps,
     )  # fmt: skip
