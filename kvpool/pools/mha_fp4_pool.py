@@ -134,10 +134,10 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         h, d, dv = self.head_num, self.head_dim, self.v_head_dim
         ks, vs = ((h, d // FP4_BLOCK), (h, dv // FP4_BLOCK)) if nvfp4 else ((h * d // FP4_BLOCK,), (h * dv // FP4_BLOCK,))
         self._init_parts({
-            "k_buffer": self._new_buffer((h, d // 2)),
-            "v_buffer": self._new_buffer((h, dv // 2)),
-            "k_scale_buffer": self._new_buffer(ks),
-            "v_scale_buffer": self._new_buffer(vs),
+            "k_buffer": self._new_buffer((h, d // 2), torch.uint8),
+            "v_buffer": self._new_buffer((h, dv // 2), torch.uint8),
+            "k_scale_buffer": self._new_buffer(ks, torch.uint8),
+            "v_scale_buffer": self._new_buffer(vs, torch.uint8),
         })  # fmt: skip
         self.k_global_scales: Optional[torch.Tensor] = None
         self.v_global_scales: Optional[torch.Tensor] = None

@@ -86,8 +86,8 @@ class MLATokenToKVPoolFP4(Fp4KVCache):
             raise ValueError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
         self.out_dtype = out_dtype
         self._init_parts({
-            "kv_buffer": self._new_buffer((1, self.kv_cache_dim // 2)),
-            "kv_scale_buffer": self._new_buffer((self.kv_cache_dim // FP4_BLOCK,)),
+            "kv_buffer": self._new_buffer((1, self.kv_cache_dim // 2), torch.uint8),
+            "kv_scale_buffer": self._new_buffer((self.kv_cache_dim // FP4_BLOCK,), torch.uint8),
         })  # fmt: skip
         r2, r16 = self.kv_lora_rank // 2, self.kv_lora_rank // FP4_BLOCK
         # The write's two parts: (codes, scales) column ranges of the latent and of the rotary values.

@@ -159,7 +159,7 @@ class RowPartsCache:
         parts = tuple(
             torch.empty((self.layer_num, n, *b.shape[1:]), dtype=b.dtype, pin_memory=pinned) for b in self._parts[0]
         )
-        copy = PartsCpuCopy(parts, self.part_names, self.start_layer)
+        copy = self._new_cpu_copy(parts)
         if n:
             host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -196,6 +196,15 @@ class RowPartsCache:
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
         checked_copy(self.parts_table, indices, staged, positions, None, False, ("indices", "positions"))
 
+    def _new_cpu_copy(self, parts: tuple[torch.Tensor, ...]) -> PartsCpuCopy:
+        """The CPU copy ``get_cpu_copy`` returns around host buffers ``parts`` (a subclass adds what
+        else its copies carry)."""
+        return PartsCpuCopy(parts, self.part_names, self.start_layer)
+
+    def _check_copy_extras(self, copy: PartsCpuCopy) -> None:
+        """Raise, naming ``kv_cache_cpu``, if what ``copy`` carries beyond its rows does not fit this
+        pool (nothing, here; a subclass whose copies carry more checks it)."""
+
     def check_cpu_copy(self, copy: object, n: int) -> PartsCpuCopy:
         """``copy`` if ``load_cpu_copy`` can write it to ``n`` slots of this pool: a PartsCpuCopy of
         this pool's buffers (names, dtypes, row shapes), layers and ``n`` rows, in host memory with
@@ -206,6 +215,7 @@ class RowPartsCache:
             raise ValueError(f"kv_cache_cpu must hold the buffers {list(self.part_names)}, got {list(copy.part_names)}")
         if copy.start_layer != self.start_layer:
             raise ValueError(f"kv_cache_cpu must start at layer {self.start_layer}, got {copy.start_layer}")
+        self._check_copy_extras(copy)
         if len(copy.parts) != len(self.part_names):
             raise ValueError(f"kv_cache_cpu must hold {len(self.part_names)} buffers (one per name), got {len(copy.parts)}")
         for name, t, mine in zip(self.part_names, copy.parts, self._parts[0]):
