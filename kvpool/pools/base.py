@@ -61,6 +61,24 @@ def check_sglang_keywords(
             raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def head_geometry(
+    head_num: object,
+    head_dim: object,
+    v_head_dim: object,
+    swa_head_num: object,
+    swa_head_dim: object,
+    swa_v_head_dim: object,
+    check_dim: Callable[[object, str], int] = positive_int,
+) -> tuple[int, int, int]:
+    """``(head_num, head_dim, v_head_dim)`` of an MHA pool from SGLang's constructor arguments: each
+    ``swa_*`` given replaces its plain one, ``v_head_dim`` defaults to ``head_dim``; ``head_num`` must
+    be a positive int and the dims pass ``check_dim`` (ValueError naming the argument otherwise)."""
+    h = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
+    d = check_dim(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
+    v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
+    return h, d, d if v_dim is None else check_dim(v_dim, "v_head_dim")
+
+
 class KVCache:
     """The state every pool shares. Subclasses call ``__init__``, allocate their buffers, hand them to
     ``_init_rows`` (storage views for row copies, ``dtype`` views for the getters, the row tables),

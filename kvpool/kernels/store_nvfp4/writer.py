@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvpool.config import FusedMode
-from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.fused_path import takes_fused_path
 from kvpool.kernels.gate import Verdict
 from kvpool.kernels.launch import TRITON_AVAILABLE, next_pow2
 from kvpool.kernels.store_fp4.naive import FP4_BLOCK
@@ -57,16 +57,7 @@ def write_nvfp4(
     """The NVFP4 write on checked arguments, on the path the gate (``cache_ok``) and ``mode``
     choose, counted in ``stats``. Raises ``FusedPathUnavailable`` with the gate's reason under
     ``mode == "always"`` when the gate refuses, before anything is written."""
-    reason = "fused='never'"
-    if mode != "never":
-        ok, reason = cache_ok
-        if ok:
-            stats.fused_calls += 1
-            if k.shape[0]:
-                launch_nvfp4_write(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
-            return
-        if mode == "always":
-            raise FusedPathUnavailable(f"fused='always' but {reason}")
-    stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-    stats.reference_calls += 1
-    write_nvfp4_reference(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
+    if not takes_fused_path(cache_ok, mode, stats):
+        write_nvfp4_reference(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
+    elif k.shape[0]:
+        launch_nvfp4_write(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
