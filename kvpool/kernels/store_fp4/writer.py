@@ -43,14 +43,18 @@ def launch_fp4_write(
     k_store: tuple[torch.Tensor, torch.Tensor],
     v_store: tuple[torch.Tensor, torch.Tensor],
     loc: torch.Tensor,
+    kernel: object = None,
+    global_scales: tuple[torch.Tensor, ...] = (),
 ) -> None:
-    """One launch, one program per token, writing K and V codes and scale bytes (checked arguments)."""
+    """One launch, one program per token, writing K and V codes and scale bytes (checked arguments):
+    of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the same arguments with ``global_scales``
+    after the buffers: ``store_nvfp4_kv`` and its K and V global scales)."""
     t, h, d = k.shape
     dv = v.shape[2]
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
-    store_fp4_kv[(t,)](
-        k, v, loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
+    (store_fp4_kv if kernel is None else kernel)[(t,)](  # type: ignore[index]
+        k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], loc.stride(0),
         *k.stride(), *v.stride(), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb),
     )  # fmt: skip
