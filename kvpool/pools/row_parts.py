@@ -14,6 +14,7 @@ from kvpool.checks import check_in_range, check_index, layer_id_of, layer_index,
 from kvpool.checks import resolve_device
 from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import RowTable, checked_copy
+from kvpool.pools.cpu_copy import copy_rows_from_host, copy_rows_to_host
 
 
 @dataclass(frozen=True)
@@ -160,12 +161,7 @@ class RowPartsCache:
             torch.empty((self.layer_num, n, *b.shape[1:]), dtype=b.dtype, pin_memory=pinned) for b in self._parts[0]
         )
         copy = self._new_cpu_copy(parts)
-        if n:
-            host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
-            positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(host, positions, self.parts_table, indices, None, False, ("positions", "indices"))
-            if pinned:
-                torch.cuda.current_stream(self.device).synchronize()
+        copy_rows_to_host(self.parts_table, indices, copy.layers(), self.device)
         return copy
 
     def load_cpu_copy(self, kv_cache_cpu: PartsCpuCopy, indices: torch.Tensor) -> None:
@@ -192,9 +188,8 @@ class RowPartsCache:
             return
         cuda = self.device.type == "cuda"
         parts = tuple(p.to(self.device, non_blocking=True) for p in copy.parts) if cuda else copy.parts
-        staged = RowTable.of(PartsCpuCopy(parts, copy.part_names, copy.start_layer).layers(), non_blocking=cuda)
-        positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.parts_table, indices, staged, positions, None, False, ("indices", "positions"))
+        staged = PartsCpuCopy(parts, copy.part_names, copy.start_layer).layers()
+        copy_rows_from_host(self.parts_table, indices, staged, self.device)
 
     def _new_cpu_copy(self, parts: tuple[torch.Tensor, ...]) -> PartsCpuCopy:
         """The CPU copy ``get_cpu_copy`` returns around host buffers ``parts`` (a subclass adds what
