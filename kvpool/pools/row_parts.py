@@ -52,7 +52,8 @@ class RowPartsCache:
     layer, ``part_names``, ``validate``. The table is deliberately not called ``row_table``: code
     that reads a pool's ``row_table`` as two buffers per layer (K, V) finds none, rather than copy
     the codes without their scales; the host tier reads ``part_names`` and this table and copies
-    every part.
+    every part. (The FP4 pools, ``Fp4KVCache``, also give it the name ``row_table`` they have always
+    had.)
     """
 
     def __init__(
