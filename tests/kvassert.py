@@ -3189,3 +3189,44 @@ def scaled_host_rows(host, part: int, layer: int) -> torch.Tensor:
 def scaled_dev_rows(pool, part: int, layer: int) -> torch.Tensor:
     """[rows, row bytes] uint8 of one part of one layer (0-based) of a device pool, on the CPU."""
     return getattr(pool, pool.part_names[part])[layer].reshape(pool.rows, -1).view(torch.uint8).cpu()
+
+
+def poisoned_parts(pool):
+    """``pool`` with every byte of every part 0xA5, so rows a write must not touch show up."""
+    for b in scaled_parts(pool):
+        b.view(torch.uint8).fill_(0xA5)
+    return pool
+
+
+def assert_rows_copied(after, before, dst: list[int], src: list[int], what: str) -> None:
+    """Each tensor of ``after`` is its ``before`` with rows ``dst`` byte copies of ``before``'s rows
+    ``src`` and every other row unchanged (what a move or a CPU copy's round trip leaves)."""
+    for i, (a, b) in enumerate(zip(after, before, strict=True)):
+        want = b.clone()
+        want[dst] = b[src]
+        assert_same_bytes(a, want, f"{what} (buffer {i})")
+
+
+def assert_tensors_unchanged(after, before, what: str) -> None:
+    """Each tensor of ``after`` holds its ``before``'s bytes (nothing was written)."""
+    for i, (a, b) in enumerate(zip(after, before, strict=True)):
+        assert_same_bytes(a, b, f"{what} (buffer {i})")
+
+
+def assert_same_parts(a, b) -> None:
+    """Every part of every layer of pools ``a`` and ``b`` (with ``part_names``) holds the same bytes;
+    a difference is named ``k_buffer[0]`` and so on."""
+    for name in a.part_names:
+        for i, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name), strict=True)):
+            assert_same_bytes(x, y, f"{name}[{i}]")
+
+
+def qkv_slices(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` [T, H, D] and ``v`` [T, H, Dv <= D] as views sliced out of one wider [T, 3H, D]
+    projection, as a fused QKV output is: the same values with its strides."""
+    t, h, d = k.shape
+    dv = v.shape[2]
+    qkv = torch.zeros(t, 3 * h, d, dtype=k.dtype, device=k.device)
+    qkv[:, h : 2 * h] = k
+    qkv[:, 2 * h :, :dv] = v
+    return qkv[:, h : 2 * h], qkv[:, 2 * h :, :dv]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, assert_same_bytes, fused_runs, id_of
+from kvassert import DEVICE, assert_same_parts, assert_tensors_unchanged, fused_runs, id_of, poisoned_parts, qkv_slices
 from kvpool import FusedPathUnavailable, MHATokenToKVPoolFP4
 
 FP4 = torch.float4_e2m1fn_x2
@@ -17,10 +17,7 @@ H, D, DV, SIZE = 3, 48, 32, 20
 
 
 def pool(fused: str, **kw) -> MHATokenToKVPoolFP4:
-    p = MHATokenToKVPoolFP4(SIZE, 1, FP4, H, D, 1, DEVICE, v_head_dim=DV, fused=fused, **kw)
-    for name in p.part_names:
-        getattr(p, name)[0].fill_(0xA5)
-    return p
+    return poisoned_parts(MHATokenToKVPoolFP4(SIZE, 1, FP4, H, D, 1, DEVICE, v_head_dim=DV, fused=fused, **kw))
 
 
 def stored(p: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
@@ -46,17 +43,13 @@ def special_rows(t: int, heads: int, dim: int, dtype: torch.dtype, seed: int) ->
 def test_fused_write_is_the_reference_write_bit_for_bit(dtype, strided):
     k, v = special_rows(7, H, D, dtype, 1), special_rows(7, H, DV, dtype, 2)
     if strided:  # K and V sliced out of one wider projection, as a fused QKV output is
-        qkv = torch.zeros(7, 3 * H, D, dtype=dtype, device=DEVICE)
-        qkv[:, H : 2 * H] = k
-        qkv[:, 2 * H :, :DV] = v
-        k, v = qkv[:, H : 2 * H], qkv[:, 2 * H :, :DV]
+        k, v = qkv_slices(k, v)
     loc = torch.tensor([4, -1, 9, 2, SIZE + 1, 17, 0], device=DEVICE)
     fused, reference = pool("always"), pool("never")
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert fused.stats.fused_calls == 1 and reference.stats.reference_calls == 1
-    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
-        assert_same_bytes(a, b, name)
+    assert_same_parts(fused, reference)
 
 
 @fused_runs
@@ -66,8 +59,7 @@ def test_int32_slots_and_an_empty_write():
     for p in (fused, reference):
         p.set_kv_buffer(None, torch.tensor([5, 6, 7, 1, 3], dtype=torch.int32, device=DEVICE), k, v, layer_id_override=0)
         p.set_kv_buffer(None, torch.zeros(0, dtype=torch.int64, device=DEVICE), k[:0], v[:0], layer_id_override=0)
-    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
-        assert_same_bytes(a, b, name)
+    assert_same_parts(fused, reference)
 
 
 @fused_runs
@@ -77,8 +69,7 @@ def test_a_scaled_write_is_refused_by_the_gate_before_anything_is_written():
     k, v = special_rows(5, H, D, torch.bfloat16, 5)[:2], special_rows(5, H, DV, torch.bfloat16, 6)[:2]
     with pytest.raises(FusedPathUnavailable, match="k_scale/v_scale given"):
         p.set_kv_buffer(None, torch.tensor([1, 2], device=DEVICE), k, v, k_scale=0.5, layer_id_override=0)
-    for a, b in zip(stored(p), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(stored(p), before, "buffer")
 
 
 def test_auto_takes_the_reference_path_where_the_gate_refuses_and_says_why():
@@ -106,8 +97,7 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype):
     fused, reference = (MHATokenToKVPoolFP4(10, 1, FP4, 1, 32, 1, DEVICE, v_head_dim=16, fused=f) for f in ("always", "never"))
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
-        assert_same_bytes(a, b, name)
+    assert_same_parts(fused, reference)
 
 
 @fused_runs
@@ -125,5 +115,4 @@ def test_strided_slots_fused_are_the_reference_rows(layout):
     fused, reference = pool("always"), pool("never")
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    for name, a, b in zip(fused.part_names, stored(fused), stored(reference)):
-        assert_same_bytes(a, b, name)
+    assert_same_parts(fused, reference)

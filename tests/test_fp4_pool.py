@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvassert import DEVICE, assert_same_bytes, fill_random_, fp4_oracle, id_of, sglang_kvfp4
+from kvassert import DEVICE, assert_rows_copied, assert_same_bytes, assert_tensors_unchanged, fill_random_
+from kvassert import fp4_oracle, id_of, poisoned_parts, scaled_parts, sglang_kvfp4
 from kvpool import Fp4CpuCopy, KVGeometry, MHATokenToKVPoolFP4, dequantize_fp4, kv_bytes_per_token
 
 FP4 = torch.float4_e2m1fn_x2
@@ -24,14 +25,7 @@ def make_pool(validate: bool = False, **kw) -> MHATokenToKVPoolFP4:
     return MHATokenToKVPoolFP4(**args, validate=validate)
 
 
-def buffers(pool: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
-    return [b for name in pool.part_names for b in getattr(pool, name)]
-
-
-def poisoned(pool: MHATokenToKVPoolFP4) -> MHATokenToKVPoolFP4:
-    for b in buffers(pool):
-        b.fill_(0xA5)
-    return pool
+buffers, poisoned = scaled_parts, poisoned_parts
 
 
 def snapshot(pool: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
@@ -145,8 +139,7 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(case):
     before = snapshot(pool)
     with pytest.raises(error, match=message):
         pool.set_kv_buffer(*args, **kw)
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer after a refused write")
+    assert_tensors_unchanged(buffers(pool), before, "buffer after a refused write")
 
 
 def test_validate_refuses_a_slot_beyond_the_buffers_before_writing():
@@ -157,8 +150,7 @@ def test_validate_refuses_a_slot_beyond_the_buffers_before_writing():
         pool.set_kv_buffer(None, torch.tensor([3, ROWS], device=DEVICE), k, v, layer_id_override=0)
     with pytest.raises(ValueError, match="k_scale"):
         pool.set_kv_buffer(None, torch.tensor([3, 4], device=DEVICE), k, v, torch.tensor([0.0], device=DEVICE), layer_id_override=0)
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(buffers(pool), before, "buffer")
 
 
 def test_getters_dequantize_the_stored_bytes_as_sglang_does():
@@ -188,10 +180,7 @@ def test_move_carries_codes_and_scales(copy_path):
     before = snapshot(pool)
     tgt, src = torch.tensor([5, 6, 7, -1], device=DEVICE), torch.tensor([6, 7, 5, 3], device=DEVICE)  # a cycle, padding
     pool.move_kv_cache(tgt, src)
-    for a, b in zip(buffers(pool), before):
-        want = b.clone()
-        want[[5, 6, 7]] = b[[6, 7, 5]]
-        assert_same_bytes(a, want, "buffer after the move")
+    assert_rows_copied(buffers(pool), before, [5, 6, 7], [6, 7, 5], "buffer after the move")
 
 
 def test_cpu_copy_round_trip_carries_codes_and_scales(copy_path):
@@ -202,10 +191,7 @@ def test_cpu_copy_round_trip_carries_codes_and_scales(copy_path):
     assert isinstance(copy, Fp4CpuCopy) and len(copy) == 2 and copy.part_names == pool.part_names
     assert tuple(copy.parts[2].shape) == (2, 2, H * D // 16)
     pool.load_cpu_copy(copy, torch.tensor([11, 12], device=DEVICE))
-    for a, b in zip(buffers(pool), before):
-        want = b.clone()
-        want[[11, 12]] = b[[3, 8]]
-        assert_same_bytes(a, want, "buffer after the load")
+    assert_rows_copied(buffers(pool), before, [11, 12], [3, 8], "buffer after the load")
 
 
 def test_a_cpu_copy_of_another_geometry_is_refused_and_nothing_written():
@@ -217,8 +203,7 @@ def test_a_cpu_copy_of_another_geometry_is_refused_and_nothing_written():
         pool.load_cpu_copy(copy, torch.tensor([2], device=DEVICE))
     with pytest.raises(TypeError, match="kv_cache_cpu must be an Fp4CpuCopy"):
         pool.load_cpu_copy((copy.parts[0], copy.parts[1]), torch.tensor([2], device=DEVICE))
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(buffers(pool), before, "buffer")
 
 
 def test_a_cpu_copy_missing_a_buffer_is_refused_by_name_and_nothing_written():
@@ -229,8 +214,7 @@ def test_a_cpu_copy_missing_a_buffer_is_refused_by_name_and_nothing_written():
     short = Fp4CpuCopy(copy.parts[:3], copy.part_names, copy.start_layer)  # the V scales left out
     with pytest.raises(ValueError, match=r"kv_cache_cpu must hold 4 buffers \(one per name\), got 3"):
         pool.load_cpu_copy(short, torch.tensor([2], device=DEVICE))
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(buffers(pool), before, "buffer")
 
 def test_sizes_count_the_scale_bytes():
     assert kv_bytes_per_token(1, 128, None, 1, FP4) // 2 == 72  # per head and token, K alone

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, FP8, INPUT_DTYPES, INTERPRETER, assert_same_bytes, fused_runs, gpu, id_of, spread_rows
+from kvassert import DEVICE, FP8, INPUT_DTYPES, INTERPRETER, assert_same_bytes, assert_same_parts, fused_runs, gpu, id_of
+from kvassert import poisoned_parts, qkv_slices, spread_rows
 from kvpool import FusedPathUnavailable
 from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 
@@ -20,18 +21,11 @@ H, D, DV, SIZE = 3, 96, 40, 20  # an odd head count and head dims that are not p
 def pool(fused: str, dtype: torch.dtype = torch.float8_e4m3fn, heads: int = H, dim: int = D, v_dim: int = DV,
          **kw) -> MHATokenToKVPoolFP8PerTokenHead:  # fmt: skip
     p = MHATokenToKVPoolFP8PerTokenHead(SIZE, 1, dtype, heads, dim, 1, DEVICE, v_head_dim=v_dim, fused=fused, **kw)
-    for name in p.part_names:  # poisoned: unwritten or wrongly written rows show up
-        getattr(p, name)[0].view(torch.uint8).fill_(0xA5)
-    return p
+    return poisoned_parts(p)  # unwritten or wrongly written rows show up
 
 
 def stored(p: MHATokenToKVPoolFP8PerTokenHead) -> list[torch.Tensor]:
     return [getattr(p, name)[0] for name in p.part_names]
-
-
-def assert_same_pools(a, b) -> None:
-    for name, x, y in zip(a.part_names, stored(a), stored(b)):
-        assert_same_bytes(x, y, name)
 
 
 def special_rows(t: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -54,16 +48,13 @@ def special_rows(t: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 def test_fused_write_is_the_reference_write_bit_for_bit(dtype, in_dtype, strided):
     k, v = special_rows(7, D, in_dtype, 1), special_rows(7, DV, in_dtype, 2)
     if strided:  # K and V sliced out of one wider projection, as a fused QKV output is
-        qkv = torch.zeros(7, 3 * H, D, dtype=in_dtype, device=DEVICE)
-        qkv[:, H : 2 * H] = k
-        qkv[:, 2 * H :, :DV] = v
-        k, v = qkv[:, H : 2 * H], qkv[:, 2 * H :, :DV]
+        k, v = qkv_slices(k, v)
     loc = torch.tensor([4, -1, 9, 2, SIZE + 1, 17, 0], device=DEVICE)
     fused, reference = pool("always", dtype), pool("never", dtype)
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert fused.stats.fused_calls == 1 and reference.stats.reference_calls == 1
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
     untouched = [r for r in range(SIZE + 1) if r not in (4, 9, 2, 17, 0)]
     assert bool((fused.k_buffer[0][untouched] == 0xA5).all()), "a row no slot named was written"
 
@@ -78,11 +69,11 @@ def test_int32_slots_an_empty_write_and_a_verify_write():
         p.set_kv_buffer(None, torch.tensor([5, 6, 7, 1, 3, 12], dtype=torch.int32, device=DEVICE), k, v, layer_id_override=0)
         p.set_kv_buffer(None, torch.zeros(0, dtype=torch.int64, device=DEVICE), k[:0], v[:0], layer_id_override=0)
         p.set_kv_buffer_prefix_valid(None, loc_2d, commit, k.flip(0), v.flip(0), layer_id_override=0)
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
     expected = pool("never")  # the verify write is the plain write of the committed tokens
     expected.set_kv_buffer(None, torch.tensor([5, 6, 7, 1, 3, 12], device=DEVICE), k, v, layer_id_override=0)
     expected.set_kv_buffer(None, torch.tensor([5, 6, -1, 1, 3, 11], device=DEVICE), k.flip(0), v.flip(0), layer_id_override=0)
-    assert_same_pools(reference, expected)
+    assert_same_parts(reference, expected)
 
 
 @fused_runs
@@ -99,7 +90,7 @@ def test_any_rows_fused_are_the_reference_rows(values, in_dtype, dtype):
     fused, reference = (pool(mode, dtype, heads=2, dim=6, v_dim=3) for mode in ("always", "never"))
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])
@@ -111,7 +102,7 @@ def test_a_write_through_a_slot_map_is_the_write_at_the_mapped_slots(mode):
     mapped, expected = pool(mode), pool(mode)
     mapped.set_kv_buffer(None, torch.tensor([1, 3, 9, 4], device=DEVICE), k, v, layer_id_override=0, slot_map=slot_map)
     expected.set_kv_buffer(None, torch.tensor([7, 12, -1, 3], device=DEVICE), k, v, layer_id_override=0)
-    assert_same_pools(mapped, expected)
+    assert_same_parts(mapped, expected)
     before = [b.clone() for b in stored(mapped)]
     with pytest.raises(ValueError, match="slot_map must be int64"):
         mapped.set_kv_buffer(None, torch.tensor([1, 3, 9, 4], device=DEVICE), k, v, layer_id_override=0,
@@ -127,7 +118,7 @@ def test_given_scales_are_checked_then_not_used():
     plain, scaled = pool("always"), pool("always")
     plain.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     scaled.set_kv_buffer(None, loc, k, v, 0.25, torch.full((H,), 3.0, device=DEVICE), layer_id_override=0)
-    assert_same_pools(plain, scaled)
+    assert_same_parts(plain, scaled)
 
 
 def test_auto_takes_the_fused_path_on_cuda_and_the_reference_on_a_cpu_saying_why():
@@ -171,7 +162,7 @@ def test_on_cuda_model_shapes_and_every_bf16_pattern_store_the_reference_bytes(d
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert fused.stats.fused_calls == 1 and reference.stats.reference_calls == 1
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
 
 
 @gpu
@@ -194,7 +185,7 @@ def test_a_captured_write_replays_with_the_current_rows_and_slots():
         graph.replay()
         reference.set_kv_buffer(None, static_loc, static_k, static_v, layer_id_override=0)
         torch.cuda.synchronize()
-        assert_same_pools(fused, reference)
+        assert_same_parts(fused, reference)
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])
@@ -208,4 +199,4 @@ def test_a_strided_slot_map_is_read_at_its_strides(mode):
     mapped, expected = pool(mode), pool(mode)
     mapped.set_kv_buffer(None, torch.tensor([1, 3, 4], device=DEVICE), k, v, layer_id_override=0, slot_map=slot_map)
     expected.set_kv_buffer(None, torch.tensor([7, 12, 3], device=DEVICE), k, v, layer_id_override=0)
-    assert_same_pools(mapped, expected)
+    assert_same_parts(mapped, expected)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvassert import DEVICE, FP8, assert_same_bytes, fill_random_, id_of, token_head_oracle
+from kvassert import DEVICE, FP8, assert_rows_copied, assert_same_bytes, assert_tensors_unchanged
+from kvassert import fill_random_, id_of, poisoned_parts, scaled_parts, token_head_oracle
 from kvpool.kernels.store_fp8_token import dequantize_token_head
 from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 from kvpool.pools.row_parts import PartsCpuCopy
@@ -25,14 +26,7 @@ def make_pool(validate: bool = False, **kw) -> MHATokenToKVPoolFP8PerTokenHead:
     return MHATokenToKVPoolFP8PerTokenHead(**args, validate=validate)
 
 
-def buffers(pool: MHATokenToKVPoolFP8PerTokenHead) -> list[torch.Tensor]:
-    return [b for name in pool.part_names for b in getattr(pool, name)]
-
-
-def poisoned(pool: MHATokenToKVPoolFP8PerTokenHead) -> MHATokenToKVPoolFP8PerTokenHead:
-    for b in buffers(pool):
-        b.view(torch.uint8).fill_(0xA5)
-    return pool
+buffers, poisoned = scaled_parts, poisoned_parts
 
 
 def snapshot(pool: MHATokenToKVPoolFP8PerTokenHead) -> list[torch.Tensor]:
@@ -40,8 +34,7 @@ def snapshot(pool: MHATokenToKVPoolFP8PerTokenHead) -> list[torch.Tensor]:
 
 
 def assert_unchanged(pool, before, what: str) -> None:
-    for i, (a, b) in enumerate(zip(buffers(pool), before)):
-        assert_same_bytes(a, b, f"{what} (buffer {i})")
+    assert_tensors_unchanged(buffers(pool), before, what)
 
 
 def rows(t: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -177,10 +170,7 @@ def test_move_carries_codes_and_scales(copy_path):
     before = snapshot(pool)
     tgt, src = torch.tensor([5, 6, 7, -1], device=DEVICE), torch.tensor([6, 7, 5, 3], device=DEVICE)  # a cycle, padding
     pool.move_kv_cache(tgt, src)
-    for a, b in zip(buffers(pool), before):
-        want = b.clone()
-        want[[5, 6, 7]] = b[[6, 7, 5]]
-        assert_same_bytes(a, want, "buffer after the move")
+    assert_rows_copied(buffers(pool), before, [5, 6, 7], [6, 7, 5], "buffer after the move")
 
 
 def test_cpu_copy_round_trip_carries_codes_and_scales(copy_path):
@@ -191,10 +181,7 @@ def test_cpu_copy_round_trip_carries_codes_and_scales(copy_path):
     assert isinstance(copy, PartsCpuCopy) and len(copy) == 2 and copy.part_names == pool.part_names
     assert tuple(copy.parts[2].shape) == (2, 2, H) and copy.parts[2].dtype == torch.float32
     pool.load_cpu_copy(copy, torch.tensor([11, 12], device=DEVICE))
-    for a, b in zip(buffers(pool), before):
-        want = b.clone()
-        want[[11, 12]] = b[[3, 8]]
-        assert_same_bytes(a, want, "buffer after the load")
+    assert_rows_copied(buffers(pool), before, [11, 12], [3, 8], "buffer after the load")
 
 
 def test_a_cpu_copy_of_another_pool_is_refused_and_nothing_written():

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, assert_same_bytes, fused_runs, id_of
+from kvassert import DEVICE, assert_same_parts, fused_runs, id_of, poisoned_parts, qkv_slices
 from kvpool import MHATokenToKVPoolFP4
 
 FP4 = torch.float4_e2m1fn_x2
@@ -22,20 +22,7 @@ def pool(fused: str, **kw) -> MHATokenToKVPoolFP4:
     args = dict(v_head_dim=DV, fused=fused, fp4_format="nvfp4", k_global_scales=K_G, v_global_scales=V_G)
     args.update(kw)
     p = MHATokenToKVPoolFP4(SIZE, 1, FP4, H, D, 2, DEVICE, **args)
-    for name in p.part_names:
-        for b in getattr(p, name):
-            b.fill_(0xA5)
-    return p
-
-
-def stored(p: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
-    return [b for name in p.part_names for b in getattr(p, name)]
-
-
-def assert_same_pools(a: MHATokenToKVPoolFP4, b: MHATokenToKVPoolFP4) -> None:
-    names = [f"{name}[{i}]" for name in a.part_names for i in range(a.layer_num)]
-    for name, x, y in zip(names, stored(a), stored(b)):
-        assert_same_bytes(x, y, name)
+    return poisoned_parts(p)
 
 
 def special_rows(t: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -59,17 +46,14 @@ def special_rows(t: int, heads: int, dim: int, dtype: torch.dtype, seed: int) ->
 def test_fused_write_is_the_reference_write_bit_for_bit(dtype, strided):
     k, v = special_rows(7, H, D, dtype, 1), special_rows(7, H, DV, dtype, 2)
     if strided:  # K and V sliced out of one wider projection, as a fused QKV output is
-        qkv = torch.zeros(7, 3 * H, D, dtype=dtype, device=DEVICE)
-        qkv[:, H : 2 * H] = k
-        qkv[:, 2 * H :, :DV] = v
-        k, v = qkv[:, H : 2 * H], qkv[:, 2 * H :, :DV]
+        k, v = qkv_slices(k, v)
     loc = torch.tensor([4, -1, 9, 2, SIZE + 1, 17, 0], device=DEVICE)
     fused, reference = pool("always"), pool("never")
     for layer in (0, 1):  # each layer with its own global scales
         fused.set_kv_buffer(None, loc, k, v, layer_id_override=layer)
         reference.set_kv_buffer(None, loc, k, v, layer_id_override=layer)
     assert fused.stats.fused_calls == 2 and reference.stats.reference_calls == 2
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
 
 
 @fused_runs
@@ -80,7 +64,7 @@ def test_int32_slots_an_empty_write_and_a_changed_global_scale():
         p.set_global_scales(1, 0.001, 12.5)  # read on the device at the next write
         p.set_kv_buffer(None, torch.tensor([5, 6, 7, 1, 3], dtype=torch.int32, device=DEVICE), k, v, layer_id_override=1)
         p.set_kv_buffer(None, torch.zeros(0, dtype=torch.int64, device=DEVICE), k[:0], v[:0], layer_id_override=1)
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
 
 
 def test_auto_takes_the_fused_path_on_cuda_and_says_why_not_elsewhere():
@@ -112,7 +96,7 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype, g):
     )
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)
 
 
 @fused_runs
@@ -130,4 +114,4 @@ def test_strided_slots_fused_are_the_reference_rows(layout):
     fused, reference = pool("always"), pool("never")
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    assert_same_pools(fused, reference)
+    assert_same_parts(fused, reference)

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from kvassert import DEVICE, assert_same_bytes, fill_random_, id_of, nvfp4_oracle
+from kvassert import DEVICE, assert_rows_copied, assert_same_bytes, assert_tensors_unchanged
+from kvassert import fill_random_, id_of, nvfp4_oracle, poisoned_parts, scaled_parts
 from kvpool import Fp4CpuCopy, MHATokenToKVPoolFP4
 from kvpool.kernels.store_nvfp4 import dequantize_nvfp4
 
@@ -30,10 +31,7 @@ def buffers(pool: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
     return [b for name in pool.part_names for b in getattr(pool, name)] + [pool.k_global_scales, pool.v_global_scales]
 
 
-def poisoned(pool: MHATokenToKVPoolFP4) -> MHATokenToKVPoolFP4:
-    for b in buffers(pool)[:-2]:
-        b.fill_(0xA5)
-    return pool
+poisoned = poisoned_parts
 
 
 def snapshot(pool: MHATokenToKVPoolFP4) -> list[torch.Tensor]:
@@ -149,8 +147,7 @@ def test_set_global_scales_changes_later_writes_and_reads():
     ):
         with pytest.raises(error, match=message):
             pool.set_global_scales(*call)
-    for x, y in zip(buffers(pool), before):
-        assert_same_bytes(x, y, "buffer after a refused set_global_scales")
+    assert_tensors_unchanged(buffers(pool), before, "buffer after a refused set_global_scales")
     assert pool.global_scale_values[0] == (0.5, 1.25)
     with pytest.raises(ValueError, match="set_global_scales is for fp4_format='nvfp4'"):
         make_pool(fp4_format=None, k_global_scales=None, v_global_scales=None).set_global_scales(0, 1.0, 1.0)
@@ -180,8 +177,7 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(case):
     before = snapshot(pool)
     with pytest.raises(error, match=message):
         pool.set_kv_buffer(*args, **kw)
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer after a refused write")
+    assert_tensors_unchanged(buffers(pool), before, "buffer after a refused write")
 
 
 def test_validate_refuses_a_slot_beyond_the_buffers_or_another_scale_tensor_before_writing():
@@ -192,8 +188,7 @@ def test_validate_refuses_a_slot_beyond_the_buffers_or_another_scale_tensor_befo
         pool.set_kv_buffer(None, torch.tensor([3, ROWS], device=DEVICE), k, v, layer_id_override=0)
     with pytest.raises(ValueError, match="v_scale must equal the layer's NVFP4 global scale 1.25"):
         pool.set_kv_buffer(None, torch.tensor([3, 4], device=DEVICE), k, v, None, torch.tensor([1.0], device=DEVICE), layer_id_override=0)
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(buffers(pool), before, "buffer")
 
 
 def test_the_reader_and_the_getters():
@@ -221,10 +216,7 @@ def test_move_carries_codes_and_block_scales(copy_path):
     before = snapshot(pool)
     tgt, src = torch.tensor([5, 6, 7, -1], device=DEVICE), torch.tensor([6, 7, 5, 3], device=DEVICE)  # a cycle, padding
     pool.move_kv_cache(tgt, src)
-    for a, b in zip(buffers(pool)[:-2], before):
-        want = b.clone()
-        want[[5, 6, 7]] = b[[6, 7, 5]]
-        assert_same_bytes(a, want, "buffer after the move")
+    assert_rows_copied(scaled_parts(pool), before[:-2], [5, 6, 7], [6, 7, 5], "buffer after the move")
 
 
 def test_cpu_copy_round_trip_carries_block_and_global_scales(copy_path):
@@ -235,10 +227,7 @@ def test_cpu_copy_round_trip_carries_block_and_global_scales(copy_path):
     assert isinstance(copy, Fp4CpuCopy) and len(copy) == 2 and copy.global_scales == pool.global_scale_values
     assert tuple(copy.parts[2].shape) == (2, 2, H, D // 16)
     pool.load_cpu_copy(copy, torch.tensor([11, 12], device=DEVICE))
-    for a, b in zip(buffers(pool)[:-2], before):
-        want = b.clone()
-        want[[11, 12]] = b[[3, 8]]
-        assert_same_bytes(a, want, "buffer after the load")
+    assert_rows_copied(scaled_parts(pool), before[:-2], [11, 12], [3, 8], "buffer after the load")
 
 
 def test_a_cpu_copy_made_with_other_global_scales_is_refused_and_nothing_written():
@@ -250,5 +239,4 @@ def test_a_cpu_copy_made_with_other_global_scales_is_refused_and_nothing_written
         pool.load_cpu_copy(other.get_cpu_copy(torch.tensor([1], device=DEVICE)), torch.tensor([2], device=DEVICE))
     with pytest.raises(ValueError, match="kv_cache_cpu.global_scales must be this pool's"):
         pool.load_cpu_copy(plain.get_cpu_copy(torch.tensor([1], device=DEVICE)), torch.tensor([2], device=DEVICE))
-    for a, b in zip(buffers(pool), before):
-        assert_same_bytes(a, b, "buffer")
+    assert_tensors_unchanged(buffers(pool), before, "buffer")

@@ -29,7 +29,7 @@ from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.copy_rows import RowTable, checked_copy
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
 from kvpool.kernels.store_kv.writer import KVWriter, PathStats, parts_of_one_row
-from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
+from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy, copy_rows_from_host, copy_rows_to_host
 from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 
 logger = logging.getLogger("kvpool")
@@ -59,6 +59,24 @@ def check_sglang_keywords(
     for name, value in (("enable_alt_stream", enable_alt_stream), ("enable_kv_cache_copy", enable_kv_cache_copy)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def head_geometry(
+    head_num: object,
+    head_dim: object,
+    v_head_dim: object,
+    swa_head_num: object,
+    swa_head_dim: object,
+    swa_v_head_dim: object,
+    check_dim: Callable[[object, str], int] = positive_int,
+) -> tuple[int, int, int]:
+    """``(head_num, head_dim, v_head_dim)`` of an MHA pool from SGLang's constructor arguments: each
+    ``swa_*`` given replaces its plain one, ``v_head_dim`` defaults to ``head_dim``; ``head_num`` must
+    be a positive int and the dims pass ``check_dim`` (ValueError naming the argument otherwise)."""
+    h = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
+    d = check_dim(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
+    v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
+    return h, d, d if v_dim is None else check_dim(v_dim, "v_head_dim")
 
 
 class KVCache:
@@ -245,12 +263,7 @@ class KVCache:
         k = torch.empty((self.layer_num, n, *self.k_buffer[0].shape[1:]), dtype=self.store_dtype, pin_memory=pinned)
         v = torch.empty((self.layer_num, n, *self.v_buffer[0].shape[1:]), dtype=self.store_dtype, pin_memory=pinned)
         copy = KVCpuCopy(k, v, self.dtype, self.start_layer)
-        if n:
-            host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
-            positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(host, positions, self.row_table, indices, None, False, ("positions", "indices"))
-            if pinned:
-                torch.cuda.current_stream(self.device).synchronize()
+        copy_rows_to_host(self.row_table, indices, copy.layers(), self.device)
         return copy
 
     def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: torch.Tensor) -> None:
@@ -283,12 +296,9 @@ class KVCache:
             check_in_range([(indices, self.rows, "indices")])
         if n == 0:
             return
-        cuda = self.device.type == "cuda"
-        if cuda:
+        if self.device.type == "cuda":
             copy = replace(copy, k=copy.k.to(self.device, non_blocking=True), v=copy.v.to(self.device, non_blocking=True))
-        staged = RowTable.of(copy.layers(), non_blocking=cuda)
-        positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.row_table, indices, staged, positions, None, False, ("indices", "positions"))
+        copy_rows_from_host(self.row_table, indices, copy.layers(), self.device)
 
     # --- warmup ----------------------------------------------------------------------------------
 

@@ -13,6 +13,37 @@ from typing import Sequence
 
 import torch
 
+from kvpool.kernels.copy_rows import RowTable, checked_copy
+
+
+def copy_rows_to_host(
+    table: RowTable, indices: torch.Tensor, host_rows: list[torch.Tensor], device: torch.device, name: str = "indices"
+) -> None:
+    """Rows ``indices`` (checked) of a pool's ``table`` into ``host_rows``, the same buffers' blocks
+    in host memory (pinned on CUDA; row ``j`` takes slot ``indices[j]``): one launch, then on CUDA a
+    wait for the current stream, so the copy is complete on return. ``name`` is ``indices``'s in
+    errors."""
+    n = indices.shape[0]
+    if n == 0:
+        return
+    pinned = device.type == "cuda"
+    host = RowTable.of(host_rows, table_device=device if pinned else None, non_blocking=pinned)
+    positions = torch.arange(n, dtype=torch.int64, device=device)
+    checked_copy(host, positions, table, indices, None, False, ("positions", name))
+    if pinned:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def copy_rows_from_host(
+    table: RowTable, indices: torch.Tensor, staged_rows: list[torch.Tensor], device: torch.device, name: str = "indices"
+) -> None:
+    """Row ``j`` of ``staged_rows`` (a CPU copy's blocks in ``table``'s order, already sent to the
+    device on CUDA) into slot ``indices[j]`` (checked) of a pool's ``table``, every buffer in one
+    launch; no synchronisation. ``name`` is ``indices``'s in errors."""
+    staged = RowTable.of(staged_rows, non_blocking=device.type == "cuda")
+    positions = torch.arange(indices.shape[0], dtype=torch.int64, device=device)
+    checked_copy(table, indices, staged, positions, None, False, (name, "positions"))
+
 
 @dataclass(frozen=True)
 class KVCpuCopy:

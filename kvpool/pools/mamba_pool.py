@@ -27,7 +27,7 @@ from kvpool.kernels.launch import sm_count
 from kvpool.kernels.row_table import RowTable
 from kvpool.kernels.state_commit.launcher import commit_rows
 from kvpool.pools.base import check_sglang_keywords
-from kvpool.pools.cpu_copy import MambaCpuCopy, check_mamba_cpu_copy
+from kvpool.pools.cpu_copy import MambaCpuCopy, check_mamba_cpu_copy, copy_rows_from_host, copy_rows_to_host
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
 
@@ -407,15 +407,7 @@ class MambaPool:
             return torch.empty((l, n, *t.shape[2:]), dtype=t.dtype, pin_memory=pinned)
 
         copy = MambaCpuCopy(tuple(host(c) for c in self.conv), host(self.temporal), self.layers)
-        if n:
-            table = RowTable.of(
-                _per_layer(list(copy.conv), copy.temporal), table_device=self.device if pinned else None,
-                non_blocking=pinned,
-            )  # fmt: skip
-            positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(table, positions, self.row_table, indices, None, False, ("positions", name))
-            if pinned:
-                torch.cuda.current_stream(self.device).synchronize()
+        copy_rows_to_host(self.row_table, indices, _per_layer(list(copy.conv), copy.temporal), self.device, name)
         return copy
 
     def load_cpu_copy(
@@ -437,9 +429,8 @@ class MambaPool:
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, non_blocking=True) if cuda else t
 
-        staged = RowTable.of(_per_layer([dev(c) for c in conv], dev(temporal)), non_blocking=cuda)
-        positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.row_table, indices, staged, positions, None, False, (name, "positions"))
+        staged = _per_layer([dev(c) for c in conv], dev(temporal))
+        copy_rows_from_host(self.row_table, indices, staged, self.device, name)
 
 
 def _one_index(indices: Optional[torch.Tensor], mamba_indices: Optional[torch.Tensor]) -> tuple[torch.Tensor, str]:

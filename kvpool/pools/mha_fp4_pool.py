@@ -10,16 +10,15 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from kvpool.checks import positive_int
 from kvpool.config import fused_mode
-from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.fused_path import check_always
 from kvpool.kernels.store_fp4 import FP4_BLOCK, FP4_DTYPE, dequantize_fp4, fp4_scale_tensor
 from kvpool.kernels.store_fp4.writer import fp4_cache_verdict, write_fp4
 from kvpool.kernels.store_kv.checks import check_loc, check_rows, check_scale, check_values
 from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.kernels.store_nvfp4 import dequantize_nvfp4
 from kvpool.kernels.store_nvfp4.writer import write_nvfp4
-from kvpool.pools.base import HasLayerId, check_sglang_keywords
+from kvpool.pools.base import HasLayerId, check_sglang_keywords, head_geometry
 from kvpool.pools.fp4_base import FP4_DTYPE_NAME, Fp4KVCache, fp4_dim
 from kvpool.pools.nvfp4_scales import NVFP4, check_global_scale_arg, fp4_format_of, global_scale_list
 from kvpool.write_types import Scale
@@ -124,20 +123,19 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         if not nvfp4 and (k_global_scales is not None or v_global_scales is not None):
             raise ValueError(f"k_global_scales/v_global_scales are for fp4_format='nvfp4', got fp4_format={self.fp4_format!r}")
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer, validate)
-        self.head_num = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
-        self.head_dim = fp4_dim(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
-        v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
-        self.v_head_dim = self.head_dim if v_dim is None else fp4_dim(v_dim, "v_head_dim")
+        self.head_num, self.head_dim, self.v_head_dim = head_geometry(
+            head_num, head_dim, v_head_dim, swa_head_num, swa_head_dim, swa_v_head_dim, fp4_dim
+        )
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
         self.out_dtype = out_dtype
         h, d, dv = self.head_num, self.head_dim, self.v_head_dim
         ks, vs = ((h, d // FP4_BLOCK), (h, dv // FP4_BLOCK)) if nvfp4 else ((h * d // FP4_BLOCK,), (h * dv // FP4_BLOCK,))
         self._init_parts({
-            "k_buffer": self._new_buffer((h, d // 2)),
-            "v_buffer": self._new_buffer((h, dv // 2)),
-            "k_scale_buffer": self._new_buffer(ks),
-            "v_scale_buffer": self._new_buffer(vs),
+            "k_buffer": self._new_buffer((h, d // 2), torch.uint8),
+            "v_buffer": self._new_buffer((h, dv // 2), torch.uint8),
+            "k_scale_buffer": self._new_buffer(ks, torch.uint8),
+            "v_scale_buffer": self._new_buffer(vs, torch.uint8),
         })  # fmt: skip
         self.k_global_scales: Optional[torch.Tensor] = None
         self.v_global_scales: Optional[torch.Tensor] = None
@@ -151,8 +149,7 @@ class MHATokenToKVPoolFP4(Fp4KVCache):
         self.fused_mode = fused_mode(fused)
         #: The gate's verdict on these buffers, ``(eligible, reason)``; the scales decide the rest.
         self.fused_verdict = fp4_cache_verdict(self.device, d, dv, self.fused_mode)
-        if self.fused_mode == "always" and not self.fused_verdict[0]:
-            raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
+        check_always(self.fused_mode, self.fused_verdict)
         #: Writes per path, and why the reference path ran.
         self.stats = PathStats()
 

@@ -10,10 +10,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kvpool.checks import positive_int
 from kvpool.config import fused_mode
-from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.formats import INPUT_DTYPES, LOC_DTYPES
+from kvpool.kernels.fused_path import check_always
 from kvpool.kernels.store_fp8_token import TOKEN_HEAD_DTYPES, dequantize_token_head, mapped_slots
 from kvpool.kernels.store_fp8_token.writer import token_head_cache_verdict, write_token_head
 from kvpool.kernels.store_kv.checks import (
@@ -27,7 +26,7 @@ from kvpool.kernels.store_kv.checks import (
 )
 from kvpool.kernels.store_kv.naive import prefix_slots
 from kvpool.kernels.store_kv.writer import PathStats
-from kvpool.pools.base import HasLayerId, check_sglang_keywords
+from kvpool.pools.base import HasLayerId, check_sglang_keywords, head_geometry
 from kvpool.pools.mha_pool import check_slot_map
 from kvpool.pools.row_parts import RowPartsCache
 from kvpool.write_types import Scale
@@ -123,10 +122,9 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
             raise ValueError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}")
         super().__init__(size, page_size, layer_num, device, start_layer, end_layer, validate)
         self.dtype, self.store_dtype, self.out_dtype = dtype, torch.uint8, out_dtype
-        self.head_num = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
-        self.head_dim = positive_int(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
-        v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
-        self.v_head_dim = self.head_dim if v_dim is None else positive_int(v_dim, "v_head_dim")
+        self.head_num, self.head_dim, self.v_head_dim = head_geometry(
+            head_num, head_dim, v_head_dim, swa_head_num, swa_head_dim, swa_v_head_dim
+        )
         h = self.head_num
         self._init_parts({
             "k_buffer": self._new_buffer((h, self.head_dim), torch.uint8),
@@ -139,8 +137,7 @@ class MHATokenToKVPoolFP8PerTokenHead(RowPartsCache):
         self.fused_verdict = token_head_cache_verdict(
             self.device, dtype, self.head_dim, self.v_head_dim, self.fused_mode
         )
-        if self.fused_mode == "always" and not self.fused_verdict[0]:
-            raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
+        check_always(self.fused_mode, self.fused_verdict)
         #: Writes per path, and why the reference path ran.
         self.stats = PathStats()
         fused_here = self.device.type == "cuda" and self.fused_verdict[0] and self.fused_mode != "never"

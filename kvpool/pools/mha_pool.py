@@ -7,12 +7,12 @@ from typing import Optional
 
 import torch
 
-from kvpool.checks import check_index, positive_int
+from kvpool.checks import check_index
 from kvpool.kernels.formats import LOC_DTYPES
 from kvpool.kernels.store_kv.checks import check_write
 from kvpool.kernels.store_kv.op import store_kv_op
 from kvpool.kernels.store_kv.writer import translate_slots
-from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords
+from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords, head_geometry
 from kvpool.write_types import POOL_NAMES, ArgNames, Geometry, Scale
 
 PREFIX_NAMES = ArgNames("cache_k", "cache_v", "loc_2d")
@@ -111,10 +111,9 @@ class MHATokenToKVPool(KVCache):
     ) -> None:
         check_sglang_keywords(enable_memory_saver, enable_alt_stream, enable_kv_cache_copy)
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer, fused, validate)
-        self.head_num = positive_int(head_num if swa_head_num is None else swa_head_num, "head_num")
-        self.head_dim = positive_int(head_dim if swa_head_dim is None else swa_head_dim, "head_dim")
-        v_dim = swa_v_head_dim if swa_v_head_dim is not None else v_head_dim
-        self.v_head_dim = self.head_dim if v_dim is None else positive_int(v_dim, "v_head_dim")
+        self.head_num, self.head_dim, self.v_head_dim = head_geometry(
+            head_num, head_dim, v_head_dim, swa_head_num, swa_head_dim, swa_v_head_dim
+        )
         #: Elements of one slot's K row and V row (SGLang's names).
         self.row_dim = self.head_num * self.head_dim
         self.v_row_dim = self.head_num * self.v_head_dim

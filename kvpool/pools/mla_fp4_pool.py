@@ -10,7 +10,7 @@ import torch
 
 from kvpool.checks import check_in_range, check_index, layer_id_of
 from kvpool.config import fused_mode
-from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.fused_path import check_always
 from kvpool.kernels.store_fp4 import FP4_BLOCK, dequantize_fp4, fp4_scale_tensor
 from kvpool.kernels.store_fp4.writer import fp4_cache_verdict, write_fp4
 from kvpool.kernels.store_kv.checks import check_loc, check_rows, check_scale, check_values
@@ -86,8 +86,8 @@ class MLATokenToKVPoolFP4(Fp4KVCache):
             raise ValueError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
         self.out_dtype = out_dtype
         self._init_parts({
-            "kv_buffer": self._new_buffer((1, self.kv_cache_dim // 2)),
-            "kv_scale_buffer": self._new_buffer((self.kv_cache_dim // FP4_BLOCK,)),
+            "kv_buffer": self._new_buffer((1, self.kv_cache_dim // 2), torch.uint8),
+            "kv_scale_buffer": self._new_buffer((self.kv_cache_dim // FP4_BLOCK,), torch.uint8),
         })  # fmt: skip
         r2, r16 = self.kv_lora_rank // 2, self.kv_lora_rank // FP4_BLOCK
         # The write's two parts: (codes, scales) column ranges of the latent and of the rotary values.
@@ -95,8 +95,7 @@ class MLATokenToKVPoolFP4(Fp4KVCache):
         self._rope = [(kv[:, :, r2:], sc[:, r16:]) for kv, sc in self._parts]
         self.fused_mode = fused_mode(fused)
         self.fused_verdict = fp4_cache_verdict(self.device, self.kv_lora_rank, self.qk_rope_head_dim, self.fused_mode)
-        if self.fused_mode == "always" and not self.fused_verdict[0]:
-            raise FusedPathUnavailable(f"fused='always' but {self.fused_verdict[1]}")
+        check_always(self.fused_mode, self.fused_verdict)
         self.stats = PathStats()
 
     # --- readers ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kvpool.checks import check_in_range, check_index, layer_id_of, layer_index,
 from kvpool.checks import resolve_device
 from kvpool.config import validate_enabled
 from kvpool.kernels.copy_rows import RowTable, checked_copy
+from kvpool.pools.cpu_copy import copy_rows_from_host, copy_rows_to_host
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class RowPartsCache:
     layer, ``part_names``, ``validate``. The table is deliberately not called ``row_table``: code
     that reads a pool's ``row_table`` as two buffers per layer (K, V) finds none, rather than copy
     the codes without their scales; the host tier reads ``part_names`` and this table and copies
-    every part.
+    every part. (The FP4 pools, ``Fp4KVCache``, also give it the name ``row_table`` they have always
+    had.)
     """
 
     def __init__(
@@ -159,13 +161,8 @@ class RowPartsCache:
         parts = tuple(
             torch.empty((self.layer_num, n, *b.shape[1:]), dtype=b.dtype, pin_memory=pinned) for b in self._parts[0]
         )
-        copy = PartsCpuCopy(parts, self.part_names, self.start_layer)
-        if n:
-            host = RowTable.of(copy.layers(), table_device=self.device if pinned else None, non_blocking=pinned)
-            positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            checked_copy(host, positions, self.parts_table, indices, None, False, ("positions", "indices"))
-            if pinned:
-                torch.cuda.current_stream(self.device).synchronize()
+        copy = self._new_cpu_copy(parts)
+        copy_rows_to_host(self.parts_table, indices, copy.layers(), self.device)
         return copy
 
     def load_cpu_copy(self, kv_cache_cpu: PartsCpuCopy, indices: torch.Tensor) -> None:
@@ -192,9 +189,17 @@ class RowPartsCache:
             return
         cuda = self.device.type == "cuda"
         parts = tuple(p.to(self.device, non_blocking=True) for p in copy.parts) if cuda else copy.parts
-        staged = RowTable.of(PartsCpuCopy(parts, copy.part_names, copy.start_layer).layers(), non_blocking=cuda)
-        positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        checked_copy(self.parts_table, indices, staged, positions, None, False, ("indices", "positions"))
+        staged = PartsCpuCopy(parts, copy.part_names, copy.start_layer).layers()
+        copy_rows_from_host(self.parts_table, indices, staged, self.device)
+
+    def _new_cpu_copy(self, parts: tuple[torch.Tensor, ...]) -> PartsCpuCopy:
+        """The CPU copy ``get_cpu_copy`` returns around host buffers ``parts`` (a subclass adds what
+        else its copies carry)."""
+        return PartsCpuCopy(parts, self.part_names, self.start_layer)
+
+    def _check_copy_extras(self, copy: PartsCpuCopy) -> None:
+        """Raise, naming ``kv_cache_cpu``, if what ``copy`` carries beyond its rows does not fit this
+        pool (nothing, here; a subclass whose copies carry more checks it)."""
 
     def check_cpu_copy(self, copy: object, n: int) -> PartsCpuCopy:
         """``copy`` if ``load_cpu_copy`` can write it to ``n`` slots of this pool: a PartsCpuCopy of
@@ -206,6 +211,7 @@ class RowPartsCache:
             raise ValueError(f"kv_cache_cpu must hold the buffers {list(self.part_names)}, got {list(copy.part_names)}")
         if copy.start_layer != self.start_layer:
             raise ValueError(f"kv_cache_cpu must start at layer {self.start_layer}, got {copy.start_layer}")
+        self._check_copy_extras(copy)
         if len(copy.parts) != len(self.part_names):
             raise ValueError(f"kv_cache_cpu must hold {len(self.part_names)} buffers (one per name), got {len(copy.parts)}")
         for name, t, mine in zip(self.part_names, copy.parts, self._parts[0]):

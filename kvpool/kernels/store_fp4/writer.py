@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 
 from kvpool.config import FusedMode
-from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.formats import FP4_DTYPE
-from kvpool.kernels.gate import ELIGIBLE, Verdict, cache_verdict
-from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE, next_pow2
+from kvpool.kernels.fused_path import buffers_verdict, takes_fused_path
+from kvpool.kernels.gate import ELIGIBLE, Verdict
+from kvpool.kernels.launch import TRITON_AVAILABLE, next_pow2
 from kvpool.kernels.store_fp4.naive import FP4_BLOCK, write_fp4_reference
 from kvpool.kernels.store_kv.writer import PathStats
 
@@ -26,10 +26,7 @@ def fp4_cache_verdict(device: torch.device, head_dim: int, v_head_dim: int, mode
     interpreter counts on the CPU only with ``fused="always"``)."""
     if FP4_DTYPE is None:
         return False, "this torch has no torch.float4_e2m1fn_x2"
-    return cache_verdict(
-        device, FP4_DTYPE, head_dim, v_head_dim, 1, 1,
-        triton_available=store_fp4_kv is not None, interpreter=INTERPRETER and mode == "always",
-    )  # fmt: skip
+    return buffers_verdict(device, FP4_DTYPE, head_dim, v_head_dim, mode, store_fp4_kv)
 
 
 def fp4_input_verdict(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> Verdict:
@@ -46,14 +43,18 @@ def launch_fp4_write(
     k_store: tuple[torch.Tensor, torch.Tensor],
     v_store: tuple[torch.Tensor, torch.Tensor],
     loc: torch.Tensor,
+    kernel: object = None,
+    global_scales: tuple[torch.Tensor, ...] = (),
 ) -> None:
-    """One launch, one program per token, writing K and V codes and scale bytes (checked arguments)."""
+    """One launch, one program per token, writing K and V codes and scale bytes (checked arguments):
+    of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the same arguments with ``global_scales``
+    after the buffers: ``store_nvfp4_kv`` and its K and V global scales)."""
     t, h, d = k.shape
     dv = v.shape[2]
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
-    store_fp4_kv[(t,)](
-        k, v, loc, kc, vc, ks, vs, kc.shape[0], loc.stride(0),
+    (store_fp4_kv if kernel is None else kernel)[(t,)](  # type: ignore[index]
+        k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], loc.stride(0),
         *k.stride(), *v.stride(), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb),
     )  # fmt: skip
@@ -74,16 +75,8 @@ def write_fp4(
     """The FP4 write on checked arguments, on the path the gate (``cache_ok``, then the scales) and
     ``mode`` choose, counted in ``stats``. Raises ``FusedPathUnavailable`` with the gate's reason
     under ``mode == "always"`` when the gate refuses, before anything is written."""
-    reason = "fused='never'"
-    if mode != "never":
-        ok, reason = cache_ok if not cache_ok[0] else fp4_input_verdict(k_scale, v_scale)
-        if ok:
-            stats.fused_calls += 1
-            if k.shape[0]:
-                launch_fp4_write(k, v, k_store, v_store, loc)
-            return
-        if mode == "always":
-            raise FusedPathUnavailable(f"fused='always' but {reason}")
-    stats.reference_calls += 1
-    stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-    write_fp4_reference(k, v, k_store, v_store, loc, k_scale, v_scale)
+    verdict = cache_ok if not cache_ok[0] else fp4_input_verdict(k_scale, v_scale)
+    if not takes_fused_path(verdict, mode, stats):
+        write_fp4_reference(k, v, k_store, v_store, loc, k_scale, v_scale)
+    elif k.shape[0]:
+        launch_fp4_write(k, v, k_store, v_store, loc)

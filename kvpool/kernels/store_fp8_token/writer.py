@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 
 from kvpool.config import FusedMode
-from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.gate import Verdict, cache_verdict
-from kvpool.kernels.launch import INTERPRETER, TRITON_AVAILABLE, next_pow2
+from kvpool.kernels.fused_path import buffers_verdict, takes_fused_path
+from kvpool.kernels.gate import Verdict
+from kvpool.kernels.launch import TRITON_AVAILABLE, next_pow2
 from kvpool.kernels.store_fp8_token.naive import write_token_head_reference
 from kvpool.kernels.store_kv.writer import PathStats, native_cast_ok
 
@@ -32,10 +32,7 @@ def token_head_cache_verdict(
     """The gate's whole decision for a per-token-head pool (the write takes no scale, so nothing
     depends on the call): the FP8 write's ``cache_verdict`` on its buffers; the interpreter counts on
     the CPU only with ``fused="always"``."""
-    return cache_verdict(
-        device, dtype, head_dim, v_head_dim, 1, 1,
-        triton_available=store_fp8_token_kv is not None, interpreter=INTERPRETER and mode == "always",
-    )  # fmt: skip
+    return buffers_verdict(device, dtype, head_dim, v_head_dim, mode, store_fp8_token_kv)
 
 
 def launch_token_head_write(
@@ -95,14 +92,7 @@ def write_token_head(
     FusedPathUnavailable
         Under ``mode == "always"`` when the gate refuses, before anything is written.
     """
-    ok, reason = (False, "fused='never'") if mode == "never" else cache_ok
-    if ok:
-        stats.fused_calls += 1
-        if k.shape[0]:
-            launch_token_head_write(k, v, k_store, v_store, loc, dtype, slot_map)
-        return
-    if mode == "always":
-        raise FusedPathUnavailable(f"fused='always' but {reason}")
-    stats.reference_calls += 1
-    stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-    write_token_head_reference(k, v, k_store, v_store, loc, dtype, slot_map)
+    if not takes_fused_path(cache_ok, mode, stats):
+        write_token_head_reference(k, v, k_store, v_store, loc, dtype, slot_map)
+    elif k.shape[0]:
+        launch_token_head_write(k, v, k_store, v_store, loc, dtype, slot_map)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from kvpool.config import FusedMode
-from kvpool.errors import FusedPathUnavailable
+from kvpool.kernels.fused_path import takes_fused_path
 from kvpool.kernels.gate import Verdict
-from kvpool.kernels.launch import TRITON_AVAILABLE, next_pow2
-from kvpool.kernels.store_fp4.naive import FP4_BLOCK
+from kvpool.kernels.launch import TRITON_AVAILABLE
+from kvpool.kernels.store_fp4.writer import launch_fp4_write
 from kvpool.kernels.store_kv.writer import PathStats
 from kvpool.kernels.store_nvfp4.naive import write_nvfp4_reference
 
@@ -19,27 +19,6 @@ if TRITON_AVAILABLE:
     from kvpool.kernels.store_nvfp4.kernel import store_nvfp4_kv
 else:  # pragma: no cover - exercised only where triton is absent
     store_nvfp4_kv = None
-
-
-def launch_nvfp4_write(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_store: tuple[torch.Tensor, torch.Tensor],
-    v_store: tuple[torch.Tensor, torch.Tensor],
-    loc: torch.Tensor,
-    k_global_scale: torch.Tensor,
-    v_global_scale: torch.Tensor,
-) -> None:
-    """One launch, one program per token, writing K and V codes and block scales (checked arguments)."""
-    t, h, d = k.shape
-    dv = v.shape[2]
-    (kc, ks), (vc, vs) = k_store, v_store
-    kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
-    store_nvfp4_kv[(t,)](
-        k, v, loc, kc, vc, ks, vs, k_global_scale, v_global_scale, kc.shape[0], loc.stride(0),
-        *k.stride(), *v.stride(), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
-        D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb),
-    )  # fmt: skip
 
 
 def write_nvfp4(
@@ -57,16 +36,8 @@ def write_nvfp4(
     """The NVFP4 write on checked arguments, on the path the gate (``cache_ok``) and ``mode``
     choose, counted in ``stats``. Raises ``FusedPathUnavailable`` with the gate's reason under
     ``mode == "always"`` when the gate refuses, before anything is written."""
-    reason = "fused='never'"
-    if mode != "never":
-        ok, reason = cache_ok
-        if ok:
-            stats.fused_calls += 1
-            if k.shape[0]:
-                launch_nvfp4_write(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
-            return
-        if mode == "always":
-            raise FusedPathUnavailable(f"fused='always' but {reason}")
-    stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-    stats.reference_calls += 1
-    write_nvfp4_reference(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
+    if not takes_fused_path(cache_ok, mode, stats):
+        write_nvfp4_reference(k, v, k_store, v_store, loc, k_global_scale, v_global_scale)
+    elif k.shape[0]:
+        # The NVFP4 kernel takes the FP4 kernel's arguments, with the global scales after the buffers.
+        launch_fp4_write(k, v, k_store, v_store, loc, store_nvfp4_kv, (k_global_scale, v_global_scale))
