@@ -105,13 +105,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, fig) -> None:
+    """GB/s of each method per shape and token count (cold device time)."""
+    ax = fig.subplots()
+    records = result["records"]
+    labels = [f"{r['shape']} T={r['tokens']}" for r in records]
+    width = 0.8 / len(METHODS)
+    for j, method in enumerate(METHODS):
+        gbps = [r["bytes"] / (r["cold_us"][method] * 1e-6) / 1e9 if r["cold_us"][method] else 0.0 for r in records]
+        ax.bar([i + j * width for i in range(len(records))], gbps, width, label=method)
+    ax.set_xticks([i + width * (len(METHODS) - 1) / 2 for i in range(len(records))], labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s (cold)")
+    ax.legend(fontsize=8)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_common_arguments(parser, "fp8-token-head", budget_s=300)
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
         parser.error("no CUDA device (--cpu-smoke checks the script on the CPU)")
-    rep = report.Report(args, "bench_fp8_token_head", "Per-token-head FP8 write", markdown)
+    rep = report.Report(args, "bench_fp8_token_head", "Per-token-head FP8 write", markdown, plot)
     clock, device = (DryClock(), "cpu") if SMOKE else (GpuClock(), "cuda")
     rep.result["records"] = []
     rep.result["copy_ceiling_gbps"] = clock.copy_ceiling_gbps()

@@ -969,6 +969,18 @@ def plot(result: dict, fig) -> None:
         axes[0].set_ylabel("GB/s (bytes as in docs/contract.md)")
         axes[0].legend(fontsize=6)
         return
+    swa = [r for r in result.get("swa", []) if _value(r, "gbps")]
+    if swa and not _sweep_cells(result):  # a run of the swa section alone
+        ax = fig.subplots()
+        for m in dict.fromkeys(r["method"] for r in swa):
+            pts = sorted((r["T"], r["gbps"]) for r in swa if r["method"] == m)
+            ax.plot(*zip(*pts), label=m, marker="o", markersize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"sliding-window layer write, {SWA_MODEL}", fontsize=9)
+        ax.set_xlabel("tokens per write")
+        ax.set_ylabel("GB/s (bytes as in docs/contract.md)")
+        ax.legend(fontsize=6)
+        return
     cells = _sweep_cells(result)
     decode_max = result.get("plan", {}).get("decode_max", 0)
     shapes = list(dict.fromkeys(m for m, _ in cells))
