@@ -2991,6 +2991,11 @@ def sglang_kvfp4() -> Any:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["kvpool_tests_sglang_kvfp4"] = mod
     spec.loader.exec_module(mod)
+    # The module builds its e2m1 tables on CUDA when a GPU is present; the comparisons run on the
+    # CPU, so its tables (module globals, read when its functions are traced) move there.
+    for name, value in list(vars(mod).items()):
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            setattr(mod, name, value.cpu())
     return mod.KVFP4QuantizeUtil
 
 
