@@ -400,7 +400,7 @@ def main() -> int:
                         "value": f"{growth:.2f}x", "met": growth <= 2})  # fmt: skip
     rep.result["targets"] = targets
     rep.save(final=True)
-    return 0 if all(t["met"] for t in targets) else 1
+    return 0 if args.cpu_smoke or all(t["met"] for t in targets) else 1  # a smoke run's timings judge nothing
 
 
 if __name__ == "__main__":

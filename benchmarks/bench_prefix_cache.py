@@ -487,7 +487,9 @@ def main() -> int:
     rep.result.update(chat_requests=len(steps), inserted_tokens=chat[0]["inserted_tokens"], repeats=repeats, chat=chat,
                       evict=evict, targets=targets, sglang_note=note, **swa)  # fmt: skip
     rep.save(final=True)
-    return 0 if all(t["met"] for t in targets) else 1
+    # A smoke run's timings measure the machine it runs on (two busy cores in CI), not the cache:
+    # its targets are reported, and only a measuring run is judged by them.
+    return 0 if args.cpu_smoke or all(t["met"] for t in targets) else 1
 
 
 if __name__ == "__main__":
