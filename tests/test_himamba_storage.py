@@ -333,3 +333,37 @@ def test_a_host_write_that_raises_while_taking_the_fetch_leaves_both_host_pools_
     req = b.admit(prompt + [1])  # storage still serves it
     assert req.cache_protected_len == 8 and b.from_storage == 8
     b.drain()
+
+
+@pytest.mark.parametrize("pool", ["kv_host", "state_host"])
+def test_a_host_page_that_cannot_be_read_for_storage_is_a_failed_write_and_no_cache_call_raises(tmp_path, monkeypatch, pool):
+    """Write-through reads each host page it stores; one that raises there fails that write as a
+    backend failure would (counted, the tier backs off) while the request finishes whole."""
+    a = engine(file_store(tmp_path / "kv"), policy=StoragePolicy(prefetch_threshold=0, background=False, backoff_s=0.0))
+    host = getattr(a.host, pool)
+    real = host.get_data_page
+    calls = []
+
+    def broken(index, *args, **kwargs):
+        calls.append(index)
+        if len(calls) == 1:
+            raise RuntimeError("host memory fault")
+        return real(index, *args, **kwargs)
+
+    monkeypatch.setattr(host, "get_data_page", broken)
+    first, later = seq(8, 555), seq(8, 777)
+    serve(a, first)
+    stats = a.cache.storage_tier.stats
+    failures = stats.write_failures if pool == "kv_host" else stats.state_write_failures
+    assert calls and failures == 1
+    a.cache.check_integrity(a.running.values())
+    serve(a, later)  # the tier writes again after its (zero) back-off
+    a.cache.check_hicache_events()
+    a.cache.check_integrity(a.running.values())
+    b = second(a, file_store(tmp_path / "kv"))
+    req = b.admit(later + [1])
+    assert req.cache_protected_len == 8 and b.from_storage == 8
+    b.drain()
+    req = b.admit(first + [1])  # the failed write stored nothing that could be served
+    assert b.from_storage == 8
+    b.drain()

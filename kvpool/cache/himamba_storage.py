@@ -76,17 +76,22 @@ class StateStorageTier(StorageTier):
 
     def write_due(self) -> None:
         """``StorageTier.write_due`` (the KV pages first), then the host states whose backup
-        completed, if they are still their node's."""
+        completed, if they are still their node's; a state that cannot be read out of the host pool
+        is a failed write, as a page is in ``StorageTier.write_due``."""
         super().write_due()
         if self.closed:
             self._pending_states = []
             return
         pending, self._pending_states, left = self._pending_states, [], []
-        for node, record, event in pending:
+        for i, (node, record, event) in enumerate(pending):
             if event is not None and not event.query():
                 left.append((node, record, event))
             elif node.records.get(HOST_STATE) is record and self._attached(node):
-                self._write_state(node, record)
+                try:
+                    self._write_state(node, record)
+                except BaseException:  # an interrupt: the states after this one stay pending
+                    self._pending_states = left + pending[i + 1 :] + self._pending_states
+                    raise
         self._pending_states = left + self._pending_states
 
     def _write_state(self, node: TreeNode, record: HostState) -> None:
@@ -100,9 +105,14 @@ class StateStorageTier(StorageTier):
             self.queued_pages += 1
         try:
             data = self.state_host.get_data_page(int(record.slot[0]))
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self.queued_pages -= 1
+                if isinstance(e, Exception):
+                    self.stats.state_write_failures += 1
+                    self._settle(False)
+            if isinstance(e, Exception):
+                return
             raise
         self.workers.submit("write", lambda: self._run_state_write(key, data))
 

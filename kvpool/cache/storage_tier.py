@@ -139,24 +139,34 @@ class StorageTier:
 
     def write_due(self) -> None:
         """Write the host copies whose backup completed, if they are still the node's (with the
-        parents a split gave the copy's first part meanwhile); nothing once closed."""
+        parents a split gave the copy's first part meanwhile); nothing once closed. A copy whose
+        pages cannot be read out of the host pool is a failed write, as a backend's failure is: it
+        is counted, the tier backs off, and no cache call raises for it."""
         if self.closed:
             return
-        left = []
-        for node, copy, event, slots in self._pending:
+        queue, self._pending, left = self._pending, [], []
+        for i, (node, copy, event, slots) in enumerate(queue):
             if event is not None and not event.query():
                 left.append((node, copy, event, slots))
             elif node.records.get(HOST) is copy and self._attached(node):
-                parts, rest, n = [(node, copy)], len(slots) - len(copy.slots), node.parent
-                while rest > 0 and n is not self.cache.root_node:
-                    head = n.records.get(HOST)
-                    if head is None or len(head.slots) > rest or not torch.equal(head.slots, slots[rest - len(head.slots) : rest]):
-                        break
-                    parts.append((n, head))
-                    rest, n = rest - len(head.slots), n.parent
-                for part, part_copy in reversed(parts):  # the prefix's first pages first
-                    self._write(part, part_copy)
-        self._pending = left
+                try:
+                    self._write_copy(node, copy, slots)
+                except BaseException:  # an interrupt: the copies after this one stay pending
+                    self._pending = left + queue[i + 1 :] + self._pending
+                    raise
+        self._pending = left + self._pending
+
+    def _write_copy(self, node: TreeNode, copy: Any, slots: torch.Tensor) -> None:
+        """Write ``copy`` with the parents a split gave its first part, the prefix's first pages first."""
+        parts, rest, n = [(node, copy)], len(slots) - len(copy.slots), node.parent
+        while rest > 0 and n is not self.cache.root_node:
+            head = n.records.get(HOST)
+            if head is None or len(head.slots) > rest or not torch.equal(head.slots, slots[rest - len(head.slots) : rest]):
+                break
+            parts.append((n, head))
+            rest, n = rest - len(head.slots), n.parent
+        for part, part_copy in reversed(parts):
+            self._write(part, part_copy)
 
     def _write(self, node: TreeNode, copy: Any) -> None:
         pages = len(copy.slots) // self.page_size
@@ -171,9 +181,14 @@ class StorageTier:
         try:
             data = [self.host.get_data_page(int(s)) for s in copy.slots[:: self.page_size]]
             announced = self.events.pages_of(node, keys)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self.queued_pages -= pages
+                if isinstance(e, Exception):
+                    self.stats.write_failures += 1
+                    self._settle(False)
+            if isinstance(e, Exception):
+                return
             raise
         self.workers.submit("write", lambda: self._run_write(keys, data, announced))
 
