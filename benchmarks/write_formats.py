@@ -176,9 +176,36 @@ def best_ceiling(run, shape: Shape, fmt: str, k, v, loc, base: dict, decode: boo
     return best or {**base, "method": CEILING, "error": "; ".join(errors) or "not measured"}
 
 
+def failed(run, what: str, message: str) -> None:
+    run.rep.result["errors"][what] = message
+    run.rep.log(f"{what} failed: {message}")
+
+
+def format_cell(run, shape: Shape, fmt: str, k, v, loc, base: dict, decode: bool) -> tuple[dict, dict]:
+    """``fmt``'s ceiling and write at one size, then the write's bytes against the reference path's."""
+    what = f"formats {shape.name} T={base['T']} {fmt}"
+    ceiling = best_ceiling(run, shape, fmt, k, v, loc, base, decode)
+    if "error" in ceiling:
+        failed(run, f"{what} ceiling", ceiling["error"])
+    rec = {**base, "method": WRITE}
+    if not timed(run, rec, shape.write(fmt, k, v, loc), base["bytes"], decode):
+        failed(run, what, rec["error"])
+        return ceiling, rec
+    try:
+        bad = shape.mismatches(fmt, k, v, loc)
+    except Exception as exc:
+        failed(run, f"{what}: the check against the reference path", report.short_error(exc))
+        return ceiling, rec
+    rec["exact"] = not any(bad.values())
+    if not rec["exact"]:
+        failed(run, what, f"the fused kernel's bytes differ from the reference path's (bytes per buffer: {bad})")
+    return ceiling, rec
+
+
 def bench_formats(run, shapes: dict, scale_value: float) -> None:
     """Every shape of ``shapes`` (name: (H, D) or an MLA row (1, kv_lora_rank, 1, qk_rope_head_dim)),
-    records into ``run.result["formats"]``, mismatches into the report's errors."""
+    records into ``run.result["formats"]``; a failed measurement or a byte that differs from the
+    reference path's is an error in the report too (every write here is kvpool's or its ceiling)."""
     plan, dev = run.plan, run.dev
     out = run.result.setdefault("formats", [])
     scale = torch.tensor([scale_value], device=dev)
@@ -198,21 +225,13 @@ def bench_formats(run, shapes: dict, scale_value: float) -> None:
             decode = t <= plan.decode_max
             base = {"model": name, "H": shape.h, "D": shape.d, "Hv": shape.hv, "Dv": shape.dv, "T": t}
             rec = {**base, "format": PER_TENSOR, "method": WRITE, "bytes": bytes_moved(PER_TENSOR, t, *shape.geometry)}
-            timed(run, rec, shape.fp8_write(k, v, loc, scale), rec["bytes"], decode)
+            if not timed(run, rec, shape.fp8_write(k, v, loc, scale), rec["bytes"], decode):
+                failed(run, f"formats {name} T={t} {PER_TENSOR}", rec["error"])
             out.append(rec)
             line = [f"{PER_TENSOR} {_fig(rec)}"]
             for fmt in shape.formats:
                 fbase = {**base, "format": fmt, "bytes": bytes_moved(fmt, t, *shape.geometry)}
-                ceiling = best_ceiling(run, shape, fmt, k, v, loc, fbase, decode)
-                rec = {**fbase, "method": WRITE}
-                if timed(run, rec, shape.write(fmt, k, v, loc), fbase["bytes"], decode):
-                    try:
-                        bad = shape.mismatches(fmt, k, v, loc)
-                        rec["exact"] = not any(bad.values())
-                        if not rec["exact"]:
-                            run.rep.error(f"formats {name} T={t} {fmt}", ValueError(f"fused bytes differ from the reference path's: {bad}"))
-                    except Exception as exc:
-                        run.rep.error(f"formats {name} T={t} {fmt}: the check against the reference path", exc)
+                ceiling, rec = format_cell(run, shape, fmt, k, v, loc, fbase, decode)
                 out += [ceiling, rec]
                 line.append(f"{fmt} {_fig(rec)} of {_fig(ceiling)}")
             run.rep.log(f"formats {name} T={t} (GB/s cold): " + "; ".join(line))
