@@ -81,7 +81,7 @@ for stage in ${*:-tests bench examples}; do
       bench write 80 bench_write.py "${quick[@]}" --sections host,write,moves
       bench write-plans 70 bench_write.py "${plans[@]}" --sections host,plans
       bench write-swa 50 bench_write.py "${quick[@]}" --sections swa
-      bench write-formats 90 bench_write.py "${quick[@]}" --sections formats
+      bench write-formats 120 bench_write.py "${quick[@]}" --sections formats
       bench mla 35 bench_mla.py "${quick[@]}"
       bench host-tier 90 bench_host_tier.py "${quick[@]}"
       bench runner-llama 45 bench_runner.py --model llama --batches 1 16 64 --steps 40 --warmup 5 --profile-steps 5
