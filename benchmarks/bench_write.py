@@ -25,6 +25,11 @@ Sections (``--sections``, comma-separated; default ``host,write,moves``):
   ``write`` section's, H=8 D=96, DeepSeek-V3's MLA row) against the one-program-per-token kernel and
   the cast-only scatter ceiling: GB/s and % of the ceiling for large writes, microseconds per write
   in a CUDA graph at decode sizes. What ``kvpool/kernels/store_kv/plan.py``'s policy is chosen from.
+* ``formats`` (``write_formats``): the writes that store scales with their rows, for the ``write``
+  section's shapes and DeepSeek-V3's MLA row: ``MHATokenToKVPoolFP4`` (exponent scales and NVFP4),
+  ``MHATokenToKVPoolFP8PerTokenHead`` and ``MLATokenToKVPoolFP4``, each against the cast-only scatter
+  of the same code and scale bytes to the same slots, beside the per-tensor FP8 write of the same
+  rows; the fused bytes compared with the reference path's after the timed runs.
 
 Device time is the median of CUDA-graph replays (``timing.py``), so host launch cost never enters
 it; *cold*: a 96 MB L2 flush before every call, its own time subtracted. Decode sizes also report
@@ -33,7 +38,7 @@ per call of eager calls back to back. GB/s counts the bytes docs/contract.md def
 performance is measured"). Inputs are random (never zeros), slots random and distinct. Copy ceiling:
 a 2 GiB device-to-device ``copy_`` at the start and the end.
 
-Usage (on a GPU): python benchmarks/bench_write.py --out DIR [--quick] [--sections host,write,moves,swa,plans]
+Usage (on a GPU): python benchmarks/bench_write.py --out DIR [--quick] [--sections host,write,moves,swa,plans,formats]
 ``--cpu-smoke`` runs every section on the CPU at toy sizes (kernels in Triton's interpreter).
 """
 
@@ -56,6 +61,7 @@ SMOKE = report.interpret_if_smoke()  # before kvpool and peers define their kern
 import torch  # noqa: E402
 
 import peers  # noqa: E402
+import write_formats  # noqa: E402
 from timing import DryClock, GpuClock, same_bytes_copy_gbps  # noqa: E402
 
 from kvpool import MHATokenToKVPool, SWAKVPool, SWATokenToKVPoolAllocator, reference_set_kv_buffer  # noqa: E402
@@ -173,7 +179,8 @@ class Run:
     def __init__(self, plan: Plan, clock, rep: report.Report) -> None:
         self.plan, self.clock, self.rep = plan, clock, rep
         self.result = rep.result
-        self.result.update(plan=asdict(plan), records=[], host={}, prefix=[], moves={}, swa=[], plans=[], sections_s={})
+        self.result.update(plan=asdict(plan), records=[], host={}, prefix=[], moves={}, swa=[], plans=[], formats=[],
+                           sections_s={})  # fmt: skip
         self.dev = torch.device(plan.device)
 
     def section(self, name: str, fn) -> None:
@@ -652,6 +659,16 @@ def plan_sweep(run: Run) -> None:
         run.rep.save()
 
 
+# --- formats ----------------------------------------------------------------------------------------
+
+
+def bench_formats(run: Run) -> None:
+    """The write section's shapes and the plan sweep's MLA rows, through ``write_formats``."""
+    shapes = {name: MODELS[name] for name in run.plan.models}
+    shapes.update({name: PLAN_SHAPES[name] for name in run.plan.plan_shapes if len(PLAN_SHAPES[name]) == 4})
+    write_formats.bench_formats(run, shapes, SCALE)
+
+
 # --- targets and the report ----------------------------------------------------------------------------
 
 
@@ -811,7 +828,7 @@ def markdown(result: dict) -> str:
         "T x (H x D + Hv x Dv) x (input + cache element size) + T x loc element size bytes (docs/contract.md) from the "
         "cold time. First calls are never timed.",
     ]
-    found = targets(result)
+    found = targets(result) + write_formats.targets(result)
     if found:
         out += ["", "## Targets", "", "| what | shape | target | figure | status |", "|---|---|---|---|---|"]
         out += [f"| {t['what']} | {t['shape']} | {t['target']} | {t['figure']} | **{t['status']}** |" for t in found]
@@ -945,6 +962,7 @@ def markdown(result: dict) -> str:
             "| shape | T | ceiling | policy | best candidate | port | policy speed-up over the port |", "|---|---:|---:|---:|---|---:|---:|",
         ]  # fmt: skip
         out += ["| " + plan_row(m, t, line, t <= plan.get("decode_max", 0)) + " |" for (m, t), line in cells.items()]
+    out += write_formats.markdown_lines(result)
     if result.get("sections_s"):
         out += ["", "Section times (s): " + ", ".join(f"{k}: {v}" for k, v in result["sections_s"].items())]
     return "\n".join(out) + "\n"
@@ -952,7 +970,8 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, fig) -> None:
     """GB/s against tokens per write for each shape (the write section), or the plan sweep's policy,
-    best candidate and port as a share of the ceiling (a run of the plans section alone)."""
+    best candidate and port as a share of the ceiling (a run of the plans section alone), or each
+    format's share of its ceiling (a run of the formats section alone)."""
     records = [r for r in result.get("records", []) if "T" in r]
     if records:
         models = [m for m in MODELS if any(r["model"] == m for r in records)]
@@ -982,6 +1001,9 @@ def plot(result: dict, fig) -> None:
         ax.legend(fontsize=6)
         return
     cells = _sweep_cells(result)
+    if not cells and result.get("formats"):
+        write_formats.plot(result, fig)
+        return
     decode_max = result.get("plan", {}).get("decode_max", 0)
     shapes = list(dict.fromkeys(m for m, _ in cells))
     axes = fig.subplots(1, len(shapes), sharey=True, squeeze=False)[0]
@@ -1006,25 +1028,29 @@ def plot(result: dict, fig) -> None:
     axes[0].legend(fontsize=7, loc="lower left")
 
 
+SECTIONS = ("host", "moves", "write", "swa", "plans", "formats")  # in the order they run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_common_arguments(parser, "write")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and calls (fits one 10-minute GPU call)")
-    parser.add_argument("--sections", default="host,write,moves", help="comma-separated subset of host,write,moves,swa,plans")
+    parser.add_argument("--sections", default="host,write,moves", help="comma-separated subset of " + ",".join(SECTIONS))
     args = parser.parse_args()
     plan = SMOKE_PLAN if args.cpu_smoke else QUICK if args.quick else FULL
     args.budget_s = plan.budget_s if args.budget_s is None else args.budget_s
     sections = args.sections.split(",")
-    if not set(sections) <= {"host", "write", "moves", "swa", "plans"}:
-        parser.error(f"--sections takes host, write, moves, swa, plans; got {args.sections}")
+    if not set(sections) <= set(SECTIONS):
+        parser.error(f"--sections takes {', '.join(SECTIONS)}; got {args.sections}")
     if plan.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark runs on a GPU (--cpu-smoke checks the script on the CPU)")
     rep = report.Report(args, "bench_write", "K/V write", markdown, plot)
     rep.meta["plan"] = plan.name
     run = Run(plan, DryClock() if args.cpu_smoke else GpuClock(), rep)
     run.section("copy ceiling", lambda: rep.meta.update(ceiling_gbps=run.clock.copy_ceiling_gbps()))
-    stages = {"host": host_overhead, "moves": bench_moves, "write": bench_write, "swa": bench_swa, "plans": plan_sweep}
-    for name in ("host", "moves", "write", "swa", "plans"):  # moves before the long write section
+    stages = {"host": host_overhead, "moves": bench_moves, "write": bench_write, "swa": bench_swa, "plans": plan_sweep,
+              "formats": bench_formats}  # fmt: skip
+    for name in SECTIONS:  # moves before the long write section
         if name in sections:
             run.section(name, lambda fn=stages[name]: fn(run))
     run.section("copy ceiling (end)", lambda: rep.meta.update(ceiling_gbps_end=run.clock.copy_ceiling_gbps()))

@@ -16,6 +16,11 @@
 * ``cast_scatter``: the ceiling a write can reach (docs/contract.md, "How performance is measured"):
   the same bytes read from the inputs and cast to the cache type (no division, no checks), scattered
   to the same slots, every lane busy; ``CAST_SCATTER_TILES`` are its block shapes, the best counts.
+* ``cast_scatter_fp4`` and ``cast_scatter_token_head``: the same ceiling for the writes that store
+  scales beside the codes (FP4, NVFP4, FP8 with a scale per token and head): from the same inputs,
+  the same number of code bytes and scale bytes to the same rows of the same buffers, each byte
+  cut from the input's bits or cast, never computed from a block's maximum or rounded; their
+  docstrings say which bits go where.
 
 The two Triton ports are not exact by the write's definition (docs/contract.md, "The write":
 approximate division; a clamp turns NaN into -fmax), so they do less work per element than kvpool's
@@ -235,4 +240,163 @@ def cast_scatter(k, v, k_cache, v_cache, loc, block=2048, warps=4, slot_map=None
     _cast_scatter_kernel[grid](
         k, v, k_cache, v_cache, loc, loc if slot_map is None else slot_map, t, k_cache.stride(0), v_cache.stride(0),
         ROW=row, V_ROW=v_row, BLOCK=block, MAPPED=slot_map is not None, num_warps=warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _cast_scatter_fp4_part(src_ptr, codes_ptr, scales_ptr, loc_ptr, T, stride_c, stride_s, WORDS: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # word (two inputs) of the [T, WORDS] rows
+    ok = offs < T * WORDS
+    t = offs // WORDS
+    col = offs - t * WORDS
+    slot = tl.load(loc_ptr + t, mask=ok, other=0).to(tl.int64)
+    w = tl.load(src_ptr + offs, mask=ok, other=0)
+    # Element 2j's top four bits in the low nibble, element 2j + 1's in the high one.
+    code = ((w >> 12) & 0xF) | ((w >> 24) & 0xF0)
+    tl.store(codes_ptr + slot * stride_c + col, code.to(tl.uint8), mask=ok)
+    # The exponent byte of each 16-element block's first element, stored by the word holding it.
+    tl.store(scales_ptr + slot * stride_s + col // 8, ((w >> 7) & 0xFF).to(tl.uint8), mask=ok & (col % 8 == 0))
+
+
+@triton.jit
+def _cast_scatter_fp4_kernel(
+    k_ptr,  # [T, K_WORDS] int32: the K rows' 16-bit inputs, two a word
+    v_ptr,  # [T, V_WORDS] int32
+    kc_ptr,  # [slots, K_WORDS] uint8 code rows (stride stride_kc)
+    vc_ptr,  # [slots, V_WORDS] uint8
+    ks_ptr,  # [slots, K_WORDS // 8] uint8 scale rows (stride stride_ks)
+    vs_ptr,  # [slots, V_WORDS // 8] uint8
+    loc_ptr,  # [T] valid slots
+    T,
+    stride_kc,
+    stride_vc,
+    stride_ks,
+    stride_vs,
+    K_WORDS: tl.constexpr,
+    V_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    if tl.program_id(1) == 0:
+        _cast_scatter_fp4_part(k_ptr, kc_ptr, ks_ptr, loc_ptr, T, stride_kc, stride_ks, K_WORDS, BLOCK)
+    else:
+        _cast_scatter_fp4_part(v_ptr, vc_ptr, vs_ptr, loc_ptr, T, stride_vc, stride_vs, V_WORDS, BLOCK)
+
+
+#: (input words per program, warps) of the FP4 scatter: the input bytes of ``CAST_SCATTER_TILES``.
+CAST_SCATTER_FP4_TILES = ((512, 4), (1024, 4), (2048, 8))
+
+
+def _rows_of(x: torch.Tensor, name: str) -> None:
+    if x.dim() < 2 or not x[0].is_contiguous():
+        raise ValueError(f"{name} must keep each row contiguous, got shape {tuple(x.shape)} strides {tuple(x.stride())}")
+
+
+def cast_scatter_fp4(k, v, k_store, v_store, loc, block=1024, warps=4):
+    """The ceiling of an FP4 write (either scale format, MHA or MLA rows): per row of R 16-bit
+    inputs (bf16 or fp16), R / 2 code bytes and R / 16 scale bytes, the FP4 write's count, stored to
+    rows ``loc`` of its buffers, in one launch.
+
+    Code byte j holds the top four bits (sign and three exponent bits) of input 2j in its low
+    nibble and those of input 2j + 1 in its high nibble, where the FP4 write puts those elements'
+    e2m1 codes; scale byte b is bits 7-14 of input 16b (the exponent byte of a bf16). The inputs are
+    read once, as 32-bit words (two inputs a word), and every output byte is stored once.
+
+    Parameters
+    ----------
+    k : Tensor [T, H, D] (or an MLA row [T, 1, R]), contiguous, 2-byte elements, H * D a multiple of 16.
+    v : Tensor [T, Hv, Dv] likewise, or None (one part: an MLA row).
+    k_store, v_store : (codes [slots, ...] uint8 rows of H * D / 2 bytes, scales [slots, ...] uint8 rows
+        of H * D / 16 bytes), each row contiguous; ``v_store`` is ignored without ``v``.
+    loc : Tensor [T] of valid slots.
+    """
+    t = k.shape[0]
+    if t == 0:
+        return
+    parts = [k] if v is None else [k, v]
+    stores = [k_store] if v is None else [k_store, v_store]
+    words = []
+    for x, (codes, scales), name in zip(parts, stores, ("k", "v")):
+        if x.element_size() != 2 or not x.is_contiguous() or (x[0].numel() % 16):
+            raise ValueError(f"{name} must be contiguous 2-byte rows of a multiple of 16 elements, got {x.dtype} {tuple(x.shape)}")
+        for buf, what, per in ((codes, "codes", 2), (scales, "scales", 16)):
+            _rows_of(buf, f"{name} {what}")
+            if buf[0].numel() != x[0].numel() // per:
+                raise ValueError(f"{name} {what} rows must hold {x[0].numel() // per} bytes, got {buf[0].numel()}")
+        words.append(x.view(torch.int32))
+    (kc, ks), (vc, vs) = stores[0], stores[-1]
+    kw, vw = k[0].numel() // 2, parts[-1][0].numel() // 2
+    grid = (triton.cdiv(t * max(kw, vw), block), len(parts))
+    _cast_scatter_fp4_kernel[grid](
+        words[0], words[-1], kc, vc, ks, vs, loc, t, kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
+        K_WORDS=kw, V_WORDS=vw, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _cast_scatter_token_head_part(src_ptr, codes_ptr, scales_ptr, loc_ptr, T, stride_c, stride_s, ROW: tl.constexpr,
+                                  D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element of the [T, ROW] input rows
+    ok = offs < T * ROW
+    t = offs // ROW
+    col = offs - t * ROW
+    slot = tl.load(loc_ptr + t, mask=ok, other=0).to(tl.int64)
+    x = tl.load(src_ptr + offs, mask=ok)
+    tl.store(codes_ptr + slot * stride_c + col, x.to(codes_ptr.dtype.element_ty), mask=ok)
+    # Each head's first input, as float32, where the write stores the head's scale.
+    tl.store(scales_ptr + slot * stride_s + col // D, x.to(tl.float32), mask=ok & (col % D == 0))
+
+
+@triton.jit
+def _cast_scatter_token_head_kernel(
+    k_ptr,  # [T, H * D] input rows, contiguous
+    v_ptr,  # [T, H * Dv]
+    kc_ptr,  # [slots, H * D] FP8 code rows (stride stride_kc)
+    vc_ptr,  # [slots, H * Dv] FP8
+    ks_ptr,  # [slots, H] float32 scale rows (stride stride_ks)
+    vs_ptr,  # [slots, H] float32
+    loc_ptr,  # [T] valid slots
+    T,
+    stride_kc,
+    stride_vc,
+    stride_ks,
+    stride_vs,
+    ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    if tl.program_id(1) == 0:
+        _cast_scatter_token_head_part(k_ptr, kc_ptr, ks_ptr, loc_ptr, T, stride_kc, stride_ks, ROW, D, BLOCK)
+    else:
+        _cast_scatter_token_head_part(v_ptr, vc_ptr, vs_ptr, loc_ptr, T, stride_vc, stride_vs, V_ROW, DV, BLOCK)
+
+
+def cast_scatter_token_head(k, v, k_store, v_store, loc, block=2048, warps=4):
+    """The ceiling of the per-token-head FP8 write: per token and head, D code bytes (each input
+    cast to the cache's FP8 type, as ``cast_scatter`` does) and a 4-byte scale (the head's first
+    input cast to float32), stored to rows ``loc`` of the codes and scales, K and V in one launch.
+    The inputs are read once and every output byte is stored once.
+
+    Parameters
+    ----------
+    k, v : Tensor [T, H, D] / [T, H, Dv], contiguous.
+    k_store, v_store : (codes [slots, H, D] FP8, scales [slots, H] float32), rows contiguous.
+    loc : Tensor [T] of valid slots.
+    """
+    t, h, d = k.shape
+    if t == 0:
+        return
+    dv = v.shape[2]
+    for x, (codes, scales), name in ((k, k_store, "k"), (v, v_store, "v")):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(x.stride())}")
+        _rows_of(codes, f"{name} codes")
+        _rows_of(scales, f"{name} scales")
+    (kc, ks), (vc, vs) = k_store, v_store
+    grid = (triton.cdiv(t * h * max(d, dv), block), 2)
+    _cast_scatter_token_head_kernel[grid](
+        k, v, kc, vc, ks, vs, loc, t, kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
+        ROW=h * d, V_ROW=h * dv, D=d, DV=dv, BLOCK=block, num_warps=warps,
     )  # fmt: skip

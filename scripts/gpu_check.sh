@@ -7,9 +7,10 @@
 #             short still names every test that finished and how.
 #   bench     every one-GPU benchmark, one after another, each under its own time budget (--budget-s,
 #             and a timeout a little past it): the write (host time, sizes, moves), the write's plan
-#             sweep, the MLA write, the host tier, the Llama and Qwen3.5 runners, the first call, the
-#             state pool. Reports go to $WORK/bench/NAME.{json,md,png} and all of them into
-#             $OUT/bench.tar.gz. The quick plan sweep takes under 10 minutes; FULL=1 runs the full one.
+#             sweep, its sliding-window layer, its FP4 / NVFP4 / per-token-head FP8 formats, the MLA
+#             write, the host tier, the Llama and Qwen3.5 runners, the first call, the state pool.
+#             Reports go to $WORK/bench/NAME.{json,md,png} and all of them into $OUT/bench.tar.gz.
+#             The quick plan sweep takes under 10 minutes; FULL=1 runs the full one.
 #   examples  the examples on CUDA: the serving simulation (MHA, MLA, hybrid, calibration), the
 #             Llama, DeepSeek-V3, Qwen3.5, Gemma 3 and gpt-oss runners.
 #   transfer  two GPUs: the transfer tests, the disaggregation example (Llama and Qwen3.5 geometries)
@@ -80,6 +81,7 @@ for stage in ${*:-tests bench examples}; do
       bench write 80 bench_write.py "${quick[@]}" --sections host,write,moves
       bench write-plans 70 bench_write.py "${plans[@]}" --sections host,plans
       bench write-swa 50 bench_write.py "${quick[@]}" --sections swa
+      bench write-formats 120 bench_write.py "${quick[@]}" --sections formats
       bench mla 35 bench_mla.py "${quick[@]}"
       bench host-tier 90 bench_host_tier.py "${quick[@]}"
       bench runner-llama 45 bench_runner.py --model llama --batches 1 16 64 --steps 40 --warmup 5 --profile-steps 5

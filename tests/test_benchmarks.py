@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 SMOKES = {  # script: (extra arguments, report name)
-    "bench_write.py": (["--sections", "host,write,moves,swa,plans"], "write"),
+    "bench_write.py": (["--sections", "host,write,moves,swa,plans,formats"], "write"),
     "bench_mla.py": ([], "mla"),
-    "bench_fp8_token_head.py": ([], "fp8-token-head"),
     "bench_host_tier.py": ([], "host-tier"),
     "bench_runner.py": (["--model", "llama"], "runner-llama"),
     "bench_runner.py qwen3.5": (["--model", "qwen3.5"], "runner-qwen3.5"),
