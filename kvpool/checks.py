@@ -36,6 +36,13 @@ def non_negative_int(value: object, name: str) -> int:
     return value
 
 
+def non_negative_seconds(value: object, name: str) -> float:
+    """``value`` as a float if it is a finite or infinite number >= 0 (not a bool, not NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def int_list(value: object, name: str, *, accepts: str = "an int or a sequence of ints") -> list[int]:
     """``value`` as a list of ints: an int, a sequence of ints (bools are not ints here), or a 0-D or
     1-D integer tensor (read to the host: a device tensor costs a synchronisation). ``accepts``

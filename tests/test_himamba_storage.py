@@ -367,3 +367,30 @@ def test_a_host_page_that_cannot_be_read_for_storage_is_a_failed_write_and_no_ca
     req = b.admit(first + [1])  # the failed write stored nothing that could be served
     assert b.from_storage == 8
     b.drain()
+
+
+@pytest.mark.parametrize("end", ["progress", "abort", "close"])
+def test_a_stateless_host_node_a_prefetch_held_leaves_the_tree_when_the_prefetch_ends(tmp_path, end):
+    """A prefetch continues the first half of a split (a node without a state); eviction takes its
+    children while the prefetch holds it. Held, it may be a host-only leaf without a state; once
+    the prefetch ends it leaves the tree, and the integrity check holds all along."""
+    eng = engine(file_store(tmp_path / "kv"))
+    for tokens in (seq(8, 300), seq(4, 300) + seq(4, 900)):
+        serve(eng, tokens)
+    cache = eng.cache
+    (node,) = cache.root_node.children.values()
+    assert HOST_STATE not in node.records and len(node.children) == 2
+    cache.prefetch_from_storage("r", node, seq(4, 5000))  # storage has no such pages: nothing arrives
+    cache.evict(EvictParams(num_tokens=eng.size, mamba_num=eng.pool.size))
+    cache.evict_host(eng.host.kv_host.size)
+    assert not node.children and cache.root_node.children.get(node.child_key) is node
+    cache.check_integrity()
+    if end == "progress":
+        assert cache.check_prefetch_progress("r")
+    elif end == "abort":
+        cache.release_aborted_request("r")
+    else:
+        cache.close()
+    assert not cache.root_node.children
+    assert eng.host.kv_host.available_size() == eng.host.kv_host.size
+    cache.check_integrity()

@@ -2,7 +2,7 @@
 finish and are joined (none is left running), a prefetch in flight is dropped with its hold
 released, a second call changes nothing, the device and host tiers serve on, storage work asked for
 afterwards is refused with a clear error, and a backend the cache made is closed with it (one given
-to it stays open).
+to it stays open). A timeout that is not a number of seconds is refused before anything closes.
 """
 
 from __future__ import annotations
@@ -131,3 +131,24 @@ def test_a_backend_the_cache_made_is_closed_with_it_and_one_given_to_it_is_not(t
     with_given.close()
     made.close()
     assert closed == ["made"]
+
+
+@pytest.mark.parametrize("bad", ["30", None, True, -1.0, float("nan")])
+def test_close_and_drain_refuse_a_timeout_that_is_not_seconds_before_anything_closes(tmp_path, bad):
+    eng = engine(file_store(tmp_path / "kv"))
+    eng.finish(eng.admit(seq(9, 100)))
+    cache = eng.cache
+    cache.storage_tier.drain()
+    cache.prefetch_from_storage("r", cache.root_node, seq(12, 100))
+    with pytest.raises(ValueError, match=f"timeout_s must be a number of seconds >= 0, got {bad!r}"):
+        cache.close(timeout_s=bad)
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
+        cache.storage_tier.close(timeout_s=bad)
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
+        cache.storage_tier.drain(timeout_s=bad)
+    tier = cache.storage_tier
+    assert cache.enable_storage and not tier.closed and "r" in tier.ongoing_prefetch
+    assert all(t.is_alive() for t in tier.workers.threads())
+    cache.check_integrity()
+    cache.close()
+    assert not storage_threads()

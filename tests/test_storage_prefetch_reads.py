@@ -7,6 +7,8 @@ and loads them byte for byte.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from kvassert import Engine, HiHybridEngine, file_store, seq
@@ -130,3 +132,35 @@ def test_a_hybrid_prefetch_reads_only_the_pages_past_the_state_the_tree_holds(tm
     b.cache.check_integrity()
     b.drain()
     a.drain()
+
+
+@pytest.mark.parametrize("end", ["abort", "progress"])
+def test_a_page_that_arrives_after_its_prefetch_ended_is_neither_taken_nor_counted(tmp_path, end):
+    """Every page counted as read is counted as loaded or dropped, when the prefetch ends while a
+    worker is inside a read."""
+    first = engine(file_store(tmp_path / "kv"))
+    first.finish(first.admit(seq(13, 500)))
+    entered, gate = threading.Event(), threading.Event()
+
+    def sleep(_):
+        entered.set()
+        gate.wait(10)
+
+    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {2}}, sleep=sleep)
+    eng = Engine("paged", 4, pages=16, host_policy="write_through", storage=slow,
+                 storage_policy=StoragePolicy(prefetch_threshold=0, background=True))  # fmt: skip
+    eng.ids = first.ids
+    cache = eng.cache
+    cache.prefetch_from_storage("r", cache.root_node, seq(12, 500))
+    assert entered.wait(10)  # the first page is read; the worker is inside the second read
+    if end == "abort":
+        cache.release_aborted_request("r")
+    else:
+        assert cache.check_prefetch_progress("r")
+    gate.set()
+    assert cache.storage_tier.drain()
+    s = cache.storage_tier.stats
+    assert s.pages_read == 1 and s.pages_read * 4 == s.tokens_loaded + s.tokens_dropped
+    assert s.tokens_loaded == (4 if end == "progress" else 0)
+    cache.check_integrity(eng.running.values())
+    cache.close()

@@ -180,8 +180,9 @@ class HybridTierMoves:
             if node.device is None:
                 if STATE in node.records:
                     problems.append(f"{where} is on the host only but has a device state")
-                if HOST_STATE not in node.records and not node.children:
-                    problems.append(f"{where} is a host-only leaf without a state (a tombstone leaf)")
+                held = HOST in node.records and node.records[HOST].holds > 0  # a prefetch's holder drops it
+                if HOST_STATE not in node.records and not node.children and not held:
+                    problems.append(f"{where} is a host-only leaf without a state (a tombstone leaf) that no prefetch holds")
             else:
                 if HOST_STATE in node.records and STATE not in node.records:
                     problems.append(f"{where} is on the device with its state on the host only")

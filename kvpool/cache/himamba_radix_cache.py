@@ -267,6 +267,15 @@ class HiMambaRadixCache(HybridTierMoves, StorageCalls, HostTier, MambaRadixCache
         self._free_host(out)
         return EvictResult(num_tokens_evicted=count, mamba_num_evicted=len(out.states))
 
+    def hold_released(self, node: TreeNode) -> None:
+        """A prefetch's hold kept ``node`` on the host while eviction took its children and its state:
+        a host-only leaf without a state (a tombstone leaf) leaves the tree now, with the parents it
+        leaves as such (``evict_host``'s rule)."""
+        if self.is_host_evictable(node) and HOST_STATE not in node.records and node.records[HOST].holds == 0:
+            out = Taken()
+            self._drop_host_leaf(node, out)
+            self._free_host(out)
+
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens of unheld host-only leaves, with their host
         states, in the policy's order; a host-only parent left a leaf without a state goes too.

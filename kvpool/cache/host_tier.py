@@ -96,6 +96,11 @@ class HostTier:
         """Whether ``node`` is a host-only leaf (not the root): what host eviction may take."""
         return node.device is None and HOST in node.records and not node.children and node.parent is not None
 
+    def hold_released(self, node: TreeNode) -> None:
+        """The storage tier's last hold on ``node``'s host copy is gone (a prefetch ended): nothing to
+        do here, the node stays as host eviction finds it; a cache whose host-only leaves need more
+        than a host copy drops ``node`` if it can no longer stay."""
+
     # --- the tree's hooks -----------------------------------------------------------------------
 
     def _reset_host(self) -> None:

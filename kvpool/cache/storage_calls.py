@@ -15,6 +15,7 @@ import torch
 from kvpool.cache.key import RadixKey, common_prefix, encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, HostCopy
+from kvpool.checks import non_negative_seconds
 
 
 class StorageCalls:
@@ -70,10 +71,13 @@ class StorageCalls:
 
         Raises
         ------
+        ValueError
+            ``timeout_s`` is not a number of seconds >= 0 (nothing is closed).
         TimeoutError
             A worker still runs a storage call after ``timeout_s`` seconds (the tier is closed all the
             same; call again to wait for it).
         """
+        non_negative_seconds(timeout_s, "timeout_s")  # before anything closes
         self.enable_storage = False
         if self.storage_tier is not None:
             self.storage_tier.close(timeout_s)

@@ -46,6 +46,7 @@ from kvpool.cache.storage_events import StorageEvents, storage_medium
 from kvpool.cache.storage_integrity import storage_problems
 from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
 from kvpool.cache.storage_workers import StorageWorkers
+from kvpool.checks import non_negative_seconds
 from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys, token_array
 
@@ -72,10 +73,10 @@ class PrefetchOp:
     the node it continues, the pages the worker has read so far, and what a subclass's ``fetch``
     read beside them (``beside``: a hybrid model's state)."""
 
-    __slots__ = ("enc", "start", "keys", "extra", "copy", "started", "pages", "beside", "finished", "terminated")
+    __slots__ = ("enc", "start", "keys", "extra", "node", "copy", "started", "pages", "beside", "finished", "terminated")
 
-    def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, copy: Any) -> None:
-        self.enc, self.start, self.keys, self.extra, self.copy = enc, start, keys, extra, copy
+    def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, node: TreeNode, copy: Any) -> None:
+        self.enc, self.start, self.keys, self.extra, self.node, self.copy = enc, start, keys, extra, node, copy
         self.started = time.monotonic()
         self.pages: list[torch.Tensor] = []
         self.beside: Optional[torch.Tensor] = None
@@ -274,7 +275,7 @@ class StorageTier:
             return
         copy = last_host_node.records[HOST]
         copy.holds += 1  # the node the pages hang below stays on the host meanwhile
-        op = PrefetchOp(enc, start, keys, extra, copy)
+        op = PrefetchOp(enc, start, keys, extra, last_host_node, copy)
         self.ongoing_prefetch[req_id] = op
         self.prefetch_pages += len(keys)
         self.stats.prefetches += 1
@@ -327,6 +328,8 @@ class StorageTier:
                 self.events.missing(key)
                 break
             with self._lock:
+                if op.terminated:  # ended meanwhile: what it took was counted then
+                    break
                 op.pages.append(page)
 
     def progress(self, req_id: Any) -> bool:
@@ -350,7 +353,7 @@ class StorageTier:
         try:
             self.loaded_tokens[req_id] = self._take(op, pages)
         finally:
-            op.copy.holds -= 1
+            self._release_hold(op)
         return True
 
     def terminate(self, req_id: Any) -> None:
@@ -370,7 +373,14 @@ class StorageTier:
         with self._lock:
             op.terminated = True
             self.stats.tokens_dropped += len(op.pages) * self.page_size
+        self._release_hold(op)
+
+    def _release_hold(self, op: PrefetchOp) -> None:
+        """Give back ``op``'s hold on the host copy of the node it continues; the cache then drops
+        that node if it may no longer stay unheld (``hold_released``)."""
         op.copy.holds -= 1
+        if op.copy.holds == 0 and op.node.records.get(HOST) is op.copy and self._attached(op.node):
+            self.cache.hold_released(op.node)
 
     def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
         """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
@@ -391,7 +401,7 @@ class StorageTier:
         if slots is None or reserved is False:
             if slots is not None:
                 host.free(slots)
-            self.stats.tokens_dropped += tokens
+            self._count(0, tokens)
             return 0
         end = op.start + len(pages) * self.page_enc_bytes
         node, pos = cache.branch_point(op.enc, end, op.extra)  # where the tree's copy of the prefix ends now
@@ -400,7 +410,7 @@ class StorageTier:
             host.free(slots)
             if pos < end or not self.adopt(node, op, reserved):
                 self.release(reserved)
-            self.stats.tokens_dropped += tokens
+            self._count(0, tokens)
             return 0
         kept = slots[skip * self.page_size :]
         try:
@@ -414,9 +424,14 @@ class StorageTier:
             host.free(slots[: skip * self.page_size])
         self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
         loaded = len(kept)
-        self.stats.tokens_loaded += loaded
-        self.stats.tokens_dropped += tokens - loaded
+        self._count(loaded, tokens - loaded)
         return loaded
+
+    def _count(self, loaded: int, dropped: int) -> None:
+        """Count a taken prefetch's tokens (under the lock: a worker counts beside the scheduler)."""
+        with self._lock:
+            self.stats.tokens_loaded += loaded
+            self.stats.tokens_dropped += dropped
 
     # A subclass's hooks for what a leaf needs besides its host pages (a hybrid model's state):
     # ``reserve`` takes it before the tree is looked at (False: no room, the pages are dropped),
@@ -472,7 +487,7 @@ class StorageTier:
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until the workers have run every job queued so far; False if ``timeout_s`` passed."""
-        return self.workers.drain(timeout_s)
+        return self.workers.drain(non_negative_seconds(timeout_s, "timeout_s"))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the tier (idempotent): write the host copies whose backup is complete, end every
@@ -483,10 +498,13 @@ class StorageTier:
 
         Raises
         ------
+        ValueError
+            ``timeout_s`` is not a number of seconds >= 0 (nothing is closed).
         TimeoutError
             A worker still runs a storage call after ``timeout_s`` seconds; the tier is closed all
             the same, and the worker ends once that call returns.
         """
+        non_negative_seconds(timeout_s, "timeout_s")  # before anything closes
         if not self.closed:
             self.write_due()
             self._pending = []
