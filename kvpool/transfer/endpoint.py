@@ -11,9 +11,10 @@ How a transfer runs (both ranks, in this order):
    ``state_slots`` of the wrong type or shape, a slot outside its pool) is recorded in this rank's
    header instead of raised.
 2. **Handshake.** The ranks swap fixed-size headers (:mod:`kvpool.transfer.handshake`): the KV pool's
-   geometry and row format (:mod:`kvpool.transfer.parts`), token count, the heads each holds, staging size, the linear-attention state's geometry
-   and slot count (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct
-   transfer, and any problem from step 1. They travel through torch.distributed's key-value store
+   geometry and row format (:mod:`kvpool.transfer.parts`), token count, the heads each holds,
+   staging size, the linear-attention state's geometry and slot count
+   (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct transfer, and any
+   problem from step 1. They travel through torch.distributed's key-value store
    (:mod:`kvpool.transfer.exchange`): host round trips only, no device work, no wait for earlier
    transfers to drain. Both ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree`
    to the two headers, so either both raise the same exception with the same message (a
@@ -27,9 +28,9 @@ How a transfer runs (both ranks, in this order):
    path (:mod:`kvpool.transfer.ipc`: both CUDA endpoints on one host, set up once per pair of
    endpoints) or the staged one.
 4. **Staged pipeline.** The sender gathers the rows of a chunk from every layer (KV rows with the
-   scales stored beside them, then state bands) into a staging half with one launch of the row-copy kernel, sends it, and gathers
-   the next chunk into the other half while the first is in flight; the receiver receives into one
-   half while it scatters the other into its pools. Chunk sizes follow
+   scales stored beside them, then state bands) into a staging half with one launch of the
+   row-copy kernel, sends it, and gathers the next chunk into the other half while the first is in
+   flight; the receiver receives into one half while it scatters the other into its pools. Chunk sizes follow
    :func:`~kvpool.transfer.wire.chunk_plan` and :func:`~kvpool.transfer.state_wire.state_plan`.
 
 Streams (CUDA). The data moves on a side stream: the sender's gathers wait for the work queued on the

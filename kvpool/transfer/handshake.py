@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from kvpool.transfer.parts import NVFP4, KVParts, dtype_code, dtype_name, format_name, kv_parts
-
-__all__ = ["dtype_code"]  # a header's dtype codes, defined beside the formats (kvpool.transfer.parts)
+from kvpool.kernels.formats import CACHE_DTYPES, FP4_DTYPE
+from kvpool.transfer.parts import NVFP4, KVParts, format_name, kv_parts
 from kvpool.transfer.state_wire import (
     STATE_FIELDS,
     StateOverlap,
@@ -67,6 +66,27 @@ _NOT_OFFERED = {  # completes "the sender's ..." / "the receiver's ..."
 # What a rank holds for the peer endpoint it expects: nothing yet, an open direct path, a refusal.
 PEER_NONE, PEER_READY, PEER_REFUSED = 0, 1, 2
 STAGED, DIRECT, SETUP = "staged", "ipc", "setup"
+#: A header's dtype code for SGLang's FP4 (``torch.float4_e2m1fn_x2``, or ``"fp4_e2m1"`` where torch
+#: lacks it: one dtype for the handshake), after every code ``CACHE_DTYPES`` may grow to.
+FP4_DTYPE_CODE = 64
+
+
+def dtype_code(dtype: object) -> int:
+    """``dtype``'s code in a header: its 1-based position in ``CACHE_DTYPES``, or ``FP4_DTYPE_CODE``
+    for SGLang's FP4 (``ValueError`` for another dtype)."""
+    if dtype == "fp4_e2m1" or (FP4_DTYPE is not None and dtype == FP4_DTYPE):
+        return FP4_DTYPE_CODE
+    return CACHE_DTYPES.index(dtype) + 1  # type: ignore[arg-type]
+
+
+def dtype_name(code: int) -> str:
+    """The dtype a header's code stands for, as text for messages (``"unknown dtype code N"`` when it
+    names none)."""
+    if code == FP4_DTYPE_CODE:
+        return str(FP4_DTYPE) if FP4_DTYPE is not None else "fp4_e2m1"
+    if 1 <= code <= len(CACHE_DTYPES):
+        return str(CACHE_DTYPES[code - 1])
+    return f"unknown dtype code {code}"
 
 
 @dataclass(frozen=True)
@@ -325,7 +345,7 @@ def make_header(
         role=role,
         rank=rank,
         error_kind=0,
-        dtype=parts.dtype,
+        dtype=dtype_code(parts.dtype),
         start_layer=ids[0],
         layer_num=len(ids),
         head_start=head_start,

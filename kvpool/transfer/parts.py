@@ -2,23 +2,21 @@
 per-head elements]`` so that a head range of every part is one slice, in the wire's order.
 
 A K/V pool (``MHATokenToKVPool``, ``MLATokenToKVPool``) has two parts a layer, K and V. A pool whose
-rows keep scales beside their codes has four: K codes, V codes, K scales, V scales, so a code never
-travels without its scale:
+rows keep scales beside their codes has four, K codes, V codes, K scales, V scales, so a code never
+travels without its scale. Bytes of one head's row, part by part:
 
-==============================  ==================  ====================================================
-pool                            format              a head's parts (bytes)
-==============================  ==================  ====================================================
-``MHATokenToKVPoolFP4``         ``fp4_mx_block16``  ``D/2``, ``Dv/2`` codes; ``D/16``, ``Dv/16`` exponents
-``MHATokenToKVPoolFP4`` nvfp4   ``nvfp4``           as above, the scales e4m3 (global scales: per layer)
-``MLATokenToKVPoolFP4``         ``fp4_mx_block16``  one head: latent codes, rotary codes, their exponents
-``MHATokenToKVPoolFP8PerTok..`` ``fp8_per_token_h`` ``D``, ``Dv`` codes; one float32 scale each
-==============================  ==================  ====================================================
+- ``MHATokenToKVPoolFP4`` (``fp4_mx_block16``, or ``nvfp4``): ``D/2``, ``Dv/2`` codes, ``D/16``,
+  ``Dv/16`` scales (exponents, or e4m3). The exponent buffer ``[rows, H * D / 16]`` is head-major
+  (each head's row is whole 16-element blocks), so it is viewed as ``[rows, H, D / 16]``. NVFP4's
+  global scales are per layer, not per row: the headers compare them, nothing carries them.
+- ``MLATokenToKVPoolFP4`` (``fp4_mx_block16``): one head; its buffer of codes and its buffer of
+  scales are each split at the latent/rotary boundary (whole blocks), which makes its layout that
+  of a one-head FP4 MHA pool with ``head_dim = kv_lora_rank``, as a plain latent pool's is that of
+  a one-head MHA pool.
+- ``MHATokenToKVPoolFP8PerTokenHead`` (``fp8_per_token_head``): ``D``, ``Dv`` codes, one float32
+  scale each.
 
-An FP4 pool's flat exponent buffer ``[rows, H * D / 16]`` is head-major (each head's row is whole
-16-element blocks), so it is viewed as ``[rows, H, D / 16]``; the latent pool's one buffer of codes
-and one of scales are split at the latent/rotary boundary (both whole blocks), which makes its
-wire layout that of a one-head FP4 MHA pool with ``head_dim = kv_lora_rank``, as a plain latent
-pool's is that of a one-head MHA pool. docs/contract.md, "KV transfer between ranks".
+docs/contract.md, "KV transfer between ranks", "Pools with scales beside their codes".
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+
 import torch
 
-from kvpool.kernels.formats import CACHE_DTYPES, FP4_DTYPE
 from kvpool.kernels.row_table import RowTable
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
 from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
@@ -44,29 +42,8 @@ from kvpool.transfer.wire import TokenLayout
 PLAIN, FP8_PER_TOKEN_HEAD = "plain", "fp8_per_token_head"
 KV_FORMATS = (PLAIN, FP4_MX_BLOCK16, NVFP4, FP8_PER_TOKEN_HEAD)
 #: The pools a transfer takes (a ``HybridLinearKVPool`` holds one of them).
-KV_POOLS = (MHATokenToKVPool, MLATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4, MHATokenToKVPoolFP8PerTokenHead)
-#: A header's dtype code for SGLang's FP4 (``torch.float4_e2m1fn_x2``, or ``"fp4_e2m1"`` where torch
-#: lacks it): after every code ``CACHE_DTYPES`` may grow to.
-FP4_DTYPE_CODE = 64
-FP4_DTYPE_NAME = str(FP4_DTYPE) if FP4_DTYPE is not None else "fp4_e2m1"
-
-
-def dtype_code(dtype: object) -> int:
-    """``dtype``'s code in a header: its 1-based position in ``CACHE_DTYPES``, or ``FP4_DTYPE_CODE``
-    for SGLang's FP4 (``ValueError`` for another dtype)."""
-    if dtype == FP4_DTYPE or dtype == "fp4_e2m1":
-        return FP4_DTYPE_CODE
-    return CACHE_DTYPES.index(dtype) + 1  # type: ignore[arg-type]
-
-
-def dtype_name(code: int) -> str:
-    """The dtype a header's code stands for, as text for messages (``"unknown dtype code N"`` when it
-    names none)."""
-    if code == FP4_DTYPE_CODE:
-        return FP4_DTYPE_NAME
-    if 1 <= code <= len(CACHE_DTYPES):
-        return str(CACHE_DTYPES[code - 1])
-    return f"unknown dtype code {code}"
+KV_POOLS = (MHATokenToKVPool, MLATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4,
+            MHATokenToKVPoolFP8PerTokenHead)  # fmt: skip
 
 
 def format_name(code: int) -> str:
@@ -92,7 +69,7 @@ class KVParts:
     ----------
     pool : the pool (its buffers are the views' memory).
     kv_format : index in ``KV_FORMATS``.
-    dtype : the header's dtype code (``dtype_code``).
+    dtype : the pool's ``dtype`` (an FP4 pool's may be the name ``"fp4_e2m1"``).
     head_num, head_dim, v_head_dim : the geometry the headers compare (a latent pool: one head,
         ``kv_lora_rank``, ``qk_rope_head_dim``).
     layer_num, start_layer, page_size, rows : layers, the first's global id, the pool's page size,
@@ -104,7 +81,7 @@ class KVParts:
 
     pool: object
     kv_format: int
-    dtype: int
+    dtype: object
     head_num: int
     head_dim: int
     v_head_dim: int
@@ -168,6 +145,6 @@ def kv_parts(pool: object) -> KVParts:
                        zip(pool.k_buffer, pool.v_buffer, pool.k_scale_buffer, pool.v_scale_buffer))  # fmt: skip
     head_bytes = tuple(p[0, 0].numel() * p.element_size() for p in layers[0])
     return KVParts(
-        pool, KV_FORMATS.index(fmt), dtype_code(pool.dtype), h, d, dv, pool.layer_num, pool.start_layer,  # type: ignore[attr-defined]
+        pool, KV_FORMATS.index(fmt), pool.dtype, h, d, dv, pool.layer_num, pool.start_layer,  # type: ignore[attr-defined]
         pool.page_size, pool.size + pool.page_size, layers, head_bytes, tuple(scales),  # type: ignore[attr-defined]
     )  # fmt: skip
