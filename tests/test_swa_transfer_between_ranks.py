@@ -1,5 +1,5 @@
 """KV transfer of an SWAKVPool between two ranks (CPU pools over gloo; two GPUs over NCCL, where the
-direct path may run): the full rows of ``loc`` land
+direct path may run), static or per-token-head FP8 (whose scales move with the codes): the full rows of ``loc`` land
 in the receiver's ``loc``, the SWA rows of the sender's translated slots in the receiver's translated
 slots (or in the SWA slots both name), byte for byte, nothing else changed; a transfer either part
 refuses raises the same error on both ranks with nothing moved, and the pair stays in step.
@@ -39,6 +39,7 @@ class SWACase:
     send_swa: Optional[list[int]] = None
     recv_swa: Optional[list[int]] = None
     dtype: str = "fp8"
+    kv_scale_mode: str = "static"  # both ranks' pools ("per_token_head": scales beside the codes)
     receiver: dict = field(default_factory=dict)
     mapped: tuple[bool, bool] = (True, True)
     expect: Optional[tuple[str, str]] = None
@@ -58,6 +59,9 @@ CASES = [
             expect=("ValueError", "the sender's pool has no full-to-SWA mapping")),
     SWACase("swa_slot_counts", [1, 2], [10, 11], send_swa=[7], recv_swa=[3, 5],
             expect=("ValueError", "sliding-window part: tokens mismatch")),
+    SWACase("both_parts_per_token_head_fp8", [1, 2, 5, 9], [10, 11, 12, 13], kv_scale_mode="per_token_head"),
+    SWACase("per_token_head_to_static", [1], [10], kv_scale_mode="per_token_head",
+            receiver=dict(kv_scale_mode="static"), expect=("ValueError", "sliding-window part: kv_format mismatch")),
     SWACase("in_step_afterwards", [9, 5], [12, 13]),
 ]
 
@@ -67,19 +71,24 @@ def make_pool(case: SWACase, rank: int, salt: int, device: str):
     rebuild any other's, whatever its device)."""
     from kvpool import SWAKVPool
 
-    kw = dict(case.receiver) if rank == 1 else {}
+    kw = {"kv_scale_mode": case.kv_scale_mode, **(case.receiver if rank == 1 else {})}
     swa, full = kw.pop("swa", SWA_LAYERS), kw.pop("full", FULL_LAYERS)
     pool = SWAKVPool(24, 12, 1, DTYPES[case.dtype], 3, 16, swa, full, False, device, v_head_dim=8, warmup=False, **kw)
     g = torch.Generator().manual_seed(salt)
-    for b in (b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in p.k_buffer + p.v_buffer):
+    for b in (b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in buffers(p)):
         b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
     if case.mapped[rank]:
         pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, SENDER_MAP if rank == 0 else RECEIVER_MAP, device))
     return pool
 
 
+def buffers(part) -> list[torch.Tensor]:
+    """Every buffer of every layer of one part: K and V, and the scales of a per-token-head part."""
+    return [b for name in getattr(part, "part_names", ("k_buffer", "v_buffer")) for b in getattr(part, name)]
+
+
 def part_bytes(pool) -> dict[str, list[torch.Tensor]]:
-    return {part: [b.view(torch.uint8).cpu().clone() for b in p.k_buffer + p.v_buffer]
+    return {part: [b.view(torch.uint8).cpu().clone() for b in buffers(p)]
             for part, p in (("full", pool.full_kv_pool), ("swa", pool.swa_kv_pool))}  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from kvpool.transfer.handshake import (
 from kvpool.transfer.state_wire import MAMBA2, StateOverlap, StateSide, band_spans, state_plan
 from kvpool.transfer import wire
 from kvpool.transfer.wire import RAMP, TokenLayout, chunk_plan
+from kvassert import scaled_pool
 
 
 # --- the chunk plan ---------------------------------------------------------------------------------------
@@ -136,6 +137,29 @@ def test_agree_names_the_mismatched_field_whichever_header_comes_first(field, re
     assert verdict == agree(r, s)
     assert isinstance(verdict, Refusal) and verdict.error is ValueError
     assert f"{field} mismatch" in verdict.message and "rank 0 -> rank 1" in verdict.message
+
+
+SCALED_MISMATCHES = [  # (field named in the message, the sender's pool, the receiver's)
+    ("kv_format", dict(kind="nvfp4"), dict(kind="fp4")),
+    ("global_scales", dict(kind="nvfp4"), dict(kind="nvfp4", k_global_scales=[0.5, 2.0])),
+    ("kv_format", dict(kind="fp8_token_head"), None),  # against an MHATokenToKVPool of the same geometry
+    ("dtype", dict(kind="fp4"), dict(kind="fp8_token_head")),
+]
+
+
+@pytest.mark.parametrize("field, sender, receiver", SCALED_MISMATCHES,
+                         ids=[f"{s['kind']}_{f}" for f, s, _ in SCALED_MISMATCHES])  # fmt: skip
+def test_agree_names_a_mismatched_row_format_whichever_header_comes_first(field, sender, receiver):
+    s_pool = scaled_pool(sender.pop("kind"), "cpu", **sender)
+    r_pool = _pool(head_num=3, head_dim=8, v_head_dim=4, layer_num=2, start_layer=2) if receiver is None else (
+        scaled_pool(receiver.pop("kind"), "cpu", **receiver))  # fmt: skip
+    s = make_header(SENDER, 0, s_pool, 0, 3, 10, 4096)
+    r = make_header(RECEIVER, 1, r_pool, 0, 3, 10, 4096)
+    verdict = agree(s, r)
+    assert verdict == agree(r, s)
+    assert isinstance(verdict, Refusal) and verdict.error is ValueError
+    assert f"{field} mismatch: the sender's pool has {field}=" in verdict.message, verdict.message
+    assert verdict.message.endswith("nothing moved")
 
 
 def test_agree_reports_roles_and_own_problems_before_geometry():
@@ -385,7 +409,8 @@ def test_endpoint_rejects_bad_settings(kwargs, error, text):
 
 
 def test_endpoint_rejects_a_non_pool():
-    with pytest.raises(TypeError, match="pool must be an MHATokenToKVPool or MLATokenToKVPool, got Tensor"):
+    with pytest.raises(TypeError, match=r"pool must be an MHATokenToKVPool, MLATokenToKVPool, .*\(or a "
+                       r"HybridLinearKVPool holding one\), got Tensor"):
         KVReceiver(torch.zeros(3))
 
 

@@ -11,9 +11,10 @@ How a transfer runs (both ranks, in this order):
    ``state_slots`` of the wrong type or shape, a slot outside its pool) is recorded in this rank's
    header instead of raised.
 2. **Handshake.** The ranks swap fixed-size headers (:mod:`kvpool.transfer.handshake`): the KV pool's
-   geometry, token count, the heads each holds, staging size, the linear-attention state's geometry
-   and slot count (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct
-   transfer, and any problem from step 1. They travel through torch.distributed's key-value store
+   geometry and row format (:mod:`kvpool.transfer.parts`), token count, the heads each holds,
+   staging size, the linear-attention state's geometry and slot count
+   (:mod:`kvpool.transfer.state_wire`), what the endpoint offers for a direct transfer, and any
+   problem from step 1. They travel through torch.distributed's key-value store
    (:mod:`kvpool.transfer.exchange`): host round trips only, no device work, no wait for earlier
    transfers to drain. Both ranks apply the same symmetric :func:`~kvpool.transfer.handshake.agree`
    to the two headers, so either both raise the same exception with the same message (a
@@ -26,10 +27,10 @@ How a transfer runs (both ranks, in this order):
 3. **Path.** :func:`~kvpool.transfer.handshake.link_route` picks, from the same headers, the direct
    path (:mod:`kvpool.transfer.ipc`: both CUDA endpoints on one host, set up once per pair of
    endpoints) or the staged one.
-4. **Staged pipeline.** The sender gathers the rows of a chunk from every layer (KV rows, then
-   state bands) into a staging half with one launch of the row-copy kernel, sends it, and gathers
-   the next chunk into the other half while the first is in flight; the receiver receives into one
-   half while it scatters the other into its pools. Chunk sizes follow
+4. **Staged pipeline.** The sender gathers the rows of a chunk from every layer (KV rows with the
+   scales stored beside them, then state bands) into a staging half with one launch of the
+   row-copy kernel, sends it, and gathers the next chunk into the other half while the first is in
+   flight; the receiver receives into one half while it scatters the other into its pools. Chunk sizes follow
    :func:`~kvpool.transfer.wire.chunk_plan` and :func:`~kvpool.transfer.state_wire.state_plan`.
 
 Streams (CUDA). The data moves on a side stream: the sender's gathers wait for the work queued on the
@@ -58,7 +59,7 @@ store). Not thread-safe.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -69,7 +70,10 @@ from kvpool.kernels.copy_rows import RowTable, copy_rows, launch_copy_rows
 from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS
 from kvpool.kernels.launch import compiled_on, sm_count
 from kvpool.pools.hybrid_kv_pool import HybridLinearKVPool
+from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
+from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 from kvpool.pools.mha_pool import MHATokenToKVPool
+from kvpool.pools.mla_fp4_pool import MLATokenToKVPoolFP4
 from kvpool.pools.mla_pool import MLATokenToKVPool
 from kvpool.streams import OnStream, StreamMark
 from kvpool.transfer.arguments import Loc, check_backend, check_peer, check_slots
@@ -98,13 +102,16 @@ from kvpool.transfer.ipc import (
     remote_state_table,
     sender_setup,
 )
+from kvpool.transfer.parts import KVParts, check_pool, kv_parts
 from kvpool.transfer.staging import Chunk, Staging
 from kvpool.transfer.state_wire import StateShard, StateSide, band_spans
 from kvpool.transfer.wire import TokenLayout, chunk_plan
 
-#: The pools a transfer moves rows of. An MLA pool's rows travel as their latent (K) and rotary (V)
-#: parts, one head; a ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
-POOLS = (MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool)
+#: The pools a transfer moves rows of, each row with every part it keeps (:mod:`kvpool.transfer.parts`).
+#: An MLA pool's rows travel as their latent (K) and rotary (V) parts, one head; a
+#: ``HybridLinearKVPool`` moves its inner pool's rows and its ``mamba_pool``'s states.
+POOLS = (MHATokenToKVPool, MLATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4,
+         MHATokenToKVPoolFP8PerTokenHead, HybridLinearKVPool)  # fmt: skip
 #: Staging per half on CUDA (or the whole pool's rows, if smaller): each NCCL message carries a fixed
 #: cost, so large messages keep the link busy; the price is two halves of device memory per endpoint.
 TRANSFER_CHUNK_BYTES_CUDA = 512 << 20
@@ -119,24 +126,10 @@ def default_max_programs(sms: int) -> int:
     return min(sms, FEW_PROGRAMS)
 
 
-AnyPool = Union[MHATokenToKVPool, MLATokenToKVPool, HybridLinearKVPool]
-
-
-def _check_pool(pool: object) -> None:
-    inner = pool.full_kv_pool if isinstance(pool, HybridLinearKVPool) else pool
-    names = getattr(inner, "part_names", None)
-    if names is not None:  # its rows carry scales beside the codes, which the wire layout has no room for
-        within = f" (the full-attention pool of a {type(pool).__name__})" if inner is not pool else ""
-        raise TypeError(
-            f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(inner).__name__}{within}: its rows "
-            f"keep scales beside their codes ({', '.join(names)}), and a transfer between ranks moves K and V "
-            f"rows only; move its pages through the host tier or a storage backend instead"
-        )
-    if not isinstance(pool, POOLS) or not isinstance(inner, (MHATokenToKVPool, MLATokenToKVPool)):
-        raise TypeError(
-            f"pool must be an MHATokenToKVPool or MLATokenToKVPool, got {type(pool).__name__}; a "
-            f"HybridLinearKVPool, which holds one, is taken too"
-        )
+AnyPool = Union[
+    MHATokenToKVPool, MLATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4, MHATokenToKVPoolFP8PerTokenHead,
+    HybridLinearKVPool,
+]
 
 
 @dataclass(frozen=True)
@@ -179,27 +172,29 @@ class Endpoint:
         state_shard: Optional[StateShard] = None,
         ipc: bool = True,
     ) -> None:
-        _check_pool(pool)
+        check_pool(pool)
         self.pool, self.group = pool, group
         hybrid = isinstance(pool, HybridLinearKVPool)
         kv = pool.full_kv_pool if hybrid else pool
         self.kv, self.mamba = kv, pool.mamba_pool if hybrid else None  # type: ignore[union-attr]
+        #: The KV pool's row parts as the wire carries them (the global scales are read per transfer).
+        self.parts = parts = kv_parts(kv)
         self.layer_ids = tuple(pool.full_attention_layer_ids) if hybrid else None  # type: ignore[union-attr]
         if state_shard is not None and self.mamba is None:
             raise ValueError("state_shard needs a pool with linear-attention state (a HybridLinearKVPool with a mamba_pool)")
         self.state = None if self.mamba is None else StateSide.of(self.mamba, state_shard)
         self.head_start = non_negative_int(head_start, "head_start")
-        self.total_heads = kv.head_num if total_heads is None else positive_int(total_heads, "total_heads")
-        if head_start + kv.head_num > self.total_heads:
+        self.total_heads = parts.head_num if total_heads is None else positive_int(total_heads, "total_heads")
+        if head_start + parts.head_num > self.total_heads:
             raise ValueError(
-                f"the pool's heads [head_start, head_start + head_num) = [{head_start}, {head_start + kv.head_num}) "
+                f"the pool's heads [head_start, head_start + head_num) = [{head_start}, {head_start + parts.head_num}) "
                 f"must lie within total_heads={self.total_heads}"
                 + ("; pass total_heads (the model's KV heads)" if total_heads is None else "")
             )
         self.device = kv.device
         self._cuda = self.device.type == "cuda"
         self._kernel = compiled_on(self.device)  # else copy_rows' own choice
-        self._rows = kv.size + kv.page_size
+        self._rows = parts.rows
         self._state_rows = 0 if self.mamba is None else self.mamba.size + 1
         self.chunk_bytes = self._chunk_bytes(chunk_bytes)
         self.max_programs = None if max_programs is None else positive_int(max_programs, "max_programs")
@@ -221,16 +216,16 @@ class Endpoint:
         # stream's last work in each transfer waits for the transport) and needs no record_stream,
         # whose events cannot be made once CUDA shuts down at a process's exit.
         with self._on_side():
-            self.staging = Staging(kv, self.mamba, self.state, self.chunk_bytes, self._cuda)
+            self.staging = Staging(parts, self.mamba, self.state, self.chunk_bytes, self._cuda)
             self._stage, self._arange = self.staging.buffer, self.staging.arange
             if self._cuda:
                 self._index = torch.empty(self._rows + self._state_rows, dtype=torch.int64, device=self.device)
             # The tables of the pool's own heads are built now; other head ranges on first use.
-            self._tables_for(0, kv.head_num)
+            self._tables_for(0, parts.head_num)
 
     def _chunk_bytes(self, chunk_bytes: Optional[int]) -> int:
-        kv = self.kv
-        token = TokenLayout.of(kv.layer_num, kv.head_num, kv.head_dim, kv.v_head_dim, kv.k_buffer[0].element_size())
+        parts = self.parts
+        token = parts.layout(parts.head_num)
         row = 0 if self.mamba is None else max(self.mamba.row_table.row_bytes)  # the largest state buffer row
         if chunk_bytes is None:
             # No larger than the whole pools: a transfer moves at most one token per pool row and
@@ -243,7 +238,7 @@ class Endpoint:
         if chunk_bytes < token.token_bytes:
             raise ValueError(
                 f"chunk_bytes must hold at least one token of this pool ({token.token_bytes} bytes: "
-                f"{kv.layer_num} layers x K,V x {kv.head_num} heads), got {chunk_bytes}"
+                f"{parts.layer_num} layers x {len(parts.head_bytes)} row parts x {parts.head_num} heads), got {chunk_bytes}"
             )
         if chunk_bytes < row:
             raise ValueError(
@@ -251,6 +246,14 @@ class Endpoint:
                 f"largest convolution window or SSM state of a layer), got {chunk_bytes}"
             )
         return chunk_bytes
+
+    def header_parts(self) -> KVParts:
+        """:attr:`parts` with the pool's global scales as they are now (an NVFP4 pool's may change
+        between transfers, through ``set_global_scales``)."""
+        scales = tuple(getattr(self.kv, "global_scale_values", ()))
+        if scales != self.parts.global_scales:
+            self.parts = replace(self.parts, global_scales=scales)
+        return self.parts
 
     # --- one transfer --------------------------------------------------------------------------------
 
@@ -271,7 +274,7 @@ class Endpoint:
         if expected is not None:  # its slots and ready event, before the header leaves (ipc.py)
             self._prepare(expected, compute, loc_host, states_host)  # type: ignore[arg-type]
         mine = make_header(
-            self._role, rank, self.kv, self.head_start, self.total_heads, tokens, self.chunk_bytes,
+            self._role, rank, self.header_parts(), self.head_start, self.total_heads, tokens, self.chunk_bytes,
             layer_ids=self.layer_ids, state=self.state, states=states, link=self.link.fields(peer),
         )  # fmt: skip
         if problem is not None:
@@ -405,7 +408,7 @@ class Endpoint:
             if self._role == SENDER:
                 pair = SendPair(theirs.ep_id, self._side, self._rows + self._state_rows)
                 self._prepare(pair, compute, loc, states)
-                exported: dict[str, object] = {"kv": [b for kv in zip(self.kv.k_buffer, self.kv.v_buffer) for b in kv]}
+                exported: dict[str, object] = {"kv": self.parts.views(0, self.parts.head_num)}
                 if self.mamba is not None:
                     exported.update(conv=list(self.mamba.conv), temporal=self.mamba.temporal)
                 sender_setup(store, prefix, pair, exported, self.device)
@@ -422,8 +425,7 @@ class Endpoint:
         """The direct path: the receiver copies from the sender's buffers in one launch per kind."""
         role = "sender" if self._role == SENDER else "receiver"
         heads, tokens, n_states = (agreed.head_lo, agreed.head_hi), agreed.tokens, agreed.states
-        kv = self.kv
-        layout = TokenLayout.of(kv.layer_num, heads[1] - heads[0], kv.head_dim, kv.v_head_dim, kv.k_buffer[0].element_size())
+        layout = self.parts.layout(heads[1] - heads[0])
         spans = self.staging.state_spans(agreed.state) if n_states else ()  # type: ignore[arg-type]
         state_nbytes = n_states * sum(n for _, _, n in spans) * (self.mamba.num_mamba_layers if n_states else 0)  # type: ignore[union-attr]
         nbytes, chunks = tokens * layout.token_bytes + state_nbytes, (tokens > 0) + (n_states > 0)
@@ -458,7 +460,7 @@ def kept_endpoint(cls: type, pool: AnyPool, group: Optional[dist.ProcessGroup], 
     """The endpoint kept for ``pool``, ``group`` and ``options``. Kept on the pool object itself, so
     it lives and dies with the pool (a table keyed by pool would keep every pool alive, since each
     endpoint refers to its pool)."""
-    _check_pool(pool)
+    check_pool(pool)
     kept: dict = pool.__dict__.setdefault("_transfer_endpoints", {})
     key = (cls, group, tuple(sorted(options.items())))
     ep = kept.get(key)

@@ -1,6 +1,6 @@
 """The header both ranks of a transfer exchange before any KV byte moves, and the decision they take.
 
-Each rank describes its side in a fixed-size :class:`Header` (pool geometry, token count, the heads
+Each rank describes its side in a fixed-size :class:`Header` (pool geometry and row format, token count, the heads
 it holds, staging size, the geometry of its linear-attention state and the state slots it moves, what
 its endpoint offers for a direct transfer) together with the problem it found in its own arguments,
 if any (a slot out of range, a bad ``loc``). The two headers are swapped, and each rank calls :func:`agree` on the pair.
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from kvpool.kernels.formats import CACHE_DTYPES
+from kvpool.kernels.formats import CACHE_DTYPES, FP4_DTYPE
+from kvpool.transfer.parts import NVFP4, KVParts, format_name, kv_parts
 from kvpool.transfer.state_wire import (
     STATE_FIELDS,
     StateOverlap,
@@ -35,6 +36,7 @@ from kvpool.transfer.state_wire import (
 
 if TYPE_CHECKING:
     from kvpool.pools.mha_pool import MHATokenToKVPool
+    from kvpool.pools.mla_pool import MLATokenToKVPool
 
 #: Bytes of one header on the wire: ``_FIELD_SLOTS`` int64 slots for the integer fields (room for
 #: fields a later version adds), then the message, which takes the rest (``MESSAGE_BYTES``).
@@ -43,7 +45,7 @@ _FIELD_SLOTS = 96
 _MESSAGE_OFFSET = _FIELD_SLOTS * 8
 MESSAGE_BYTES = HEADER_BYTES - _MESSAGE_OFFSET
 MAGIC = 0x6B76706F6F6C5458  # "kvpoolTX"
-VERSION = 2
+VERSION = 3
 
 SENDER, RECEIVER = 1, 2
 ROLE_NAMES = {SENDER: "sender", RECEIVER: "receiver"}
@@ -64,17 +66,24 @@ _NOT_OFFERED = {  # completes "the sender's ..." / "the receiver's ..."
 # What a rank holds for the peer endpoint it expects: nothing yet, an open direct path, a refusal.
 PEER_NONE, PEER_READY, PEER_REFUSED = 0, 1, 2
 STAGED, DIRECT, SETUP = "staged", "ipc", "setup"
+#: A header's dtype code for SGLang's FP4 (``torch.float4_e2m1fn_x2``, or ``"fp4_e2m1"`` where torch
+#: lacks it: one dtype for the handshake), after every code ``CACHE_DTYPES`` may grow to.
+FP4_DTYPE_CODE = 64
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """``dtype``'s code in a header: its 1-based position in ``CACHE_DTYPES`` (``ValueError`` for
-    another dtype)."""
-    return CACHE_DTYPES.index(dtype) + 1
+def dtype_code(dtype: object) -> int:
+    """``dtype``'s code in a header: its 1-based position in ``CACHE_DTYPES``, or ``FP4_DTYPE_CODE``
+    for SGLang's FP4 (``ValueError`` for another dtype)."""
+    if dtype == "fp4_e2m1" or (FP4_DTYPE is not None and dtype == FP4_DTYPE):
+        return FP4_DTYPE_CODE
+    return CACHE_DTYPES.index(dtype) + 1  # type: ignore[arg-type]
 
 
 def dtype_name(code: int) -> str:
     """The dtype a header's code stands for, as text for messages (``"unknown dtype code N"`` when it
     names none)."""
+    if code == FP4_DTYPE_CODE:
+        return str(FP4_DTYPE) if FP4_DTYPE is not None else "fp4_e2m1"
     if 1 <= code <= len(CACHE_DTYPES):
         return str(CACHE_DTYPES[code - 1])
     return f"unknown dtype code {code}"
@@ -101,6 +110,12 @@ class Header:
     tokens: int
     chunk_bytes: int
     page_size: int
+    # How the rows keep their scales (an index in kvpool.transfer.parts.KV_FORMATS), and for NVFP4
+    # the per-layer global scales: their crc32 and layer 0's (k, v) as float32 bits (for messages).
+    kv_format: int = 0
+    gs_crc: int = 0
+    gs_k0: int = 0
+    gs_v0: int = 0
     layer_last: int = 0  # the last KV layer id (start_layer is the first, layer_num the count)
     layer_crc: int = 0  # checksum of the KV layer ids (a hybrid pool's are not consecutive)
     states: int = 0  # state slots this rank moves
@@ -213,8 +228,8 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
     """The verdict on a pair of headers, the same whichever rank's header comes first.
 
     Order of checks (the first failing one is reported): the protocol, the roles, the sender's own
-    argument problem, the receiver's, then dtype, layers, total_heads, head_dim, v_head_dim, the
-    overlap of the held heads, the token count; then, when both have a state pool, the state's
+    argument problem, the receiver's, then dtype, kv_format, layers, total_heads, head_dim,
+    v_head_dim, an NVFP4 pool's global_scales, the overlap of the held heads, the token count; then, when both have a state pool, the state's
     geometry (:func:`~kvpool.transfer.state_wire.state_mismatch`), and the state slot count.
     """
     lo, hi = (a, b) if a.rank <= b.rank else (b, a)
@@ -249,6 +264,9 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
 
     if s.dtype != r.dtype:
         return mismatch("dtype", dtype_name(s.dtype), dtype_name(r.dtype))
+    if s.kv_format != r.kv_format:
+        return mismatch("kv_format", format_name(s.kv_format), format_name(r.kv_format),
+                        " (how the rows keep their scales: stored beside the codes, and in which layout)")  # fmt: skip
     s_layers, r_layers = (s.start_layer, s.layer_last), (r.start_layer, r.layer_last)
     if s_layers != r_layers:
         return mismatch("layers", list(s_layers), list(r_layers), " (first and last layer id, both included)")
@@ -261,6 +279,9 @@ def agree(a: Header, b: Header) -> Agreement | Refusal:
         return mismatch("head_dim", s.head_dim, r.head_dim)
     if s.v_head_dim != r.v_head_dim:
         return mismatch("v_head_dim", s.v_head_dim, r.v_head_dim)
+    if (s.gs_crc, s.gs_k0, s.gs_v0) != (r.gs_crc, r.gs_k0, r.gs_v0):
+        return mismatch("global_scales", _scales_text(s), _scales_text(r),
+                        " (each layer's NVFP4 K and V global scales, set_global_scales)")  # fmt: skip
     head_lo, head_hi = max(s.heads[0], r.heads[0]), min(s.heads[1], r.heads[1])
     if head_lo >= head_hi:
         return mismatch("heads", list(s.heads), list(r.heads), " (global head ranges, which must overlap)")
@@ -299,7 +320,7 @@ def link_route(a: Header, b: Header) -> tuple[str, Optional[str]]:
 def make_header(
     role: int,
     rank: int,
-    pool: "MHATokenToKVPool",
+    pool: Union[KVParts, "MHATokenToKVPool", "MLATokenToKVPool"],
     head_start: int,
     total_heads: int,
     tokens: int,
@@ -310,29 +331,35 @@ def make_header(
     states: int = 0,
     link: Optional[dict[str, int]] = None,
 ) -> Header:
-    """The header describing ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool``) for a
-    transfer of ``tokens`` slots; ``layer_ids`` its layers' global ids (default: consecutive from
+    """The header describing ``pool`` (its :class:`~kvpool.transfer.parts.KVParts`, or a pool a
+    transfer takes, whose parts are read now) for a transfer of ``tokens`` slots; ``layer_ids`` its layers' global ids (default: consecutive from
     its ``start_layer``), ``state`` the geometry of the state pool beside it moving ``states``
     slots, ``link`` the direct-path fields (``ep_id``, ``ipc``, ``host_id``, ``peer_ep``, ``peer_ipc``)."""
-    ids = tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)) if layer_ids is None else tuple(layer_ids)
+    parts = pool if isinstance(pool, KVParts) else kv_parts(pool)
+    ids = tuple(range(parts.start_layer, parts.start_layer + parts.layer_num)) if layer_ids is None else tuple(layer_ids)
     extra = dict(state.fields()) if state is not None else {}
+    k0, v0 = parts.global_scales[0] if parts.global_scales else (0.0, 0.0)
     return Header(
         magic=MAGIC,
         version=VERSION,
         role=role,
         rank=rank,
         error_kind=0,
-        dtype=dtype_code(pool.dtype),
+        dtype=dtype_code(parts.dtype),
         start_layer=ids[0],
         layer_num=len(ids),
         head_start=head_start,
-        head_num=pool.head_num,
+        head_num=parts.head_num,
         total_heads=total_heads,
-        head_dim=pool.head_dim,
-        v_head_dim=pool.v_head_dim,
+        head_dim=parts.head_dim,
+        v_head_dim=parts.v_head_dim,
         tokens=tokens,
         chunk_bytes=chunk_bytes,
-        page_size=pool.page_size,
+        page_size=parts.page_size,
+        kv_format=parts.kv_format,
+        gs_crc=parts.global_scales_crc(),
+        gs_k0=_float32_bits(k0),
+        gs_v0=_float32_bits(v0),
         layer_last=ids[-1],
         layer_crc=ids_crc(ids),
         states=states,
@@ -340,3 +367,15 @@ def make_header(
         **(link or {}),
     )
 
+
+
+def _float32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _scales_text(h: Header) -> str:
+    """A header's NVFP4 global scales for a message: layer 0's and the checksum of all."""
+    if format_name(h.kv_format) != NVFP4:
+        return "none"
+    k, v = (struct.unpack("<f", struct.pack("<I", bits))[0] for bits in (h.gs_k0, h.gs_v0))
+    return f"(k={k!r}, v={v!r}) in its first layer, crc32 {h.gs_crc:#010x} over all"

@@ -27,8 +27,10 @@ class KVSender(Endpoint):
 
     Parameters
     ----------
-    pool : MHATokenToKVPool, MLATokenToKVPool or HybridLinearKVPool
-        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo). A
+    pool : MHATokenToKVPool, MLATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPoolFP4,
+        MHATokenToKVPoolFP8PerTokenHead or HybridLinearKVPool
+        The pool the rows are read from (CUDA with an NCCL group, CPU with gloo), every part of each
+        row (a pool that keeps scales beside its codes moves them too: ``kvpool.transfer.parts``). A
         ``HybridLinearKVPool`` moves its full-attention layers' rows and, given ``state_slots``, the
         states of its ``mamba_pool``.
     group : the process group (default: the world group). The caller initialises torch.distributed.
@@ -61,7 +63,8 @@ class KVSender(Endpoint):
     _role = SENDER
 
     def send(self, loc: Loc, dst: int, state_slots: Optional[Loc] = None) -> KVTransfer:
-        """Send, for every layer, the K and V rows ``loc`` of the pool to rank ``dst``, which calls
+        """Send, for every layer, the K and V rows ``loc`` of the pool (with the scales stored beside
+        them, for a pool that keeps them) to rank ``dst``, which calls
         ``recv`` with its own slots (as many as ``loc`` has), and the states of ``state_slots``.
 
         Parameters
@@ -79,8 +82,9 @@ class KVSender(Endpoint):
         Raises
         ------
         ValueError, IndexError, TypeError
-            After the handshake, on both ranks alike, if the two pools, token counts or state slot
-            counts disagree or either side's ``loc`` or ``state_slots`` is bad; nothing has moved.
+            After the handshake, on both ranks alike, if the two pools (dtype, row format, an NVFP4
+            pool's global scales, layers, heads, head dims), token counts or state slot counts
+            disagree or either side's ``loc`` or ``state_slots`` is bad; nothing has moved.
         ValueError, TypeError, RuntimeError
             At once, on this rank only, if ``dst`` or the process group cannot be used (nothing is
             started: the peer's pending call pairs with this rank's next transfer with it).

@@ -1,6 +1,6 @@
-"""An endpoint's staging buffer and row tables: the pool's rows (KV heads, state bands) and the two
-staging halves addressed in the wire's byte layout (:mod:`kvpool.transfer.wire`,
-:mod:`kvpool.transfer.state_wire`), built once per head range and kept. docs/contract.md, "KV
+"""An endpoint's staging buffer and row tables: the pool's rows (KV heads of every row part, state
+bands) and the two staging halves addressed in the wire's byte layout (:mod:`kvpool.transfer.wire`,
+:mod:`kvpool.transfer.parts`, :mod:`kvpool.transfer.state_wire`), built once per head range and kept. docs/contract.md, "KV
 transfer between ranks", says what memory an endpoint holds."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from kvpool.kernels.row_table import RowTable
+from kvpool.transfer.parts import KVParts
 from kvpool.transfer.state_wire import StateOverlap, StateSide, band_spans, band_views, state_plan, whole_rows
 from kvpool.transfer.wire import TokenLayout
 
 if TYPE_CHECKING:
     from kvpool.pools.mamba_pool import MambaPool
-    from kvpool.pools.mha_pool import MHATokenToKVPool
 
 Spans = tuple[tuple[int, int, int], ...]
 
@@ -33,24 +33,18 @@ class Chunk:
     stages: tuple[RowTable, RowTable]
 
 
-def head_views(pool: "MHATokenToKVPool", lo: int, hi: int) -> list:
-    """Local heads ``[lo, hi)`` of every layer's K and V buffer, in the wire order (K0, V0, K1, ...)."""
-    return [b[:, lo:hi] for pair in zip(pool.k_buffer, pool.v_buffer) for b in pair]
-
-
 class Staging:
     """The staging buffer (two halves of ``chunk_bytes``) and the tables that address it and the pools."""
 
     def __init__(
-        self, pool: "MHATokenToKVPool", mamba: Optional["MambaPool"], state: Optional[StateSide], chunk_bytes: int,
+        self, parts: KVParts, mamba: Optional["MambaPool"], state: Optional[StateSide], chunk_bytes: int,
         cuda: bool,
     ) -> None:  # fmt: skip
-        self.pool, self.mamba, self.state, self.chunk_bytes, self.cuda = pool, mamba, state, chunk_bytes, cuda
-        dev = pool.device
-        self.element_size = pool.k_buffer[0].element_size()
+        self.parts, self.mamba, self.state, self.chunk_bytes, self.cuda = parts, mamba, state, chunk_bytes, cuda
+        dev = parts.device
         self.buffer = torch.empty(2 * chunk_bytes, dtype=torch.uint8, device=dev)
-        one_head = TokenLayout.of(pool.layer_num, 1, pool.head_dim, pool.v_head_dim, self.element_size)
-        rows = pool.size + pool.page_size
+        one_head = parts.layout(1)
+        rows = parts.rows
         state_rows = 0 if mamba is None else mamba.size + 1
         # A chunk holds at most this many rows: tokens of one head, or every state slot.
         self.arange = torch.arange(max(min(rows, chunk_bytes // one_head.token_bytes), state_rows), device=dev)
@@ -65,21 +59,16 @@ class Staging:
     # --- KV -----------------------------------------------------------------------------------------
 
     def kv_tables(self, lo: int, hi: int) -> tuple[TokenLayout, RowTable, tuple[RowTable, RowTable]]:
-        """Row tables of the pool (local heads ``[lo, hi)`` of every layer's K and V: the pool's own
-        ``row_table`` for all its heads) and of the two staging halves, in the wire order; built once
+        """Row tables of the pool (local heads ``[lo, hi)`` of every row part of every layer: a K/V
+        pool's own ``row_table`` for all its heads) and of the two staging halves, in the wire order; built once
         per head range, on the current stream (the address tables are copied there without a
         synchronisation, ready for the work that follows)."""
         key = (lo, hi)
         cached = self._kv.get(key)
         if cached is not None:
             return cached
-        pool = self.pool
-        layout = TokenLayout.of(pool.layer_num, hi - lo, pool.head_dim, pool.v_head_dim, self.element_size)
-        if key == (0, pool.head_num):
-            pool_table = pool.row_table
-        else:
-            pool_table = RowTable.of(head_views(pool, lo, hi), non_blocking=self.cuda)
-        entry = (layout, pool_table, self._halves(layout.row_bytes))
+        layout = self.parts.layout(hi - lo)
+        entry = (layout, self.parts.table(lo, hi, self.cuda), self._halves(layout.row_bytes))
         self._kv[key] = entry
         return entry
 

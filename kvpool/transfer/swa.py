@@ -114,7 +114,7 @@ class _SWAEndpoint:
             swa_host, problem = check_slots(swa_loc, swa.rows, where, role, name="swa_loc", pool="SWA pool")
         tokens = 0 if swa_host is None else swa_host.shape[0]
         ep = self.swa
-        mine = make_header(self._role, rank, swa, ep.head_start, ep.total_heads, tokens, ep.chunk_bytes,
+        mine = make_header(self._role, rank, ep.header_parts(), ep.head_start, ep.total_heads, tokens, ep.chunk_bytes,
                            layer_ids=ep.layer_ids)  # fmt: skip
         if problem is not None:
             mine = mine.with_error(problem)

@@ -1,8 +1,9 @@
 """What travels between the ranks: the byte layout of one token's rows, and the chunk plan.
 
 A chunk of ``count`` tokens is ``count * token_bytes`` contiguous bytes of the staging buffer, token
-after token; one token is its K row then its V row for every layer in order, each restricted to the
-agreed heads. The staging buffer is addressed as one :class:`RowTable` per half whose buffer ``b`` is a
+after token; one token is, for every layer in order, each of the layer's row parts restricted to the
+agreed heads: its K row then its V row, and for a pool whose rows keep scales beside their codes
+the K scales and the V scales after them (:mod:`kvpool.transfer.parts`). The staging buffer is addressed as one :class:`RowTable` per half whose buffer ``b`` is a
 column band of the token rows (row stride ``token_bytes``), so a chunk of any size is the first
 ``count`` rows of the same table, and its bytes are one contiguous prefix of the half that NCCL or gloo
 sends as one message.
@@ -26,7 +27,7 @@ RAMP_STEPS = 3
 @dataclass(frozen=True)
 class TokenLayout:
     """Byte layout of one token on the wire: ``row_bytes[b]`` bytes at ``offsets[b]`` for buffer
-    ``b`` in the order K(layer 0), V(layer 0), K(layer 1), ..."""
+    ``b`` in the order K(layer 0), V(layer 0), [K scales, V scales (layer 0),] K(layer 1), ..."""
 
     row_bytes: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -37,7 +38,11 @@ class TokenLayout:
         """The layout of ``layer_num`` layers' K and V rows of ``heads`` heads (``head_dim`` and
         ``v_head_dim`` elements of ``element_size`` bytes), packed end to end in the wire order."""
         k, v = heads * head_dim * element_size, heads * v_head_dim * element_size
-        row_bytes = (k, v) * layer_num
+        return cls.of_rows((k, v) * layer_num)
+
+    @classmethod
+    def of_rows(cls, row_bytes: tuple[int, ...]) -> "TokenLayout":
+        """The layout of rows of ``row_bytes`` bytes each, packed end to end in that order."""
         offsets, at = [], 0
         for rb in row_bytes:
             offsets.append(at)
