@@ -1,15 +1,17 @@
 """What ``HybridLinearKVPool`` and ``SWAKVPool`` build their parts as, from SGLang's constructor
 arguments and kvpool's keywords: the ``dtype`` (an FP4 dtype builds SGLang's FP4 pool, as SGLang
 does for ``torch.float4_e2m1fn_x2``), ``kv_scale_mode`` and ``fp4_format``; and what those pools do
-with an FP4 part where it lacks a method of the others (the verify write, calibration). The rules
-are in docs/contract.md, "Selecting it" and "FP4 parts"."""
+with an FP4 part where it lacks a method of the others (the verify write, calibration); and the
+checks and listings both share (layer id lists, buffer registration). The rules are in
+docs/contract.md, "Selecting it" and "FP4 parts"."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from kvpool.checks import non_negative_int
 from kvpool.kernels.store_fp4 import FP4_DTYPE
 from kvpool.kernels.store_kv.checks import check_commit_lens, check_loc_2d, check_prefix_values, check_rows
 from kvpool.kernels.store_kv.naive import prefix_slots
@@ -17,6 +19,7 @@ from kvpool.pools.fp4_base import FP4_DTYPE_NAME, Fp4KVCache
 from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
 from kvpool.pools.mha_fp8_token_pool import check_kv_scale_mode
 from kvpool.pools.nvfp4_scales import FP4_MX_BLOCK16, NVFP4, fp4_format_of
+from kvpool.pools.row_parts import RowPartsCache
 from kvpool.write_types import Scale
 
 #: The kinds of part: the scales each write is given; a scale per token and head
@@ -133,3 +136,26 @@ def fp4_format_name(pool: object) -> Optional[str]:
     if not isinstance(pool, Fp4KVCache):
         return None
     return getattr(pool, "fp4_format", FP4_MX_BLOCK16)
+
+
+def layer_ids(ids: object, name: str) -> tuple[int, ...]:
+    """``ids``, a sequence of distinct non-negative ints naming at least one layer, as a tuple;
+    ``TypeError`` for a non-sequence, ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
+    out = tuple(non_negative_int(x, f"{name}[{i}]") for i, x in enumerate(ids))
+    if not out:
+        raise ValueError(f"{name} must name at least one layer, got none")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must be distinct, got {list(out)}")
+    return out
+
+
+def part_buf_infos(pool: object) -> tuple[list[int], list[int], list[int]]:
+    """Every buffer of a part for registration with a transfer engine, as SGLang lists them:
+    (addresses, byte lengths, bytes per page), every layer's K buffers then V buffers (a part with
+    scales beside its codes: each of its ``part_names`` in turn, the scales after the codes)."""
+    names = pool.part_names if isinstance(pool, RowPartsCache) else ("k_buffer", "v_buffer")
+    bufs = [b for name in names for b in getattr(pool, name)]
+    page = pool.page_size  # type: ignore[attr-defined]
+    return [b.data_ptr() for b in bufs], [b.nbytes for b in bufs], [b[0].nbytes * page for b in bufs]

@@ -23,6 +23,7 @@ from kvpool.pools.built_parts import (
     check_fp4_observe,
     fp4_format_name,
     fp4_prefix_write,
+    layer_ids,
     part_options,
 )
 from kvpool.pools.cpu_copy import KVCpuCopy
@@ -142,14 +143,7 @@ class HybridLinearKVPool:
                 f"enable_kvcache_transpose must be False (kvpool's buffers are [rows, H, D]), "
                 f"got {enable_kvcache_transpose!r}"
             )
-        full = full_attention_layer_ids
-        if isinstance(full, (str, bytes)) or not isinstance(full, Sequence):
-            raise TypeError(f"full_attention_layer_ids must be a sequence of ints, got {type(full).__name__}")
-        ids = tuple(non_negative_int(x, f"full_attention_layer_ids[{i}]") for i, x in enumerate(full))
-        if not ids:
-            raise ValueError("full_attention_layer_ids must name at least one layer, got none")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"full_attention_layer_ids must be distinct, got {list(ids)}")
+        ids = layer_ids(full_attention_layer_ids, "full_attention_layer_ids")
         if mamba_pool is not None:
             if not isinstance(mamba_pool, MambaPool):
                 raise TypeError(f"mamba_pool must be a MambaPool or None, got {type(mamba_pool).__name__}")
