@@ -459,9 +459,9 @@ class SWAKVPool(SWACalibration):
             raise TypeError(f"kv_cache_cpu must be a dict (from get_cpu_copy), got {type(kv_cache_cpu).__name__}")
         if set(kv_cache_cpu) != {"full", "swa"}:
             missing = [k for k in ("full", "swa") if k not in kv_cache_cpu]
-            other = sorted(map(repr, set(kv_cache_cpu) - {"full", "swa"}))
+            other = sorted((k for k in kv_cache_cpu if k not in ("full", "swa")), key=repr)
             raise ValueError(f"kv_cache_cpu must have the keys 'full' and 'swa' (from get_cpu_copy), got keys "
-                             f"{sorted(map(repr, kv_cache_cpu))}: missing {missing}, unexpected [{', '.join(other)}]")  # fmt: skip
+                             f"{sorted(kv_cache_cpu, key=repr)}: missing {missing}, unexpected {other}")  # fmt: skip
         _indices(indices, "indices", 1, self.device)
         n = indices.shape[0]
         for key, pool in (("full", self.full_kv_pool), ("swa", self.swa_kv_pool)):
