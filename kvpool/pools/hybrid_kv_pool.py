@@ -76,7 +76,8 @@ class HybridLinearKVPool:
     enable_memory_saver : must be False (kvpool has no memory saver).
     use_mla, kv_lora_rank, qk_rope_head_dim : an ``MLATokenToKVPool`` inside instead.
     start_layer : SGLang's; kept as ``start_layer`` (layer ids are global either way).
-    v_head_dim, fused, warmup, validate, observe_amax : passed to the inner pool (keyword-only).
+    v_head_dim, fused, warmup, validate, observe_amax : passed to the inner pool (keyword-only; an FP4
+        pool takes no ``warmup``: its kernels compile on the first write).
     kv_scale_mode : ``"static"`` (the scales each write is given) or ``"per_token_head"`` (an FP8
         ``dtype`` with a scale per token and head computed at write time: the inner pool is an
         ``MHATokenToKVPoolFP8PerTokenHead``; MHA only, no ``observe_amax``).
