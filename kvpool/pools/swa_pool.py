@@ -167,7 +167,8 @@ class SWAKVPool(SWACalibration):
             enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, enable_alt_stream=enable_alt_stream,
             enable_kv_cache_copy=enable_kv_cache_copy, fused=fused, validate=validate, **extra,
         )  # fmt: skip
-        part: type = {STATIC: MHATokenToKVPool, PER_TOKEN_HEAD: MHATokenToKVPoolFP8PerTokenHead, FP4: MHATokenToKVPoolFP4}[kind]
+        part: type = {STATIC: MHATokenToKVPool, PER_TOKEN_HEAD: MHATokenToKVPoolFP8PerTokenHead,
+                      FP4: MHATokenToKVPoolFP4}[kind]  # fmt: skip
         if kind != FP4:  # the FP4 kernels compile on first use
             common["warmup"] = warmup
         if kind == STATIC:
@@ -327,7 +328,8 @@ class SWAKVPool(SWACalibration):
     def get_fp4_buffers(self, layer_id: int) -> Union[Fp4Layer, Nvfp4Layer]:
         """FP4 parts: the stored codes and scale bytes of global layer ``layer_id`` (its part's
         ``get_fp4_buffers``: views, an NVFP4 part's with its global scales)."""
-        return self._fp4_route(layer_id, "get_fp4_buffers")[0].get_fp4_buffers(self._route(layer_id)[1])
+        pool, i = self._fp4_route(layer_id, "get_fp4_buffers")
+        return pool.get_fp4_buffers(i)
 
     def set_global_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         """NVFP4 parts: global layer ``layer_id``'s global scales (its part's ``set_global_scales``:
