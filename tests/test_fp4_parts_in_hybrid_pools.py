@@ -162,7 +162,7 @@ def test_the_swa_pools_fp4_parts_store_the_fp4_pools_bytes_at_the_translated_slo
     swa_alone.set_kv_buffer(None, slots(swa_loc), k, v, layer_id_override=1)
     pool.set_kv_buffer(None, slots(loc), k, v, layer_id_override=1)
     full_alone.set_kv_buffer(None, slots(loc), k, v, layer_id_override=0)
-    loc_2d, commit = slots([[3, 4], [9, 7]]), slots([1, 2])
+    loc_2d, commit = slots([[3, 4], [9, 7]]).to(torch.int32), slots([1, 2]).to(torch.int32)  # int32 slots too
     pool.set_kv_buffer_prefix_valid(None, loc_2d, commit, k[:4], v[:4], layer_id_override=0)
     swa_alone.set_kv_buffer(None, slots(translated([3, -1, 9, 7], pairs, FULL_ROWS)), k[:4], v[:4], layer_id_override=0)
     assert_same_parts(pool.swa_kv_pool, swa_alone)
