@@ -83,7 +83,7 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
 
 With ``--dtypes fp8_e4m3_per_token_head`` (or ``fp8_e5m2_per_token_head``) the full-attention part is
 built with ``kv_scale_mode="per_token_head"`` and read from its codes and scales; the FP4 formats are
-refused (``HybridLinearKVPool`` builds no FP4 part).
+refused (the runner rounds its verify block as a bf16, FP8 or per-token-head FP8 part stores it).
 
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
@@ -145,8 +145,8 @@ class Qwen35(Architecture):
     pool_formats = {
         "fp8_e4m3_per_token_head": "",
         "fp8_e5m2_per_token_head": "",
-        "fp4_e2m1": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
-        "nvfp4": "HybridLinearKVPool builds no FP4 full-attention part (its part is MHA, MLA or per-token-head FP8)",
+        "fp4_e2m1": "the runner checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts: its verify block is rounded as those store it, not as FP4",
+        "nvfp4": "the runner checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts: its verify block is rounded as those store it, not as FP4",
     }
 
     def __init__(self, spec_width: Optional[int] = None) -> None:

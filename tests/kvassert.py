@@ -3235,3 +3235,37 @@ def qkv_slices(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     qkv[:, h : 2 * h] = k
     qkv[:, 2 * h :, :dv] = v
     return qkv[:, h : 2 * h], qkv[:, 2 * h :, :dv]
+
+
+# --- FP4 parts of HybridLinearKVPool and SWAKVPool ----------------------------------------------------
+
+#: The FP4 dtype as SGLang spells it (torch's, or SGLang's name on a torch without it).
+FP4_POOL_DTYPE = getattr(torch, "float4_e2m1fn_x2", "fp4_e2m1")
+#: Both FP4 formats, as ``fp4_format`` names them.
+FP4_PART_FORMATS = ["fp4_mx_block16", "nvfp4"]
+FP4_H, FP4_D, FP4_DV = 3, 32, 16  # an odd head count; head dims of two and one scale blocks
+
+
+def fp4_rows(t: int, dim: int, seed: int) -> torch.Tensor:
+    """[t, FP4_H, dim] bf16 on the suite's device, magnitudes spread over 2**-8..2**8 per head."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, FP4_H, dim, generator=g) * torch.exp2(torch.randint(-8, 8, (t, FP4_H, 1), generator=g).float())
+    return x.to(torch.bfloat16).to(DEVICE)
+
+
+def fp4_alone(fmt: str, size: int, layers: int, **kw):
+    """The standalone ``MHATokenToKVPoolFP4`` (reference path) a part of format ``fmt`` should
+    behave as: FP4_H heads, FP4_D / FP4_DV, page size 1."""
+    from kvpool.pools.mha_fp4_pool import MHATokenToKVPoolFP4
+
+    return MHATokenToKVPoolFP4(size, 1, FP4_POOL_DTYPE, FP4_H, FP4_D, layers, DEVICE, v_head_dim=FP4_DV,
+                               fp4_format=fmt, fused="never", **kw)  # fmt: skip
+
+
+def changed_rows(after: list[torch.Tensor], before: list[torch.Tensor]) -> set[int]:
+    """The rows (first index) in which any of ``after`` differs from its ``before``, byte for byte."""
+    rows: set[int] = set()
+    for a, b in zip(after, before, strict=True):
+        differ = (a.view(torch.uint8) != b.view(torch.uint8)).reshape(a.shape[0], -1).any(dim=1)
+        rows.update(int(i) for i in torch.nonzero(differ.cpu()).flatten())
+    return rows

@@ -1,5 +1,6 @@
 """``SWAKVPool``: the KV cache of a model that mixes sliding-window and full-attention layers
-(gpt-oss, Gemma 3, MiMo), as two ``MHATokenToKVPool`` behind one object.
+(gpt-oss, Gemma 3, MiMo), as two ``MHATokenToKVPool`` behind one object (or two per-token-head FP8
+or FP4 pools, as ``built_parts.py`` picks them).
 
 A sliding-window (SWA) layer needs only the last window of each request's K/V, so its pool has
 ``size_swa`` slots where the full-attention layers have ``size``. Callers address both with the
@@ -15,17 +16,29 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of, non_negative_int
+from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of
 from kvpool.kernels.store_kv.writer import translate_slots
+from kvpool.pools.built_parts import (
+    FP4,
+    PER_TOKEN_HEAD,
+    STATIC,
+    fp4_format_name,
+    fp4_prefix_write,
+    layer_ids,
+    part_buf_infos,
+    part_options,
+)
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy
-from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead, check_kv_scale_mode
+from kvpool.pools.mha_fp4_pool import Fp4Layer, MHATokenToKVPoolFP4, Nvfp4Layer
+from kvpool.pools.mha_fp8_token_pool import MHATokenToKVPoolFP8PerTokenHead
 from kvpool.pools.mha_pool import MHATokenToKVPool
-from kvpool.pools.row_parts import PartsCpuCopy
+from kvpool.pools.row_parts import PartsCpuCopy, RowPartsCache
+from kvpool.pools.swa_calibration import SWACalibration
 from kvpool.write_types import Scale
 
-#: What each part of the pool is: ``MHATokenToKVPool``, or with ``kv_scale_mode="per_token_head"``
-#: ``MHATokenToKVPoolFP8PerTokenHead``.
-PartPool = Union[MHATokenToKVPool, MHATokenToKVPoolFP8PerTokenHead]
+#: What each part of the pool is: ``MHATokenToKVPool``; with ``kv_scale_mode="per_token_head"``
+#: ``MHATokenToKVPoolFP8PerTokenHead``; with an FP4 ``dtype`` ``MHATokenToKVPoolFP4``.
+PartPool = Union[MHATokenToKVPool, MHATokenToKVPoolFP8PerTokenHead, MHATokenToKVPoolFP4]
 
 GB = 1024**3
 
@@ -39,7 +52,7 @@ class SWALayerTransferCounters:
     swa: object
 
 
-class SWAKVPool:
+class SWAKVPool(SWACalibration):
     """K/V buffers of a hybrid sliding-window model: ``full_kv_pool`` holds the full-attention
     layers (``size`` slots), ``swa_kv_pool`` the sliding-window layers (``size_swa`` slots), both
     ``MHATokenToKVPool`` with dense layer ids; this object takes global ids and full slots.
@@ -63,12 +76,22 @@ class SWAKVPool:
     kv_scale_mode : ``"static"`` (the scales each write is given) or ``"per_token_head"`` (an FP8
         ``dtype`` with a scale per token and head computed at write time: both pools are
         ``MHATokenToKVPoolFP8PerTokenHead``; no ``observe_amax``).
+    dtype FP4 : ``torch.float4_e2m1fn_x2``, ``"fp4_e2m1"`` or ``"nvfp4"`` makes both pools SGLang's
+        ``MHATokenToKVPoolFP4``; no ``observe_amax``, ``kv_scale_mode`` ``"static"``.
+    fp4_format : an FP4 ``dtype``'s format, ``"fp4_mx_block16"`` or ``"nvfp4"`` (None: from ``dtype``);
+        must be None for any other ``dtype``.
+    k_global_scales, v_global_scales : NVFP4 only: one float for every layer of both pools (default
+        1.0); :meth:`set_global_scales` sets one layer's.
+    out_dtype : what the dequantizing getters of FP4 or per-token-head pools return (None:
+        ``torch.bfloat16``); must be None for any other.
 
     Attributes
     ----------
     full_kv_pool, swa_kv_pool : the two pools.
     layers_mapping : dict, global id -> (dense id, is a SWA layer).
     full_to_swa_index_mapping : the registered mapping, or None.
+    fp4_format, out_dtype : the parts' FP4 format (None unless FP4) and their getters' dtype (None
+        for parts whose getters return their buffers).
     layer_transfer_counter : the registered ``SWALayerTransferCounters`` (a host tier's), or None.
 
     Examples
@@ -104,9 +127,18 @@ class SWAKVPool:
         validate: bool = False,
         observe_amax: bool = False,
         kv_scale_mode: str = "static",
+        fp4_format: Optional[str] = None,
+        k_global_scales: Optional[float] = None,
+        v_global_scales: Optional[float] = None,
+        out_dtype: Optional[torch.dtype] = None,
     ) -> None:
-        per_token_head = check_kv_scale_mode(kv_scale_mode) == "per_token_head"
-        if per_token_head and observe_amax:
+        kind, extra = part_options(dtype, kv_scale_mode, fp4_format, out_dtype, observe_amax, k_global_scales,
+                                   v_global_scales)  # fmt: skip
+        for name, value in (("k_global_scales", k_global_scales), ("v_global_scales", v_global_scales)):
+            if isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be one float for every layer of both parts (set_global_scales sets one "
+                                 f"layer's), got a sequence of {len(value)}")  # fmt: skip
+        if kind == PER_TOKEN_HEAD and observe_amax:
             raise ValueError(
                 "observe_amax must be False with kv_scale_mode='per_token_head' (each row's scale is computed "
                 f"when it is written), got {observe_amax!r}"
@@ -118,9 +150,10 @@ class SWAKVPool:
             )
         if token_to_kv_pool_class is not MHATokenToKVPool:
             got = getattr(token_to_kv_pool_class, "__name__", token_to_kv_pool_class)
-            raise ValueError(f"token_to_kv_pool_class must be MHATokenToKVPool, got {got!r}")
-        swa = _layer_ids(swa_attention_layer_ids, "swa_attention_layer_ids")
-        full = _layer_ids(full_attention_layer_ids, "full_attention_layer_ids")
+            raise ValueError(f"token_to_kv_pool_class must be MHATokenToKVPool (the dtype and kv_scale_mode pick "
+                             f"the parts' kind), got {got!r}")  # fmt: skip
+        swa = layer_ids(swa_attention_layer_ids, "swa_attention_layer_ids")
+        full = layer_ids(full_attention_layer_ids, "full_attention_layer_ids")
         both = sorted(set(swa) & set(full))
         if both:
             raise ValueError(
@@ -132,10 +165,13 @@ class SWAKVPool:
         self.layers_mapping.update({g: (i, True) for i, g in enumerate(swa)})
         common = dict(
             enable_memory_saver=enable_memory_saver, v_head_dim=v_head_dim, enable_alt_stream=enable_alt_stream,
-            enable_kv_cache_copy=enable_kv_cache_copy, fused=fused, warmup=warmup, validate=validate,
+            enable_kv_cache_copy=enable_kv_cache_copy, fused=fused, validate=validate, **extra,
         )  # fmt: skip
-        part: type = MHATokenToKVPoolFP8PerTokenHead if per_token_head else MHATokenToKVPool
-        if not per_token_head:
+        part: type = {STATIC: MHATokenToKVPool, PER_TOKEN_HEAD: MHATokenToKVPoolFP8PerTokenHead,
+                      FP4: MHATokenToKVPoolFP4}[kind]  # fmt: skip
+        if kind != FP4:  # the FP4 kernels compile on first use
+            common["warmup"] = warmup
+        if kind == STATIC:
             common["observe_amax"] = observe_amax
         self.full_kv_pool: PartPool = part(size, page_size, dtype, head_num, head_dim, len(full), device, **common)
         self.swa_kv_pool: PartPool = part(
@@ -145,7 +181,11 @@ class SWAKVPool:
         f = self.full_kv_pool
         self.size, self.size_swa, self.page_size = f.size, self.swa_kv_pool.size, f.page_size
         self.dtype, self.store_dtype, self.device, self.validate = f.dtype, f.store_dtype, f.device, f.validate
-        if not self.validate:  # sliding-window layers' writes read the mapping in their own launch
+        self.fp4_format, self.out_dtype = fp4_format_name(f), getattr(f, "out_dtype", None)
+        #: Whether a sliding-window layer's write hands the mapping to its kernel (the FP4 kernels take
+        #: SWA slots, translated first).
+        self.mapped_writes = kind != FP4
+        if not self.validate and self.mapped_writes:  # sliding-window layers' writes read the mapping in their launch
             self.swa_kv_pool.warm_mapped_writes()
         self.head_num, self.head_dim, self.v_head_dim = f.head_num, f.head_dim, f.v_head_dim
         self.start_layer, self.layer_num = 0, len(full) + len(swa)
@@ -232,8 +272,9 @@ class SWAKVPool:
 
     def _slot_map(self, loc: object, name: str, ndim: int, tokens: object) -> Optional[torch.Tensor]:
         """The mapping for a sliding-window layer's write to read in its own launch (``loc`` checked);
-        None under ``validate``, whose writes translate first (``_swa_slots``) to range-check."""
-        if self.validate:
+        None under ``validate``, whose writes translate first (``_swa_slots``) to range-check, and for
+        FP4 parts, whose writes take translated slots."""
+        if self.validate or not self.mapped_writes:
             return None
         _indices(loc, name, ndim, self.device, tokens)
         return self._mapping("a write to a sliding-window layer")
@@ -284,6 +325,24 @@ class SWAKVPool:
         pool, i, _ = self._route(layer_id)
         return pool.get_kv_buffer(i)
 
+    def get_fp4_buffers(self, layer_id: int) -> Union[Fp4Layer, Nvfp4Layer]:
+        """FP4 parts: the stored codes and scale bytes of global layer ``layer_id`` (its part's
+        ``get_fp4_buffers``: views, an NVFP4 part's with its global scales)."""
+        pool, i = self._fp4_route(layer_id, "get_fp4_buffers")
+        return pool.get_fp4_buffers(i)
+
+    def set_global_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """NVFP4 parts: global layer ``layer_id``'s global scales (its part's ``set_global_scales``:
+        rules and errors; nothing changes on an error)."""
+        pool, i = self._fp4_route(layer_id, "set_global_scales")
+        pool.set_global_scales(i, k_scale, v_scale)
+
+    def _fp4_route(self, layer_id: object, what: str) -> tuple[MHATokenToKVPoolFP4, int]:
+        pool, i, _ = self._route(layer_id)
+        if not isinstance(pool, MHATokenToKVPoolFP4):
+            raise ValueError(f"{what} needs an FP4 dtype, and this pool's dtype is {self.dtype!r}")
+        return pool, i
+
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """(K bytes, V bytes) of both pools together."""
         fk, fv = self.full_kv_pool.get_kv_size_bytes()
@@ -293,11 +352,11 @@ class SWAKVPool:
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The full pool's buffers for registration with a transfer engine, as SGLang lists them:
         (addresses, byte lengths, bytes per page), K buffers of every layer then V buffers."""
-        return _buf_infos(self.full_kv_pool)
+        return part_buf_infos(self.full_kv_pool)
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """The SWA pool's buffers, as ``get_contiguous_buf_infos`` lists the full pool's."""
-        return _buf_infos(self.swa_kv_pool)
+        return part_buf_infos(self.swa_kv_pool)
 
     # --- writes ----------------------------------------------------------------------------------
 
@@ -317,7 +376,8 @@ class SWAKVPool:
         the SWA pool's ``set_kv_buffer``: the same bytes as that write at those slots. A full slot
         with no SWA part writes the SWA padding slot 0; a negative ``loc`` writes nothing. The
         fused kernel reads the mapping itself (one launch, the slots translated inside it); under
-        ``validate`` the slots are range-checked and translated first.
+        ``validate``, and for FP4 parts, the slots are translated first (under ``validate``
+        range-checked too).
 
         Raises
         ------
@@ -359,6 +419,9 @@ class SWAKVPool:
             slot_map = self._slot_map(loc_2d, "loc_2d", 2, None)
             if slot_map is None:
                 loc_2d = self._swa_slots(loc_2d, "loc_2d", 2, None)
+        if isinstance(pool, MHATokenToKVPoolFP4):
+            fp4_prefix_write(pool, i, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale)
+            return
         pool.set_kv_buffer_prefix_valid(
             None, loc_2d, commit_lens, cache_k, cache_v, k_scale, v_scale, layer_id_override=i, slot_map=slot_map
         )
@@ -394,13 +457,17 @@ class SWAKVPool:
         ``"swa"`` rows at their translated SWA slots. Both copies are checked before either is
         written (errors name ``kv_cache_cpu``)."""
         mapping = self._mapping("load_cpu_copy")
-        if not isinstance(kv_cache_cpu, dict) or set(kv_cache_cpu) != {"full", "swa"}:
-            got = sorted(kv_cache_cpu) if isinstance(kv_cache_cpu, dict) else type(kv_cache_cpu).__name__
-            raise TypeError(f"kv_cache_cpu must be a dict with keys 'full' and 'swa' (from get_cpu_copy), got {got}")
+        if not isinstance(kv_cache_cpu, dict):
+            raise TypeError(f"kv_cache_cpu must be a dict (from get_cpu_copy), got {type(kv_cache_cpu).__name__}")
+        if set(kv_cache_cpu) != {"full", "swa"}:
+            missing = [k for k in ("full", "swa") if k not in kv_cache_cpu]
+            other = sorted((k for k in kv_cache_cpu if k not in ("full", "swa")), key=repr)
+            raise ValueError(f"kv_cache_cpu must have the keys 'full' and 'swa' (from get_cpu_copy), got keys "
+                             f"{sorted(kv_cache_cpu, key=repr)}: missing {missing}, unexpected {other}")  # fmt: skip
         _indices(indices, "indices", 1, self.device)
         n = indices.shape[0]
         for key, pool in (("full", self.full_kv_pool), ("swa", self.swa_kv_pool)):
-            if isinstance(pool, MHATokenToKVPoolFP8PerTokenHead):
+            if isinstance(pool, RowPartsCache):
                 pool.check_cpu_copy(kv_cache_cpu[key], n)
                 continue
             rows = (pool.layer_num, n, pool.head_num)
@@ -411,50 +478,6 @@ class SWAKVPool:
         swa = translate_slots(mapping, indices)
         self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)  # type: ignore[arg-type]
         self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)  # type: ignore[arg-type]
-
-    # --- calibration -----------------------------------------------------------------------------
-
-    def observe_amax(self, enabled: bool = True) -> None:
-        """Both pools' ``observe_amax``: every write folds its maxima into its pool's ``kv_amax``."""
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {enabled!r}")
-        self.full_kv_pool.observe_amax(enabled)
-        self.swa_kv_pool.observe_amax(enabled)
-
-    def reset_amax(self) -> None:
-        """Both pools' ``reset_amax``."""
-        self.full_kv_pool.reset_amax()
-        self.swa_kv_pool.reset_amax()
-
-    @property
-    def kv_amax(self) -> Optional[dict[int, torch.Tensor]]:
-        """Each layer's maxima ``[2, heads]`` (K, V) keyed by global layer id (views of the pools'
-        ``kv_amax``), or None before observation was first enabled."""
-        full, swa = self.full_kv_pool.kv_amax, self.swa_kv_pool.kv_amax
-        if full is None or swa is None:
-            return None
-        return {g: (swa if is_swa else full)[i] for g, (i, is_swa) in self.layers_mapping.items()}
-
-    def calibrated_scales(
-        self, margin: float = 1.0, per_head: bool = False, dtype: Optional[torch.dtype] = None
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's calibrated ``(k_scale, v_scale)`` from its own pool's
-        ``MHATokenToKVPool.calibrated_scales`` (same rule, arguments and errors), keyed by global
-        layer id."""
-        full = self.full_kv_pool.calibrated_scales(margin, per_head, dtype)
-        swa = self.swa_kv_pool.calibrated_scales(margin, per_head, dtype)
-        return {g: (swa if is_swa else full)[i] for g, (i, is_swa) in sorted(self.layers_mapping.items())}
-
-
-def _layer_ids(ids: object, name: str) -> tuple[int, ...]:
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
-    out = tuple(non_negative_int(x, f"{name}[{i}]") for i, x in enumerate(ids))
-    if not out:
-        raise ValueError(f"{name} must name at least one layer, got none")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{name} must be distinct, got {list(out)}")
-    return out
 
 
 def _indices(
@@ -467,14 +490,3 @@ def _indices(
         ndim = t.dim()
     check_index(t, name, dtypes=INDEX_DTYPES, ndim=ndim, device=device,
                 length=length if isinstance(length, int) else None, per=per)  # fmt: skip
-
-
-def _buf_infos(pool: PartPool) -> tuple[list[int], list[int], list[int]]:
-    """Every buffer of ``pool`` (a per-token-head pool's scales after its codes)."""
-    names = pool.part_names if isinstance(pool, MHATokenToKVPoolFP8PerTokenHead) else ("k_buffer", "v_buffer")
-    bufs = [b for name in names for b in getattr(pool, name)]
-    return (
-        [b.data_ptr() for b in bufs],
-        [b.nbytes for b in bufs],
-        [b[0].nbytes * pool.page_size for b in bufs],
-    )

@@ -237,7 +237,7 @@ def make_pool(
     )  # fmt: skip
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
     mode = "static"
-    if isinstance(dtype, PoolFormat):  # the per-token-head formats (the hybrid pool has no FP4 part)
+    if isinstance(dtype, PoolFormat):  # the per-token-head formats (this runner runs no FP4 part)
         if dtype.kind != "token_head":
             raise ValueError(f"dtype must be a per-token-head format or a torch dtype for the hybrid pool, got {dtype.name}")
         dtype, mode = dtype.fp8, "per_token_head"  # type: ignore[assignment]

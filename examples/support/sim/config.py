@@ -237,7 +237,7 @@ class SimConfig:
             if self.dtype in FP4_DTYPES and self.model in MLA_MODELS:
                 why = "MLATokenToKVPoolFP4 stores exponent scales only"
             elif self.dtype in FP4_DTYPES:
-                why = "HybridLinearKVPool and SWAKVPool build no FP4 part"
+                why = "the simulation checks FP4 rows of the MHA and MLA pools, not of HybridLinearKVPool's or SWAKVPool's FP4 parts"
             else:
                 why = "the simulation checks per-token-head rows in the MHA pool only"
             raise ValueError(f"{what} runs with --model {' or '.join(models)} ({why}), got --model {self.model}")
