@@ -24,7 +24,7 @@ from transfer_ranks import free_port, spawn
 
 SENDER_MAP = {1: 7, 2: 11, 5: 1, 9: 4}  # full slot 3 has no SWA part
 RECEIVER_MAP = {10: 3, 11: 5, 12: 6, 13: 8}  # full slot 14 has none
-DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp4": "fp4_e2m1"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class SWACase:
     recv_swa: Optional[list[int]] = None
     dtype: str = "fp8"
     kv_scale_mode: str = "static"  # both ranks' pools ("per_token_head": scales beside the codes)
+    v_head_dim: int = 8  # both ranks' (an FP4 part's a multiple of 16)
     receiver: dict = field(default_factory=dict)
     mapped: tuple[bool, bool] = (True, True)
     expect: Optional[tuple[str, str]] = None
@@ -62,6 +63,9 @@ CASES = [
     SWACase("both_parts_per_token_head_fp8", [1, 2, 5, 9], [10, 11, 12, 13], kv_scale_mode="per_token_head"),
     SWACase("per_token_head_to_static", [1], [10], kv_scale_mode="per_token_head",
             receiver=dict(kv_scale_mode="static"), expect=("ValueError", "sliding-window part: kv_format mismatch")),
+    SWACase("both_parts_fp4", [1, 2, 5, 9], [10, 11, 12, 13], dtype="fp4", v_head_dim=16),
+    SWACase("fp4_to_nvfp4", [1], [10], dtype="fp4", v_head_dim=16, receiver=dict(fp4_format="nvfp4"),
+            expect=("ValueError", "sliding-window part: kv_format mismatch")),
     SWACase("in_step_afterwards", [9, 5], [12, 13]),
 ]
 
@@ -73,7 +77,8 @@ def make_pool(case: SWACase, rank: int, salt: int, device: str):
 
     kw = {"kv_scale_mode": case.kv_scale_mode, **(case.receiver if rank == 1 else {})}
     swa, full = kw.pop("swa", SWA_LAYERS), kw.pop("full", FULL_LAYERS)
-    pool = SWAKVPool(24, 12, 1, DTYPES[case.dtype], 3, 16, swa, full, False, device, v_head_dim=8, warmup=False, **kw)
+    pool = SWAKVPool(24, 12, 1, DTYPES[case.dtype], 3, 16, swa, full, False, device, v_head_dim=case.v_head_dim,
+                     warmup=False, **kw)  # fmt: skip
     g = torch.Generator().manual_seed(salt)
     for b in (b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in buffers(p)):
         b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from kvassert import INTERPRETER, NVFP4_GLOBAL_SCALES
 from transfer_ranks import free_port, spawn
 
-SCALED = ("fp4", "nvfp4", "mla_fp4", "fp8_token_head", "hybrid_token_head")
+SCALED = ("fp4", "nvfp4", "mla_fp4", "fp8_token_head", "hybrid_token_head", "hybrid_nvfp4")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ CASES = [
     ScaledCase("mla_fp4", Side("mla_fp4", heads=1), Side("mla_fp4", heads=1)),
     ScaledCase("fp8_per_token_head", Side("fp8_token_head"), Side("fp8_token_head", chunk_bytes=2 * 120)),
     ScaledCase("hybrid_per_token_head", Side("hybrid_token_head"), Side("hybrid_token_head")),
+    ScaledCase("hybrid_nvfp4_to_nvfp4", Side("hybrid_nvfp4"), Side("nvfp4", page_size=4)),
     ScaledCase("fp4_mx_heads_1_to_3_of_3", Side("fp4"), Side("fp4", heads=2, head_start=1, total_heads=3)),
     ScaledCase("nvfp4_heads_0_to_2_into_all", Side("nvfp4", heads=2, total_heads=3), Side("nvfp4")),
     ScaledCase("per_token_head_heads_2_to_3_of_3", Side("fp8_token_head"),
@@ -91,6 +92,9 @@ def make_pool(side: Side, device: str):
     if side.kind == "fp8_token_head":
         return MHATokenToKVPoolFP8PerTokenHead(20, side.page_size, torch.float8_e4m3fn, h, 8, 2, device,
                                                v_head_dim=4, warmup=False, **common)  # fmt: skip
+    if side.kind == "hybrid_nvfp4":
+        return HybridLinearKVPool(20, "nvfp4", side.page_size, h, 32, list(LAYERS), False, device, None,
+                                  v_head_dim=16, warmup=False, **side.global_scales)  # fmt: skip
     if side.kind == "hybrid_token_head":
         return HybridLinearKVPool(20, torch.float8_e4m3fn, side.page_size, h, 8, list(LAYERS), False, device, None,
                                   v_head_dim=4, warmup=False, kv_scale_mode="per_token_head")  # fmt: skip
@@ -128,7 +132,7 @@ def build(side: Side, salt: int, loc: tuple[int, ...], device: str):
             rows = torch.randn(len(loc), 1, 48, generator=g).to(torch.bfloat16).to(device)
             pool.set_kv_buffer(None, slots, rows, None, layer_id_override=layer)
             continue
-        d, dv = (32, 16) if side.kind in ("fp4", "nvfp4") else (8, 4)
+        d, dv = (32, 16) if side.kind in ("fp4", "nvfp4", "hybrid_nvfp4") else (8, 4)
         k = (3 * torch.randn(len(loc), side.heads, d, generator=g)).to(torch.bfloat16).to(device)
         v = (3 * torch.randn(len(loc), side.heads, dv, generator=g)).to(torch.bfloat16).to(device)
         pool.set_kv_buffer(None, slots, k, v, layer_id_override=layer)
