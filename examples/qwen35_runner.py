@@ -82,8 +82,9 @@ float32 right after ``torch.manual_seed(S)``, so anyone can rebuild it and compa
 ``host_loaded_states``, ...) and tier checks, as the Llama runner's ``--json`` writes them.
 
 With ``--dtypes fp8_e4m3_per_token_head`` (or ``fp8_e5m2_per_token_head``) the full-attention part is
-built with ``kv_scale_mode="per_token_head"`` and read from its codes and scales; the FP4 formats are
-refused (the runner rounds its verify block as a bf16, FP8 or per-token-head FP8 part stores it).
+built with ``kv_scale_mode="per_token_head"`` and read from its codes and scales; with ``fp4_e2m1`` or
+``nvfp4`` it stores SGLang's FP4 or NVFP4 and its getters dequantize. The speculative runs take plain
+dtypes only (``--spec-dtypes``: the verify block is rounded as a plain or FP8 part stores it).
 
     python examples/qwen35_runner.py                                  # tiny config, a few seconds on a CPU
     python examples/qwen35_runner.py --head-dim 256 --spec-width 6 --json out.json
@@ -145,8 +146,8 @@ class Qwen35(Architecture):
     pool_formats = {
         "fp8_e4m3_per_token_head": "",
         "fp8_e5m2_per_token_head": "",
-        "fp4_e2m1": "the runner checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts: its verify block is rounded as those store it, not as FP4",
-        "nvfp4": "the runner checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts: its verify block is rounded as those store it, not as FP4",
+        "fp4_e2m1": "",
+        "nvfp4": "",
     }
 
     def __init__(self, spec_width: Optional[int] = None) -> None:

@@ -1,6 +1,6 @@
 """The model runners on the pools that keep scales beside their codes, at a tiny size on the CPU: Llama
 on SGLang's FP4 (``fp4_e2m1``), NVFP4 and per-token-head FP8 (and on the fnuz FP8 dtypes), DeepSeek-V3 on the FP4 MLA pool, Qwen3.5
-on per-token-head FP8 in its hybrid pool. Each run's tokens are identical to HF generating through a
+on FP4, NVFP4 and per-token-head FP8 as its hybrid pool's full-attention part. Each run's tokens are identical to HF generating through a
 cache that rounds K/V by the format's rule (written apart from kvpool, in
 examples/support/runners/formats.py, and checked here bit for bit against what the pools read back),
 the agreement with plain HF and the K/V round-trip errors are reported, the fused writes (Triton's
@@ -35,7 +35,7 @@ DEEPSEEK = deepseek_runner.RunConfig(
 )
 QWEN = replace(
     runners.RunConfig(shape=qwen35_runner.SHAPES["tiny"], device="cpu", **qwen35_runner.RUN_DEFAULTS),
-    pool_dtypes=("fp32", "fp8_e4m3_per_token_head", "fp8_e5m2_per_token_head"), calibrate=False,
+    pool_dtypes=("fp32", "fp4_e2m1", "nvfp4", "fp8_e4m3_per_token_head", "fp8_e5m2_per_token_head"), calibrate=False,
 )  # fmt: skip
 
 
@@ -84,9 +84,9 @@ def test_deepseek_on_the_fp4_mla_pool_generates_what_the_rounded_reference_gener
         assert type(pool).__name__ == "MLATokenToKVPoolFP4" and pool.out_dtype == torch.float32
 
 
-def test_qwen35_on_per_token_head_fp8_generates_what_the_rounded_reference_generates():
+def test_qwen35_on_fp4_nvfp4_and_per_token_head_parts_generates_what_the_rounded_reference_generates():
     rep = qwen35_runner.run(QWEN, qwen35_runner.QwenOptions(spec_width=None, spec_dtypes=()))
-    _check(rep, ("fp8_e4m3_per_token_head", "fp8_e5m2_per_token_head"))
+    _check(rep, ("fp4_e2m1", "nvfp4", "fp8_e4m3_per_token_head", "fp8_e5m2_per_token_head"))
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -160,13 +160,11 @@ def test_round_trip_errors_order_the_formats_on_gaussian_rows():
     [
         (deepseek_runner, ["--config", "tiny", "--dtypes", "nvfp4"], "MLATokenToKVPoolFP4 stores exponent scales only"),
         (deepseek_runner, ["--config", "tiny", "--dtypes", "fp8_e4m3_per_token_head"], "no per-token-head MLA pool"),
-        (qwen35_runner, ["--config", "tiny", "--dtypes", "fp4_e2m1"], "checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts"),
-        (qwen35_runner, ["--config", "tiny", "--dtypes", "nvfp4"], "checks HybridLinearKVPool with bf16, FP8 or per-token-head FP8 parts"),
         (load_example("gemma3_runner"), ["--dtypes", "fp4_e2m1"], "gemma3_runner: no pool of this format"),
         (llama_runner, ["--config", "tiny", "--dtypes", "fp4_e2m1", "--prefix-cache", "--host-tier"],
          "runs without --host-tier"),
     ],
-    ids=["deepseek-nvfp4", "deepseek-token-head", "qwen-fp4", "qwen-nvfp4", "gemma3-fp4", "llama-host-tier"],
+    ids=["deepseek-nvfp4", "deepseek-token-head", "gemma3-fp4", "llama-host-tier"],
 )  # fmt: skip
 def test_a_format_a_model_has_no_pool_for_is_refused_before_the_model_is_built(runner, argv, message, capsys):
     assert runner.main([*argv, "--device", "cpu"]) == 2

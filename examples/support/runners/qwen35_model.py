@@ -226,8 +226,9 @@ def make_pool(
     requests, and a request table of ``cfg.batch`` rows with a state slot each (``spec_steps`` verify
     steps of scratch per batch position). With ``cfg.prefix_cache`` (and no ``spec_steps``) as many
     state slots again for the tree's snapshots, and with pages above one token two track slots per
-    request (``enable_mamba_extra_buffer``). A per-token-head ``PoolFormat`` gives the KV pool's
-    full-attention part a scale per token and head (``kv_scale_mode="per_token_head"``)."""
+    request (``enable_mamba_extra_buffer``). A ``PoolFormat`` gives the KV pool's full-attention
+    part a scale per token and head (``kv_scale_mode="per_token_head"``) or SGLang's FP4 or NVFP4
+    codes and block scales, its getters dequantizing to the model's dtype (not for a speculative run)."""
     g = hybrid_geometry(model)
     tracks = cfg.prefix_cache and spec_steps is None and cfg.page_size > 1
     states = cfg.batch if not cfg.prefix_cache else 2 * cfg.batch * (3 if tracks else 1)  # half for the tree's snapshots
@@ -236,14 +237,20 @@ def make_pool(
         cache_params=state_params(model), enable_mamba_extra_buffer=tracks, speculative_num_draft_tokens=spec_steps,
     )  # fmt: skip
     pages = cfg.batch * -(-cfg.max_context_len // cfg.page_size)
-    mode = "static"
-    if isinstance(dtype, PoolFormat):  # the per-token-head formats (this runner runs no FP4 part)
-        if dtype.kind != "token_head":
-            raise ValueError(f"dtype must be a per-token-head format or a torch dtype for the hybrid pool, got {dtype.name}")
-        dtype, mode = dtype.fp8, "per_token_head"  # type: ignore[assignment]
+    kw: dict[str, Any] = {}
+    if isinstance(dtype, PoolFormat):
+        if spec_steps is not None:
+            raise ValueError(f"dtype must be a torch dtype for a speculative run (its verify block is rounded as a "
+                             f"plain or FP8 part stores it), got {dtype.name}")  # fmt: skip
+        kw["out_dtype"] = next(model.parameters()).dtype  # the getters dequantize to the model's dtype
+        if dtype.kind == "token_head":
+            dtype, kw["kv_scale_mode"] = dtype.fp8, "per_token_head"  # type: ignore[assignment]
+        else:  # SGLang's FP4 (exponent scales) or NVFP4 (global scales 1.0)
+            kw["fp4_format"] = "fp4_mx_block16" if dtype.kind == "fp4" else "nvfp4"
+            dtype = "fp4_e2m1"  # type: ignore[assignment]
     kv = HybridLinearKVPool(
         pages * cfg.page_size, dtype, cfg.page_size, g.kv_heads, g.head_dim, g.full_layers, False, cfg.device,
-        table.mamba_pool, kv_scale_mode=mode,
+        table.mamba_pool, **kw,
     )  # fmt: skip
     return HybridPools(kv, table)
 
