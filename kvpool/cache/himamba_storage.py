@@ -30,7 +30,8 @@ from kvpool.cache.himamba_host import HOST_STATE, HostState
 from kvpool.cache.key import encoded
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import STATE
-from kvpool.cache.storage_tier import PrefetchOp, StorageTier, StorageTierStats
+from kvpool.cache.storage_records import PrefetchOp, StorageTierStats
+from kvpool.cache.storage_tier import StorageTier
 from kvpool.storage.keys import state_geometry, state_key
 
 

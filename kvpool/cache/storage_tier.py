@@ -31,7 +31,6 @@ are done, the workers joined, and storage work asked for afterwards is refused.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any, Optional
@@ -44,45 +43,12 @@ from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STORAGE, PageKeys
 from kvpool.cache.storage_events import StorageEvents, storage_medium
 from kvpool.cache.storage_integrity import storage_problems
+from kvpool.cache.storage_records import PrefetchOp, StorageTierStats
 from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
 from kvpool.cache.storage_workers import StorageWorkers
 from kvpool.checks import non_negative_seconds
 from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys, token_array
-
-@dataclasses.dataclass
-class StorageTierStats:
-    """What the storage tier did: pages stored by write-through, write batches that failed (False or
-    raised), pages not written while backing off, prefetches started and failed, pages read, tokens
-    that entered the host tier from storage, and fetched tokens dropped (in the tree already, their
-    prefix gone meanwhile, or no host room)."""
-
-    pages_written: int = 0
-    write_failures: int = 0
-    writes_skipped: int = 0
-    prefetches: int = 0
-    prefetch_failures: int = 0
-    pages_read: int = 0
-    tokens_loaded: int = 0
-    tokens_dropped: int = 0
-
-
-class PrefetchOp:
-    """One request's prefetch: the whole key as bytes (``enc``, the match's host part then the new
-    tokens), where the fetched part starts (``start``, bytes), its page keys, the held host copy of
-    the node it continues, the pages the worker has read so far, and what a subclass's ``fetch``
-    read beside them (``beside``: a hybrid model's state)."""
-
-    __slots__ = ("enc", "start", "keys", "extra", "node", "copy", "started", "pages", "beside", "finished", "terminated")
-
-    def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, node: TreeNode, copy: Any) -> None:
-        self.enc, self.start, self.keys, self.extra, self.node, self.copy = enc, start, keys, extra, node, copy
-        self.started = time.monotonic()
-        self.pages: list[torch.Tensor] = []
-        self.beside: Optional[torch.Tensor] = None
-        self.finished = False
-        self.terminated = False
-
 
 class StorageTier:
     """The storage room of one ``HiRadixCache`` (made by the cache; see the module).
