@@ -47,7 +47,7 @@ import peers  # noqa: E402
 from timing import DryClock, GpuClock, same_bytes_copy_gbps  # noqa: E402
 
 from kvpool import MLATokenToKVPool, quantize, reference_set_kv_buffer  # noqa: E402
-from kvpool.kernels.store_kv.writer import storage_view  # noqa: E402
+from kvpool.kernels.store_kv.layout import storage_view  # noqa: E402
 from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
 
 R, ROPE, W = 512, 64, 576  # DeepSeek-V3 / R1, Kimi K2

@@ -38,7 +38,8 @@ from kvpool.kernels.state_commit import kernel as state_commit_kernel
 from kvpool.kernels.store_kv import writer as store_kv
 from kvpool.kernels.store_kv import kernel as store_kv_kernel
 from kvpool.kernels.copy_rows import RowTable
-from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.kernels.store_kv.layout import storage_view
+from kvpool.kernels.store_kv.writer import KVWriter
 from kvpool.write_types import FUNCTION_NAMES, Geometry
 
 

@@ -16,7 +16,8 @@ from kvassert import (
     poison_,
 )
 from kvpool import reference_set_kv_buffer
-from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.kernels.store_kv.layout import storage_view
+from kvpool.kernels.store_kv.writer import KVWriter
 from kvpool.write_types import FUNCTION_NAMES, Geometry
 
 

@@ -17,7 +17,8 @@ import torch
 
 from kvassert import bits, gpu, poison_
 from kvpool.config import KernelOptions
-from kvpool.kernels.store_kv.writer import native_cast_ok, storage_view, writer_for
+from kvpool.kernels.store_kv.layout import native_cast_ok, storage_view
+from kvpool.kernels.store_kv.writer import writer_for
 from kvpool.write_types import FUNCTION_NAMES
 
 pytestmark = [gpu]

@@ -30,7 +30,8 @@ from kvassert import (
 from kvpool import reference_set_kv_buffer
 from kvpool.kernels.store_kv import writer as store_kv
 from kvpool.kernels.store_kv import kernel as store_kv_kernel
-from kvpool.kernels.store_kv.writer import KVWriter, storage_view
+from kvpool.kernels.store_kv.layout import storage_view
+from kvpool.kernels.store_kv.writer import KVWriter
 from kvpool.write_types import FUNCTION_NAMES, Geometry
 from kvpool.kernels.store_kv.checks import write_key
 from kvpool.kernels.store_kv.plan import CHUNK, JOINED, PER_HEAD, ROW, ROW_JOINED, LaunchPlan, plan_write

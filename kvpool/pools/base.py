@@ -28,7 +28,8 @@ from kvpool.config import FusedMode, fused_mode, validate_enabled
 from kvpool.errors import FusedPathUnavailable
 from kvpool.kernels.copy_rows import RowTable, checked_copy
 from kvpool.kernels.formats import CACHE_DTYPES, FP8_FORMATS, INPUT_DTYPES, LOC_DTYPES, is_fp8, store_dtype_for
-from kvpool.kernels.store_kv.writer import KVWriter, PathStats, parts_of_one_row
+from kvpool.kernels.store_kv.layout import parts_of_one_row
+from kvpool.kernels.store_kv.writer import KVWriter, PathStats
 from kvpool.pools.cpu_copy import KVCpuCopy, check_cpu_copy, copy_rows_from_host, copy_rows_to_host
 from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, Geometry, Scale
 

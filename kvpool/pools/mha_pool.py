@@ -11,7 +11,7 @@ from kvpool.checks import check_index
 from kvpool.kernels.formats import LOC_DTYPES
 from kvpool.kernels.store_kv.checks import check_write
 from kvpool.kernels.store_kv.op import store_kv_op
-from kvpool.kernels.store_kv.writer import translate_slots
+from kvpool.kernels.store_kv.layout import translate_slots
 from kvpool.pools.base import HasLayerId, KVCache, check_sglang_keywords, head_geometry
 from kvpool.write_types import POOL_NAMES, ArgNames, Geometry, Scale
 

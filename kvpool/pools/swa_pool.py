@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvpool.checks import INDEX_DTYPES, check_in_range, check_index, layer_id_of
-from kvpool.kernels.store_kv.writer import translate_slots
+from kvpool.kernels.store_kv.layout import translate_slots
 from kvpool.pools.built_parts import (
     FP4,
     PER_TOKEN_HEAD,

@@ -13,7 +13,8 @@ from kvpool.kernels.fused_path import buffers_verdict, takes_fused_path
 from kvpool.kernels.gate import Verdict
 from kvpool.kernels.launch import TRITON_AVAILABLE, next_pow2
 from kvpool.kernels.store_fp8_token.naive import write_token_head_reference
-from kvpool.kernels.store_kv.writer import PathStats, native_cast_ok
+from kvpool.kernels.store_kv.layout import native_cast_ok
+from kvpool.kernels.store_kv.writer import PathStats
 
 if TRITON_AVAILABLE:
     from kvpool.kernels.store_fp8_token.kernel import store_fp8_token_kv

@@ -21,7 +21,8 @@ from kvpool.config import KernelOptions, validate_enabled
 from kvpool.kernels.launch import Tile
 from kvpool.kernels.store_kv.checks import check_cache_pair
 from kvpool.kernels.store_kv.plan import AUTO
-from kvpool.kernels.store_kv.writer import storage_view, writer_for
+from kvpool.kernels.store_kv.layout import storage_view
+from kvpool.kernels.store_kv.writer import writer_for
 from kvpool.write_types import FUNCTION_NAMES, POOL_NAMES, Scale
 
 # --- the custom operators ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from kvpool.checks import check_index, resolve_device
 from kvpool.config import KernelOptions
 from kvpool.errors import FusedPathUnavailable
-from kvpool.kernels.formats import LOC_DTYPES, OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8, store_dtype_for
+from kvpool.kernels.formats import LOC_DTYPES, OUT_KIND, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_VALUE, is_fp8
 from kvpool.kernels.gate import cache_verdict, input_verdict
 from kvpool.kernels.launch import (
     INTERPRETER,
@@ -40,6 +40,14 @@ from kvpool.kernels.launch import (
     kernel_params,
 )
 from kvpool.kernels.store_kv.checks import PLAIN_WRITE, check_prefix_values, check_values, check_write
+from kvpool.kernels.store_kv.layout import (
+    I32_LIMIT,
+    MAPPED_KEY,
+    maps_in_kernel,
+    native_cast_ok,
+    parts_of_one_row,
+    translate_slots,
+)
 from kvpool.kernels.store_kv.naive import write_reference
 from kvpool.kernels.store_kv.plan import AUTO, BAND_TOKENS, TOKEN_BANDS, LaunchPlan, plan_write
 from kvpool.write_types import F32_MAX, F32_MIN_NORMAL, ArgNames, Geometry, Scale
@@ -52,7 +60,6 @@ logger = logging.getLogger("kvpool")
 
 _F32 = torch.float32
 _Tensor = torch.Tensor
-_I32_LIMIT = 2**31
 
 #: The kernel's parameters in signature order, in three parts: those that change from call to call,
 #: those fixed for a kind of call (the plan's view of the strides), and the compile-time constants.
@@ -175,7 +182,7 @@ class KVWriter:
         # inputs' and loc's (per kind of call, from the strides; the largest T is kept).
         self._i32_ok = max(
             _span(capacity, g.heads, g.head_dim, k_strides), _span(capacity, g.v_heads, g.v_head_dim, v_strides)
-        ) < _I32_LIMIT
+        ) < I32_LIMIT
         self._dims = (g.heads, g.head_dim, g.v_heads, g.v_head_dim)
         self._device = g.device
         self._entries: dict[tuple, _Entry] = {}
@@ -432,49 +439,19 @@ class KVWriter:
         if not self._i32_ok:
             return 0
         g = self.geometry
-        limit = _I32_LIMIT - 1
+        limit = I32_LIMIT - 1
         bounds = [
             (limit - (g.heads - 1) * kst[1] - (g.head_dim - 1) * kst[2], kst[0]),
             (limit - (g.v_heads - 1) * vst[1] - (g.v_head_dim - 1) * vst[2], vst[0]),
             (limit, sum(lst)),  # a [bs, width] loc too: each of its indices is at most T - 1
         ]
-        most = _I32_LIMIT
+        most = I32_LIMIT
         for room, step in bounds:
             if room < 0:
                 return 0
             if step > 0:
                 most = min(most, room // step + 1)
         return most
-
-
-#: The last entry of the key of a call whose slots go through a slot map.
-MAPPED_KEY = "slot_map"
-
-
-def maps_in_kernel(slot_map: torch.Tensor, device: torch.device) -> bool:
-    """Whether the kernel can read ``slot_map`` itself: one contiguous int64 dimension on the
-    writer's device, short enough for 32-bit offsets."""
-    return (
-        slot_map.dtype == torch.int64 and slot_map.dim() == 1 and slot_map.stride(0) == 1
-        and slot_map.device == device and slot_map.shape[0] < _I32_LIMIT
-    )  # fmt: skip
-
-
-def translate_slots(slot_map: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    """``slot_map[s]`` for each entry ``s`` of ``loc`` in ``[0, len(slot_map))``, -1 for any other
-    (int64, ``loc``'s shape): what a mapped write writes, as one clamp, one gather and one select,
-    no synchronisation, whatever the map's last entry.
-
-    >>> translate_slots(torch.tensor([0, 5, 0, 7, -1]), torch.tensor([1, 3, -1, 9, 2]))
-    tensor([ 5,  7, -1, -1,  0])
-    >>> translate_slots(torch.tensor([3, 6]), torch.tensor([-1, 1, 2]))
-    tensor([-1,  6, -1])
-    """
-    m = slot_map.shape[0]
-    if m == 0:
-        return torch.full(loc.shape, -1, dtype=torch.int64, device=loc.device)
-    inside = (loc >= 0) & (loc < m)
-    return torch.where(inside, slot_map[loc.clamp(0, m - 1)], -1)
 
 
 def _view(plan: LaunchPlan, kst: Sequence[int], vst: Sequence[int]) -> tuple:
@@ -493,29 +470,6 @@ def _span(rows: int, heads: int, head_dim: int, strides: Sequence[int]) -> int:
 def _heads_contiguous(heads: int, head_dim: int, strides: Sequence[int]) -> bool:
     """Whether a [rows, heads, head_dim] tensor with these strides lays each row's heads end to end."""
     return heads == 1 or strides[1] == head_dim * strides[2]
-
-
-@functools.lru_cache(maxsize=None)
-def native_cast_ok(device: torch.device) -> bool:
-    """Whether Triton's own fp32->fp8/bf16 conversion is exact here: NVIDIA sm_89+ (cvt.rn.satfinite).
-    Elsewhere (interpreter, AMD, older NVIDIA) the kernel encodes with integer operations."""
-    if INTERPRETER or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def storage_view(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as the kernel addresses it: FP8 as its uint8 bytes (a view, never a copy)."""
-    store = store_dtype_for(cache.dtype)
-    return cache if store == cache.dtype else cache.view(store)
-
-
-def parts_of_one_row(geometry: Geometry, k_strides: Sequence[int], v_strides: Sequence[int]) -> bool:
-    """Whether K and V caches with these strides are the two column parts of one row buffer, as an
-    MLA pool's latent and rotary views are: one head each, and a row stride of the whole row. Such
-    caches take joined plans, whether a pool's eager write or the custom operator writes them."""
-    g = geometry
-    return g.heads == g.v_heads == 1 and k_strides[0] == v_strides[0] == g.head_dim + g.v_head_dim
 
 
 @functools.lru_cache(maxsize=64)
