@@ -8,7 +8,10 @@
 #   bench     every one-GPU benchmark, one after another, each under its own time budget (--budget-s,
 #             and a timeout a little past it): the write (host time, sizes, moves), the write's plan
 #             sweep, its sliding-window layer, its FP4 / NVFP4 / per-token-head FP8 formats, the MLA
-#             write, the host tier, the Llama and Qwen3.5 runners, the first call, the state pool.
+#             write, the host tier, the Llama and Qwen3.5 runners, the first call, the state pool, the
+#             allocators (against SGLang's where its wheel is at $SGLANG_WHEEL, default
+#             .sgl/sglang-0.5.9-py3-none-any.whl), the storage backends on this host's disk and cores,
+#             and the time to first token from storage against recomputing.
 #             Reports go to $WORK/bench/NAME.{json,md,png} and all of them into $OUT/bench.tar.gz.
 #             The quick plan sweep takes under 10 minutes; FULL=1 runs the full one.
 #   examples  the examples on CUDA: the serving simulation (MHA, MLA, hybrid, calibration), the
@@ -38,6 +41,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEP_LIMIT="${STEP_LIMIT:-420}"
 TWO_GPU_TESTS="tests/test_gpu_transfer.py"
+# Transfer tests whose two-GPU cases (NCCL, CUDA IPC) skip on one GPU; the transfer stage runs them.
+TWO_GPU_CASES="tests/test_transfer_scaled_pools.py tests/test_swa_transfer_between_ranks.py"
 status=0
 
 step() {  # step NAME LIMIT CMD...: run under a time limit, log, remember a failure, go on
@@ -88,6 +93,10 @@ for stage in ${*:-tests bench examples}; do
       bench runner-qwen3.5 45 bench_runner.py --model qwen3.5 --batches 1 8 --spec-widths 4 --steps 10 --warmup 2 --profile-steps 0
       bench first-call 30 bench_first_call.py
       bench state 25 bench_state.py
+      sglang=(); [ -f "${SGLANG_WHEEL:-.sgl/sglang-0.5.9-py3-none-any.whl}" ] && sglang=(--sglang-wheel "${SGLANG_WHEEL:-.sgl/sglang-0.5.9-py3-none-any.whl}")
+      bench allocators 150 bench_allocators.py "${quick[@]}" "${sglang[@]}"
+      bench storage 90 bench_storage.py "${quick[@]}"
+      bench storage-ttft 120 bench_storage.py --backends none --ttft llama,qwen3.5
       tar -czf "$OUT/bench.tar.gz" -C "$WORK" bench && echo "=== reports: $OUT/bench.tar.gz ($(ls "$WORK/bench" | wc -l) files)" | tee -a "$LOG" ;;
     examples)
       step serve_sim "$STEP_LIMIT" python3 examples/serve_sim.py
@@ -103,7 +112,7 @@ for stage in ${*:-tests bench examples}; do
       step qwen35_runner "$STEP_LIMIT" python3 examples/qwen35_runner.py --config 397b-4layer --device cuda --model-dtype bf16 \
         --dtypes bf16 fp8_e4m3 --spec-dtypes bf16 fp8_e4m3 --page-size 64 ;;
     transfer)  # one test at a time: each uses both GPUs
-      step transfer_tests "$STEP_LIMIT" python3 -m pytest -v -p no:cacheprovider -rfEs "$TWO_GPU_TESTS"
+      step transfer_tests "$STEP_LIMIT" python3 -m pytest -v -p no:cacheprovider -rfEs "$TWO_GPU_TESTS" $TWO_GPU_CASES
       step disagg "$STEP_LIMIT" python3 examples/disagg_sim.py
       step disagg_qwen35 "$STEP_LIMIT" python3 examples/disagg_sim.py --model qwen3.5
       rm -rf "$WORK/transfer"; mkdir -p "$WORK/transfer"
