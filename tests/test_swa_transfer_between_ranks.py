@@ -41,6 +41,7 @@ class SWACase:
     dtype: str = "fp8"
     kv_scale_mode: str = "static"  # both ranks' pools ("per_token_head": scales beside the codes)
     v_head_dim: int = 8  # both ranks' (an FP4 part's a multiple of 16)
+    maps: tuple[dict, dict] = (SENDER_MAP, RECEIVER_MAP)  # full slot -> SWA slot, each rank's
     receiver: dict = field(default_factory=dict)
     mapped: tuple[bool, bool] = (True, True)
     expect: Optional[tuple[str, str]] = None
@@ -66,6 +67,8 @@ CASES = [
     SWACase("both_parts_fp4", [1, 2, 5, 9], [10, 11, 12, 13], dtype="fp4", v_head_dim=16),
     SWACase("fp4_to_nvfp4", [1], [10], dtype="fp4", v_head_dim=16, receiver=dict(fp4_format="nvfp4"),
             expect=("ValueError", "sliding-window part: kv_format mismatch")),
+    SWACase("receiver_mapping_entry_past_the_swa_pool", [1, 2], [10, 11], maps=(SENDER_MAP, {10: 3, 11: 999}),
+            expect=("IndexError", "the receiver's loc[1] = 11 maps to SWA slot 999, outside its SWA pool's slots [0, 13)")),
     SWACase("in_step_afterwards", [9, 5], [12, 13]),
 ]
 
@@ -83,7 +86,7 @@ def make_pool(case: SWACase, rank: int, salt: int, device: str):
     for b in (b for p in (pool.full_kv_pool, pool.swa_kv_pool) for b in buffers(p)):
         b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
     if case.mapped[rank]:
-        pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, SENDER_MAP if rank == 0 else RECEIVER_MAP, device))
+        pool.register_mapping(swa_mapping(pool.full_kv_pool.rows, case.maps[rank], device))
     return pool
 
 

@@ -91,13 +91,23 @@ class _SWAEndpoint:
 
     def _swa_slots(self, loc_host: torch.Tensor, where: str, role: str):
         """The SWA slots of full slots ``loc_host`` through this rank's mapping (host indices), or the
-        problem to report. On CUDA the translation is read back from the device (one synchronisation)."""
+        problem to report (no mapping, or a mapping entry outside the SWA pool). On CUDA the
+        translation is read back from the device (one synchronisation)."""
         mapping = self.pool.full_to_swa_index_mapping
         if mapping is None:
             return None, ValueError(
                 f"{where}: the {role}'s pool has no full-to-SWA mapping (call register_mapping first); nothing moved"
             )
-        return translate_slots(mapping, loc_host.to(mapping.device)).cpu(), None
+        swa = translate_slots(mapping, loc_host.to(mapping.device)).cpu()
+        rows = self.pool.swa_kv_pool.rows
+        bad = ((swa < 0) | (swa >= rows)).nonzero()
+        if bad.numel():  # a mapping entry no SWA slot has: refused before either part moves
+            i = int(bad[0])
+            return None, IndexError(
+                f"{where}: the {role}'s loc[{i}] = {int(loc_host[i])} maps to SWA slot {int(swa[i])}, outside its "
+                f"SWA pool's slots [0, {rows}) (its full-to-SWA mapping holds an entry out of range); nothing moved"
+            )
+        return swa, None
 
     def _start(self, loc: Loc, peer: int, swa_loc: Optional[Loc]) -> SWAKVTransfer:
         rank = check_peer(peer, self.group, "dst" if self._role == SENDER else "src")
