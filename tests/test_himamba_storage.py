@@ -8,6 +8,7 @@ integrity check covers the storage tier.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -394,3 +395,26 @@ def test_a_stateless_host_node_a_prefetch_held_leaves_the_tree_when_the_prefetch
     assert not cache.root_node.children
     assert eng.host.kv_host.available_size() == eng.host.kv_host.size
     cache.check_integrity()
+
+
+def test_pages_a_worker_reads_after_the_prefetch_ended_are_neither_taken_nor_counted(tmp_path):
+    a = engine(file_store(tmp_path / "kv"))
+    prompt = seq(9, 300)
+    serve(a, prompt)
+    entered, gate = threading.Event(), threading.Event()
+
+    def sleep(_):
+        entered.set()
+        gate.wait(10)
+
+    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {1}}, sleep=sleep)
+    b = second(a, slow, policy=StoragePolicy(prefetch_threshold=0, background=True))
+    b.cache.prefetch_from_storage("r", b.cache.root_node, prompt)
+    assert entered.wait(10)  # the worker is inside its first read
+    b.cache.release_aborted_request("r")
+    gate.set()
+    assert b.cache.storage_tier.drain()
+    stats = b.cache.storage_tier.stats
+    assert (stats.pages_read, stats.tokens_loaded, stats.tokens_dropped, stats.states_missing, stats.states_read) == (0, 0, 0, 0, 0)
+    b.cache.check_integrity()
+    b.cache.close()

@@ -152,3 +152,13 @@ def test_close_and_drain_refuse_a_timeout_that_is_not_seconds_before_anything_cl
     cache.check_integrity()
     cache.close()
     assert not storage_threads()
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
+def test_close_and_drain_wait_without_bound_for_an_infinite_timeout(tmp_path, timeout_s):
+    eng = engine(file_store(tmp_path / "kv"))
+    eng.finish(eng.admit(seq(9, 100)))
+    tier = eng.cache.storage_tier
+    assert tier.drain(timeout_s) is True
+    eng.cache.close(timeout_s=timeout_s)
+    assert tier.closed and not tier.workers.threads() and not storage_threads()

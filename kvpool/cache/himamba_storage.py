@@ -163,7 +163,9 @@ class StateStorageTier(StorageTier):
         except Exception as e:
             error = error or e
         with self._lock:
-            if state is not None and not op.terminated:
+            if op.terminated:  # ended meanwhile: what it read is neither taken nor counted
+                pass
+            elif state is not None:
                 op.beside = state
                 op.pages.extend(pages[:depth])
                 self.stats.states_read += 1

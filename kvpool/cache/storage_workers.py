@@ -42,7 +42,7 @@ class StorageWorkers:
         for q, _ in self._workers.values():
             done = threading.Event()
             q.put(done.set)
-            if not done.wait(max(0.0, deadline - time.monotonic())):
+            if not done.wait(_left(deadline)):
                 return False
         return True
 
@@ -60,9 +60,14 @@ class StorageWorkers:
         for q, _ in workers.values():
             q.put(None)
         for _, thread in workers.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(_left(deadline))
         self._workers = {kind: w for kind, w in workers.items() if w[1].is_alive()}  # a later stop joins them again
         return [t.name for _, t in self._workers.values()]
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()`` time; inf: none), as a wait takes them."""
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
 def _serve(q: queue.Queue) -> None:
