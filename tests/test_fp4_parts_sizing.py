@@ -51,9 +51,12 @@ def test_an_swa_budget_split_for_fp4_builds_pools_of_its_bytes(dtype, fmt, named
     s = plan_swa_pools(budget, full_g, swa_g, 0.5, page_size=page)
     pool = SWAKVPool(s.size, s.size_swa, page, dtype, H, D, [0, 2, 4], [1, 3], False, "cpu", v_head_dim=DV,
                      swa_head_dim=SWA_D, fp4_format=fmt)  # fmt: skip
-    assert sum(pool.full_kv_pool.get_kv_size_bytes()) == s.full_bytes
-    assert sum(pool.swa_kv_pool.get_kv_size_bytes()) == s.swa_bytes
-    assert sum(pool.get_kv_size_bytes()) == s.total_bytes <= budget
+    assert held_bytes(pool.full_kv_pool) == s.full_bytes and held_bytes(pool.swa_kv_pool) == s.swa_bytes
+    assert s.total_bytes <= budget
+    assert sum(pool.get_kv_size_bytes()) == s.total_bytes - full_g.fixed_bytes - swa_g.fixed_bytes
+    for tight in range(20_000, 21_000, 7):  # every byte counted, global scales included, at any budget
+        t = plan_swa_pools(tight, full_g, swa_g, 0.5, page_size=page)
+        assert full_g.pool_bytes(t.size, page) + swa_g.pool_bytes(t.size_swa, page) == t.total_bytes <= tight
     fp8 = plan_swa_pools(budget, KVGeometry(H, D, 2, torch.float8_e4m3fn, v_head_dim=DV),
                          KVGeometry(H, SWA_D, 3, torch.float8_e4m3fn, v_head_dim=DV), 0.5, page_size=page)  # fmt: skip
     assert s.size >= fp8.size * 16 // 9 - 2 * page, "FP4 parts hold about 16/9 the tokens of FP8 parts"
@@ -62,7 +65,7 @@ def test_an_swa_budget_split_for_fp4_builds_pools_of_its_bytes(dtype, fmt, named
 @pytest.mark.parametrize("dtype, fmt, named", FORMATS, ids=IDS)
 def test_a_hybrid_budget_split_for_fp4_builds_a_kv_pool_of_its_bytes(dtype, fmt, named):
     g = KVGeometry(H, D, 2, named, v_head_dim=DV)
-    s = plan_hybrid_pools(300_000, g.bytes_per_token, state_params(), page_size=4, max_running_requests=2)
+    s = plan_hybrid_pools(300_000 - g.fixed_bytes, g.bytes_per_token, state_params(), page_size=4, max_running_requests=2)
     pool = HybridLinearKVPool(s.kv_size, dtype, 4, H, D, [1, 3], False, "cpu", None, v_head_dim=DV, fp4_format=fmt)
     assert sum(pool.get_kv_size_bytes()) == s.kv_bytes
-    assert s.total_bytes <= 300_000
+    assert held_bytes(pool.full_kv_pool) == s.kv_bytes + g.fixed_bytes and s.total_bytes + g.fixed_bytes <= 300_000

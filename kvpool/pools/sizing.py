@@ -313,7 +313,9 @@ def plan_hybrid_pools(
 
     Parameters
     ----------
-    budget_bytes : memory for the pools (non-negative int).
+    budget_bytes : memory for the pools (non-negative int); the bytes a KV pool allocates whatever
+        its size (``KVGeometry.fixed_bytes``: an NVFP4 part's global scales) come off it first, by
+        the caller.
     kv_bytes_per_token : bytes of one KV slot over the full-attention layers (``KVGeometry``).
     state : a ``MambaCacheParams`` (or SGLang's ``Mamba2CacheParams``): bytes of one state slot.
     page_size : the KV pool's page size.
@@ -385,7 +387,8 @@ class SWASizing:
         rounded down to whole pages (at least one page).
     draft_size : slots of the draft model's pool (0 without one): ``size``, the full part's count
         after the split, since a draft pool holds every token its target holds.
-    full_bytes, swa_bytes, draft_bytes : bytes each pool allocates, its reserved page included.
+    full_bytes, swa_bytes, draft_bytes : bytes each pool allocates, its reserved page and fixed bytes
+        (``KVGeometry.fixed_bytes``) included.
     """
 
     size: int
@@ -461,23 +464,26 @@ def plan_swa_pools(
     def swa_size(size: int) -> int:
         return max(int(size * swa_full_tokens_ratio) // p * p, p)
 
+    # What the pools allocate whatever their sizes (NVFP4's global scales) comes off the top.
+    fixed = full.fixed_bytes + swa.fixed_bytes + (draft.fixed_bytes if draft is not None else 0)
+
     def fits(size: int) -> bool:
-        return (size + p) * f + (swa_size(size) + p) * s <= budget_bytes
+        return (size + p) * f + (swa_size(size) + p) * s + fixed <= budget_bytes
 
     # The exact split of the budget, then down by pages until the rounded sizes fit.
-    size = max(int((budget_bytes - p * (f + s)) / (f + swa_full_tokens_ratio * s)) // p * p, p)
+    size = max(int((budget_bytes - fixed - p * (f + s)) / (f + swa_full_tokens_ratio * s)) // p * p, p)
     while size > p and not fits(size):
         size -= p
     while fits(size + p):  # the SWA part's rounding down may leave room for more
         size += p
     if not fits(size):
         raise ValueError(
-            f"budget_bytes must be at least {2 * p * (f + s)} (a reserved page and one more in each pool), "
+            f"budget_bytes must be at least {2 * p * (f + s) + fixed} (a reserved page and one more in each pool), "
             f"got {budget_bytes}"
         )
     size_swa = swa_size(size)
     draft_size = size if draft is not None else 0
     return SWASizing(
-        size, size_swa, draft_size, (size + p) * full.bytes_per_token, (size_swa + p) * s,
-        (size + p) * draft.bytes_per_token if draft is not None else 0,
+        size, size_swa, draft_size, full.pool_bytes(size, p), swa.pool_bytes(size_swa, p),
+        draft.pool_bytes(size, p) if draft is not None else 0,
     )  # fmt: skip
