@@ -95,6 +95,7 @@ class KVParts:
 
     @property
     def device(self) -> torch.device:
+        """Where the pool's buffers live."""
         return self.layers[0][0].device
 
     def views(self, lo: int, hi: int) -> list[torch.Tensor]:
