@@ -24,14 +24,14 @@ payload's sums.
 
 ``A`` and ``B`` are vectorised sums (numpy, which releases the GIL), an order of magnitude faster
 than a CRC-32 of the payload, so checking a page costs a fraction of moving it. They are computed
-in chunks of :data:`CHUNK_BYTES` on several threads at once and while the payload is written or
-read; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
+in chunks of :data:`CHUNK_BYTES` on several threads at once, beside the moves of other pages'
+bytes; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
 on the chunking. What they always catch: any change confined to one word (``A`` changes), any
 change of two adjacent words (so every burst of up to 64 bits), and a change of two words ``d``
 words apart unless both changes are multiples of ``2**(64 - v)``, with ``2**v`` the largest power
 of two dividing ``d`` (changes confined to the top ``v`` bits of both words, in opposite
 directions); two different words swapped ``d`` words apart unless they agree in their low
-``64 - v`` bits. Other damage is caught unless it leaves both sums as they were (two 1 MiB chunks
+``64 - v`` bits. Other damage is caught unless it leaves both sums as they were (two 1 MiB pieces
 swapped: a chance of about 2**-47).
 
 A reader knows the name it expects and the payload size it can take, so a page reads as data only if
@@ -63,7 +63,7 @@ ALIGN = 64
 _MASK = (1 << 64) - 1
 #: The payload is checksummed in chunks of this many bytes (a multiple of 8; the sums do not
 #: depend on it), one chunk per task of the checksum threads.
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
 #: A chunk of buffers on average shorter than this is checksummed on the calling thread: they are
 #: gathered into one buffer under the GIL, which threads taking turns would slow (host memory given
 #: as regions is summed in place, in runs, and goes to the checksum threads whatever its blocks).
@@ -133,7 +133,7 @@ def _run_sums(first: int, stride: int, words: int, count: int) -> tuple[int, int
     """``_word_sums`` of ``count`` pieces of ``words`` words, ``stride`` bytes apart from ``first``,
     read in place as one strided array (two passes over them whatever their number)."""
     span = (ctypes.c_uint64 * ((count - 1) * (stride // 8) + words)).from_address(first)
-    m = np.lib.stride_tricks.as_strided(np.frombuffer(span, dtype="<u8"), shape=(count, words), strides=(stride, 8))
+    m = np.ndarray((count, words), dtype="<u8", buffer=span, strides=(stride, 8))  # as_strided costs microseconds more
     r, c = m.sum(1, dtype=np.uint64), m.sum(0, dtype=np.uint64)
     a = int(r.sum(dtype=np.uint64))
     b = a + words * int(np.dot(_WORD_INDEX[:count], r)) + int(np.dot(_WORD_INDEX[:words], c))
@@ -177,7 +177,7 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
         elif n:
             if buf is None:
                 buf = getattr(_scratch, "buf", None)
-                if buf is None:
+                if buf is None or len(buf) < CHUNK_BYTES + 8:
                     buf = _scratch.buf = bytearray(CHUNK_BYTES + 8)
             if not fill:
                 start = off
