@@ -44,15 +44,34 @@ from kvpool.storage.record import checksum_of_regions, pack_header, parse_header
 log = logging.getLogger(__name__)
 
 
-#: A batch of this many pages or more travels in several calls, so checksums and transfers overlap.
-PIPELINE_PAGES = 4
+#: A batch travels in several calls (up to 4) when each carries at least this many bytes, so that one
+#: call's pages are checksummed while the next call's travel; a call costs a fixed fraction of a
+#: millisecond, more than the overlap gains on a smaller batch.
+PIPELINE_BYTES = 32 << 20
 _PIPELINE_GROUPS = 4
 
 
-def _groups(n: int) -> list[range]:
-    """``range(n)`` cut into consecutive groups: one below :data:`PIPELINE_PAGES` pages, else up to 4."""
-    k = 1 if n < PIPELINE_PAGES else min(_PIPELINE_GROUPS, n)
-    return [range(n * g // k, n * (g + 1) // k) for g in range(k)]
+def _groups(regions: list[list[tuple[int, int]]], split_repeats: bool) -> list[range]:
+    """``range(len(regions))`` cut into consecutive groups, one call each: up to 4 of about equal
+    size, at least :data:`PIPELINE_BYTES` each; with ``split_repeats``, also before a page whose
+    memory an earlier page of the group already names (a read: that page is checked before the
+    later one lands there)."""
+    n = len(regions)
+    total = sum(size for r in regions for _, size in r)
+    k = max(1, min(_PIPELINE_GROUPS, n, total // PIPELINE_BYTES))
+    cuts = {n * g // k for g in range(1, k)}
+    groups: list[range] = []
+    start, seen = 0, set()
+    for i, r in enumerate(regions):
+        first = r[0][0] if r else None
+        if i > start and (i in cuts or (split_repeats and first in seen)):
+            groups.append(range(start, i))
+            start, seen = i, set()
+        if first is not None:
+            seen.add(first)
+    if n > start:
+        groups.append(range(start, n))
+    return groups
 
 
 class MooncakeStore(HiCacheStorage):
@@ -210,7 +229,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
         """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
-        size)`` blocks in order) in one batch (sent in up to 4 calls, a call's pages sent while the next ones'
+        size)`` blocks in order) in one batch (up to 4 calls of 32 MiB or more, a call's pages sent while the next ones'
         checksums are computed), each object its header (from a staging buffer) and
         then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
         after the first that fails are not left stored (``batch_set``'s rule)."""
@@ -237,7 +256,7 @@ class MooncakeStore(HiCacheStorage):
             with self.memory.staging(sum(payload_offset(len(n)) for n in names)) as staging:
                 at = 0
                 # In groups: a group is sent while the checksum threads go on with the next ones.
-                for group in _groups(len(todo)):
+                for group in _groups([regions[i] for i in todo], split_repeats=False):
                     ptrs, sizes = [], []
                     for g in group:
                         i, h = todo[g], pack_header(names[g], jobs[g].payload_len, jobs[g].value())
@@ -273,7 +292,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
-        there (in up to 4 calls, a call's pages checked while the next ones are read): True where
+        there (in the calls :func:`_groups` makes, a call's pages checked while the next ones are read): True where
         the record is whole, of that size, names the key and its checksum agrees. A
         record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
@@ -293,7 +312,7 @@ class MooncakeStore(HiCacheStorage):
             with self.memory.staging(sum(lens)) as staging:
                 base = staging.ctypes.data
                 # In groups: a group's checksums run on the checksum threads while the next is read.
-                for group in _groups(len(keys)):
+                for group in _groups(regions, split_repeats=True):
                     for i in group:  # a host page an earlier group's page was read into: checked first
                         for j in pending.pop(regions[i][0][0] if regions[i] else -1, ()):
                             checked[j] = jobs[j].value() == stored[j]
@@ -333,14 +352,14 @@ class MooncakeStore(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         """As the interface says. Keys already in the store are not sent again; the others travel in
-        one batch (up to 4 calls), each as its header and then the host pool's blocks themselves."""
+        one batch (up to 4 calls of 32 MiB or more), each as its header and then the host pool's blocks themselves."""
         regions = self.host_page_regions(keys, host_indices)
         return self._put(keys, regions) if keys else []
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says. Pages are read in one batch (up to 4 calls) straight into their host pages and
+        """As the interface says. Pages are read in one batch (a few calls) straight into their host pages and
         checked there; a page that fails its check leaves its host page's bytes unspecified (and is
         removed from the store)."""
         regions = self.host_page_regions(keys, host_indices)
