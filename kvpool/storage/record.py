@@ -24,8 +24,8 @@ payload's sums.
 
 ``A`` and ``B`` are vectorised sums (numpy, which releases the GIL), an order of magnitude faster
 than a CRC-32 of the payload, so checking a page costs a fraction of moving it. They are computed
-in chunks of :data:`CHUNK_BYTES` on several threads at once, beside the moves of other pages'
-bytes; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
+in chunks of :data:`CHUNK_BYTES`, those of a payload of several chunks on several threads at once,
+beside the moves of other bytes; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
 on the chunking. What they always catch: any change confined to one word (``A`` changes), any
 change of two adjacent words (so every burst of up to 64 bits), and a change of two words ``d``
 words apart unless both changes are multiples of ``2**(64 - v)``, with ``2**v`` the largest power
@@ -67,6 +67,7 @@ CHUNK_BYTES = 4 << 20
 #: A chunk of buffers on average shorter than this is checksummed on the calling thread: they are
 #: gathered into one buffer under the GIL, which threads taking turns would slow (host memory given
 #: as regions is summed in place, in runs, and goes to the checksum threads whatever its blocks).
+#: A payload of one chunk is summed on the calling thread, in ``value()``.
 INLINE_BYTES = 64 << 10
 #: Pieces at least this long (and whole words) are summed where they lie; shorter ones are gathered
 #: into a per-thread buffer first (a numpy call costs about a microsecond whatever its length).
@@ -298,9 +299,9 @@ class _Chunk:
 
 
 class PayloadChecksum:
-    """The checksum of one page, its payload handed in piece by piece (``feed``) in order; each full
-    chunk is handed to the shared checksum threads as soon as it is complete, so the caller can write
-    or read the next bytes meanwhile. ``value()`` computes the chunks no thread has started, waits for
+    """The checksum of one page, its payload handed in piece by piece (``feed``) in order; when the
+    payload is more than one chunk, each chunk is handed to the shared checksum threads as soon as it
+    is complete, so the caller can write or read the next bytes meanwhile. ``value()`` computes the chunks no thread has started, waits for
     the others, and returns the page's :class:`Digest`.
 
     The pieces must stay unchanged until ``value()`` returns.
@@ -362,7 +363,9 @@ class PayloadChecksum:
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
-        pool = None if gathered else _executor()
+        # A payload of one chunk is summed by the caller: handing it to a thread and waiting for it
+        # costs more than summing it (a thread's wake-up and the GIL, on a busy machine ~0.1 ms).
+        pool = None if gathered or self.payload_len <= CHUNK_BYTES else _executor()
         self._pending, self._pending_bytes = [], 0
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
