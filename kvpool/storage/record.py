@@ -194,18 +194,22 @@ def region_sums(regions: list[tuple[int, int]]) -> tuple[int, int]:
     """:func:`chunk_sums` of host memory given as ``(address, size)`` regions: runs of equally long,
     equally spaced word-aligned regions summed in place together, single ones in place alone."""
     a = b = off = i = 0
-    while i < len(regions):
+    total = len(regions)
+    while i < total:
         ptr, n = regions[i]
         if n % 8 or ptr % 8 or not n:  # the rest as buffers (``off`` is whole words here)
             sa, sb = chunk_sums([_view(p, m) for p, m in regions[i:] if m])
             return (a + sa) & _MASK, (b + sb + (off // 8) * sa) & _MASK
         count, stride = 1, 0
-        if i + 1 < len(regions) and regions[i + 1][1] == n:
+        if i + 1 < total and regions[i + 1][1] == n:
             stride = regions[i + 1][0] - ptr
             if stride >= n and stride % 8 == 0:
-                count = 2
-                while i + count < len(regions) and regions[i + count] == (ptr + count * stride, n):
-                    count += 1
+                count, nxt = 2, ptr + 2 * stride
+                while i + count < total:
+                    q, m = regions[i + count]
+                    if q != nxt or m != n:
+                        break
+                    count, nxt = count + 1, nxt + stride
         if count > 1:
             sa, sb = _run_sums(ptr, stride, n // 8, count)
         else:
@@ -264,10 +268,11 @@ class _Chunk:
     caller of ``result()``, which computes a chunk no thread has started rather than wait for one
     (on a busy machine a thread may be scheduled late)."""
 
-    __slots__ = ("pieces", "sums", "error", "_claim", "_done")
+    __slots__ = ("pieces", "regions", "sums", "error", "_claim", "_done")
 
-    def __init__(self, pieces: list[Any]) -> None:
+    def __init__(self, pieces: list[Any], regions: bool) -> None:
         self.pieces: Optional[list[Any]] = pieces  # buffers, or (address, size) regions
+        self.regions = regions  # regions only
         self.sums: tuple[int, int] = (0, 0)
         self.error: Optional[BaseException] = None
         self._claim, self._done = threading.Lock(), threading.Event()
@@ -276,7 +281,7 @@ class _Chunk:
         if not self._claim.acquire(blocking=False):
             return
         try:
-            self.sums = _sums(self.pieces or [])
+            self.sums = region_sums(self.pieces or []) if self.regions else _sums(self.pieces or [])
         except BaseException as e:  # handed to result(); a checksum thread must not die silently
             self.error = e
         finally:
@@ -318,6 +323,7 @@ class PayloadChecksum:
         self._chunks: list[_Chunk] = []
         self._pending: list[Any] = []  # buffers, or (address, size) regions
         self._pending_bytes = 0
+        self._pending_buffers = False  # whether a buffer (not a region) is pending
 
     def feed(self, data: Any) -> None:
         """The next bytes of the payload (any buffer: bytes, memoryview, a ctypes array, ...)."""
@@ -327,11 +333,13 @@ class PayloadChecksum:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
         if self._pending_bytes + n < CHUNK_BYTES:  # the usual case: a piece inside the chunk
+            self._pending_buffers = True
             self._pending.append(view)
             self._pending_bytes += n
             return
         while view.nbytes:
             take = min(CHUNK_BYTES - self._pending_bytes, view.nbytes)
+            self._pending_buffers = True
             self._pending.append(view[:take])
             self._pending_bytes += take
             view = view[take:]
@@ -345,6 +353,10 @@ class PayloadChecksum:
         if self._fed + n > self.payload_len:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
+        if self._pending_bytes + n < CHUNK_BYTES and all(size for _, size in regions):  # all inside the chunk
+            self._pending.extend(regions)
+            self._pending_bytes += n
+            return
         for ptr, size in regions:
             if not size:
                 continue
@@ -361,12 +373,12 @@ class PayloadChecksum:
                     self._close_chunk()
 
     def _close_chunk(self) -> None:
-        chunk = _Chunk(self._pending)
+        chunk = _Chunk(self._pending, not self._pending_buffers)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
         # A payload of one chunk is summed by the caller: handing it to a thread and waiting for it
         # costs more than summing it (a thread's wake-up and the GIL, on a busy machine ~0.1 ms).
         pool = None if gathered or self.payload_len <= CHUNK_BYTES else _executor()
-        self._pending, self._pending_bytes = [], 0
+        self._pending, self._pending_bytes, self._pending_buffers = [], 0, False
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
             pool.submit(chunk.run)
