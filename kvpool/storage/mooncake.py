@@ -44,34 +44,26 @@ from kvpool.storage.record import checksum_of_regions, pack_header, parse_header
 log = logging.getLogger(__name__)
 
 
-#: A batch travels in several calls (up to 4) when each carries at least this many bytes, so that one
-#: call's pages are checksummed while the next call's travel; a call costs a fixed fraction of a
-#: millisecond, more than the overlap gains on a smaller batch.
+#: A batch travels in up to 4 calls of at least this many bytes each, so that one call's pages are
+#: checksummed while the next call's travel (a call costs a fixed ~0.2 ms, more than a smaller one gains).
 PIPELINE_BYTES = 32 << 20
-_PIPELINE_GROUPS = 4
 
 
 def _groups(regions: list[list[tuple[int, int]]], split_repeats: bool) -> list[range]:
-    """``range(len(regions))`` cut into consecutive groups, one call each: up to 4 of about equal
-    size, at least :data:`PIPELINE_BYTES` each; with ``split_repeats``, also before a page whose
-    memory an earlier page of the group already names (a read: that page is checked before the
-    later one lands there)."""
+    """``range(len(regions))`` in consecutive groups, one call each: up to 4 of about equal size and
+    :data:`PIPELINE_BYTES` or more; with ``split_repeats`` (a read), a new group also before a page
+    whose memory an earlier page of its group names, so that one is checked before the other lands."""
     n = len(regions)
-    total = sum(size for r in regions for _, size in r)
-    k = max(1, min(_PIPELINE_GROUPS, n, total // PIPELINE_BYTES))
-    cuts = {n * g // k for g in range(1, k)}
-    groups: list[range] = []
-    start, seen = 0, set()
+    k = max(1, min(4, n, sum(size for r in regions for _, size in r) // PIPELINE_BYTES))
+    cuts, groups, start, seen = {n * g // k for g in range(1, k)}, [], 0, set()
     for i, r in enumerate(regions):
         first = r[0][0] if r else None
         if i > start and (i in cuts or (split_repeats and first in seen)):
             groups.append(range(start, i))
             start, seen = i, set()
-        if first is not None:
+        if r:
             seen.add(first)
-    if n > start:
-        groups.append(range(start, n))
-    return groups
+    return groups + [range(start, n)] if n > start else groups
 
 
 class MooncakeStore(HiCacheStorage):
