@@ -123,8 +123,8 @@ def _region(ptr: int, size: int) -> memoryview:
 
 
 class _HostViews:
-    """Writable memoryviews of a host pool's buffers, from which a block's view is a slice (a tenth
-    of the cost of a new view of its address: about a microsecond a block, 64 blocks a page)."""
+    """Writable memoryviews of a host pool's buffers, from which a block's view is a slice (far
+    cheaper than a new view of its address, which every block of every page would need)."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), _as_bytes(b)) for b in buffers if b.is_contiguous()]

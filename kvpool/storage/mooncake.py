@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 #: A batch travels in up to 4 calls of at least this many bytes each, so that one call's pages are
-#: checksummed while the next call's travel (a call costs a fixed ~0.2 ms, more than a smaller one gains).
+#: checksummed while the next call's travel (a call has a fixed cost, more than a smaller call's overlap gains).
 PIPELINE_BYTES = 32 << 20
 
 
@@ -221,7 +221,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
         """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
-        size)`` blocks in order) in one batch (up to 4 calls of 32 MiB or more, a call's pages sent while the next ones'
+        size)`` blocks in order) in one batch (up to 4 calls of :data:`PIPELINE_BYTES` or more, a call's pages sent while the next ones'
         checksums are computed), each object its header (from a staging buffer) and
         then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
         after the first that fails are not left stored (``batch_set``'s rule)."""
@@ -344,7 +344,7 @@ class MooncakeStore(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         """As the interface says. Keys already in the store are not sent again; the others travel in
-        one batch (up to 4 calls of 32 MiB or more), each as its header and then the host pool's blocks themselves."""
+        one batch (up to 4 calls of :data:`PIPELINE_BYTES` or more), each as its header and then the host pool's blocks themselves."""
         regions = self.host_page_regions(keys, host_indices)
         return self._put(keys, regions) if keys else []
 

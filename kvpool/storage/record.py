@@ -134,7 +134,7 @@ def _run_sums(first: int, stride: int, words: int, count: int) -> tuple[int, int
     """``_word_sums`` of ``count`` pieces of ``words`` words, ``stride`` bytes apart from ``first``,
     read in place as one strided array (two passes over them whatever their number)."""
     span = (ctypes.c_uint64 * ((count - 1) * (stride // 8) + words)).from_address(first)
-    m = np.ndarray((count, words), dtype="<u8", buffer=span, strides=(stride, 8))  # as_strided costs microseconds more
+    m = np.ndarray((count, words), dtype="<u8", buffer=span, strides=(stride, 8))  # cheaper to make than as_strided's
     r, c = m.sum(1, dtype=np.uint64), m.sum(0, dtype=np.uint64)
     a = int(r.sum(dtype=np.uint64))
     b = a + words * int(np.dot(_WORD_INDEX[:count], r)) + int(np.dot(_WORD_INDEX[:words], c))
@@ -375,8 +375,7 @@ class PayloadChecksum:
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending, not self._pending_buffers)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
-        # A payload of one chunk is summed by the caller: handing it to a thread and waiting for it
-        # costs more than summing it (a thread's wake-up and the GIL, on a busy machine ~0.1 ms).
+        # A payload of one chunk is summed by the caller: a thread's wake-up and the GIL cost more than the sums.
         pool = None if gathered or self.payload_len <= CHUNK_BYTES else _executor()
         self._pending, self._pending_bytes, self._pending_buffers = [], 0, False
         self._chunks.append(chunk)
