@@ -26,7 +26,7 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import PayloadChecksum, checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
+from kvpool.storage.record import checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -254,20 +254,15 @@ class HiCacheFile(HiCacheStorage):
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum] = None) -> bool:
-        """Write one page, its payload given as consecutive buffers (temporary file, then rename);
-        False when it cannot be stored. ``job``: its checksum, started ahead by the caller. Writes
-        are serialised (reads are not), so the index and the files agree whatever the threads do."""
+    def _store(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]] = None) -> bool:
+        """Write one page, its payload given as consecutive buffers (``blocks``: the same bytes as host
+        memory regions, when they are a host page's), temporary file then rename; False when it cannot
+        be stored. Writes are serialised (reads are not), so the index and the files agree whatever the
+        threads do."""
         with self._write_lock:
-            return self._store_one(key, parts, job)
+            return self._store_one(key, parts, blocks)
 
-    def _checksum_ahead(self, key: str, blocks: list[tuple[int, int]]) -> Optional[PayloadChecksum]:
-        """The checksum of a host page about to be written from ``blocks``, started now (None: stored)."""
-        if os.path.exists(self._path(storage_digest(self.namespace, key))):
-            return None
-        return checksum_of_regions(storage_name(self.namespace, key), blocks)
-
-    def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
+    def _store_one(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
@@ -277,13 +272,9 @@ class HiCacheFile(HiCacheStorage):
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
                 self._stats.writes += 1
-                if job is not None:
-                    job.wait()
                 return True
             if size > self.max_bytes:
                 self._stats.write_failures += 1
-                if job is not None:
-                    job.wait()
                 return False
             self._forget(digest)
             self._trim(size)
@@ -291,8 +282,9 @@ class HiCacheFile(HiCacheStorage):
             self._bytes += size
             self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
-        if job is None:
-            job = checksum_of(name, parts)
+        # Summed on this thread, just before the write, which then copies bytes the sums brought into
+        # the cache; a checksum thread beside the write competes with it for the core and the cache.
+        job = checksum_of(name, parts, threads=False) if blocks is None else checksum_of_regions(name, blocks, threads=False)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
@@ -488,15 +480,7 @@ class HiCacheFile(HiCacheStorage):
         """As the interface says: each page is written straight from its host page's blocks, in the
         flat page order (after the host pool's transfers in flight are done)."""
         regions = self.host_page_regions(keys, host_indices)
-        pages = [[self._views.view(ptr, n) for ptr, n in blocks] for blocks in regions]
-        done = []
-        ahead = self._checksum_ahead(keys[0], regions[0]) if keys else None
-        for i, (key, parts) in enumerate(zip(keys, pages)):
-            job = ahead
-            # The next page's checksum runs on the checksum threads while this one is written.
-            ahead = self._checksum_ahead(keys[i + 1], regions[i + 1]) if i + 1 < len(keys) else None
-            done.append(self._store(key, parts, job))
-        return done
+        return [self._store(key, [self._views.view(ptr, n) for ptr, n in blocks], blocks) for key, blocks in zip(keys, regions)]
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone), after a write in

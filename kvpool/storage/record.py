@@ -305,9 +305,10 @@ class _Chunk:
 
 class PayloadChecksum:
     """The checksum of one page, its payload handed in piece by piece (``feed``) in order; when the
-    payload is more than one chunk, each chunk is handed to the shared checksum threads as soon as it
-    is complete, so the caller can write or read the next bytes meanwhile. ``value()`` computes the chunks no thread has started, waits for
-    the others, and returns the page's :class:`Digest`.
+    payload is more than one chunk and ``threads`` is True, each chunk is handed to the shared
+    checksum threads as soon as it is complete, so the caller can write or read the next bytes
+    meanwhile. ``value()`` computes the chunks no thread has started, waits for the others, and
+    returns the page's :class:`Digest`.
 
     The pieces must stay unchanged until ``value()`` returns.
 
@@ -317,8 +318,8 @@ class PayloadChecksum:
         More bytes fed than ``payload_len``, or ``value()`` before all of them.
     """
 
-    def __init__(self, name: bytes, payload_len: int) -> None:
-        self.name, self.payload_len = name, payload_len
+    def __init__(self, name: bytes, payload_len: int, threads: bool = True) -> None:
+        self.name, self.payload_len, self.threads = name, payload_len, threads
         self._fed = 0
         self._chunks: list[_Chunk] = []
         self._pending: list[Any] = []  # buffers, or (address, size) regions
@@ -376,7 +377,7 @@ class PayloadChecksum:
         chunk = _Chunk(self._pending, not self._pending_buffers)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
         # A payload of one chunk is summed by the caller: a thread's wake-up and the GIL cost more than the sums.
-        pool = None if gathered or self.payload_len <= CHUNK_BYTES else _executor()
+        pool = None if gathered or not self.threads or self.payload_len <= CHUNK_BYTES else _executor()
         self._pending, self._pending_bytes, self._pending_buffers = [], 0, False
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
@@ -401,20 +402,20 @@ class PayloadChecksum:
         return digest_of(self.name, self.payload_len, a & _MASK, b & _MASK)
 
 
-def checksum_of(name: bytes, parts: list[Any]) -> PayloadChecksum:
+def checksum_of(name: bytes, parts: list[Any], threads: bool = True) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of the payload given as consecutive buffers, all fed (their
     chunks being checksummed; ``value()`` waits for them)."""
     views = [memoryview(p).cast("B") for p in parts]
-    job = PayloadChecksum(name, sum(v.nbytes for v in views))
+    job = PayloadChecksum(name, sum(v.nbytes for v in views), threads)
     for v in views:
         job.feed(v)
     return job
 
 
-def checksum_of_regions(name: bytes, regions: list[tuple[int, int]]) -> PayloadChecksum:
+def checksum_of_regions(name: bytes, regions: list[tuple[int, int]], threads: bool = True) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of a payload in host memory, ``(address, size)`` regions in order,
     all fed (``value()`` waits for their chunks)."""
-    job = PayloadChecksum(name, sum(n for _, n in regions))
+    job = PayloadChecksum(name, sum(n for _, n in regions), threads)
     job.feed_regions(regions)
     return job
 
