@@ -228,6 +228,22 @@ def test_a_batch_read_in_groups_checks_a_page_before_a_later_page_lands_on_it(en
     assert torch.equal(host_page_bytes(host, int(dst[0])), last)
 
 
+def test_a_small_batch_read_twice_into_one_host_page_checks_the_first_before_the_second_lands(engines):
+    # Three small pages (one call's worth of bytes): the third is read into the first one's host
+    # page, so the first must be checked before the third's bytes arrive there.
+    host = make_host(make_device_pool(size=96), "layer_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    src = host.alloc(12)
+    keys = page_keys(list(range(100, 112)), 4)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    third = host_page_bytes(host, int(src[8])).clone()
+    dst = host.alloc(8)
+    before = b.get_stats()
+    assert b.batch_get_v1(keys, torch.cat([dst, dst[:4]])) == [True] * 3
+    assert counted(b, before, "hits", "corrupt") == (3, 0)
+    assert torch.equal(host_page_bytes(host, int(dst[0])), third)
+
+
 # --- pages as tensors --------------------------------------------------------------------------------
 
 

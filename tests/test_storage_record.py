@@ -22,7 +22,16 @@ from kvpool.storage import record
 from kvpool.storage.keys import storage_name
 from kvpool.storage.record import CHUNK_BYTES, HEADER
 
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES
+
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def one_mib_chunks(monkeypatch):
+    """The payloads here are sized for chunks of 1 MiB (a few MiB cross several); the sums must not
+    depend on the chunk size, which a test below checks at the default size."""
+    monkeypatch.setattr(record, "CHUNK_BYTES", MIB)
 
 
 def contract_checksum(name: bytes, payload: bytes) -> tuple[int, int, int]:
@@ -42,7 +51,7 @@ def random_bytes(n: int, seed: int) -> bytes:
 
 
 def test_the_header_is_the_contracts():
-    assert record.VERSION == 3 and HEADER.size == 48 and CHUNK_BYTES % 8 == 0
+    assert record.VERSION == 3 and HEADER.size == 48 and DEFAULT_CHUNK_BYTES % 8 == 0
     assert [record.payload_offset(n) for n in (0, 16, 17, 80)] == [64, 64, 128, 128]
 
 
@@ -61,6 +70,17 @@ def test_the_checksum_is_the_contracts_however_the_payload_is_fed(n):
     for p in pieces:
         job.feed(p)
     assert tuple(job.value()) == want
+
+
+def test_the_checksum_at_the_default_chunk_size_is_the_contracts(monkeypatch):
+    monkeypatch.setattr(record, "CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
+    n = 2 * DEFAULT_CHUNK_BYTES + 13
+    payload = random_bytes(n, 4)
+    want = contract_checksum(b"n", payload)
+    assert tuple(record.checksum(b"n", payload)) == want
+    view = memoryview(payload)
+    pieces = [view[: DEFAULT_CHUNK_BYTES - 5], view[DEFAULT_CHUNK_BYTES - 5 : DEFAULT_CHUNK_BYTES + MIB], view[DEFAULT_CHUNK_BYTES + MIB :]]
+    assert tuple(record.checksum_of(b"n", pieces).value()) == want
 
 
 @pytest.mark.parametrize("block", [8, 4096, 65536])
@@ -179,7 +199,7 @@ def test_multi_chunk_tensor_pages_round_trip_and_a_flip_or_swap_on_disk_is_a_mis
 def test_multi_chunk_host_pages_round_trip_and_a_damaged_one_touches_no_other_page(tmp_path):
     host = big_host()
     page = sum(host.page_bytes)
-    assert page > CHUNK_BYTES
+    assert page > record.CHUNK_BYTES
     store = file_store(tmp_path / "kv", host, max_bytes=64 * MIB)
     src, dst = host.alloc(128), host.alloc(128)
     keys = page_keys(list(range(128)), 64)
@@ -192,7 +212,7 @@ def test_multi_chunk_host_pages_round_trip_and_a_damaged_one_touches_no_other_pa
     name = storage_name(store.namespace, keys[1])
     (f,) = [tmp_path / "kv" / n for n in os.listdir(tmp_path / "kv") if (tmp_path / "kv" / n).read_bytes()[HEADER.size :].startswith(name)]
     raw = bytearray(f.read_bytes())
-    raw[record.payload_offset(len(name)) + CHUNK_BYTES + 3] ^= 0x80
+    raw[record.payload_offset(len(name)) + record.CHUNK_BYTES + 3] ^= 0x80
     f.write_bytes(bytes(raw))
     others = {s: host_page_bytes(host, s) for s in range(0, host.size, 64) if s != int(dst[64])}
     assert store.batch_get_v1(keys, dst) == [True, False]

@@ -26,7 +26,7 @@ import torch
 from kvpool.checks import positive_int
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import CHUNK_BYTES, PayloadChecksum, checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
+from kvpool.storage.record import checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -102,9 +102,13 @@ def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list
     takes; False when a read meets the end of the file first."""
     views = [v for v in views if v.nbytes]
     while views:
-        n = move(fd, views[:_IOV_MAX])
+        batch = views[:_IOV_MAX]
+        n = move(fd, batch)
         if n == 0:
             return False
+        if n == sum(v.nbytes for v in batch):  # the usual case: all of them at once
+            views = views[len(batch) :]
+            continue
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
@@ -113,25 +117,24 @@ def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list
     return True
 
 
-def _steps(regions: list[tuple[int, int]], step: int) -> list[list[tuple[int, int]]]:
-    """``(address, size)`` regions cut into consecutive groups of about ``step`` bytes (a region
-    larger than ``step`` is cut too): what one read brings in before it is handed to the checksum."""
-    groups: list[list[tuple[int, int]]] = [[]]
-    room = step
-    for ptr, n in regions:
-        while n:
-            take = min(room, n)
-            groups[-1].append((ptr, take))
-            ptr, n, room = ptr + take, n - take, room - take
-            if room == 0:
-                groups.append([])
-                room = step
-    return [g for g in groups if g]
-
-
 def _region(ptr: int, size: int) -> memoryview:
     """``size`` bytes of host memory at ``ptr`` as a writable memoryview (no copy)."""
     return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+
+
+class _HostViews:
+    """Writable memoryviews of a host pool's buffers, from which a block's view is a slice (far
+    cheaper than a new view of its address, which every block of every page would need)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), _as_bytes(b)) for b in buffers if b.is_contiguous()]
+
+    def view(self, ptr: int, size: int) -> memoryview:
+        """``size`` bytes at ``ptr`` (a slice of the buffer holding them, else a view of their own)."""
+        for base, end, whole in self.spans:
+            if base <= ptr and ptr + size <= end:
+                return whole[ptr - base : ptr - base + size]
+        return _region(ptr, size)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -191,6 +194,7 @@ class HiCacheFile(HiCacheStorage):
         self._bytes = 0
         self._stats = StorageStats()
         self._temp_ids = itertools.count()
+        self._views = _HostViews([])
         self._adopt_directory()
 
     # --- the directory -------------------------------------------------------------------------------
@@ -243,23 +247,22 @@ class HiCacheFile(HiCacheStorage):
         """As the interface says; the namespace takes in the host pool's page geometry."""
         super().register_mem_pool_host(mem_pool_host)
         self.namespace = key_namespace(self.storage_config, mem_pool_host)
+        buffers = getattr(mem_pool_host, "buffers", None)
+        if buffers is None:
+            buffers = [getattr(mem_pool_host, n, None) for n in ("k_buffer", "v_buffer")]
+        self._views = _HostViews([b for b in buffers if isinstance(b, torch.Tensor) and b.device.type == "cpu"])
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum] = None) -> bool:
-        """Write one page, its payload given as consecutive buffers (temporary file, then rename);
-        False when it cannot be stored. ``job``: its checksum, started ahead by the caller. Writes
-        are serialised (reads are not), so the index and the files agree whatever the threads do."""
+    def _store(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]] = None) -> bool:
+        """Write one page, its payload given as consecutive buffers (``blocks``: the same bytes as host
+        memory regions, when they are a host page's), temporary file then rename; False when it cannot
+        be stored. Writes are serialised (reads are not), so the index and the files agree whatever the
+        threads do."""
         with self._write_lock:
-            return self._store_one(key, parts, job)
+            return self._store_one(key, parts, blocks)
 
-    def _checksum_ahead(self, key: str, blocks: list[tuple[int, int]]) -> Optional[PayloadChecksum]:
-        """The checksum of a host page about to be written from ``blocks``, started now (None: stored)."""
-        if os.path.exists(self._path(storage_digest(self.namespace, key))):
-            return None
-        return checksum_of_regions(storage_name(self.namespace, key), blocks)
-
-    def _store_one(self, key: str, parts: list[memoryview], job: Optional[PayloadChecksum]) -> bool:
+    def _store_one(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]]) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
@@ -269,13 +272,9 @@ class HiCacheFile(HiCacheStorage):
             if digest in self._index and os.path.exists(path):
                 self._index.move_to_end(digest)
                 self._stats.writes += 1
-                if job is not None:
-                    job.wait()
                 return True
             if size > self.max_bytes:
                 self._stats.write_failures += 1
-                if job is not None:
-                    job.wait()
                 return False
             self._forget(digest)
             self._trim(size)
@@ -283,8 +282,9 @@ class HiCacheFile(HiCacheStorage):
             self._bytes += size
             self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
-        if job is None:
-            job = checksum_of(name, parts)
+        # Summed on this thread, just before the write, which then copies bytes the sums brought into
+        # the cache; a checksum thread beside the write competes with it for the core and the cache.
+        job = checksum_of(name, parts, threads=False) if blocks is None else checksum_of_regions(name, blocks, threads=False)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
             try:
@@ -361,11 +361,10 @@ class HiCacheFile(HiCacheStorage):
                     pass
         return False
 
-    @staticmethod
-    def _read_page(fd: int, name: bytes, parts_for: Callable[[int], Optional[list[Any]]]) -> Any:
+    def _read_page(self, fd: int, name: bytes, parts_for: Callable[[int], Optional[list[Any]]]) -> Any:
         """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
-        payload read, ``(its checksum job, the stored checksum)``. The payload is read a chunk at a
-        time, each chunk checksummed on the checksum threads while the next one is read."""
+        payload read, ``(its checksum job, the stored checksum)``. The payload is read with one
+        read (``readv`` into its blocks), then checksummed."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, payload_offset(len(name)))
         parsed = parse_header(raw, name)
@@ -375,18 +374,12 @@ class HiCacheFile(HiCacheStorage):
         parts = parts_for(payload_len)
         if parts is None:
             return "size"
-        regions = [p if isinstance(p, tuple) else (ctypes.addressof(ctypes.c_char.from_buffer(p)), p.nbytes) for p in parts if len(p)]
-        job = PayloadChecksum(name, payload_len)
-        try:
-            for group in _steps(regions, CHUNK_BYTES):
-                if not _vectored(os.readv, fd, [_region(ptr, n) for ptr, n in group]):
-                    job.wait()
-                    return "corrupt"
-                job.feed_regions(group)
-        except BaseException:
-            job.wait()
-            raise
-        return job, crc
+        regions = [p if isinstance(p, tuple) else (ctypes.addressof(ctypes.c_char.from_buffer(p)), p.nbytes) for p in parts]
+        # One read of the whole payload (as a plain read of the page would be); its checksum runs
+        # on the checksum threads while the caller goes on (``batch_get_v1``: the next page).
+        if not _vectored(os.readv, fd, [self._views.view(ptr, n) for ptr, n in regions if n]):
+            return "corrupt"
+        return checksum_of_regions(name, regions), crc
 
     def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Read one page into ``target`` (or a new uint8 tensor of the stored size): the tensor, or
@@ -487,15 +480,7 @@ class HiCacheFile(HiCacheStorage):
         """As the interface says: each page is written straight from its host page's blocks, in the
         flat page order (after the host pool's transfers in flight are done)."""
         regions = self.host_page_regions(keys, host_indices)
-        pages = [[_region(ptr, n) for ptr, n in blocks] for blocks in regions]
-        done = []
-        ahead = self._checksum_ahead(keys[0], regions[0]) if keys else None
-        for i, (key, parts) in enumerate(zip(keys, pages)):
-            job = ahead
-            # The next page's checksum runs on the checksum threads while this one is written.
-            ahead = self._checksum_ahead(keys[i + 1], regions[i + 1]) if i + 1 < len(keys) else None
-            done.append(self._store(key, parts, job))
-        return done
+        return [self._store(key, [self._views.view(ptr, n) for ptr, n in blocks], blocks) for key, blocks in zip(keys, regions)]
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone), after a write in

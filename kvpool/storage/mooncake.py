@@ -44,15 +44,26 @@ from kvpool.storage.record import checksum_of_regions, pack_header, parse_header
 log = logging.getLogger(__name__)
 
 
-#: A batch of this many pages or more travels in several calls, so checksums and transfers overlap.
-PIPELINE_PAGES = 4
-_PIPELINE_GROUPS = 4
+#: A batch travels in up to 4 calls of at least this many bytes each, so that one call's pages are
+#: checksummed while the next call's travel (a call has a fixed cost, more than a smaller call's overlap gains).
+PIPELINE_BYTES = 32 << 20
 
 
-def _groups(n: int) -> list[range]:
-    """``range(n)`` cut into consecutive groups: one below :data:`PIPELINE_PAGES` pages, else up to 4."""
-    k = 1 if n < PIPELINE_PAGES else min(_PIPELINE_GROUPS, n)
-    return [range(n * g // k, n * (g + 1) // k) for g in range(k)]
+def _groups(regions: list[list[tuple[int, int]]], split_repeats: bool) -> list[range]:
+    """``range(len(regions))`` in consecutive groups, one call each: up to 4 of about equal size and
+    :data:`PIPELINE_BYTES` or more; with ``split_repeats`` (a read), a new group also before a page
+    whose memory an earlier page of its group names, so that one is checked before the other lands."""
+    n = len(regions)
+    k = max(1, min(4, n, sum(size for r in regions for _, size in r) // PIPELINE_BYTES))
+    cuts, groups, start, seen = {n * g // k for g in range(1, k)}, [], 0, set()
+    for i, r in enumerate(regions):
+        first = r[0][0] if r else None
+        if i > start and (i in cuts or (split_repeats and first in seen)):
+            groups.append(range(start, i))
+            start, seen = i, set()
+        if r:
+            seen.add(first)
+    return groups + [range(start, n)] if n > start else groups
 
 
 class MooncakeStore(HiCacheStorage):
@@ -210,7 +221,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _put(self, keys: list[str], regions: list[list[tuple[int, int]]], stop_at_failure: bool = False) -> list[bool]:
         """Store page ``keys[i]`` from the registered memory ``regions[i]`` (its payload's ``(address,
-        size)`` blocks in order) in one batch (sent in up to 4 calls, a call's pages sent while the next ones'
+        size)`` blocks in order) in one batch (up to 4 calls of :data:`PIPELINE_BYTES` or more, a call's pages sent while the next ones'
         checksums are computed), each object its header (from a staging buffer) and
         then those blocks; keys already stored are not sent again. With ``stop_at_failure`` pages
         after the first that fails are not left stored (``batch_set``'s rule)."""
@@ -237,7 +248,7 @@ class MooncakeStore(HiCacheStorage):
             with self.memory.staging(sum(payload_offset(len(n)) for n in names)) as staging:
                 at = 0
                 # In groups: a group is sent while the checksum threads go on with the next ones.
-                for group in _groups(len(todo)):
+                for group in _groups([regions[i] for i in todo], split_repeats=False):
                     ptrs, sizes = [], []
                     for g in group:
                         i, h = todo[g], pack_header(names[g], jobs[g].payload_len, jobs[g].value())
@@ -273,7 +284,7 @@ class MooncakeStore(HiCacheStorage):
 
     def _get(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read page ``keys[i]`` into the registered memory ``regions[i]`` in one batch and check it
-        there (in up to 4 calls, a call's pages checked while the next ones are read): True where
+        there (in the calls :func:`_groups` makes, a call's pages checked while the next ones are read): True where
         the record is whole, of that size, names the key and its checksum agrees. A
         record that fails its check is removed from the store; its regions' bytes are unspecified."""
         if not self._usable():
@@ -293,7 +304,7 @@ class MooncakeStore(HiCacheStorage):
             with self.memory.staging(sum(lens)) as staging:
                 base = staging.ctypes.data
                 # In groups: a group's checksums run on the checksum threads while the next is read.
-                for group in _groups(len(keys)):
+                for group in _groups(regions, split_repeats=True):
                     for i in group:  # a host page an earlier group's page was read into: checked first
                         for j in pending.pop(regions[i][0][0] if regions[i] else -1, ()):
                             checked[j] = jobs[j].value() == stored[j]
@@ -333,14 +344,14 @@ class MooncakeStore(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         """As the interface says. Keys already in the store are not sent again; the others travel in
-        one batch (up to 4 calls), each as its header and then the host pool's blocks themselves."""
+        one batch (up to 4 calls of :data:`PIPELINE_BYTES` or more), each as its header and then the host pool's blocks themselves."""
         regions = self.host_page_regions(keys, host_indices)
         return self._put(keys, regions) if keys else []
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        """As the interface says. Pages are read in one batch (up to 4 calls) straight into their host pages and
+        """As the interface says. Pages are read in one batch (a few calls) straight into their host pages and
         checked there; a page that fails its check leaves its host page's bytes unspecified (and is
         removed from the store)."""
         regions = self.host_page_regions(keys, host_indices)

@@ -24,14 +24,14 @@ payload's sums.
 
 ``A`` and ``B`` are vectorised sums (numpy, which releases the GIL), an order of magnitude faster
 than a CRC-32 of the payload, so checking a page costs a fraction of moving it. They are computed
-in chunks of :data:`CHUNK_BYTES` on several threads at once and while the payload is written or
-read; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
+in chunks of :data:`CHUNK_BYTES`, those of a payload of several chunks on several threads at once,
+beside the moves of other bytes; a chunk's sums shift by its word offset (``B += offset * A``), so the result does not depend
 on the chunking. What they always catch: any change confined to one word (``A`` changes), any
 change of two adjacent words (so every burst of up to 64 bits), and a change of two words ``d``
 words apart unless both changes are multiples of ``2**(64 - v)``, with ``2**v`` the largest power
 of two dividing ``d`` (changes confined to the top ``v`` bits of both words, in opposite
 directions); two different words swapped ``d`` words apart unless they agree in their low
-``64 - v`` bits. Other damage is caught unless it leaves both sums as they were (two 1 MiB chunks
+``64 - v`` bits. Other damage is caught unless it leaves both sums as they were (two 1 MiB pieces
 swapped: a chance of about 2**-47).
 
 A reader knows the name it expects and the payload size it can take, so a page reads as data only if
@@ -63,10 +63,11 @@ ALIGN = 64
 _MASK = (1 << 64) - 1
 #: The payload is checksummed in chunks of this many bytes (a multiple of 8; the sums do not
 #: depend on it), one chunk per task of the checksum threads.
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
 #: A chunk of buffers on average shorter than this is checksummed on the calling thread: they are
 #: gathered into one buffer under the GIL, which threads taking turns would slow (host memory given
 #: as regions is summed in place, in runs, and goes to the checksum threads whatever its blocks).
+#: A payload of one chunk is summed on the calling thread, in ``value()``.
 INLINE_BYTES = 64 << 10
 #: Pieces at least this long (and whole words) are summed where they lie; shorter ones are gathered
 #: into a per-thread buffer first (a numpy call costs about a microsecond whatever its length).
@@ -133,7 +134,7 @@ def _run_sums(first: int, stride: int, words: int, count: int) -> tuple[int, int
     """``_word_sums`` of ``count`` pieces of ``words`` words, ``stride`` bytes apart from ``first``,
     read in place as one strided array (two passes over them whatever their number)."""
     span = (ctypes.c_uint64 * ((count - 1) * (stride // 8) + words)).from_address(first)
-    m = np.lib.stride_tricks.as_strided(np.frombuffer(span, dtype="<u8"), shape=(count, words), strides=(stride, 8))
+    m = np.ndarray((count, words), dtype="<u8", buffer=span, strides=(stride, 8))  # cheaper to make than as_strided's
     r, c = m.sum(1, dtype=np.uint64), m.sum(0, dtype=np.uint64)
     a = int(r.sum(dtype=np.uint64))
     b = a + words * int(np.dot(_WORD_INDEX[:count], r)) + int(np.dot(_WORD_INDEX[:words], c))
@@ -177,7 +178,7 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
         elif n:
             if buf is None:
                 buf = getattr(_scratch, "buf", None)
-                if buf is None:
+                if buf is None or len(buf) < CHUNK_BYTES + 8:
                     buf = _scratch.buf = bytearray(CHUNK_BYTES + 8)
             if not fill:
                 start = off
@@ -193,18 +194,22 @@ def region_sums(regions: list[tuple[int, int]]) -> tuple[int, int]:
     """:func:`chunk_sums` of host memory given as ``(address, size)`` regions: runs of equally long,
     equally spaced word-aligned regions summed in place together, single ones in place alone."""
     a = b = off = i = 0
-    while i < len(regions):
+    total = len(regions)
+    while i < total:
         ptr, n = regions[i]
         if n % 8 or ptr % 8 or not n:  # the rest as buffers (``off`` is whole words here)
             sa, sb = chunk_sums([_view(p, m) for p, m in regions[i:] if m])
             return (a + sa) & _MASK, (b + sb + (off // 8) * sa) & _MASK
         count, stride = 1, 0
-        if i + 1 < len(regions) and regions[i + 1][1] == n:
+        if i + 1 < total and regions[i + 1][1] == n:
             stride = regions[i + 1][0] - ptr
             if stride >= n and stride % 8 == 0:
-                count = 2
-                while i + count < len(regions) and regions[i + count] == (ptr + count * stride, n):
-                    count += 1
+                count, nxt = 2, ptr + 2 * stride
+                while i + count < total:
+                    q, m = regions[i + count]
+                    if q != nxt or m != n:
+                        break
+                    count, nxt = count + 1, nxt + stride
         if count > 1:
             sa, sb = _run_sums(ptr, stride, n // 8, count)
         else:
@@ -263,10 +268,11 @@ class _Chunk:
     caller of ``result()``, which computes a chunk no thread has started rather than wait for one
     (on a busy machine a thread may be scheduled late)."""
 
-    __slots__ = ("pieces", "sums", "error", "_claim", "_done")
+    __slots__ = ("pieces", "regions", "sums", "error", "_claim", "_done")
 
-    def __init__(self, pieces: list[Any]) -> None:
+    def __init__(self, pieces: list[Any], regions: bool) -> None:
         self.pieces: Optional[list[Any]] = pieces  # buffers, or (address, size) regions
+        self.regions = regions  # regions only
         self.sums: tuple[int, int] = (0, 0)
         self.error: Optional[BaseException] = None
         self._claim, self._done = threading.Lock(), threading.Event()
@@ -275,7 +281,7 @@ class _Chunk:
         if not self._claim.acquire(blocking=False):
             return
         try:
-            self.sums = _sums(self.pieces or [])
+            self.sums = region_sums(self.pieces or []) if self.regions else _sums(self.pieces or [])
         except BaseException as e:  # handed to result(); a checksum thread must not die silently
             self.error = e
         finally:
@@ -298,10 +304,11 @@ class _Chunk:
 
 
 class PayloadChecksum:
-    """The checksum of one page, its payload handed in piece by piece (``feed``) in order; each full
-    chunk is handed to the shared checksum threads as soon as it is complete, so the caller can write
-    or read the next bytes meanwhile. ``value()`` computes the chunks no thread has started, waits for
-    the others, and returns the page's :class:`Digest`.
+    """The checksum of one page, its payload handed in piece by piece (``feed``) in order; when the
+    payload is more than one chunk and ``threads`` is True, each chunk is handed to the shared
+    checksum threads as soon as it is complete, so the caller can write or read the next bytes
+    meanwhile. ``value()`` computes the chunks no thread has started, waits for the others, and
+    returns the page's :class:`Digest`.
 
     The pieces must stay unchanged until ``value()`` returns.
 
@@ -311,12 +318,13 @@ class PayloadChecksum:
         More bytes fed than ``payload_len``, or ``value()`` before all of them.
     """
 
-    def __init__(self, name: bytes, payload_len: int) -> None:
-        self.name, self.payload_len = name, payload_len
+    def __init__(self, name: bytes, payload_len: int, threads: bool = True) -> None:
+        self.name, self.payload_len, self.threads = name, payload_len, threads
         self._fed = 0
         self._chunks: list[_Chunk] = []
         self._pending: list[Any] = []  # buffers, or (address, size) regions
         self._pending_bytes = 0
+        self._pending_buffers = False  # whether a buffer (not a region) is pending
 
     def feed(self, data: Any) -> None:
         """The next bytes of the payload (any buffer: bytes, memoryview, a ctypes array, ...)."""
@@ -326,11 +334,13 @@ class PayloadChecksum:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
         if self._pending_bytes + n < CHUNK_BYTES:  # the usual case: a piece inside the chunk
+            self._pending_buffers = True
             self._pending.append(view)
             self._pending_bytes += n
             return
         while view.nbytes:
             take = min(CHUNK_BYTES - self._pending_bytes, view.nbytes)
+            self._pending_buffers = True
             self._pending.append(view[:take])
             self._pending_bytes += take
             view = view[take:]
@@ -344,6 +354,10 @@ class PayloadChecksum:
         if self._fed + n > self.payload_len:
             raise ValueError(f"payload must be {self.payload_len} bytes, got at least {self._fed + n}")
         self._fed += n
+        if self._pending_bytes + n < CHUNK_BYTES and all(size for _, size in regions):  # all inside the chunk
+            self._pending.extend(regions)
+            self._pending_bytes += n
+            return
         for ptr, size in regions:
             if not size:
                 continue
@@ -360,10 +374,11 @@ class PayloadChecksum:
                     self._close_chunk()
 
     def _close_chunk(self) -> None:
-        chunk = _Chunk(self._pending)
+        chunk = _Chunk(self._pending, not self._pending_buffers)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
-        pool = None if gathered else _executor()
-        self._pending, self._pending_bytes = [], 0
+        # A payload of one chunk is summed by the caller: a thread's wake-up and the GIL cost more than the sums.
+        pool = None if gathered or not self.threads or self.payload_len <= CHUNK_BYTES else _executor()
+        self._pending, self._pending_bytes, self._pending_buffers = [], 0, False
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
             pool.submit(chunk.run)
@@ -387,20 +402,20 @@ class PayloadChecksum:
         return digest_of(self.name, self.payload_len, a & _MASK, b & _MASK)
 
 
-def checksum_of(name: bytes, parts: list[Any]) -> PayloadChecksum:
+def checksum_of(name: bytes, parts: list[Any], threads: bool = True) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of the payload given as consecutive buffers, all fed (their
     chunks being checksummed; ``value()`` waits for them)."""
     views = [memoryview(p).cast("B") for p in parts]
-    job = PayloadChecksum(name, sum(v.nbytes for v in views))
+    job = PayloadChecksum(name, sum(v.nbytes for v in views), threads)
     for v in views:
         job.feed(v)
     return job
 
 
-def checksum_of_regions(name: bytes, regions: list[tuple[int, int]]) -> PayloadChecksum:
+def checksum_of_regions(name: bytes, regions: list[tuple[int, int]], threads: bool = True) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of a payload in host memory, ``(address, size)`` regions in order,
     all fed (``value()`` waits for their chunks)."""
-    job = PayloadChecksum(name, sum(n for _, n in regions))
+    job = PayloadChecksum(name, sum(n for _, n in regions), threads)
     job.feed_regions(regions)
     return job
 
