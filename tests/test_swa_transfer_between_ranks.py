@@ -11,7 +11,6 @@ import json
 import os
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvassert import FULL_LAYERS, SWA_LAYERS, swa_mapping
-from transfer_ranks import free_port, spawn
+from transfer_ranks import free_port, join_two_ranks, spawn
 
 SENDER_MAP = {1: 7, 2: 11, 5: 1, 9: 4}  # full slot 3 has no SWA part
 RECEIVER_MAP = {10: 3, 11: 5, 12: 6, 13: 8}  # full slot 14 has none
@@ -123,14 +122,7 @@ def run_rank(rank: int, port: int, out: str, backend: str) -> None:
     torch.set_num_threads(1)
     from kvpool import SWAKVReceiver, SWAKVSender
 
-    device, kwargs = "cpu", {}
-    if backend == "nccl":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-        kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=30), **kwargs)  # fmt: skip
+    device = join_two_ranks(rank, port, backend, timeout_s=30)
     outcomes = {}
     for idx, case in enumerate(CASES):
         try:

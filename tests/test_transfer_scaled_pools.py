@@ -13,7 +13,6 @@ import json
 import os
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvassert import INTERPRETER, NVFP4_GLOBAL_SCALES
-from transfer_ranks import free_port, spawn
+from transfer_ranks import free_port, join_two_ranks, spawn
 
 SCALED = ("fp4", "nvfp4", "mla_fp4", "fp8_token_head", "hybrid_token_head", "hybrid_nvfp4")
 
@@ -165,14 +164,7 @@ def run_rank(rank: int, port: int, out: str, backend: str, path: str) -> None:
         from kvpool.kernels.copy_rows import launcher
 
         launcher.kernel_on_cpu = True  # the Triton row copy, interpreted, on the CPU pools
-    device, kwargs = "cpu", {}
-    if backend == "nccl":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-        kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60), **kwargs)  # fmt: skip
+    device = join_two_ranks(rank, port, backend, timeout_s=60)
     outcomes = {}
     for idx, case in enumerate(CASES):
         try:

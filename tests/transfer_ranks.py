@@ -500,6 +500,20 @@ def check_outcomes(cases: list[Case], outcomes: list[dict], world: int) -> None:
 # --- spawning -------------------------------------------------------------------------------------------
 
 
+def join_two_ranks(rank: int, port: int, backend: str, timeout_s: float = 30) -> str:
+    """Join rank ``rank`` of a two-rank group over ``backend`` (gloo on CPU pools, or NCCL with rank
+    ``r`` on GPU ``r``) on 127.0.0.1:``port``; returns the device the rank's pools live on."""
+    device, kwargs = "cpu", {}
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)  # fmt: skip
+    return device
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
