@@ -982,6 +982,23 @@ def file_store(path, host=None, max_bytes: int = 1 << 20, **config):
     return store
 
 
+def stalled_store(path, call: str = "get", number: int = 1):
+    """A file store in ``path`` whose ``number``-th ``call`` stops inside until told to go on: returns
+    ``(store, inside, go)``, two ``threading.Event`` s, ``inside`` set once the call is stopped,
+    ``go`` to set to let it finish (it goes on by itself after 10 s)."""
+    import threading
+
+    from kvpool.storage.faults import FaultyStorage
+
+    inside, go = threading.Event(), threading.Event()
+
+    def stall(_seconds):
+        inside.set()
+        go.wait(10)
+
+    return FaultyStorage(file_store(path), delay_s=1.0, delay_calls={call: {number}}, sleep=stall), inside, go
+
+
 def directory_state(path) -> dict[str, bytes]:
     """Every file in a directory and its bytes (temporary files included)."""
     return {name: (Path(path) / name).read_bytes() for name in sorted(os.listdir(path))}

@@ -8,14 +8,13 @@ integrity check covers the storage tier.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 from kvassert import STATE as STATE_PARAMS
-from kvassert import HiHybridEngine, file_store, seq
+from kvassert import HiHybridEngine, file_store, seq, stalled_store
 from kvpool import HybridLinearKVPool, HybridPoolHost, MambaPool
 from kvpool.cache import EvictParams, MatchPrefixParams, RadixKey
 from kvpool.cache.himamba_host import HOST_STATE
@@ -401,13 +400,7 @@ def test_pages_a_worker_reads_after_the_prefetch_ended_are_neither_taken_nor_cou
     a = engine(file_store(tmp_path / "kv"))
     prompt = seq(9, 300)
     serve(a, prompt)
-    entered, gate = threading.Event(), threading.Event()
-
-    def sleep(_):
-        entered.set()
-        gate.wait(10)
-
-    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {1}}, sleep=sleep)
+    slow, entered, gate = stalled_store(tmp_path / "kv")
     b = second(a, slow, policy=StoragePolicy(prefetch_threshold=0, background=True))
     b.cache.prefetch_from_storage("r", b.cache.root_node, prompt)
     assert entered.wait(10)  # the worker is inside its first read

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvassert import Engine, HiHybridEngine, file_store, seq
+from kvassert import Engine, HiHybridEngine, file_store, seq, stalled_store
 
 from kvpool import MHATokenToKVPool, MHATokenToKVPoolHost, PagedTokenToKVPoolAllocator
 from kvpool.cache import CacheInitParams, HiRadixCache
@@ -49,13 +49,7 @@ def test_close_writes_what_was_queued_and_joins_every_worker(tmp_path):
 def test_a_prefetch_in_flight_is_dropped_and_a_worker_stuck_in_storage_is_waited_for_again(tmp_path):
     a = engine(file_store(tmp_path / "kv"), StoragePolicy(prefetch_threshold=0, background=False))
     a.finish(a.admit(seq(13, 500)))
-    inside, gate = threading.Event(), threading.Event()
-
-    def stall(seconds):
-        inside.set()
-        gate.wait(10)
-
-    stuck = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {1}}, sleep=stall)
+    stuck, inside, gate = stalled_store(tmp_path / "kv")
     b = engine(stuck)
     b.ids = a.ids
     cache = b.cache

@@ -7,11 +7,9 @@ and loads them byte for byte.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from kvassert import Engine, HiHybridEngine, file_store, seq
+from kvassert import Engine, HiHybridEngine, file_store, seq, stalled_store
 
 from kvpool.cache import EvictParams, RadixKey
 from kvpool.cache.records import HOST, STATE
@@ -140,13 +138,7 @@ def test_a_page_that_arrives_after_its_prefetch_ended_is_neither_taken_nor_count
     worker is inside a read."""
     first = engine(file_store(tmp_path / "kv"))
     first.finish(first.admit(seq(13, 500)))
-    entered, gate = threading.Event(), threading.Event()
-
-    def sleep(_):
-        entered.set()
-        gate.wait(10)
-
-    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {2}}, sleep=sleep)
+    slow, entered, gate = stalled_store(tmp_path / "kv", "get", 2)
     eng = Engine("paged", 4, pages=16, host_policy="write_through", storage=slow,
                  storage_policy=StoragePolicy(prefetch_threshold=0, background=True))  # fmt: skip
     eng.ids = first.ids
