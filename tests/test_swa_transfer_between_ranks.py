@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvassert import FULL_LAYERS, SWA_LAYERS, swa_mapping
-from transfer_ranks import free_port, join_two_ranks, spawn
+from transfer_ranks import check_outcome, free_port, join_two_ranks, spawn
 
 SENDER_MAP = {1: 7, 2: 11, 5: 1, 9: 4}  # full slot 3 has no SWA part
 RECEIVER_MAP = {10: 3, 11: 5, 12: 6, 13: 8}  # full slot 14 has none
@@ -169,12 +169,4 @@ def test_swa_pools_move_both_parts_between_two_ranks(tmp_path, backend):
     spawn(run_rank, 2, (free_port(), str(tmp_path), backend), timeout=180)
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     for case in CASES:
-        got = [r[case.name] for r in ranks]
-        for g in got:
-            assert g["outcome"] != "failure", f"{case.name}: {g['detail']}"
-        if case.expect is None:
-            assert [g["outcome"] for g in got] == ["ok", "ok"], (case.name, got)
-        else:
-            assert [g["outcome"] for g in got] == ["raised", "raised"], (case.name, got)
-            assert got[0]["message"] == got[1]["message"], (case.name, got)
-            assert [g["type"] for g in got] == [case.expect[0]] * 2 and case.expect[1] in got[0]["message"], (case.name, got)
+        check_outcome(ranks, case)

@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -512,6 +512,22 @@ def join_two_ranks(rank: int, port: int, backend: str, timeout_s: float = 30) ->
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=timeout_s), **kwargs)  # fmt: skip
     return device
+
+
+def check_outcome(ranks: list[dict], case: Any) -> list[dict]:
+    """Both ranks' record of ``case`` (by ``case.name``): neither failed; both moved the rows, or,
+    where ``case.expect`` is (exception type name, text), both raised that type with the same
+    message holding that text. Returns the two records."""
+    got = [r[case.name] for r in ranks]
+    for g in got:
+        assert g["outcome"] != "failure", f"{case.name}: {g['detail']}"
+    if case.expect is None:
+        assert [g["outcome"] for g in got] == ["ok", "ok"], (case.name, got)
+    else:
+        assert [g["outcome"] for g in got] == ["raised", "raised"], (case.name, got)
+        assert got[0]["message"] == got[1]["message"], (case.name, got)
+        assert [g["type"] for g in got] == [case.expect[0]] * 2 and case.expect[1] in got[0]["message"], (case.name, got)
+    return got
 
 
 def free_port() -> int:
