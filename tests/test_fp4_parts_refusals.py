@@ -158,6 +158,17 @@ def test_a_malformed_swa_cpu_copy_is_refused_naming_what_is_wrong(dtype):
     pool.load_cpu_copy(copy, at)  # the copy itself loads
 
 
+@pytest.mark.parametrize("dtype", [FP4_POOL_DTYPE, torch.bfloat16], ids=["fp4", "bf16"])
+def test_under_validate_a_cpu_copy_whose_swa_slots_leave_the_pool_writes_neither_part(dtype):
+    """The mapping changed in place after registration (its check then): a slot it now sends past
+    the SWA part refuses the load before the full part is written."""
+    pool = swa(dtype, validate=True)
+    copy = pool.get_cpu_copy(slots([3, 9]))
+    at = slots([4, 3])
+    pool.full_to_swa_index_mapping[3] = 99
+    refused(pool, IndexError, "full_to_swa_index_mapping\\[indices\\]", lambda: pool.load_cpu_copy(copy, at))
+
+
 def test_an_nvfp4_cpu_copy_loads_only_under_the_global_scales_it_was_taken_with():
     pool = swa(fp4_format="nvfp4")
     copy = pool.get_cpu_copy(slots([3, 9]))

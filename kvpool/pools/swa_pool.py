@@ -473,9 +473,11 @@ class SWAKVPool(SWACalibration):
             rows = (pool.layer_num, n, pool.head_num)
             k_shape, v_shape = (*rows, pool.head_dim), (*rows, pool.v_head_dim)
             check_cpu_copy(kv_cache_cpu[key], pool.dtype, pool.store_dtype, 0, k_shape, v_shape)
-        if self.validate:
-            check_in_range([(indices, self.full_kv_pool.rows, "indices")], what="full slots")
         swa = translate_slots(mapping, indices)
+        if self.validate:  # both parts' slots, before either part is written
+            check_in_range([(indices, self.full_kv_pool.rows, "indices")], what="full slots")
+            check_in_range([(swa, self.swa_kv_pool.rows, "full_to_swa_index_mapping[indices]")], what="SWA slots",
+                           negative_ok=False)  # fmt: skip
         self.full_kv_pool.load_cpu_copy(kv_cache_cpu["full"], indices)  # type: ignore[arg-type]
         self.swa_kv_pool.load_cpu_copy(kv_cache_cpu["swa"], swa)  # type: ignore[arg-type]
 
