@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,7 +171,8 @@ def test_a_stored_state_of_another_size_reads_as_a_miss(tmp_path):
     b.drain()
 
 
-def test_a_device_node_without_a_host_copy_prefetches_after_its_backed_up_ancestor(tmp_path):
+@pytest.mark.parametrize("form", [list, torch.tensor, np.array, RadixKey], ids=["list", "tensor", "numpy", "radix_key"])
+def test_a_device_node_without_a_host_copy_prefetches_after_its_backed_up_ancestor(tmp_path, form):
     a = engine(file_store(tmp_path / "kv"))
     prompt = seq(8, 600)
     serve(a, prompt)
@@ -178,7 +180,7 @@ def test_a_device_node_without_a_host_copy_prefetches_after_its_backed_up_ancest
     serve(b, prompt[:4])  # on b's device, with its state, not on b's host (write_back)
     m = b.cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
     assert len(m.device_indices) == 4 and m.last_host_node is m.last_device_node
-    b.cache.prefetch_from_storage("r", m.last_host_node, prompt[4:])
+    b.cache.prefetch_from_storage("r", m.last_host_node, form(prompt[4:]))  # every form the tokens come in
     assert b.cache.check_prefetch_progress("r") and b.cache.pop_prefetch_loaded_tokens("r") == 4
     req = b.admit(prompt + [1])
     assert req.cache_protected_len == 8 and b.states_loaded == 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from kvpool.cache.himamba_host import HOST_STATE, hybrid_host_setup
@@ -133,12 +134,13 @@ class HiMambaRadixCache(HybridTierMoves, StorageCalls, HostTier, MambaRadixCache
                         f"new_input_tokens' extra_key must be last_host_node's {extra_key!r}, got {new_input_tokens.extra_key!r}"
                     )
                 new_input_tokens = new_input_tokens.token_ids
-            if isinstance(new_input_tokens, torch.Tensor):
+            if isinstance(new_input_tokens, (torch.Tensor, np.ndarray)):
                 tokens = new_input_tokens.tolist()
             elif isinstance(new_input_tokens, (list, tuple)):
                 tokens = list(new_input_tokens)
             else:
-                raise ValueError(f"new_input_tokens must be a token list or tensor, or a RadixKey, got {type(new_input_tokens).__name__}")
+                raise ValueError(f"new_input_tokens must be a token list, tensor or numpy array, or a RadixKey, got "
+                                 f"{type(new_input_tokens).__name__}")  # fmt: skip
             head = [t for n in reversed(path[:after]) for t in n.key.token_ids]
             last_host_node, new_input_tokens = anchor, head + tokens
         super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, extra_key=extra_key)
