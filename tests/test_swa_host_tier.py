@@ -337,3 +337,17 @@ def test_bad_input_raises_before_anything_is_copied(call, exc, match):
     assert_host_state(host, host_before, "nothing changed in the host pool")
     assert_part(pool, "full", full0, "nothing written")
     assert_part(pool, "swa", swa0, "nothing written")
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_scale_mode": "per_token_head"}, {"dtype": "fp4_e2m1"}], ids=["fp8", "per_token_head", "fp4"])
+def test_a_host_size_splits_between_the_parts_as_their_device_bytes_do(kw):
+    """``host_size`` GB go to the two parts in proportion to the bytes their device slots hold, scales
+    included: each host part then holds the same multiple of its device part's slots."""
+    dtype = kw.pop("dtype", torch.float8_e4m3fn)
+    pool = SWAKVPool(960, 480, 1, dtype, 2, 32, [0, 2], [1], False, "cpu", v_head_dim=16, swa_head_dim=16,
+                     swa_v_head_dim=16, warmup=False, **kw)  # fmt: skip
+    host = SWAKVPoolHost(pool, 1.0, 2e-4, 1, "layer_first", pin_memory=False)
+    full_x = host.full_host.size / pool.full_kv_pool.size
+    swa_x = host.swa_host.size / pool.swa_kv_pool.size
+    assert full_x == pytest.approx(swa_x, rel=0.01), (host.full_host.size, host.swa_host.size)
+    assert host.full_host.size * host.full_host.size_per_token + host.swa_host.size * host.swa_host.size_per_token <= 2e5

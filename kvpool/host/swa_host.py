@@ -22,6 +22,7 @@ import torch
 from kvpool.checks import INDEX_DTYPES, check_in_range, check_index
 from kvpool.host.direct_backend import HOST_STAGING_BYTES
 from kvpool.host.kernel_backend import HOST_KERNEL_PROGRAMS
+from kvpool.host.parts import layer_parts
 from kvpool.host.pool import MHATokenToKVPoolHost
 from kvpool.host.schedule import Transfer
 from kvpool.host.swa_pages import SWAPages, page_slots, to_device
@@ -31,10 +32,9 @@ _CPU = torch.device("cpu")
 
 
 def part_bytes(part) -> int:
-    """Bytes a device part's usable slots hold over every layer, K and V (its host pool's
-    ``size_per_token`` times its ``size``)."""
-    per_token = part.layer_num * part.head_num * (part.head_dim + part.v_head_dim) * part.store_dtype.itemsize
-    return part.size * per_token
+    """Bytes a device part's usable slots hold over every layer, K and V and any scales beside them
+    (its host pool's ``size_per_token`` times its ``size``)."""
+    return part.size * part.layer_num * sum(layer_parts(part).row_bytes)
 
 
 def split_host_size(host_size: object, full_bytes: int, swa_bytes: int) -> tuple[float, float]:
