@@ -102,9 +102,11 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype):
 
 @fused_runs
 @pytest.mark.parametrize("layout", ["every_other", "broadcast"])
-def test_strided_slots_fused_are_the_reference_rows(layout):
+@pytest.mark.parametrize("scales", [{}, dict(fp4_format="nvfp4", k_global_scales=[1.0], v_global_scales=[2.0**-12])],
+                         ids=["fp4_mx_block16", "nvfp4"])  # fmt: skip
+def test_strided_slots_fused_are_the_reference_rows(layout, scales):
     """``loc`` with any stride (every other entry of a longer tensor, one slot broadcast to every
-    token) names the same rows on both paths."""
+    token) names the same rows on both paths, in either FP4 format."""
     k, v = special_rows(5, H, D, torch.bfloat16, 12)[1:], special_rows(5, H, DV, torch.bfloat16, 13)[1:]
     if layout == "every_other":
         loc = torch.tensor([6, 1, -1, 2, 11, 3, 0, 4], device=DEVICE)[::2]
@@ -112,7 +114,7 @@ def test_strided_slots_fused_are_the_reference_rows(layout):
         loc = torch.tensor([8], device=DEVICE).expand(4)
         # Which of several writes to one slot lands is unspecified on a GPU: every token has one row.
         k, v = k[:1].repeat(4, 1, 1), v[:1].repeat(4, 1, 1)
-    fused, reference = pool("always"), pool("never")
+    fused, reference = pool("always", **scales), pool("never", **scales)
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert_same_parts(fused, reference)

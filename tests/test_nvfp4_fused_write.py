@@ -97,21 +97,3 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype, g):
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert_same_parts(fused, reference)
-
-
-@fused_runs
-@pytest.mark.parametrize("layout", ["every_other", "broadcast"])
-def test_strided_slots_fused_are_the_reference_rows(layout):
-    """``loc`` with any stride (every other entry of a longer tensor, one slot broadcast to every
-    token) names the same rows on both paths."""
-    k, v = special_rows(5, H, D, torch.bfloat16, 12)[1:], special_rows(5, H, DV, torch.bfloat16, 13)[1:]
-    if layout == "every_other":
-        loc = torch.tensor([6, 1, -1, 2, 11, 3, 0, 4], device=DEVICE)[::2]
-    else:
-        loc = torch.tensor([8], device=DEVICE).expand(4)
-        # Which of several writes to one slot lands is unspecified on a GPU: every token has one row.
-        k, v = k[:1].repeat(4, 1, 1), v[:1].repeat(4, 1, 1)
-    fused, reference = pool("always"), pool("never")
-    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
-    assert_same_parts(fused, reference)
