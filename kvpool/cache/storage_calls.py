@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvpool.cache.key import RadixKey, common_prefix, encoded
+from kvpool.cache.key import RadixKey
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, HostCopy
 from kvpool.checks import non_negative_seconds
@@ -87,19 +87,8 @@ class StorageCalls:
         ``pos``, on any tier: the deepest node whose whole key it holds, where that node ends, and
         where the held part ends (whole pages, inside a child of that node when it goes on past
         it). Reads the tree only."""
-        child_key, n, end = self._child_key, len(enc), pos
-        while pos < n:
-            child = node.children.get(child_key(enc, pos, extra))
-            if child is None:
-                break
-            kb = encoded(child.key)
-            if pos + len(kb) <= n and enc.startswith(kb, pos):
-                node, pos = child, pos + len(kb)
-                end = pos
-                continue
-            pos += common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
-            break
-        return node, end, pos
+        node, end, _, shared = self.deepest_held(node, pos, enc, len(enc), extra)
+        return node, end, end + shared
 
     def hang_host_leaf(self, node: TreeNode, enc: bytes, pos: int, end: int, extra: Any, host_slots: torch.Tensor) -> TreeNode:
         """Hang ``enc[pos:end]`` below ``node`` (where ``branch_point`` left the walk) as a host-only

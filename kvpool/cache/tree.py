@@ -205,8 +205,19 @@ class RadixTree:
         any tier) and how many bytes of ``enc`` that prefix is (whole pages). A node the key leaves
         part-way is split there when the key goes on past it, so the leaf can hang below the split;
         no stamps or counts change. (The storage tier hangs fetched pages with it.)"""
+        node, pos, child, m = self.deepest_held(self.root_node, 0, enc, n, extra)
+        if child is None:
+            return node, pos
+        if pos + m < n:
+            return self._split(child, m), pos + m
+        return child, pos + m
+
+    def deepest_held(self, node: TreeNode, pos: int, enc: bytes, n: int, extra: Any) -> tuple[TreeNode, int, Optional[TreeNode], int]:
+        """The walk down from ``node`` (whose prefix ends at byte ``pos`` of ``enc``) along
+        ``enc[:n]``, on any tier, reading the tree only: the deepest node whose whole key it holds
+        and where that node ends, then the child the key goes into part-way (None: none) and how
+        many bytes of that child's key it shares (whole pages)."""
         child_key = self._child_key
-        node, pos = self.root_node, 0
         while pos < n:
             child = node.children.get(child_key(enc, pos, extra))
             if child is None:
@@ -215,11 +226,8 @@ class RadixTree:
             if pos + len(kb) <= n and enc.startswith(kb, pos):
                 node, pos = child, pos + len(kb)
                 continue
-            m = common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
-            if pos + m < n:
-                node = self._split(child, m)
-            return node if pos + m < n else child, pos + m
-        return node, pos
+            return node, pos, child, common_prefix(enc, pos, kb, min(len(kb), n - pos), self.page_bytes)
+        return node, pos, None, 0
 
     def _evict_leaves(self, num_tokens: int, undo: Undo) -> list[torch.Tensor]:
         """Detach evictable leaves in the policy's order until ``num_tokens`` are gone (or none is
