@@ -18,7 +18,9 @@ import itertools
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("cross_compile.py compiles real kernels: unset TRITON_INTERPRET")
@@ -175,15 +177,36 @@ def compile_allocator(target_name, name, consts, lens_type="i64"):
     const = dict(zip([n for n in names if n.isupper()], consts))
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     warps = AL.HAND_OUT_WARPS if name == "hand_out" else AL.GIVE_BACK_WARPS
-    triton.compile(src, target=target, options={"num_warps": warps})
-    return {"kernel": name, "target": target_name, "consts": list(consts), "lens": lens_type}
+    compiled = triton.compile(src, target=target, options={"num_warps": warps})
+    out = {"kernel": name, "target": target_name, "consts": list(consts), "lens": lens_type}
+    if target_name == "sm90":
+        out.update(registers_and_spills(compiled.asm["ptx"], 90))
+    return out
+
+
+def registers_and_spills(ptx: str, capability: int) -> dict:
+    """What ptxas reports for a kernel's PTX on an NVIDIA target: registers per thread and the bytes
+    spilled to local memory (a kernel that spills runs its arithmetic through memory)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+        cmd = [get_ptxas(capability).path, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "kernel.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+    }
 
 
 def allocator_variants():
     """The kinds the launchers make: on Hopper every hand-out kind with and without the validate
     bookkeeping and every give-back destination, of slots and of pages; on the other targets and at
     one slot per page, the extend hand-out and the free to the ring."""
-    hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK))  # noqa: E731
+    hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK, AL.HAND_OUT_SUB_BLOCK))  # noqa: E731
     give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False, mapped=False: (  # noqa: E731
         "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror, mapped)
     )

@@ -155,6 +155,39 @@ def test_every_call_on_the_kernel_path_matches_the_pytorch_path(kernel_device, p
         _random_calls(tw, random.Random(seed * 7 + page), 30)
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_wide_batches_match_the_pytorch_path_across_programs_and_request_chunks(kernel_device, page):
+    """Batches wider than the hand-out kernel's chunks of requests, and allocations that span many of
+    its programs: prefills of mixed lengths (empty ones, one token, many pages), continuations of
+    one to a few tokens each (as speculative decoding extends), then a decode step of every request."""
+    rng = random.Random(page)
+    bs = allocator_kernels.HAND_OUT_REQ_BLOCK * 2 + 37
+    first = [rng.choice([0, 1, 2, 3, 5, 17, page * 9 + 1, 160]) for _ in range(bs)]
+    more = [rng.choice([0, 1, 2, 4]) for _ in range(bs)]
+    pages = sum(-(-(a + b + 1) // page) for a, b in zip(first, more)) + 8
+    tw = Twins(kernel_device, page, False, False, False, pages=pages)
+
+    def extend(pre, seq, last):
+        def call(a, d):
+            on = lambda xs: torch.tensor(xs, dtype=torch.int64, device=d)  # noqa: E731
+            return a.alloc_extend(on(pre), torch.tensor(pre), on(seq), torch.tensor(seq), on(last), sum(seq) - sum(pre))
+
+        return call
+
+    def last_slots(out, pre, seq, before):
+        ends = [sum(s - p for p, s in zip(pre[: i + 1], seq[: i + 1])) for i in range(len(seq))]
+        return [out[e - 1] if s > p else b for e, p, s, b in zip(ends, pre, seq, before)]
+
+    zeros = [0] * bs
+    out = tw.call("prefill", extend(zeros, first, [-1] * bs))
+    last = last_slots(out, zeros, first, [-1] * bs)
+    seq = [a + b for a, b in zip(first, more)]
+    out = tw.call("continuation", extend(first, seq, last))
+    last = last_slots(out, first, seq, last)
+    step = [s + 1 for s in seq]
+    tw.call("decode", lambda a, d: a.alloc_decode(torch.tensor(step, device=d), torch.tensor(step), torch.tensor(last, device=d)))
+
+
 @pytest.mark.parametrize("page,token,need_sort", [(1, True, False), (4, False, False), (4, False, True)])
 def test_a_free_copies_its_counts_back_itself(kernel_device, monkeypatch, page, token, need_sort):
     """With counts copied back rather than read (a GPU allocator without validate), the give-back
@@ -294,6 +327,11 @@ def test_the_bookkeeping_kernels_compile_for_every_target():
     assert hopper == hand_outs | give_backs
     sorts = {v["consts"][5] for v in compiled if v["kernel"] == "give_back" and v["target"] == "sm90"}
     assert sorts == {0, 16, allocator_kernels.GIVE_BACK_SORT_MAX}
+    # Every hand-out kind, and every give-back but the largest sort, keeps its values in registers
+    # on Hopper: a kernel that spills runs its arithmetic through memory, on every scheduler step.
+    spilling = [v for v in compiled if v["target"] == "sm90" and v["spill_bytes"] > 0
+                and not (v["kernel"] == "give_back" and v["consts"][5] == allocator_kernels.GIVE_BACK_SORT_MAX)]  # fmt: skip
+    assert not spilling, spilling
 
 
 @pytest.mark.parametrize("view", ["a table's column", "an expand", "every other entry"])

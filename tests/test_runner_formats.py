@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvassert import load_example
+from kvassert import load_example, needs_interpreter
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -89,6 +89,7 @@ def test_qwen35_on_fp4_nvfp4_and_per_token_head_parts_generates_what_the_rounded
     _check(rep, ("fp4_e2m1", "nvfp4", "fp8_e4m3_per_token_head", "fp8_e5m2_per_token_head"))
 
 
+@needs_interpreter
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_llama_fused_writes_serve_what_the_reference_path_serves(monkeypatch, name):
     """Every write on the fused kernel (Triton's interpreter on the CPU) against every write on the
@@ -106,6 +107,7 @@ def test_the_llama_fused_writes_serve_what_the_reference_path_serves(monkeypatch
         assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
 
 
+@needs_interpreter
 def test_the_deepseek_fused_fp4_writes_serve_what_the_reference_path_serves(monkeypatch):
     cfg = replace(DEEPSEEK, prompts=2, new_tokens=(2, 3), prompt_len=(4, 9))
     model = deepseek_runner.build_model(cfg.shape, torch.float32, cfg.device, cfg.seed)

@@ -15,7 +15,11 @@ end could reach it).
 its last partial page from ``last_loc[i] + 1``, then fill fresh pages taken in request order) and
 ``DECODE`` (one token per request, ``prefix_lens = seq_lens - 1``). The request of output ``t`` is
 found by counting the requests whose extensions end at or before ``t``, and the fresh pages before
-it likewise, so each program needs only the lengths, never a scan of another program. Every index is
+it likewise, so each program needs only the lengths, never a scan of another program: vector
+operations over chunks of requests, and a small outputs-by-requests comparison only for the chunks
+with a request ending among the program's outputs (a decode needs none: output ``t`` is request
+``t``'s). The kernels stay in registers on Hopper (``scripts/cross_compile.py`` reports the
+registers and spills; a test holds them there). Every index is
 clamped into its tensor and every slot outside ``PAGE..slots-1`` is counted in ``unrecorded``
 instead of recorded: device lengths that disagree with the host's give wrong slots, never an access
 out of bounds.
@@ -46,6 +50,18 @@ EXTEND: tl.constexpr = tl.constexpr(1)
 DECODE: tl.constexpr = tl.constexpr(2)
 
 
+@triton.jit
+def _extension(pre_ptr, seq_ptr, j, bs, total, PAGE: tl.constexpr):
+    """Requests ``j``'s extensions, clamped to ``0..total`` (0 past ``bs``), and the fresh pages each
+    takes (at least 0)."""
+    jm = j < bs
+    seq_j = tl.load(seq_ptr + j, mask=jm, other=0).to(tl.int64)
+    pre_j = tl.load(pre_ptr + j, mask=jm, other=0).to(tl.int64)
+    ext_j = tl.where(jm, tl.minimum(tl.maximum(seq_j - pre_j, 0), total), 0)
+    fresh_j = tl.where(jm, tl.maximum(tl.cdiv(seq_j, PAGE) - tl.cdiv(pre_j, PAGE), 0), 0)
+    return ext_j, fresh_j
+
+
 @triton.jit(
     do_not_specialize=["head", "cap", "count", "bs", "total", "n_slots"],
     do_not_specialize_on_alignment=list(range(10)),
@@ -54,6 +70,7 @@ def hand_out(
     out_ptr, ring_ptr, pre_ptr, seq_ptr, last_ptr, owners_ptr, live_ptr, page_free_ptr, ever_ptr, unrecorded_ptr,
     head, cap, count, bs, total, n_slots,
     PAGE: tl.constexpr, KIND: tl.constexpr, HAS_EVER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_REQ: tl.constexpr,
+    BLOCK_SUB: tl.constexpr,
 ):  # fmt: skip
     """Write ``out[0:total]``, the slots of one allocation, and record each held (``owners``,
     ``live``, ``ever`` if ``HAS_EVER``); the ``count`` pages taken from ``ring`` stop being listed free.
@@ -67,33 +84,63 @@ def hand_out(
         page = tl.load(ring_ptr + (head + rank) % cap, mask=valid & (count > 0), other=0)
         slot = page * PAGE + t % PAGE
     else:
-        # Per output: its request (requests whose extension ends at or before t), the tokens and the
-        # fresh pages of the requests before it, from the lengths alone.
-        req = tl.zeros([BLOCK], dtype=tl.int64)
-        before = tl.zeros([BLOCK], dtype=tl.int64)
-        fresh_before = tl.zeros([BLOCK], dtype=tl.int64)
-        carry = tl.zeros([1], dtype=tl.int64)
-        for j0 in range(0, bs, BLOCK_REQ):
-            j = j0 + tl.arange(0, BLOCK_REQ)
-            jm = j < bs
-            seq_j = tl.load(seq_ptr + j, mask=jm, other=0).to(tl.int64)
-            if KIND == DECODE:
-                pre_j = seq_j - 1
-            else:
-                pre_j = tl.load(pre_ptr + j, mask=jm, other=0).to(tl.int64)
-            fresh_j = tl.where(jm, tl.cdiv(seq_j, PAGE) - tl.cdiv(pre_j, PAGE), 0)
-            if KIND == DECODE:  # one token each: output t is request t's
-                done = (j[None, :] < t[:, None]) & jm[None, :]
-            else:
-                ext_j = tl.where(jm, seq_j - pre_j, 0)
-                ends_j = tl.cumsum(ext_j, 0) + carry
-                carry += tl.sum(ext_j, 0)
-                done = (ends_j[None, :] <= t[:, None]) & jm[None, :]
-                req += tl.sum(done.to(tl.int64), 1)
-                before += tl.sum(tl.where(done, ext_j[None, :], 0), 1)
-            fresh_before += tl.sum(tl.where(done, fresh_j[None, :], 0), 1)
         if KIND == DECODE:
-            req, before = t, t
+            # Output t is request t's one token. The fresh pages before it: the requests before t whose
+            # token starts a page, those before this program's outputs counted first, a chunk at a time.
+            t0 = pid.to(tl.int64) * BLOCK
+            prior = tl.zeros([BLOCK_REQ], dtype=tl.int64)
+            for j0 in range(0, tl.minimum(t0, bs), BLOCK_REQ):
+                j = j0 + tl.arange(0, BLOCK_REQ)
+                seq_j = tl.load(seq_ptr + j, mask=j < bs, other=0).to(tl.int64)
+                prior += ((seq_j >= 1) & ((seq_j - 1) % PAGE == 0)).to(tl.int64)
+            req = tl.minimum(t, bs - 1)
+            seq_t = tl.load(seq_ptr + req, mask=valid, other=0).to(tl.int64)
+            starts = (valid & (seq_t >= 1) & ((seq_t - 1) % PAGE == 0)).to(tl.int64)
+            fresh_before = tl.sum(prior, 0) + tl.cumsum(starts, 0) - starts
+            before = t
+        else:
+            # Per output t: its request (the requests whose extension ends at or before t), the tokens and
+            # the fresh pages of the requests before it, from the lengths alone. Extensions are clamped to
+            # 0..total, so the ends only grow and the requests done for t are the first ones: their count,
+            # and the largest of their running sums. A chunk of BLOCK_REQ requests is read as vectors; the
+            # requests ending before this program's first output count for all of its outputs. Only where
+            # some end among its outputs are the chunk's requests compared with each output, BLOCK_SUB at
+            # a time (read again, from cache): a request ends among a program's outputs at most once.
+            t0 = pid.to(tl.int64) * BLOCK
+            t_end = t0 + BLOCK
+            req = tl.zeros([BLOCK], dtype=tl.int64)
+            before = tl.zeros([BLOCK], dtype=tl.int64)
+            fresh_before = tl.zeros([BLOCK], dtype=tl.int64)
+            ends_carry = tl.zeros([1], dtype=tl.int64)
+            fresh_carry = tl.zeros([1], dtype=tl.int64)
+            for j0 in range(0, bs, BLOCK_REQ):
+                j = j0 + tl.arange(0, BLOCK_REQ)
+                ext_j, fresh_j = _extension(pre_ptr, seq_ptr, j, bs, total, PAGE)
+                ends_j = tl.cumsum(ext_j, 0) + ends_carry
+                fresh_ends_j = tl.cumsum(fresh_j, 0) + fresh_carry
+                done_all = (j < bs) & (ends_j <= t0)
+                req += tl.sum(done_all.to(tl.int64), 0)
+                before = tl.maximum(before, tl.max(tl.where(done_all, ends_j, 0), 0))
+                fresh_before = tl.maximum(fresh_before, tl.max(tl.where(done_all, fresh_ends_j, 0), 0))
+                ending = (j < bs) & (ends_j > t0) & (ends_j < t_end)
+                if tl.sum(ending.to(tl.int32), 0) > 0:
+                    sub_ends = ends_carry
+                    sub_fresh = fresh_carry
+                    for s0 in range(j0, tl.minimum(j0 + BLOCK_REQ, bs), BLOCK_SUB):
+                        js = s0 + tl.arange(0, BLOCK_SUB)
+                        ext_s, fresh_s = _extension(pre_ptr, seq_ptr, js, bs, total, PAGE)
+                        ends_s = tl.cumsum(ext_s, 0) + sub_ends
+                        fresh_ends_s = tl.cumsum(fresh_s, 0) + sub_fresh
+                        sub_ends += tl.sum(ext_s, 0)
+                        sub_fresh += tl.sum(fresh_s, 0)
+                        ending_s = (js < bs) & (ends_s > t0) & (ends_s < t_end)
+                        if tl.sum(ending_s.to(tl.int32), 0) > 0:
+                            done = ending_s[None, :] & (ends_s[None, :] <= t[:, None])
+                            req += tl.sum(done.to(tl.int64), 1)
+                            before = tl.maximum(before, tl.max(tl.where(done, ends_s[None, :], 0), 1))
+                            fresh_before = tl.maximum(fresh_before, tl.max(tl.where(done, fresh_ends_s[None, :], 0), 1))
+                ends_carry += tl.sum(ext_j, 0)
+                fresh_carry += tl.sum(fresh_j, 0)
         req = tl.minimum(req, bs - 1)
         seq_r = tl.load(seq_ptr + req, mask=valid, other=0).to(tl.int64)
         if KIND == DECODE:

@@ -33,9 +33,12 @@ RING, LIST = 0, 1
 #: or none (a free group's pages wait).
 TO_TAIL, TO_RELEASE, TO_NONE = 0, 1, -1
 
-#: Outputs per ``hand_out`` program, and requests per step of its loop over the lengths.
+#: Outputs per ``hand_out`` program; requests per step of its loop over the lengths (read as vectors),
+#: and per step of its comparison of requests with outputs (a matrix of outputs by requests, kept
+#: small enough to stay in registers).
 HAND_OUT_BLOCK = 128
-HAND_OUT_REQ_BLOCK = 64
+HAND_OUT_REQ_BLOCK = 128
+HAND_OUT_SUB_BLOCK = 16
 #: Entries per step of ``give_back``'s single program.
 GIVE_BACK_BLOCK = 1024
 #: Most entries ``give_back`` sorts itself; a larger free is sorted by ``torch.sort`` first.
@@ -46,7 +49,7 @@ GIVE_BACK_WARPS = 8
 HAND_OUT_PARAMS = (
     "out_ptr", "ring_ptr", "pre_ptr", "seq_ptr", "last_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "ever_ptr",
     "unrecorded_ptr", "head", "cap", "count", "bs", "total", "n_slots", "PAGE", "KIND", "HAS_EVER", "BLOCK",
-    "BLOCK_REQ",
+    "BLOCK_REQ", "BLOCK_SUB",
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
@@ -101,7 +104,7 @@ def hand_out(
     ever_t = ever if ever is not None else page_free
     tensors = (out, ring, pre, seq, last, owners, live, page_free, ever_t, unrecorded)
     ints = (head, cap, count, bs, total, n_slots)
-    consts = (page_size, kind, ever is not None, HAND_OUT_BLOCK, HAND_OUT_REQ_BLOCK)
+    consts = (page_size, kind, ever is not None, HAND_OUT_BLOCK, HAND_OUT_REQ_BLOCK, HAND_OUT_SUB_BLOCK)
     grid = (max(cdiv(max(total, count), HAND_OUT_BLOCK), 1), 1, 1)
     key = None
     if HAND_OUTS.enabled:
