@@ -11,7 +11,7 @@ import torch
 
 from kvassert import allocator_snapshot, dec, ext, held_slots
 from kvpool.errors import IntegrityError
-from kvpool.pools.allocator import PagedTokenToKVPoolAllocator
+from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, checks
 
 T = torch.tensor
 
@@ -149,7 +149,7 @@ def test_padding_entries_are_skipped_uncounted_with_skip_padding(validate):
         assert a.errors().rejected_frees == 1
 
 
-@pytest.mark.parametrize("bs", [2, 129])  # the lengths are summed in Python up to 128 requests, as tensors above
+@pytest.mark.parametrize("bs", [2, checks.SMALL_BATCH + 1])  # the lengths are summed in Python up to SMALL_BATCH requests, by numpy above
 def test_lengths_past_the_bound_are_refused_and_change_nothing(bs):
     """CPU lengths whose sums would overflow int64 on the tensor path: refused naming
     ``seq_lens_cpu``, on both paths, before anything changes."""
@@ -160,3 +160,22 @@ def test_lengths_past_the_bound_are_refused_and_change_nothing(bs):
     with pytest.raises(ValueError, match="seq_lens_cpu must be below"):
         a.alloc_extend(pre, pre, seq, seq, torch.full((bs,), -1), 3 * bs)
     assert allocator_snapshot(a) == before and a.available_size() == 64
+
+
+@pytest.mark.parametrize("bs", [1, checks.SMALL_BATCH, checks.SMALL_BATCH + 1, 300])
+def test_the_cpu_lengths_are_summed_alike_in_python_and_by_numpy(bs):
+    """Tokens and fresh pages of an extension, and page-starting decode tokens, as a loop over the
+    lengths computes them, for batches either side of where the sums move to numpy; a bad batch is
+    refused with the same message on both sides."""
+    rng = torch.Generator().manual_seed(bs)
+    for page in (1, 4, 64):
+        pre = torch.randint(0, 300, (bs,), generator=rng)
+        seq = pre + torch.randint(0, 300, (bs,), generator=rng)
+        want_fresh = sum(-(-s // page) - -(-q // page) for q, s in zip(pre.tolist(), seq.tolist()))
+        total = int((seq - pre).sum())
+        assert checks.extend_lengths(pre, seq, total, page) == (total, want_fresh)
+        assert checks.decode_lengths(seq + 1, page) == sum(s % page == 0 for s in seq.tolist())
+        bad = seq.clone()
+        bad[-1] = pre[-1] - 1
+        with pytest.raises(ValueError, match=f"seq_lens_cpu must be >= prefix_lens_cpu, got {int(bad[-1])} < {int(pre[-1])} for request {bs - 1}"):
+            checks.extend_lengths(pre, bad, total, page)
