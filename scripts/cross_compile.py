@@ -5,10 +5,12 @@ AMD), so CI, which has no GPU, can still check that every kernel variant compile
 (the interpreter would not notice a construct the compiler rejects) and that the Hopper build keeps
 16-byte vector loads and stores and hardware FP8 conversion. Prints one JSON line per variant.
 
-Usage: python scripts/cross_compile.py [--full | --copy-rows | --allocator]   (TRITON_INTERPRET must not be set)
+Usage: python scripts/cross_compile.py [--full | --copy-rows | --allocator | --fp4]   (TRITON_INTERPRET must not be set)
 ``--copy-rows`` compiles the row-copy kernel (kvpool/kernels/copy_rows/kernel.py) instead, for the plans the
 launcher makes, and counts its vector accesses and barriers. ``--allocator`` compiles the allocators'
-bookkeeping kernels (kvpool/kernels/allocator/kernel.py), every kind the launchers make.
+bookkeeping kernels (kvpool/kernels/allocator/kernel.py), every kind the launchers make. ``--fp4``
+compiles the FP4 and NVFP4 writes for the geometries the benchmark writes, counting their vector
+accesses, registers and spills.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvpool.kernels.allocator import kernel as AK  # noqa: E402
 from kvpool.kernels.allocator import launcher as AL  # noqa: E402
 from kvpool.kernels.copy_rows import kernel as CK  # noqa: E402
+from kvpool.kernels.store_fp4 import kernel as FP4K  # noqa: E402
+from kvpool.kernels.store_nvfp4 import kernel as NVFP4K  # noqa: E402
 from kvpool.kernels.store_kv import kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
+from kvpool.kernels.store_fp4.writer import tokens_per_program  # noqa: E402
 from kvpool.kernels.store_kv.writer import PER_CALL  # noqa: E402
 from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
 
@@ -230,15 +235,56 @@ def allocator_variants():
         yield (target, *hand(64, AL.EXTEND))
 
 
+def compile_fp4(target_name, fmt, heads, head_dim, v_head_dim=None, in_type="bf16"):
+    """Compile an FP4 write (``fmt``: "fp4" or "nvfp4") as its launcher launches contiguous K and V
+    rows of ``heads`` x ``head_dim`` (V: ``v_head_dim``): unit element strides, the rest divisible
+    by 16."""
+    target, _ = TARGETS[target_name]
+    fn = FP4K.store_fp4_kv if fmt == "fp4" else NVFP4K.store_nvfp4_kv
+    names = list(fn.arg_names)
+    dv = v_head_dim or head_dim
+    kb, vb = heads * head_dim // 16, heads * dv // 16
+    kp2, vp2 = 1 << (kb - 1).bit_length(), 1 << (vb - 1).bit_length()
+    const = dict(D=head_dim, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=kp2, V_BLOCKS_P2=vp2,
+                 TOK=tokens_per_program(max(kp2, vp2)), sk_d=1, sv_d=1)  # fmt: skip
+    sig = {n: "constexpr" if n in const else "i32" for n in names}
+    sig.update(k_ptr=f"*{in_type}", v_ptr=f"*{in_type}", loc_ptr="*i64")
+    for n in names:
+        if n.endswith("_ptr") and n not in ("k_ptr", "v_ptr", "loc_ptr"):
+            sig[n] = "*fp32" if "global" in n else "*u8"
+    aligned = [n for n in names if sig[n] != "constexpr" and n not in ("loc_ptr", "rows", "T", "stride_loc")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=target, options={"num_warps": 4})
+    info = {"kernel": fmt, "target": target_name, "H": heads, "D": head_dim, "DV": dv, "in": in_type, "TOK": const["TOK"]}
+    ptx = compiled.asm.get("ptx")
+    if ptx is not None:
+        info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
+        info["st_vector"] = len(re.findall(r"st\.global(?:\.\w+)*\.v[24]", ptx))
+        if target_name == "sm90":
+            info.update(registers_and_spills(ptx, 90))
+    return info
+
+
+FP4_VARIANTS = [
+    (target, fmt, h, d) for target in ("sm90", "sm100") for fmt in ("fp4", "nvfp4") for h, d in ((8, 128), (1, 128), (1, 256))
+] + [("sm90", "fp4", 1, 512, 64)]  # the FP4 MLA pool's write: the latent part as K, the rotary part as V
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--full", action="store_true", help="every output kind, input type and scale kind")
     parser.add_argument("--copy-rows", action="store_true", help="the row-copy kernel's variants instead")
+    parser.add_argument("--fp4", action="store_true", help="the FP4 and NVFP4 writes instead")
     parser.add_argument("--allocator", action="store_true", help="the allocators' bookkeeping kernels instead")
     args = parser.parse_args()
     if args.allocator:
         for v in allocator_variants():
             print(json.dumps(compile_allocator(*v)), flush=True)
+        return 0
+    if args.fp4:
+        for v in FP4_VARIANTS:
+            print(json.dumps(compile_fp4(*v)), flush=True)
         return 0
     if args.copy_rows:
         for v in COPY_VARIANTS:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, assert_same_parts, assert_tensors_unchanged, fused_runs, id_of, poisoned_parts, qkv_slices
+from kvassert import DEVICE, assert_same_parts, assert_tensors_unchanged, cross_compile, fused_runs, id_of, poisoned_parts, qkv_slices
 from kvpool import FusedPathUnavailable, MHATokenToKVPoolFP4
 
 FP4 = torch.float4_e2m1fn_x2
@@ -118,3 +118,35 @@ def test_strided_slots_fused_are_the_reference_rows(layout, scales):
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert_same_parts(fused, reference)
+
+
+@fused_runs
+@pytest.mark.parametrize("heads,dim", [(H, D), (1, 32)], ids=["3x48", "1x32"])
+@pytest.mark.parametrize("scales", [{}, dict(fp4_format="nvfp4", k_global_scales=[0.5], v_global_scales=[3.0])],
+                         ids=["fp4_mx_block16", "nvfp4"])  # fmt: skip
+def test_writes_of_many_programs_are_the_reference_rows(heads, dim, scales):
+    """Enough tokens for several programs of several tokens each, the last one part-full, with
+    padding and out-of-range slots among them, in either FP4 format: the same rows on both paths."""
+    t, size = 150, 200
+    k, v = special_rows(t, heads, dim, torch.bfloat16, 21), special_rows(t, heads, dim, torch.bfloat16, 22)
+    g = torch.Generator().manual_seed(3)
+    loc = torch.randperm(size, generator=g)[:t]
+    loc[[5, 17, 40]] = torch.tensor([-1, size, size + 7])
+    loc = loc.to(DEVICE)
+    pools = [poisoned_parts(MHATokenToKVPoolFP4(size, 1, FP4, heads, dim, 1, DEVICE, fused=f, **scales)) for f in ("always", "never")]
+    for p in pools:
+        p.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert pools[0].stats.fused_calls == 1
+    assert_same_parts(*pools)
+
+
+def test_the_fp4_writes_compile_to_vector_accesses_without_spills():
+    """Both FP4 writes, compiled for Hopper and Blackwell as their launcher launches contiguous rows,
+    read each 16-element block with 16-byte loads and store its 8 code bytes at once; on Hopper they
+    keep their values in registers (the interpreter would notice none of this)."""
+    compiled = cross_compile("--fp4")
+    assert {(v["kernel"], v["target"]) for v in compiled} == {(f, t) for f in ("fp4", "nvfp4") for t in ("sm90", "sm100")}
+    for v in compiled:
+        assert v["ld_v4"] > 0 and v["st_vector"] > 0, v
+        if v["target"] == "sm90":
+            assert v["spill_bytes"] == 0, v

@@ -1,4 +1,5 @@
-"""The fused NVFP4 write's Triton kernel: for one token per program, K and V rows in one launch:
+"""The fused NVFP4 write's Triton kernel: K and V rows of a few tokens per program, in one launch
+(the FP4 kernel's tile of 16-element blocks):
 division by the layer's global scale, block amax, e4m3 block scale, e2m1 rounding, packing and the
 scatter of codes and scale bytes. Bit-identical to ``naive.write_nvfp4_reference``
 (docs/contract.md, "NVFP4"): every division is ``div_rn``, and the e4m3 conversions are integer
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kvpool.kernels.store_fp4.kernel import block_pairs, store_blocks
 
 
 @triton.jit
@@ -46,31 +49,21 @@ def _e2m1_code(q, y):
 
 
 @triton.jit
-def _nvfp4_row(
-    x_ptr,  # [T, H, D] input rows, any strides
-    t,  # int64 token index
-    sx_t, sx_h, sx_d,  # input strides (elements)
-    g_ptr,  # [1] float32 global scale of this tensor
-    codes_ptr,  # uint8 row of the packed buffer [rows, H, D // 2] at the slot
-    scale_ptr,  # uint8 row of the scale buffer [rows, H, D // 16] at the slot
-    D: tl.constexpr,  # head dim
-    BLOCKS: tl.constexpr,  # H * D // 16
-    BLOCKS_P2: tl.constexpr,  # next power of two of BLOCKS
-):
-    b = tl.arange(0, BLOCKS_P2)[:, None]  # block of the row (D is a multiple of 16: one head each)
-    i = tl.arange(0, 8)[None, :]  # pair within the block
-    live = b < BLOCKS
-    even = b * 16 + 2 * i  # flat index of the pair's first element in the row
-    odd = even + 1
-    base = x_ptr + t * sx_t
-    x0 = tl.load(base + (even // D) * sx_h + (even % D) * sx_d, mask=live, other=0.0).to(tl.float32)
-    x1 = tl.load(base + (odd // D) * sx_h + (odd % D) * sx_d, mask=live, other=0.0).to(tl.float32)
+def _nvfp4_part(
+    x_ptr, t0, T, sx_t, sx_h, sx_d, g_ptr, loc_ptr, stride_loc, rows, codes_ptr, scale_ptr, codes_row, scale_row,
+    D: tl.constexpr, BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, TOK: tl.constexpr,
+):  # fmt: skip
+    """The NVFP4 of one part (K or V) of ``TOK`` tokens, divided by the part's global scale
+    ``g_ptr[0]``, to their slots (outside ``0..rows - 1``: nothing written)."""
+    t, b, live, x0, x1 = block_pairs(x_ptr, t0, T, sx_t, sx_h, sx_d, D, BLOCKS, BLOCKS_P2, TOK)
+    slot = tl.load(loc_ptr + t * stride_loc, mask=live, other=-1).to(tl.int64)
+    ok = live & (slot >= 0) & (slot < rows)
     g = tl.load(g_ptr)
     y0, y1 = tl.div_rn(x0, g), tl.div_rn(x1, g)
     a0, a1 = tl.abs(y0), tl.abs(y1)
     # inf and NaN are found by comparison (a NaN fails both), not through max, whose NaN rule varies.
     bad = ((a0 == float("inf")) | (a0 != a0) | (a1 == float("inf")) | (a1 != a1)).to(tl.int32)
-    non_finite = tl.max(bad, axis=1) > 0  # [BLOCKS_P2]
+    non_finite = tl.max(bad, axis=1) > 0  # [TOK * BLOCKS_P2]
     amax = tl.max(tl.maximum(tl.where(a0 == a0, a0, 0.0), tl.where(a1 == a1, a1, 0.0)), axis=1)
     scale = tl.where(non_finite, 0, _e4m3_code(tl.div_rn(amax, 6.0)))
     has_scale = (scale != 0)[:, None]
@@ -78,9 +71,7 @@ def _nvfp4_row(
     q0 = tl.where(has_scale, tl.div_rn(y0, block), 0.0)
     q1 = tl.where(has_scale, tl.div_rn(y1, block), 0.0)
     packed = tl.where(non_finite[:, None], 0, _e2m1_code(q0, y0) | (_e2m1_code(q1, y1) << 4))
-    tl.store(codes_ptr + even // 2, packed.to(tl.uint8), mask=live)
-    blocks = tl.arange(0, BLOCKS_P2)
-    tl.store(scale_ptr + blocks, scale.to(tl.uint8), mask=blocks < BLOCKS)
+    store_blocks(codes_ptr, scale_ptr, slot, b, ok, packed, scale, codes_row, scale_row)
 
 
 @triton.jit
@@ -95,6 +86,7 @@ def store_nvfp4_kv(
     k_global_ptr,  # [1] float32, the layer's K global scale
     v_global_ptr,  # [1] float32, the layer's V global scale
     rows,  # slots in the buffers
+    T,  # tokens
     stride_loc,  # loc's stride (elements)
     sk_t, sk_h, sk_d,  # K input strides
     sv_t, sv_h, sv_d,  # V input strides
@@ -105,13 +97,12 @@ def store_nvfp4_kv(
     V_BLOCKS: tl.constexpr,
     K_BLOCKS_P2: tl.constexpr,
     V_BLOCKS_P2: tl.constexpr,
+    TOK: tl.constexpr,  # tokens per program
 ):
-    """One program per token: rows ``loc[t]`` of the code and scale buffers become the NVFP4 of K
-    and V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)
-    if (slot >= 0) & (slot < rows):
-        _nvfp4_row(k_ptr, t, sk_t, sk_h, sk_d, k_global_ptr, k_codes_ptr + slot * k_codes_row,
-                   k_scale_ptr + slot * k_scale_row, D, K_BLOCKS, K_BLOCKS_P2)  # fmt: skip
-        _nvfp4_row(v_ptr, t, sv_t, sv_h, sv_d, v_global_ptr, v_codes_ptr + slot * v_codes_row,
-                   v_scale_ptr + slot * v_scale_row, DV, V_BLOCKS, V_BLOCKS_P2)  # fmt: skip
+    """``TOK`` tokens per program: rows ``loc[t]`` of the code and scale buffers become the NVFP4 of
+    K and V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
+    t0 = tl.program_id(0).to(tl.int64) * TOK
+    _nvfp4_part(k_ptr, t0, T, sk_t, sk_h, sk_d, k_global_ptr, loc_ptr, stride_loc, rows, k_codes_ptr, k_scale_ptr,
+                k_codes_row, k_scale_row, D, K_BLOCKS, K_BLOCKS_P2, TOK)  # fmt: skip
+    _nvfp4_part(v_ptr, t0, T, sv_t, sv_h, sv_d, v_global_ptr, loc_ptr, stride_loc, rows, v_codes_ptr, v_scale_ptr,
+                v_codes_row, v_scale_row, DV, V_BLOCKS, V_BLOCKS_P2, TOK)  # fmt: skip
