@@ -1,7 +1,8 @@
 """The slot allocators' per-step calls, kvpool against SGLang's own ``allocator.py`` on the same inputs.
 
 Rows (wall time per call, the device synchronised before and after each timed call, median of
-``--reps``; the first calls are never timed):
+``--reps``; the first calls are never timed; kvpool's and SGLang's calls of a row are timed in
+turn, one call of each a round, so that the rest of the machine weighs on both alike):
 
 * the floor: one launch of a one-kernel torch op, timed the same way (what any call that launches a
   kernel costs at least; SGLang's token ``alloc`` launches none);
@@ -122,18 +123,24 @@ class Timer:
     def per_call_us(self, before: Callable[[], Any], call: Callable[[Any], Any], after: Callable[[Any, Any], None]) -> float:
         """Median microseconds of ``call(before())``, synchronised around; ``after(prepared, result)``
         undoes it, untimed."""
-        times = []
+        return self.alternating({"": (before, call, after)})[""]
+
+    def alternating(self, cases: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any, Any], None]]]) -> dict[str, float]:
+        """``per_call_us`` of several cases timed in turn, call by call (one call of each, then the
+        next round), so that whatever the machine does meanwhile falls on all of them alike."""
+        times: dict[str, list[float]] = {name: [] for name in cases}
         for i in range(self.reps + 2):
-            prepared = before()
-            self.sync()
-            t0 = time.perf_counter()
-            out = call(prepared)
-            self.sync()
-            t1 = time.perf_counter()
-            after(prepared, out)
-            if i >= 2:
-                times.append((t1 - t0) * 1e6)
-        return statistics.median(times)
+            for name, (before, call, after) in cases.items():
+                prepared = before()
+                self.sync()
+                t0 = time.perf_counter()
+                out = call(prepared)
+                self.sync()
+                t1 = time.perf_counter()
+                after(prepared, out)
+                if i >= 2:
+                    times[name].append((t1 - t0) * 1e6)
+        return {name: statistics.median(ts) for name, ts in times.items()}
 
     def kernels(self, call: Callable[[], Any]) -> Optional[int]:
         """How many kernels ``call()`` launches on the GPU (None on the CPU, or where the profiler does
@@ -220,47 +227,60 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
     add("one kernel launch (the floor)", "x.add_(1) on 64 int64", "torch", timer.per_call_us(lambda: None, lambda _: x.add_(1), lambda _, out: None), None)
     for bs in extend_bs:
         args = extend_inputs(bs, device, rng)
+        cases, allocators = {}, {}
         for name, (_, Paged) in impls.items():
             if name == "sglang" and cpu:
                 add("paged alloc_extend", f"{bs} requests", name, None, None, "Triton kernel: GPU only")
                 continue
-            a = Paged(paged_slots, PAGE, None, device, None, False)
+            a = allocators[name] = Paged(paged_slots, PAGE, None, device, None, False)
             before, after = undo_alloc(a)
-            us = timer.per_call_us(before, lambda _: a.alloc_extend(*args), after)
+            cases[name] = (before, lambda _, a=a: a.alloc_extend(*args), after)
+        for name, us in timer.alternating(cases).items():
+            a = allocators[name]
             add("paged alloc_extend", f"{bs} requests", name, us, timer.waits(lambda: a.alloc_extend(*args)))
+
     def decode_rows(bs: int) -> None:
+        cases, inputs = {}, {}
         for name, (_, Paged) in impls.items():
             if name == "sglang" and cpu:
                 add("paged alloc_decode", f"{bs} requests", name, None, None, "Triton kernel: GPU only")
                 continue
             a = Paged(paged_slots, PAGE, None, device, None, False)
-            dargs = running_requests(a, bs, device, random.Random(bs))
-            us = timer.per_call_us(lambda: None, lambda _: a.alloc_decode(*dargs), lambda _, out: None)
+            inputs[name] = (a, running_requests(a, bs, device, random.Random(bs)))
+            cases[name] = (lambda: None, lambda _, a=a, d=inputs[name][1]: a.alloc_decode(*d), lambda _, out: None)
+        for name, us in timer.alternating(cases).items():
+            a, dargs = inputs[name]
             add("paged alloc_decode", f"{bs} requests", name, us, timer.waits(lambda: a.alloc_decode(*dargs)))
 
     # The largest decode batch comes last, so that every other row is in the report however long it takes.
     for bs in decode_bs[:-1]:
         decode_rows(bs)
     n_req = rng.randint(1000, 3000) // PAGE * PAGE
+    cases, allocators = {}, {}
     for name, (_, Paged) in impls.items():
-        a = Paged(paged_slots, PAGE, None, device, None, False)
-        us = timer.per_call_us(lambda: a.alloc(n_req), lambda s: a.free(s), lambda s, out: None)
-        slots = a.alloc(n_req)
-        add("paged free", f"one request of {n_req} tokens", name, us, timer.waits(lambda: a.free(slots)))
+        a = allocators[name] = Paged(paged_slots, PAGE, None, device, None, False)
+        cases[name] = (lambda a=a: a.alloc(n_req), lambda s, a=a: a.free(s), lambda s, out: None)
+    for name, us in timer.alternating(cases).items():
+        slots = allocators[name].alloc(n_req)
+        add("paged free", f"one request of {n_req} tokens", name, us, timer.waits(lambda: allocators[name].free(slots)))
     for size in sizes:
+        if rep.over_budget(f"token calls at {size} slots"):
+            continue
+        allocators = {}
         for name, (Token, _) in impls.items():
-            if rep.over_budget(f"token calls at {size} slots, {name}"):
-                continue
-            a = Token(size, None, device, None, False)
+            a = allocators[name] = Token(size, None, device, None, False)
             a.free(a.alloc(size // 2))  # a free list that has taken slots back
-            us = timer.per_call_us(lambda: None, lambda _: a.alloc(64), lambda _, out: a.free(out))
-            add("token alloc(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.alloc(64)),
+        alloc = timer.alternating({name: (lambda: None, lambda _, a=a: a.alloc(64), lambda _, out, a=a: a.free(out))
+                                   for name, a in allocators.items()})  # fmt: skip
+        free = timer.alternating({name: (lambda a=a: a.alloc(64), lambda s, a=a: a.free(s), lambda s, out: None)
+                                  for name, a in allocators.items()})  # fmt: skip
+        for name, a in allocators.items():
+            add("token alloc(64)", f"{size:,} slots", name, alloc[name], timer.waits(lambda: a.alloc(64)),
                 kernels=timer.kernels(lambda: a.alloc(64)))  # fmt: skip
-            us = timer.per_call_us(lambda: a.alloc(64), lambda s: a.free(s), lambda s, out: None)
             slots, more = a.alloc(64), a.alloc(64)
-            add("token free(64)", f"{size:,} slots", name, us, timer.waits(lambda: a.free(slots)),
+            add("token free(64)", f"{size:,} slots", name, free[name], timer.waits(lambda: a.free(slots)),
                 kernels=timer.kernels(lambda: a.free(more)))  # fmt: skip
-            del a
+        del allocators, a
     table_rows(device, timer, add)
     swa_rows(device, timer, add, [sizes[0], sizes[-1]])
     decode_rows(decode_bs[-1])
@@ -356,7 +376,7 @@ def main() -> int:
     report.add_common_arguments(ap, "allocators")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     ap.add_argument("--quick", action="store_true", help="fewer pool sizes and repeats")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls per case (default 50, quick 15)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per case (default 100, quick 40)")
     ap.add_argument("--sizes", default=None, help="comma-separated token pool sizes (default 64k..32M; CPU to 8M)")
     ap.add_argument("--paged-slots", type=int, default=None, help="slots of the paged allocators (default 4M; CPU 1M)")
     ap.add_argument("--sglang-wheel", default=None, help="a pure-Python sglang wheel (pip download sglang==0.5.9 --no-deps)")
@@ -367,7 +387,7 @@ def main() -> int:
         default_sizes, reps, paged = [1 << 12, 1 << 14], 2, 1 << 14
     else:
         default_sizes = [1 << 16, 1 << 23] if args.quick else [1 << 16, 1 << 20, 1 << 23] + ([] if cpu else [1 << 25])
-        reps, paged = (15 if args.quick else 50), (1 << 20 if cpu else 1 << 22)
+        reps, paged = (40 if args.quick else 100), (1 << 20 if cpu else 1 << 22)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else default_sizes
     reps = args.reps or reps
     paged = args.paged_slots or paged

@@ -178,6 +178,8 @@ def decode_lengths(seq_c: torch.Tensor, page_size: int) -> int:
 def free_index_slots(free_index: object, device: torch.device) -> torch.Tensor:
     """``free_index`` (a 0-D or 1-D integer tensor on ``device`` or the CPU, or a sequence of ints)
     as an int64 tensor on ``device``."""
+    if type(free_index) is torch.Tensor and free_index.dtype == torch.int64 and free_index.dim() == 1 and free_index.device == device:
+        return free_index  # what a scheduler frees on every step, taken as it is
     if isinstance(free_index, torch.Tensor):
         flat = free_index.reshape(1) if free_index.dim() == 0 else free_index
         where = "the CPU" if device.type == "cpu" else f"the allocator's device {device} or the CPU"

@@ -17,8 +17,7 @@ pages a token allocator's ``alloc`` lent (``lend``) held in the next launch that
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,8 +36,7 @@ Books = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 MARK_MAX = 4096
 
 
-@dataclass(frozen=True)
-class Take:
+class Take(NamedTuple):
     """Pages an allocation will take: the front of the free list, or of ``merged`` (the free and
     release lists merged and sorted, which becomes the free list) when the free list is too short.
     They are ``source[(start + r) % cap]`` for ``r < count`` (what the hand-out kernel reads);
@@ -188,10 +186,11 @@ class FreeLists:
         O(count) unless the release list must be merged in."""
         if count < 0:
             raise ValueError(f"count must be >= 0 pages, got {count}")
-        self.poll()
         queue = self.queue
-        if count > len(queue) and not self.exact():
-            self.read()
+        if count > len(queue):  # the counts copied back may list more (a poll asks the device: skipped when not needed)
+            self.poll()
+            if count > len(queue) and not self.exact():
+                self.read()
         if count <= len(queue):
             return Take(queue.buffer, queue.front_at(), queue.capacity, count, None)
         if count > len(queue) + self.release_known:
