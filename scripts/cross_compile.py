@@ -243,10 +243,11 @@ def compile_fp4(target_name, fmt, heads, head_dim, v_head_dim=None, in_type="bf1
     fn = FP4K.store_fp4_kv if fmt == "fp4" else NVFP4K.store_nvfp4_kv
     names = list(fn.arg_names)
     dv = v_head_dim or head_dim
+    words = in_type in ("bf16", "fp16")  # even strides and aligned starts, as a contiguous launch has
     kb, vb = heads * head_dim // 16, heads * dv // 16
     kp2, vp2 = 1 << (kb - 1).bit_length(), 1 << (vb - 1).bit_length()
     const = dict(D=head_dim, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=kp2, V_BLOCKS_P2=vp2,
-                 TOK=tokens_per_program(max(kp2, vp2)), sk_d=1, sv_d=1)  # fmt: skip
+                 TOK=tokens_per_program(max(kp2, vp2)), K_WORDS=words, V_WORDS=words, sk_d=1, sv_d=1)  # fmt: skip
     sig = {n: "constexpr" if n in const else "i32" for n in names}
     sig.update(k_ptr=f"*{in_type}", v_ptr=f"*{in_type}", loc_ptr="*i64")
     for n in names:

@@ -124,11 +124,17 @@ def test_strided_slots_fused_are_the_reference_rows(layout, scales):
 @pytest.mark.parametrize("heads,dim", [(H, D), (1, 32)], ids=["3x48", "1x32"])
 @pytest.mark.parametrize("scales", [{}, dict(fp4_format="nvfp4", k_global_scales=[0.5], v_global_scales=[3.0])],
                          ids=["fp4_mx_block16", "nvfp4"])  # fmt: skip
-def test_writes_of_many_programs_are_the_reference_rows(heads, dim, scales):
+@pytest.mark.parametrize("layout", ["contiguous", "odd_offset"])
+def test_writes_of_many_programs_are_the_reference_rows(heads, dim, scales, layout):
     """Enough tokens for several programs of several tokens each, the last one part-full, with
-    padding and out-of-range slots among them, in either FP4 format: the same rows on both paths."""
+    padding and out-of-range slots among them, in either FP4 format: the same rows on both paths,
+    whether the kernel reads pairs as 32-bit words (contiguous rows) or element by element (rows
+    that start one element into their buffer, as no word read can take)."""
     t, size = 150, 200
     k, v = special_rows(t, heads, dim, torch.bfloat16, 21), special_rows(t, heads, dim, torch.bfloat16, 22)
+    if layout == "odd_offset":
+        k, v = (torch.cat((x[..., :1], x), -1)[..., 1:] for x in (k, v))
+        assert k.stride(1) % 2 == 1 and k.data_ptr() % 4 == 2
     g = torch.Generator().manual_seed(3)
     loc = torch.randperm(size, generator=g)[:t]
     loc[[5, 17, 40]] = torch.tensor([-1, size, size + 7])

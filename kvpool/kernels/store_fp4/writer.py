@@ -54,11 +54,27 @@ def launch_fp4_write(
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
     tok = tokens_per_program(max(next_pow2(kb), next_pow2(vb)))
+    k_words, v_words = pairs_are_words(k), pairs_are_words(v)
     (store_fp4_kv if kernel is None else kernel)[(cdiv(t, tok),)](  # type: ignore[index]
         k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], t, loc.stride(0),
-        *k.stride(), *v.stride(), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
+        *_strides(k, k_words), *_strides(v, v_words), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb), TOK=tok,
+        K_WORDS=k_words, V_WORDS=v_words,
     )  # fmt: skip
+
+
+def _strides(x: torch.Tensor, words: bool) -> tuple[int, int, int]:
+    """``x``'s strides as the kernel takes them: in elements, or the token and head strides in
+    32-bit words where it reads pairs as words."""
+    st, sh, sd = x.stride()
+    return (st // 2, sh // 2, sd) if words else (st, sh, sd)
+
+
+def pairs_are_words(x: torch.Tensor) -> bool:
+    """Whether the FP4 kernels may read ``x`` ([T, H, D] rows) a pair of elements per aligned 32-bit
+    word: 16-bit elements, contiguous within a head, even strides and a 4-byte aligned start (a
+    fused QKV projection's slices are)."""
+    return x.element_size() == 2 and x.stride(2) == 1 and x.stride(0) % 2 == 0 and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0
 
 
 #: Input elements a program of the FP4 writes reads per part, about: several tokens of small rows.

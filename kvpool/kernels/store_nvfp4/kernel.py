@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvpool.kernels.store_fp4.kernel import block_pairs, store_blocks
+from kvpool.kernels.store_fp4.kernel import block_amax, block_pairs, store_blocks
 
 
 @triton.jit
@@ -39,32 +39,28 @@ def _e4m3_value(code):
 @triton.jit
 def _e2m1_code(q, y):
     """e2m1 code of a scaled value ``q``: round to nearest even, saturating at 6; 0x8 from the sign
-    bit of ``y`` (so -0.0 keeps it)."""
+    bit of ``y`` (so -0.0 keeps it). From 1 up the codes are the float's exponent and top mantissa
+    bit rounded to nearest even (2 + 2 * exponent + bit); below 1 two comparisons."""
     m = tl.abs(q)
-    mag = (
-        (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
-        + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
-    )  # fmt: skip
+    bits = m.to(tl.int32, bitcast=True)
+    upper = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
+    mag = tl.where(m >= 1.0, upper, (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32))
     return mag | ((y.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
 
 
 @triton.jit
 def _nvfp4_part(
     x_ptr, t0, T, sx_t, sx_h, sx_d, g_ptr, loc_ptr, stride_loc, rows, codes_ptr, scale_ptr, codes_row, scale_row,
-    D: tl.constexpr, BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, TOK: tl.constexpr,
+    D: tl.constexpr, BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, TOK: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """The NVFP4 of one part (K or V) of ``TOK`` tokens, divided by the part's global scale
     ``g_ptr[0]``, to their slots (outside ``0..rows - 1``: nothing written)."""
-    t, b, live, x0, x1 = block_pairs(x_ptr, t0, T, sx_t, sx_h, sx_d, D, BLOCKS, BLOCKS_P2, TOK)
+    t, b, live, x0, x1 = block_pairs(x_ptr, t0, T, sx_t, sx_h, sx_d, D, BLOCKS, BLOCKS_P2, TOK, WORDS)
     slot = tl.load(loc_ptr + t * stride_loc, mask=live, other=-1).to(tl.int64)
     ok = live & (slot >= 0) & (slot < rows)
     g = tl.load(g_ptr)
     y0, y1 = tl.div_rn(x0, g), tl.div_rn(x1, g)
-    a0, a1 = tl.abs(y0), tl.abs(y1)
-    # inf and NaN are found by comparison (a NaN fails both), not through max, whose NaN rule varies.
-    bad = ((a0 == float("inf")) | (a0 != a0) | (a1 == float("inf")) | (a1 != a1)).to(tl.int32)
-    non_finite = tl.max(bad, axis=1) > 0  # [TOK * BLOCKS_P2]
-    amax = tl.max(tl.maximum(tl.where(a0 == a0, a0, 0.0), tl.where(a1 == a1, a1, 0.0)), axis=1)
+    non_finite, amax = block_amax(tl.abs(y0), tl.abs(y1))
     scale = tl.where(non_finite, 0, _e4m3_code(tl.div_rn(amax, 6.0)))
     has_scale = (scale != 0)[:, None]
     block = tl.where(has_scale, _e4m3_value(scale)[:, None], 1.0)
@@ -98,11 +94,13 @@ def store_nvfp4_kv(
     K_BLOCKS_P2: tl.constexpr,
     V_BLOCKS_P2: tl.constexpr,
     TOK: tl.constexpr,  # tokens per program
+    K_WORDS: tl.constexpr,  # K read a pair per 32-bit word (block_pairs)
+    V_WORDS: tl.constexpr,
 ):
     """``TOK`` tokens per program: rows ``loc[t]`` of the code and scale buffers become the NVFP4 of
     K and V row ``t``; a slot outside ``0..rows - 1`` (negative: padding) writes nothing."""
     t0 = tl.program_id(0).to(tl.int64) * TOK
     _nvfp4_part(k_ptr, t0, T, sk_t, sk_h, sk_d, k_global_ptr, loc_ptr, stride_loc, rows, k_codes_ptr, k_scale_ptr,
-                k_codes_row, k_scale_row, D, K_BLOCKS, K_BLOCKS_P2, TOK)  # fmt: skip
+                k_codes_row, k_scale_row, D, K_BLOCKS, K_BLOCKS_P2, TOK, K_WORDS)  # fmt: skip
     _nvfp4_part(v_ptr, t0, T, sv_t, sv_h, sv_d, v_global_ptr, loc_ptr, stride_loc, rows, v_codes_ptr, v_scale_ptr,
-                v_codes_row, v_scale_row, DV, V_BLOCKS, V_BLOCKS_P2, TOK)  # fmt: skip
+                v_codes_row, v_scale_row, DV, V_BLOCKS, V_BLOCKS_P2, TOK, V_WORDS)  # fmt: skip
