@@ -89,9 +89,10 @@ def hand_out(
             # token starts a page, those before this program's outputs counted first, a chunk at a time.
             t0 = pid.to(tl.int64) * BLOCK
             prior = tl.zeros([BLOCK_REQ], dtype=tl.int64)
-            for j0 in range(0, tl.minimum(t0, bs), BLOCK_REQ):
+            before_outputs = tl.minimum(t0, bs)
+            for j0 in range(0, before_outputs, BLOCK_REQ):
                 j = j0 + tl.arange(0, BLOCK_REQ)
-                seq_j = tl.load(seq_ptr + j, mask=j < bs, other=0).to(tl.int64)
+                seq_j = tl.load(seq_ptr + j, mask=j < before_outputs, other=0).to(tl.int64)
                 prior += ((seq_j >= 1) & ((seq_j - 1) % PAGE == 0)).to(tl.int64)
             req = tl.minimum(t, bs - 1)
             seq_t = tl.load(seq_ptr + req, mask=valid, other=0).to(tl.int64)
@@ -126,14 +127,15 @@ def hand_out(
                 if tl.sum(ending.to(tl.int32), 0) > 0:
                     sub_ends = ends_carry
                     sub_fresh = fresh_carry
-                    for s0 in range(j0, tl.minimum(j0 + BLOCK_REQ, bs), BLOCK_SUB):
+                    chunk_end = tl.minimum(j0 + BLOCK_REQ, bs)
+                    for s0 in range(j0, chunk_end, BLOCK_SUB):
                         js = s0 + tl.arange(0, BLOCK_SUB)
-                        ext_s, fresh_s = _extension(pre_ptr, seq_ptr, js, bs, total, PAGE)
+                        ext_s, fresh_s = _extension(pre_ptr, seq_ptr, js, chunk_end, total, PAGE)
                         ends_s = tl.cumsum(ext_s, 0) + sub_ends
                         fresh_ends_s = tl.cumsum(fresh_s, 0) + sub_fresh
                         sub_ends += tl.sum(ext_s, 0)
                         sub_fresh += tl.sum(fresh_s, 0)
-                        ending_s = (js < bs) & (ends_s > t0) & (ends_s < t_end)
+                        ending_s = (js < chunk_end) & (ends_s > t0) & (ends_s < t_end)
                         if tl.sum(ending_s.to(tl.int32), 0) > 0:
                             done = ending_s[None, :] & (ends_s[None, :] <= t[:, None])
                             req += tl.sum(done.to(tl.int64), 1)
