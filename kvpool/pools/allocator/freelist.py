@@ -187,7 +187,7 @@ class FreeLists:
         if count < 0:
             raise ValueError(f"count must be >= 0 pages, got {count}")
         queue = self.queue
-        if count > len(queue):  # the counts copied back may list more (a poll asks the device: skipped when not needed)
+        if count > len(queue):  # the counts copied back may list more (a poll queries a CUDA event: only when short)
             self.poll()
             if count > len(queue) and not self.exact():
                 self.read()
