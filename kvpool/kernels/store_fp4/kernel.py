@@ -1,7 +1,8 @@
 """The fused FP4 write's Triton kernel: K and V rows of a few tokens per program, in one launch:
-block amax, exponent, rounding, packing and the scatter of codes and scale bytes. A program reads
-its tokens' 16-element blocks whole (vector loads) as the rows of one tile and stores each block's
-8 code bytes at once; the NVFP4 kernel shares that layout (``block_pairs``, ``store_blocks``). Bit-identical to
+block amax, exponent, rounding, packing and the scatter of codes and scale bytes. A program takes
+its tokens' 16-element blocks as the rows of one tile of element pairs (16-bit inputs a pair per
+32-bit word, vector loads either way) and stores each block's 8 code bytes at once; the NVFP4
+kernel shares that layout (``block_pairs``, ``block_amax``, ``store_blocks``). Bit-identical to
 ``naive.write_fp4_reference`` (docs/contract.md, "FP4 pools"): the exponent comes from the bits of
 ``amax / 6`` (integer operations, no ``log2``), the division by 6 is ``div_rn``, and ``x / 2**e`` is
 a multiplication by ``2**-e``, which is the same correctly rounded quotient."""
