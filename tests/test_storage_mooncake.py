@@ -212,36 +212,32 @@ def test_a_record_under_another_key_torn_or_flipped_is_a_miss(engines):
     assert [b.exists(k) for k in (swapped, flipped, torn, good)] == [False, False, False, True]
 
 
+def _read_the_last_page_into_the_first_ones_host_page(engines, pages: int, first_token: int) -> None:
+    """``pages`` pages of 4 tokens written by one engine and read by the other, the last into the
+    first one's host page: every page a hit, and that host page ends with the last page's bytes."""
+    host = make_host(make_device_pool(size=96), "layer_first")
+    a, b = over(engines[0], host), over(engines[1], host)
+    src = host.alloc(4 * pages)
+    keys = page_keys(list(range(first_token, first_token + 4 * pages)), 4)
+    assert a.batch_set_v1(keys, src) == [True] * pages
+    last = host_page_bytes(host, int(src[4 * (pages - 1)])).clone()
+    dst = host.alloc(4 * (pages - 1))
+    before = b.get_stats()
+    assert b.batch_get_v1(keys, torch.cat([dst, dst[:4]])) == [True] * pages
+    assert counted(b, before, "hits", "corrupt") == (pages, 0)
+    assert torch.equal(host_page_bytes(host, int(dst[0])), last)
+
+
 def test_a_batch_read_in_groups_checks_a_page_before_a_later_page_lands_on_it(engines):
     # Eight pages travel in several calls; the last is read into the first one's host page, which
     # must have been checked (a hit) before the last one's bytes arrive there.
-    host = make_host(make_device_pool(size=96), "layer_first")
-    a, b = over(engines[0], host), over(engines[1], host)
-    src = host.alloc(32)
-    keys = page_keys(list(range(32)), 4)
-    assert a.batch_set_v1(keys, src) == [True] * 8
-    last = host_page_bytes(host, int(src[28])).clone()
-    dst = host.alloc(28)
-    before = b.get_stats()
-    assert b.batch_get_v1(keys, torch.cat([dst, dst[:4]])) == [True] * 8
-    assert counted(b, before, "hits", "corrupt") == (8, 0)
-    assert torch.equal(host_page_bytes(host, int(dst[0])), last)
+    _read_the_last_page_into_the_first_ones_host_page(engines, 8, 0)
 
 
 def test_a_small_batch_read_twice_into_one_host_page_checks_the_first_before_the_second_lands(engines):
     # Three small pages (one call's worth of bytes): the third is read into the first one's host
     # page, so the first must be checked before the third's bytes arrive there.
-    host = make_host(make_device_pool(size=96), "layer_first")
-    a, b = over(engines[0], host), over(engines[1], host)
-    src = host.alloc(12)
-    keys = page_keys(list(range(100, 112)), 4)
-    assert a.batch_set_v1(keys, src) == [True] * 3
-    third = host_page_bytes(host, int(src[8])).clone()
-    dst = host.alloc(8)
-    before = b.get_stats()
-    assert b.batch_get_v1(keys, torch.cat([dst, dst[:4]])) == [True] * 3
-    assert counted(b, before, "hits", "corrupt") == (3, 0)
-    assert torch.equal(host_page_bytes(host, int(dst[0])), third)
+    _read_the_last_page_into_the_first_ones_host_page(engines, 3, 100)
 
 
 # --- pages as tensors --------------------------------------------------------------------------------
