@@ -213,7 +213,7 @@ def allocator_variants():
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK, AL.HAND_OUT_SUB_BLOCK))  # noqa: E731
     give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False, mapped=False: (  # noqa: E731
-        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror, mapped)
+        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror, mapped, AL.MIRROR_SEQ_BITS)
     )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):

@@ -142,3 +142,34 @@ def test_on_a_second_gpu_the_counts_copied_back_are_waited_for_on_its_stream():
     assert a.available_size() == 0 and a.alloc(16) is None
     torch.cuda.synchronize(1)
     a.check_integrity()
+
+
+def test_counts_written_back_by_a_kernel_are_taken_only_once_every_word_names_its_launch():
+    """A free's kernel writes each count with the launch's sequence number in its low bits: words
+    still from an earlier launch (a copy half landed, in any order) are not taken for the counts."""
+    from kvpool.kernels.allocator.launcher import MIRROR_SEQ_BITS
+    from kvpool.pools.allocator.count_mirror import CountMirror
+
+    m = CountMirror(3, torch.device("cpu"))
+    first = m.next_seq()
+    m.tagged.copy_(T([5, 6, 7]) << MIRROR_SEQ_BITS | first)
+    m.landed_behind("first")
+    second = m.next_seq()
+    m.landed_behind("second")  # replaces the first: only the latest launch's counts are taken
+    assert m.poll() is None
+    m.tagged[0] = 8 << MIRROR_SEQ_BITS | second
+    m.tagged[2] = 9 << MIRROR_SEQ_BITS | second
+    assert m.poll() is None  # the middle word is still the first launch's
+    m.tagged[1] = 0 << MIRROR_SEQ_BITS | second
+    assert m.poll() == ([8, 0, 9], "second")
+    assert m.poll() is None  # taken once
+
+
+def test_the_launch_numbers_go_round_without_naming_the_words_before_any_launch():
+    from kvpool.kernels.allocator.launcher import MIRROR_SEQ_BITS
+    from kvpool.pools.allocator.count_mirror import CountMirror
+
+    m = CountMirror(1, torch.device("cpu"))
+    seqs = [m.next_seq() for _ in range(2 << MIRROR_SEQ_BITS)]
+    assert 0 not in seqs and set(seqs) == set(range(1, 1 << MIRROR_SEQ_BITS))
+    assert seqs[(1 << MIRROR_SEQ_BITS) - 1] == 1  # round again after the last

@@ -180,21 +180,23 @@ LIST: tl.constexpr = tl.constexpr(1)
 
 
 @triton.jit(
-    do_not_specialize=["n", "n_slots", "cap", "map_rows", "mark_start", "mark_count"],
+    do_not_specialize=["n", "n_slots", "cap", "map_rows", "mark_start", "mark_count", "seq"],
     do_not_specialize_on_alignment=list(range(12)),
 )
 def give_back(
     slots_ptr, owners_ptr, live_ptr, page_free_ptr, dest_ptr, counters_ptr, sorted_ptr, mirror_ptr, map_ptr,
     lent_ptr, mark_ptr, unrecorded_ptr,
-    n, n_slots, cap, map_rows, mark_start, mark_count,
+    n, n_slots, cap, map_rows, mark_start, mark_count, seq,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
     SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr, MAPPED: tl.constexpr,
+    SEQ_BITS: tl.constexpr,
 ):  # fmt: skip
     """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
     put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
     entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``).
-    ``MIRROR``: then copy ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU), so that
-    no copy needs launching after it. ``MAPPED`` (with ``SORT``): the entries are full slots of a
+    ``MIRROR``: then write ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU) as
+    ``value << SEQ_BITS | seq``, each word naming the launch it comes from, so that the host can tell
+    a copy that has landed without an event, and no copy needs launching after it. ``MAPPED`` (with ``SORT``): the entries are full slots of a
     sliding-window allocator, taken back as their SWA slots ``map[entry]`` (-1 outside
     ``0..map_rows-1``), whose mapping entries are then set to 0, every translation read first.
     ``RING`` also writes each released page to ``lent`` (the copy of the free list that ``alloc``
@@ -205,6 +207,10 @@ def give_back(
     ``unrecorded`` instead), so that a free of one of them frees a held slot, and a second free of
     it is caught."""
     lane = tl.arange(0, BLOCK)
+    # The counters are read once, at the start (nothing else in the launch writes them): their new
+    # values are stored, and mirrored, from registers at the end.
+    c = tl.arange(0, 4)
+    counts = tl.load(counters_ptr + c, mask=c < 3, other=0)
     if PAGE == 1:
         outside = tl.zeros([1], dtype=tl.int64)
         for r0 in range(0, mark_count, BLOCK):
@@ -218,9 +224,9 @@ def give_back(
             tl.store(page_free_ptr + at, 0, mask=inside)
             outside += tl.sum((lent & ~inside).to(tl.int64), 0)
         at_unrecorded = unrecorded_ptr + tl.arange(0, 1)
-        tl.store(at_unrecorded, tl.load(at_unrecorded) + outside, mask=outside > 0)
+        tl.store(at_unrecorded, tl.load(at_unrecorded, mask=outside > 0, other=0) + outside, mask=outside > 0)
         tl.debug_barrier()  # every hold recorded before a free reads one
-    tail = tl.load(counters_ptr)
+    tail = tl.sum(tl.where(c == 0, counts, 0), 0)
     if SORT > 0:
         # Entries not sorted yet (at most SORT of them): sort them here, into sorted_ptr, and walk that.
         j = tl.arange(0, SORT)
@@ -248,13 +254,17 @@ def give_back(
             first = (i == 0) | (s != prev)
             inside = (s >= PAGE) & (s < n_slots)
             at = tl.where(inside, s, 0)
+            page = at // PAGE
             holders = tl.load(owners_ptr + at, mask=valid & inside, other=0)
+            listed = tl.load(page_free_ptr + page, mask=valid & inside, other=1) != 0
             ok = valid & first & inside & (holders > 0)
             tl.store(owners_ptr + at, holders - 1, mask=ok)
-            page = at // PAGE
-            was = tl.atomic_add(live_ptr + page, -1, mask=ok, sem="relaxed")
-            listed = tl.load(page_free_ptr + page, mask=ok, other=1) != 0
-            released = ok & (was == 1) & ~listed
+            if PAGE == 1:  # the page is the slot: released when its one holder goes (no count to wait for)
+                tl.atomic_add(live_ptr + page, -1, mask=ok, sem="relaxed")
+                released = ok & (holders == 1) & ~listed
+            else:
+                was = tl.atomic_add(live_ptr + page, -1, mask=ok, sem="relaxed")
+                released = ok & (was == 1) & ~listed
             tl.store(page_free_ptr + page, 1, mask=released)
             if SKIP_PADDING:
                 dropped += tl.sum((valid & ~ok & (s > 0)).to(tl.int64), 0)
@@ -268,13 +278,10 @@ def give_back(
         else:
             tl.store(dest_ptr + i, tl.where(released, page, -1), mask=valid)
         placed += tl.sum(released.to(tl.int64), 0)
-    if COUNT_AT >= 0:
-        at_count = counters_ptr + COUNT_AT + tl.arange(0, 1)
-        tl.store(at_count, tl.load(at_count) + placed)
+    added = tl.where(c == COUNT_AT, tl.sum(placed, 0), 0)
     if not APPEND:
-        at_rejected = counters_ptr + 2 + tl.arange(0, 1)
-        tl.store(at_rejected, tl.load(at_rejected) + dropped)
+        added += tl.where(c == 2, tl.sum(dropped, 0), 0)
+    counts += added
+    tl.store(counters_ptr + c, counts, mask=c < 3)
     if MIRROR:
-        tl.debug_barrier()  # the counters' stores above visible to every thread
-        c = tl.arange(0, 4)
-        tl.store(mirror_ptr + c, tl.load(counters_ptr + c, mask=c < 3, other=0), mask=c < 3)
+        tl.store(mirror_ptr + c, (counts << SEQ_BITS) | seq, mask=c < 3)

@@ -45,6 +45,9 @@ GIVE_BACK_BLOCK = 1024
 GIVE_BACK_SORT_MAX = 4096
 HAND_OUT_WARPS = 4
 GIVE_BACK_WARPS = 8
+#: Low bits of each word ``give_back`` writes to a count mirror that name the launch (its ``seq``):
+#: a word is ``count << MIRROR_SEQ_BITS | seq``.
+MIRROR_SEQ_BITS = 16
 
 HAND_OUT_PARAMS = (
     "out_ptr", "ring_ptr", "pre_ptr", "seq_ptr", "last_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "ever_ptr",
@@ -53,8 +56,9 @@ HAND_OUT_PARAMS = (
 )  # fmt: skip
 GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
-    "map_ptr", "lent_ptr", "mark_ptr", "unrecorded_ptr", "n", "n_slots", "cap", "map_rows", "mark_start", "mark_count", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING",
-    "MIRROR", "MAPPED",
+    "map_ptr", "lent_ptr", "mark_ptr", "unrecorded_ptr", "n", "n_slots", "cap", "map_rows", "mark_start",
+    "mark_count", "seq", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING", "MIRROR", "MAPPED",
+    "SEQ_BITS",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -130,7 +134,7 @@ def give_back(
     append: bool = False,
     scratch: Optional[torch.Tensor] = None,
     skip_padding: bool = False,
-    mirror: Optional[torch.Tensor] = None,
+    mirror: Optional[tuple[torch.Tensor, int]] = None,
     mapping: Optional[torch.Tensor] = None,
     lent: Optional[torch.Tensor] = None,
     mark: Optional[tuple[torch.Tensor, int, int, torch.Tensor]] = None,
@@ -142,8 +146,9 @@ def give_back(
 
     Slots must come sorted ascending unless ``scratch`` (int64, ``GIVE_BACK_SORT_MAX`` entries) is
     given and there are at most ``GIVE_BACK_SORT_MAX`` of them: the kernel then sorts them into it.
-    ``skip_padding``: entries <= 0 are not counted as dropped. ``mirror`` (int64, 3 entries; pinned
-    host memory for a GPU's counters): the kernel copies ``counters[0:3]`` there when it is done.
+    ``skip_padding``: entries <= 0 are not counted as dropped. ``mirror``: ``(words, seq)``, int64 words
+    (3 entries; pinned host memory for a GPU's counters) the kernel writes ``counters[0:3]`` to when
+    it is done, each as ``count << MIRROR_SEQ_BITS | seq`` (``seq`` below ``2**MIRROR_SEQ_BITS``).
     ``mapping`` (a sliding-window allocator's full-to-SWA mapping, int64 ``[rows + 1]``; needs
     ``scratch``): ``entries`` are full slots, taken back as their SWA slots, and their mapping
     entries become 0 (``skip_padding`` should be set: unmapped entries translate to 0 or -1).
@@ -163,11 +168,12 @@ def give_back(
         raise ValueError("give_back: a mapped free needs the kernel's own sort (scratch, at most GIVE_BACK_SORT_MAX entries)")
     mark_ring, mark_start, _, unrecorded = mark if mark is not None else (entries, 0, 0, counters)
     tensors = (entries, owners, live, page_free, dest, counters, scratch if sort else entries,
-               mirror if mirror is not None else counters, mapping if mapping is not None else entries,
+               mirror[0] if mirror is not None else counters, mapping if mapping is not None else entries,
                lent if lent is not None else dest, mark_ring, unrecorded)  # fmt: skip
-    ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0, mark_start, marks)
+    ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0, mark_start, marks,
+            mirror[1] if mirror is not None else 0)  # fmt: skip
     consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None,
-              mapping is not None)  # fmt: skip
+              mapping is not None, MIRROR_SEQ_BITS)  # fmt: skip
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,

@@ -58,8 +58,9 @@ of. ``alloc``, ``alloc_extend`` and ``alloc_decode`` are sized by host counts (t
 a token allocator's ``alloc`` also launches nothing.
 ``free`` decides on the device which entries count and which pages come back, appends those pages
 at the ring's end there, and leaves the counts on the device: the host's free count is then a
-lower bound (every page it counts is free), brought up to date from a copy of the device counts
-queued behind the work (``count_mirror.CountMirror``), folded in once it has landed. An allocation
+lower bound (every page it counts is free), brought up to date from the counts the free's launch
+writes to pinned host memory, each tagged with the launch's sequence number
+(``count_mirror.CountMirror``), folded in once they have landed. An allocation
 larger than the host count while a copy is outstanding reads the counts (one synchronisation) and
 decides exactly. A CPU allocator, and any under ``validate``, reads the counts after every call, so
 its counts are always exact. ``errors()`` and ``check_integrity()`` read everything.

@@ -301,8 +301,9 @@ class FreeLists:
             self.mark_lent(books)
         start, count = queue.unmarked()
         kernel_args["mark"] = (queue.buffer, start, count, unrecorded) if count else None
-        # Where the counters are copied back from (not for an eager list, which reads them at once).
-        mirror = None if self.eager else self._mirror.host
+        # Where the kernel writes the counters back to, and the launch's name there (not for an eager
+        # list, which reads them at once).
+        mirror = None if self.eager else (self._mirror.tagged, self._mirror.next_seq())
         kernel_args["mirror"] = mirror
         if not to_queue:
             dest = torch.empty_like(entries)
