@@ -11,11 +11,10 @@ turn, one call of each a round, so that the rest of the machine weighs on both a
 * paged ``alloc_decode``: 1, 16, 128 and 512 running requests of 100..2000 tokens;
 * paged ``free`` of one finished request (1,000..3,000 tokens, whole pages);
 * token ``alloc(64)`` and ``free(64)`` at pool sizes from 64k to 32M slots (CPU: to 8M);
-* the request tables' per-request calls, kvpool's only (SGLang's equivalents are Python lists,
-  ``ReqToTokenPool.alloc``/``free``, and a ``torch.cat`` onto its state free list, ``MambaPool.free``:
-  none of them waits): a ``ReqToTokenPool`` row taken and given back, a ``MambaPool`` state slot
-  taken and given back, and a ``HybridReqToTokenPool`` request admitted (a row and a state slot)
-  and finished (``free_mamba_cache`` then ``free``);
+* the request tables' calls for one request (``table_rows``): a ``ReqToTokenPool`` row taken and
+  given back, a ``MambaPool`` state slot taken, zeroed and given back, and a
+  ``HybridReqToTokenPool`` request admitted (a row and a state slot) and finished
+  (``free_mamba_cache`` then ``free``), against SGLang's classes of the same names;
 * the sliding-window allocator's ``free_swa(64)`` (a request's tokens leaving the window) at the
   smallest and largest pool size, kvpool's only (the target: flat in the pool's size).
 
@@ -30,9 +29,11 @@ get the same tensors. On a GPU each call is also run once after a queued matrix 
 the profiler: "kernels" counts the kernels it launched (kvpool's token ``alloc`` lends a view of its
 free list and launches none; its slots are recorded held by the next ``free``'s one launch).
 
-SGLang's ``allocator.py`` is imported from its wheel (``--sglang-wheel``, e.g. from ``pip download
-sglang==0.5.9 --no-deps``) with ``sglang.srt.utils`` replaced by the three helpers it imports. Its
-paged ``alloc_extend``/``alloc_decode`` are Triton kernels: on the CPU they are not measured.
+SGLang's ``allocator.py`` and its request tables (``memory_pool.py``'s ``ReqToTokenPool``,
+``MambaPool``, ``HybridReqToTokenPool``) come from its wheel (``--sglang-wheel``, e.g. from ``pip
+download sglang==0.5.9 --no-deps``), with stand-ins for the parts of SGLang they import
+(``sglang_wheel.py``). Its paged ``alloc_extend``/``alloc_decode`` are Triton kernels: on the CPU
+they are not measured.
 
 Target (CPU or GPU): kvpool's token ``free(64)`` at 8M slots within 2x of its time at 64k. On the CPU
 torch runs on one thread (a loaded machine's thread wake-ups would dominate calls this small).
@@ -44,67 +45,24 @@ Usage (from the repository root, so that this checkout's kvpool is the one measu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 import types
-import zipfile
 from typing import Any, Callable, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
+import sglang_wheel  # noqa: E402
 
 from kvpool import HybridReqToTokenPool, MambaCacheParams, MambaPool, MambaStateShape, ReqToTokenPool, SWATokenToKVPoolAllocator  # noqa: E402
 from kvpool.pools.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 
 PAGE = 64
-
-
-# --- SGLang's allocator.py from a wheel ----------------------------------------------------------------
-
-
-def load_sglang(wheel: str) -> tuple[Any, Any, str]:
-    """SGLang's ``TokenToKVPoolAllocator`` and ``PagedTokenToKVPoolAllocator`` from a wheel's
-    ``sglang/srt/mem_cache/allocator.py``; the ``sglang.srt.utils`` helpers it imports are stand-ins
-    written here (an environment flag read, a page count from CPU lengths, a power of two)."""
-    with zipfile.ZipFile(wheel) as z:
-        meta = next((n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA")), "sglang-?.dist-info")
-        version = meta.removesuffix(".dist-info").split("-", 1)[1]
-        source = z.read("sglang/srt/mem_cache/allocator.py").decode()
-
-    def new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: Optional[torch.Tensor] = None,
-                  decode: bool = False) -> int:  # fmt: skip
-        if prefix_lens is None or decode:
-            return int(((seq_lens - 1) % page_size == 0).sum())
-        return int(((seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size).sum())
-
-    def power_of_2(n: int) -> int:
-        return 1 << max(int(n) - 1, 0).bit_length()
-
-    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
-        m = types.ModuleType(name)
-        m.__path__ = []
-        sys.modules[name] = m
-    utils = types.ModuleType("sglang.srt.utils")
-    utils.get_bool_env_var = lambda name, default="false": False
-    utils.get_num_new_pages, utils.next_power_of_2 = new_pages, power_of_2
-    sys.modules["sglang.srt.utils"] = utils
-    # Triton reads a kernel's source from its file: the module is loaded from a copy on disk.
-    path = os.path.join(tempfile.mkdtemp(prefix="sglang-allocator-"), "allocator.py")
-    with open(path, "w") as f:
-        f.write(source)
-    full = "sglang.srt.mem_cache.allocator"
-    spec = importlib.util.spec_from_file_location(full, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[full] = mod
-    spec.loader.exec_module(mod)
-    return mod.TokenToKVPoolAllocator, mod.PagedTokenToKVPoolAllocator, version
 
 
 # --- timing --------------------------------------------------------------------------------------------
@@ -208,7 +166,7 @@ def running_requests(a: Any, bs: int, device: torch.device, rng: random.Random) 
 
 
 def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], paged_slots: int, rep: Any,
-            decode_bs: list[int], extend_bs: list[int]) -> list[dict]:  # fmt: skip
+            decode_bs: list[int], extend_bs: list[int], sglang_tables: Optional[tuple] = None) -> list[dict]:  # fmt: skip
     rows: list[dict] = []
     rng = random.Random(0)
     cpu = device.type == "cpu"
@@ -281,7 +239,7 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
             add("token free(64)", f"{size:,} slots", name, free[name], timer.waits(lambda: a.free(slots)),
                 kernels=timer.kernels(lambda: a.free(more)))  # fmt: skip
         del allocators, a
-    table_rows(device, timer, add)
+    table_rows(device, timer, add, sglang_tables)
     swa_rows(device, timer, add, [sizes[0], sizes[-1]])
     decode_rows(decode_bs[-1])
     return rows
@@ -289,26 +247,74 @@ def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], p
 
 #: A small linear-attention state (Qwen3.5's layout at toy sizes): what the table rows allocate.
 STATES = MambaCacheParams(MambaStateShape(conv=(64, 3), temporal=(4, 16, 16)), (0, 1, 2))
+TABLE_ROWS, STATE_SLOTS, CONTEXT = 256, 256, 4096
 
 
-def table_rows(device: torch.device, timer: Timer, add: Callable[..., None]) -> None:
-    """kvpool's request tables: one request's calls, taken and given back."""
-    table = ReqToTokenPool(256, max_context_len=4096, device=device)
-    us = timer.per_call_us(lambda: None, lambda _: table.free(table.alloc(1)), lambda _, out: None)
-    add("request table alloc(1) + free", "ReqToTokenPool", "kvpool", us, timer.waits(lambda: table.free(table.alloc(1))))
-    states = MambaPool(size=256, cache_params=STATES, device=device)
-    us = timer.per_call_us(lambda: None, lambda _: states.free(states.alloc_slots(1)), lambda _, out: None)
-    add("state slot alloc(1) + free", "MambaPool", "kvpool", us, timer.waits(lambda: states.free(states.alloc_slots(1))))
-    hybrid = HybridReqToTokenPool(size=256, mamba_size=256, max_context_len=4096, device=device, cache_params=STATES)
+class Request:
+    """What the request tables read and set of a scheduler's request (SGLang's ``Req``)."""
 
-    def admit_and_finish() -> None:
-        req = types.SimpleNamespace(req_pool_idx=None, mamba_pool_idx=None)
-        hybrid.alloc([req])
-        hybrid.free_mamba_cache(req)
-        hybrid.free(req)
+    def __init__(self) -> None:
+        self.req_pool_idx = self.mamba_pool_idx = None
+        self.is_chunked = self.kv_committed_len = 0
 
-    us = timer.per_call_us(lambda: None, lambda _: admit_and_finish(), lambda _, out: None)
-    add("request admitted + finished", "HybridReqToTokenPool", "kvpool", us, timer.waits(admit_and_finish))
+    def is_dllm(self) -> bool:
+        return False
+
+
+def sglang_state_params() -> types.SimpleNamespace:
+    """``STATES`` in the form SGLang's ``MambaPool`` reads (its ``BaseLinearStateParams``)."""
+    shape = types.SimpleNamespace(conv=list(STATES.shape.conv), temporal=STATES.shape.temporal)
+    return types.SimpleNamespace(shape=shape, dtype=types.SimpleNamespace(conv=STATES.dtype.conv, temporal=STATES.dtype.temporal),
+                                 layers=list(STATES.layers))  # fmt: skip
+
+
+def table_rows(device: torch.device, timer: Timer, add: Callable[..., None], sglang: Optional[tuple]) -> None:
+    """The request tables' calls for one request, kvpool's and (``sglang``: its three classes)
+    SGLang's in alternation: a request's row taken and given back (``alloc([req])``, ``free(req)``),
+    a state slot taken, zeroed and given back (SGLang's ``alloc(1)`` zeroes its states; kvpool's
+    host-int form, ``alloc_slots`` then ``clear_slots`` and ``free`` of the ints, never waits), and a
+    hybrid request admitted and finished (``alloc([req])``, ``free_mamba_cache(req)``, ``free(req)``)."""
+    table = ReqToTokenPool(TABLE_ROWS, max_context_len=CONTEXT, device=device)
+    states = MambaPool(size=STATE_SLOTS, cache_params=STATES, device=device)
+    hybrid = HybridReqToTokenPool(size=TABLE_ROWS, mamba_size=STATE_SLOTS, max_context_len=CONTEXT, device=device,
+                                  cache_params=STATES)  # fmt: skip
+
+    def row(t: Any) -> None:
+        req = Request()
+        t.alloc([req])
+        t.free(req)
+
+    def state_slot(p: MambaPool) -> None:
+        got = p.alloc_slots(1)
+        p.clear_slots(p.slots_tensor(got))
+        p.free(got)
+
+    def admit_and_finish(h: Any) -> None:
+        req = Request()
+        h.alloc([req])
+        h.free_mamba_cache(req)
+        h.free(req)
+
+    calls = {
+        ("request row alloc([req]) + free(req)", "ReqToTokenPool"): {"kvpool": lambda: row(table)},
+        ("state slot alloc(1) + zeroed + free", "MambaPool"): {"kvpool": lambda: state_slot(states)},
+        ("request admitted + finished", "HybridReqToTokenPool"): {"kvpool": lambda: admit_and_finish(hybrid)},
+    }
+    if sglang is not None:
+        req_table, mamba_pool, hybrid_table = sglang
+        params = sglang_state_params()
+        s_table = req_table(size=TABLE_ROWS, max_context_len=CONTEXT, device=str(device), enable_memory_saver=False)
+        s_states = mamba_pool(size=STATE_SLOTS, spec_state_size=0, cache_params=params, device=str(device))
+        s_hybrid = hybrid_table(size=TABLE_ROWS, mamba_size=STATE_SLOTS, mamba_spec_state_size=0, max_context_len=CONTEXT,
+                                device=str(device), enable_memory_saver=False, cache_params=params,
+                                enable_mamba_extra_buffer=False)  # fmt: skip
+        calls[("request row alloc([req]) + free(req)", "ReqToTokenPool")]["sglang"] = lambda: row(s_table)
+        calls[("state slot alloc(1) + zeroed + free", "MambaPool")]["sglang"] = lambda: s_states.free(s_states.alloc(1))
+        calls[("request admitted + finished", "HybridReqToTokenPool")]["sglang"] = lambda: admit_and_finish(s_hybrid)
+    for (call, case), impls in calls.items():
+        times = timer.alternating({name: (lambda: None, lambda _, f=f: f(), lambda _, out: None) for name, f in impls.items()})
+        for name, f in impls.items():
+            add(call, case, name, times[name], timer.waits(f), kernels=timer.kernels(f))
 
 
 def swa_rows(device: torch.device, timer: Timer, add: Callable[..., None], sizes: list[int]) -> None:
@@ -398,11 +404,13 @@ def main() -> int:
         torch.set_num_threads(1)
         rep.meta["cpu_threads"] = 1
     impls = {"kvpool": (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)}
+    sglang_tables = None
     note = "SGLang's allocator: not measured (no --sglang-wheel given)."
     if args.sglang_wheel:
         try:
-            token, paged_cls, version = load_sglang(args.sglang_wheel)
+            token, paged_cls, version = sglang_wheel.load_allocators(args.sglang_wheel)
             impls["sglang"] = (token, paged_cls)
+            sglang_tables = sglang_wheel.load_tables(args.sglang_wheel)
             note = f"SGLang's allocator {version}: allocator.py imported from {os.path.basename(args.sglang_wheel)}."
         except Exception as e:  # reported, not fatal: kvpool is still measured
             note = f"SGLang's allocator could not be imported from {args.sglang_wheel}: {type(e).__name__}: {e}"
@@ -410,7 +418,7 @@ def main() -> int:
     rep.result.update(device=str(device), reps=reps, sglang_note=note, paged_slots=paged, page_size=PAGE)
     extend_bs = [1, 8] if args.cpu_smoke else [1, 8, 64]
     decode_bs = [1, 16] if args.cpu_smoke else [1, 16, 128, 512]
-    rows = measure(impls, device, Timer(device, reps), sizes, paged, rep, decode_bs, extend_bs)
+    rows = measure(impls, device, Timer(device, reps), sizes, paged, rep, decode_bs, extend_bs, sglang_tables)
     targets = []
     free = {r["case"]: r["us"] for r in rows if r["call"] == "token free(64)" and r["impl"] == "kvpool" and r["us"]}
     small, large = f"{1 << 16:,} slots", f"{1 << 23:,} slots"

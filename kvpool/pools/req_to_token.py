@@ -18,6 +18,8 @@ from kvpool.config import validate_enabled
 from kvpool.errors import IntegrityError
 
 _INT32 = torch.iinfo(torch.int32)
+#: What a request object (SGLang's ``Req``) is not.
+_NOT_REQUESTS = (type(None), int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)
 
 
 def check_assignable(req: Any, attributes: Sequence[str], name: str, call: str) -> None:
@@ -113,6 +115,8 @@ class ReqToTokenPool:
         return rows
 
     def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
+        if len(reqs) == 1 and not isinstance(reqs[0], _NOT_REQUESTS) and getattr(reqs[0], "req_pool_idx", None) is None:
+            return self._alloc_one(reqs[0])
         kept = self.check_requests(reqs, ("req_pool_idx",))
         fresh = self._take(sum(row is None for row in kept))
         if fresh is None:
@@ -122,6 +126,20 @@ class ReqToTokenPool:
             if row is None:
                 req.req_pool_idx = next(it)
         return [req.req_pool_idx for req in reqs]
+
+    def _alloc_one(self, req: Any) -> Optional[list[int]]:
+        """``alloc([req])`` of one request without a row, the common step: the front row becomes its
+        ``req_pool_idx`` (a request that refuses the assignment raises before the table changes)."""
+        if not self.free_slots:
+            return None
+        row = self.free_slots[0]
+        try:
+            req.req_pool_idx = row
+        except Exception as e:
+            raise ValueError(f"reqs[0] must accept assignment of req_pool_idx (alloc sets it), got {type(e).__name__}: {e}") from e
+        del self.free_slots[0]
+        self._is_free[row] = False
+        return [row]
 
     def check_requests(self, reqs: Sequence[Any], attributes: Sequence[str]) -> list[Optional[int]]:
         """The row each of SGLang's request objects ``reqs`` keeps (its ``req_pool_idx``), None for
@@ -135,7 +153,7 @@ class ReqToTokenPool:
         kept: dict[int, int] = {}
         rows: list[Optional[int]] = []
         for pos, req in enumerate(reqs):
-            if req is None or isinstance(req, (int, float, complex, str, bytes, torch.Tensor, list, tuple, dict)):
+            if isinstance(req, _NOT_REQUESTS):
                 raise ValueError(f"reqs[{pos}] must be a request object (SGLang's Req), got {req!r}")
             if id(req) in seen:
                 raise ValueError(f"reqs[{pos}] is the same request object as reqs[{seen[id(req)]}]")
@@ -163,7 +181,15 @@ class ReqToTokenPool:
             has no row; nothing is freed.
         """
         if hasattr(free_index, "req_pool_idx") and not isinstance(free_index, torch.Tensor):
-            req = free_index
+            req, row = free_index, free_index.req_pool_idx
+            if type(row) is int and 0 <= row < self.size and not self._is_free[row]:  # a running request's row
+                try:
+                    req.req_pool_idx = None
+                except Exception as e:
+                    raise ValueError(f"req must accept assignment of req_pool_idx (free sets it), got {type(e).__name__}: {e}") from e
+                self._is_free[row] = True
+                self.free_slots.append(row)
+                return
             if req.req_pool_idx is None:
                 raise ValueError("free: the request has no req_pool_idx (a double free?)")
             check_assignable(req, ("req_pool_idx",), "req", "free")
