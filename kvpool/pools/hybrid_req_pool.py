@@ -194,30 +194,33 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
         if new_rows > len(self.free_slots) or new_slots > self.mamba_pool.available_size():
             return None
         fresh = self.mamba_pool.alloc_slots(new_slots) or []
-        if fresh:
-            try:
-                self.mamba_pool.clear_slots(self.mamba_pool.slots_tensor(fresh))
-            except BaseException:
-                self.mamba_pool.free(fresh)
-                raise
-        fresh_rows = iter(super().alloc(new_rows) or [])
-        it = iter(fresh)
+        # The new rows are the free list's front, which the table's alloc takes once the slots are zeroed.
+        fresh_rows, it = iter(self.free_slots[:new_rows]), iter(fresh)
         rows, mains, tracks = [], [], []
         for row, main, track in plans:
             rows.append(next(fresh_rows) if row is None else row)
             mains.append(next(it) if main is None else main)
             tracks.append(tuple(next(it) for _ in range(per_track)) if track is None else track)
-            self._attach(rows[-1], mains[-1], tracks[-1])
-        for row, req in zip(rows, [None] * len(rows) if isinstance(need_size, int) else need_size):
+        if not rows:
+            return rows
+        # One copy to the device for what it needs of this call: new slots, rows, state slots, track slots.
+        n, k, flat = len(rows), len(fresh), [s for t in tracks for s in t]
+        ints = self._device_ints(fresh + rows + mains + flat, torch.int64)
+        if fresh:
+            try:
+                self.mamba_pool.clear_slots(ints[:k])
+            except BaseException:
+                self.mamba_pool.free(fresh)
+                raise
+        super().alloc(new_rows)
+        for row, main, track in zip(rows, mains, tracks):
+            self._attach(row, main, track)
+        for row, req in zip(rows, [None] * n if isinstance(need_size, int) else need_size):
             self._row_req[row] = req
-        if rows:
-            # One copy to the device for what it needs of this call: rows, state slots, track slots.
-            n, flat = len(rows), [s for t in tracks for s in t]
-            ints = self._device_ints(rows + mains + flat, torch.int64)
-            rows_d, mains_d, flat_d = ints[:n], ints[n : 2 * n], ints[2 * n :]
-            self._write_mappings(rows_d, mains_d, flat_d)
-            if not isinstance(need_size, int):
-                self._set_request_attributes(list(need_size), plans, rows, mains_d, flat_d)
+        rows_d, mains_d, flat_d = ints[k : k + n], ints[k + n : k + 2 * n], ints[k + 2 * n :]
+        self._write_mappings(rows_d, mains_d, flat_d)
+        if not isinstance(need_size, int):
+            self._set_request_attributes(list(need_size), plans, rows, mains_d, flat_d)
         return rows
 
     def _plan(

@@ -295,11 +295,12 @@ class FreeLists:
         owners, live, page_free, unrecorded = books
         queue = self.queue
         to_queue = group is None and not self.need_sort
-        if to_queue:
+        if to_queue and queue.needs_room():
             self._make_room(books)
-        if queue.unmarked()[1] > MARK_MAX:
-            self.mark_lent(books)
         start, count = queue.unmarked()
+        if count > MARK_MAX:
+            self.mark_lent(books)
+            start, count = queue.unmarked()
         kernel_args["mark"] = (queue.buffer, start, count, unrecorded) if count else None
         # Where the kernel writes the counters back to, and the launch's name there (not for an eager
         # list, which reads them at once).
