@@ -210,6 +210,26 @@ def test_a_free_copies_its_counts_back_itself(kernel_device, monkeypatch, page, 
     _random_calls(tw, random.Random(page), 30)
 
 
+@pytest.mark.gpu
+def test_a_token_free_of_device_slots_launches_the_kept_kernel_and_keeps_the_pytorch_paths_books(monkeypatch):
+    """Once a free of a size has compiled the give-back kernel, a token allocator's free of int64
+    device slots launches it directly with its kept arguments (``RingFrees``); what that leaves
+    (results, bookkeeping, counts, rejected frees) is the PyTorch path's, call after call, through
+    the free list's moves to fresh buffers and restored backups."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the kept launch is of the compiled kernel")
+    direct = []
+    launch = allocator_kernels.RingFrees.launch
+    monkeypatch.setattr(allocator_kernels.RingFrees, "launch", lambda self, *a: direct.append(launch(self, *a)) or direct[-1])
+    tw = Twins("cuda", 1, True, False, False)
+    for step in range(40):
+        out = tw.call(f"alloc {step}", lambda a, d: a.alloc(4))
+        if out is not None:
+            tw.call(f"free {step}", lambda a, d: a.free(torch.tensor(out[::-1] + out[:1], device=d)))  # a repeat: rejected
+    _random_calls(tw, random.Random(7), 60)
+    assert True in direct, "no free took the kept launch"
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_a_sliding_window_free_is_one_launch_that_matches_the_pytorch_path(kernel_device, monkeypatch, page):
     """A sliding-window allocator's SWA part frees full slots through the mapping in one launch of the

@@ -14,7 +14,10 @@ from typing import Optional
 
 import torch
 
-from kvpool.kernels.launch import TRITON_AVAILABLE, DirectLaunches, cdiv, kernel_params, next_pow2, uses_kernel
+from kvpool.kernels.launch import (
+    LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, current_cuda_device, current_raw_stream, kernel_params,
+    next_pow2, uses_kernel,
+)  # fmt: skip
 
 kernel = None
 if TRITON_AVAILABLE:
@@ -180,3 +183,76 @@ def give_back(
         lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=GIVE_BACK_WARPS),  # type: ignore[union-attr]
         entries.device,
     )  # fmt: skip
+
+
+class RingFrees:
+    """``give_back`` of a token allocator's slots to its free ring, the form every scheduler ``free``
+    takes (one slot per page, counted at the ring's end, the kernel's own sort, the counts mirrored),
+    launched with the arguments that stay the same from one free to the next kept as they are passed:
+    the bookkeeping's addresses, its sizes and the compiled kernels (at most ``GIVE_BACK_SORT_MAX``
+    entries: one kernel per sort size, each the one the first ``give_back`` of that size compiled).
+
+    Made for one set of bookkeeping tensors (``holds`` tells whether it is still the allocator's);
+    it keeps them alive, so the addresses it passes stay theirs."""
+
+    __slots__ = ("tensors", "_args", "_index", "_bound")
+
+    def __init__(
+        self,
+        owners: torch.Tensor,
+        live: torch.Tensor,
+        page_free: torch.Tensor,
+        ring: torch.Tensor,
+        counters: torch.Tensor,
+        scratch: torch.Tensor,
+        mirror: torch.Tensor,
+        lent: torch.Tensor,
+        unrecorded: torch.Tensor,
+        cap: int,
+    ) -> None:
+        self.tensors = (owners, live, page_free, ring, counters, scratch, mirror, lent, unrecorded)
+        o, lv, pf, rg, c, sc, mr, ln, un = (t.data_ptr() for t in self.tensors)
+        # give_back's arguments after the entries, as (before n, after n): the entries' mapping stand-in
+        # is the entries themselves, the pages lent are read from the ring.
+        self._args = ((o, lv, pf, rg, c, sc, mr), (ln, rg, un), (owners.shape[0], cap, 0))
+        self._index = owners.device.index
+        self._bound: dict[int, object] = {}
+
+    @staticmethod
+    def fits(n_slots: int, cap: int) -> bool:
+        """Whether an allocator of these sizes can free this way (its integers 32-bit: the kernels kept
+        are the ones compiled for those)."""
+        return GIVE_BACKS.enabled and max(n_slots, cap + 1) <= 0x7FFFFFFF
+
+    def holds(self, owners: torch.Tensor, live: torch.Tensor, page_free: torch.Tensor, ring: torch.Tensor,
+              lent: torch.Tensor, unrecorded: torch.Tensor) -> bool:  # fmt: skip
+        """Whether these are still the bookkeeping the launches were made for."""
+        t = self.tensors
+        return t[0] is owners and t[1] is live and t[2] is page_free and t[3] is ring and t[7] is lent and t[8] is unrecorded
+
+    def launch(self, entries: torch.Tensor, mark_start: int, marks: int, seq: int) -> bool:
+        """One ``give_back`` of ``entries`` (int64, contiguous, on the current device, 1 to
+        ``GIVE_BACK_SORT_MAX`` of them), recording held first the ``marks`` pages lent at ring
+        position ``mark_start``, its counts mirrored under ``seq``. False, with nothing launched,
+        where no kept kernel fits (the first free of a size, another current device): ``give_back``
+        does it then, and compiles the kernel kept from then on."""
+        n = entries.shape[0]
+        sort = next_pow2(max(n, 16))
+        bound = self._bound.get(sort)
+        if bound is None:
+            consts = (1, RING, TO_TAIL, False, GIVE_BACK_BLOCK, sort, False, True, False, MIRROR_SEQ_BITS)
+            bound = GIVE_BACKS.entries.get((self._index, consts, False))
+            if bound is None:
+                return False
+            self._bound[sort] = bound
+        if self._index != current_cuda_device():  # type: ignore[misc]
+            return False
+        first, middle, sizes = self._args
+        try:
+            bound.run(1, 1, 1, current_raw_stream(self._index), bound.function, bound.metadata, None, None, None,  # type: ignore[attr-defined]
+                      entries, *first, entries, *middle, n, *sizes, mark_start, marks, seq,
+                      1, RING, TO_TAIL, False, GIVE_BACK_BLOCK, sort, False, True, False, MIRROR_SEQ_BITS)  # fmt: skip
+        except LAUNCH_ERRORS:  # the launcher refused these arguments before launching: the general path then
+            self._bound.clear()
+            return False
+        return True

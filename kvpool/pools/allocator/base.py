@@ -273,8 +273,12 @@ class BaseTokenToKVPoolAllocator:
                 return
         if allocator_kernels.on_kernels(self.device):
             group = None if self.is_not_in_free_group else self._group
-            self._lists.take_back(slots, self._books(), self.page_size, group, skip_padding)
-            self._lists.changed()
+            lists = self._lists
+            direct = (group is None and not skip_padding and self.page_size == 1 and lists.queue.lends
+                      and slots.shape[0] <= allocator_kernels.GIVE_BACK_SORT_MAX and slots.is_contiguous())  # fmt: skip
+            if not (direct and lists.take_back_directly(slots, self._books())):
+                lists.take_back(slots, self._books(), self.page_size, group, skip_padding)
+            lists.changed()
             return
         self._lists.mark_lent(self._books())  # a slot lent and not recorded yet is held
         pages, released, dropped = drop_holders(

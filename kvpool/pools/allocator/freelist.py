@@ -95,6 +95,7 @@ class FreeLists:
         self.rejected_seen, self._rejected_exact = 0, True
         self._mirror = CountMirror(3, device)
         self._sort_scratch: Optional[torch.Tensor] = None  # where the give-back kernel sorts a free
+        self._ring_frees: Optional[allocator_kernels.RingFrees] = None  # a token free's kept launch
         self._changes = 0  # calls that left counts on the device, to tell whether a copy is the latest
         # Whether the last change of the counters was a kernel that also wrote them to the mirror.
         self._mirrored = False
@@ -263,6 +264,34 @@ class FreeLists:
             slots = torch.sort(slots).values
         self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding, mapping=mapping)
         self.add_rejected(None)
+
+    def take_back_directly(self, slots: torch.Tensor, books: Books) -> bool:
+        """``take_back`` of a token allocator's free (one slot per page, outside a free group):
+        ``slots`` int64 on the device, contiguous, 1 to ``GIVE_BACK_SORT_MAX`` of them; through
+        ``RingFrees``, the launch alone. False, with nothing done, where it does not apply (then
+        ``take_back``)."""
+        queue = self.queue
+        start, count = queue.unmarked()
+        if self.eager or self.need_sort or count > MARK_MAX or queue.needs_room():
+            return False
+        owners, live, page_free, unrecorded = books
+        frees = self._ring_frees
+        if frees is None or not frees.holds(owners, live, page_free, queue.buffer, queue.lent, unrecorded):
+            if not allocator_kernels.RingFrees.fits(owners.shape[0], queue.capacity):
+                return False
+            if self._sort_scratch is None:
+                self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
+            frees = self._ring_frees = allocator_kernels.RingFrees(
+                owners, live, page_free, queue.buffer, self.counters, self._sort_scratch, self._mirror.tagged,
+                queue.lent, unrecorded, queue.capacity,
+            )  # fmt: skip
+        if not frees.launch(slots, start, count, self._mirror.next_seq()):
+            return False
+        queue.appended_on_device()
+        queue.marked()
+        self._mirrored = True
+        self._rejected_exact = False
+        return True
 
     def give_back_pages(self, pages: torch.Tensor, books: Books) -> None:
         """Append ``pages`` (int64 page ids, -1 for none: a free group's pending list) to the release
