@@ -181,7 +181,7 @@ def compile_allocator(target_name, name, consts, lens_type="i64"):
         sig[n] = "constexpr" if n.isupper() else "i32"
     const = dict(zip([n for n in names if n.isupper()], consts))
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    warps = AL.HAND_OUT_WARPS if name == "hand_out" else AL.GIVE_BACK_WARPS
+    warps = AL.HAND_OUT_WARPS if name == "hand_out" else AL.give_back_shape(const["SORT"])[1]
     compiled = triton.compile(src, target=target, options={"num_warps": warps})
     out = {"kernel": name, "target": target_name, "consts": list(consts), "lens": lens_type}
     if target_name == "sm90":
@@ -213,7 +213,8 @@ def allocator_variants():
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK, AL.HAND_OUT_SUB_BLOCK))  # noqa: E731
     give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False, mapped=False: (  # noqa: E731
-        "give_back", (page, dest, to, append, AL.GIVE_BACK_BLOCK, sort, skip, mirror, mapped, AL.MIRROR_SEQ_BITS)
+        "give_back", (page, dest, to, append, AL.give_back_shape(sort)[0], sort, skip, mirror, mapped, AL.MIRROR_SEQ_BITS,
+                      AL.GIVE_BACK_BLOCK)
     )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):

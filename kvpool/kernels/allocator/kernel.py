@@ -189,7 +189,7 @@ def give_back(
     n, n_slots, cap, map_rows, mark_start, mark_count, seq,
     PAGE: tl.constexpr, DEST: tl.constexpr, COUNT_AT: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr,
     SORT: tl.constexpr, SKIP_PADDING: tl.constexpr, MIRROR: tl.constexpr, MAPPED: tl.constexpr,
-    SEQ_BITS: tl.constexpr,
+    SEQ_BITS: tl.constexpr, MARK_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Take back the ``n`` entries at ``slots_ptr`` in one program (grid of 1): drop their holders and
     put the pages they release in ``dest`` (``DEST``), adding them to ``counters[COUNT_AT]`` and the
@@ -203,18 +203,17 @@ def give_back(
     lends views of) at the same position.
 
     First (``PAGE`` 1), the ``mark_count`` pages at ``mark[mark_start..]``, lent by ``alloc`` since
-    the last launch, are recorded held (a page outside ``1..n_slots-1`` is counted in
+    the last launch (``MARK_BLOCK`` at a time; the entries go ``BLOCK`` at a time), are recorded held (a page outside ``1..n_slots-1`` is counted in
     ``unrecorded`` instead), so that a free of one of them frees a held slot, and a second free of
     it is caught."""
-    lane = tl.arange(0, BLOCK)
     # The counters are read once, at the start (nothing else in the launch writes them): their new
     # values are stored, and mirrored, from registers at the end.
     c = tl.arange(0, 4)
     counts = tl.load(counters_ptr + c, mask=c < 3, other=0)
     if PAGE == 1:
         outside = tl.zeros([1], dtype=tl.int64)
-        for r0 in range(0, mark_count, BLOCK):
-            r = r0 + lane
+        for r0 in range(0, mark_count, MARK_BLOCK):
+            r = r0 + tl.arange(0, MARK_BLOCK)
             lent = r < mark_count
             page = tl.load(mark_ptr + mark_start + r, mask=lent, other=0)
             inside = lent & (page >= 1) & (page < n_slots)
@@ -240,6 +239,7 @@ def give_back(
         tl.store(sorted_ptr + j, tl.sort(raw, 0), mask=j < n)
         tl.debug_barrier()  # every thread's stores visible before any reads a neighbour's
         slots_ptr = sorted_ptr
+    lane = tl.arange(0, BLOCK)
     placed = tl.zeros([1], dtype=tl.int64)
     dropped = tl.zeros([1], dtype=tl.int64)
     for i0 in range(0, n, BLOCK):

@@ -42,7 +42,8 @@ TO_TAIL, TO_RELEASE, TO_NONE = 0, 1, -1
 HAND_OUT_BLOCK = 128
 HAND_OUT_REQ_BLOCK = 128
 HAND_OUT_SUB_BLOCK = 16
-#: Entries per step of ``give_back``'s single program.
+#: Entries per step of ``give_back``'s single program (at most; a free it sorts itself walks them in
+#: one step of its sort's size), and lent pages per step of its recording them held.
 GIVE_BACK_BLOCK = 1024
 #: Most entries ``give_back`` sorts itself; a larger free is sorted by ``torch.sort`` first.
 GIVE_BACK_SORT_MAX = 4096
@@ -61,7 +62,7 @@ GIVE_BACK_PARAMS = (
     "slots_ptr", "owners_ptr", "live_ptr", "page_free_ptr", "dest_ptr", "counters_ptr", "sorted_ptr", "mirror_ptr",
     "map_ptr", "lent_ptr", "mark_ptr", "unrecorded_ptr", "n", "n_slots", "cap", "map_rows", "mark_start",
     "mark_count", "seq", "PAGE", "DEST", "COUNT_AT", "APPEND", "BLOCK", "SORT", "SKIP_PADDING", "MIRROR", "MAPPED",
-    "SEQ_BITS",
+    "SEQ_BITS", "MARK_BLOCK",
 )  # fmt: skip
 
 HAND_OUTS = DirectLaunches("allocator's hand-out", kernel is not None and kernel_params(kernel.hand_out) == HAND_OUT_PARAMS)
@@ -123,6 +124,17 @@ def hand_out(
     )  # fmt: skip
 
 
+def give_back_shape(sort: int) -> tuple[int, int]:
+    """(entries per step, warps) of ``give_back`` for a free it sorts itself into ``sort`` lanes (0:
+    sorted already): a small free in one step of its own size on a warp per 128 lanes (a sort of
+    few lanes across many warps goes through shared memory at every stage), a large one
+    ``GIVE_BACK_BLOCK`` at a time on ``GIVE_BACK_WARPS``."""
+    if not sort:
+        return GIVE_BACK_BLOCK, GIVE_BACK_WARPS
+    block = min(GIVE_BACK_BLOCK, sort)
+    return block, max(1, min(GIVE_BACK_WARPS, block // 128))
+
+
 def give_back(
     entries: torch.Tensor,
     owners: torch.Tensor,
@@ -175,12 +187,13 @@ def give_back(
                lent if lent is not None else dest, mark_ring, unrecorded)  # fmt: skip
     ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0, mark_start, marks,
             mirror[1] if mirror is not None else 0)  # fmt: skip
-    consts = (page_size, dest_kind, count_at, bool(append), GIVE_BACK_BLOCK, sort, bool(skip_padding), mirror is not None,
-              mapping is not None, MIRROR_SEQ_BITS)  # fmt: skip
+    block, warps = give_back_shape(sort)
+    consts = (page_size, dest_kind, count_at, bool(append), block, sort, bool(skip_padding), mirror is not None,
+              mapping is not None, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,
-        lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=GIVE_BACK_WARPS),  # type: ignore[union-attr]
+        lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=warps),  # type: ignore[union-attr]
         entries.device,
     )  # fmt: skip
 
@@ -216,7 +229,7 @@ class RingFrees:
         # is the entries themselves, the pages lent are read from the ring.
         self._args = ((o, lv, pf, rg, c, sc, mr), (ln, rg, un), (owners.shape[0], cap, 0))
         self._index = owners.device.index
-        self._bound: dict[int, object] = {}
+        self._bound: dict[int, tuple[object, int]] = {}  # sort size -> (compiled kernel, entries per step)
 
     @staticmethod
     def fits(n_slots: int, cap: int) -> bool:
@@ -238,20 +251,22 @@ class RingFrees:
         does it then, and compiles the kernel kept from then on."""
         n = entries.shape[0]
         sort = next_pow2(max(n, 16))
-        bound = self._bound.get(sort)
-        if bound is None:
-            consts = (1, RING, TO_TAIL, False, GIVE_BACK_BLOCK, sort, False, True, False, MIRROR_SEQ_BITS)
+        kept = self._bound.get(sort)
+        if kept is None:
+            block = give_back_shape(sort)[0]
+            consts = (1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)
             bound = GIVE_BACKS.entries.get((self._index, consts, False))
             if bound is None:
                 return False
-            self._bound[sort] = bound
+            kept = self._bound[sort] = (bound, block)
+        bound, block = kept
         if self._index != current_cuda_device():  # type: ignore[misc]
             return False
         first, middle, sizes = self._args
         try:
             bound.run(1, 1, 1, current_raw_stream(self._index), bound.function, bound.metadata, None, None, None,  # type: ignore[attr-defined]
                       entries, *first, entries, *middle, n, *sizes, mark_start, marks, seq,
-                      1, RING, TO_TAIL, False, GIVE_BACK_BLOCK, sort, False, True, False, MIRROR_SEQ_BITS)  # fmt: skip
+                      1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
         except LAUNCH_ERRORS:  # the launcher refused these arguments before launching: the general path then
             self._bound.clear()
             return False
