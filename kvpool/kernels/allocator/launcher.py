@@ -249,6 +249,8 @@ class RingFrees:
         position ``mark_start``, its counts mirrored under ``seq``. False, with nothing launched,
         where no kept kernel fits (the first free of a size, another current device): ``give_back``
         does it then, and compiles the kernel kept from then on."""
+        if not GIVE_BACKS.enabled:  # direct launches failed once: the JIT from then on
+            return False
         n = entries.shape[0]
         sort = next_pow2(max(n, 16))
         kept = self._bound.get(sort)
