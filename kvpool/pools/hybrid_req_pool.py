@@ -205,7 +205,7 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             return rows
         # One copy to the device for what it needs of this call: new slots, rows, state slots, track slots.
         n, k, flat = len(rows), len(fresh), [s for t in tracks for s in t]
-        ints = self._device_ints(fresh + rows + mains + flat, torch.int64)
+        ints = self._device_ints(fresh + rows + mains + flat)
         if fresh:
             try:
                 self.mamba_pool.clear_slots(ints[:k])
@@ -301,11 +301,10 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             track = flat.to(torch.int32).view(rows.shape[0], self.mamba_ping_pong_track_buffer_size)
             self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = track
 
-    def _device_ints(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+    def _device_ints(self, values: list[int]) -> torch.Tensor:
+        """``values`` as int64 on the table's device (from the state pool's staging memory on CUDA,
+        no synchronisation)."""
+        return self.mamba_pool.slots_tensor(values)
 
     def _set_request_attributes(self, reqs, plans, rows, mains: torch.Tensor, flat: torch.Tensor) -> None:
         """Each request's attributes: ``mains`` and ``flat`` (track slots, row after row) are int64 on
