@@ -216,6 +216,12 @@ class FreeLists:
         self._mirrored = False
         return self.queue.lend(take.count)
 
+    def lend_front(self, count: int) -> torch.Tensor:
+        """``lend`` of the free list's first ``count`` pages (``count`` at most its host count, one slot
+        per page: ``queue.lends``), without planning: what ``plan`` then ``lend`` give for such a count."""
+        self._mirrored = False
+        return self.queue.lend(count)
+
     def mark_lent(self, books: Books) -> None:
         """Record held the pages lent since the last record, by PyTorch operations (nothing read
         back; nothing to do when none are lent)."""
