@@ -254,7 +254,15 @@ def test_a_sliding_window_free_is_one_launch_that_matches_the_pytorch_path(kerne
         calls.append("translate")
         return translate(*args)
 
+    def counted_kept_launch(frees, *args):  # a full part's free through its kept launch is a plain one
+        launched = kept_launch(frees, *args)
+        if launched:
+            calls.append("plain")
+        return launched
+
+    kept_launch = allocator_kernels.RingFrees.launch
     monkeypatch.setattr(allocator_kernels, "give_back", counted_give_back)
+    monkeypatch.setattr(allocator_kernels.RingFrees, "launch", counted_kept_launch)
     monkeypatch.setattr(swa_module, "translate_slots", counted_translate)
     rng = random.Random(page)
     n_full = (24 + 1) * page
