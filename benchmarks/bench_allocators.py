@@ -155,14 +155,24 @@ def extend_inputs(bs: int, device: torch.device, rng: random.Random) -> tuple:
     return pre_c.to(device), pre_c, seq_c.to(device), seq_c, last, int(seq_c.sum())
 
 
+#: Requests per ``alloc_extend`` that sets up a decode batch: at most 8,000 tokens a call, as a
+#: server's chunked prefill takes them (SGLang's extend kernel is built for the largest power of two
+#: of a call's tokens it has seen, and one of 512 requests of 2,000 tokens would build one of 2**20
+#: lanes for every later call).
+SETUP_REQUESTS = 4
+
+
 def running_requests(a: Any, bs: int, device: torch.device, rng: random.Random) -> tuple:
-    """``bs`` requests of 100..2000 tokens held in ``a`` (through its alloc_extend); the decode inputs."""
+    """``bs`` requests of 100..2000 tokens held in ``a`` (through its alloc_extend, ``SETUP_REQUESTS``
+    at a time); the decode inputs."""
     seq_c = torch.tensor([rng.randint(100, 2000) for _ in range(bs)], dtype=torch.int64)
-    zeros = torch.zeros(bs, dtype=torch.int64)
-    out = a.alloc_extend(zeros.to(device), zeros, seq_c.to(device), seq_c,
-                         torch.full((bs,), -1, dtype=torch.int64, device=device), int(seq_c.sum()))  # fmt: skip
-    last = out[torch.cumsum(seq_c, 0).to(device) - 1]
-    return (seq_c + 1).to(device), seq_c + 1, last
+    lasts = []
+    for chunk in seq_c.split(SETUP_REQUESTS):
+        zeros = torch.zeros(chunk.shape[0], dtype=torch.int64)
+        out = a.alloc_extend(zeros.to(device), zeros, chunk.to(device), chunk,
+                             torch.full(chunk.shape, -1, dtype=torch.int64, device=device), int(chunk.sum()))  # fmt: skip
+        lasts.append(out[torch.cumsum(chunk, 0).to(device) - 1])
+    return (seq_c + 1).to(device), seq_c + 1, torch.cat(lasts)
 
 
 def measure(impls: dict, device: torch.device, timer: Timer, sizes: list[int], paged_slots: int, rep: Any,
