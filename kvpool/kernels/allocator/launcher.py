@@ -244,7 +244,7 @@ class RingFrees:
         return t[0] is owners and t[1] is live and t[2] is page_free and t[3] is ring and t[7] is lent and t[8] is unrecorded
 
     def launch(self, entries: torch.Tensor, mark_start: int, marks: int, seq: int) -> bool:
-        """One ``give_back`` of ``entries`` (int64, contiguous, on the current device, 1 to
+        """One ``give_back`` of ``entries`` (int64, contiguous, on the bookkeeping's device, 1 to
         ``GIVE_BACK_SORT_MAX`` of them), recording held first the ``marks`` pages lent at ring
         position ``mark_start``, its counts mirrored under ``seq``. False, with nothing launched,
         where no kept kernel fits (the first free of a size, another current device): ``give_back``
@@ -265,9 +265,10 @@ class RingFrees:
         if self._index != current_cuda_device():  # type: ignore[misc]
             return False
         first, middle, sizes = self._args
+        at = entries.data_ptr()  # an address, as the others: the caller's device tensor, checked by the allocator
         try:
             bound.run(1, 1, 1, current_raw_stream(self._index), bound.function, bound.metadata, None, None, None,  # type: ignore[attr-defined]
-                      entries, *first, entries, *middle, n, *sizes, mark_start, marks, seq,
+                      at, *first, at, *middle, n, *sizes, mark_start, marks, seq,
                       1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
         except LAUNCH_ERRORS:  # the launcher refused these arguments before launching: the general path then
             self._bound.clear()

@@ -85,6 +85,8 @@ class BaseTokenToKVPoolAllocator:
         # recorded held by the next launch that happens anyway (see kvpool.pools.allocator).
         lends = self.page_size == 1 and not self.validate
         self._lists = FreeLists(self.num_pages, self.device, self.need_sort, eager, type(self).__name__, lends)
+        # Whether a free of int64 device slots may take the kept launch (compiled kernels on a GPU).
+        self._direct_frees = lends and not eager and allocator_kernels.on_kernels(self.device)
         # On a CPU allocator the device arguments are already on the host, so comparing them costs
         # nothing; elsewhere it costs a synchronisation and runs only under validate.
         self._cheap_device_checks = self.device.type == "cpu"
@@ -267,6 +269,8 @@ class BaseTokenToKVPoolAllocator:
         Without ``validate`` a device tensor is freed without waiting for the device: the pages that
         come back join the free list there, and the host counts them once their count is read.
         """
+        if self._direct_frees and not skip_padding and self.is_not_in_free_group and self._lists.take_back_directly(free_index, self._books()):
+            return  # a free of int64 device slots, through its kept launch (FreeLists.take_back_directly)
         slots = checks.free_index_slots(free_index, self.device)
         if slots.numel() == 0:
             return
@@ -276,12 +280,8 @@ class BaseTokenToKVPoolAllocator:
                 return
         if allocator_kernels.on_kernels(self.device):
             group = None if self.is_not_in_free_group else self._group
-            lists = self._lists
-            direct = (group is None and not skip_padding and self.page_size == 1 and lists.queue.lends
-                      and slots.shape[0] <= allocator_kernels.GIVE_BACK_SORT_MAX and slots.is_contiguous())  # fmt: skip
-            if not (direct and lists.take_back_directly(slots, self._books())):
-                lists.take_back(slots, self._books(), self.page_size, group, skip_padding)
-            lists.changed()
+            self._lists.take_back(slots, self._books(), self.page_size, group, skip_padding)
+            self._lists.changed()
             return
         self._lists.mark_lent(self._books())  # a slot lent and not recorded yet is held
         pages, released, dropped = drop_holders(

@@ -271,14 +271,20 @@ class FreeLists:
         self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding, mapping=mapping)
         self.add_rejected(None)
 
-    def take_back_directly(self, slots: torch.Tensor, books: Books) -> bool:
-        """``take_back`` of a token allocator's free (one slot per page, outside a free group):
-        ``slots`` int64 on the device, contiguous, 1 to ``GIVE_BACK_SORT_MAX`` of them; through
-        ``RingFrees``, the launch alone. False, with nothing done, where it does not apply (then
-        ``take_back``)."""
+    def take_back_directly(self, free_index: object, books: Books) -> bool:
+        """``take_back`` then ``changed`` of a token allocator's free outside a free group, when
+        ``free_index`` is what a scheduler frees on every step: an int64 tensor [1 ..
+        ``GIVE_BACK_SORT_MAX``] on the device, contiguous; through ``RingFrees``, the launch alone.
+        False, with nothing done, where it does not apply (then the general path)."""
         queue = self.queue
+        if (
+            type(free_index) is not torch.Tensor or free_index.dtype is not torch.int64 or free_index.dim() != 1
+            or not 0 < free_index.shape[0] <= allocator_kernels.GIVE_BACK_SORT_MAX or not free_index.is_contiguous()
+            or free_index.device != self._device or self.need_sort or not queue.lends or queue.needs_room()
+        ):  # fmt: skip
+            return False
         start, count = queue.unmarked()
-        if self.eager or self.need_sort or count > MARK_MAX or queue.needs_room():
+        if count > MARK_MAX:
             return False
         owners, live, page_free, unrecorded = books
         frees = self._ring_frees
@@ -291,12 +297,14 @@ class FreeLists:
                 owners, live, page_free, queue.buffer, self.counters, self._sort_scratch, self._mirror.tagged,
                 queue.lent, unrecorded, queue.capacity,
             )  # fmt: skip
-        if not frees.launch(slots, start, count, self._mirror.next_seq()):
+        if not frees.launch(free_index, start, count, self._mirror.next_seq()):
             return False
         queue.appended_on_device()
         queue.marked()
-        self._mirrored = True
         self._rejected_exact = False
+        self._changes += 1  # changed(), after a launch that mirrored the counts
+        self._mirror.landed_behind((self._changes, queue.mark(), self.release_known))
+        self._mirrored = False
         return True
 
     def give_back_pages(self, pages: torch.Tensor, books: Books) -> None:
