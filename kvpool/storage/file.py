@@ -34,7 +34,11 @@ from kvpool.storage.file_io import (
     TEMP_PREFIX, HostViews, as_bytes, default_file_path, owner_only_directory, usable_cores, vectored, write_all, writer_alive,
 )  # fmt: skip
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import PayloadChecksum, checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
+from kvpool.storage import record
+from kvpool.storage.record import (
+    PayloadChecksum, checksum_of, checksum_of_regions, chunk_sums, digest_of, pack_header, parse_header,
+    payload_offset, region_sums,
+)  # fmt: skip
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
@@ -344,9 +348,9 @@ class HiCacheFile(HiCacheStorage):
         return False
 
     def _read_page(self, fd: int, name: bytes, parts_for: Callable[[int], Optional[list[Any]]]) -> Any:
-        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
-        payload read, ``(its checksum job, the stored checksum)``. The payload is read with one
-        read (``readv`` into its blocks), then checksummed."""
+        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", "hit", or,
+        with the payload of several chunks read, ``(its checksum job, the stored checksum)``. The
+        payload is read with one read (``readv`` into its blocks or buffers), then checksummed."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, payload_offset(len(name)))
         parsed = parse_header(raw, name)
@@ -356,11 +360,16 @@ class HiCacheFile(HiCacheStorage):
         parts = parts_for(payload_len)
         if parts is None:
             return "size"
-        regions = [p if isinstance(p, tuple) else (ctypes.addressof(ctypes.c_char.from_buffer(p)), p.nbytes) for p in parts]
-        # One read of the whole payload (as a plain read of the page would be); its checksum runs
-        # on the checksum threads while the caller goes on (``batch_get_v1``: the next page).
-        if not vectored(os.readv, fd, [self._views.view(ptr, n) for ptr, n in regions if n]):
+        blocks = all(type(p) is tuple for p in parts)  # host memory as (address, size), else buffers
+        views = [self._views.view(ptr, n) for ptr, n in parts if n] if blocks else [p for p in parts if p.nbytes]
+        # One read of the whole payload (as a plain read of the page would be).
+        if not vectored(os.readv, fd, views):
             return "corrupt"
+        if payload_len <= record.CHUNK_BYTES:  # one chunk: summed here, as a checksum job's caller would
+            a, b = region_sums(parts) if blocks else chunk_sums(views)
+            return "hit" if digest_of(name, payload_len, a, b) == crc else "corrupt"
+        # Its chunks' sums run on the checksum threads while the caller goes on (``batch_get_v1``: the next page).
+        regions = parts if blocks else [(ctypes.addressof(ctypes.c_char.from_buffer(v)), v.nbytes) for v in views]
         return checksum_of_regions(name, regions), crc
 
     def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
