@@ -171,7 +171,7 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
             add(_run_sums(first, stride, n // 8, count), off // 8)
             off, i = off + count * n, i + count
             continue
-        if n >= DIRECT_BYTES and n % 8 == 0 and off % 8 == 0:
+        if n % 8 == 0 and off % 8 == 0 and (n >= DIRECT_BYTES or len(pieces) == 1):  # nothing to gather it with
             if fill:
                 flush()
             add(_word_sums(np.frombuffer(p, dtype="<u8")), off // 8)
