@@ -29,12 +29,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from kvpool.checks import positive_int
+from kvpool.storage import record
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.file_io import (
     TEMP_PREFIX, HostViews, as_bytes, default_file_path, owner_only_directory, usable_cores, vectored, write_all, writer_alive,
 )  # fmt: skip
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage import record
 from kvpool.storage.record import (
     PayloadChecksum, checksum_of, checksum_of_regions, chunk_sums, pack_header, parse_header,
     payload_offset, region_sums,
