@@ -77,6 +77,9 @@ _ROW = 256
 _ROW_WEIGHTS = np.arange(1, _ROW + 1, dtype=np.uint64)
 _ROW_STARTS = np.arange(CHUNK_BYTES // 8 // _ROW + 1, dtype=np.uint64) * np.uint64(_ROW)
 _WORD_INDEX = np.arange(CHUNK_BYTES // 8, dtype=np.uint64)
+#: Up to this many words, ``B`` is one dot product with the word indices: fewer numpy calls, which
+#: cost more than the arithmetic on a short payload (on a long one, the rows' two passes are faster).
+_DOT_WORDS = 8192
 _scratch = threading.local()
 
 
@@ -91,6 +94,9 @@ class Digest(NamedTuple):
 def _word_sums(words: np.ndarray) -> tuple[int, int]:
     """``(sum of w[i], sum of (i + 1) * w[i])`` of uint64 words, modulo 2**64."""
     n = words.shape[0]
+    if n <= _DOT_WORDS:  # two numpy calls (numpy's integer dot wraps modulo 2**64, as the sums do)
+        a = int(words.sum(dtype=np.uint64))
+        return a & _MASK, (int(np.dot(_WORD_INDEX[:n], words)) + a) & _MASK
     rows = n // _ROW
     a = b = 0
     if rows:
