@@ -32,7 +32,8 @@ from kvpool.checks import positive_int
 from kvpool.storage import record
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
 from kvpool.storage.file_io import (
-    TEMP_PREFIX, HostViews, as_bytes, default_file_path, owner_only_directory, usable_cores, vectored, write_all, writer_alive,
+    TEMP_PREFIX, HostViews, as_bytes, default_file_path, owner_only_directory, usable_cores, value_bytes, vectored, write_all,
+    writer_alive,
 )  # fmt: skip
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
 from kvpool.storage.record import (
@@ -389,15 +390,6 @@ class HiCacheFile(HiCacheStorage):
 
     # --- the interface -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_value(value: object, target: object, size: object, name: str) -> memoryview:
-        if target is not None or size is not None:
-            raise ValueError(f"{name} must be given as a tensor (HiCacheFile takes no target_location / target_sizes)")
-        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-            got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{name} must be a CPU tensor, got {got}")
-        return as_bytes(value.detach().contiguous())
-
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         """As :meth:`HiCacheStorage.get`: the page of ``key`` read into ``target_location`` (a
         contiguous CPU tensor of the page's size) or a new uint8 tensor; None for a miss (absent,
@@ -424,7 +416,7 @@ class HiCacheFile(HiCacheStorage):
         """As :meth:`HiCacheStorage.set`: ``value`` (a CPU tensor) stored as the page of ``key``,
         renamed into place; False when the write fails."""
         key = self.check_key(key)
-        payload = self._check_value(value, target_location, target_sizes, "value")
+        payload = value_bytes(value, target_location, target_sizes, "value")
         with self._call():
             return self._store(key, [payload])
 
@@ -439,7 +431,7 @@ class HiCacheFile(HiCacheStorage):
         vals = self.check_batch(values, "values", len(keys))
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
-        payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
+        payloads = [value_bytes(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
         with self._call():
             return all(self._store_batch(keys, [[p] for p in payloads], None, stop=True))
 
@@ -448,6 +440,16 @@ class HiCacheFile(HiCacheStorage):
         key = self.check_key(key)
         with self._call():
             return os.path.isfile(self._path(storage_digest(self.namespace, key)))
+
+    def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """As :meth:`HiCacheStorage.batch_exists`: the number of leading keys whose page file is in
+        the directory, every key checked first."""
+        keys = self.check_keys(keys)
+        with self._call():
+            for i, key in enumerate(keys):
+                if not os.path.isfile(self._path(storage_digest(self.namespace, key))):
+                    return i
+            return len(keys)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None

@@ -1,6 +1,6 @@
 """The file backend's directory and its I/O (``kvpool.storage.file``): where the directory is and
-who may use it, the temporary files of writers still running, and writes and reads of whole buffer
-lists straight from and into host memory.
+who may use it, the temporary files of writers still running, writes and reads of whole buffer
+lists straight from and into host memory, and the bytes of a tensor to store.
 """
 
 from __future__ import annotations
@@ -129,3 +129,14 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def value_bytes(value: object, target: object, size: object, name: str) -> memoryview:
+    """The bytes of a ``set``'s ``value`` (a CPU tensor; ``target`` and ``size`` None), as a
+    memoryview; ValueError naming ``name`` otherwise."""
+    if target is not None or size is not None:
+        raise ValueError(f"{name} must be given as a tensor (HiCacheFile takes no target_location / target_sizes)")
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name} must be a CPU tensor, got {got}")
+    return as_bytes(value.detach().contiguous())
