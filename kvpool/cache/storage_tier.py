@@ -380,8 +380,9 @@ class StorageTier:
             return 0
         kept = slots[skip * self.page_size :]
         try:
-            for i, page in enumerate(pages[skip:]):
-                host.set_from_flat_data_page(int(kept[i * self.page_size]), page.view(host.store_dtype))
+            dtype = host.store_dtype
+            for start, page in zip(kept[:: self.page_size].tolist(), pages[skip:]):
+                host.set_from_flat_data_page(start, page.view(dtype))
         except BaseException:
             host.free(slots)
             self.release(reserved)

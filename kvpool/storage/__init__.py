@@ -4,7 +4,7 @@
 ``base.py`` is the interface every backend implements (``HiCacheStorage``, its config and
 counters), ``keys.py`` the page keys chained from a radix key and the namespace pages are stored
 under, ``record.py`` the byte layout of a stored page, ``file.py`` the embedded backend
-(``HiCacheFile``, one directory of page files), ``mooncake.py`` the backend shared by engines on
+(``HiCacheFile``, one directory of page files; ``file_io.py`` its directory and I/O), ``mooncake.py`` the backend shared by engines on
 several machines (``MooncakeStore``, over a Mooncake Store; its package is imported only when a
 store connects), ``faults.py`` a failure injector around any backend.
 The rules are docs/contract.md, "Storage tier".

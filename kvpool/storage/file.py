@@ -7,139 +7,48 @@ in the same directory and renamed over its name (``os.replace``, atomic within a
 writer that dies midway leaves only a temporary file, never a half page under a real name; every
 read checks the header, name, sizes and checksum, so a torn or corrupted page is a miss. The directory
 holds at most ``max_bytes`` of page files: beyond that the least recently used pages are removed.
+
+A batch of writes sums its pages ahead where cores are free for it (``sum_ahead``): the checksum
+threads sum page i + 1 while page i is written, and a page's header, which holds its sums, is put
+together once they are done, just before its write. Where they are not, each page is summed on the
+writing thread just before its write, which then copies bytes the sums brought into the cache (a
+checksum thread beside the write would compete with it for the core and the cache).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import re
-import stat
-import tempfile
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from kvpool.checks import positive_int
+from kvpool.storage import record
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageStats
+from kvpool.storage.file_io import (
+    TEMP_PREFIX, HostViews, as_bytes, default_file_path, owner_only_directory, usable_cores, value_bytes, vectored, write_all,
+    writer_alive,
+)  # fmt: skip
 from kvpool.storage.keys import key_namespace, storage_digest, storage_name
-from kvpool.storage.record import checksum_of, checksum_of_regions, pack_header, parse_header, payload_offset
+from kvpool.storage.record import (
+    PayloadChecksum, checksum_of, checksum_of_regions, chunk_sums, pack_header, parse_header,
+    payload_offset, region_sums,
+)  # fmt: skip
 
 #: The directory's default bound: 8 GiB of page files.
 DEFAULT_MAX_BYTES = 8 << 30
 PAGE_SUFFIX = ".kvpage"
-TEMP_PREFIX = ".kvpage-tmp-"
 _PAGE_NAME = re.compile(r"^[0-9a-f]{64}\.kvpage$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: Buffers per ``writev`` / ``readv`` call (the system's bound is at least 16 and usually 1024).
-_IOV_MAX = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)
-
-
-def default_file_path() -> str:
-    """The directory used without ``file_path``: ``kvpool-hicache-<uid>`` in the temporary directory
-    (one per user, so another user's directory is never picked up)."""
-    return os.path.join(tempfile.gettempdir(), f"kvpool-hicache-{os.geteuid()}")
-
-
-def owner_only_directory(path: object) -> str:
-    """``path`` as an absolute directory that exists, is not a symlink, belongs to this user and is
-    readable by its owner only, created (mode 0o700) if missing.
-
-    Raises
-    ------
-    ValueError
-        ``path`` not a non-empty str, or an existing entry that is a symlink, not a directory, owned
-        by another user, or open to group or others (its mode is shown; ``chmod 700`` it).
-    """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"file_path must be a non-empty path, got {path!r}")
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    if parent and not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # the umask may have taken bits from 0o700
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"file_path must be a directory (not a symlink or a file), got {path}")
-    if st.st_uid != os.geteuid():
-        raise ValueError(f"file_path must belong to this user (uid {os.geteuid()}), got {path} owned by uid {st.st_uid}")
-    if st.st_mode & 0o077:
-        raise ValueError(
-            f"file_path must be readable by its owner only (mode 0o700), got {path} with mode "
-            f"{oct(stat.S_IMODE(st.st_mode))}"
-        )
-    return path
-
-
-def _writer_alive(temp_name: str) -> bool:
-    """Whether the process whose id a temporary file's name carries is running."""
-    try:
-        pid = int(temp_name[len(TEMP_PREFIX) :].split("-")[0])
-        os.kill(pid, 0)
-    except (ValueError, OverflowError, ProcessLookupError):
-        return False
-    except OSError:  # PermissionError: another user's process
-        return True
-    return pid > 0
-
-
-def _write_all(fd: int, data: memoryview | bytes) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _vectored(move: Callable[[int, list[memoryview]], int], fd: int, views: list[memoryview]) -> bool:
-    """``os.writev`` or ``os.readv`` of all of ``views`` in order, as many at a time as the system
-    takes; False when a read meets the end of the file first."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        batch = views[:_IOV_MAX]
-        n = move(fd, batch)
-        if n == 0:
-            return False
-        if n == sum(v.nbytes for v in batch):  # the usual case: all of them at once
-            views = views[len(batch) :]
-            continue
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-    return True
-
-
-def _region(ptr: int, size: int) -> memoryview:
-    """``size`` bytes of host memory at ``ptr`` as a writable memoryview (no copy)."""
-    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
-
-
-class _HostViews:
-    """Writable memoryviews of a host pool's buffers, from which a block's view is a slice (far
-    cheaper than a new view of its address, which every block of every page would need)."""
-
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
-        self.spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), _as_bytes(b)) for b in buffers if b.is_contiguous()]
-
-    def view(self, ptr: int, size: int) -> memoryview:
-        """``size`` bytes at ``ptr`` (a slice of the buffer holding them, else a view of their own)."""
-        for base, end, whole in self.spans:
-            if base <= ptr and ptr + size <= end:
-                return whole[ptr - base : ptr - base + size]
-        return _region(ptr, size)
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, as a writable memoryview (no copy)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+#: A batch of writes sums its pages ahead, on the checksum threads, by default on a host whose
+#: process may run on at least this many cores (``HiCacheFile``'s ``sum_ahead``).
+SUM_AHEAD_CORES = 4
 
 
 class HiCacheFile(HiCacheStorage):
@@ -157,9 +66,14 @@ class HiCacheFile(HiCacheStorage):
         least recently written first out.
     max_bytes : the bound on the page files' total size (header, name and payload), >= 1. A page
         larger than the bound is not stored (``set`` returns False).
+    sum_ahead : whether a batch of writes (``batch_set``, ``batch_set_v1``) sums page i + 1 on the
+        checksum threads while page i is written (None: where the process may run on at least
+        :data:`SUM_AHEAD_CORES` cores); otherwise each page is summed by its writer just before its
+        write. Either way a page's bytes and its guarantees are the same.
 
     Several threads may use one instance at once (writes take turns, reads do not wait for them; a
-    page evicted while it is being read is still read whole). Several processes may share a directory (each
+    page evicted while it is being read is still read whole). ``close`` waits for the calls in flight
+    (a batch of writes stops after the page it is writing) and refuses later ones. Several processes may share a directory (each
     names its own pages by namespace); each keeps the bound over the pages it wrote or found when
     it was made, so give each one its own share of the disk.
 
@@ -178,23 +92,30 @@ class HiCacheFile(HiCacheStorage):
         file_path: Optional[str] = None,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        sum_ahead: Optional[bool] = None,
     ) -> None:
         if storage_config is None:
             storage_config = HiCacheStorageConfig()
         if not isinstance(storage_config, HiCacheStorageConfig):
             raise ValueError(f"storage_config must be a HiCacheStorageConfig or None, got {type(storage_config).__name__}")
         self.max_bytes = positive_int(max_bytes, "max_bytes")
+        if sum_ahead is not None and not isinstance(sum_ahead, bool):
+            raise ValueError(f"sum_ahead must be None or a bool, got {sum_ahead!r}")
+        self.sum_ahead = usable_cores() >= SUM_AHEAD_CORES if sum_ahead is None else sum_ahead
         self.storage_config = storage_config
         self.file_path = owner_only_directory(default_file_path() if file_path is None else file_path)
         self.namespace = key_namespace(storage_config)
-        self._lock = threading.Lock()  # the index and the counters
+        self._lock = threading.Lock()  # the index, the counters and the calls in flight
+        self._idle = threading.Condition(self._lock)  # notified when the last call in flight returns
+        self._calls = 0
+        self.closed = False
         self._write_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, least recent first
         self._writing: set[str] = set()  # digests whose page a writer is putting in place now
         self._bytes = 0
         self._stats = StorageStats()
         self._temp_ids = itertools.count()
-        self._views = _HostViews([])
+        self._views = HostViews([])
         self._adopt_directory()
 
     # --- the directory -------------------------------------------------------------------------------
@@ -206,7 +127,7 @@ class HiCacheFile(HiCacheStorage):
         with os.scandir(self.file_path) as entries:
             for e in entries:
                 if e.name.startswith(TEMP_PREFIX) and e.is_file(follow_symlinks=False):
-                    if _writer_alive(e.name):
+                    if writer_alive(e.name):
                         continue
                     try:
                         os.unlink(e.path)
@@ -250,19 +171,28 @@ class HiCacheFile(HiCacheStorage):
         buffers = getattr(mem_pool_host, "buffers", None)
         if buffers is None:
             buffers = [getattr(mem_pool_host, n, None) for n in ("k_buffer", "v_buffer")]
-        self._views = _HostViews([b for b in buffers if isinstance(b, torch.Tensor) and b.device.type == "cpu"])
+        self._views = HostViews([b for b in buffers if isinstance(b, torch.Tensor) and b.device.type == "cpu"])
 
     # --- one page ------------------------------------------------------------------------------------
 
-    def _store(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]] = None) -> bool:
+    def _store(
+        self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]] = None, job: Optional[PayloadChecksum] = None
+    ) -> bool:
         """Write one page, its payload given as consecutive buffers (``blocks``: the same bytes as host
-        memory regions, when they are a host page's), temporary file then rename; False when it cannot
-        be stored. Writes are serialised (reads are not), so the index and the files agree whatever the
-        threads do."""
-        with self._write_lock:
-            return self._store_one(key, parts, blocks)
+        memory regions, when they are a host page's; ``job``: its checksum, started ahead), temporary
+        file then rename; False when it cannot be stored. Writes are serialised (reads are not), so
+        the index and the files agree whatever the threads do. No checksum thread reads the page once
+        this returns."""
+        try:
+            with self._write_lock:
+                return self._store_one(key, parts, blocks, job)
+        finally:
+            if job is not None:
+                job.wait()
 
-    def _store_one(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]]) -> bool:
+    def _store_one(
+        self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]], job: Optional[PayloadChecksum]
+    ) -> bool:
         name = storage_name(self.namespace, key)
         digest = storage_digest(self.namespace, key)
         path = self._path(digest)
@@ -282,36 +212,93 @@ class HiCacheFile(HiCacheStorage):
             self._bytes += size
             self._writing.add(digest)
         temp = os.path.join(self.file_path, f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{next(self._temp_ids)}")
-        # Summed on this thread, just before the write, which then copies bytes the sums brought into
-        # the cache; a checksum thread beside the write competes with it for the core and the cache.
-        job = checksum_of(name, parts, threads=False) if blocks is None else checksum_of_regions(name, blocks, threads=False)
+        made = False
         try:
+            if job is None or job.name != name:  # summed here, just before the write
+                job = self._checksum(name, parts, blocks, ahead=False)
+            head = pack_header(name, payload_len, job.value())  # raises what a checksum thread raised
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            made = True
             try:
-                head = pack_header(name, payload_len, job.value())
                 if len(parts) == 1:
-                    _write_all(fd, head)
-                    _write_all(fd, parts[0])
+                    write_all(fd, head)
+                    write_all(fd, parts[0])
                 else:  # a host page's blocks, behind the header, in one call
-                    _vectored(os.writev, fd, [memoryview(head), *parts])
+                    vectored(os.writev, fd, [memoryview(head), *parts])
             finally:
                 os.close(fd)
             os.replace(temp, path)
-        except OSError:
-            job.wait()
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
+        except BaseException as e:  # the key as before, the reservation given back
+            if made:
+                try:
+                    os.unlink(temp)
+                except OSError:
+                    pass
             with self._lock:
                 self._writing.discard(digest)
                 self._forget(digest)
                 self._stats.write_failures += 1
-            return False
+            if isinstance(e, Exception):  # an I/O error, or the checksum's: a failed write
+                return False
+            raise
         with self._lock:
             self._writing.discard(digest)
             self._stats.writes += 1
         return True
+
+    @staticmethod
+    def _checksum(name: bytes, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]], ahead: bool) -> PayloadChecksum:
+        """A page's checksum: on the checksum threads (``ahead``) or for the caller's ``value()``."""
+        if blocks is None:
+            return checksum_of(name, parts, threads=ahead, ahead=ahead)
+        return checksum_of_regions(name, blocks, threads=ahead, ahead=ahead)
+
+    def _store_batch(
+        self, keys: Sequence[str], pages: Sequence[list[memoryview]], blocks: Optional[Sequence[list[tuple[int, int]]]], stop: bool
+    ) -> list[bool]:
+        """``_store`` of each page in order (``stop``: none after the first failure), page i + 1
+        summed ahead while page i is written (``sum_ahead``); the pages not written are False. A
+        ``close`` meanwhile ends the batch after the page being written."""
+        done: list[bool] = []
+        ahead = None
+        try:
+            for i, key in enumerate(keys):
+                job, ahead = ahead, None
+                if self.sum_ahead:
+                    if job is None:  # the first page: its chunks on the threads and the caller
+                        job = self._ahead(key, pages[i], None if blocks is None else blocks[i])
+                    if i + 1 < len(keys):
+                        ahead = self._ahead(keys[i + 1], pages[i + 1], None if blocks is None else blocks[i + 1])
+                ok = self._store(key, pages[i], None if blocks is None else blocks[i], job)
+                done.append(ok)
+                if (stop and not ok) or self.closed:
+                    break
+        finally:
+            if ahead is not None:
+                ahead.wait()
+        return done + [False] * (len(keys) - len(done))
+
+    def _ahead(self, key: str, parts: list[memoryview], blocks: Optional[list[tuple[int, int]]]) -> Optional[PayloadChecksum]:
+        """The checksum of a page about to be written, started on the checksum threads (None: the
+        page is stored already)."""
+        if storage_digest(self.namespace, key) in self._index:
+            return None
+        return self._checksum(storage_name(self.namespace, key), parts, blocks, ahead=True)
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """One call that touches the directory, counted in flight; RuntimeError once closed."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("HiCacheFile is closed (close() was called): make a new one to use the directory")
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if not self._calls:
+                    self._idle.notify_all()
 
     def _load(self, key: str, parts_for: Callable[[int], Optional[list[Any]]]) -> bool:
         """Read one page into the writable buffers or ``(address, size)`` regions ``parts_for(payload
@@ -362,9 +349,9 @@ class HiCacheFile(HiCacheStorage):
         return False
 
     def _read_page(self, fd: int, name: bytes, parts_for: Callable[[int], Optional[list[Any]]]) -> Any:
-        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", or, with the
-        payload read, ``(its checksum job, the stored checksum)``. The payload is read with one
-        read (``readv`` into its blocks), then checksummed."""
+        """"size" for a good header of a payload size ``parts_for`` refuses, "corrupt", "hit", or,
+        with the payload of several chunks read, ``(its checksum job, the stored checksum)``. The
+        payload is read with one read (``readv`` into its blocks or buffers), then checksummed."""
         size = os.fstat(fd).st_size
         raw = os.read(fd, payload_offset(len(name)))
         parsed = parse_header(raw, name)
@@ -374,11 +361,16 @@ class HiCacheFile(HiCacheStorage):
         parts = parts_for(payload_len)
         if parts is None:
             return "size"
-        regions = [p if isinstance(p, tuple) else (ctypes.addressof(ctypes.c_char.from_buffer(p)), p.nbytes) for p in parts]
-        # One read of the whole payload (as a plain read of the page would be); its checksum runs
-        # on the checksum threads while the caller goes on (``batch_get_v1``: the next page).
-        if not _vectored(os.readv, fd, [self._views.view(ptr, n) for ptr, n in regions if n]):
+        blocks = all(type(p) is tuple for p in parts)  # host memory as (address, size), else buffers
+        views = [self._views.view(ptr, n) for ptr, n in parts if n] if blocks else [p for p in parts if p.nbytes]
+        # One read of the whole payload (as a plain read of the page would be).
+        if not vectored(os.readv, fd, views):
             return "corrupt"
+        if payload_len <= record.CHUNK_BYTES:  # one chunk: summed here, as a checksum job's caller would
+            # The header's checksum (checked) covers the name and the stored sums: the sums decide.
+            return "hit" if (region_sums(parts) if blocks else chunk_sums(views)) == (crc.a, crc.b) else "corrupt"
+        # Its chunks' sums run on the checksum threads while the caller goes on (``batch_get_v1``: the next page).
+        regions = parts if blocks else [(ctypes.addressof(ctypes.c_char.from_buffer(v)), v.nbytes) for v in views]
         return checksum_of_regions(name, regions), crc
 
     def _load_tensor(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -389,8 +381,8 @@ class HiCacheFile(HiCacheStorage):
         def parts_for(payload_len: int) -> Optional[list[memoryview]]:
             if target is None:
                 made.append(torch.empty(payload_len, dtype=torch.uint8))
-                return [_as_bytes(made[0])]
-            return [_as_bytes(target)] if target.numel() * target.element_size() == payload_len else None
+                return [as_bytes(made[0])]
+            return [as_bytes(target)] if target.numel() * target.element_size() == payload_len else None
 
         if not self._load(key, parts_for):
             return None
@@ -398,22 +390,14 @@ class HiCacheFile(HiCacheStorage):
 
     # --- the interface -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_value(value: object, target: object, size: object, name: str) -> memoryview:
-        if target is not None or size is not None:
-            raise ValueError(f"{name} must be given as a tensor (HiCacheFile takes no target_location / target_sizes)")
-        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-            got = f"a tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{name} must be a CPU tensor, got {got}")
-        return _as_bytes(value.detach().contiguous())
-
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         """As :meth:`HiCacheStorage.get`: the page of ``key`` read into ``target_location`` (a
         contiguous CPU tensor of the page's size) or a new uint8 tensor; None for a miss (absent,
         torn, corrupt, foreign or of another size)."""
         key = self.check_key(key)
         target = self.check_target(target_location, target_sizes, "target_location")
-        return self._load_tensor(key, target)
+        with self._call():
+            return self._load_tensor(key, target)
 
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -423,7 +407,8 @@ class HiCacheFile(HiCacheStorage):
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
         checked = [self.check_target(t, s, f"target_locations[{i}]") for i, (t, s) in enumerate(zip(targets, sizes))]
-        return [self._load_tensor(k, t) for k, t in zip(keys, checked)]
+        with self._call():
+            return [self._load_tensor(k, t) for k, t in zip(keys, checked)]
 
     def set(
         self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -431,7 +416,9 @@ class HiCacheFile(HiCacheStorage):
         """As :meth:`HiCacheStorage.set`: ``value`` (a CPU tensor) stored as the page of ``key``,
         renamed into place; False when the write fails."""
         key = self.check_key(key)
-        return self._store(key, [self._check_value(value, target_location, target_sizes, "value")])
+        payload = value_bytes(value, target_location, target_sizes, "value")
+        with self._call():
+            return self._store(key, [payload])
 
     def batch_set(
         self, keys: list[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -444,13 +431,25 @@ class HiCacheFile(HiCacheStorage):
         vals = self.check_batch(values, "values", len(keys))
         targets = self.check_batch(target_locations, "target_locations", len(keys)) or [None] * len(keys)
         sizes = self.check_batch(target_sizes, "target_sizes", len(keys)) or [None] * len(keys)
-        payloads = [self._check_value(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
-        return all(self._store(k, [p]) for k, p in zip(keys, payloads))
+        payloads = [value_bytes(v, t, s, f"values[{i}]") for i, (v, t, s) in enumerate(zip(vals, targets, sizes))]  # type: ignore[arg-type]
+        with self._call():
+            return all(self._store_batch(keys, [[p] for p in payloads], None, stop=True))
 
     def exists(self, key: str) -> bool:
         """Whether a page file of ``key`` is in the directory (its contents are checked only when read)."""
         key = self.check_key(key)
-        return os.path.isfile(self._path(storage_digest(self.namespace, key)))
+        with self._call():
+            return os.path.isfile(self._path(storage_digest(self.namespace, key)))
+
+    def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """As :meth:`HiCacheStorage.batch_exists`: the number of leading keys whose page file is in
+        the directory, every key checked first."""
+        keys = self.check_keys(keys)
+        with self._call():
+            for i, key in enumerate(keys):
+                if not os.path.isfile(self._path(storage_digest(self.namespace, key))):
+                    return i
+            return len(keys)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
@@ -459,6 +458,11 @@ class HiCacheFile(HiCacheStorage):
         there (a miss leaves that host page's bytes unspecified; one whose header, name or size
         already tells it is a miss, before any payload byte is read, leaves it as it was)."""
         regions = self.host_page_regions(keys, host_indices)
+        with self._call():
+            return self._load_pages(keys, regions)
+
+    def _load_pages(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """Read each page into its host blocks, each page's checksum running while the next is read."""
         done: list[bool] = []
         pending, pending_at = None, None  # the previous page, its checksum running while this one is read
         for key, blocks in zip(keys, regions):
@@ -480,12 +484,14 @@ class HiCacheFile(HiCacheStorage):
         """As the interface says: each page is written straight from its host page's blocks, in the
         flat page order (after the host pool's transfers in flight are done)."""
         regions = self.host_page_regions(keys, host_indices)
-        return [self._store(key, [self._views.view(ptr, n) for ptr, n in blocks], blocks) for key, blocks in zip(keys, regions)]
+        pages = [[self._views.view(ptr, n) for ptr, n in blocks] for blocks in regions]
+        with self._call():
+            return self._store_batch(keys, pages, regions, stop=False)
 
     def clear(self) -> None:
         """Remove every page file of the directory (other files are left alone), after a write in
         flight has renamed its page."""
-        with self._write_lock, self._lock:
+        with self._call(), self._write_lock, self._lock:
             with os.scandir(self.file_path) as entries:
                 for e in entries:
                     if _PAGE_NAME.match(e.name):
@@ -502,3 +508,13 @@ class HiCacheFile(HiCacheStorage):
             s = StorageStats(**vars(self._stats))
             s.pages, s.bytes = len(self._index), self._bytes
         return s
+
+    def close(self) -> None:
+        """Wait for the calls in flight (a batch of writes stops after the page it is writing: False
+        for the rest, not written; no checksum thread reads a caller's memory afterwards) and refuse
+        later calls with RuntimeError (``get_stats`` still answers). The directory and its pages
+        stay. Idempotent."""
+        with self._lock:
+            self.closed = True
+            while self._calls:
+                self._idle.wait()

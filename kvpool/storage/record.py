@@ -77,6 +77,9 @@ _ROW = 256
 _ROW_WEIGHTS = np.arange(1, _ROW + 1, dtype=np.uint64)
 _ROW_STARTS = np.arange(CHUNK_BYTES // 8 // _ROW + 1, dtype=np.uint64) * np.uint64(_ROW)
 _WORD_INDEX = np.arange(CHUNK_BYTES // 8, dtype=np.uint64)
+#: Up to this many words, ``B`` is one dot product with the word indices: fewer numpy calls, which
+#: cost more than the arithmetic on a short payload (on a long one, the rows' two passes are faster).
+_DOT_WORDS = 8192
 _scratch = threading.local()
 
 
@@ -91,6 +94,9 @@ class Digest(NamedTuple):
 def _word_sums(words: np.ndarray) -> tuple[int, int]:
     """``(sum of w[i], sum of (i + 1) * w[i])`` of uint64 words, modulo 2**64."""
     n = words.shape[0]
+    if n <= _DOT_WORDS:  # two numpy calls (numpy's integer dot wraps modulo 2**64, as the sums do)
+        a = int(words.sum(dtype=np.uint64))
+        return a & _MASK, (int(np.dot(_WORD_INDEX[:n], words)) + a) & _MASK
     rows = n // _ROW
     a = b = 0
     if rows:
@@ -171,7 +177,7 @@ def chunk_sums(pieces: list[memoryview]) -> tuple[int, int]:
             add(_run_sums(first, stride, n // 8, count), off // 8)
             off, i = off + count * n, i + count
             continue
-        if n >= DIRECT_BYTES and n % 8 == 0 and off % 8 == 0:
+        if n % 8 == 0 and off % 8 == 0 and (n >= DIRECT_BYTES or len(pieces) == 1):  # nothing to gather it with
             if fill:
                 flush()
             add(_word_sums(np.frombuffer(p, dtype="<u8")), off // 8)
@@ -308,9 +314,12 @@ class PayloadChecksum:
     payload is more than one chunk and ``threads`` is True, each chunk is handed to the shared
     checksum threads as soon as it is complete, so the caller can write or read the next bytes
     meanwhile. ``value()`` computes the chunks no thread has started, waits for the others, and
-    returns the page's :class:`Digest`.
+    returns the page's :class:`Digest`. With ``ahead`` every chunk goes to the checksum threads,
+    a payload of one chunk too: the caller has other work to do meanwhile (the write of the page
+    before), so a thread's wake-up costs it nothing.
 
-    The pieces must stay unchanged until ``value()`` returns.
+    The pieces must stay unchanged until ``value()`` returns, or until ``wait()`` for a caller that
+    gives up on them.
 
     Raises
     ------
@@ -318,8 +327,8 @@ class PayloadChecksum:
         More bytes fed than ``payload_len``, or ``value()`` before all of them.
     """
 
-    def __init__(self, name: bytes, payload_len: int, threads: bool = True) -> None:
-        self.name, self.payload_len, self.threads = name, payload_len, threads
+    def __init__(self, name: bytes, payload_len: int, threads: bool = True, ahead: bool = False) -> None:
+        self.name, self.payload_len, self.threads, self.ahead = name, payload_len, threads, ahead
         self._fed = 0
         self._chunks: list[_Chunk] = []
         self._pending: list[Any] = []  # buffers, or (address, size) regions
@@ -376,12 +385,22 @@ class PayloadChecksum:
     def _close_chunk(self) -> None:
         chunk = _Chunk(self._pending, not self._pending_buffers)
         gathered = not isinstance(self._pending[0], tuple) and self._pending_bytes < INLINE_BYTES * len(self._pending)
-        # A payload of one chunk is summed by the caller: a thread's wake-up and the GIL cost more than the sums.
-        pool = None if gathered or not self.threads or self.payload_len <= CHUNK_BYTES else _executor()
+        # A payload of one chunk is summed by the caller (unless summed ahead): a thread's wake-up and
+        # the GIL cost more than the sums.
+        alone = self.payload_len <= CHUNK_BYTES and not self.ahead
+        pool = None if gathered or not self.threads or alone else _executor()
         self._pending, self._pending_bytes, self._pending_buffers = [], 0, False
         self._chunks.append(chunk)
         if pool is not None:  # else ``value()`` computes it
             pool.submit(chunk.run)
+
+    def seal(self) -> None:
+        """Every byte is fed: the last, partial chunk is closed too (handed to the threads when they
+        sum ahead), rather than in ``value()``."""
+        if self._fed != self.payload_len:
+            raise ValueError(f"payload must be {self.payload_len} bytes, got {self._fed}")
+        if self._pending_bytes:
+            self._close_chunk()
 
     def wait(self) -> None:
         """Wait until no thread reads the pieces fed so far (a caller giving up before the payload
@@ -402,21 +421,27 @@ class PayloadChecksum:
         return digest_of(self.name, self.payload_len, a & _MASK, b & _MASK)
 
 
-def checksum_of(name: bytes, parts: list[Any], threads: bool = True) -> PayloadChecksum:
+def checksum_of(name: bytes, parts: list[Any], threads: bool = True, ahead: bool = False) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of the payload given as consecutive buffers, all fed (their
     chunks being checksummed; ``value()`` waits for them)."""
     views = [memoryview(p).cast("B") for p in parts]
-    job = PayloadChecksum(name, sum(v.nbytes for v in views), threads)
+    job = PayloadChecksum(name, sum(v.nbytes for v in views), threads, ahead)
     for v in views:
         job.feed(v)
+    if ahead:
+        job.seal()
     return job
 
 
-def checksum_of_regions(name: bytes, regions: list[tuple[int, int]], threads: bool = True) -> PayloadChecksum:
+def checksum_of_regions(
+    name: bytes, regions: list[tuple[int, int]], threads: bool = True, ahead: bool = False
+) -> PayloadChecksum:
     """A :class:`PayloadChecksum` of a payload in host memory, ``(address, size)`` regions in order,
     all fed (``value()`` waits for their chunks)."""
-    job = PayloadChecksum(name, sum(n for _, n in regions), threads)
+    job = PayloadChecksum(name, sum(n for _, n in regions), threads, ahead)
     job.feed_regions(regions)
+    if ahead:
+        job.seal()
     return job
 
 
