@@ -235,3 +235,22 @@ def test_sglangs_request_forms_of_alloc_and_free():
     with pytest.raises(ValueError, match="the request has no req_pool_idx"):
         t.free(a)
     t.check_integrity()
+
+
+def test_one_request_is_checked_alike_with_rows_free_and_with_none():
+    """A single request that refuses ``req_pool_idx`` is refused whether or not a row is free (the
+    common one-request step takes a direct path while rows are free), and nothing changes."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        req_pool_idx: object = None
+
+    for free_rows in (2, 0):
+        t = ReqToTokenPool(2, 4, "cpu")
+        t.alloc(2 - free_rows)
+        before = list(t.free_slots)
+        with pytest.raises(ValueError, match=r"reqs\[0\] must accept assignment of req_pool_idx \(alloc sets it\)"):
+            t.alloc([Frozen()])
+        assert t.free_slots == before
+        t.check_integrity()

@@ -205,13 +205,14 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             return rows
         # One copy to the device for what it needs of this call: new slots, rows, state slots, track slots.
         n, k, flat = len(rows), len(fresh), [s for t in tracks for s in t]
-        ints = self._device_ints(fresh + rows + mains + flat)
-        if fresh:
-            try:
+        try:
+            ints = self._device_ints(fresh + rows + mains + flat)
+            if fresh:
                 self.mamba_pool.clear_slots(ints[:k])
-            except BaseException:
+        except BaseException:  # the upload or the zeroing refused: nothing taken
+            if fresh:
                 self.mamba_pool.free(fresh)
-                raise
+            raise
         super().alloc(new_rows)
         for row, main, track in zip(rows, mains, tracks):
             self._attach(row, main, track)

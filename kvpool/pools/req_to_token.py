@@ -115,7 +115,7 @@ class ReqToTokenPool:
         return rows
 
     def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
-        if len(reqs) == 1 and not isinstance(reqs[0], _NOT_REQUESTS) and getattr(reqs[0], "req_pool_idx", None) is None:
+        if len(reqs) == 1 and self.free_slots and not isinstance(reqs[0], _NOT_REQUESTS) and getattr(reqs[0], "req_pool_idx", None) is None:
             return self._alloc_one(reqs[0])
         kept = self.check_requests(reqs, ("req_pool_idx",))
         fresh = self._take(sum(row is None for row in kept))
@@ -128,10 +128,9 @@ class ReqToTokenPool:
         return [req.req_pool_idx for req in reqs]
 
     def _alloc_one(self, req: Any) -> Optional[list[int]]:
-        """``alloc([req])`` of one request without a row, the common step: the front row becomes its
-        ``req_pool_idx`` (a request that refuses the assignment raises before the table changes)."""
-        if not self.free_slots:
-            return None
+        """``alloc([req])`` of one request without a row while a row is free, the common step: the
+        front row becomes its ``req_pool_idx`` (a request that refuses the assignment raises before
+        the table changes)."""
         row = self.free_slots[0]
         try:
             req.req_pool_idx = row

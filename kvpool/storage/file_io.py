@@ -72,6 +72,7 @@ def writer_alive(temp_name: str) -> bool:
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` until it has taken them all)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
         n = os.write(fd, view)

@@ -28,8 +28,8 @@ out of bounds.
 are at most ``SORT`` of them), one program walks blocks of entries in order. An entry counts if it
 is the first of its value, inside the handed-out range and held; it drops one holder of its slot
 and of its page. The entry whose atomic decrement takes a page's
-holder count to zero releases the page (unless the page is already listed free): exactly one entry
-per page, and since a page's entries are adjacent, released pages come out in ascending order, the
+holder count to zero releases the page (unless the page is already listed free; with one slot per
+page, the entry that takes its slot's one holder): exactly one entry per page, and since a page's entries are adjacent, released pages come out in ascending order, the
 order of the PyTorch path. ``RING`` appends them at the free list's end (position ``counters[0]``),
 ``LIST`` writes each entry's page or -1 in place (the release list and free groups). ``APPEND``
 takes page ids instead of slots, no bookkeeping: entries >= 0 are appended to the ring.

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Optional
 
+import logging
+
 import torch
 
 from kvpool.kernels.launch import (
     LAUNCH_ERRORS, TRITON_AVAILABLE, DirectLaunches, cdiv, current_cuda_device, current_raw_stream, kernel_params,
     next_pow2, uses_kernel,
 )  # fmt: skip
+
+logger = logging.getLogger("kvpool")
 
 kernel = None
 if TRITON_AVAILABLE:
@@ -42,8 +46,9 @@ TO_TAIL, TO_RELEASE, TO_NONE = 0, 1, -1
 HAND_OUT_BLOCK = 128
 HAND_OUT_REQ_BLOCK = 128
 HAND_OUT_SUB_BLOCK = 16
-#: Entries per step of ``give_back``'s single program (at most; a free it sorts itself walks them in
-#: one step of its sort's size), and lent pages per step of its recording them held.
+#: Entries per step of ``give_back``'s single program (at most: a free it sorts itself walks them in
+#: steps of its sort's size up to this, ``give_back_shape``), and lent pages per step of its
+#: recording them held.
 GIVE_BACK_BLOCK = 1024
 #: Most entries ``give_back`` sorts itself; a larger free is sorted by ``torch.sort`` first.
 GIVE_BACK_SORT_MAX = 4096
@@ -153,7 +158,7 @@ def give_back(
     mapping: Optional[torch.Tensor] = None,
     lent: Optional[torch.Tensor] = None,
     mark: Optional[tuple[torch.Tensor, int, int, torch.Tensor]] = None,
-) -> None:
+) -> bool:
     """Take back ``entries`` (slots; page ids if ``append``) and put the pages they release in
     ``dest``: appended to the ring of ``cap`` entries whose end is ``counters[0]`` (``RING``), or in
     place, page or -1 (``LIST``, ``dest`` as long as ``entries``). Released pages are added to
@@ -170,11 +175,12 @@ def give_back(
     ``lent`` (``RING``): a second copy of the ring the released pages are written to as well.
     ``mark`` (``page_size`` 1): ``(ring, start, count, unrecorded)``, the ``count`` pages lent out
     at ``ring[start..]``, recorded held before anything is taken back (a page outside the slot range
-    counted in ``unrecorded``)."""
+    counted in ``unrecorded``). Returns whether it launched (nothing to take back and nothing lent:
+    no launch)."""
     n = entries.shape[0]
     marks = mark[2] if mark is not None else 0
     if n == 0 and marks == 0:
-        return
+        return False
     if marks and page_size != 1:
         raise ValueError(f"give_back: pages lent out are recorded for page_size 1 only, got page_size {page_size}")
     entries = entries.contiguous()  # read at base + j (a strided view is copied first)
@@ -196,6 +202,7 @@ def give_back(
         lambda: kernel.give_back[(1,)](*tensors, *ints, *consts, num_warps=warps),  # type: ignore[union-attr]
         entries.device,
     )  # fmt: skip
+    return True
 
 
 class RingFrees:
@@ -208,7 +215,7 @@ class RingFrees:
     Made for one set of bookkeeping tensors (``holds`` tells whether it is still the allocator's);
     it keeps them alive, so the addresses it passes stay theirs."""
 
-    __slots__ = ("tensors", "_args", "_index", "_bound")
+    __slots__ = ("tensors", "_args", "_index", "_bound", "_off")
 
     def __init__(
         self,
@@ -230,6 +237,7 @@ class RingFrees:
         self._args = ((o, lv, pf, rg, c, sc, mr), (ln, rg, un), (owners.shape[0], cap, 0))
         self._index = owners.device.index
         self._bound: dict[int, tuple[object, int]] = {}  # sort size -> (compiled kernel, entries per step)
+        self._off = False  # the launcher refused these arguments once: the general path from then on
 
     @staticmethod
     def fits(n_slots: int, cap: int) -> bool:
@@ -249,7 +257,7 @@ class RingFrees:
         position ``mark_start``, its counts mirrored under ``seq``. False, with nothing launched,
         where no kept kernel fits (the first free of a size, another current device): ``give_back``
         does it then, and compiles the kernel kept from then on."""
-        if not GIVE_BACKS.enabled:  # direct launches failed once: the JIT from then on
+        if self._off or not GIVE_BACKS.enabled:  # direct launches failed once: the general path from then on
             return False
         n = entries.shape[0]
         sort = next_pow2(max(n, 16))
@@ -270,7 +278,8 @@ class RingFrees:
             bound.run(1, 1, 1, current_raw_stream(self._index), bound.function, bound.metadata, None, None, None,  # type: ignore[attr-defined]
                       at, *first, at, *middle, n, *sizes, mark_start, marks, seq,
                       1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
-        except LAUNCH_ERRORS:  # the launcher refused these arguments before launching: the general path then
-            self._bound.clear()
+        except LAUNCH_ERRORS as exc:  # the launcher refused these arguments before launching: nothing ran
+            self._off = True
+            logger.warning("kvpool: a token free's kept launch failed (%s); frees take the general launch from now on", exc)
             return False
         return True

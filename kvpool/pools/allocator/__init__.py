@@ -9,8 +9,9 @@ pool) must fit it: at most the pool's ``size``, in the pool's ``page_size``.
 
 The modules: ``base.py`` (the page allocator and the token allocator), ``paged.py`` (the paged
 allocator's ``alloc_extend``/``alloc_decode``), ``freelist.py`` (the free and release lists and the
-host counts that never wait), ``free_queue.py`` (the free list's buffer), ``ownership.py`` (what a free does to the per-slot bookkeeping),
-``checks.py`` (what is checked), ``state.py`` (the snapshot and its integrity check).
+host counts that never wait), ``count_mirror.py`` (the device counts as they come back to the host),
+``free_queue.py`` (the free list's buffer), ``ownership.py`` (what a free does to the per-slot
+bookkeeping), ``checks.py`` (what is checked), ``state.py`` (the snapshot and its integrity check).
 docs/contract.md, "Allocators and the request table", has the rules users rely on.
 
 Bookkeeping, in tensors on ``device`` as in SGLang:
@@ -104,8 +105,8 @@ Where kvpool deliberately differs from SGLang's allocators
    state itself rather than relying on a subclass's ``clear()``; SGLang's is abstract.
 10. ``get_cpu_copy``/``load_cpu_copy`` accept ``mamba_indices`` only as None: kvpool's pools hold no
     mamba state.
-11. ``alloc_extend``/``alloc_decode`` are PyTorch ops on the device rather than Triton kernels; the
-    slots they return are the same.
+11. On a GPU every ``alloc_extend``, ``alloc_decode`` and ``free`` is one launch of kvpool's own
+    bookkeeping kernels (``kvpool.kernels.allocator``); the slots they return are SGLang's.
 12. ``debug_print()`` returns a one-line summary; SGLang's base allocator returns ``""``.
 13. ``alloc_extend_naive`` checks its arguments (``ValueError``) before writing; SGLang's checks nothing.
 14. A ``kvcache`` with ``size`` and ``page_size`` (a kvpool pool) is checked at construction: an

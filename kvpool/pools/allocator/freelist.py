@@ -352,7 +352,7 @@ class FreeLists:
         if not to_queue:
             dest = torch.empty_like(entries)
             to = allocator_kernels.TO_NONE if group is not None else allocator_kernels.TO_RELEASE
-            allocator_kernels.give_back(
+            launched = allocator_kernels.give_back(
                 entries, owners, live, page_free, dest, self.counters, 1, page_size, allocator_kernels.LIST, to,
                 **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
@@ -362,13 +362,13 @@ class FreeLists:
                 self._release.append(dest)
                 self._release_exact = False
         else:
-            allocator_kernels.give_back(
+            launched = allocator_kernels.give_back(
                 entries, owners, live, page_free, queue.buffer, self.counters, queue.capacity, page_size,
                 allocator_kernels.RING, allocator_kernels.TO_TAIL, lent=queue.lent, **kernel_args,  # type: ignore[arg-type]
             )  # fmt: skip
             queue.appended_on_device()
         queue.marked()
-        self._mirrored = mirror is not None
+        self._mirrored = launched and mirror is not None  # no launch (nothing to take back): no words come
 
     def merge(self) -> None:
         """Move the release list into the free list, sorted (reads the counts first)."""
