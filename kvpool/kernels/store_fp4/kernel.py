@@ -108,16 +108,33 @@ def _magnitude16(s):
     under it) lies in ``[0.5, 1)`` with its two top mantissa bits ``|s|``'s two top fraction bits;
     from 1 up ``|s|`` is taken itself. Either way the code is the float's exponent and top
     mantissa bit after adding half of that bit: ``2 + 2 * exponent + bit``."""
+    return (_magnitude16_bits(s) + 0x200000) >> 22
+
+
+@triton.jit
+def _magnitude16_bits(s):
     m = tl.abs(s)
-    z = tl.maximum(m, m * 0.5 + 0.5)
-    return (z.to(tl.int32, bitcast=True) + 0x200000) >> 22
+    return tl.maximum(m, m * 0.5 + 0.5).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _negative(s):
+    """1 where ``s < 0`` (not for -0.0), else 0, with multiply-adds only: ``2 * s + 2**-149`` is
+    negative exactly where ``s`` is (both zeros give 2**-149, the least negative ``s``, -2**-149,
+    gives -2**-149), and its sign bit is the high word of twice its bits."""
+    t = s * 2.0 + 1.401298464324817e-45
+    return tl.umulhi(t.to(tl.uint32, bitcast=True), 2).to(tl.int32)
 
 
 @triton.jit
 def pack_codes(s0, s1, CODE16: tl.constexpr):
     """The code byte of scaled element pairs: ``s0``'s code in the low nibble, ``s1``'s in the high
     one. ``CODE16``: the elements come from 16-bit inputs (``_magnitude16``'s short path)."""
-    if CODE16:
+    if CODE16 == 2:
+        m0 = tl.umulhi((_magnitude16_bits(s0) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)
+        m1 = tl.umulhi((_magnitude16_bits(s1) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)
+        return m0 + m1 * 16 + _negative(s0) * 8 + _negative(s1) * 128 - 252 * 17
+    elif CODE16:
         mag = _magnitude16(s0) + (_magnitude16(s1) << 4) - 252 * 17
         return mag | tl.where(s0 < 0, 0x8, 0) | tl.where(s1 < 0, 0x80, 0)
     else:
@@ -178,7 +195,7 @@ def store_fp4_kv(
     ROWS: tl.constexpr,  # blocks per program
     K_WORDS: tl.constexpr,  # K read a pair per 32-bit word (block_pairs)
     V_WORDS: tl.constexpr,
-    CODE16: tl.constexpr,  # the inputs are 16-bit (pack_codes)
+    CODE16: tl.constexpr,  # the inputs are 16-bit: 0 no, else pack_codes' short path
 ):
     """Programs ``0 .. k_programs - 1`` write K's blocks, the others V's, ``ROWS`` blocks each: rows
     ``loc[t]`` of the code and scale buffers become the FP4 of K and V row ``t``; a slot outside

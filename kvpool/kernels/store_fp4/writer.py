@@ -60,7 +60,7 @@ def launch_fp4_write(
         k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], t, k_programs, loc.stride(0),
         *_strides(k, k_words), *_strides(v, v_words), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=FP4_ROWS, K_WORDS=k_words, V_WORDS=v_words,
-        CODE16=k.element_size() == 2, num_warps=FP4_WARPS,
+        CODE16=FP4_CODE16 if k.element_size() == 2 else 0, num_warps=FP4_WARPS,
     )  # fmt: skip
 
 
@@ -83,6 +83,9 @@ def pairs_are_words(x: torch.Tensor) -> bool:
 #: program per part for rows of up to ``FP4_ROWS`` blocks.
 FP4_ROWS = 128
 FP4_WARPS = 4
+
+#: ``pack_codes``' path for 16-bit inputs (the kernel's ``CODE16``).
+FP4_CODE16 = 2
 
 
 def write_fp4(
