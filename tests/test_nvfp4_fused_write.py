@@ -99,31 +99,38 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype, g):
     assert_same_parts(fused, reference)
 
 
-def quotients_at_the_bounds(g: float) -> torch.Tensor:
+def quotients_at_the_bounds(g: float, dtype: torch.dtype) -> torch.Tensor:
     """For every finite nonzero e4m3 block scale ``S`` (and a saturated one, 448), blocks whose
-    elements divided by ``g`` are exactly each e2m1 rounding bound times ``S``, one float32 step
-    either side of it, and ``2**-21`` of it either side (steps a division by 3 keeps), with a maximum
-    of ``6 * S`` (``24 * 448`` for the saturated scale) that gives the block that scale. [T, 1, 48]
-    float32 rows, three blocks a scale."""
+    elements divided by ``g`` are exactly each e2m1 rounding bound times ``S`` (at most 7
+    significant bits: exact in every input type), one step of ``dtype`` either side of it, and
+    ``2**-21`` of it either side (steps a division by 3 keeps), with a maximum of ``6 * S``
+    (``24 * 448`` for the saturated scale) that gives the block that scale. [T, 1, 48] rows of
+    ``dtype``, three blocks a scale."""
     codes = torch.arange(1, 127, dtype=torch.uint8)
     scales = torch.cat((codes.view(torch.float8_e4m3fn).float(), torch.tensor([448.0])))
     bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    at = scales[:, None] * bounds[None, :]  # exact: at most 7 significant bits
-    near = (at, torch.nextafter(at, torch.zeros(())), torch.nextafter(at, torch.full((), 100.0)), at * (1 - 2.0**-21), at * (1 + 2.0**-21))
-    y = torch.cat(near, dim=1)  # 35 a scale
+    at = scales[:, None] * bounds[None, :]
+    if dtype == torch.float32:
+        below, above = torch.nextafter(at, torch.zeros(())), torch.nextafter(at, torch.full((), 100.0))
+    else:  # the neighbours in the 16-bit type (positive values: the next bit patterns)
+        bits = at.to(dtype).view(torch.int16)
+        below, above = (bits - 1).view(dtype).float(), (bits + 1).view(dtype).float()
+    y = torch.cat((at, below, above, at * (1 - 2.0**-21), at * (1 + 2.0**-21)), dim=1)  # 35 a scale
     lead = torch.where(scales == 448, 24 * 448.0, 6 * scales)[:, None]
     y = torch.cat((y, -at[:, :7], -y[:, :3]), dim=1).reshape(-1, 3, 15)  # 45 a scale: three blocks of 15
     y = torch.cat((lead[:, None, :].expand(-1, 3, 1), y), dim=2)
-    return (y.reshape(-1, 1, 48) * g).to(DEVICE)
+    return (y.reshape(-1, 1, 48) * g).to(dtype).to(DEVICE)
 
 
 @fused_runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=id_of)
 @pytest.mark.parametrize("g", [1.0, 0.125, 3.0])
-def test_quotients_at_and_beside_each_bound_under_each_block_scale(g):
-    """The fused write finds the e2m1 code of ``y / S`` without dividing: at each rounding bound
-    (ties to even), one float32 step either side of it, for every block scale, under a global
-    scale that is a power of two (no division by it either) and one that is not."""
-    k = quotients_at_the_bounds(g)
+def test_quotients_at_and_beside_each_bound_under_each_block_scale(g, dtype):
+    """The fused write finds the e2m1 code of ``y / S`` without dividing by ``S``: at each rounding
+    bound (ties to even), one step either side of it, for every block scale, under a global scale
+    that is a power of two (no division by it either; 16-bit inputs then take the reciprocal of
+    ``S``) and one that is not."""
+    k = quotients_at_the_bounds(g, dtype)
     t = k.shape[0]
     v = k[..., :16]
     loc = torch.arange(t, device=DEVICE)

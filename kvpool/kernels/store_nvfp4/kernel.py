@@ -49,16 +49,43 @@ def _e2m1_code(q, y):
 
 
 @triton.jit
+def _power_of_two(g):
+    """Whether the positive normal ``g`` is a power of two up to 2**126 (its reciprocal normal)."""
+    g_bits = g.to(tl.int32, bitcast=True)
+    return ((g_bits & 0x7FFFFF) == 0) & (g_bits <= 0x7E800000)
+
+
+@triton.jit
 def _divided(x0, x1, g):
     """``x / g`` for each element, correctly rounded: a multiplication by ``1 / g`` (exact) where
     ``g`` is a power of two up to 2**126, else ``div_rn``."""
-    g_bits = g.to(tl.int32, bitcast=True)
-    if ((g_bits & 0x7FFFFF) == 0) & (g_bits <= 0x7E800000):
+    if _power_of_two(g):
         r = tl.div_rn(1.0, g)
         y0, y1 = x0 * r, x1 * r
     else:
         y0, y1 = tl.div_rn(x0, g), tl.div_rn(x1, g)
     return y0, y1
+
+
+@triton.jit
+def _e2m1_magnitude_near(q):
+    """The e2m1 magnitude code (round to nearest even, saturating at 6) of ``float32(y / S)`` from
+    ``q = float32(|y| * float32(1 / S))``, where ``y`` has at most 11 significant bits and ``S`` at
+    most 4: ``y / S`` is a bound exactly or at least ``2**-12`` of it away, and ``q`` is within
+    ``2**-22.9`` of ``y / S``, so ``q`` rounded to 21 significant bits is the bound exactly or on
+    ``y / S``'s side of it. From there the codes are the float's exponent and top mantissa bit
+    rounded to nearest even, of ``q`` from 1 up and of ``q / 2 + 0.5`` below 1 (exact there from
+    2**-3 up, below 0.5625 under it), clamped at 6: ``2 + 2 * exponent + bit``, plus 252."""
+    bits = ((q.to(tl.int32, bitcast=True) + 4) & -8)
+    m = bits.to(tl.float32, bitcast=True)
+    z = tl.minimum(tl.maximum(m, m * 0.5 + 0.5), 6.0).to(tl.int32, bitcast=True)
+    return (z + 0x1FFFFF + ((z >> 22) & 1)) >> 22
+
+
+@triton.jit
+def _sign_bit(y):
+    """y's sign bit (0 or 1, -0.0 included), as the high word of twice its bits."""
+    return tl.umulhi(y.to(tl.uint32, bitcast=True), 2).to(tl.int32)
 
 
 @triton.jit
@@ -100,16 +127,28 @@ def _search(a, t1, t2, t3, t4, t5, t6, t7):
 def _nvfp4_part(
     x_ptr, r0, T, sx_t, sx_h, sx_d, g_ptr, loc_ptr, stride_loc, rows, codes_ptr, scale_ptr, codes_row, scale_row,
     D: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr, CODE: tl.constexpr,
+    CODE16: tl.constexpr,
 ):  # fmt: skip
     """The NVFP4 of one part's blocks ``r0 .. r0 + ROWS - 1``, divided by the part's global scale
     ``g_ptr[0]``, to their tokens' slots (outside ``0..rows - 1``: nothing written)."""
     t, b, live, x0, x1 = block_pairs(x_ptr, r0, T, sx_t, sx_h, sx_d, D, BLOCKS, ROWS, WORDS)
     slot, ok = block_slots(t, live, loc_ptr, stride_loc, rows)
-    y0, y1 = _divided(x0, x1, tl.load(g_ptr))
+    g = tl.load(g_ptr)
+    y0, y1 = _divided(x0, x1, g)
     non_finite, amax = block_amax(y0, y1)
     scale = tl.where(non_finite, 0, _e4m3_code(tl.div_rn(amax, 6.0)))
     has_scale = scale != 0
-    if CODE == 1:
+    if (CODE == 2) and (CODE16 != 0):
+        if _power_of_two(g):  # y has the input's significant bits: at most 11 for 16-bit inputs
+            r = tl.where(has_scale, tl.div_rn(1.0, _e4m3_value(scale)), 0.0)[:, None]
+            m0 = _e2m1_magnitude_near(tl.abs(y0) * r)
+            m1 = _e2m1_magnitude_near(tl.abs(y1) * r)
+            codes = m0 + m1 * 16 - 252 * 17
+        else:
+            m0, m1 = _e2m1_magnitudes(y0, y1, _e4m3_value(scale), has_scale)
+            codes = m0 + m1 * 16
+        codes = codes + _sign_bit(y0) * 8 + _sign_bit(y1) * 128
+    elif CODE >= 1:
         m0, m1 = _e2m1_magnitudes(y0, y1, _e4m3_value(scale), has_scale)
         neg0 = (y0.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3
         neg1 = (y1.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7
@@ -148,8 +187,8 @@ def store_nvfp4_kv(
     ROWS: tl.constexpr,  # blocks per program
     K_WORDS: tl.constexpr,  # K read a pair per 32-bit word (block_pairs)
     V_WORDS: tl.constexpr,
-    CODE16: tl.constexpr,  # unused (the FP4 kernel's argument: the NVFP4 codes take no short path)
-    CODE: tl.constexpr = 1,  # e2m1 codes: 1 by comparisons with the scaled bounds, 0 by division
+    CODE16: tl.constexpr,  # the inputs are 16-bit (0: no)
+    CODE: tl.constexpr = 2,  # e2m1 codes: 2 by reciprocal for 16-bit inputs under a power-of-two g, else 1; 1 by comparisons; 0 by division
 ):
     """Programs ``0 .. k_programs - 1`` write K's blocks, the others V's, ``ROWS`` blocks each: rows
     ``loc[t]`` of the code and scale buffers become the NVFP4 of K and V row ``t``; a slot outside
@@ -157,8 +196,8 @@ def store_nvfp4_kv(
     pid = tl.program_id(0)
     if pid < k_programs:
         _nvfp4_part(k_ptr, pid.to(tl.int64) * ROWS, T, sk_t, sk_h, sk_d, k_global_ptr, loc_ptr, stride_loc, rows,
-                    k_codes_ptr, k_scale_ptr, k_codes_row, k_scale_row, D, K_BLOCKS, ROWS, K_WORDS, CODE)  # fmt: skip
+                    k_codes_ptr, k_scale_ptr, k_codes_row, k_scale_row, D, K_BLOCKS, ROWS, K_WORDS, CODE, CODE16)  # fmt: skip
     else:
         _nvfp4_part(v_ptr, (pid - k_programs).to(tl.int64) * ROWS, T, sv_t, sv_h, sv_d, v_global_ptr, loc_ptr,
                     stride_loc, rows, v_codes_ptr, v_scale_ptr, v_codes_row, v_scale_row, DV, V_BLOCKS, ROWS, V_WORDS,
-                    CODE)  # fmt: skip
+                    CODE, CODE16)  # fmt: skip
