@@ -4,10 +4,12 @@ row after row (so no block is padding, whatever the row's block count), with blo
 rounding, packing and the scatter of codes and scale bytes. A program reads its blocks as the rows of
 one tile of element pairs (16-bit inputs a pair per 32-bit word, vector loads either way) and stores
 each block's 8 code bytes at once; the NVFP4 kernel shares that layout (``block_pairs``,
-``block_amax``, ``store_blocks``). Bit-identical to ``naive.write_fp4_reference`` (docs/contract.md,
-"FP4 pools"): the exponent comes from the bits of ``amax / 6`` (integer operations, no ``log2``), the
-division by 6 is ``div_rn``, and ``x / 2**e`` is a multiplication by ``2**-e``, which is the same
-correctly rounded quotient."""
+``block_amax``, ``block_slots``, ``store_blocks``). Bit-identical to ``naive.write_fp4_reference``
+(docs/contract.md, "FP4 pools"): the exponent comes from the bits of ``amax / 6`` (integer
+operations, no ``log2``; ``div_rn`` for float32 inputs, none needed for 16-bit ones, whose few
+significant bits keep the quotient's rounding off every power of two), ``x / 2**e`` is a
+multiplication by ``2**-e``, which is the same correctly rounded quotient, and the codes come from
+the scaled values' bits (for 16-bit inputs by multiply-adds, see ``pack_codes``)."""
 
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ def _magnitude16(s):
 
 @triton.jit
 def _magnitude16_bits(s):
+    """The bits of ``_magnitude16``'s float: ``|s|`` from 1 up, ``|s| / 2 + 0.5`` below."""
     m = tl.abs(s)
     return tl.maximum(m, m * 0.5 + 0.5).to(tl.int32, bitcast=True)
 
@@ -129,7 +132,9 @@ def _negative(s):
 @triton.jit
 def pack_codes(s0, s1, CODE16: tl.constexpr):
     """The code byte of scaled element pairs: ``s0``'s code in the low nibble, ``s1``'s in the high
-    one. ``CODE16``: the elements come from 16-bit inputs (``_magnitude16``'s short path)."""
+    one. ``CODE16``: 0 for float32 inputs (``_code``); else the elements come from 16-bit inputs
+    (``_magnitude16``), 2 taking the shift and the signs by multiply-adds (``umulhi``,
+    ``_negative``), 1 by shifts and comparisons."""
     if CODE16 == 2:
         m0 = tl.umulhi((_magnitude16_bits(s0) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)
         m1 = tl.umulhi((_magnitude16_bits(s1) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)

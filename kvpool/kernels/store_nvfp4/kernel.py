@@ -1,9 +1,12 @@
-"""The fused NVFP4 write's Triton kernel: K and V rows of a few tokens per program, in one launch
-(the FP4 kernel's tile of 16-element blocks):
-division by the layer's global scale, block amax, e4m3 block scale, e2m1 rounding, packing and the
-scatter of codes and scale bytes. Bit-identical to ``naive.write_nvfp4_reference``
-(docs/contract.md, "NVFP4"): every division is ``div_rn``, and the e4m3 conversions are integer
-operations (Triton's interpreter converts to FP8 wrongly, and not every GPU converts natively)."""
+"""The fused NVFP4 write's Triton kernel: K and V in one launch, in the FP4 kernel's programs of
+16-element blocks: division by the layer's global scale, block amax, e4m3 block scale, e2m1
+rounding, packing and the scatter of codes and scale bytes. Bit-identical to
+``naive.write_nvfp4_reference`` (docs/contract.md, "NVFP4"): a division is ``div_rn`` or, by a power
+of two, the multiplication by its reciprocal (the same quotient); the e2m1 codes of ``y / S`` come
+without dividing by the block scale ``S``, by comparing ``y`` with the scaled bounds or, for 16-bit
+inputs under a power-of-two global scale, from ``y`` times ``S``'s reciprocal (``_nvfp4_part``); and
+the e4m3 conversions are integer operations (Triton's interpreter converts to FP8 wrongly, and not
+every GPU converts natively)."""
 
 from __future__ import annotations
 
@@ -140,7 +143,7 @@ def _nvfp4_part(
     has_scale = scale != 0
     if (CODE == 2) and (CODE16 != 0):
         if _power_of_two(g):  # y has the input's significant bits: at most 11 for 16-bit inputs
-            r = tl.where(has_scale, tl.div_rn(1.0, _e4m3_value(scale)), 0.0)[:, None]
+            r = tl.where(has_scale, tl.div_rn(1.0, tl.where(has_scale, _e4m3_value(scale), 1.0)), 0.0)[:, None]
             m0 = _e2m1_magnitude_near(tl.abs(y0) * r)
             m1 = _e2m1_magnitude_near(tl.abs(y1) * r)
             codes = m0 + m1 * 16 - 252 * 17
