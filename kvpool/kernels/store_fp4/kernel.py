@@ -104,18 +104,12 @@ def _code(s):
 
 
 @triton.jit
-def _magnitude16(s):
-    """The magnitude code of a scaled 16-bit input (``|s|`` below 7, at most 11 significant bits),
-    plus 252. Below 1, ``|s| / 2 + 0.5`` (exact for such values from 2**-13 up, and below 0.625
-    under it) lies in ``[0.5, 1)`` with its two top mantissa bits ``|s|``'s two top fraction bits;
-    from 1 up ``|s|`` is taken itself. Either way the code is the float's exponent and top
-    mantissa bit after adding half of that bit: ``2 + 2 * exponent + bit``."""
-    return (_magnitude16_bits(s) + 0x200000) >> 22
-
-
-@triton.jit
 def _magnitude16_bits(s):
-    """The bits of ``_magnitude16``'s float: ``|s|`` from 1 up, ``|s| / 2 + 0.5`` below."""
+    """For a scaled 16-bit input (``|s|`` below 7, at most 11 significant bits), the bits of a float
+    whose exponent and top mantissa bit after adding half of that bit give its magnitude code as
+    ``2 + 2 * exponent + bit`` (plus 252 in the biased exponent): ``|s|`` itself from 1 up, and
+    below 1 ``|s| / 2 + 0.5``, which lies in ``[0.5, 1)`` with its two top mantissa bits ``|s|``'s
+    two top fraction bits (exact for such values from 2**-13 up, and below 0.625 under it)."""
     m = tl.abs(s)
     return tl.maximum(m, m * 0.5 + 0.5).to(tl.int32, bitcast=True)
 
@@ -132,16 +126,14 @@ def _negative(s):
 @triton.jit
 def pack_codes(s0, s1, CODE16: tl.constexpr):
     """The code byte of scaled element pairs: ``s0``'s code in the low nibble, ``s1``'s in the high
-    one. ``CODE16``: 0 for float32 inputs (``_code``); else the elements come from 16-bit inputs
-    (``_magnitude16``), 2 taking the shift and the signs by multiply-adds (``umulhi``,
-    ``_negative``), 1 by shifts and comparisons."""
-    if CODE16 == 2:
+    one. For float32 inputs by ``_code``; for 16-bit ones (``CODE16``) from ``_magnitude16_bits``
+    plus half the top mantissa bit, shifted right by 22 (the high word of it times 1024: the
+    magnitude plus 252), and ``_negative``: multiply-adds, which leave the integer pipe to the rest
+    of the kernel."""
+    if CODE16:
         m0 = tl.umulhi((_magnitude16_bits(s0) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)
         m1 = tl.umulhi((_magnitude16_bits(s1) + 0x200000).to(tl.uint32, bitcast=True), 1024).to(tl.int32)
         return m0 + m1 * 16 + _negative(s0) * 8 + _negative(s1) * 128 - 252 * 17
-    elif CODE16:
-        mag = _magnitude16(s0) + (_magnitude16(s1) << 4) - 252 * 17
-        return mag | tl.where(s0 < 0, 0x8, 0) | tl.where(s1 < 0, 0x80, 0)
     else:
         return _code(s0) | (_code(s1) << 4)
 
@@ -200,7 +192,7 @@ def store_fp4_kv(
     ROWS: tl.constexpr,  # blocks per program
     K_WORDS: tl.constexpr,  # K read a pair per 32-bit word (block_pairs)
     V_WORDS: tl.constexpr,
-    CODE16: tl.constexpr,  # the inputs are 16-bit: 0 no, else pack_codes' short path
+    CODE16: tl.constexpr,  # the inputs are 16-bit (pack_codes, block_exponent)
 ):
     """Programs ``0 .. k_programs - 1`` write K's blocks, the others V's, ``ROWS`` blocks each: rows
     ``loc[t]`` of the code and scale buffers become the FP4 of K and V row ``t``; a slot outside

@@ -37,6 +37,12 @@ def fp4_input_verdict(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.T
     return True, ELIGIBLE
 
 
+#: 16-element blocks a program of the FP4 write takes (4,096 input elements), and its warps: two
+#: blocks a thread, which measured best on the H200 for prefills and keeps a decode step short.
+FP4_ROWS = 256
+FP4_WARPS = 4
+
+
 def launch_fp4_write(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -45,22 +51,24 @@ def launch_fp4_write(
     loc: torch.Tensor,
     kernel: object = None,
     global_scales: tuple[torch.Tensor, ...] = (),
+    tile: tuple[int, int] = (FP4_ROWS, FP4_WARPS),
 ) -> None:
-    """One launch writing K and V codes and scale bytes (checked arguments), ``FP4_ROWS`` blocks a
-    program, K's programs first: of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the same
-    arguments with ``global_scales`` after the buffers: ``store_nvfp4_kv`` and its K and V global
-    scales)."""
+    """One launch writing K and V codes and scale bytes (checked arguments), ``tile`` (blocks a
+    program, warps) K's programs first: of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the
+    same arguments with ``global_scales`` after the buffers: ``store_nvfp4_kv`` and its K and V
+    global scales)."""
     t, h, d = k.shape
     dv = v.shape[2]
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
-    k_programs = cdiv(t * kb, FP4_ROWS)
+    rows, warps = tile
+    k_programs = cdiv(t * kb, rows)
     k_words, v_words = pairs_are_words(k), pairs_are_words(v)
-    (store_fp4_kv if kernel is None else kernel)[(k_programs + cdiv(t * vb, FP4_ROWS),)](  # type: ignore[index]
+    (store_fp4_kv if kernel is None else kernel)[(k_programs + cdiv(t * vb, rows),)](  # type: ignore[index]
         k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], t, k_programs, loc.stride(0),
         *_strides(k, k_words), *_strides(v, v_words), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
-        D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=FP4_ROWS, K_WORDS=k_words, V_WORDS=v_words,
-        CODE16=FP4_CODE16 if k.element_size() == 2 else 0, num_warps=FP4_WARPS,
+        D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=rows, K_WORDS=k_words, V_WORDS=v_words,
+        CODE16=k.element_size() == 2, num_warps=warps,
     )  # fmt: skip
 
 
@@ -76,16 +84,6 @@ def pairs_are_words(x: torch.Tensor) -> bool:
     word: 16-bit elements, contiguous within a head, even strides and a 4-byte aligned start (a
     fused QKV projection's slices are)."""
     return x.element_size() == 2 and x.stride(2) == 1 and x.stride(0) % 2 == 0 and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0
-
-
-#: 16-element blocks a program of the FP4 writes takes (2,048 input elements), and its warps. Fixed,
-#: so a decode step and a prefill use one compiled kernel; a decode step of one token has one
-#: program per part for rows of up to ``FP4_ROWS`` blocks.
-FP4_ROWS = 128
-FP4_WARPS = 4
-
-#: ``pack_codes``' path for 16-bit inputs (the kernel's ``CODE16``).
-FP4_CODE16 = 2
 
 
 def write_fp4(

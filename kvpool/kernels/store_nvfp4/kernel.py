@@ -40,18 +40,6 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _e2m1_code(q, y):
-    """e2m1 code of a scaled value ``q``: round to nearest even, saturating at 6; 0x8 from the sign
-    bit of ``y`` (so -0.0 keeps it). From 1 up the codes are the float's exponent and top mantissa
-    bit rounded to nearest even (2 + 2 * exponent + bit); below 1 two comparisons."""
-    m = tl.abs(q)
-    bits = m.to(tl.int32, bitcast=True)
-    upper = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
-    mag = tl.where(m >= 1.0, upper, (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32))
-    return mag | ((y.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3)
-
-
-@triton.jit
 def _power_of_two(g):
     """Whether the positive normal ``g`` is a power of two up to 2**126 (its reciprocal normal)."""
     g_bits = g.to(tl.int32, bitcast=True)
@@ -129,8 +117,7 @@ def _search(a, t1, t2, t3, t4, t5, t6, t7):
 @triton.jit
 def _nvfp4_part(
     x_ptr, r0, T, sx_t, sx_h, sx_d, g_ptr, loc_ptr, stride_loc, rows, codes_ptr, scale_ptr, codes_row, scale_row,
-    D: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr, CODE: tl.constexpr,
-    CODE16: tl.constexpr,
+    D: tl.constexpr, BLOCKS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr, CODE16: tl.constexpr,
 ):  # fmt: skip
     """The NVFP4 of one part's blocks ``r0 .. r0 + ROWS - 1``, divided by the part's global scale
     ``g_ptr[0]``, to their tokens' slots (outside ``0..rows - 1``: nothing written)."""
@@ -141,26 +128,13 @@ def _nvfp4_part(
     non_finite, amax = block_amax(y0, y1)
     scale = tl.where(non_finite, 0, _e4m3_code(tl.div_rn(amax, 6.0)))
     has_scale = scale != 0
-    if (CODE == 2) and (CODE16 != 0):
-        if _power_of_two(g):  # y has the input's significant bits: at most 11 for 16-bit inputs
-            r = tl.where(has_scale, tl.div_rn(1.0, tl.where(has_scale, _e4m3_value(scale), 1.0)), 0.0)[:, None]
-            m0 = _e2m1_magnitude_near(tl.abs(y0) * r)
-            m1 = _e2m1_magnitude_near(tl.abs(y1) * r)
-            codes = m0 + m1 * 16 - 252 * 17
-        else:
-            m0, m1 = _e2m1_magnitudes(y0, y1, _e4m3_value(scale), has_scale)
-            codes = m0 + m1 * 16
-        codes = codes + _sign_bit(y0) * 8 + _sign_bit(y1) * 128
-    elif CODE >= 1:
-        m0, m1 = _e2m1_magnitudes(y0, y1, _e4m3_value(scale), has_scale)
-        neg0 = (y0.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3
-        neg1 = (y1.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7
-        codes = m0 | (m1 << 4) | neg0 | neg1
+    if CODE16 and _power_of_two(g):  # y has the input's significant bits: at most 11
+        r = tl.where(has_scale, tl.div_rn(1.0, tl.where(has_scale, _e4m3_value(scale), 1.0)), 0.0)[:, None]
+        codes = _e2m1_magnitude_near(tl.abs(y0) * r) + _e2m1_magnitude_near(tl.abs(y1) * r) * 16 - 252 * 17
     else:
-        block = tl.where(has_scale, _e4m3_value(scale), 1.0)[:, None]
-        q0 = tl.where(has_scale[:, None], tl.div_rn(y0, block), 0.0)
-        q1 = tl.where(has_scale[:, None], tl.div_rn(y1, block), 0.0)
-        codes = _e2m1_code(q0, y0) | (_e2m1_code(q1, y1) << 4)
+        m0, m1 = _e2m1_magnitudes(y0, y1, _e4m3_value(scale), has_scale)
+        codes = m0 + m1 * 16
+    codes = codes + _sign_bit(y0) * 8 + _sign_bit(y1) * 128
     packed = tl.where(non_finite[:, None], 0, codes)
     store_blocks(codes_ptr, scale_ptr, slot, b, ok, packed, scale, codes_row, scale_row)
 
@@ -190,8 +164,7 @@ def store_nvfp4_kv(
     ROWS: tl.constexpr,  # blocks per program
     K_WORDS: tl.constexpr,  # K read a pair per 32-bit word (block_pairs)
     V_WORDS: tl.constexpr,
-    CODE16: tl.constexpr,  # the inputs are 16-bit (0: no)
-    CODE: tl.constexpr = 2,  # e2m1 codes: 2 by reciprocal for 16-bit inputs under a power-of-two g, else 1; 1 by comparisons; 0 by division
+    CODE16: tl.constexpr,  # the inputs are 16-bit (the block scale's reciprocal under a power-of-two g)
 ):
     """Programs ``0 .. k_programs - 1`` write K's blocks, the others V's, ``ROWS`` blocks each: rows
     ``loc[t]`` of the code and scale buffers become the NVFP4 of K and V row ``t``; a slot outside
@@ -199,8 +172,8 @@ def store_nvfp4_kv(
     pid = tl.program_id(0)
     if pid < k_programs:
         _nvfp4_part(k_ptr, pid.to(tl.int64) * ROWS, T, sk_t, sk_h, sk_d, k_global_ptr, loc_ptr, stride_loc, rows,
-                    k_codes_ptr, k_scale_ptr, k_codes_row, k_scale_row, D, K_BLOCKS, ROWS, K_WORDS, CODE, CODE16)  # fmt: skip
+                    k_codes_ptr, k_scale_ptr, k_codes_row, k_scale_row, D, K_BLOCKS, ROWS, K_WORDS, CODE16)  # fmt: skip
     else:
         _nvfp4_part(v_ptr, (pid - k_programs).to(tl.int64) * ROWS, T, sv_t, sv_h, sv_d, v_global_ptr, loc_ptr,
                     stride_loc, rows, v_codes_ptr, v_scale_ptr, v_codes_row, v_scale_row, DV, V_BLOCKS, ROWS, V_WORDS,
-                    CODE, CODE16)  # fmt: skip
+                    CODE16)  # fmt: skip
