@@ -38,7 +38,7 @@ from kvpool.kernels.store_fp4 import kernel as FP4K  # noqa: E402
 from kvpool.kernels.store_nvfp4 import kernel as NVFP4K  # noqa: E402
 from kvpool.kernels.store_kv import kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
-from kvpool.kernels.store_fp4.writer import FP4_ROWS, FP4_WARPS  # noqa: E402
+from kvpool.kernels.store_fp4.writer import FP4_TILE  # noqa: E402
 from kvpool.kernels.store_nvfp4.writer import NVFP4_TILE  # noqa: E402
 from kvpool.kernels.store_kv.writer import PER_CALL  # noqa: E402
 from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
@@ -246,7 +246,7 @@ def compile_fp4(target_name, fmt, heads, head_dim, v_head_dim=None, in_type="bf1
     dv = v_head_dim or head_dim
     words = in_type in ("bf16", "fp16")  # even strides and aligned starts, as a contiguous launch has
     kb, vb = heads * head_dim // 16, heads * dv // 16
-    rows, warps = (FP4_ROWS, FP4_WARPS) if fmt == "fp4" else NVFP4_TILE
+    rows, warps = FP4_TILE if fmt == "fp4" else NVFP4_TILE
     const = dict(D=head_dim, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=rows, K_WORDS=words, V_WORDS=words,
                  CODE16=in_type != "fp32", sk_d=1, sv_d=1)  # fmt: skip
     sig = {n: "constexpr" if n in const else "i32" for n in names}

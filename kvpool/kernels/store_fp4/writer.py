@@ -39,8 +39,7 @@ def fp4_input_verdict(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.T
 
 #: 16-element blocks a program of the FP4 write takes (4,096 input elements), and its warps: two
 #: blocks a thread: the fastest prefill tile that keeps a decode step short.
-FP4_ROWS = 256
-FP4_WARPS = 4
+FP4_TILE = (256, 4)
 
 
 def launch_fp4_write(
@@ -51,7 +50,7 @@ def launch_fp4_write(
     loc: torch.Tensor,
     kernel: object = None,
     global_scales: tuple[torch.Tensor, ...] = (),
-    tile: tuple[int, int] = (FP4_ROWS, FP4_WARPS),
+    tile: tuple[int, int] = FP4_TILE,
 ) -> None:
     """One launch writing K and V codes and scale bytes (checked arguments), ``tile`` (blocks a
     program, warps) K's programs first: of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the
