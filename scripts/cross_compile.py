@@ -38,7 +38,8 @@ from kvpool.kernels.store_fp4 import kernel as FP4K  # noqa: E402
 from kvpool.kernels.store_nvfp4 import kernel as NVFP4K  # noqa: E402
 from kvpool.kernels.store_kv import kernel as K  # noqa: E402
 from kvpool.kernels.copy_rows.launcher import FEW_PROGRAMS_TILE, SM_TILE, plan_copy  # noqa: E402
-from kvpool.kernels.store_fp4.writer import tokens_per_program  # noqa: E402
+from kvpool.kernels.store_fp4.writer import FP4_TILE  # noqa: E402
+from kvpool.kernels.store_nvfp4.writer import NVFP4_TILE  # noqa: E402
 from kvpool.kernels.store_kv.writer import PER_CALL  # noqa: E402
 from kvpool.kernels.store_kv.plan import SMALL_TOKENS, plan_write  # noqa: E402
 
@@ -246,19 +247,19 @@ def compile_fp4(target_name, fmt, heads, head_dim, v_head_dim=None, in_type="bf1
     dv = v_head_dim or head_dim
     words = in_type in ("bf16", "fp16")  # even strides and aligned starts, as a contiguous launch has
     kb, vb = heads * head_dim // 16, heads * dv // 16
-    kp2, vp2 = 1 << (kb - 1).bit_length(), 1 << (vb - 1).bit_length()
-    const = dict(D=head_dim, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=kp2, V_BLOCKS_P2=vp2,
-                 TOK=tokens_per_program(max(kp2, vp2)), K_WORDS=words, V_WORDS=words, sk_d=1, sv_d=1)  # fmt: skip
+    rows, warps = FP4_TILE if fmt == "fp4" else NVFP4_TILE
+    const = dict(D=head_dim, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=rows, K_WORDS=words, V_WORDS=words,
+                 CODE16=in_type != "fp32", sk_d=1, sv_d=1)  # fmt: skip
     sig = {n: "constexpr" if n in const else "i32" for n in names}
     sig.update(k_ptr=f"*{in_type}", v_ptr=f"*{in_type}", loc_ptr="*i64")
     for n in names:
         if n.endswith("_ptr") and n not in ("k_ptr", "v_ptr", "loc_ptr"):
             sig[n] = "*fp32" if "global" in n else "*u8"
-    aligned = [n for n in names if sig[n] != "constexpr" and n not in ("loc_ptr", "rows", "T", "stride_loc")]
+    aligned = [n for n in names if sig[n] != "constexpr" and n not in ("loc_ptr", "rows", "T", "k_programs", "stride_loc")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    compiled = triton.compile(src, target=target, options={"num_warps": 4})
-    info = {"kernel": fmt, "target": target_name, "H": heads, "D": head_dim, "DV": dv, "in": in_type, "TOK": const["TOK"]}
+    compiled = triton.compile(src, target=target, options={"num_warps": warps})
+    info = {"kernel": fmt, "target": target_name, "H": heads, "D": head_dim, "DV": dv, "in": in_type, "ROWS": rows}
     ptx = compiled.asm.get("ptx")
     if ptx is not None:
         info["ld_v4"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))

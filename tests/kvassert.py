@@ -3286,3 +3286,23 @@ def changed_rows(after: list[torch.Tensor], before: list[torch.Tensor]) -> set[i
         differ = (a.view(torch.uint8) != b.view(torch.uint8)).reshape(a.shape[0], -1).any(dim=1)
         rows.update(int(i) for i in torch.nonzero(differ.cpu()).flatten())
     return rows
+
+
+def every_16_bit_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit type, signed zeros and subnormals included, in blocks of 15
+    neighbours by magnitude, each block led by a maximum that is theirs times a factor of 1 up to
+    2**127 (capped at the type's largest value): every code, tie and sign of the FP4 formats, under
+    block scales from the smallest to those that make the smallest values underflow to zero.
+    [T, 1, 1024] rows on the CPU."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    values = bits[torch.isfinite(bits)]
+    values = values[torch.argsort(values.abs(), stable=True)]
+    blocks = -(-values.numel() // 15)
+    values = torch.cat((values, values[: blocks * 15 - values.numel()])).reshape(blocks, 15)
+    factors = torch.tensor([1, 1.25, 1.5, 1.75, 2, 3, 5, 2**4, 1.5 * 2**8, 2**12, 2**20, 2**40, 2**70, 2**100, 2**127])
+    lead = values.abs().amax(dim=1) * factors[torch.arange(blocks) % factors.numel()]
+    lead = torch.minimum(lead.to(dtype).float(), torch.tensor(torch.finfo(dtype).max))
+    lead = torch.where(torch.arange(blocks) % 2 == 0, lead, -lead)
+    rows = torch.cat((lead[:, None], values), dim=1).reshape(-1)
+    rows = torch.cat((rows, torch.zeros(-rows.numel() % 1024)))
+    return rows.reshape(-1, 1, 1024).to(dtype)

@@ -9,7 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, assert_same_parts, assert_tensors_unchanged, cross_compile, fused_runs, id_of, poisoned_parts, qkv_slices
+from kvassert import (
+    DEVICE,
+    assert_same_parts,
+    assert_tensors_unchanged,
+    cross_compile,
+    every_16_bit_value,
+    fused_runs,
+    id_of,
+    poisoned_parts,
+    qkv_slices,
+)
 from kvpool import FusedPathUnavailable, MHATokenToKVPoolFP4
 
 FP4 = torch.float4_e2m1fn_x2
@@ -156,3 +166,19 @@ def test_the_fp4_writes_compile_to_vector_accesses_without_spills():
         assert v["ld_v4"] > 0 and v["st_vector"] > 0, v
         if v["target"] == "sm90":
             assert v["spill_bytes"] == 0, v
+
+
+@fused_runs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=id_of)
+def test_every_16_bit_value_fused_is_the_reference(dtype):
+    """16-bit inputs take the kernel's own code and exponent arithmetic (no division by 6): every
+    value of the type, under every scale it can meet, stores the reference path's bytes."""
+    k = every_16_bit_value(dtype).to(DEVICE)
+    t = k.shape[0]
+    v = k[..., :16]
+    loc = torch.randperm(t + 4, generator=torch.Generator().manual_seed(5))[:t].to(DEVICE)
+    fused, reference = (MHATokenToKVPoolFP4(t + 4, 1, FP4, 1, 1024, 1, DEVICE, v_head_dim=16, fused=f) for f in ("always", "never"))
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert fused.stats.fused_calls == 1
+    assert_same_parts(fused, reference)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvassert import DEVICE, assert_same_parts, fused_runs, id_of, poisoned_parts, qkv_slices
+from kvassert import DEVICE, assert_same_parts, every_16_bit_value, fused_runs, id_of, poisoned_parts, qkv_slices
 from kvpool import MHATokenToKVPoolFP4
 
 FP4 = torch.float4_e2m1fn_x2
@@ -94,6 +94,70 @@ def test_any_rows_fused_are_the_reference_rows(values, dtype, g):
         MHATokenToKVPoolFP4(10, 1, "nvfp4", 1, 32, 1, DEVICE, v_head_dim=16, fused=f, k_global_scales=g, v_global_scales=1 / g)
         for f in ("always", "never")
     )
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert_same_parts(fused, reference)
+
+
+def quotients_at_the_bounds(g: float, dtype: torch.dtype) -> torch.Tensor:
+    """For every finite nonzero e4m3 block scale ``S`` (and a saturated one, 448), blocks whose
+    elements divided by ``g`` are exactly each e2m1 rounding bound times ``S`` (at most 7
+    significant bits: exact in every input type), one step of ``dtype`` either side of it, and
+    ``2**-21`` of it either side (steps a division by 3 keeps), with a maximum of ``6 * S``
+    (``24 * 448`` for the saturated scale) that gives the block that scale. [T, 1, 48] rows of
+    ``dtype``, three blocks a scale."""
+    codes = torch.arange(1, 127, dtype=torch.uint8)
+    scales = torch.cat((codes.view(torch.float8_e4m3fn).float(), torch.tensor([448.0])))
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    at = scales[:, None] * bounds[None, :]
+    if dtype == torch.float32:
+        below, above = torch.nextafter(at, torch.zeros(())), torch.nextafter(at, torch.full((), 100.0))
+    else:  # the neighbours in the 16-bit type (positive values: the next bit patterns)
+        bits = at.to(dtype).view(torch.int16)
+        below, above = (bits - 1).view(dtype).float(), (bits + 1).view(dtype).float()
+    y = torch.cat((at, below, above, at * (1 - 2.0**-21), at * (1 + 2.0**-21)), dim=1)  # 35 a scale
+    lead = torch.where(scales == 448, 24 * 448.0, 6 * scales)[:, None]
+    y = torch.cat((y, -at[:, :7], -y[:, :3]), dim=1).reshape(-1, 3, 15)  # 45 a scale: three blocks of 15
+    y = torch.cat((lead[:, None, :].expand(-1, 3, 1), y), dim=2)
+    return (y.reshape(-1, 1, 48) * g).to(dtype).to(DEVICE)
+
+
+@fused_runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=id_of)
+@pytest.mark.parametrize("g", [1.0, 0.125, 3.0])
+def test_quotients_at_and_beside_each_bound_under_each_block_scale(g, dtype):
+    """The fused write finds the e2m1 code of ``y / S`` without dividing by ``S``: at each rounding
+    bound (ties to even), one step either side of it, for every block scale, under a global scale
+    that is a power of two (no division by it either; 16-bit inputs then take the reciprocal of
+    ``S``) and one that is not."""
+    k = quotients_at_the_bounds(g, dtype)
+    t = k.shape[0]
+    v = k[..., :16]
+    loc = torch.arange(t, device=DEVICE)
+    fused, reference = (
+        MHATokenToKVPoolFP4(t, 1, FP4, 1, 48, 1, DEVICE, v_head_dim=16, fused=f, fp4_format="nvfp4",
+                            k_global_scales=g, v_global_scales=g)
+        for f in ("always", "never")
+    )  # fmt: skip
+    fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
+    assert fused.stats.fused_calls == 1
+    assert_same_parts(fused, reference)
+
+
+@fused_runs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=id_of)
+@pytest.mark.parametrize("g", [1.0, 3.0])
+def test_every_16_bit_value_fused_is_the_reference(dtype, g):
+    k = every_16_bit_value(dtype).to(DEVICE)
+    t = k.shape[0]
+    v = k[..., :16]
+    loc = torch.randperm(t + 4, generator=torch.Generator().manual_seed(6))[:t].to(DEVICE)
+    fused, reference = (
+        MHATokenToKVPoolFP4(t + 4, 1, FP4, 1, 1024, 1, DEVICE, v_head_dim=16, fused=f, fp4_format="nvfp4",
+                            k_global_scales=g, v_global_scales=g)
+        for f in ("always", "never")
+    )  # fmt: skip
     fused.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     reference.set_kv_buffer(None, loc, k, v, layer_id_override=0)
     assert_same_parts(fused, reference)

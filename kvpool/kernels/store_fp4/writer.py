@@ -11,7 +11,7 @@ from kvpool.config import FusedMode
 from kvpool.kernels.formats import FP4_DTYPE
 from kvpool.kernels.fused_path import buffers_verdict, takes_fused_path
 from kvpool.kernels.gate import ELIGIBLE, Verdict
-from kvpool.kernels.launch import TRITON_AVAILABLE, cdiv, next_pow2
+from kvpool.kernels.launch import TRITON_AVAILABLE, cdiv
 from kvpool.kernels.store_fp4.naive import FP4_BLOCK, write_fp4_reference
 from kvpool.kernels.store_kv.writer import PathStats
 
@@ -37,6 +37,11 @@ def fp4_input_verdict(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.T
     return True, ELIGIBLE
 
 
+#: 16-element blocks a program of the FP4 write takes (4,096 input elements), and its warps: two
+#: blocks a thread: the fastest prefill tile that keeps a decode step short.
+FP4_TILE = (256, 4)
+
+
 def launch_fp4_write(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -45,21 +50,24 @@ def launch_fp4_write(
     loc: torch.Tensor,
     kernel: object = None,
     global_scales: tuple[torch.Tensor, ...] = (),
+    tile: tuple[int, int] = FP4_TILE,
 ) -> None:
-    """One launch, ``tokens_per_program`` tokens a program, writing K and V codes and scale bytes
-    (checked arguments): of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the same arguments
-    with ``global_scales`` after the buffers: ``store_nvfp4_kv`` and its K and V global scales)."""
+    """One launch writing K and V codes and scale bytes (checked arguments), ``tile`` (blocks a
+    program, warps) K's programs first: of ``store_fp4_kv``, or of ``kernel`` (an FP4 kernel of the
+    same arguments with ``global_scales`` after the buffers: ``store_nvfp4_kv`` and its K and V
+    global scales)."""
     t, h, d = k.shape
     dv = v.shape[2]
     (kc, ks), (vc, vs) = k_store, v_store
     kb, vb = h * d // FP4_BLOCK, h * dv // FP4_BLOCK
-    tok = tokens_per_program(max(next_pow2(kb), next_pow2(vb)))
+    rows, warps = tile
+    k_programs = cdiv(t * kb, rows)
     k_words, v_words = pairs_are_words(k), pairs_are_words(v)
-    (store_fp4_kv if kernel is None else kernel)[(cdiv(t, tok),)](  # type: ignore[index]
-        k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], t, loc.stride(0),
+    (store_fp4_kv if kernel is None else kernel)[(k_programs + cdiv(t * vb, rows),)](  # type: ignore[index]
+        k, v, loc, kc, vc, ks, vs, *global_scales, kc.shape[0], t, k_programs, loc.stride(0),
         *_strides(k, k_words), *_strides(v, v_words), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
-        D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, K_BLOCKS_P2=next_pow2(kb), V_BLOCKS_P2=next_pow2(vb), TOK=tok,
-        K_WORDS=k_words, V_WORDS=v_words,
+        D=d, DV=dv, K_BLOCKS=kb, V_BLOCKS=vb, ROWS=rows, K_WORDS=k_words, V_WORDS=v_words,
+        CODE16=k.element_size() == 2, num_warps=warps,
     )  # fmt: skip
 
 
@@ -75,17 +83,6 @@ def pairs_are_words(x: torch.Tensor) -> bool:
     word: 16-bit elements, contiguous within a head, even strides and a 4-byte aligned start (a
     fused QKV projection's slices are)."""
     return x.element_size() == 2 and x.stride(2) == 1 and x.stride(0) % 2 == 0 and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0
-
-
-#: Input elements a program of the FP4 writes reads per part, about: several tokens of small rows.
-FP4_TILE = 2048
-
-
-def tokens_per_program(blocks_p2: int) -> int:
-    """Tokens a program of the FP4 writes takes: the power of two that fills a tile of ``FP4_TILE``
-    elements with rows of ``blocks_p2`` blocks (one token for rows of that size or more). Fixed by
-    the geometry, so a decode step and a prefill use one compiled kernel."""
-    return max(1, FP4_TILE // (16 * blocks_p2))
 
 
 def write_fp4(
