@@ -1,7 +1,6 @@
 """``kvpool.streams`` on a GPU (skipped without a CUDA device): ``OnStream`` makes a stream current and
-restores the caller's (also when the block raises, and when nested), ``StreamMark`` orders one
-stream after another's work so far, and ``HostIntUploads`` brings host ints to the device exactly
-without waiting for it.
+restores the caller's (also when the block raises, and when nested), and ``StreamMark`` orders one
+stream after another's work so far.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import pytest
 import torch
 from kvassert import gpu
 
-from kvpool.streams import HostIntUploads, OnStream, StreamMark
+from kvpool.streams import OnStream, StreamMark
 
 
 # --- kvpool.streams on a GPU: OnStream makes a stream current and restores the caller's stream (also
@@ -78,30 +77,3 @@ def test_stream_mark_orders_the_waiter_after_the_work_so_far():
     second.synchronize()
     assert bool((y == 1.0).all()), "the copy ran before the work it was ordered after, or after later work"
     assert bool((x == 2.0).all())
-
-
-@gpu
-def test_host_ints_arrive_as_written_without_a_wait_while_the_gpu_is_busy():
-    """Lists copied through the staging halves arrive as written, call after call, across the halves'
-    ends, while the GPU still sleeps on work queued before them (so a half is wanted again before
-    its copies have run: such a list goes through pinned memory of its own, never over bytes a
-    queued copy still reads), a list longer than a half among them, and on a second stream."""
-    up = HostIntUploads(torch.device("cuda"), half=8)
-    want, got = [], []
-    side = torch.cuda.Stream()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for i in range(40):
-            values = list(range(100 * i, 100 * i + (9 if i == 17 else i % 5 + 1)))
-            if i >= 30:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    got.append(up(values))
-            else:
-                got.append(up(values))
-            want.append(values)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    assert [g.tolist() for g in got] == want

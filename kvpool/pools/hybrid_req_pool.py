@@ -303,8 +303,7 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
             self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = track
 
     def _device_ints(self, values: list[int]) -> torch.Tensor:
-        """``values`` as int64 on the table's device (from the state pool's staging memory on CUDA,
-        no synchronisation)."""
+        """``values`` as int64 on the table's device (from pinned memory on CUDA, no synchronisation)."""
         return self.mamba_pool.slots_tensor(values)
 
     def _set_request_attributes(self, reqs, plans, rows, mains: torch.Tensor, flat: torch.Tensor) -> None:

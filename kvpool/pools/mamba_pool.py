@@ -30,7 +30,6 @@ from kvpool.pools.base import check_sglang_keywords
 from kvpool.pools.cpu_copy import MambaCpuCopy, check_mamba_cpu_copy, copy_rows_from_host, copy_rows_to_host
 from kvpool.pools.state_params import MambaCacheParams
 from kvpool.pools.state_slots import SlotsArg, StateSlots, as_slot_list
-from kvpool.streams import HostIntUploads
 
 #: Programs per SM of a state fork (the one-pass row copy over the pool's own table): fewer, longer
 #: programs than a KV move's grid, whose rows are a few hundred bytes.
@@ -171,7 +170,6 @@ class MambaPool:
         self._zero_rows = RowTable.of([zero[:, :rb] for rb in self.row_table.row_bytes])
         self._zero_index = zeros(slots, dtype=torch.int64)
         self._slots = StateSlots(size)
-        self._uploads: Optional[HostIntUploads] = None  # host slots to the device (CUDA), made at first use
 
     # --- layers ----------------------------------------------------------------------------------
 
@@ -248,11 +246,10 @@ class MambaPool:
 
     def slots_tensor(self, slots: Sequence[int]) -> torch.Tensor:
         """Host ints as an int64 tensor on the pool's device, without synchronising."""
+        host = torch.tensor(list(slots), dtype=torch.int64)
         if self.device.type != "cuda":
-            return torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        if self._uploads is None:
-            self._uploads = HostIntUploads(self.device)
-        return self._uploads(list(slots))
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def free(self, free_index: SlotsArg) -> None:
         """Give slots back: an int, a sequence of ints, or an integer tensor (a CUDA tensor costs one
