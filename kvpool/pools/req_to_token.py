@@ -115,8 +115,9 @@ class ReqToTokenPool:
         return rows
 
     def _alloc_requests(self, reqs: list[Any]) -> Optional[list[int]]:
-        if len(reqs) == 1 and self.free_slots and not isinstance(reqs[0], _NOT_REQUESTS) and getattr(reqs[0], "req_pool_idx", None) is None:
-            return self._alloc_one(reqs[0])
+        one = reqs[0] if len(reqs) == 1 else None
+        if one is not None and self.free_slots and not isinstance(one, _NOT_REQUESTS) and getattr(one, "req_pool_idx", None) is None:
+            return self._alloc_one(one)
         kept = self.check_requests(reqs, ("req_pool_idx",))
         fresh = self._take(sum(row is None for row in kept))
         if fresh is None:

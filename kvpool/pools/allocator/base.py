@@ -269,8 +269,9 @@ class BaseTokenToKVPoolAllocator:
         Without ``validate`` a device tensor is freed without waiting for the device: the pages that
         come back join the free list there, and the host counts them once their count is read.
         """
-        if self._direct_frees and not skip_padding and self.is_not_in_free_group and self._lists.take_back_directly(free_index, self._books()):
-            return  # a free of int64 device slots, through its kept launch (FreeLists.take_back_directly)
+        if self._direct_frees and not skip_padding and self.is_not_in_free_group:
+            if self._lists.take_back_directly(free_index, self._books()):
+                return  # a free of int64 device slots, through its kept launch
         slots = checks.free_index_slots(free_index, self.device)
         if slots.numel() == 0:
             return
