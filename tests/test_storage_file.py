@@ -281,6 +281,32 @@ def test_the_directory_is_its_owners_only(tmp_path):
     assert os.listdir(open_dir) == []
 
 
+def test_a_read_that_finds_a_page_gone_keeps_the_page_a_writer_put_back_meanwhile(tmp_path, monkeypatch):
+    """A read that opens an evicted page's file and finds nothing, while another thread writes the key
+    again before the read counts its miss: the new page stays indexed (the directory's count and
+    bound still match its files), and the next read hits it."""
+    store = file_store(tmp_path / "kv")
+    value = torch.full((512,), 7, dtype=torch.uint8)
+    store.set("k", value)
+    os.unlink(os.path.join(store.file_path, page_files(store)[0]))  # gone, as another process's eviction leaves it
+    real_open = file_module.os.open
+
+    def open_then_rewrite(path, flags, *args):
+        if not flags & (os.O_WRONLY | os.O_RDWR) and path.endswith(file_module.PAGE_SUFFIX):
+            monkeypatch.setattr(file_module.os, "open", real_open)
+            try:
+                return real_open(path, flags, *args)  # absent: the read's miss
+            finally:
+                store.set("k", value)  # the writer puts the page back before the read counts it
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(file_module.os, "open", open_then_rewrite)
+    assert store.get("k") is None
+    stats = store.get_stats()
+    assert stats.pages == len(page_files(store)) == 1
+    assert torch.equal(store.get("k"), value)
+
+
 def test_threads_sharing_a_store_read_only_whole_pages_of_their_own_key(tmp_path):
     page = 512
     probe = file_store(tmp_path / "probe")

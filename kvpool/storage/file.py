@@ -337,8 +337,11 @@ class HiCacheFile(HiCacheStorage):
             self._stats.misses += 1
             if outcome == "corrupt":
                 self._stats.corrupt += 1
-            # A page being written now is the writer's to index (what this read saw is gone).
+            # A page being written now is the writer's to index (what this read saw is gone), and one
+            # that is back on disk was written again since this read found it absent.
             if outcome == "size" or digest in self._writing:
+                return False
+            if outcome == "absent" and os.path.exists(self._path(digest)):
                 return False
             self._forget(digest)
             if outcome == "corrupt":  # removed, so the next write of the key stores it again
