@@ -27,12 +27,13 @@ out of bounds.
 ``give_back`` is a ``free``: over slots sorted ascending (sorted by the program itself when there
 are at most ``SORT`` of them), one program walks blocks of entries in order. An entry counts if it
 is the first of its value, inside the handed-out range and held; it drops one holder of its slot
-and of its page. The entry whose atomic decrement takes a page's
-holder count to zero releases the page (unless the page is already listed free; with one slot per
-page, the entry that takes its slot's one holder): exactly one entry per page, and since a page's entries are adjacent, released pages come out in ascending order, the
-order of the PyTorch path. ``RING`` appends them at the free list's end (position ``counters[0]``),
-``LIST`` writes each entry's page or -1 in place (the release list and free groups). ``APPEND``
-takes page ids instead of slots, no bookkeeping: entries >= 0 are appended to the ring.
+and of its page. The entry whose atomic decrement takes a page's holder count to zero releases
+the page (unless the page is already listed free; with one slot per page, the entry that takes its
+slot's one holder): exactly one entry per page, and since a page's entries are adjacent, released
+pages come out in ascending order, the order of the PyTorch path. ``RING`` appends them at the free
+list's end (position ``counters[0]``), ``LIST`` writes each entry's page or -1 in place (the
+release list and free groups). ``APPEND`` takes page ids instead of slots, no bookkeeping: entries
+>= 0 are appended to the ring.
 
 A token allocator's ``alloc`` launches nothing: it lends a view of the free list's front and leaves
 its pages unrecorded. Every ``give_back`` launch (and for one slot per page only) first records the
@@ -196,15 +197,15 @@ def give_back(
     entries that did not count to ``counters[2]`` (entries <= 0 aside if ``SKIP_PADDING``).
     ``MIRROR``: then write ``counters[0:3]`` to ``mirror_ptr`` (pinned host memory on a GPU) as
     ``value << SEQ_BITS | seq``, each word naming the launch it comes from, so that the host can tell
-    a copy that has landed without an event, and no copy needs launching after it. ``MAPPED`` (with ``SORT``): the entries are full slots of a
-    sliding-window allocator, taken back as their SWA slots ``map[entry]`` (-1 outside
+    a copy that has landed without an event, and no copy needs launching after it. ``MAPPED`` (with
+    ``SORT``): the entries are full slots of a sliding-window allocator, taken back as their SWA slots ``map[entry]`` (-1 outside
     ``0..map_rows-1``), whose mapping entries are then set to 0, every translation read first.
     ``RING`` also writes each released page to ``lent`` (the copy of the free list that ``alloc``
     lends views of) at the same position.
 
     First (``PAGE`` 1), the ``mark_count`` pages at ``mark[mark_start..]``, lent by ``alloc`` since
-    the last launch (``MARK_BLOCK`` at a time; the entries go ``BLOCK`` at a time), are recorded held (a page outside ``1..n_slots-1`` is counted in
-    ``unrecorded`` instead), so that a free of one of them frees a held slot, and a second free of
+    the last launch (``MARK_BLOCK`` at a time; the entries go ``BLOCK`` at a time), are recorded
+    held (a page outside ``1..n_slots-1`` is counted in ``unrecorded`` instead), so that a free of one of them frees a held slot, and a second free of
     it is caught."""
     # The counters are read once, at the start (nothing else in the launch writes them): their new
     # values are stored, and mirrored, from registers at the end.
