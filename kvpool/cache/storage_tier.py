@@ -8,12 +8,15 @@ caller's thread) and stored under their page keys (``kvpool.storage.keys.page_ke
 whole prefix, kept on the node as a ``PageKeys`` record) by a worker thread.
 
 Prefetch: ``prefetch_from_storage`` looks up the pages after a match's host part; a worker thread
-reads the ones storage holds, in order, into pages of its own (it never touches the host pool,
-which is not thread-safe). ``check_prefetch_progress`` decides by the policy when the request may go
-on (``best_effort``: at once, with what has arrived; ``wait_complete``: once every page is read;
-``timeout``: that, or once the time is up), then copies the pages that arrived into new host pages
-and hangs them in the tree as host-only nodes, from where ``init_load_back`` brings them to the
-device like any host hit.
+reads the ones storage holds, in order, either straight into host pages the prefetch took when it
+started (``kvpool.cache.storage_host_reads``: a backend that reads into given memory, this class's
+``fetch``, and host room), or into pages of its own; it never calls the host pool, which is not
+thread-safe. ``check_prefetch_progress`` decides by the policy when the request may go on
+(``best_effort``: at once, with what has arrived; ``wait_complete``: once every page is read;
+``timeout``: that, or once the time is up), then hangs the pages that arrived in the tree as
+host-only nodes (``kvpool.cache.storage_take``: copied into new host pages first where they were
+read into pages of their own), from where ``init_load_back`` brings them to the device like any
+host hit.
 
 Storage failures (a call that returns a miss or False, or raises) never change the tree, the host
 pool or the device: a failed write leaves the page out of storage, a failed read ends the prefetch
@@ -45,13 +48,14 @@ from kvpool.cache.storage_events import StorageEvents, storage_medium
 from kvpool.cache.storage_host_reads import HostReads
 from kvpool.cache.storage_integrity import storage_problems
 from kvpool.cache.storage_records import PrefetchOp, StorageTierStats
+from kvpool.cache.storage_take import FetchedPages
 from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
 from kvpool.cache.storage_workers import StorageWorkers
 from kvpool.checks import non_negative_seconds
 from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys, token_array
 
-class StorageTier:
+class StorageTier(FetchedPages):
     """The storage room of one ``HiRadixCache`` (made by the cache; see the module).
 
     Parameters
@@ -370,111 +374,6 @@ class StorageTier:
         op.copy.holds -= 1
         if op.copy.holds == 0 and op.node.records.get(HOST) is op.copy and self._attached(op.node):
             self.cache.hold_released(op.node)
-
-    def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
-        """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
-        prefix they continue; returns the tokens that entered the host tier."""
-        tokens = len(pages) * self.page_size
-        if not tokens:
-            return 0
-        host, cache = self.host, self.cache
-        slots = host.alloc(tokens)
-        if slots is None:
-            cache.evict_host(tokens)
-            slots = host.alloc(tokens)
-        try:
-            reserved = self.reserve(op) if slots is not None else None
-        except BaseException:
-            host.free(slots)
-            raise
-        if slots is None or reserved is False:
-            if slots is not None:
-                host.free(slots)
-            self._count(0, tokens)
-            return 0
-        end = op.start + len(pages) * self.page_enc_bytes
-        node, pos = cache.branch_point(op.enc, end, op.extra)  # where the tree's copy of the prefix ends now
-        skip = max(0, (pos - op.start) // self.page_enc_bytes)
-        if pos < op.start or skip >= len(pages):  # the prefix left the tree meanwhile, or it has every page
-            host.free(slots)
-            if pos < end or not self.adopt(node, op, reserved):
-                self.release(reserved)
-            self._count(0, tokens)
-            return 0
-        kept = slots[skip * self.page_size :]
-        try:
-            dtype = host.store_dtype
-            for start, page in zip(kept[:: self.page_size].tolist(), pages[skip:]):
-                host.set_from_flat_data_page(start, page.view(dtype))
-        except BaseException:
-            host.free(slots)
-            self.release(reserved)
-            raise
-        if skip:
-            host.free(slots[: skip * self.page_size])
-        self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
-        loaded = len(kept)
-        self._count(loaded, tokens - loaded)
-        return loaded
-
-    def _take_read(self, op: PrefetchOp, slots: torch.Tensor) -> int:
-        """``_take`` of pages read straight into host pages (``slots``, op's read pages, now the
-        caller's): the ones the tree lacks hang below the prefix they continue, the rest are freed."""
-        tokens = len(slots)
-        if not tokens:
-            return 0
-        host, cache = self.host, self.cache
-        try:
-            reserved = self.reserve(op)
-        except BaseException:
-            host.free(slots)
-            raise
-        if reserved is False:
-            host.free(slots)
-            self._count(0, tokens)
-            return 0
-        pages = tokens // self.page_size
-        end = op.start + pages * self.page_enc_bytes
-        node, pos = cache.branch_point(op.enc, end, op.extra)  # where the tree's copy of the prefix ends now
-        skip = max(0, (pos - op.start) // self.page_enc_bytes)
-        if pos < op.start or skip >= pages:  # the prefix left the tree meanwhile, or it has every page
-            host.free(slots)
-            if pos < end or not self.adopt(node, op, reserved):
-                self.release(reserved)
-            self._count(0, tokens)
-            return 0
-        kept = slots[skip * self.page_size :]
-        if skip:
-            host.free(slots[: skip * self.page_size])
-        self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
-        loaded = len(kept)
-        self._count(loaded, tokens - loaded)
-        return loaded
-
-    def _count(self, loaded: int, dropped: int) -> None:
-        """Count a taken prefetch's tokens (under the lock: a worker counts beside the scheduler)."""
-        with self._lock:
-            self.stats.tokens_loaded += loaded
-            self.stats.tokens_dropped += dropped
-
-    # A subclass's hooks for what a leaf needs besides its host pages (a hybrid model's state):
-    # ``reserve`` takes it before the tree is looked at (False: no room, the pages are dropped),
-    # ``hang`` gives it to the new leaf, ``adopt`` to ``node`` when the tree holds every fetched
-    # page up to it already (False: not taken), ``release`` gives back what nothing took.
-
-    def reserve(self, op: PrefetchOp) -> Any:
-        """What ``op``'s leaf needs besides its host pages (None here)."""
-        return None
-
-    def release(self, reserved: Any) -> None:
-        """Give back what ``reserve`` took and nothing took."""
-
-    def hang(self, leaf: TreeNode, op: PrefetchOp, reserved: Any) -> None:
-        """``op``'s fetched pages hang in the tree as ``leaf``, with what ``reserve`` took."""
-
-    def adopt(self, node: TreeNode, op: PrefetchOp, reserved: Any) -> bool:
-        """Whether ``node`` takes what ``reserve`` took (False here)."""
-        return False
 
     # --- housekeeping ----------------------------------------------------------------------------
 
