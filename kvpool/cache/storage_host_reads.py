@@ -47,15 +47,18 @@ class HostReads:
 
     def give(self, op: PrefetchOp) -> bool:
         """Give ``op`` host pages for its keys, ready for the worker to write; False (nothing
-        allocated) when the host has no free room for them."""
+        allocated) when the host has no free room for them, or they could not be made ready (a
+        failed transfer: the pages are read into pages of their own, whose copy meets it)."""
         slots = self.host.alloc(len(op.keys) * self.page_size)
         if slots is None:
             return False
         try:
             self.host.sync_pages_for_write(slots)
             regions = self.storage.host_page_regions(op.keys, slots)
-        except BaseException:
+        except BaseException as e:
             self.host.free(slots)
+            if isinstance(e, Exception):
+                return False
             raise
         op.slots, op.regions = slots, regions
         return True
