@@ -182,6 +182,8 @@ def test_the_file_backend_reads_pages_into_given_regions(tmp_path):
         got = a.host.get_data_page(int(slots[4 * i])).view(torch.uint8)
         assert torch.equal(got, want)
     a.host.free(slots)
+    with pytest.raises(ValueError, match="indices must hold whole pages of 4 slots, got 3 entries"):
+        a.host.sync_pages_for_write(slots[:3])
     for bad, message in (
         (regions[:1], r"regions must be a list of 3 entries \(one per key\), got 1 entries"),
         ([regions[0], regions[1], "x"], r"regions\[2\] must be a list of \(address, size\) blocks, got str"),

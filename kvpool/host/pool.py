@@ -476,7 +476,7 @@ class MHATokenToKVPoolHost:
 
     def sync_pages_for_write(self, indices: torch.Tensor) -> None:
         """Wait (on the host) for the transfers still writing or reading the pages of ``indices``
-        (whole allocated pages), so host code may write their bytes itself afterwards."""
+        (whole aligned pages in range, checked first): host code may write their bytes afterwards."""
         firsts = self._pages.slots(indices, "indices")[:: self.page_size]
         if firsts.size:
             self._scheduler.sync_pages(firsts // self.page_size, for_write=True)
