@@ -146,6 +146,7 @@ def test_pages_a_worker_still_writes_into_stay_allocated_until_it_leaves_them(tm
         assert cache.storage_tier.drain()
     assert_host_held(b, 0)
     b.drain()
+    cache.close()  # (its worker threads joined)
 
 
 def test_a_reset_waits_for_a_read_still_writing_into_a_prefetchs_pages(tmp_path):
