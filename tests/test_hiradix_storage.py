@@ -145,7 +145,7 @@ def gated(tmp_path, policy):
     a = engine(file_store(tmp_path / "kv"))
     a.finish(a.admit(seq(13, 500)))
     gate = threading.Event()
-    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {1}}, sleep=lambda s: gate.wait(10))
+    slow = FaultyStorage(file_store(tmp_path / "kv"), delay_s=1.0, delay_calls={"get": {1}, "batch_get_regions": {1}}, sleep=lambda s: gate.wait(10))
     b = second(a, slow, StoragePolicy(prefetch_threshold=0, background=True, **policy))
     cache = b.cache
     cache.prefetch_from_storage("r", cache.root_node, seq(12, 500))
@@ -221,7 +221,7 @@ def test_prefetch_failures_and_corrupt_pages_end_the_prefetch_with_what_was_read
     a = engine(file_store(tmp_path / "kv"))
     prompt = seq(17, 300)
     a.finish(a.admit(prompt))
-    flaky = FaultyStorage(file_store(tmp_path / "kv"), raise_calls={"get": {3}})
+    flaky = FaultyStorage(file_store(tmp_path / "kv"), raise_calls={"get": {3}, "batch_get_regions": {3}})
     b = second(a, flaky, StoragePolicy(prefetch_threshold=0, background=False, backoff_s=0.0, max_backoff_s=0.0))
     b.finish(b.admit(prompt))  # pages 1 and 2 arrive, the third read raises: 8 tokens from storage
     assert b.from_storage == 8 and b.loaded == 8 and b.cache.storage_tier.stats.prefetch_failures == 1
@@ -336,9 +336,9 @@ def test_an_aborted_requests_prefetch_releases_its_hold_and_takes_nothing(tmp_pa
     cache = b.cache
     node = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:16]))).last_host_node
     assert node is not cache.root_node
+    host_free = b.host.available_size()
     cache.prefetch_from_storage("r", node, prompt[4:16])
     assert node.host_ref_counter == 1
-    host_free = b.host.available_size()
     cache.release_aborted_request("r")  # SGLang's scheduler, for a request aborted while waiting
     assert cache.storage_tier.ongoing_prefetch == {} and node.host_ref_counter == 0
     assert b.host.available_size() == host_free and cache.pop_prefetch_loaded_tokens("r") == 0

@@ -49,7 +49,7 @@ def test_close_writes_what_was_queued_and_joins_every_worker(tmp_path):
 def test_a_prefetch_in_flight_is_dropped_and_a_worker_stuck_in_storage_is_waited_for_again(tmp_path):
     a = engine(file_store(tmp_path / "kv"), StoragePolicy(prefetch_threshold=0, background=False))
     a.finish(a.admit(seq(13, 500)))
-    stuck, inside, gate = stalled_store(tmp_path / "kv")
+    stuck, inside, gate = stalled_store(tmp_path / "kv", "batch_get_regions")
     b = engine(stuck)
     b.ids = a.ids
     cache = b.cache
@@ -59,6 +59,8 @@ def test_a_prefetch_in_flight_is_dropped_and_a_worker_stuck_in_storage_is_waited
     with pytest.raises(TimeoutError, match="storage workers kvpool-storage-prefetch still run a storage call after 0.2 s"):
         cache.close(timeout_s=0.2)
     assert worker.is_alive() and cache.storage_tier.ongoing_prefetch == {} and cache.root_node.host_ref_counter == 0
+    assert b.host.size - b.host.available_size() == 12  # its host pages wait for the worker to leave them
+    cache.check_integrity()
     with pytest.raises(RuntimeError, match=r"prefetch_from_storage: the cache's storage tier is closed \(close\(\) was called\)"):
         cache.prefetch_from_storage("s", cache.root_node, seq(12, 500))
     gate.set()

@@ -96,7 +96,7 @@ def test_storage_events_of_write_through_eviction_prefetch_and_close(tmp_path):
 
 
 def test_a_page_that_reads_as_a_miss_is_withdrawn(tmp_path):
-    eng = engine(FaultyStorage(file_store(tmp_path / "kv"), fail_calls={"get": {2}}))  # the second page read misses
+    eng = engine(FaultyStorage(file_store(tmp_path / "kv"), fail_calls={"get": {2}, "batch_get_regions": {2}}))  # the second page read misses
     prompt = seq(17, 500)
     eng.finish(eng.admit(prompt))
     gpu = eng.cache.take_events()

@@ -1,11 +1,15 @@
 """Prefetches left open across every other cache call, under random scheduling, for ``HiRadixCache``
 and ``HiMambaRadixCache`` over a store that fails, raises and cuts calls short (``FaultyStorage``).
+A plain cache's prefetches read straight into host pages they hold from their start whenever the
+host has room for them; with deferred workers the reads run only when the machine says, so a
+prefetch ends (taken, aborted, closed, reset) before or while its worker still has to read.
 
 A second engine writes prefixes to the shared store; the engine under test starts prefetches from
 its matches and leaves them open (their holds on host copies stay) while it serves, evicts from the
 device and the host, wipes both tiers, resets or closes its storage; the prefetches end by progress,
 abort or termination in any order. After every step the cache's integrity check passes (the storage
-tier's holds and page counts included); at the end, with every prefetch ended and both tiers
+tier's holds and page counts included) and the host slots allocated are exactly those of the tree
+and of the prefetches; at the end, with every prefetch ended, the workers done and both tiers
 evicted, every device slot, host slot and host state slot is free again and no prefetch is counted.
 """
 
@@ -19,19 +23,64 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvassert import Engine, HiHybridEngine, file_store, machine_test
 from kvpool.cache import EvictParams, MatchPrefixParams, RadixKey
+from kvpool.cache.records import HOST
 from kvpool.cache.storage_tier import StoragePolicy
 from kvpool.storage.faults import FaultyStorage
 
 NOW = StoragePolicy(prefetch_threshold=0, background=False, backoff_s=0.0)
 
 
+class DeferredWorkers:
+    """The storage tier's workers with the jobs submitted while ``holding`` queued until ``run_one``
+    (first in, first out), the others run at once (after the queued ones: each kind's jobs run in
+    order); ``drain`` and ``stop`` run all that are queued, and after ``stop`` jobs run at once."""
+
+    background = False
+
+    def __init__(self):
+        self.jobs, self.stopped, self.holding = [], False, False
+
+    def submit(self, kind, job):
+        if self.holding and not self.stopped:
+            self.jobs.append(job)
+        else:
+            self.drain()
+            job()
+
+    def run_one(self):
+        self.jobs.pop(0)()
+
+    def drain(self, timeout_s=30.0):
+        while self.jobs:
+            self.run_one()
+        return True
+
+    def threads(self):
+        return []
+
+    def stop(self, timeout_s):
+        self.drain()
+        self.stopped = True
+        return []
+
+
+def tree_host_slots(root):
+    """Host slots the tree's nodes hold (the root's empty copy aside)."""
+    count, todo = 0, list(root.children.values())
+    while todo:
+        node = todo.pop()
+        count += len(node.records[HOST].slots) if HOST in node.records else 0
+        todo.extend(node.children.values())
+    return count
+
+
 class OpenPrefetchMachine(RuleBasedStateMachine):
     @initialize(
         hybrid=st.booleans(), page=st.sampled_from([1, 4]), policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
         host=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        host_ratio=st.sampled_from([0.5, 1.0, 2.0]), seed=st.integers(0, 3),
+        host_ratio=st.sampled_from([0.5, 1.0, 2.0]), seed=st.integers(0, 3), deferred=st.booleans(),
     )  # fmt: skip
-    def setup(self, hybrid, page, policy, host, host_ratio, seed):
+    def setup(self, hybrid, page, policy, host, host_ratio, seed, deferred):
         self.dir = tempfile.TemporaryDirectory()
         self.store = FaultyStorage(file_store(self.dir.name, max_bytes=1 << 22), seed=seed, fail_rate=0.05,
                                    raise_rate=0.05, short_rate=0.05)  # fmt: skip
@@ -45,6 +94,10 @@ class OpenPrefetchMachine(RuleBasedStateMachine):
         self.writer = make(host_policy="write_through", storage=file_store(self.dir.name, max_bytes=1 << 22), storage_policy=NOW)
         self.writer.ids = self.eng.ids  # the same KV (and state) patterns for the same content
         self.hybrid, self.page = hybrid, page
+        self.deferred = DeferredWorkers() if deferred else None
+        if deferred:
+            self.cache.storage_tier.workers = self.deferred
+        assert (self.cache.storage_tier.host_reads is None) == hybrid  # a hybrid cache reads states beside its pages
         rng = random.Random(seed)
         self.stems = [[rng.randrange(1, 4) for _ in range(12)] for _ in range(3)]
         self.written: list[list[int]] = []
@@ -95,9 +148,23 @@ class OpenPrefetchMachine(RuleBasedStateMachine):
             depth, node = depth + len(node.key), node.parent
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.cache.prefetch_from_storage(rid, m.last_host_node, RadixKey(tokens[depth:]))
-        if rid in self.cache.storage_tier.ongoing_prefetch:
+        if self.deferred is not None:
+            self.deferred.holding = True  # (the engine's own prefetches, in serve, run at once)
+        try:
+            self.cache.prefetch_from_storage(rid, m.last_host_node, RadixKey(tokens[depth:]))
+        finally:
+            if self.deferred is not None:
+                self.deferred.holding = False
+        op = self.cache.storage_tier.ongoing_prefetch.get(rid)
+        if op is not None:
             self.open.append(rid)
+            if not self.hybrid and op.slots is None:  # read into pages of its own only without host room
+                assert op.finished or self.eng.host.available_size() < len(op.keys) * self.page
+
+    @precondition(lambda self: self.deferred is not None and self.deferred.jobs)
+    @rule()
+    def a_worker_runs_a_job(self):
+        self.deferred.run_one()
 
     @precondition(lambda self: self.open)
     @rule(data=st.data(), how=st.sampled_from(["progress", "abort", "terminate"]))
@@ -151,6 +218,9 @@ class OpenPrefetchMachine(RuleBasedStateMachine):
         if hasattr(self, "eng"):
             self.cache.check_hicache_events()
             self.cache.check_integrity(self.eng.running.values())
+            host = self.eng.host.kv_host if self.hybrid else self.eng.host
+            held = sum(len(s) for s in self.cache.storage_tier.held_host_slots())
+            assert host.size - host.available_size() == tree_host_slots(self.cache.root_node) + held
 
     def teardown(self):
         if not hasattr(self, "eng"):
@@ -158,6 +228,7 @@ class OpenPrefetchMachine(RuleBasedStateMachine):
         try:
             for rid in list(self.open):
                 self.cache.release_aborted_request(rid)
+            assert self.cache.storage_tier.drain()  # the workers done: the pages they held are free
             self.evict_all(self.eng)
             tier, eng = self.cache.storage_tier, self.eng
             host = eng.host.kv_host if self.hybrid else eng.host

@@ -21,7 +21,7 @@ NOW = StoragePolicy(prefetch_threshold=0, background=False)
 
 
 class CountingStorage(FaultyStorage):
-    """``storage`` with the keys of every ``batch_exists`` and ``get`` recorded."""
+    """``storage`` with the keys of every ``batch_exists`` and page read (``get``, ``batch_get_regions``) recorded."""
 
     def __init__(self, storage):
         super().__init__(storage)
@@ -35,6 +35,10 @@ class CountingStorage(FaultyStorage):
     def get(self, key, target_location=None, target_sizes=None):
         self.read.append(key)
         return super().get(key, target_location, target_sizes)
+
+    def batch_get_regions(self, keys, regions):
+        self.read.extend(keys)
+        return super().batch_get_regions(keys, regions)
 
 
 def engine(store, host_policy="write_through", **kw):
@@ -138,7 +142,7 @@ def test_a_page_that_arrives_after_its_prefetch_ended_is_neither_taken_nor_count
     worker is inside a read."""
     first = engine(file_store(tmp_path / "kv"))
     first.finish(first.admit(seq(13, 500)))
-    slow, entered, gate = stalled_store(tmp_path / "kv", "get", 2)
+    slow, entered, gate = stalled_store(tmp_path / "kv", "batch_get_regions", 2)
     eng = Engine("paged", 4, pages=16, host_policy="write_through", storage=slow,
                  storage_policy=StoragePolicy(prefetch_threshold=0, background=True))  # fmt: skip
     eng.ids = first.ids

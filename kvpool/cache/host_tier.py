@@ -148,6 +148,8 @@ class HostTier:
         """The host copies' problems and the storage tier's, then those of the cache's other tiers."""
         host = self.token_to_kv_pool_host
         parts = [n.records[HOST].slots for n in self._nodes() if n is not self.root_node and HOST in n.records]
+        if self.storage_tier is not None:
+            parts += self.storage_tier.held_host_slots()  # read into by prefetches, not in the tree yet
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         problems = []
         if torch.unique(slots).numel() != slots.numel():

@@ -34,9 +34,17 @@ class PrefetchOp:
     """One request's prefetch: the whole key as bytes (``enc``, the match's host part then the new
     tokens), where the fetched part starts (``start``, bytes), its page keys, the held host copy of
     the node it continues, the pages the worker has read so far, and what a subclass's ``fetch``
-    read beside them (``beside``: a hybrid model's state)."""
+    read beside them (``beside``: a hybrid model's state).
 
-    __slots__ = ("enc", "start", "keys", "extra", "node", "copy", "started", "pages", "beside", "finished", "terminated")
+    A prefetch that reads straight into host pages holds them from its start (``slots``, one page
+    per key, and their ``regions``, the memory each page's bytes go to): the worker counts the
+    pages read into them (``read``), and ``reading`` is True while a storage call of its writes
+    into them."""
+
+    __slots__ = (
+        "enc", "start", "keys", "extra", "node", "copy", "started", "pages", "beside", "finished", "terminated",
+        "slots", "regions", "read", "reading",
+    )  # fmt: skip
 
     def __init__(self, enc: bytes, start: int, keys: list[str], extra: Any, node: TreeNode, copy: Any) -> None:
         self.enc, self.start, self.keys, self.extra, self.node, self.copy = enc, start, keys, extra, node, copy
@@ -45,3 +53,7 @@ class PrefetchOp:
         self.beside: Optional[torch.Tensor] = None
         self.finished = False
         self.terminated = False
+        self.slots: Optional[torch.Tensor] = None
+        self.regions: list = []
+        self.read = 0
+        self.reading = False

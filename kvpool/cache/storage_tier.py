@@ -8,12 +8,15 @@ caller's thread) and stored under their page keys (``kvpool.storage.keys.page_ke
 whole prefix, kept on the node as a ``PageKeys`` record) by a worker thread.
 
 Prefetch: ``prefetch_from_storage`` looks up the pages after a match's host part; a worker thread
-reads the ones storage holds, in order, into pages of its own (it never touches the host pool,
-which is not thread-safe). ``check_prefetch_progress`` decides by the policy when the request may go
-on (``best_effort``: at once, with what has arrived; ``wait_complete``: once every page is read;
-``timeout``: that, or once the time is up), then copies the pages that arrived into new host pages
-and hangs them in the tree as host-only nodes, from where ``init_load_back`` brings them to the
-device like any host hit.
+reads the ones storage holds, in order, either straight into host pages the prefetch took when it
+started (``kvpool.cache.storage_host_reads``: a backend that reads into given memory, this class's
+``fetch``, and host room), or into pages of its own; it never calls the host pool, which is not
+thread-safe. ``check_prefetch_progress`` decides by the policy when the request may go on
+(``best_effort``: at once, with what has arrived; ``wait_complete``: once every page is read;
+``timeout``: that, or once the time is up), then hangs the pages that arrived in the tree as
+host-only nodes (``kvpool.cache.storage_take``: copied into new host pages first where they were
+read into pages of their own), from where ``init_load_back`` brings them to the device like any
+host hit.
 
 Storage failures (a call that returns a miss or False, or raises) never change the tree, the host
 pool or the device: a failed write leaves the page out of storage, a failed read ends the prefetch
@@ -42,15 +45,17 @@ from kvpool.cache.key import RadixKey, encoded, to_bigram
 from kvpool.cache.node import TreeNode
 from kvpool.cache.records import HOST, STORAGE, PageKeys
 from kvpool.cache.storage_events import StorageEvents, storage_medium
+from kvpool.cache.storage_host_reads import HostReads
 from kvpool.cache.storage_integrity import storage_problems
 from kvpool.cache.storage_records import PrefetchOp, StorageTierStats
+from kvpool.cache.storage_take import FetchedPages
 from kvpool.cache.storage_policy import PREFETCH_POLICIES, StoragePolicy  # noqa: F401 (imported from here too)
 from kvpool.cache.storage_workers import StorageWorkers
 from kvpool.checks import non_negative_seconds
 from kvpool.storage.base import HiCacheStorage
 from kvpool.storage.keys import page_keys, token_array
 
-class StorageTier:
+class StorageTier(FetchedPages):
     """The storage room of one ``HiRadixCache`` (made by the cache; see the module).
 
     Parameters
@@ -85,6 +90,11 @@ class StorageTier:
         self.events = StorageEvents(cache, storage_medium(storage))
         self.workers = StorageWorkers(policy.background)
         self.closed = False
+        #: Prefetches read straight into host pages (``kvpool.cache.storage_host_reads``) where the
+        #: backend and the host pool allow it and ``fetch`` is this class's; else into pages of their own.
+        direct = type(self).fetch is StorageTier.fetch and storage.reads_into_regions is True
+        direct = direct and hasattr(self.host, "sync_pages_for_write")
+        self.host_reads: Optional[HostReads] = HostReads(self.host, storage, self._lock) if direct else None
 
     # --- write-through ---------------------------------------------------------------------------
 
@@ -99,9 +109,10 @@ class StorageTier:
             self.write_due()
 
     def poll(self) -> None:
-        """``check_hicache_events``: write what is due (``write_due``), and turn what the workers
-        did since into KV events."""
+        """``check_hicache_events``: write what is due (``write_due``), free the host pages of ended
+        prefetches whose worker is done, and turn what the workers did since into KV events."""
         self.write_due()
+        self.free_parked()
         self.events.publish()
 
     def write_due(self) -> None:
@@ -240,8 +251,10 @@ class StorageTier:
         if self.prefetch_pages + len(keys) > self.max_prefetch_pages:
             return
         copy = last_host_node.records[HOST]
-        copy.holds += 1  # the node the pages hang below stays on the host meanwhile
         op = PrefetchOp(enc, start, keys, extra, last_host_node, copy)
+        if self.host_reads is not None:
+            self.host_reads.give(op)  # (no host room now: the pages are read into pages of their own)
+        copy.holds += 1  # the node the pages hang below stays on the host meanwhile
         self.ongoing_prefetch[req_id] = op
         self.prefetch_pages += len(keys)
         self.stats.prefetches += 1
@@ -278,14 +291,20 @@ class StorageTier:
             ok = False
         with self._lock:
             op.finished = True
-            self.stats.pages_read += len(op.pages)
+            self.stats.pages_read += len(op.pages) + op.read
             if not ok:
                 self.stats.prefetch_failures += 1
             self._settle(ok)
 
     def fetch(self, op: PrefetchOp, hits: int) -> None:
         """Read the first ``hits`` pages of ``op`` in order into ``op.pages`` (on a worker thread),
-        until one misses or ``op`` is terminated; a subclass that reads more per page overrides it."""
+        until one misses or ``op`` is terminated (into its host pages where it holds some, counted in
+        ``op.read``); a subclass that reads more per page overrides it."""
+        if op.slots is not None and self.host_reads is not None:
+            missed = self.host_reads.fetch(op, hits)
+            if missed is not None:
+                self.events.missing(missed)
+            return
         for key in op.keys[:hits]:
             if op.terminated:
                 break
@@ -301,6 +320,7 @@ class StorageTier:
     def progress(self, req_id: Any) -> bool:
         """``HiRadixCache.check_prefetch_progress``: whether the request may go on now; when it may,
         the pages read so far enter the host tier."""
+        self.free_parked()
         op = self.ongoing_prefetch.get(req_id)
         if op is None:
             return True
@@ -313,11 +333,14 @@ class StorageTier:
                 return False
         with self._lock:
             op.terminated = True
-            pages = list(op.pages)
+            pages, read = list(op.pages), op.read
         del self.ongoing_prefetch[req_id]
         self.prefetch_pages -= len(op.keys)
         try:
-            self.loaded_tokens[req_id] = self._take(op, pages)
+            if op.slots is not None and self.host_reads is not None:
+                self.loaded_tokens[req_id] = self._take_read(op, self.host_reads.end(op, read))
+            else:
+                self.loaded_tokens[req_id] = self._take(op, pages)
         finally:
             self._release_hold(op)
         return True
@@ -338,8 +361,12 @@ class StorageTier:
         self.prefetch_pages -= len(op.keys)
         with self._lock:
             op.terminated = True
-            self.stats.tokens_dropped += len(op.pages) * self.page_size
-        self._release_hold(op)
+            self.stats.tokens_dropped += (len(op.pages) + op.read) * self.page_size
+        try:
+            if self.host_reads is not None:
+                self.host_reads.end(op, 0)
+        finally:
+            self._release_hold(op)
 
     def _release_hold(self, op: PrefetchOp) -> None:
         """Give back ``op``'s hold on the host copy of the node it continues; the cache then drops
@@ -348,88 +375,29 @@ class StorageTier:
         if op.copy.holds == 0 and op.node.records.get(HOST) is op.copy and self._attached(op.node):
             self.cache.hold_released(op.node)
 
-    def _take(self, op: PrefetchOp, pages: list[torch.Tensor]) -> int:
-        """Copy the fetched pages to new host pages and hang the ones the tree lacks below the
-        prefix they continue; returns the tokens that entered the host tier."""
-        tokens = len(pages) * self.page_size
-        if not tokens:
-            return 0
-        host, cache = self.host, self.cache
-        slots = host.alloc(tokens)
-        if slots is None:
-            cache.evict_host(tokens)
-            slots = host.alloc(tokens)
-        try:
-            reserved = self.reserve(op) if slots is not None else None
-        except BaseException:
-            host.free(slots)
-            raise
-        if slots is None or reserved is False:
-            if slots is not None:
-                host.free(slots)
-            self._count(0, tokens)
-            return 0
-        end = op.start + len(pages) * self.page_enc_bytes
-        node, pos = cache.branch_point(op.enc, end, op.extra)  # where the tree's copy of the prefix ends now
-        skip = max(0, (pos - op.start) // self.page_enc_bytes)
-        if pos < op.start or skip >= len(pages):  # the prefix left the tree meanwhile, or it has every page
-            host.free(slots)
-            if pos < end or not self.adopt(node, op, reserved):
-                self.release(reserved)
-            self._count(0, tokens)
-            return 0
-        kept = slots[skip * self.page_size :]
-        try:
-            dtype = host.store_dtype
-            for start, page in zip(kept[:: self.page_size].tolist(), pages[skip:]):
-                host.set_from_flat_data_page(start, page.view(dtype))
-        except BaseException:
-            host.free(slots)
-            self.release(reserved)
-            raise
-        if skip:
-            host.free(slots[: skip * self.page_size])
-        self.hang(cache.hang_host_leaf(node, op.enc, pos, end, op.extra, kept), op, reserved)
-        loaded = len(kept)
-        self._count(loaded, tokens - loaded)
-        return loaded
-
-    def _count(self, loaded: int, dropped: int) -> None:
-        """Count a taken prefetch's tokens (under the lock: a worker counts beside the scheduler)."""
-        with self._lock:
-            self.stats.tokens_loaded += loaded
-            self.stats.tokens_dropped += dropped
-
-    # A subclass's hooks for what a leaf needs besides its host pages (a hybrid model's state):
-    # ``reserve`` takes it before the tree is looked at (False: no room, the pages are dropped),
-    # ``hang`` gives it to the new leaf, ``adopt`` to ``node`` when the tree holds every fetched
-    # page up to it already (False: not taken), ``release`` gives back what nothing took.
-
-    def reserve(self, op: PrefetchOp) -> Any:
-        """What ``op``'s leaf needs besides its host pages (None here)."""
-        return None
-
-    def release(self, reserved: Any) -> None:
-        """Give back what ``reserve`` took and nothing took."""
-
-    def hang(self, leaf: TreeNode, op: PrefetchOp, reserved: Any) -> None:
-        """``op``'s fetched pages hang in the tree as ``leaf``, with what ``reserve`` took."""
-
-    def adopt(self, node: TreeNode, op: PrefetchOp, reserved: Any) -> bool:
-        """Whether ``node`` takes what ``reserve`` took (False here)."""
-        return False
-
     # --- housekeeping ----------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Drop every prefetch and pending write (the cache was reset: its host pages are free)."""
         for op in self.ongoing_prefetch.values():
             op.terminated = True
+        if self.host_reads is not None:
+            self.host_reads.forget(list(self.ongoing_prefetch.values()))
         self.ongoing_prefetch.clear()
         self.prefetch_pages = 0
         self.loaded_tokens.clear()
         self._pending = []
         self.events.forget()
+
+    def held_host_slots(self) -> list[torch.Tensor]:
+        """The host slots the prefetches hold outside the tree (those reading into host pages, in
+        flight or ended with their worker still running)."""
+        return [] if self.host_reads is None else self.host_reads.held(list(self.ongoing_prefetch.values()))
+
+    def free_parked(self) -> None:
+        """Free the host pages of ended prefetches whose worker is done with them."""
+        if self.host_reads is not None:
+            self.host_reads.free_parked()
 
     def problems(self, nodes: list[TreeNode]) -> list[str]:
         """The storage room's part of ``check_integrity`` (``kvpool.cache.storage_integrity``)."""
@@ -454,7 +422,9 @@ class StorageTier:
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until the workers have run every job queued so far; False if ``timeout_s`` passed."""
-        return self.workers.drain(non_negative_seconds(timeout_s, "timeout_s"))
+        done = self.workers.drain(non_negative_seconds(timeout_s, "timeout_s"))
+        self.free_parked()
+        return done
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the tier (idempotent): write the host copies whose backup is complete, end every
@@ -479,6 +449,7 @@ class StorageTier:
                 self.abort(req_id)
             self.closed = True
         alive = self.workers.stop(timeout_s)
+        self.free_parked()
         if alive:
             raise TimeoutError(f"storage workers {', '.join(alive)} still run a storage call after {timeout_s} s")
         self.events.withdraw_all()

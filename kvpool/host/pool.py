@@ -474,6 +474,13 @@ class MHATokenToKVPoolHost:
             dst.copy_(data[at : at + dst.numel()].view(dst.shape))
             at += dst.numel()
 
+    def sync_pages_for_write(self, indices: torch.Tensor) -> None:
+        """Wait (on the host) for the transfers still writing or reading the pages of ``indices``
+        (whole aligned pages in range, checked first): host code may write their bytes afterwards."""
+        firsts = self._pages.slots(indices, "indices")[:: self.page_size]
+        if firsts.size:
+            self._scheduler.sync_pages(firsts // self.page_size, for_write=True)
+
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """Host addresses and byte sizes of the pages of ``indices`` (whole pages), for zero-copy
         storage I/O, as SGLang's: ``page_first``: per page, each part's block (K's then V's; every

@@ -204,6 +204,47 @@ class HiCacheStorage(ABC):
             As :meth:`batch_get_v1`, before anything is written.
         """
 
+    #: Whether :meth:`batch_get_regions` reads pages into caller-given host memory (False: it raises).
+    reads_into_regions: bool = False
+
+    def batch_get_regions(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """Read page ``keys[i]`` into the host memory ``regions[i]`` names: ``(address, size)``
+        blocks, in the flat page order (as :meth:`host_page_regions` gives them), which the caller
+        owns and nothing else touches until the call returns. Returns one bool per key, as
+        :meth:`batch_get_v1` (a False leaves that page's blocks unspecified, no other memory
+        touched). It never touches the host pool itself, so a worker thread may call it. Only a
+        backend whose ``reads_into_regions`` is True implements it.
+
+        Raises
+        ------
+        NotImplementedError
+            ``reads_into_regions`` is False.
+        ValueError
+            Bad keys, or ``regions`` not a list of one list of ``(int address > 0, int size >= 0)``
+            per key; before any page is read.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not read into host regions (reads_into_regions is False)")
+
+    @staticmethod
+    def check_regions(regions: object, count: int) -> list[list[tuple[int, int]]]:
+        """``regions`` of a :meth:`batch_get_regions` call over ``count`` keys, as lists of tuples;
+        ValueError naming the first bad entry otherwise."""
+        if not isinstance(regions, (list, tuple)) or len(regions) != count:
+            got = f"{len(regions)} entries" if isinstance(regions, (list, tuple)) else type(regions).__name__
+            raise ValueError(f"regions must be a list of {count} entries (one per key), got {got}")
+        out = []
+        for i, blocks in enumerate(regions):
+            if not isinstance(blocks, (list, tuple)):
+                raise ValueError(f"regions[{i}] must be a list of (address, size) blocks, got {type(blocks).__name__}")
+            page = []
+            for j, b in enumerate(blocks):
+                ok = isinstance(b, tuple) and len(b) == 2 and all(type(x) is int for x in b)
+                if not ok or b[0] <= 0 or b[1] < 0:
+                    raise ValueError(f"regions[{i}][{j}] must be an (int address > 0, int size >= 0) tuple, got {b!r}")
+                page.append(b)
+            out.append(page)
+        return out
+
     # --- pages as tensors (SGLang's generic forms) ----------------------------------------------------
 
     @abstractmethod

@@ -13,9 +13,10 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from kvpool.storage.base import HiCacheStorage, HiCacheStorageExtraInfo, StorageStats
+from kvpool.storage.file_io import region
 
 #: The calls faults are injected into, and whether each reads (a short read) or writes.
-READS = ("get", "batch_get", "exists", "batch_exists", "batch_get_v1")
+READS = ("get", "batch_get", "exists", "batch_exists", "batch_get_v1", "batch_get_regions")
 WRITES = ("set", "batch_set", "batch_set_v1")
 KINDS = ("delay", "raise", "fail", "short")
 #: The byte a short read leaves in the pages it did not deliver.
@@ -209,6 +210,25 @@ class FaultyStorage(HiCacheStorage):
         if "short" in faults:
             for i in range(len(got) // 2, len(got)):
                 self._scribble_page(host_indices, i)
+                got[i] = False
+        return got
+
+    @property
+    def reads_into_regions(self) -> bool:  # type: ignore[override]
+        """The wrapped backend's."""
+        return self.storage.reads_into_regions
+
+    def batch_get_regions(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """The wrapped backend's ``batch_get_regions``, unless this call fails (all False) or reads
+        short (the second half's blocks scribbled over and False)."""
+        faults = self._faults("batch_get_regions")
+        if "fail" in faults:
+            return [False] * len(keys)
+        got = list(self.storage.batch_get_regions(keys, regions))
+        if "short" in faults:
+            for i in range(len(got) // 2, len(got)):
+                for ptr, n in regions[i]:
+                    region(ptr, n)[:] = bytes([SCRIBBLE]) * n
                 got[i] = False
         return got
 

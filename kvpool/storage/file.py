@@ -464,6 +464,16 @@ class HiCacheFile(HiCacheStorage):
         with self._call():
             return self._load_pages(keys, regions)
 
+    reads_into_regions = True
+
+    def batch_get_regions(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
+        """As :meth:`HiCacheStorage.batch_get_regions`: each page read straight into its blocks and
+        checked there, as :meth:`batch_get_v1` reads into host pages."""
+        keys = self.check_keys(keys)
+        regions = self.check_regions(regions, len(keys))
+        with self._call():
+            return self._load_pages(keys, regions)
+
     def _load_pages(self, keys: list[str], regions: list[list[tuple[int, int]]]) -> list[bool]:
         """Read each page into its host blocks, each page's checksum running while the next is read."""
         done: list[bool] = []
