@@ -120,15 +120,21 @@ def test_a_host_without_room_reads_into_pages_of_its_own(tmp_path):
     b.drain()
 
 
-@pytest.mark.parametrize("end", ["progress", "abort", "close"])
-def test_pages_a_worker_still_writes_into_stay_allocated_until_it_leaves_them(tmp_path, end):
+def stalled_prefetch(tmp_path):
+    """An engine whose prefetch of a 12-token prompt (3 pages) has read its first page, its worker
+    held inside the second read until the returned event is set: ``(engine, cache, go)``."""
     a = written(tmp_path)
     slow, inside, go = stalled_store(tmp_path / "kv", "batch_get_regions", 2)
     b = engine(slow, THREADS)
     b.ids = a.ids
-    cache = b.cache
-    cache.prefetch_from_storage("r", cache.root_node, seq(12, 500))
-    assert inside.wait(10)  # the first page is read, the worker is inside the second read
+    b.cache.prefetch_from_storage("r", b.cache.root_node, seq(12, 500))
+    assert inside.wait(10)
+    return b, b.cache, go
+
+
+@pytest.mark.parametrize("end", ["progress", "abort", "close"])
+def test_pages_a_worker_still_writes_into_stay_allocated_until_it_leaves_them(tmp_path, end):
+    b, cache, go = stalled_prefetch(tmp_path)
     if end == "progress":
         assert cache.check_prefetch_progress("r") and cache.pop_prefetch_loaded_tokens("r") == 4
         assert_host_held(b, 8)  # the page being read and the one after it: parked
@@ -150,13 +156,7 @@ def test_pages_a_worker_still_writes_into_stay_allocated_until_it_leaves_them(tm
 
 
 def test_a_reset_waits_for_a_read_still_writing_into_a_prefetchs_pages(tmp_path):
-    a = written(tmp_path)
-    slow, inside, go = stalled_store(tmp_path / "kv", "batch_get_regions", 2)
-    b = engine(slow, THREADS)
-    b.ids = a.ids
-    cache = b.cache
-    cache.prefetch_from_storage("r", cache.root_node, seq(12, 500))
-    assert inside.wait(10)
+    b, cache, go = stalled_prefetch(tmp_path)
     opened = []
     opener = threading.Timer(0.3, lambda: (opened.append(time.monotonic()), go.set()))
     opener.start()
