@@ -214,8 +214,7 @@ def allocator_variants():
     one slot per page, the extend hand-out and the free to the ring."""
     hand = lambda page, kind, ever=False: ("hand_out", (page, kind, ever, AL.HAND_OUT_BLOCK, AL.HAND_OUT_REQ_BLOCK, AL.HAND_OUT_SUB_BLOCK))  # noqa: E731
     give = lambda page, dest, to, append=False, sort=0, skip=False, mirror=False, mapped=False: (  # noqa: E731
-        "give_back", (page, dest, to, append, AL.give_back_shape(sort)[0], sort, skip, mirror, mapped, AL.MIRROR_SEQ_BITS,
-                      AL.GIVE_BACK_BLOCK)
+        "give_back", AL.give_back_consts(page, dest, to, append, sort, skip, mirror, mapped)[0]
     )
     for kind in (AL.PLAIN, AL.EXTEND, AL.DECODE):
         for ever in (False, True):

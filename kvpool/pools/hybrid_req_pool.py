@@ -206,7 +206,7 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
         # One copy to the device for what it needs of this call: new slots, rows, state slots, track slots.
         n, k, flat = len(rows), len(fresh), [s for t in tracks for s in t]
         try:
-            ints = self._device_ints(fresh + rows + mains + flat)
+            ints = self.mamba_pool.slots_tensor(fresh + rows + mains + flat)
             if fresh:
                 self.mamba_pool.clear_slots(ints[:k])
         except BaseException:  # the upload or the zeroing refused: nothing taken
@@ -301,10 +301,6 @@ class HybridReqToTokenPool(HybridStateViews, ReqToTokenPool):
         if self.enable_mamba_extra_buffer:
             track = flat.to(torch.int32).view(rows.shape[0], self.mamba_ping_pong_track_buffer_size)
             self.req_index_to_mamba_ping_pong_track_buffer_mapping[rows] = track
-
-    def _device_ints(self, values: list[int]) -> torch.Tensor:
-        """``values`` as int64 on the table's device (from pinned memory on CUDA, no synchronisation)."""
-        return self.mamba_pool.slots_tensor(values)
 
     def _set_request_attributes(self, reqs, plans, rows, mains: torch.Tensor, flat: torch.Tensor) -> None:
         """Each request's attributes: ``mains`` and ``flat`` (track slots, row after row) are int64 on

@@ -31,9 +31,12 @@ def check_assignable(req: Any, attributes: Sequence[str], name: str, call: str) 
         try:
             setattr(req, attr, getattr(req, attr, None))
         except Exception as e:
-            raise ValueError(
-                f"{name} must accept assignment of {attr} ({call} sets it), got {type(e).__name__}: {e}"
-            ) from e
+            raise assignment_refused(name, attr, call, e) from e
+
+
+def assignment_refused(name: str, attr: str, call: str, e: Exception) -> ValueError:
+    """The error for request ``name`` refusing assignment of ``attr`` (``e``), which ``call`` sets."""
+    return ValueError(f"{name} must accept assignment of {attr} ({call} sets it), got {type(e).__name__}: {e}")
 
 
 class ReqToTokenPool:
@@ -136,7 +139,7 @@ class ReqToTokenPool:
         try:
             req.req_pool_idx = row
         except Exception as e:
-            raise ValueError(f"reqs[0] must accept assignment of req_pool_idx (alloc sets it), got {type(e).__name__}: {e}") from e
+            raise assignment_refused("reqs[0]", "req_pool_idx", "alloc", e) from e
         del self.free_slots[0]
         self._is_free[row] = False
         return [row]
@@ -186,7 +189,7 @@ class ReqToTokenPool:
                 try:
                     req.req_pool_idx = None
                 except Exception as e:
-                    raise ValueError(f"req must accept assignment of req_pool_idx (free sets it), got {type(e).__name__}: {e}") from e
+                    raise assignment_refused("req", "req_pool_idx", "free", e) from e
                 self._is_free[row] = True
                 self.free_slots.append(row)
                 return

@@ -140,6 +140,16 @@ def give_back_shape(sort: int) -> tuple[int, int]:
     return block, max(1, min(GIVE_BACK_WARPS, block // 128))
 
 
+def give_back_consts(
+    page_size: int, dest_kind: int, count_at: int, append: bool, sort: int, skip_padding: bool, mirror: bool, mapped: bool
+) -> tuple[tuple, int]:
+    """``give_back``'s constexprs in signature order (a compiled kernel's key) and its warps."""
+    block, warps = give_back_shape(sort)
+    consts = (page_size, dest_kind, count_at, bool(append), block, sort, bool(skip_padding), mirror, mapped,
+              MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
+    return consts, warps
+
+
 def give_back(
     entries: torch.Tensor,
     owners: torch.Tensor,
@@ -193,9 +203,8 @@ def give_back(
                lent if lent is not None else dest, mark_ring, unrecorded)  # fmt: skip
     ints = (n, owners.shape[0], cap, mapping.shape[0] - 1 if mapping is not None else 0, mark_start, marks,
             mirror[1] if mirror is not None else 0)  # fmt: skip
-    block, warps = give_back_shape(sort)
-    consts = (page_size, dest_kind, count_at, bool(append), block, sort, bool(skip_padding), mirror is not None,
-              mapping is not None, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
+    consts, warps = give_back_consts(page_size, dest_kind, count_at, append, sort, skip_padding, mirror is not None,
+                                     mapping is not None)  # fmt: skip
     key = (entries.device.index, consts, _wide(ints)) if GIVE_BACKS.enabled else None
     GIVE_BACKS.launch(
         key, (1, 1, 1), tensors + ints + consts,
@@ -236,7 +245,7 @@ class RingFrees:
         # is the entries themselves, the pages lent are read from the ring.
         self._args = ((o, lv, pf, rg, c, sc, mr), (ln, rg, un), (owners.shape[0], cap, 0))
         self._index = owners.device.index
-        self._bound: dict[int, tuple[object, int]] = {}  # sort size -> (compiled kernel, entries per step)
+        self._bound: dict[int, tuple[object, tuple]] = {}  # sort size -> (compiled kernel, its constexprs)
         self._off = False  # the launcher refused these arguments once: the general path from then on
 
     @staticmethod
@@ -263,21 +272,19 @@ class RingFrees:
         sort = next_pow2(max(n, 16))
         kept = self._bound.get(sort)
         if kept is None:
-            block = give_back_shape(sort)[0]
-            consts = (1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)
+            consts = give_back_consts(1, RING, TO_TAIL, False, sort, False, True, False)[0]
             bound = GIVE_BACKS.entries.get((self._index, consts, False))
             if bound is None:
                 return False
-            kept = self._bound[sort] = (bound, block)
-        bound, block = kept
+            kept = self._bound[sort] = (bound, consts)
+        bound, consts = kept
         if self._index != current_cuda_device():  # type: ignore[misc]
             return False
         first, middle, sizes = self._args
         at = entries.data_ptr()  # an address, as the others: the caller's device tensor, checked by the allocator
         try:
             bound.run(1, 1, 1, current_raw_stream(self._index), bound.function, bound.metadata, None, None, None,  # type: ignore[attr-defined]
-                      at, *first, at, *middle, n, *sizes, mark_start, marks, seq,
-                      1, RING, TO_TAIL, False, block, sort, False, True, False, MIRROR_SEQ_BITS, GIVE_BACK_BLOCK)  # fmt: skip
+                      at, *first, at, *middle, n, *sizes, mark_start, marks, seq, *consts)  # fmt: skip
         except LAUNCH_ERRORS as exc:  # the launcher refused these arguments before launching: nothing ran
             self._off = True
             logger.warning("kvpool: a token free's kept launch failed (%s); frees take the general launch from now on", exc)

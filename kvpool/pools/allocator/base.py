@@ -196,7 +196,7 @@ class BaseTokenToKVPoolAllocator:
         """
         queue = self._lists.queue
         if type(need_size) is int and 0 <= need_size <= len(queue) and queue.lends and self.page_size == 1:
-            return self._lists.lend_front(need_size)  # the scheduler's common call: a view, no launch
+            return self._lists.lend(need_size)  # the scheduler's common call: a view, no launch
         n = non_negative_int(need_size, "need_size")
         p = self.page_size
         if n % p:
@@ -205,7 +205,7 @@ class BaseTokenToKVPoolAllocator:
         if take is None:
             return None
         if take.merged is None and self._lists.queue.lends:
-            return self._lists.lend(take)  # no launch: recorded held by the next one
+            return self._lists.lend(take.count)  # no launch: recorded held by the next one
         if allocator_kernels.on_kernels(self.device):
             return self._hand_out_on_kernel(take, n, allocator_kernels.PLAIN, None)
         if p == 1:

@@ -134,11 +134,15 @@ class FreeLists:
         if self.eager:
             self.read()
         elif not (self.exact() and self._rejected_exact):
-            tag = (self._changes, self.queue.mark(), self.release_known)
+            tag = self._tag()
             if mirrored:
                 self._mirror.landed_behind(tag)
             else:
                 self._mirror.queue(self._counters(), tag)
+
+    def _tag(self) -> tuple:
+        """What a copy of the counts queued now comes back with, for ``poll``."""
+        return self._changes, self.queue.mark(), self.release_known
 
     def read(self) -> None:
         """Make every host count exact: one read of the device (a synchronisation on a GPU), skipped when
@@ -209,16 +213,11 @@ class FreeLists:
             self.queue.reset(take.merged[take.count :])
             self._clear_release()
 
-    def lend(self, take: Take) -> torch.Tensor:
-        """Remove ``take``'s pages (the free list's front, one slot per page: ``queue.lends``) and return
-        them as a view of the queue's lent copy, recorded held by the next launch that takes slots
-        back or by ``mark_lent``; launches nothing."""
-        self._mirrored = False
-        return self.queue.lend(take.count)
-
-    def lend_front(self, count: int) -> torch.Tensor:
-        """``lend`` of the free list's first ``count`` pages (``count`` at most its host count, one slot
-        per page: ``queue.lends``), without planning: what ``plan`` then ``lend`` give for such a count."""
+    def lend(self, count: int) -> torch.Tensor:
+        """Remove the free list's first ``count`` pages (at most its host count, one slot per page:
+        ``queue.lends``; a plan's ``Take`` from the free list is these) and return them as a view of
+        the queue's lent copy, recorded held by the next launch that takes slots back or by
+        ``mark_lent``; launches nothing."""
         self._mirrored = False
         return self.queue.lend(count)
 
@@ -263,9 +262,7 @@ class FreeLists:
         sliding-window allocator, freed as their SWA slots through it, whose entries become 0."""
         scratch = None
         if mapping is not None or slots.numel() <= allocator_kernels.GIVE_BACK_SORT_MAX:  # the kernel sorts them itself
-            if self._sort_scratch is None:
-                self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
-            scratch = self._sort_scratch
+            scratch = self._scratch()
         else:
             slots = torch.sort(slots).values
         self._give_back_on_kernel(slots, books, page_size, group, scratch=scratch, skip_padding=skip_padding, mapping=mapping)
@@ -291,10 +288,8 @@ class FreeLists:
         if frees is None or not frees.holds(owners, live, page_free, queue.buffer, queue.lent, unrecorded):
             if not allocator_kernels.RingFrees.fits(owners.shape[0], queue.capacity):
                 return False
-            if self._sort_scratch is None:
-                self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
             frees = self._ring_frees = allocator_kernels.RingFrees(
-                owners, live, page_free, queue.buffer, self.counters, self._sort_scratch, self._mirror.tagged,
+                owners, live, page_free, queue.buffer, self.counters, self._scratch(), self._mirror.tagged,
                 queue.lent, unrecorded, queue.capacity,
             )  # fmt: skip
         if not frees.launch(free_index, start, count, self._mirror.next_seq()):
@@ -303,9 +298,15 @@ class FreeLists:
         queue.marked()
         self._rejected_exact = False
         self._changes += 1  # changed(), after a launch that mirrored the counts
-        self._mirror.landed_behind((self._changes, queue.mark(), self.release_known))
+        self._mirror.landed_behind(self._tag())
         self._mirrored = False
         return True
+
+    def _scratch(self) -> torch.Tensor:
+        """Where the give-back kernel sorts a free (``GIVE_BACK_SORT_MAX`` int64, made at first use)."""
+        if self._sort_scratch is None:
+            self._sort_scratch = torch.empty(allocator_kernels.GIVE_BACK_SORT_MAX, dtype=torch.int64, device=self._device)
+        return self._sort_scratch
 
     def give_back_pages(self, pages: torch.Tensor, books: Books) -> None:
         """Append ``pages`` (int64 page ids, -1 for none: a free group's pending list) to the release
